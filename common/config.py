@@ -1,0 +1,110 @@
+"""Frozen configuration dataclasses shared by every part of Spillway.
+
+Config flows through the code as these objects, never as loose dicts. Parsing from a Hugging Face
+`config.json` lives next to each architecture in `common/model/`; this module only defines the shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding parameters (HF `rope_theta` + `rope_scaling` / `rope_parameters`)."""
+
+    theta: float
+    """Base wavelength of the rotary frequencies."""
+    rope_type: str = "default"
+    """One of `default`, `linear`, `yarn`, `llama3`."""
+    factor: float = 1.0
+    """Context extension factor (linear, yarn, llama3)."""
+    original_max_position: int | None = None
+    """Pre-training context length that scaling extends from (yarn, llama3)."""
+    attention_factor: float | None = None
+    """Scale applied to cos/sin (yarn); derived from `factor`/`mscale` when None."""
+    beta_fast: float = 32.0
+    """Yarn: rotations above which a dimension is extrapolated."""
+    beta_slow: float = 1.0
+    """Yarn: rotations below which a dimension is interpolated."""
+    mscale: float | None = None
+    """Yarn (DeepSeek form): numerator of the attention-factor ratio."""
+    mscale_all_dim: float | None = None
+    """Yarn (DeepSeek form): denominator of the attention-factor ratio."""
+    truncate: bool = True
+    """Yarn: round the correction range to whole dimensions."""
+    low_freq_factor: float = 1.0
+    """Llama3: wavelength boundary factor for low frequencies."""
+    high_freq_factor: float = 4.0
+    """Llama3: wavelength boundary factor for high frequencies."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of head_dim that is rotated (the rest passes through)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only MoE language model, normalised across HF families."""
+
+    model_type: str
+    """HF `model_type` (`qwen3_moe`, `qwen2_moe`, `mixtral`, ...): selects the architecture."""
+    vocab_size: int
+    """Rows of the embedding table and of lm_head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Query heads per attention layer."""
+    num_kv_heads: int
+    """Key/value heads per attention layer (GQA when fewer than num_heads)."""
+    head_dim: int
+    """Width of one attention head (may differ from hidden_size / num_heads)."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm."""
+    max_position: int
+    """Longest context the model supports (HF `max_position_embeddings`)."""
+    rope: RopeConfig
+    """Rotary embedding parameters."""
+    layer_types: tuple[str, ...]
+    """Token mixer of each layer: `full_attention` or `sliding_attention` (later: `linear_attention`)."""
+    mlp_types: tuple[str, ...]
+    """Channel mixer of each layer: `moe` (routed experts) or `dense` (a SwiGLU MLP)."""
+    intermediate_size: int
+    """Width of the dense MLP of `dense` layers."""
+    num_experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    """Experts chosen per token."""
+    moe_intermediate_size: int
+    """Width of one routed expert's MLP."""
+    norm_topk_prob: bool
+    """Renormalise the top-k routing probabilities to sum to one."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert (0: no shared expert)."""
+    shared_expert_gated: bool = False
+    """The shared expert's output is scaled by sigmoid(shared_expert_gate(x))."""
+    router_weights_fp32: bool = False
+    """Routing weights stay fp32 when applied (Mixtral); otherwise cast to the activation dtype (Qwen)."""
+    qkv_bias: bool = False
+    """q/k/v projections have a bias."""
+    o_bias: bool = False
+    """The output projection has a bias."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Window of `sliding_attention` layers, in tokens (a query sees this many keys, itself included)."""
+    hidden_act: str = "silu"
+    """Activation of the gated MLPs."""
+    tie_word_embeddings: bool = False
+    """lm_head shares the embedding matrix."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token, if the family uses one."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation (config.json, extended by generation_config.json)."""
+    torch_dtype: str = "bfloat16"
+    """Storage dtype of the checkpoint."""
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose channel mixer is the routed-expert block."""
+        return tuple(i for i, t in enumerate(self.mlp_types) if t == "moe")

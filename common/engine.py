@@ -1,0 +1,112 @@
+"""Offline generation: load a model directory and generate for a batch of prompts in one process."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.kv.state import SequenceState
+from common.model.loader import load_model
+from common.runner import ModelRunner
+from common.sampling import SamplingParams, sample
+from common.tokenizer import Tokenizer
+
+
+@dataclass
+class Request:
+    """One prompt being generated."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    state: SequenceState
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    """What generate() returns per prompt."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    """`stop` (an end-of-sequence or stop token) or `length` (max_tokens reached)."""
+
+
+class Engine:
+    """A model, its tokenizer and a runner; generates with continuous batching over `max_seqs` lanes."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str = "cpu",
+        max_seqs: int = 8,
+        max_context: int | None = None,
+    ) -> None:
+        self.model = load_model(model_dir, dtype=dtype, device=device)
+        self.config = self.model.config
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.max_seqs = max_seqs
+        context = min(self.config.max_position, max_context or 4096)
+        self.runner = ModelRunner(self.model, max_seqs=max_seqs, max_context=context)
+        self.device = self.runner.device
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Generate for every prompt; at most `max_seqs` run at once, the rest wait for a free lane."""
+        all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        waiting = list(zip(range(len(prompts)), prompts, all_params, strict=True))
+        results: dict[int, GenerationResult] = {}
+        running: dict[int, Request] = {}
+        while waiting or running:
+            admitted = {}
+            while waiting and len(running) + len(admitted) < self.max_seqs:
+                index, prompt, p = waiting.pop(0)
+                seed = p.seed if p.seed is not None else random.getrandbits(62)
+                admitted[index] = Request(list(prompt), p, seed, self.runner.new_sequence())
+            if admitted:
+                self._step(list(admitted.values()), [r.prompt_ids for r in admitted.values()])
+                running.update(admitted)
+            else:
+                self._step(list(running.values()), [[r.token_ids[-1]] for r in running.values()])
+            for index in [i for i, r in running.items() if r.finish_reason]:
+                req = running.pop(index)
+                self.runner.release(req.state)
+                results[index] = GenerationResult(req.prompt_ids, req.token_ids, req.finish_reason)
+        return [results[i] for i in range(len(prompts))]
+
+    def _step(self, reqs: list[Request], tokens: list[list[int]]) -> None:
+        logits = self.runner.forward([r.state for r in reqs], tokens)  # [B, V]
+        next_ids = sample(logits, *self._sampling_tensors(reqs)).tolist()
+        for req, token in zip(reqs, next_ids, strict=True):
+            req.token_ids.append(token)
+            req.finish_reason = self._finish_reason(req, token)
+
+    def _sampling_tensors(self, reqs: list[Request]) -> tuple[torch.Tensor, ...]:
+        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return (
+            t([r.params.temperature for r in reqs], torch.float32),
+            t([r.params.top_p for r in reqs], torch.float32),
+            t([r.params.top_k for r in reqs], torch.int64),
+            t([r.seed for r in reqs], torch.int64),
+            t([len(r.token_ids) for r in reqs], torch.int64),
+        )
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
+            return "stop"
+        if len(req.token_ids) >= p.max_tokens:
+            return "length"
+        if req.state.num_cached + 1 >= self.runner.max_context:
+            return "length"
+        return None

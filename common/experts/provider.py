@@ -1,0 +1,37 @@
+"""The expert-provider interface: how a MoE layer gets its routed experts computed.
+
+The model's MoE block routes (router logits → top-k ids and weights) and hands the rest to a provider, one
+call per layer. Providers differ in where expert weights live: all resident in memory (this module's
+`ResidentExperts`), a VRAM cache over a host store (decode), a batched arena (prefill).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ExpertWeights:
+    """All routed experts of one layer, stacked (the layout HF transformers 5 also uses)."""
+
+    gate_up: torch.Tensor
+    """[E, 2I, H]: gate rows first, then up rows."""
+    down: torch.Tensor
+    """[E, H, I]."""
+
+
+class ExpertProvider(ABC):
+    """Computes the weighted sum of the chosen routed experts for the tokens of one MoE layer."""
+
+    @abstractmethod
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """out[t] = sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t]) for layer `layer`.
+
+        x [T, H]; topk_ids [T, k] int64; topk_weights [T, k] (fp32 or x's dtype); returns [T, H] in x's dtype.
+        `layer` is the model's layer index.
+        """

@@ -1,0 +1,120 @@
+"""Attention backends over the paged KV layout.
+
+Contract: `plan(batch)` runs once per forward pass and returns whatever the backend precomputes (index
+tensors, a flashinfer wrapper's plan); then each attention layer calls `forward`, which writes the batch's
+new keys and values into that layer's pages and returns the attention output of the batch's queries.
+The model never sees the layout, so flashinfer/Triton backends and pools shared over CUDA IPC plug in here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common.kv.batch import ForwardBatch
+from common.kv.state import LayerState, PagedSpec
+
+
+def kv_specs(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, PagedSpec]:
+    """The paged state of one attention layer: keys and values, [num_kv_heads, head_dim] per token."""
+    spec = PagedSpec((num_kv_heads, head_dim), dtype)
+    return {"k": spec, "v": spec}
+
+
+class AttentionBackend(ABC):
+    """Causal attention of a flat batch against the paged KV cache."""
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> Any:
+        """Precompute what every layer of this pass shares."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        state: LayerState,
+        plan: Any,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Store k, v [T, Hkv, D] in `state`'s pages; return attention of q [T, Hq, D] as [T, Hq, D].
+
+        `window`: a query at position p sees keys at positions (p - window, p]; None = all earlier keys.
+        """
+
+
+@dataclass
+class TorchPlan:
+    """Index tensors of the torch backend: queries and keys padded to [B, Qmax] and [B, Kmax]."""
+
+    slot_mapping: torch.Tensor  # [T] flat KV slot of each new token
+    q_index: torch.Tensor  # [B, Qmax] token index of each padded query
+    q_valid: torch.Tensor  # [B, Qmax]
+    q_pos: torch.Tensor  # [B, Qmax] position of each padded query
+    k_slots: torch.Tensor  # [B, Kmax] flat KV slot of each key
+    k_valid: torch.Tensor  # [B, Kmax]
+
+
+class TorchPagedBackend(AttentionBackend):
+    """Reference backend in plain torch: gathers each sequence's keys and runs masked softmax attention.
+
+    Memory is O(B · Qmax · Kmax · heads); meant for CPU, tests and small batches.
+    """
+
+    def plan(self, batch: ForwardBatch) -> TorchPlan:
+        device = batch.input_ids.device
+        page = batch.page_size
+        pages_of_tokens = batch.page_table[batch.seq_index, batch.positions // page]
+        slot_mapping = pages_of_tokens * page + batch.positions % page
+        q_max, k_max = max(batch.query_lens), max(batch.kv_lens)
+        q_lens = torch.tensor(batch.query_lens, device=device)
+        k_lens = torch.tensor(batch.kv_lens, device=device)
+        starts = q_lens.cumsum(0) - q_lens
+        rows = torch.arange(q_max, device=device)
+        q_valid = rows[None, :] < q_lens[:, None]
+        q_index = torch.where(q_valid, starts[:, None] + rows[None, :], 0)
+        q_pos = batch.positions[q_index]
+        keys = torch.arange(k_max, device=device)
+        k_valid = keys[None, :] < k_lens[:, None]
+        k_pages = batch.page_table.gather(
+            1, (keys // page).clamp(max=batch.page_table.shape[1] - 1).expand(batch.num_seqs, -1)
+        )
+        k_slots = torch.where(k_valid, k_pages * page + keys % page, 0)
+        return TorchPlan(slot_mapping, q_index, q_valid, q_pos, k_slots, k_valid)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        state: LayerState,
+        plan: TorchPlan,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        k_flat = state.paged["k"].flatten(0, 1)  # [slots, Hkv, D]
+        v_flat = state.paged["v"].flatten(0, 1)
+        k_flat[plan.slot_mapping] = k.to(k_flat.dtype)
+        v_flat[plan.slot_mapping] = v.to(v_flat.dtype)
+
+        num_heads, num_kv = q.shape[1], k.shape[1]
+        qb = q[plan.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
+        kb = k_flat[plan.k_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, Kmax, D]
+        vb = v_flat[plan.k_slots].to(q.dtype).transpose(1, 2)
+        kb = kb.repeat_interleave(num_heads // num_kv, dim=1)
+        vb = vb.repeat_interleave(num_heads // num_kv, dim=1)
+
+        k_pos = torch.arange(kb.shape[2], device=q.device)
+        allowed = plan.k_valid[:, None, :] & (k_pos[None, None, :] <= plan.q_pos[:, :, None])
+        if window is not None:
+            allowed &= k_pos[None, None, :] > plan.q_pos[:, :, None] - window
+        scores = torch.matmul(qb, kb.transpose(2, 3)) * scale  # [B, Hq, Qmax, Kmax]
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, vb).transpose(1, 2)  # [B, Qmax, Hq, D]
+        return out[plan.q_valid]  # [T, Hq, D]: tokens are laid out sequence by sequence

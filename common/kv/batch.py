@@ -1,0 +1,84 @@
+"""ForwardBatch: the tokens of one forward pass over several sequences, laid out flat ([T])."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.kv.state import SequenceState
+
+
+@dataclass
+class ForwardBatch:
+    """A flat batch: sequence b contributes `query_lens[b]` tokens after `cache_lens[b]` cached ones.
+
+    Tokens are ordered sequence by sequence. Host-side lengths are kept as lists because every backend
+    needs them to plan; device tensors are what the layers read.
+    """
+
+    input_ids: torch.Tensor
+    """[T] token ids."""
+    positions: torch.Tensor
+    """[T] absolute position of each token in its sequence."""
+    seq_index: torch.Tensor
+    """[T] which sequence of the batch each token belongs to."""
+    query_lens: list[int]
+    """New tokens per sequence."""
+    cache_lens: list[int]
+    """Tokens already cached per sequence before this pass."""
+    page_table: torch.Tensor
+    """[B, max_pages] page ids of each sequence (padded with 0)."""
+    slot_ids: torch.Tensor
+    """[B] fixed-size state slot of each sequence."""
+    page_size: int
+    """Tokens per page."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token to a non-empty cache."""
+        return all(q == 1 for q in self.query_lens) and all(c > 0 for c in self.cache_lens)
+
+    @property
+    def kv_lens(self) -> list[int]:
+        return [c + q for c, q in zip(self.cache_lens, self.query_lens, strict=True)]
+
+    def last_token_index(self) -> torch.Tensor:
+        """[B] index into [T] of each sequence's last token."""
+        ends = torch.tensor(self.query_lens, device=self.input_ids.device).cumsum(0)
+        return ends - 1
+
+    @classmethod
+    def build(
+        cls,
+        seqs: Sequence[SequenceState],
+        tokens: Sequence[Sequence[int]],
+        page_size: int,
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        """Batch `tokens[b]` appended to `seqs[b]` (whose pages must already cover them)."""
+        query_lens = [len(t) for t in tokens]
+        cache_lens = [s.num_cached for s in seqs]
+        positions = [p for c, q in zip(cache_lens, query_lens, strict=True) for p in range(c, c + q)]
+        seq_index = [b for b, q in enumerate(query_lens) for _ in range(q)]
+        max_pages = max(len(s.pages) for s in seqs)
+        table = [s.pages + [0] * (max_pages - len(s.pages)) for s in seqs]
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=tensor([t for ts in tokens for t in ts]),
+            positions=tensor(positions),
+            seq_index=tensor(seq_index),
+            query_lens=query_lens,
+            cache_lens=cache_lens,
+            page_table=tensor(table),
+            slot_ids=tensor([s.slot for s in seqs]),
+            page_size=page_size,
+        )

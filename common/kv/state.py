@@ -1,0 +1,132 @@
+"""Per-sequence state: what each layer keeps between forward passes, and the pools that hold it.
+
+A layer declares its state as named specs. Two kinds cover every architecture Spillway runs:
+- `PagedSpec`: grows with the sequence, stored in fixed-size pages (attention K/V, indexer block keys);
+- `SlotSpec`: fixed size per sequence, one slot per running sequence (recurrent and conv states of linear
+  attention, n-gram history).
+`StatePool` allocates one tensor per (layer, name) up front, so the pools can be exported once (CUDA IPC)
+and written in place by another process. A sequence owns a list of pages and one slot index.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedSpec:
+    """State that grows by one `token_shape` entry per token, stored in pages."""
+
+    token_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """Fixed-size state of one sequence, `shape` per slot; zeroed when a sequence takes the slot."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+StateSpec = PagedSpec | SlotSpec
+
+
+class PoolExhausted(RuntimeError):
+    """The pool has no free pages or slots left for the request."""
+
+
+class IndexAllocator:
+    """Free list of the integers [0, size): O(1) alloc and free, lowest indices first on a fresh pool."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: deque[int] = deque(range(size))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhausted(f"asked for {n} of {self.size}, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, indices: list[int]) -> None:
+        self._free.extend(indices)
+
+
+@dataclass
+class SequenceState:
+    """What one sequence owns in a StatePool."""
+
+    slot: int
+    """Index into every SlotSpec tensor."""
+    pages: list[int] = field(default_factory=list)
+    """Pages of every PagedSpec tensor, in token order."""
+    num_cached: int = 0
+    """Tokens whose state is already written."""
+
+
+@dataclass
+class LayerState:
+    """One layer's view of the pools: its paged tensors [pages, page_size, *token_shape] and slot tensors."""
+
+    paged: dict[str, torch.Tensor]
+    slots: dict[str, torch.Tensor]
+
+
+class StatePool:
+    """Every layer's per-sequence state for up to `max_seqs` sequences and `num_pages` pages of tokens."""
+
+    def __init__(
+        self,
+        layer_specs: list[dict[str, StateSpec]],
+        num_pages: int,
+        page_size: int,
+        max_seqs: int,
+        device: torch.device | str,
+    ) -> None:
+        self.page_size = page_size
+        self.layers: list[LayerState] = []
+        for specs in layer_specs:
+            paged = {
+                name: torch.zeros((num_pages, page_size, *s.token_shape), dtype=s.dtype, device=device)
+                for name, s in specs.items()
+                if isinstance(s, PagedSpec)
+            }
+            slots = {
+                name: torch.zeros((max_seqs, *s.shape), dtype=s.dtype, device=device)
+                for name, s in specs.items()
+                if isinstance(s, SlotSpec)
+            }
+            self.layers.append(LayerState(paged, slots))
+        self.pages = IndexAllocator(num_pages)
+        self.slots = IndexAllocator(max_seqs)
+
+    def layer(self, index: int) -> LayerState:
+        return self.layers[index]
+
+    def new_sequence(self) -> SequenceState:
+        """Take a slot (zeroing its fixed-size state) for a new sequence."""
+        (slot,) = self.slots.alloc(1)
+        for layer in self.layers:
+            for tensor in layer.slots.values():
+                tensor[slot].zero_()
+        return SequenceState(slot=slot)
+
+    def reserve(self, seq: SequenceState, num_tokens: int) -> None:
+        """Make sure `seq` has pages for `num_tokens` tokens in all."""
+        needed = -(-num_tokens // self.page_size) - len(seq.pages)
+        if needed > 0:
+            seq.pages.extend(self.pages.alloc(needed))
+
+    def release(self, seq: SequenceState) -> None:
+        """Return a finished sequence's pages and slot."""
+        self.pages.free(seq.pages)
+        self.slots.free([seq.slot])
+        seq.pages = []
+        seq.num_cached = 0

@@ -1,0 +1,151 @@
+"""Load a local HF checkpoint directory (safetensors, sharded or not) into the runtime.
+
+Every failure a user can cause — unknown model_type, missing shard, missing, misshapen or unreadable tensor —
+is a CheckpointError that names the file and the key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from common.config import ModelConfig
+from common.experts.provider import ExpertWeights
+from common.experts.resident import ResidentExperts
+from common.model.errors import CheckpointError
+from common.model.hf_config import load_architecture, read_json
+from common.model.layers import activation
+from common.model.registry import ExpertKey
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
+    """Each safetensors file of the checkpoint, with the keys the index assigns to it (None: no index)."""
+    root = Path(model_dir)
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError("index has no weight_map", index_path, "weight_map")
+        files: dict[Path, list[str]] = defaultdict(list)
+        for key, name in weight_map.items():
+            files[root / name].append(key)
+        for path, keys in files.items():
+            if not path.is_file():
+                raise CheckpointError(f"missing shard {path.name} listed in {INDEX_FILE}", path, keys[0])
+        return dict(files)
+    single = sorted(root.glob("*.safetensors"))
+    if not single:
+        raise CheckpointError("no safetensors weights found", root)
+    return dict.fromkeys(single)
+
+
+class _ExpertCollector:
+    """Gathers per-expert or fused expert tensors of every MoE layer into stacked ExpertWeights."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.parts: dict[int, dict[tuple[int | None, str], torch.Tensor]] = defaultdict(dict)
+
+    def add(self, ek: ExpertKey, tensor: torch.Tensor, path: Path, key: str) -> None:
+        cfg = self.cfg
+        if ek.layer not in cfg.moe_layers or (ek.expert is not None and ek.expert >= cfg.num_experts):
+            raise CheckpointError("expert weight for a layer or expert the config does not have", path, key)
+        h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        expected = {"gate": (i, h), "up": (i, h), "down": (h, i), "gate_up": (e, 2 * i, h)}
+        shape = expected[ek.part] if ek.expert is not None or ek.part == "gate_up" else (e, h, i)
+        _check_shape(tensor, shape, path, key)
+        self.parts[ek.layer][(ek.expert, ek.part)] = tensor
+
+    def finish(self, where: Path) -> dict[int, ExpertWeights]:
+        out = {}
+        for layer in self.cfg.moe_layers:
+            parts = self.parts.get(layer, {})
+            if (None, "gate_up") in parts and (None, "down") in parts:
+                out[layer] = ExpertWeights(parts[(None, "gate_up")], parts[(None, "down")])
+                continue
+            gate_up, down = [], []
+            for e in range(self.cfg.num_experts):
+                for part in ("gate", "up", "down"):
+                    if (e, part) not in parts:
+                        raise CheckpointError(
+                            "missing tensor",
+                            where,
+                            f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight",
+                        )
+                gate_up.append(torch.cat([parts[(e, "gate")], parts[(e, "up")]], dim=0))
+                down.append(parts[(e, "down")])
+            out[layer] = ExpertWeights(torch.stack(gate_up), torch.stack(down))
+            parts.clear()
+        return out
+
+
+def _check_shape(tensor: torch.Tensor, shape: tuple[int, ...], path: Path, key: str) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(f"tensor has shape {list(tensor.shape)}, expected {list(shape)}", path, key)
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint."""
+    arch, cfg = load_architecture(model_dir)
+    experts = ResidentExperts({}, activation(cfg.hidden_act))
+    with torch.device("meta"):
+        model = arch.build(cfg, experts)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.init_buffers()
+    model.tie_weights()
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    loaded: set[str] = set()
+    collector = _ExpertCollector(cfg)
+    unexpected: list[str] = []
+    for path, _ in checkpoint_files(model_dir).items():
+        _load_file(path, arch.map_key, params, loaded, collector, unexpected, dtype, device)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        where = Path(model_dir) / INDEX_FILE
+        raise CheckpointError(
+            f"missing tensor (and {len(missing) - 1} more)" if len(missing) > 1 else "missing tensor",
+            where if where.is_file() else Path(model_dir),
+            missing[0],
+        )
+    experts.weights = collector.finish(Path(model_dir))
+    if unexpected:
+        log.warning(
+            "ignored %d checkpoint keys the runtime does not use, e.g. %s", len(unexpected), unexpected[0]
+        )
+    return model.eval()
+
+
+def _load_file(path, map_key, params, loaded, collector, unexpected, dtype, device) -> None:
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
+        raise CheckpointError(f"cannot read safetensors file: {exc}", path) from exc
+    with handle as f:
+        for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+            target = map_key(key)
+            if target is None or (isinstance(target, str) and target not in params):
+                unexpected.append(key)
+                continue
+            try:
+                tensor = f.get_tensor(key)
+            except Exception as exc:
+                raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
+            if isinstance(target, ExpertKey):
+                collector.add(target, tensor.to(device=device, dtype=dtype), path, key)
+                continue
+            param = params[target]
+            _check_shape(tensor, tuple(param.shape), path, key)
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(target)

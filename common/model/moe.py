@@ -1,0 +1,51 @@
+"""The sparse MoE block: router, top-k choice, routed experts through a provider, optional shared expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.config import ModelConfig
+from common.experts.provider import ExpertProvider
+from common.model.layers import GatedMLP
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (fp32) over experts, top-k, optional renormalisation → (weights [T, k] fp32, ids [T, k])."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts (through `experts`) plus, for Qwen2-MoE, a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertProvider) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.top_k, self.normalize = cfg.top_k, cfg.norm_topk_prob
+        self.weights_fp32 = cfg.router_weights_fp32
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = experts
+        self.shared_expert = None
+        self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size > 0:
+            self.shared_expert = GatedMLP(
+                cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act
+            )
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] each
+        if not self.weights_fp32:
+            weights = weights.to(x.dtype)
+        out = self.experts.forward(self.layer_idx, x, ids, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,67 @@
+"""Architecture and layer registries.
+
+An `Architecture` ties an HF `model_type` to: how its config.json is parsed, how its model is built, and how
+its checkpoint keys map onto the runtime's parameter names. Token mixers (attention, linear attention, ...)
+and channel mixers (dense MLP, MoE) are registered by the layer-type strings a ModelConfig lists per layer,
+so a new family adds entries here instead of editing the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from common.config import ModelConfig
+from common.experts.provider import ExpertProvider
+
+
+@dataclass(frozen=True)
+class ExpertKey:
+    """A checkpoint key that holds routed-expert weights (they go to the provider, not the module tree)."""
+
+    layer: int
+    expert: int | None
+    """None for a fused key holding every expert of the layer."""
+    part: str
+    """`gate`, `up` or `down` (per expert), `gate_up` or `down` (fused)."""
+
+
+KeyMapper = Callable[[str], "str | ExpertKey | None"]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One HF model family."""
+
+    model_type: str
+    parse_config: Callable[[dict[str, Any]], ModelConfig]
+    """config.json dict → ModelConfig (raises ValueError on unsupported settings)."""
+    build: Callable[[ModelConfig, ExpertProvider], nn.Module]
+    """ModelConfig + expert provider → the model, parameters uninitialised."""
+    map_key: KeyMapper
+    """Checkpoint key → runtime parameter name, an ExpertKey, or None for keys the runtime ignores."""
+
+
+ARCHITECTURES: dict[str, Architecture] = {}
+
+TokenMixerFactory = Callable[[ModelConfig, int], nn.Module]
+ChannelMixerFactory = Callable[[ModelConfig, int, ExpertProvider], nn.Module]
+TOKEN_MIXERS: dict[str, TokenMixerFactory] = {}
+CHANNEL_MIXERS: dict[str, ChannelMixerFactory] = {}
+
+
+def register_architecture(arch: Architecture) -> Architecture:
+    ARCHITECTURES[arch.model_type] = arch
+    return arch
+
+
+def get_architecture(model_type: str) -> Architecture:
+    """The registered architecture for `model_type`; KeyError names the supported ones."""
+    import common.model.families  # noqa: F401  (registers the built-in families)
+
+    if model_type not in ARCHITECTURES:
+        raise KeyError(f"model_type {model_type!r} is not supported (supported: {sorted(ARCHITECTURES)})")
+    return ARCHITECTURES[model_type]

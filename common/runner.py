@@ -1,0 +1,57 @@
+"""ModelRunner: steps a model over sequences whose state lives in a StatePool."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from common.kv.backend import AttentionBackend, TorchPagedBackend
+from common.kv.batch import ForwardBatch
+from common.kv.state import SequenceState, StatePool
+from common.model.context import ForwardContext
+
+
+class ModelRunner:
+    """Owns the state pool of a model and runs forward passes that append tokens to sequences."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_seqs: int,
+        max_context: int,
+        page_size: int = 16,
+        backend: AttentionBackend | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        param = next(model.parameters())
+        self.model, self.device = model, param.device
+        self.backend = backend or TorchPagedBackend()
+        num_pages = max_seqs * -(-max_context // page_size)
+        specs = model.state_specs(kv_dtype or param.dtype)
+        self.pool = StatePool(specs, num_pages, page_size, max_seqs, self.device)
+        self.max_context = max_context
+
+    def new_sequence(self) -> SequenceState:
+        return self.pool.new_sequence()
+
+    def release(self, seq: SequenceState) -> None:
+        self.pool.release(seq)
+
+    @torch.inference_mode()
+    def forward(
+        self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]], all_logits: bool = False
+    ) -> torch.Tensor:
+        """Append `tokens[b]` to `seqs[b]`; logits [B, V] of each last token, or [T, V] of every token."""
+        for seq, toks in zip(seqs, tokens, strict=True):
+            total = seq.num_cached + len(toks)
+            if total > self.max_context:
+                raise ValueError(f"sequence of {total} tokens exceeds the context of {self.max_context}")
+            self.pool.reserve(seq, total)
+        batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device)
+        ctx = ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
+        hidden = self.model(ctx)  # [T, H]
+        for seq, toks in zip(seqs, tokens, strict=True):
+            seq.num_cached += len(toks)
+        return self.model.compute_logits(hidden if all_logits else hidden[batch.last_token_index()])

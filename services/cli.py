@@ -1,0 +1,121 @@
+"""The `spillway` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from common.model.synthetic import make_model, parse_overrides
+
+    out = make_model(
+        args.out, preset=args.preset, arch=args.arch, overrides=parse_overrides(args.set), seed=args.seed
+    )
+    print(f"wrote {args.preset} ({args.arch or 'default arch'}) to {out}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from common.engine import Engine
+    from common.model.defaults import default_model_dir
+    from common.sampling import SamplingParams
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    engine = Engine(model_dir, dtype=getattr(torch, args.dtype), device=args.device)
+    tok = engine.tokenizer
+    if args.chat is not None:
+        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.chat}], tokenize=True)
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    start = time.perf_counter()
+    result = engine.generate([prompt_ids], params)[0]
+    elapsed = time.perf_counter() - start
+    text = tok.decode(result.token_ids)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": str(model_dir),
+                    "prompt_ids": prompt_ids,
+                    "token_ids": result.token_ids,
+                    "text": text,
+                    "finish_reason": result.finish_reason,
+                    "tok_per_s": len(result.token_ids) / elapsed,
+                }
+            )
+        )
+    else:
+        print(text)
+        print(
+            f"[{len(result.token_ids)} tokens, {len(result.token_ids) / elapsed:.1f} tok/s, "
+            f"finish: {result.finish_reason}, model: {model_dir}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spillway", description="Serve MoE models bigger than the GPU.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mk = sub.add_parser("make-model", help="write a synthetic checkpoint in the HF on-disk format")
+    mk.add_argument("--preset", default="tiny", help="tiny | qwen3-30b")
+    mk.add_argument("--arch", default=None, help="qwen3_moe | qwen2_moe | mixtral (default: the preset's)")
+    mk.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field; VALUE is parsed as JSON where it can be",
+    )
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--out", required=True)
+    mk.set_defaults(func=_make_model)
+
+    gen = sub.add_parser("generate", help="generate text offline, in this process")
+    gen.add_argument(
+        "--model", default=None, help="model directory (default: the tiny model, created on first use)"
+    )
+    what = gen.add_mutually_exclusive_group()
+    what.add_argument("--prompt", default=None, help="raw prompt text")
+    what.add_argument("--chat", default=None, help="a user message, wrapped in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", choices=DTYPES, default="float32")
+    gen.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate" and args.prompt is None and args.chat is None:
+        args.chat = "Tell me about experts."
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
+        print(f"spillway: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
