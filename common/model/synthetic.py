@@ -309,7 +309,9 @@ def _attention(cfg: Mapping[str, Any], p: str) -> list[TensorSpec]:
     return specs
 
 
-def _swiglu(p: str, h: int, inter: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+def _swiglu(
+    p: str, h: int, inter: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+) -> list[TensorSpec]:
     """A SwiGLU MLP's three projections, named (gate, up, down)."""
     gate, up, down = names
     return [

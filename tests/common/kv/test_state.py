@@ -1,0 +1,71 @@
+"""State pools: page/slot allocation, slot zeroing, and the batch layout the backends plan from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.kv.batch import ForwardBatch
+from common.kv.state import PagedSpec, PoolExhausted, SlotSpec, StatePool
+
+
+def _pool(num_pages: int = 8, max_seqs: int = 3) -> StatePool:
+    specs = [
+        {"k": PagedSpec((2, 4), torch.float32), "v": PagedSpec((2, 4), torch.float32)},
+        {"recurrent": SlotSpec((3, 3), torch.float32), "conv": SlotSpec((5,), torch.float32)},
+    ]
+    return StatePool(specs, num_pages=num_pages, page_size=4, max_seqs=max_seqs, device="cpu")
+
+
+def test_pool_shapes_mix_paged_and_slot_state() -> None:
+    pool = _pool()
+    assert pool.layer(0).paged["k"].shape == (8, 4, 2, 4)
+    assert pool.layer(0).slots == {}
+    assert pool.layer(1).slots["recurrent"].shape == (3, 3, 3)
+    assert pool.layer(1).paged == {}
+
+
+def test_reserve_and_release_pages() -> None:
+    pool = _pool()
+    seq = pool.new_sequence()
+    pool.reserve(seq, 9)  # 3 pages of 4
+    assert len(seq.pages) == 3 and pool.pages.num_free == 5
+    pool.reserve(seq, 12)  # still 3
+    assert len(seq.pages) == 3
+    pool.release(seq)
+    assert pool.pages.num_free == 8 and pool.slots.num_free == 3
+
+
+def test_exhaustion_is_an_error() -> None:
+    pool = _pool(num_pages=2, max_seqs=1)
+    seq = pool.new_sequence()
+    with pytest.raises(PoolExhausted):
+        pool.reserve(seq, 9)
+    with pytest.raises(PoolExhausted):
+        pool.new_sequence()
+
+
+def test_new_sequence_zeroes_its_slot() -> None:
+    pool = _pool()
+    seq = pool.new_sequence()
+    pool.layer(1).slots["recurrent"][seq.slot].fill_(7.0)
+    pool.release(seq)
+    again = pool.new_sequence()
+    while again.slot != seq.slot:
+        again = pool.new_sequence()
+    assert pool.layer(1).slots["recurrent"][again.slot].abs().sum() == 0
+
+
+def test_batch_layout() -> None:
+    pool = _pool()
+    a, b = pool.new_sequence(), pool.new_sequence()
+    a.num_cached = 5
+    pool.reserve(a, 6)
+    pool.reserve(b, 3)
+    batch = ForwardBatch.build([a, b], [[9], [1, 2, 3]], page_size=4, device="cpu")
+    assert batch.positions.tolist() == [5, 0, 1, 2]
+    assert batch.seq_index.tolist() == [0, 1, 1, 1]
+    assert batch.kv_lens == [6, 3]
+    assert batch.last_token_index().tolist() == [0, 3]
+    assert not batch.is_decode
+    assert batch.page_table.shape == (2, 2)
