@@ -142,7 +142,7 @@ def _merge_into_single_file(model_dir: Path, edit=None) -> None:
 
 
 def test_fused_expert_keys(ckpt: Path, pristine: Path) -> None:
-    """transformers 5 writes experts fused as experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]."""
+    """transformers 5 writes fused experts: gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
     layer, num = 0, 8
     prefix = f"model.layers.{layer}.mlp.experts."
 
