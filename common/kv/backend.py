@@ -41,10 +41,12 @@ class AttentionBackend(ABC):
         plan: Any,
         scale: float,
         window: int | None = None,
+        selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store k, v [T, Hkv, D] in `state`'s pages; return attention of q [T, Hq, D] as [T, Hq, D].
 
         `window`: a query at position p sees keys at positions (p - window, p]; None = all earlier keys.
+        `selected`: [T, S] key positions each query may see (−1 = unused), for sparse attention; None = all.
         """
 
 
@@ -69,8 +71,6 @@ class TorchPagedBackend(AttentionBackend):
     def plan(self, batch: ForwardBatch) -> TorchPlan:
         device = batch.input_ids.device
         page = batch.page_size
-        pages_of_tokens = batch.page_table[batch.seq_index, batch.positions // page]
-        slot_mapping = pages_of_tokens * page + batch.positions % page
         q_max, k_max = max(batch.query_lens), max(batch.kv_lens)
         q_lens = torch.tensor(batch.query_lens, device=device)
         k_lens = torch.tensor(batch.kv_lens, device=device)
@@ -85,7 +85,7 @@ class TorchPagedBackend(AttentionBackend):
             1, (keys // page).clamp(max=batch.page_table.shape[1] - 1).expand(batch.num_seqs, -1)
         )
         k_slots = torch.where(k_valid, k_pages * page + keys % page, 0)
-        return TorchPlan(slot_mapping, q_index, q_valid, q_pos, k_slots, k_valid)
+        return TorchPlan(batch.slot_mapping, q_index, q_valid, q_pos, k_slots, k_valid)
 
     def forward(
         self,
@@ -96,6 +96,7 @@ class TorchPagedBackend(AttentionBackend):
         plan: TorchPlan,
         scale: float,
         window: int | None = None,
+        selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_flat = state.paged["k"].flatten(0, 1)  # [slots, Hkv, D]
         v_flat = state.paged["v"].flatten(0, 1)
@@ -113,8 +114,17 @@ class TorchPagedBackend(AttentionBackend):
         allowed = plan.k_valid[:, None, :] & (k_pos[None, None, :] <= plan.q_pos[:, :, None])
         if window is not None:
             allowed &= k_pos[None, None, :] > plan.q_pos[:, :, None] - window
+        if selected is not None:
+            allowed &= _selection_mask(selected[plan.q_index], kb.shape[2]) | ~plan.q_valid[:, :, None]
         scores = torch.matmul(qb, kb.transpose(2, 3)) * scale  # [B, Hq, Qmax, Kmax]
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, vb).transpose(1, 2)  # [B, Qmax, Hq, D]
         return out[plan.q_valid]  # [T, Hq, D]: tokens are laid out sequence by sequence
+
+
+def _selection_mask(selected: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[..., S] key positions (−1 = none) → [..., num_keys] boolean mask."""
+    mask = torch.zeros((*selected.shape[:-1], num_keys + 1), dtype=torch.bool, device=selected.device)
+    mask.scatter_(-1, torch.where(selected >= 0, selected, num_keys), True)
+    return mask[..., :num_keys]

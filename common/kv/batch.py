@@ -34,6 +34,8 @@ class ForwardBatch:
     """[B] fixed-size state slot of each sequence."""
     page_size: int
     """Tokens per page."""
+    slot_mapping: torch.Tensor
+    """[T] flat index (page · page_size + offset) of each token in every paged state tensor."""
 
     @property
     def num_seqs(self) -> int:
@@ -72,6 +74,11 @@ class ForwardBatch:
         def tensor(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        slot_mapping = [
+            s.pages[p // page_size] * page_size + p % page_size
+            for s, c, q in zip(seqs, cache_lens, query_lens, strict=True)
+            for p in range(c, c + q)
+        ]
         return cls(
             input_ids=tensor([t for ts in tokens for t in ts]),
             positions=tensor(positions),
@@ -81,4 +88,9 @@ class ForwardBatch:
             page_table=tensor(table),
             slot_ids=tensor([s.slot for s in seqs]),
             page_size=page_size,
+            slot_mapping=tensor(slot_mapping),
         )
+
+    def slots_of(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Flat paged-state index of position `pos` of batch sequence `seq` (broadcasting)."""
+        return self.page_table[seq, pos // self.page_size] * self.page_size + pos % self.page_size

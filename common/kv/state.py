@@ -26,10 +26,11 @@ class PagedSpec:
 
 @dataclass(frozen=True)
 class SlotSpec:
-    """Fixed-size state of one sequence, `shape` per slot; zeroed when a sequence takes the slot."""
+    """Fixed-size state of one sequence, `shape` per slot; set to `fill` when a sequence takes the slot."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    fill: float = 0
 
 
 StateSpec = PagedSpec | SlotSpec
@@ -77,6 +78,7 @@ class LayerState:
 
     paged: dict[str, torch.Tensor]
     slots: dict[str, torch.Tensor]
+    fills: dict[str, float] = field(default_factory=dict)
 
 
 class StatePool:
@@ -103,7 +105,8 @@ class StatePool:
                 for name, s in specs.items()
                 if isinstance(s, SlotSpec)
             }
-            self.layers.append(LayerState(paged, slots))
+            fills = {name: s.fill for name, s in specs.items() if isinstance(s, SlotSpec)}
+            self.layers.append(LayerState(paged, slots, fills))
         self.pages = IndexAllocator(num_pages)
         self.slots = IndexAllocator(max_seqs)
 
@@ -111,11 +114,11 @@ class StatePool:
         return self.layers[index]
 
     def new_sequence(self) -> SequenceState:
-        """Take a slot (zeroing its fixed-size state) for a new sequence."""
+        """Take a slot (resetting its fixed-size state to each spec's fill value) for a new sequence."""
         (slot,) = self.slots.alloc(1)
         for layer in self.layers:
-            for tensor in layer.slots.values():
-                tensor[slot].zero_()
+            for name, tensor in layer.slots.items():
+                tensor[slot].fill_(layer.fills.get(name, 0))
         return SequenceState(slot=slot)
 
     def reserve(self, seq: SequenceState, num_tokens: int) -> None:

@@ -22,3 +22,4 @@ class ForwardContext:
     attn_plan: Any
     cos: torch.Tensor | None = None  # [T, rot_dim], set by the model at the start of its forward
     sin: torch.Tensor | None = None
+    rotary: Any = None  # the model's RotaryEmbedding, for layers that rotate at other positions

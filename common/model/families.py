@@ -20,7 +20,8 @@ _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj$"
 _MIXTRAL_PARTS = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
-def _qwen_key(key: str) -> str | ExpertKey:
+def qwen_expert_key(key: str) -> str | ExpertKey:
+    """Per-expert or fused routed-expert keys → ExpertKey; anything else unchanged."""
     if m := _PER_EXPERT.match(key):
         return ExpertKey(int(m[1]), int(m[2]), m[3])
     if m := _FUSED.match(key):
@@ -33,7 +34,7 @@ def _mixtral_key(key: str) -> str | ExpertKey:
     m = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight$", key)
     if m:
         return ExpertKey(int(m[1]), int(m[2]), _MIXTRAL_PARTS[m[3]])
-    return _qwen_key(key)
+    return qwen_expert_key(key)
 
 
 def _common(hf: dict[str, Any], default_eps: float) -> dict[str, Any]:
@@ -130,8 +131,8 @@ def parse_mixtral(hf: dict[str, Any]) -> ModelConfig:
 
 
 for _type, _parse, _map in (
-    ("qwen3_moe", parse_qwen3_moe, _qwen_key),
-    ("qwen2_moe", parse_qwen2_moe, _qwen_key),
+    ("qwen3_moe", parse_qwen3_moe, qwen_expert_key),
+    ("qwen2_moe", parse_qwen2_moe, qwen_expert_key),
     ("mixtral", parse_mixtral, _mixtral_key),
 ):
     register_architecture(Architecture(_type, _parse, MoECausalLM, _map))

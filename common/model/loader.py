@@ -7,6 +7,7 @@ is a CheckpointError that names the file and the key.
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from common.experts.resident import ResidentExperts
 from common.model.errors import CheckpointError
 from common.model.hf_config import load_architecture, read_json
 from common.model.layers import activation
-from common.model.registry import ExpertKey
+from common.model.registry import ExpertKey, HostTableKey
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,48 @@ class _ExpertCollector:
         return out
 
 
+class _TableCollector:
+    """Fills each host table (e.g. PLE's n-gram table) shard by shard, without holding a second copy."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.owners = {name: m for name, m in model.named_modules() if hasattr(m, "attach_table")}
+        self.rows: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, torch.Tensor] = {}
+        self.seen: dict[str, set[int]] = defaultdict(set)
+        self.example_key: dict[str, str] = {}
+
+    def add(self, tk: HostTableKey, tensor: torch.Tensor, path: Path, key: str) -> None:
+        owner = self.owners.get(tk.owner)
+        if owner is None or not 0 <= tk.shard < owner.table_shards:
+            raise CheckpointError("table shard the config does not have", path, key)
+        rows, dim = owner.table_shape()
+        per_shard = rows // owner.table_shards
+        if tk.part == "scale":
+            scales = self.scales.setdefault(tk.owner, torch.ones(owner.table_shards))
+            scales[tk.shard] = tensor.float().reshape(-1)[0]
+            return
+        _check_shape(tensor, (per_shard, dim), path, key)
+        table = self.rows.setdefault(tk.owner, torch.empty((rows, dim), dtype=tensor.dtype))
+        table[tk.shard * per_shard : (tk.shard + 1) * per_shard] = tensor
+        self.seen[tk.owner].add(tk.shard)
+        self.example_key[tk.owner] = key
+
+    def finish(self, where: Path) -> None:
+        from common.model.qwen4_exp.ngram_table import NGramTable
+
+        for name, owner in self.owners.items():
+            missing = sorted(set(range(owner.table_shards)) - self.seen[name])
+            if missing:
+                example = self.example_key.get(name, f"{name}.ple_embedding.ngram_embedding.shard_0.weight")
+                raise CheckpointError(
+                    "missing tensor", where, re.sub(r"shard_\d+", f"shard_{missing[0]}", example)
+                )
+            scales = self.scales.get(name)
+            if self.rows[name].dtype == torch.float8_e4m3fn and scales is None:
+                raise CheckpointError("fp8 table without weight_scale_inv", where, self.example_key[name])
+            owner.attach_table(NGramTable(self.rows[name], scales))
+
+
 def _check_shape(tensor: torch.Tensor, shape: tuple[int, ...], path: Path, key: str) -> None:
     if tuple(tensor.shape) != tuple(shape):
         raise CheckpointError(f"tensor has shape {list(tensor.shape)}, expected {list(shape)}", path, key)
@@ -107,9 +150,10 @@ def load_model(
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     loaded: set[str] = set()
     collector = _ExpertCollector(cfg)
+    tables = _TableCollector(model)
     unexpected: list[str] = []
     for path, _ in checkpoint_files(model_dir).items():
-        _load_file(path, arch.map_key, params, loaded, collector, unexpected, dtype, device)
+        _load_file(path, arch.map_key, params, loaded, collector, tables, unexpected, dtype, device)
     missing = sorted(set(params) - loaded)
     if missing:
         where = Path(model_dir) / INDEX_FILE
@@ -119,6 +163,7 @@ def load_model(
             missing[0],
         )
     experts.weights = collector.finish(Path(model_dir))
+    tables.finish(Path(model_dir))
     if unexpected:
         log.warning(
             "ignored %d checkpoint keys the runtime does not use, e.g. %s", len(unexpected), unexpected[0]
@@ -126,7 +171,7 @@ def load_model(
     return model.eval()
 
 
-def _load_file(path, map_key, params, loaded, collector, unexpected, dtype, device) -> None:
+def _load_file(path, map_key, params, loaded, collector, tables, unexpected, dtype, device) -> None:
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
@@ -143,6 +188,9 @@ def _load_file(path, map_key, params, loaded, collector, unexpected, dtype, devi
                 raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
             if isinstance(target, ExpertKey):
                 collector.add(target, tensor.to(device=device, dtype=dtype), path, key)
+                continue
+            if isinstance(target, HostTableKey):
+                tables.add(target, tensor, path, key)  # stays in host memory, in its stored dtype
                 continue
             param = params[target]
             _check_shape(tensor, tuple(param.shape), path, key)

@@ -29,7 +29,17 @@ class ExpertKey:
     """`gate`, `up` or `down` (per expert), `gate_up` or `down` (fused)."""
 
 
-KeyMapper = Callable[[str], "str | ExpertKey | None"]
+@dataclass(frozen=True)
+class HostTableKey:
+    """A row shard (or its scale) of a table kept in host memory, owned by the module named `owner`."""
+
+    owner: str
+    shard: int
+    part: str
+    """`weight` or `scale` (fp8 tables: dequantised rows = weight · scale)."""
+
+
+KeyMapper = Callable[[str], "str | ExpertKey | HostTableKey | None"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,8 @@ def register_architecture(arch: Architecture) -> Architecture:
 
 def get_architecture(model_type: str) -> Architecture:
     """The registered architecture for `model_type`; KeyError names the supported ones."""
-    import common.model.families  # noqa: F401  (registers the built-in families)
+    import common.model.families
+    import common.model.qwen4_exp  # noqa: F401  (these imports register the built-in architectures)
 
     if model_type not in ARCHITECTURES:
         raise KeyError(f"model_type {model_type!r} is not supported (supported: {sorted(ARCHITECTURES)})")

@@ -3,7 +3,13 @@
 No real weights can be downloaded where this project is developed and tested, so this module writes
 checkpoints that look exactly like the published ones (config.json in the legacy form, per-expert
 tensor names, sharded safetensors with an index, a tokenizer) but hold deterministic random weights.
-Three families are supported: ``qwen3_moe``, ``qwen2_moe`` and ``mixtral``.
+Four families are supported: ``qwen3_moe``, ``qwen2_moe`` and ``mixtral`` (flat config.json), and
+``qwen4_exp`` (Qwen3.8-Flash-Next: a nested multimodal config.json whose text weights live under
+``model.language_model.``; hybrid Gated-DeltaNet / QSA-indexed attention, hyper-connections, and a hashed
+n-gram per-layer embedding (PLE) whose table is stored in ``split_ngram_parts`` row shards).
+
+``synthetic_tensors`` yields the weights one tensor at a time without touching the disk (what ``make_model``
+writes, byte for byte), so a machine with little disk can build a large checkpoint straight in memory.
 
 Weights are chosen so that the model is *informative*: logits have a wide spread and routing is
 decisive, so comparing two implementations (ours against transformers) on logits and greedy tokens

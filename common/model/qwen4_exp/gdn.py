@@ -1,0 +1,104 @@
+"""Gated DeltaNet: the linear-attention token mixer of qwen4_exp (3 of every 4 layers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.kv.state import SlotSpec, StateSpec
+from common.model.context import ForwardContext
+from common.model.qwen4_exp import delta_rule
+from common.model.qwen4_exp.config import Qwen4ExpConfig
+from common.model.qwen4_exp.norms import GatedRMSNorm
+from common.model.qwen4_exp.varlen import Padding, causal_conv
+
+try:  # fla-core's Triton kernels (GPU); the torch recurrence is used everywhere else
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+except ImportError:  # pragma: no cover - depends on the machine
+    chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
+
+
+class GatedDeltaNet(nn.Module):
+    """qkv/z/b/a projections, depthwise causal conv, gated delta rule, gated RMSNorm, out projection.
+
+    Per-sequence state: `conv` (the last K-1 qkv inputs) and `recurrent` ([Hv, Dk, Dv] fp32).
+    """
+
+    def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        hidden = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, cfg.output_gate_act)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:
+        return {
+            "conv": SlotSpec((self.conv_dim, self.kernel - 1), dtype),
+            "recurrent": SlotSpec((self.hv, self.dk, self.dv), torch.float32),
+        }
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        state = ctx.pool.layer(self.layer_idx).slots
+        slots = ctx.batch.slot_ids
+        pad = Padding.of(ctx.batch)
+        t = x.shape[0]
+        qkv = causal_conv(self.in_proj_qkv(x), state["conv"], slots, self.conv1d.weight[:, 0], pad)
+        qkv = F.silu(qkv)
+        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk)
+        v = v.view(t, self.hv, self.dv)
+        if self.hv != self.hk:  # each key head serves hv / hk consecutive value heads
+            q = q.repeat_interleave(self.hv // self.hk, dim=1)
+            k = k.repeat_interleave(self.hv // self.hk, dim=1)
+        beta = torch.sigmoid(self.in_proj_b(x))  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
+        core = self._delta_rule(q, k, v, g, beta, state["recurrent"], slots, pad, ctx)  # [T, Hv, Dv] fp32
+        out = self.norm(core.to(x.dtype), self.in_proj_z(x).view(t, self.hv, self.dv))
+        return self.out_proj(out.reshape(t, self.value_dim))
+
+    def _delta_rule(
+        self, q, k, v, g, beta, recurrent, slots, pad: Padding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        if q.is_cuda and chunk_gated_delta_rule is not None:
+            return self._fla(q, k, v, g, beta, recurrent, slots, ctx)
+        if pad.max_len == 1:
+            out, new = delta_rule.recurrent_step(q, k, v, g, beta, recurrent[slots])
+            recurrent[slots] = new
+            return out
+        out, new = delta_rule.chunked(
+            pad.pad(q), pad.pad(k), pad.pad(v), pad.pad(g), pad.pad(beta), recurrent[slots]
+        )
+        recurrent[slots] = new
+        return pad.unpad(out)
+
+    def _fla(self, q, k, v, g, beta, recurrent, slots, ctx: ForwardContext) -> torch.Tensor:
+        """fla-core over the flat batch: varlen through cu_seqlens, states read from and written to slots."""
+        lens = torch.tensor(ctx.batch.query_lens, device=q.device)
+        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        kernel = fused_recurrent_gated_delta_rule if ctx.batch.is_decode else chunk_gated_delta_rule
+        out, new = kernel(
+            q[None],
+            k[None],
+            v[None],
+            g[None],
+            beta[None],
+            initial_state=recurrent[slots],
+            output_final_state=True,
+            cu_seqlens=cu,
+            use_qk_l2norm_in_kernel=True,
+        )
+        recurrent[slots] = new.float()
+        return out[0].float()

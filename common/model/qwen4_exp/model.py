@@ -1,0 +1,90 @@
+"""Qwen4ExpForCausalLM: the text model of qwen4_exp over hyper-connection streams and hybrid layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.experts.provider import ExpertProvider
+from common.kv.state import StateSpec
+from common.model.context import ForwardContext
+from common.model.moe import SparseMoeBlock
+from common.model.qwen4_exp.config import Qwen4ExpConfig
+from common.model.qwen4_exp.gdn import GatedDeltaNet
+from common.model.qwen4_exp.hyper import HyperConnection
+from common.model.qwen4_exp.ple import PLE
+from common.model.qwen4_exp.qsa import QSAttention
+from common.model.rope import RotaryEmbedding
+
+
+class Qwen4DecoderLayer(nn.Module):
+    """[PLE] → hyper-connected token mixer (GDN or QSA) → hyper-connected MoE."""
+
+    def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int, experts: ExpertProvider) -> None:
+        super().__init__()
+        self.ple = (
+            PLE(cfg, layer_idx, cfg.ple_layers.index(layer_idx)) if layer_idx in cfg.ple_layers else None
+        )
+        if cfg.layer_types[layer_idx] == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn = QSAttention(cfg, layer_idx)
+        self.mlp = SparseMoeBlock(cfg, layer_idx, experts)
+        self.attn_hyper_connection = HyperConnection(cfg)
+        self.mlp_hyper_connection = HyperConnection(cfg)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
+    def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:
+        specs = dict(self.mixer.state_specs(dtype))
+        if self.ple is not None:
+            specs.update(self.ple.state_specs(dtype))
+        return specs
+
+    def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.ple is not None:
+            streams = streams + self.ple(streams, ctx)
+        streams = self.attn_hyper_connection(streams, lambda h: self.mixer(h, ctx))
+        return self.mlp_hyper_connection(streams, self.mlp)
+
+
+class Qwen4Backbone(nn.Module):
+    def __init__(self, cfg: Qwen4ExpConfig, experts: ExpertProvider) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen4DecoderLayer(cfg, i, experts) for i in range(cfg.num_layers))
+        self.hyper_connection_mixer = HyperConnection(cfg, inject=False)
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    """Embedding copied into `hc_count` streams, decoder layers, a final stream mixer, lm_head."""
+
+    def __init__(self, cfg: Qwen4ExpConfig, experts: ExpertProvider) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen4Backbone(cfg, experts)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def state_specs(self, dtype: torch.dtype) -> list[dict[str, StateSpec]]:
+        return [layer.state_specs(dtype) for layer in self.model.layers]
+
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        """Final mixed hidden states [T, H] for every token of the batch."""
+        x = self.model.embed_tokens(ctx.batch.input_ids)  # [T, H]
+        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.batch.positions, x.dtype)
+        ctx.rotary = self.rotary
+        streams = x.repeat(1, self.config.hc_count)  # [T, hc·H]
+        for layer in self.model.layers:
+            streams = layer(streams, ctx)
+        return self.model.hyper_connection_mixer.mix(streams)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

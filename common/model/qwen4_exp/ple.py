@@ -1,0 +1,99 @@
+"""PLE: hashed n-gram embeddings injected into every hyper-connection stream (qwen4_exp layer index 1).
+
+Each token's bi- and trigram hashes pick rows of the host-resident n-gram table; their concatenation is
+projected to one value and one key per stream; the normalised streams gate the value, and a dilated causal
+conv adds local context. Per-sequence state: the last n−1 token ids and the conv history.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.kv.state import SlotSpec, StateSpec
+from common.model.context import ForwardContext
+from common.model.ngram import NGramSpec, ngram_ids
+from common.model.qwen4_exp.config import Qwen4ExpConfig
+from common.model.qwen4_exp.ngram_table import NGramTable
+from common.model.qwen4_exp.norms import OffsetRMSNorm
+from common.model.qwen4_exp.varlen import Padding, causal_conv
+
+
+class PLE(nn.Module):
+    """The per-layer n-gram embedding module; `table` is attached by the loader (host memory)."""
+
+    def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int, ple_index: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hc, self.hidden = cfg.hc_count, cfg.hidden_size
+        eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+        self.spec = NGramSpec.build(
+            cfg.vocab_size,
+            cfg.ngram_size,
+            cfg.heads_per_ngram,
+            cfg.ngram_vocab_size_base,
+            cfg.ngram_vocab_divisible_by,
+            cfg.ngram_seed,
+            ple_index,
+            eos,
+        )
+        self.table_shards = cfg.split_ngram_parts
+        self.table: NGramTable | None = None
+        self.dilation = cfg.ngram_size
+        self.conv_history = (cfg.ple_conv_kernel_size - 1) * self.dilation
+        embed, streams = cfg.ple_embed_dim, cfg.hc_hidden
+        self.key_proj = nn.Linear(embed, streams, bias=False)
+        self.value_proj = nn.Linear(embed, self.hidden, bias=False)
+        self.norm_key = OffsetRMSNorm(streams, cfg.rms_norm_eps, group=self.hidden)
+        self.norm_query = OffsetRMSNorm(streams, cfg.rms_norm_eps, group=self.hidden)
+        self.norm_conv = OffsetRMSNorm(streams, cfg.rms_norm_eps, group=self.hidden)
+        self.conv1d = nn.Conv1d(
+            streams, streams, cfg.ple_conv_kernel_size, groups=streams, dilation=self.dilation, bias=False
+        )
+
+    def table_shape(self) -> tuple[int, int]:
+        """(rows, row width) the attached table must have."""
+        return self.spec.table_rows, self.key_proj.in_features // self.spec.num_heads
+
+    def attach_table(self, table: NGramTable) -> None:
+        self.table = table
+
+    def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:
+        return {
+            "ngram_ctx": SlotSpec((self.spec.ngram_size - 1,), torch.int64, fill=self.spec.eos_token_id),
+            "ple_conv": SlotSpec((self.hc * self.hidden, self.conv_history), dtype),
+        }
+
+    def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """What PLE adds to the streams [T, hc·H]."""
+        emb = self.table.lookup(self._hash(ctx), streams.dtype).flatten(-2)  # [T, E]
+        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc, self.hidden))  # [T, hc, H]
+        query = self.norm_query(streams).unflatten(-1, (self.hc, self.hidden))
+        gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)  # [T, hc, 1]
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated = (torch.sigmoid(gate) * self.value_proj(emb)[:, None, :]).flatten(-2)  # [T, hc·H]
+        state = ctx.pool.layer(self.layer_idx).slots
+        pad = Padding.of(ctx.batch)
+        conv = causal_conv(
+            self.norm_conv(gated),
+            state["ple_conv"],
+            ctx.batch.slot_ids,
+            self.conv1d.weight[:, 0],
+            pad,
+            self.dilation,
+        )
+        return gated + F.silu(conv)
+
+    def _hash(self, ctx: ForwardContext) -> torch.Tensor:
+        """Table rows [T, heads] of this pass's tokens; advances each sequence's n-gram context."""
+        batch, pad = ctx.batch, Padding.of(ctx.batch)
+        context = ctx.pool.layer(self.layer_idx).slots["ngram_ctx"]
+        prev = context[batch.slot_ids]  # [B, n-1]
+        history = torch.cat([prev, pad.pad(batch.input_ids, self.spec.eos_token_id)], dim=1)  # [B, n-1+Lmax]
+        ids = pad.unpad(ngram_ids(self.spec, history, pad.max_len))  # [T, heads]
+        keep = pad.lens[:, None] + torch.arange(prev.shape[1], device=prev.device)[None, :]
+        context[batch.slot_ids] = history.gather(1, keep)
+        return ids

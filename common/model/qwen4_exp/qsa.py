@@ -1,0 +1,121 @@
+"""QSA: gated GQA attention whose keys are chosen per query by a token indexer over compressed blocks.
+
+The indexer keeps, per sequence, each token's raw indexer key (`index_k`) and, at the first slot of every
+complete block of `ratio` tokens, the block's compressed key (`index_block`: mean of the raw keys, normed,
+rotated at the block's start). A query at position p scores the complete blocks it sees, keeps the
+`budget / ratio` best, and attends to their tokens plus the tail of its own incomplete block. Up to
+budget + ratio − 1 tokens it is exactly dense attention, and no selection is computed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from common.kv.backend import kv_specs
+from common.kv.batch import ForwardBatch
+from common.kv.state import PagedSpec, StateSpec
+from common.model.context import ForwardContext
+from common.model.qwen4_exp.config import Qwen4ExpConfig
+from common.model.qwen4_exp.norms import OffsetRMSNorm
+from common.model.rope import apply_rotary
+
+
+class QSAIndexer(nn.Module):
+    """Scores compressed key blocks for each query and returns the key positions it may attend to."""
+
+    def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads, self.dim = cfg.indexer_n_heads, cfg.indexer_head_dim
+        self.ratio = cfg.indexer_compress_ratio
+        self.block_topk = cfg.indexer_budget // self.ratio
+        self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.heads + 1) * self.dim, bias=False)
+        self.q_layernorm = OffsetRMSNorm(self.dim, cfg.rms_norm_eps)
+        self.k_layernorm = OffsetRMSNorm(self.dim, cfg.rms_norm_eps)
+
+    def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:
+        spec = PagedSpec((self.dim,), dtype)
+        return {"index_k": spec, "index_block": spec}
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """Store the indexer keys of this pass; return key positions [T, S] per query (−1: none), or None."""
+        batch, paged = ctx.batch, ctx.pool.layer(self.layer_idx).paged
+        q, raw_k = torch.split(self.index_qk_proj(x), [self.heads * self.dim, self.dim], dim=-1)
+        raw_store = paged["index_k"].flatten(0, 1)  # [slots, Di]
+        raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
+        self._compress_completed_blocks(batch, raw_store, paged["index_block"].flatten(0, 1), ctx)
+        if max(batch.kv_lens) <= self.block_topk * self.ratio + self.ratio - 1:
+            return None  # every query sees at most the budget: dense
+        q = self.q_layernorm(q.view(-1, self.heads, self.dim))
+        q = apply_rotary(q, ctx.cos, ctx.sin)  # [T, Hi, Di]
+        return self._select(q, batch, paged["index_block"].flatten(0, 1))
+
+    def _compress_completed_blocks(
+        self, batch: ForwardBatch, raw: torch.Tensor, blocks: torch.Tensor, ctx
+    ) -> None:
+        """Compressed keys of the blocks whose last token arrived in this pass, stored at their first slot."""
+        ends = (batch.positions % self.ratio == self.ratio - 1).nonzero().squeeze(1)  # [M] token indices
+        if ends.numel() == 0:
+            return
+        seq = batch.seq_index[ends]
+        starts = batch.positions[ends] - (self.ratio - 1)  # [M]
+        members = starts[:, None] + torch.arange(self.ratio, device=starts.device)  # [M, r]
+        keys = raw[batch.slots_of(seq[:, None], members)]  # [M, r, Di]
+        pooled = self.k_layernorm(keys.float().mean(dim=1).to(keys.dtype))
+        cos, sin = ctx.rotary.cos_sin(starts, pooled.dtype)
+        blocks[batch.slots_of(seq, starts)] = apply_rotary(pooled[:, None], cos, sin)[:, 0].to(blocks.dtype)
+
+    def _select(self, q: torch.Tensor, batch: ForwardBatch, blocks: torch.Tensor) -> torch.Tensor:
+        device, r = q.device, self.ratio
+        visible = (batch.positions + 1) // r  # [T] complete blocks each query sees
+        max_blocks = int(max(batch.kv_lens)) // r
+        block_pos = torch.arange(max_blocks, device=device) * r  # [NB] start position of each block
+        scores = torch.full((q.shape[0], max_blocks), float("-inf"), device=device)
+        start = 0
+        for b, n in enumerate(batch.query_lens):  # per sequence: its queries against its own blocks
+            keys = blocks[batch.slots_of(torch.tensor(b, device=device), block_pos)].float()  # [NB, Di]
+            s = torch.relu(torch.einsum("thd,nd->thn", q[start : start + n].float(), keys)).sum(1)
+            scores[start : start + n] = s / math.sqrt(self.dim)
+            start += n
+        scores = scores.masked_fill(block_pos[None, :] >= visible[:, None] * r, float("-inf"))
+        k = min(self.block_topk, max_blocks)
+        top_scores, top_blocks = scores.topk(k, dim=-1)  # [T, k]
+        offsets = torch.arange(r, device=device)
+        chosen = torch.where(top_scores[..., None] > float("-inf"), top_blocks[..., None] * r + offsets, -1)
+        tail = visible[:, None] * r + offsets[: r - 1]  # [T, r-1] the query's incomplete block
+        tail = torch.where(tail <= batch.positions[:, None], tail, -1)
+        return torch.cat([chosen.flatten(1), tail], dim=1)
+
+
+class QSAttention(nn.Module):
+    """Gated attention (output × sigmoid(gate)) with q/k norm, partial RoPE and indexer-selected keys."""
+
+    def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        hidden = cfg.hidden_size
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim * 2, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=cfg.o_bias)
+        self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.indexer = QSAIndexer(cfg, layer_idx)
+
+    def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:
+        return {**kv_specs(self.kv_heads, self.head_dim, dtype), **self.indexer.state_specs(dtype)}
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        selected = self.indexer(x, ctx)
+        q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
+        q = apply_rotary(self.q_norm(q), ctx.cos, ctx.sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)), ctx.cos, ctx.sin)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        state = ctx.pool.layer(self.layer_idx)
+        out = ctx.backend.forward(q, k, v, state, ctx.attn_plan, self.head_dim**-0.5, selected=selected)
+        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
