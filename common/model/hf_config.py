@@ -28,7 +28,12 @@ def read_json(path: Path) -> dict[str, Any]:
 def load_architecture(model_dir: str | Path) -> tuple[Architecture, ModelConfig]:
     """The architecture and parsed config of the model in `model_dir`."""
     path = Path(model_dir) / "config.json"
-    hf = read_json(path)
+    arch, cfg = parse_architecture(read_json(path), path)
+    return arch, _with_generation_eos(cfg, Path(model_dir) / "generation_config.json")
+
+
+def parse_architecture(hf: dict[str, Any], path: Path) -> tuple[Architecture, ModelConfig]:
+    """The architecture and parsed config of a config.json dict; errors name `path`."""
     model_type = hf.get("model_type")
     if model_type is None:
         raise CheckpointError("config has no model_type", path, "model_type")
@@ -42,7 +47,7 @@ def load_architecture(model_dir: str | Path) -> tuple[Architecture, ModelConfig]
         raise CheckpointError("required field missing", path, str(exc.args[0])) from exc
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"invalid config: {exc}", path) from exc
-    return arch, _with_generation_eos(cfg, Path(model_dir) / "generation_config.json")
+    return arch, cfg
 
 
 def _with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:

@@ -6,9 +6,11 @@ is a CheckpointError that names the file and the key.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -21,7 +23,7 @@ from common.experts.resident import ResidentExperts
 from common.model.errors import CheckpointError
 from common.model.hf_config import load_architecture, read_json
 from common.model.layers import activation
-from common.model.registry import ExpertKey, HostTableKey
+from common.model.registry import Architecture, ExpertKey, HostTableKey
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +138,45 @@ def _check_shape(tensor: torch.Tensor, shape: tuple[int, ...], path: Path, key: 
         raise CheckpointError(f"tensor has shape {list(tensor.shape)}, expected {list(shape)}", path, key)
 
 
+TensorSource = Iterable[tuple[Path, str, Callable[[], torch.Tensor]]]
+"""(file, key, read) triples: where a tensor comes from, its checkpoint key, and how to read it."""
+
+
+def safetensors_source(model_dir: str | Path) -> Iterator[tuple[Path, str, Callable[[], torch.Tensor]]]:
+    """Every tensor of a safetensors checkpoint, read lazily, file by file."""
+    for path in checkpoint_files(model_dir):
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
+            raise CheckpointError(f"cannot read safetensors file: {exc}", path) from exc
+        with handle as f:
+            for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                yield path, key, functools.partial(f.get_tensor, key)
+
+
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
 ) -> nn.Module:
     """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint."""
     arch, cfg = load_architecture(model_dir)
+    where = Path(model_dir) / INDEX_FILE
+    return build_model(
+        arch, cfg, safetensors_source(model_dir), where if where.is_file() else Path(model_dir), dtype, device
+    )
+
+
+def build_model(
+    arch: Architecture,
+    cfg: ModelConfig,
+    source: TensorSource,
+    where: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """Build `arch` for `cfg` and fill it from `source` (a checkpoint, or tensors generated in memory).
+
+    `where` names the checkpoint in errors about tensors that are missing altogether.
+    """
     experts = ResidentExperts({}, activation(cfg.hidden_act))
     with torch.device("meta"):
         model = arch.build(cfg, experts)
@@ -152,48 +188,32 @@ def load_model(
     collector = _ExpertCollector(cfg)
     tables = _TableCollector(model)
     unexpected: list[str] = []
-    for path, _ in checkpoint_files(model_dir).items():
-        _load_file(path, arch.map_key, params, loaded, collector, tables, unexpected, dtype, device)
+    for path, key, read in source:
+        target = arch.map_key(key)
+        if target is None or (isinstance(target, str) and target not in params):
+            unexpected.append(key)
+            continue
+        try:
+            tensor = read()
+        except Exception as exc:
+            raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
+        if isinstance(target, ExpertKey):
+            collector.add(target, tensor.to(device=device, dtype=dtype), path, key)
+        elif isinstance(target, HostTableKey):
+            tables.add(target, tensor, path, key)  # stays in host memory, in its stored dtype
+        else:
+            _check_shape(tensor, tuple(params[target].shape), path, key)
+            with torch.no_grad():
+                params[target].copy_(tensor)
+            loaded.add(target)
     missing = sorted(set(params) - loaded)
     if missing:
-        where = Path(model_dir) / INDEX_FILE
-        raise CheckpointError(
-            f"missing tensor (and {len(missing) - 1} more)" if len(missing) > 1 else "missing tensor",
-            where if where.is_file() else Path(model_dir),
-            missing[0],
-        )
-    experts.weights = collector.finish(Path(model_dir))
-    tables.finish(Path(model_dir))
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"missing tensor{more}", where, missing[0])
+    experts.weights = collector.finish(where)
+    tables.finish(where)
     if unexpected:
         log.warning(
             "ignored %d checkpoint keys the runtime does not use, e.g. %s", len(unexpected), unexpected[0]
         )
     return model.eval()
-
-
-def _load_file(path, map_key, params, loaded, collector, tables, unexpected, dtype, device) -> None:
-    try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
-        raise CheckpointError(f"cannot read safetensors file: {exc}", path) from exc
-    with handle as f:
-        for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
-            target = map_key(key)
-            if target is None or (isinstance(target, str) and target not in params):
-                unexpected.append(key)
-                continue
-            try:
-                tensor = f.get_tensor(key)
-            except Exception as exc:
-                raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
-            if isinstance(target, ExpertKey):
-                collector.add(target, tensor.to(device=device, dtype=dtype), path, key)
-                continue
-            if isinstance(target, HostTableKey):
-                tables.add(target, tensor, path, key)  # stays in host memory, in its stored dtype
-                continue
-            param = params[target]
-            _check_shape(tensor, tuple(param.shape), path, key)
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(target)

@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import torch
 
+from common.hostmem import register_mapped
+
 
 class NGramTable:
-    """Rows [R, d] in host memory, gathered by id into the compute device and dtype."""
+    """Rows [R, d] in host memory, gathered by id into the compute device and dtype.
+
+    On a CUDA machine the rows are registered (page-locked, mapped) and a kernel gathers them on the GPU
+    with no host round trip; elsewhere the gather runs on the host.
+    """
 
     def __init__(self, rows: torch.Tensor, shard_scales: torch.Tensor | None = None) -> None:
-        self.rows = rows
+        self.rows = rows.contiguous()
         self.shard_scales = shard_scales
         self.shard_rows = rows.shape[0] // (1 if shard_scales is None else shard_scales.numel())
+        self.mapped = register_mapped(self.rows)
+        self._device_scales: dict[torch.device, torch.Tensor] = {}
 
     @property
     def dim(self) -> int:
@@ -24,8 +32,19 @@ class NGramTable:
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids [...] int64 (any device) → rows [..., d] in `dtype` on ids' device."""
+        if ids.is_cuda and self.mapped:
+            from common.kernels.gather import gather_rows
+
+            return gather_rows(self.rows, ids, dtype, self._scales_on(ids.device), self.shard_rows)
         host_ids = ids.to(self.rows.device)
         rows = self.rows[host_ids]
         if self.shard_scales is not None:
             rows = rows.float() * self.shard_scales[host_ids // self.shard_rows][..., None]
         return rows.to(device=ids.device, dtype=dtype, non_blocking=True)
+
+    def _scales_on(self, device: torch.device) -> torch.Tensor | None:
+        if self.shard_scales is None:
+            return None
+        if device not in self._device_scales:
+            self._device_scales[device] = self.shard_scales.to(device, torch.float32)
+        return self._device_scales[device]

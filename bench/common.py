@@ -1,0 +1,37 @@
+"""What every benchmark records: the exact command, the commit, the GPU and the date."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def provenance() -> dict:
+    """command, commit, gpu and date of this run."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "command": " ".join(["python", *sys.argv]),
+        "commit": commit.strip(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_result(name: str, result: dict, out_dir: Path | None = None) -> Path:
+    """bench/results/<name>.json (or under out_dir), provenance first."""
+    path = (out_dir or RESULTS) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"name": name, **provenance(), **result}, indent=2) + "\n")
+    return path
