@@ -13,6 +13,7 @@ from common.kv.state import SequenceState
 from common.model.loader import load_model
 from common.runner import ModelRunner
 from common.sampling import SamplingParams, sample
+from common.speculative import MTPSpeculator
 from common.tokenizer import Tokenizer
 
 
@@ -48,20 +49,27 @@ class Engine:
         device: str = "cpu",
         max_seqs: int = 8,
         max_context: int | None = None,
+        speculative: str | None = None,
+        num_draft: int = 2,
     ) -> None:
-        self.model = load_model(model_dir, dtype=dtype, device=device)
+        if speculative not in (None, "mtp"):
+            raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
+        self.model = load_model(model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp")
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_seqs = max_seqs
         context = min(self.config.max_position, max_context or 4096)
         self.runner = ModelRunner(self.model, max_seqs=max_seqs, max_context=context)
         self.device = self.runner.device
+        self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[GenerationResult]:
         """Generate for every prompt; at most `max_seqs` run at once, the rest wait for a free lane."""
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if self.speculator is not None and any(p.temperature > 0 for p in all_params):
+            raise ValueError("speculative decoding serves greedy requests (temperature 0) only")
         waiting = list(zip(range(len(prompts)), prompts, all_params, strict=True))
         results: dict[int, GenerationResult] = {}
         running: dict[int, Request] = {}
@@ -72,22 +80,43 @@ class Engine:
                 seed = p.seed if p.seed is not None else random.getrandbits(62)
                 admitted[index] = Request(list(prompt), p, seed, self.runner.new_sequence())
             if admitted:
-                self._step(list(admitted.values()), [r.prompt_ids for r in admitted.values()])
+                self._prefill(list(admitted.values()))
                 running.update(admitted)
             else:
-                self._step(list(running.values()), [[r.token_ids[-1]] for r in running.values()])
+                self._decode(list(running.values()))
             for index in [i for i, r in running.items() if r.finish_reason]:
                 req = running.pop(index)
+                if self.speculator is not None:
+                    self.speculator.release(req.state)
                 self.runner.release(req.state)
                 results[index] = GenerationResult(req.prompt_ids, req.token_ids, req.finish_reason)
         return [results[i] for i in range(len(prompts))]
 
-    def _step(self, reqs: list[Request], tokens: list[list[int]]) -> None:
+    def _prefill(self, reqs: list[Request]) -> None:
+        if self.speculator is not None:
+            first = self.speculator.prefill([r.state for r in reqs], [r.prompt_ids for r in reqs])
+            self._emit(reqs, [[t] for t in first])
+        else:
+            self._sample_step(reqs, [r.prompt_ids for r in reqs])
+
+    def _decode(self, reqs: list[Request]) -> None:
+        if self.speculator is not None:
+            self._emit(reqs, self.speculator.step([r.state for r in reqs], [r.token_ids[-1] for r in reqs]))
+        else:
+            self._sample_step(reqs, [[r.token_ids[-1]] for r in reqs])
+
+    def _sample_step(self, reqs: list[Request], tokens: list[list[int]]) -> None:
         logits = self.runner.forward([r.state for r in reqs], tokens)  # [B, V]
-        next_ids = sample(logits, *self._sampling_tensors(reqs)).tolist()
-        for req, token in zip(reqs, next_ids, strict=True):
-            req.token_ids.append(token)
-            req.finish_reason = self._finish_reason(req, token)
+        self._emit(reqs, [[t] for t in sample(logits, *self._sampling_tensors(reqs)).tolist()])
+
+    def _emit(self, reqs: list[Request], new_tokens: list[list[int]]) -> None:
+        """Append each request's new tokens up to the first that finishes it."""
+        for req, tokens in zip(reqs, new_tokens, strict=True):
+            for token in tokens:
+                req.token_ids.append(token)
+                req.finish_reason = self._finish_reason(req, token)
+                if req.finish_reason:
+                    break
 
     def _sampling_tensors(self, reqs: list[Request]) -> tuple[torch.Tensor, ...]:
         def t(values: list, dtype: torch.dtype) -> torch.Tensor:

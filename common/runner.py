@@ -44,14 +44,39 @@ class ModelRunner:
         self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]], all_logits: bool = False
     ) -> torch.Tensor:
         """Append `tokens[b]` to `seqs[b]`; logits [B, V] of each last token, or [T, V] of every token."""
+        ctx = self._context(seqs, tokens)
+        hidden = self.model(ctx)  # [T, H]
+        self._advance(seqs, tokens)
+        return self.model.compute_logits(hidden if all_logits else hidden[ctx.batch.last_token_index()])
+
+    @torch.inference_mode()
+    def forward_streams(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Like forward, but return every token's pre-mixer streams [T, hc·H] (models with an MTP head)."""
+        ctx = self._context(seqs, tokens)
+        streams = self.model.forward_streams(ctx)
+        self._advance(seqs, tokens)
+        return streams
+
+    @torch.inference_mode()
+    def draft(
+        self, seqs: Sequence[SequenceState], next_tokens: Sequence[Sequence[int]], streams: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP rows at positions seqs[b].num_cached...: (draft logits [T, V], MTP streams [T, hc·H]).
+
+        Does not advance `seqs`: the caller decides which MTP rows are final.
+        """
+        return self.model.draft(streams, self._context(seqs, next_tokens))
+
+    def _context(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> ForwardContext:
         for seq, toks in zip(seqs, tokens, strict=True):
             total = seq.num_cached + len(toks)
             if total > self.max_context:
                 raise ValueError(f"sequence of {total} tokens exceeds the context of {self.max_context}")
             self.pool.reserve(seq, total)
         batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device)
-        ctx = ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
-        hidden = self.model(ctx)  # [T, H]
+        return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
+
+    @staticmethod
+    def _advance(seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> None:
         for seq, toks in zip(seqs, tokens, strict=True):
             seq.num_cached += len(toks)
-        return self.model.compute_logits(hidden if all_logits else hidden[batch.last_token_index()])

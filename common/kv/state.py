@@ -127,6 +127,17 @@ class StatePool:
         if needed > 0:
             seq.pages.extend(self.pages.alloc(needed))
 
+    def snapshot(self, seq: SequenceState) -> list[dict[str, torch.Tensor]]:
+        """A copy of every fixed-size state of `seq` (paged state rolls back by its length alone)."""
+        return [{name: t[seq.slot].clone() for name, t in layer.slots.items()} for layer in self.layers]
+
+    def restore(self, seq: SequenceState, snap: list[dict[str, torch.Tensor]], num_cached: int) -> None:
+        """Put back a snapshot and the length it was taken at."""
+        for layer, saved in zip(self.layers, snap, strict=True):
+            for name, value in saved.items():
+                layer.slots[name][seq.slot].copy_(value)
+        seq.num_cached = num_cached
+
     def release(self, seq: SequenceState) -> None:
         """Return a finished sequence's pages and slot."""
         self.pages.free(seq.pages)

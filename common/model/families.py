@@ -20,7 +20,7 @@ _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj$"
 _MIXTRAL_PARTS = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
-def qwen_expert_key(key: str) -> str | ExpertKey:
+def qwen_expert_key(key: str, cfg: ModelConfig | None = None) -> str | ExpertKey:
     """Per-expert or fused routed-expert keys → ExpertKey; anything else unchanged."""
     if m := _PER_EXPERT.match(key):
         return ExpertKey(int(m[1]), int(m[2]), m[3])
@@ -29,7 +29,7 @@ def qwen_expert_key(key: str) -> str | ExpertKey:
     return key
 
 
-def _mixtral_key(key: str) -> str | ExpertKey:
+def _mixtral_key(key: str, cfg: ModelConfig | None = None) -> str | ExpertKey:
     key = key.replace(".block_sparse_moe.", ".mlp.")
     m = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight$", key)
     if m:

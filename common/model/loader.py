@@ -6,6 +6,7 @@ is a CheckpointError that names the file and the key.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -155,10 +156,21 @@ def safetensors_source(model_dir: str | Path) -> Iterator[tuple[Path, str, Calla
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    with_mtp: bool = False,
 ) -> nn.Module:
-    """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint."""
+    """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint.
+
+    `with_mtp` also builds and loads the checkpoint's MTP head (for speculative decoding).
+    """
     arch, cfg = load_architecture(model_dir)
+    if with_mtp:
+        layers = getattr(cfg, "checkpoint_mtp_layers", 0)
+        if not layers:
+            raise CheckpointError("the checkpoint has no MTP head", Path(model_dir) / "config.json")
+        cfg = dataclasses.replace(cfg, mtp_layers=layers)
     where = Path(model_dir) / INDEX_FILE
     return build_model(
         arch, cfg, safetensors_source(model_dir), where if where.is_file() else Path(model_dir), dtype, device
@@ -189,7 +201,7 @@ def build_model(
     tables = _TableCollector(model)
     unexpected: list[str] = []
     for path, key, read in source:
-        target = arch.map_key(key)
+        target = arch.map_key(key, cfg)
         if target is None or (isinstance(target, str) and target not in params):
             unexpected.append(key)
             continue

@@ -39,7 +39,7 @@ class HostTableKey:
     """`weight` or `scale` (fp8 tables: dequantised rows = weight · scale)."""
 
 
-KeyMapper = Callable[[str], "str | ExpertKey | HostTableKey | None"]
+KeyMapper = Callable[[str, ModelConfig], "str | ExpertKey | HostTableKey | None"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Architecture:
     build: Callable[[ModelConfig, ExpertProvider], nn.Module]
     """ModelConfig + expert provider → the model, parameters uninitialised."""
     map_key: KeyMapper
-    """Checkpoint key → runtime parameter name, an ExpertKey, or None for keys the runtime ignores."""
+    """(checkpoint key, config) → runtime parameter name, ExpertKey, HostTableKey, or None (ignored)."""
 
 
 ARCHITECTURES: dict[str, Architecture] = {}

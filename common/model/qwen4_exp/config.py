@@ -59,6 +59,15 @@ class Qwen4ExpConfig(ModelConfig):
     """Most keys a QSA query attends to (plus the tail of its current block)."""
     indexer_compress_ratio: int = 4
     """Tokens per compressed indexer block."""
+    mtp_layers: int = 0
+    """MTP layers built (0 unless speculative decoding asks for the head)."""
+    checkpoint_mtp_layers: int = 0
+    """MTP layers the checkpoint holds (`mtp_num_hidden_layers`)."""
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Every trunk layer's MoE, then the MTP layers' (indices num_layers, ...)."""
+        return tuple(range(self.num_layers + self.mtp_layers))
 
     @property
     def ple_layers(self) -> tuple[int, ...]:
@@ -138,4 +147,5 @@ def parse_qwen4_exp(hf: dict[str, Any]) -> Qwen4ExpConfig:
         indexer_head_dim=t.get("indexer_head_dim") or 0,
         indexer_budget=t.get("indexer_budget") or 2048,
         indexer_compress_ratio=t.get("indexer_compress_ratio") or 4,
+        checkpoint_mtp_layers=t.get("mtp_num_hidden_layers", 0),
     )

@@ -12,6 +12,7 @@ from common.model.moe import SparseMoeBlock
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.gdn import GatedDeltaNet
 from common.model.qwen4_exp.hyper import HyperConnection
+from common.model.qwen4_exp.mtp import Qwen4MTP
 from common.model.qwen4_exp.ple import PLE
 from common.model.qwen4_exp.qsa import QSAttention
 from common.model.rope import RotaryEmbedding
@@ -20,12 +21,18 @@ from common.model.rope import RotaryEmbedding
 class Qwen4DecoderLayer(nn.Module):
     """[PLE] → hyper-connected token mixer (GDN or QSA) → hyper-connected MoE."""
 
-    def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int, experts: ExpertProvider) -> None:
+    def __init__(
+        self,
+        cfg: Qwen4ExpConfig,
+        layer_idx: int,
+        experts: ExpertProvider,
+        mixer: str | None = None,
+        ple: bool = True,
+    ) -> None:
         super().__init__()
-        self.ple = (
-            PLE(cfg, layer_idx, cfg.ple_layers.index(layer_idx)) if layer_idx in cfg.ple_layers else None
-        )
-        if cfg.layer_types[layer_idx] == "linear_attention":
+        has_ple = ple and layer_idx in cfg.ple_layers
+        self.ple = PLE(cfg, layer_idx, cfg.ple_layers.index(layer_idx)) if has_ple else None
+        if (mixer or cfg.layer_types[layer_idx]) == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
         else:
             self.self_attn = QSAttention(cfg, layer_idx)
@@ -67,6 +74,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.model = Qwen4Backbone(cfg, experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
+        self.mtp = Qwen4MTP(cfg, experts) if cfg.mtp_layers else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -74,17 +82,40 @@ class Qwen4ExpForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def state_specs(self, dtype: torch.dtype) -> list[dict[str, StateSpec]]:
-        return [layer.state_specs(dtype) for layer in self.model.layers]
+        """Per layer (trunk, then MTP), the per-sequence state it keeps."""
+        layers = [*self.model.layers, *(self.mtp.layers if self.mtp is not None else [])]
+        return [layer.state_specs(dtype) for layer in layers]
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Final mixed hidden states [T, H] for every token of the batch."""
+        return self.mix(self.forward_streams(ctx))
+
+    def forward_streams(self, ctx: ForwardContext) -> torch.Tensor:
+        """The trunk's streams [T, hc·H] before the final mixer (what the MTP head reads)."""
         x = self.model.embed_tokens(ctx.batch.input_ids)  # [T, H]
-        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.batch.positions, x.dtype)
-        ctx.rotary = self.rotary
+        self._set_rotary(ctx, x.dtype)
         streams = x.repeat(1, self.config.hc_count)  # [T, hc·H]
         for layer in self.model.layers:
             streams = layer(streams, ctx)
+        return streams
+
+    def mix(self, streams: torch.Tensor) -> torch.Tensor:
+        """The final mixer: streams [T, hc·H] → hidden [T, H]."""
         return self.model.hyper_connection_mixer.mix(streams)[0]
+
+    def draft(self, streams: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP pass: row t pairs streams[t] with token ctx.batch.input_ids[t] (the next one) at its position.
+
+        Returns (draft logits [T, V] fp32, MTP streams [T, hc·H] for a chained draft step).
+        """
+        embeds = self.model.embed_tokens(ctx.batch.input_ids)
+        self._set_rotary(ctx, embeds.dtype)
+        hidden, out_streams = self.mtp(streams, embeds, ctx)
+        return self.compute_logits(hidden), out_streams
+
+    def _set_rotary(self, ctx: ForwardContext, dtype: torch.dtype) -> None:
+        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.batch.positions, dtype)
+        ctx.rotary = self.rotary
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
