@@ -24,6 +24,7 @@ from common.experts.resident import ResidentExperts
 from common.model.errors import CheckpointError
 from common.model.hf_config import load_architecture, read_json
 from common.model.layers import activation
+from common.model.ngram import ngram_shard_rows
 from common.model.registry import Architecture, ExpertKey, HostTableKey
 
 log = logging.getLogger(__name__)
@@ -104,17 +105,18 @@ class _TableCollector:
 
     def add(self, tk: HostTableKey, tensor: torch.Tensor, path: Path, key: str) -> None:
         owner = self.owners.get(tk.owner)
-        if owner is None or not 0 <= tk.shard < owner.table_shards:
+        rows, dim = owner.table_shape() if owner is not None else (0, 0)
+        sizes = ngram_shard_rows(rows, owner.table_parts) if owner is not None else []
+        if not 0 <= tk.shard < len(sizes):
             raise CheckpointError("table shard the config does not have", path, key)
-        rows, dim = owner.table_shape()
-        per_shard = rows // owner.table_shards
         if tk.part == "scale":
-            scales = self.scales.setdefault(tk.owner, torch.ones(owner.table_shards))
+            scales = self.scales.setdefault(tk.owner, torch.ones(len(sizes)))
             scales[tk.shard] = tensor.float().reshape(-1)[0]
             return
-        _check_shape(tensor, (per_shard, dim), path, key)
+        _check_shape(tensor, (sizes[tk.shard], dim), path, key)
         table = self.rows.setdefault(tk.owner, torch.empty((rows, dim), dtype=tensor.dtype))
-        table[tk.shard * per_shard : (tk.shard + 1) * per_shard] = tensor
+        start = sizes[0] * tk.shard  # every shard but the last has sizes[0] rows
+        table[start : start + sizes[tk.shard]] = tensor
         self.seen[tk.owner].add(tk.shard)
         self.example_key[tk.owner] = key
 
@@ -122,7 +124,8 @@ class _TableCollector:
         from common.model.qwen4_exp.ngram_table import NGramTable
 
         for name, owner in self.owners.items():
-            missing = sorted(set(range(owner.table_shards)) - self.seen[name])
+            shards = len(ngram_shard_rows(owner.table_shape()[0], owner.table_parts))
+            missing = sorted(set(range(shards)) - self.seen[name])
             if missing:
                 example = self.example_key.get(name, f"{name}.ple_embedding.ngram_embedding.shard_0.weight")
                 raise CheckpointError(
@@ -131,7 +134,8 @@ class _TableCollector:
             scales = self.scales.get(name)
             if self.rows[name].dtype == torch.float8_e4m3fn and scales is None:
                 raise CheckpointError("fp8 table without weight_scale_inv", where, self.example_key[name])
-            owner.attach_table(NGramTable(self.rows[name], scales))
+            shard_rows = ngram_shard_rows(owner.table_shape()[0], owner.table_parts)[0]
+            owner.attach_table(NGramTable(self.rows[name], scales, shard_rows))
 
 
 def _check_shape(tensor: torch.Tensor, shape: tuple[int, ...], path: Path, key: str) -> None:

@@ -95,6 +95,17 @@ class NGramSpec:
         return cls(ngram_size, heads_per_ngram, multipliers, sizes, offsets, rows, eos_token_id)
 
 
+def ngram_shard_rows(rows: int, parts: int) -> list[int]:
+    """Rows of each checkpoint shard of a table of `rows` rows saved in `parts` parts.
+
+    transformers saves the table with torch.chunk: shards of ceil(rows / parts) rows, the last one shorter,
+    and fewer than `parts` shards where that many would leave some empty.
+    """
+    size = math.ceil(rows / parts)
+    count = math.ceil(rows / size)
+    return [size] * (count - 1) + [rows - size * (count - 1)]
+
+
 def shifted_history(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
     """history [N, S] shifted right by `shift`; where an EOS lies in the last `shift` tokens, EOS."""
     if shift == 0:

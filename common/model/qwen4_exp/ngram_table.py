@@ -19,10 +19,13 @@ class NGramTable:
     with no host round trip; elsewhere the gather runs on the host.
     """
 
-    def __init__(self, rows: torch.Tensor, shard_scales: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, rows: torch.Tensor, shard_scales: torch.Tensor | None = None, shard_rows: int = 1
+    ) -> None:
         self.rows = rows.contiguous()
         self.shard_scales = shard_scales
-        self.shard_rows = rows.shape[0] // (1 if shard_scales is None else shard_scales.numel())
+        self.shard_rows = shard_rows
+        """Rows per checkpoint shard (the last may have fewer): row r is scaled by shard r // shard_rows."""
         self.mapped = register_mapped(self.rows)
         self._device_scales: dict[torch.device, torch.Tensor] = {}
 

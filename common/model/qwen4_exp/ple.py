@@ -40,7 +40,7 @@ class PLE(nn.Module):
             ple_index,
             eos,
         )
-        self.table_shards = cfg.split_ngram_parts
+        self.table_parts = cfg.split_ngram_parts
         self.table: NGramTable | None = None
         self.dilation = cfg.ngram_size
         self.conv_history = (cfg.ple_conv_kernel_size - 1) * self.dilation

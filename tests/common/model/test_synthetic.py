@@ -11,7 +11,14 @@ import torch
 from safetensors import safe_open
 
 from common.model import synthetic
-from common.model.synthetic import ARCHS, make_model, model_config, parse_overrides, plan_shards
+from common.model.synthetic import (
+    FLAT_ARCHS,
+    make_model,
+    model_config,
+    parse_overrides,
+    plan_shards,
+    synthetic_tensors,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,15 +56,15 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One tiny checkpoint per arch, written once for the module."""
+    """One tiny checkpoint per flat arch (qwen4_exp: test_synthetic_qwen4.py), written once for the module."""
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: make_model(root / arch, "tiny", arch) for arch in ARCHS}
+    return {arch: make_model(root / arch, "tiny", arch) for arch in FLAT_ARCHS}
 
 
 # --- layout -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", FLAT_ARCHS)
 def test_tiny_files_and_index(tiny: dict[str, Path], arch: str) -> None:
     path = tiny[arch]
     for name in ("config.json", "generation_config.json", "tokenizer.json", "model.safetensors.index.json"):
@@ -89,7 +96,7 @@ def test_token_ids_match_tokenizer() -> None:
     assert synthetic.PAD_TOKEN_ID == tok.ENDOFTEXT_ID
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", FLAT_ARCHS)
 def test_tiny_keys_are_hf_names(tiny: dict[str, Path], arch: str) -> None:
     tensors = _checkpoint_tensors(tiny[arch])
     hd, h = 32, 64
@@ -123,7 +130,7 @@ def test_tiny_keys_are_hf_names(tiny: dict[str, Path], arch: str) -> None:
 # --- transformers loads it ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", FLAT_ARCHS)
 def test_tiny_loads_in_transformers(tiny: dict[str, Path], arch: str) -> None:
     model, info = _load_hf(tiny[arch])
     _assert_clean_load(info)
@@ -240,6 +247,54 @@ def test_shard_size_does_not_change_values(tiny: dict[str, Path], tmp_path: Path
         safe_open(tiny["qwen3_moe"] / index["weight_map"][key], "pt") as sharded,
     ):
         assert torch.equal(single.get_tensor(key), sharded.get_tensor(key))
+
+
+def _read_all(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            out.update({k: sf.get_tensor(k) for k in sf.keys()})  # noqa: SIM118
+    return out
+
+
+@pytest.mark.parametrize("arch", FLAT_ARCHS)
+def test_synthetic_tensors_equal_the_written_checkpoint(tiny: dict[str, Path], arch: str) -> None:
+    written = _read_all(tiny[arch])
+    cfg = json.loads((tiny[arch] / "config.json").read_text())
+    keys = []
+    for key, tensor in synthetic_tensors(cfg, seed=0):
+        keys.append(key)
+        assert tensor.dtype == written[key].dtype and torch.equal(tensor, written[key]), key
+    assert keys == [t.key for t in synthetic.plan_tensors(cfg)]
+    assert set(keys) == set(written)
+
+
+def test_large_tensors_are_drawn_in_chunks_independent_of_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tensors above one chunk are drawn chunk by chunk, each chunk from its own generator; the values do
+    # not depend on how many threads draw them, and the chunks are not copies of each other.
+    monkeypatch.setattr(synthetic, "_CHUNK", 1000)
+    cfg = model_config("tiny", "qwen3_moe", {"num_hidden_layers": 1, "num_experts": 2})
+    serial = dict(synthetic_tensors(cfg, seed=3, workers=1))
+    parallel = dict(synthetic_tensors(cfg, seed=3, workers=3))
+    assert serial.keys() == parallel.keys()
+    assert all(torch.equal(serial[k], parallel[k]) for k in serial)
+    embed = serial["model.embed_tokens.weight"].flatten().float()  # 65536 values: 66 chunks
+    assert not torch.equal(embed[:1000], embed[1000:2000])
+    assert abs(embed.std().item() - 1.0) < 0.02
+    # A tensor of at most one chunk is drawn from the key's generator alone.
+    seeds = synthetic.generator_seeds(plan_shards(cfg, 10**9), seed=3)
+    norm = "model.layers.0.input_layernorm.weight"
+    g = torch.Generator().manual_seed(seeds[norm])
+    expected = torch.randn(64, generator=g).mul_(0.1).add_(1.0).to(torch.bfloat16)
+    assert torch.equal(serial[norm], expected)
+
+
+def test_synthetic_tensors_can_stop_early() -> None:
+    cfg = model_config("tiny", "mixtral", None)
+    stream = synthetic_tensors(cfg, seed=0, workers=2)
+    key, tensor = next(stream)
+    assert key == "model.embed_tokens.weight" and tensor.shape == (1024, 64)
+    stream.close()  # cancels the draws queued ahead
 
 
 def test_rewrite_removes_stale_shards(tmp_path: Path) -> None:
