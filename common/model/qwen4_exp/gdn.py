@@ -87,14 +87,14 @@ class GatedDeltaNet(nn.Module):
     def _fla(self, q, k, v, g, beta, recurrent, slots, ctx: ForwardContext) -> torch.Tensor:
         """fla-core over the flat batch: varlen through cu_seqlens, states read from and written to slots."""
         lens = torch.tensor(ctx.batch.query_lens, device=q.device)
-        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        cu = F.pad(lens.cumsum(0), (1, 0))  # int64, as fla expects
         kernel = fused_recurrent_gated_delta_rule if ctx.batch.is_decode else chunk_gated_delta_rule
-        out, new = kernel(
-            q[None],
-            k[None],
-            v[None],
-            g[None],
-            beta[None],
+        out, new = kernel(  # by keyword: the recurrent kernel takes gk, gv before beta
+            q=q[None],
+            k=k[None],
+            v=v[None],
+            g=g[None],
+            beta=beta[None],
             initial_state=recurrent[slots],
             output_final_state=True,
             cu_seqlens=cu,
