@@ -944,7 +944,8 @@ def _start(spec: TensorSpec, seed: int, storage: torch.dtype, submit: Any) -> tu
     """Allocate ``spec``'s tensor and ``submit(fn, *args)`` the draws of its chunks; return both."""
     if spec.init == "const":
         return torch.tensor(spec.values, dtype=spec.torch_dtype(storage)).reshape(spec.shape), []
-    out = torch.empty(spec.shape, dtype=spec.torch_dtype(storage))
+    with torch.inference_mode(False):  # worker threads fill it, outside any caller's inference mode
+        out = torch.empty(spec.shape, dtype=spec.torch_dtype(storage))
     flat = out.view(-1)
     jobs = [
         submit(_fill, spec, flat[start : start + _CHUNK], seed, start // _CHUNK)

@@ -406,3 +406,10 @@ def test_qwen3_30b_shard_plan() -> None:
     # Every tensor gets its own generator seed, even where 32-bit hashes of the keys collide.
     seeds = synthetic.generator_seeds(shards, seed=0)
     assert len(set(seeds.values())) == len(keys)
+
+
+def test_make_model_inside_inference_mode(tmp_path: Path) -> None:
+    """Tensors drawn by worker threads must not be inference tensors of the calling thread."""
+    with torch.inference_mode():
+        make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
+    assert (tmp_path / "m" / "config.json").is_file()
