@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,12 @@ def provenance() -> dict:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git (the GPU machine)
+        commit = os.environ.get("SPILLWAY_COMMIT", "unknown")
+    module = sys.modules["__main__"].__spec__
+    argv = ["-m", module.name, *sys.argv[1:]] if module is not None else sys.argv
     return {
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join(["python", *argv]),
         "commit": commit.strip(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -29,7 +29,13 @@ def _generate(args: argparse.Namespace) -> int:
     from common.sampling import SamplingParams
 
     model_dir = Path(args.model) if args.model else default_model_dir()
-    engine = Engine(model_dir, dtype=getattr(torch, args.dtype), device=args.device)
+    engine = Engine(
+        model_dir,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        speculative=args.speculative,
+        num_draft=args.num_draft,
+    )
     tok = engine.tokenizer
     if args.chat is not None:
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.chat}], tokenize=True)
@@ -74,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     mk = sub.add_parser("make-model", help="write a synthetic checkpoint in the HF on-disk format")
-    mk.add_argument("--preset", default="tiny", help="tiny | qwen3-30b")
-    mk.add_argument("--arch", default=None, help="qwen3_moe | qwen2_moe | mixtral (default: the preset's)")
+    mk.add_argument("--preset", default="tiny", help="tiny | qwen3-30b | flashnext")
+    mk.add_argument(
+        "--arch", default=None, help="qwen3_moe | qwen2_moe | mixtral | qwen4_exp (default: the preset's)"
+    )
     mk.add_argument(
         "--set",
         action="append",
@@ -101,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
     gen.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    gen.add_argument(
+        "--speculative",
+        choices=["mtp"],
+        default=None,
+        help="draft with the model's MTP head, verify with the trunk (greedy requests)",
+    )
+    gen.add_argument("--num-draft", type=int, default=2, help="tokens drafted per step with --speculative")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_generate)
     return parser
