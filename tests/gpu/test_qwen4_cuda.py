@@ -49,6 +49,35 @@ def test_cuda_fla_matches_cpu_reference(tmp_path: Path) -> None:
         assert err < 1e-3
 
 
+def test_cuda_logits_match_transformers_on_cuda(tmp_path: Path) -> None:
+    """Both sides on the GPU with fla-core's kernels: float32 logits over prefill and decode."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model_dir = make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp", overrides=OVERRIDES)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    engine = Engine(model_dir, dtype=torch.float32, device="cuda", max_seqs=3, max_context=96)
+    prompts = _prompts(engine.config.vocab_size)
+    seqs = [engine.runner.new_sequence() for _ in prompts]
+    with torch.inference_mode():
+        ours = engine.runner.forward(seqs, prompts, all_logits=True)
+        worst, offset = 0.0, 0
+        for b, prompt in enumerate(prompts):
+            out = hf(torch.tensor([prompt], device="cuda"), use_cache=True)
+            ref = out.logits[0].float()
+            worst = max(
+                worst, ((ours[offset : offset + len(prompt)] - ref).abs().max() / ref.abs().max()).item()
+            )
+            offset += len(prompt)
+            cache, token = out.past_key_values, int(ref[-1].argmax())
+            for _ in range(8):
+                mine = engine.runner.forward([seqs[b]], [[token]])[0]
+                out = hf(torch.tensor([[token]], device="cuda"), past_key_values=cache, use_cache=True)
+                ref = out.logits[0, -1].float()
+                worst = max(worst, ((mine - ref).abs().max() / ref.abs().max()).item())
+                cache, token = out.past_key_values, int(ref.argmax())
+    print(f"cuda vs transformers-on-cuda: worst relative error {worst:.2e}")
+    assert worst < 1e-4
+
+
 @torch.inference_mode()
 def test_cuda_greedy_matches_transformers(tmp_path: Path) -> None:
     model_dir = make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp", overrides=OVERRIDES)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from common.hostmem import register_mapped
+from common.hostmem import register_mapped, unregister
 
 
 class NGramTable:
@@ -28,6 +28,12 @@ class NGramTable:
         """Rows per checkpoint shard (the last may have fewer): row r is scaled by shard r // shard_rows."""
         self.mapped = register_mapped(self.rows)
         self._device_scales: dict[torch.device, torch.Tensor] = {}
+
+    def __del__(self) -> None:
+        # Unregister before the memory goes back to the allocator: a later allocation at the same address
+        # could not be registered again (cudaErrorHostMemoryAlreadyRegistered).
+        if getattr(self, "mapped", False):
+            unregister(self.rows)
 
     @property
     def dim(self) -> int:
