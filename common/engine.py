@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from common.experts.cache_tables import DEFAULT_POLICY
+from common.experts.offload import offload_experts
 from common.kv.state import SequenceState
 from common.model.loader import load_model
 from common.runner import ModelRunner
@@ -51,13 +53,22 @@ class Engine:
         max_context: int | None = None,
         speculative: str | None = None,
         num_draft: int = 2,
+        expert_cache: str | None = None,
+        cache_policy: str = DEFAULT_POLICY,
+        expert_format: str = "bf16",
+        prefill_chunk: int = 8192,
     ) -> None:
+        """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
+        cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         self.model = load_model(model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp")
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_seqs = max_seqs
+        if expert_cache is not None:
+            self.offload = offload_experts(self.model, expert_cache, cache_policy, expert_format)
+        self.prefill_chunk = prefill_chunk
         context = min(self.config.max_position, max_context or 4096)
         self.runner = ModelRunner(self.model, max_seqs=max_seqs, max_context=context)
         self.device = self.runner.device
@@ -106,8 +117,21 @@ class Engine:
             self._sample_step(reqs, [[r.token_ids[-1]] for r in reqs])
 
     def _sample_step(self, reqs: list[Request], tokens: list[list[int]]) -> None:
-        logits = self.runner.forward([r.state for r in reqs], tokens)  # [B, V]
+        logits = self._forward_chunked([r.state for r in reqs], tokens)  # [B, V]
         self._emit(reqs, [[t] for t in sample(logits, *self._sampling_tensors(reqs)).tolist()])
+
+    def _forward_chunked(self, seqs: list[SequenceState], tokens: list[list[int]]) -> torch.Tensor:
+        """Last-token logits [B, V], in passes of at most `prefill_chunk` tokens of each sequence."""
+        if max(len(t) for t in tokens) <= self.prefill_chunk:
+            return self.runner.forward(seqs, tokens)
+        last: dict[int, torch.Tensor] = {}
+        for start in range(0, max(len(t) for t in tokens), self.prefill_chunk):
+            live = [b for b, t in enumerate(tokens) if start < len(t)]
+            chunk = [tokens[b][start : start + self.prefill_chunk] for b in live]
+            logits = self.runner.forward([seqs[b] for b in live], chunk)
+            for row, b in enumerate(live):
+                last[b] = logits[row]
+        return torch.stack([last[b] for b in range(len(tokens))])
 
     def _emit(self, reqs: list[Request], new_tokens: list[list[int]]) -> None:
         """Append each request's new tokens up to the first that finishes it."""

@@ -74,6 +74,7 @@ class ModelRunner:
                 raise ValueError(f"sequence of {total} tokens exceeds the context of {self.max_context}")
             self.pool.reserve(seq, total)
         batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device)
+        self.model.experts.begin_pass(batch.is_decode)
         return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
 
     @staticmethod

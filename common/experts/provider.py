@@ -26,6 +26,9 @@ class ExpertWeights:
 class ExpertProvider(ABC):
     """Computes the weighted sum of the chosen routed experts for the tokens of one MoE layer."""
 
+    def begin_pass(self, is_decode: bool) -> None:  # noqa: B027  (a hook; most providers need nothing)
+        """Called before every forward pass (providers that serve decode and prefill differently use it)."""
+
     @abstractmethod
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -35,3 +38,13 @@ class ExpertProvider(ABC):
         x [T, H]; topk_ids [T, k] int64; topk_weights [T, k] (fp32 or x's dtype); returns [T, H] in x's dtype.
         `layer` is the model's layer index.
         """
+
+
+def install_provider(model, provider: ExpertProvider) -> None:
+    """Make `provider` serve every MoE block of `model` (blocks hold it as `experts`; the model as well)."""
+    from common.model.moe import SparseMoeBlock
+
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.experts = provider
+    model.experts = provider

@@ -11,15 +11,15 @@ from common.experts.provider import ExpertProvider, ExpertWeights
 
 def grouped_expert_mlp(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """Reference SwiGLU expert MLP: tokens grouped by expert, one GEMM pair per expert used.
+    """Reference SwiGLU expert MLP: tokens grouped by expert, one GEMM pair per expert used, experts in
+    ascending id order (so the result depends only on the weights, not on where they were read from).
 
-    x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_ids/topk_weights [T, k] → [T, H].
+    x [T, H]; weights_of(e) → (gate_up [2I, H], down [H, I]); topk_ids/topk_weights [T, k] → [T, H].
     The per-expert loop and its host sync make this a reference, not the GPU decode path (Triton kernels
     over cache slots replace it there).
     """
@@ -28,15 +28,16 @@ def grouped_expert_mlp(
     order = torch.argsort(flat_ids, stable=True)
     token_of = order // k  # [T*k] token of each sorted (token, choice) pair
     weight_of = topk_weights.reshape(-1)[order]
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids).tolist()
     out = torch.zeros_like(x)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = token_of[start : start + count]
-        gate, up = torch.nn.functional.linear(x[rows], gate_up[expert]).chunk(2, dim=-1)  # [n, I] each
-        y = torch.nn.functional.linear(act(gate) * up, down[expert])  # [n, H]
+        gate_up, down = weights_of(expert)
+        gate, up = torch.nn.functional.linear(x[rows], gate_up).chunk(2, dim=-1)  # [n, I] each
+        y = torch.nn.functional.linear(act(gate) * up, down)  # [n, H]
         y = y * weight_of[start : start + count, None]
         out.index_add_(0, rows, y.to(out.dtype))
         start += count
@@ -56,4 +57,4 @@ class ResidentExperts(ExpertProvider):
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         w = self.weights[layer]
-        return grouped_expert_mlp(x, w.gate_up, w.down, topk_ids, topk_weights, self.act)
+        return grouped_expert_mlp(x, lambda e: (w.gate_up[e], w.down[e]), topk_ids, topk_weights, self.act)

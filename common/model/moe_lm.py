@@ -58,6 +58,7 @@ class MoECausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, experts: ExpertProvider) -> None:
         super().__init__()
         self.config = cfg
+        self.experts = experts
         self.model = Backbone(cfg, experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)

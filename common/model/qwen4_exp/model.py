@@ -71,6 +71,7 @@ class Qwen4ExpForCausalLM(nn.Module):
     def __init__(self, cfg: Qwen4ExpConfig, experts: ExpertProvider) -> None:
         super().__init__()
         self.config = cfg
+        self.experts = experts
         self.model = Qwen4Backbone(cfg, experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)

@@ -1,0 +1,205 @@
+"""The VRAM expert cache's bookkeeping: which expert sits in which slot, and whom to evict — as device ops.
+
+S slots, partitioned by layer (a slot serves one layer until capacity is rebalanced). Tables on the device:
+`slot_of[layer, expert]` (−1: absent), `owner[slot]` (expert or −1), `last_use[slot]`, `freq[layer, expert]`
+(a decayed access count of every expert, cached or not) and `pinned[slot]` (a calibration hot set that is
+never evicted). `resolve` serves one layer's step with fixed-shape tensor ops — no host synchronisation —
+so that it can run inside a captured decode step: requested experts are hits or misses; misses, most frequent
+first, take the lowest-scoring evictable slots of their layer (free slots first; never a slot a hit of the
+same step uses); under `lfu-admit` a miss rarer than its victim is not inserted (a bypass: computed from host
+memory). Every table has one spare entry at its end that absorbs the writes of invalid pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+POLICIES = ("lru", "lfu", "lfu-admit")
+DEFAULT_POLICY = "lfu-admit"
+
+
+@dataclass
+class Resolution:
+    """What one layer's step got from the cache, per expert of the layer ([E] each)."""
+
+    slot: torch.Tensor
+    """Slot holding the expert after the step (hits and admitted misses); −1 otherwise."""
+    filled: torch.Tensor
+    """Missed experts copied into `slot` this step (they must be loaded before use)."""
+    bypass: torch.Tensor
+    """Requested experts computed straight from host memory (misses that got no slot)."""
+
+
+class CacheTables:
+    """Slot ownership, recency, frequency and pinning of an expert cache over layers × experts."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        slots_per_layer: Sequence[int],
+        policy: str = DEFAULT_POLICY,
+        device: torch.device | str = "cpu",
+        decay: float = 0.98,
+        pinned: Mapping[int, Sequence[int]] | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"cache policy {policy!r} is not one of {POLICIES}")
+        if len(slots_per_layer) != num_layers:
+            raise ValueError(f"{len(slots_per_layer)} layer capacities for {num_layers} layers")
+        self.num_layers, self.num_experts, self.policy, self.decay = num_layers, num_experts, policy, decay
+        self.num_slots = sum(slots_per_layer)
+        self.device = torch.device(device)
+        s, e = self.num_slots, num_experts
+        self.slot_of = torch.full((num_layers, e + 1), -1, dtype=torch.int64, device=device)  # col e: spare
+        self.owner = torch.full((s + 1,), -1, dtype=torch.int64, device=device)  # slot s: spare
+        self.last_use = torch.zeros(s + 1, dtype=torch.int64, device=device)
+        self.pinned = torch.zeros(s + 1, dtype=torch.bool, device=device)
+        self.freq = torch.zeros(num_layers, e, dtype=torch.float32, device=device)
+        counters = ("hits", "misses", "evictions", "bypasses")
+        self.counters = {n: torch.zeros(num_layers, dtype=torch.int64, device=device) for n in counters}
+        self.layer_slots: list[torch.Tensor] = []
+        self._assign(list(slots_per_layer))
+        self._seen = {n: torch.zeros_like(c) for n, c in self.counters.items()}
+        for layer, experts in (pinned or {}).items():
+            self.pin(layer, experts)
+
+    @property
+    def capacities(self) -> list[int]:
+        return [t.numel() for t in self.layer_slots]
+
+    def _assign(self, capacities: list[int]) -> None:
+        starts = torch.tensor([0, *capacities]).cumsum(0).tolist()
+        self.layer_slots = [
+            torch.arange(starts[i], starts[i + 1], device=self.device) for i in range(self.num_layers)
+        ]
+
+    def pin(self, layer: int, experts: Sequence[int]) -> None:
+        """Load-time: give `experts` of `layer` slots that are never evicted (they must still be filled)."""
+        slots = self.layer_slots[layer][: len(experts)]
+        if len(slots) < len(experts):
+            raise ValueError(f"layer {layer}: {len(experts)} pinned experts, {len(slots)} slots")
+        ids = torch.tensor(list(experts), dtype=torch.int64, device=self.device)
+        self.owner[slots] = ids
+        self.slot_of[layer, ids] = slots
+        self.pinned[slots] = True
+
+    def resolve(self, layer: int, requested: torch.Tensor, step: int, max_new: int) -> Resolution:
+        """Serve a step of `layer` that uses the experts in `requested` ([E] bool).
+
+        `max_new` bounds the misses that can take a slot this step (the tokens' expert choices, known on the
+        host): it fixes the shape of the pairing, not the result.
+        """
+        e = self.num_experts
+        freq = self.freq[layer]
+        freq.mul_(self.decay).add_(requested.float())
+        current = self.slot_of[layer, :e]  # [E]
+        hit = requested & (current >= 0)
+        miss = requested & (current < 0)
+        slots = self.layer_slots[layer]  # [C]
+        self.last_use[torch.where(hit, current, self.num_slots)] = step
+
+        # Victims: evictable slots of the layer, lowest score first (free slots score −inf).
+        owner = self.owner[slots]
+        in_use = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=self.device)
+        in_use[torch.where(hit, current, self.num_slots)] = True
+        evictable = ~self.pinned[slots] & ~in_use[slots]
+        score = self._score(layer, owner, slots)
+        score = torch.where(owner < 0, float("-inf"), score)
+        score = torch.where(evictable, score, float("inf"))
+        pairs = min(max_new, slots.numel(), e)
+        victim_score, victim_idx = torch.topk(score, pairs, largest=False)  # [P]
+        victims = slots[victim_idx]
+        # Misses, most frequent first (ties: lower expert id).
+        miss_key = torch.where(miss, -freq, float("inf"))
+        newcomer = torch.sort(miss_key, stable=True).indices[:pairs]  # [P]
+        valid = miss[newcomer] & (victim_score < float("inf"))
+        if self.policy == "lfu-admit":
+            old = self.owner[victims]
+            old_freq = torch.where(old >= 0, freq[old.clamp(min=0)], float("-inf"))
+            valid &= freq[newcomer] >= old_freq
+        self._apply(layer, newcomer, victims, valid, step)
+
+        slot = torch.where(requested, self.slot_of[layer, :e], -1)
+        filled = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
+        filled[torch.where(valid, newcomer, e)] = True
+        filled = filled[:e]
+        bypass = miss & ~filled
+        self.counters["hits"][layer] += hit.sum()
+        self.counters["misses"][layer] += miss.sum()
+        self.counters["bypasses"][layer] += bypass.sum()
+        return Resolution(slot=slot, filled=filled, bypass=bypass)
+
+    def _score(self, layer: int, owner: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        recency = self.last_use[slots].float()
+        if self.policy == "lru":
+            return recency
+        # LFU: decayed frequency; ties go to the least recently used (recency / 2^40 < any frequency step).
+        return self.freq[layer, owner.clamp(min=0)] + recency * 2.0**-40
+
+    def _apply(
+        self, layer: int, newcomer: torch.Tensor, victims: torch.Tensor, valid: torch.Tensor, step: int
+    ):
+        e, spare = self.num_experts, self.num_slots
+        old = self.owner[victims]
+        evicted = valid & (old >= 0)
+        self.counters["evictions"][layer] += evicted.sum()
+        self.slot_of[layer, torch.where(evicted, old, e)] = -1
+        target = torch.where(valid, victims, spare)
+        self.owner[target] = torch.where(valid, newcomer, -1)
+        self.slot_of[layer, torch.where(valid, newcomer, e)] = torch.where(valid, victims, -1)
+        self.last_use[target] = step
+        self.owner[spare], self.slot_of[layer, e] = -1, -1
+
+    def rebalance(self, slots_to_move: int, min_slots: int = 1) -> tuple[int, int, int] | None:
+        """Between steps: move slots from the layer with the best hit rate since the last call to the worst.
+
+        The donor gives up its lowest-scoring unpinned slots (their experts are evicted). Reads the counters
+        on the host, so it runs outside captured steps. Returns (donor, recipient, slots moved) or None.
+        """
+        hits = (self.counters["hits"] - self._seen["hits"]).tolist()
+        misses = (self.counters["misses"] - self._seen["misses"]).tolist()
+        self._seen = {n: c.clone() for n, c in self.counters.items()}
+        rate = [h / (h + m) if h + m else 1.0 for h, m in zip(hits, misses, strict=True)]
+        movable = [i for i in range(self.num_layers) if self.capacities[i] > min_slots]
+        if not movable:
+            return None
+        donor = max(movable, key=lambda i: rate[i])
+        recipient = min(range(self.num_layers), key=lambda i: rate[i])
+        slots = self.layer_slots[donor]
+        owner = self.owner[slots]
+        score = torch.where(owner < 0, float("-inf"), self._score(donor, owner, slots))
+        score = torch.where(self.pinned[slots], float("inf"), score)
+        n = min(slots_to_move, slots.numel() - min_slots, int((score < float("inf")).sum()))
+        if donor == recipient or n <= 0 or rate[donor] <= rate[recipient]:
+            return None
+        give = torch.topk(score, n, largest=False).indices
+        moved = slots[give]
+        old = self.owner[moved]
+        self.slot_of[donor, torch.where(old >= 0, old, self.num_experts)] = -1
+        self.slot_of[donor, self.num_experts] = -1
+        self.owner[moved] = -1
+        keep = torch.ones(slots.numel(), dtype=torch.bool, device=self.device)
+        keep[give] = False
+        self.layer_slots[donor] = slots[keep]
+        self.layer_slots[recipient] = torch.cat([self.layer_slots[recipient], moved])
+        return donor, recipient, n
+
+    def check(self) -> None:
+        """Invariants (tests): no slot owned twice, tables agree, capacities sum to the slot count."""
+        assert sum(self.capacities) == self.num_slots
+        for layer, slots in enumerate(self.layer_slots):
+            owners = self.owner[slots]
+            held = owners[owners >= 0]
+            assert held.unique().numel() == held.numel(), f"layer {layer}: an expert owns two slots"
+            assert torch.equal(self.slot_of[layer, held], slots[owners >= 0]), f"layer {layer}: slot_of stale"
+            present = (self.slot_of[layer, : self.num_experts] >= 0).nonzero().squeeze(1)
+            assert torch.equal(self.owner[self.slot_of[layer, present]], present), (
+                f"layer {layer}: owner stale"
+            )
+            in_layer = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=self.device)
+            in_layer[slots] = True
+            assert bool(in_layer[self.slot_of[layer, present]].all()), f"layer {layer}: slot of another layer"

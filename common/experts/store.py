@@ -1,0 +1,74 @@
+"""The host expert store: every routed expert of every MoE layer in one host allocation.
+
+Layout: for each MoE layer, for each component of the expert format, a block [E, *component shape] — so
+each expert of a layer sits at a fixed stride inside its block and a copy or a kernel can address it by
+(layer, component, expert). The allocation is an anonymous mmap of exactly the bytes needed; on a CUDA
+machine it is registered (page-locked and mapped) in place, so the GPU reads it directly.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from common.hostmem import register_mapped, unregister
+
+_ALIGN = 256  # block starts aligned for vectorised loads
+
+
+class HostExpertStore:
+    """parts[layer][component] is a [E, *shape] view of one host allocation."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        components: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        map_for_gpu: bool = True,
+    ) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.components = dict(components)
+        offsets, size = [], 0
+        for _ in range(num_layers):
+            layer = {}
+            for name, (shape, dtype) in self.components.items():
+                layer[name] = size
+                size += _aligned(num_experts * math.prod(shape) * dtype.itemsize)
+            offsets.append(layer)
+        self.nbytes = size
+        self._mmap = mmap.mmap(-1, max(size, 1))
+        self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=size) if size else torch.empty(0)
+        self.parts: list[dict[str, torch.Tensor]] = [
+            {name: self._view(off[name], shape, dtype) for name, (shape, dtype) in self.components.items()}
+            for off in offsets
+        ]
+        self.mapped = map_for_gpu and size > 0 and register_mapped(self.buffer)
+
+    def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = self.num_experts * math.prod(shape) * dtype.itemsize
+        return self.buffer[offset : offset + count].view(dtype).view(self.num_experts, *shape)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert in the runtime format (its cache-slot size)."""
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.components.values())
+
+    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's components (views into the store)."""
+        return {name: block[expert] for name, block in self.parts[layer].items()}
+
+    def fill(self, layer: int, packed: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """Write a layer's experts (packed components, in expert order)."""
+        for name, block in self.parts[layer].items():
+            block.copy_(torch.stack([p[name] for p in packed]))
+
+    def __del__(self) -> None:
+        if getattr(self, "mapped", False):
+            unregister(self.buffer)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
