@@ -38,3 +38,39 @@ def write_result(name: str, result: dict, out_dir: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"name": name, **provenance(), **result}, indent=2) + "\n")
     return path
+
+
+def measure_pcie_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Steady-state host→device copy rate from page-locked memory, GB/s (median of `repeats`)."""
+    from common.hostmem import register_mapped, unregister
+
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    register_mapped(host)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)  # warm-up
+    rates = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    unregister(host)
+    return sorted(rates)[len(rates) // 2]
+
+
+def measure_hbm_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Device-to-device copy rate (read + write bytes), GB/s."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    rates = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        rates.append(2 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return sorted(rates)[len(rates) // 2]

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from common.experts.artifact import is_artifact, open_store
 from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
+from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
 from common.kv.state import SequenceState
 from common.model.loader import load_model
 from common.runner import ModelRunner
@@ -57,17 +59,36 @@ class Engine:
         cache_policy: str = DEFAULT_POLICY,
         expert_format: str = "bf16",
         prefill_chunk: int = 8192,
+        record_routing: bool = False,
+        replay_routing: str | None = None,
+        pinned_experts: dict[int, list[int]] | None = None,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
-        cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass."""
+        cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
+        keeps the router's choices (`routing_recorder.trace()`); `replay_routing` (a trace file or
+        `synthetic-zipf:...`) forces them; `pinned_experts` (MoE layer index → experts, a calibration hot set)
+        stay cached for good."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         self.model = load_model(model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp")
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_seqs = max_seqs
-        if expert_cache is not None:
-            self.offload = offload_experts(self.model, expert_cache, cache_policy, expert_format)
+        if is_artifact(model_dir):  # experts packed once by `spillway convert`: map them, serve them cached
+            store, meta = open_store(model_dir)
+            self.offload = offload_experts(
+                self.model, expert_cache or "all", cache_policy, meta["format"], pinned_experts, store
+            )
+        elif expert_cache is not None:
+            self.offload = offload_experts(
+                self.model, expert_cache, cache_policy, expert_format, pinned_experts
+            )
+        cfg, layers = self.config, list(self.config.moe_layers)
+        self.routing_recorder = RoutingRecorder(layers, cfg.num_experts) if record_routing else None
+        if replay_routing is not None:
+            install_routing_hook(self.model, replayer_for(replay_routing, layers, cfg.num_experts, cfg.top_k))
+        elif self.routing_recorder is not None:
+            install_routing_hook(self.model, self.routing_recorder)
         self.prefill_chunk = prefill_chunk
         context = min(self.config.max_position, max_context or 4096)
         self.runner = ModelRunner(self.model, max_seqs=max_seqs, max_context=context)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,7 @@ from common.experts.formats import get_format
 from common.experts.provider import ExpertProvider, install_provider
 from common.experts.resident import grouped_expert_mlp
 from common.experts.store import HostExpertStore
+from common.model.hf_config import read_json
 
 
 @dataclass
@@ -174,20 +176,28 @@ def offload_experts(
     policy: str = DEFAULT_POLICY,
     fmt: str = "bf16",
     pinned: dict[int, list[int]] | None = None,
+    store: HostExpertStore | None = None,
 ) -> OffloadedExperts:
-    """Move `model`'s resident routed experts into a host store in format `fmt` and serve them through a
-    VRAM cache of `capacity` (see parse_capacity) under `policy`; `pinned` maps MoE layer → hot experts."""
+    """Serve `model`'s routed experts from a host store through a VRAM cache of `capacity` (see
+    parse_capacity) under `policy`; `pinned` maps MoE layer index → hot experts. Without `store` the model's
+    resident experts are packed into a new one in format `fmt` (and freed); with it (an artifact's), used."""
     resident = model.experts
     cfg = model.config
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-    layers = sorted(resident.weights)
+    layers = sorted(cfg.moe_layers)
     form = get_format(fmt)
-    store = HostExpertStore(
-        len(layers), cfg.num_experts, form.components(cfg.hidden_size, cfg.moe_intermediate_size)
-    )
-    for i, layer in enumerate(layers):
-        w = resident.weights.pop(layer)  # free each resident layer as it is packed
-        store.fill(i, [form.pack(w.gate_up[e].cpu(), w.down[e].cpu()) for e in range(cfg.num_experts)])
+    if store is None:
+        store = HostExpertStore(
+            len(layers), cfg.num_experts, form.components(cfg.hidden_size, cfg.moe_intermediate_size)
+        )
+        for i, layer in enumerate(layers):
+            w = resident.weights.pop(layer)  # free each resident layer as it is packed
+            store.fill(i, [form.pack(w.gate_up[e].cpu(), w.down[e].cpu()) for e in range(cfg.num_experts)])
+    elif store.num_layers != len(layers) or store.num_experts != cfg.num_experts:
+        raise ValueError(
+            f"expert store of {store.num_layers}×{store.num_experts}, model has "
+            f"{len(layers)}×{cfg.num_experts}"
+        )
     tables = CacheTables(
         len(layers),
         cfg.num_experts,
@@ -199,3 +209,12 @@ def offload_experts(
     provider = OffloadedExperts(store, tables, form.unpack, resident.act, layers, device, dtype)
     install_provider(model, provider)
     return provider
+
+
+def load_hot_set(path: str | Path) -> dict[int, list[int]]:
+    """A calibration hot set: JSON `{"MoE layer index": [expert ids]}` (say, a trace's most used experts)."""
+    data = read_json(Path(path))
+    try:
+        return {int(layer): [int(e) for e in experts] for layer, experts in data.items()}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: expected {{layer: [expert ids]}}: {exc}") from exc

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -28,7 +29,11 @@ class HostExpertStore:
         num_experts: int,
         components: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
         map_for_gpu: bool = True,
+        backing: Path | None = None,
+        writable_file: bool = False,
     ) -> None:
+        """An anonymous allocation, or with `backing` the file's bytes mapped in place (a converted artifact:
+        `writable_file` to write it, else private copy-on-write pages, so the file is never modified)."""
         self.num_layers, self.num_experts = num_layers, num_experts
         self.components = dict(components)
         offsets, size = [], 0
@@ -39,7 +44,7 @@ class HostExpertStore:
                 size += _aligned(num_experts * math.prod(shape) * dtype.itemsize)
             offsets.append(layer)
         self.nbytes = size
-        self._mmap = mmap.mmap(-1, max(size, 1))
+        self._mmap = _map(size, backing, writable_file)
         self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=size) if size else torch.empty(0)
         self.parts: list[dict[str, torch.Tensor]] = [
             {name: self._view(off[name], shape, dtype) for name, (shape, dtype) in self.components.items()}
@@ -68,6 +73,20 @@ class HostExpertStore:
     def __del__(self) -> None:
         if getattr(self, "mapped", False):
             unregister(self.buffer)
+
+
+def _map(size: int, backing: Path | None, writable_file: bool) -> mmap.mmap:
+    if backing is None:
+        return mmap.mmap(-1, max(size, 1))
+    if writable_file:
+        backing.touch()
+    mode = "r+b" if writable_file else "rb"
+    with open(backing, mode) as f:
+        if writable_file:
+            f.truncate(size)
+        elif backing.stat().st_size != size:
+            raise ValueError(f"{backing}: {backing.stat().st_size} bytes, the layout needs {size}")
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_WRITE if writable_file else mmap.ACCESS_COPY)
 
 
 def _aligned(n: int) -> int:

@@ -30,6 +30,8 @@ from common.model.registry import Architecture, ExpertKey, HostTableKey
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+ARTIFACT_META = "experts.json"
+"""Marks a converted runtime artifact (common/experts/artifact.py): routed experts are packed apart."""
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
@@ -176,6 +178,15 @@ def load_model(
             raise CheckpointError("the checkpoint has no MTP head", Path(model_dir) / "config.json")
         cfg = dataclasses.replace(cfg, mtp_layers=layers)
     where = Path(model_dir) / INDEX_FILE
+    if (Path(model_dir) / ARTIFACT_META).is_file():
+        if with_mtp:
+            raise CheckpointError(
+                "speculative decoding from a converted artifact is not supported yet",
+                Path(model_dir) / ARTIFACT_META,
+            )
+        return build_model(
+            arch, cfg, safetensors_source(model_dir), where, dtype, device, external_experts=True
+        )
     return build_model(
         arch, cfg, safetensors_source(model_dir), where if where.is_file() else Path(model_dir), dtype, device
     )
@@ -188,10 +199,12 @@ def build_model(
     where: Path,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    external_experts: bool = False,
 ) -> nn.Module:
     """Build `arch` for `cfg` and fill it from `source` (a checkpoint, or tensors generated in memory).
 
-    `where` names the checkpoint in errors about tensors that are missing altogether.
+    `where` names the checkpoint in errors about tensors that are missing altogether. With
+    `external_experts` the routed experts come from elsewhere (an artifact's packed store).
     """
     experts = ResidentExperts({}, activation(cfg.hidden_act))
     with torch.device("meta"):
@@ -228,7 +241,8 @@ def build_model(
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor{more}", where, missing[0])
-    experts.weights = collector.finish(where)
+    if not external_experts:
+        experts.weights = collector.finish(where)
     tables.finish(where)
     if unexpected:
         log.warning(

@@ -29,6 +29,7 @@ class SparseMoeBlock(nn.Module):
         self.weights_fp32 = cfg.router_weights_fp32
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = experts
+        self.routing_hook = None  # record or replay the router's choices (common/experts/routing.py)
         self.shared_expert = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size > 0:
@@ -40,6 +41,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] each
+        if self.routing_hook is not None:
+            ids, weights = self.routing_hook(self.layer_idx, ids, weights)
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
         out = self.experts.forward(self.layer_idx, x, ids, weights)

@@ -25,7 +25,7 @@ import os
 import threading
 import zlib
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -1003,7 +1003,11 @@ def _generate(
 
 
 def synthetic_tensors(
-    config: Mapping[str, Any], seed: int = 0, *, workers: int | None = None
+    config: Mapping[str, Any],
+    seed: int = 0,
+    *,
+    workers: int | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF key, tensor) for every tensor of the checkpoint of ``config``, in checkpoint order.
 
@@ -1012,12 +1016,14 @@ def synthetic_tensors(
     ``make_model`` writes for the same config and seed. Nothing is written to disk: a caller can build a
     large checkpoint straight in (GPU) memory, holding only what it keeps. Values are drawn by ``workers``
     threads (default: the CPUs available, at most 32) up to ~1 GiB ahead of the consumer; the values do not
-    depend on ``workers``.
+    depend on ``workers``. ``keep(key)`` selects tensors (the others are never drawn; values do not change).
     """
     if config["torch_dtype"] not in _STORAGE_DTYPES:
         raise ValueError(f"torch_dtype {config['torch_dtype']!r} not supported")
     specs = plan_tensors(config)
     seeds = _key_seeds([s.key for s in specs], seed)
+    if keep is not None:
+        specs = [s for s in specs if keep(s.key)]
     storage = _STORAGE_DTYPES[config["torch_dtype"]]
     return _generate(specs, seeds, storage, _default_workers() if workers is None else workers)
 

@@ -1,0 +1,359 @@
+"""Runtime formats of routed experts: bf16, fp8 (128×128 block scales) and int4 (W4A16, group 128, asym).
+
+An expert in a runtime format is a fixed set of named components, each of fixed shape and dtype for a given
+(hidden H, intermediate I), so every expert of a layer occupies the same number of bytes: a fixed stride in
+the host store and in a VRAM cache slot. Each format packs one expert's SwiGLU weights (gate_up [2I, H], gate
+rows first, then up rows; down [H, I]) into its components and dequantises them back; `mlp` is the reference
+expert MLP that reads a format (dequantise to x's dtype, then the same two `F.linear` calls as
+`grouped_expert_mlp`), against which the GPU kernels are checked.
+
+Layouts:
+
+- bf16: `gate_up` bf16 [2I, H], `down` bf16 [H, I].
+- fp8: `gate_up` float8_e4m3fn [2I, H] with `gate_up_scale_inv` fp32 [ceil(2I/128), ceil(H/128)], and the
+  same for `down` — the layout of Qwen3/DeepSeek FP8 checkpoints: w ≈ fp8 · scale_inv of its 128×128 block,
+  edge blocks partial. When I % 128 == 0 (every real model) the blocks of the fused gate_up are exactly those
+  of HF's separate gate_proj/up_proj, so an FP8 checkpoint's experts concatenate in without requantising.
+- int4: `*_qweight` uint8 [out, in/2], two 4-bit codes per byte along the input dim, column 2j in the low
+  nibble and column 2j+1 in the high nibble; `*_scales` bf16 [out, in/128]; `*_zeros` uint8 [out, in/128]
+  (integer zero points 0..15, one byte each, as GPTQ/AWQ kernels expect); w ≈ (q − zero) · scale. bf16 scales
+  keep bf16's range (fp16 scales underflow for tiny weights); an integer zero point keeps q − zero exact, so
+  dequantising rounds once. The input dims (H and I) must be multiples of 128.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+Components = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT4_GROUP = 128
+INT4_MAX = 15  # codes are 0..15
+
+
+def _div(a: torch.Tensor, divisor: float) -> torch.Tensor:
+    """a / divisor correctly rounded on every device: CUDA turns division by a Python scalar into a multiply
+    by its reciprocal (1/448 and 1/15 are inexact), which would make packed bytes differ from the CPU's."""
+    return a / torch.full_like(a, divisor)
+
+
+def _check_weights(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int]:
+    """(H, I) of one expert, after checking that gate_up [2I, H] and down [H, I] agree."""
+    if gate_up.dim() != 2 or down.dim() != 2:
+        raise ValueError(f"expected 2-D gate_up and down, got {tuple(gate_up.shape)} and {tuple(down.shape)}")
+    hidden, inter = down.shape
+    if tuple(gate_up.shape) != (2 * inter, hidden):
+        raise ValueError(
+            f"gate_up {tuple(gate_up.shape)} does not match down {tuple(down.shape)}: want [2I, H]"
+        )
+    return hidden, inter
+
+
+class ExpertFormat(ABC):
+    """How one routed expert is stored: named components of fixed shape and dtype, and their dequantisation.
+
+    Subclasses define `components`, `pack`, `unpack_many` and `error_bound`; `unpack`, `mlp` and
+    `expert_nbytes` follow from them.
+    """
+
+    name: str
+    """"bf16" | "fp8" | "int4"."""
+
+    @abstractmethod
+    def components(self, hidden: int, inter: int) -> Components:
+        """Per-expert component name -> (shape, dtype); fixed for a given (hidden, inter).
+
+        Raises ValueError if the format cannot hold experts of these dims.
+        """
+
+    @abstractmethod
+    def pack(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One expert's weights (gate_up [2I, H], down [H, I], any float dtype) -> its components.
+
+        Shapes and dtypes are those of `components(H, I)`; tensors are contiguous and on the input's device.
+        Deterministic: the same weights always give the same bytes.
+        """
+
+    @abstractmethod
+    def unpack_many(
+        self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Components of N experts, each with a leading expert dim [N, ...] -> (gate_up [N, 2I, H],
+        down [N, H, I]) dequantised in dtype, on the components' device."""
+
+    @abstractmethod
+    def error_bound(self) -> float:
+        """Bound on the relative Frobenius error ||w' − w|| / ||w|| of pack→unpack (float32) for Gaussian
+        weights of any scale, per weight matrix (see `quantization_error`)."""
+
+    def unpack(
+        self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Components of one expert -> dequantised (gate_up [2I, H], down [H, I]) in dtype."""
+        gate_up, down = self.unpack_many({k: v.unsqueeze(0) for k, v in parts.items()}, dtype)
+        return gate_up[0], down[0]
+
+    def mlp(
+        self,
+        x: torch.Tensor,
+        parts: Mapping[str, torch.Tensor],
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Reference expert MLP on x [n, H] reading this format -> [n, H] in x's dtype.
+
+        Dequantises to x's dtype, then the two matmuls of `grouped_expert_mlp`, so the result is bitwise that
+        of `grouped_expert_mlp` on `unpack(parts, x.dtype)`. Runs wherever x and parts are (CPU or CUDA).
+        """
+        gate_up, down = self.unpack(parts, x.dtype)  # [2I, H], [H, I]
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(act(gate) * up, down)  # [n, H]
+
+    def expert_nbytes(self, hidden: int, inter: int) -> int:
+        """Bytes of one expert in this format: the stride of an expert in the host store and a cache slot."""
+        comps = self.components(hidden, inter).values()
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in comps)
+
+
+# --- bf16 -------------------------------------------------------------------------------------------------
+
+
+class Bf16Format(ExpertFormat):
+    """The checkpoint's weights in bf16: exact for bf16 input."""
+
+    name = "bf16"
+
+    def components(self, hidden: int, inter: int) -> Components:
+        return {"gate_up": ((2 * inter, hidden), torch.bfloat16), "down": ((hidden, inter), torch.bfloat16)}
+
+    def pack(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        _check_weights(gate_up, down)
+        return {
+            "gate_up": gate_up.to(torch.bfloat16).contiguous(),
+            "down": down.to(torch.bfloat16).contiguous(),
+        }
+
+    def unpack_many(
+        self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return parts["gate_up"].to(dtype), parts["down"].to(dtype)
+
+    def error_bound(self) -> float:
+        # Round-to-nearest bf16 (8 significant bits) errs by ≤ 2^-9 relative per element; 0 for bf16 input.
+        return 2.0**-8
+
+
+# --- fp8 e4m3, 128×128 block scales ------------------------------------------------------------------------
+
+
+def _check_fp8_scale(weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
+    out, inp = weight.shape[-2:]
+    want = (*weight.shape[:-2], -(-out // block), -(-inp // block))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(
+            f"scale_inv {tuple(scale_inv.shape)} does not fit weight {tuple(weight.shape)}: want {want}"
+        )
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., out, in] (any float dtype) -> (float8_e4m3fn [..., out, in], scale_inv fp32
+    [..., ceil(out/block), ceil(in/block)]) with scale_inv = amax(block) / 448.
+
+    Edge blocks are partial; an all-zero block gets scale_inv 1.
+    """
+    out, inp = weight.shape[-2:]
+    lead = weight.shape[:-2]
+    rb, cb = -(-out // block), -(-inp // block)
+    # Zero padding to whole blocks leaves each edge block's amax unchanged.
+    w = F.pad(weight.float(), (0, cb * block - inp, 0, rb * block - out))  # [..., rb*block, cb*block]
+    w = w.view(*lead, rb, block, cb, block)
+    amax = w.abs().amax(dim=(-3, -1))  # [..., rb, cb]
+    scale_inv = torch.where(amax > 0, _div(amax, FP8_MAX), torch.ones_like(amax))
+    # Clamp: amax / (amax / 448) may land a hair above 448, and e4m3fn has no inf (it would cast to NaN).
+    q = (w / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.view(*lead, rb * block, cb * block)[..., :out, :inp].contiguous()
+    return q, scale_inv.contiguous()
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Block-scaled fp8 (as in HF FP8 checkpoints: `weight` fp8 [..., out, in], `weight_scale_inv`
+    [..., ceil(out/block), ceil(in/block)]) -> weight · scale_inv of its block, in dtype.
+
+    out and in need not be multiples of block (edge blocks are partial). The product is formed in fp32 and
+    rounded once to dtype.
+    """
+    _check_fp8_scale(weight, scale_inv, block)
+    out, inp = weight.shape[-2:]
+    rows = torch.arange(out, device=weight.device) // block  # [out] block row of each row
+    cols = torch.arange(inp, device=weight.device) // block  # [in] block column of each column
+    scale = scale_inv.float().index_select(-2, rows).index_select(-1, cols)  # [..., out, in]
+    return (weight.float() * scale).to(dtype)
+
+
+class Fp8Format(ExpertFormat):
+    """fp8 e4m3 weights with fp32 inverse scales per 128×128 block (Qwen3/DeepSeek FP8 checkpoint layout)."""
+
+    name = "fp8"
+
+    def components(self, hidden: int, inter: int) -> Components:
+        comps: Components = {}
+        for key, (out, inp) in (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter))):
+            comps[key] = ((out, inp), torch.float8_e4m3fn)
+            comps[f"{key}_scale_inv"] = ((-(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)), torch.float32)
+        return comps
+
+    def pack(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        _check_weights(gate_up, down)
+        parts: dict[str, torch.Tensor] = {}
+        for key, w in (("gate_up", gate_up), ("down", down)):
+            parts[key], parts[f"{key}_scale_inv"] = quantize_fp8_block(w)
+        return parts
+
+    def unpack_many(
+        self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = dequantize_fp8_block(
+            parts["gate_up"], parts["gate_up_scale_inv"], dtype=dtype
+        )  # [N, 2I, H]
+        down = dequantize_fp8_block(parts["down"], parts["down_scale_inv"], dtype=dtype)  # [N, H, I]
+        return gate_up, down
+
+    def error_bound(self) -> float:
+        # e4m3 keeps 4 significant bits (≤ 2^-4 relative per element); measured 2.6-2.7 % on Gaussian weights
+        # of any std (0.02, 1, 1e-30, 1e20; see tests/common/experts/test_formats.py), bound with margin.
+        return 0.035
+
+
+# --- int4 W4A16, group 128 along the input dim, asymmetric -------------------------------------------------
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 [..., in] (in even) -> uint8 [..., in/2]: column 2j in the low nibble of byte j,
+    column 2j+1 in its high nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"nibble packing needs an even last dim, got {tuple(codes.shape)}")
+    codes = codes.to(torch.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., in/2] -> uint8 codes 0..15 [..., in]; the inverse of `pack_nibbles`."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)  # [..., in/2, 2] -> [..., in]
+
+
+def quantize_int4_groups(
+    weight: torch.Tensor, group: int = INT4_GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [..., out, in] (in % group == 0) -> (qweight uint8 [..., out, in/2], scales bf16
+    [..., out, in/group], zeros uint8 [..., out, in/group]) with w ≈ (q − zero) · scale.
+
+    Each group's range is widened to include 0 (as GPTQ does), so 0 is exact and the zero point lies in
+    0..15. The scale is rounded to bf16 before the codes are chosen, so codes match the stored scale.
+    """
+    out, inp = weight.shape[-2:]
+    if inp % group:
+        raise ValueError(f"int4 needs the input dim to be a multiple of {group}, got {inp}")
+    w = weight.float().view(*weight.shape[:-2], out, inp // group, group)  # [..., out, G, group]
+    lo = w.amin(dim=-1).clamp(max=0.0)  # [..., out, G]
+    hi = w.amax(dim=-1).clamp(min=0.0)
+    span = hi - lo
+    scale = torch.where(span > 0, _div(span, INT4_MAX), torch.ones_like(span)).to(torch.bfloat16)
+    scale = scale.clamp(min=torch.finfo(torch.bfloat16).tiny)  # an underflowed scale would divide by 0
+    s = scale.float()[..., None]  # [..., out, G, 1]
+    zero = torch.round(-lo[..., None] / s).clamp(0, INT4_MAX)  # [..., out, G, 1]
+    q = (torch.round(w / s) + zero).clamp(0, INT4_MAX).to(torch.uint8)  # [..., out, G, group]
+    return pack_nibbles(q.view(*weight.shape)), scale.contiguous(), zero[..., 0].to(torch.uint8).contiguous()
+
+
+def dequantize_int4_groups(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """(qweight uint8 [..., out, in/2], scales [..., out, G], zeros [..., out, G]) -> (q − zero) · scale
+    [..., out, in] in dtype, the product formed in fp32 (exact: 4-bit × bf16) and rounded once."""
+    codes = unpack_nibbles(qweight)  # [..., out, in]
+    inp = codes.shape[-1]
+    groups = scales.shape[-1]
+    q = codes.view(*codes.shape[:-1], groups, inp // groups).float()  # [..., out, G, group]
+    w = (q - zeros.float()[..., None]) * scales.float()[..., None]
+    return w.view(*codes.shape).to(dtype)
+
+
+class Int4Format(ExpertFormat):
+    """W4A16 int4: asymmetric, group 128 along the input dim, bf16 scales and uint8 zero points."""
+
+    name = "int4"
+
+    def components(self, hidden: int, inter: int) -> Components:
+        if hidden % INT4_GROUP or inter % INT4_GROUP:
+            raise ValueError(
+                f"int4 needs hidden and intermediate sizes that are multiples of {INT4_GROUP}, "
+                f"got hidden={hidden}, inter={inter}"
+            )
+        comps: Components = {}
+        for key, (out, inp) in (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter))):
+            comps[f"{key}_qweight"] = ((out, inp // 2), torch.uint8)
+            comps[f"{key}_scales"] = ((out, inp // INT4_GROUP), torch.bfloat16)
+            comps[f"{key}_zeros"] = ((out, inp // INT4_GROUP), torch.uint8)
+        return comps
+
+    def pack(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, inter = _check_weights(gate_up, down)
+        self.components(hidden, inter)  # the dim check
+        parts: dict[str, torch.Tensor] = {}
+        for key, w in (("gate_up", gate_up), ("down", down)):
+            parts[f"{key}_qweight"], parts[f"{key}_scales"], parts[f"{key}_zeros"] = quantize_int4_groups(w)
+        return parts
+
+    def unpack_many(
+        self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        weights = [
+            dequantize_int4_groups(parts[f"{k}_qweight"], parts[f"{k}_scales"], parts[f"{k}_zeros"], dtype)
+            for k in ("gate_up", "down")
+        ]
+        return weights[0], weights[1]  # [N, 2I, H], [N, H, I]
+
+    def error_bound(self) -> float:
+        # Round-to-nearest over the min-max range: a Gaussian group of 128 spans ~5.2σ, a step is ~0.35σ and
+        # the rms error step/√12 ≈ 0.1σ. Measured 10.0-10.2 % for Gaussian weights of any std (0.02, 1, 1e-30,
+        # 1e20; see tests/common/experts/test_formats.py), bound with margin.
+        return 0.12
+
+
+# --- registry ----------------------------------------------------------------------------------------------
+
+FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (Bf16Format(), Fp8Format(), Int4Format())}
+
+
+def get_format(name: str) -> ExpertFormat:
+    """The format called name; ValueError naming the allowed ones otherwise."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown expert format {name!r}; allowed: {', '.join(FORMATS)}") from None
+
+
+def quantization_error(fmt: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, float]:
+    """Relative Frobenius error ||w' − w|| / ||w|| of each weight after pack→unpack (float32), by name
+    ("gate_up", "down"); 0 for an all-zero weight that comes back zero."""
+    restored = fmt.unpack(fmt.pack(gate_up, down), torch.float32)
+    errors: dict[str, float] = {}
+    for key, w, w2 in zip(("gate_up", "down"), (gate_up, down), restored, strict=True):
+        ref = w.double()
+        diff = torch.linalg.vector_norm(w2.double() - ref).item()
+        norm = torch.linalg.vector_norm(ref).item()
+        errors[key] = diff / norm if norm > 0 else diff
+    return errors

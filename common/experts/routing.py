@@ -1,0 +1,93 @@
+"""Routing record and replay: capture the router's choices, or force them from a trace.
+
+A `RoutingHook` sits between a MoE block's router and its expert provider. The recorder keeps every layer's
+(top-k ids, weights) in the order tokens are processed; the replayer hands out the trace's rows in that order
+(cycling when the trace is shorter than the run), which is how benchmarks give a random-weight model a
+realistic expert skew. Layers are the model's MoE layers in order (trace layer i = i-th MoE layer).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+
+import torch
+
+from common.experts.trace import RoutingTrace, parse_trace
+
+
+class RoutingHook(ABC):
+    """Called as hook(model layer index, ids [T, k], weights [T, k]) → (ids, weights) the experts will use."""
+
+    @abstractmethod
+    def __call__(
+        self, layer: int, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The choices to use for these tokens."""
+
+
+class RoutingRecorder(RoutingHook):
+    """Keeps every layer's choices; `trace()` stacks them into a RoutingTrace."""
+
+    def __init__(self, moe_layers: list[int], num_experts: int) -> None:
+        self.index = {layer: i for i, layer in enumerate(moe_layers)}
+        self.num_experts = num_experts
+        self.ids: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.weights: dict[int, list[torch.Tensor]] = defaultdict(list)
+
+    def __call__(self, layer, ids, weights):
+        i = self.index[layer]
+        self.ids[i].append(ids.detach().to("cpu", torch.int32))
+        self.weights[i].append(weights.detach().to("cpu", torch.float32))
+        return ids, weights
+
+    def trace(self) -> RoutingTrace:
+        layers = range(len(self.index))
+        ids = torch.stack([torch.cat(self.ids[i]) for i in layers], dim=1)  # [tokens, layers, k]
+        weights = torch.stack([torch.cat(self.weights[i]) for i in layers], dim=1)
+        return RoutingTrace(ids=ids, weights=weights, num_experts=self.num_experts)
+
+
+class RoutingReplayer(RoutingHook):
+    """Replaces the router's choices with a trace's rows, token by token, per layer."""
+
+    def __init__(self, trace: RoutingTrace, moe_layers: list[int], num_experts: int, top_k: int) -> None:
+        _, layers, k = trace.ids.shape
+        if layers != len(moe_layers) or k != top_k or trace.num_experts != num_experts:
+            raise ValueError(
+                f"trace has {layers} layers × top-{k} of {trace.num_experts} experts; the model routes "
+                f"{len(moe_layers)} MoE layers × top-{top_k} of {num_experts}"
+            )
+        self.trace, self.index = trace, {layer: i for i, layer in enumerate(moe_layers)}
+        self.cursor = [0] * layers
+        self._device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, layer, ids, weights):
+        i, n = self.index[layer], ids.shape[0]
+        ids_all, weights_all = self._on(ids.device)
+        rows = (torch.arange(n, device=ids.device) + self.cursor[i]) % ids_all.shape[0]
+        self.cursor[i] += n
+        return ids_all[rows, i].long(), weights_all[rows, i].to(weights.dtype)
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._device:
+            self._device[device] = (self.trace.ids.to(device), self.trace.weights.to(device))
+        return self._device[device]
+
+
+def replayer_for(spec: str, moe_layers: list[int], num_experts: int, top_k: int) -> RoutingReplayer:
+    """A replayer from a trace file or `synthetic-zipf:...` (layers/experts/top_k default to the model's)."""
+    if spec.startswith("synthetic-zipf"):
+        given = spec.partition(":")[2]
+        defaults = f"layers={len(moe_layers)},experts={num_experts},top_k={top_k}"
+        spec = f"synthetic-zipf:{defaults}" + (f",{given}" if given else "")
+    return RoutingReplayer(parse_trace(spec), moe_layers, num_experts, top_k)
+
+
+def install_routing_hook(model: torch.nn.Module, hook: RoutingHook | None) -> None:
+    """Set `hook` on every MoE block of `model` (None removes it)."""
+    from common.model.moe import SparseMoeBlock
+
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.routing_hook = hook

@@ -1,0 +1,68 @@
+"""`spillway convert`: resident weights plus packed experts, loaded by mapping instead of re-quantising."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.engine import Engine
+from common.experts.artifact import EXPERTS_FILE, META_FILE, convert
+from common.experts.formats import get_format
+from common.model.errors import CheckpointError
+from common.model.synthetic import make_model
+from common.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+WIDE = {"hidden_size": 128, "moe_intermediate_size": 128, "intermediate_size": 128}  # int4 groups of 128
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("src"), preset="tiny", arch="qwen3_moe", overrides=WIDE)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 21)]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
+def test_artifact_equals_in_process_quantisation(source, prompts, fmt, tmp_path):
+    meta = convert(source, tmp_path / fmt, fmt, log=lambda _: None)
+    assert meta["quantization_error"]["gate_up"] <= get_format(fmt).error_bound()
+    assert (tmp_path / fmt / EXPERTS_FILE).stat().st_size == meta["nbytes"]
+    index = json.loads((tmp_path / fmt / "model.safetensors.index.json").read_text())
+    assert not any(".experts." in key for key in index["weight_map"])  # experts live only in experts.bin
+    mapped = Engine(tmp_path / fmt, dtype=torch.float32, expert_cache="0.25").generate(prompts, GREEDY)
+    packed_now = Engine(source, dtype=torch.float32, expert_cache="all", expert_format=fmt).generate(
+        prompts, GREEDY
+    )
+    assert [r.token_ids for r in mapped] == [r.token_ids for r in packed_now]
+    if fmt == "bf16":  # lossless: the same tokens as the original checkpoint
+        original = Engine(source, dtype=torch.float32).generate(prompts, GREEDY)
+        assert [r.token_ids for r in mapped] == [r.token_ids for r in original]
+
+
+def test_truncated_expert_file_is_an_error(source, tmp_path):
+    convert(source, tmp_path / "a", "bf16", log=lambda _: None)
+    path = tmp_path / "a" / EXPERTS_FILE
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises((CheckpointError, ValueError), match="bytes"):
+        Engine(tmp_path / "a", dtype=torch.float32)
+
+
+def test_convert_qwen4_exp(tmp_path):
+    """A qwen4_exp checkpoint (hybrid layers, PLE table kept among the resident tensors) converts."""
+    src = make_model(
+        tmp_path / "q4",
+        preset="tiny",
+        arch="qwen4_exp",
+        overrides={"indexer_n_heads": 16, "mtp_num_hidden_layers": 0},
+    )
+    meta = convert(src, tmp_path / "out", "bf16", log=lambda _: None)
+    assert meta["moe_layers"] == [0, 1, 2, 3]
+    assert json.loads((tmp_path / "out" / META_FILE).read_text())["format"] == "bf16"
