@@ -66,6 +66,7 @@ def main() -> None:
     )
     arch, cfg = parse_architecture(hf, Path("<flashnext in memory>"))
     pcie, hbm = measure_pcie_gbps(), measure_hbm_gbps()
+    torch.cuda.empty_cache()  # the probes' buffers must not count against the budget
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     not_expert = lambda key: ".mlp.experts." not in key
