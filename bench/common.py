@@ -21,7 +21,7 @@ def provenance() -> dict:
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout
     except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git (the GPU machine)
-        commit = os.environ.get("SPILLWAY_COMMIT", "unknown")
+        commit = os.environ.get("SPILLWAY_COMMIT") or "unknown"
     module = sys.modules["__main__"].__spec__
     argv = ["-m", module.name, *sys.argv[1:]] if module is not None else sys.argv
     return {
