@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -25,6 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from common.engine import Engine
+    from common.experts.offload import load_hot_set
     from common.model.defaults import default_model_dir
     from common.sampling import SamplingParams
 
@@ -35,6 +38,13 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         speculative=args.speculative,
         num_draft=args.num_draft,
+        expert_cache=args.expert_cache,
+        cache_policy=args.cache_policy,
+        expert_format=args.expert_format,
+        prefill_chunk=args.prefill_chunk,
+        record_routing=args.record_routing is not None,
+        replay_routing=args.replay_routing,
+        pinned_experts=load_hot_set(args.pin_experts) if args.pin_experts else None,
     )
     tok = engine.tokenizer
     if args.chat is not None:
@@ -51,6 +61,8 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = engine.generate([prompt_ids], params)[0]
     elapsed = time.perf_counter() - start
+    if args.record_routing:
+        engine.routing_recorder.trace().save(args.record_routing)
     text = tok.decode(result.token_ids)
     if args.json:
         print(
@@ -72,6 +84,22 @@ def _generate(args: argparse.Namespace) -> int:
             f"finish: {result.finish_reason}, model: {model_dir}]",
             file=sys.stderr,
         )
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from common.experts.simulator import format_table, simulate
+    from common.experts.trace import parse_trace
+
+    result = simulate(parse_trace(args.trace), args.capacity)
+    print(json.dumps(result) if args.json else format_table(result, args.capacity))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from common.experts.artifact import convert
+
+    convert(args.src, args.dst, args.experts)
     return 0
 
 
@@ -116,8 +144,51 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft with the model's MTP head, verify with the trunk (greedy requests)",
     )
     gen.add_argument("--num-draft", type=int, default=2, help="tokens drafted per step with --speculative")
+    gen.add_argument(
+        "--expert-cache",
+        default=None,
+        metavar="SLOTS|FRACTION|all",
+        help="serve routed experts from host memory through a VRAM cache of this size",
+    )
+    gen.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=POLICIES)
+    gen.add_argument(
+        "--expert-format",
+        default="bf16",
+        choices=["bf16", "fp8", "int4"],
+        help="runtime format of the offloaded experts (an artifact has its own)",
+    )
+    gen.add_argument(
+        "--pin-experts",
+        default=None,
+        metavar="FILE",
+        help="JSON {MoE layer index: [experts]} kept cached for good (a calibration hot set)",
+    )
+    gen.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens per prefill pass")
+    gen.add_argument("--record-routing", default=None, metavar="FILE", help="save the router's choices")
+    gen.add_argument(
+        "--replay-routing",
+        default=None,
+        metavar="FILE|synthetic-zipf:KEY=VAL,...",
+        help="force the router's choices from a trace",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_generate)
+
+    conv = sub.add_parser("convert", help="convert a checkpoint into a runtime artifact (packed experts)")
+    conv.add_argument("src")
+    conv.add_argument("dst")
+    conv.add_argument("--experts", default="int4", choices=["bf16", "fp8", "int4"])
+    conv.set_defaults(func=_convert)
+
+    sim = sub.add_parser("simulate", help="replay a routing trace against every cache policy and Belady's")
+    sim.add_argument(
+        "--trace", required=True, help="a trace file, or synthetic-zipf[:KEY=VAL,...] (see BENCHMARKS.md)"
+    )
+    sim.add_argument(
+        "--capacity", type=float, required=True, help="cached fraction of each layer's experts (0, 1]"
+    )
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.set_defaults(func=_simulate)
     return parser
 
 

@@ -1,13 +1,29 @@
 """The VRAM expert cache's bookkeeping: which expert sits in which slot, and whom to evict — as device ops.
 
 S slots, partitioned by layer (a slot serves one layer until capacity is rebalanced). Tables on the device:
-`slot_of[layer, expert]` (−1: absent), `owner[slot]` (expert or −1), `last_use[slot]`, `freq[layer, expert]`
-(a decayed access count of every expert, cached or not) and `pinned[slot]` (a calibration hot set that is
-never evicted). `resolve` serves one layer's step with fixed-shape tensor ops — no host synchronisation —
-so that it can run inside a captured decode step: requested experts are hits or misses; misses, most frequent
-first, take the lowest-scoring evictable slots of their layer (free slots first; never a slot a hit of the
-same step uses); under `lfu-admit` a miss rarer than its victim is not inserted (a bypass: computed from host
-memory). Every table has one spare entry at its end that absorbs the writes of invalid pairs.
+`slot_of[layer, expert]` (−1: absent), `owner[slot]` (expert or −1), `last_use[slot]`, `pinned[slot]` (a
+calibration hot set that is never evicted) and, for every expert, cached or not, its request statistics
+(`freq`, `absent`; per layer, `reuse`). `resolve` serves one layer's step with fixed-shape tensor ops — no
+host synchronisation — so that it can run inside a captured decode step: requested experts are hits or
+misses; misses, most frequent first, take the lowest-scoring evictable slots of their layer (free slots first;
+never a slot a hit of the same step uses). Every table has one spare entry at its end that absorbs the writes
+of invalid pairs.
+
+Policies. `lru` scores a slot by its last use. `lfu` scores it by its expert's fresh-request rate, ties to
+the least recently used. A request is fresh unless the expert was also requested by the layer's previous step:
+a run of consecutive requests is one correlated reference (as in LRU-K), and `freq / absent` (decayed counts
+of fresh requests and of the steps that could have made one) estimates P(requested | not requested by the
+previous step) — what decides the next use of an eviction candidate, which the current step did not request.
+(A plain request count is inflated by bursts; a plain fresh count undercounts an expert requested at nearly
+every step.) The statistics decay by `decay` per step of their layer (0.9995: a half-life of ~1,400 steps,
+long enough for stable estimates, short enough to follow a drifting workload).
+
+`lfu-admit` is `lfu` with an admission test in the spirit of TinyLFU: a miss is inserted only if its chance
+of use by the next step — the layer's measured reuse probability (the share of a step's experts that the next
+step requests again), else its fresh-request rate — is at least its victim's fresh-request rate; otherwise it
+is a bypass (computed from host memory). With strong step-to-step reuse it admits almost every miss (a brief
+stay is likely to pay, and a newcomer that is not reused is the next victim); without reuse it is TinyLFU's
+"admit only if the newcomer is requested more often than the victim".
 """
 
 from __future__ import annotations
@@ -19,6 +35,7 @@ import torch
 
 POLICIES = ("lru", "lfu", "lfu-admit")
 DEFAULT_POLICY = "lfu-admit"
+_KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max  # free / unevictable slots
 
 
 @dataclass
@@ -43,7 +60,7 @@ class CacheTables:
         slots_per_layer: Sequence[int],
         policy: str = DEFAULT_POLICY,
         device: torch.device | str = "cpu",
-        decay: float = 0.98,
+        decay: float = 0.9995,
         pinned: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
         if policy not in POLICIES:
@@ -59,6 +76,13 @@ class CacheTables:
         self.last_use = torch.zeros(s + 1, dtype=torch.int64, device=device)
         self.pinned = torch.zeros(s + 1, dtype=torch.bool, device=device)
         self.freq = torch.zeros(num_layers, e, dtype=torch.float32, device=device)
+        # The previous step's requests; per expert, the decayed count of steps that could make a fresh
+        # request (the expert was not requested by the step before), so freq / absent estimates
+        # P(requested | not requested by the previous step); per layer, decayed counts of [experts requested
+        # again by the next step, experts requested] (the reuse probability).
+        self.previous = torch.zeros(num_layers, e, dtype=torch.bool, device=device)
+        self.absent = torch.zeros(num_layers, e, dtype=torch.float32, device=device)
+        self.reuse = torch.zeros(num_layers, 2, dtype=torch.float32, device=device)
         counters = ("hits", "misses", "evictions", "bypasses")
         self.counters = {n: torch.zeros(num_layers, dtype=torch.int64, device=device) for n in counters}
         self.layer_slots: list[torch.Tensor] = []
@@ -93,34 +117,32 @@ class CacheTables:
         `max_new` bounds the misses that can take a slot this step (the tokens' expert choices, known on the
         host): it fixes the shape of the pairing, not the result.
         """
-        e = self.num_experts
-        freq = self.freq[layer]
-        freq.mul_(self.decay).add_(requested.float())
+        e, spare = self.num_experts, self.num_slots
+        self._count(layer, requested)
+        rate = self._rate(layer)
         current = self.slot_of[layer, :e]  # [E]
         hit = requested & (current >= 0)
         miss = requested & (current < 0)
-        slots = self.layer_slots[layer]  # [C]
-        self.last_use[torch.where(hit, current, self.num_slots)] = step
+        hit_slot = torch.where(hit, current, spare)
+        self.last_use[hit_slot] = step
 
-        # Victims: evictable slots of the layer, lowest score first (free slots score −inf).
+        # Victims: evictable slots of the layer, lowest key first (free slots first, unevictable last).
+        slots = self.layer_slots[layer]  # [C]
         owner = self.owner[slots]
-        in_use = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=self.device)
-        in_use[torch.where(hit, current, self.num_slots)] = True
+        in_use = torch.zeros(spare + 1, dtype=torch.bool, device=self.device)
+        in_use[hit_slot] = True
         evictable = ~self.pinned[slots] & ~in_use[slots]
-        score = self._score(layer, owner, slots)
-        score = torch.where(owner < 0, float("-inf"), score)
-        score = torch.where(evictable, score, float("inf"))
+        key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, rate))
+        key = torch.where(evictable, key, _KEY_MAX)
         pairs = min(max_new, slots.numel(), e)
-        victim_score, victim_idx = torch.topk(score, pairs, largest=False)  # [P]
+        victim_key, victim_idx = torch.topk(key, pairs, largest=False)  # [P]
         victims = slots[victim_idx]
         # Misses, most frequent first (ties: lower expert id).
-        miss_key = torch.where(miss, -freq, float("inf"))
+        miss_key = torch.where(miss, -rate, float("inf"))
         newcomer = torch.sort(miss_key, stable=True).indices[:pairs]  # [P]
-        valid = miss[newcomer] & (victim_score < float("inf"))
+        valid = miss[newcomer] & (victim_key < _KEY_MAX)
         if self.policy == "lfu-admit":
-            old = self.owner[victims]
-            old_freq = torch.where(old >= 0, freq[old.clamp(min=0)], float("-inf"))
-            valid &= freq[newcomer] >= old_freq
+            valid &= self._admit(layer, rate, newcomer, self.owner[victims])
         self._apply(layer, newcomer, victims, valid, step)
 
         slot = torch.where(requested, self.slot_of[layer, :e], -1)
@@ -133,12 +155,41 @@ class CacheTables:
         self.counters["bypasses"][layer] += bypass.sum()
         return Resolution(slot=slot, filled=filled, bypass=bypass)
 
-    def _score(self, layer: int, owner: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        recency = self.last_use[slots].float()
+    def _count(self, layer: int, requested: torch.Tensor) -> None:
+        """Update the layer's request statistics with this step's requests."""
+        previous, d = self.previous[layer], self.decay
+        fresh = requested & ~previous  # a run of consecutive requests counts once
+        self.freq[layer].mul_(d).add_(fresh.float())
+        self.absent[layer].mul_(d).add_((~previous).float())
+        again = torch.stack([(requested & previous).sum(), previous.sum()]).float()
+        self.reuse[layer].mul_(d).add_(again)
+        previous.copy_(requested)
+
+    def _rate(self, layer: int) -> torch.Tensor:
+        """[E] estimated P(requested by a step | not requested by the step before): the fresh-request rate."""
+        return self.freq[layer] / self.absent[layer].clamp(min=1.0)
+
+    def _admit(
+        self, layer: int, rate: torch.Tensor, newcomer: torch.Tensor, old: torch.Tensor
+    ) -> torch.Tensor:
+        """lfu-admit: is each newcomer's chance of use by the next step at least its victim's?"""
+        reuse = self.reuse[layer, 0] / self.reuse[layer, 1].clamp(min=1.0)
+        new = reuse + (1.0 - reuse) * rate[newcomer]  # requested now: kept, or else requested afresh
+        old_rate = torch.where(old >= 0, rate[old.clamp(min=0)], float("-inf"))  # a free slot admits
+        return new >= old_rate
+
+    def _evict_key(self, owner: torch.Tensor, slots: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+        """int64 eviction order of `slots` (lowest first): last use (lru), or rate then last use (lfu*).
+
+        For LFU the key is an exact lexicographic order: a non-negative float32's bit pattern read as an int
+        orders like the float, so (rate bits << 32) + last use sorts by rate, ties by recency (a float score
+        with a tiny recency term would lose the tie-break to rounding). Steps must stay below 2^32.
+        """
+        recency = self.last_use[slots]
         if self.policy == "lru":
             return recency
-        # LFU: decayed frequency; ties go to the least recently used (recency / 2^40 < any frequency step).
-        return self.freq[layer, owner.clamp(min=0)] + recency * 2.0**-40
+        bits = rate[owner.clamp(min=0)].view(torch.int32).to(torch.int64)
+        return (bits << 32) + recency
 
     def _apply(
         self, layer: int, newcomer: torch.Tensor, victims: torch.Tensor, valid: torch.Tensor, step: int
@@ -171,12 +222,12 @@ class CacheTables:
         recipient = min(range(self.num_layers), key=lambda i: rate[i])
         slots = self.layer_slots[donor]
         owner = self.owner[slots]
-        score = torch.where(owner < 0, float("-inf"), self._score(donor, owner, slots))
-        score = torch.where(self.pinned[slots], float("inf"), score)
-        n = min(slots_to_move, slots.numel() - min_slots, int((score < float("inf")).sum()))
+        key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, self._rate(donor)))
+        key = torch.where(self.pinned[slots], _KEY_MAX, key)
+        n = min(slots_to_move, slots.numel() - min_slots, int((key < _KEY_MAX).sum()))
         if donor == recipient or n <= 0 or rate[donor] <= rate[recipient]:
             return None
-        give = torch.topk(score, n, largest=False).indices
+        give = torch.topk(key, n, largest=False).indices
         moved = slots[give]
         old = self.owner[moved]
         self.slot_of[donor, torch.where(old >= 0, old, self.num_experts)] = -1

@@ -1,0 +1,187 @@
+"""CacheTables under random traces: invariants after every step, what a Resolution promises, pinning,
+rebalancing, and the policies' defining behaviour on hand-made patterns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.experts.cache_tables import POLICIES, CacheTables
+
+
+@st.composite
+def scenarios(draw):
+    """A small cache configuration and a random request trace for it."""
+    layers = draw(st.integers(1, 3))
+    experts = draw(st.integers(2, 10))
+    top_k = draw(st.integers(1, min(4, experts)))
+    all_fit = draw(st.booleans())
+    capacities = [experts if all_fit else draw(st.integers(1, experts)) for _ in range(layers)]
+    pinned = {}
+    for layer in range(layers):
+        n = draw(st.integers(0, capacities[layer] if draw(st.booleans()) else 0))
+        if n:
+            pinned[layer] = draw(st.permutations(range(experts)))[:n]
+    steps = draw(st.integers(1, 25))
+    trace = [
+        [draw(st.sets(st.integers(0, experts - 1), max_size=top_k)) for _ in range(layers)]
+        for _ in range(steps)
+    ]
+    return {
+        "layers": layers,
+        "experts": experts,
+        "top_k": top_k,
+        "capacities": capacities,
+        "pinned": pinned,
+        "trace": trace,
+        "policy": draw(st.sampled_from(POLICIES)),
+        "decay": draw(st.sampled_from([0.5, 0.98, 0.9995, 1.0])),
+        "rebalance_every": draw(st.sampled_from([0, 1, 3])),
+    }
+
+
+def _mask(experts: int, chosen) -> torch.Tensor:
+    mask = torch.zeros(experts, dtype=torch.bool)
+    mask[list(chosen)] = True
+    return mask
+
+
+def _check_step(tables: CacheTables, layer: int, requested: torch.Tensor, res, before: dict) -> None:
+    """What a Resolution promises, against the tables before and after the step."""
+    e = tables.num_experts
+    was = before["slot_of"][layer, :e]
+    hit, miss = requested & (was >= 0), requested & (was < 0)
+    filled, bypass, slot = res.filled, res.bypass, res.slot
+    assert filled.shape == bypass.shape == slot.shape == (e,)
+    # requested = hits ∪ filled ∪ bypassed, disjointly; filled and bypassed are misses
+    assert torch.equal(requested, hit | filled | bypass)
+    assert not (filled & bypass).any() and not (filled & ~miss).any() and not (bypass & ~miss).any()
+    # hits keep their slot; filled experts got a slot of this layer, owned by them; others have none
+    assert torch.equal(slot[hit], was[hit])
+    assert (slot[filled] >= 0).all() and (slot[~(hit | filled)] == -1).all()
+    assert torch.equal(slot[hit | filled], tables.slot_of[layer, :e][hit | filled])
+    assert torch.equal(tables.owner[slot[filled]], filled.nonzero().squeeze(1))
+    layer_slots = set(tables.layer_slots[layer].tolist())
+    assert set(slot[filled].tolist()) <= layer_slots
+    # a slot a hit used is never a victim; pinned slots never change hands
+    assert not set(slot[filled].tolist()) & set(was[hit].tolist())
+    assert torch.equal(tables.owner[tables.pinned], before["owner"][tables.pinned])
+    # the counters count this step
+    for name, n in (("hits", hit), ("misses", miss), ("bypasses", bypass)):
+        assert int(tables.counters[name][layer] - before[name][layer]) == int(n.sum())
+    # without an admission test, every miss that can get a slot gets one
+    free_or_evictable = (
+        len(layer_slots) - int(tables.pinned[tables.layer_slots[layer]].sum()) - int(hit.sum())
+    )
+    pinned_hits = int((tables.pinned[was[hit]]).sum())
+    if tables.policy != "lfu-admit":
+        assert int(filled.sum()) == min(int(miss.sum()), free_or_evictable + pinned_hits)
+    # free slots go first: evictions only for the misses that found none
+    free = int((before["owner"][tables.layer_slots[layer]] < 0).sum())
+    evictions = int(tables.counters["evictions"][layer] - before["evictions"][layer])
+    assert evictions == max(0, int(filled.sum()) - free)
+
+
+def _snapshot(tables: CacheTables) -> dict:
+    snap = {n: c.clone() for n, c in tables.counters.items()}
+    return snap | {"slot_of": tables.slot_of.clone(), "owner": tables.owner.clone()}
+
+
+@settings(max_examples=120, deadline=None)
+@given(scenarios())
+def test_random_traces_keep_invariants(sc) -> None:
+    tables = CacheTables(
+        sc["layers"], sc["experts"], sc["capacities"], sc["policy"], decay=sc["decay"], pinned=sc["pinned"]
+    )
+    tables.check()
+    pinned_slots = {layer: tables.slot_of[layer, list(ids)].clone() for layer, ids in sc["pinned"].items()}
+    for step, requests in enumerate(sc["trace"]):
+        for layer, chosen in enumerate(requests):
+            requested = _mask(sc["experts"], chosen)
+            before = _snapshot(tables)
+            res = tables.resolve(layer, requested, step, max_new=sc["top_k"])
+            tables.check()
+            _check_step(tables, layer, requested, res, before)
+        if sc["rebalance_every"] and step % sc["rebalance_every"] == 0:
+            tables.rebalance(slots_to_move=1 + step % 2)
+            tables.check()
+            assert all(c >= 1 for c in tables.capacities)
+        for layer, ids in sc["pinned"].items():  # pinned experts never leave their slots
+            assert torch.equal(tables.slot_of[layer, list(ids)], pinned_slots[layer])
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenarios())
+def test_capacity_all_second_access_hits(sc) -> None:
+    e = sc["experts"]
+    tables = CacheTables(sc["layers"], e, [e] * sc["layers"], sc["policy"], decay=sc["decay"])
+    seen: set[tuple[int, int]] = set()
+    for step, requests in enumerate(sc["trace"]):
+        for layer, chosen in enumerate(requests):
+            res = tables.resolve(layer, _mask(e, chosen), step, max_new=sc["top_k"])
+            for expert in chosen:
+                hit = not bool(res.filled[expert]) and not bool(res.bypass[expert])
+                assert hit == ((layer, expert) in seen), (layer, expert, step)
+                seen.add((layer, expert))
+    assert int(tables.counters["evictions"].sum()) == 0 and int(tables.counters["bypasses"].sum()) == 0
+
+
+def _run(tables: CacheTables, sequence: list[int], layer: int = 0) -> list[bool]:
+    """Serve one expert per step; return whether each step was a hit."""
+    hits = []
+    for step, expert in enumerate(sequence):
+        before = int(tables.counters["hits"][layer])
+        tables.resolve(layer, _mask(tables.num_experts, [expert]), step, max_new=1)
+        hits.append(int(tables.counters["hits"][layer]) > before)
+    return hits
+
+
+def test_lru_cycle_longer_than_capacity_always_misses() -> None:
+    tables = CacheTables(1, 8, [3], "lru")
+    assert not any(_run(tables, [0, 1, 2, 3] * 6))  # each expert was evicted just before its turn
+
+
+def test_lru_cycle_within_capacity_hits_after_first_round() -> None:
+    tables = CacheTables(1, 8, [4], "lru")
+    assert _run(tables, [0, 1, 2, 3] * 5) == [False] * 4 + [True] * 16
+
+
+def test_lru_evicts_least_recently_used() -> None:
+    tables = CacheTables(1, 8, [3], "lru")
+    _run(tables, [0, 1, 2, 0, 3])  # 1 is the least recently used when 3 arrives
+    assert tables.slot_of[0, 1] == -1 and all(tables.slot_of[0, e] >= 0 for e in (0, 2, 3))
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lfu-admit"])
+def test_lfu_keeps_the_frequent_expert_through_a_scan(policy: str) -> None:
+    # Expert 0 every third step, one-off experts in between, two slots.
+    sequence = [x for i in range(1, 30) for x in (0, 2 * i, 2 * i + 1)]
+    hits = _run(CacheTables(1, 64, [2], policy, decay=1.0), sequence)
+    # from its third use on, 0 always hits (at first, 0 and a one-off both have one fresh request)
+    assert all(hits[6::3]) and not any(hits[1::3] + hits[2::3])
+    assert not any(_run(CacheTables(1, 64, [2], "lru"), sequence))  # the scan flushes 0 out of LRU
+
+
+def test_lfu_ties_go_to_the_least_recently_used() -> None:
+    tables = CacheTables(1, 8, [3], "lfu", decay=1.0)
+    _run(tables, [5, 6, 7, 4])  # equal rates: 5 is the least recently used
+    assert tables.slot_of[0, 5] == -1 and all(tables.slot_of[0, e] >= 0 for e in (6, 7, 4))
+
+
+def test_admission_bypasses_a_rare_newcomer_without_reuse() -> None:
+    # With no step-to-step reuse, a one-off expert does not displace an expert chosen at half the steps.
+    tables = CacheTables(1, 64, [1], "lfu-admit", decay=1.0)
+    sequence = [x for i in range(1, 20) for x in (0, i)]
+    hits = _run(tables, sequence)
+    assert all(hits[2::2]) and int(tables.counters["bypasses"][0]) == 19
+
+
+def test_resolve_does_not_sync_shapes() -> None:
+    # Fixed shapes whatever the outcome: every field is [E], however many hits and misses there were.
+    tables = CacheTables(2, 16, [4, 4], "lfu-admit")
+    for step in range(6):
+        for layer in range(2):
+            res = tables.resolve(layer, _mask(16, range(step, step + 3)), step, max_new=3)
+            assert res.slot.shape == res.filled.shape == res.bypass.shape == (16,)
