@@ -124,33 +124,15 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def test_logits_match_transformers(checkpoint):
+def test_logits_match_transformers(checkpoint, matches_transformers):
     model_dir, hf = checkpoint
     engine = Engine(model_dir, dtype=torch.float32, max_seqs=4, max_context=64)
     runner: ModelRunner = engine.runner
     prompts = _prompts(engine.config.vocab_size)
     seqs = [runner.new_sequence() for _ in prompts]
 
-    ours = runner.forward(seqs, prompts, all_logits=True)  # [T, V], sequence by sequence
-    caches, next_tokens, offset = [], [], 0
-    for prompt in prompts:
-        out = hf(torch.tensor([prompt]), use_cache=True)
-        ref = out.logits[0].float()  # [L, V]
-        err = _rel_err(ours[offset : offset + len(prompt)], ref)
-        assert err < REL_TOL, f"prefill logits differ: relative error {err:.2e}"
-        offset += len(prompt)
-        caches.append(out.past_key_values)
-        next_tokens.append(int(ref[-1].argmax()))
-
-    for step in range(DECODE_STEPS):
-        ours = runner.forward(seqs, [[t] for t in next_tokens])  # [B, V]
-        for b in range(len(prompts)):
-            out = hf(torch.tensor([[next_tokens[b]]]), past_key_values=caches[b], use_cache=True)
-            ref = out.logits[0, -1].float()
-            err = _rel_err(ours[b], ref)
-            assert err < REL_TOL, f"decode step {step}, sequence {b}: relative error {err:.2e}"
-            caches[b] = out.past_key_values
-            next_tokens[b] = int(ref.argmax())
+    prefill = runner.forward(seqs, prompts, all_logits=True)  # [T, V], sequence by sequence
+    matches_transformers(runner, hf, seqs, prompts, prefill, DECODE_STEPS, REL_TOL)
 
 
 @torch.inference_mode()

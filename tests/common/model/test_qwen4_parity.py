@@ -56,7 +56,7 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 @torch.inference_mode()
 @pytest.mark.parametrize("chunk", [None, 6], ids=["one-pass", "chunked"])
-def test_logits_match_transformers(checkpoint, chunk):
+def test_logits_match_transformers(checkpoint, chunk, matches_transformers):
     model_dir, hf = checkpoint
     engine = Engine(model_dir, dtype=torch.float32, max_seqs=4, max_context=96)
     runner = engine.runner
@@ -78,25 +78,7 @@ def test_logits_match_transformers(checkpoint, chunk):
                 offset += n
         ours = torch.cat([torch.cat(p) for p in per_seq])
 
-    caches, next_tokens, offset = [], [], 0
-    for prompt in prompts:
-        out = hf(torch.tensor([prompt]), use_cache=True)
-        ref = out.logits[0].float()
-        err = _rel_err(ours[offset : offset + len(prompt)], ref)
-        assert err < REL_TOL, f"prefill of {len(prompt)} tokens: relative error {err:.2e}"
-        offset += len(prompt)
-        caches.append(out.past_key_values)
-        next_tokens.append(int(ref[-1].argmax()))
-
-    for step in range(16):
-        ours = runner.forward(seqs, [[t] for t in next_tokens])
-        for b in range(len(prompts)):
-            out = hf(torch.tensor([[next_tokens[b]]]), past_key_values=caches[b], use_cache=True)
-            ref = out.logits[0, -1].float()
-            err = _rel_err(ours[b], ref)
-            assert err < REL_TOL, f"decode step {step}, sequence {b}: relative error {err:.2e}"
-            caches[b] = out.past_key_values
-            next_tokens[b] = int(ref.argmax())
+    matches_transformers(runner, hf, seqs, prompts, ours, 16, REL_TOL)
 
 
 @torch.inference_mode()
