@@ -43,10 +43,6 @@ def checkpoint(request, tmp_path_factory):
     return out, hf.eval()
 
 
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
