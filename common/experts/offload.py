@@ -85,12 +85,21 @@ class OffloadedExperts(ExpertProvider):
         n = len(moe_layers)
         self.traffic = TrafficCounters([0] * n, [0] * n, [0] * n)
         self.prefill = False
-        self.step = 0
+        self.step = self.decode_passes = 0
+
+    rebalance_every = 256
+    """Decode passes between two per-layer capacity adjustments (host-side, between steps)."""
 
     def begin_pass(self, is_decode: bool) -> None:
-        """Called by the runner before each forward: decode passes use the cache, others the arena."""
+        """Called by the runner before each forward: decode passes use the cache, others the arena; every
+        `rebalance_every` decode passes, slots move from the layer with the best hit rate to the worst."""
         self.prefill = not is_decode
         self.step += 1
+        if is_decode:
+            self.decode_passes += 1
+            if self.decode_passes % self.rebalance_every == 0:
+                per_layer = self.tables.num_slots // self.tables.num_layers
+                self.tables.rebalance(slots_to_move=max(1, per_layer // 16))
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

@@ -112,3 +112,14 @@ def test_pinned_hot_set_stays_and_changes_nothing(model, tmp_path):
     assert out == reference
     tables = engine.offload.tables
     assert sorted(tables.owner[tables.pinned].tolist()) == [1, 2, 7]
+
+
+def test_adaptive_capacity_moves_slots_and_changes_nothing(model):
+    path, prompts, reference = model
+    engine = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="0.5")
+    engine.offload.rebalance_every = 2  # adjust often
+    before = engine.offload.tables.capacities
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
+    engine.offload.tables.check()
+    after = engine.offload.tables.capacities
+    assert sum(after) == sum(before)
