@@ -73,7 +73,7 @@ class GatedDeltaNet(nn.Module):
         self, q, k, v, g, beta, recurrent, slots, pad: Padding, ctx: ForwardContext
     ) -> torch.Tensor:
         if q.is_cuda and chunk_gated_delta_rule is not None:
-            return self._fla(q, k, v, g, beta, recurrent, slots, ctx)
+            return self._fla(q, k, v, g, beta, recurrent, slots, pad, ctx)
         if pad.max_len == 1:
             out, new = delta_rule.recurrent_step(q, k, v, g, beta, recurrent[slots])
             recurrent[slots] = new
@@ -84,10 +84,9 @@ class GatedDeltaNet(nn.Module):
         recurrent[slots] = new
         return pad.unpad(out)
 
-    def _fla(self, q, k, v, g, beta, recurrent, slots, ctx: ForwardContext) -> torch.Tensor:
+    def _fla(self, q, k, v, g, beta, recurrent, slots, pad: Padding, ctx: ForwardContext) -> torch.Tensor:
         """fla-core over the flat batch: varlen through cu_seqlens, states read from and written to slots."""
-        lens = torch.tensor(ctx.batch.query_lens, device=q.device)
-        cu = F.pad(lens.cumsum(0), (1, 0))  # int64, as fla expects
+        cu = F.pad(pad.lens.cumsum(0), (1, 0))  # int64, as fla expects
         kernel = fused_recurrent_gated_delta_rule if ctx.batch.is_decode else chunk_gated_delta_rule
         out, new = kernel(  # by keyword: the recurrent kernel takes gk, gv before beta
             q=q[None],

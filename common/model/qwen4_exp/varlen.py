@@ -20,6 +20,14 @@ class Padding:
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> Padding:
+        """The batch's padding, computed once per forward pass and shared by every layer."""
+        cached = batch.__dict__.get("_padding")
+        if cached is None:
+            cached = batch.__dict__["_padding"] = cls._build(batch)
+        return cached
+
+    @classmethod
+    def _build(cls, batch: ForwardBatch) -> Padding:
         device = batch.input_ids.device
         lens = torch.tensor(batch.query_lens, device=device)
         starts = lens.cumsum(0) - lens
