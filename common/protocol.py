@@ -1,0 +1,176 @@
+"""Every message that crosses a socket: msgspec structs, one tagged union, no pickle anywhere.
+
+Topology (DESIGN §2, §6): each service binds one PULL inbox and the others PUSH to it.
+- router  → prefill: `Generate`, `Abort`            router → decode: `Abort`
+- prefill → decode:  `AllocState`, `PrefillDone`, `Freeze`, `Thaw`, `ReleaseState`
+- decode  → prefill: `StateGranted`, `Exports` (once, at start and after a restart)
+- prefill, decode → router: `Tokens`, `Ready`, `Heartbeat`
+Every request is named by the router's `rid`; a `Tokens` event with `finish_reason` set is its last.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Sampling(msgspec.Struct, frozen=True):
+    """A request's sampling parameters (common.sampling.SamplingParams on the wire)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class Generate(msgspec.Struct, frozen=True, tag=True):
+    """router → prefill: run this prompt, then hand it to decode."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    arrival: float
+    """time.time() when the router accepted it (TTFT is measured from here)."""
+
+
+class Abort(msgspec.Struct, frozen=True, tag=True):
+    """router → every worker: forget `rid` and free what it holds (no event is sent back)."""
+
+    rid: str
+
+
+class AllocState(msgspec.Struct, frozen=True, tag=True):
+    """prefill → decode: reserve a state slot and KV pages for `num_tokens` tokens of `rid`."""
+
+    rid: str
+    num_tokens: int
+
+
+class StateGranted(msgspec.Struct, frozen=True, tag=True):
+    """decode → prefill: the slot and pages of `rid` (empty `error` on success)."""
+
+    rid: str
+    slot: int
+    pages: list[int]
+    error: str = ""
+
+
+class PrefillDone(msgspec.Struct, frozen=True, tag=True):
+    """prefill → decode: `rid`'s state is written for `num_cached` tokens; decode it from `first_token`."""
+
+    rid: str
+    prompt_len: int
+    num_cached: int
+    first_token: int
+    sampling: Sampling
+    seed: int
+    """The seed actually used (drawn by prefill when the request named none)."""
+    arrival: float
+    slot: int
+    pages: list[int]
+
+
+class ReleaseState(msgspec.Struct, frozen=True, tag=True):
+    """prefill → decode: free `rid`'s slot and pages (the request ended before decode took it over)."""
+
+    rid: str
+
+
+class Freeze(msgspec.Struct, frozen=True, tag=True):
+    """prefill → decode: stop evicting from the expert cache until `Thaw` (prefill reads it in place)."""
+
+    holder: str
+
+
+class Thaw(msgspec.Struct, frozen=True, tag=True):
+    """prefill → decode: the freeze of `holder` is over."""
+
+    holder: str
+
+
+class Tokens(msgspec.Struct, frozen=True, tag=True):
+    """worker → router: new token ids of `rid`; `finish_reason` (stop | length | abort | error) ends it."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str = ""
+    prompt_tokens: int = 0
+
+
+class SharedTensor(msgspec.Struct, frozen=True):
+    """A tensor another process can map (common.ipc): CUDA IPC handle or shared-memory segment."""
+
+    kind: str
+    """"cuda" or "shm"."""
+    handle: bytes
+    """cudaIpcMemHandle bytes ("cuda") or the segment's name, utf-8 ("shm")."""
+    offset: int
+    """Byte offset of the tensor in the allocation."""
+    nbytes: int
+    """Size of the allocation the handle names."""
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    device: int
+    """CUDA device index (−1 on the host)."""
+
+
+class Exports(msgspec.Struct, frozen=True, tag=True):
+    """decode → prefill: everything decode owns that prefill maps instead of copying."""
+
+    epoch: int
+    """Bumped on each decode start; prefill remaps when it changes."""
+    tensors: dict[str, SharedTensor]
+    """Resident weights by parameter name, state pools as `state.{layer}.{name}`, cache tables and slots as
+    `cache.{name}`."""
+    page_size: int
+    max_context: int
+
+
+class Ready(msgspec.Struct, frozen=True, tag=True):
+    """worker → router: started and able to take `capacity` running requests."""
+
+    service: str
+    pid: int
+    capacity: int
+    metrics_url: str = ""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    """worker → router, every second: alive, with its load."""
+
+    service: str
+    pid: int
+    running: int = 0
+    waiting: int = 0
+
+
+Message = (
+    Generate
+    | Abort
+    | AllocState
+    | StateGranted
+    | PrefillDone
+    | ReleaseState
+    | Freeze
+    | Thaw
+    | Tokens
+    | Exports
+    | Ready
+    | Heartbeat
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> Message:
+    """Raises msgspec.DecodeError (a ValidationError for a well-formed frame of the wrong shape)."""
+    return _decoder.decode(frame)
