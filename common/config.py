@@ -108,3 +108,32 @@ class ModelConfig:
     def moe_layers(self) -> tuple[int, ...]:
         """Indices of the layers whose channel mixer is the routed-expert block."""
         return tuple(i for i, t in enumerate(self.mlp_types) if t == "moe")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How the prefill and decode workers load and run the model (both read the same one)."""
+
+    model_dir: str
+    """Hugging Face model directory or `spillway convert` artifact."""
+    device: str = "cpu"
+    """`cpu`, `cuda` or `cuda:N`: where decode allocates everything and prefill runs."""
+    dtype: str = "float32"
+    """Activation and resident-weight dtype: `float32` or `bfloat16`."""
+    max_running: int = 8
+    """Decode lanes: requests decoded together; also the state pool's slots."""
+    max_context: int = 4096
+    """Most tokens (prompt + generated) of one request; sizes the KV pool with `max_running`."""
+    expert_cache: str | None = None
+    """`SLOTS`, `FRACTION` or `all`: serve routed experts from host memory through a VRAM cache
+    (None: all resident, unless the model is an artifact)."""
+    cache_policy: str = "lfu-admit"
+    """Expert cache policy: `lru`, `lfu` or `lfu-admit`."""
+    expert_format: str = "bf16"
+    """Runtime format of offloaded experts: `bf16`, `fp8` or `int4`."""
+    prefill_chunk: int = 8192
+    """Most prompt tokens of one prefill pass (an abort waits at most one chunk)."""
+    replay_routing: str | None = None
+    """Force the router's choices: a trace file or `synthetic-zipf:...` (benchmarks)."""
+    page_size: int = 16
+    """Tokens per KV page."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,24 +13,13 @@ from common.experts.artifact import is_artifact, open_store
 from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
-from common.kv.state import SequenceState
+from common.kv.state import Allocator, SequenceState
 from common.model.loader import load_model
+from common.requests import Request, append_token, sample_next
 from common.runner import ModelRunner
-from common.sampling import SamplingParams, sample
+from common.sampling import SamplingParams
 from common.speculative import MTPSpeculator
 from common.tokenizer import Tokenizer
-
-
-@dataclass
-class Request:
-    """One prompt being generated."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    state: SequenceState
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -62,12 +51,14 @@ class Engine:
         record_routing: bool = False,
         replay_routing: str | None = None,
         pinned_experts: dict[int, list[int]] | None = None,
+        page_size: int = 16,
+        allocate: Allocator | None = None,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
         keeps the router's choices (`routing_recorder.trace()`); `replay_routing` (a trace file or
         `synthetic-zipf:...`) forces them; `pinned_experts` (MoE layer index → experts, a calibration hot set)
-        stay cached for good."""
+        stay cached for good; `allocate` makes the state pool's tensors (see StatePool)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         self.model = load_model(model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp")
@@ -91,7 +82,9 @@ class Engine:
             install_routing_hook(self.model, self.routing_recorder)
         self.prefill_chunk = prefill_chunk
         context = min(self.config.max_position, max_context or 4096)
-        self.runner = ModelRunner(self.model, max_seqs=max_seqs, max_context=context)
+        self.runner = ModelRunner(
+            self.model, max_seqs=max_seqs, max_context=context, page_size=page_size, allocate=allocate
+        )
         self.device = self.runner.device
         self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None
 
@@ -139,7 +132,7 @@ class Engine:
 
     def _sample_step(self, reqs: list[Request], tokens: list[list[int]]) -> None:
         logits = self._forward_chunked([r.state for r in reqs], tokens)  # [B, V]
-        self._emit(reqs, [[t] for t in sample(logits, *self._sampling_tensors(reqs)).tolist()])
+        self._emit(reqs, [[t] for t in sample_next(logits, reqs)])
 
     def _forward_chunked(self, seqs: list[SequenceState], tokens: list[list[int]]) -> torch.Tensor:
         """Last-token logits [B, V], in passes of at most `prefill_chunk` tokens of each sequence."""
@@ -158,29 +151,5 @@ class Engine:
         """Append each request's new tokens up to the first that finishes it."""
         for req, tokens in zip(reqs, new_tokens, strict=True):
             for token in tokens:
-                req.token_ids.append(token)
-                req.finish_reason = self._finish_reason(req, token)
-                if req.finish_reason:
+                if append_token(req, token, self.config.eos_token_ids, self.runner.max_context):
                     break
-
-    def _sampling_tensors(self, reqs: list[Request]) -> tuple[torch.Tensor, ...]:
-        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        return (
-            t([r.params.temperature for r in reqs], torch.float32),
-            t([r.params.top_p for r in reqs], torch.float32),
-            t([r.params.top_k for r in reqs], torch.int64),
-            t([r.seed for r in reqs], torch.int64),
-            t([len(r.token_ids) for r in reqs], torch.int64),
-        )
-
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
-            return "stop"
-        if len(req.token_ids) >= p.max_tokens:
-            return "length"
-        if req.state.num_cached + 1 >= self.runner.max_context:
-            return "length"
-        return None

@@ -3,7 +3,8 @@
 Topology (DESIGN §2, §6): each service binds one PULL inbox and the others PUSH to it.
 - router  → prefill: `Generate`, `Abort`            router → decode: `Abort`
 - prefill → decode:  `AllocState`, `PrefillDone`, `Freeze`, `Thaw`, `ReleaseState`
-- decode  → prefill: `StateGranted`, `Exports` (once, at start and after a restart)
+- prefill → decode:  `WantExports` (at prefill's start)
+- decode  → prefill: `StateGranted`, `Exports` (at decode's start and on `WantExports`)
 - prefill, decode → router: `Tokens`, `Ready`, `Heartbeat`
 Every request is named by the router's `rid`; a `Tokens` event with `finish_reason` set is its last.
 """
@@ -98,6 +99,9 @@ class Tokens(msgspec.Struct, frozen=True, tag=True):
     finish_reason: str | None = None
     error: str = ""
     prompt_tokens: int = 0
+    index: int = 0
+    """Position of token_ids[0] among the request's generated tokens (prefill sends the first, decode the
+    rest; they travel on different connections, so the router orders them by this)."""
 
 
 class SharedTensor(msgspec.Struct, frozen=True):
@@ -128,6 +132,15 @@ class Exports(msgspec.Struct, frozen=True, tag=True):
     `cache.{name}`."""
     page_size: int
     max_context: int
+    expert_store: str = ""
+    """Path of the host expert store's file (offloaded experts; prefill maps it too), else empty."""
+    expert_format: str = ""
+
+
+class WantExports(msgspec.Struct, frozen=True, tag=True):
+    """prefill → decode, at prefill's start: send me `Exports` (decode may have started first)."""
+
+    pid: int
 
 
 class Ready(msgspec.Struct, frozen=True, tag=True):
@@ -159,6 +172,7 @@ Message = (
     | Thaw
     | Tokens
     | Exports
+    | WantExports
     | Ready
     | Heartbeat
 )

@@ -9,7 +9,7 @@ from torch import nn
 
 from common.kv.backend import AttentionBackend, TorchPagedBackend
 from common.kv.batch import ForwardBatch
-from common.kv.state import SequenceState, StatePool
+from common.kv.state import Allocator, SequenceState, StatePool
 from common.model.context import ForwardContext
 
 
@@ -24,13 +24,15 @@ class ModelRunner:
         page_size: int = 16,
         backend: AttentionBackend | None = None,
         kv_dtype: torch.dtype | None = None,
+        allocate: Allocator | None = None,
     ) -> None:
+        """`allocate` makes the state pool's tensors (see StatePool)."""
         param = next(model.parameters())
         self.model, self.device = model, param.device
         self.backend = backend or TorchPagedBackend()
         num_pages = max_seqs * -(-max_context // page_size)
         specs = model.state_specs(kv_dtype or param.dtype)
-        self.pool = StatePool(specs, num_pages, page_size, max_seqs, self.device)
+        self.pool = StatePool(specs, num_pages, page_size, max_seqs, self.device, allocate)
         self.max_context = max_context
 
     def new_sequence(self) -> SequenceState:

@@ -11,6 +11,7 @@ and written in place by another process. A sequence owns a list of pages and one
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ class SlotSpec:
 
 
 StateSpec = PagedSpec | SlotSpec
+Allocator = Callable[[tuple[int, ...], torch.dtype, torch.device | str], torch.Tensor]
 
 
 class PoolExhausted(RuntimeError):
@@ -91,17 +93,21 @@ class StatePool:
         page_size: int,
         max_seqs: int,
         device: torch.device | str,
+        allocate: Allocator | None = None,
     ) -> None:
-        self.page_size = page_size
+        """`allocate(shape, dtype, device)` makes each pool tensor (default torch.zeros; the decode worker
+        passes one whose memory another process can map)."""
+        alloc = allocate or (lambda shape, dtype, dev: torch.zeros(shape, dtype=dtype, device=dev))
+        self.page_size, self.num_pages, self.max_seqs = page_size, num_pages, max_seqs
         self.layers: list[LayerState] = []
         for specs in layer_specs:
             paged = {
-                name: torch.zeros((num_pages, page_size, *s.token_shape), dtype=s.dtype, device=device)
+                name: alloc((num_pages, page_size, *s.token_shape), s.dtype, device)
                 for name, s in specs.items()
                 if isinstance(s, PagedSpec)
             }
             slots = {
-                name: torch.zeros((max_seqs, *s.shape), dtype=s.dtype, device=device)
+                name: alloc((max_seqs, *s.shape), s.dtype, device)
                 for name, s in specs.items()
                 if isinstance(s, SlotSpec)
             }
@@ -109,6 +115,23 @@ class StatePool:
             self.layers.append(LayerState(paged, slots, fills))
         self.pages = IndexAllocator(num_pages)
         self.slots = IndexAllocator(max_seqs)
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every pool tensor as `{layer}.{name}` (what the decode worker exports)."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            for name, t in (layer.paged | layer.slots).items():
+                out[f"{i}.{name}"] = t
+        return out
+
+    def attach(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Use another process's pool tensors (named as by named_tensors) in place of this pool's own."""
+        for key, mine in self.named_tensors().items():
+            if key not in tensors or tensors[key].shape != mine.shape or tensors[key].dtype != mine.dtype:
+                raise ValueError(f"state pool tensor {key}: expected {tuple(mine.shape)} {mine.dtype}")
+            i, name = key.split(".", 1)
+            layer = self.layers[int(i)]
+            (layer.paged if name in layer.paged else layer.slots)[name] = tensors[key]
 
     def layer(self, index: int) -> LayerState:
         return self.layers[index]

@@ -1,0 +1,150 @@
+"""DecodeCore: the decode worker's library half, steppable in-process.
+
+It owns everything big on the device — resident weights, the per-request state pools and the expert cache
+(through an `Engine`) — and the pools' allocators. Prefill asks it for a request's state (`AllocState`),
+writes the prompt's state in place and hands the request over (`PrefillDone`); from then on every `step()`
+decodes all running requests together (continuous batching over `max_running` lanes) and returns their new
+tokens. An `AllocState` that finds no free lane or pages waits in a queue until a request finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from common.config import WorkerConfig
+from common.engine import Engine
+from common.kv.state import Allocator, PoolExhausted, SequenceState
+from common.protocol import AllocState, PrefillDone, StateGranted, Tokens
+from common.requests import Request, append_token, sample_next
+from common.sampling import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sampling_params(s) -> SamplingParams:
+    """protocol.Sampling → SamplingParams."""
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        max_tokens=s.max_tokens,
+        ignore_eos=s.ignore_eos,
+        stop_token_ids=tuple(s.stop_token_ids),
+    )
+
+
+def load_engine(cfg: WorkerConfig, allocate: Allocator | None = None) -> Engine:
+    """The model, state pools and expert cache a worker config describes."""
+    return Engine(
+        cfg.model_dir,
+        dtype=DTYPES[cfg.dtype],
+        device=cfg.device,
+        max_seqs=cfg.max_running,
+        max_context=cfg.max_context,
+        expert_cache=cfg.expert_cache,
+        cache_policy=cfg.cache_policy,
+        expert_format=cfg.expert_format,
+        prefill_chunk=cfg.prefill_chunk,
+        replay_routing=cfg.replay_routing,
+        page_size=cfg.page_size,
+        allocate=allocate,
+    )
+
+
+@dataclass
+class LaneStats:
+    """Occupancy, for heartbeats and metrics."""
+
+    running: int
+    waiting: int
+    pages_used: int
+    pages_free: int
+
+
+class DecodeCore:
+    """Continuous-batching decode over the state pools it owns."""
+
+    def __init__(self, cfg: WorkerConfig, allocate: Allocator | None = None) -> None:
+        self.cfg = cfg
+        self.engine = load_engine(cfg, allocate)
+        self.runner = self.engine.runner
+        self.pool = self.runner.pool
+        self.eos_ids = self.engine.config.eos_token_ids
+        self.running: dict[str, Request] = {}
+        self.granted: dict[str, SequenceState] = {}  # state handed to prefill, not yet running
+        self.pending: deque[AllocState] = deque()  # asks that wait for a free lane or pages
+        self.freezes: set[str] = set()
+
+    # -- requests from prefill ------------------------------------------------------------------------------
+
+    def alloc_state(self, msg: AllocState) -> list[StateGranted]:
+        """Grant `msg` (and any earlier ask still waiting) what the pools can give now."""
+        if msg.num_tokens > self.runner.max_context:
+            return [StateGranted(msg.rid, -1, [], f"prompt of {msg.num_tokens} tokens exceeds the context")]
+        self.pending.append(msg)
+        return self.grant_pending()
+
+    def grant_pending(self) -> list[StateGranted]:
+        grants = []
+        while self.pending and len(self.running) + len(self.granted) < self.cfg.max_running:
+            ask = self.pending[0]
+            seq = self.pool.new_sequence()
+            try:
+                self.pool.reserve(seq, ask.num_tokens)
+            except PoolExhausted:
+                self.pool.release(seq)
+                break
+            self.pending.popleft()
+            self.granted[ask.rid] = seq
+            grants.append(StateGranted(ask.rid, seq.slot, list(seq.pages)))
+        return grants
+
+    def prefill_done(self, msg: PrefillDone) -> None:
+        """Start decoding a request whose prompt state prefill has written."""
+        seq = self.granted.pop(msg.rid, None)
+        if seq is None:  # aborted meanwhile
+            return
+        seq.num_cached = msg.num_cached
+        params = sampling_params(msg.sampling)
+        req = Request([], params, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
+        self.running[msg.rid] = req
+
+    def release(self, rid: str) -> None:
+        """Forget `rid` wherever it is (abort, or prefill finished it) and free its state."""
+        self.pending = deque(a for a in self.pending if a.rid != rid)
+        seq = self.granted.pop(rid, None)
+        req = self.running.pop(rid, None)
+        for state in (seq, req.state if req else None):
+            if state is not None:
+                self.pool.release(state)
+
+    def set_freeze(self, holder: str, on: bool) -> None:
+        """Prefill reads the expert cache in place while it holds a freeze: no evictions meanwhile."""
+        (self.freezes.add if on else self.freezes.discard)(holder)
+        offload = getattr(self.engine, "offload", None)
+        if offload is not None:
+            offload.tables.frozen = bool(self.freezes)
+
+    # -- stepping -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[Tokens]:
+        """Decode one token for every running request; their events (the finished ones last for them)."""
+        if not self.running:
+            return []
+        reqs = list(self.running.values())
+        logits = self.runner.forward([r.state for r in reqs], [[r.token_ids[-1]] for r in reqs])  # [B, V]
+        events = []
+        for req, token in zip(reqs, sample_next(logits, reqs), strict=True):
+            done = append_token(req, token, self.eos_ids, self.runner.max_context)
+            events.append(Tokens(req.rid, [token], req.finish_reason, index=len(req.token_ids) - 1))
+            if done:
+                self.release(req.rid)
+        return events
+
+    def stats(self) -> LaneStats:
+        free = self.pool.pages.num_free
+        return LaneStats(len(self.running), len(self.pending), self.pool.num_pages - free, free)

@@ -1,0 +1,145 @@
+"""PrefillCore: the prefill worker's library half, steppable in-process.
+
+It runs prompts on decode's weights and writes their state straight into decode's pools (both mapped, never
+copied), one chunk per `step()` so an abort waits at most one chunk. Per request: ask decode for state
+(`AllocState`), take the cache freeze, run the chunks, sample the first token, send it to the router and hand
+the request to decode (`PrefillDone`) — or, when the first token already ends it, give the state back.
+One request is prefilled at a time, in arrival order.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from common.config import WorkerConfig
+from common.kv.state import SequenceState
+from common.protocol import (
+    AllocState,
+    Freeze,
+    Generate,
+    Message,
+    PrefillDone,
+    ReleaseState,
+    StateGranted,
+    Thaw,
+    Tokens,
+)
+from common.requests import Request, append_token, sample_next
+from common.runner import ModelRunner
+from common.workers.decode import sampling_params
+
+Outgoing = list[tuple[str, Message]]
+"""Messages to send, each with its destination service (`router` or `decode`)."""
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")  # replaced by decode's tensors (attach)
+
+
+@dataclass
+class PrefillJob:
+    """The request being prefilled."""
+
+    gen: Generate
+    seq: SequenceState
+    seed: int
+    done: int = 0
+    """Prompt tokens already run."""
+
+
+class PrefillCore:
+    """Chunked prefill into state that decode owns."""
+
+    def __init__(
+        self, cfg: WorkerConfig, model: torch.nn.Module, pool_tensors: dict[str, torch.Tensor], eos_ids
+    ) -> None:
+        self.cfg = cfg
+        self.runner = ModelRunner(model, cfg.max_running, cfg.max_context, cfg.page_size, allocate=_meta)
+        self.runner.pool.attach(pool_tensors)
+        self.eos_ids = eos_ids
+        self.queue: deque[Generate] = deque()
+        self.asked: Generate | None = None  # waiting for decode's StateGranted
+        self.dropped: set[str] = set()  # aborted while asked: give the grant back
+        self.job: PrefillJob | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None
+
+    def submit(self, gen: Generate) -> Outgoing:
+        self.queue.append(gen)
+        return self._ask()
+
+    def _ask(self) -> Outgoing:
+        if self.asked is not None or self.job is not None or not self.queue:
+            return []
+        self.asked = self.queue.popleft()
+        return [("decode", AllocState(self.asked.rid, len(self.asked.prompt_ids)))]
+
+    def granted(self, msg: StateGranted) -> Outgoing:
+        if msg.rid in self.dropped:
+            self.dropped.discard(msg.rid)
+            return [("decode", ReleaseState(msg.rid))] if msg.slot >= 0 else []
+        if self.asked is None or self.asked.rid != msg.rid:
+            return []
+        gen, self.asked = self.asked, None
+        if msg.slot < 0:
+            return [("router", Tokens(gen.rid, [], "error", error=msg.error)), *self._ask()]
+        seed = gen.sampling.seed if gen.sampling.seed is not None else random.getrandbits(62)
+        self.job = PrefillJob(gen, SequenceState(msg.slot, list(msg.pages)), seed)
+        return [("decode", Freeze(gen.rid))]
+
+    def abort(self, rid: str) -> Outgoing:
+        self.queue = deque(g for g in self.queue if g.rid != rid)
+        if self.asked is not None and self.asked.rid == rid:
+            self.asked = None
+            self.dropped.add(rid)
+            return self._ask()
+        if self.job is not None and self.job.gen.rid == rid:
+            self.job = None
+            return [("decode", Thaw(rid)), ("decode", ReleaseState(rid)), *self._ask()]
+        return []
+
+    def fail_all(self, error: str) -> Outgoing:
+        """Every request this worker holds ends with an error (decode restarted: their state is gone)."""
+        gens = [*self.queue, *([self.asked] if self.asked else []), *([self.job.gen] if self.job else [])]
+        self.queue.clear()
+        self.asked = self.job = None
+        self.dropped.clear()
+        return [("router", Tokens(g.rid, [], "error", error=error)) for g in gens]
+
+    def step(self) -> Outgoing:
+        """Run the next chunk of the current request; after its last, hand it on."""
+        job = self.job
+        if job is None:
+            return []
+        prompt = job.gen.prompt_ids
+        chunk = prompt[job.done : job.done + self.cfg.prefill_chunk]
+        logits = self.runner.forward([job.seq], [chunk])  # [1, V]
+        job.done += len(chunk)
+        if job.done < len(prompt):
+            return []
+        self.job = None
+        return self._finish(job, logits)
+
+    def _finish(self, job: PrefillJob, logits: torch.Tensor) -> Outgoing:
+        gen = job.gen
+        req = Request(gen.prompt_ids, sampling_params(gen.sampling), job.seed, job.seq, rid=gen.rid)
+        (first,) = sample_next(logits, [req])
+        finished = append_token(req, first, self.eos_ids, self.runner.max_context)
+        n = len(gen.prompt_ids)
+        out: Outgoing = [
+            ("decode", Thaw(gen.rid)),
+            ("router", Tokens(gen.rid, [first], req.finish_reason, prompt_tokens=n, index=0)),
+        ]
+        if finished:
+            out.append(("decode", ReleaseState(gen.rid)))
+        else:
+            done = PrefillDone(gen.rid, n, job.seq.num_cached, first, gen.sampling, job.seed, gen.arrival,
+                               job.seq.slot, job.seq.pages)  # fmt: skip
+            out.append(("decode", done))
+        return out + self._ask()

@@ -1,0 +1,173 @@
+"""The local launcher (`spillway serve`): every service as its own OS process, supervised.
+
+It creates a private run directory for the ipc:// sockets, starts decode, prefill and the router, waits until
+the router's /health says every worker is Ready, restarts a worker that dies (the router ends the requests it
+held with an error event), and on SIGINT/SIGTERM stops everything: children get SIGTERM, then SIGKILL after a
+grace period; the run directory and any shared-memory segment a dead child left are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import ipc
+from common.transport import ipc_address, make_run_dir
+
+log = logging.getLogger("launch")
+GRACE_S = 10.0
+
+
+@dataclass
+class ServeOptions:
+    """What `spillway serve` was asked for."""
+
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    metrics_port: int = 0
+    """Router, prefill, decode, encoder get metrics_port + 0..3 (0: no metrics ports)."""
+    served_name: str = ""
+    api_key: str | None = None
+    max_queue: int = 64
+    worker_args: list[str] = field(default_factory=list)
+    """Flags passed to both workers (WorkerConfig's: --device, --max-running, --expert-cache ...)."""
+    max_running: int = 8
+    max_context: int = 4096
+    threads: int = 0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv)
+        log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+
+def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
+    addr = {s: ipc_address(run_dir, s) for s in ("router", "prefill", "decode")}
+    metrics = {
+        s: (opts.metrics_port + i if opts.metrics_port else 0)
+        for i, s in enumerate(("router", "prefill", "decode"))
+    }
+    common = ["--model", opts.model_dir, "--router", addr["router"], "--threads", str(opts.threads)]
+    common += [
+        "--max-running",
+        str(opts.max_running),
+        "--max-context",
+        str(opts.max_context),
+        *opts.worker_args,
+    ]
+    py = [sys.executable, "-m"]
+    decode = [*py, "services.decode", *common, "--inbox", addr["decode"], "--peer", addr["prefill"]]
+    prefill = [*py, "services.prefill", *common, "--inbox", addr["prefill"], "--peer", addr["decode"]]
+    router = [
+        *py,
+        "services.router",
+        "--model",
+        opts.model_dir,
+        "--host",
+        opts.host,
+        "--port",
+        str(opts.port),
+    ]
+    router += ["--inbox", addr["router"], "--prefill", addr["prefill"], "--decode", addr["decode"]]
+    router += ["--max-running", str(opts.max_running), "--max-queue", str(opts.max_queue)]
+    router += ["--max-context", str(opts.max_context)]
+    for svc, port in metrics.items():
+        if port:
+            (router if svc == "router" else decode if svc == "decode" else prefill).extend(
+                ["--metrics-port", str(port)]
+            )
+    if opts.metrics_port:
+        router += ["--worker-metrics", f"prefill=http://127.0.0.1:{metrics['prefill']}/metrics"]
+        router += ["--worker-metrics", f"decode=http://127.0.0.1:{metrics['decode']}/metrics"]
+    if opts.served_name:
+        router += ["--served-model-name", opts.served_name]
+    if opts.api_key:
+        router += ["--api-key", opts.api_key]
+    return [Child("decode", decode), Child("prefill", prefill), Child("router", router)]
+
+
+class Launcher:
+    """Starts, watches and stops the services."""
+
+    def __init__(self, opts: ServeOptions) -> None:
+        self.opts = opts
+        self.run_dir = make_run_dir()
+        self.children = _children(opts, self.run_dir)
+        self.stopping = False
+
+    def health_url(self) -> str:
+        return f"http://{self.opts.host}:{self.opts.port}/health"
+
+    def start(self) -> None:
+        for child in self.children:
+            child.start()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> bool:
+        """Poll the router's /health until it answers 200 (every worker Ready)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stopping:
+            self.supervise()
+            try:
+                with urllib.request.urlopen(self.health_url(), timeout=2) as resp:
+                    if resp.status == 200:
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.2)
+        return False
+
+    def supervise(self) -> None:
+        """Restart any child that exited (and sweep the shared memory it leaves)."""
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is not None and not self.stopping:
+                log.error("%s exited with %s; restarting", child.name, child.proc.returncode)
+                ipc.unlink_stale(child.proc.pid)
+                child.restarts += 1
+                child.start()
+
+    def run(self) -> int:
+        """Serve until SIGINT/SIGTERM."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+        self.start()
+        try:
+            if self.wait_ready():
+                log.info("serving on http://%s:%d/v1", self.opts.host, self.opts.port)
+            while not self.stopping:
+                self.supervise()
+                time.sleep(0.2)
+        finally:
+            self.stop()
+        return 0
+
+    def stop(self) -> None:
+        self.stopping = True
+        live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for proc in live:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for proc in live:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for child in self.children:
+            if child.proc is not None:
+                ipc.unlink_stale(child.proc.pid)
+        shutil.rmtree(self.run_dir, ignore_errors=True)

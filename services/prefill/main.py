@@ -1,0 +1,85 @@
+"""Prefill worker: a thin loop around PrefillCore — map decode's exports, prefill chunk by chunk."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from common.protocol import Abort, Exports, Generate, Message, StateGranted, Tokens, WantExports
+from common.workers.prefill import Outgoing, PrefillCore
+from common.workers.sharing import prefill_model
+from services.worker_args import add_worker_args, worker_config
+from services.worker_loop import WorkerShell
+
+log = logging.getLogger("prefill")
+
+
+class PrefillWorker:
+    """The core once decode's exports have arrived (it is rebuilt when decode restarts)."""
+
+    def __init__(self, shell: WorkerShell, cfg) -> None:
+        self.shell, self.cfg = shell, cfg
+        self.core: PrefillCore | None = None
+        self.epoch: int | None = None
+        self.early: list[Generate] = []  # requests that came before the exports
+
+    def attach(self, exports: Exports) -> Outgoing:
+        if exports.epoch == self.epoch:
+            return []
+        first = self.core is None
+        out = [] if first else self.core.fail_all("decode worker restarted")
+        model, pools, eos = prefill_model(self.cfg, exports)
+        self.core, self.epoch = PrefillCore(self.cfg, model, pools, eos), exports.epoch
+        if first:
+            self.shell.ready(self.cfg.max_running, "")
+            log.info("ready: mapped %d tensors from decode", len(exports.tensors))
+        for gen in self.early:
+            out += self.core.submit(gen)
+        self.early.clear()
+        return out
+
+    def handle(self, msg: Message) -> Outgoing:
+        if isinstance(msg, Exports):
+            return self.attach(msg)
+        if isinstance(msg, Generate):
+            if self.core is None:
+                self.early.append(msg)
+                return []
+            return self.core.submit(msg)
+        if isinstance(msg, Abort):
+            self.early = [g for g in self.early if g.rid != msg.rid]
+            return self.core.abort(msg.rid) if self.core else []
+        if isinstance(msg, StateGranted) and self.core is not None:
+            return self.core.granted(msg)
+        return []
+
+    def step(self) -> Outgoing:
+        if self.core is None or not self.core.busy:
+            return []
+        try:
+            return self.core.step()
+        except Exception as exc:
+            log.exception("prefill failed")
+            rid = self.core.job.gen.rid if self.core.job else ""
+            out = self.core.abort(rid)
+            return [("router", Tokens(rid, [], "error", error=f"prefill failed: {exc}")), *out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spillway-prefill", description=__doc__)
+    add_worker_args(parser)
+    args = parser.parse_args(argv)
+    shell = WorkerShell("prefill", args.inbox, {"router": args.router, "decode": args.peer}, args.threads)
+    worker = PrefillWorker(shell, worker_config(args))
+    shell.send("decode", WantExports(shell.pid))
+    while not shell.stopping:
+        busy = worker.core is not None and worker.core.busy
+        for msg in shell.receive(busy):
+            for dest, out in worker.handle(msg):
+                shell.send(dest, out)
+        for dest, out in worker.step():
+            shell.send(dest, out)
+        if worker.core is not None:
+            shell.heartbeat(int(worker.core.busy), len(worker.core.queue))
+    shell.close()
+    return 0

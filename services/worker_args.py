@@ -1,0 +1,42 @@
+"""Command-line flags shared by the prefill and decode workers (both must be started with the same ones)."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.config import WorkerConfig
+from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """The model and memory flags (WorkerConfig) and the socket addresses of a worker."""
+    parser.add_argument("--model", required=True, help="model directory or converted artifact")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-running", type=int, default=8, help="decode lanes")
+    parser.add_argument("--max-context", type=int, default=4096, help="most tokens of one request")
+    parser.add_argument("--expert-cache", default=None, metavar="SLOTS|FRACTION|all")
+    parser.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=POLICIES)
+    parser.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
+    parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
+    parser.add_argument("--inbox", required=True, help="this worker's PULL address")
+    parser.add_argument("--router", required=True, help="the router's inbox address")
+    parser.add_argument("--peer", required=True, help="the other worker's inbox address")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: none)")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        model_dir=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_running=args.max_running,
+        max_context=args.max_context,
+        expert_cache=args.expert_cache,
+        cache_policy=args.cache_policy,
+        expert_format=args.expert_format,
+        prefill_chunk=args.prefill_chunk,
+        replay_routing=args.replay_routing,
+    )

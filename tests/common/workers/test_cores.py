@@ -1,0 +1,112 @@
+"""Prefill and decode cores stepped in one process, their messages passed through the wire encoding and the
+state shared through exported shared memory: the tokens equal the offline engine's; aborts free everything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config import WorkerConfig
+from common.engine import Engine
+from common.model.defaults import default_model_dir
+from common.protocol import (
+    AllocState,
+    Freeze,
+    Generate,
+    PrefillDone,
+    ReleaseState,
+    Sampling,
+    StateGranted,
+    Thaw,
+    Tokens,
+    decode,
+    encode,
+)
+from common.sampling import SamplingParams
+from common.workers.decode import DecodeCore
+from common.workers.prefill import PrefillCore
+from common.workers.sharing import decode_exports, prefill_model, shared_allocator
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
+
+
+@pytest.fixture(scope="module")
+def cores():
+    cfg = WorkerConfig(model_dir=str(default_model_dir()), max_running=2, max_context=256, prefill_chunk=5)
+    dec = DecodeCore(cfg, shared_allocator)
+    exports = decode(encode(decode_exports(dec)))
+    model, pools, eos = prefill_model(cfg, exports)
+    return cfg, dec, PrefillCore(cfg, model, pools, eos)
+
+
+def _deliver(dec: DecodeCore, pre: PrefillCore, box, seen: dict[str, list[Tokens]]):
+    nxt = []
+    for dest, msg in box:
+        msg = decode(encode(msg))
+        if dest == "router":
+            seen.setdefault(msg.rid, []).append(msg)
+        elif isinstance(msg, StateGranted):
+            nxt += pre.granted(msg)
+        elif isinstance(msg, AllocState):
+            nxt += [("prefill", g) for g in dec.alloc_state(msg)]
+        elif isinstance(msg, PrefillDone):
+            dec.prefill_done(msg)
+        elif isinstance(msg, ReleaseState):
+            dec.release(msg.rid)
+            nxt += [("prefill", g) for g in dec.grant_pending()]
+        elif isinstance(msg, Freeze | Thaw):
+            dec.set_freeze(msg.holder, isinstance(msg, Freeze))
+    return nxt
+
+
+def _run(dec: DecodeCore, pre: PrefillCore, box, abort_after: dict[str, int] | None = None):
+    seen: dict[str, list[Tokens]] = {}
+    for _ in range(1000):
+        box = _deliver(dec, pre, box, seen) + pre.step()
+        for event in dec.step():
+            seen.setdefault(event.rid, []).append(event)
+            if event.finish_reason:
+                box += [("prefill", g) for g in dec.grant_pending()]
+        for rid, n in (abort_after or {}).items():
+            if sum(len(e.token_ids) for e in seen.get(rid, [])) >= n:
+                dec.release(rid)
+                box += pre.abort(rid) + [("prefill", g) for g in dec.grant_pending()]
+        if not box and not dec.running and not pre.busy and not pre.queue and pre.asked is None:
+            return seen
+    raise AssertionError("did not finish")
+
+
+def test_disaggregated_tokens_equal_offline_engine(cores):
+    cfg, dec, pre = cores
+    greedy = Sampling(temperature=0.0, max_tokens=10, ignore_eos=True)
+    box = [out for i, p in enumerate(PROMPTS) for out in pre.submit(Generate(f"r{i}", p, greedy, 0.0))]
+    seen = _run(dec, pre, box)
+    engine = Engine(cfg.model_dir, dtype=torch.float32, max_seqs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    reference = [r.token_ids for r in engine.generate(PROMPTS, params)]
+    for i, ref in enumerate(reference):
+        events = seen[f"r{i}"]
+        assert [e.index for e in events] == list(range(10))
+        assert [t for e in events for t in e.token_ids] == ref
+        assert events[0].prompt_tokens == len(PROMPTS[i]) and events[-1].finish_reason == "length"
+    assert dec.pool.pages.num_free == dec.pool.num_pages and dec.pool.slots.num_free == cfg.max_running
+
+
+def test_aborts_free_every_page_and_slot(cores):
+    cfg, dec, pre = cores
+    sampling = Sampling(temperature=0.8, max_tokens=50, ignore_eos=True, seed=3)
+    box = [out for i, p in enumerate(PROMPTS) for out in pre.submit(Generate(f"a{i}", p, sampling, 0.0))]
+    box += pre.abort("a2")  # still queued
+    seen = _run(dec, pre, box, abort_after={"a0": 3, "a1": 1})
+    assert "a2" not in seen
+    assert sum(len(e.token_ids) for e in seen["a0"]) < 50
+    assert dec.pool.pages.num_free == dec.pool.num_pages and dec.pool.slots.num_free == cfg.max_running
+    assert not dec.running and not dec.granted and not dec.freezes
+
+
+def test_prompt_longer_than_context_is_an_error_event(cores):
+    _, dec, pre = cores
+    box = pre.submit(Generate("long", [7] * 300, Sampling(), 0.0))
+    seen = _run(dec, pre, box)
+    (event,) = seen["long"]
+    assert event.finish_reason == "error" and "300" in event.error
