@@ -103,6 +103,59 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from common.model.defaults import default_model_dir
+    from services.launch import Launcher, ServeOptions
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(levelname)s %(message)s")
+    worker_args = ["--device", args.device, "--dtype", args.dtype, "--cache-policy", args.cache_policy]
+    worker_args += ["--prefill-chunk", str(args.prefill_chunk), "--expert-format", args.expert_format]
+    if args.expert_cache:
+        worker_args += ["--expert-cache", args.expert_cache]
+    if args.replay_routing:
+        worker_args += ["--replay-routing", args.replay_routing]
+    opts = ServeOptions(
+        model_dir=str(args.model or default_model_dir()),
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        served_name=args.served_model_name,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        worker_args=worker_args,
+        max_running=args.max_running,
+        max_context=args.max_context,
+        threads=args.threads,
+    )
+    return Launcher(opts).run()
+
+
+def _add_serve(sub) -> None:
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (router, prefill, decode processes)")
+    srv.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--metrics-port", type=int, default=0, help="router, prefill, decode, encoder metrics on M..M+3"
+    )
+    srv.add_argument("--served-model-name", default="", help="the model's name in the API")
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    srv.add_argument("--max-running", type=int, default=8, help="requests decoded together")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (then 429)")
+    srv.add_argument("--max-context", type=int, default=4096)
+    srv.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    srv.add_argument("--dtype", choices=DTYPES, default="float32")
+    srv.add_argument("--expert-cache", default=None, metavar="SLOTS|FRACTION|all")
+    srv.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=POLICIES)
+    srv.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
+    srv.add_argument("--prefill-chunk", type=int, default=8192)
+    srv.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
+    srv.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
+    srv.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spillway", description="Serve MoE models bigger than the GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(func=_simulate)
+    _add_serve(sub)
     return parser
 
 

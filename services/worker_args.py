@@ -12,7 +12,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     """The model and memory flags (WorkerConfig) and the socket addresses of a worker."""
     parser.add_argument("--model", required=True, help="model directory or converted artifact")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-running", type=int, default=8, help="decode lanes")
     parser.add_argument("--max-context", type=int, default=4096, help="most tokens of one request")
     parser.add_argument("--expert-cache", default=None, metavar="SLOTS|FRACTION|all")
