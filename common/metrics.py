@@ -1,0 +1,216 @@
+"""Prometheus metric definitions shared by every service (DESIGN §7): one place for names and buckets.
+
+Every metric is named `spillway:...` and lives in a per-service `CollectorRegistry` (never the global
+default), so several services, or several instances of one in a test process, can each build their metrics
+without name collisions. A service builds the groups it exports (`RouterMetrics`, `WorkerMetrics`,
+`ExpertCacheMetrics`) on its registry and serves it with `render` (inside its own HTTP app) or `serve` (a
+separate metrics port).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+
+PREFIX = "spillway:"
+
+# Time to first token spans queueing and a long prefill (seconds to minutes for 100K-token prompts).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+# Inter-token latency: ~10 ms at the target decode speed, up to seconds when a step waits on PCIe.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Whole requests: up to many minutes for long generations.
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
+
+
+def new_registry() -> CollectorRegistry:
+    """A fresh registry for one service (no process or platform collectors: names stay `spillway:`)."""
+    return CollectorRegistry(auto_describe=True)
+
+
+def render(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The registry in the Prometheus text format, and the content type to serve it with."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> Callable[[], None]:
+    """Serve `registry` on http://host:port/metrics from a daemon thread (for workers without an HTTP app).
+
+    Returns the function that stops the server (tests start and stop several in one process).
+    """
+    server, thread = start_http_server(port, addr=host, registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return stop
+
+
+@dataclass(frozen=True)
+class RouterMetrics:
+    """What the router sees of each request: latencies as the client sees them, tokens, admission."""
+
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    e2e_request_latency: Histogram
+    queue_time: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    requests_finished: Counter
+    """Labelled by finish_reason (stop | length)."""
+    requests_running: Gauge
+    requests_waiting: Gauge
+    request_errors: Counter
+    """Labelled by reason (bad_request, unauthorized, not_found, queue_full, not_ready, worker_error, ...)."""
+    dropped_frames: Counter
+    """Inbox frames that did not decode (DESIGN §6: dropped and counted)."""
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> RouterMetrics:
+        return cls(
+            time_to_first_token=Histogram(
+                f"{PREFIX}time_to_first_token_seconds",
+                "Time from request arrival at the router to its first token.",
+                buckets=TTFT_BUCKETS,
+                registry=registry,
+            ),
+            inter_token_latency=Histogram(
+                f"{PREFIX}inter_token_latency_seconds",
+                "Time between consecutive tokens of a request (a multi-token event counts per token).",
+                buckets=ITL_BUCKETS,
+                registry=registry,
+            ),
+            e2e_request_latency=Histogram(
+                f"{PREFIX}e2e_request_latency_seconds",
+                "Time from request arrival to its last token.",
+                buckets=E2E_BUCKETS,
+                registry=registry,
+            ),
+            queue_time=Histogram(
+                f"{PREFIX}request_queue_time_seconds",
+                "Time a request waited in the router's admission queue.",
+                buckets=TTFT_BUCKETS,
+                registry=registry,
+            ),
+            prompt_tokens=Counter(
+                f"{PREFIX}prompt_tokens_total", "Prompt tokens of admitted requests.", registry=registry
+            ),
+            generation_tokens=Counter(
+                f"{PREFIX}generation_tokens_total", "Tokens generated.", registry=registry
+            ),
+            requests_finished=Counter(
+                f"{PREFIX}requests_finished_total",
+                "Requests that completed, by finish reason.",
+                ["finish_reason"],
+                registry=registry,
+            ),
+            requests_running=Gauge(
+                f"{PREFIX}requests_running", "Requests sent on to the workers.", registry=registry
+            ),
+            requests_waiting=Gauge(
+                f"{PREFIX}requests_waiting", "Requests waiting in the router's queue.", registry=registry
+            ),
+            request_errors=Counter(
+                f"{PREFIX}request_errors_total",
+                "Requests that ended in an error, by reason.",
+                ["reason"],
+                registry=registry,
+            ),
+            dropped_frames=Counter(
+                f"{PREFIX}dropped_frames_total", "Inbox frames that did not decode.", registry=registry
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class WorkerMetrics:
+    """Load and memory of a prefill or decode worker."""
+
+    requests_running: Gauge
+    requests_waiting: Gauge
+    kv_pages_used: Gauge
+    kv_pages_free: Gauge
+    vram_bytes: Gauge
+    """Labelled by pool (weights, kv, expert_cache, arena, scratch)."""
+    dropped_frames: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> WorkerMetrics:
+        return cls(
+            requests_running=Gauge(
+                f"{PREFIX}requests_running", "Requests this worker is running.", registry=registry
+            ),
+            requests_waiting=Gauge(
+                f"{PREFIX}requests_waiting", "Requests queued in this worker.", registry=registry
+            ),
+            kv_pages_used=Gauge(f"{PREFIX}kv_pages_used", "KV cache pages in use.", registry=registry),
+            kv_pages_free=Gauge(f"{PREFIX}kv_pages_free", "KV cache pages free.", registry=registry),
+            vram_bytes=Gauge(
+                f"{PREFIX}vram_bytes", "Device memory held, by pool.", ["pool"], registry=registry
+            ),
+            dropped_frames=Counter(
+                f"{PREFIX}dropped_frames_total", "Inbox frames that did not decode.", registry=registry
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class ExpertCacheMetrics:
+    """The VRAM expert cache (decode) and the prefill arena, per layer where it matters (DESIGN §4, §7)."""
+
+    hits: Counter
+    misses: Counter
+    evictions: Counter
+    bypasses: Counter
+    """Misses computed straight from host memory without insertion (admission filter, freeze)."""
+    hit_rate: Gauge
+    """Per layer, over the worker's recent window; the Grafana heatmap reads it."""
+    slots: Gauge
+    """Cache slots assigned to each layer (they move with adaptive per-layer capacity)."""
+    h2d_bytes: Counter
+    """Bytes copied or read host → device for experts."""
+    arena_loads: Counter
+    """Experts loaded into the prefill arena."""
+    lent_bytes: Gauge
+    """Idle KV-pool and arena memory currently lent to the expert cache."""
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> ExpertCacheMetrics:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"{PREFIX}{name}", doc, ["layer"], registry=registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"{PREFIX}{name}", doc, ["layer"], registry=registry)
+
+        return cls(
+            hits=counter("expert_cache_hits_total", "Expert lookups served from the cache."),
+            misses=counter("expert_cache_misses_total", "Expert lookups not in the cache."),
+            evictions=counter("expert_cache_evictions_total", "Experts evicted from the cache."),
+            bypasses=counter(
+                "expert_cache_bypasses_total", "Misses computed from host memory, not inserted."
+            ),
+            hit_rate=gauge("expert_cache_hit_rate", "Recent expert cache hit rate."),
+            slots=gauge("expert_cache_slots", "Expert cache slots held by the layer."),
+            h2d_bytes=Counter(
+                f"{PREFIX}expert_h2d_bytes_total", "Expert bytes moved host to device.", registry=registry
+            ),
+            arena_loads=Counter(
+                f"{PREFIX}arena_loads_total", "Experts loaded into the prefill arena.", registry=registry
+            ),
+            lent_bytes=Gauge(
+                f"{PREFIX}expert_cache_lent_bytes",
+                "Idle memory lent to the expert cache.",
+                registry=registry,
+            ),
+        )

@@ -1,0 +1,331 @@
+"""OpenAI-compatible request schemas, their validation, and their internal form (`GenerationSpec`).
+
+Requests are parsed from the raw body with pydantic in strict JSON mode, so `"temperature": "1"` is an
+error as it is for OpenAI, and every problem — malformed JSON included — becomes an `ApiError` with the
+OpenAI error object (`{"error": {"message", "type", "param", "code"}}`). Unknown fields are ignored, as
+OpenAI ignores them; known fields whose feature Spillway lacks (logprobs, penalties, n > 1, echo) are
+refused rather than silently ignored, because ignoring them would change what the client gets.
+
+Length rule: a prompt that leaves no room for one generated token is refused (400, naming both numbers);
+a `max_tokens` that would overflow the context is clamped to what is left, and the finish reason `length`
+tells the client it was cut. No `max_tokens` means "until the context is full".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import jinja2
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+
+from common.protocol import Sampling
+from common.tokenizer import Tokenizer
+
+MAX_STOP_STRINGS = 4
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Template variables a client may not set: the conversation itself, and the template source (a client must
+# not run a template of its own on the server).
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "chat_template"})
+
+
+class ApiError(Exception):
+    """An error the API reports to the client: HTTP status plus the OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: `{"error": {...}}`."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# Schemas.
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Schema):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Schema):
+    """Fields shared by chat and text completions (OpenAI's, plus vLLM-style extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    """Extension; 0 or -1 keeps every token."""
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: JsonValue = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    """Extension: keep generating past end-of-sequence tokens."""
+    stop_token_ids: list[int] | None = None
+    """Extension: extra token ids that end generation."""
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ContentPart(_Schema):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message; extra fields (tool_calls, name, reasoning_content, ...) are kept for the template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, JsonValue] | None = None
+    """Extension: extra variables for the chat template (e.g. `enable_thinking`)."""
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: JsonValue
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Validate a `/v1/chat/completions` body; raises ApiError (400)."""
+    return _parse(ChatCompletionRequest, body)
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    """Validate a `/v1/completions` body; raises ApiError (400)."""
+    return _parse(CompletionRequest, body)
+
+
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|dict|list)$|[\[\-]")
+
+
+_S = TypeVar("_S", bound=_Schema)
+
+
+def _parse(schema: type[_S], body: bytes) -> _S:
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """The first problem pydantic found, as a 400 naming the parameter (`messages[0].content`)."""
+    error = exc.errors(include_url=False)[0]
+    if error["type"] == "json_invalid":
+        return bad_request(f"The request body is not valid JSON: {error['msg']}", code="invalid_json")
+    if error["type"] == "model_type" and not error["loc"]:
+        return bad_request("The request body must be a JSON object.", code="invalid_json")
+    return bad_request(_message(error), param=_param(error["loc"]) or None)
+
+
+def _param(loc: Sequence[int | str]) -> str:
+    """`('messages', 0, 'content', 'str')` → `messages[0].content` (pydantic's union branch tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _UNION_BRANCH.search(part):
+            out += f".{part}" if out else part
+    return out
+
+
+def _message(error: Any) -> str:
+    param = _param(error["loc"])
+    if error["type"] == "missing":
+        return f"'{param}' is a required property"
+    return f"Invalid value for '{param}': {error['msg']}"
+
+
+# Internal form.
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A validated request, ready for admission: prompt ids, sampling, and what the router does itself."""
+
+    prompt_ids: list[int]
+    sampling: Sampling
+    stop: tuple[str, ...]
+    """Stop strings (the router matches them on the detokenized text)."""
+    stream: bool
+    include_usage: bool
+    """Streaming only: send a usage chunk before [DONE]."""
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 unless the request names the served model (or none, which means it)."""
+    if requested is not None and requested != served:
+        raise ApiError(
+            404,
+            f"The model '{requested}' does not exist; this server serves '{served}'.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """The chat template applied to the messages, tokenized (with a generation prompt)."""
+    messages = [_template_message(i, m) for i, m in enumerate(request.messages)]
+    kwargs = dict(request.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}.", "chat_template_kwargs")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    except jinja2.TemplateError as exc:
+        raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from None
+    except ValueError as exc:  # no chat template
+        raise bad_request(str(exc), param="messages") from None
+    assert isinstance(ids, list)
+    return ids
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    out = message.model_dump(exclude_none=True)
+    # Chat templates predate OpenAI's `developer` role; it means what `system` means to them.
+    if out["role"] == "developer":
+        out["role"] = "system"
+    if isinstance(message.content, list):
+        for j, part in enumerate(message.content):
+            param = f"messages[{index}].content[{j}]"
+            if part.type == "image_url":
+                raise bad_request("Image inputs are not supported by this server.", param, "unsupported")
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"Unsupported content part of type '{part.type}'.", param, "unsupported")
+    return out
+
+
+def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's ids: a string is encoded (with the tokenizer's special tokens), ids are checked."""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if len(prompt) != 1:
+            raise bad_request("Only one prompt per request is supported.", "prompt", "unsupported")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)  # type: ignore[arg-type]
+        vocab = tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"Token id {bad} is outside the vocabulary [0, {vocab}).", "prompt")
+    else:
+        raise bad_request("'prompt' must be a string or a list of token ids.", "prompt")
+    if not ids:
+        raise bad_request("The prompt is empty.", "prompt")
+    return ids
+
+
+def chat_spec(request: ChatCompletionRequest, prompt_ids: list[int], max_context: int) -> GenerationSpec:
+    """Check a chat request's parameters and build its internal form."""
+    if request.logprobs or request.top_logprobs:
+        raise bad_request("logprobs are not supported.", "logprobs", "unsupported")
+    return _spec(request, prompt_ids, max_context, request.max_completion_tokens or request.max_tokens)
+
+
+def completion_spec(request: CompletionRequest, prompt_ids: list[int], max_context: int) -> GenerationSpec:
+    """Check a completion request's parameters and build its internal form."""
+    if request.echo:
+        raise bad_request("echo is not supported.", "echo", "unsupported")
+    if request.best_of not in (None, 1):
+        raise bad_request("best_of must be 1.", "best_of", "unsupported")
+    if request.suffix:
+        raise bad_request("suffix is not supported.", "suffix", "unsupported")
+    if request.logprobs:
+        raise bad_request("logprobs are not supported.", "logprobs", "unsupported")
+    return _spec(request, prompt_ids, max_context, request.max_tokens)
+
+
+def _spec(
+    request: _GenerationRequest, prompt_ids: list[int], max_context: int, max_tokens: int | None
+) -> GenerationSpec:
+    if request.n not in (None, 1):
+        raise bad_request("Only n=1 is supported.", "n", "unsupported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name):
+            raise bad_request(f"{name} is not supported.", name, "unsupported")
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported.", "logit_bias", "unsupported")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+    room = max_context - len(prompt_ids)
+    if room < 1:
+        raise bad_request(
+            f"The prompt has {len(prompt_ids)} tokens, but this model's maximum context is {max_context} "
+            "tokens, which must also hold at least one generated token.",
+            "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            "context_length_exceeded",
+        )
+    sampling = Sampling(
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=max(request.top_k or 0, 0),
+        seed=request.seed,
+        max_tokens=min(max_tokens or room, room),
+        ignore_eos=request.ignore_eos,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+    )
+    return GenerationSpec(
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        stop=parse_stop(request.stop),
+        stream=request.stream,
+        include_usage=bool(
+            request.stream and request.stream_options and request.stream_options.include_usage
+        ),
+    )
+
+
+def parse_stop(stop: JsonValue) -> tuple[str, ...]:
+    """`stop` as a tuple of non-empty strings (a string or a list of at most four; empty ones dropped)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOP_STRINGS:
+            raise bad_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}.", "stop")
+        stops = list(stop)  # type: ignore[arg-type]
+    else:
+        raise bad_request("'stop' must be a string or a list of strings.", "stop")
+    return tuple(s for s in dict.fromkeys(stops) if s)

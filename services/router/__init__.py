@@ -1,0 +1,11 @@
+"""The router service: OpenAI-compatible HTTP API, admission, streaming (DESIGN §2, §7).
+
+`create_app(RouterConfig(...))` builds the FastAPI app; `main(argv)` runs it under uvicorn.
+"""
+
+from services.router.app import create_app
+from services.router.config import RouterConfig
+from services.router.core import RouterCore
+from services.router.main import main
+
+__all__ = ["RouterConfig", "RouterCore", "create_app", "main"]

@@ -1,0 +1,285 @@
+"""The router's HTTP face: an OpenAI-compatible FastAPI app around `RouterCore` (DESIGN §7).
+
+`create_app(config)` loads the tokenizer, builds the core and the metrics, and returns the app; its lifespan
+binds and closes the sockets. Every error, malformed JSON and unknown routes included, is answered with
+OpenAI's error object. A request whose client goes away — while it waits for a slot, while it generates,
+or mid-stream — is aborted at the workers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from common import openai_api as api
+from common.metrics import RouterMetrics, new_registry, render, serve
+from common.openai_api import ApiError, GenerationSpec
+from common.tokenizer import Tokenizer
+from services.router.config import RouterConfig, model_max_context
+from services.router.core import RouterCore
+from services.router.generation import Delta, TextGeneration
+from services.router.responses import DONE, ResponseBuilder, sse
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499
+"""Status logged for requests whose client went away (nginx's convention; the client never sees it)."""
+_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 429: "queue_full", 503: "not_ready"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that always runs `on_close` (even if the client left before it started)."""
+
+    def __init__(self, content: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+        # No caching, and no buffering by a reverse proxy (nginx honours X-Accel-Buffering): tokens must flow.
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._content.aclose()
+            self._on_close()
+
+
+class Router:
+    """The endpoints' logic, with the state they share."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, max_context: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.registry = new_registry()
+        self.metrics = RouterMetrics.create(self.registry)
+        self.core = RouterCore(config, self.metrics)
+        self.created = int(time.time())
+
+    def authorize(self, request: Request) -> None:
+        """401 unless the request carries the configured Bearer key (when one is configured)."""
+        key = self.config.api_key
+        if not key:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise ApiError(401, "Invalid or missing API key.", code="invalid_api_key")
+
+    def count_error(self, error: ApiError) -> None:
+        reason = error.code or _REASONS.get(error.status, str(error.status))
+        self.metrics.request_errors.labels(reason=reason).inc()
+
+    async def chat(self, request: Request) -> Response:
+        received = time.monotonic()
+        self.authorize(request)
+        body = api.parse_chat_request(await request.body())
+        api.check_model(body.model, self.config.model_name)
+        prompt_ids = await asyncio.to_thread(api.chat_prompt_ids, body, self.tokenizer)
+        spec = api.chat_spec(body, prompt_ids, self.max_context)
+        return await self._serve(request, spec, chat=True, received=received)
+
+    async def completions(self, request: Request) -> Response:
+        received = time.monotonic()
+        self.authorize(request)
+        body = api.parse_completion_request(await request.body())
+        api.check_model(body.model, self.config.model_name)
+        prompt_ids = await asyncio.to_thread(api.completion_prompt_ids, body, self.tokenizer)
+        spec = api.completion_spec(body, prompt_ids, self.max_context)
+        return await self._serve(request, spec, chat=False, received=received)
+
+    def models(self, request: Request) -> dict[str, Any]:
+        self.authorize(request)
+        model = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "spillway",
+            "max_model_len": self.max_context,
+        }
+        return {"object": "list", "data": [model]}
+
+    async def _serve(self, request: Request, spec: GenerationSpec, chat: bool, received: float) -> Response:
+        try:
+            if spec.stream:
+                return await self._stream(request, spec, chat, received)
+            return await self._complete(request, spec, chat, received)
+        except ClientGone:
+            self.metrics.request_errors.labels(reason="client_disconnect").inc()
+            return Response(status_code=CLIENT_CLOSED)
+
+    async def _start(self, spec: GenerationSpec, received: float) -> tuple[TextGeneration, Delta]:
+        """Admit the request and wait for its first delta (so that early errors get a proper status)."""
+        flight = await self.core.submit(spec.prompt_ids, spec.sampling, received)
+        gen = TextGeneration(flight, self.tokenizer, spec.stop)
+        try:
+            return gen, await gen.next()
+        except BaseException:
+            self.core.release(flight, None)
+            raise
+
+    async def _complete(
+        self, request: Request, spec: GenerationSpec, chat: bool, received: float
+    ) -> Response:
+        async def run() -> TextGeneration:
+            gen, _ = await self._start(spec, received)
+            try:
+                while gen.finish_reason is None:
+                    await gen.next()
+            finally:
+                self.core.release(gen.flight, gen.finish_reason)
+            return gen
+
+        gen = await unless_disconnected(request, run())
+        assert gen.finish_reason is not None
+        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name)
+        body = builder.full(gen.text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens)
+        return JSONResponse(body, headers={"X-Request-Id": gen.flight.rid})
+
+    async def _stream(self, request: Request, spec: GenerationSpec, chat: bool, received: float) -> Response:
+        gen, first = await unless_disconnected(request, self._start(spec, received))
+        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, spec.include_usage)
+        response = _Stream(self._events(gen, builder, first), lambda: self.core.release(gen.flight, None))
+        response.headers["X-Request-Id"] = gen.flight.rid
+        return response
+
+    async def _events(
+        self, gen: TextGeneration, builder: ResponseBuilder, delta: Delta
+    ) -> AsyncGenerator[bytes, None]:
+        finish: str | None = None
+        failed = False
+        try:
+            if builder.chat:
+                yield builder.role_chunk()
+            while True:
+                if delta.text:
+                    yield builder.text_chunk(delta.text)
+                if delta.finish_reason is not None:
+                    yield builder.finish_chunk(delta.finish_reason)
+                    break
+                delta = await gen.next()
+            if builder.include_usage:
+                yield builder.usage_chunk(gen.prompt_tokens, gen.completion_tokens)
+            finish = gen.finish_reason
+            yield DONE
+        except ApiError as exc:
+            failed = True
+            self.count_error(exc)
+            yield sse(exc.body())
+            yield DONE
+        finally:
+            if finish is None and not failed:
+                self.metrics.request_errors.labels(reason="client_disconnect").inc()
+            self.core.release(gen.flight, finish)
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` unless the client disconnects first; then cancel it (its cleanup aborts the request)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    """The router app for `config` (the tokenizer is loaded now; sockets open in the app's lifespan)."""
+    tokenizer = Tokenizer.from_dir(config.model_dir)
+    max_context = config.max_context or model_max_context(config.model_dir)
+    router = Router(config, tokenizer, max_context)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.core.start()
+        stop_metrics = (
+            serve(router.registry, config.metrics_port, config.host) if config.metrics_port else None
+        )
+        try:
+            yield
+        finally:
+            await router.core.close()
+            if stop_metrics is not None:
+                stop_metrics()
+
+    app = FastAPI(title="Spillway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+    _add_error_handlers(app, router)
+
+    app.add_api_route("/v1/chat/completions", router.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", router.completions, methods=["POST"])
+    app.add_api_route("/v1/models", router.models, methods=["GET"])
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        report = router.core.health()
+        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        router.core.sync_dropped_frames()
+        data, content_type = render(router.registry)
+        return Response(data, media_type=content_type)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, router: Router) -> None:
+    """OpenAI's error object for every failure, including FastAPI's own 422s and routing errors."""
+
+    def reply(error: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        router.count_error(exc)
+        return reply(exc)
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        return await on_api_error(request, api.bad_request(f"Invalid request: {first['msg']}", param))
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return reply(ApiError(exc.status_code, str(exc.detail), type=kind))
+
+    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        router.metrics.request_errors.labels(reason="internal").inc()
+        return reply(ApiError(500, "Internal server error.", type="server_error", code="internal_error"))
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_crash)

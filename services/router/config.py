@@ -1,0 +1,78 @@
+"""The router's configuration: one frozen dataclass, built by `main` from the command line or by a test."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs; addresses are ZeroMQ endpoints (`ipc://...` or `tcp://host:port`)."""
+
+    model_dir: Path
+    """Local HF model directory: its tokenizer, chat template and config.json (for the context length)."""
+    inbox: str
+    """Address the router binds its PULL inbox on; workers push `Tokens`, `Ready` and `Heartbeat` there."""
+    prefill: str
+    """The prefill worker's inbox (`Generate`, `Abort`)."""
+    decode: str
+    """The decode worker's inbox (`Abort`)."""
+    served_model_name: str | None = None
+    """The model id clients name; None = the model directory's name."""
+    host: str = "127.0.0.1"
+    """Interface the HTTP server binds (loopback unless told otherwise, DESIGN §7)."""
+    port: int = 8000
+    """HTTP port of the API (and of `/metrics`)."""
+    max_running: int = 0
+    """Most requests in flight to the workers; 0 = the smallest capacity the workers announce in `Ready`."""
+    max_queue: int = 256
+    """Most requests waiting in the router's FIFO behind the running ones; beyond it requests get 429."""
+    max_context: int | None = None
+    """Longest prompt + completion in tokens; None = config.json's `max_position_embeddings`."""
+    api_key: str | None = None
+    """When set, `/v1/*` requires `Authorization: Bearer <api_key>` (401 otherwise); `/health` and
+    `/metrics` stay open for probes and Prometheus."""
+    metrics_port: int | None = None
+    """Also serve the router's metrics on this port (a Prometheus target of its own); None = only on
+    the API port's `/metrics`."""
+    metrics_urls: Mapping[str, str] = field(default_factory=dict)
+    """Each worker's metrics URL by service name, reported by `/health` (a worker's `Ready` may name its
+    own, which wins)."""
+    heartbeat_timeout_s: float = 5.0
+    """A worker whose last `Ready`/`Heartbeat` is older than this is down (503 until it is heard again)."""
+    expected_services: tuple[str, ...] = ("prefill", "decode")
+    """Workers that must have sent `Ready` (and keep heartbeating) before the router admits requests."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        object.__setattr__(self, "metrics_urls", MappingProxyType(dict(self.metrics_urls)))
+        object.__setattr__(self, "expected_services", tuple(self.expected_services))
+        if self.max_running < 0 or self.max_queue < 0:
+            raise ValueError("max_running and max_queue must not be negative")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be at least 2, got {self.max_context}")
+        if self.heartbeat_timeout_s <= 0:
+            raise ValueError("heartbeat_timeout_s must be positive")
+
+    @property
+    def model_name(self) -> str:
+        """The id clients use for the served model."""
+        return self.served_model_name or self.model_dir.name
+
+
+def model_max_context(model_dir: Path) -> int:
+    """`max_position_embeddings` of the model's config.json (or of its `text_config`, for VL models).
+
+    Read directly rather than through the model registry, so the router never imports torch.
+    """
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"{path} has no max_position_embeddings; pass max_context explicitly")

@@ -1,0 +1,80 @@
+"""One request's token events turned into text deltas: incremental detokenization, stop strings, limits.
+
+The workers decide `stop` (end-of-sequence / stop tokens) and `length`; the router adds `stop` for stop
+strings (which only it can see, on the text) and enforces `max_tokens` itself as well, so a worker that
+overruns cannot make a client receive more than it asked for. `error` becomes an ApiError (500) and a
+worker-initiated `abort` one of 503: neither is a finish reason a client ever sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.detokenize import IncrementalDetokenizer, StopStrings
+from common.openai_api import ApiError
+from common.protocol import Tokens
+from common.tokenizer import Tokenizer
+from services.router.core import Flight
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text for the client; `finish_reason` is set on the last one (stop | length)."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+class TextGeneration:
+    """Reads a flight's events and returns what the client may see, one event at a time."""
+
+    def __init__(self, flight: Flight, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.flight = flight
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = StopStrings(stop)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.text = ""
+        """Everything returned so far."""
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.flight.prompt_ids)
+
+    async def next(self) -> Delta:
+        """The next delta (possibly empty text); raises ApiError if the workers failed the request."""
+        assert self.finish_reason is None, "the generation is over"
+        event = await self.flight.next_event()
+        if event.finish_reason == "error":
+            raise ApiError(
+                500,
+                f"Generation failed: {event.error or 'worker error'}",
+                type="server_error",
+                code="worker_error",
+            )
+        if event.finish_reason == "abort":
+            raise ApiError(
+                503, "The request was aborted by a worker.", type="server_error", code="worker_abort"
+            )
+        delta = self._apply(event)
+        self.text += delta.text
+        self.finish_reason = delta.finish_reason
+        return delta
+
+    def _apply(self, event: Tokens) -> Delta:
+        ids = event.token_ids
+        finish = event.finish_reason
+        room = self.flight.sampling.max_tokens - self.completion_tokens
+        if len(ids) >= room and finish is None:
+            finish = "length"  # the worker overran (or will say so next); the router ends it here
+        ids = ids[:room]
+        self.completion_tokens += len(ids)
+        text = self._stops.push(self._detok.push(ids))
+        if self._stops.matched is not None:
+            return Delta(text, "stop")
+        if finish is None:
+            return Delta(text)
+        text += self._stops.push(self._detok.flush())
+        if self._stops.matched is not None:
+            return Delta(text, "stop")
+        return Delta(text + self._stops.flush(), finish)

@@ -1,0 +1,108 @@
+"""`python -m services.router`: run the router (the launcher and docker-compose start it this way)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.router.config import RouterConfig
+
+API_KEY_ENV = "SPILLWAY_API_KEY"
+SHUTDOWN_GRACE_S = 5.0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m services.router", description="Spillway's OpenAI-compatible router."
+    )
+    p.add_argument("--model", help="HF model directory (default: the embedded tiny model)")
+    p.add_argument("--served-model-name", help="model id clients use (default: the directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    p.add_argument("--inbox", required=True, help="ZeroMQ address the router binds (ipc://... or tcp://...)")
+    p.add_argument("--prefill", required=True, help="the prefill worker's inbox address")
+    p.add_argument("--decode", required=True, help="the decode worker's inbox address")
+    p.add_argument("--max-running", type=int, default=0, help="requests in flight (0: the workers' capacity)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those (then 429)")
+    p.add_argument("--max-context", type=int, help="prompt + completion tokens (default: the model's)")
+    p.add_argument("--api-key", help=f"require this Bearer key on /v1 (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--metrics-port", type=int, help="also serve /metrics on this port")
+    p.add_argument(
+        "--metrics-url",
+        "--worker-metrics",
+        dest="metrics_url",
+        action="append",
+        default=[],
+        metavar="SERVICE=URL",
+        help="a worker's metrics URL, shown by /health (repeatable)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is down"
+    )
+    p.add_argument(
+        "--services",
+        default="prefill,decode",
+        help="workers that must be ready, comma-separated (%(default)s)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The RouterConfig the command line describes."""
+    urls = {}
+    for item in args.metrics_url:
+        service, sep, url = item.partition("=")
+        if not sep or not service or not url:
+            raise SystemExit(f"--metrics-url expects SERVICE=URL, got {item!r}")
+        urls[service] = url
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from common.model.defaults import default_model_dir
+
+        model_dir = default_model_dir()
+    return RouterConfig(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name,
+        inbox=args.inbox,
+        prefill=args.prefill,
+        decode=args.decode,
+        host=args.host,
+        port=args.port,
+        max_running=args.max_running,
+        max_queue=args.max_queue,
+        max_context=args.max_context,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        metrics_port=args.metrics_port,
+        metrics_urls=urls,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        expected_services=tuple(s for s in args.services.split(",") if s),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse `argv`, build the app and serve it until SIGINT/SIGTERM (which abort what is in flight)."""
+    import uvicorn
+
+    from services.router.app import create_app
+
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s router %(name)s: %(message)s"
+    )
+    config = config_from_args(args)
+    app = create_app(config)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        access_log=False,
+        # On SIGTERM, streams get this long to finish; then they are cancelled (and aborted at the workers).
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    return 0

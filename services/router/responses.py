@@ -1,0 +1,96 @@
+"""OpenAI response bodies and server-sent-event chunks, for chat and text completions.
+
+The shapes are OpenAI's: `chat.completion` / `chat.completion.chunk` (the first chunk carries the role,
+the last the finish reason) and `text_completion` for both forms of the legacy endpoint. With
+`stream_options.include_usage`, every chunk has `"usage": null` and a last chunk with no choices carries it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass(frozen=True)
+class ResponseBuilder:
+    """Builds the bodies of one request's response (chat or text completion)."""
+
+    chat: bool
+    rid: str
+    model: str
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.rid}"
+
+    def full(
+        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
+        """The non-streaming response."""
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(finish_reason=finish_reason, logprobs=None)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+
+    def role_chunk(self) -> bytes:
+        """The first chat chunk: the assistant role, no content yet."""
+        return self._chunk({"role": "assistant", "content": ""}, None)
+
+    def text_chunk(self, text: str) -> bytes:
+        return self._chunk({"content": text} if self.chat else text, None)
+
+    def finish_chunk(self, finish_reason: str) -> bytes:
+        return self._chunk({} if self.chat else "", finish_reason)
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        body = self._envelope()
+        body.update(choices=[], usage=usage(prompt_tokens, completion_tokens))
+        return sse(body)
+
+    def _chunk(self, delta: dict[str, str] | str, finish_reason: str | None) -> bytes:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": delta}
+        choice.update(finish_reason=finish_reason, logprobs=None)
+        body = self._envelope()
+        body["choices"] = [choice]
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def _envelope(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+        }

@@ -1,0 +1,181 @@
+"""OpenAI request validation and the internal form (prompt ids, Sampling, stop strings)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from common import openai_api as api
+from common.model.defaults import default_model_dir
+from common.openai_api import ApiError
+from common.protocol import Sampling
+from common.tokenizer import Tokenizer
+
+CONTEXT = 64
+USER = [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_dir(default_model_dir())
+
+
+def chat(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
+    request = api.parse_chat_request(json.dumps({"model": "m", "messages": USER, **body}).encode())
+    return api.chat_spec(request, api.chat_prompt_ids(request, tok), CONTEXT)
+
+
+def completion(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
+    request = api.parse_completion_request(json.dumps({"model": "m", **body}).encode())
+    return api.completion_spec(request, api.completion_prompt_ids(request, tok), CONTEXT)
+
+
+def refused(fn: Any, *args: Any, **kwargs: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(*args, **kwargs)
+    body = info.value.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    return info.value
+
+
+def test_chat_defaults(tok: Tokenizer) -> None:
+    spec = chat(tok)
+    want = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=True)
+    assert spec.prompt_ids == want
+    room = CONTEXT - len(want)
+    assert spec.sampling == Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=None, max_tokens=room)
+    assert spec.stop == () and not spec.stream and not spec.include_usage
+
+
+def test_chat_parameters(tok: Tokenizer) -> None:
+    spec = chat(
+        tok,
+        max_tokens=3,
+        temperature=0,
+        top_p=0.5,
+        top_k=-1,
+        seed=7,
+        stop="END",
+        ignore_eos=True,
+        stop_token_ids=[5],
+        stream=True,
+        stream_options={"include_usage": True},
+        some_future_field={"ignored": True},
+    )
+    assert spec.sampling == Sampling(0.0, 0.5, 0, 7, 3, True, (5,))
+    assert spec.stop == ("END",) and spec.stream and spec.include_usage
+
+
+def test_max_completion_tokens_wins_and_overflow_is_clamped(tok: Tokenizer) -> None:
+    assert chat(tok, max_tokens=3, max_completion_tokens=5).sampling.max_tokens == 5
+    spec = chat(tok, max_tokens=10_000)
+    assert spec.sampling.max_tokens == CONTEXT - len(spec.prompt_ids)
+
+
+def test_prompt_longer_than_context_names_both_numbers(tok: Tokenizer) -> None:
+    text = "word " * 100
+    n = len(tok.encode(text))
+    err = refused(completion, tok, prompt=text)
+    assert err.status == 400 and err.code == "context_length_exceeded"
+    assert str(n) in err.message and str(CONTEXT) in err.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": "1"}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"seed": 1 << 64}, "seed"),
+        ({"stream": "yes"}, "stream"),
+        ({"logprobs": True}, "logprobs"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
+    ],
+)
+def test_chat_refusals(tok: Tokenizer, body: dict[str, Any], param: str | None) -> None:
+    err = refused(chat, tok, **body)
+    assert err.status == 400 and err.type == "invalid_request_error"
+    if param is not None:
+        assert err.param == param, err.message
+
+
+def test_image_parts_name_their_position(tok: Tokenizer) -> None:
+    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    err = refused(chat, tok, messages=[{"role": "user", "content": parts}])
+    assert err.param == "messages[0].content[1]"
+
+
+def test_malformed_bodies() -> None:
+    for body in (b"{not json", b"[1, 2]", b""):
+        err = refused(api.parse_chat_request, body)
+        assert err.status == 400 and err.code == "invalid_json"
+    err = refused(api.parse_chat_request, b'{"model": "m"}')
+    assert err.param == "messages" and "required" in err.message
+
+
+def test_chat_template_kwargs_reach_the_template(tok: Tokenizer) -> None:
+    assert chat(tok, chat_template_kwargs={"enable_thinking": False}).prompt_ids == chat(tok).prompt_ids
+
+
+def test_text_parts_and_developer_role(tok: Tokenizer) -> None:
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+    ]
+    spec = chat(tok, messages=messages)
+    want = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    assert spec.prompt_ids == tok.apply_chat_template(want, tokenize=True)
+
+
+def test_completion_prompt_forms(tok: Tokenizer) -> None:
+    ids = tok.encode("Once upon a time")
+    assert completion(tok, prompt="Once upon a time").prompt_ids == ids
+    assert completion(tok, prompt=ids).prompt_ids == ids
+    assert completion(tok, prompt=["Once upon a time"]).prompt_ids == ids
+    assert completion(tok, prompt=[ids]).prompt_ids == ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "extra"),
+    [
+        (["a", "b"], {}),
+        ([1, 1 << 20], {}),
+        ([-1], {}),
+        ("", {}),
+        ([], {}),
+        (5, {}),
+        ("x", {"echo": True}),
+        ("x", {"best_of": 2}),
+        ("x", {"suffix": "y"}),
+        ("x", {"logprobs": 1}),
+    ],
+)
+def test_completion_refusals(tok: Tokenizer, prompt: Any, extra: dict[str, Any]) -> None:
+    err = refused(completion, tok, prompt=prompt, **extra)
+    assert err.status == 400
+
+
+def test_stop_strings_are_deduplicated_and_empty_ones_dropped() -> None:
+    assert api.parse_stop(["a", "", "a", "b"]) == ("a", "b")
+    assert api.parse_stop("") == ()
+    assert api.parse_stop(None) == ()
+
+
+def test_unknown_model_is_404() -> None:
+    api.check_model(None, "tiny")
+    api.check_model("tiny", "tiny")
+    err = refused(api.check_model, "gpt-4", "tiny")
+    assert err.status == 404 and err.param == "model" and "gpt-4" in err.message

@@ -1,0 +1,269 @@
+"""A real router (uvicorn in a thread, real ZeroMQ ipc sockets) and a protocol peer standing in for the
+prefill and decode workers, which binds their inboxes and answers `Generate` with `Tokens` events.
+
+The peer picks its behaviour from a tag in the prompt: `[slow]` streams until aborted, `[error]` fails at
+once, `[error-mid]` fails after a few tokens, `[abort]` is aborted by the worker, `[shuffle]` sends decode's
+events before prefill's first token; anything else gets `REPLY` (tokens of the real tokenizer) then EOS.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+import zmq
+
+from common.model.defaults import default_model_dir
+from common.protocol import Abort, Generate, Heartbeat, Message, Ready, Tokens
+from common.tokenizer import Tokenizer
+from common.transport import Inbox, Outbox, ipc_address, make_run_dir
+from services.router import RouterConfig, create_app
+
+REPLY = "Hello from Spillway: café, 日本語 and 🙂 — done."
+EOS = 2
+
+Plan = Iterator[tuple[float, str, Tokens]]
+"""(delay before sending, service that sends, event)."""
+
+
+class Peer:
+    """Stands in for prefill and decode: binds their inboxes, pushes Ready/Heartbeat/Tokens to the router."""
+
+    def __init__(self, run_dir: Path, tokenizer: Tokenizer, ready: bool = True) -> None:
+        self.tok = tokenizer
+        self.reply_ids = tokenizer.encode(REPLY)
+        self.ctx = zmq.Context()
+        self.inboxes = {s: Inbox(ipc_address(run_dir, s), self.ctx) for s in ("prefill", "decode")}
+        self.router = Outbox(ipc_address(run_dir, "router"), self.ctx)
+        self.received: list[tuple[str, Message]] = []
+        self.heartbeating = {"prefill": ready, "decode": ready}
+        self.pids = {"prefill": os.getpid(), "decode": os.getpid()}
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._plans: dict[str, tuple[float, Plan]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        for service in ("prefill", "decode"):
+            if ready:
+                self.router.send(Ready(service, os.getpid(), capacity=8))
+        self._thread.start()
+
+    # Test-thread API (sockets stay on the peer thread).
+
+    def announce(self, service: str, pid: int | None = None) -> None:
+        """Send `Ready` for `service` (as process `pid`: a new one is a restart) and keep heartbeating."""
+
+        def command() -> None:
+            self.pids[service] = pid or self.pids[service]
+            self.router.send(Ready(service, self.pids[service], capacity=8))
+            self.heartbeating[service] = True
+
+        self._commands.put(command)
+
+    def silence(self, service: str) -> None:
+        self._commands.put(lambda: self.heartbeating.__setitem__(service, False))
+
+    def generates(self) -> list[Generate]:
+        return [m for _, m in self.received if isinstance(m, Generate)]
+
+    def aborted_by(self, rid: str) -> set[str]:
+        return {s for s, m in self.received if isinstance(m, Abort) and m.rid == rid}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.ctx.destroy(linger=0)
+
+    # Peer thread.
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for inbox in self.inboxes.values():
+            poller.register(inbox.sock, zmq.POLLIN)
+        next_beat = 0.0
+        while not self._stop.is_set():
+            while not self._commands.empty():
+                self._commands.get()()
+            for service, inbox in self.inboxes.items():
+                for msg in inbox.drain():
+                    self.received.append((service, msg))
+                    self._on_message(msg)
+            now = time.monotonic()
+            if now >= next_beat:
+                for service, on in self.heartbeating.items():
+                    if on:
+                        self.router.send(Heartbeat(service, self.pids[service]))
+                next_beat = now + 0.1
+            self._emit_due(now)
+            poller.poll(2)
+
+    def _on_message(self, msg: Message) -> None:
+        if isinstance(msg, Generate):
+            plan = self._plan(msg)
+            self._plans[msg.rid] = (time.monotonic(), plan)
+        elif isinstance(msg, Abort):
+            self._plans.pop(msg.rid, None)
+
+    def _emit_due(self, now: float) -> None:
+        for rid, (due, plan) in list(self._plans.items()):
+            while due <= now:
+                try:
+                    delay, _service, event = next(plan)
+                except StopIteration:
+                    self._plans.pop(rid, None)
+                    break
+                self.router.send(event)
+                due = now + delay
+                self._plans[rid] = (due, plan)
+
+    def _plan(self, gen: Generate) -> Plan:
+        prompt = self.tok.decode(gen.prompt_ids)
+        rid, n_prompt, limit = gen.rid, len(gen.prompt_ids), gen.sampling.max_tokens
+        if "[error]" in prompt:
+            return iter([(0.0, "prefill", Tokens(rid, [], "error", error="out of KV pages"))])
+        if "[slow]" in prompt:
+            return self._slow(rid, n_prompt, limit)
+        ids = [*self.reply_ids, EOS][:limit]
+        finish = "stop" if len(ids) == len(self.reply_ids) + 1 else "length"
+        first = Tokens(rid, ids[:1], finish if len(ids) == 1 else None, prompt_tokens=n_prompt, index=0)
+        rest = []
+        for i in range(1, len(ids), 3):  # decode sends 3 tokens per event
+            last = i + 3 >= len(ids)
+            rest.append(Tokens(rid, ids[i : i + 3], finish if last else None, index=i))
+        if "[error-mid]" in prompt:
+            rest = [*rest[:1], Tokens(rid, [], "error", error="decode crashed", index=4)]
+        if "[abort]" in prompt:
+            rest = [Tokens(rid, [], "abort", index=1)]
+        if "[shuffle]" in prompt:
+            return iter([(0.0, "decode", t) for t in reversed(rest)] + [(0.0, "prefill", first)])
+        return iter([(0.0, "prefill", first)] + [(0.002, "decode", t) for t in rest])
+
+    def _slow(self, rid: str, n_prompt: int, limit: int) -> Plan:
+        for i, token in zip(range(limit), itertools.cycle(self.reply_ids), strict=False):
+            finish = "length" if i + 1 == limit else None
+            yield 0.02, "decode", Tokens(rid, [token], finish, prompt_tokens=n_prompt, index=i)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Served:
+    url: str
+    peer: Peer
+    config: RouterConfig
+    app: Any
+
+
+@contextmanager
+def serve_router(peer_ready: bool = True, **overrides: Any) -> Iterator[Served]:
+    """A router on a free port with a fresh run dir and peer; stopped (and checked for leaks) on exit."""
+    run_dir = make_run_dir()
+    tokenizer = Tokenizer.from_dir(default_model_dir())
+    peer = Peer(run_dir, tokenizer, ready=peer_ready)
+    fields: dict[str, Any] = dict(
+        model_dir=default_model_dir(),
+        served_model_name="tiny",
+        inbox=ipc_address(run_dir, "router"),
+        prefill=ipc_address(run_dir, "prefill"),
+        decode=ipc_address(run_dir, "decode"),
+        port=free_port(),
+        max_running=8,
+        max_context=256,
+    )
+    config = RouterConfig(**{**fields, **overrides})
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{config.port}"
+    if peer_ready:
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200)
+    try:
+        yield Served(url, peer, config, app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        peer.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+    return result
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with serve_router() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_dir(default_model_dir())
+
+
+@pytest.fixture(name="serve_router")
+def serve_router_fixture() -> Callable[..., Any]:
+    """`with serve_router(**RouterConfig overrides) as served:` a router of its own (special configs)."""
+    return serve_router
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., Any]:
+    return wait_until
+
+
+@pytest.fixture
+def reply() -> str:
+    return REPLY
+
+
+@pytest.fixture
+def make_peer() -> Iterator[Callable[..., Peer]]:
+    """`make_peer(run_dir, ready=True)`: a peer of its own, closed after the test."""
+    peers: list[Peer] = []
+
+    def make(run_dir: Path, ready: bool = True) -> Peer:
+        peers.append(Peer(run_dir, Tokenizer.from_dir(default_model_dir()), ready=ready))
+        return peers[-1]
+
+    yield make
+    for peer in peers:
+        peer.close()
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A private run directory for ipc:// sockets, removed after the test."""
+    path = make_run_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(name="free_port")
+def free_port_fixture() -> Callable[[], int]:
+    return free_port

@@ -1,0 +1,141 @@
+"""Admission (429), readiness and health (503), aborts on client disconnect, API keys, worker restarts."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+SLOW = {"model": "tiny", "prompt": "[slow]", "max_tokens": 200, "stream": True}
+
+
+def health(served: Any) -> tuple[int, dict[str, Any]]:
+    response = httpx.get(f"{served.url}/health", timeout=5)
+    return response.status_code, response.json()
+
+
+def rid_of(response: httpx.Response) -> str:
+    return response.headers["x-request-id"]
+
+
+def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def test_stream_disconnect_aborts_both_workers(served: Any, wait_until: Any) -> None:
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=SLOW, timeout=10) as response:
+        rid = rid_of(response)
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    wait_until(lambda: served.peer.aborted_by(rid) == {"prefill", "decode"})
+    wait_until(lambda: health(served)[1]["router"]["running"] == 0)
+
+
+def test_non_streaming_disconnect_aborts(served: Any, wait_until: Any) -> None:
+    before = len(served.peer.generates())
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", json={**SLOW, "stream": False}, timeout=0.3)
+    rid = served.peer.generates()[before].rid
+    wait_until(lambda: served.peer.aborted_by(rid) == {"prefill", "decode"})
+    wait_until(lambda: health(served)[1]["router"]["running"] == 0)
+
+
+def test_queue_full_is_429_and_waiters_run_in_order(serve_router: Any, wait_until: Any) -> None:
+    with serve_router(max_running=1, max_queue=1) as served:
+        results: dict[str, httpx.Response] = {}
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=SLOW, timeout=10) as running:
+            lines = running.iter_lines()  # (an abandoned iterator would close the stream: a disconnect)
+            next(lines)
+            waiting = {"model": "tiny", "prompt": "[slow] later", "max_tokens": 3}
+            thread = threading.Thread(
+                target=lambda: results.update(
+                    waiter=httpx.post(f"{served.url}/v1/completions", json=waiting, timeout=10)
+                )
+            )
+            thread.start()
+            wait_until(lambda: health(served)[1]["router"]["waiting"] == 1)
+            assert "spillway:requests_waiting 1.0" in httpx.get(f"{served.url}/metrics").text
+            assert len(served.peer.generates()) == 1, "the waiting request is not sent on"
+            rejected = httpx.post(f"{served.url}/v1/completions", json=waiting, timeout=10)
+            assert_error(rejected, 429, "queue_full")
+        thread.join(timeout=10)
+        assert results["waiter"].status_code == 200
+        assert results["waiter"].json()["usage"]["completion_tokens"] == 3
+        assert (
+            'spillway:request_errors_total{reason="queue_full"} 1.0'
+            in httpx.get(f"{served.url}/metrics").text
+        )
+
+
+def test_disconnect_while_queued_gives_the_place_up(serve_router: Any, wait_until: Any) -> None:
+    with serve_router(max_running=1, max_queue=4) as served:
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=SLOW, timeout=10) as running:
+            lines = running.iter_lines()  # (an abandoned iterator would close the stream: a disconnect)
+            next(lines)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{served.url}/v1/completions", json={**SLOW, "stream": False}, timeout=0.3)
+            wait_until(lambda: health(served)[1]["router"]["waiting"] == 0)
+        out = httpx.post(f"{served.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert out.status_code == 200
+        assert len(served.peer.generates()) == 2, "the abandoned request never reached the workers"
+
+
+def test_not_ready_until_every_worker_is_up(serve_router: Any, wait_until: Any) -> None:
+    urls = {"prefill": "http://127.0.0.1:9101/metrics"}
+    with serve_router(peer_ready=False, max_running=0, heartbeat_timeout_s=0.5, metrics_urls=urls) as served:
+        status, body = health(served)
+        assert status == 503 and body["status"] == "unavailable"
+        assert {n: s["state"] for n, s in body["services"].items()} == {
+            "prefill": "starting",
+            "decode": "starting",
+        }
+        assert body["services"]["prefill"]["metrics_url"] == urls["prefill"]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+        assert_error(httpx.post(f"{served.url}/v1/chat/completions", json=chat), 503, "not_ready")
+
+        served.peer.announce("prefill")
+        wait_until(lambda: health(served)[1]["services"]["prefill"]["state"] == "up")
+        assert health(served)[0] == 503
+        served.peer.announce("decode")
+        status, body = wait_until(lambda: (h := health(served))[0] == 200 and h)
+        assert body["status"] == "ok" and body["router"]["max_running"] == 8, "capacity from Ready"
+        assert httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=10).status_code == 200
+
+        served.peer.silence("decode")
+        status, body = wait_until(lambda: (h := health(served))[0] == 503 and h)
+        assert body["services"]["decode"]["state"] == "down"
+        assert_error(httpx.post(f"{served.url}/v1/chat/completions", json=chat), 503, "not_ready")
+
+
+def test_worker_restart_fails_requests_in_flight(serve_router: Any, wait_until: Any) -> None:
+    with serve_router() as served:
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=SLOW, timeout=10) as response:
+            lines = response.iter_lines()
+            next(lines)
+            served.peer.announce("decode", pid=1)
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert "restarted" in events[-1]["error"]["message"]
+        assert health(served)[1]["services"]["decode"]["restarts"] == 1
+
+
+def test_api_key(serve_router: Any) -> None:
+    with serve_router(api_key="sekrit") as served:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+        error = assert_error(httpx.post(f"{served.url}/v1/completions", json=body), 401, "invalid_api_key")
+        assert "API key" in error["message"]
+        wrong = {"Authorization": "Bearer nope"}
+        assert_error(httpx.post(f"{served.url}/v1/completions", json=body, headers=wrong), 401)
+        assert_error(httpx.get(f"{served.url}/v1/models"), 401)
+        assert httpx.get(f"{served.url}/health").status_code == 200
+        assert httpx.get(f"{served.url}/metrics").status_code == 200
+        good = openai.OpenAI(base_url=f"{served.url}/v1", api_key="sekrit", max_retries=0)
+        assert good.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2

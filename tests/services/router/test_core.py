@@ -1,0 +1,126 @@
+"""RouterCore stepped directly: FIFO admission, giving a place up, event ordering, capacity, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from common.metrics import RouterMetrics, new_registry
+from common.model.defaults import default_model_dir
+from common.openai_api import ApiError
+from common.protocol import Ready, Sampling, Tokens
+from common.transport import ipc_address, make_run_dir
+from services.router import RouterConfig, RouterCore
+
+SAMPLING = Sampling(max_tokens=8)
+
+
+def run_core(test: Callable[[RouterCore], Awaitable[None]], **overrides: Any) -> None:
+    run_dir = make_run_dir()
+    config = RouterConfig(
+        model_dir=default_model_dir(),
+        inbox=ipc_address(run_dir, "router"),
+        prefill=ipc_address(run_dir, "prefill"),
+        decode=ipc_address(run_dir, "decode"),
+    )
+    config = dataclasses.replace(config, **overrides)
+
+    async def main() -> None:
+        core = RouterCore(config, RouterMetrics.create(new_registry()))
+        await core.start()
+        try:
+            for service in config.expected_services:
+                core.on_message(Ready(service, os.getpid(), capacity=2))
+            await test(core)
+        finally:
+            await core.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_fifo_admission_and_giving_up_a_place() -> None:
+    async def test(core: RouterCore) -> None:
+        first = await core.submit([1, 2], SAMPLING, time.monotonic())
+        second = asyncio.create_task(core.submit([3], SAMPLING, time.monotonic()))
+        third = asyncio.create_task(core.submit([4], SAMPLING, time.monotonic()))
+        await settle()
+        assert core.health()["router"] == {"running": 1, "waiting": 2, "max_running": 1, "max_queue": 2}
+        try:
+            await core.submit([5], SAMPLING, time.monotonic())
+            raise AssertionError("a full queue must refuse")
+        except ApiError as exc:
+            assert exc.status == 429
+        third.cancel()
+        await settle()
+        assert core.health()["router"]["waiting"] == 1
+        core.release(first, "stop")
+        admitted = await second
+        assert admitted.prompt_ids == [3] and core.health()["router"]["running"] == 1
+        core.release(admitted, None)
+        assert core.health()["router"] == {"running": 0, "waiting": 0, "max_running": 1, "max_queue": 2}
+
+    run_core(test, max_running=1, max_queue=2)
+
+
+def test_capacity_from_ready_sets_the_limit() -> None:
+    async def test(core: RouterCore) -> None:
+        assert core.max_running() == 2
+        flights = [await core.submit([1], SAMPLING, time.monotonic()) for _ in range(2)]
+        waiter = asyncio.create_task(core.submit([1], SAMPLING, time.monotonic()))
+        await settle()
+        assert not waiter.done()
+        core.on_message(Ready("decode", os.getpid(), capacity=3))
+        await settle()
+        assert not waiter.done(), "the smallest capacity counts"
+        core.on_message(Ready("prefill", os.getpid(), capacity=3))  # more room: the waiter starts
+        flights.append(await asyncio.wait_for(waiter, 5))
+        for flight in flights:
+            core.release(flight, None)
+
+    run_core(test, max_running=0)
+
+
+def test_events_are_delivered_in_index_order() -> None:
+    async def test(core: RouterCore) -> None:
+        flight = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Tokens(flight.rid, [7, 8], "stop", index=3))
+        core.on_message(Tokens(flight.rid, [5, 6], index=1))
+        assert flight.events.empty(), "nothing before the first token"
+        core.on_message(Tokens(flight.rid, [4], index=0))
+        core.on_message(Tokens(flight.rid, [4], index=0))  # a duplicate is dropped
+        got = [await flight.next_event() for _ in range(3)]
+        assert [e.token_ids for e in got] == [[4], [5, 6], [7, 8]] and flight.events.empty()
+        assert flight.worker_done
+        core.release(flight, "stop")
+        core.on_message(Tokens(flight.rid, [9], index=5))  # late events of a finished request are ignored
+
+    run_core(test)
+
+
+def test_errors_overtake_tokens_and_restarts_fail_flights() -> None:
+    async def test(core: RouterCore) -> None:
+        a = await core.submit([1], SAMPLING, time.monotonic())
+        b = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Tokens(a.rid, [], "error", error="boom", index=4))
+        assert (await a.next_event()).error == "boom"
+        core.on_message(Ready("prefill", os.getpid() + 1, capacity=2))
+        event = await b.next_event()
+        assert event.finish_reason == "error" and "restarted" in event.error
+        assert core.health()["services"]["prefill"]["restarts"] == 1
+        core.release(a, None)
+        core.release(b, None)
+
+    run_core(test)
