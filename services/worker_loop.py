@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from common import metrics
 from common.protocol import Heartbeat, Message, Ready
 from common.transport import Inbox, Outbox
 
@@ -18,7 +19,9 @@ HEARTBEAT_S = 1.0
 class WorkerShell:
     """A worker's inbox, its outboxes by destination service, and its lifecycle."""
 
-    def __init__(self, service: str, inbox: str, outboxes: dict[str, str], threads: int = 0) -> None:
+    def __init__(
+        self, service: str, inbox: str, outboxes: dict[str, str], threads: int = 0, metrics_port: int = 0
+    ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {service} %(levelname)s %(message)s")
         if threads:
             torch.set_num_threads(threads)
@@ -27,6 +30,11 @@ class WorkerShell:
         self.out = {name: Outbox(address) for name, address in outboxes.items()}
         self.stopping = False
         self._last_beat = 0.0
+        self._dropped_seen = 0
+        self.registry = metrics.new_registry()
+        self.metrics = metrics.WorkerMetrics.create(self.registry)
+        self._stop_metrics = metrics.serve(self.registry, metrics_port) if metrics_port else None
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else ""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
 
@@ -44,16 +52,27 @@ class WorkerShell:
         first = self.inbox.recv(timeout_ms=100)
         return [first, *self.inbox.drain()] if first is not None else []
 
-    def ready(self, capacity: int, metrics_url: str) -> None:
-        self.send("router", Ready(self.service, self.pid, capacity, metrics_url))
+    def ready(self, capacity: int) -> None:
+        self.send("router", Ready(self.service, self.pid, capacity, self.metrics_url))
+
+    def heartbeat_due(self) -> bool:
+        """True once a second: time to send a heartbeat and refresh the gauges."""
+        now = time.monotonic()
+        if now - self._last_beat < HEARTBEAT_S:
+            return False
+        self._last_beat = now
+        self.metrics.dropped_frames.inc(self.inbox.dropped - self._dropped_seen)
+        self._dropped_seen = self.inbox.dropped
+        return True
 
     def heartbeat(self, running: int = 0, waiting: int = 0) -> None:
-        now = time.monotonic()
-        if now - self._last_beat >= HEARTBEAT_S:
-            self._last_beat = now
-            self.send("router", Heartbeat(self.service, self.pid, running, waiting))
+        self.metrics.requests_running.set(running)
+        self.metrics.requests_waiting.set(waiting)
+        self.send("router", Heartbeat(self.service, self.pid, running, waiting))
 
     def close(self) -> None:
+        if self._stop_metrics is not None:
+            self._stop_metrics()
         self.inbox.close()
         for box in self.out.values():
             box.close()

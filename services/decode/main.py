@@ -62,17 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spillway-decode", description=__doc__)
     add_worker_args(parser)
     args = parser.parse_args(argv)
-    shell = WorkerShell("decode", args.inbox, {"router": args.router, "prefill": args.peer}, args.threads)
+    outboxes = {"router": args.router, "prefill": args.peer}
+    shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port)
     core = DecodeCore(worker_config(args), shared_allocator)
     exports = decode_exports(core)
     shell.send("prefill", exports)
-    shell.ready(core.cfg.max_running, "")
+    shell.ready(core.cfg.max_running)
     log.info("ready: %d lanes, %d pages", core.cfg.max_running, core.pool.num_pages)
     while not shell.stopping:
         for msg in shell.receive(busy=bool(core.running)):
             handle(core, shell, msg, exports)
         step(core, shell)
-        stats = core.stats()
-        shell.heartbeat(stats.running, stats.waiting)
+        if shell.heartbeat_due():
+            stats = core.stats()
+            shell.heartbeat(stats.running, stats.waiting)
+            shell.metrics.kv_pages_used.set(stats.pages_used)
+            shell.metrics.kv_pages_free.set(stats.pages_free)
     shell.close()
     return 0

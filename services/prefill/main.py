@@ -31,7 +31,7 @@ class PrefillWorker:
         model, pools, eos = prefill_model(self.cfg, exports)
         self.core, self.epoch = PrefillCore(self.cfg, model, pools, eos), exports.epoch
         if first:
-            self.shell.ready(self.cfg.max_running, "")
+            self.shell.ready(self.cfg.max_running)
             log.info("ready: mapped %d tensors from decode", len(exports.tensors))
         for gen in self.early:
             out += self.core.submit(gen)
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spillway-prefill", description=__doc__)
     add_worker_args(parser)
     args = parser.parse_args(argv)
-    shell = WorkerShell("prefill", args.inbox, {"router": args.router, "decode": args.peer}, args.threads)
+    outboxes = {"router": args.router, "decode": args.peer}
+    shell = WorkerShell("prefill", args.inbox, outboxes, args.threads, args.metrics_port)
     worker = PrefillWorker(shell, worker_config(args))
     shell.send("decode", WantExports(shell.pid))
     while not shell.stopping:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 shell.send(dest, out)
         for dest, out in worker.step():
             shell.send(dest, out)
-        if worker.core is not None:
+        if worker.core is not None and shell.heartbeat_due():
             shell.heartbeat(int(worker.core.busy), len(worker.core.queue))
     shell.close()
     return 0
