@@ -7,3 +7,79 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# -- `spillway serve` as a real process (tests/services, tests/gpu) ---------------------------------------
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health(port: int) -> tuple[int, dict]:
+    """(status, body) of GET /health; (0, {}) when nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+    except OSError:
+        return 0, {}
+
+
+def wait_healthy(port: int, timeout_s: float = 300) -> dict:
+    deadline, body = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        status, body = health(port)
+        if status == 200:
+            return body
+        time.sleep(0.3)
+    raise AssertionError(f"not healthy after {timeout_s} s: {body}")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def start_server():
+    """start_server(*serve_args, env=...) → a healthy Server (`spillway serve` on a free port); stops it."""
+    started: list[Server] = []
+
+    def start(*args: str, env: dict | None = None) -> Server:
+        port = free_port()
+        argv = [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *args]
+        server = Server(subprocess.Popen(argv, env={**os.environ, **(env or {})}), port)
+        started.append(server)
+        wait_healthy(port)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

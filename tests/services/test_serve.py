@@ -9,14 +9,10 @@ memory behind.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -25,34 +21,9 @@ import torch
 
 from common.engine import Engine
 from common.sampling import SamplingParams
+from tests.conftest import free_port, health, wait_healthy
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _health(port: int) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-    except OSError:
-        return 0, {}
-
-
-def _wait_healthy(port: int, timeout_s: float = 180) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status, body = _health(port)
-        if status == 200:
-            return body
-        time.sleep(0.3)
-    raise AssertionError(f"not healthy after {timeout_s} s: {body}")
 
 
 def _children(pid: int) -> list[int]:
@@ -63,13 +34,13 @@ def _children(pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "SPILLWAY_CACHE": str(cache)}
     argv = [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--threads", "1"]
     argv += ["--max-running", "4", "--max-context", "512"]
     proc = subprocess.Popen(argv, env=env)
     try:
-        _wait_healthy(port)
+        wait_healthy(port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         yield proc, port, client, cache / "models" / "tiny-qwen3_moe"
     finally:
@@ -114,7 +85,7 @@ def test_seeded_requests_do_not_depend_on_their_batch(server):
 
 def test_killed_decode_worker_errors_its_request_and_restarts(server):
     _, port, client, _ = server
-    old = _health(port)[1]["services"]["decode"]["pid"]
+    old = health(port)[1]["services"]["decode"]["pid"]
 
     stream = client.completions.create(
         model="tiny-qwen3_moe",
@@ -128,7 +99,7 @@ def test_killed_decode_worker_errors_its_request_and_restarts(server):
         for i, _ in enumerate(stream):
             if i == 2:
                 os.kill(old, signal.SIGKILL)
-    body = _wait_healthy(port)
+    body = wait_healthy(port)
     assert body["services"]["decode"]["pid"] != old
     r = client.completions.create(model="tiny-qwen3_moe", prompt="again", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
@@ -144,4 +115,4 @@ def test_sigterm_stops_everything_and_frees_shared_memory(server):
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
         assert not list(Path("/dev/shm").glob(f"spillway-{pid}-*"))
-    assert _health(port)[0] == 0
+    assert health(port)[0] == 0

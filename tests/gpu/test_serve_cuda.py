@@ -1,0 +1,24 @@
+"""`spillway serve --device cuda`: decode owns the weights and state pools on the GPU, prefill maps them
+through CUDA IPC and writes each prompt's state in place; outputs equal the offline engine's on the GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from common.engine import Engine
+from common.model.synthetic import make_model
+from common.sampling import SamplingParams
+
+
+def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server):
+    model = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
+    server = start_server("--model", str(model), "--device", "cuda", "--max-running", "4")
+    client = server.client()
+    engine = Engine(model, dtype=torch.float32, device="cuda", max_seqs=4)
+    for text in ["Tell me about experts.", "Hi", "Ein längerer Satz über Mischungen von Experten " * 4]:
+        messages = [{"role": "user", "content": text}]
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
+        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
+        (ref,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
+        assert reply.choices[0].message.content == engine.tokenizer.decode(ref.token_ids)
+    assert server.stop() == 0
