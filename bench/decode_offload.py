@@ -105,7 +105,7 @@ def main() -> None:
             torch.cuda.synchronize()
             marks = {
                 "t": time.perf_counter(),
-                "bytes": sum(provider.traffic.cache_bytes),
+                "bytes": sum(provider.traffic().cache_bytes),
                 **{k: int(v.sum()) for k, v in provider.tables.counters.items()},
             }
         token = int(runner.forward([seq], [[token]]).argmax(-1))
@@ -115,7 +115,7 @@ def main() -> None:
     counters = {k: int(v.sum()) - marks[k] for k, v in provider.tables.counters.items()}
     accesses = counters["hits"] + counters["misses"]
     h2d = (
-        sum(provider.traffic.cache_bytes) - marks["bytes"] + counters["bypasses"] * store.expert_bytes
+        sum(provider.traffic().cache_bytes) - marks["bytes"] + counters["bypasses"] * store.expert_bytes
     ) / steady
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
     hbm_bytes = resident + cfg.top_k * len(cfg.moe_layers) * store.expert_bytes  # per token, at least

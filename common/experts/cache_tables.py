@@ -4,10 +4,19 @@ S slots, partitioned by layer (a slot serves one layer until capacity is rebalan
 `slot_of[layer, expert]` (−1: absent), `owner[slot]` (expert or −1), `last_use[slot]`, `pinned[slot]` (a
 calibration hot set that is never evicted) and, for every expert, cached or not, its request statistics
 (`freq`, `absent`; per layer, `reuse`). `resolve` serves one layer's step with fixed-shape tensor ops — no
-host synchronisation — so that it can run inside a captured decode step: requested experts are hits or
+host synchronisation (no `t[i] = scalar`, which copies the scalar to the device and synchronises: fills
+and index_fill_ instead) — so that it can run inside a captured decode step: requested experts are hits or
 misses; misses, most frequent first, take the lowest-scoring evictable slots of their layer (free slots first;
 never a slot a hit of the same step uses). Every table has one spare entry at its end that absorbs the writes
 of invalid pairs.
+
+Device rows. After `resolve`, every requested expert has a row of the cache's pool (the device tensors that
+hold expert weights, one expert a row): rows [0, S) are the slots, row S is a spare row whose contents do not
+matter (it absorbs invalid copies and stands for unrequested experts), and rows [S+1, S+1+E) are staging rows
+for bypasses (misses that got no slot: their weights are copied there for this step only, the j-th bypass in
+expert order to row S+1+j). So the pool has `num_rows` = S+1+E rows. `resolve` also returns the step's copy
+list with a fixed shape [P] (P = min(max_new, E)): a copy launch needs no `nonzero` and no host round trip,
+and a kernel skips the invalid entries.
 
 Policies. `lru` scores a slot by its last use. `lfu` scores it by its expert's fresh-request rate, ties to
 the least recently used. A request is fresh unless the expert was also requested by the layer's previous step:
@@ -40,14 +49,27 @@ _KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max 
 
 @dataclass
 class Resolution:
-    """What one layer's step got from the cache, per expert of the layer ([E] each)."""
+    """What one layer's step got from the cache: per expert of the layer ([E] each), then the copy list ([P]).
+
+    The copy list pairs every miss with its destination row: `pool[target[p]] ← host[newcomer[p]]` for each p
+    with `valid[p]`; the other entries are padding (target = the spare row) that a copy skips.
+    """
 
     slot: torch.Tensor
     """Slot holding the expert after the step (hits and admitted misses); −1 otherwise."""
     filled: torch.Tensor
     """Missed experts copied into `slot` this step (they must be loaded before use)."""
     bypass: torch.Tensor
-    """Requested experts computed straight from host memory (misses that got no slot)."""
+    """Requested experts computed from host memory (misses that got no slot): copied to a staging row."""
+    row: torch.Tensor
+    """[E] pool row of each expert for this step: its slot (hits, admitted misses), a staging row (bypasses),
+    the spare row (not requested)."""
+    newcomer: torch.Tensor
+    """[P] expert ids: the misses (most frequent first), then padding."""
+    target: torch.Tensor
+    """[P] destination rows: the victim slot of an admitted miss, the staging row of a bypass, else spare."""
+    valid: torch.Tensor
+    """[P] bool: whether the pair is a miss to copy."""
 
 
 class CacheTables:
@@ -95,6 +117,16 @@ class CacheTables:
     def capacities(self) -> list[int]:
         return [t.numel() for t in self.layer_slots]
 
+    @property
+    def staging_base(self) -> int:
+        """First staging row of the pool (after the S slots and the spare row)."""
+        return self.num_slots + 1
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of a pool served by these tables: S slots, the spare row, E staging rows."""
+        return self.num_slots + 1 + self.num_experts
+
     def _assign(self, capacities: list[int]) -> None:
         starts = torch.tensor([0, *capacities]).cumsum(0).tolist()
         self.layer_slots = [
@@ -115,7 +147,8 @@ class CacheTables:
         """Serve a step of `layer` that uses the experts in `requested` ([E] bool).
 
         `max_new` bounds the misses that can take a slot this step (the tokens' expert choices, known on the
-        host): it fixes the shape of the pairing, not the result.
+        host): it fixes the shape of the pairing and of the copy list, not the result. The copy list covers
+        every miss when `max_new` is at least the number of requested experts.
         """
         e, spare = self.num_experts, self.num_slots
         self._count(layer, requested)
@@ -124,13 +157,13 @@ class CacheTables:
         hit = requested & (current >= 0)
         miss = requested & (current < 0)
         hit_slot = torch.where(hit, current, spare)
-        self.last_use[hit_slot] = step
+        self.last_use.index_fill_(0, hit_slot, step)
 
         # Victims: evictable slots of the layer, lowest key first (free slots first, unevictable last).
         slots = self.layer_slots[layer]  # [C]
         owner = self.owner[slots]
         in_use = torch.zeros(spare + 1, dtype=torch.bool, device=self.device)
-        in_use[hit_slot] = True
+        in_use.index_fill_(0, hit_slot, True)
         evictable = ~self.pinned[slots] & ~in_use[slots]
         key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, rate))
         key = torch.where(evictable, key, _KEY_MAX)
@@ -139,7 +172,8 @@ class CacheTables:
         victims = slots[victim_idx]
         # Misses, most frequent first (ties: lower expert id).
         miss_key = torch.where(miss, -rate, float("inf"))
-        newcomer = torch.sort(miss_key, stable=True).indices[:pairs]  # [P]
+        order = torch.sort(miss_key, stable=True).indices  # [E] misses first
+        newcomer = order[:pairs]  # [pairs]
         valid = miss[newcomer] & (victim_key < _KEY_MAX)
         if self.policy == "lfu-admit":
             valid &= self._admit(layer, rate, newcomer, self.owner[victims])
@@ -147,13 +181,24 @@ class CacheTables:
 
         slot = torch.where(requested, self.slot_of[layer, :e], -1)
         filled = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
-        filled[torch.where(valid, newcomer, e)] = True
+        filled.index_fill_(0, torch.where(valid, newcomer, e), True)
         filled = filled[:e]
         bypass = miss & ~filled
-        self.counters["hits"][layer] += hit.sum()
-        self.counters["misses"][layer] += miss.sum()
-        self.counters["bypasses"][layer] += bypass.sum()
-        return Resolution(slot=slot, filled=filled, bypass=bypass)
+        self.counters["hits"][layer].add_(hit.sum())
+        self.counters["misses"][layer].add_(miss.sum())
+        self.counters["bypasses"][layer].add_(bypass.sum())
+        row = self._rows(slot, bypass)
+        copy = order[: min(max_new, e)]  # [P] every miss (there are at most max_new), then padding
+        need = miss[copy]
+        target = torch.where(need, row[copy], spare)
+        return Resolution(
+            slot=slot, filled=filled, bypass=bypass, row=row, newcomer=copy, target=target, valid=need
+        )
+
+    def _rows(self, slot: torch.Tensor, bypass: torch.Tensor) -> torch.Tensor:
+        """[E] pool row of each expert: its slot, else the next staging row for a bypass, else the spare."""
+        staging = self.staging_base + torch.cumsum(bypass, 0) - 1  # [E] j-th bypass → staging_base + j
+        return torch.where(bypass, staging, torch.where(slot >= 0, slot, self.num_slots))
 
     def _count(self, layer: int, requested: torch.Tensor) -> None:
         """Update the layer's request statistics with this step's requests."""
@@ -197,13 +242,15 @@ class CacheTables:
         e, spare = self.num_experts, self.num_slots
         old = self.owner[victims]
         evicted = valid & (old >= 0)
-        self.counters["evictions"][layer] += evicted.sum()
-        self.slot_of[layer, torch.where(evicted, old, e)] = -1
+        slot_of = self.slot_of[layer]  # [E + 1] (a view)
+        self.counters["evictions"][layer].add_(evicted.sum())
+        slot_of.index_fill_(0, torch.where(evicted, old, e), -1)
         target = torch.where(valid, victims, spare)
-        self.owner[target] = torch.where(valid, newcomer, -1)
-        self.slot_of[layer, torch.where(valid, newcomer, e)] = torch.where(valid, victims, -1)
-        self.last_use[target] = step
-        self.owner[spare], self.slot_of[layer, e] = -1, -1
+        self.owner.index_copy_(0, target, torch.where(valid, newcomer, -1))
+        slot_of.index_copy_(0, torch.where(valid, newcomer, e), torch.where(valid, victims, -1))
+        self.last_use.index_fill_(0, target, step)
+        self.owner[spare].fill_(-1)
+        slot_of[e].fill_(-1)
 
     def rebalance(self, slots_to_move: int, min_slots: int = 1) -> tuple[int, int, int] | None:
         """Between steps: move slots from the layer with the best hit rate since the last call to the worst.

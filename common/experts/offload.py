@@ -1,10 +1,27 @@
 """OffloadedExperts: routed experts in host memory, served by the VRAM cache (decode) or an arena (prefill).
 
-Decode passes resolve each layer's experts against the cache tables (hits read their slot; admitted misses
-are copied into their victim's slot first; bypassed misses read host memory). Prefill passes use the arena:
-experts already cached are read in place (without touching the cache's statistics) and the rest are copied
-in one batch into the arena. Either way every expert's weights are the same bytes and the computation visits
-experts in the same order, so the output does not depend on the cache's size, policy or contents.
+The pool. One device tensor per weight component, one expert a row: rows [0, S) are the cache's slots, row S
+is a spare row (it absorbs the writes of invalid copies and stands for unrequested experts), and two arena
+buffers of E rows follow, buffer b at rows S+1+b·E+e (expert e of the layer it serves). The first buffer
+doubles as decode's staging rows: a bypassed miss (see `CacheTables`) is copied there for one step.
+
+Decode passes resolve each layer's experts against the cache tables (device ops, fixed shapes): hits read
+their slot; admitted misses are copied into their victim's slot, bypassed misses into a staging row, by one
+fixed-shape copy launch ([P] pairs, P = min(T·k, E), padding skipped). Every chosen (token, choice) then
+reads its expert's row and `batched_expert_mlp` computes all of them at once: no host sync, no loop over
+experts. Prefill passes use the arena: experts already cached are read in place (without touching the
+cache's statistics), the others are copied into the layer's arena buffer; when a chunk is big enough that
+the next MoE layer will almost surely need every expert (T·k ≥ 4·E: an expert is unused with probability
+e^(−T·k/E) < 2 %), the next layer's uncached experts are copied into the other buffer before this layer's
+compute, and the next layer only tops up what is missing. Prefill computes with `grouped_expert_mlp`.
+
+Streams. With a GPU-mapped store on CUDA the copies run on a side stream: forked from the main stream once
+the copy list is resolved, joined right before the weights are read, so they overlap with the main stream's
+work in between — the next layer's prefetch with this layer's compute; the shared expert, when the MoE block
+runs it between `prepare` and `compute` (see `ExpertProvider.prepare`). Elsewhere the copies run inline.
+
+Every expert's weights are the same bytes wherever they are read from, and the computation does not depend
+on where, so the output does not depend on the cache's size, policy or contents.
 """
 
 from __future__ import annotations
@@ -16,45 +33,124 @@ from pathlib import Path
 import torch
 
 from common.experts.cache_tables import DEFAULT_POLICY, CacheTables
-from common.experts.formats import get_format
+from common.experts.formats import ExpertFormat, get_format
 from common.experts.provider import ExpertProvider, install_provider
-from common.experts.resident import grouped_expert_mlp
+from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
 from common.experts.store import HostExpertStore
 from common.model.hf_config import read_json
+
+_FILLS, _BYPASSES, _ARENA, _LOADS = range(4)  # rows of the device counters of experts moved
 
 
 @dataclass
 class TrafficCounters:
-    """Bytes moved host → device, per MoE layer (host-side ints, summed from the step's fills)."""
+    """Host → device traffic per MoE layer, as host ints (read from device counters between steps)."""
 
     cache_bytes: list[int]
+    """Misses copied into a cache slot."""
     arena_bytes: list[int]
+    """Experts copied into the prefill arena (prefetched ones too, used or not)."""
     arena_loads: list[int]
+    """Arena copy launches that moved at least one expert."""
+    bypass_bytes: list[int]
+    """Bypassed misses copied into a staging row (for one step)."""
+
+
+def copy_experts(
+    parts: dict[str, torch.Tensor],
+    src_ids: torch.Tensor,
+    dst_rows: torch.Tensor,
+    valid: torch.Tensor,
+    pool: dict[str, torch.Tensor],
+    spare: int,
+    kernel: bool = False,
+) -> None:
+    """pool[c][dst_rows[p]] ← parts[c][src_ids[p]] for every component c and every p with valid[p].
+
+    parts: one layer's host blocks [E, ...]; src_ids, dst_rows [P] int64 and valid [P] bool on the pool's
+    device. The shape is fixed and no count reaches the host. With `kernel` (CUDA, a mapped store) a Triton
+    kernel reads the host rows directly and skips invalid pairs; otherwise torch ops copy every pair with the
+    invalid ones redirected (host row 0 into the pool's `spare` row, whose contents do not matter). An
+    unmapped store on CUDA has to bring the ids to the host: that fallback synchronises.
+    """
+    if kernel:
+        from common.kernels.expert_copy import copy_rows  # Triton: CUDA machines only
+
+        for name, block in parts.items():
+            copy_rows(block, pool[name], src_ids, dst_rows, valid)
+        return
+    src = torch.where(valid, src_ids, 0)  # [P]
+    dst = torch.where(valid, dst_rows, spare)  # [P]
+    for name, block in parts.items():
+        rows = _bytes(block).index_select(0, src.to(block.device))  # [P, row bytes]
+        _bytes(pool[name]).index_copy_(0, dst, rows.to(dst.device, non_blocking=True))
+
+
+def _bytes(rows: torch.Tensor) -> torch.Tensor:
+    """[R, ...] contiguous → [R, row bytes] uint8 view (copies treat every format's components as bytes)."""
+    return rows.reshape(rows.shape[0], -1).view(torch.uint8)
+
+
+class CopyStream:
+    """Where expert copies run: a side stream for a mapped store on CUDA (fork and join through events, which
+    a CUDA graph capture keeps), inline otherwise."""
+
+    def __init__(
+        self, store: HostExpertStore, pool: dict[str, torch.Tensor], spare: int, device: torch.device
+    ) -> None:
+        self.store, self.pool, self.spare = store, pool, spare
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" and store.mapped else None
+
+    def launch(
+        self, layer: int, src_ids: torch.Tensor, dst_rows: torch.Tensor, valid: torch.Tensor
+    ) -> torch.cuda.Event | None:
+        """Start copying layer `layer`'s pairs after the main stream's work so far; the event to `join`."""
+        parts = self.store.parts[layer]
+        if self.side is None:
+            copy_experts(parts, src_ids, dst_rows, valid, self.pool, self.spare)
+            return None
+        self.side.wait_stream(torch.cuda.current_stream(self.side.device))  # fork: after the resolution
+        with torch.cuda.stream(self.side):
+            copy_experts(parts, src_ids, dst_rows, valid, self.pool, self.spare, kernel=True)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        for t in (src_ids, dst_rows, valid):  # made on the main stream, read on the side stream
+            t.record_stream(self.side)
+        return done
+
+    def join(self, done: torch.cuda.Event | None) -> None:
+        """Make the main stream wait for a launch (right before its rows are read)."""
+        if done is not None:
+            torch.cuda.current_stream(done.device).wait_event(done)
 
 
 class PrefillArena:
-    """Double-buffered staging for the experts a prefill chunk needs that the cache does not hold."""
+    """Two buffers of E rows inside the pool, used by alternate MoE layers, so the next layer's experts can be
+    copied while this layer computes; remembers what was prefetched for which layer (within one pass)."""
 
-    def __init__(self, store: HostExpertStore, capacity: int, device: torch.device) -> None:
-        self.capacity = capacity
-        self.buffers = [
-            {
-                name: torch.empty((capacity, *shape), dtype=dtype, device=device)
-                for name, (shape, dtype) in store.components.items()
-            }
-            for _ in range(2)
-        ]
-        self.turn = 0
+    prefetch_factor = 4
+    """Prefetch the next layer's uncached experts when a chunk's T·k ≥ this × E."""
 
-    def load(self, store: HostExpertStore, layer: int, experts: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copy `experts` ([n] ids, n ≤ capacity) of `layer` into the next buffer; return [n, ...] views."""
-        buffer = self.buffers[self.turn]
-        self.turn ^= 1  # the other buffer stays intact while this one is (re)filled
-        n = experts.numel()
-        host = experts.to(store.buffer.device)
-        for name, block in store.parts[layer].items():
-            buffer[name][:n].copy_(block.index_select(0, host), non_blocking=True)
-        return {name: t[:n] for name, t in buffer.items()}
+    def __init__(self, base: int, num_experts: int, device: torch.device) -> None:
+        self.base, self.num_experts = base, num_experts
+        self.ids = torch.arange(num_experts, device=device)  # [E]
+        self.prefetched: dict[int, torch.Tensor] = {}  # MoE layer index → [E] bool, already in its buffer
+
+    def rows(self, i: int) -> torch.Tensor:
+        """[E] pool rows of MoE layer i's buffer (expert e at row e of the buffer)."""
+        return self.base + (i % 2) * self.num_experts + self.ids
+
+    def should_prefetch(self, choices: int) -> bool:
+        return choices >= self.prefetch_factor * self.num_experts
+
+
+@dataclass
+class Prepared:
+    """`OffloadedExperts.prepare`'s handle: where each expert's weights are, and the copies to wait for."""
+
+    rows: torch.Tensor
+    """[E] pool row of each expert of the layer (meaningful for the requested ones)."""
+    done: torch.cuda.Event | None
 
 
 class OffloadedExperts(ExpertProvider):
@@ -64,36 +160,43 @@ class OffloadedExperts(ExpertProvider):
         self,
         store: HostExpertStore,
         tables: CacheTables,
-        unpack: Callable[[dict[str, torch.Tensor], torch.dtype], tuple[torch.Tensor, torch.Tensor]],
+        fmt: ExpertFormat,
         act: Callable[[torch.Tensor], torch.Tensor],
         moe_layers: list[int],
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> None:
-        self.store, self.tables, self.unpack, self.act = store, tables, unpack, act
+        self.store, self.tables, self.fmt, self.act = store, tables, fmt, act
         self.device, self.dtype = torch.device(device), dtype
         self.index = {layer: i for i, layer in enumerate(moe_layers)}
+        rows = tables.num_rows + store.num_experts  # slots, spare, arena buffer 0 (= staging), buffer 1
         self.pool = {
-            name: torch.empty((tables.num_slots + 1, *shape), dtype=dtype, device=self.device)
+            name: torch.empty((rows, *shape), dtype=dtype, device=self.device)
             for name, (shape, dtype) in store.components.items()
         }
-        for layer, slots in enumerate(tables.layer_slots):  # pinned experts are filled once, at load
-            pinned = slots[tables.pinned[slots]]
-            if pinned.numel():
-                self._copy_into_slots(layer, tables.owner[pinned], pinned)
-        self.arena = PrefillArena(store, store.num_experts, self.device)
-        n = len(moe_layers)
-        self.traffic = TrafficCounters([0] * n, [0] * n, [0] * n)
+        self.copies = CopyStream(store, self.pool, tables.num_slots, self.device)
+        self.arena = PrefillArena(tables.staging_base, store.num_experts, self.device)
+        self._moved = torch.zeros(4, len(moe_layers), dtype=torch.int64, device=self.device)
+        self._fill_pinned()
         self.prefill = False
         self.step = self.decode_passes = 0
 
     rebalance_every = 256
     """Decode passes between two per-layer capacity adjustments (host-side, between steps)."""
 
+    def _fill_pinned(self) -> None:
+        """Load time: copy each layer's pinned experts into their slots."""
+        for layer, slots in enumerate(self.tables.layer_slots):
+            pinned = slots[self.tables.pinned[slots]]
+            if pinned.numel():
+                ok = torch.ones_like(pinned, dtype=torch.bool)
+                self.copies.join(self.copies.launch(layer, self.tables.owner[pinned], pinned, ok))
+
     def begin_pass(self, is_decode: bool) -> None:
         """Called by the runner before each forward: decode passes use the cache, others the arena; every
         `rebalance_every` decode passes, slots move from the layer with the best hit rate to the worst."""
         self.prefill = not is_decode
+        self.arena.prefetched.clear()
         self.step += 1
         if is_decode:
             self.decode_passes += 1
@@ -101,62 +204,82 @@ class OffloadedExperts(ExpertProvider):
                 per_layer = self.tables.num_slots // self.tables.num_layers
                 self.tables.rebalance(slots_to_move=max(1, per_layer // 16))
 
+    def traffic(self) -> TrafficCounters:
+        """Bytes moved host → device so far, per MoE layer. Reads device counters (a sync): between steps."""
+        fills, bypasses, arena, loads = self._moved.tolist()
+        b = self.store.expert_bytes
+        return TrafficCounters(
+            cache_bytes=[n * b for n in fills],
+            arena_bytes=[n * b for n in arena],
+            arena_loads=loads,
+            bypass_bytes=[n * b for n in bypasses],
+        )
+
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        return self.compute(layer, self.prepare(layer, topk_ids), x, topk_ids, topk_weights)
+
+    def prepare(self, layer: int, topk_ids: torch.Tensor) -> Prepared:
+        """Resolve `layer`'s experts and launch their copies (on the side stream where there is one)."""
         i = self.index[layer]
-        requested = torch.zeros(self.store.num_experts, dtype=torch.bool, device=topk_ids.device)
-        requested[topk_ids.reshape(-1)] = True
-        weights_of = (
-            self._arena_weights(i, requested) if self.prefill else self._cache_weights(i, requested, topk_ids)
-        )
-        return grouped_expert_mlp(x, weights_of, topk_ids, topk_weights, self.act)
+        requested = torch.zeros(self.store.num_experts, dtype=torch.bool, device=topk_ids.device)  # [E]
+        requested.index_fill_(0, topk_ids.reshape(-1), True)  # (t[i] = True would synchronise)
+        if self.prefill:
+            return self._prepare_arena(i, requested, topk_ids.numel())
+        return self._prepare_cache(i, requested, topk_ids.numel())
 
-    def _cache_weights(self, i: int, requested: torch.Tensor, topk_ids: torch.Tensor):
-        res = self.tables.resolve(
-            i, requested, self.step, max_new=min(topk_ids.numel(), self.store.num_experts)
-        )
-        fills = res.filled.nonzero().squeeze(1)
-        if fills.numel():
-            self._copy_into_slots(i, fills, res.slot[fills])
-            self.traffic.cache_bytes[i] += fills.numel() * self.store.expert_bytes
-        slot = res.slot.tolist()
+    def compute(
+        self,
+        layer: int,
+        prepared: object,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        assert isinstance(prepared, Prepared)
+        if self.prefill:
+            row = prepared.rows.tolist()  # prefill is not captured; read before waiting for the copies
+            self.copies.join(prepared.done)
+            weights_of = lambda e: self.fmt.unpack({n: t[row[e]] for n, t in self.pool.items()}, self.dtype)
+            return grouped_expert_mlp(x, weights_of, topk_ids, topk_weights, self.act)
+        self.copies.join(prepared.done)
+        t, k = topk_ids.shape
+        rows = prepared.rows[topk_ids].reshape(-1)  # [T*k]
+        parts = {n: p.index_select(0, rows) for n, p in self.pool.items()}  # [T*k, ...] each
+        gate_up, down = self.fmt.unpack_many(parts, self.dtype)  # [T*k, 2I, H], [T*k, H, I]
+        gate_up, down = gate_up.view(t, k, *gate_up.shape[1:]), down.view(t, k, *down.shape[1:])
+        return batched_expert_mlp(x, gate_up, down, topk_ids, topk_weights, self.act)
 
-        def weights_of(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if slot[e] >= 0:
-                parts = {name: t[slot[e]] for name, t in self.pool.items()}
-            else:  # bypass: straight from host memory
-                parts = {name: t.to(self.device) for name, t in self.store.expert(i, e).items()}
-            return self.unpack(parts, self.dtype)
+    def _prepare_cache(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
+        e = self.store.num_experts
+        res = self.tables.resolve(i, requested, self.step, max_new=min(choices, e))
+        done = self.copies.launch(i, res.newcomer, res.target, res.valid)
+        self._moved[_FILLS, i].add_(res.filled.sum())
+        self._moved[_BYPASSES, i].add_(res.bypass.sum())
+        return Prepared(rows=res.row, done=done)
 
-        return weights_of
+    def _prepare_arena(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
+        """Cached experts in place (a read-only peek: no statistics); the others from the layer's buffer,
+        topped up beyond what was prefetched; then maybe the next layer's prefetch into the other buffer."""
+        slot_of = self.tables.slot_of[i, : self.store.num_experts]  # [E]
+        cached = slot_of >= 0
+        need = requested & ~cached
+        prefetched = self.arena.prefetched.pop(i, None)
+        if prefetched is not None:
+            need &= ~prefetched
+        done = self._arena_load(i, need)
+        if i + 1 < len(self.index) and self.arena.should_prefetch(choices):
+            uncached = self.tables.slot_of[i + 1, : self.store.num_experts] < 0  # [E]
+            self._arena_load(i + 1, uncached)  # joined through the next layer's top-up (same stream)
+            self.arena.prefetched[i + 1] = uncached
+        return Prepared(rows=torch.where(cached, slot_of, self.arena.rows(i)), done=done)
 
-    def _arena_weights(self, i: int, requested: torch.Tensor):
-        slot_of = self.tables.slot_of[i, : self.store.num_experts]  # a read-only peek: no statistics
-        cached = requested & (slot_of >= 0)
-        missing = (requested & ~cached).nonzero().squeeze(1)
-        staged = self.arena.load(self.store, i, missing) if missing.numel() else {}
-        self.traffic.arena_bytes[i] += missing.numel() * self.store.expert_bytes
-        self.traffic.arena_loads[i] += int(missing.numel() > 0)
-        slot = torch.where(cached, slot_of, -1).tolist()
-        position = {e: j for j, e in enumerate(missing.tolist())}
-
-        def weights_of(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-            source = (
-                {n: t[slot[e]] for n, t in self.pool.items()}
-                if slot[e] >= 0
-                else {n: t[position[e]] for n, t in staged.items()}
-            )
-            return self.unpack(source, self.dtype)
-
-        return weights_of
-
-    def _copy_into_slots(self, i: int, experts: torch.Tensor, slots: torch.Tensor) -> None:
-        host = experts.to(self.store.buffer.device)
-        for name, block in self.store.parts[i].items():
-            self.pool[name][slots.to(self.device)] = block.index_select(0, host).to(
-                self.device, non_blocking=True
-            )
+    def _arena_load(self, i: int, want: torch.Tensor) -> torch.cuda.Event | None:
+        done = self.copies.launch(i, self.arena.ids, self.arena.rows(i), want)
+        self._moved[_ARENA, i].add_(want.sum())
+        self._moved[_LOADS, i].add_(want.any())
+        return done
 
 
 def parse_capacity(spec: str, num_layers: int, num_experts: int) -> list[int]:
@@ -215,7 +338,7 @@ def offload_experts(
         device,
         pinned=pinned,
     )
-    provider = OffloadedExperts(store, tables, form.unpack, resident.act, layers, device, dtype)
+    provider = OffloadedExperts(store, tables, form, resident.act, layers, device, dtype)
     install_provider(model, provider)
     return provider
 

@@ -39,6 +39,23 @@ class ExpertProvider(ABC):
         `layer` is the model's layer index.
         """
 
+    def prepare(self, layer: int, topk_ids: torch.Tensor) -> object:
+        """Start what `layer`'s chosen experts need before they can be computed (say, their host → device
+        copies, on a side stream) and return a handle for `compute`. A caller that runs other work between
+        the two (the shared expert) overlaps it with that preparation. Default: nothing to prepare."""
+        return None
+
+    def compute(
+        self,
+        layer: int,
+        prepared: object,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward`'s result, given `prepare(layer, topk_ids)`'s handle (same topk_ids)."""
+        return self.forward(layer, x, topk_ids, topk_weights)
+
 
 def install_provider(model, provider: ExpertProvider) -> None:
     """Make `provider` serve every MoE block of `model` (blocks hold it as `experts`; the model as well)."""

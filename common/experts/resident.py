@@ -44,6 +44,37 @@ def grouped_expert_mlp(
     return out
 
 
+def batched_expert_mlp(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Decode-time SwiGLU expert MLP over per-(token, choice) weights: batched GEMMs, no loop over experts.
+
+    x [T, H]; gate_up [T, k, 2I, H] and down [T, k, H, I] are the weights of expert topk_ids[t, j] (gathered
+    by the caller); topk_ids/topk_weights [T, k] → [T, H]. Fixed shapes and no host sync, so a decode step can
+    be captured. Each (token, choice) is a 1-row product of its own (the GEMMs' rounding can differ from the
+    grouped form's n-row products, hence one function for every provider's decode). The weighted terms are
+    rounded to x's dtype and added in ascending expert id, one at a time from zero, as `grouped_expert_mlp`
+    adds them. The gathered weights cost T·k experts of memory: meant for decode's small T (prefill uses the
+    grouped form).
+    """
+    t, k = topk_ids.shape
+    h = torch.matmul(x[:, None, None, :], gate_up.transpose(-1, -2))  # [T, k, 1, 2I]
+    gate, up = h.chunk(2, dim=-1)  # [T, k, 1, I] each
+    y = torch.matmul(act(gate) * up, down.transpose(-1, -2))[:, :, 0]  # [T, k, H]
+    y = (y * topk_weights[..., None]).to(x.dtype)  # [T, k, H]
+    order = torch.argsort(topk_ids, dim=1, stable=True)  # [T, k] choices by expert id
+    y = torch.gather(y, 1, order[..., None].expand(t, k, y.shape[-1]))  # [T, k, H]
+    out = torch.zeros_like(x)  # [T, H]
+    for j in range(k):  # k choices (not experts): the same additions, in the same order, as the grouped form
+        out = out + y[:, j]
+    return out
+
+
 class ResidentExperts(ExpertProvider):
     """All experts of all MoE layers held as stacked tensors on one device."""
 
@@ -52,9 +83,19 @@ class ResidentExperts(ExpertProvider):
     ) -> None:
         self.weights = weights
         self.act = act
+        self.decode = False
+
+    def begin_pass(self, is_decode: bool) -> None:
+        """Decode passes compute as the offloaded provider's decode passes do (`batched_expert_mlp`), so
+        that serving experts from host memory changes no bit of the output; other passes use the grouped
+        form, as the offloaded provider's prefill arena does."""
+        self.decode = is_decode
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         w = self.weights[layer]
+        if self.decode:
+            gate_up, down = w.gate_up[topk_ids], w.down[topk_ids]  # [T, k, 2I, H], [T, k, H, I]
+            return batched_expert_mlp(x, gate_up, down, topk_ids, topk_weights, self.act)
         return grouped_expert_mlp(x, lambda e: (w.gate_up[e], w.down[e]), topk_ids, topk_weights, self.act)

@@ -45,10 +45,11 @@ class SparseMoeBlock(nn.Module):
             ids, weights = self.routing_hook(self.layer_idx, ids, weights)
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
-        out = self.experts.forward(self.layer_idx, x, ids, weights)
-        if self.shared_expert is not None:
+        prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
+        shared = None
+        if self.shared_expert is not None:  # computed while the copies run
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+        out = self.experts.compute(self.layer_idx, prepared, x, ids, weights)
+        return out if shared is None else out + shared

@@ -1,13 +1,21 @@
 """The expert cache and arena with CUDA tensors and the real pinned, mapped host store: same tokens as the
-all-resident model on the GPU for every capacity and policy."""
+all-resident model on the GPU for every capacity, policy and prefill chunk (the arena's prefetch included);
+decode steps that never synchronise; copies on the side stream that are always waited for."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from common.engine import Engine
+from common.experts.cache_tables import CacheTables
+from common.experts.formats import FORMATS
+from common.experts.offload import OffloadedExperts
+from common.experts.resident import batched_expert_mlp
+from common.experts.store import HostExpertStore
 from common.model.synthetic import make_model
 from common.sampling import SamplingParams
 
@@ -23,16 +31,108 @@ def test_offloaded_experts_on_cuda(tmp_path: Path) -> None:
     ]
     for capacity in ["3", "0.25", "all"]:
         for policy in ["lru", "lfu", "lfu-admit"]:
-            engine = Engine(
-                path,
-                dtype=torch.float32,
-                device="cuda",
-                max_seqs=2,
-                expert_cache=capacity,
-                cache_policy=policy,
-                prefill_chunk=5,
+            for chunk in [5, 8192]:  # 8192: whole prompts, T·k ≥ 4·E, the arena prefetches
+                engine = Engine(
+                    path,
+                    dtype=torch.float32,
+                    device="cuda",
+                    max_seqs=2,
+                    expert_cache=capacity,
+                    cache_policy=policy,
+                    prefill_chunk=chunk,
+                )
+                provider = engine.offload
+                assert provider.store.mapped and provider.tables.slot_of.is_cuda
+                assert provider.copies.side is not None
+                out = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+                provider.tables.check()
+                assert out == reference, (capacity, policy, chunk)
+
+
+# Experts big enough (bf16: 3 MiB) that a copy takes far longer than launching the compute after it: a
+# missing join would read stale slots.
+E, LAYERS, TOP_K, HIDDEN, INTER = 16, 2, 4, 1024, 512
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def store(request) -> HostExpertStore:
+    fmt = FORMATS[request.param]
+    store = HostExpertStore(LAYERS, E, fmt.components(HIDDEN, INTER))
+    g = torch.Generator().manual_seed(0)
+    for layer in range(LAYERS):
+        packed = [
+            fmt.pack(
+                torch.randn(2 * INTER, HIDDEN, generator=g) * 0.03,
+                torch.randn(HIDDEN, INTER, generator=g) * 0.03,
             )
-            assert engine.offload.store.mapped and engine.offload.tables.slot_of.is_cuda
-            out = [r.token_ids for r in engine.generate(prompts, GREEDY)]
-            engine.offload.tables.check()
-            assert out == reference, (capacity, policy)
+            for _ in range(E)
+        ]
+        store.fill(layer, packed)
+    store.fmt = fmt
+    return store
+
+
+def _provider(store: HostExpertStore, capacity: int, policy: str) -> OffloadedExperts:
+    tables = CacheTables(LAYERS, E, [capacity] * LAYERS, policy, device="cuda")
+    return OffloadedExperts(store, tables, store.fmt, F.silu, list(range(LAYERS)), "cuda", torch.bfloat16)
+
+
+def _steps(n: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(tokens)])
+        x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+        out.append((x.cuda(), ids.cuda(), torch.rand(tokens, TOP_K, generator=g).cuda()))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu-admit"])
+def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str) -> None:
+    steps = _steps(8, tokens=3)
+    reference = []
+    for layer in range(LAYERS):
+        gate_up, down = store.fmt.unpack_many(
+            {n: b.cuda() for n, b in store.parts[layer].items()}, torch.bfloat16
+        )
+        reference.append([batched_expert_mlp(x, gate_up[i], down[i], i, w, F.silu) for x, i, w in steps])
+    for capacity in (1, 5, E):
+        provider = _provider(store, capacity, policy)
+        provider.begin_pass(True)
+        provider.forward(0, *steps[0])  # warm-up: compiles the copy kernel
+        torch.cuda.synchronize()
+        outs = []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for x, ids, w in steps:
+                provider.begin_pass(True)
+                outs.append([provider.forward(layer, x, ids, w) for layer in range(LAYERS)])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for s, out in enumerate(outs):
+            for layer in range(LAYERS):
+                assert torch.equal(out[layer], reference[layer][s]), (capacity, s, layer)
+        provider.tables.check()
+
+
+def test_slow_copies_are_waited_for(store, monkeypatch) -> None:
+    """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows."""
+    from common.experts import offload
+
+    copy = offload.copy_experts
+
+    def slow(*args, **kwargs) -> None:
+        torch.cuda._sleep(40_000_000)  # GPU cycles, on the side stream (the current one inside the launch)
+        copy(*args, **kwargs)
+
+    monkeypatch.setattr(offload, "copy_experts", slow)
+    steps = _steps(3, tokens=2)
+    provider = _provider(store, 1, "lru")
+    for x, ids, w in steps:
+        provider.begin_pass(True)
+        for layer in range(LAYERS):
+            gate_up, down = store.fmt.unpack_many(
+                {n: b.cuda() for n, b in store.parts[layer].items()}, torch.bfloat16
+            )
+            expect = batched_expert_mlp(x, gate_up[ids], down[ids], ids, w, F.silu)
+            assert torch.equal(provider.forward(layer, x, ids, w), expect), layer

@@ -48,6 +48,25 @@ def _mask(experts: int, chosen) -> torch.Tensor:
     return mask
 
 
+def _check_rows_and_copies(tables: CacheTables, requested: torch.Tensor, res, max_new: int) -> None:
+    """Every requested expert has a pool row (its slot or its own staging row) and the fixed-shape copy list
+    pairs each miss, once, with that row; padding targets the spare row."""
+    e, spare = tables.num_experts, tables.num_slots
+    kept = res.slot >= 0
+    assert res.row.shape == (e,) and res.row.dtype == torch.int64
+    assert torch.equal(res.row[kept], res.slot[kept])
+    bypassed = int(res.bypass.sum())  # the j-th bypass, in expert order, gets staging row S+1+j
+    assert torch.equal(res.row[res.bypass], torch.arange(tables.staging_base, tables.staging_base + bypassed))
+    assert (res.row[~requested] == spare).all() and (res.row < tables.num_rows).all()
+    p = min(max_new, e)
+    assert res.newcomer.shape == res.target.shape == res.valid.shape == (p,)
+    misses = (res.filled | res.bypass).nonzero().squeeze(1)
+    assert sorted(res.newcomer[res.valid].tolist()) == misses.tolist()
+    assert torch.equal(res.target[res.valid], res.row[res.newcomer[res.valid]])
+    assert (res.target[~res.valid] == spare).all()
+    assert ((res.newcomer >= 0) & (res.newcomer < e)).all()  # padding reads a real host row
+
+
 def _check_step(tables: CacheTables, layer: int, requested: torch.Tensor, res, before: dict) -> None:
     """What a Resolution promises, against the tables before and after the step."""
     e = tables.num_experts
@@ -104,6 +123,7 @@ def test_random_traces_keep_invariants(sc) -> None:
             res = tables.resolve(layer, requested, step, max_new=sc["top_k"])
             tables.check()
             _check_step(tables, layer, requested, res, before)
+            _check_rows_and_copies(tables, requested, res, sc["top_k"])
         if sc["rebalance_every"] and step % sc["rebalance_every"] == 0:
             tables.rebalance(slots_to_move=1 + step % 2)
             tables.check()
@@ -184,4 +204,22 @@ def test_resolve_does_not_sync_shapes() -> None:
     for step in range(6):
         for layer in range(2):
             res = tables.resolve(layer, _mask(16, range(step, step + 3)), step, max_new=3)
-            assert res.slot.shape == res.filled.shape == res.bypass.shape == (16,)
+            assert res.slot.shape == res.filled.shape == res.bypass.shape == res.row.shape == (16,)
+            assert res.newcomer.shape == res.target.shape == res.valid.shape == (3,)
+
+
+def test_bypasses_get_staging_rows_in_expert_order() -> None:
+    # One slot, no reuse: with 0 cached and frequent, the newcomers 5 and 3 are bypassed, not admitted.
+    tables = CacheTables(1, 8, [1], "lfu-admit", decay=1.0)
+    for step in range(4):
+        tables.resolve(0, _mask(8, [0] if step % 2 else [0, step + 1]), step, max_new=2)
+    res = tables.resolve(0, _mask(8, [0, 3, 5]), 4, max_new=3)
+    assert res.bypass.nonzero().squeeze(1).tolist() == [3, 5]
+    base = tables.staging_base
+    assert res.row[[0, 3, 5]].tolist() == [0, base, base + 1]
+    assert res.valid.tolist() == [True, True, False]
+    assert sorted(zip(res.newcomer[:2].tolist(), res.target[:2].tolist(), strict=True)) == [
+        (3, base),
+        (5, base + 1),
+    ]
+    assert res.target[2] == tables.num_slots

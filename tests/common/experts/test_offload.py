@@ -7,9 +7,14 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.engine import Engine
-from common.experts.offload import parse_capacity
+from common.experts.cache_tables import CacheTables
+from common.experts.formats import get_format
+from common.experts.offload import OffloadedExperts, PrefillArena, copy_experts, parse_capacity
+from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
+from common.experts.store import HostExpertStore
 from common.model.synthetic import make_model
 from common.sampling import SamplingParams
 
@@ -123,3 +128,209 @@ def test_adaptive_capacity_moves_slots_and_changes_nothing(model):
     engine.offload.tables.check()
     after = engine.offload.tables.capacities
     assert sum(after) == sum(before)
+
+
+# --- the provider on its own: fixed-shape copies, staging rows, batched decode, the arena's prefetch -------
+
+E, LAYERS, TOP_K = 8, 3, 2
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8", "int4"])
+def store(request) -> HostExpertStore:
+    """A store of random experts (H = I = 128: every format's sizes work)."""
+    fmt = get_format(request.param)
+    store = HostExpertStore(LAYERS, E, fmt.components(128, 128), map_for_gpu=False)
+    g = torch.Generator().manual_seed(3)
+    for layer in range(LAYERS):
+        weights = [(torch.randn(256, 128, generator=g), torch.randn(128, 128, generator=g)) for _ in range(E)]
+        store.fill(layer, [fmt.pack(gu * 0.05, d * 0.05) for gu, d in weights])
+    store.fmt = fmt
+    return store
+
+
+def _provider(store: HostExpertStore, capacity: int, policy: str = "lfu-admit") -> OffloadedExperts:
+    tables = CacheTables(LAYERS, E, [capacity] * LAYERS, policy)
+    return OffloadedExperts(store, tables, store.fmt, F.silu, list(range(LAYERS)), "cpu", torch.float32)
+
+
+def _routing(steps: int, tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per step: x [T, H], topk_ids [T, k] (distinct per token), topk_weights [T, k]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(tokens)])
+        out.append((torch.randn(tokens, 128, generator=g), ids, torch.rand(tokens, TOP_K, generator=g)))
+    return out
+
+
+def _reference(store: HostExpertStore, layer: int, x, ids, weights) -> torch.Tensor:
+    gate_up, down = store.fmt.unpack_many(store.parts[layer], torch.float32)  # [E, 2I, H], [E, H, I]
+    return batched_expert_mlp(x, gate_up[ids], down[ids], ids, weights, F.silu)
+
+
+def _random_rows(block: torch.Tensor, rows: int, g: torch.Generator) -> torch.Tensor:
+    """[rows, ...] of block's row shape and dtype, random bytes."""
+    row_bytes = block[0].numel() * block.element_size()
+    raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=g)
+    return raw.view(block.dtype).view(rows, *block.shape[1:])
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+
+def test_copy_experts_moves_only_valid_pairs(store):
+    parts, rows, spare = store.parts[1], 12, 11
+    g = torch.Generator().manual_seed(1)
+    pool = {n: _random_rows(b, rows, g) for n, b in parts.items()}
+    some = torch.rand(5, generator=g) < 0.5
+    for valid in (torch.zeros(5, dtype=torch.bool), torch.ones(5, dtype=torch.bool), some):
+        before = {n: t.clone() for n, t in pool.items()}
+        src, dst = torch.randperm(E, generator=g)[:5], torch.randperm(spare, generator=g)[:5]
+        copy_experts(parts, src, dst, valid, pool, spare)
+        untouched = torch.ones(rows, dtype=torch.bool)
+        untouched[dst[valid]] = False
+        untouched[spare] = False  # the only row an invalid pair may write
+        for n, t in pool.items():
+            assert torch.equal(_as_bytes(t)[untouched], _as_bytes(before[n])[untouched]), n
+            assert torch.equal(_as_bytes(t)[dst[valid]], _as_bytes(parts[n])[src[valid]]), n
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-admit"])
+def test_decode_identical_for_every_capacity(store, policy):
+    steps = _routing(steps=6, tokens=3)
+    for capacity in (1, 3, E):
+        provider = _provider(store, capacity, policy)
+        for x, ids, weights in steps:
+            provider.begin_pass(True)
+            for layer in range(LAYERS):
+                out = provider.forward(layer, x, ids, weights)
+                assert torch.equal(out, _reference(store, layer, x, ids, weights)), (capacity, layer)
+        provider.tables.check()
+        traffic = provider.traffic()
+        stats = {n: int(c.sum()) for n, c in provider.tables.counters.items()}
+        assert sum(traffic.cache_bytes) == (stats["misses"] - stats["bypasses"]) * store.expert_bytes
+        assert sum(traffic.bypass_bytes) == stats["bypasses"] * store.expert_bytes
+        if capacity == 1 and policy == "lfu-admit":
+            assert stats["bypasses"] > 0  # bypassed experts were read from their staging rows
+
+
+def test_decode_step_never_syncs(store, monkeypatch):
+    """Structurally: no host read of a tensor's values, no data-dependent shape, no boolean-mask indexing and
+    no assignment of Python scalars anywhere in a decode forward (fills, bypasses, evictions included)."""
+    provider = _provider(store, 2, "lru")
+    steps = _routing(steps=3, tokens=4, seed=5)
+    provider.begin_pass(True)
+    provider.forward(0, *steps[0])  # fill the cache first, so the checked steps evict
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host sync in a decode step")
+
+    for name in ("tolist", "item", "nonzero", "unique", "__bool__", "__int__", "__float__", "argwhere"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for name in ("nonzero", "unique", "bincount", "argwhere", "masked_select"):
+        monkeypatch.setattr(torch, name, refuse)
+    getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+
+    def no_mask(index) -> None:
+        for i in index if isinstance(index, tuple) else (index,):
+            if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+                raise AssertionError("boolean-mask indexing (a nonzero) in a decode step")
+
+    def no_scalar(value) -> None:  # on CUDA, t[i] = 1 copies the scalar to the device: a sync
+        if not isinstance(value, torch.Tensor):
+            raise AssertionError("assignment of a Python scalar (a sync on CUDA) in a decode step")
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", lambda t, i: (no_mask(i), getitem(t, i))[1])
+    monkeypatch.setattr(
+        torch.Tensor, "__setitem__", lambda t, i, v: (no_mask(i), no_scalar(v), setitem(t, i, v))[1]
+    )
+    for x, ids, weights in steps[1:]:
+        provider.begin_pass(True)
+        for layer in range(LAYERS):
+            provider.forward(layer, x, ids, weights)
+    monkeypatch.undo()
+    counters = provider.tables.counters
+    assert int(counters["evictions"].sum()) > 0 and int(counters["misses"].sum()) > 0
+
+
+def _prefill(provider: OffloadedExperts, x, ids, weights) -> list[torch.Tensor]:
+    provider.begin_pass(False)
+    return [provider.forward(layer, x, ids, weights) for layer in range(LAYERS)]
+
+
+def test_arena_prefetches_the_next_layer_for_big_chunks(store):
+    (x, ids, weights), *decode = _routing(steps=3, tokens=4 * E // TOP_K, seed=7)  # T·k = 4·E: prefetch
+    provider = _provider(store, 3)
+    for step in decode:  # warm the cache: prefill reads cached experts in place
+        provider.begin_pass(True)
+        for layer in range(LAYERS):
+            provider.forward(layer, *step)
+    before = provider.traffic()
+    uncached = [int((provider.tables.slot_of[i, :E] < 0).sum()) for i in range(LAYERS)]
+    requested = [int(ids.unique().numel())] * LAYERS
+    out = _prefill(provider, x, ids, weights)
+    traffic = provider.traffic()
+    loads = [a - b for a, b in zip(traffic.arena_loads, before.arena_loads, strict=True)]
+    moved = [
+        (a - b) // store.expert_bytes for a, b in zip(traffic.arena_bytes, before.arena_bytes, strict=True)
+    ]
+    # layer 0 loads what it needs after routing; layers 1, 2 were prefetched whole and need no top-up
+    assert loads == [1, 1, 1] and moved[1:] == uncached[1:] and moved[0] <= min(uncached[0], requested[0])
+    for layer, o in enumerate(out):
+        assert torch.equal(o, _grouped_reference(store, layer, x, ids, weights)), layer
+
+    lazy = _provider(store, 3)
+    lazy.arena.prefetch_factor = float("inf")  # load-after-routing only
+    for step in decode:
+        lazy.begin_pass(True)
+        for layer in range(LAYERS):
+            lazy.forward(layer, *step)
+    assert all(torch.equal(a, b) for a, b in zip(_prefill(lazy, x, ids, weights), out, strict=True))
+
+
+def test_arena_tops_up_what_was_not_prefetched(store):
+    (x, ids, weights), warm = _routing(steps=2, tokens=4 * E // TOP_K, seed=9)
+    provider = _provider(store, 3, "lru")
+    provider.begin_pass(True)
+    for layer in range(LAYERS):
+        provider.forward(layer, *warm)
+    provider.begin_pass(False)
+    provider.forward(0, x, ids, weights)  # prefetches layer 1's uncached experts
+    tables = provider.tables
+    slots = tables.layer_slots[1]
+    gone = tables.owner[slots[0]].clone()  # now evict one of layer 1's cached experts behind its back
+    tables.slot_of[1, gone], tables.owner[slots[0]] = -1, -1
+    before = provider.traffic()
+    out = provider.forward(1, x, ids, weights)
+    after = provider.traffic()
+    topped_up = (after.arena_bytes[1] - before.arena_bytes[1]) // store.expert_bytes
+    assert topped_up == int(bool((ids == gone).any())) and torch.equal(
+        out, _grouped_reference(store, 1, x, ids, weights)
+    )
+
+
+def _grouped_reference(store: HostExpertStore, layer: int, x, ids, weights) -> torch.Tensor:
+    def weights_of(e: int):
+        return store.fmt.unpack(store.expert(layer, e), torch.float32)
+
+    return grouped_expert_mlp(x, weights_of, ids, weights, F.silu)
+
+
+def test_batched_expert_mlp_matches_grouped(store):
+    for x, ids, weights in _routing(steps=2, tokens=5, seed=11):
+        batched = _reference(store, 0, x, ids, weights)
+        torch.testing.assert_close(
+            batched, _grouped_reference(store, 0, x, ids, weights), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_prefill_prefetch_path_in_the_engine_changes_nothing(model, monkeypatch):
+    path, prompts, reference = model
+    decisions = []
+    should = PrefillArena.should_prefetch
+    monkeypatch.setattr(
+        PrefillArena, "should_prefetch", lambda a, c: decisions.append(should(a, c)) or decisions[-1]
+    )
+    out, _ = _run(path, prompts, expert_cache=_smallest(path), prefill_chunk=8192)
+    assert out == reference and any(decisions) and not all(decisions)

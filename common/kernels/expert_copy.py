@@ -1,0 +1,73 @@
+"""Copy whole experts from the GPU-mapped host store into device rows (one Triton kernel per component).
+
+A copy list has a fixed shape [P] (the step's worst case) and a `valid` mask, so it can be launched without
+knowing on the host how many experts actually miss. Program (p, c) copies chunk c of pair p's row: it reads
+`valid[p]` and returns at once when the pair is padding, so no byte of an invalid pair crosses PCIe. The GPU
+reads the host row through the mapping (zero-copy), like `common/kernels/gather.py`; rows are treated as raw
+bytes, moved in 4-byte words when the row size allows it (every format's rows do at realistic sizes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_WORDS = 2048
+"""Words one program copies: 8 KiB of int32 (enough bytes in flight per program to keep PCIe reads busy)."""
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_rows_ptr, valid_ptr, row_words, BLOCK: tl.constexpr):
+    pair = tl.program_id(0)
+    if tl.load(valid_ptr + pair) == 0:
+        return
+    src = tl.load(src_ids_ptr + pair).to(tl.int64)
+    dst = tl.load(dst_rows_ptr + pair).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_words
+    words = tl.load(src_ptr + src * row_words + offs, mask=mask)
+    tl.store(dst_ptr + dst * row_words + offs, words, mask=mask)
+
+
+def word_dtype(row_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
+    """The widest of int32 / int16 / uint8 that divides the row size and every tensor's start address."""
+    for dtype in (torch.int32, torch.int16):
+        size = dtype.itemsize
+        if row_bytes % size == 0 and all(t.data_ptr() % size == 0 for t in tensors):
+            return dtype
+    return torch.uint8
+
+
+def as_words(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[R, ...] contiguous tensor of any dtype → [R, row_bytes / word] view of its bytes as `dtype`."""
+    return rows.reshape(rows.shape[0], -1).view(torch.uint8).view(dtype)
+
+
+def copy_rows(
+    src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_rows: torch.Tensor, valid: torch.Tensor
+) -> None:
+    """dst[dst_rows[p]] = src[src_ids[p]] for every p with valid[p], on the current CUDA stream.
+
+    src [R, ...] a contiguous, GPU-mapped host tensor (or a device tensor); dst [R', ...] contiguous on the
+    GPU with src's row shape and dtype; src_ids, dst_rows [P] int64 and valid [P] bool on the GPU.
+    """
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError(f"rows differ: {src.dtype}{tuple(src.shape)} vs {dst.dtype}{tuple(dst.shape)}")
+    pairs = src_ids.numel()
+    row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
+    if pairs == 0 or row_bytes == 0:
+        return
+    word = word_dtype(row_bytes, src, dst)
+    source, dest = as_words(src, word), as_words(dst, word)  # [R, W], [R', W]
+    row_words = source.shape[1]
+    grid = (pairs, triton.cdiv(row_words, BLOCK_WORDS))
+    _copy_rows_kernel[grid](
+        source,
+        dest,
+        src_ids.contiguous(),
+        dst_rows.contiguous(),
+        valid.contiguous().view(torch.uint8),
+        row_words,
+        BLOCK=BLOCK_WORDS,
+    )
