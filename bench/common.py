@@ -16,12 +16,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def provenance() -> dict:
     """command, commit, gpu and date of this run."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git (the GPU machine)
-        commit = os.environ.get("SPILLWAY_COMMIT") or "unknown"
+    # SPILLWAY_COMMIT first: a copy of the tree on another machine may carry a stale .git or none
+    commit = os.environ.get("SPILLWAY_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     module = sys.modules["__main__"].__spec__
     argv = ["-m", module.name, *sys.argv[1:]] if module is not None else sys.argv
     return {
