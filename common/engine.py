@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,12 +53,14 @@ class Engine:
         pinned_experts: dict[int, list[int]] | None = None,
         page_size: int = 16,
         allocate: Allocator | None = None,
+        host_allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
         keeps the router's choices (`routing_recorder.trace()`); `replay_routing` (a trace file or
         `synthetic-zipf:...`) forces them; `pinned_experts` (MoE layer index → experts, a calibration hot set)
-        stay cached for good; `allocate` makes the state pool's tensors (see StatePool)."""
+        stay cached for good; `allocate` makes the state pool's tensors (see StatePool), `host_allocate` the
+        host expert store's memory (see HostExpertStore)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         self.model = load_model(model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp")
@@ -72,7 +74,7 @@ class Engine:
             )
         elif expert_cache is not None:
             self.offload = offload_experts(
-                self.model, expert_cache, cache_policy, expert_format, pinned_experts
+                self.model, expert_cache, cache_policy, expert_format, pinned_experts, None, host_allocate
             )
         cfg, layers = self.config, list(self.config.moe_layers)
         self.routing_recorder = RoutingRecorder(layers, cfg.num_experts) if record_routing else None

@@ -2,7 +2,7 @@
 
 Topology (DESIGN §2, §6): each service binds one PULL inbox and the others PUSH to it.
 - router  → prefill: `Generate`, `Abort`            router → decode: `Abort`
-- prefill → decode:  `AllocState`, `PrefillDone`, `Freeze`, `Thaw`, `ReleaseState`
+- prefill → decode:  `AllocState`, `PrefillDone`, `Thaw`, `ReleaseState`
 - prefill → decode:  `WantExports` (at prefill's start)
 - decode  → prefill: `StateGranted`, `Exports` (at decode's start and on `WantExports`)
 - prefill, decode → router: `Tokens`, `Ready`, `Heartbeat`
@@ -79,14 +79,9 @@ class ReleaseState(msgspec.Struct, frozen=True, tag=True):
     rid: str
 
 
-class Freeze(msgspec.Struct, frozen=True, tag=True):
-    """prefill → decode: stop evicting from the expert cache until `Thaw` (prefill reads it in place)."""
-
-    holder: str
-
-
 class Thaw(msgspec.Struct, frozen=True, tag=True):
-    """prefill → decode: the freeze of `holder` is over."""
+    """prefill → decode: the expert-cache freeze of `holder` (taken when decode granted its state: decode
+    stops inserting and evicting while a prefill reads the cache in place) is over."""
 
     holder: str
 
@@ -168,7 +163,6 @@ Message = (
     | StateGranted
     | PrefillDone
     | ReleaseState
-    | Freeze
     | Thaw
     | Tokens
     | Exports

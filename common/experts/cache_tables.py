@@ -109,6 +109,9 @@ class CacheTables:
         self.counters = {n: torch.zeros(num_layers, dtype=torch.int64, device=device) for n in counters}
         self.layer_slots: list[torch.Tensor] = []
         self._assign(list(slots_per_layer))
+        self.frozen = False
+        """While True (a prefill reads the slots in place), nothing is inserted or evicted: every miss is a
+        bypass, and rebalance waits. Set between steps."""
         self._seen = {n: torch.zeros_like(c) for n, c in self.counters.items()}
         for layer, experts in (pinned or {}).items():
             self.pin(layer, experts)
@@ -174,7 +177,7 @@ class CacheTables:
         miss_key = torch.where(miss, -rate, float("inf"))
         order = torch.sort(miss_key, stable=True).indices  # [E] misses first
         newcomer = order[:pairs]  # [pairs]
-        valid = miss[newcomer] & (victim_key < _KEY_MAX)
+        valid = miss[newcomer] & (victim_key < _KEY_MAX) & (not self.frozen)
         if self.policy == "lfu-admit":
             valid &= self._admit(layer, rate, newcomer, self.owner[victims])
         self._apply(layer, newcomer, victims, valid, step)
@@ -258,6 +261,8 @@ class CacheTables:
         The donor gives up its lowest-scoring unpinned slots (their experts are evicted). Reads the counters
         on the host, so it runs outside captured steps. Returns (donor, recipient, slots moved) or None.
         """
+        if self.frozen:
+            return None
         hits = (self.counters["hits"] - self._seen["hits"]).tolist()
         misses = (self.counters["misses"] - self._seen["misses"]).tolist()
         self._seen = {n: c.clone() for n, c in self.counters.items()}

@@ -151,6 +151,8 @@ class Prepared:
     rows: torch.Tensor
     """[E] pool row of each expert of the layer (meaningful for the requested ones)."""
     done: torch.cuda.Event | None
+    cached: torch.Tensor | None = None
+    """Prefill: [E] bool, the expert's row is a slot of the cache (else of this provider's arena)."""
 
 
 class OffloadedExperts(ExpertProvider):
@@ -165,8 +167,12 @@ class OffloadedExperts(ExpertProvider):
         moe_layers: list[int],
         device: torch.device | str,
         dtype: torch.dtype,
+        shared_cache: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        """`shared_cache` (the prefill worker's): another provider's (pool, slot_of) — decode's cache, mapped,
+        read in place while its owner keeps it frozen; this provider then only runs prefill passes."""
         self.store, self.tables, self.fmt, self.act = store, tables, fmt, act
+        self.shared_cache = shared_cache
         self.device, self.dtype = torch.device(device), dtype
         self.index = {layer: i for i, layer in enumerate(moe_layers)}
         rows = tables.num_rows + store.num_experts  # slots, spare, arena buffer 0 (= staging), buffer 1
@@ -195,7 +201,7 @@ class OffloadedExperts(ExpertProvider):
     def begin_pass(self, is_decode: bool) -> None:
         """Called by the runner before each forward: decode passes use the cache, others the arena; every
         `rebalance_every` decode passes, slots move from the layer with the best hit rate to the worst."""
-        self.prefill = not is_decode
+        self.prefill = not is_decode or self.shared_cache is not None
         self.arena.prefetched.clear()
         self.step += 1
         if is_decode:
@@ -240,8 +246,13 @@ class OffloadedExperts(ExpertProvider):
         assert isinstance(prepared, Prepared)
         if self.prefill:
             row = prepared.rows.tolist()  # prefill is not captured; read before waiting for the copies
+            cached = prepared.cached.tolist() if self.shared_cache is not None else None
             self.copies.join(prepared.done)
-            weights_of = lambda e: self.fmt.unpack({n: t[row[e]] for n, t in self.pool.items()}, self.dtype)
+
+            def weights_of(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+                pool = self.shared_cache[0] if cached is not None and cached[e] else self.pool
+                return self.fmt.unpack({n: t[row[e]] for n, t in pool.items()}, self.dtype)
+
             return grouped_expert_mlp(x, weights_of, topk_ids, topk_weights, self.act)
         self.copies.join(prepared.done)
         t, k = topk_ids.shape
@@ -262,7 +273,8 @@ class OffloadedExperts(ExpertProvider):
     def _prepare_arena(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
         """Cached experts in place (a read-only peek: no statistics); the others from the layer's buffer,
         topped up beyond what was prefetched; then maybe the next layer's prefetch into the other buffer."""
-        slot_of = self.tables.slot_of[i, : self.store.num_experts]  # [E]
+        table = self.shared_cache[1] if self.shared_cache is not None else self.tables.slot_of
+        slot_of = table[i, : self.store.num_experts]  # [E]
         cached = slot_of >= 0
         need = requested & ~cached
         prefetched = self.arena.prefetched.pop(i, None)
@@ -270,10 +282,10 @@ class OffloadedExperts(ExpertProvider):
             need &= ~prefetched
         done = self._arena_load(i, need)
         if i + 1 < len(self.index) and self.arena.should_prefetch(choices):
-            uncached = self.tables.slot_of[i + 1, : self.store.num_experts] < 0  # [E]
+            uncached = table[i + 1, : self.store.num_experts] < 0  # [E]
             self._arena_load(i + 1, uncached)  # joined through the next layer's top-up (same stream)
             self.arena.prefetched[i + 1] = uncached
-        return Prepared(rows=torch.where(cached, slot_of, self.arena.rows(i)), done=done)
+        return Prepared(rows=torch.where(cached, slot_of, self.arena.rows(i)), done=done, cached=cached)
 
     def _arena_load(self, i: int, want: torch.Tensor) -> torch.cuda.Event | None:
         done = self.copies.launch(i, self.arena.ids, self.arena.rows(i), want)
@@ -309,19 +321,20 @@ def offload_experts(
     fmt: str = "bf16",
     pinned: dict[int, list[int]] | None = None,
     store: HostExpertStore | None = None,
+    host_allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> OffloadedExperts:
     """Serve `model`'s routed experts from a host store through a VRAM cache of `capacity` (see
     parse_capacity) under `policy`; `pinned` maps MoE layer index → hot experts. Without `store` the model's
-    resident experts are packed into a new one in format `fmt` (and freed); with it (an artifact's), used."""
+    resident experts are packed into a new one in format `fmt` (and freed; `host_allocate(nbytes)` makes its
+    memory, e.g. shared memory a prefill worker maps); with it (an artifact's), used."""
     resident = model.experts
     cfg = model.config
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     layers = sorted(cfg.moe_layers)
     form = get_format(fmt)
     if store is None:
-        store = HostExpertStore(
-            len(layers), cfg.num_experts, form.components(cfg.hidden_size, cfg.moe_intermediate_size)
-        )
+        components = form.components(cfg.hidden_size, cfg.moe_intermediate_size)
+        store = HostExpertStore(len(layers), cfg.num_experts, components, allocate=host_allocate)
         for i, layer in enumerate(layers):
             w = resident.weights.pop(layer)  # free each resident layer as it is packed
             store.fill(i, [form.pack(w.gate_up[e].cpu(), w.down[e].cpu()) for e in range(cfg.num_experts)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -31,9 +31,11 @@ class HostExpertStore:
         map_for_gpu: bool = True,
         backing: Path | None = None,
         writable_file: bool = False,
+        allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         """An anonymous allocation, or with `backing` the file's bytes mapped in place (a converted artifact:
-        `writable_file` to write it, else private copy-on-write pages, so the file is never modified)."""
+        `writable_file` to write it, else private copy-on-write pages, so the file is never modified), or
+        `allocate(nbytes)`'s uint8 CPU tensor (shared memory another process maps)."""
         self.num_layers, self.num_experts = num_layers, num_experts
         self.components = dict(components)
         offsets, size = [], 0
@@ -44,8 +46,16 @@ class HostExpertStore:
                 size += _aligned(num_experts * math.prod(shape) * dtype.itemsize)
             offsets.append(layer)
         self.nbytes = size
-        self._mmap = _map(size, backing, writable_file)
-        self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=size) if size else torch.empty(0)
+        if allocate is not None:
+            buffer = allocate(size)
+            if buffer.dtype != torch.uint8 or buffer.numel() != size or buffer.device.type != "cpu":
+                raise ValueError(f"expert store buffer: expected {size} uint8 bytes on the host")
+            self._mmap, self.buffer = None, buffer
+        else:
+            self._mmap = _map(size, backing, writable_file)
+            self.buffer = (
+                torch.frombuffer(self._mmap, dtype=torch.uint8, count=size) if size else torch.empty(0)
+            )
         self.parts: list[dict[str, torch.Tensor]] = [
             {name: self._view(off[name], shape, dtype) for name, (shape, dtype) in self.components.items()}
             for off in offsets

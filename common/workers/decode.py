@@ -10,6 +10,7 @@ tokens. An `AllocState` that finds no free lane or pages waits in a queue until 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +38,13 @@ def sampling_params(s) -> SamplingParams:
     )
 
 
-def load_engine(cfg: WorkerConfig, allocate: Allocator | None = None) -> Engine:
-    """The model, state pools and expert cache a worker config describes."""
+def load_engine(
+    cfg: WorkerConfig,
+    allocate: Allocator | None = None,
+    host_allocate: Callable[[int], torch.Tensor] | None = None,
+) -> Engine:
+    """The model, state pools and expert cache a worker config describes (`allocate`, `host_allocate`: see
+    Engine)."""
     return Engine(
         cfg.model_dir,
         dtype=DTYPES[cfg.dtype],
@@ -52,6 +58,7 @@ def load_engine(cfg: WorkerConfig, allocate: Allocator | None = None) -> Engine:
         replay_routing=cfg.replay_routing,
         page_size=cfg.page_size,
         allocate=allocate,
+        host_allocate=host_allocate,
     )
 
 
@@ -68,9 +75,14 @@ class LaneStats:
 class DecodeCore:
     """Continuous-batching decode over the state pools it owns."""
 
-    def __init__(self, cfg: WorkerConfig, allocate: Allocator | None = None) -> None:
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        allocate: Allocator | None = None,
+        host_allocate: Callable[[int], torch.Tensor] | None = None,
+    ) -> None:
         self.cfg = cfg
-        self.engine = load_engine(cfg, allocate)
+        self.engine = load_engine(cfg, allocate, host_allocate)
         self.runner = self.engine.runner
         self.pool = self.runner.pool
         self.eos_ids = self.engine.config.eos_token_ids
@@ -100,12 +112,14 @@ class DecodeCore:
                 break
             self.pending.popleft()
             self.granted[ask.rid] = seq
+            self.set_freeze(ask.rid, True)  # the grant is the freeze's acknowledgement
             grants.append(StateGranted(ask.rid, seq.slot, list(seq.pages)))
         return grants
 
     def prefill_done(self, msg: PrefillDone) -> None:
         """Start decoding a request whose prompt state prefill has written."""
         seq = self.granted.pop(msg.rid, None)
+        self.set_freeze(msg.rid, False)
         if seq is None:  # aborted meanwhile
             return
         seq.num_cached = msg.num_cached
@@ -118,12 +132,15 @@ class DecodeCore:
         self.pending = deque(a for a in self.pending if a.rid != rid)
         seq = self.granted.pop(rid, None)
         req = self.running.pop(rid, None)
+        self.set_freeze(rid, False)
         for state in (seq, req.state if req else None):
             if state is not None:
                 self.pool.release(state)
 
     def set_freeze(self, holder: str, on: bool) -> None:
-        """Prefill reads the expert cache in place while it holds a freeze: no evictions meanwhile."""
+        """Prefill reads the expert cache in place while it holds a freeze (from the grant of its state to
+        `Thaw`, `PrefillDone` or the request's end): no insertions or evictions meanwhile. Decode applies
+        messages between steps, after a step's copies have completed, so a granted freeze is in force."""
         (self.freezes.add if on else self.freezes.discard)(holder)
         offload = getattr(self.engine, "offload", None)
         if offload is not None:

@@ -2,9 +2,10 @@
 
 It runs prompts on decode's weights and writes their state straight into decode's pools (both mapped, never
 copied), one chunk per `step()` so an abort waits at most one chunk. Per request: ask decode for state
-(`AllocState`), take the cache freeze, run the chunks, sample the first token, send it to the router and hand
-the request to decode (`PrefillDone`) — or, when the first token already ends it, give the state back.
-One request is prefilled at a time, in arrival order.
+(`AllocState`; granting it also freezes decode's expert cache, which prefill reads in place), run the
+chunks, sample the first token, send it to the router and hand the request to decode (`PrefillDone`, which
+ends the freeze) — or, when the first token already ends it, give the state back. One request is prefilled
+at a time, in arrival order.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from common.config import WorkerConfig
 from common.kv.state import SequenceState
 from common.protocol import (
     AllocState,
-    Freeze,
     Generate,
     Message,
     PrefillDone,
@@ -91,7 +91,7 @@ class PrefillCore:
             return [("router", Tokens(gen.rid, [], "error", error=msg.error)), *self._ask()]
         seed = gen.sampling.seed if gen.sampling.seed is not None else random.getrandbits(62)
         self.job = PrefillJob(gen, SequenceState(msg.slot, list(msg.pages)), seed)
-        return [("decode", Freeze(gen.rid))]
+        return []
 
     def abort(self, rid: str) -> Outgoing:
         self.queue = deque(g for g in self.queue if g.rid != rid)

@@ -2,7 +2,9 @@
 state pools — one copy of each, owned by decode.
 
 Export names: `weights.{parameter or buffer}`, `experts.{layer}.{gate_up|down}` (resident experts),
-`state.{layer}.{name}` (state pools).
+`state.{layer}.{name}` (state pools); with offloaded experts `experts.store` (the host expert store, unless
+it is an artifact's file, which prefill maps itself), `cache.pool.{component}` and `cache.slot_of` (the
+expert cache, which prefill reads in place while decode keeps it frozen).
 """
 
 from __future__ import annotations
@@ -14,12 +16,17 @@ from torch import nn
 
 from common import ipc
 from common.config import WorkerConfig
-from common.experts.provider import ExpertWeights
+from common.experts.artifact import open_store
+from common.experts.cache_tables import CacheTables
+from common.experts.formats import get_format
+from common.experts.offload import OffloadedExperts
+from common.experts.provider import ExpertWeights, install_provider
 from common.experts.resident import ResidentExperts
 from common.experts.routing import install_routing_hook, replayer_for
+from common.experts.store import HostExpertStore
 from common.model.hf_config import load_architecture
 from common.model.layers import activation
-from common.protocol import Exports
+from common.protocol import Exports, SharedTensor
 from common.workers.decode import DTYPES, DecodeCore
 
 
@@ -45,11 +52,58 @@ def decode_exports(core: DecodeCore) -> Exports:
             tensors[f"experts.{layer}.gate_up"] = ipc.export_tensor(w.gate_up)
             tensors[f"experts.{layer}.down"] = ipc.export_tensor(w.down)
     else:
-        raise NotImplementedError("serving offloaded experts across processes is not wired yet")
+        tensors.update(_offload_exports(experts))
     for key, t in core.pool.named_tensors().items():
         tensors[f"state.{key}"] = ipc.export_tensor(t)
+    fmt = experts.fmt.name if isinstance(experts, OffloadedExperts) else ""
     return Exports(
-        epoch=os.getpid(), tensors=tensors, page_size=core.pool.page_size, max_context=core.runner.max_context
+        epoch=os.getpid(),
+        tensors=tensors,
+        page_size=core.pool.page_size,
+        max_context=core.runner.max_context,
+        expert_format=fmt,
+    )
+
+
+def _offload_exports(offload: OffloadedExperts) -> dict[str, SharedTensor]:
+    out = {}
+    if ipc.is_exportable(offload.store.buffer):  # else an artifact's mapped file
+        out["experts.store"] = ipc.export_tensor(offload.store.buffer)
+    for name in offload.pool:
+        offload.pool[name] = _shareable(offload.pool[name])  # in place: the copy stream holds the dict
+        out[f"cache.pool.{name}"] = ipc.export_tensor(offload.pool[name])
+    offload.tables.slot_of = _shareable(offload.tables.slot_of)
+    out["cache.slot_of"] = ipc.export_tensor(offload.tables.slot_of)
+    return out
+
+
+def host_allocator(nbytes: int) -> torch.Tensor:
+    """Host memory for the expert store that prefill can map too."""
+    return ipc.shared_empty((nbytes,), torch.uint8, "cpu")
+
+
+def _prefill_experts(cfg: WorkerConfig, mcfg, exports: Exports, imported: dict[str, torch.Tensor]):
+    """Prefill's provider over decode's expert store and (frozen) cache: an arena of its own."""
+    layers = sorted(mcfg.moe_layers)
+    fmt = get_format(exports.expert_format)
+    if "experts.store" in imported:
+        components = fmt.components(mcfg.hidden_size, mcfg.moe_intermediate_size)
+        store = HostExpertStore(
+            len(layers), mcfg.num_experts, components, allocate=lambda n: imported["experts.store"]
+        )
+    else:
+        store, _ = open_store(cfg.model_dir)
+    pool = {k[len("cache.pool.") :]: v for k, v in imported.items() if k.startswith("cache.pool.")}
+    tables = CacheTables(len(layers), mcfg.num_experts, [0] * len(layers), device=cfg.device)
+    return OffloadedExperts(
+        store,
+        tables,
+        fmt,
+        activation(mcfg.hidden_act),
+        layers,
+        cfg.device,
+        DTYPES[cfg.dtype],
+        shared_cache=(pool, imported["cache.slot_of"]),
     )
 
 
@@ -62,10 +116,13 @@ def prefill_model(cfg: WorkerConfig, exports: Exports) -> tuple[nn.Module, dict[
         model = arch.build(mcfg, experts)
     model = model.to(DTYPES[cfg.dtype])
     ipc.attach_module(model, {k[8:]: v for k, v in imported.items() if k.startswith("weights.")})
-    for layer in mcfg.moe_layers:
-        experts.weights[layer] = ExpertWeights(
-            imported[f"experts.{layer}.gate_up"], imported[f"experts.{layer}.down"]
-        )
+    if "cache.slot_of" in imported:
+        install_provider(model, _prefill_experts(cfg, mcfg, exports, imported))
+    else:
+        for layer in mcfg.moe_layers:
+            experts.weights[layer] = ExpertWeights(
+                imported[f"experts.{layer}.gate_up"], imported[f"experts.{layer}.down"]
+            )
     if cfg.replay_routing:
         layers = sorted(mcfg.moe_layers)
         install_routing_hook(model, replayer_for(cfg.replay_routing, layers, mcfg.num_experts, mcfg.top_k))

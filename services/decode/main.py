@@ -8,7 +8,6 @@ import logging
 from common.protocol import (
     Abort,
     AllocState,
-    Freeze,
     Message,
     PrefillDone,
     ReleaseState,
@@ -17,7 +16,7 @@ from common.protocol import (
     WantExports,
 )
 from common.workers.decode import DecodeCore
-from common.workers.sharing import decode_exports, shared_allocator
+from common.workers.sharing import decode_exports, host_allocator, shared_allocator
 from services.worker_args import add_worker_args, worker_config
 from services.worker_loop import WorkerShell
 
@@ -34,8 +33,8 @@ def handle(core: DecodeCore, shell: WorkerShell, msg: Message, exports) -> None:
         core.release(msg.rid)
         for grant in core.grant_pending():
             shell.send("prefill", grant)
-    elif isinstance(msg, Freeze | Thaw):
-        core.set_freeze(msg.holder, isinstance(msg, Freeze))
+    elif isinstance(msg, Thaw):
+        core.set_freeze(msg.holder, False)
     elif isinstance(msg, WantExports):
         shell.send("prefill", exports)
     else:
@@ -64,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     outboxes = {"router": args.router, "prefill": args.peer}
     shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port)
-    core = DecodeCore(worker_config(args), shared_allocator)
+    core = DecodeCore(worker_config(args), shared_allocator, host_allocator)
     exports = decode_exports(core)
     shell.send("prefill", exports)
     shell.ready(core.cfg.max_running)

@@ -3,6 +3,7 @@ through CUDA IPC and writes each prompt's state in place; outputs equal the offl
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from common.engine import Engine
@@ -10,9 +11,11 @@ from common.model.synthetic import make_model
 from common.sampling import SamplingParams
 
 
-def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server):
+@pytest.mark.parametrize("cache", [None, "0.25"], ids=["resident", "offloaded"])
+def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server, cache):
     model = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
-    server = start_server("--model", str(model), "--device", "cuda", "--max-running", "4")
+    extra = ["--expert-cache", cache] if cache else []
+    server = start_server("--model", str(model), "--device", "cuda", "--max-running", "4", *extra)
     client = server.client()
     engine = Engine(model, dtype=torch.float32, device="cuda", max_seqs=4)
     for text in ["Tell me about experts.", "Hi", "Ein längerer Satz über Mischungen von Experten " * 4]:

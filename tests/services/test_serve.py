@@ -116,3 +116,20 @@ def test_sigterm_stops_everything_and_frees_shared_memory(server):
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
         assert not list(Path("/dev/shm").glob(f"spillway-{pid}-*"))
     assert health(port)[0] == 0
+
+
+def test_offloaded_experts_serve_the_same_tokens(start_server, tmp_path):
+    """Decode's expert cache and host store, shared with prefill (its arena reads the frozen cache)."""
+    env = {"SPILLWAY_CACHE": str(tmp_path)}
+    server = start_server("--expert-cache", "0.25", "--threads", "1", "--max-context", "512", env=env)
+    client = server.client()
+    engine = Engine(tmp_path / "models" / "tiny-qwen3_moe", dtype=torch.float32, max_seqs=1)
+    for text in ["Tell me about experts.", "Hi"]:
+        messages = [{"role": "user", "content": text}]
+        reply = client.chat.completions.create(
+            model="tiny-qwen3_moe", messages=messages, max_tokens=12, temperature=0
+        )
+        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
+        (ref,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
+        assert reply.choices[0].message.content == engine.tokenizer.decode(ref.token_ids)
+    assert server.stop() == 0

@@ -11,7 +11,6 @@ from common.engine import Engine
 from common.model.defaults import default_model_dir
 from common.protocol import (
     AllocState,
-    Freeze,
     Generate,
     PrefillDone,
     ReleaseState,
@@ -25,15 +24,21 @@ from common.protocol import (
 from common.sampling import SamplingParams
 from common.workers.decode import DecodeCore
 from common.workers.prefill import PrefillCore
-from common.workers.sharing import decode_exports, prefill_model, shared_allocator
+from common.workers.sharing import decode_exports, host_allocator, prefill_model, shared_allocator
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
 
 
-@pytest.fixture(scope="module")
-def cores():
-    cfg = WorkerConfig(model_dir=str(default_model_dir()), max_running=2, max_context=256, prefill_chunk=5)
-    dec = DecodeCore(cfg, shared_allocator)
+@pytest.fixture(scope="module", params=[None, "0.25"], ids=["resident", "offloaded"])
+def cores(request):
+    cfg = WorkerConfig(
+        model_dir=str(default_model_dir()),
+        max_running=2,
+        max_context=256,
+        prefill_chunk=5,
+        expert_cache=request.param,
+    )
+    dec = DecodeCore(cfg, shared_allocator, host_allocator)
     exports = decode(encode(decode_exports(dec)))
     model, pools, eos = prefill_model(cfg, exports)
     return cfg, dec, PrefillCore(cfg, model, pools, eos)
@@ -54,8 +59,8 @@ def _deliver(dec: DecodeCore, pre: PrefillCore, box, seen: dict[str, list[Tokens
         elif isinstance(msg, ReleaseState):
             dec.release(msg.rid)
             nxt += [("prefill", g) for g in dec.grant_pending()]
-        elif isinstance(msg, Freeze | Thaw):
-            dec.set_freeze(msg.holder, isinstance(msg, Freeze))
+        elif isinstance(msg, Thaw):
+            dec.set_freeze(msg.holder, False)
     return nxt
 
 
@@ -90,6 +95,10 @@ def test_disaggregated_tokens_equal_offline_engine(cores):
         assert [t for e in events for t in e.token_ids] == ref
         assert events[0].prompt_tokens == len(PROMPTS[i]) and events[-1].finish_reason == "length"
     assert dec.pool.pages.num_free == dec.pool.num_pages and dec.pool.slots.num_free == cfg.max_running
+    if cfg.expert_cache:  # prefill read decode's store and its cache (frozen meanwhile), now thawed
+        assert pre.runner.model.experts.shared_cache is not None
+        assert not dec.engine.offload.tables.frozen
+        dec.engine.offload.tables.check()
 
 
 def test_aborts_free_every_page_and_slot(cores):
@@ -102,6 +111,17 @@ def test_aborts_free_every_page_and_slot(cores):
     assert sum(len(e.token_ids) for e in seen["a0"]) < 50
     assert dec.pool.pages.num_free == dec.pool.num_pages and dec.pool.slots.num_free == cfg.max_running
     assert not dec.running and not dec.granted and not dec.freezes
+
+
+def test_a_granted_state_freezes_the_cache_until_prefill_is_done(cores):
+    cfg, dec, pre = cores
+    if not cfg.expert_cache:
+        pytest.skip("no expert cache")
+    box = pre.submit(Generate("f", [3] * 12, Sampling(temperature=0.0, max_tokens=2), 0.0))
+    box = _deliver(dec, pre, box, {})  # AllocState → grant
+    assert dec.engine.offload.tables.frozen and "f" in dec.freezes
+    _run(dec, pre, box)
+    assert not dec.engine.offload.tables.frozen and not dec.freezes
 
 
 def test_prompt_longer_than_context_is_an_error_event(cores):
