@@ -1,10 +1,10 @@
-"""What decode exports and prefill maps (DESIGN §3): resident weights, routed experts held resident, and the
-state pools — one copy of each, owned by decode.
+"""What decode exports and prefill maps (DESIGN §3): one copy of each, owned by decode.
 
-Export names: `weights.{parameter or buffer}`, `experts.{layer}.{gate_up|down}` (resident experts),
-`state.{layer}.{name}` (state pools); with offloaded experts `experts.store` (the host expert store, unless
-it is an artifact's file, which prefill maps itself), `cache.pool.{component}` and `cache.slot_of` (the
-expert cache, which prefill reads in place while decode keeps it frozen).
+Export names: `weights.{parameter or buffer}`; `experts.{layer}.{gate_up|down}` (resident experts);
+`state.{layer}.{name}` (state pools); `tables.{module}.rows|scales` (host tables: the n-gram table); with
+offloaded experts `experts.store` (the host expert store, unless it is an artifact's file, which prefill
+maps itself), `cache.pool.{component}` and `cache.slot_of` (the expert cache, which prefill reads in place
+while decode keeps it frozen).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.model.hf_config import load_architecture
 from common.model.layers import activation
+from common.model.ngram import ngram_shard_rows
+from common.model.qwen4_exp.ngram_table import NGramTable
 from common.protocol import Exports, SharedTensor
 from common.workers.decode import DTYPES, DecodeCore
 
@@ -55,6 +57,7 @@ def decode_exports(core: DecodeCore) -> Exports:
         tensors.update(_offload_exports(experts))
     for key, t in core.pool.named_tensors().items():
         tensors[f"state.{key}"] = ipc.export_tensor(t)
+    tensors.update(_table_exports(model))
     fmt = experts.fmt.name if isinstance(experts, OffloadedExperts) else ""
     return Exports(
         epoch=os.getpid(),
@@ -75,6 +78,32 @@ def _offload_exports(offload: OffloadedExperts) -> dict[str, SharedTensor]:
     offload.tables.slot_of = _shareable(offload.tables.slot_of)
     out["cache.slot_of"] = ipc.export_tensor(offload.tables.slot_of)
     return out
+
+
+def _table_owners(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules that hold a host table (PLE's n-gram table), by module name."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "attach_table")}
+
+
+def _table_exports(model: nn.Module) -> dict[str, SharedTensor]:
+    """Host tables move into shared memory (re-attached, so the GPU registration follows) and are exported."""
+    out = {}
+    for name, owner in _table_owners(model).items():
+        table = owner.table
+        rows = _shareable(table.rows)
+        if rows is not table.rows:
+            owner.attach_table(NGramTable(rows, table.shard_scales, table.shard_rows))
+        out[f"tables.{name}.rows"] = ipc.export_tensor(rows)
+        if table.shard_scales is not None:
+            out[f"tables.{name}.scales"] = ipc.export_tensor(_shareable(table.shard_scales))
+    return out
+
+
+def _attach_tables(model: nn.Module, imported: dict[str, torch.Tensor]) -> None:
+    for name, owner in _table_owners(model).items():
+        shard_rows = ngram_shard_rows(owner.table_shape()[0], owner.table_parts)[0]
+        scales = imported.get(f"tables.{name}.scales")
+        owner.attach_table(NGramTable(imported[f"tables.{name}.rows"], scales, shard_rows))
 
 
 def host_allocator(nbytes: int) -> torch.Tensor:
@@ -123,6 +152,7 @@ def prefill_model(cfg: WorkerConfig, exports: Exports) -> tuple[nn.Module, dict[
             experts.weights[layer] = ExpertWeights(
                 imported[f"experts.{layer}.gate_up"], imported[f"experts.{layer}.down"]
             )
+    _attach_tables(model, imported)
     if cfg.replay_routing:
         layers = sorted(mcfg.moe_layers)
         install_routing_hook(model, replayer_for(cfg.replay_routing, layers, mcfg.num_experts, mcfg.top_k))

@@ -9,6 +9,7 @@ import torch
 from common.config import WorkerConfig
 from common.engine import Engine
 from common.model.defaults import default_model_dir
+from common.model.synthetic import make_model
 from common.protocol import (
     AllocState,
     Generate,
@@ -29,14 +30,23 @@ from common.workers.sharing import decode_exports, host_allocator, prefill_model
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
 
 
-@pytest.fixture(scope="module", params=[None, "0.25"], ids=["resident", "offloaded"])
-def cores(request):
+@pytest.fixture(
+    scope="module",
+    params=[("qwen3_moe", None), ("qwen3_moe", "0.25"), ("qwen4_exp", None), ("qwen4_exp", "0.25")],
+    ids=["qwen3-resident", "qwen3-offloaded", "qwen4-resident", "qwen4-offloaded"],
+)
+def cores(request, tmp_path_factory):
+    arch, cache = request.param
+    if arch == "qwen3_moe":
+        model_dir = default_model_dir()
+    else:
+        model_dir = make_model(tmp_path_factory.mktemp(arch), preset="tiny", arch=arch)
     cfg = WorkerConfig(
-        model_dir=str(default_model_dir()),
+        model_dir=str(model_dir),
         max_running=2,
         max_context=256,
         prefill_chunk=5,
-        expert_cache=request.param,
+        expert_cache=cache,
     )
     dec = DecodeCore(cfg, shared_allocator, host_allocator)
     exports = decode(encode(decode_exports(dec)))
