@@ -2,6 +2,10 @@
 
 Every failure a user can cause — unknown model_type, missing shard, missing, misshapen or unreadable tensor —
 is a CheckpointError that names the file and the key.
+
+Hugging Face FP8 checkpoints (Qwen3-FP8, DeepSeek-V3: a linear's `X.weight` in float8_e4m3fn with a sibling
+`X.weight_scale_inv` per 128×128 block) load dequantized: `dequantized_fp8_source` pairs each weight with its
+scale and hands the loader w = fp8 · scale_inv in float32, which it casts to the model dtype as any tensor.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import dataclasses
 import functools
 import logging
 import re
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -19,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from common.config import ModelConfig
+from common.experts.formats import FP8_BLOCK, dequantize_fp8_block
 from common.experts.provider import ExpertWeights
 from common.experts.resident import ResidentExperts
 from common.model.errors import CheckpointError
@@ -150,15 +155,124 @@ TensorSource = Iterable[tuple[Path, str, Callable[[], torch.Tensor]]]
 
 
 def safetensors_source(model_dir: str | Path) -> Iterator[tuple[Path, str, Callable[[], torch.Tensor]]]:
-    """Every tensor of a safetensors checkpoint, read lazily, file by file."""
+    """Every tensor of a safetensors checkpoint, read lazily, file by file.
+
+    A reader stays valid after the source has moved on to the next file (a file stays mapped while any of
+    its readers lives), so a consumer may gather readers first, as `dequantized_fp8_source` does.
+    """
     for path in checkpoint_files(model_dir):
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
         except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
             raise CheckpointError(f"cannot read safetensors file: {exc}", path) from exc
-        with handle as f:
-            for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                yield path, key, functools.partial(f.get_tensor, key)
+        for key in handle.keys():  # noqa: SIM118  (safe_open is not a mapping)
+            yield path, key, functools.partial(handle.get_tensor, key)
+
+
+# --- fp8 block-quantized checkpoints ------------------------------------------------------------------------
+
+_Entry = tuple[Path, str, Callable[[], torch.Tensor]]
+
+
+def _scaled_key(key: str) -> str | None:
+    """The key that the block-scale tensor `key` scales, or None if `key` is no block scale.
+
+    `X_scale_inv` scales `X` (HF FineGrainedFP8: `X.weight_scale_inv`; fused experts:
+    `gate_up_proj_scale_inv`); `X.weight_scale` scales `X.weight` (the non-inverse name some exporters use for
+    the same multiplier).
+    """
+    if key.endswith("_scale_inv"):
+        return key.removesuffix("_scale_inv")
+    if key.endswith(".weight_scale"):
+        return key.removesuffix("_scale")
+    return None
+
+
+def _is_fp8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1
+
+
+def _read(entry: _Entry) -> torch.Tensor:
+    path, key, read = entry
+    try:
+        return read()
+    except Exception as exc:
+        raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
+
+
+def _read_unscaled(entry: _Entry) -> torch.Tensor:
+    """A tensor that has no block scale: an fp8 one would load as its raw codes, so it is an error."""
+    tensor = _read(entry)
+    if _is_fp8(tensor):
+        raise CheckpointError(f"{tensor.dtype} tensor without its weight_scale_inv", entry[0], entry[1])
+    return tensor
+
+
+def _read_dequantized(weight: _Entry, scale: _Entry, block: int) -> torch.Tensor:
+    """weight · scale of its block, formed in float32 and rounded once (as transformers dequantizes), so that
+    the model dtype's cast is the only other rounding."""
+    w, s = _read(weight), _read(scale)
+    if not s.dtype.is_floating_point:  # e.g. MXFP8's uint8 exponents: not a multiplier as stored
+        raise CheckpointError(f"block scale of dtype {s.dtype} is not supported", scale[0], scale[1])
+    try:
+        return dequantize_fp8_block(w, s, block, torch.float32)
+    except ValueError as exc:  # the scale grid does not fit the weight
+        raise CheckpointError(f"block scale does not fit its weight: {exc}", scale[0], scale[1]) from exc
+
+
+def _pair_scales(entries: Iterable[_Entry], keep_quantized: Callable[[str], bool]) -> dict[str, _Entry]:
+    """Weight key -> its block-scale entry; a scale whose weight is not in the checkpoint is an error."""
+    keys = {key for _, key, _ in entries}
+    scales: dict[str, _Entry] = {}
+    for entry in entries:
+        target = _scaled_key(entry[1])
+        if target is None or keep_quantized(target):
+            continue
+        if target not in keys:
+            raise CheckpointError(f"block scale without its weight {target!r}", entry[0], entry[1])
+        if target in scales:
+            raise CheckpointError(f"second block scale for {target!r}", entry[0], entry[1])
+        scales[target] = entry
+    return scales
+
+
+def dequantized_fp8_source(
+    source: TensorSource, block: int = FP8_BLOCK, keep_quantized: Callable[[str], bool] | None = None
+) -> Iterator[_Entry]:
+    """`source` with each block-quantized weight dequantized: `X` and its scale `X_scale_inv` (or
+    `X.weight_scale`) become one entry under `X` whose reader returns fp8 · scale of its block×block block
+    in float32; the scale keys are dropped. Any other fp8 tensor is a CheckpointError when read.
+
+    The weight and its scale may sit in different shards, in either order, so the lazy readers are gathered
+    first (no tensor is read here; each is read when the loader asks, a pair at a time). Keys for which
+    `keep_quantized(key)` holds (a host table in its own fp8 format, e.g.) pass through untouched, with their
+    scales.
+    """
+    keep = keep_quantized or (lambda key: False)
+    entries = deque(source)
+    scales = _pair_scales(entries, keep)
+    paired = {scale[1] for scale in scales.values()}
+    while entries:  # popped as yielded, so a file is unmapped once its last reader is dropped
+        path, key, read = entry = entries.popleft()
+        if key in scales:
+            yield path, key, functools.partial(_read_dequantized, entry, scales.pop(key), block)
+        elif key not in paired:
+            yield path, key, read if keep(key) else functools.partial(_read_unscaled, entry)
+
+
+def fp8_block_size(model_dir: str | Path) -> int:
+    """The block of the checkpoint's fp8 scales: config.json's quantization_config.weight_block_size, which
+    must be square (every released FP8 checkpoint uses [128, 128]); 128 when the config names none."""
+    path = Path(model_dir) / "config.json"
+    quant = read_json(path).get("quantization_config")
+    size = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    if size is None:
+        return FP8_BLOCK
+    square = isinstance(size, list) and len(size) == 2 and size[0] == size[1]
+    if not (square and isinstance(size[0], int) and size[0] > 0):
+        key = "quantization_config.weight_block_size"
+        raise CheckpointError(f"unsupported weight_block_size {size} (want [n, n])", path, key)
+    return size[0]
 
 
 def load_model(
@@ -167,7 +281,9 @@ def load_model(
     device: torch.device | str = "cpu",
     with_mtp: bool = False,
 ) -> nn.Module:
-    """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint.
+    """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint (FP8
+    block-quantized weights dequantized, see `dequantized_fp8_source`; the PLE n-gram table keeps its own
+    fp8 format).
 
     `with_mtp` also builds and loads the checkpoint's MTP head (for speculative decoding).
     """
@@ -178,18 +294,19 @@ def load_model(
             raise CheckpointError("the checkpoint has no MTP head", Path(model_dir) / "config.json")
         cfg = dataclasses.replace(cfg, mtp_layers=layers)
     where = Path(model_dir) / INDEX_FILE
+    source = dequantized_fp8_source(
+        safetensors_source(model_dir),
+        fp8_block_size(model_dir),
+        keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
+    )
     if (Path(model_dir) / ARTIFACT_META).is_file():
         if with_mtp:
             raise CheckpointError(
                 "speculative decoding from a converted artifact is not supported yet",
                 Path(model_dir) / ARTIFACT_META,
             )
-        return build_model(
-            arch, cfg, safetensors_source(model_dir), where, dtype, device, external_experts=True
-        )
-    return build_model(
-        arch, cfg, safetensors_source(model_dir), where if where.is_file() else Path(model_dir), dtype, device
-    )
+        return build_model(arch, cfg, source, where, dtype, device, external_experts=True)
+    return build_model(arch, cfg, source, where if where.is_file() else Path(model_dir), dtype, device)
 
 
 def build_model(
@@ -226,6 +343,8 @@ def build_model(
             continue
         try:
             tensor = read()
+        except CheckpointError:  # a reader that names its own file and key (e.g. an fp8 weight's scale)
+            raise
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
         if isinstance(target, ExpertKey):

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from common.experts.formats import FP8_BLOCK, quantize_fp8_block
 from common.model.ngram import NGramSpec, ngram_shard_rows
 
 log = logging.getLogger(__name__)
@@ -1055,6 +1056,36 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+# 2-D weights that HF FP8 releases (Qwen3-FP8, DeepSeek-V3) keep in the checkpoint dtype.
+_FP8_UNQUANTIZED = ("embed_tokens.weight", "lm_head.weight", ".gate.weight", ".shared_expert_gate.weight")
+
+
+def _fp8_quantized(key: str, shape: Sequence[int]) -> bool:
+    """Whether the FP8 variant stores this tensor block-quantized: every 2-D linear weight (attention, dense
+    MLP, experts, shared expert) but the embedding, the head and the routers, as the FP8 releases do."""
+    return len(shape) == 2 and key.endswith(".weight") and not key.endswith(_FP8_UNQUANTIZED)
+
+
+def fp8_quantization_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's quantization_config for the FP8 variant of ``cfg``, as Qwen3-FP8 writes it."""
+    skip = [s.key.removesuffix(".weight") for s in plan_tensors(cfg) if s.key.endswith(_FP8_UNQUANTIZED)]
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        "modules_to_not_convert": skip,
+    }
+
+
+def _stored(key: str, tensor: torch.Tensor, quantize: str | None) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors for one planned tensor: itself, or (fp8) its fp8 codes and block scale_inv."""
+    if quantize is None or not _fp8_quantized(key, tensor.shape):
+        return {key: tensor}
+    weight, scale_inv = quantize_fp8_block(tensor)
+    return {key: weight, f"{key}_scale_inv": scale_inv}
+
+
 def make_model(
     out: str | Path,
     preset: str = "tiny",
@@ -1062,18 +1093,25 @@ def make_model(
     overrides: Mapping[str, Any] | None = None,
     seed: int = 0,
     shard_bytes: int | None = None,
+    quantize: str | None = None,
 ) -> Path:
     """Write a synthetic checkpoint into ``out`` and return it.
 
     Writes config.json, generation_config.json, the tokenizer, and the weights as safetensors shards
     (plus model.safetensors.index.json when there is more than one). Shards are generated and saved one at
     a time, so peak memory is about one shard (plus ``synthetic_tensors``' lookahead) whatever the model
-    size.
+    size. ``quantize="fp8"`` (flat archs) writes the HF FP8 variant: each linear weight but the embedding,
+    head and routers as float8_e4m3fn with a float32 ``weight_scale_inv`` per 128×128 block (edge blocks
+    partial), and config.json's ``quantization_config``; the shards keep the unquantized plan's grouping.
     """
     from common.model.synthetic_tokenizer import tokenizer_vocab_size, write_tokenizer
 
     p, arch = _resolve(preset, arch)
+    if quantize not in (None, "fp8") or (quantize and arch not in FLAT_ARCHS):
+        raise ValueError(f"quantize={quantize!r} is not supported for {arch} (only 'fp8', for {FLAT_ARCHS})")
     cfg = model_config(preset, arch, overrides)
+    if quantize:
+        cfg["quantization_config"] = fp8_quantization_config(cfg)
     shards = plan_shards(cfg, shard_bytes or p.shard_bytes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1087,18 +1125,21 @@ def make_model(
 
     _remove_stale_weights(out)
     tensors = synthetic_tensors(cfg, seed)
+    weight_map: dict[str, str] = {}
+    total = 0
     for n, shard in enumerate(shards, 1):
         log.info("writing %s (%d/%d, %.1f MB)", shard.filename, n, len(shards), shard.nbytes / 1e6)
         batch: dict[str, torch.Tensor] = {}
         for spec in shard.tensors:
             key, tensor = next(tensors)
             assert key == spec.key, (key, spec.key)  # the same plan, in the same order
-            batch[key] = tensor
+            batch.update(_stored(key, tensor, quantize))
         _save_shard(batch, out, shard.filename)
+        weight_map.update(dict.fromkeys(batch, shard.filename))
+        total += sum(t.nbytes for t in batch.values())
         del batch
     tensors.close()
     if len(shards) > 1:
-        weight_map = {s.key: shard.filename for shard in shards for s in shard.tensors}
-        index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(out / "model.safetensors.index.json", index)
     return out
