@@ -5,7 +5,7 @@ Topology (DESIGN §2, §6): each service binds one PULL inbox and the others PUS
 - prefill → decode:  `AllocState`, `PrefillDone`, `Thaw`, `ReleaseState`
 - prefill → decode:  `WantExports` (at prefill's start)
 - decode  → prefill: `StateGranted`, `Exports` (at decode's start and on `WantExports`)
-- prefill, decode → router: `Tokens`, `Ready`, `Heartbeat`
+- prefill, decode → router: `Tokens`, `Ready`, `Heartbeat`; launcher → router: `ServiceDown`
 Every request is named by the router's `rid`; a `Tokens` event with `finish_reason` set is its last.
 """
 
@@ -156,6 +156,15 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     waiting: int = 0
 
 
+class ServiceDown(msgspec.Struct, frozen=True, tag=True):
+    """launcher → router: worker `pid` of `service` exited (`/health` turns 503 and the requests in flight end
+    with an error now, not when the restarted worker says `Ready`)."""
+
+    service: str
+    pid: int
+    exit_code: int
+
+
 Message = (
     Generate
     | Abort
@@ -169,6 +178,7 @@ Message = (
     | WantExports
     | Ready
     | Heartbeat
+    | ServiceDown
 )
 
 _encoder = msgspec.msgpack.Encoder()

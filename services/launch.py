@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import ipc
-from common.transport import ipc_address, make_run_dir
+from common.protocol import ServiceDown
+from common.transport import Outbox, ipc_address, make_run_dir
 
 log = logging.getLogger("launch")
 GRACE_S = 10.0
@@ -108,6 +109,7 @@ class Launcher:
         self.opts = opts
         self.run_dir = make_run_dir()
         self.children = _children(opts, self.run_dir)
+        self.router = Outbox(ipc_address(self.run_dir, "router"))
         self.stopping = False
 
     def health_url(self) -> str:
@@ -136,6 +138,8 @@ class Launcher:
         for child in self.children:
             if child.proc is not None and child.proc.poll() is not None and not self.stopping:
                 log.error("%s exited with %s; restarting", child.name, child.proc.returncode)
+                if child.name != "router":
+                    self.router.send(ServiceDown(child.name, child.proc.pid, child.proc.returncode))
                 ipc.unlink_stale(child.proc.pid)
                 child.restarts += 1
                 child.start()
@@ -170,4 +174,5 @@ class Launcher:
         for child in self.children:
             if child.proc is not None:
                 ipc.unlink_stale(child.proc.pid)
+        self.router.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -31,6 +31,7 @@ class WorkerShell:
         self.stopping = False
         self._last_beat = 0.0
         self._dropped_seen = 0
+        self.expert_metrics = None
         self.registry = metrics.new_registry()
         self.metrics = metrics.WorkerMetrics.create(self.registry)
         self._stop_metrics = metrics.serve(self.registry, metrics_port) if metrics_port else None
@@ -52,6 +53,16 @@ class WorkerShell:
         first = self.inbox.recv(timeout_ms=100)
         return [first, *self.inbox.drain()] if first is not None else []
 
+    def watch_experts(self, provider: object) -> None:
+        """Export the expert cache's / arena's counters (when the model's experts are offloaded)."""
+        from common.experts.offload import OffloadedExperts
+        from common.workers.cache_metrics import CacheMetricsExporter
+
+        if isinstance(provider, OffloadedExperts):  # (again after a peer restart: same metrics, new provider)
+            old = self.expert_metrics
+            group = old.metrics if old is not None else metrics.ExpertCacheMetrics.create(self.registry)
+            self.expert_metrics = CacheMetricsExporter(provider, group)
+
     def ready(self, capacity: int) -> None:
         self.send("router", Ready(self.service, self.pid, capacity, self.metrics_url))
 
@@ -66,6 +77,8 @@ class WorkerShell:
         return True
 
     def heartbeat(self, running: int = 0, waiting: int = 0) -> None:
+        if self.expert_metrics is not None:
+            self.expert_metrics.update()
         self.metrics.requests_running.set(running)
         self.metrics.requests_waiting.set(waiting)
         self.send("router", Heartbeat(self.service, self.pid, running, waiting))

@@ -9,6 +9,7 @@ tokens. An `AllocState` that finds no free lane or pages waits in a queue until 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from common.protocol import AllocState, PrefillDone, StateGranted, Tokens
 from common.requests import Request, append_token, sample_next
 from common.sampling import SamplingParams
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -121,6 +123,7 @@ class DecodeCore:
         seq = self.granted.pop(msg.rid, None)
         self.set_freeze(msg.rid, False)
         if seq is None:  # aborted meanwhile
+            log.info("PrefillDone for %s, which holds no state (aborted?)", msg.rid)
             return
         seq.num_cached = msg.num_cached
         params = sampling_params(msg.sampling)

@@ -35,7 +35,9 @@ def handle(core: DecodeCore, shell: WorkerShell, msg: Message, exports) -> None:
             shell.send("prefill", grant)
     elif isinstance(msg, Thaw):
         core.set_freeze(msg.holder, False)
-    elif isinstance(msg, WantExports):
+    elif isinstance(msg, WantExports):  # a (re)started prefill: what its predecessor held is lost
+        for rid in [*core.granted, *(ask.rid for ask in core.pending)]:
+            core.release(rid)
         shell.send("prefill", exports)
     else:
         log.warning("unexpected %s", type(msg).__name__)
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port)
     core = DecodeCore(worker_config(args), shared_allocator, host_allocator)
     exports = decode_exports(core)
+    shell.watch_experts(core.engine.model.experts)
     shell.send("prefill", exports)
     shell.ready(core.cfg.max_running)
     log.info("ready: %d lanes, %d pages", core.cfg.max_running, core.pool.num_pages)
@@ -72,10 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         for msg in shell.receive(busy=bool(core.running)):
             handle(core, shell, msg, exports)
         step(core, shell)
+        stats = core.stats()  # host-side counts: cheap enough to publish every step
+        shell.metrics.kv_pages_used.set(stats.pages_used)
+        shell.metrics.kv_pages_free.set(stats.pages_free)
+        shell.metrics.requests_running.set(stats.running)
         if shell.heartbeat_due():
-            stats = core.stats()
             shell.heartbeat(stats.running, stats.waiting)
-            shell.metrics.kv_pages_used.set(stats.pages_used)
-            shell.metrics.kv_pages_free.set(stats.pages_free)
     shell.close()
     return 0

@@ -30,6 +30,7 @@ class PrefillWorker:
         out = [] if first else self.core.fail_all("decode worker restarted")
         model, pools, eos = prefill_model(self.cfg, exports)
         self.core, self.epoch = PrefillCore(self.cfg, model, pools, eos), exports.epoch
+        self.shell.watch_experts(model.experts)
         if first:
             self.shell.ready(self.cfg.max_running)
             log.info("ready: mapped %d tensors from decode", len(exports.tensors))

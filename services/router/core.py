@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from common.metrics import RouterMetrics
 from common.openai_api import ApiError
-from common.protocol import Abort, Generate, Heartbeat, Message, Ready, Sampling, Tokens
+from common.protocol import Abort, Generate, Heartbeat, Message, Ready, Sampling, ServiceDown, Tokens
 from common.transport import AsyncInbox, AsyncOutbox
 from services.router.config import RouterConfig
 
@@ -50,9 +50,13 @@ class ServiceHealth:
     running: int = 0
     waiting: int = 0
     restarts: int = 0
+    exited: bool = False
+    """The launcher reported the process `pid` dead; cleared by a `Ready` from its successor."""
 
     def state(self, now: float, timeout_s: float) -> str:
-        """ "starting" (never heard), "up", or "down" (silent for longer than `timeout_s`)."""
+        """ "starting" (never heard), "up", or "down" (exited, or silent for longer than `timeout_s`)."""
+        if self.exited:
+            return "down"
         if self.last_seen is None:
             return "starting"
         return "up" if now - self.last_seen <= timeout_s else "down"
@@ -280,11 +284,23 @@ class RouterCore:
             self._on_tokens(msg)
         elif isinstance(msg, Ready | Heartbeat):
             self._on_alive(msg)
+        elif isinstance(msg, ServiceDown):
+            self._on_down(msg)
         else:
             log.warning("router ignores %s messages", type(msg).__name__)
 
+    def _on_down(self, msg: ServiceDown) -> None:
+        svc = self.services.setdefault(msg.service, ServiceHealth(msg.service))
+        if svc.pid == msg.pid and not svc.exited:
+            svc.exited = True
+            log.error("%s (pid %d) exited with %d", msg.service, msg.pid, msg.exit_code)
+            self._fail_all(f"the {msg.service} worker exited (code {msg.exit_code})")
+
     def _on_alive(self, msg: Ready | Heartbeat) -> None:
         svc = self.services.setdefault(msg.service, ServiceHealth(msg.service))
+        if svc.exited and (svc.pid == msg.pid or isinstance(msg, Heartbeat)):
+            return  # a late message of the dead process, or a successor not Ready yet
+        svc.exited = False
         if svc.pid is not None and svc.pid != msg.pid:
             svc.restarts += 1
             self._fail_all(f"the {msg.service} worker restarted (pid {svc.pid} → {msg.pid})")

@@ -1,135 +1,257 @@
 """`spillway serve` end to end: the launcher, router, prefill and decode as real OS processes over real ZeroMQ
-sockets and shared memory, driven by the official `openai` client.
+sockets and shared memory, driven by the official `openai` client, for a qwen3_moe and a qwen4_exp model with
+offloaded experts (decode's cache, prefill's arena).
 
-Greedy outputs equal the offline engine's; seeded sampling does not depend on what else runs; a worker killed
-mid-request turns into an error for that request and a restart; SIGTERM leaves no process and no shared
-memory behind.
+Greedy outputs equal `spillway generate`'s; seeded sampling does not depend on what else runs; admission
+answers 429 beyond the queue and loses nothing; a client that disconnects frees its state; bad requests get
+their error; a decode worker killed mid-request turns /health to 503, errors that request, and is restarted;
+SIGTERM leaves no process and no shared memory behind.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
 
 from common.engine import Engine
+from common.model.synthetic import make_model
 from common.sampling import SamplingParams
-from tests.conftest import free_port, health, wait_healthy
+from tests.conftest import Server, free_port, health, wait_healthy
 
 pytestmark = pytest.mark.slow
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen4_exp"])
+def stack(request, tmp_path_factory):
+    """A served tiny model: qwen3_moe is the embedded default (created by `serve` itself), qwen4_exp given."""
     cache = tmp_path_factory.mktemp("cache")
-    port = free_port()
-    env = {**os.environ, "SPILLWAY_CACHE": str(cache)}
-    argv = [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--threads", "1"]
-    argv += ["--max-running", "4", "--max-context", "512"]
-    proc = subprocess.Popen(argv, env=env)
+    port, metrics = free_port(), free_port()
+    args = ["--threads", "1", "--max-running", "2", "--max-queue", "4", "--max-context", "2048"]
+    args += ["--expert-cache", "0.5", "--metrics-port", str(metrics), "--port", str(port)]
+    if request.param == "qwen3_moe":
+        model = cache / "models" / "tiny-qwen3_moe"
+    else:
+        model = make_model(tmp_path_factory.mktemp("q4") / "tiny-qwen4", preset="tiny", arch="qwen4_exp")
+        args += ["--model", str(model)]
+    argv = [sys.executable, "-m", "services.cli", "serve", *args]
+    server = Server(subprocess.Popen(argv, env={**os.environ, "SPILLWAY_CACHE": str(cache)}), port)
     try:
         wait_healthy(port)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        yield proc, port, client, cache / "models" / "tiny-qwen3_moe"
+        yield server, Path(model), metrics
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+        server.stop()
 
 
-def test_chat_equals_offline_engine_streaming_and_not(server):
-    _, _, client, model_dir = server
-    messages = [{"role": "user", "content": "Tell me about experts."}]
+def _name(model: Path) -> str:
+    return model.name
+
+
+def _decode_metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port + 2}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def _gauge(text: str, name: str) -> float:
+    match = re.search(rf"^spillway:{name} (\S+)$", text, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+def _counter_sum(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^spillway:{name}{{layer=\"\d+\"}} (\S+)$", text, re.M))
+
+
+def test_greedy_chat_equals_spillway_generate(stack):
+    server, model, _ = stack
+    client = server.client()
+    text = "Tell me about experts."
+    cli = [sys.executable, "-m", "services.cli", "generate", "--model", str(model), "--chat", text]
+    ref = json.loads(subprocess.run([*cli, "--max-tokens", "12", "--json"], capture_output=True,
+                                    check=True, text=True).stdout)  # fmt: skip
+    messages = [{"role": "user", "content": text}]
     reply = client.chat.completions.create(
-        model="tiny-qwen3_moe", messages=messages, max_tokens=12, temperature=0
+        model=_name(model), messages=messages, max_tokens=12, temperature=0
     )
-    engine = Engine(model_dir, dtype=torch.float32, max_seqs=1)
-    prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
-    (ref,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
-    assert reply.usage.prompt_tokens == len(prompt)
-    assert reply.usage.completion_tokens == len(ref.token_ids)
-    assert reply.choices[0].message.content == engine.tokenizer.decode(ref.token_ids)
+    assert reply.choices[0].message.content == ref["text"]
+    assert reply.usage.completion_tokens == len(ref["token_ids"])
+    assert reply.usage.prompt_tokens == len(ref["prompt_ids"])
     stream = client.chat.completions.create(
-        model="tiny-qwen3_moe", messages=messages, max_tokens=12, temperature=0, stream=True
+        model=_name(model), messages=messages, max_tokens=12, temperature=0, stream=True
     )
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    assert text == reply.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref["text"]
 
 
-def test_seeded_requests_do_not_depend_on_their_batch(server):
-    _, _, client, _ = server
+def test_completions_streamed_and_not_agree(stack):
+    server, model, _ = stack
+    client = server.client()
+    whole = client.completions.create(model=_name(model), prompt="Once upon", max_tokens=10, temperature=0)
+    stream = client.completions.create(
+        model=_name(model), prompt="Once upon", max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == whole.choices[0].text
+    engine = Engine(model, dtype=torch.float32, max_seqs=1)
+    (ref,) = engine.generate([engine.tokenizer.encode("Once upon")], SamplingParams(0.0, max_tokens=10))
+    assert whole.choices[0].text == engine.tokenizer.decode(ref.token_ids)
+
+
+def test_seeded_requests_do_not_depend_on_their_batch(stack):
+    server, model, _ = stack
+    client = server.client()
 
     def ask(i: int) -> str:
         r = client.completions.create(
-            model="tiny-qwen3_moe", prompt=f"number {i}", max_tokens=10, temperature=0.9, seed=i
+            model=_name(model), prompt=f"n {i}", max_tokens=8, temperature=0.9, seed=i
         )
         return r.choices[0].text
 
     alone = [ask(i) for i in range(3)]
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:  # 2 running + 4 queued: all admitted
         together = list(pool.map(ask, [0, 1, 2, 0, 1, 2]))
     assert together == alone + alone
 
 
-def test_killed_decode_worker_errors_its_request_and_restarts(server):
-    _, port, client, _ = server
-    old = health(port)[1]["services"]["decode"]["pid"]
+def test_eight_clients_complete_or_get_429(stack):
+    server, model, _ = stack
+    client = server.client()
 
-    stream = client.completions.create(
-        model="tiny-qwen3_moe",
-        prompt="go",
-        max_tokens=480,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
+    def ask(i: int) -> str:
+        try:
+            r = client.completions.create(
+                model=_name(model), prompt="go", max_tokens=40, extra_body={"ignore_eos": True}, seed=i
+            )
+        except openai.RateLimitError:
+            return "429"
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
+        return "ok"
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(ask, range(8), timeout=120))
+    assert outcomes.count("ok") >= 6 and set(outcomes) <= {"ok", "429"}, outcomes
+
+
+def _wait_metrics(port: int, ok, timeout_s: float = 20) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = _decode_metrics(port)
+        if ok(text):
+            return text
+        time.sleep(0.3)
+    raise AssertionError(f"decode metrics never got there: {text}")
+
+
+def _router_generated(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return _gauge(resp.read().decode(), "generation_tokens_total")
+
+
+def test_disconnect_mid_stream_frees_the_state(stack):
+    server, model, metrics = stack
+    idle = lambda t: _gauge(t, "requests_running") == 0 and _gauge(t, "kv_pages_used") == 0
+    free = _gauge(_wait_metrics(metrics, idle), "kv_pages_free")
+    generated = _router_generated(server.port)
+    body = {"model": _name(model), "prompt": "go", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{server.port}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()  # (a dropped iterator would close the stream)
+        assert r.status_code == 200 and next(lines).startswith("data: ")
+        _wait_metrics(metrics, lambda t: _gauge(t, "requests_running") == 1)
+    text = _wait_metrics(metrics, idle)  # leaving the block closed the connection mid-stream
+    assert _gauge(text, "kv_pages_free") == free
+    assert _router_generated(server.port) - generated < 2000  # aborted, not finished
+
+
+def test_decode_metrics_count_expert_cache_lookups(stack):
+    server, model, metrics = stack
+    before = _counter_sum(_decode_metrics(metrics), "expert_cache_hits_total")
+    before += _counter_sum(_decode_metrics(metrics), "expert_cache_misses_total")
+    server.client().completions.create(model=_name(model), prompt="count", max_tokens=8, temperature=0)
+    time.sleep(1.5)  # the counters are read with the heartbeat
+    text = _decode_metrics(metrics)
+    after = _counter_sum(text, "expert_cache_hits_total") + _counter_sum(text, "expert_cache_misses_total")
+    assert after > before
+    assert 'spillway:expert_cache_hit_rate{layer="' in text and "spillway:expert_h2d_bytes_total" in text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, ""),
+        (b'{"prompt": 3, "max_tokens": 4}', 400, "prompt"),
+        (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": "four"}', 400, "max_tokens"),
+        (json.dumps({"prompt": "word " * 2100, "max_tokens": 4}).encode(), 400, "2048"),
+        (b'{"prompt": "x", "model": "no-such-model"}', 404, "no-such-model"),
+    ],
+)
+def test_bad_requests_get_their_error(stack, body, status, needle):
+    server, _, _ = stack
+    r = httpx.post(
+        f"http://127.0.0.1:{server.port}/v1/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
     )
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and needle in error["message"] + str(
+        error["param"]
+    )
+
+
+def test_killed_decode_worker_is_reported_restarted_and_serves_again(stack):
+    server, model, _ = stack
+    old = health(server.port)[1]["services"]["decode"]["pid"]
+    client = server.client()
+    stream = client.completions.create(
+        model=_name(model), prompt="go", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+    )
+    saw_503 = False
     with pytest.raises(openai.APIError):
         for i, _ in enumerate(stream):
             if i == 2:
                 os.kill(old, signal.SIGKILL)
-    body = wait_healthy(port)
-    assert body["services"]["decode"]["pid"] != old
-    r = client.completions.create(model="tiny-qwen3_moe", prompt="again", max_tokens=4, temperature=0)
+                deadline = time.monotonic() + 10
+                while not saw_503 and time.monotonic() < deadline:
+                    saw_503 = health(server.port)[0] == 503
+    assert saw_503
+    assert wait_healthy(server.port)["services"]["decode"]["pid"] != old
+    r = client.completions.create(model=_name(model), prompt="again", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
     assert not list(Path("/dev/shm").glob(f"spillway-{old}-*"))
 
 
-def test_sigterm_stops_everything_and_frees_shared_memory(server):
-    proc, port, _, _ = server
-    pids = _children(proc.pid)
-    assert len(pids) == 3
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-        assert not list(Path("/dev/shm").glob(f"spillway-{pid}-*"))
-    assert health(port)[0] == 0
-
-
-def test_offloaded_experts_serve_the_same_tokens(start_server, tmp_path):
-    """Decode's expert cache and host store, shared with prefill (its arena reads the frozen cache)."""
+def test_resident_experts_serve_the_same_tokens(start_server, tmp_path):
     env = {"SPILLWAY_CACHE": str(tmp_path)}
-    server = start_server("--expert-cache", "0.25", "--threads", "1", "--max-context", "512", env=env)
-    client = server.client()
+    server = start_server("--threads", "1", "--max-context", "512", env=env)
     engine = Engine(tmp_path / "models" / "tiny-qwen3_moe", dtype=torch.float32, max_seqs=1)
-    for text in ["Tell me about experts.", "Hi"]:
-        messages = [{"role": "user", "content": text}]
-        reply = client.chat.completions.create(
-            model="tiny-qwen3_moe", messages=messages, max_tokens=12, temperature=0
-        )
-        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
-        (ref,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
-        assert reply.choices[0].message.content == engine.tokenizer.decode(ref.token_ids)
+    messages = [{"role": "user", "content": "Hi"}]
+    reply = server.client().chat.completions.create(
+        model="tiny-qwen3_moe", messages=messages, max_tokens=12, temperature=0
+    )
+    prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
+    (ref,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
+    assert reply.choices[0].message.content == engine.tokenizer.decode(ref.token_ids)
+
+
+def test_sigterm_stops_everything_and_frees_shared_memory(start_server, tmp_path):
+    server = start_server("--threads", "1", env={"SPILLWAY_CACHE": str(tmp_path)})
+    out = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 3
     assert server.stop() == 0
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists()
+        assert not list(Path("/dev/shm").glob(f"spillway-{pid}-*"))
+    assert health(server.port)[0] == 0
