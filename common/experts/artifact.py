@@ -15,15 +15,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from common.experts.formats import get_format
 from common.experts.store import HostExpertStore
 from common.model.errors import CheckpointError
 from common.model.hf_config import load_architecture, read_json
-from common.model.loader import ARTIFACT_META, INDEX_FILE, safetensors_source
-from common.model.registry import ExpertKey
+from common.model.loader import (
+    ARTIFACT_META,
+    INDEX_FILE,
+    dequantized_fp8_source,
+    fp8_block_size,
+    safetensors_source,
+)
+from common.model.registry import ExpertKey, HostTableKey
 
 META_FILE, EXPERTS_FILE = ARTIFACT_META, "experts.bin"
 _SHARD_BYTES = 2 * 10**9
@@ -60,9 +65,8 @@ def convert(src: str | Path, dst: str | Path, fmt_name: str, log: Callable[[str]
         writable_file=True,
     )
     err = {"gate_up": [0.0, 0.0], "down": [0.0, 0.0]}
-    read = _Reader()
     for i, layer in enumerate(layers):
-        packed = [_pack_expert(fmt, experts[layer], layer, e, err, src, read) for e in range(cfg.num_experts)]
+        packed = [_pack_expert(fmt, experts[layer], layer, e, err, src) for e in range(cfg.num_experts)]
         store.fill(i, packed)
         experts.pop(layer)
         log(f"layer {layer}: {cfg.num_experts} experts packed as {fmt.name}")
@@ -100,10 +104,12 @@ def _write_resident(arch, cfg, src: Path, dst: Path, experts: dict) -> int:
             shard.clear()
 
     size = total = 0
-    for path, key, read in safetensors_source(src):
+    # FP8 checkpoints: block-scaled weights arrive dequantized (float32), their scales dropped
+    keep = lambda key: isinstance(arch.map_key(key, cfg), HostTableKey)  # the n-gram table stays fp8
+    for _path, key, read in dequantized_fp8_source(safetensors_source(src), fp8_block_size(src), keep):
         target = arch.map_key(key, cfg)
         if isinstance(target, ExpertKey):  # read later, a layer at a time
-            experts[target.layer][(target.expert, target.part)] = (path, key)
+            experts[target.layer][(target.expert, target.part)] = read
             continue
         tensor = read()
         shard[key] = tensor
@@ -118,27 +124,14 @@ def _write_resident(arch, cfg, src: Path, dst: Path, experts: dict) -> int:
     return len(weight_map)
 
 
-class _Reader:
-    """safetensors handles kept open while a layer's experts are read."""
-
-    def __init__(self) -> None:
-        self.handles: dict[Path, object] = {}
-
-    def __call__(self, where: tuple[Path, str]) -> torch.Tensor:
-        path, key = where
-        if path not in self.handles:
-            self.handles[path] = safe_open(str(path), framework="pt", device="cpu")
-        return self.handles[path].get_tensor(key)
-
-
-def _pack_expert(fmt, parts: dict, layer: int, e: int, err: dict, src: Path, read: _Reader) -> dict:
+def _pack_expert(fmt, parts: dict, layer: int, e: int, err: dict, src: Path) -> dict:
     """Read one expert (per-expert or fused keys), pack it, and add its round-trip error to `err`."""
     if (None, "gate_up") in parts:
-        gate_up, down = (read(parts[(None, p)])[e] for p in ("gate_up", "down"))
+        gate_up, down = (parts[(None, p)]()[e] for p in ("gate_up", "down"))
     else:
         try:
-            gate_up = torch.cat([read(parts[(e, "gate")]), read(parts[(e, "up")])])
-            down = read(parts[(e, "down")])
+            gate_up = torch.cat([parts[(e, "gate")](), parts[(e, "up")]()])
+            down = parts[(e, "down")]()
         except KeyError as exc:
             raise CheckpointError(
                 "missing tensor", src, f"layer {layer} expert {e} {exc.args[0][1]}"

@@ -316,3 +316,17 @@ def test_files_stay_readable_while_gathered(fp8_dir: Path) -> None:
     path, key, read = entries[0]
     with safe_open(str(path), framework="pt", device="cpu") as f:
         assert torch.equal(read(), f.get_tensor(key))
+
+
+def test_convert_reads_an_fp8_checkpoint_through_its_scales(tmp_path):
+    """`spillway convert` of an FP8 checkpoint packs the dequantized experts (not the raw fp8 codes)."""
+    from common.experts.artifact import convert
+
+    src = make_model(tmp_path / "fp8", preset="tiny", arch="qwen3_moe", quantize="fp8")
+    meta = convert(src, tmp_path / "art", "bf16", log=lambda _: None)
+    assert 0 < meta["quantization_error"]["gate_up"] < 0.01
+    prompts = [[5, 6, 7, 8], [40, 41]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ref = [r.token_ids for r in Engine(src, dtype=torch.float32).generate(prompts, greedy)]
+    out = [r.token_ids for r in Engine(tmp_path / "art", dtype=torch.float32).generate(prompts, greedy)]
+    assert out == ref
