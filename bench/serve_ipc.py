@@ -91,6 +91,8 @@ def main() -> None:
         weights += sum(w.gate_up.nbytes + w.down.nbytes for w in engine.model.experts.weights.values())
     result = {
         "device_mib_by_process": {name: memory.get(pid) for name, pid in pids.items()},
+        "nvidia_smi_mib_by_pid": memory,
+        "service_pids": pids,
         "resident_weight_mib": weights / 2**20,
         "expert_cache": args.expert_cache,
         "greedy_identical": served == offline,
