@@ -107,9 +107,12 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from common.model.defaults import default_model_dir
+    from common.model.hf_config import load_architecture
     from services.launch import Launcher, ServeOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(levelname)s %(message)s")
+    model_dir = str(args.model or default_model_dir())
+    load_architecture(model_dir)  # a bad config fails here, with its file named, before any process starts
     worker_args = ["--device", args.device, "--dtype", args.dtype, "--cache-policy", args.cache_policy]
     worker_args += ["--prefill-chunk", str(args.prefill_chunk), "--expert-format", args.expert_format]
     if args.expert_cache:
@@ -117,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.replay_routing:
         worker_args += ["--replay-routing", args.replay_routing]
     opts = ServeOptions(
-        model_dir=str(args.model or default_model_dir()),
+        model_dir=model_dir,
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,

@@ -45,16 +45,29 @@ class ServeOptions:
     threads: int = 0
 
 
+QUICK_EXIT_S = 60.0
+"""A child that exits sooner than this after its start failed at start-up (config, checkpoint, memory)."""
+MAX_QUICK_EXITS = 4
+"""Start-up failures in a row after which the launcher gives up instead of restarting forever."""
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    started: float = 0.0
+    quick_exits: int = 0
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv)
+        self.started = time.monotonic()
         log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def count_exit(self) -> None:
+        quick = time.monotonic() - self.started < QUICK_EXIT_S
+        self.quick_exits = self.quick_exits + 1 if quick else 0
 
 
 def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
@@ -110,7 +123,7 @@ class Launcher:
         self.run_dir = make_run_dir()
         self.children = _children(opts, self.run_dir)
         self.router = Outbox(ipc_address(self.run_dir, "router"))
-        self.stopping = False
+        self.stopping = self.failed = False
 
     def health_url(self) -> str:
         return f"http://{self.opts.host}:{self.opts.port}/health"
@@ -134,15 +147,24 @@ class Launcher:
         return False
 
     def supervise(self) -> None:
-        """Restart any child that exited (and sweep the shared memory it leaves)."""
+        """Restart any child that exited (and sweep the shared memory it leaves); give up on one that keeps
+        failing at start-up (the launcher then stops, with `failed` set)."""
         for child in self.children:
-            if child.proc is not None and child.proc.poll() is not None and not self.stopping:
-                log.error("%s exited with %s; restarting", child.name, child.proc.returncode)
-                if child.name != "router":
-                    self.router.send(ServiceDown(child.name, child.proc.pid, child.proc.returncode))
-                ipc.unlink_stale(child.proc.pid)
-                child.restarts += 1
-                child.start()
+            if child.proc is None or child.proc.poll() is None or self.stopping:
+                continue
+            code = child.proc.returncode
+            if child.name != "router":
+                self.router.send(ServiceDown(child.name, child.proc.pid, code))
+            ipc.unlink_stale(child.proc.pid)
+            child.count_exit()
+            if child.quick_exits >= MAX_QUICK_EXITS:
+                log.error("%s failed %d times at start-up (last exit %s): giving up", child.name,
+                          child.quick_exits, code)  # fmt: skip
+                self.failed = self.stopping = True
+                return
+            log.error("%s exited with %s; restarting", child.name, code)
+            child.restarts += 1
+            child.start()
 
     def run(self) -> int:
         """Serve until SIGINT/SIGTERM."""
@@ -157,7 +179,7 @@ class Launcher:
                 time.sleep(0.2)
         finally:
             self.stop()
-        return 0
+        return 1 if self.failed else 0
 
     def stop(self) -> None:
         self.stopping = True

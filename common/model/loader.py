@@ -309,6 +309,23 @@ def load_model(
     return build_model(arch, cfg, source, where if where.is_file() else Path(model_dir), dtype, device)
 
 
+def empty_model(
+    arch: Architecture,
+    cfg: ModelConfig,
+    experts: ResidentExperts,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> nn.Module:
+    """`arch` for `cfg` with uninitialised weights in `dtype` on `device` (`meta`: no memory at all), the
+    buffers computed rather than loaded (in float32, e.g. RoPE's inverse frequencies) and embeddings tied."""
+    with torch.device("meta"):
+        model = arch.build(cfg, experts)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.init_buffers()
+    model.tie_weights()
+    return model
+
+
 def build_model(
     arch: Architecture,
     cfg: ModelConfig,
@@ -324,11 +341,7 @@ def build_model(
     `external_experts` the routed experts come from elsewhere (an artifact's packed store).
     """
     experts = ResidentExperts({}, activation(cfg.hidden_act))
-    with torch.device("meta"):
-        model = arch.build(cfg, experts)
-    model = model.to_empty(device=device).to(dtype)
-    model.rotary.init_buffers()
-    model.tie_weights()
+    model = empty_model(arch, cfg, experts, dtype, device)
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     loaded: set[str] = set()
     collector = _ExpertCollector(cfg)

@@ -26,6 +26,7 @@ from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.model.hf_config import load_architecture
 from common.model.layers import activation
+from common.model.loader import empty_model
 from common.model.ngram import ngram_shard_rows
 from common.model.qwen4_exp.ngram_table import NGramTable
 from common.protocol import Exports, SharedTensor
@@ -141,9 +142,7 @@ def prefill_model(cfg: WorkerConfig, exports: Exports) -> tuple[nn.Module, dict[
     arch, mcfg = load_architecture(cfg.model_dir)
     imported = ipc.import_tensors(exports.tensors)
     experts = ResidentExperts({}, activation(mcfg.hidden_act))
-    with torch.device("meta"):
-        model = arch.build(mcfg, experts)
-    model = model.to(DTYPES[cfg.dtype])
+    model = empty_model(arch, mcfg, experts, DTYPES[cfg.dtype], "meta")
     ipc.attach_module(model, {k[8:]: v for k, v in imported.items() if k.startswith("weights.")})
     if "cache.slot_of" in imported:
         install_provider(model, _prefill_experts(cfg, mcfg, exports, imported))

@@ -255,3 +255,20 @@ def test_sigterm_stops_everything_and_frees_shared_memory(start_server, tmp_path
         assert not Path(f"/proc/{pid}").exists()
         assert not list(Path("/dev/shm").glob(f"spillway-{pid}-*"))
     assert health(server.port)[0] == 0
+
+
+def test_a_worker_that_cannot_start_stops_the_launcher(tmp_path):
+    """A checkpoint the workers cannot load: the launcher gives up after a few restarts (exit 1), no hang."""
+    model = make_model(tmp_path / "broken", preset="tiny", arch="qwen3_moe")
+    shard = sorted(model.glob("*.safetensors"))[-1]
+    shard.unlink()
+    argv = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--port", str(free_port())]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert shard.name in done.stderr and "giving up" in done.stderr
+
+
+def test_a_bad_model_directory_is_refused_before_starting(tmp_path):
+    argv = [sys.executable, "-m", "services.cli", "serve", "--model", str(tmp_path / "nothing")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "config.json" in done.stderr

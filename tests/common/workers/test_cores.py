@@ -4,10 +4,8 @@ state shared through exported shared memory: the tokens equal the offline engine
 from __future__ import annotations
 
 import pytest
-import torch
 
 from common.config import WorkerConfig
-from common.engine import Engine
 from common.model.defaults import default_model_dir
 from common.model.synthetic import make_model
 from common.protocol import (
@@ -23,7 +21,7 @@ from common.protocol import (
     encode,
 )
 from common.sampling import SamplingParams
-from common.workers.decode import DecodeCore
+from common.workers.decode import DecodeCore, load_engine
 from common.workers.prefill import PrefillCore
 from common.workers.sharing import decode_exports, host_allocator, prefill_model, shared_allocator
 
@@ -32,11 +30,23 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
 
 @pytest.fixture(
     scope="module",
-    params=[("qwen3_moe", None), ("qwen3_moe", "0.25"), ("qwen4_exp", None), ("qwen4_exp", "0.25")],
-    ids=["qwen3-resident", "qwen3-offloaded", "qwen4-resident", "qwen4-offloaded"],
+    params=[
+        ("qwen3_moe", None, "float32"),
+        ("qwen3_moe", "0.25", "float32"),
+        ("qwen3_moe", "0.25", "bfloat16"),  # float32 buffers (RoPE) in a bf16 model
+        ("qwen4_exp", None, "float32"),
+        ("qwen4_exp", "0.25", "bfloat16"),
+    ],
+    ids=[
+        "qwen3-resident",
+        "qwen3-offloaded",
+        "qwen3-offloaded-bf16",
+        "qwen4-resident",
+        "qwen4-offloaded-bf16",
+    ],
 )
 def cores(request, tmp_path_factory):
-    arch, cache = request.param
+    arch, cache, dtype = request.param
     if arch == "qwen3_moe":
         model_dir = default_model_dir()
     else:
@@ -47,6 +57,7 @@ def cores(request, tmp_path_factory):
         max_context=256,
         prefill_chunk=5,
         expert_cache=cache,
+        dtype=dtype,
     )
     dec = DecodeCore(cfg, shared_allocator, host_allocator)
     exports = decode(encode(decode_exports(dec)))
@@ -96,7 +107,7 @@ def test_disaggregated_tokens_equal_offline_engine(cores):
     greedy = Sampling(temperature=0.0, max_tokens=10, ignore_eos=True)
     box = [out for i, p in enumerate(PROMPTS) for out in pre.submit(Generate(f"r{i}", p, greedy, 0.0))]
     seen = _run(dec, pre, box)
-    engine = Engine(cfg.model_dir, dtype=torch.float32, max_seqs=2)
+    engine = load_engine(cfg)  # the single-process path, same config
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     reference = [r.token_ids for r in engine.generate(PROMPTS, params)]
     for i, ref in enumerate(reference):
