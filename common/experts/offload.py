@@ -24,7 +24,7 @@ Memory bound. The pool is (S + 1 + 2·E) rows of one expert each. Prefill's scra
 not by how many experts it uses: experts are computed one at a time, so a chunk of T tokens needs at most
 T·(2H + 3I) activations (an expert's rows of x, gate_up's output, the activated product and y) plus one
 dequantised expert (3·H·I) at once, in the activation dtype — e.g. T = 8192, H = 2048, I = 512 in bf16:
-~84 MB + 6 MB. Decode gathers its T·k chosen experts dequantised at once (T·k·3·H·I), which is why the
+~92 MB + 6 MB. Decode gathers its T·k chosen experts dequantised at once (T·k·3·H·I), which is why the
 batched path is for decode-sized T only.
 
 Every expert's weights are the same bytes wherever they are read from, and the computation does not depend
