@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
-from common.protocol import Sampling
+from common.protocol import SamplingParams
 from common.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
@@ -183,7 +183,7 @@ class GenerationSpec:
     """A validated request, ready for admission: prompt ids, sampling, and what the router does itself."""
 
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     stop: tuple[str, ...]
     """Stop strings (the router matches them on the detokenized text)."""
     stream: bool
@@ -296,7 +296,7 @@ def _spec(
             "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
             "context_length_exceeded",
         )
-    sampling = Sampling(
+    sampling = SamplingParams(
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=max(request.top_k or 0, 0),

@@ -13,17 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-
-class Sampling(msgspec.Struct, frozen=True):
-    """A request's sampling parameters (common.sampling.SamplingParams on the wire)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 16
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
+from common.sampling import SamplingParams
 
 
 class Generate(msgspec.Struct, frozen=True, tag=True):
@@ -31,7 +21,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
 
     rid: str
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     arrival: float
     """time.time() when the router accepted it (TTFT is measured from here)."""
 
@@ -65,7 +55,7 @@ class PrefillDone(msgspec.Struct, frozen=True, tag=True):
     prompt_len: int
     num_cached: int
     first_token: int
-    sampling: Sampling
+    sampling: SamplingParams
     seed: int
     """The seed actually used (drawn by prefill when the request named none)."""
     arrival: float

@@ -7,14 +7,12 @@ and the whole batch samples in one set of tensor ops with no host round trip.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import msgspec
 import torch
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request picks its tokens and when it stops."""
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How one request picks its tokens and when it stops (also its wire form: a msgspec struct)."""
 
     temperature: float = 1.0
     """0 = greedy."""

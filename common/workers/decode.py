@@ -21,23 +21,9 @@ from common.engine import Engine
 from common.kv.state import Allocator, PoolExhausted, SequenceState
 from common.protocol import AllocState, PrefillDone, StateGranted, Tokens
 from common.requests import Request, append_token, sample_next
-from common.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def sampling_params(s) -> SamplingParams:
-    """protocol.Sampling → SamplingParams."""
-    return SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        max_tokens=s.max_tokens,
-        ignore_eos=s.ignore_eos,
-        stop_token_ids=tuple(s.stop_token_ids),
-    )
 
 
 def load_engine(
@@ -126,8 +112,7 @@ class DecodeCore:
             log.info("PrefillDone for %s, which holds no state (aborted?)", msg.rid)
             return
         seq.num_cached = msg.num_cached
-        params = sampling_params(msg.sampling)
-        req = Request([], params, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
+        req = Request([], msg.sampling, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
         self.running[msg.rid] = req
 
     def release(self, rid: str) -> None:

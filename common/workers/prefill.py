@@ -30,7 +30,6 @@ from common.protocol import (
 )
 from common.requests import Request, append_token, sample_next
 from common.runner import ModelRunner
-from common.workers.decode import sampling_params
 
 Outgoing = list[tuple[str, Message]]
 """Messages to send, each with its destination service (`router` or `decode`)."""
@@ -128,7 +127,7 @@ class PrefillCore:
 
     def _finish(self, job: PrefillJob, logits: torch.Tensor) -> Outgoing:
         gen = job.gen
-        req = Request(gen.prompt_ids, sampling_params(gen.sampling), job.seed, job.seq, rid=gen.rid)
+        req = Request(gen.prompt_ids, gen.sampling, job.seed, job.seq, rid=gen.rid)
         (first,) = sample_next(logits, [req])
         finished = append_token(req, first, self.eos_ids, self.runner.max_context)
         n = len(gen.prompt_ids)

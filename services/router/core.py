@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from common.metrics import RouterMetrics
 from common.openai_api import ApiError
-from common.protocol import Abort, Generate, Heartbeat, Message, Ready, Sampling, ServiceDown, Tokens
+from common.protocol import Abort, Generate, Heartbeat, Message, Ready, SamplingParams, ServiceDown, Tokens
 from common.transport import AsyncInbox, AsyncOutbox
 from services.router.config import RouterConfig
 
@@ -68,7 +68,7 @@ class Flight:
 
     rid: str
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     received: float
     """time.monotonic() when the HTTP request arrived (TTFT and e2e latency count from here)."""
     events: asyncio.Queue[Tokens] = field(default_factory=asyncio.Queue)
@@ -174,7 +174,7 @@ class RouterCore:
 
     # Admission.
 
-    async def submit(self, prompt_ids: list[int], sampling: Sampling, received: float) -> Flight:
+    async def submit(self, prompt_ids: list[int], sampling: SamplingParams, received: float) -> Flight:
         """Admit a request (waiting for a slot) and send it to prefill; raises ApiError 503 / 429.
 
         `received` is the request's arrival, time.monotonic(). Cancelling the caller while it waits

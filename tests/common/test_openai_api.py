@@ -1,4 +1,4 @@
-"""OpenAI request validation and the internal form (prompt ids, Sampling, stop strings)."""
+"""OpenAI request validation and the internal form (prompt ids, SamplingParams, stop strings)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from common import openai_api as api
 from common.model.defaults import default_model_dir
 from common.openai_api import ApiError
-from common.protocol import Sampling
+from common.protocol import SamplingParams
 from common.tokenizer import Tokenizer
 
 CONTEXT = 64
@@ -45,7 +45,7 @@ def test_chat_defaults(tok: Tokenizer) -> None:
     want = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=True)
     assert spec.prompt_ids == want
     room = CONTEXT - len(want)
-    assert spec.sampling == Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=None, max_tokens=room)
+    assert spec.sampling == SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=None, max_tokens=room)
     assert spec.stop == () and not spec.stream and not spec.include_usage
 
 
@@ -64,7 +64,7 @@ def test_chat_parameters(tok: Tokenizer) -> None:
         stream_options={"include_usage": True},
         some_future_field={"ignored": True},
     )
-    assert spec.sampling == Sampling(0.0, 0.5, 0, 7, 3, True, (5,))
+    assert spec.sampling == SamplingParams(0.0, 0.5, 0, 7, 3, True, (5,))
     assert spec.stop == ("END",) and spec.stream and spec.include_usage
 
 

@@ -13,7 +13,6 @@ from common.protocol import (
     Generate,
     PrefillDone,
     ReleaseState,
-    Sampling,
     StateGranted,
     Thaw,
     Tokens,
@@ -104,7 +103,7 @@ def _run(dec: DecodeCore, pre: PrefillCore, box, abort_after: dict[str, int] | N
 
 def test_disaggregated_tokens_equal_offline_engine(cores):
     cfg, dec, pre = cores
-    greedy = Sampling(temperature=0.0, max_tokens=10, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     box = [out for i, p in enumerate(PROMPTS) for out in pre.submit(Generate(f"r{i}", p, greedy, 0.0))]
     seen = _run(dec, pre, box)
     engine = load_engine(cfg)  # the single-process path, same config
@@ -124,7 +123,7 @@ def test_disaggregated_tokens_equal_offline_engine(cores):
 
 def test_aborts_free_every_page_and_slot(cores):
     cfg, dec, pre = cores
-    sampling = Sampling(temperature=0.8, max_tokens=50, ignore_eos=True, seed=3)
+    sampling = SamplingParams(temperature=0.8, max_tokens=50, ignore_eos=True, seed=3)
     box = [out for i, p in enumerate(PROMPTS) for out in pre.submit(Generate(f"a{i}", p, sampling, 0.0))]
     box += pre.abort("a2")  # still queued
     seen = _run(dec, pre, box, abort_after={"a0": 3, "a1": 1})
@@ -138,7 +137,7 @@ def test_a_granted_state_freezes_the_cache_until_prefill_is_done(cores):
     cfg, dec, pre = cores
     if not cfg.expert_cache:
         pytest.skip("no expert cache")
-    box = pre.submit(Generate("f", [3] * 12, Sampling(temperature=0.0, max_tokens=2), 0.0))
+    box = pre.submit(Generate("f", [3] * 12, SamplingParams(temperature=0.0, max_tokens=2), 0.0))
     box = _deliver(dec, pre, box, {})  # AllocState → grant
     assert dec.engine.offload.tables.frozen and "f" in dec.freezes
     _run(dec, pre, box)
@@ -147,7 +146,7 @@ def test_a_granted_state_freezes_the_cache_until_prefill_is_done(cores):
 
 def test_prompt_longer_than_context_is_an_error_event(cores):
     _, dec, pre = cores
-    box = pre.submit(Generate("long", [7] * 300, Sampling(), 0.0))
+    box = pre.submit(Generate("long", [7] * 300, SamplingParams(), 0.0))
     seen = _run(dec, pre, box)
     (event,) = seen["long"]
     assert event.finish_reason == "error" and "300" in event.error

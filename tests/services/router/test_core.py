@@ -13,11 +13,11 @@ from typing import Any
 from common.metrics import RouterMetrics, new_registry
 from common.model.defaults import default_model_dir
 from common.openai_api import ApiError
-from common.protocol import Ready, Sampling, Tokens
+from common.protocol import Ready, SamplingParams, Tokens
 from common.transport import ipc_address, make_run_dir
 from services.router import RouterConfig, RouterCore
 
-SAMPLING = Sampling(max_tokens=8)
+SAMPLING = SamplingParams(max_tokens=8)
 
 
 def run_core(test: Callable[[RouterCore], Awaitable[None]], **overrides: Any) -> None:
