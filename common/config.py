@@ -137,3 +137,114 @@ class WorkerConfig:
     """Force the router's choices: a trace file or `synthetic-zipf:...` (benchmarks)."""
     page_size: int = 16
     """Tokens per KV page."""
+    vram_budget: int | None = None
+    """Hard cap, in bytes, on the device memory of the services (decode and prefill together): decode sizes
+    the expert cache to what the memory plan leaves (`common/memory_plan.py`) and refuses to start when that
+    is too small to be useful. Implies offloaded experts; `expert_cache` must then be None."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a `--vram-budget` is spent (DESIGN §3): fixed pools first, the expert cache gets the rest, in whole
+    slots. Computed from the config alone by `common.memory_plan.plan_memory`; every pool is in bytes."""
+
+    budget: int
+    """The cap on the device memory of every process of the service together."""
+    weights: int
+    """Resident parameters and buffers: all but the routed experts (host memory) and host tables (the n-gram
+    table), counted once however many processes map them."""
+    kv: int
+    """Per-request state pools: every layer's paged state × pages plus its fixed-size state × lanes."""
+    arena: int
+    """Expert rows outside the cache: the spare row and the two prefill arena buffers of E rows each (the
+    first doubles as decode's staging rows), in decode's pool and, when prefill is a process of its own, in
+    prefill's."""
+    scratch: int
+    """Activation workspace: one prefill chunk and one decode step (estimate: see `common/memory_plan.py`)."""
+    graphs: int
+    """Reserve for CUDA contexts, library workspaces, CUDA graph pools and the allocator's fragmentation."""
+    expert_cache: int
+    """The expert cache: `cache_slots` expert rows plus the cache tables."""
+    cache_slots: int
+    """Experts the cache holds (all MoE layers together; split evenly over the layers at start)."""
+    expert_bytes: int
+    """Bytes of one expert in the runtime format: one cache slot, one arena row."""
+    min_cache_slots: int
+    """Fewest slots worth serving with (see `common.memory_plan.min_cache_slots`)."""
+    max_cache_slots: int
+    """Every routed expert of every MoE layer (L × E): more slots than this would stay empty."""
+    min_budget: int
+    """The smallest budget that gives the cache `min_cache_slots` with the same settings."""
+    max_context: int
+    """Context per lane the KV pool is sized for (the model's max_position caps the one asked for)."""
+    max_running: int
+    """Decode lanes (the state pool's slots)."""
+    prefill_chunk: int
+    """Most prompt tokens of one prefill pass (the scratch grows with it)."""
+    num_pages: int
+    """KV pages of the state pool."""
+    expert_format: str
+    """Runtime format of the experts (an artifact's own format when the model is one)."""
+    dtype: str
+    """Activation and resident-weight dtype."""
+    processes: int
+    """Processes on the device: 2 for `spillway serve` (decode, prefill), 1 for the offline engine."""
+
+    @property
+    def fixed(self) -> int:
+        """Every pool but the expert cache."""
+        return self.weights + self.kv + self.arena + self.scratch + self.graphs
+
+    @property
+    def total(self) -> int:
+        """Bytes the plan gives out (at most `budget` when `ok`)."""
+        return self.fixed + self.expert_cache
+
+    @property
+    def all_experts_fit(self) -> bool:
+        """The budget holds every expert: the cache is capped at L × E and never evicts."""
+        return self.cache_slots >= self.max_cache_slots
+
+    @property
+    def ok(self) -> bool:
+        """The cache gets at least `min_cache_slots` within the budget."""
+        return self.cache_slots >= self.min_cache_slots and self.total <= self.budget
+
+    def pools(self) -> dict[str, int]:
+        """Bytes per pool, by the `pool` label of the `spillway:vram_bytes` gauge."""
+        names = ("weights", "kv", "expert_cache", "arena", "scratch", "graphs")
+        return {name: getattr(self, name) for name in names}
+
+    def check(self) -> None:
+        """Raise ValueError, naming the numbers and what to change, unless the plan is `ok`."""
+        if self.ok:
+            return
+        names = ("weights", "kv", "arena", "scratch", "graphs")
+        fixed = ", ".join(f"{name} {format_bytes(getattr(self, name))}" for name in names)
+        left = self.budget - self.fixed
+        changes = [
+            f"a --vram-budget of at least {format_bytes(self.min_budget)}",
+            f"a smaller --max-context (now {self.max_context}), --max-running (now {self.max_running}) or "
+            f"--prefill-chunk (now {self.prefill_chunk})",
+        ]
+        if self.expert_format != "int4":
+            changes.append(f"--expert-format int4 (now {self.expert_format})")
+        if self.dtype == "float32":
+            changes.append("--dtype bfloat16 (now float32)")
+        raise ValueError(
+            f"--vram-budget {format_bytes(self.budget)} ({self.budget} bytes) is too small for the expert "
+            f"cache: the fixed pools take {format_bytes(self.fixed)} ({fixed}), which leaves "
+            f"{format_bytes(left) if left >= 0 else 'nothing'}: {self.cache_slots} slots of "
+            f"{format_bytes(self.expert_bytes)}; the cache needs at least {self.min_cache_slots} "
+            f"(2·top_k per MoE layer, at most E: every expert one decode step asks for, and as many again "
+            f"to keep). "
+            f"Use {', or '.join(changes)}."
+        )
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes in the largest binary unit that keeps it at least 1 (GiB at most), two decimals."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

@@ -142,7 +142,7 @@ class WorkerMetrics:
     kv_pages_used: Gauge
     kv_pages_free: Gauge
     vram_bytes: Gauge
-    """Labelled by pool (weights, kv, expert_cache, arena, scratch)."""
+    """Labelled by pool (weights, kv, arena, scratch, graphs, expert_cache)."""
     dropped_frames: Counter
 
     @classmethod

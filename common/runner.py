@@ -13,6 +13,12 @@ from common.kv.state import Allocator, SequenceState, StatePool
 from common.model.context import ForwardContext
 
 
+def num_pages(max_seqs: int, max_context: int, page_size: int) -> int:
+    """KV pages of a state pool: every lane can hold a full context at once (the memory plan sizes the KV
+    pool with this too, so the plan and the pool cannot disagree)."""
+    return max_seqs * -(-max_context // page_size)
+
+
 class ModelRunner:
     """Owns the state pool of a model and runs forward passes that append tokens to sequences."""
 
@@ -30,9 +36,9 @@ class ModelRunner:
         param = next(model.parameters())
         self.model, self.device = model, param.device
         self.backend = backend or TorchPagedBackend()
-        num_pages = max_seqs * -(-max_context // page_size)
         specs = model.state_specs(kv_dtype or param.dtype)
-        self.pool = StatePool(specs, num_pages, page_size, max_seqs, self.device, allocate)
+        pages = num_pages(max_seqs, max_context, page_size)
+        self.pool = StatePool(specs, pages, page_size, max_seqs, self.device, allocate)
         self.max_context = max_context
 
     def new_sequence(self) -> SequenceState:

@@ -9,8 +9,11 @@ import time
 from pathlib import Path
 
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
+from services.worker_args import size_arg
 
 DTYPES = ("float32", "bfloat16", "float16")
+GENERATE_LANES, GENERATE_CONTEXT = 8, 4096
+"""The offline engine's lanes and context (`spillway generate`; its memory plan is for these)."""
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -32,13 +35,18 @@ def _generate(args: argparse.Namespace) -> int:
     from common.sampling import SamplingParams
 
     model_dir = Path(args.model) if args.model else default_model_dir()
+    expert_cache = args.expert_cache
+    if args.vram_budget is not None:
+        expert_cache = _generate_cache(args, model_dir)
     engine = Engine(
         model_dir,
         dtype=getattr(torch, args.dtype),
         device=args.device,
+        max_seqs=GENERATE_LANES,
+        max_context=GENERATE_CONTEXT,
         speculative=args.speculative,
         num_draft=args.num_draft,
-        expert_cache=args.expert_cache,
+        expert_cache=expert_cache,
         cache_policy=args.cache_policy,
         expert_format=args.expert_format,
         prefill_chunk=args.prefill_chunk,
@@ -87,6 +95,30 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_cache(args: argparse.Namespace, model_dir: Path) -> str:
+    """--vram-budget for the offline engine: the expert cache's slots from a one-process plan (printed to
+    stderr); ValueError when the plan is refused."""
+    from common.memory_plan import DTYPES as PLAN_DTYPES
+    from common.memory_plan import format_plan, plan_for_dir
+
+    if args.expert_cache is not None:
+        raise ValueError("give --vram-budget or --expert-cache, not both: the budget sizes the expert cache")
+    plan = plan_for_dir(
+        model_dir,
+        expert_format=args.expert_format,
+        budget_bytes=args.vram_budget,
+        max_context=GENERATE_CONTEXT,
+        max_running=GENERATE_LANES,
+        dtype=PLAN_DTYPES[args.dtype],
+        prefill_chunk=args.prefill_chunk,
+        processes=1,
+        mtp=args.speculative == "mtp",
+    )
+    print(format_plan(plan), file=sys.stderr)
+    plan.check()
+    return str(plan.cache_slots)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from common.experts.simulator import format_table, simulate
     from common.experts.trace import parse_trace
@@ -100,6 +132,34 @@ def _convert(args: argparse.Namespace) -> int:
     from common.experts.artifact import convert
 
     convert(args.src, args.dst, args.experts)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Print the memory plan of a model directory or a preset's config (nothing is loaded or started)."""
+    from common.memory_plan import DTYPES, format_plan, plan_dict, plan_for_dir, plan_memory
+
+    settings = {
+        "budget_bytes": args.vram_budget,
+        "max_context": args.max_context,
+        "max_running": args.max_running,
+        "dtype": DTYPES[args.dtype],
+        "prefill_chunk": args.prefill_chunk,
+        "processes": 1 if args.single_process else 2,
+    }
+    if args.model is not None:
+        if args.arch is not None or args.set:
+            raise ValueError("--arch and --set go with --preset; a model directory has its own config")
+        plan = plan_for_dir(args.model, expert_format=args.expert_format, **settings)
+    else:
+        from common.model.hf_config import parse_architecture
+        from common.model.synthetic import model_config, parse_overrides
+
+        hf = model_config(args.preset, args.arch, parse_overrides(args.set))
+        arch, cfg = parse_architecture(hf, Path(f"<preset {args.preset}>/config.json"))
+        plan = plan_memory(cfg, arch, expert_format=args.expert_format, **settings)
+    print(json.dumps(plan_dict(plan)) if args.json else format_plan(plan))
+    plan.check()  # a refused plan is printed, then named as the error
     return 0
 
 
@@ -119,6 +179,9 @@ def _serve(args: argparse.Namespace) -> int:
         worker_args += ["--expert-cache", args.expert_cache]
     if args.replay_routing:
         worker_args += ["--replay-routing", args.replay_routing]
+    if args.vram_budget is not None:
+        _check_serve_plan(args, model_dir)
+        worker_args += ["--vram-budget", str(args.vram_budget)]
     opts = ServeOptions(
         model_dir=model_dir,
         host=args.host,
@@ -133,6 +196,29 @@ def _serve(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     return Launcher(opts).run()
+
+
+def _check_serve_plan(args: argparse.Namespace, model_dir: str) -> None:
+    """Refuse a --vram-budget before any process starts, with the plan decode would compute (and log it)."""
+    import logging
+
+    from common.config import WorkerConfig
+    from common.memory_plan import format_plan
+    from common.workers.decode import apply_memory_plan
+
+    cfg = WorkerConfig(
+        model_dir=model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        max_running=args.max_running,
+        max_context=args.max_context,
+        expert_cache=args.expert_cache,
+        expert_format=args.expert_format,
+        prefill_chunk=args.prefill_chunk,
+        vram_budget=args.vram_budget,
+    )
+    _, plan = apply_memory_plan(cfg)
+    logging.getLogger("launch").info("memory plan:\n%s", format_plan(plan))
 
 
 def _add_serve(sub) -> None:
@@ -155,6 +241,14 @@ def _add_serve(sub) -> None:
     srv.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
     srv.add_argument("--prefill-chunk", type=int, default=8192)
     srv.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
+    srv.add_argument(
+        "--vram-budget",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="cap on the device memory of all services (32GiB, 500MiB, bytes): the expert cache gets what "
+        "the memory plan leaves (see `spillway plan`); implies offloaded experts",
+    )
     srv.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
     srv.set_defaults(func=_serve)
 
@@ -220,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON {MoE layer index: [experts]} kept cached for good (a calibration hot set)",
     )
     gen.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens per prefill pass")
+    gen.add_argument(
+        "--vram-budget",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="device memory cap (32GiB, 500MiB, bytes): the expert cache gets what the memory plan leaves",
+    )
     gen.add_argument("--record-routing", default=None, metavar="FILE", help="save the router's choices")
     gen.add_argument(
         "--replay-routing",
@@ -246,7 +347,38 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(func=_simulate)
     _add_serve(sub)
+    _add_plan(sub)
     return parser
+
+
+def _add_plan(sub) -> None:
+    plan = sub.add_parser(
+        "plan", help="print how a --vram-budget is spent (from the config alone: nothing is loaded)"
+    )
+    what = plan.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", default=None, help="model directory or converted artifact")
+    what.add_argument(
+        "--preset", default=None, help="a synthetic preset's config: tiny | qwen3-30b | flashnext"
+    )
+    plan.add_argument("--arch", default=None, help="the preset's arch (default: its first)")
+    plan.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset's config field"
+    )
+    plan.add_argument(
+        "--vram-budget", type=size_arg, required=True, metavar="SIZE", help="32GiB, 500MiB, bytes"
+    )
+    plan.add_argument("--max-context", type=int, default=4096)
+    plan.add_argument("--max-running", type=int, default=8)
+    plan.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
+    plan.add_argument("--dtype", choices=DTYPES, default="float32")
+    plan.add_argument("--prefill-chunk", type=int, default=8192)
+    plan.add_argument(
+        "--single-process",
+        action="store_true",
+        help="plan `spillway generate` (prefill and decode in one process) rather than `spillway serve`",
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON object (bytes)")
+    plan.set_defaults(func=_plan)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
     parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
+    parser.add_argument(
+        "--vram-budget",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="device memory cap of both workers (e.g. 32GiB): decode sizes the expert cache to what is left",
+    )
     parser.add_argument("--inbox", required=True, help="this worker's PULL address")
     parser.add_argument("--router", required=True, help="the router's inbox address")
     parser.add_argument("--peer", required=True, help="the other worker's inbox address")
@@ -39,4 +46,15 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         expert_format=args.expert_format,
         prefill_chunk=args.prefill_chunk,
         replay_routing=args.replay_routing,
+        vram_budget=args.vram_budget,
     )
+
+
+def size_arg(text: str) -> int:
+    """argparse type of a byte size (`32GiB`, `500MiB`, `4096`): see `common.memory_plan.parse_size`."""
+    from common.memory_plan import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -9,6 +9,7 @@ tokens. An `AllocState` that finds no free lane or pages waits in a queue until 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common.config import WorkerConfig
+from common.config import MemoryPlan, WorkerConfig
 from common.engine import Engine
 from common.kv.state import Allocator, PoolExhausted, SequenceState
+from common.memory_plan import worker_plan
 from common.protocol import AllocState, PrefillDone, StateGranted, Tokens
 from common.requests import Request, append_token, sample_next
 
@@ -50,6 +52,18 @@ def load_engine(
     )
 
 
+def apply_memory_plan(cfg: WorkerConfig) -> tuple[WorkerConfig, MemoryPlan | None]:
+    """With a `vram_budget`: the memory plan (ValueError when it is refused) and the config whose expert
+    cache it sizes — offloaded, with the slots the plan leaves. Without one: `cfg` as it is, no plan."""
+    if cfg.vram_budget is None:
+        return cfg, None
+    if cfg.expert_cache is not None:
+        raise ValueError("give --vram-budget or --expert-cache, not both: the budget sizes the expert cache")
+    plan = worker_plan(cfg)
+    plan.check()
+    return dataclasses.replace(cfg, expert_cache=str(plan.cache_slots)), plan
+
+
 @dataclass
 class LaneStats:
     """Occupancy, for heartbeats and metrics."""
@@ -69,8 +83,8 @@ class DecodeCore:
         allocate: Allocator | None = None,
         host_allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
-        self.cfg = cfg
-        self.engine = load_engine(cfg, allocate, host_allocate)
+        self.cfg, self.plan = apply_memory_plan(cfg)  # the plan sized the expert cache (None: no budget)
+        self.engine = load_engine(self.cfg, allocate, host_allocate)
         self.runner = self.engine.runner
         self.pool = self.runner.pool
         self.eos_ids = self.engine.config.eos_token_ids

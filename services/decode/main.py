@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 
+import torch
+
+from common.config import format_bytes
+from common.memory_plan import format_plan
 from common.protocol import (
     Abort,
     AllocState,
@@ -59,14 +63,36 @@ def step(core: DecodeCore, shell: WorkerShell) -> None:
             shell.send("prefill", grant)
 
 
+def report_plan(core: DecodeCore, shell: WorkerShell) -> None:
+    """With a memory plan: log it, set the `vram_bytes` gauges from it (once: the pools are fixed at start)
+    and, on CUDA, log what decode holds against what the plan gives its pools."""
+    plan = core.plan
+    if plan is None:
+        return
+    log.info("memory plan:\n%s", format_plan(plan))
+    for pool, nbytes in plan.pools().items():
+        shell.metrics.vram_bytes.labels(pool=pool).set(nbytes)
+    device = torch.device(core.cfg.device)
+    if device.type == "cuda":
+        held = torch.cuda.memory_allocated(device)
+        planned = plan.weights + plan.kv + plan.expert_cache + plan.arena // plan.processes
+        log.info("decode holds %s; the plan gives its pools %s", format_bytes(held), format_bytes(planned))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spillway-decode", description=__doc__)
     add_worker_args(parser)
     args = parser.parse_args(argv)
     outboxes = {"router": args.router, "prefill": args.peer}
     shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port)
-    core = DecodeCore(worker_config(args), shared_allocator, host_allocator)
+    try:
+        core = DecodeCore(worker_config(args), shared_allocator, host_allocator)
+    except ValueError as exc:  # a refused memory plan, a bad checkpoint: say why (the launcher gives up)
+        log.error("cannot start: %s", exc)
+        shell.close()
+        return 2
     exports = decode_exports(core)
+    report_plan(core, shell)
     shell.watch_experts(core.engine.model.experts)
     shell.send("prefill", exports)
     shell.ready(core.cfg.max_running)

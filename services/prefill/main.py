@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 from common.protocol import Abort, Exports, Generate, Message, StateGranted, Tokens, WantExports
@@ -28,8 +29,10 @@ class PrefillWorker:
             return []
         first = self.core is None
         out = [] if first else self.core.fail_all("decode worker restarted")
-        model, pools, eos = prefill_model(self.cfg, exports)
-        self.core, self.epoch = PrefillCore(self.cfg, model, pools, eos), exports.epoch
+        # decode's pools decide the context and page size (it may cap --max-context at the model's)
+        cfg = dataclasses.replace(self.cfg, max_context=exports.max_context, page_size=exports.page_size)
+        model, pools, eos = prefill_model(cfg, exports)
+        self.core, self.epoch = PrefillCore(cfg, model, pools, eos), exports.epoch
         self.shell.watch_experts(model.experts)
         if first:
             self.shell.ready(self.cfg.max_running)

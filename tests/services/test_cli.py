@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from common.model.synthetic import make_model
 from common.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,3 +107,57 @@ def test_bad_model_dir_is_a_clear_error(tmp_path: Path) -> None:
 def test_bad_override_is_a_clear_error(tmp_path: Path) -> None:
     result = _run(["make-model", "--set", "num_experts", "--out", str(tmp_path / "x")], tmp_path)
     assert result.returncode == 2 and "num_experts" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plan_of_flashnext_takes_seconds_and_writes_nothing(tmp_path: Path) -> None:
+    """The preset's config alone, on the meta device: no 354 GB checkpoint, no weights loaded."""
+    budget = 32 << 30
+    args = ["plan", "--preset", "flashnext", "--vram-budget", "32GiB", "--expert-format", "int4"]
+    start = time.monotonic()
+    result = _run([*args, "--dtype", "bfloat16", "--json"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - start < 60
+    plan = json.loads(result.stdout)
+    assert plan["budget"] == budget and plan["ok"]
+    assert plan["cache_slots"] > 0 and plan["total"] <= budget
+    assert sum(plan["pools"].values()) == plan["total"]
+    assert not any(tmp_path.iterdir())  # nothing written
+
+    table = _run([*args, "--dtype", "bfloat16"], tmp_path)  # the human form: GiB per pool
+    assert table.returncode == 0 and f"{plan['cache_slots']} of 24576 experts" in table.stdout
+    assert "expert_cache" in table.stdout and "GiB" in table.stdout
+
+    refused = _run(
+        ["plan", "--preset", "flashnext", "--vram-budget", "32GiB"], tmp_path
+    )  # fp32, bf16 experts
+    assert refused.returncode == 2 and "too small" in refused.stderr and "Traceback" not in refused.stderr
+    assert "--expert-format int4" in refused.stderr and "--dtype bfloat16" in refused.stderr
+
+
+def test_plan_of_a_model_directory(tmp_path: Path) -> None:
+    model_dir = make_model(tmp_path / "tiny", preset="tiny", arch="qwen2_moe")
+    result = _run(
+        ["plan", "--model", str(model_dir), "--vram-budget", "2G", "--max-running", "2", "--json"], tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["all_experts_fit"] and plan["cache_slots"] == plan["max_cache_slots"] == 3 * 8
+    assert plan["total"] <= plan["budget"] == 2 << 30 and plan["max_running"] == 2
+
+    bad = _run(["plan", "--model", str(model_dir), "--vram-budget", "lots"], tmp_path)
+    assert bad.returncode == 2 and "not a number of bytes" in bad.stderr
+
+
+def test_serve_refuses_a_small_budget_before_starting(tmp_path: Path) -> None:
+    result = _run(["serve", "--vram-budget", "100MiB", "--port", "1"], tmp_path)
+    assert result.returncode == 2 and "too small" in result.stderr and "Traceback" not in result.stderr
+    assert "started" not in result.stderr  # no process was launched
+
+
+@pytest.mark.slow
+def test_generate_sizes_its_cache_from_the_budget(tmp_path: Path) -> None:
+    result = _run(
+        ["generate", "--vram-budget", "1GiB", "--prompt", "The cache", "--max-tokens", "4"], tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "cache slots" in result.stderr and "1 process on the device" in result.stderr

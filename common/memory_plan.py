@@ -1,0 +1,364 @@
+"""The memory plan: how a `--vram-budget` is split among the device pools, from the config alone.
+
+Nothing is loaded: the model is built on the meta device (`empty_model`), which gives every resident
+parameter's shape and dtype and every layer's state specs for free. The pools (DESIGN §3), in bytes:
+
+- `weights`: the meta model's parameters and buffers (tied ones once). Routed experts are not parameters of
+  the module tree (they live in the expert provider: host memory), nor are host tables (PLE's n-gram table,
+  attached by the loader through `attach_table`), so neither is counted.
+- `kv`: a `StatePool` built on the meta device from `model.state_specs(kv_dtype)` with the pages that
+  `ModelRunner` gives it (`common.runner.num_pages`): the same shapes, so the same bytes.
+- `arena`: every `OffloadedExperts` pool has, beside the cache's S slots, a spare row and two arena buffers of
+  E rows (the first doubles as decode's staging rows): (1 + 2E) expert rows per pool. Under `spillway serve`
+  the prefill process holds a pool of its own (0 slots), so two of them.
+- `scratch`: activation workspace, an estimate (`scratch_bytes`): one prefill chunk plus one decode step
+  (each process holds its own allocator cache; the offline engine, one process, needs the larger of the two).
+- `graphs`: a reserve for what the pools do not see: per process on the device `PROCESS_RESERVE` (CUDA
+  context, cuBLAS/Triton workspaces, captured graph pools), plus `FRAGMENTATION` of the budget for the
+  caching allocator's rounding and fragmentation.
+- `expert_cache`: the rest, in whole slots of one expert each, with its tables (`CacheTables`, also built on
+  the meta device: their size is linear in the slots), capped at every expert (L × E).
+
+The plan is refused (`MemoryPlan.check`) when the cache would get fewer than `min_cache_slots`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.config import MemoryPlan, ModelConfig, WorkerConfig, format_bytes
+from common.experts.cache_tables import CacheTables
+from common.experts.formats import ExpertFormat, get_format
+from common.experts.offload import parse_capacity
+from common.experts.resident import ResidentExperts
+from common.kv.state import StatePool
+from common.model.hf_config import load_architecture, read_json
+from common.model.layers import activation
+from common.model.loader import ARTIFACT_META, empty_model
+from common.model.registry import Architecture, get_architecture
+from common.runner import num_pages
+
+MiB, GiB = 1 << 20, 1 << 30
+PROCESS_RESERVE = 512 * MiB
+"""Per process on the device: its CUDA context (a few hundred MiB; not measured here), cuBLAS and Triton
+workspaces, and captured decode graphs' private pools."""
+FRAGMENTATION = 0.02
+"""Share of the budget kept free for the caching allocator (2 MiB rounding of large blocks, fragmentation of
+the activation workspace)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):
+    _UNITS |= {_p: 1024**_i, f"{_p}i": 1024**_i, f"{_p}ib": 1024**_i, f"{_p}b": 1000**_i}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*")
+
+
+def parse_size(text: str) -> int:
+    """`32GiB`, `32G`, `500MiB`, `1.5GiB`, `4096` (bytes) → bytes. K, M, G, T with or without `i`/`iB` are
+    binary (a GPU's "32 GB" is 32 GiB); `KB`, `MB`, `GB`, `TB` are decimal. Case does not matter."""
+    match = _SIZE.fullmatch(text.lower())
+    if match is None or match[2] not in _UNITS:
+        raise ValueError(f"size {text!r} is not a number of bytes with an optional unit (e.g. 32GiB, 500MiB)")
+    return int(float(match[1]) * _UNITS[match[2]])
+
+
+def min_cache_slots(cfg: ModelConfig) -> int:
+    """Fewest slots worth serving with: 2·k per MoE layer (at most E). One decode step of one request asks
+    for k experts of each layer; a cache smaller than that misses on every step, and one of exactly k only
+    keeps what the last step used. As many again gives the policy room to keep what recurs. Batches share
+    much of their experts and misses beyond the cache are served from host memory (bypass), so this does not
+    grow with the lanes."""
+    return len(cfg.moe_layers) * min(cfg.num_experts, 2 * cfg.top_k)
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_model(arch: Architecture, cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
+    """The model on the meta device, as the loader builds it (float32 buffers in a bf16 model included)."""
+    return empty_model(arch, cfg, ResidentExperts({}, activation(cfg.hidden_act)), dtype, "meta")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Resident bytes: parameters and buffers, tied ones once (routed experts and host tables are neither)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.nbytes for t in tensors.values())
+
+
+def state_bytes(model: nn.Module, kv_dtype: torch.dtype, max_running: int, max_context: int, page_size: int):
+    """(bytes, pages) of the state pool a `ModelRunner` would allocate (built on the meta device)."""
+    pages = num_pages(max_running, max_context, page_size)
+    pool = StatePool(model.state_specs(kv_dtype), pages, page_size, max_running, "meta")
+    return sum(t.nbytes for t in pool.named_tensors().values()), pages
+
+
+def _tensors_nbytes(obj: object) -> int:
+    """Bytes of the tensors among `obj`'s attributes (directly, or in lists and dicts)."""
+    total = 0
+    for value in vars(obj).values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+        total += sum(t.nbytes for t in items if isinstance(t, torch.Tensor))
+    return total
+
+
+def table_bytes(num_layers: int, num_experts: int, slots: int) -> int:
+    """Device bytes of the cache tables for `slots` slots (built on the meta device), plus the provider's
+    per-layer traffic counters and the arena's expert ids."""
+    tables = CacheTables(
+        num_layers, num_experts, parse_capacity(str(slots), num_layers, num_experts), device="meta"
+    )
+    return _tensors_nbytes(tables) + 8 * (4 * num_layers + num_experts)
+
+
+def _linear_outputs(module: nn.Module) -> int:
+    return sum(m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def _dequant_bytes(fmt: ExpertFormat, hidden: int, inter: int, dtype: torch.dtype) -> int:
+    """Device bytes of dequantising one expert for the reference expert MLPs: the weights in `dtype` (none for
+    bf16 experts read as bf16: a view), and for fp8/int4 the fp32 working set of the larger weight (gate_up,
+    2·H·I: uint8 codes, fp32 codes, their shifted copy, fp32 product — 13 bytes an element)."""
+    out = 0 if fmt.name == "bf16" and dtype == torch.bfloat16 else 3 * hidden * inter * dtype.itemsize
+    return out + (0 if fmt.name == "bf16" else 13 * 2 * hidden * inter)
+
+
+def _pass_bytes(model: nn.Module, cfg: ModelConfig, tokens: int, seqs: int, dtype: torch.dtype) -> int:
+    """Activations of one forward pass of `tokens` tokens of `seqs` sequences that every layer has:
+
+    - per token, the residual streams R (hc·H with hyper-connections) 4× (the streams, their normed copy,
+      the mixing gate or the sublayer's input, the sum) and twice the widest sub-block's (token mixer, MLP,
+      PLE, hyper-connection) total linear output width W: its projections' outputs live at once, plus one
+      elementwise transform of each (activation, conv, norm, RoPE, gate, cast); and a norm of the streams,
+      which runs in fp32 (its fp32 copy, square and product: 12·R bytes);
+    - per token of a MoE layer, routing in fp32/int64: the router's softmax over E, the top-k weights, ids and
+      the sort that groups them (4·E + 48·k bytes);
+    - the logits of each sequence's last token in fp32 and sampling's [B, V] temporaries (16 fp32 copies,
+      several of them int64 hash noise).
+    """
+    b = dtype.itemsize
+    streams = getattr(cfg, "hc_count", 1) * cfg.hidden_size
+    blocks = [block for layer in model.model.layers for block in layer.children()]
+    widest = max((_linear_outputs(block) for block in blocks), default=0)
+    per_token = b * (4 * streams + 2 * widest) + 12 * streams
+    if cfg.moe_layers:
+        per_token += 4 * cfg.num_experts + 48 * cfg.top_k
+    return tokens * per_token + seqs * cfg.vocab_size * 4 * 16
+
+
+def _linear_attention_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
+    """Gated DeltaNet layers (qwen4_exp): q/k repeated to the value heads, the fp32 core output, and the
+    chunked kernel's per-chunk fp32 states (one [Hv, Dk, Dv] per 64 tokens)."""
+    if "linear_attention" not in cfg.layer_types:
+        return 0
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    per_token = 2 * hv * dk * dtype.itemsize + hv * dv * 4
+    return tokens * per_token + -(-tokens // 64) * hv * dk * dv * 4
+
+
+def _indexer_bytes(cfg: ModelConfig, tokens: int, context: int) -> int:
+    """QSA layers (qwen4_exp): each query's scores over every compressed block of its context in fp32 (and
+    their masked copy) — top-k needs them all — plus the chosen key positions (int64)."""
+    if "indexed_attention" not in cfg.layer_types:
+        return 0
+    blocks = -(-context // cfg.indexer_compress_ratio)
+    return tokens * (2 * blocks * 4 + (cfg.indexer_budget + cfg.indexer_compress_ratio) * 8)
+
+
+def _expert_mlp_bytes(
+    cfg: ModelConfig, fmt: ExpertFormat, tokens: int, dtype: torch.dtype, decode: bool
+) -> int:
+    """The routed expert MLP. Prefill (`grouped_expert_mlp`, one expert at a time): the output accumulator and
+    one expert's rows of x, gate_up, the activated product and y — at most every token — plus one expert
+    dequantised. Decode (`batched_expert_mlp`): every (token, choice) gathers its expert's packed row and
+    dequantises it at once (T·k experts), and its 1-row products."""
+    if not cfg.moe_layers:
+        return 0
+    h, i, k, b = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, dtype.itemsize
+    one = _dequant_bytes(fmt, h, i, dtype)
+    if decode:
+        return tokens * k * (fmt.expert_nbytes(h, i) + one + b * (4 * i + 3 * h))
+    return tokens * b * 4 * (h + i) + one
+
+
+def scratch_bytes(
+    model: nn.Module,
+    cfg: ModelConfig,
+    fmt: ExpertFormat,
+    dtype: torch.dtype,
+    *,
+    max_context: int,
+    max_running: int,
+    prefill_chunk: int,
+    processes: int,
+) -> int:
+    """Activation workspace, an estimate meant to err high: a prefill pass of one chunk (at most the context;
+    prefill runs one request at a time) plus a decode step of every lane (`_pass_bytes`, the expert MLPs and,
+    for qwen4_exp, the linear-attention and indexer terms).
+
+    It assumes fused attention kernels (no [T, C] score matrix per head): the torch reference backend
+    materialises one and is meant for CPU and tests. The decode term is dominated by the gathered, dequantised
+    experts of the reference decode path; a fused kernel over cache slots would not need them."""
+    chunk = min(prefill_chunk, max_context)
+    prefill = (
+        _pass_bytes(model, cfg, chunk, 1, dtype)
+        + _expert_mlp_bytes(cfg, fmt, chunk, dtype, decode=False)
+        + _linear_attention_bytes(cfg, chunk, dtype)
+        + _indexer_bytes(cfg, chunk, max_context)
+    )
+    decode = (
+        _pass_bytes(model, cfg, max_running, max_running, dtype)
+        + _expert_mlp_bytes(cfg, fmt, max_running, dtype, decode=True)
+        + _linear_attention_bytes(cfg, max_running, dtype)
+        + _indexer_bytes(cfg, max_running, max_context)
+    )
+    return prefill + decode if processes > 1 else max(prefill, decode)
+
+
+@functools.lru_cache(maxsize=32)
+def _table_line(num_layers: int, num_experts: int) -> tuple[int, int]:
+    """(fixed, per slot) bytes of the cache tables: their size is linear in the slots (measured at L, 2L)."""
+    one, two = (table_bytes(num_layers, num_experts, n * num_layers) for n in (1, 2))
+    per_slot = (two - one) // num_layers
+    return one - per_slot * num_layers, per_slot
+
+
+def _cache_slots(avail: int, num_layers: int, num_experts: int, expert_bytes: int) -> int:
+    """Most slots whose rows and tables fit in `avail` bytes, capped at L × E."""
+    fixed, per_slot = _table_line(num_layers, num_experts)
+    return max(0, min(num_layers * num_experts, (avail - fixed) // (expert_bytes + per_slot)))
+
+
+def _cache_bytes(num_layers: int, num_experts: int, slots: int, expert_bytes: int) -> int:
+    """The cache's rows and tables."""
+    fixed, per_slot = _table_line(num_layers, num_experts)
+    return fixed + slots * (expert_bytes + per_slot)
+
+
+def plan_memory(
+    cfg: ModelConfig,
+    arch: Architecture | None = None,
+    *,
+    budget_bytes: int,
+    max_context: int,
+    max_running: int,
+    expert_format: str,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
+    page_size: int = 16,
+    prefill_chunk: int = 8192,
+    processes: int = 2,
+) -> MemoryPlan:
+    """The plan for serving `cfg` within `budget_bytes` (see the module docstring); `processes` is 2 for
+    `spillway serve` (decode and prefill each hold an arena, a context and a workspace), 1 for the offline
+    engine. Not checked: call `MemoryPlan.check()` to refuse a cache that is too small."""
+    if budget_bytes <= 0:
+        raise ValueError(f"--vram-budget must be positive, got {budget_bytes} bytes")
+    if not cfg.moe_layers:
+        raise ValueError("the model has no MoE layer: there are no experts to plan a cache for")
+    arch = arch or get_architecture(cfg.model_type)
+    fmt = get_format(expert_format)
+    model = _meta_model(arch, cfg, dtype)
+    context = min(cfg.max_position, max_context)  # as Engine caps it
+    kv, pages = state_bytes(model, kv_dtype or dtype, max_running, context, page_size)
+    layers, experts = len(cfg.moe_layers), cfg.num_experts
+    eb = fmt.expert_nbytes(cfg.hidden_size, cfg.moe_intermediate_size)
+    arena = processes * (1 + 2 * experts) * eb
+    scratch = scratch_bytes(
+        model, cfg, fmt, dtype, max_context=context, max_running=max_running,
+        prefill_chunk=prefill_chunk, processes=processes,
+    )  # fmt: skip
+    graphs = processes * PROCESS_RESERVE + math.ceil(FRAGMENTATION * budget_bytes)
+    weights = weight_bytes(model)
+    fixed = weights + kv + arena + scratch + graphs
+    slots = _cache_slots(budget_bytes - fixed, layers, experts, eb)
+    least = min_cache_slots(cfg)
+    # The smallest budget B with B ≥ (fixed pools but the fragmentation share) + the least cache + 2 %·B.
+    base = fixed - graphs + processes * PROCESS_RESERVE + _cache_bytes(layers, experts, least, eb)
+    return MemoryPlan(
+        budget=budget_bytes,
+        weights=weights,
+        kv=kv,
+        arena=arena,
+        scratch=scratch,
+        graphs=graphs,
+        expert_cache=_cache_bytes(layers, experts, slots, eb),
+        cache_slots=slots,
+        expert_bytes=eb,
+        min_cache_slots=least,
+        max_cache_slots=layers * experts,
+        min_budget=math.ceil(base / (1 - FRAGMENTATION)) + 1,
+        max_context=context,
+        max_running=max_running,
+        prefill_chunk=prefill_chunk,
+        num_pages=pages,
+        expert_format=fmt.name,
+        dtype=str(dtype).removeprefix("torch."),
+        processes=processes,
+    )
+
+
+def artifact_format(model_dir: str | Path) -> str | None:
+    """The expert format of a `spillway convert` artifact (which it is served in whatever is asked), or None
+    for a plain checkpoint."""
+    meta = Path(model_dir) / ARTIFACT_META
+    return read_json(meta)["format"] if meta.is_file() else None
+
+
+def plan_for_dir(model_dir: str | Path, *, expert_format: str, mtp: bool = False, **kwargs) -> MemoryPlan:
+    """`plan_memory` for the model in `model_dir` (config.json only; an artifact's experts in its format);
+    `mtp`: with the checkpoint's MTP head (speculative decoding builds it: weights, state, a MoE layer)."""
+    arch, cfg = load_architecture(model_dir)
+    if mtp and getattr(cfg, "checkpoint_mtp_layers", 0):
+        cfg = dataclasses.replace(cfg, mtp_layers=cfg.checkpoint_mtp_layers)
+    fmt = artifact_format(model_dir) or expert_format
+    return plan_memory(cfg, arch, expert_format=fmt, **kwargs)
+
+
+def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
+    """The plan of `spillway serve`'s workers (decode and prefill on one device), unchecked."""
+    if cfg.vram_budget is None:
+        raise ValueError("no --vram-budget to plan for")
+    return plan_for_dir(
+        cfg.model_dir,
+        expert_format=cfg.expert_format,
+        budget_bytes=cfg.vram_budget,
+        max_context=cfg.max_context,
+        max_running=cfg.max_running,
+        dtype=DTYPES[cfg.dtype],
+        page_size=cfg.page_size,
+        prefill_chunk=cfg.prefill_chunk,
+        processes=2,
+    )
+
+
+def plan_dict(plan: MemoryPlan) -> dict:
+    """The plan as JSON-ready values: every field, bytes per pool, the total and whether it is accepted."""
+    return {
+        **dataclasses.asdict(plan),
+        "pools": plan.pools(),
+        "total": plan.total,
+        "all_experts_fit": plan.all_experts_fit,
+        "ok": plan.ok,
+    }
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A table of the pools in GiB, then the cache's slots."""
+    rows = [*plan.pools().items(), ("total", plan.total), ("budget", plan.budget)]
+    lines = [f"{name:<13}{n / GiB:>10.3f} GiB {n:>16} B" for name, n in rows]
+    share = plan.cache_slots / plan.max_cache_slots * 100
+    lines.append(
+        f"cache slots  {plan.cache_slots:>10} of {plan.max_cache_slots} experts ({share:.1f} %, "
+        f"{format_bytes(plan.expert_bytes)} each in {plan.expert_format}); at least {plan.min_cache_slots}"
+        + (": every expert fits" if plan.all_experts_fit else "")
+    )
+    lines.append(
+        f"for {plan.max_running} lanes × {plan.max_context} tokens ({plan.num_pages} KV pages), "
+        f"{plan.dtype}, {plan.processes} process{'es' if plan.processes > 1 else ''} on the device"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,242 @@
+"""The memory plan: pools within the budget, the bytes the real pools allocate, clear refusals."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import MemoryPlan, WorkerConfig, format_bytes
+from common.engine import Engine
+from common.experts.artifact import convert
+from common.experts.formats import FORMATS
+from common.memory_plan import (
+    MiB,
+    _cache_bytes,
+    _tensors_nbytes,
+    min_cache_slots,
+    parse_size,
+    plan_for_dir,
+    plan_memory,
+)
+from common.model.hf_config import parse_architecture
+from common.model.loader import load_model
+from common.model.synthetic import ARCHS, make_model, model_config
+from common.runner import ModelRunner
+from common.workers.decode import DecodeCore
+
+PRESETS = [("tiny", arch) for arch in ARCHS] + [("qwen3-30b", None), ("flashnext", None)]
+GiB = 1 << 30
+
+
+def _config(preset: str, arch: str | None):
+    return parse_architecture(model_config(preset, arch, {}), Path(f"<{preset}>/config.json"))
+
+
+def _formats(cfg) -> list[str]:
+    """The formats that can hold the config's experts (int4 needs dims that are multiples of 128)."""
+    ok = []
+    for name, fmt in FORMATS.items():
+        try:
+            fmt.components(cfg.hidden_size, cfg.moe_intermediate_size)
+        except ValueError:
+            continue
+        ok.append(name)
+    return ok
+
+
+def _plan(cfg, arch, budget: int, **kw) -> MemoryPlan:
+    settings = {"max_context": 4096, "max_running": 8, "expert_format": "bf16", "dtype": torch.bfloat16}
+    return plan_memory(cfg, arch, budget_bytes=budget, **(settings | kw))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("32GiB", 32 * GiB),
+        ("32G", 32 * GiB),
+        ("32gib", 32 * GiB),
+        ("500MiB", 500 * MiB),
+        ("500M", 500 * MiB),
+        ("1.5GiB", 3 * GiB // 2),
+        ("2GB", 2 * 10**9),
+        ("4096", 4096),
+        ("64 KiB", 64 * 1024),
+        ("1T", 1 << 40),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "32XB", "-1G", "1e9", "32 G B"])
+def test_parse_size_refuses_what_is_not_a_size(text: str) -> None:
+    with pytest.raises(ValueError, match="not a number of bytes"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(("preset", "arch"), PRESETS, ids=[f"{p}-{a or 'default'}" for p, a in PRESETS])
+def test_pools_stay_within_random_budgets(preset: str, arch: str | None) -> None:
+    """For random budgets, contexts, lanes, chunks, dtypes and every format: an accepted plan gives out at
+    most the budget, its cache has as many slots as fit (one more would not), and a refused plan raises."""
+    arch_obj, cfg = _config(preset, arch)
+    rng = random.Random(f"{preset}-{arch}")
+    for fmt in _formats(cfg):
+        for _ in range(16):
+            settings = {
+                "expert_format": fmt,
+                "max_context": rng.choice([1, 100, 4096, 32768, 262144]),
+                "max_running": rng.randint(1, 16),
+                "prefill_chunk": rng.choice([16, 2048, 8192]),
+                "dtype": rng.choice([torch.bfloat16, torch.float32]),
+                "processes": rng.choice([1, 2]),
+            }
+            probe = _plan(cfg, arch_obj, GiB, **settings)
+            if rng.random() < 0.5:  # 256 MiB .. 256 GiB
+                budget = int(2 ** rng.uniform(28, 38))
+            else:  # around the least accepted budget, up to every expert
+                slots = rng.randint(-3, probe.max_cache_slots)
+                budget = probe.min_budget + slots * probe.expert_bytes
+            plan = _plan(cfg, arch_obj, budget, **settings)
+            assert sum(plan.pools().values()) == plan.total
+            if not plan.ok:
+                with pytest.raises(ValueError, match="too small"):
+                    plan.check()
+                continue
+            plan.check()
+            assert plan.min_cache_slots <= plan.cache_slots <= plan.max_cache_slots
+            assert plan.total <= budget
+            layers, experts = len(cfg.moe_layers), cfg.num_experts
+            more = plan.fixed + _cache_bytes(layers, experts, plan.cache_slots + 1, plan.expert_bytes)
+            assert plan.all_experts_fit or more > budget
+
+
+@pytest.mark.parametrize(("preset", "arch"), PRESETS, ids=[f"{p}-{a or 'default'}" for p, a in PRESETS])
+def test_min_budget_is_the_least_that_is_accepted(preset: str, arch: str | None) -> None:
+    arch_obj, cfg = _config(preset, arch)
+    least = _plan(cfg, arch_obj, GiB).min_budget
+    assert _plan(cfg, arch_obj, least).ok
+    assert not _plan(cfg, arch_obj, least - 2 * _plan(cfg, arch_obj, least).expert_bytes).ok
+
+
+def test_min_cache_slots_is_two_top_k_per_moe_layer_at_most_every_expert() -> None:
+    _, flash = _config("flashnext", None)
+    assert min_cache_slots(flash) == 48 * 2 * 10
+    _, tiny = _config("tiny", "qwen3_moe")  # 3 MoE layers (layer 1 is dense), k = 2 of 8
+    assert min_cache_slots(tiny) == 3 * 4
+    _, few = parse_architecture(model_config("tiny", "mixtral", {"num_local_experts": 3}), Path("x"))
+    assert min_cache_slots(few) == 4 * 3
+
+
+def test_refusal_names_the_numbers_and_what_to_change() -> None:
+    arch, cfg = _config("flashnext", None)
+    plan = _plan(cfg, arch, 12 * GiB, dtype=torch.float32)
+    assert not plan.ok
+    with pytest.raises(ValueError) as err:
+        plan.check()
+    msg = str(err.value)
+    for needle in (
+        str(plan.budget),
+        format_bytes(plan.fixed),
+        f"{plan.cache_slots} slots",
+        f"at least {plan.min_cache_slots}",
+        f"at least {format_bytes(plan.min_budget)}",
+        "--max-context (now 4096)",
+        "--max-running (now 8)",
+        "--expert-format int4 (now bf16)",
+        "--dtype bfloat16",
+    ):
+        assert needle in msg, (needle, msg)
+
+
+def test_a_budget_that_holds_every_expert_caps_the_cache() -> None:
+    arch, cfg = _config("qwen3-30b", None)
+    plan = _plan(cfg, arch, 512 * GiB)
+    assert plan.all_experts_fit and plan.ok
+    assert plan.cache_slots == plan.max_cache_slots == 48 * 128
+    assert plan.total < plan.budget  # the rest stays unused
+
+
+def test_flashnext_int4_at_32gib() -> None:
+    """The reference workload (DESIGN: a 32 GiB card, int4 experts, bf16): one lane of 4096 tokens leaves the
+    cache thousands of slots; 8 lanes of the full 262144-token context do not fit."""
+    arch, cfg = _config("flashnext", None)
+    one = _plan(cfg, arch, 32 * GiB, expert_format="int4", max_running=1)
+    assert one.ok and one.cache_slots > 5 * one.min_cache_slots
+    full = _plan(cfg, arch, 32 * GiB, expert_format="int4", max_context=262144)
+    assert not full.ok and full.kv > 32 * GiB
+
+
+# -- against the real allocations (the tiny models) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp(request.param), preset="tiny", arch=request.param)
+
+
+def _dir_plan(model_dir: Path, budget: int = 2 * GiB, **kw) -> MemoryPlan:
+    settings = {"max_context": 100, "max_running": 3, "expert_format": "bf16", "dtype": torch.float32}
+    return plan_for_dir(model_dir, budget_bytes=budget, **(settings | kw))
+
+
+def _resident_bytes(model: torch.nn.Module) -> int:
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.nbytes for t in tensors.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_and_kv_are_what_the_loaded_model_holds(tiny: Path, dtype: torch.dtype) -> None:
+    plan = _dir_plan(tiny, dtype=dtype)
+    model = load_model(tiny, dtype=dtype)
+    assert plan.weights == _resident_bytes(model)  # routed experts and host tables are not counted
+    runner = ModelRunner(model, max_seqs=3, max_context=100, page_size=16)
+    assert plan.kv == sum(t.nbytes for t in runner.pool.named_tensors().values())
+    assert plan.num_pages == runner.pool.num_pages
+
+
+def test_mtp_head_is_planned_when_speculating(tmp_path: Path) -> None:
+    model_dir = make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp")
+    plan = _dir_plan(model_dir, mtp=True)
+    model = load_model(model_dir, dtype=torch.float32, with_mtp=True)
+    assert plan.weights == _resident_bytes(model) > _dir_plan(model_dir).weights
+    assert plan.max_cache_slots == len(model.config.moe_layers) * model.config.num_experts
+    runner = ModelRunner(model, max_seqs=3, max_context=100, page_size=16)
+    assert plan.kv == sum(t.nbytes for t in runner.pool.named_tensors().values())
+
+
+def test_engine_cache_and_arena_are_what_the_plan_says(tiny: Path) -> None:
+    """An engine built with the plan's slots allocates exactly the planned cache rows, tables and arena."""
+    fit = _dir_plan(tiny, processes=1)
+    plan = _dir_plan(tiny, processes=1, budget=fit.min_budget + 5 * fit.expert_bytes)
+    assert plan.ok and plan.min_cache_slots < plan.cache_slots < plan.max_cache_slots
+    engine = Engine(
+        tiny, dtype=torch.float32, max_seqs=3, max_context=100, expert_cache=str(plan.cache_slots)
+    )
+    offload = engine.offload
+    assert offload.tables.num_slots == plan.cache_slots
+    assert sum(t.nbytes for t in offload.pool.values()) == plan.cache_slots * plan.expert_bytes + plan.arena
+    tables = _tensors_nbytes(offload.tables) + offload._moved.nbytes + offload.arena.ids.nbytes
+    assert plan.expert_cache == plan.cache_slots * plan.expert_bytes + tables
+    assert plan.weights == _resident_bytes(engine.model)
+    assert plan.kv == sum(t.nbytes for t in engine.runner.pool.named_tensors().values())
+
+
+def test_an_artifact_is_planned_in_its_own_format(tmp_path: Path) -> None:
+    src = make_model(tmp_path / "src", preset="tiny", arch="qwen3_moe")
+    convert(src, tmp_path / "fp8", "fp8", log=lambda _: None)
+    assert _dir_plan(tmp_path / "fp8", expert_format="bf16").expert_format == "fp8"
+
+
+def test_decode_sizes_its_cache_from_the_budget(tiny: Path) -> None:
+    cfg = WorkerConfig(model_dir=str(tiny), max_running=2, max_context=64, vram_budget=2 * GiB)
+    core = DecodeCore(cfg)
+    assert core.plan is not None and core.plan.ok
+    assert core.cfg.expert_cache == str(core.plan.cache_slots)
+    assert core.engine.offload.tables.num_slots == core.plan.cache_slots  # every expert fits: all of them
+    with pytest.raises(ValueError, match="too small"):
+        DecodeCore(WorkerConfig(model_dir=str(tiny), vram_budget=64 * MiB))
+    with pytest.raises(ValueError, match="not both"):
+        DecodeCore(WorkerConfig(model_dir=str(tiny), vram_budget=2 * GiB, expert_cache="0.5"))
