@@ -137,6 +137,9 @@ class WorkerConfig:
     """Force the router's choices: a trace file or `synthetic-zipf:...` (benchmarks)."""
     page_size: int = 16
     """Tokens per KV page."""
+    kv_dtype: str | None = None
+    """Attention K/V storage: None or `auto` (the model dtype) or `fp8_e4m3` (half of bf16's bytes, fixed
+    per-layer K and V scales calibrated at load; indexer keys and recurrent state stay in `dtype`)."""
     vram_budget: int | None = None
     """Hard cap, in bytes, on the device memory of the services (decode and prefill together): decode sizes
     the expert cache to what the memory plan leaves (`common/memory_plan.py`) and refuses to start when that

@@ -52,6 +52,7 @@ class Engine:
         replay_routing: str | None = None,
         pinned_experts: dict[int, list[int]] | None = None,
         page_size: int = 16,
+        kv_dtype: str | None = None,
         allocate: Allocator | None = None,
         host_allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
@@ -59,8 +60,9 @@ class Engine:
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
         keeps the router's choices (`routing_recorder.trace()`); `replay_routing` (a trace file or
         `synthetic-zipf:...`) forces them; `pinned_experts` (MoE layer index → experts, a calibration hot set)
-        stay cached for good; `allocate` makes the state pool's tensors (see StatePool), `host_allocate` the
-        host expert store's memory (see HostExpertStore)."""
+        stay cached for good; `kv_dtype` (`fp8_e4m3`; None or `auto`: the model dtype) stores attention K/V
+        in fp8 with fixed per-layer scales (see ModelRunner); `allocate` makes the state pool's tensors (see
+        StatePool), `host_allocate` the host expert store's memory (see HostExpertStore)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         self.model = load_model(model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp")
@@ -85,7 +87,12 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         context = min(self.config.max_position, max_context or 4096)
         self.runner = ModelRunner(
-            self.model, max_seqs=max_seqs, max_context=context, page_size=page_size, allocate=allocate
+            self.model,
+            max_seqs=max_seqs,
+            max_context=context,
+            page_size=page_size,
+            kv_dtype=kv_dtype,
+            allocate=allocate,
         )
         self.device = self.runner.device
         self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None

@@ -6,8 +6,9 @@ parameter's shape and dtype and every layer's state specs for free. The pools (D
 - `weights`: the meta model's parameters and buffers (tied ones once). Routed experts are not parameters of
   the module tree (they live in the expert provider: host memory), nor are host tables (PLE's n-gram table,
   attached by the loader through `attach_table`), so neither is counted.
-- `kv`: a `StatePool` built on the meta device from `model.state_specs(kv_dtype)` with the pages that
-  `ModelRunner` gives it (`common.runner.num_pages`): the same shapes, so the same bytes.
+- `kv`: a `StatePool` built on the meta device from `model.state_specs(dtype)`, K/V in `kv_dtype` (fp8: half
+  of bf16, plus the per-layer scales), with the pages that `ModelRunner` gives it (`common.runner.num_pages`):
+  the same shapes and dtypes, so the same bytes.
 - `arena`: every `OffloadedExperts` pool has, beside the cache's S slots, a spare row and two arena buffers of
   E rows (the first doubles as decode's staging rows): (1 + 2E) expert rows per pool. Under `spillway serve`
   the prefill process holds a pool of its own (0 slots), so two of them.
@@ -38,6 +39,7 @@ from common.experts.cache_tables import CacheTables
 from common.experts.formats import ExpertFormat, get_format
 from common.experts.offload import parse_capacity
 from common.experts.resident import ResidentExperts
+from common.kv.fp8 import parse_kv_dtype, with_kv_dtype
 from common.kv.state import StatePool
 from common.model.hf_config import load_architecture, read_json
 from common.model.layers import activation
@@ -90,10 +92,19 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.nbytes for t in tensors.values())
 
 
-def state_bytes(model: nn.Module, kv_dtype: torch.dtype, max_running: int, max_context: int, page_size: int):
-    """(bytes, pages) of the state pool a `ModelRunner` would allocate (built on the meta device)."""
+def state_bytes(
+    model: nn.Module,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | str | None,
+    max_running: int,
+    max_context: int,
+    page_size: int,
+):
+    """(bytes, pages) of the state pool a `ModelRunner` would allocate (built on the meta device): state in
+    `dtype`, attention K/V in `kv_dtype` (None: `dtype`), as the runner builds it."""
     pages = num_pages(max_running, max_context, page_size)
-    pool = StatePool(model.state_specs(kv_dtype), pages, page_size, max_running, "meta")
+    specs = with_kv_dtype(model.state_specs(dtype), parse_kv_dtype(kv_dtype))
+    pool = StatePool(specs, pages, page_size, max_running, "meta")
     return sum(t.nbytes for t in pool.named_tensors().values()), pages
 
 
@@ -248,7 +259,7 @@ def plan_memory(
     max_running: int,
     expert_format: str,
     dtype: torch.dtype,
-    kv_dtype: torch.dtype | None = None,
+    kv_dtype: torch.dtype | str | None = None,
     page_size: int = 16,
     prefill_chunk: int = 8192,
     processes: int = 2,
@@ -264,7 +275,7 @@ def plan_memory(
     fmt = get_format(expert_format)
     model = _meta_model(arch, cfg, dtype)
     context = min(cfg.max_position, max_context)  # as Engine caps it
-    kv, pages = state_bytes(model, kv_dtype or dtype, max_running, context, page_size)
+    kv, pages = state_bytes(model, dtype, kv_dtype, max_running, context, page_size)
     layers, experts = len(cfg.moe_layers), cfg.num_experts
     eb = fmt.expert_nbytes(cfg.hidden_size, cfg.moe_intermediate_size)
     arena = processes * (1 + 2 * experts) * eb
@@ -331,6 +342,7 @@ def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
         max_running=cfg.max_running,
         dtype=DTYPES[cfg.dtype],
         page_size=cfg.page_size,
+        kv_dtype=cfg.kv_dtype,
         prefill_chunk=cfg.prefill_chunk,
         processes=2,
     )

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from common.kv.backend import AttentionBackend, TorchPagedBackend
 from common.kv.batch import ForwardBatch
-from common.kv.state import Allocator, SequenceState, StatePool
+from common.kv.fp8 import parse_kv_dtype, scales_from_amax, with_kv_dtype
+from common.kv.state import Allocator, LayerState, SequenceState, StatePool
 from common.model.context import ForwardContext
 
 
@@ -17,6 +19,12 @@ def num_pages(max_seqs: int, max_context: int, page_size: int) -> int:
     """KV pages of a state pool: every lane can hold a full context at once (the memory plan sizes the KV
     pool with this too, so the plan and the pool cannot disagree)."""
     return max_seqs * -(-max_context // page_size)
+
+
+KV_CALIBRATION_TOKENS = 64
+"""Synthetic tokens of the calibration pass that sets the fp8 K/V scales."""
+KV_SCALE_MARGIN = 2.0
+"""Headroom over the calibration amax: real text may reach further; beyond it values saturate at ±448."""
 
 
 class ModelRunner:
@@ -29,17 +37,45 @@ class ModelRunner:
         max_context: int,
         page_size: int = 16,
         backend: AttentionBackend | None = None,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | str | None = None,
         allocate: Allocator | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        """`allocate` makes the state pool's tensors (see StatePool)."""
+        """`kv_dtype` (`fp8_e4m3`, a torch dtype, or None/`auto` for the model's) stores attention K/V only;
+        other state stays in the model dtype. With fp8, `kv_scales` [layers, 2] (K, V) are the fixed
+        per-layer scales (e.g. a checkpoint's k_scale/v_scale); None calibrates them at load (see
+        `calibrate_kv_scales`). `allocate` makes the state pool's tensors (see StatePool)."""
         param = next(model.parameters())
         self.model, self.device = model, param.device
         self.backend = backend or TorchPagedBackend()
-        specs = model.state_specs(kv_dtype or param.dtype)
+        specs = with_kv_dtype(model.state_specs(param.dtype), parse_kv_dtype(kv_dtype))
         pages = num_pages(max_seqs, max_context, page_size)
         self.pool = StatePool(specs, pages, page_size, max_seqs, self.device, allocate)
         self.max_context = max_context
+        if self.pool.kv_scales is not None:
+            scales = kv_scales if kv_scales is not None else self.calibrate_kv_scales(page_size)
+            self.pool.kv_scales.copy_(scales)
+
+    def calibrate_kv_scales(self, page_size: int) -> torch.Tensor:
+        """Per-layer K and V scales [layers, 2]: amax × KV_SCALE_MARGIN / 448 over one pass of seeded random
+        tokens (MTP layers too), run with K/V in the model dtype.
+
+        Fixed at load, so outputs do not depend on batch composition or arrival order (scales taken from
+        live traffic would). Deterministic, so every process that calibrates the same model agrees; the
+        prefill worker reads decode's scales anyway (they are exported with the pool).
+        """
+        n = KV_CALIBRATION_TOKENS
+        probe = ModelRunner(self.model, 1, max_context=2 * n, page_size=page_size, backend=self.backend)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(self.model.config.vocab_size, (n + 1,), generator=gen).tolist()
+        with _routing_hooks_off(self.model):  # a recorded or replayed routing trace must not see these tokens
+            seq = probe.new_sequence()
+            if getattr(self.model, "mtp", None) is not None:
+                streams = probe.forward_streams([seq], [tokens[:n]])
+                probe.draft([seq], [tokens[1:]], streams)  # MTP rows at positions n..2n-1
+            else:
+                probe.forward([seq], [tokens[:n]])
+        return scales_from_amax(_kv_amax(probe.pool, self.device), KV_SCALE_MARGIN)
 
     def new_sequence(self) -> SequenceState:
         return self.pool.new_sequence()
@@ -89,3 +125,26 @@ class ModelRunner:
     def _advance(seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> None:
         for seq, toks in zip(seqs, tokens, strict=True):
             seq.num_cached += len(toks)
+
+
+@contextmanager
+def _routing_hooks_off(model: nn.Module) -> Iterator[None]:
+    """Detach every MoE block's routing hook (recorder, replayer) for the duration; put them back after."""
+    hooked = {m: m.routing_hook for m in model.modules() if getattr(m, "routing_hook", None) is not None}
+    for module in hooked:
+        module.routing_hook = None
+    try:
+        yield
+    finally:
+        for module, hook in hooked.items():
+            module.routing_hook = hook
+
+
+def _kv_amax(pool: StatePool, device: torch.device) -> torch.Tensor:
+    """[layers, 2] largest |K| and |V| in each layer's pages (0 for layers without K/V)."""
+    zero = torch.zeros((), device=device)
+
+    def amax(layer: LayerState, name: str) -> torch.Tensor:
+        return layer.paged[name].abs().amax().float() if name in layer.paged else zero
+
+    return torch.stack([torch.stack([amax(layer, "k"), amax(layer, "v")]) for layer in pool.layers])

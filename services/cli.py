@@ -53,6 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
         record_routing=args.record_routing is not None,
         replay_routing=args.replay_routing,
         pinned_experts=load_hot_set(args.pin_experts) if args.pin_experts else None,
+        kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
     )
     tok = engine.tokenizer
     if args.chat is not None:
@@ -113,6 +114,7 @@ def _generate_cache(args: argparse.Namespace, model_dir: Path) -> str:
         prefill_chunk=args.prefill_chunk,
         processes=1,
         mtp=args.speculative == "mtp",
+        kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
     )
     print(format_plan(plan), file=sys.stderr)
     plan.check()
@@ -146,6 +148,7 @@ def _plan(args: argparse.Namespace) -> int:
         "dtype": DTYPES[args.dtype],
         "prefill_chunk": args.prefill_chunk,
         "processes": 1 if args.single_process else 2,
+        "kv_dtype": None if args.kv_dtype == "auto" else args.kv_dtype,
     }
     if args.model is not None:
         if args.arch is not None or args.set:
@@ -175,6 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
     load_architecture(model_dir)  # a bad config fails here, with its file named, before any process starts
     worker_args = ["--device", args.device, "--dtype", args.dtype, "--cache-policy", args.cache_policy]
     worker_args += ["--prefill-chunk", str(args.prefill_chunk), "--expert-format", args.expert_format]
+    worker_args += ["--kv-dtype", args.kv_dtype]
     if args.expert_cache:
         worker_args += ["--expert-cache", args.expert_cache]
     if args.replay_routing:
@@ -216,6 +220,7 @@ def _check_serve_plan(args: argparse.Namespace, model_dir: str) -> None:
         expert_format=args.expert_format,
         prefill_chunk=args.prefill_chunk,
         vram_budget=args.vram_budget,
+        kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
     )
     _, plan = apply_memory_plan(cfg)
     logging.getLogger("launch").info("memory plan:\n%s", format_plan(plan))
@@ -240,6 +245,9 @@ def _add_serve(sub) -> None:
     srv.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=POLICIES)
     srv.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
     srv.add_argument("--prefill-chunk", type=int, default=8192)
+    srv.add_argument(
+        "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
+    )
     srv.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
     srv.add_argument(
         "--vram-budget",
@@ -315,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens per prefill pass")
     gen.add_argument(
+        "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
+    )
+    gen.add_argument(
         "--vram-budget",
         type=size_arg,
         default=None,
@@ -372,6 +383,9 @@ def _add_plan(sub) -> None:
     plan.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
     plan.add_argument("--dtype", choices=DTYPES, default="float32")
     plan.add_argument("--prefill-chunk", type=int, default=8192)
+    plan.add_argument(
+        "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
+    )
     plan.add_argument(
         "--single-process",
         action="store_true",

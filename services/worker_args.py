@@ -27,6 +27,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="device memory cap of both workers (e.g. 32GiB): decode sizes the expert cache to what is left",
     )
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V page dtype")
     parser.add_argument("--inbox", required=True, help="this worker's PULL address")
     parser.add_argument("--router", required=True, help="the router's inbox address")
     parser.add_argument("--peer", required=True, help="the other worker's inbox address")
@@ -47,6 +48,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         prefill_chunk=args.prefill_chunk,
         replay_routing=args.replay_routing,
         vram_budget=args.vram_budget,
+        kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
     )
 
 

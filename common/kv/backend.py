@@ -4,6 +4,8 @@ Contract: `plan(batch)` runs once per forward pass and returns whatever the back
 tensors, a flashinfer wrapper's plan); then each attention layer calls `forward`, which writes the batch's
 new keys and values into that layer's pages and returns the attention output of the batch's queries.
 The model never sees the layout, so flashinfer/Triton backends and pools shared over CUDA IPC plug in here.
+Backends store and load K/V through `write_kv`/`read_kv`, which (de)quantize fp8 pages with the layer's
+scales (common/kv/fp8.py), so every attention layer type gets an fp8 KV cache without knowing of it.
 """
 
 from __future__ import annotations
@@ -15,13 +17,30 @@ from typing import Any
 import torch
 
 from common.kv.batch import ForwardBatch
+from common.kv.fp8 import dequantize, is_fp8, quantize
 from common.kv.state import LayerState, PagedSpec
 
 
 def kv_specs(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, PagedSpec]:
     """The paged state of one attention layer: keys and values, [num_kv_heads, head_dim] per token."""
-    spec = PagedSpec((num_kv_heads, head_dim), dtype)
+    spec = PagedSpec((num_kv_heads, head_dim), dtype, kv=True)
     return {"k": spec, "v": spec}
+
+
+def write_kv(state: LayerState, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] at the flat KV slots [T]; fp8 pages are quantized with the layer's scales."""
+    for i, (name, x) in enumerate((("k", k), ("v", v))):
+        flat = state.paged[name].flatten(0, 1)  # [slots, Hkv, D]
+        flat[slot_mapping] = quantize(x, state.kv_scale[i]) if is_fp8(flat) else x.to(flat.dtype)
+
+
+def read_kv(state: LayerState, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [*slots.shape, Hkv, D] at the flat KV `slots`, in `dtype` (fp8 pages dequantized)."""
+    out = []
+    for i, name in enumerate(("k", "v")):
+        x = state.paged[name].flatten(0, 1)[slots]
+        out.append(dequantize(x, state.kv_scale[i], dtype) if is_fp8(x) else x.to(dtype))
+    return out[0], out[1]
 
 
 class AttentionBackend(ABC):
@@ -98,15 +117,11 @@ class TorchPagedBackend(AttentionBackend):
         window: int | None = None,
         selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        k_flat = state.paged["k"].flatten(0, 1)  # [slots, Hkv, D]
-        v_flat = state.paged["v"].flatten(0, 1)
-        k_flat[plan.slot_mapping] = k.to(k_flat.dtype)
-        v_flat[plan.slot_mapping] = v.to(v_flat.dtype)
-
+        write_kv(state, plan.slot_mapping, k, v)
         num_heads, num_kv = q.shape[1], k.shape[1]
         qb = q[plan.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
-        kb = k_flat[plan.k_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, Kmax, D]
-        vb = v_flat[plan.k_slots].to(q.dtype).transpose(1, 2)
+        kb, vb = read_kv(state, plan.k_slots, q.dtype)  # [B, Kmax, Hkv, D] each
+        kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # [B, Hkv, Kmax, D]
         kb = kb.repeat_interleave(num_heads // num_kv, dim=1)
         vb = vb.repeat_interleave(num_heads // num_kv, dim=1)
 

@@ -23,6 +23,9 @@ class PagedSpec:
 
     token_shape: tuple[int, ...]
     dtype: torch.dtype
+    kv: bool = False
+    """Attention keys or values: stored in the KV dtype (fp8 with a per-layer scale, see common/kv/fp8.py)
+    when one is asked for; other paged state stays in the model dtype."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class LayerState:
     paged: dict[str, torch.Tensor]
     slots: dict[str, torch.Tensor]
     fills: dict[str, float] = field(default_factory=dict)
+    kv_scale: torch.Tensor | None = None
+    """[2] float32 (K, V): what the layer's fp8 K/V pages are multiplied by when read; None = not fp8."""
 
 
 class StatePool:
@@ -113,15 +118,34 @@ class StatePool:
             }
             fills = {name: s.fill for name, s in specs.items() if isinstance(s, SlotSpec)}
             self.layers.append(LayerState(paged, slots, fills))
+        self.kv_scales = self._alloc_kv_scales(alloc, device)
         self.pages = IndexAllocator(num_pages)
         self.slots = IndexAllocator(max_seqs)
 
+    def _alloc_kv_scales(self, alloc: Allocator, device: torch.device | str) -> torch.Tensor | None:
+        """One [layers, 2] float32 tensor of K/V scales when any layer stores K/V in fp8 (one tensor, not one
+        per layer: each exported tensor costs an IPC handle); 1 until the runner calibrates them."""
+        if not any(t.dtype == torch.float8_e4m3fn for layer in self.layers for t in layer.paged.values()):
+            return None
+        scales = alloc((len(self.layers), 2), torch.float32, device)
+        scales.fill_(1.0)
+        self._bind_kv_scales(scales)
+        return scales
+
+    def _bind_kv_scales(self, scales: torch.Tensor) -> None:
+        for i, layer in enumerate(self.layers):
+            if any(t.dtype == torch.float8_e4m3fn for t in layer.paged.values()):
+                layer.kv_scale = scales[i]  # a view: attach() rebinds it to the exporter's tensor
+
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """Every pool tensor as `{layer}.{name}` (what the decode worker exports)."""
+        """Every pool tensor as `{layer}.{name}`, plus `kv_scales` with fp8 K/V (what decode exports: the
+        prefill process reads decode's scales, so both quantize alike)."""
         out = {}
         for i, layer in enumerate(self.layers):
             for name, t in (layer.paged | layer.slots).items():
                 out[f"{i}.{name}"] = t
+        if self.kv_scales is not None:
+            out["kv_scales"] = self.kv_scales
         return out
 
     def attach(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -129,6 +153,10 @@ class StatePool:
         for key, mine in self.named_tensors().items():
             if key not in tensors or tensors[key].shape != mine.shape or tensors[key].dtype != mine.dtype:
                 raise ValueError(f"state pool tensor {key}: expected {tuple(mine.shape)} {mine.dtype}")
+            if key == "kv_scales":
+                self.kv_scales = tensors[key]
+                self._bind_kv_scales(self.kv_scales)
+                continue
             i, name = key.split(".", 1)
             layer = self.layers[int(i)]
             (layer.paged if name in layer.paged else layer.slots)[name] = tensors[key]

@@ -47,6 +47,7 @@ def load_engine(
         prefill_chunk=cfg.prefill_chunk,
         replay_routing=cfg.replay_routing,
         page_size=cfg.page_size,
+        kv_dtype=cfg.kv_dtype,
         allocate=allocate,
         host_allocate=host_allocate,
     )

@@ -57,7 +57,15 @@ class PrefillCore:
         self, cfg: WorkerConfig, model: torch.nn.Module, pool_tensors: dict[str, torch.Tensor], eos_ids
     ) -> None:
         self.cfg = cfg
-        self.runner = ModelRunner(model, cfg.max_running, cfg.max_context, cfg.page_size, allocate=_meta)
+        self.runner = ModelRunner(
+            model,
+            cfg.max_running,
+            cfg.max_context,
+            cfg.page_size,
+            kv_dtype=cfg.kv_dtype,
+            allocate=_meta,
+            kv_scales=torch.ones(1),  # placeholder (skips calibration): attach brings decode's scales
+        )
         self.runner.pool.attach(pool_tensors)
         self.eos_ids = eos_ids
         self.queue: deque[Generate] = deque()

@@ -35,6 +35,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
         ("qwen3_moe", "0.25", "bfloat16"),  # float32 buffers (RoPE) in a bf16 model
         ("qwen4_exp", None, "float32"),
         ("qwen4_exp", "0.25", "bfloat16"),
+        ("qwen4_exp", "0.25", "fp8-kv"),  # fp8 K/V pages: prefill quantizes with decode's scales
     ],
     ids=[
         "qwen3-resident",
@@ -42,10 +43,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
         "qwen3-offloaded-bf16",
         "qwen4-resident",
         "qwen4-offloaded-bf16",
+        "qwen4-offloaded-fp8kv",
     ],
 )
 def cores(request, tmp_path_factory):
     arch, cache, dtype = request.param
+    kv_dtype = "fp8_e4m3" if dtype == "fp8-kv" else None
+    dtype = "float32" if kv_dtype else dtype
     if arch == "qwen3_moe":
         model_dir = default_model_dir()
     else:
@@ -57,6 +61,7 @@ def cores(request, tmp_path_factory):
         prefill_chunk=5,
         expert_cache=cache,
         dtype=dtype,
+        kv_dtype=kv_dtype,
     )
     dec = DecodeCore(cfg, shared_allocator, host_allocator)
     exports = decode(encode(decode_exports(dec)))
