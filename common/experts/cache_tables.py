@@ -112,7 +112,6 @@ class CacheTables:
         self.frozen = False
         """While True (a prefill reads the slots in place), nothing is inserted or evicted: every miss is a
         bypass, and rebalance waits. Set between steps."""
-        self._seen = {n: torch.zeros_like(c) for n, c in self.counters.items()}
         for layer, experts in (pinned or {}).items():
             self.pin(layer, experts)
 
@@ -255,41 +254,86 @@ class CacheTables:
         self.owner[spare].fill_(-1)
         slot_of[e].fill_(-1)
 
-    def rebalance(self, slots_to_move: int, min_slots: int = 1) -> tuple[int, int, int] | None:
-        """Between steps: move slots from the layer with the best hit rate since the last call to the worst.
+    def rebalance(
+        self, slots_to_move: int, min_slots: int = 1, max_chunks: int | None = 4, margin: float = 0.25
+    ) -> list[tuple[int, int, int]]:
+        """Between steps: move slots to the layers where a slot saves the most misses (water-filling).
 
-        The donor gives up its lowest-scoring unpinned slots (their experts are evicted). Reads the counters
-        on the host, so it runs outside captured steps. Returns (donor, recipient, slots moved) or None.
+        The signal is a slot's marginal worth to each layer, from the fresh-request rates (`_rate`: estimated
+        requests per step) that every policy keeps for every expert, cached or not:
+        - a layer's loss from giving up a chunk: the mean rate of the experts in its next lowest-ranked
+          evictable slots (the ones it would give up; a free slot is worth 0);
+        - a layer's gain from a chunk more: the mean rate of the absent experts next in line once its free
+          slots are filled (the misses that more slots would turn into hits).
+        While the largest next gain exceeds (1 + `margin`) × the smallest next loss, that chunk moves. Chunks
+        are `slots_to_move` slots (a donor's last may be smaller); in one call a layer gives or takes, not
+        both, at most `max_chunks` chunks (None: no limit). `margin` damps moves on noisy estimates (each
+        evicts experts). Raw hit rate is the wrong signal: a skewed layer hits often, yet the worth of its
+        marginal slot may be above or below a flat layer's. A donor gives up its lowest-scoring unpinned slots
+        (their experts are evicted). Reads the tables on the host, so it runs outside captured steps.
+        Returns the moves, [(donor, recipient, slots moved)], possibly none.
         """
-        if self.frozen:
-            return None
-        hits = (self.counters["hits"] - self._seen["hits"]).tolist()
-        misses = (self.counters["misses"] - self._seen["misses"]).tolist()
-        self._seen = {n: c.clone() for n, c in self.counters.items()}
-        rate = [h / (h + m) if h + m else 1.0 for h, m in zip(hits, misses, strict=True)]
-        movable = [i for i in range(self.num_layers) if self.capacities[i] > min_slots]
-        if not movable:
-            return None
-        donor = max(movable, key=lambda i: rate[i])
-        recipient = min(range(self.num_layers), key=lambda i: rate[i])
-        slots = self.layer_slots[donor]
-        owner = self.owner[slots]
-        key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, self._rate(donor)))
-        key = torch.where(self.pinned[slots], _KEY_MAX, key)
-        n = min(slots_to_move, slots.numel() - min_slots, int((key < _KEY_MAX).sum()))
-        if donor == recipient or n <= 0 or rate[donor] <= rate[recipient]:
-            return None
-        give = torch.topk(key, n, largest=False).indices
-        moved = slots[give]
+        n = slots_to_move
+        if self.frozen or n <= 0:
+            return []
+        e, limit = self.num_experts, max_chunks if max_chunks is not None else self.num_slots
+        rates = (self.freq / self.absent.clamp(min=1.0)).cpu()  # [L, E], as _rate
+        present = (self.slot_of[:, :e] >= 0).cpu()
+        order, worth, absent = [], [], []  # per layer: slots it can give (lowest first), their worth; gains
+        for layer, slots in enumerate(self.layer_slots):
+            owner = self.owner[slots]
+            key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, self._rate(layer)))
+            key = torch.where(self.pinned[slots], _KEY_MAX, key)
+            can = max(0, min(slots.numel() - min_slots, int((key < _KEY_MAX).sum()), n * limit))
+            lowest = torch.topk(key, can, largest=False).indices
+            held = owner[lowest].cpu()
+            order.append(lowest)
+            worth.append(torch.where(held < 0, 0.0, rates[layer, held.clamp(min=0)]).tolist())
+            free = int((owner < 0).sum())
+            absent.append(rates[layer][~present[layer]].sort(descending=True).values[free:].tolist())
+        given, taken = [0] * self.num_layers, [0] * self.num_layers
+        transfers: list[tuple[int, int, int]] = []
+        while True:
+            # The next chunk's mean worth: a layer that took this call gives nothing, and vice versa.
+            loss = sorted(
+                (sum(w[given[i] : given[i] + n]) / len(w[given[i] : given[i] + n]), i)
+                for i, w in enumerate(worth)
+                if given[i] < len(w) and not taken[i]
+            )[:2]
+            gain = sorted(
+                (-sum(a[taken[i] : taken[i] + n]) / len(a[taken[i] : taken[i] + n]), i)
+                for i, a in enumerate(absent)
+                if taken[i] < min(len(a), n * limit) and not given[i]
+            )[:2]
+            pairs = [
+                (-g - lo, d, r) for lo, d in loss for g, r in gain if d != r and -g > lo * (1.0 + margin)
+            ]
+            if not pairs:
+                break
+            _, d, r = max(pairs, key=lambda x: (x[0], -x[1], -x[2]))
+            m = min(n, len(worth[d]) - given[d])
+            transfers.append((d, r, m))
+            given[d] += m
+            taken[r] += m
+        moves: dict[tuple[int, int], int] = {}
+        for d, r, m in transfers:
+            moves[d, r] = moves.get((d, r), 0) + m
+        moved = {d: self.layer_slots[d][order[d][: given[d]]] for d in set(d for d, _, _ in transfers)}
+        start = dict.fromkeys(moved, 0)
+        for (d, r), m in moves.items():
+            self._move(d, r, moved[d][start[d] : start[d] + m])
+            start[d] += m
+        return [(d, r, m) for (d, r), m in moves.items()]
+
+    def _move(self, donor: int, recipient: int, moved: torch.Tensor) -> None:
+        """Move the slots `moved` from the donor to the recipient, evicting their experts."""
         old = self.owner[moved]
         self.slot_of[donor, torch.where(old >= 0, old, self.num_experts)] = -1
         self.slot_of[donor, self.num_experts] = -1
         self.owner[moved] = -1
-        keep = torch.ones(slots.numel(), dtype=torch.bool, device=self.device)
-        keep[give] = False
-        self.layer_slots[donor] = slots[keep]
+        slots = self.layer_slots[donor]
+        self.layer_slots[donor] = slots[~torch.isin(slots, moved)]
         self.layer_slots[recipient] = torch.cat([self.layer_slots[recipient], moved])
-        return donor, recipient, n
 
     def check(self) -> None:
         """Invariants (tests): no slot owned twice, tables agree, capacities sum to the slot count."""

@@ -207,7 +207,8 @@ class OffloadedExperts(ExpertProvider):
 
     def begin_pass(self, is_decode: bool) -> None:
         """Called by the runner before each forward: decode passes use the cache, others the arena; every
-        `rebalance_every` decode passes, slots move from the layer with the best hit rate to the worst."""
+        `rebalance_every` decode passes, slots move to the layers where they are worth most (see
+        `CacheTables.rebalance`)."""
         self.prefill = not is_decode or self.shared_cache is not None
         self.arena.prefetched.clear()
         self.step += 1

@@ -15,6 +15,11 @@ bounds what any policy could do; the static oracle is what the best fixed set of
   first use and then kept; its misses are those first uses and the accesses outside the set. (Loaded, not
   preloaded: every row starts from the same empty cache, so Belady's is a lower bound on this one too.)
 
+Adaptive rows (`<policy>+adaptive`, by default the default policy's): the same policy with per-layer
+capacity adapted as the runtime adapts it: every `OffloadedExperts.rebalance_every` decode passes (one trace
+token is one decode pass) it calls `CacheTables.rebalance` with the runtime's step, `rebalance_step`. The
+other rows keep every layer's capacity equal.
+
 Steady-state figures count only the tokens after the first `warmup` (default: 10 % of the trace).
 """
 
@@ -29,10 +34,12 @@ from multiprocessing import get_context
 import numpy as np
 import torch
 
-from common.experts.cache_tables import POLICIES, CacheTables
+from common.experts.cache_tables import DEFAULT_POLICY, POLICIES, CacheTables
 from common.experts.trace import RoutingTrace
 
 REFERENCES = ("belady", "oracle-static")
+ADAPTIVE = "+adaptive"
+"""Suffix of a row whose policy runs with adaptive per-layer capacity."""
 
 
 def slots_per_layer(capacity: float, num_experts: int) -> int:
@@ -40,6 +47,18 @@ def slots_per_layer(capacity: float, num_experts: int) -> int:
     if not 0.0 < capacity <= 1.0:
         raise ValueError(f"capacity {capacity} is not a fraction in (0, 1]")
     return max(1, round(capacity * num_experts))
+
+
+def rebalance_every() -> int:
+    """Decode passes between two capacity adjustments: the runtime's own constant."""
+    from common.experts.offload import OffloadedExperts  # lazily: the simulator needs only this constant
+
+    return OffloadedExperts.rebalance_every
+
+
+def rebalance_step(tables: CacheTables) -> int:
+    """Slots one adjustment moves: as `OffloadedExperts.begin_pass` computes them."""
+    return max(1, tables.num_slots // tables.num_layers // 16)
 
 
 def default_warmup(trace: RoutingTrace) -> int:
@@ -53,22 +72,25 @@ def simulate(
     policies: Sequence[str] = POLICIES,
     warmup: int | None = None,
     workers: int | None = None,
+    adaptive: Sequence[str] = (DEFAULT_POLICY,),
 ) -> dict:
-    """Misses of each policy, Belady's optimum and the static oracle on `trace` at `capacity`.
+    """Misses of each policy, of each policy in `adaptive` with adaptive per-layer capacity (row
+    `<policy>+adaptive`), Belady's optimum and the static oracle on `trace` at `capacity`.
 
     Returns {"accesses", "misses": {name: n}, "warmup_tokens", "steady": {"accesses", "misses"}}; the
-    steady figures cover the tokens after the first `warmup_tokens`. Policies replay in `workers`
-    processes (default: one per policy on a multi-core machine; 1: all in this process).
+    steady figures cover the tokens after the first `warmup_tokens`. Rows replay in `workers` processes
+    (default: one per row on a multi-core machine; 1: all in this process).
     """
     warmup = default_warmup(trace) if warmup is None else warmup
     if not 0 <= warmup <= trace.num_tokens:
         raise ValueError(f"warmup {warmup} is outside [0, {trace.num_tokens}] tokens")
-    for policy in policies:
+    for policy in (*policies, *adaptive):
         if policy not in POLICIES:
             raise ValueError(f"cache policy {policy!r} is not one of {POLICIES}")
+    rows = [*policies, *(p + ADAPTIVE for p in adaptive)]
     slots = slots_per_layer(capacity, trace.num_experts)
     if workers is None:  # all at once: with 3 policies on 2 cores, 3 processes finish before 2 would
-        workers = len(policies) if (os.cpu_count() or 1) > 1 else 1
+        workers = len(rows) if (os.cpu_count() or 1) > 1 else 1
     total, steady = {}, {}
     if workers > 1:
         # Each replay is a long chain of small tensor ops, bound by Python and dispatch overhead (threads
@@ -84,16 +106,16 @@ def simulate(
             # in the queue's feeder thread while this thread reads it (torch's multiprocessing reductions).
             ids = trace.ids.numpy().copy()
             args = (ids, trace.num_experts, slots, warmup)
-            jobs = {p: pool.submit(_replay_ids, *args, p) for p in policies}
+            jobs = {p: pool.submit(_replay_ids, *args, p) for p in rows}
             total["belady"], steady["belady"] = belady_misses(trace, slots * trace.num_layers, warmup)
             for policy, job in jobs.items():
                 total[policy], steady[policy] = job.result()
     else:
-        for policy in policies:
-            total[policy], steady[policy] = replay_policy(trace, policy, slots, warmup)
+        for row in rows:
+            total[row], steady[row] = replay_policy(trace, row, slots, warmup)
         total["belady"], steady["belady"] = belady_misses(trace, slots * trace.num_layers, warmup)
     total["oracle-static"], steady["oracle-static"] = oracle_static_misses(trace, slots, warmup)
-    order = [*policies, *REFERENCES]  # a stable key order for tables and JSON
+    order = [*rows, *REFERENCES]  # a stable key order for tables and JSON
     total, steady = {n: total[n] for n in order}, {n: steady[n] for n in order}
     per_token = trace.num_layers * trace.top_k
     return {
@@ -104,9 +126,15 @@ def simulate(
     }
 
 
-def replay_policy(trace: RoutingTrace, policy: str, slots: int, warmup: int) -> tuple[int, int]:
-    """(all misses, misses after `warmup` tokens) of a fresh `CacheTables` under `policy`."""
+def replay_policy(
+    trace: RoutingTrace, policy: str, slots: int, warmup: int, on_rebalance=None
+) -> tuple[int, int]:
+    """(all misses, misses after `warmup` tokens) of a fresh `CacheTables` under `policy` (a policy, or
+    `<policy>+adaptive`: then capacity is rebalanced before every `rebalance_every()`-th token, as the
+    runtime's `begin_pass` does before that decode pass; `on_rebalance(tables)` is called after each)."""
+    policy, adapt = policy.removesuffix(ADAPTIVE), policy.endswith(ADAPTIVE)
     tables = CacheTables(trace.num_layers, trace.num_experts, [slots] * trace.num_layers, policy, "cpu")
+    every = rebalance_every() if adapt else 0
     before, threads = 0, torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: threads only add overhead (and contend with the other replays)
     try:
@@ -114,6 +142,10 @@ def replay_policy(trace: RoutingTrace, policy: str, slots: int, warmup: int) -> 
             for token in range(trace.num_tokens):
                 if token == warmup:  # the only host read of the counters before the end
                     before = int(tables.counters["misses"].sum())
+                if every and (token + 1) % every == 0:  # decode pass token + 1 (passes count from 1)
+                    tables.rebalance(slots_to_move=rebalance_step(tables))
+                    if on_rebalance is not None:
+                        on_rebalance(tables)
                 masks = trace.masks(token)
                 for layer in range(trace.num_layers):
                     tables.resolve(layer, masks[layer], step=token, max_new=trace.top_k)
@@ -124,7 +156,8 @@ def replay_policy(trace: RoutingTrace, policy: str, slots: int, warmup: int) -> 
 
 
 def _replay_ids(ids: np.ndarray, num_experts: int, slots: int, warmup: int, policy: str) -> tuple[int, int]:
-    """`replay_policy` in a worker process, on a trace's ids (its weights play no part)."""
+    """`replay_policy` in a worker process, on a trace's ids (its weights play no part); `policy` may be
+    `<policy>+adaptive`."""
     trace = RoutingTrace(torch.from_numpy(ids), torch.zeros(ids.shape), num_experts)
     return replay_policy(trace, policy, slots, warmup)
 
@@ -250,12 +283,12 @@ def format_table(result: dict, capacity: float | None = None) -> str:
     lines = [
         f"{head}{result['accesses']} accesses; steady state after {result['warmup_tokens']} tokens: "
         f"{result['steady']['accesses']} accesses",
-        f"{'':<14} {'all tokens':^30} {'steady state':^30}",
-        f"{'policy':<14}" + f" {'misses':>10} {'÷belady':>9} {'miss rate':>9}" * 2,
+        f"{'':<18} {'all tokens':^30} {'steady state':^30}",
+        f"{'policy':<18}" + f" {'misses':>10} {'÷belady':>9} {'miss rate':>9}" * 2,
     ]
     for name in result["misses"]:
         cells = [f"{m[name]:>10} {_ratio(m[name], m['belady']):>9} {_ratio(m[name], n):>9}" for m, n in runs]
-        lines.append(f"{name:<14} " + " ".join(cells))
+        lines.append(f"{name:<18} " + " ".join(cells))
     return "\n".join(lines)
 
 

@@ -223,3 +223,46 @@ def test_bypasses_get_staging_rows_in_expert_order() -> None:
         (5, base + 1),
     ]
     assert res.target[2] == tables.num_slots
+
+
+def _serve(tables: CacheTables, steps: int, chosen_by_layer) -> None:
+    for step in range(steps):
+        for layer, chosen in enumerate(chosen_by_layer(step)):
+            tables.resolve(layer, _mask(tables.num_experts, chosen), step, max_new=len(chosen) or 1)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_rebalance_moves_slots_to_the_layer_a_slot_is_worth_most_to(policy: str) -> None:
+    # Layer 0 uses experts 0 and 1 at every step (two of its four slots stay free); layer 1 cycles through
+    # 8 experts: slots are worth nothing to layer 0 and an eighth of a request per step to layer 1.
+    tables = CacheTables(2, 16, [4, 4], policy, decay=1.0)
+    _serve(tables, 64, lambda step: [[0, 1], [step % 8]])
+    assert tables.rebalance(slots_to_move=1) == [(0, 1, 2)]  # both free slots, chunk by chunk
+    tables.check()
+    assert tables.capacities == [2, 6] and all(tables.slot_of[0, e] >= 0 for e in (0, 1))
+    _serve(tables, 64, lambda step: [[0, 1], [step % 8]])
+    # Now a slot of layer 0 serves half its requests (worth 1 a step), one more of layer 1's an eighth: stay.
+    assert tables.rebalance(slots_to_move=1) == []
+    assert tables.capacities == [2, 6]
+
+
+def test_rebalance_water_fills_over_several_layers() -> None:
+    # Layers 0 and 1 each need 2 of their 6 slots; layers 2 and 3 cycle through 10 experts.
+    tables = CacheTables(4, 16, [6, 6, 6, 6], "lfu-admit", decay=1.0)
+    _serve(tables, 80, lambda step: [[0, 1], [2, 3], [step % 10], [(step + 5) % 10]])
+    moves = tables.rebalance(slots_to_move=2)
+    tables.check()
+    assert sum(tables.capacities) == 24 and tables.capacities[:2] == [2, 2]
+    assert {d for d, _, _ in moves} == {0, 1} and {r for _, r, _ in moves} == {2, 3}
+    assert sorted(tables.capacities[2:]) == [10, 10]
+
+
+def test_rebalance_waits_while_frozen_and_keeps_pinned_and_min_slots() -> None:
+    tables = CacheTables(2, 16, [4, 4], "lfu", decay=1.0, pinned={0: [0, 1, 2]})
+    _serve(tables, 40, lambda step: [[0], [step % 8]])
+    tables.frozen = True
+    assert tables.rebalance(slots_to_move=4) == []
+    tables.frozen = False
+    assert tables.rebalance(slots_to_move=4, min_slots=1) == [(0, 1, 1)]  # only the unpinned slot moves
+    tables.check()
+    assert tables.capacities == [3, 5] and bool(tables.pinned[tables.layer_slots[0]].all())
