@@ -55,6 +55,7 @@ class Engine:
         kv_dtype: str | None = None,
         allocate: Allocator | None = None,
         host_allocate: Callable[[int], torch.Tensor] | None = None,
+        arena_buffers: int = 2,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
@@ -62,7 +63,8 @@ class Engine:
         `synthetic-zipf:...`) forces them; `pinned_experts` (MoE layer index → experts, a calibration hot set)
         stay cached for good; `kv_dtype` (`fp8_e4m3`; None or `auto`: the model dtype) stores attention K/V
         in fp8 with fixed per-layer scales (see ModelRunner); `allocate` makes the state pool's tensors (see
-        StatePool), `host_allocate` the host expert store's memory (see HostExpertStore)."""
+        StatePool), `host_allocate` the host expert store's memory (see HostExpertStore); `arena_buffers` 1
+        drops the prefill arena's second buffer (no copy/compute overlap) for a worker that never prefills."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         self.model = load_model(model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp")
@@ -72,12 +74,14 @@ class Engine:
         if is_artifact(model_dir):  # experts packed once by `spillway convert`: map them, serve them cached
             store, meta = open_store(model_dir)
             self.offload = offload_experts(
-                self.model, expert_cache or "all", cache_policy, meta["format"], pinned_experts, store
-            )
+                self.model, expert_cache or "all", cache_policy, meta["format"], pinned_experts, store,
+                arena_buffers=arena_buffers,
+            )  # fmt: skip
         elif expert_cache is not None:
             self.offload = offload_experts(
-                self.model, expert_cache, cache_policy, expert_format, pinned_experts, None, host_allocate
-            )
+                self.model, expert_cache, cache_policy, expert_format, pinned_experts, None, host_allocate,
+                arena_buffers,
+            )  # fmt: skip
         cfg, layers = self.config, list(self.config.moe_layers)
         self.routing_recorder = RoutingRecorder(layers, cfg.num_experts) if record_routing else None
         if replay_routing is not None:

@@ -9,9 +9,9 @@ parameter's shape and dtype and every layer's state specs for free. The pools (D
 - `kv`: a `StatePool` built on the meta device from `model.state_specs(dtype)`, K/V in `kv_dtype` (fp8: half
   of bf16, plus the per-layer scales), with the pages that `ModelRunner` gives it (`common.runner.num_pages`):
   the same shapes and dtypes, so the same bytes.
-- `arena`: every `OffloadedExperts` pool has, beside the cache's S slots, a spare row and two arena buffers of
-  E rows (the first doubles as decode's staging rows): (1 + 2E) expert rows per pool. Under `spillway serve`
-  the prefill process holds a pool of its own (0 slots), so two of them.
+- `arena`: an `OffloadedExperts` pool has, beside the cache's S slots, a spare row and two arena buffers of
+  E rows (the first doubles as decode's staging rows): (1 + 2E) expert rows. Under `spillway serve` the
+  prefill process holds such a pool (0 slots) and decode, which never prefills, keeps one buffer: (1 + E).
 - `scratch`: activation workspace, an estimate (`scratch_bytes`): one prefill chunk plus one decode step
   (each process holds its own allocator cache; the offline engine, one process, needs the larger of the two).
 - `graphs`: a reserve for what the pools do not see: per process on the device `PROCESS_RESERVE` (CUDA
@@ -250,6 +250,13 @@ def _cache_bytes(num_layers: int, num_experts: int, slots: int, expert_bytes: in
     return fixed + slots * (expert_bytes + per_slot)
 
 
+def arena_rows(experts: int, processes: int) -> int:
+    """Expert rows beside the cache's slots: a spare row and the arena's buffers of E rows each — two where
+    prompts are prefilled (one process: the engine; two: the prefill worker), one in a serving decode worker
+    (its staging rows; see OffloadedExperts)."""
+    return (1 + 2 * experts) + (processes - 1) * (1 + experts)
+
+
 def plan_memory(
     cfg: ModelConfig,
     arch: Architecture | None = None,
@@ -278,7 +285,7 @@ def plan_memory(
     kv, pages = state_bytes(model, dtype, kv_dtype, max_running, context, page_size)
     layers, experts = len(cfg.moe_layers), cfg.num_experts
     eb = fmt.expert_nbytes(cfg.hidden_size, cfg.moe_intermediate_size)
-    arena = processes * (1 + 2 * experts) * eb
+    arena = arena_rows(experts, processes) * eb
     scratch = scratch_bytes(
         model, cfg, fmt, dtype, max_context=context, max_running=max_running,
         prefill_chunk=prefill_chunk, processes=processes,

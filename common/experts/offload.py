@@ -138,17 +138,17 @@ class PrefillArena:
     prefetch_factor = 4
     """Prefetch the next layer's uncached experts when a chunk's T·k ≥ this × E."""
 
-    def __init__(self, base: int, num_experts: int, device: torch.device) -> None:
-        self.base, self.num_experts = base, num_experts
+    def __init__(self, base: int, num_experts: int, device: torch.device, buffers: int = 2) -> None:
+        self.base, self.num_experts, self.buffers = base, num_experts, buffers
         self.ids = torch.arange(num_experts, device=device)  # [E]
         self.prefetched: dict[int, torch.Tensor] = {}  # MoE layer index → [E] bool, already in its buffer
 
     def rows(self, i: int) -> torch.Tensor:
         """[E] pool rows of MoE layer i's buffer (expert e at row e of the buffer)."""
-        return self.base + (i % 2) * self.num_experts + self.ids
+        return self.base + (i % self.buffers) * self.num_experts + self.ids
 
     def should_prefetch(self, choices: int) -> bool:
-        return choices >= self.prefetch_factor * self.num_experts
+        return self.buffers == 2 and choices >= self.prefetch_factor * self.num_experts
 
 
 @dataclass
@@ -175,6 +175,7 @@ class OffloadedExperts(ExpertProvider):
         device: torch.device | str,
         dtype: torch.dtype,
         shared_cache: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None,
+        arena_buffers: int = 2,
     ) -> None:
         """`shared_cache` (the prefill worker's): another provider's (pool, slot_of) — decode's cache, mapped,
         read in place while its owner keeps it frozen; this provider then only runs prefill passes."""
@@ -182,13 +183,15 @@ class OffloadedExperts(ExpertProvider):
         self.shared_cache = shared_cache
         self.device, self.dtype = torch.device(device), dtype
         self.index = {layer: i for i, layer in enumerate(moe_layers)}
-        rows = tables.num_rows + store.num_experts  # slots, spare, arena buffer 0 (= staging), buffer 1
+        # slots, spare, arena buffer 0 (= decode's staging rows), buffer 1 (prefill overlap: a serving decode
+        # worker, whose prompts another process prefills, keeps one buffer and gives the other to the cache)
+        rows = tables.num_rows + (arena_buffers - 1) * store.num_experts
         self.pool = {
             name: torch.empty((rows, *shape), dtype=dtype, device=self.device)
             for name, (shape, dtype) in store.components.items()
         }
         self.copies = CopyStream(store, self.pool, tables.num_slots, self.device)
-        self.arena = PrefillArena(tables.staging_base, store.num_experts, self.device)
+        self.arena = PrefillArena(tables.staging_base, store.num_experts, self.device, arena_buffers)
         self._moved = torch.zeros(4, len(moe_layers), dtype=torch.int64, device=self.device)
         self._fill_pinned()
         self.prefill = False
@@ -330,6 +333,7 @@ def offload_experts(
     pinned: dict[int, list[int]] | None = None,
     store: HostExpertStore | None = None,
     host_allocate: Callable[[int], torch.Tensor] | None = None,
+    arena_buffers: int = 2,
 ) -> OffloadedExperts:
     """Serve `model`'s routed experts from a host store through a VRAM cache of `capacity` (see
     parse_capacity) under `policy`; `pinned` maps MoE layer index → hot experts. Without `store` the model's
@@ -359,7 +363,9 @@ def offload_experts(
         device,
         pinned=pinned,
     )
-    provider = OffloadedExperts(store, tables, form, resident.act, layers, device, dtype)
+    provider = OffloadedExperts(
+        store, tables, form, resident.act, layers, device, dtype, arena_buffers=arena_buffers
+    )
     install_provider(model, provider)
     return provider
 

@@ -32,9 +32,10 @@ def load_engine(
     cfg: WorkerConfig,
     allocate: Allocator | None = None,
     host_allocate: Callable[[int], torch.Tensor] | None = None,
+    arena_buffers: int = 2,
 ) -> Engine:
-    """The model, state pools and expert cache a worker config describes (`allocate`, `host_allocate`: see
-    Engine)."""
+    """The model, state pools and expert cache a worker config describes (`allocate`, `host_allocate`,
+    `arena_buffers`: see Engine)."""
     return Engine(
         cfg.model_dir,
         dtype=DTYPES[cfg.dtype],
@@ -50,6 +51,7 @@ def load_engine(
         kv_dtype=cfg.kv_dtype,
         allocate=allocate,
         host_allocate=host_allocate,
+        arena_buffers=arena_buffers,
     )
 
 
@@ -85,7 +87,8 @@ class DecodeCore:
         host_allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self.cfg, self.plan = apply_memory_plan(cfg)  # the plan sized the expert cache (None: no budget)
-        self.engine = load_engine(self.cfg, allocate, host_allocate)
+        # prompts are prefilled by the prefill worker (its own arena): one buffer here, the other to the cache
+        self.engine = load_engine(self.cfg, allocate, host_allocate, arena_buffers=1)
         self.runner = self.engine.runner
         self.pool = self.runner.pool
         self.eos_ids = self.engine.config.eos_token_ids

@@ -16,6 +16,7 @@ from common.memory_plan import (
     MiB,
     _cache_bytes,
     _tensors_nbytes,
+    arena_rows,
     min_cache_slots,
     parse_size,
     plan_for_dir,
@@ -236,6 +237,12 @@ def test_decode_sizes_its_cache_from_the_budget(tiny: Path) -> None:
     assert core.plan is not None and core.plan.ok
     assert core.cfg.expert_cache == str(core.plan.cache_slots)
     assert core.engine.offload.tables.num_slots == core.plan.cache_slots  # every expert fits: all of them
+    offload = (
+        core.engine.offload
+    )  # a serving decode worker keeps one arena buffer: 1 + E rows beside the slots
+    rows = core.plan.cache_slots + 1 + offload.store.num_experts
+    assert sum(t.nbytes for t in offload.pool.values()) == rows * core.plan.expert_bytes
+    assert core.plan.arena == (arena_rows(offload.store.num_experts, 2)) * core.plan.expert_bytes
     with pytest.raises(ValueError, match="too small"):
         DecodeCore(WorkerConfig(model_dir=str(tiny), vram_budget=64 * MiB))
     with pytest.raises(ValueError, match="not both"):
