@@ -226,6 +226,33 @@ def _check_serve_plan(args: argparse.Namespace, model_dir: str) -> None:
     logging.getLogger("launch").info("memory plan:\n%s", format_plan(plan))
 
 
+BENCHMARKS = {
+    "decode-1": "bench.decode_offload",
+    "policy": "bench.policy",
+    "serve-ipc": "bench.serve_ipc",
+    "qwen4-smoke": "bench.qwen4_smoke",
+}
+"""`spillway bench NAME` → the module that runs it (bench/README.md says what each measures)."""
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import runpy
+
+    if not (Path.cwd() / "bench" / "common.py").is_file():
+        raise ValueError("run `spillway bench` from the repository root (bench/ is not installed)")
+    sys.path.insert(0, str(Path.cwd()))
+    sys.argv = [f"spillway bench {args.name}", *args.args]
+    runpy.run_module(BENCHMARKS[args.name], run_name="__main__", alter_sys=True)
+    return 0
+
+
+def _add_bench(sub) -> None:
+    b = sub.add_parser("bench", help="run a benchmark from bench/ (results in bench/results/NAME.json)")
+    b.add_argument("name", choices=sorted(BENCHMARKS))
+    b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    b.set_defaults(func=_bench)
+
+
 def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (router, prefill, decode processes)")
     srv.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
@@ -358,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(func=_simulate)
     _add_serve(sub)
+    _add_bench(sub)
     _add_plan(sub)
     return parser
 

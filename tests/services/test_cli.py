@@ -161,3 +161,20 @@ def test_generate_sizes_its_cache_from_the_budget(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "cache slots" in result.stderr and "1 process on the device" in result.stderr
+
+
+def test_bench_runs_a_benchmark_by_name_and_writes_its_result(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    trace = "synthetic-zipf:layers=2,experts=16,top_k=2,tokens=64"
+    argv = [sys.executable, "-m", "services.cli", "bench", "policy", "--trace", trace, "--out", str(tmp_path)]
+    done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "policy.json").read_text())
+    assert result["command"].startswith("python -m bench.policy") and result["misses"]["belady"] >= 0
+    elsewhere = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "policy"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert elsewhere.returncode == 2 and "repository root" in elsewhere.stderr
