@@ -232,6 +232,22 @@ def test_killed_decode_worker_is_reported_restarted_and_serves_again(stack):
     assert not list(Path("/dev/shm").glob(f"spillway-{old}-*"))
 
 
+def test_killed_prefill_worker_is_restarted_and_maps_decode_again(stack):
+    """A new prefill asks decode for its exports again (WantExports) and serves the same greedy tokens."""
+    server, model, _ = stack
+    client = server.client()
+    ask = lambda: client.completions.create(model=_name(model), prompt="again", max_tokens=6, temperature=0)
+    before = ask().choices[0].text
+    old = health(server.port)[1]["services"]["prefill"]["pid"]
+    os.kill(old, signal.SIGKILL)
+    deadline, saw_503 = time.monotonic() + 10, False
+    while not saw_503 and time.monotonic() < deadline:
+        saw_503 = health(server.port)[0] == 503
+    assert saw_503
+    assert wait_healthy(server.port)["services"]["prefill"]["pid"] != old
+    assert ask().choices[0].text == before
+
+
 def test_resident_experts_serve_the_same_tokens(start_server, tmp_path):
     env = {"SPILLWAY_CACHE": str(tmp_path)}
     server = start_server("--threads", "1", "--max-context", "512", env=env)
