@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
-from services.worker_args import size_arg
+from services.worker_args import add_config_args, size_arg
 
 DTYPES = ("float32", "bfloat16", "float16")
 GENERATE_LANES, GENERATE_CONTEXT = 8, 4096
@@ -172,20 +172,14 @@ def _serve(args: argparse.Namespace) -> int:
     from common.model.defaults import default_model_dir
     from common.model.hf_config import load_architecture
     from services.launch import Launcher, ServeOptions
+    from services.worker_args import config_argv, worker_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(levelname)s %(message)s")
     model_dir = str(args.model or default_model_dir())
     load_architecture(model_dir)  # a bad config fails here, with its file named, before any process starts
-    worker_args = ["--device", args.device, "--dtype", args.dtype, "--cache-policy", args.cache_policy]
-    worker_args += ["--prefill-chunk", str(args.prefill_chunk), "--expert-format", args.expert_format]
-    worker_args += ["--kv-dtype", args.kv_dtype]
-    if args.expert_cache:
-        worker_args += ["--expert-cache", args.expert_cache]
-    if args.replay_routing:
-        worker_args += ["--replay-routing", args.replay_routing]
-    if args.vram_budget is not None:
-        _check_serve_plan(args, model_dir)
-        worker_args += ["--vram-budget", str(args.vram_budget)]
+    cfg = worker_config(args, model_dir)
+    if cfg.vram_budget is not None:
+        _check_serve_plan(cfg)
     opts = ServeOptions(
         model_dir=model_dir,
         host=args.host,
@@ -194,34 +188,21 @@ def _serve(args: argparse.Namespace) -> int:
         served_name=args.served_model_name,
         api_key=args.api_key,
         max_queue=args.max_queue,
-        worker_args=worker_args,
-        max_running=args.max_running,
-        max_context=args.max_context,
+        worker_args=config_argv(cfg),
+        max_running=cfg.max_running,
+        max_context=cfg.max_context,
         threads=args.threads,
     )
     return Launcher(opts).run()
 
 
-def _check_serve_plan(args: argparse.Namespace, model_dir: str) -> None:
+def _check_serve_plan(cfg) -> None:
     """Refuse a --vram-budget before any process starts, with the plan decode would compute (and log it)."""
     import logging
 
-    from common.config import WorkerConfig
     from common.memory_plan import format_plan
     from common.workers.decode import apply_memory_plan
 
-    cfg = WorkerConfig(
-        model_dir=model_dir,
-        device=args.device,
-        dtype=args.dtype,
-        max_running=args.max_running,
-        max_context=args.max_context,
-        expert_cache=args.expert_cache,
-        expert_format=args.expert_format,
-        prefill_chunk=args.prefill_chunk,
-        vram_budget=args.vram_budget,
-        kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
-    )
     _, plan = apply_memory_plan(cfg)
     logging.getLogger("launch").info("memory plan:\n%s", format_plan(plan))
 
@@ -255,7 +236,7 @@ def _add_bench(sub) -> None:
 
 def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (router, prefill, decode processes)")
-    srv.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
+    add_config_args(srv, model_required=False)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
@@ -263,28 +244,7 @@ def _add_serve(sub) -> None:
     )
     srv.add_argument("--served-model-name", default="", help="the model's name in the API")
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
-    srv.add_argument("--max-running", type=int, default=8, help="requests decoded together")
     srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (then 429)")
-    srv.add_argument("--max-context", type=int, default=4096)
-    srv.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    srv.add_argument("--dtype", choices=DTYPES, default="float32")
-    srv.add_argument("--expert-cache", default=None, metavar="SLOTS|FRACTION|all")
-    srv.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=POLICIES)
-    srv.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
-    srv.add_argument("--prefill-chunk", type=int, default=8192)
-    srv.add_argument(
-        "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
-    )
-    srv.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
-    srv.add_argument(
-        "--vram-budget",
-        type=size_arg,
-        default=None,
-        metavar="SIZE",
-        help="cap on the device memory of all services (32GiB, 500MiB, bytes): the expert cache gets what "
-        "the memory plan leaves (see `spillway plan`); implies offloaded experts",
-    )
-    srv.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
     srv.set_defaults(func=_serve)
 
 

@@ -39,7 +39,7 @@ class ServeOptions:
     api_key: str | None = None
     max_queue: int = 64
     worker_args: list[str] = field(default_factory=list)
-    """Flags passed to both workers (WorkerConfig's: --device, --max-running, --expert-cache ...)."""
+    """Flags passed to both workers: WorkerConfig's, from `services.worker_args.config_argv`."""
     max_running: int = 8
     max_context: int = 4096
     threads: int = 0
@@ -76,14 +76,7 @@ def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
         s: (opts.metrics_port + i if opts.metrics_port else 0)
         for i, s in enumerate(("router", "prefill", "decode"))
     }
-    common = ["--model", opts.model_dir, "--router", addr["router"], "--threads", str(opts.threads)]
-    common += [
-        "--max-running",
-        str(opts.max_running),
-        "--max-context",
-        str(opts.max_context),
-        *opts.worker_args,
-    ]
+    common = ["--router", addr["router"], "--threads", str(opts.threads), *opts.worker_args]
     py = [sys.executable, "-m"]
     decode = [*py, "services.decode", *common, "--inbox", addr["decode"], "--peer", addr["prefill"]]
     prefill = [*py, "services.prefill", *common, "--inbox", addr["prefill"], "--peer", addr["decode"]]

@@ -8,36 +8,50 @@ from common.config import WorkerConfig
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
 
 
-def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    """The model and memory flags (WorkerConfig) and the socket addresses of a worker."""
-    parser.add_argument("--model", required=True, help="model directory or converted artifact")
+def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    """The model and memory flags (WorkerConfig's), shared by the workers and `spillway serve`."""
+    if model_required:
+        parser.add_argument("--model", required=True, help="model directory or converted artifact")
+    else:
+        parser.add_argument(
+            "--model", default=None, help="model directory (default: the embedded tiny model)"
+        )
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--max-running", type=int, default=8, help="decode lanes")
+    parser.add_argument("--max-running", type=int, default=8, help="requests decoded together (lanes)")
     parser.add_argument("--max-context", type=int, default=4096, help="most tokens of one request")
     parser.add_argument("--expert-cache", default=None, metavar="SLOTS|FRACTION|all")
     parser.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=POLICIES)
     parser.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
-    parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens per prefill pass")
     parser.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
     parser.add_argument(
         "--vram-budget",
         type=size_arg,
         default=None,
         metavar="SIZE",
-        help="device memory cap of both workers (e.g. 32GiB): decode sizes the expert cache to what is left",
+        help="cap on the device memory of the services (32GiB, 500MiB, bytes): the expert cache gets what "
+        "the memory plan leaves (see `spillway plan`); implies offloaded experts",
     )
-    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V page dtype")
+    parser.add_argument(
+        "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """A worker's flags: WorkerConfig's and its socket addresses."""
+    add_config_args(parser)
     parser.add_argument("--inbox", required=True, help="this worker's PULL address")
     parser.add_argument("--router", required=True, help="the router's inbox address")
     parser.add_argument("--peer", required=True, help="the other worker's inbox address")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: none)")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
 
 
-def worker_config(args: argparse.Namespace) -> WorkerConfig:
+def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> WorkerConfig:
+    """The WorkerConfig the flags of add_config_args give (`model_dir` in place of a missing --model)."""
     return WorkerConfig(
-        model_dir=args.model,
+        model_dir=model_dir or args.model,
         device=args.device,
         dtype=args.dtype,
         max_running=args.max_running,
@@ -50,6 +64,20 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         vram_budget=args.vram_budget,
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
     )
+
+
+def config_argv(cfg: WorkerConfig) -> list[str]:
+    """The flags that give `cfg` back through worker_config (how the launcher starts both workers alike)."""
+    argv = ["--model", cfg.model_dir, "--device", cfg.device, "--dtype", cfg.dtype]
+    argv += ["--max-running", str(cfg.max_running), "--max-context", str(cfg.max_context)]
+    argv += ["--cache-policy", cfg.cache_policy, "--expert-format", cfg.expert_format]
+    argv += ["--prefill-chunk", str(cfg.prefill_chunk), "--kv-dtype", cfg.kv_dtype or "auto"]
+    optional = {"--expert-cache": cfg.expert_cache, "--replay-routing": cfg.replay_routing}
+    optional["--vram-budget"] = None if cfg.vram_budget is None else str(cfg.vram_budget)
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, value]
+    return argv
 
 
 def size_arg(text: str) -> int:

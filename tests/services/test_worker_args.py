@@ -1,0 +1,33 @@
+"""The launcher starts both workers from `config_argv(cfg)`: those flags must give `cfg` back."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.config import WorkerConfig
+from services.worker_args import add_config_args, config_argv, worker_config
+
+
+def _roundtrip(cfg: WorkerConfig) -> WorkerConfig:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    return worker_config(parser.parse_args(config_argv(cfg)))
+
+
+def test_config_argv_gives_the_config_back():
+    assert _roundtrip(WorkerConfig(model_dir="/m")) == WorkerConfig(model_dir="/m")
+    cfg = WorkerConfig(
+        model_dir="/m",
+        device="cuda",
+        dtype="bfloat16",
+        max_running=2,
+        max_context=1024,
+        expert_cache="0.25",
+        cache_policy="lru",
+        expert_format="int4",
+        prefill_chunk=512,
+        replay_routing="synthetic-zipf:seed=3",
+        vram_budget=32 << 30,
+        kv_dtype="fp8_e4m3",
+    )
+    assert _roundtrip(cfg) == cfg
