@@ -48,6 +48,22 @@ def random_int4_store(layers: int, experts: int, hidden: int, inter: int) -> Hos
     return store
 
 
+def profile_steps(runner: ModelRunner, seq, token: int, path: Path, steps: int = 4) -> None:
+    """Op tables (by device time and by host time) of `steps` decode steps: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            token = int(runner.forward([seq], [[token]]).argmax(-1))
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    path.write_text(
+        table.table(sort_by="cuda_time_total", row_limit=40)
+        + "\n"
+        + table.table(sort_by="self_cpu_time_total", row_limit=40)
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=48)
@@ -57,6 +73,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=64)
     ap.add_argument("--policy", default="lfu-admit")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of 4 steady steps here")
     args = ap.parse_args()
 
     hf = model_config(
@@ -117,6 +134,8 @@ def main() -> None:
     h2d = (
         sum(provider.traffic().cache_bytes) - marks["bytes"] + counters["bypasses"] * store.expert_bytes
     ) / steady
+    if args.profile is not None:
+        profile_steps(runner, seq, token, args.profile)
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
     hbm_bytes = resident + cfg.top_k * len(cfg.moe_layers) * store.expert_bytes  # per token, at least
     t_limit = max(h2d / (pcie * 1e9), hbm_bytes / (hbm * 1e9))
