@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=64)
     ap.add_argument("--policy", default="lfu-admit")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--eager", action="store_true", help="run decode passes op by op (no CUDA graphs)")
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of 4 steady steps here")
     args = ap.parse_args()
 
@@ -92,7 +93,8 @@ def main() -> None:
     store = random_int4_store(
         len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     )
-    runner = ModelRunner(model, max_seqs=1, max_context=args.prompt + args.decode + 16)
+    context = args.prompt + args.decode + 16 + 8  # + the profiled steps
+    runner = ModelRunner(model, max_seqs=1, max_context=context, cuda_graphs=not args.eager)
     arena_bytes = 2 * cfg.num_experts * store.expert_bytes
     spare = args.budget_gib * GIB - torch.cuda.memory_reserved() - arena_bytes - int(2.0 * GIB)  # scratch
     slots = max(len(cfg.moe_layers), int(spare // store.expert_bytes))
@@ -157,6 +159,7 @@ def main() -> None:
         "layers": args.layers,
         "policy": args.policy,
         "build_s": build_s,
+        "cuda_graphs": not args.eager,
     }
     print(write_result("decode-1-baseline", result, args.out))
     for k, v in result.items():

@@ -56,6 +56,7 @@ class Engine:
         allocate: Allocator | None = None,
         host_allocate: Callable[[int], torch.Tensor] | None = None,
         arena_buffers: int = 2,
+        cuda_graphs: bool = True,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
@@ -64,7 +65,8 @@ class Engine:
         stay cached for good; `kv_dtype` (`fp8_e4m3`; None or `auto`: the model dtype) stores attention K/V
         in fp8 with fixed per-layer scales (see ModelRunner); `allocate` makes the state pool's tensors (see
         StatePool), `host_allocate` the host expert store's memory (see HostExpertStore); `arena_buffers` 1
-        drops the prefill arena's second buffer (no copy/compute overlap) for a worker that never prefills."""
+        drops the prefill arena's second buffer (no copy/compute overlap) for a worker that never prefills;
+        `cuda_graphs` records and replays decode passes on CUDA (see ModelRunner)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         self.model = load_model(model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp")
@@ -97,6 +99,7 @@ class Engine:
             page_size=page_size,
             kv_dtype=kv_dtype,
             allocate=allocate,
+            cuda_graphs=cuda_graphs,
         )
         self.device = self.runner.device
         self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None

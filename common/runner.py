@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from common.graphs import DecodeGraphs
 from common.kv.backend import AttentionBackend, TorchPagedBackend
 from common.kv.batch import ForwardBatch
 from common.kv.fp8 import parse_kv_dtype, scales_from_amax, with_kv_dtype
@@ -40,11 +41,13 @@ class ModelRunner:
         kv_dtype: torch.dtype | str | None = None,
         allocate: Allocator | None = None,
         kv_scales: torch.Tensor | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         """`kv_dtype` (`fp8_e4m3`, a torch dtype, or None/`auto` for the model's) stores attention K/V only;
         other state stays in the model dtype. With fp8, `kv_scales` [layers, 2] (K, V) are the fixed
         per-layer scales (e.g. a checkpoint's k_scale/v_scale); None calibrates them at load (see
-        `calibrate_kv_scales`). `allocate` makes the state pool's tensors (see StatePool)."""
+        `calibrate_kv_scales`). `allocate` makes the state pool's tensors (see StatePool).
+        `cuda_graphs` (CUDA only) records decode passes and replays them (common/graphs.py)."""
         param = next(model.parameters())
         self.model, self.device = model, param.device
         self.backend = backend or TorchPagedBackend()
@@ -55,6 +58,9 @@ class ModelRunner:
         if self.pool.kv_scales is not None:
             scales = kv_scales if kv_scales is not None else self.calibrate_kv_scales(page_size)
             self.pool.kv_scales.copy_(scales)
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.pool, self.backend, max_context)
 
     def calibrate_kv_scales(self, page_size: int) -> torch.Tensor:
         """Per-layer K and V scales [layers, 2]: amax × KV_SCALE_MARGIN / 448 over one pass of seeded random
@@ -87,11 +93,22 @@ class ModelRunner:
     def forward(
         self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]], all_logits: bool = False
     ) -> torch.Tensor:
-        """Append `tokens[b]` to `seqs[b]`; logits [B, V] of each last token, or [T, V] of every token."""
-        ctx = self._context(seqs, tokens)
-        hidden = self.model(ctx)  # [T, H]
+        """Append `tokens[b]` to `seqs[b]`; logits [B, V] of each last token, or [T, V] of every token.
+
+        With CUDA graphs, a decode pass's logits are a recording's buffer: read them before the next pass.
+        """
+        batch = self._batch(seqs, tokens)
+        if self.graphs is not None and batch.is_decode and not all_logits:
+            logits = self.graphs.run(batch, lambda: self._eager(batch, all_logits=False))
+        else:
+            logits = self._eager(batch, all_logits)
         self._advance(seqs, tokens)
-        return self.model.compute_logits(hidden if all_logits else hidden[ctx.batch.last_token_index()])
+        return logits
+
+    def _eager(self, batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
+        ctx = ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
+        hidden = self.model(ctx)  # [T, H]
+        return self.model.compute_logits(hidden if all_logits else hidden[batch.last_token_index()])
 
     @torch.inference_mode()
     def forward_streams(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -112,6 +129,11 @@ class ModelRunner:
         return self.model.draft(streams, self._context(seqs, next_tokens))
 
     def _context(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> ForwardContext:
+        batch = self._batch(seqs, tokens)
+        return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
+
+    def _batch(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> ForwardBatch:
+        """Reserve the pages the tokens need, batch them, and tell the expert provider a pass begins."""
         for seq, toks in zip(seqs, tokens, strict=True):
             total = seq.num_cached + len(toks)
             if total > self.max_context:
@@ -119,7 +141,7 @@ class ModelRunner:
             self.pool.reserve(seq, total)
         batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device)
         self.model.experts.begin_pass(batch.is_decode)
-        return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
+        return batch
 
     @staticmethod
     def _advance(seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> None:

@@ -36,6 +36,9 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
     parser.add_argument(
         "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
     )
+    parser.add_argument(
+        "--eager", action="store_true", help="run decode passes op by op, not as recorded CUDA graphs"
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
 
 
@@ -63,6 +66,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         replay_routing=args.replay_routing,
         vram_budget=args.vram_budget,
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
+        cuda_graphs=not args.eager,
     )
 
 
@@ -74,6 +78,7 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     argv += ["--prefill-chunk", str(cfg.prefill_chunk), "--kv-dtype", cfg.kv_dtype or "auto"]
     optional = {"--expert-cache": cfg.expert_cache, "--replay-routing": cfg.replay_routing}
     optional["--vram-budget"] = None if cfg.vram_budget is None else str(cfg.vram_budget)
+    argv += [] if cfg.cuda_graphs else ["--eager"]
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, value]

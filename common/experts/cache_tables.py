@@ -107,17 +107,35 @@ class CacheTables:
         self.reuse = torch.zeros(num_layers, 2, dtype=torch.float32, device=device)
         counters = ("hits", "misses", "evictions", "bypasses")
         self.counters = {n: torch.zeros(num_layers, dtype=torch.int64, device=device) for n in counters}
-        self.layer_slots: list[torch.Tensor] = []
+        # Layer l's slots are slot_table[l, :capacity[l]], the rest of the row is the spare slot: a fixed
+        # shape that rebalance rewrites in place, so a recorded step stays valid when capacities move.
+        self.slot_table = torch.full((num_layers, e), s, dtype=torch.int64, device=device)
+        self._capacities: list[int] = []
         self._assign(list(slots_per_layer))
+        self._thawed = torch.ones((), dtype=torch.bool, device=device)
         self.frozen = False
-        """While True (a prefill reads the slots in place), nothing is inserted or evicted: every miss is a
-        bypass, and rebalance waits. Set between steps."""
         for layer, experts in (pinned or {}).items():
             self.pin(layer, experts)
 
     @property
     def capacities(self) -> list[int]:
-        return [t.numel() for t in self.layer_slots]
+        return list(self._capacities)
+
+    @property
+    def layer_slots(self) -> list[torch.Tensor]:
+        """Each layer's slots (views of `slot_table`)."""
+        return [self.slot_table[layer, :c] for layer, c in enumerate(self._capacities)]
+
+    @property
+    def frozen(self) -> bool:
+        """While True (a prefill reads the slots in place), nothing is inserted or evicted: every miss is a
+        bypass, and rebalance waits. Set between steps (a device flag, so recorded steps follow it)."""
+        return self._frozen
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self._frozen = value
+        self._thawed.fill_(not value)
 
     @property
     def staging_base(self) -> int:
@@ -130,10 +148,15 @@ class CacheTables:
         return self.num_slots + 1 + self.num_experts
 
     def _assign(self, capacities: list[int]) -> None:
-        starts = torch.tensor([0, *capacities]).cumsum(0).tolist()
-        self.layer_slots = [
-            torch.arange(starts[i], starts[i + 1], device=self.device) for i in range(self.num_layers)
-        ]
+        if max(capacities, default=0) > self.num_experts:
+            raise ValueError(
+                f"a layer of {self.num_experts} experts needs at most as many slots: {capacities}"
+            )
+        start = 0
+        for layer, c in enumerate(capacities):
+            self.slot_table[layer, :c] = torch.arange(start, start + c, device=self.device)
+            start += c
+        self._capacities = list(capacities)
 
     def pin(self, layer: int, experts: Sequence[int]) -> None:
         """Load-time: give `experts` of `layer` slots that are never evicted (they must still be filled)."""
@@ -145,8 +168,12 @@ class CacheTables:
         self.slot_of[layer, ids] = slots
         self.pinned[slots] = True
 
-    def resolve(self, layer: int, requested: torch.Tensor, step: int, max_new: int) -> Resolution:
+    def resolve(
+        self, layer: int, requested: torch.Tensor, step: int | torch.Tensor, max_new: int
+    ) -> Resolution:
         """Serve a step of `layer` that uses the experts in `requested` ([E] bool).
+
+        `step` (an int, or a 0-d device tensor that a recorded step reads at replay) stamps recency.
 
         `max_new` bounds the misses that can take a slot this step (the tokens' expert choices, known on the
         host): it fixes the shape of the pairing and of the copy list, not the result. The copy list covers
@@ -162,21 +189,21 @@ class CacheTables:
         self.last_use.index_fill_(0, hit_slot, step)
 
         # Victims: evictable slots of the layer, lowest key first (free slots first, unevictable last).
-        slots = self.layer_slots[layer]  # [C]
+        slots = self.slot_table[layer]  # [E]: the layer's C slots, then the (pinned) spare
         owner = self.owner[slots]
         in_use = torch.zeros(spare + 1, dtype=torch.bool, device=self.device)
         in_use.index_fill_(0, hit_slot, True)
-        evictable = ~self.pinned[slots] & ~in_use[slots]
+        evictable = ~self.pinned[slots] & ~in_use[slots] & (slots < spare)  # the row's padding: never
         key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, rate))
         key = torch.where(evictable, key, _KEY_MAX)
-        pairs = min(max_new, slots.numel(), e)
+        pairs = min(max_new, e)
         victim_key, victim_idx = torch.topk(key, pairs, largest=False)  # [P]
         victims = slots[victim_idx]
         # Misses, most frequent first (ties: lower expert id).
         miss_key = torch.where(miss, -rate, float("inf"))
         order = torch.sort(miss_key, stable=True).indices  # [E] misses first
         newcomer = order[:pairs]  # [pairs]
-        valid = miss[newcomer] & (victim_key < _KEY_MAX) & (not self.frozen)
+        valid = miss[newcomer] & (victim_key < _KEY_MAX) & self._thawed
         if self.policy == "lfu-admit":
             valid &= self._admit(layer, rate, newcomer, self.owner[victims])
         self._apply(layer, newcomer, victims, valid, step)
@@ -239,8 +266,13 @@ class CacheTables:
         return (bits << 32) + recency
 
     def _apply(
-        self, layer: int, newcomer: torch.Tensor, victims: torch.Tensor, valid: torch.Tensor, step: int
-    ):
+        self,
+        layer: int,
+        newcomer: torch.Tensor,
+        victims: torch.Tensor,
+        valid: torch.Tensor,
+        step: int | torch.Tensor,
+    ) -> None:
         e, spare = self.num_experts, self.num_slots
         old = self.owner[victims]
         evicted = valid & (old >= 0)
@@ -311,7 +343,7 @@ class CacheTables:
             if not pairs:
                 break
             _, d, r = max(pairs, key=lambda x: (x[0], -x[1], -x[2]))
-            m = min(n, len(worth[d]) - given[d])
+            m = min(n, len(worth[d]) - given[d], len(absent[r]) - taken[r])  # never more slots than experts
             transfers.append((d, r, m))
             given[d] += m
             taken[r] += m
@@ -331,9 +363,13 @@ class CacheTables:
         self.slot_of[donor, torch.where(old >= 0, old, self.num_experts)] = -1
         self.slot_of[donor, self.num_experts] = -1
         self.owner[moved] = -1
-        slots = self.layer_slots[donor]
-        self.layer_slots[donor] = slots[~torch.isin(slots, moved)]
-        self.layer_slots[recipient] = torch.cat([self.layer_slots[recipient], moved])
+        kept = self.layer_slots[donor]
+        kept = kept[~torch.isin(kept, moved)]
+        gained = torch.cat([self.layer_slots[recipient], moved])
+        for layer, slots in ((donor, kept), (recipient, gained)):
+            self.slot_table[layer].fill_(self.num_slots)
+            self.slot_table[layer, : slots.numel()] = slots
+            self._capacities[layer] = slots.numel()
 
     def check(self) -> None:
         """Invariants (tests): no slot owned twice, tables agree, capacities sum to the slot count."""

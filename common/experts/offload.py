@@ -195,7 +195,8 @@ class OffloadedExperts(ExpertProvider):
         self._moved = torch.zeros(4, len(moe_layers), dtype=torch.int64, device=self.device)
         self._fill_pinned()
         self.prefill = False
-        self.step = self.decode_passes = 0
+        self.step = torch.zeros((), dtype=torch.int64, device=self.device)  # on the device: recorded steps
+        self.decode_passes = 0
 
     rebalance_every = 256
     """Decode passes between two per-layer capacity adjustments (host-side, between steps)."""
@@ -214,7 +215,7 @@ class OffloadedExperts(ExpertProvider):
         `CacheTables.rebalance`)."""
         self.prefill = not is_decode or self.shared_cache is not None
         self.arena.prefetched.clear()
-        self.step += 1
+        self.step.add_(1)
         if is_decode:
             self.decode_passes += 1
             if self.decode_passes % self.rebalance_every == 0:

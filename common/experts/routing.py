@@ -59,19 +59,21 @@ class RoutingReplayer(RoutingHook):
                 f"{len(moe_layers)} MoE layers × top-{top_k} of {num_experts}"
             )
         self.trace, self.index = trace, {layer: i for i, layer in enumerate(moe_layers)}
-        self.cursor = [0] * layers
-        self._device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (ids, weights, per-layer cursor) per device; the cursor advances on the device, so that a
+        # recorded decode step replays the next rows each time
+        self._device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, layer, ids, weights):
         i, n = self.index[layer], ids.shape[0]
-        ids_all, weights_all = self._on(ids.device)
-        rows = (torch.arange(n, device=ids.device) + self.cursor[i]) % ids_all.shape[0]
-        self.cursor[i] += n
+        ids_all, weights_all, cursor = self._on(ids.device)
+        rows = (torch.arange(n, device=ids.device) + cursor[i]) % ids_all.shape[0]
+        cursor[i].add_(n)
         return ids_all[rows, i].long(), weights_all[rows, i].to(weights.dtype)
 
-    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if device not in self._device:
-            self._device[device] = (self.trace.ids.to(device), self.trace.weights.to(device))
+            cursor = torch.zeros(self.trace.ids.shape[1], dtype=torch.int64, device=device)
+            self._device[device] = (self.trace.ids.to(device), self.trace.weights.to(device), cursor)
         return self._device[device]
 
 

@@ -90,18 +90,24 @@ class TorchPagedBackend(AttentionBackend):
     def plan(self, batch: ForwardBatch) -> TorchPlan:
         device = batch.input_ids.device
         page = batch.page_size
-        q_max, k_max = max(batch.query_lens), max(batch.kv_lens)
-        q_lens = torch.tensor(batch.query_lens, device=device)
-        k_lens = torch.tensor(batch.kv_lens, device=device)
-        starts = q_lens.cumsum(0) - q_lens
-        rows = torch.arange(q_max, device=device)
-        q_valid = rows[None, :] < q_lens[:, None]
-        q_index = torch.where(q_valid, starts[:, None] + rows[None, :], 0)
+        if batch.static_kv is not None:  # recorded decode: one query per sequence, lengths on the device
+            b = batch.input_ids.shape[0]
+            q_index = torch.arange(b, device=device)[:, None]  # [B, 1]
+            q_valid = torch.ones((b, 1), dtype=torch.bool, device=device)
+            k_max, k_lens = batch.static_kv, batch.positions + 1
+        else:
+            q_max, k_max = max(batch.query_lens), max(batch.kv_lens)
+            q_lens = torch.tensor(batch.query_lens, device=device)
+            k_lens = torch.tensor(batch.kv_lens, device=device)
+            starts = q_lens.cumsum(0) - q_lens
+            rows = torch.arange(q_max, device=device)
+            q_valid = rows[None, :] < q_lens[:, None]
+            q_index = torch.where(q_valid, starts[:, None] + rows[None, :], 0)
         q_pos = batch.positions[q_index]
         keys = torch.arange(k_max, device=device)
         k_valid = keys[None, :] < k_lens[:, None]
         k_pages = batch.page_table.gather(
-            1, (keys // page).clamp(max=batch.page_table.shape[1] - 1).expand(batch.num_seqs, -1)
+            1, (keys // page).clamp(max=batch.page_table.shape[1] - 1).expand(k_lens.shape[0], -1)
         )
         k_slots = torch.where(k_valid, k_pages * page + keys % page, 0)
         return TorchPlan(batch.slot_mapping, q_index, q_valid, q_pos, k_slots, k_valid)
@@ -135,6 +141,8 @@ class TorchPagedBackend(AttentionBackend):
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, vb).transpose(1, 2)  # [B, Qmax, Hq, D]
+        if out.shape[1] == 1:  # one query per sequence (decode): no mask to apply, and no host sync
+            return out[:, 0]
         return out[plan.q_valid]  # [T, Hq, D]: tokens are laid out sequence by sequence
 
 

@@ -36,6 +36,10 @@ class ForwardBatch:
     """Tokens per page."""
     slot_mapping: torch.Tensor
     """[T] flat index (page · page_size + offset) of each token in every paged state tensor."""
+    static_kv: int | None = None
+    """Set on a decode pass that a CUDA graph records (common/graphs.py): one token per sequence, and the
+    host-side lengths are those of the recording, not of the replays. Layers and backends then take shapes
+    from this bound (the most keys any sequence may have) and lengths from the device (`positions`)."""
 
     @property
     def num_seqs(self) -> int:
@@ -44,6 +48,8 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         """Every sequence adds exactly one token to a non-empty cache."""
+        if self.static_kv is not None:
+            return True
         return all(q == 1 for q in self.query_lens) and all(c > 0 for c in self.cache_lens)
 
     @property

@@ -9,6 +9,7 @@ Context never crosses an end-of-sequence token: after EOS, the missing history r
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -121,11 +122,17 @@ def shifted_history(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor
     return torch.where(valid, shifted, torch.full_like(history, eos))
 
 
+@functools.cache
+def _spec_tensors(spec: NGramSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The spec's multipliers, head vocabulary sizes and offsets on `device`, made once: a decode step that a
+    CUDA graph records may not copy host values to the device."""
+    values = (spec.multipliers, spec.head_vocab_sizes, spec.head_offsets)
+    return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in values)
+
+
 def ngram_ids(spec: NGramSpec, history: torch.Tensor, num_new: int) -> torch.Tensor:
     """Table rows [N, num_new, heads] of the last `num_new` tokens of history [N, S] (S ≥ num_new + n - 1)."""
-    mult = torch.tensor(spec.multipliers, dtype=torch.int64, device=history.device)
-    sizes = torch.tensor(spec.head_vocab_sizes, dtype=torch.int64, device=history.device)
-    offsets = torch.tensor(spec.head_offsets, dtype=torch.int64, device=history.device)
+    mult, sizes, offsets = _spec_tensors(spec, history.device)
     shifted = [shifted_history(history, s, spec.eos_token_id) for s in range(spec.ngram_size)]
     blocks = []
     for order in range(2, spec.ngram_size + 1):

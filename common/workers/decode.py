@@ -52,6 +52,7 @@ def load_engine(
         allocate=allocate,
         host_allocate=host_allocate,
         arena_buffers=arena_buffers,
+        cuda_graphs=cfg.cuda_graphs,
     )
 
 

@@ -47,8 +47,8 @@ class QSAIndexer(nn.Module):
         raw_store = paged["index_k"].flatten(0, 1)  # [slots, Di]
         raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
         self._compress_completed_blocks(batch, raw_store, paged["index_block"].flatten(0, 1), ctx)
-        if max(batch.kv_lens) <= self.block_topk * self.ratio + self.ratio - 1:
-            return None  # every query sees at most the budget: dense
+        if not batch.is_decode and max(batch.kv_lens) <= self.block_topk * self.ratio + self.ratio - 1:
+            return None  # every query sees at most the budget: dense (decode selects: the same keys)
         q = self.q_layernorm(q.view(-1, self.heads, self.dim))
         q = apply_rotary(q, ctx.cos, ctx.sin)  # [T, Hi, Di]
         return self._select(q, batch, paged["index_block"].flatten(0, 1))
@@ -56,13 +56,24 @@ class QSAIndexer(nn.Module):
     def _compress_completed_blocks(
         self, batch: ForwardBatch, raw: torch.Tensor, blocks: torch.Tensor, ctx
     ) -> None:
-        """Compressed keys of the blocks whose last token arrived in this pass, stored at their first slot."""
-        ends = (batch.positions % self.ratio == self.ratio - 1).nonzero().squeeze(1)  # [M] token indices
-        if ends.numel() == 0:
-            return
-        seq = batch.seq_index[ends]
-        starts = batch.positions[ends] - (self.ratio - 1)  # [M]
-        members = starts[:, None] + torch.arange(self.ratio, device=starts.device)  # [M, r]
+        """Compressed keys of the blocks whose last token arrived in this pass, stored at their first slot.
+
+        Decode (one token per sequence) writes every token's own block, complete or not, so that nothing
+        depends on a host-side count: an incomplete block's key is never read (no query sees the block) and
+        is overwritten when its last token arrives. Its members beyond the token are clamped to the token.
+        """
+        r = self.ratio
+        if batch.is_decode:
+            seq, pos = batch.seq_index, batch.positions
+            starts = pos - pos % r  # [T]
+            members = torch.minimum(starts[:, None] + torch.arange(r, device=pos.device), pos[:, None])
+        else:
+            ends = (batch.positions % r == r - 1).nonzero().squeeze(1)  # [M] token indices
+            if ends.numel() == 0:
+                return
+            seq = batch.seq_index[ends]
+            starts = batch.positions[ends] - (r - 1)  # [M]
+            members = starts[:, None] + torch.arange(r, device=starts.device)  # [M, r]
         keys = raw[batch.slots_of(seq[:, None], members)]  # [M, r, Di]
         pooled = self.k_layernorm(keys.float().mean(dim=1).to(keys.dtype))
         cos, sin = ctx.rotary.cos_sin(starts, pooled.dtype)
@@ -71,15 +82,20 @@ class QSAIndexer(nn.Module):
     def _select(self, q: torch.Tensor, batch: ForwardBatch, blocks: torch.Tensor) -> torch.Tensor:
         device, r = q.device, self.ratio
         visible = (batch.positions + 1) // r  # [T] complete blocks each query sees
-        max_blocks = int(max(batch.kv_lens)) // r
+        bound = batch.static_kv if batch.static_kv is not None else max(batch.kv_lens)
+        max_blocks = bound // r
         block_pos = torch.arange(max_blocks, device=device) * r  # [NB] start position of each block
-        scores = torch.full((q.shape[0], max_blocks), float("-inf"), device=device)
-        start = 0
-        for b, n in enumerate(batch.query_lens):  # per sequence: its queries against its own blocks
-            keys = blocks[batch.slots_of(torch.tensor(b, device=device), block_pos)].float()  # [NB, Di]
-            s = torch.relu(torch.einsum("thd,nd->thn", q[start : start + n].float(), keys)).sum(1)
-            scores[start : start + n] = s / math.sqrt(self.dim)
-            start += n
+        if batch.is_decode:  # one query per sequence: every query against its own blocks at once
+            keys = blocks[batch.slots_of(batch.seq_index[:, None], block_pos[None, :])].float()  # [T, NB, Di]
+            scores = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys)).sum(1) / math.sqrt(self.dim)
+        else:
+            scores = torch.full((q.shape[0], max_blocks), float("-inf"), device=device)
+            start = 0
+            for b, n in enumerate(batch.query_lens):  # per sequence: its queries against its own blocks
+                keys = blocks[batch.slots_of(torch.tensor(b, device=device), block_pos)].float()  # [NB, Di]
+                s = torch.relu(torch.einsum("thd,nd->thn", q[start : start + n].float(), keys)).sum(1)
+                scores[start : start + n] = s / math.sqrt(self.dim)
+                start += n
         scores = scores.masked_fill(block_pos[None, :] >= visible[:, None] * r, float("-inf"))
         k = min(self.block_topk, max_blocks)
         top_scores, top_blocks = scores.topk(k, dim=-1)  # [T, k]

@@ -29,6 +29,9 @@ class Padding:
     @classmethod
     def _build(cls, batch: ForwardBatch) -> Padding:
         device = batch.input_ids.device
+        if batch.is_decode:  # one token per sequence; built from no host list, so a graph can record it
+            ones = torch.ones_like(batch.seq_index)
+            return cls(batch.seq_index, torch.zeros_like(batch.seq_index), ones, 1)
         lens = torch.tensor(batch.query_lens, device=device)
         starts = lens.cumsum(0) - lens
         offset = torch.arange(batch.input_ids.shape[0], device=device) - starts[batch.seq_index]
