@@ -186,7 +186,7 @@ class CacheTables:
         hit = requested & (current >= 0)
         miss = requested & (current < 0)
         hit_slot = torch.where(hit, current, spare)
-        self.last_use.index_fill_(0, hit_slot, step)
+        self._stamp(hit_slot, step)
 
         # Victims: evictable slots of the layer, lowest key first (free slots first, unevictable last).
         slots = self.slot_table[layer]  # [E]: the layer's C slots, then the (pinned) spare
@@ -223,6 +223,13 @@ class CacheTables:
         return Resolution(
             slot=slot, filled=filled, bypass=bypass, row=row, newcomer=copy, target=target, valid=need
         )
+
+    def _stamp(self, slots: torch.Tensor, step: int | torch.Tensor) -> None:
+        """last_use[slots] = step (index_fill_ would read a tensor step on the host: a sync)."""
+        if isinstance(step, torch.Tensor):
+            self.last_use.index_copy_(0, slots, step.expand(slots.shape[0]))
+        else:
+            self.last_use.index_fill_(0, slots, step)
 
     def _rows(self, slot: torch.Tensor, bypass: torch.Tensor) -> torch.Tensor:
         """[E] pool row of each expert: its slot, else the next staging row for a bypass, else the spare."""
@@ -282,7 +289,7 @@ class CacheTables:
         target = torch.where(valid, victims, spare)
         self.owner.index_copy_(0, target, torch.where(valid, newcomer, -1))
         slot_of.index_copy_(0, torch.where(valid, newcomer, e), torch.where(valid, victims, -1))
-        self.last_use.index_fill_(0, target, step)
+        self._stamp(target, step)
         self.owner[spare].fill_(-1)
         slot_of[e].fill_(-1)
 
