@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from common.experts.cache_tables import DEFAULT_POLICY, CacheTables
 from common.experts.formats import ExpertFormat, get_format
@@ -195,6 +196,8 @@ class OffloadedExperts(ExpertProvider):
         self._moved = torch.zeros(4, len(moe_layers), dtype=torch.int64, device=self.device)
         self._fill_pinned()
         self.prefill = False
+        # int4 decode on CUDA: Triton kernels read the chosen rows' codes in place (kernels/moe_int4.py)
+        self.fused_int4 = fmt.name == "int4" and self.device.type == "cuda" and act is F.silu
         self.step = torch.zeros((), dtype=torch.int64, device=self.device)  # on the device: recorded steps
         self.decode_passes = 0
 
@@ -267,6 +270,10 @@ class OffloadedExperts(ExpertProvider):
 
             return grouped_expert_mlp(x, weights_of, topk_ids, topk_weights, self.act)
         self.copies.join(prepared.done)
+        if self.fused_int4:
+            from common.kernels.moe_int4 import moe_int4_decode  # Triton: CUDA machines only
+
+            return moe_int4_decode(x, prepared.rows[topk_ids], topk_weights, self.pool)
         t, k = topk_ids.shape
         rows = prepared.rows[topk_ids].reshape(-1)  # [T*k]
         parts = {n: p.index_select(0, rows) for n, p in self.pool.items()}  # [T*k, ...] each
