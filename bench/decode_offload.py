@@ -1,4 +1,4 @@
-"""decode-1 baseline: flashnext (qwen4_exp) with int4 experts in mapped host memory, a VRAM expert cache sized
+"""decode-1: flashnext (qwen4_exp) with int4 experts in mapped host memory, a VRAM expert cache sized
 so the process stays under a device-memory budget, synthetic-zipf routing replay, one request.
 
     python -m bench.decode_offload --budget-gib 32 --prompt 2048 --decode 256 [--layers 48] [--out DIR]
@@ -161,7 +161,7 @@ def main() -> None:
         "build_s": build_s,
         "cuda_graphs": not args.eager,
     }
-    print(write_result("decode-1-baseline", result, args.out))
+    print(write_result("decode-1", result, args.out))
     for k, v in result.items():
         print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
 

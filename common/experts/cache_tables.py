@@ -113,6 +113,9 @@ class CacheTables:
         self._capacities: list[int] = []
         self._assign(list(slots_per_layer))
         self._thawed = torch.ones((), dtype=torch.bool, device=device)
+        self._expert_ids = torch.arange(e, device=device)
+        if e > 1 << 16:
+            raise ValueError(f"{e} experts per layer: the miss order keys hold at most 65536")
         self.frozen = False
         for layer, experts in (pinned or {}).items():
             self.pin(layer, experts)
@@ -199,10 +202,11 @@ class CacheTables:
         pairs = min(max_new, e)
         victim_key, victim_idx = torch.topk(key, pairs, largest=False)  # [P]
         victims = slots[victim_idx]
-        # Misses, most frequent first (ties: lower expert id).
-        miss_key = torch.where(miss, -rate, float("inf"))
-        order = torch.sort(miss_key, stable=True).indices  # [E] misses first
-        newcomer = order[:pairs]  # [pairs]
+        # Misses, most frequent first (ties: lower expert id): one int64 key per expert, unique, so a top-P
+        # gives the order a stable sort would (and costs less than sorting all E).
+        miss_key = (rate.view(torch.int32).to(torch.int64) << 16) + (e - 1 - self._expert_ids)  # rate ≥ 0
+        order = torch.topk(torch.where(miss, miss_key, -1), pairs).indices  # [P] misses first
+        newcomer = order  # [P]
         valid = miss[newcomer] & (victim_key < _KEY_MAX) & self._thawed
         if self.policy == "lfu-admit":
             valid &= self._admit(layer, rate, newcomer, self.owner[victims])
@@ -217,7 +221,7 @@ class CacheTables:
         self.counters["misses"][layer].add_(miss.sum())
         self.counters["bypasses"][layer].add_(bypass.sum())
         row = self._rows(slot, bypass)
-        copy = order[: min(max_new, e)]  # [P] every miss (there are at most max_new), then padding
+        copy = order  # [P] every miss (there are at most max_new), then padding
         need = miss[copy]
         target = torch.where(need, row[copy], spare)
         return Resolution(
