@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--policy", default="lfu-admit")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--eager", action="store_true", help="run decode passes op by op (no CUDA graphs)")
+    ap.add_argument("--fused-resolve", action="store_true", help="resolve the cache with the Triton program")
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of 4 steady steps here")
     args = ap.parse_args()
 
@@ -99,6 +100,7 @@ def main() -> None:
     spare = args.budget_gib * GIB - torch.cuda.memory_reserved() - arena_bytes - int(2.0 * GIB)  # scratch
     slots = max(len(cfg.moe_layers), int(spare // store.expert_bytes))
     provider = offload_experts(model, str(slots), args.policy, "int4", store=store)
+    provider.fused_resolve = args.fused_resolve
     install_routing_hook(
         model,
         replayer_for(
@@ -160,6 +162,7 @@ def main() -> None:
         "policy": args.policy,
         "build_s": build_s,
         "cuda_graphs": not args.eager,
+        "fused_resolve": args.fused_resolve,
     }
     print(write_result("decode-1", result, args.out))
     for k, v in result.items():

@@ -106,13 +106,16 @@ class CacheTables:
         self.absent = torch.zeros(num_layers, e, dtype=torch.float32, device=device)
         self.reuse = torch.zeros(num_layers, 2, dtype=torch.float32, device=device)
         counters = ("hits", "misses", "evictions", "bypasses")
-        self.counters = {n: torch.zeros(num_layers, dtype=torch.int64, device=device) for n in counters}
+        self.counts = torch.zeros(len(counters), num_layers, dtype=torch.int64, device=device)
+        self.counters = {n: self.counts[i] for i, n in enumerate(counters)}  # views, [L] each
         # Layer l's slots are slot_table[l, :capacity[l]], the rest of the row is the spare slot: a fixed
         # shape that rebalance rewrites in place, so a recorded step stays valid when capacities move.
         self.slot_table = torch.full((num_layers, e), s, dtype=torch.int64, device=device)
         self._capacities: list[int] = []
         self._assign(list(slots_per_layer))
-        self._thawed = torch.ones((), dtype=torch.bool, device=device)
+        self.decay_on_device = torch.tensor(decay, dtype=torch.float32, device=device)
+        self.thawed = torch.ones((), dtype=torch.bool, device=device)
+        """The device copy of `not frozen` that recorded steps read."""
         self._expert_ids = torch.arange(e, device=device)
         if e > 1 << 16:
             raise ValueError(f"{e} experts per layer: the miss order keys hold at most 65536")
@@ -138,7 +141,7 @@ class CacheTables:
     @frozen.setter
     def frozen(self, value: bool) -> None:
         self._frozen = value
-        self._thawed.fill_(not value)
+        self.thawed.fill_(not value)
 
     @property
     def staging_base(self) -> int:
@@ -200,14 +203,15 @@ class CacheTables:
         key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, rate))
         key = torch.where(evictable, key, _KEY_MAX)
         pairs = min(max_new, e)
-        victim_key, victim_idx = torch.topk(key, pairs, largest=False)  # [P]
+        victim_key, victim_idx = torch.sort(key, stable=True)  # ties: the row's first slot first
+        victim_key, victim_idx = victim_key[:pairs], victim_idx[:pairs]  # [P]
         victims = slots[victim_idx]
         # Misses, most frequent first (ties: lower expert id): one int64 key per expert, unique, so a top-P
         # gives the order a stable sort would (and costs less than sorting all E).
         miss_key = (rate.view(torch.int32).to(torch.int64) << 16) + (e - 1 - self._expert_ids)  # rate ≥ 0
         order = torch.topk(torch.where(miss, miss_key, -1), pairs).indices  # [P] misses first
         newcomer = order  # [P]
-        valid = miss[newcomer] & (victim_key < _KEY_MAX) & self._thawed
+        valid = miss[newcomer] & (victim_key < _KEY_MAX) & self.thawed
         if self.policy == "lfu-admit":
             valid &= self._admit(layer, rate, newcomer, self.owner[victims])
         self._apply(layer, newcomer, victims, valid, step)

@@ -198,6 +198,9 @@ class OffloadedExperts(ExpertProvider):
         self.prefill = False
         # int4 decode on CUDA: Triton kernels read the chosen rows' codes in place (kernels/moe_int4.py)
         self.fused_int4 = fmt.name == "int4" and self.device.type == "cuda" and act is F.silu
+        self.fused_resolve = False
+        """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
+        decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
         self.step = torch.zeros((), dtype=torch.int64, device=self.device)  # on the device: recorded steps
         self.decode_passes = 0
 
@@ -244,6 +247,11 @@ class OffloadedExperts(ExpertProvider):
     def prepare(self, layer: int, topk_ids: torch.Tensor) -> Prepared:
         """Resolve `layer`'s experts and launch their copies (on the side stream where there is one)."""
         i = self.index[layer]
+        if self.fused_resolve and not self.prefill:
+            from common.kernels.resolve import resolve_step  # Triton
+
+            row, newcomer, target, valid = resolve_step(self.tables, i, topk_ids, self.step, self._moved)
+            return Prepared(rows=row, done=self.copies.launch(i, newcomer, target, valid))
         requested = torch.zeros(self.store.num_experts, dtype=torch.bool, device=topk_ids.device)  # [E]
         requested.index_fill_(0, topk_ids.reshape(-1), True)  # (t[i] = True would synchronise)
         if self.prefill:

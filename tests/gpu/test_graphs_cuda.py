@@ -18,24 +18,26 @@ ARCHS = {"qwen3_moe": None, "qwen4_exp": {"indexer_budget": 8, "indexer_compress
 PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-def _run(path: Path, graphs: bool, cache: str | None) -> tuple[list[list[int]], Engine]:
+def _run(path: Path, graphs: bool, cache: str | None, fused: bool = False) -> tuple[list[list[int]], Engine]:
     engine = Engine(
         path, dtype=torch.float32, device="cuda", max_seqs=2, expert_cache=cache, cuda_graphs=graphs,
         replay_routing="synthetic-zipf:seed=3" if cache else None,
     )  # fmt: skip
     if cache is not None:
         engine.offload.rebalance_every = 8  # capacities move between replays
+        engine.offload.fused_resolve = fused
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
     return [r.token_ids for r in engine.generate(prompts, PARAMS)], engine
 
 
-@pytest.mark.parametrize("cache", [None, "0.25"])
+@pytest.mark.parametrize(("cache", "fused"), [(None, False), ("0.25", False), ("0.25", True)])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_recorded_decode_matches_eager(tmp_path: Path, arch: str, cache: str | None) -> None:
+def test_recorded_decode_matches_eager(tmp_path: Path, arch: str, cache: str | None, fused: bool) -> None:
+    """`fused`: the recorded steps resolve the cache with the Triton program, the eager ones with torch."""
     path = make_model(tmp_path / "m", preset="tiny", arch=arch, overrides=ARCHS[arch])
     eager, reference = _run(path, False, cache)
-    graphed, engine = _run(path, True, cache)
+    graphed, engine = _run(path, True, cache, fused)
     assert graphed == eager
     assert set(engine.runner.graphs.recorded) == {1, 2}  # two lanes, then one when a request finished
     if cache is not None:

@@ -1,0 +1,192 @@
+"""The expert cache's resolution of one layer's decode step as one Triton program (`CacheTables.resolve`'s
+decisions, bit for bit, with the copy list and pool rows `OffloadedExperts` needs).
+
+As torch ops the resolution is ~130 small kernels per layer (counted on the tiny model: statistics, keys,
+two orderings, the table updates, the counters), and inside a recorded decode step each still costs its slot
+(~1-2 µs on an H200): ~10 ms of a 48-layer step. Here one program per layer does all of it, the expert
+dimension (E ≤ 2^16) held in registers. Gathers that depend on values (an expert's rate by its slot's
+owner, the row of a newcomer) read the tables back from memory after a barrier, so the program sees its own
+writes.
+
+The P victims and the P newcomers are chosen by P rounds of argmin / argmax (ties to the lower position,
+as the torch path's stable sort and unique keys order them): P = min(T·k, E) is 10 for one token of top-10.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max
+POLICY_CODES = {"lru": 0, "lfu": 1, "lfu-admit": 2}
+
+
+@triton.jit
+def _rate(freq_ptr, absent_ptr, at, mask):
+    """freq / max(absent, 1) at `at` (the fresh-request rate, as `CacheTables._rate`), IEEE division."""
+    f = tl.load(freq_ptr + at, mask=mask, other=0.0)
+    a = tl.load(absent_ptr + at, mask=mask, other=1.0)
+    return tl.math.div_rn(f, tl.maximum(a, 1.0))
+
+
+@triton.jit
+def _mul(a, b):
+    """a · b rounded once to fp32, as torch's fp32 multiply: the product is formed exactly in fp64, so the
+    compiler cannot fuse it with a following add into one fma (whose single rounding torch does not do)."""
+    return (a.to(tl.float64) * b.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _add(ptr, value):
+    tl.store(ptr, tl.load(ptr) + value)
+
+
+@triton.jit
+def _pick(vec, pos, values, PB: tl.constexpr, P: tl.constexpr, LARGEST: tl.constexpr, SENTINEL):
+    """P rounds of argmin (or argmax): ([PB] positions, [PB] keys) in order, ties to the lower position."""
+    jj = tl.arange(0, PB)
+    chosen = tl.zeros((PB,), dtype=tl.int64)
+    keys = tl.zeros((PB,), dtype=tl.int64) + SENTINEL
+    extra = tl.zeros((PB,), dtype=values.dtype)
+    taken = pos < 0  # all False
+    for j in range(P):
+        live = tl.where(taken, SENTINEL, vec)
+        if LARGEST:
+            at = tl.argmax(live, axis=0, tie_break_left=True)
+        else:
+            at = tl.argmin(live, axis=0, tie_break_left=True)
+        hit = pos == at
+        chosen = tl.where(jj == j, at.to(tl.int64), chosen)
+        keys = tl.where(jj == j, tl.sum(tl.where(hit, live, 0), axis=0), keys)
+        extra = tl.where(jj == j, tl.sum(tl.where(hit, values, 0), axis=0), extra)
+        taken = taken | hit
+    return chosen, keys, extra
+
+
+@triton.jit
+def _resolve_kernel(
+    ids_ptr, n_ids, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
+    freq_ptr, absent_ptr, previous_ptr, reuse_ptr, counters_ptr, moved_ptr, thawed_ptr, step_ptr,
+    row_ptr, newcomer_ptr, target_ptr, valid_ptr,
+    layer, num_layers, decay_ptr, E, spare, staging_base, KEY_MIN, KEY_MAX,
+    POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    e = tl.arange(0, BLOCK_E)
+    live_e = e < E
+    base = layer * E  # row of freq / absent / previous / slot_table
+    step = tl.load(step_ptr)
+    decay = tl.load(decay_ptr)  # fp32, as torch multiplies an fp32 tensor by a Python float
+
+    # Requests, then the statistics (CacheTables._count).
+    req = e < 0  # all False
+    for c in range(0, BLOCK_N, CHUNK):
+        ids = tl.load(ids_ptr + c + tl.arange(0, CHUNK), mask=c + tl.arange(0, CHUNK) < n_ids, other=-1)
+        req = req | (tl.max((e[:, None] == ids[None, :]).to(tl.int32), axis=1) > 0)
+    req = req & live_e
+    prev = (tl.load(previous_ptr + base + e, mask=live_e, other=0) != 0) & live_e
+    freq = _mul(tl.load(freq_ptr + base + e, mask=live_e, other=0.0), decay) + (req & ~prev).to(tl.float32)
+    absent = _mul(tl.load(absent_ptr + base + e, mask=live_e, other=0.0), decay) + (~prev & live_e).to(
+        tl.float32
+    )
+    tl.store(freq_ptr + base + e, freq, mask=live_e)
+    tl.store(absent_ptr + base + e, absent, mask=live_e)
+    tl.store(previous_ptr + base + e, req, mask=live_e)
+    again = tl.sum((req & prev).to(tl.float32), axis=0)
+    seen = tl.sum(prev.to(tl.float32), axis=0)
+    reuse_hits = _mul(tl.load(reuse_ptr + 2 * layer), decay) + again
+    reuse_seen = _mul(tl.load(reuse_ptr + 2 * layer + 1), decay) + seen
+    tl.store(reuse_ptr + 2 * layer, reuse_hits)
+    tl.store(reuse_ptr + 2 * layer + 1, reuse_seen)
+    rate = tl.math.div_rn(freq, tl.maximum(absent, 1.0))  # [E]
+
+    # Hits and misses; hits are stamped.
+    current = tl.load(slot_of_ptr + layer * (E + 1) + e, mask=live_e, other=-1)
+    hit = req & (current >= 0)
+    miss = req & (current < 0)
+    tl.store(last_use_ptr + current, step, mask=hit)
+    tl.debug_barrier()
+
+    # Victims: the row's evictable slots, lowest key first.
+    slots = tl.load(slot_table_ptr + base + e, mask=live_e, other=spare)
+    owner = tl.load(owner_ptr + slots)
+    held = owner >= 0
+    in_use = held & (tl.load(previous_ptr + base + owner, mask=held, other=0) != 0)  # its expert is a hit
+    pinned = tl.load(pinned_ptr + slots) != 0
+    evictable = ~pinned & ~in_use & (slots < spare) & live_e
+    recency = tl.load(last_use_ptr + slots)
+    if POLICY == 0:
+        key = recency
+    else:
+        owner_rate = _rate(freq_ptr, absent_ptr, base + owner, held)
+        key = (owner_rate.to(tl.int32, bitcast=True).to(tl.int64) << 32) + recency
+    key = tl.where(held, key, KEY_MIN)
+    key = tl.where(evictable, key, KEY_MAX)
+    _, victim_key, victims = _pick(key, e, slots, PB, P, False, KEY_MAX)
+
+    # Newcomers: misses, most frequent first, ties to the lower expert id (the torch path's unique keys).
+    miss_key = (rate.to(tl.int32, bitcast=True).to(tl.int64) << 16) + (E - 1 - e)
+    miss_key = tl.where(miss, miss_key, -1)
+    newcomer, newcomer_key, newcomer_rate = _pick(miss_key, e, rate, PB, P, True, -2)
+    is_miss = newcomer_key >= 0
+    jj = tl.arange(0, PB)
+    valid = is_miss & (victim_key < KEY_MAX) & (tl.load(thawed_ptr) != 0) & (jj < P)
+    old = tl.load(owner_ptr + victims, mask=jj < P, other=-1)
+    if POLICY == 2:  # lfu-admit (CacheTables._admit)
+        reuse = tl.math.div_rn(reuse_hits, tl.maximum(reuse_seen, 1.0))
+        new = reuse + _mul(1.0 - reuse, newcomer_rate)
+        old_rate = tl.where(old >= 0, _rate(freq_ptr, absent_ptr, base + old, old >= 0), float("-inf"))
+        valid = valid & (new >= old_rate)
+
+    # Apply (CacheTables._apply).
+    evicted = valid & (old >= 0)
+    _add(counters_ptr + 2 * num_layers + layer, tl.sum(evicted.to(tl.int64), axis=0))
+    tl.store(slot_of_ptr + layer * (E + 1) + old, -1, mask=evicted)
+    tl.debug_barrier()
+    tl.store(owner_ptr + victims, newcomer, mask=valid)
+    tl.store(slot_of_ptr + layer * (E + 1) + newcomer, victims, mask=valid)
+    tl.store(last_use_ptr + victims, step, mask=valid)
+    tl.debug_barrier()
+
+    # Rows and counters.
+    slot = tl.load(slot_of_ptr + layer * (E + 1) + e, mask=live_e, other=-1)
+    filled = miss & (slot >= 0)
+    bypass = miss & ~filled
+    staging = staging_base + tl.cumsum(bypass.to(tl.int64), axis=0) - 1
+    row = tl.where(bypass, staging, tl.where(req & (slot >= 0), slot, spare))
+    tl.store(row_ptr + e, row, mask=live_e)
+    _add(counters_ptr + layer, tl.sum(hit.to(tl.int64), axis=0))
+    _add(counters_ptr + num_layers + layer, tl.sum(miss.to(tl.int64), axis=0))
+    _add(counters_ptr + 3 * num_layers + layer, tl.sum(bypass.to(tl.int64), axis=0))
+    _add(moved_ptr + layer, tl.sum(filled.to(tl.int64), axis=0))
+    _add(moved_ptr + num_layers + layer, tl.sum(bypass.to(tl.int64), axis=0))
+    tl.debug_barrier()
+
+    # The copy list: each miss to its row.
+    target = tl.where(is_miss, tl.load(row_ptr + newcomer, mask=is_miss, other=spare), spare)
+    tl.store(newcomer_ptr + jj, newcomer, mask=jj < P)
+    tl.store(target_ptr + jj, target, mask=jj < P)
+    tl.store(valid_ptr + jj, is_miss, mask=jj < P)
+
+
+def resolve_step(tables, layer: int, ids: torch.Tensor, step: torch.Tensor, moved: torch.Tensor):
+    """`tables.resolve` for the experts `ids` ([T, k] or flat) of `layer`, as one program → (row [E], newcomer
+    [P], target [P], valid [P]) with P = min(ids.numel(), E); moved [4, L] int64 gets the fills (row 0) and
+    bypasses (row 1). `step` is a 0-d int64 device tensor. Tables on a CUDA device (or the interpreter)."""
+    e, n = tables.num_experts, ids.numel()
+    p = min(n, e)
+    device = tables.slot_of.device
+    row = torch.empty(e, dtype=torch.int64, device=device)
+    newcomer = torch.empty(p, dtype=torch.int64, device=device)
+    target = torch.empty(p, dtype=torch.int64, device=device)
+    valid = torch.empty(p, dtype=torch.bool, device=device)
+    _resolve_kernel[(1,)](
+        ids.reshape(-1), n, tables.slot_of, tables.owner, tables.last_use, tables.pinned, tables.slot_table,
+        tables.freq, tables.absent, tables.previous, tables.reuse, tables.counts, moved, tables.thawed, step,
+        row, newcomer, target, valid, layer, tables.num_layers, tables.decay_on_device,
+        e, tables.num_slots, tables.staging_base, _KEY_MIN, _KEY_MAX,
+        POLICY=POLICY_CODES[tables.policy], P=p, PB=triton.next_power_of_2(p),
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_N=max(16, triton.next_power_of_2(n)), CHUNK=16,
+    )  # fmt: skip
+    return row, newcomer, target, valid

@@ -1,0 +1,65 @@
+"""The one-program cache resolution (common/kernels/resolve.py) against CacheTables.resolve: after every
+step of random traces, every table (slots, owners, recency, statistics, counters) is identical, and so are
+the pool rows of the requested experts and the copy list — for each policy, with pinned experts, a frozen
+cache and rebalancing between steps. On a machine without CUDA the kernel runs in Triton's interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("needs triton", allow_module_level=True)
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported
+
+from common.experts.cache_tables import POLICIES, CacheTables
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TABLES = ("slot_of", "owner", "last_use", "freq", "absent", "previous", "reuse", "counts", "slot_table")
+
+
+def _pair(policy: str, gen: torch.Generator, layers: int, experts: int) -> tuple[CacheTables, CacheTables]:
+    capacities = torch.randint(1, experts + 1, (layers,), generator=gen).tolist()
+    hot = torch.randperm(experts, generator=gen)[: capacities[0] // 2].tolist()
+    make = lambda: CacheTables(
+        layers, experts, capacities, policy, DEVICE, decay=0.98, pinned={0: hot} if hot else None
+    )
+    return make(), make()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_resolution_equals_torch(policy: str, seed: int) -> None:
+    from common.kernels.resolve import resolve_step
+
+    gen = torch.Generator().manual_seed(seed)
+    layers, experts, top_k = 3, 16, 3
+    reference, fused = _pair(policy, gen, layers, experts)
+    moved = torch.zeros(4, layers, dtype=torch.int64, device=DEVICE)
+    for step in range(1, 40):
+        if step % 13 == 0:  # a frozen stretch: misses bypass
+            reference.frozen = fused.frozen = not reference.frozen
+        if step % 10 == 0:
+            assert reference.rebalance(2) == fused.rebalance(2)
+        tokens = int(torch.randint(1, 4, (), generator=gen))
+        for layer in range(layers):
+            ids = torch.randint(0, experts, (tokens, top_k), generator=gen).to(DEVICE)  # repeats: shared use
+            requested = torch.zeros(experts, dtype=torch.bool, device=DEVICE)
+            requested[ids.reshape(-1)] = True
+            stamp = torch.tensor(step, device=DEVICE)
+            want = reference.resolve(layer, requested, stamp, max_new=min(ids.numel(), experts))
+            row, newcomer, target, valid = resolve_step(fused, layer, ids, stamp, moved)
+            for name in TABLES:
+                got, expected = getattr(fused, name), getattr(reference, name)
+                if name == "last_use":  # the torch path also stamps the spare slot (its stamp means nothing)
+                    got, expected = got[:-1], expected[:-1]
+                assert torch.equal(got, expected), (step, layer, name)
+            assert torch.equal(row[requested], want.row[requested]), (step, layer)
+            assert torch.equal(valid, want.valid) and torch.equal(target, want.target), (step, layer)
+            assert torch.equal(newcomer[valid], want.newcomer[want.valid]), (step, layer)
+        fused.check()
+    assert moved[0].sum() + moved[1].sum() == fused.counters["misses"].sum()  # every miss: filled or bypassed
