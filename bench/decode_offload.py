@@ -20,6 +20,7 @@ from common.experts.formats import get_format
 from common.experts.offload import offload_experts
 from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
+from common.kernels import use_fused_decode
 from common.model.hf_config import parse_architecture
 from common.model.loader import build_model
 from common.model.synthetic import model_config, synthetic_tensors
@@ -74,7 +75,7 @@ def main() -> None:
     ap.add_argument("--policy", default="lfu-admit")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--eager", action="store_true", help="run decode passes op by op (no CUDA graphs)")
-    ap.add_argument("--fused-resolve", action="store_true", help="resolve the cache with the Triton program")
+    ap.add_argument("--fused", action="store_true", help="the opt-in fused decode kernels (common/kernels)")
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of 4 steady steps here")
     args = ap.parse_args()
 
@@ -100,7 +101,7 @@ def main() -> None:
     spare = args.budget_gib * GIB - torch.cuda.memory_reserved() - arena_bytes - int(2.0 * GIB)  # scratch
     slots = max(len(cfg.moe_layers), int(spare // store.expert_bytes))
     provider = offload_experts(model, str(slots), args.policy, "int4", store=store)
-    provider.fused_resolve = args.fused_resolve
+    use_fused_decode(model, args.fused)
     install_routing_hook(
         model,
         replayer_for(
@@ -162,7 +163,7 @@ def main() -> None:
         "policy": args.policy,
         "build_s": build_s,
         "cuda_graphs": not args.eager,
-        "fused_resolve": args.fused_resolve,
+        "fused_decode": args.fused,
     }
     print(write_result("decode-1", result, args.out))
     for k, v in result.items():

@@ -25,6 +25,10 @@ class GatedDeltaNet(nn.Module):
     Per-sequence state: `conv` (the last K-1 qkv inputs) and `recurrent` ([Hv, Dk, Dv] fp32).
     """
 
+    fused_decode = False
+    """On CUDA, run a decode step's recurrence and gates as one Triton kernel (common/kernels/gated_delta.py)
+    instead of ~35 torch ops. Opt-in until measured on the GPU (see `common.kernels.use_fused_decode`)."""
+
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -57,6 +61,12 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv = causal_conv(self.in_proj_qkv(x), state["conv"], slots, self.conv1d.weight[:, 0], pad)
         qkv = F.silu(qkv)
+        if self.fused_decode and x.is_cuda and pad.max_len == 1:
+            from common.kernels.gated_delta import gated_delta_step  # Triton
+
+            a, b = self.in_proj_a(x), self.in_proj_b(x)
+            core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
+            return self._out(core, x)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk)
         v = v.view(t, self.hv, self.dv)
@@ -66,6 +76,11 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
         core = self._delta_rule(q, k, v, g, beta, state["recurrent"], slots, pad, ctx)  # [T, Hv, Dv] fp32
+        return self._out(core, x)
+
+    def _out(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gated norm and out projection of the recurrence's output core [T, Hv, Dv] fp32 → [T, H]."""
+        t = x.shape[0]
         out = self.norm(core.to(x.dtype), self.in_proj_z(x).view(t, self.hv, self.dv))
         return self.out_proj(out.reshape(t, self.value_dim))
 

@@ -1,20 +1,12 @@
 """The one-program cache resolution (common/kernels/resolve.py) against CacheTables.resolve: after every
 step of random traces, every table (slots, owners, recency, statistics, counters) is identical, and so are
 the pool rows of the requested experts and the copy list — for each policy, with pinned experts, a frozen
-cache and rebalancing between steps. On a machine without CUDA the kernel runs in Triton's interpreter."""
+cache and rebalancing between steps. Without CUDA the kernel runs in Triton's interpreter (conftest.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
-
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("needs triton", allow_module_level=True)
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is first imported
 
 from common.experts.cache_tables import POLICIES, CacheTables
 

@@ -1,0 +1,76 @@
+"""One decode step of Gated DeltaNet's recurrence as one Triton kernel, the state updated in place.
+
+The torch step (common/model/qwen4_exp/delta_rule.py `recurrent_step`, with the gates GatedDeltaNet computes
+around it and the slot gather/scatter) is ~35 small kernels per layer. Here program (token t, value head h,
+block of BV value columns) loads its query and key head (key head h // (Hv/Hk): the grouped heads are not
+repeated in memory), L2-normalises them, forms the gates β = σ(b) and g = −exp(A_log)·softplus(a + dt_bias),
+and applies, with S the [Dk, BV] block of the state of sequence slot[t]:
+
+    S ← exp(g)·S;   S ← S + k ⊗ β(v − Sᵀk);   o = Sᵀq  (q scaled by Dk^-1/2)
+
+in fp32. Each block of value columns is independent (the update of column j reads only column j), so the
+state never leaves the program between its load and its store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gated_delta_step_kernel(
+    qkv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, out_ptr,
+    qkv_stride, heads_v, group, key_dim,
+    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)  # [BV] value columns
+    d = tl.arange(0, DK)
+    row = qkv_ptr + t * qkv_stride
+    kh = h // group
+    q = tl.load(row + kh * DK + d).to(tl.float32)
+    k = tl.load(row + key_dim + kh * DK + d).to(tl.float32)
+    v = tl.load(row + 2 * key_dim + h * DV + cols).to(tl.float32)
+    q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+    k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+    beta = tl.sigmoid(tl.load(b_ptr + t * heads_v + h).to(tl.float32))
+    x = tl.load(a_ptr + t * heads_v + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus threshold
+    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    at = state_ptr + ((slot * heads_v + h) * DK + d[:, None]) * DV + cols[None, :]  # [DK, BV]
+    s = tl.load(at) * tl.exp(g)
+    predicted = tl.sum(s * k[:, None], axis=0)  # [BV]
+    s = s + k[:, None] * ((v - predicted) * beta)[None, :]
+    tl.store(at, s)
+    tl.store(out_ptr + (t * heads_v + h) * DV + cols, tl.sum(s * q[:, None], axis=0))
+
+
+def gated_delta_step(
+    qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    heads_k: int,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """One token per sequence: qkv [T, 2·Hk·Dk + Hv·Dv] (the convolved, activated projections: q, k, v
+    heads back to back), a, b [T, Hv] (the gate projections, before softplus / sigmoid), a_log, dt_bias [Hv],
+    state [S, Hv, Dk, Dv] fp32 (sequence t's at slots[t], updated in place) → o [T, Hv, Dv] fp32."""
+    t = qkv.shape[0]
+    _, heads_v, dk, dv = state.shape
+    out = torch.empty((t, heads_v, dv), dtype=torch.float32, device=qkv.device)
+    grid = (t, heads_v, dv // block_v)
+    _gated_delta_step_kernel[grid](
+        qkv, a.contiguous(), b.contiguous(), a_log, dt_bias, state, slots, out,
+        qkv.stride(0), heads_v, heads_v // heads_k, heads_k * dk, DK=dk, DV=dv, BV=block_v,
+    )  # fmt: skip
+    return out
