@@ -66,7 +66,11 @@ def gated_delta_step(
     heads back to back), a, b [T, Hv] (the gate projections, before softplus / sigmoid), a_log, dt_bias [Hv],
     state [S, Hv, Dk, Dv] fp32 (sequence t's at slots[t], updated in place) → o [T, Hv, Dv] fp32."""
     t = qkv.shape[0]
+    qkv = qkv.contiguous()  # a conv's output may come transposed
     _, heads_v, dk, dv = state.shape
+    block_v = min(block_v, dv)
+    if dk & (dk - 1) or dv & (dv - 1):
+        raise ValueError(f"head dims must be powers of two, got Dk={dk}, Dv={dv}")
     out = torch.empty((t, heads_v, dv), dtype=torch.float32, device=qkv.device)
     grid = (t, heads_v, dv // block_v)
     _gated_delta_step_kernel[grid](

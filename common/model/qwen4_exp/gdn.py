@@ -26,7 +26,7 @@ class GatedDeltaNet(nn.Module):
     """
 
     fused_decode = False
-    """On CUDA, run a decode step's recurrence and gates as one Triton kernel (common/kernels/gated_delta.py)
+    """Run a decode step's recurrence and gates as one Triton kernel (common/kernels/gated_delta.py)
     instead of ~35 torch ops. Opt-in until measured on the GPU (see `common.kernels.use_fused_decode`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
@@ -61,7 +61,7 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv = causal_conv(self.in_proj_qkv(x), state["conv"], slots, self.conv1d.weight[:, 0], pad)
         qkv = F.silu(qkv)
-        if self.fused_decode and x.is_cuda and pad.max_len == 1:
+        if self.fused_decode and pad.max_len == 1:
             from common.kernels.gated_delta import gated_delta_step  # Triton
 
             a, b = self.in_proj_a(x), self.in_proj_b(x)

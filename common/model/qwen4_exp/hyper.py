@@ -16,6 +16,10 @@ class HyperConnection(nn.Module):
     The streams are one tensor [T, hc · H], stream s at columns [s·H, (s+1)·H).
     """
 
+    fused_decode = False
+    """Run the elementwise work as three Triton kernels (common/kernels/hyper.py) instead of ~30 torch ops.
+    Opt-in until measured on the GPU (see `common.kernels.use_fused_decode`)."""
+
     def __init__(self, cfg: Qwen4ExpConfig, inject: bool = True) -> None:
         super().__init__()
         self.hc, self.hidden = cfg.hc_count, cfg.hidden_size
@@ -26,6 +30,12 @@ class HyperConnection(nn.Module):
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [T, hc·H] → (sublayer input [T, H], normalised streams [T, hc·H])."""
+        if self.fused_decode:
+            from common.kernels.hyper import hc_mix, hc_norm  # Triton
+
+            normed = hc_norm(streams, self.hc_norm.weight, self.hc_norm.eps, self.hc)
+            gate = F.silu(self.input_mix_weight_down(normed) / self.hc)
+            return hc_mix(self.input_mix_weight_up(gate), normed, self.hc), normed
         normed = self.hc_norm(streams)
         gate = F.silu(self.input_mix_weight_down(normed) / self.hc)
         gate = torch.sigmoid(self.input_mix_weight_up(gate)).unflatten(
@@ -36,6 +46,11 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor, sublayer) -> torch.Tensor:
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight."""
         mixed, normed = self.mix(streams)
+        if self.fused_decode:
+            from common.kernels.hyper import hc_inject  # Triton
+
+            logits = self.block_inject_weight(normed)  # [T, hc]
+            return hc_inject(streams, sublayer(mixed), logits)
         inject = 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc)  # [T, hc]
         out = sublayer(mixed)  # [T, H]
         return streams + (out[:, None, :] * inject[:, :, None]).flatten(-2)
