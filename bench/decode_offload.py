@@ -1,7 +1,8 @@
-"""decode-1: flashnext (qwen4_exp) with int4 experts in mapped host memory, a VRAM expert cache sized
-so the process stays under a device-memory budget, synthetic-zipf routing replay, one request.
+"""decode-1 / decode-8: flashnext (qwen4_exp) with int4 experts in mapped host memory, a VRAM expert cache
+sized so the process stays under a device-memory budget, synthetic-zipf routing replay, one request or
+`--lanes N` requests decoded together (they share the prompt: its state is prefilled once and copied).
 
-    python -m bench.decode_offload --budget-gib 32 --prompt 2048 --decode 256 [--layers 48] [--out DIR]
+    python -m bench.decode_offload --budget-gib 32 --prompt 2048 --decode 512 [--lanes 8] [--out DIR]
 
 The int4 expert store is filled with random codes and scales (quantising 120B random weights would take
 longer than the benchmark and measures nothing more); the rest of the model is the synthetic preset.
@@ -49,13 +50,13 @@ def random_int4_store(layers: int, experts: int, hidden: int, inter: int) -> Hos
     return store
 
 
-def profile_steps(runner: ModelRunner, seq, token: int, path: Path, steps: int = 4) -> None:
+def profile_steps(runner: ModelRunner, seqs: list, tokens: list[int], path: Path, steps: int = 4) -> None:
     """Op tables (by device time and by host time) of `steps` decode steps: where a step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            token = int(runner.forward([seq], [[token]]).argmax(-1))
+            tokens = runner.forward(seqs, [[t] for t in tokens]).argmax(-1).tolist()
         torch.cuda.synchronize()
     table = prof.key_averages()
     path.write_text(
@@ -68,9 +69,10 @@ def profile_steps(runner: ModelRunner, seq, token: int, path: Path, steps: int =
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--lanes", type=int, default=1, help="requests decoded together (decode-1, decode-8)")
     ap.add_argument("--budget-gib", type=float, default=32.0)
     ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--decode", type=int, default=256)
+    ap.add_argument("--decode", type=int, default=512)
     ap.add_argument("--warmup", type=int, default=64)
     ap.add_argument("--policy", default="lfu-admit")
     ap.add_argument("--out", type=Path, default=None)
@@ -96,7 +98,7 @@ def main() -> None:
         len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     )
     context = args.prompt + args.decode + 16 + 8  # + the profiled steps
-    runner = ModelRunner(model, max_seqs=1, max_context=context, cuda_graphs=not args.eager)
+    runner = ModelRunner(model, max_seqs=args.lanes, max_context=context, cuda_graphs=not args.eager)
     arena_bytes = 2 * cfg.num_experts * store.expert_bytes
     spare = args.budget_gib * GIB - torch.cuda.memory_reserved() - arena_bytes - int(2.0 * GIB)  # scratch
     slots = max(len(cfg.moe_layers), int(spare // store.expert_bytes))
@@ -105,7 +107,7 @@ def main() -> None:
     install_routing_hook(
         model,
         replayer_for(
-            f"synthetic-zipf:tokens={args.prompt + args.decode},seed=0",
+            f"synthetic-zipf:tokens={args.prompt + args.decode * args.lanes},seed=0",
             list(cfg.moe_layers),
             cfg.num_experts,
             cfg.top_k,
@@ -121,40 +123,30 @@ def main() -> None:
     token = int(runner.forward([seq], [prompt]).argmax(-1))
     torch.cuda.synchronize()
     ttft = time.perf_counter() - t0
-    marks = {}
-    for step in range(args.decode):
-        if step == args.warmup:
-            torch.cuda.synchronize()
-            marks = {
-                "t": time.perf_counter(),
-                "bytes": sum(provider.traffic().cache_bytes),
-                **{k: int(v.sum()) for k, v in provider.tables.counters.items()},
-            }
-        token = int(runner.forward([seq], [[token]]).argmax(-1))
-    torch.cuda.synchronize()
-    steady = args.decode - args.warmup
-    elapsed = time.perf_counter() - marks["t"]
-    counters = {k: int(v.sum()) - marks[k] for k, v in provider.tables.counters.items()}
-    accesses = counters["hits"] + counters["misses"]
-    h2d = (
-        sum(provider.traffic().cache_bytes) - marks["bytes"] + counters["bypasses"] * store.expert_bytes
-    ) / steady
+    # the other lanes share the prompt: copies of its state, not more prefills (routing comes from the trace)
+    seqs = [seq] + [runner.pool.fork(seq) for _ in range(args.lanes - 1)]
+    run = decode(runner, provider, seqs, [token] * args.lanes, args.decode, args.warmup)
+    tokens = run.pop("tokens")
     if args.profile is not None:
-        profile_steps(runner, seq, token, args.profile)
+        profile_steps(runner, seqs, tokens, args.profile)
+    steps = args.decode - args.warmup
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
-    hbm_bytes = resident + cfg.top_k * len(cfg.moe_layers) * store.expert_bytes  # per token, at least
-    t_limit = max(h2d / (pcie * 1e9), hbm_bytes / (hbm * 1e9))
-    tok_s = steady / elapsed
+    used = (run["hits"] + run["misses"]) / steps * store.expert_bytes  # experts read per step
+    h2d = (run["cache_bytes"] + run["bypasses"] * store.expert_bytes) / steps
+    t_limit = max(h2d / (pcie * 1e9), (resident + used) / (hbm * 1e9))  # per step
+    step_s = run["seconds"] / steps
     result = {
-        "limit_ratio": t_limit * tok_s,
+        "limit_ratio": t_limit / step_s,
         "pcie_gbps": pcie,
         "hbm_gbps": hbm,
-        "tok_per_s": tok_s,
+        "lanes": args.lanes,
+        "tok_per_s": 1 / step_s,
+        "aggregate_tok_per_s": args.lanes / step_s,
         "ttft_s": ttft,
-        "hit_rate": counters["hits"] / max(accesses, 1),
-        "misses_per_token": counters["misses"] / steady,
-        "bypasses_per_token": counters["bypasses"] / steady,
-        "h2d_bytes_per_token": h2d,
+        "hit_rate": run["hits"] / max(run["hits"] + run["misses"], 1),
+        "misses_per_token": run["misses"] / steps / args.lanes,
+        "bypasses_per_token": run["bypasses"] / steps / args.lanes,
+        "h2d_bytes_per_token": h2d / args.lanes,
         "cache_slots": slots,
         "expert_bytes": store.expert_bytes,
         "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
@@ -165,9 +157,28 @@ def main() -> None:
         "cuda_graphs": not args.eager,
         "fused_decode": args.fused,
     }
-    print(write_result("decode-1", result, args.out))
+    print(write_result(f"decode-{args.lanes}", result, args.out))
     for k, v in result.items():
         print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
+
+
+def decode(runner: ModelRunner, provider, seqs: list, tokens: list[int], steps: int, warmup: int) -> dict:
+    """Greedy decode steps over every lane; totals of the steps after `warmup`: seconds, cache counters,
+    bytes copied into the cache; and the lanes' last tokens."""
+    marks: dict = {}
+    for step in range(steps):
+        if step == warmup:
+            torch.cuda.synchronize()
+            marks = _counts(provider) | {"seconds": time.perf_counter()}
+        tokens = runner.forward(seqs, [[t] for t in tokens]).argmax(-1).tolist()
+    torch.cuda.synchronize()
+    end = _counts(provider) | {"seconds": time.perf_counter()}
+    return {k: end[k] - marks[k] for k in end} | {"tokens": tokens}
+
+
+def _counts(provider) -> dict:
+    counters = {k: int(v.sum()) for k, v in provider.tables.counters.items()}
+    return counters | {"cache_bytes": sum(provider.traffic().cache_bytes)}
 
 
 if __name__ == "__main__":

@@ -208,12 +208,14 @@ def _check_serve_plan(cfg) -> None:
 
 
 BENCHMARKS = {
-    "decode-1": "bench.decode_offload",
-    "policy": "bench.policy",
-    "serve-ipc": "bench.serve_ipc",
-    "qwen4-smoke": "bench.qwen4_smoke",
+    "decode-1": ("bench.decode_offload", []),
+    "decode-8": ("bench.decode_offload", ["--lanes", "8"]),
+    "policy": ("bench.policy", []),
+    "serve-ipc": ("bench.serve_ipc", []),
+    "qwen4-smoke": ("bench.qwen4_smoke", []),
 }
-"""`spillway bench NAME` → the module that runs it (bench/README.md says what each measures)."""
+"""`spillway bench NAME` → the module that runs it and the flags that make it NAME (bench/README.md says
+what each measures)."""
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -222,8 +224,9 @@ def _bench(args: argparse.Namespace) -> int:
     if not (Path.cwd() / "bench" / "common.py").is_file():
         raise ValueError("run `spillway bench` from the repository root (bench/ is not installed)")
     sys.path.insert(0, str(Path.cwd()))
-    sys.argv = [f"spillway bench {args.name}", *args.args]
-    runpy.run_module(BENCHMARKS[args.name], run_name="__main__", alter_sys=True)
+    module, flags = BENCHMARKS[args.name]
+    sys.argv = [f"spillway bench {args.name}", *flags, *args.args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 
 

@@ -189,6 +189,22 @@ class StatePool:
                 layer.slots[name][seq.slot].copy_(value)
         seq.num_cached = num_cached
 
+    def fork(self, seq: SequenceState) -> SequenceState:
+        """A new sequence holding a copy of `seq`'s state: its own pages (the cached tokens' entries copied)
+        and slot (the fixed-size state copied). For many requests that share a prompt (benchmarks)."""
+        twin = SequenceState(slot=self.slots.alloc(1)[0])
+        self.reserve(twin, seq.num_cached)
+        used = -(-seq.num_cached // self.page_size)
+        src = torch.tensor(seq.pages[:used], dtype=torch.int64)
+        dst = torch.tensor(twin.pages[:used], dtype=torch.int64)
+        for layer in self.layers:
+            for tensor in layer.paged.values():
+                tensor[dst.to(tensor.device)] = tensor[src.to(tensor.device)]
+            for tensor in layer.slots.values():
+                tensor[twin.slot].copy_(tensor[seq.slot])
+        twin.num_cached = seq.num_cached
+        return twin
+
     def release(self, seq: SequenceState) -> None:
         """Return a finished sequence's pages and slot."""
         self.pages.free(seq.pages)

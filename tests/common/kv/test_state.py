@@ -69,3 +69,20 @@ def test_batch_layout() -> None:
     assert batch.last_token_index().tolist() == [0, 3]
     assert not batch.is_decode
     assert batch.page_table.shape == (2, 2)
+
+
+def test_a_forked_sequence_continues_like_its_source(tmp_path) -> None:
+    from common.model.loader import load_model
+    from common.model.synthetic import make_model
+    from common.runner import ModelRunner
+
+    model = load_model(make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp"), dtype=torch.float32)
+    runner = ModelRunner(model, max_seqs=3, max_context=64)
+    source = runner.new_sequence()
+    token = int(runner.forward([source], [list(range(3, 40))]).argmax(-1))  # pages, conv, recurrent, n-gram
+    twin = runner.pool.fork(source)
+    assert twin.slot != source.slot and not set(twin.pages) & set(source.pages)
+    for _ in range(4):  # both decode side by side, as one batch: the same logits (to batched rounding)
+        logits = runner.forward([source, twin], [[token], [token]])
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+        token = int(logits[0].argmax())
