@@ -46,12 +46,7 @@ def hf_decode_rate(model_dir: Path, budget_gib: float, prompt: list[int], tokens
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    generate(2)  # warm-up
-    rate = (tokens - 1) / (generate(tokens) - generate(1))
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return rate
+    return decode_rate(generate, tokens)
 
 
 def spillway_decode_rate(model_dir: Path, budget_gib: float, prompt: list[int], tokens: int) -> dict:
@@ -75,14 +70,20 @@ def spillway_decode_rate(model_dir: Path, budget_gib: float, prompt: list[int], 
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    generate(2)  # warm-up (records the decode graph)
-    rate = (tokens - 1) / (generate(tokens) - generate(1))
+    rate = decode_rate(generate, tokens)
     counters = {k: int(v.sum()) for k, v in engine.offload.tables.counters.items()}
-    result = {"tok_per_s": rate, "cache_slots": plan.cache_slots, **counters}
-    del engine
+    return {"tok_per_s": rate, "cache_slots": plan.cache_slots, **counters}
+
+
+def decode_rate(generate, tokens: int) -> float:
+    """(tokens − 1) / (time of `generate(tokens)` − time of `generate(1)`), after a warm-up generation."""
+    generate(2)
+    return (tokens - 1) / (generate(tokens) - generate(1))
+
+
+def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
-    return result
 
 
 def main() -> None:
@@ -95,11 +96,11 @@ def main() -> None:
     args = ap.parse_args()
 
     pcie = measure_pcie_gbps()
-    model_dir = make_model(
-        Path(tempfile.mkdtemp()) / "qwen3-30b", preset="qwen3-30b", overrides={"num_hidden_layers": args.layers}
-    )
+    layers = {"num_hidden_layers": args.layers}
+    model_dir = make_model(Path(tempfile.mkdtemp()) / "qwen3-30b", preset="qwen3-30b", overrides=layers)
     prompt = torch.randint(3, 30000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     spillway = spillway_decode_rate(model_dir, args.budget_gib, prompt, args.decode)
+    _free()  # the engine and its pinned store go before transformers loads
     torch.cuda.reset_peak_memory_stats()
     hf = hf_decode_rate(model_dir, args.budget_gib, prompt, args.decode)
     result = {
