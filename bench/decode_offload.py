@@ -21,7 +21,7 @@ from common.experts.formats import get_format
 from common.experts.offload import offload_experts
 from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
-from common.kernels import use_fused_decode
+from common.kernels import use_fused_kernels
 from common.model.hf_config import parse_architecture
 from common.model.loader import build_model
 from common.model.synthetic import model_config, synthetic_tensors
@@ -103,7 +103,7 @@ def main() -> None:
     spare = args.budget_gib * GIB - torch.cuda.memory_reserved() - arena_bytes - int(2.0 * GIB)  # scratch
     slots = max(len(cfg.moe_layers), int(spare // store.expert_bytes))
     provider = offload_experts(model, str(slots), args.policy, "int4", store=store)
-    use_fused_decode(model, args.fused)
+    use_fused_kernels(model, args.fused)
     install_routing_hook(
         model,
         replayer_for(

@@ -197,7 +197,10 @@ class OffloadedExperts(ExpertProvider):
         self._fill_pinned()
         self.prefill = False
         # int4 decode on CUDA: Triton kernels read the chosen rows' codes in place (kernels/moe_int4.py)
-        self.fused_int4 = fmt.name == "int4" and self.device.type == "cuda" and act is F.silu
+        self.int4_kernels = fmt.name == "int4" and act is F.silu and shared_cache is None
+        self.fused_int4 = self.int4_kernels and self.device.type == "cuda"
+        self.fused_int4_prefill = False
+        """Prefill passes through the grouped int4 kernels (moe_int4.py); opt-in until measured."""
         self.fused_resolve = False
         """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
         decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
@@ -267,6 +270,11 @@ class OffloadedExperts(ExpertProvider):
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
         assert isinstance(prepared, Prepared)
+        if self.prefill and self.fused_int4_prefill:
+            from common.kernels.moe_int4 import moe_int4_grouped  # Triton
+
+            self.copies.join(prepared.done)
+            return moe_int4_grouped(x, topk_ids, topk_weights, prepared.rows, self.pool)
         if self.prefill:
             row = prepared.rows.tolist()  # prefill is not captured; read before waiting for the copies
             cached = prepared.cached.tolist() if self.shared_cache is not None else None

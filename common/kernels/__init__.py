@@ -5,9 +5,10 @@ from __future__ import annotations
 from torch import nn
 
 
-def use_fused_decode(model: nn.Module, on: bool = True) -> None:
+def use_fused_kernels(model: nn.Module, on: bool = True) -> None:
     """Switch the fused kernels that are still opt-in on or off for `model`: the one-program cache
-    resolution (resolve.py, decode passes of an offloaded provider), the Gated DeltaNet step
+    resolution (resolve.py, decode passes of an offloaded provider), the grouped int4 expert GEMMs of
+    prefill passes (moe_int4.py, an offloaded int4 provider that owns its cache), the Gated DeltaNet step
     (gated_delta.py, decode passes) and the hyper-connections' elementwise work (hyper.py, every pass).
     They need CUDA, or Triton's interpreter (tests)."""
     from common.model.qwen4_exp.gdn import GatedDeltaNet
@@ -16,5 +17,7 @@ def use_fused_decode(model: nn.Module, on: bool = True) -> None:
     for module in model.modules():
         if isinstance(module, (GatedDeltaNet, HyperConnection)):
             module.fused_decode = on
-    if hasattr(model.experts, "fused_resolve"):
-        model.experts.fused_resolve = on
+    experts = model.experts
+    if hasattr(experts, "fused_resolve"):
+        experts.fused_resolve = on
+        experts.fused_int4_prefill = on and experts.int4_kernels

@@ -135,3 +135,134 @@ def moe_int4_decode(
         HALF=GROUP // 2,
     )  # fmt: skip
     return partial.view(t, k, hidden).sum(1).to(x.dtype)
+
+
+# --- prefill: (token, choice) pairs grouped by expert, tiled GEMMs on tensor cores -------------------------
+
+
+@triton.jit
+def _tile_dot(
+    acc, a_ptr, a_rows, a_live, a_width, w_ptr, s_ptr, z_ptr, w_rows, g, in_half, groups, HALF: tl.constexpr
+):  # fmt: skip
+    """acc [BM, BN] += a[a_rows, group g] · w[w_rows, group g]ᵀ, w int4 dequantised in registers (the
+    group's even and odd inputs as two K = HALF products, so no nibble interleaving is needed)."""
+    j = tl.arange(0, HALF)
+    cols = g * 2 * HALF + 2 * j
+    a_even = tl.load(a_ptr + a_rows[:, None] * a_width + cols[None, :], mask=a_live[:, None], other=0.0)
+    a_odd = tl.load(a_ptr + a_rows[:, None] * a_width + cols[None, :] + 1, mask=a_live[:, None], other=0.0)
+    packed = tl.load(w_ptr + w_rows[:, None] * in_half + g * HALF + j[None, :])  # [BN, HALF] uint8
+    scale = tl.load(s_ptr + w_rows * groups + g).to(tl.float32)[:, None]
+    zero = tl.load(z_ptr + w_rows * groups + g).to(tl.float32)[:, None]
+    w_even = (((packed & 15).to(tl.float32) - zero) * scale).to(a_even.dtype)
+    w_odd = (((packed >> 4).to(tl.float32) - zero) * scale).to(a_even.dtype)
+    acc += tl.dot(a_even, tl.trans(w_even))
+    acc += tl.dot(a_odd, tl.trans(w_odd))
+    return acc
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, pairs_ptr, block_expert_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
+    GROUPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + b)
+    if expert < 0:
+        return
+    row = tl.load(rows_ptr + expert).to(tl.int64)
+    pairs = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))  # [BM] (token, choice) pairs, −1: padding
+    live = pairs >= 0
+    tokens = tl.where(live, pairs // k, 0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN] act columns
+    w = w_ptr + row * (2 * inter) * (GROUPS * HALF)
+    s = s_ptr + row * (2 * inter) * GROUPS
+    z = z_ptr + row * (2 * inter) * GROUPS
+    gate = tl.zeros((BM, BN), dtype=tl.float32)
+    up = tl.zeros((BM, BN), dtype=tl.float32)
+    for g in range(GROUPS):
+        gate = _tile_dot(gate, x_ptr, tokens, live, hidden, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
+        up = _tile_dot(up, x_ptr, tokens, live, hidden, w, s, z, n + inter, g, GROUPS * HALF, GROUPS, HALF)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    at = tl.where(live, pairs, 0)[:, None] * inter + n[None, :]
+    tl.store(act_ptr + at, act.to(act_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    act_ptr, pairs_ptr, block_expert_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
+    GROUPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + b)
+    if expert < 0:
+        return
+    row = tl.load(rows_ptr + expert).to(tl.int64)
+    pairs = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))
+    live = pairs >= 0
+    safe = tl.where(live, pairs, 0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN] output columns
+    w = w_ptr + row * hidden * (GROUPS * HALF)
+    s = s_ptr + row * hidden * GROUPS
+    z = z_ptr + row * hidden * GROUPS
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for g in range(GROUPS):
+        acc = _tile_dot(acc, act_ptr, safe, live, inter, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
+    acc = acc * tl.load(weights_ptr + safe, mask=live, other=0.0).to(tl.float32)[:, None]
+    tl.store(
+        out_ptr + safe[:, None] * hidden + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=live[:, None]
+    )
+
+
+def group_pairs(topk_ids: torch.Tensor, num_experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of `block` (token, choice) pairs that use one expert each, without a host sync: (pairs
+    [blocks·block] pair indices, −1 in each expert's padding; block_expert [blocks], −1 for unused blocks),
+    blocks = ceil(P / block) + E, the worst case (every expert adds at most one partial block)."""
+    flat = topk_ids.reshape(-1)
+    p, device = flat.numel(), flat.device
+    order = torch.argsort(flat, stable=True)  # pairs by expert
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded = (counts + block - 1) // block * block
+    ends = torch.cumsum(padded, 0)  # [E] end of each expert's padded range
+    expert = flat[order]
+    rank = torch.arange(p, device=device) - (torch.cumsum(counts, 0) - counts)[expert]  # within its expert
+    position = (ends - padded)[expert] + rank
+    blocks = -(-p // block) + num_experts
+    pairs = torch.full((blocks * block,), -1, dtype=torch.int64, device=device)
+    pairs[position] = order
+    starts = torch.arange(blocks, device=device) * block
+    block_expert = torch.searchsorted(ends, starts, right=True)  # the expert whose range holds the block
+    block_expert = torch.where(starts < ends[-1], block_expert, -1)
+    return pairs, block_expert
+
+
+def moe_int4_grouped(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    rows: torch.Tensor,
+    pool: dict[str, torch.Tensor],
+    block_m: int = 32,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Prefill: Σ_j topk_weights[t, j] · SwiGLU expert topk_ids[t, j] (x[t]) → [T, H] in x's dtype, with
+    expert e's int4 weights at pool row rows[e] ([E] int64). Pairs grouped by expert into blocks of
+    `block_m`; each block runs gate/up and then down as tiled GEMMs. Each pair's term is rounded to x's dtype
+    and the k terms of a token are summed in fp32 (in choice order)."""
+    t, k = topk_ids.shape
+    hidden = x.shape[1]
+    inter = pool["down_qweight"].shape[2] * 2
+    pairs, block_expert = group_pairs(topk_ids, rows.numel(), block_m)
+    blocks = block_expert.numel()
+    x = x.contiguous()
+    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    _grouped_gate_up_kernel[(blocks, inter // block_n)](
+        x, pairs, block_expert, rows, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"],
+        act, k, hidden, inter, GROUPS=hidden // GROUP, BM=block_m, BN=block_n, HALF=GROUP // 2,
+    )  # fmt: skip
+    out = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
+    _grouped_down_kernel[(blocks, hidden // block_n)](
+        act, pairs, block_expert, rows, topk_weights.reshape(-1).contiguous(), pool["down_qweight"],
+        pool["down_scales"], pool["down_zeros"], out, hidden, inter,
+        GROUPS=inter // GROUP, BM=block_m, BN=block_n, HALF=GROUP // 2,
+    )  # fmt: skip
+    return out.view(t, k, hidden).float().sum(1).to(x.dtype)

@@ -27,7 +27,7 @@ class GatedDeltaNet(nn.Module):
 
     fused_decode = False
     """Run a decode step's recurrence and gates as one Triton kernel (common/kernels/gated_delta.py)
-    instead of ~35 torch ops. Opt-in until measured on the GPU (see `common.kernels.use_fused_decode`)."""
+    instead of ~35 torch ops. Opt-in until measured on the GPU (see `common.kernels.use_fused_kernels`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
         super().__init__()
