@@ -144,6 +144,9 @@ class WorkerConfig:
     """Hard cap, in bytes, on the device memory of the services (decode and prefill together): decode sizes
     the expert cache to what the memory plan leaves (`common/memory_plan.py`) and refuses to start when that
     is too small to be useful. Implies offloaded experts; `expert_cache` must then be None."""
+    embeddings_on_host: bool = False
+    """Keep the token embedding in host memory and gather each pass's rows from there (frees its VRAM for
+    the expert cache; refused for a model whose head is tied to it)."""
     cuda_graphs: bool = True
     """On CUDA, record each lane count's decode pass once and replay it (common/graphs.py); False runs
     every pass op by op (debugging, profiling)."""

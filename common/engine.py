@@ -14,6 +14,7 @@ from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
 from common.kv.state import Allocator, SequenceState
+from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
 from common.requests import Request, append_token, sample_next
 from common.runner import ModelRunner
@@ -57,6 +58,7 @@ class Engine:
         host_allocate: Callable[[int], torch.Tensor] | None = None,
         arena_buffers: int = 2,
         cuda_graphs: bool = True,
+        embeddings_on_host: bool = False,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
@@ -66,10 +68,13 @@ class Engine:
         in fp8 with fixed per-layer scales (see ModelRunner); `allocate` makes the state pool's tensors (see
         StatePool), `host_allocate` the host expert store's memory (see HostExpertStore); `arena_buffers` 1
         drops the prefill arena's second buffer (no copy/compute overlap) for a worker that never prefills;
-        `cuda_graphs` records and replays decode passes on CUDA (see ModelRunner)."""
+        `cuda_graphs` records and replays decode passes on CUDA (see ModelRunner); `embeddings_on_host` keeps
+        the token embedding in host memory (common/model/host_embedding.py)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         self.model = load_model(model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp")
+        if embeddings_on_host:  # before the expert cache takes the device memory it frees
+            embeddings_to_host(self.model)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_seqs = max_seqs

@@ -42,6 +42,7 @@ from common.experts.resident import ResidentExperts
 from common.kv.fp8 import parse_kv_dtype, with_kv_dtype
 from common.kv.state import StatePool
 from common.model.hf_config import load_architecture, read_json
+from common.model.host_embedding import embeddings_to_host
 from common.model.layers import activation
 from common.model.loader import ARTIFACT_META, empty_model
 from common.model.registry import Architecture, get_architecture
@@ -270,10 +271,12 @@ def plan_memory(
     page_size: int = 16,
     prefill_chunk: int = 8192,
     processes: int = 2,
+    embeddings_on_host: bool = False,
 ) -> MemoryPlan:
     """The plan for serving `cfg` within `budget_bytes` (see the module docstring); `processes` is 2 for
     `spillway serve` (decode and prefill each hold an arena, a context and a workspace), 1 for the offline
-    engine. Not checked: call `MemoryPlan.check()` to refuse a cache that is too small."""
+    engine; `embeddings_on_host`: the token embedding is a host table (no device bytes). Not checked: call
+    `MemoryPlan.check()` to refuse a cache that is too small."""
     if budget_bytes <= 0:
         raise ValueError(f"--vram-budget must be positive, got {budget_bytes} bytes")
     if not cfg.moe_layers:
@@ -281,6 +284,8 @@ def plan_memory(
     arch = arch or get_architecture(cfg.model_type)
     fmt = get_format(expert_format)
     model = _meta_model(arch, cfg, dtype)
+    if embeddings_on_host:
+        embeddings_to_host(model)  # as the engine does: the plan's model is the served model
     context = min(cfg.max_position, max_context)  # as Engine caps it
     kv, pages = state_bytes(model, dtype, kv_dtype, max_running, context, page_size)
     layers, experts = len(cfg.moe_layers), cfg.num_experts
@@ -352,6 +357,7 @@ def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
         kv_dtype=cfg.kv_dtype,
         prefill_chunk=cfg.prefill_chunk,
         processes=2,
+        embeddings_on_host=cfg.embeddings_on_host,
     )
 
 

@@ -54,6 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
         replay_routing=args.replay_routing,
         pinned_experts=load_hot_set(args.pin_experts) if args.pin_experts else None,
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
+        embeddings_on_host=args.embeddings_on_host,
     )
     tok = engine.tokenizer
     if args.chat is not None:
@@ -115,6 +116,7 @@ def _generate_cache(args: argparse.Namespace, model_dir: Path) -> str:
         processes=1,
         mtp=args.speculative == "mtp",
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
+        embeddings_on_host=args.embeddings_on_host,
     )
     print(format_plan(plan), file=sys.stderr)
     plan.check()
@@ -149,6 +151,7 @@ def _plan(args: argparse.Namespace) -> int:
         "prefill_chunk": args.prefill_chunk,
         "processes": 1 if args.single_process else 2,
         "kv_dtype": None if args.kv_dtype == "auto" else args.kv_dtype,
+        "embeddings_on_host": args.embeddings_on_host,
     }
     if args.model is not None:
         if args.arch is not None or args.set:
@@ -317,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
     )
     gen.add_argument(
+        "--embeddings-on-host", action="store_true", help="keep the token embedding in host memory"
+    )
+    gen.add_argument(
         "--vram-budget",
         type=size_arg,
         default=None,
@@ -377,6 +383,9 @@ def _add_plan(sub) -> None:
     plan.add_argument("--prefill-chunk", type=int, default=8192)
     plan.add_argument(
         "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
+    )
+    plan.add_argument(
+        "--embeddings-on-host", action="store_true", help="keep the token embedding in host memory"
     )
     plan.add_argument(
         "--single-process",

@@ -37,6 +37,11 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
     )
     parser.add_argument(
+        "--embeddings-on-host",
+        action="store_true",
+        help="keep the token embedding in host memory (its VRAM goes to the expert cache)",
+    )
+    parser.add_argument(
         "--eager", action="store_true", help="run decode passes op by op, not as recorded CUDA graphs"
     )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
@@ -67,6 +72,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         vram_budget=args.vram_budget,
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
         cuda_graphs=not args.eager,
+        embeddings_on_host=args.embeddings_on_host,
     )
 
 
@@ -79,6 +85,7 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     optional = {"--expert-cache": cfg.expert_cache, "--replay-routing": cfg.replay_routing}
     optional["--vram-budget"] = None if cfg.vram_budget is None else str(cfg.vram_budget)
     argv += [] if cfg.cuda_graphs else ["--eager"]
+    argv += ["--embeddings-on-host"] if cfg.embeddings_on_host else []
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, value]

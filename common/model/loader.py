@@ -128,7 +128,7 @@ class _TableCollector:
         self.example_key[tk.owner] = key
 
     def finish(self, where: Path) -> None:
-        from common.model.qwen4_exp.ngram_table import NGramTable
+        from common.model.host_rows import HostRows
 
         for name, owner in self.owners.items():
             shards = len(ngram_shard_rows(owner.table_shape()[0], owner.table_parts))
@@ -142,7 +142,7 @@ class _TableCollector:
             if self.rows[name].dtype == torch.float8_e4m3fn and scales is None:
                 raise CheckpointError("fp8 table without weight_scale_inv", where, self.example_key[name])
             shard_rows = ngram_shard_rows(owner.table_shape()[0], owner.table_parts)[0]
-            owner.attach_table(NGramTable(self.rows[name], scales, shard_rows))
+            owner.attach_table(HostRows(self.rows[name], scales, shard_rows))
 
 
 def _check_shape(tensor: torch.Tensor, shape: tuple[int, ...], path: Path, key: str) -> None:

@@ -53,6 +53,7 @@ def load_engine(
         host_allocate=host_allocate,
         arena_buffers=arena_buffers,
         cuda_graphs=cfg.cuda_graphs,
+        embeddings_on_host=cfg.embeddings_on_host,
     )
 
 

@@ -25,10 +25,11 @@ from common.experts.resident import ResidentExperts
 from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.model.hf_config import load_architecture
+from common.model.host_embedding import embeddings_to_host
+from common.model.host_rows import HostRows
 from common.model.layers import activation
 from common.model.loader import empty_model
 from common.model.ngram import ngram_shard_rows
-from common.model.qwen4_exp.ngram_table import NGramTable
 from common.protocol import Exports, SharedTensor
 from common.workers.decode import DTYPES, DecodeCore
 
@@ -93,7 +94,7 @@ def _table_exports(model: nn.Module) -> dict[str, SharedTensor]:
         table = owner.table
         rows = _shareable(table.rows)
         if rows is not table.rows:
-            owner.attach_table(NGramTable(rows, table.shard_scales, table.shard_rows))
+            owner.attach_table(HostRows(rows, table.shard_scales, table.shard_rows))
         out[f"tables.{name}.rows"] = ipc.export_tensor(rows)
         if table.shard_scales is not None:
             out[f"tables.{name}.scales"] = ipc.export_tensor(_shareable(table.shard_scales))
@@ -104,7 +105,7 @@ def _attach_tables(model: nn.Module, imported: dict[str, torch.Tensor]) -> None:
     for name, owner in _table_owners(model).items():
         shard_rows = ngram_shard_rows(owner.table_shape()[0], owner.table_parts)[0]
         scales = imported.get(f"tables.{name}.scales")
-        owner.attach_table(NGramTable(imported[f"tables.{name}.rows"], scales, shard_rows))
+        owner.attach_table(HostRows(imported[f"tables.{name}.rows"], scales, shard_rows))
 
 
 def host_allocator(nbytes: int) -> torch.Tensor:
@@ -143,6 +144,8 @@ def prefill_model(cfg: WorkerConfig, exports: Exports) -> tuple[nn.Module, dict[
     imported = ipc.import_tensors(exports.tensors)
     experts = ResidentExperts({}, activation(mcfg.hidden_act))
     model = empty_model(arch, mcfg, experts, DTYPES[cfg.dtype], "meta")
+    if cfg.embeddings_on_host:  # decode exports the rows as a host table
+        embeddings_to_host(model)
     ipc.attach_module(model, {k[8:]: v for k, v in imported.items() if k.startswith("weights.")})
     if "cache.slot_of" in imported:
         install_provider(model, _prefill_experts(cfg, mcfg, exports, imported))

@@ -15,9 +15,9 @@ from torch import nn
 
 from common.kv.state import SlotSpec, StateSpec
 from common.model.context import ForwardContext
+from common.model.host_rows import HostRows
 from common.model.ngram import NGramSpec, ngram_ids
 from common.model.qwen4_exp.config import Qwen4ExpConfig
-from common.model.qwen4_exp.ngram_table import NGramTable
 from common.model.qwen4_exp.norms import OffsetRMSNorm
 from common.model.qwen4_exp.varlen import Padding, causal_conv
 
@@ -41,7 +41,7 @@ class PLE(nn.Module):
             eos,
         )
         self.table_parts = cfg.split_ngram_parts
-        self.table: NGramTable | None = None
+        self.table: HostRows | None = None
         self.dilation = cfg.ngram_size
         self.conv_history = (cfg.ple_conv_kernel_size - 1) * self.dilation
         embed, streams = cfg.ple_embed_dim, cfg.hc_hidden
@@ -58,7 +58,7 @@ class PLE(nn.Module):
         """(rows, row width) the attached table must have."""
         return self.spec.table_rows, self.key_proj.in_features // self.spec.num_heads
 
-    def attach_table(self, table: NGramTable) -> None:
+    def attach_table(self, table: HostRows) -> None:
         self.table = table
 
     def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:

@@ -36,6 +36,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
         ("qwen4_exp", None, "float32"),
         ("qwen4_exp", "0.25", "bfloat16"),
         ("qwen4_exp", "0.25", "fp8-kv"),  # fp8 K/V pages: prefill quantizes with decode's scales
+        ("qwen4_exp", "0.25", "host-embeddings"),  # prefill attaches decode's host embedding rows
     ],
     ids=[
         "qwen3-resident",
@@ -44,12 +45,14 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
         "qwen4-resident",
         "qwen4-offloaded-bf16",
         "qwen4-offloaded-fp8kv",
+        "qwen4-offloaded-host-embeddings",
     ],
 )
 def cores(request, tmp_path_factory):
     arch, cache, dtype = request.param
     kv_dtype = "fp8_e4m3" if dtype == "fp8-kv" else None
-    dtype = "float32" if kv_dtype else dtype
+    on_host = dtype == "host-embeddings"
+    dtype = "float32" if kv_dtype or on_host else dtype
     if arch == "qwen3_moe":
         model_dir = default_model_dir()
     else:
@@ -62,6 +65,7 @@ def cores(request, tmp_path_factory):
         expert_cache=cache,
         dtype=dtype,
         kv_dtype=kv_dtype,
+        embeddings_on_host=on_host,
     )
     dec = DecodeCore(cfg, shared_allocator, host_allocator)
     exports = decode(encode(decode_exports(dec)))

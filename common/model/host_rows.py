@@ -1,8 +1,8 @@
-"""The n-gram embedding table, kept in host memory; a step gathers only the rows its tokens hash to.
+"""Tables kept in host memory, of which a step gathers only the rows its tokens need.
 
-The table is 320M rows × 160 for Flash-Next (51.2B parameters): it never goes to the GPU. It is stored in the
-checkpoint's dtype: bf16, or fp8 e4m3 with one scale per checkpoint shard (rows of shard j are scaled by
-scales[j] when gathered).
+PLE's n-gram table (320M rows × 160 for Flash-Next, 51.2B parameters) never goes to the GPU; it is stored in
+the checkpoint's dtype: bf16, or fp8 e4m3 with one scale per checkpoint shard (rows of shard j are scaled by
+scales[j] when gathered). With `--embeddings-on-host` the token embedding is one too (HostEmbedding).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from common.hostmem import register_mapped, unregister
 
 
-class NGramTable:
+class HostRows:
     """Rows [R, d] in host memory, gathered by id into the compute device and dtype.
 
     On a CUDA machine the rows are registered (page-locked, mapped) and a kernel gathers them on the GPU
