@@ -26,8 +26,9 @@ class GatedDeltaNet(nn.Module):
     """
 
     fused_decode = False
-    """Run a decode step's recurrence and gates as one Triton kernel (common/kernels/gated_delta.py)
-    instead of ~35 torch ops. Opt-in until measured on the GPU (see `common.kernels.use_fused_kernels`)."""
+    """Run a decode step's conv, recurrence with its gates, and output norm as three Triton kernels
+    (common/kernels: causal_conv, gated_delta, gated_norm) instead of ~60 torch ops. Opt-in until measured
+    on the GPU (see `common.kernels.use_fused_kernels`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
         super().__init__()
@@ -58,15 +59,11 @@ class GatedDeltaNet(nn.Module):
         state = ctx.pool.layer(self.layer_idx).slots
         slots = ctx.batch.slot_ids
         pad = Padding.of(ctx.batch)
+        if self.fused_decode and pad.max_len == 1:
+            return self._fused_step(x, state, slots)
         t = x.shape[0]
         qkv = causal_conv(self.in_proj_qkv(x), state["conv"], slots, self.conv1d.weight[:, 0], pad)
         qkv = F.silu(qkv)
-        if self.fused_decode and pad.max_len == 1:
-            from common.kernels.gated_delta import gated_delta_step  # Triton
-
-            a, b = self.in_proj_a(x), self.in_proj_b(x)
-            core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
-            return self._out(core, x)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk)
         v = v.view(t, self.hv, self.dv)
@@ -77,6 +74,24 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
         core = self._delta_rule(q, k, v, g, beta, state["recurrent"], slots, pad, ctx)  # [T, Hv, Dv] fp32
         return self._out(core, x)
+
+    def _fused_step(
+        self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor
+    ) -> torch.Tensor:
+        """A decode step in three Triton kernels (conv + SiLU, recurrence + gates, gated norm) and the
+        projections; states updated in place in their slots."""
+        from common.kernels.causal_conv import conv_step  # Triton
+        from common.kernels.gated_delta import gated_delta_step
+        from common.kernels.gated_norm import ACTIVATIONS, gated_rms_norm
+
+        qkv = conv_step(self.in_proj_qkv(x), state["conv"], slots, self.conv1d.weight[:, 0], silu=True)
+        a, b = self.in_proj_a(x), self.in_proj_b(x)
+        core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
+        norm = self.norm
+        if norm.act_name not in ACTIVATIONS:
+            return self._out(core, x)
+        out = gated_rms_norm(core, self.in_proj_z(x), norm.weight, norm.eps, norm.act_name, x.dtype)
+        return self.out_proj(out)
 
     def _out(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Gated norm and out projection of the recurrence's output core [T, Hv, Dv] fp32 → [T, H]."""
