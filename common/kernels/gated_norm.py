@@ -11,30 +11,31 @@ import torch
 import triton
 import triton.language as tl
 
-ACTIVATIONS = {"silu": 0, "swish": 0, "sigmoid": 1}
+ACTIVATIONS = ("silu", "swish")
+"""Gate activations the kernel computes (SiLU: what qwen4_exp uses); others stay on the torch path."""
 
 
 @triton.jit
-def _gated_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, dim, eps, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, dim, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)  # (token, head) flattened
     i = tl.arange(0, BLOCK)
     live = i < dim
     x = tl.load(x_ptr + row * dim + i, mask=live, other=0.0).to(tl.float32)
     x = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     gate = tl.load(gate_ptr + row * dim + i, mask=live, other=0.0).to(tl.float32)
-    gate = gate / (1.0 + tl.exp(-gate)) if ACT == 0 else tl.sigmoid(gate)
+    gate = gate / (1.0 + tl.exp(-gate))  # SiLU
     w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * dim + i, (w * x * gate).to(out_ptr.dtype.element_ty), mask=live)
 
 
 def gated_rms_norm(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str, dtype: torch.dtype
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
 ) -> torch.Tensor:
-    """x [T, H, D] (any float dtype), gate [T, H·D] or [T, H, D], weight [D] → [T, H·D] in `dtype`."""
+    """x [T, H, D] (any float dtype), gate [T, H·D] or [T, H, D], weight [D] → weight · RMSNorm(x) ·
+    SiLU(gate) [T, H·D] in `dtype`."""
     t, heads, dim = x.shape
     out = torch.empty((t, heads * dim), dtype=dtype, device=x.device)
     _gated_norm_kernel[(t * heads,)](
-        x.contiguous(), gate.contiguous(), weight, out, dim, eps,
-        ACT=ACTIVATIONS[act], BLOCK=triton.next_power_of_2(dim),
+        x.contiguous(), gate.contiguous(), weight, out, dim, eps, BLOCK=triton.next_power_of_2(dim)
     )  # fmt: skip
     return out

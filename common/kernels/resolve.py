@@ -131,7 +131,8 @@ def _resolve_kernel(
     newcomer, newcomer_key, newcomer_rate = _pick(miss_key, e, rate, PB, P, True, -2)
     is_miss = newcomer_key >= 0
     jj = tl.arange(0, PB)
-    valid = is_miss & (victim_key < KEY_MAX) & (tl.load(thawed_ptr) != 0) & (jj < P)
+    thawed = (tl.zeros((PB,), dtype=tl.int32) + tl.load(thawed_ptr).to(tl.int32)) != 0  # a vector: masks
+    valid = is_miss & (victim_key < KEY_MAX) & thawed & (jj < P)  # mixing scalars in stay boolean everywhere
     old = tl.load(owner_ptr + victims, mask=jj < P, other=-1)
     if POLICY == 2:  # lfu-admit (CacheTables._admit)
         reuse = tl.math.div_rn(reuse_hits, tl.maximum(reuse_seen, 1.0))

@@ -90,7 +90,7 @@ class GatedDeltaNet(nn.Module):
         norm = self.norm
         if norm.act_name not in ACTIVATIONS:
             return self._out(core, x)
-        out = gated_rms_norm(core, self.in_proj_z(x), norm.weight, norm.eps, norm.act_name, x.dtype)
+        out = gated_rms_norm(core, self.in_proj_z(x), norm.weight, norm.eps, x.dtype)
         return self.out_proj(out)
 
     def _out(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
