@@ -103,7 +103,7 @@ def main() -> None:
     spare = args.budget_gib * GIB - torch.cuda.memory_reserved() - arena_bytes - int(2.0 * GIB)  # scratch
     slots = max(len(cfg.moe_layers), int(spare // store.expert_bytes))
     provider = offload_experts(model, str(slots), args.policy, "int4", store=store)
-    use_fused_kernels(model, args.fused)
+    use_fused_kernels(model, args.fused, runner.backend)
     install_routing_hook(
         model,
         replayer_for(

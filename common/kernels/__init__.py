@@ -5,18 +5,21 @@ from __future__ import annotations
 from torch import nn
 
 
-def use_fused_kernels(model: nn.Module, on: bool = True) -> None:
+def use_fused_kernels(model: nn.Module, on: bool = True, backend: object | None = None) -> None:
     """Switch the fused kernels that are still opt-in on or off for `model`: the one-program cache
     resolution (resolve.py, decode passes of an offloaded provider), the grouped int4 expert GEMMs of
     prefill passes (moe_int4.py, an offloaded int4 provider that owns its cache), the Gated DeltaNet step
-    (gated_delta.py, decode passes) and the hyper-connections' elementwise work (hyper.py, every pass).
-    They need CUDA, or Triton's interpreter (tests)."""
+    (gated_delta.py, decode passes), the hyper-connections' elementwise work (hyper.py, every pass) and,
+    given the runner's attention `backend`, paged decode attention (decode_attention.py). They need CUDA,
+    or Triton's interpreter (tests)."""
     from common.model.qwen4_exp.gdn import GatedDeltaNet
     from common.model.qwen4_exp.hyper import HyperConnection
 
     for module in model.modules():
         if isinstance(module, (GatedDeltaNet, HyperConnection)):
             module.fused_decode = on
+    if hasattr(backend, "fused_decode"):
+        backend.fused_decode = on
     experts = model.experts
     if hasattr(experts, "fused_resolve"):
         experts.fused_resolve = on

@@ -79,13 +79,19 @@ class TorchPlan:
     q_pos: torch.Tensor  # [B, Qmax] position of each padded query
     k_slots: torch.Tensor  # [B, Kmax] flat KV slot of each key
     k_valid: torch.Tensor  # [B, Kmax]
+    page_table: torch.Tensor  # [B, W] the batch's page table
+    k_lens: torch.Tensor  # [B] keys of each sequence, this pass's included
 
 
 class TorchPagedBackend(AttentionBackend):
     """Reference backend in plain torch: gathers each sequence's keys and runs masked softmax attention.
 
-    Memory is O(B · Qmax · Kmax · heads); meant for CPU, tests and small batches.
+    Memory is O(B · Qmax · Kmax · heads); meant for CPU, tests and small batches. With `fused_decode`
+    (opt-in, see `common.kernels.use_fused_kernels`), passes of one query per sequence run a Triton kernel
+    over the pages instead (common/kernels/decode_attention.py).
     """
+
+    fused_decode = False
 
     def plan(self, batch: ForwardBatch) -> TorchPlan:
         device = batch.input_ids.device
@@ -110,7 +116,9 @@ class TorchPagedBackend(AttentionBackend):
             1, (keys // page).clamp(max=batch.page_table.shape[1] - 1).expand(k_lens.shape[0], -1)
         )
         k_slots = torch.where(k_valid, k_pages * page + keys % page, 0)
-        return TorchPlan(batch.slot_mapping, q_index, q_valid, q_pos, k_slots, k_valid)
+        return TorchPlan(
+            batch.slot_mapping, q_index, q_valid, q_pos, k_slots, k_valid, batch.page_table, k_lens
+        )
 
     def forward(
         self,
@@ -124,6 +132,14 @@ class TorchPagedBackend(AttentionBackend):
         selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(state, plan.slot_mapping, k, v)
+        if self.fused_decode and plan.q_index.shape[1] == 1:
+            from common.kernels.decode_attention import paged_decode_attention  # Triton
+
+            fp8 = is_fp8(state.paged["k"])
+            return paged_decode_attention(
+                q, state.paged["k"], state.paged["v"], plan.page_table, plan.k_lens, scale,
+                plan.k_slots.shape[1], selected, state.kv_scale if fp8 else None, window,
+            )  # fmt: skip
         num_heads, num_kv = q.shape[1], k.shape[1]
         qb = q[plan.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
         kb, vb = read_kv(state, plan.k_slots, q.dtype)  # [B, Kmax, Hkv, D] each

@@ -26,7 +26,7 @@ def _run(path: Path, graphs: bool, cache: str | None, fused: bool = False) -> tu
     )  # fmt: skip
     if cache is not None:
         engine.offload.rebalance_every = 8  # capacities move between replays
-    use_fused_kernels(engine.model, fused)
+    use_fused_kernels(engine.model, fused, engine.runner.backend)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
     return [r.token_ids for r in engine.generate(prompts, PARAMS)], engine

@@ -21,7 +21,7 @@ def _engine(path: Path, fused: bool) -> Engine:
         path, dtype=torch.float32, device=DEVICE, max_seqs=2, expert_cache="0.5", cuda_graphs=False,
         replay_routing="synthetic-zipf:seed=5",
     )  # fmt: skip
-    use_fused_kernels(engine.model, fused)
+    use_fused_kernels(engine.model, fused, engine.runner.backend)
     return engine
 
 
