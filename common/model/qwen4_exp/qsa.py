@@ -23,8 +23,20 @@ from common.model.qwen4_exp.norms import OffsetRMSNorm
 from common.model.rope import apply_rotary
 
 
+def _norm_rotate(norm: OffsetRMSNorm, x: torch.Tensor, ctx: ForwardContext, fused: bool) -> torch.Tensor:
+    """RoPE(norm(x)) for x [T, heads, D]: one Triton kernel when `fused` (common/kernels/norm_rope.py)."""
+    if fused:
+        from common.kernels.norm_rope import norm_rope  # Triton
+
+        return norm_rope(x, norm.weight, norm.eps, ctx.cos, ctx.sin)
+    return apply_rotary(norm(x), ctx.cos, ctx.sin)
+
+
 class QSAIndexer(nn.Module):
     """Scores compressed key blocks for each query and returns the key positions it may attend to."""
+
+    fused_decode = False
+    """Norm and rotate the queries in one Triton kernel (opt-in: `common.kernels.use_fused_kernels`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
         super().__init__()
@@ -49,8 +61,8 @@ class QSAIndexer(nn.Module):
         self._compress_completed_blocks(batch, raw_store, paged["index_block"].flatten(0, 1), ctx)
         if not batch.is_decode and max(batch.kv_lens) <= self.block_topk * self.ratio + self.ratio - 1:
             return None  # every query sees at most the budget: dense (decode selects: the same keys)
-        q = self.q_layernorm(q.view(-1, self.heads, self.dim))
-        q = apply_rotary(q, ctx.cos, ctx.sin)  # [T, Hi, Di]
+        q = q.view(-1, self.heads, self.dim)  # [T, Hi, Di]
+        q = _norm_rotate(self.q_layernorm, q, ctx, self.fused_decode)
         return self._select(q, batch, paged["index_block"].flatten(0, 1))
 
     def _compress_completed_blocks(
@@ -109,6 +121,9 @@ class QSAIndexer(nn.Module):
 class QSAttention(nn.Module):
     """Gated attention (output × sigmoid(gate)) with q/k norm, partial RoPE and indexer-selected keys."""
 
+    fused_decode = False
+    """Norm and rotate q and k in one Triton kernel each (opt-in: `common.kernels.use_fused_kernels`)."""
+
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -129,8 +144,9 @@ class QSAttention(nn.Module):
         t = x.shape[0]
         selected = self.indexer(x, ctx)
         q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
-        q = apply_rotary(self.q_norm(q), ctx.cos, ctx.sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim)), ctx.cos, ctx.sin)
+        q = _norm_rotate(self.q_norm, q, ctx, self.fused_decode)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        k = _norm_rotate(self.k_norm, k, ctx, self.fused_decode)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         state = ctx.pool.layer(self.layer_idx)
         out = ctx.backend.forward(q, k, v, state, ctx.attn_plan, self.head_dim**-0.5, selected=selected)

@@ -1,0 +1,54 @@
+"""Per-head RMSNorm with weight (1 + w) followed by rotary embedding, as one Triton kernel (QSA's q and k
+norms and its indexer's query norm, each followed by partial RoPE in the rotate-half layout).
+
+In torch the pair is ~15 kernels (the norm's casts and reductions, the rotary's slices, negation and
+concatenations). Program (token, head) normalises its head in fp32 and rotates it: entry i < rot/2 pairs with
+i + rot/2 (and back); entries past `rot` pass through. The partner is re-read from memory rather than moved
+between registers, and normalised with the same factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, heads, eps, rot,
+    D: tl.constexpr,
+):  # fmt: skip
+    t, h = tl.program_id(0), tl.program_id(1)
+    i = tl.arange(0, D)
+    half = rot // 2
+    partner = tl.where(i < half, i + half, i - half)
+    rotated = i < rot
+    row = x_ptr + t * stride_t + h * stride_h
+    x = tl.load(row + i).to(tl.float32)
+    factor = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    normed = x * factor * (1.0 + tl.load(w_ptr + i).to(tl.float32))
+    other = tl.load(row + partner, mask=rotated, other=0.0).to(tl.float32) * factor
+    other = other * (1.0 + tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32))
+    cos = tl.load(cos_ptr + t * rot + i, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * rot + i, mask=rotated, other=0.0).to(tl.float32)
+    out = normed * cos + tl.where(i < half, -other, other) * sin
+    tl.store(out_ptr + (t * heads + h) * D + i, out.to(out_ptr.dtype.element_ty))
+
+
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H, D] (last dim contiguous; D a power of two), weight [D] (the norm's w: scaled by 1 + w),
+    cos/sin [T, rot] → RoPE(RMSNorm(x)) [T, H, D] in x's dtype."""
+    t, heads, dim = x.shape
+    if x.stride(2) != 1 or dim & (dim - 1):
+        raise ValueError(
+            f"norm_rope needs a contiguous last dim of a power-of-two size, got {tuple(x.shape)}"
+        )
+    out = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
+    _norm_rope_kernel[(t, heads)](
+        x, weight, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), heads, eps,
+        cos.shape[1], D=dim,
+    )  # fmt: skip
+    return out
