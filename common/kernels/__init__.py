@@ -10,15 +10,18 @@ def use_fused_kernels(model: nn.Module, on: bool = True, backend: object | None 
     resolution (resolve.py, decode passes of an offloaded provider), the grouped int4 expert GEMMs of
     prefill passes (moe_int4.py, an offloaded int4 provider that owns its cache), the Gated DeltaNet step
     (gated_delta.py, decode passes), the hyper-connections' elementwise work (hyper.py, every pass), QSA's
-    norm + RoPE of q, k and indexer queries (norm_rope.py, every pass) and,
+    norm + RoPE of q, k and indexer queries (norm_rope.py, every pass), the router's softmax + top-k
+    (routing.py, every pass) and,
     given the runner's attention `backend`, paged decode attention (decode_attention.py). They need CUDA,
     or Triton's interpreter (tests)."""
+    from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.gdn import GatedDeltaNet
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.qwen4_exp.qsa import QSAIndexer, QSAttention
 
+    fused = (GatedDeltaNet, HyperConnection, QSAIndexer, QSAttention, SparseMoeBlock)
     for module in model.modules():
-        if isinstance(module, (GatedDeltaNet, HyperConnection, QSAIndexer, QSAttention)):
+        if isinstance(module, fused):
             module.fused_decode = on
     if hasattr(backend, "fused_decode"):
         backend.fused_decode = on

@@ -22,6 +22,9 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
 class SparseMoeBlock(nn.Module):
     """Routed experts (through `experts`) plus, for Qwen2-MoE, a sigmoid-gated shared expert."""
 
+    fused_decode = False
+    """Route with one Triton kernel (common/kernels/routing.py). Opt-in: see `use_fused_kernels`."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertProvider) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -40,7 +43,12 @@ class SparseMoeBlock(nn.Module):
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] each
+        if self.fused_decode:
+            from common.kernels.routing import route_fused  # Triton
+
+            weights, ids = route_fused(self.gate(x), self.top_k, self.normalize)  # [T, k] each
+        else:
+            weights, ids = route(self.gate(x), self.top_k, self.normalize)
         if self.routing_hook is not None:
             ids, weights = self.routing_hook(self.layer_idx, ids, weights)
         if not self.weights_fp32:

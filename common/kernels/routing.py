@@ -1,0 +1,51 @@
+"""The MoE router's choice as one Triton kernel: softmax over experts (fp32), the top k, optional
+renormalisation (common/model/moe.py `route`).
+
+In torch the choice is ~5 kernels (softmax, topk, sum, divide, casts) per MoE layer. Program t holds token
+t's E logits in registers and takes k rounds of argmax (ties to the lower expert id, as torch.topk does on
+CUDA for distinct values; equal router probabilities do not occur in practice).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, experts, K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK)
+    live = e < experts
+    x = tl.load(logits_ptr + t * experts + e, mask=live, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(live, p, -1.0)
+    j = tl.arange(0, KB)
+    ids = tl.zeros((KB,), dtype=tl.int64)
+    weights = tl.zeros((KB,), dtype=tl.float32)
+    for r in range(K):
+        at = tl.argmax(p, axis=0, tie_break_left=True)
+        ids = tl.where(j == r, at.to(tl.int64), ids)
+        weights = tl.where(j == r, tl.max(p, axis=0), weights)
+        p = tl.where(e == at, -1.0, p)
+    if NORMALIZE:
+        weights = weights / tl.sum(tl.where(j < K, weights, 0.0), axis=0)
+    tl.store(ids_ptr + t * K + j, ids, mask=j < K)
+    tl.store(weights_ptr + t * K + j, weights, mask=j < K)
+
+
+def route_fused(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route`'s result — (weights [T, k] fp32, ids [T, k] int64) — from router logits [T, E]."""
+    t, experts = logits.shape
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    _route_kernel[(t,)](
+        logits.contiguous(), weights, ids, experts, K=top_k, KB=triton.next_power_of_2(top_k),
+        BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize,
+    )  # fmt: skip
+    return weights, ids

@@ -1,0 +1,23 @@
+"""The fused router choice against `route`: the same experts in the same order, the same weights, with and
+without renormalisation, for top-1 to top-10 of 5 to 512 experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.model.moe import route
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(("experts", "k"), [(8, 2), (60, 4), (512, 10), (5, 1)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_fused_matches_route(experts: int, k: int, normalize: bool) -> None:
+    from common.kernels.routing import route_fused
+
+    logits = torch.randn(7, experts, generator=torch.Generator().manual_seed(experts)) * 3
+    want_weights, want_ids = route(logits, k, normalize)
+    weights, ids = route_fused(logits.to(DEVICE), k, normalize)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-5, atol=1e-6)
