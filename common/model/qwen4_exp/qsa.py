@@ -58,12 +58,22 @@ class QSAIndexer(nn.Module):
         q, raw_k = torch.split(self.index_qk_proj(x), [self.heads * self.dim, self.dim], dim=-1)
         raw_store = paged["index_k"].flatten(0, 1)  # [slots, Di]
         raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
-        self._compress_completed_blocks(batch, raw_store, paged["index_block"].flatten(0, 1), ctx)
+        blocks = paged["index_block"].flatten(0, 1)  # [slots, Di]
+        if self.fused_decode and batch.is_decode:
+            from common.kernels.qsa_indexer import compress_step  # Triton
+
+            norm, rotary = self.k_layernorm, ctx.rotary
+            compress_step(
+                raw_store, blocks, batch.page_table, batch.positions, batch.page_size, norm.weight, norm.eps,
+                rotary.inv_freq, rotary.scaling, self.ratio,
+            )  # fmt: skip
+        else:
+            self._compress_completed_blocks(batch, raw_store, blocks, ctx)
         if not batch.is_decode and max(batch.kv_lens) <= self.block_topk * self.ratio + self.ratio - 1:
             return None  # every query sees at most the budget: dense (decode selects: the same keys)
         q = q.view(-1, self.heads, self.dim)  # [T, Hi, Di]
         q = _norm_rotate(self.q_layernorm, q, ctx, self.fused_decode)
-        return self._select(q, batch, paged["index_block"].flatten(0, 1))
+        return self._select(q, batch, blocks)
 
     def _compress_completed_blocks(
         self, batch: ForwardBatch, raw: torch.Tensor, blocks: torch.Tensor, ctx
@@ -97,7 +107,13 @@ class QSAIndexer(nn.Module):
         bound = batch.static_kv if batch.static_kv is not None else max(batch.kv_lens)
         max_blocks = bound // r
         block_pos = torch.arange(max_blocks, device=device) * r  # [NB] start position of each block
-        if batch.is_decode:  # one query per sequence: every query against its own blocks at once
+        if batch.is_decode and self.fused_decode:
+            from common.kernels.qsa_indexer import block_scores  # Triton: masks unseen blocks itself
+
+            scores = block_scores(
+                q, blocks, batch.page_table, batch.positions, batch.page_size, r, max_blocks
+            )
+        elif batch.is_decode:  # one query per sequence: every query against its own blocks at once
             keys = blocks[batch.slots_of(batch.seq_index[:, None], block_pos[None, :])].float()  # [T, NB, Di]
             scores = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys)).sum(1) / math.sqrt(self.dim)
         else:

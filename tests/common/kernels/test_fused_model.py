@@ -1,6 +1,7 @@
 """A tiny qwen4_exp model with every opt-in fused kernel on (hyper-connections, the Gated DeltaNet step, the
 cache resolution) against the same model in torch: close logits at every step of a prefill and a greedy
-decode with offloaded experts, the same tokens, the same cache traffic (routing is replayed)."""
+decode with offloaded experts (past the QSA budget, so the indexer's selection matters), the same tokens,
+the same cache traffic (routing is replayed)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def _engine(path: Path, fused: bool) -> Engine:
 
 
 def test_fused_kernels_keep_the_model(tmp_path: Path) -> None:
-    path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
+    sparse = {"indexer_budget": 8, "indexer_compress_ratio": 4}  # decode past the budget: QSA selects keys
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=sparse)
     torch_engine, fused_engine = _engine(path, False), _engine(path, True)
     prompt = torch.randint(3, 1000, (11,), generator=torch.Generator().manual_seed(0)).tolist()
     logits = []

@@ -1,0 +1,113 @@
+"""QSA's indexer on a decode step as two Triton kernels (common/model/qwen4_exp/qsa.py `QSAIndexer`).
+
+- `compress_step`: each token's block key — the mean of the block's raw indexer keys (members past the token
+  clamped to it), RMS-normalised with weight (1 + w), rotated at the block's first position — written at the
+  block's first slot. In torch ~40 kernels (page lookups, gather, mean, norm, the rotary's cos/sin and
+  halves, scatter); here program t does it, computing cos/sin from the rotary's inverse frequencies.
+- `block_scores`: every query's score for each complete block it sees, Σ_heads relu(q_h · key) / √D, −inf for
+  the blocks it does not see (torch: gather [T, NB, D] keys, einsum, relu, sum, mask: ~12 kernels).
+
+Rotary pairs (entry i with i ± rot/2) are computed twice, once per entry, from memory: no register shuffle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pooled(raw_ptr, table_ptr, seq, start, pos, cols, table_width, page_size, R: tl.constexpr, D):
+    """Mean of the block's raw keys at columns `cols` (members past `pos` clamped to it), fp32."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for m in tl.static_range(R):
+        member = tl.minimum(start + m, pos)
+        page = tl.load(table_ptr + seq * table_width + member // page_size).to(tl.int64)
+        acc += tl.load(raw_ptr + (page * page_size + member % page_size) * D + cols).to(tl.float32)
+    return acc / R
+
+
+@triton.jit
+def _compress_kernel(
+    raw_ptr, blocks_ptr, table_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_width, page_size, eps, scaling, rot,
+    R: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    start = pos - pos % R
+    i = tl.arange(0, D)
+    half = rot // 2
+    partner = tl.where(i < half, i + half, i - half)
+    rotated = i < rot
+    pooled = _pooled(raw_ptr, table_ptr, t, start, pos, i, table_width, page_size, R, D)
+    pooled = pooled.to(blocks_ptr.dtype.element_ty).to(tl.float32)  # torch rounds the mean to the key dtype
+    other = _pooled(raw_ptr, table_ptr, t, start, pos, partner, table_width, page_size, R, D)
+    other = other.to(blocks_ptr.dtype.element_ty).to(tl.float32)
+    factor = tl.math.rsqrt(tl.sum(pooled * pooled, axis=0) / D + eps)
+    normed = pooled * factor * (1.0 + tl.load(w_ptr + i).to(tl.float32))
+    other = other * factor * (1.0 + tl.load(w_ptr + partner).to(tl.float32))
+    freq = start.to(tl.float32) * tl.load(inv_freq_ptr + i % tl.maximum(half, 1), mask=rotated, other=0.0)
+    cos = tl.where(rotated, tl.cos(freq) * scaling, 1.0)
+    sin = tl.where(rotated, tl.sin(freq) * scaling, 0.0)
+    out = normed * cos + tl.where(i < half, -other, other) * sin
+    page = tl.load(table_ptr + t * table_width + start // page_size).to(tl.int64)
+    tl.store(blocks_ptr + (page * page_size + start % page_size) * D + i, out.to(blocks_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _scores_kernel(
+    q_ptr, blocks_ptr, table_ptr, pos_ptr, out_ptr, num_blocks, table_width, page_size,
+    R: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    t, tile = tl.program_id(0), tl.program_id(1)
+    n = tile * BN + tl.arange(0, BN)  # [BN] block indices
+    visible = (tl.load(pos_ptr + t) + 1) // R
+    seen = (n < visible) & (n < num_blocks)
+    first = tl.where(seen, n * R, 0)
+    page = tl.load(table_ptr + t * table_width + first // page_size, mask=seen, other=0).to(tl.int64)
+    d = tl.arange(0, D)
+    rows = (page * page_size + first % page_size)[:, None] * D + d[None, :]
+    keys = tl.load(blocks_ptr + rows, mask=seen[:, None], other=0.0).to(tl.float32)  # [BN, D]
+    score = tl.zeros((BN,), dtype=tl.float32)
+    for h in tl.static_range(HEADS):
+        q = tl.load(q_ptr + (t * HEADS + h) * D + d).to(tl.float32)
+        score += tl.maximum(tl.sum(keys * q[None, :], axis=1), 0.0)
+    score = tl.where(seen, score / tl.sqrt(D * 1.0), float("-inf"))
+    tl.store(out_ptr + t * num_blocks + n, score, mask=n < num_blocks)
+
+
+def compress_step(
+    raw: torch.Tensor,
+    blocks: torch.Tensor,
+    page_table: torch.Tensor,
+    positions: torch.Tensor,
+    page_size: int,
+    weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    ratio: int,
+) -> None:
+    """One token per sequence (sequence t's pages in page_table[t]): write each token's block key. raw and
+    blocks are flat paged tensors [slots, D]; inv_freq [rot/2] (the rotary's); weight [D] (the key norm's)."""
+    t = positions.shape[0]
+    dim = raw.shape[1]
+    _compress_kernel[(t,)](
+        raw, blocks, page_table, positions, weight, inv_freq, page_table.shape[1], page_size, eps, scaling,
+        2 * inv_freq.numel(), R=ratio, D=dim,
+    )  # fmt: skip
+
+
+def block_scores(
+    q: torch.Tensor, blocks: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
+    ratio: int, num_blocks: int, block_n: int = 64,
+) -> torch.Tensor:  # fmt: skip
+    """q [T, Hi, D] (normalised, rotated), blocks [slots, D] → scores [T, num_blocks] fp32 (−inf: unseen)."""
+    t, heads, dim = q.shape
+    out = torch.empty((t, num_blocks), dtype=torch.float32, device=q.device)
+    _scores_kernel[(t, triton.cdiv(num_blocks, block_n))](
+        q.contiguous(), blocks, page_table, positions, out, num_blocks, page_table.shape[1], page_size,
+        R=ratio, D=dim, HEADS=heads, BN=block_n,
+    )  # fmt: skip
+    return out
