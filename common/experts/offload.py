@@ -72,6 +72,7 @@ def copy_experts(
     pool: dict[str, torch.Tensor],
     spare: int,
     kernel: bool = False,
+    merged: bool = False,
 ) -> None:
     """pool[c][dst_rows[p]] ← parts[c][src_ids[p]] for every component c and every p with valid[p].
 
@@ -79,11 +80,14 @@ def copy_experts(
     device. The shape is fixed and no count reaches the host. With `kernel` (CUDA, a mapped store) a Triton
     kernel reads the host rows directly and skips invalid pairs; otherwise torch ops copy every pair with the
     invalid ones redirected (host row 0 into the pool's `spare` row, whose contents do not matter). An
-    unmapped store on CUDA has to bring the ids to the host: that fallback synchronises.
+    unmapped store on CUDA has to bring the ids to the host: that fallback synchronises. With `merged` too,
+    one launch copies every component (when their rows are whole words).
     """
     if kernel:
-        from common.kernels.expert_copy import copy_rows  # Triton: CUDA machines only
+        from common.kernels.expert_copy import copy_parts, copy_rows  # Triton: CUDA machines only
 
+        if merged and copy_parts([(b, pool[n]) for n, b in parts.items()], src_ids, dst_rows, valid):
+            return
         for name, block in parts.items():
             copy_rows(block, pool[name], src_ids, dst_rows, valid)
         return
@@ -108,6 +112,8 @@ class CopyStream:
     ) -> None:
         self.store, self.pool, self.spare = store, pool, spare
         self.side = torch.cuda.Stream(device) if device.type == "cuda" and store.mapped else None
+        self.merged = False
+        """One launch for all of an expert's components (opt-in: `common.kernels.use_fused_kernels`)."""
 
     def launch(
         self, layer: int, src_ids: torch.Tensor, dst_rows: torch.Tensor, valid: torch.Tensor
@@ -119,7 +125,9 @@ class CopyStream:
             return None
         self.side.wait_stream(torch.cuda.current_stream(self.side.device))  # fork: after the resolution
         with torch.cuda.stream(self.side):
-            copy_experts(parts, src_ids, dst_rows, valid, self.pool, self.spare, kernel=True)
+            copy_experts(
+                parts, src_ids, dst_rows, valid, self.pool, self.spare, kernel=True, merged=self.merged
+            )
             done = torch.cuda.Event()
             done.record(self.side)
         for t in (src_ids, dst_rows, valid):  # made on the main stream, read on the side stream

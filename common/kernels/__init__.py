@@ -27,5 +27,5 @@ def use_fused_kernels(model: nn.Module, on: bool = True, backend: object | None 
         backend.fused_decode = on
     experts = model.experts
     if hasattr(experts, "fused_resolve"):
-        experts.fused_resolve = on
+        experts.fused_resolve = experts.copies.merged = on
         experts.fused_int4_prefill = on and experts.int4_kernels

@@ -71,3 +71,67 @@ def copy_rows(
         row_words,
         BLOCK=BLOCK_WORDS,
     )
+
+
+MAX_PARTS = 6
+"""Components one `copy_experts_rows` launch can take (int4 has six: codes, scales, zeros of two matrices)."""
+
+
+@triton.jit
+def _copy_part(src_ptr, dst_ptr, row_words, src, dst, offs):
+    mask = offs < row_words
+    words = tl.load(src_ptr + src * row_words + offs, mask=mask)
+    tl.store(dst_ptr + dst * row_words + offs, words, mask=mask)
+
+
+@triton.jit
+def _copy_parts_kernel(
+    s0, d0, w0, s1, d1, w1, s2, d2, w2, s3, d3, w3, s4, d4, w4, s5, d5, w5,
+    src_ids_ptr, dst_rows_ptr, valid_ptr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    if tl.load(valid_ptr + pair) == 0:
+        return
+    src = tl.load(src_ids_ptr + pair).to(tl.int64)
+    dst = tl.load(dst_rows_ptr + pair).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    part = tl.program_id(2)
+    if part == 0:
+        _copy_part(s0, d0, w0, src, dst, offs)
+    elif part == 1:
+        _copy_part(s1, d1, w1, src, dst, offs)
+    elif part == 2:
+        _copy_part(s2, d2, w2, src, dst, offs)
+    elif part == 3:
+        _copy_part(s3, d3, w3, src, dst, offs)
+    elif part == 4:
+        _copy_part(s4, d4, w4, src, dst, offs)
+    else:
+        _copy_part(s5, d5, w5, src, dst, offs)
+
+
+def copy_parts(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+    src_ids: torch.Tensor,
+    dst_rows: torch.Tensor,
+    valid: torch.Tensor,
+) -> bool:
+    """`copy_rows` for up to MAX_PARTS (src, dst) pairs of one expert's components in one launch, when every
+    row is whole 4-byte words; returns False (nothing copied) otherwise, for per-component launches."""
+    if not 0 < len(parts) <= MAX_PARTS or src_ids.numel() == 0:
+        return False
+    args, longest = [], 0
+    for src, dst in parts:
+        row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
+        if row_bytes == 0 or word_dtype(row_bytes, src, dst) != torch.int32 or src.shape[1:] != dst.shape[1:]:
+            return False
+        source, dest = as_words(src, torch.int32), as_words(dst, torch.int32)
+        args += [source, dest, source.shape[1]]
+        longest = max(longest, source.shape[1])
+    args += args[-3:] * (MAX_PARTS - len(parts))  # unused slots: never reached (grid dim 2 = len(parts))
+    grid = (src_ids.numel(), triton.cdiv(longest, BLOCK_WORDS), len(parts))
+    _copy_parts_kernel[grid](
+        *args, src_ids.contiguous(), dst_rows.contiguous(), valid.contiguous().view(torch.uint8),
+        BLOCK=BLOCK_WORDS,
+    )  # fmt: skip
+    return True
