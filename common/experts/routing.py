@@ -62,10 +62,18 @@ class RoutingReplayer(RoutingHook):
         # (ids, weights, per-layer cursor) per device; the cursor advances on the device, so that a
         # recorded decode step replays the next rows each time
         self._device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.fused = False
+        """Gather the rows with one Triton kernel (opt-in: `common.kernels.use_fused_kernels`)."""
 
     def __call__(self, layer, ids, weights):
         i, n = self.index[layer], ids.shape[0]
         ids_all, weights_all, cursor = self._on(ids.device)
+        if self.fused:
+            from common.kernels.routing import replay_rows  # Triton
+
+            chosen, chosen_weights = replay_rows(ids_all, weights_all, cursor, i, n)
+            cursor[i].add_(n)
+            return chosen, chosen_weights.to(weights.dtype)
         rows = (torch.arange(n, device=ids.device) + cursor[i]) % ids_all.shape[0]
         cursor[i].add_(n)
         return ids_all[rows, i].long(), weights_all[rows, i].to(weights.dtype)
@@ -73,7 +81,11 @@ class RoutingReplayer(RoutingHook):
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if device not in self._device:
             cursor = torch.zeros(self.trace.ids.shape[1], dtype=torch.int64, device=device)
-            self._device[device] = (self.trace.ids.to(device), self.trace.weights.to(device), cursor)
+            ids, weights = (
+                self.trace.ids.to(device).contiguous(),
+                self.trace.weights.to(device, torch.float32),
+            )
+            self._device[device] = (ids, weights.contiguous(), cursor)
         return self._device[device]
 
 

@@ -23,6 +23,8 @@ def use_fused_kernels(model: nn.Module, on: bool = True, backend: object | None 
     for module in model.modules():
         if isinstance(module, fused):
             module.fused_decode = on
+        if hasattr(getattr(module, "routing_hook", None), "fused"):  # a routing replay (benchmarks)
+            module.routing_hook.fused = on
     if hasattr(backend, "fused_decode"):
         backend.fused_decode = on
     experts = model.experts

@@ -49,3 +49,30 @@ def route_fused(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torc
         BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize,
     )  # fmt: skip
     return weights, ids
+
+
+@triton.jit
+def _replay_kernel(
+    trace_ids_ptr, trace_w_ptr, cursor_ptr, ids_ptr, weights_ptr, rows, layers, layer,
+    K: tl.constexpr, KB: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    row = ((t + tl.load(cursor_ptr + layer)) % rows).to(tl.int64)
+    j = tl.arange(0, KB)
+    at = (row * layers + layer) * K + j
+    tl.store(ids_ptr + t * K + j, tl.load(trace_ids_ptr + at, mask=j < K).to(tl.int64), mask=j < K)
+    tl.store(weights_ptr + t * K + j, tl.load(trace_w_ptr + at, mask=j < K), mask=j < K)
+
+
+def replay_rows(
+    trace_ids: torch.Tensor, trace_weights: torch.Tensor, cursor: torch.Tensor, layer: int, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing replay's rows for `tokens` tokens of trace layer `layer` from row cursor[layer] on
+    (cycling): (ids [T, k] int64, weights [T, k] fp32). The caller advances the cursor."""
+    rows, layers, k = trace_ids.shape
+    ids = torch.empty((tokens, k), dtype=torch.int64, device=trace_ids.device)
+    weights = torch.empty((tokens, k), dtype=torch.float32, device=trace_ids.device)
+    _replay_kernel[(tokens,)](
+        trace_ids, trace_weights, cursor, ids, weights, rows, layers, layer, K=k, KB=triton.next_power_of_2(k)
+    )
+    return ids, weights
