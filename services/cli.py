@@ -213,6 +213,7 @@ def _check_serve_plan(cfg) -> None:
 BENCHMARKS = {
     "decode-1": ("bench.decode_offload", []),
     "decode-8": ("bench.decode_offload", ["--lanes", "8"]),
+    "decode-allfit": ("bench.decode_offload", ["--all-fit"]),
     "peer-hf": ("bench.peer_hf", []),
     "policy": ("bench.policy", []),
     "serve-ipc": ("bench.serve_ipc", []),

@@ -204,6 +204,9 @@ class OffloadedExperts(ExpertProvider):
         self._moved = torch.zeros(4, len(moe_layers), dtype=torch.int64, device=self.device)
         self._fill_pinned()
         self.prefill = False
+        self.all_resident = False
+        """Every expert holds a slot for good (`load_all`): passes read the slots, nothing is resolved or
+        copied."""
         # int4 decode on CUDA: Triton kernels read the chosen rows' codes in place (kernels/moe_int4.py)
         self.int4_kernels = fmt.name == "int4" and act is F.silu and shared_cache is None
         self.fused_int4 = self.int4_kernels and self.device.type == "cuda"
@@ -225,6 +228,18 @@ class OffloadedExperts(ExpertProvider):
             if pinned.numel():
                 ok = torch.ones_like(pinned, dtype=torch.bool)
                 self.copies.join(self.copies.launch(layer, self.tables.owner[pinned], pinned, ok))
+
+    def load_all(self) -> None:
+        """All-experts-fit mode: give every expert of every layer a pinned slot and copy it there now; from
+        then on passes read the slots directly (no resolution, no statistics, no copies; the arena is never
+        used). Needs a slot per expert (capacity `all`)."""
+        e = self.store.num_experts
+        if min(self.tables.capacities) < e:
+            raise ValueError(f"load_all needs {e} slots per layer, the cache has {self.tables.capacities}")
+        for layer in range(self.tables.num_layers):
+            self.tables.pin(layer, range(e))
+        self._fill_pinned()
+        self.all_resident = True
 
     def begin_pass(self, is_decode: bool) -> None:
         """Called by the runner before each forward: decode passes use the cache, others the arena; every
@@ -258,6 +273,9 @@ class OffloadedExperts(ExpertProvider):
     def prepare(self, layer: int, topk_ids: torch.Tensor) -> Prepared:
         """Resolve `layer`'s experts and launch their copies (on the side stream where there is one)."""
         i = self.index[layer]
+        if self.all_resident:  # every expert in its slot: nothing to resolve or copy
+            slots = self.tables.slot_of[i, : self.store.num_experts]
+            return Prepared(rows=slots, done=None, cached=torch.ones_like(slots, dtype=torch.bool))
         if self.fused_resolve and not self.prefill:
             from common.kernels.resolve import resolve_step  # Triton
 

@@ -107,6 +107,19 @@ def test_parse_capacity():
             parse_capacity(bad, 3, 8)
 
 
+def test_all_experts_loaded_up_front_serve_without_misses(model):
+    path, prompts, reference = model
+    engine = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="all")
+    engine.offload.load_all()
+    before = engine.offload.traffic()
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
+    after = engine.offload.traffic()
+    assert after == before and all(int(v.sum()) == 0 for v in engine.offload.tables.counters.values())
+    engine.offload.tables.check()
+    with pytest.raises(ValueError, match="slots per layer"):
+        Engine(path, dtype=torch.float32, max_seqs=1, expert_cache="0.5").offload.load_all()
+
+
 def test_pinned_hot_set_stays_and_changes_nothing(model, tmp_path):
     path, prompts, reference = model
     hot = tmp_path / "hot.json"
