@@ -13,7 +13,8 @@ def use_fused_kernels(model: nn.Module, on: bool = True, backend: object | None 
     norm + RoPE of q, k and indexer queries (norm_rope.py, every pass), the router's softmax + top-k
     (routing.py, every pass) and,
     given the runner's attention `backend`, paged decode attention (decode_attention.py). They need CUDA,
-    or Triton's interpreter (tests)."""
+    or Triton's interpreter (tests). Switch before the first decode pass: a recorded pass (common/graphs.py)
+    keeps the path it was recorded with."""
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.gdn import GatedDeltaNet
     from common.model.qwen4_exp.hyper import HyperConnection
