@@ -72,7 +72,11 @@ class Engine:
         the token embedding in host memory (common/model/host_embedding.py)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
-        self.model = load_model(model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp")
+        offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
+        self.model = load_model(
+            model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp",
+            expert_device="cpu" if offloaded else None,
+        )  # fmt: skip
         if embeddings_on_host:  # before the expert cache takes the device memory it frees
             embeddings_to_host(self.model)
         self.config = self.model.config

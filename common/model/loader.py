@@ -280,12 +280,15 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     with_mtp: bool = False,
+    expert_device: torch.device | str | None = None,
 ) -> nn.Module:
     """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint (FP8
     block-quantized weights dequantized, see `dequantized_fp8_source`; the PLE n-gram table keeps its own
     fp8 format).
 
-    `with_mtp` also builds and loads the checkpoint's MTP head (for speculative decoding).
+    `with_mtp` also builds and loads the checkpoint's MTP head (for speculative decoding). `expert_device`
+    (default `device`) is where the routed experts are read to: `cpu` for a model whose experts go to a
+    host store next, so that they never pass through the device (they may not fit there).
     """
     arch, cfg = load_architecture(model_dir)
     if with_mtp:
@@ -306,7 +309,8 @@ def load_model(
                 Path(model_dir) / ARTIFACT_META,
             )
         return build_model(arch, cfg, source, where, dtype, device, external_experts=True)
-    return build_model(arch, cfg, source, where if where.is_file() else Path(model_dir), dtype, device)
+    where = where if where.is_file() else Path(model_dir)
+    return build_model(arch, cfg, source, where, dtype, device, expert_device=expert_device)
 
 
 def empty_model(
@@ -334,11 +338,13 @@ def build_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     external_experts: bool = False,
+    expert_device: torch.device | str | None = None,
 ) -> nn.Module:
     """Build `arch` for `cfg` and fill it from `source` (a checkpoint, or tensors generated in memory).
 
     `where` names the checkpoint in errors about tensors that are missing altogether. With
-    `external_experts` the routed experts come from elsewhere (an artifact's packed store).
+    `external_experts` the routed experts come from elsewhere (an artifact's packed store); otherwise they
+    are read to `expert_device` (default `device`).
     """
     experts = ResidentExperts({}, activation(cfg.hidden_act))
     model = empty_model(arch, cfg, experts, dtype, device)
@@ -361,7 +367,7 @@ def build_model(
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
         if isinstance(target, ExpertKey):
-            collector.add(target, tensor.to(device=device, dtype=dtype), path, key)
+            collector.add(target, tensor.to(device=expert_device or device, dtype=dtype), path, key)
         elif isinstance(target, HostTableKey):
             tables.add(target, tensor, path, key)  # stays in host memory, in its stored dtype
         else:
