@@ -86,9 +86,10 @@ class TorchPlan:
 class TorchPagedBackend(AttentionBackend):
     """Reference backend in plain torch: gathers each sequence's keys and runs masked softmax attention.
 
-    Memory is O(B · Qmax · Kmax · heads); meant for CPU, tests and small batches. With `fused_decode`
-    (opt-in, see `common.kernels.use_fused_kernels`), passes of one query per sequence run a Triton kernel
-    over the pages instead (common/kernels/decode_attention.py).
+    Scores take O(B · heads · Kmax) per query, so a long prefill attends in slices of its queries
+    (`score_bytes`); meant for CPU, tests and as the reference. With `fused_decode` (opt-in, see
+    `common.kernels.use_fused_kernels`), passes of one query per sequence run a Triton kernel over the
+    pages instead (common/kernels/decode_attention.py).
     """
 
     fused_decode = False
@@ -140,26 +141,49 @@ class TorchPagedBackend(AttentionBackend):
                 q, state.paged["k"], state.paged["v"], plan.page_table, plan.k_lens, scale,
                 plan.k_slots.shape[1], selected, state.kv_scale if fp8 else None, window,
             )  # fmt: skip
-        num_heads, num_kv = q.shape[1], k.shape[1]
-        qb = q[plan.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
         kb, vb = read_kv(state, plan.k_slots, q.dtype)  # [B, Kmax, Hkv, D] each
         kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # [B, Hkv, Kmax, D]
-        kb = kb.repeat_interleave(num_heads // num_kv, dim=1)
-        vb = vb.repeat_interleave(num_heads // num_kv, dim=1)
-
-        k_pos = torch.arange(kb.shape[2], device=q.device)
-        allowed = plan.k_valid[:, None, :] & (k_pos[None, None, :] <= plan.q_pos[:, :, None])
-        if window is not None:
-            allowed &= k_pos[None, None, :] > plan.q_pos[:, :, None] - window
-        if selected is not None:
-            allowed &= _selection_mask(selected[plan.q_index], kb.shape[2]) | ~plan.q_valid[:, :, None]
-        scores = torch.matmul(qb, kb.transpose(2, 3)) * scale  # [B, Hq, Qmax, Kmax]
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, vb).transpose(1, 2)  # [B, Qmax, Hq, D]
+        q_max, step = plan.q_index.shape[1], self._query_rows(q, kb)
+        parts = [
+            self._attend(q, kb, vb, plan, rows, scale, window, selected)
+            for rows in (slice(a, min(a + step, q_max)) for a in range(0, q_max, step))
+        ]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [B, Qmax, Hq, D]
         if out.shape[1] == 1:  # one query per sequence (decode): no mask to apply, and no host sync
             return out[:, 0]
         return out[plan.q_valid]  # [T, Hq, D]: tokens are laid out sequence by sequence
+
+    score_bytes = 512 << 20
+    """Most bytes of attention scores at once: a long prefill attends in slices of its queries."""
+
+    def _query_rows(self, q: torch.Tensor, kb: torch.Tensor) -> int:
+        """Queries per slice: the fp32 softmax and the scores of B × Hq × rows × Kmax within score_bytes."""
+        per_row = kb.shape[0] * q.shape[1] * kb.shape[2] * (4 + q.element_size())
+        return max(1, self.score_bytes // per_row)
+
+    @staticmethod
+    def _attend(q, kb, vb, plan: TorchPlan, rows: slice, scale: float, window, selected) -> torch.Tensor:
+        """Attention of the padded queries `rows` → [B, n, Hq, D]. Grouped heads share their key head by
+        reshaping the queries (no repeated copy of K/V)."""
+        index, q_pos, q_valid = plan.q_index[:, rows], plan.q_pos[:, rows], plan.q_valid[:, rows]
+        qb = q[index]  # [B, n, Hq, D]
+        b, n, heads, dim = qb.shape
+        kv_heads = kb.shape[1]
+        group = heads // kv_heads
+        qb = qb.view(b, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * n, dim)
+        k_pos = torch.arange(kb.shape[2], device=q.device)
+        allowed = plan.k_valid[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])  # [B, n, Kmax]
+        if window is not None:
+            allowed &= k_pos[None, None, :] > q_pos[:, :, None] - window
+        if selected is not None:
+            allowed &= _selection_mask(selected[index], kb.shape[2]) | ~q_valid[:, :, None]
+        scores = torch.matmul(qb, kb.transpose(2, 3)) * scale  # [B, Hkv, group·n, Kmax]
+        scores = scores.view(b, kv_heads, group, n, -1).masked_fill(~allowed[:, None, None], float("-inf"))
+        probs = (
+            torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(b, kv_heads, group * n, -1)
+        )
+        out = torch.matmul(probs, vb)  # [B, Hkv, group·n, D]
+        return out.view(b, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(b, n, heads, dim)
 
 
 def _selection_mask(selected: torch.Tensor, num_keys: int) -> torch.Tensor:
