@@ -4,8 +4,7 @@ sized so the process stays under a device-memory budget, synthetic-zipf routing 
 
     python -m bench.decode_offload --budget-gib 32 --prompt 2048 --decode 512 [--lanes 8] [--out DIR]
 
-The int4 expert store is filled with random codes and scales (quantising 120B random weights would take
-longer than the benchmark and measures nothing more); the rest of the model is the synthetic preset.
+The model and its store: bench/flashnext.py.
 """
 
 from __future__ import annotations
@@ -16,38 +15,9 @@ from pathlib import Path
 
 import torch
 
-from bench.common import measure_hbm_gbps, measure_pcie_gbps, write_result
-from common.experts.formats import get_format
-from common.experts.offload import offload_experts
-from common.experts.routing import install_routing_hook, replayer_for
-from common.experts.store import HostExpertStore
-from common.kernels import use_fused_kernels
-from common.model.hf_config import parse_architecture
-from common.model.loader import build_model
-from common.model.synthetic import model_config, synthetic_tensors
+from bench.common import write_result
+from bench.flashnext import GIB, build_flashnext
 from common.runner import ModelRunner
-
-GIB = 1 << 30
-
-
-def random_int4_store(layers: int, experts: int, hidden: int, inter: int) -> HostExpertStore:
-    """An int4 store of random experts: codes 0..15 around zero point 8, scales ~ 1/(8·√fan_in)."""
-    store = HostExpertStore(layers, experts, get_format("int4").components(hidden, inter))
-    pattern = torch.randint(0, 256, (1 << 28,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    offset = 0
-    for parts in store.parts:
-        for name, block in parts.items():
-            if name.endswith("qweight"):  # tile a random pattern at shifting offsets: 62 GB in seconds
-                flat = block.view(-1)
-                for start in range(0, flat.numel(), pattern.numel() // 2):
-                    n = min(pattern.numel() // 2, flat.numel() - start)
-                    offset = (offset + 4099) % (pattern.numel() // 2)
-                    flat[start : start + n].copy_(pattern[offset : offset + n])
-            elif name.endswith("zeros"):
-                block.fill_(8)
-            else:  # scales
-                block.fill_(1.0 / (8 * (hidden if name.startswith("gate_up") else inter) ** 0.5))
-    return store
 
 
 def profile_steps(runner: ModelRunner, seqs: list, tokens: list[int], path: Path, steps: int = 4) -> None:
@@ -84,43 +54,12 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of 4 steady steps here")
     args = ap.parse_args()
 
-    hf = model_config(
-        "flashnext",
-        "qwen4_exp",
-        {"num_hidden_layers": args.layers, "ngram_vocab_size_base": 2_000_000, "mtp_num_hidden_layers": 0},
-    )
-    arch, cfg = parse_architecture(hf, Path("<flashnext in memory>"))
-    pcie, hbm = measure_pcie_gbps(), measure_hbm_gbps()
-    torch.cuda.empty_cache()  # the probes' buffers must not count against the budget
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    not_expert = lambda key: ".mlp.experts." not in key
-    source = ((Path("<synthetic>"), k, lambda t=t: t) for k, t in synthetic_tensors(hf, keep=not_expert))
-    model = build_model(arch, cfg, source, Path("<synthetic>"), torch.bfloat16, "cuda", external_experts=True)
-    store = random_int4_store(
-        len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    )
-    context = args.prompt + args.decode + 16 + 8  # + the profiled steps
-    runner = ModelRunner(model, max_seqs=args.lanes, max_context=context, cuda_graphs=not args.eager)
-    arena_bytes = 2 * cfg.num_experts * store.expert_bytes
-    spare = args.budget_gib * GIB - torch.cuda.memory_reserved() - arena_bytes - int(2.0 * GIB)  # scratch
-    slots = max(len(cfg.moe_layers), int(spare // store.expert_bytes))
-    if args.all_fit:  # the budget is what every expert needs
-        slots = len(cfg.moe_layers) * cfg.num_experts
-    provider = offload_experts(model, str(slots), args.policy, "int4", store=store)
-    if args.all_fit:
-        provider.load_all()
-    use_fused_kernels(model, args.fused, runner.backend)
-    install_routing_hook(
-        model,
-        replayer_for(
-            f"synthetic-zipf:tokens={args.prompt + args.decode * args.lanes},seed=0",
-            list(cfg.moe_layers),
-            cfg.num_experts,
-            cfg.top_k,
-        ),
-    )
-    build_s = time.perf_counter() - t0
+    flash = build_flashnext(
+        args.layers, args.budget_gib, args.lanes, args.prompt + args.decode + 16 + 8,  # + profiled steps
+        args.prompt + args.decode * args.lanes, args.policy, args.eager, args.fused, args.all_fit,
+    )  # fmt: skip
+    model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
+    pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s
 
     prompt = torch.randint(
         3, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)

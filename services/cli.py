@@ -215,6 +215,8 @@ BENCHMARKS = {
     "decode-8": ("bench.decode_offload", ["--lanes", "8"]),
     "decode-allfit": ("bench.decode_offload", ["--all-fit"]),
     "peer-hf": ("bench.peer_hf", []),
+    "prefill-25k": ("bench.prefill", ["--prompt", "25600"]),
+    "prefill-128k": ("bench.prefill", ["--prompt", "131072"]),
     "policy": ("bench.policy", []),
     "serve-ipc": ("bench.serve_ipc", []),
     "qwen4-smoke": ("bench.qwen4_smoke", []),

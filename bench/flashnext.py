@@ -1,0 +1,106 @@
+"""The flashnext model the decode and prefill benchmarks run: synthetic resident weights on the GPU, int4
+experts with random codes in mapped host memory, a VRAM expert cache sized to what a device-memory budget
+leaves, synthetic-zipf routing replay. The int4 store is filled with random codes and scales (quantising
+120B random weights would take longer than a benchmark and measure nothing more)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.common import measure_hbm_gbps, measure_pcie_gbps
+from common.experts.formats import get_format
+from common.experts.offload import OffloadedExperts, offload_experts
+from common.experts.routing import install_routing_hook, replayer_for
+from common.experts.store import HostExpertStore
+from common.kernels import use_fused_kernels
+from common.model.hf_config import parse_architecture
+from common.model.loader import build_model
+from common.model.synthetic import model_config, synthetic_tensors
+from common.runner import ModelRunner
+
+GIB = 1 << 30
+
+
+@dataclass
+class Flashnext:
+    """What a benchmark measures with, and the ceilings measured before building it."""
+
+    model: torch.nn.Module
+    cfg: object
+    store: HostExpertStore
+    runner: ModelRunner
+    provider: OffloadedExperts
+    slots: int
+    pcie_gbps: float
+    hbm_gbps: float
+    build_s: float
+
+
+def random_int4_store(layers: int, experts: int, hidden: int, inter: int) -> HostExpertStore:
+    """An int4 store of random experts: codes 0..15 around zero point 8, scales ~ 1/(8·√fan_in)."""
+    store = HostExpertStore(layers, experts, get_format("int4").components(hidden, inter))
+    pattern = torch.randint(0, 256, (1 << 28,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    offset = 0
+    for parts in store.parts:
+        for name, block in parts.items():
+            if name.endswith("qweight"):  # tile a random pattern at shifting offsets: 62 GB in seconds
+                flat = block.view(-1)
+                for start in range(0, flat.numel(), pattern.numel() // 2):
+                    n = min(pattern.numel() // 2, flat.numel() - start)
+                    offset = (offset + 4099) % (pattern.numel() // 2)
+                    flat[start : start + n].copy_(pattern[offset : offset + n])
+            elif name.endswith("zeros"):
+                block.fill_(8)
+            else:  # scales
+                block.fill_(1.0 / (8 * (hidden if name.startswith("gate_up") else inter) ** 0.5))
+    return store
+
+
+def build_flashnext(
+    layers: int,
+    budget_gib: float,
+    lanes: int,
+    context: int,
+    trace_tokens: int,
+    policy: str = "lfu-admit",
+    eager: bool = False,
+    fused: bool = False,
+    all_fit: bool = False,
+    scratch_gib: float = 2.0,
+) -> Flashnext:
+    """Measure PCIe and HBM, then build flashnext cut to `layers` for `lanes` × `context` tokens, its cache
+    the slots that `budget_gib` leaves after the resident weights, state pools, the arena and `scratch_gib`
+    (every expert with `all_fit`, loaded up front)."""
+    hf = model_config(
+        "flashnext",
+        "qwen4_exp",
+        {"num_hidden_layers": layers, "ngram_vocab_size_base": 2_000_000, "mtp_num_hidden_layers": 0},
+    )
+    arch, cfg = parse_architecture(hf, Path("<flashnext in memory>"))
+    pcie, hbm = measure_pcie_gbps(), measure_hbm_gbps()
+    torch.cuda.empty_cache()  # the probes' buffers must not count against the budget
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    not_expert = lambda key: ".mlp.experts." not in key
+    source = ((Path("<synthetic>"), k, lambda t=t: t) for k, t in synthetic_tensors(hf, keep=not_expert))
+    model = build_model(arch, cfg, source, Path("<synthetic>"), torch.bfloat16, "cuda", external_experts=True)
+    store = random_int4_store(
+        len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    )
+    runner = ModelRunner(model, max_seqs=lanes, max_context=context, cuda_graphs=not eager)
+    arena_bytes = 2 * cfg.num_experts * store.expert_bytes
+    spare = budget_gib * GIB - torch.cuda.memory_reserved() - arena_bytes - int(scratch_gib * GIB)
+    slots = max(len(cfg.moe_layers), int(spare // store.expert_bytes))
+    if all_fit:  # the budget is what every expert needs
+        slots = len(cfg.moe_layers) * cfg.num_experts
+    provider = offload_experts(model, str(slots), policy, "int4", store=store)
+    if all_fit:
+        provider.load_all()
+    use_fused_kernels(model, fused, runner.backend)
+    trace = f"synthetic-zipf:tokens={trace_tokens},seed=0"
+    install_routing_hook(model, replayer_for(trace, list(cfg.moe_layers), cfg.num_experts, cfg.top_k))
+    return Flashnext(model, cfg, store, runner, provider, slots, pcie, hbm, time.perf_counter() - t0)

@@ -1,0 +1,107 @@
+"""prefill-25k / prefill-128k: flashnext int4 under a 32 GiB budget, a 25,600- (or 131,072-) token prompt,
+nothing cached: TTFT, prefill tok/s, bytes streamed, and the limit max(streamed / PCIe, flops / bf16 GEMM
+rate), both ceilings measured in the same run.
+
+    python -m bench.prefill --prompt 25600 [--chunk 8192] [--fused] [--layers 48] [--out DIR]
+
+The prompt is prefilled in chunks of `--chunk` tokens, as the engine does. Flops count the resident weights
+that a token multiplies (not the embedding), its k experts, and attention over the keys each query sees (QSA:
+at most the indexer's budget plus a block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import write_result
+from bench.flashnext import GIB, build_flashnext
+
+
+def measure_tflops(n: int = 8192, repeats: int = 5) -> float:
+    """Dense bf16 GEMM rate, TFLOP/s (median of `repeats`)."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    a @ b  # warm-up
+    rates = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        rates.append(2 * n**3 / (start.elapsed_time(end) / 1e3) / 1e12)
+    return sorted(rates)[len(rates) // 2]
+
+
+def prefill_flops(model: torch.nn.Module, cfg, tokens: int) -> float:
+    """2 · (resident weights a token multiplies + its k experts) · tokens, plus attention (QK and PV)."""
+    embedding = model.model.embed_tokens.weight.numel()
+    dense = sum(p.numel() for p in model.parameters()) - embedding
+    experts = cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    attention_layers = sum(1 for t in cfg.layer_types if t != "linear_attention")
+    seen = sum(min(p + 1, cfg.indexer_budget + cfg.indexer_compress_ratio) for p in range(tokens))
+    attention = attention_layers * 4 * seen * cfg.num_heads * cfg.head_dim
+    return 2.0 * (dense + experts) * tokens + attention
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt", type=int, default=25600)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--budget-gib", type=float, default=32.0)
+    ap.add_argument("--scratch-gib", type=float, default=6.0, help="left out of the cache for activations")
+    ap.add_argument("--fused", action="store_true", help="the opt-in fused kernels (common/kernels)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    tflops = measure_tflops()
+    flash = build_flashnext(
+        args.layers, args.budget_gib, 1, args.prompt + 16, args.prompt, fused=args.fused,
+        scratch_gib=args.scratch_gib,
+    )  # fmt: skip
+    runner, provider, cfg = flash.runner, flash.provider, flash.cfg
+    prompt = torch.randint(3, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1))
+    seq = runner.new_sequence()
+    before = provider.traffic()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for at in range(0, args.prompt, args.chunk):
+        logits = runner.forward([seq], [prompt[at : at + args.chunk].tolist()])
+    int(logits.argmax(-1))
+    ttft = time.perf_counter() - start
+    after = provider.traffic()
+    streamed = (
+        sum(after.arena_bytes) - sum(before.arena_bytes) + sum(after.cache_bytes) - sum(before.cache_bytes)
+    )
+    flops = prefill_flops(flash.model, cfg, args.prompt)
+    t_limit = max(streamed / (flash.pcie_gbps * 1e9), flops / (tflops * 1e12))
+    result = {
+        "limit_ratio": t_limit / ttft,
+        "pcie_gbps": flash.pcie_gbps,
+        "tflops": tflops,
+        "ttft_s": ttft,
+        "prefill_tok_per_s": args.prompt / ttft,
+        "streamed_bytes": streamed,
+        "flops": flops,
+        "prompt": args.prompt,
+        "chunk": args.chunk,
+        "cache_slots": flash.slots,
+        "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "budget_gib": args.budget_gib,
+        "layers": args.layers,
+        "fused": args.fused,
+        "build_s": flash.build_s,
+    }
+    name = "prefill-128k" if args.prompt >= 131072 else "prefill-25k" if args.prompt == 25600 else "prefill"
+    print(write_result(name, result, args.out))
+    for key, value in result.items():
+        print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")
+
+
+if __name__ == "__main__":
+    main()
