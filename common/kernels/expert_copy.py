@@ -18,6 +18,13 @@ BLOCK_WORDS = 2048
 
 
 @triton.jit
+def _copy_part(src_ptr, dst_ptr, row_words, src, dst, offs):
+    mask = offs < row_words
+    words = tl.load(src_ptr + src * row_words + offs, mask=mask)
+    tl.store(dst_ptr + dst * row_words + offs, words, mask=mask)
+
+
+@triton.jit
 def _copy_rows_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_rows_ptr, valid_ptr, row_words, BLOCK: tl.constexpr):
     pair = tl.program_id(0)
     if tl.load(valid_ptr + pair) == 0:
@@ -25,9 +32,7 @@ def _copy_rows_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_rows_ptr, valid_ptr, ro
     src = tl.load(src_ids_ptr + pair).to(tl.int64)
     dst = tl.load(dst_rows_ptr + pair).to(tl.int64)
     offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < row_words
-    words = tl.load(src_ptr + src * row_words + offs, mask=mask)
-    tl.store(dst_ptr + dst * row_words + offs, words, mask=mask)
+    _copy_part(src_ptr, dst_ptr, row_words, src, dst, offs)
 
 
 def word_dtype(row_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
@@ -75,13 +80,6 @@ def copy_rows(
 
 MAX_PARTS = 6
 """Components one `copy_experts_rows` launch can take (int4 has six: codes, scales, zeros of two matrices)."""
-
-
-@triton.jit
-def _copy_part(src_ptr, dst_ptr, row_words, src, dst, offs):
-    mask = offs < row_words
-    words = tl.load(src_ptr + src * row_words + offs, mask=mask)
-    tl.store(dst_ptr + dst * row_words + offs, words, mask=mask)
 
 
 @triton.jit

@@ -161,6 +161,14 @@ def _tile_dot(
 
 
 @triton.jit
+def _block(rows_ptr, pairs_ptr, expert, b, BM: tl.constexpr):
+    """Block b's expert row in the pool and its (token, choice) pairs ([BM], −1: padding, and the mask)."""
+    row = tl.load(rows_ptr + expert).to(tl.int64)
+    pairs = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))
+    return row, pairs, pairs >= 0
+
+
+@triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, pairs_ptr, block_expert_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
     GROUPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr,
@@ -169,9 +177,7 @@ def _grouped_gate_up_kernel(
     expert = tl.load(block_expert_ptr + b)
     if expert < 0:
         return
-    row = tl.load(rows_ptr + expert).to(tl.int64)
-    pairs = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))  # [BM] (token, choice) pairs, −1: padding
-    live = pairs >= 0
+    row, pairs, live = _block(rows_ptr, pairs_ptr, expert, b, BM)
     tokens = tl.where(live, pairs // k, 0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN] act columns
     w = w_ptr + row * (2 * inter) * (GROUPS * HALF)
@@ -196,9 +202,7 @@ def _grouped_down_kernel(
     expert = tl.load(block_expert_ptr + b)
     if expert < 0:
         return
-    row = tl.load(rows_ptr + expert).to(tl.int64)
-    pairs = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))
-    live = pairs >= 0
+    row, pairs, live = _block(rows_ptr, pairs_ptr, expert, b, BM)
     safe = tl.where(live, pairs, 0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN] output columns
     w = w_ptr + row * hidden * (GROUPS * HALF)
