@@ -57,6 +57,7 @@ def main() -> None:
     flash = build_flashnext(
         args.layers, args.budget_gib, args.lanes, args.prompt + args.decode + 16 + 8,  # + profiled steps
         args.prompt + args.decode * args.lanes, args.policy, args.eager, args.fused, args.all_fit,
+        prefill_chunk=args.prompt,  # the prompt is prefilled in one pass
     )  # fmt: skip
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
     pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s

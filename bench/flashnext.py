@@ -17,6 +17,7 @@ from common.experts.offload import OffloadedExperts, offload_experts
 from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.kernels import use_fused_kernels
+from common.memory_plan import plan_memory
 from common.model.hf_config import parse_architecture
 from common.model.loader import build_model
 from common.model.synthetic import model_config, synthetic_tensors
@@ -70,11 +71,12 @@ def build_flashnext(
     eager: bool = False,
     fused: bool = False,
     all_fit: bool = False,
-    scratch_gib: float = 2.0,
+    prefill_chunk: int = 8192,
 ) -> Flashnext:
     """Measure PCIe and HBM, then build flashnext cut to `layers` for `lanes` × `context` tokens, its cache
-    the slots that `budget_gib` leaves after the resident weights, state pools, the arena and `scratch_gib`
-    (every expert with `all_fit`, loaded up front)."""
+    the slots the memory plan gives `budget_gib` (one process; a prefill of `prefill_chunk` tokens), or
+    every expert with `all_fit`, loaded up front. The benchmark reports max_memory_reserved beside the
+    budget: the check that the plan holds."""
     hf = model_config(
         "flashnext",
         "qwen4_exp",
@@ -83,7 +85,6 @@ def build_flashnext(
     arch, cfg = parse_architecture(hf, Path("<flashnext in memory>"))
     pcie, hbm = measure_pcie_gbps(), measure_hbm_gbps()
     torch.cuda.empty_cache()  # the probes' buffers must not count against the budget
-    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     not_expert = lambda key: ".mlp.experts." not in key
     source = ((Path("<synthetic>"), k, lambda t=t: t) for k, t in synthetic_tensors(hf, keep=not_expert))
@@ -92,11 +93,14 @@ def build_flashnext(
         len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     )
     runner = ModelRunner(model, max_seqs=lanes, max_context=context, cuda_graphs=not eager)
-    arena_bytes = 2 * cfg.num_experts * store.expert_bytes
-    spare = budget_gib * GIB - torch.cuda.memory_reserved() - arena_bytes - int(scratch_gib * GIB)
-    slots = max(len(cfg.moe_layers), int(spare // store.expert_bytes))
-    if all_fit:  # the budget is what every expert needs
-        slots = len(cfg.moe_layers) * cfg.num_experts
+    torch.cuda.empty_cache()  # generating the synthetic weights left cached blocks behind: free them, and
+    torch.cuda.reset_peak_memory_stats()  # count the peak from here (a served model loads from its files)
+    plan = plan_memory(
+        cfg, arch, budget_bytes=int(budget_gib * GIB), max_context=context, max_running=lanes,
+        expert_format="int4", dtype=torch.bfloat16, prefill_chunk=prefill_chunk, processes=1,
+    )  # fmt: skip
+    plan.check()
+    slots = len(cfg.moe_layers) * cfg.num_experts if all_fit else plan.cache_slots
     provider = offload_experts(model, str(slots), policy, "int4", store=store)
     if all_fit:
         provider.load_all()

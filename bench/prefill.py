@@ -54,7 +54,6 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--budget-gib", type=float, default=32.0)
-    ap.add_argument("--scratch-gib", type=float, default=6.0, help="left out of the cache for activations")
     ap.add_argument("--fused", action="store_true", help="the opt-in fused kernels (common/kernels)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -62,7 +61,7 @@ def main() -> None:
     tflops = measure_tflops()
     flash = build_flashnext(
         args.layers, args.budget_gib, 1, args.prompt + 16, args.prompt, fused=args.fused,
-        scratch_gib=args.scratch_gib,
+        prefill_chunk=args.chunk,
     )  # fmt: skip
     runner, provider, cfg = flash.runner, flash.provider, flash.cfg
     prompt = torch.randint(3, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1))
