@@ -229,10 +229,11 @@ class OffloadedExperts(ExpertProvider):
                 ok = torch.ones_like(pinned, dtype=torch.bool)
                 self.copies.join(self.copies.launch(layer, self.tables.owner[pinned], pinned, ok))
 
-    def load_all(self) -> None:
+    def load_all(self, release_host: bool = True) -> None:
         """All-experts-fit mode: give every expert of every layer a pinned slot and copy it there now; from
         then on passes read the slots directly (no resolution, no statistics, no copies; the arena is never
-        used). Needs a slot per expert (capacity `all`)."""
+        used), and with `release_host` the host store's memory goes back to the OS. Needs a slot per expert
+        (capacity `all`)."""
         e = self.store.num_experts
         if min(self.tables.capacities) < e:
             raise ValueError(f"load_all needs {e} slots per layer, the cache has {self.tables.capacities}")
@@ -240,6 +241,10 @@ class OffloadedExperts(ExpertProvider):
             self.tables.pin(layer, range(e))
         self._fill_pinned()
         self.all_resident = True
+        if release_host:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the copies read the host store until they finish
+            self.store.release()
 
     def begin_pass(self, is_decode: bool) -> None:
         """Called by the runner before each forward: decode passes use the cache, others the arena; every

@@ -53,6 +53,7 @@ class HostExpertStore:
             self._mmap, self.buffer = None, buffer
         else:
             self._mmap = _map(size, backing, writable_file)
+            self._anonymous = backing is None
             self.buffer = (
                 torch.frombuffer(self._mmap, dtype=torch.uint8, count=size) if size else torch.empty(0)
             )
@@ -79,6 +80,18 @@ class HostExpertStore:
         """Write a layer's experts (packed components, in expert order)."""
         for name, block in self.parts[layer].items():
             block.copy_(torch.stack([p[name] for p in packed]))
+
+    def release(self) -> None:
+        """Give the memory of a store this process mapped back to the OS (all-experts-fit mode: every expert
+        lives in VRAM). The layout stays; what is read afterwards is zeros (anonymous memory) or the file's
+        bytes again. A store in memory another process maps (`allocate`) keeps its memory."""
+        if self._mmap is None:
+            return
+        if self.mapped:  # pinned pages cannot be discarded
+            unregister(self.buffer)
+            self.mapped = False
+        # an anonymous mapping is shared memory: MADV_REMOVE frees it; a file's private pages just drop
+        self._mmap.madvise(mmap.MADV_REMOVE if self._anonymous else mmap.MADV_DONTNEED)
 
     def __del__(self) -> None:
         if getattr(self, "mapped", False):

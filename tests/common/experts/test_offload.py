@@ -111,6 +111,7 @@ def test_all_experts_loaded_up_front_serve_without_misses(model):
     path, prompts, reference = model
     engine = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="all")
     engine.offload.load_all()
+    assert int(engine.offload.store.buffer.count_nonzero()) == 0  # the host copy was given back
     before = engine.offload.traffic()
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
     after = engine.offload.traffic()
