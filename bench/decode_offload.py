@@ -99,7 +99,7 @@ def main() -> None:
         "cache_slots": slots,
         "expert_bytes": store.expert_bytes,
         "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
-        "budget_gib": args.budget_gib,
+        "budget_gib": None if args.all_fit else args.budget_gib,  # all-fit: what every expert takes
         "layers": args.layers,
         "policy": args.policy,
         "build_s": build_s,

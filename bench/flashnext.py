@@ -95,12 +95,14 @@ def build_flashnext(
     runner = ModelRunner(model, max_seqs=lanes, max_context=context, cuda_graphs=not eager)
     torch.cuda.empty_cache()  # generating the synthetic weights left cached blocks behind: free them, and
     torch.cuda.reset_peak_memory_stats()  # count the peak from here (a served model loads from its files)
-    plan = plan_memory(
-        cfg, arch, budget_bytes=int(budget_gib * GIB), max_context=context, max_running=lanes,
-        expert_format="int4", dtype=torch.bfloat16, prefill_chunk=prefill_chunk, processes=1,
-    )  # fmt: skip
-    plan.check()
-    slots = len(cfg.moe_layers) * cfg.num_experts if all_fit else plan.cache_slots
+    slots = len(cfg.moe_layers) * cfg.num_experts  # all_fit: as many slots as experts, whatever it takes
+    if not all_fit:
+        plan = plan_memory(
+            cfg, arch, budget_bytes=int(budget_gib * GIB), max_context=context, max_running=lanes,
+            expert_format="int4", dtype=torch.bfloat16, prefill_chunk=prefill_chunk, processes=1,
+        )  # fmt: skip
+        plan.check()
+        slots = plan.cache_slots
     provider = offload_experts(model, str(slots), policy, "int4", store=store)
     if all_fit:
         provider.load_all()
