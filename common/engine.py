@@ -13,6 +13,7 @@ from common.experts.artifact import is_artifact, open_store
 from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
+from common.kernels import use_fused_kernels
 from common.kv.state import Allocator, SequenceState
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
@@ -59,6 +60,7 @@ class Engine:
         arena_buffers: int = 2,
         cuda_graphs: bool = True,
         embeddings_on_host: bool = False,
+        fused_kernels: bool = False,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
@@ -69,7 +71,8 @@ class Engine:
         StatePool), `host_allocate` the host expert store's memory (see HostExpertStore); `arena_buffers` 1
         drops the prefill arena's second buffer (no copy/compute overlap) for a worker that never prefills;
         `cuda_graphs` records and replays decode passes on CUDA (see ModelRunner); `embeddings_on_host` keeps
-        the token embedding in host memory (common/model/host_embedding.py)."""
+        the token embedding in host memory (common/model/host_embedding.py); `fused_kernels` switches on the
+        opt-in Triton kernels (`common.kernels.use_fused_kernels`)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
@@ -112,6 +115,8 @@ class Engine:
         )
         self.device = self.runner.device
         self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None
+        if fused_kernels:  # before the first decode pass is recorded
+            use_fused_kernels(self.model, True, self.runner.backend)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

@@ -42,6 +42,9 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         help="keep the token embedding in host memory (its VRAM goes to the expert cache)",
     )
     parser.add_argument(
+        "--fused-kernels", action="store_true", help="the opt-in fused Triton kernels (common/kernels; CUDA)"
+    )
+    parser.add_argument(
         "--eager", action="store_true", help="run decode passes op by op, not as recorded CUDA graphs"
     )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
@@ -73,6 +76,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
         cuda_graphs=not args.eager,
         embeddings_on_host=args.embeddings_on_host,
+        fused_kernels=args.fused_kernels,
     )
 
 
@@ -86,6 +90,7 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     optional["--vram-budget"] = None if cfg.vram_budget is None else str(cfg.vram_budget)
     argv += [] if cfg.cuda_graphs else ["--eager"]
     argv += ["--embeddings-on-host"] if cfg.embeddings_on_host else []
+    argv += ["--fused-kernels"] if cfg.fused_kernels else []
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, value]

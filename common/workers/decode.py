@@ -54,6 +54,7 @@ def load_engine(
         arena_buffers=arena_buffers,
         cuda_graphs=cfg.cuda_graphs,
         embeddings_on_host=cfg.embeddings_on_host,
+        fused_kernels=cfg.fused_kernels,
     )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import WorkerConfig
+from common.kernels import use_fused_kernels
 from common.kv.state import SequenceState
 from common.protocol import (
     AllocState,
@@ -67,6 +68,8 @@ class PrefillCore:
             kv_scales=torch.ones(1),  # placeholder (skips calibration): attach brings decode's scales
         )
         self.runner.pool.attach(pool_tensors)
+        if cfg.fused_kernels:
+            use_fused_kernels(model, True, self.runner.backend)
         self.eos_ids = eos_ids
         self.queue: deque[Generate] = deque()
         self.asked: Generate | None = None  # waiting for decode's StateGranted

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from common.engine import Engine
-from common.kernels import use_fused_kernels
 from common.model.synthetic import make_model
 from common.sampling import SamplingParams
 
@@ -20,9 +19,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _engine(path: Path, fused: bool) -> Engine:
     engine = Engine(
         path, dtype=torch.float32, device=DEVICE, max_seqs=2, expert_cache="0.5", cuda_graphs=False,
-        replay_routing="synthetic-zipf:seed=5",
+        replay_routing="synthetic-zipf:seed=5", fused_kernels=fused,
     )  # fmt: skip
-    use_fused_kernels(engine.model, fused, engine.runner.backend)
+    assert engine.offload.fused_resolve == fused and engine.runner.backend.fused_decode == fused
     return engine
 
 
