@@ -127,6 +127,12 @@ def test_plan_of_flashnext_takes_seconds_and_writes_nothing(tmp_path: Path) -> N
     assert table.returncode == 0 and f"{plan['cache_slots']} of 24576 experts" in table.stdout
     assert "expert_cache" in table.stdout and "GiB" in table.stdout
 
+    on_host = json.loads(
+        _run([*args, "--dtype", "bfloat16", "--json", "--embeddings-on-host"], tmp_path).stdout
+    )
+    assert plan["pools"]["weights"] - on_host["pools"]["weights"] == 248320 * 2560 * 2  # the embedding, bf16
+    assert on_host["cache_slots"] > plan["cache_slots"]
+
     refused = _run(
         ["plan", "--preset", "flashnext", "--vram-budget", "32GiB"], tmp_path
     )  # fp32, bf16 experts
