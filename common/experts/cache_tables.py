@@ -195,7 +195,7 @@ class CacheTables:
         self._stamp(hit_slot, step)
 
         # Victims: evictable slots of the layer, lowest key first (free slots first, unevictable last).
-        slots = self.slot_table[layer]  # [E]: the layer's C slots, then the (pinned) spare
+        slots = self.slot_table[layer]  # [E]: the layer's C slots, then the spare as padding
         owner = self.owner[slots]
         in_use = torch.zeros(spare + 1, dtype=torch.bool, device=self.device)
         in_use.index_fill_(0, hit_slot, True)
@@ -209,8 +209,7 @@ class CacheTables:
         # Misses, most frequent first (ties: lower expert id): one int64 key per expert, unique, so a top-P
         # gives the order a stable sort would (and costs less than sorting all E).
         miss_key = (rate.view(torch.int32).to(torch.int64) << 16) + (e - 1 - self._expert_ids)  # rate ≥ 0
-        order = torch.topk(torch.where(miss, miss_key, -1), pairs).indices  # [P] misses first
-        newcomer = order  # [P]
+        newcomer = torch.topk(torch.where(miss, miss_key, -1), pairs).indices  # [P] misses first
         valid = miss[newcomer] & (victim_key < _KEY_MAX) & self.thawed
         if self.policy == "lfu-admit":
             valid &= self._admit(layer, rate, newcomer, self.owner[victims])
@@ -225,11 +224,10 @@ class CacheTables:
         self.counters["misses"][layer].add_(miss.sum())
         self.counters["bypasses"][layer].add_(bypass.sum())
         row = self._rows(slot, bypass)
-        copy = order  # [P] every miss (there are at most max_new), then padding
-        need = miss[copy]
-        target = torch.where(need, row[copy], spare)
+        need = miss[newcomer]  # the copy list: every miss (there are at most max_new), then padding
+        target = torch.where(need, row[newcomer], spare)
         return Resolution(
-            slot=slot, filled=filled, bypass=bypass, row=row, newcomer=copy, target=target, valid=need
+            slot=slot, filled=filled, bypass=bypass, row=row, newcomer=newcomer, target=target, valid=need
         )
 
     def _stamp(self, slots: torch.Tensor, step: int | torch.Tensor) -> None:

@@ -279,8 +279,7 @@ class OffloadedExperts(ExpertProvider):
         """Resolve `layer`'s experts and launch their copies (on the side stream where there is one)."""
         i = self.index[layer]
         if self.all_resident:  # every expert in its slot: nothing to resolve or copy
-            slots = self.tables.slot_of[i, : self.store.num_experts]
-            return Prepared(rows=slots, done=None, cached=torch.ones_like(slots, dtype=torch.bool))
+            return Prepared(rows=self.tables.slot_of[i, : self.store.num_experts], done=None)
         if self.fused_resolve and not self.prefill:
             from common.kernels.resolve import resolve_step  # Triton
 
