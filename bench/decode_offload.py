@@ -50,7 +50,10 @@ def main() -> None:
     ap.add_argument(
         "--all-fit", action="store_true", help="decode-allfit: a slot for every expert, loaded up front"
     )
-    ap.add_argument("--fused", action="store_true", help="the opt-in fused decode kernels (common/kernels)")
+    ap.add_argument(
+        "--fused", action=argparse.BooleanOptionalAction, default=True,
+        help="the fused kernels and projections (common/kernels; --no-fused: torch ops)",
+    )  # fmt: skip
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of 4 steady steps here")
     args = ap.parse_args()
 
@@ -66,10 +69,12 @@ def main() -> None:
         3, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)
     ).tolist()
     seq = runner.new_sequence()
+    built_gib = torch.cuda.memory_reserved() / GIB
     t0 = time.perf_counter()
     token = int(runner.forward([seq], [prompt]).argmax(-1))
     torch.cuda.synchronize()
     ttft = time.perf_counter() - t0
+    prefill_peak_gib = torch.cuda.max_memory_reserved() / GIB
     # the other lanes share the prompt: copies of its state, not more prefills (routing comes from the trace)
     seqs = [seq] + [runner.pool.fork(seq) for _ in range(args.lanes - 1)]
     run = decode(runner, provider, seqs, [token] * args.lanes, args.decode, args.warmup)
@@ -99,6 +104,8 @@ def main() -> None:
         "cache_slots": slots,
         "expert_bytes": store.expert_bytes,
         "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "reserved_after_build_gib": built_gib,  # weights, pools, cache: before any pass
+        "max_reserved_after_prefill_gib": prefill_peak_gib,  # the peak before the first decode step
         "budget_gib": None if args.all_fit else args.budget_gib,  # all-fit: what every expert takes
         "layers": args.layers,
         "policy": args.policy,

@@ -18,6 +18,7 @@ from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.kernels import use_fused_kernels
 from common.memory_plan import plan_memory
+from common.model.fused_linear import fuse_projections
 from common.model.hf_config import parse_architecture
 from common.model.loader import build_model
 from common.model.synthetic import model_config, synthetic_tensors
@@ -69,7 +70,7 @@ def build_flashnext(
     trace_tokens: int,
     policy: str = "lfu-admit",
     eager: bool = False,
-    fused: bool = False,
+    fused: bool = True,
     all_fit: bool = False,
     prefill_chunk: int = 8192,
 ) -> Flashnext:
@@ -89,6 +90,8 @@ def build_flashnext(
     not_expert = lambda key: ".mlp.experts." not in key
     source = ((Path("<synthetic>"), k, lambda t=t: t) for k, t in synthetic_tensors(hf, keep=not_expert))
     model = build_model(arch, cfg, source, Path("<synthetic>"), torch.bfloat16, "cuda", external_experts=True)
+    if fused:  # as loading does (use_fused_kernels then finds them fused): not counted in the peak below
+        fuse_projections(model)
     store = random_int4_store(
         len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     )

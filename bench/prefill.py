@@ -2,7 +2,7 @@
 nothing cached: TTFT, prefill tok/s, bytes streamed, and the limit max(streamed / PCIe, flops / bf16 GEMM
 rate), both ceilings measured in the same run.
 
-    python -m bench.prefill --prompt 25600 [--chunk 8192] [--fused] [--layers 48] [--out DIR]
+    python -m bench.prefill --prompt 25600 [--chunk 8192] [--no-fused] [--layers 48] [--out DIR]
 
 The prompt is prefilled in chunks of `--chunk` tokens, as the engine does. Flops count the resident weights
 that a token multiplies (not the embedding), its k experts, and attention over the keys each query sees (QSA:
@@ -54,7 +54,10 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--budget-gib", type=float, default=32.0)
-    ap.add_argument("--fused", action="store_true", help="the opt-in fused kernels (common/kernels)")
+    ap.add_argument(
+        "--fused", action=argparse.BooleanOptionalAction, default=True,
+        help="the fused kernels and projections (common/kernels; --no-fused: torch ops)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 

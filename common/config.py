@@ -147,8 +147,9 @@ class WorkerConfig:
     embeddings_on_host: bool = False
     """Keep the token embedding in host memory and gather each pass's rows from there (frees its VRAM for
     the expert cache; refused for a model whose head is tied to it)."""
-    fused_kernels: bool = False
-    """The opt-in fused Triton kernels (`common.kernels.use_fused_kernels`; CUDA), until each is measured."""
+    fused_kernels: bool | None = None
+    """The fused Triton kernels and projections (`common.kernels.use_fused_kernels`): None switches them on
+    where the device is CUDA; False keeps every pass in torch ops (debugging, profiling)."""
     cuda_graphs: bool = True
     """On CUDA, record each lane count's decode pass once and replay it (common/graphs.py); False runs
     every pass op by op (debugging, profiling)."""

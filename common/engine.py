@@ -60,7 +60,7 @@ class Engine:
         arena_buffers: int = 2,
         cuda_graphs: bool = True,
         embeddings_on_host: bool = False,
-        fused_kernels: bool = False,
+        fused_kernels: bool | None = None,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
@@ -71,8 +71,8 @@ class Engine:
         StatePool), `host_allocate` the host expert store's memory (see HostExpertStore); `arena_buffers` 1
         drops the prefill arena's second buffer (no copy/compute overlap) for a worker that never prefills;
         `cuda_graphs` records and replays decode passes on CUDA (see ModelRunner); `embeddings_on_host` keeps
-        the token embedding in host memory (common/model/host_embedding.py); `fused_kernels` switches on the
-        opt-in Triton kernels (`common.kernels.use_fused_kernels`)."""
+        the token embedding in host memory (common/model/host_embedding.py); `fused_kernels` switches the
+        fused Triton kernels and projections on or off (`common.kernels.use_fused_kernels`; None: on CUDA)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
@@ -115,6 +115,8 @@ class Engine:
         )
         self.device = self.runner.device
         self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None
+        if fused_kernels is None:
+            fused_kernels = self.device.type == "cuda"
         if fused_kernels:  # before the first decode pass is recorded
             use_fused_kernels(self.model, True, self.runner.backend)
 

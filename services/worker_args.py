@@ -42,7 +42,10 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         help="keep the token embedding in host memory (its VRAM goes to the expert cache)",
     )
     parser.add_argument(
-        "--fused-kernels", action="store_true", help="the opt-in fused Triton kernels (common/kernels; CUDA)"
+        "--fused-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the fused Triton kernels and projections (default: on CUDA; --no-fused-kernels: torch ops)",
     )
     parser.add_argument(
         "--eager", action="store_true", help="run decode passes op by op, not as recorded CUDA graphs"
@@ -90,7 +93,8 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     optional["--vram-budget"] = None if cfg.vram_budget is None else str(cfg.vram_budget)
     argv += [] if cfg.cuda_graphs else ["--eager"]
     argv += ["--embeddings-on-host"] if cfg.embeddings_on_host else []
-    argv += ["--fused-kernels"] if cfg.fused_kernels else []
+    if cfg.fused_kernels is not None:
+        argv += ["--fused-kernels" if cfg.fused_kernels else "--no-fused-kernels"]
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, value]

@@ -5,21 +5,29 @@ from __future__ import annotations
 from torch import nn
 
 
-def use_fused_kernels(model: nn.Module, on: bool = True, backend: object | None = None) -> None:
-    """Switch the fused kernels that are still opt-in on or off for `model`: the one-program cache
-    resolution (resolve.py, decode passes of an offloaded provider), the grouped int4 expert GEMMs of
-    prefill passes (moe_int4.py, an offloaded int4 provider that owns its cache), the Gated DeltaNet step
-    (gated_delta.py, decode passes), the hyper-connections' elementwise work (hyper.py, every pass), QSA's
-    norm + RoPE of q, k and indexer queries (norm_rope.py, every pass), the router's softmax + top-k
-    (routing.py, every pass) and,
-    given the runner's attention `backend`, paged decode attention (decode_attention.py). They need CUDA,
-    or Triton's interpreter (tests). Switch before the first decode pass: a recorded pass (common/graphs.py)
-    keeps the path it was recorded with."""
+def use_fused_kernels(
+    model: nn.Module, on: bool = True, backend: object | None = None, fuse_copy: bool = True
+) -> None:
+    """Switch the fused kernels on or off for `model` (on by default on CUDA: Engine, WorkerConfig): the
+    one-program cache resolution (resolve.py, decode passes of an offloaded provider), merged expert copies
+    (expert_copy.py), the grouped int4 expert GEMMs of prefill passes (moe_int4.py, an offloaded int4
+    provider that owns its cache), the Gated DeltaNet step (gated_delta.py, decode passes), the
+    hyper-connections' elementwise work (hyper.py, every pass), QSA's norm + RoPE of q, k and indexer
+    queries (norm_rope.py, every pass), the indexer's decode steps (qsa_indexer.py), the router's softmax +
+    top-k (routing.py, every pass) and, given the runner's attention `backend`, paged decode attention
+    (decode_attention.py). They need CUDA, or Triton's interpreter (tests). Switching on also fuses each
+    module's same-input projections into one GEMM (common/model/fused_linear.py; `fuse_copy` False: only
+    those whose weights already lie back to back, as in a process that maps another's); switching off
+    leaves projections fused (the same products). Switch before the first decode pass: a recorded pass
+    (common/graphs.py) keeps the path it was recorded with."""
+    from common.model.fused_linear import fuse_projections
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.gdn import GatedDeltaNet
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.qwen4_exp.qsa import QSAIndexer, QSAttention
 
+    if on:
+        fuse_projections(model, fuse_copy)
     fused = (GatedDeltaNet, HyperConnection, QSAIndexer, QSAttention, SparseMoeBlock)
     for module in model.modules():
         if isinstance(module, fused):

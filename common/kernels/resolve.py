@@ -171,7 +171,14 @@ def _resolve_kernel(
     tl.store(valid_ptr + jj, is_miss, mask=jj < P)
 
 
-def resolve_step(tables, layer: int, ids: torch.Tensor, step: torch.Tensor, moved: torch.Tensor):
+NUM_WARPS = 4
+"""Warps of the one program: its reductions (2·P rounds of argmin/argmax over E) cross warps through shared
+memory, so fewer warps may be faster; bench/resolve_warps.py measures it."""
+
+
+def resolve_step(
+    tables, layer: int, ids: torch.Tensor, step: torch.Tensor, moved: torch.Tensor, num_warps: int = 0
+):
     """`tables.resolve` for the experts `ids` ([T, k] or flat) of `layer`, as one program → (row [E], newcomer
     [P], target [P], valid [P]) with P = min(ids.numel(), E); moved [4, L] int64 gets the fills (row 0) and
     bypasses (row 1). `step` is a 0-d int64 device tensor. Tables on a CUDA device (or the interpreter)."""
@@ -189,5 +196,6 @@ def resolve_step(tables, layer: int, ids: torch.Tensor, step: torch.Tensor, move
         e, tables.num_slots, tables.staging_base, _KEY_MIN, _KEY_MAX,
         POLICY=POLICY_CODES[tables.policy], P=p, PB=triton.next_power_of_2(p),
         BLOCK_E=triton.next_power_of_2(e), BLOCK_N=max(16, triton.next_power_of_2(n)), CHUNK=16,
+        num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     return row, newcomer, target, valid

@@ -47,4 +47,8 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.finish(self.gate_proj(x), self.up_proj(x))
+
+    def finish(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The MLP given its gate and up projections' outputs (a caller that fused them with others)."""
+        return self.down_proj(self.act(gate) * up)

@@ -7,6 +7,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.experts.provider import ExpertProvider
+from common.model.fused_linear import FusedLinears, fuse_linears, project
 from common.model.layers import GatedMLP
 
 
@@ -25,6 +26,9 @@ class SparseMoeBlock(nn.Module):
     fused_decode = False
     """Route with one Triton kernel (common/kernels/routing.py). Opt-in: see `use_fused_kernels`."""
 
+    fused_in: FusedLinears | None = None
+    """The router and the shared expert's gate, up and gate logit as one GEMM (`fuse_projections`)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertProvider) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -42,22 +46,46 @@ class SparseMoeBlock(nn.Module):
             if cfg.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
+    def _inputs(self) -> tuple[nn.Linear, ...]:
+        """The Linears that read the block's input: the router, then the shared expert's."""
+        mlp, gate = self.shared_expert, self.shared_expert_gate
+        shared = () if mlp is None else (mlp.gate_proj, mlp.up_proj)
+        return (self.gate, *shared, *(() if gate is None else (gate,)))
+
+    def fuse_projections(self, copy: bool = True) -> bool:
+        """Run the router and the shared expert's input projections as one GEMM from now on (see
+        common/model/fused_linear.py): the shared expert's part of it is done before the experts' copies
+        are launched, its down projection still while they run."""
+        if self.shared_expert is None:
+            return False
+        self.fused_in = fuse_linears(self._inputs(), copy)
+        return self.fused_in is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_in is not None:
+            logits, *shared_in = self.fused_in(x)
+        else:
+            logits, shared_in = self.gate(x), None
         if self.fused_decode:
             from common.kernels.routing import route_fused  # Triton
 
-            weights, ids = route_fused(self.gate(x), self.top_k, self.normalize)  # [T, k] each
+            weights, ids = route_fused(logits, self.top_k, self.normalize)  # [T, k] each
         else:
-            weights, ids = route(self.gate(x), self.top_k, self.normalize)
+            weights, ids = route(logits, self.top_k, self.normalize)
         if self.routing_hook is not None:
             ids, weights = self.routing_hook(self.layer_idx, ids, weights)
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
         prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
-        shared = None
-        if self.shared_expert is not None:  # computed while the copies run
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        shared = self._shared(x, shared_in)  # computed while the copies run
         out = self.experts.compute(self.layer_idx, prepared, x, ids, weights)
         return out if shared is None else out + shared
+
+    def _shared(self, x: torch.Tensor, projected: list[torch.Tensor] | None) -> torch.Tensor | None:
+        """The (gated) shared expert of x, given its input projections when they were fused with the
+        router's."""
+        if self.shared_expert is None:
+            return None
+        gate, up, *gate_logit = projected if projected is not None else project(x, self._inputs()[1:], None)
+        shared = self.shared_expert.finish(gate, up)
+        return torch.sigmoid(gate_logit[0]) * shared if gate_logit else shared

@@ -68,8 +68,9 @@ class PrefillCore:
             kv_scales=torch.ones(1),  # placeholder (skips calibration): attach brings decode's scales
         )
         self.runner.pool.attach(pool_tensors)
-        if cfg.fused_kernels:
-            use_fused_kernels(model, True, self.runner.backend)
+        if cfg.fused_kernels or (cfg.fused_kernels is None and self.runner.device.type == "cuda"):
+            # decode fused the projections before sharing them: view its weights, copy nothing
+            use_fused_kernels(model, True, self.runner.backend, fuse_copy=False)
         self.eos_ids = eos_ids
         self.queue: deque[Generate] = deque()
         self.asked: Generate | None = None  # waiting for decode's StateGranted

@@ -96,6 +96,7 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
             {n: b.cuda() for n, b in store.parts[layer].items()}, torch.bfloat16
         )
         reference.append([batched_expert_mlp(x, gate_up[i], down[i], i, w, F.silu) for x, i, w in steps])
+    by_capacity = []
     for capacity in (1, 5, E):
         provider = _provider(store, capacity, policy)
         provider.begin_pass(True)
@@ -111,8 +112,15 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
             torch.cuda.set_sync_debug_mode("default")
         for s, out in enumerate(outs):
             for layer in range(LAYERS):
-                assert torch.equal(out[layer], reference[layer][s]), (capacity, s, layer)
+                if provider.fused_int4:  # the int4 kernel sums in fp32 in its own order: rounding apart
+                    torch.testing.assert_close(out[layer], reference[layer][s], atol=2e-2, rtol=2e-2)
+                else:
+                    assert torch.equal(out[layer], reference[layer][s]), (capacity, s, layer)
+        by_capacity.append(outs)
         provider.tables.check()
+    for outs in by_capacity[:-1]:  # whatever the cache holds, the rows read are the same bytes: same output
+        for out, every_slot in zip(outs, by_capacity[-1], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(out, every_slot, strict=True))
 
 
 def test_slow_copies_are_waited_for(store, monkeypatch) -> None:

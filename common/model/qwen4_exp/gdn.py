@@ -8,6 +8,7 @@ from torch import nn
 
 from common.kv.state import SlotSpec, StateSpec
 from common.model.context import ForwardContext
+from common.model.fused_linear import FusedLinears, fuse_linears, project
 from common.model.qwen4_exp import delta_rule
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import GatedRMSNorm
@@ -29,6 +30,9 @@ class GatedDeltaNet(nn.Module):
     """Run a decode step's conv, recurrence with its gates, and output norm as three Triton kernels
     (common/kernels: causal_conv, gated_delta, gated_norm) instead of ~60 torch ops. Opt-in until measured
     on the GPU (see `common.kernels.use_fused_kernels`)."""
+
+    fused_in: FusedLinears | None = None
+    """The four input projections as one GEMM (`fuse_projections`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
         super().__init__()
@@ -55,14 +59,23 @@ class GatedDeltaNet(nn.Module):
             "recurrent": SlotSpec((self.hv, self.dk, self.dv), torch.float32),
         }
 
+    def _inputs(self) -> tuple[nn.Linear, ...]:
+        return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def fuse_projections(self, copy: bool = True) -> bool:
+        """Run qkv, z, b and a as one GEMM from now on (see common/model/fused_linear.py)."""
+        self.fused_in = fuse_linears(self._inputs(), copy)
+        return self.fused_in is not None
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         state = ctx.pool.layer(self.layer_idx).slots
         slots = ctx.batch.slot_ids
         pad = Padding.of(ctx.batch)
+        qkv, z, b, a = project(x, self._inputs(), self.fused_in)  # [T, conv_dim], [T, Hv·Dv], [T, Hv] × 2
         if self.fused_decode and pad.max_len == 1:
-            return self._fused_step(x, state, slots)
+            return self._fused_step(x, qkv, z, b, a, state, slots)
         t = x.shape[0]
-        qkv = causal_conv(self.in_proj_qkv(x), state["conv"], slots, self.conv1d.weight[:, 0], pad)
+        qkv = causal_conv(qkv, state["conv"], slots, self.conv1d.weight[:, 0], pad)
         qkv = F.silu(qkv)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk)
@@ -70,33 +83,40 @@ class GatedDeltaNet(nn.Module):
         if self.hv != self.hk:  # each key head serves hv / hk consecutive value heads
             q = q.repeat_interleave(self.hv // self.hk, dim=1)
             k = k.repeat_interleave(self.hv // self.hk, dim=1)
-        beta = torch.sigmoid(self.in_proj_b(x))  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
+        beta = torch.sigmoid(b)  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
         core = self._delta_rule(q, k, v, g, beta, state["recurrent"], slots, pad, ctx)  # [T, Hv, Dv] fp32
-        return self._out(core, x)
+        return self._out(core, z, x.dtype)
 
     def _fused_step(
-        self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor
+        self,
+        x: torch.Tensor,
+        qkv: torch.Tensor,
+        z: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        slots: torch.Tensor,
     ) -> torch.Tensor:
-        """A decode step in three Triton kernels (conv + SiLU, recurrence + gates, gated norm) and the
+        """A decode step in three Triton kernels (conv + SiLU, recurrence + gates, gated norm) after the
         projections; states updated in place in their slots."""
         from common.kernels.causal_conv import conv_step  # Triton
         from common.kernels.gated_delta import gated_delta_step
         from common.kernels.gated_norm import ACTIVATIONS, gated_rms_norm
 
-        qkv = conv_step(self.in_proj_qkv(x), state["conv"], slots, self.conv1d.weight[:, 0], silu=True)
-        a, b = self.in_proj_a(x), self.in_proj_b(x)
+        qkv = conv_step(qkv, state["conv"], slots, self.conv1d.weight[:, 0], silu=True)
         core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
         norm = self.norm
         if norm.act_name not in ACTIVATIONS:
-            return self._out(core, x)
-        out = gated_rms_norm(core, self.in_proj_z(x), norm.weight, norm.eps, x.dtype)
+            return self._out(core, z, x.dtype)
+        out = gated_rms_norm(core, z, norm.weight, norm.eps, x.dtype)
         return self.out_proj(out)
 
-    def _out(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Gated norm and out projection of the recurrence's output core [T, Hv, Dv] fp32 → [T, H]."""
-        t = x.shape[0]
-        out = self.norm(core.to(x.dtype), self.in_proj_z(x).view(t, self.hv, self.dv))
+    def _out(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gated norm (gate z [T, Hv·Dv]) and out projection of the recurrence's output core [T, Hv, Dv]
+        fp32 → [T, H]."""
+        t = core.shape[0]
+        out = self.norm(core.to(dtype), z.reshape(t, self.hv, self.dv))
         return self.out_proj(out.reshape(t, self.value_dim))
 
     def _delta_rule(

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model.fused_linear import FusedLinears, fuse_linears, project
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import OffsetRMSNorm
 
@@ -28,29 +29,50 @@ class HyperConnection(nn.Module):
         self.input_mix_weight_up = nn.Linear(cfg.hc_lowrank, cfg.hc_hidden, bias=False)
         self.block_inject_weight = nn.Linear(cfg.hc_hidden, cfg.hc_count, bias=False) if inject else None
 
+    fused_in: FusedLinears | None = None
+    """The mix-down and inject weights (both read the normalised streams) as one GEMM."""
+
+    def _inputs(self) -> tuple[nn.Linear, ...]:
+        inject = () if self.block_inject_weight is None else (self.block_inject_weight,)
+        return (self.input_mix_weight_down, *inject)
+
+    def fuse_projections(self, copy: bool = True) -> bool:
+        """Run mix-down and inject as one GEMM from now on (see common/model/fused_linear.py)."""
+        if self.block_inject_weight is None:
+            return False
+        self.fused_in = fuse_linears(self._inputs(), copy)
+        return self.fused_in is not None
+
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [T, hc·H] → (sublayer input [T, H], normalised streams [T, hc·H])."""
+        mixed, normed, _ = self._mix(streams)
+        return mixed, normed
+
+    def _mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """mix(streams), and the inject logits [T, hc] when there is an inject weight."""
         if self.fused_decode:
-            from common.kernels.hyper import hc_mix, hc_norm  # Triton
+            from common.kernels.hyper import hc_norm  # Triton
 
             normed = hc_norm(streams, self.hc_norm.weight, self.hc_norm.eps, self.hc)
-            gate = F.silu(self.input_mix_weight_down(normed) / self.hc)
-            return hc_mix(self.input_mix_weight_up(gate), normed, self.hc), normed
-        normed = self.hc_norm(streams)
-        gate = F.silu(self.input_mix_weight_down(normed) / self.hc)
-        gate = torch.sigmoid(self.input_mix_weight_up(gate)).unflatten(
-            -1, (self.hc, self.hidden)
-        )  # [T, hc, H]
-        return (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2), normed
+        else:
+            normed = self.hc_norm(streams)
+        down, *inject = project(normed, self._inputs(), self.fused_in)
+        logits = inject[0] if inject else None
+        up = self.input_mix_weight_up(F.silu(down / self.hc))  # [T, hc·H]
+        if self.fused_decode:
+            from common.kernels.hyper import hc_mix  # Triton
+
+            return hc_mix(up, normed, self.hc), normed, logits
+        gate = torch.sigmoid(up).unflatten(-1, (self.hc, self.hidden))  # [T, hc, H]
+        return (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2), normed, logits
 
     def forward(self, streams: torch.Tensor, sublayer) -> torch.Tensor:
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight."""
-        mixed, normed = self.mix(streams)
+        mixed, _, logits = self._mix(streams)  # logits [T, hc]
         if self.fused_decode:
             from common.kernels.hyper import hc_inject  # Triton
 
-            logits = self.block_inject_weight(normed)  # [T, hc]
             return hc_inject(streams, sublayer(mixed), logits)
-        inject = 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc)  # [T, hc]
+        inject = 2 * torch.sigmoid(logits / self.hc)  # [T, hc]
         out = sublayer(mixed)  # [T, H]
         return streams + (out[:, None, :] * inject[:, :, None]).flatten(-2)

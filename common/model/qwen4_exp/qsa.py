@@ -18,6 +18,7 @@ from common.kv.backend import kv_specs
 from common.kv.batch import ForwardBatch
 from common.kv.state import PagedSpec, StateSpec
 from common.model.context import ForwardContext
+from common.model.fused_linear import FusedLinears, fuse_linears, project
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import OffsetRMSNorm
 from common.model.rope import apply_rotary
@@ -52,10 +53,12 @@ class QSAIndexer(nn.Module):
         spec = PagedSpec((self.dim,), dtype)
         return {"index_k": spec, "index_block": spec}
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
-        """Store the indexer keys of this pass; return key positions [T, S] per query (−1: none), or None."""
+    def forward(self, qk: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """Given `index_qk_proj`'s output qk [T, (Hi + 1)·Di] (the attention projects it with its own
+        inputs), store the indexer keys of this pass; return key positions [T, S] per query (−1: none), or
+        None."""
         batch, paged = ctx.batch, ctx.pool.layer(self.layer_idx).paged
-        q, raw_k = torch.split(self.index_qk_proj(x), [self.heads * self.dim, self.dim], dim=-1)
+        q, raw_k = torch.split(qk, [self.heads * self.dim, self.dim], dim=-1)
         raw_store = paged["index_k"].flatten(0, 1)  # [slots, Di]
         raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
         blocks = paged["index_block"].flatten(0, 1)  # [slots, Di]
@@ -140,6 +143,9 @@ class QSAttention(nn.Module):
     fused_decode = False
     """Norm and rotate q and k in one Triton kernel each (opt-in: `common.kernels.use_fused_kernels`)."""
 
+    fused_in: FusedLinears | None = None
+    """q, k, v and the indexer's qk projections as one GEMM (`fuse_projections`)."""
+
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -156,14 +162,22 @@ class QSAttention(nn.Module):
     def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:
         return {**kv_specs(self.kv_heads, self.head_dim, dtype), **self.indexer.state_specs(dtype)}
 
+    def _inputs(self) -> tuple[nn.Linear, ...]:
+        return self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj
+
+    def fuse_projections(self, copy: bool = True) -> bool:
+        """Run q, k, v and the indexer's qk as one GEMM from now on (see common/model/fused_linear.py)."""
+        self.fused_in = fuse_linears(self._inputs(), copy)
+        return self.fused_in is not None
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        selected = self.indexer(x, ctx)
-        q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
+        q, k, v, index_qk = project(x, self._inputs(), self.fused_in)
+        selected = self.indexer(index_qk, ctx)
+        q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
         q = _norm_rotate(self.q_norm, q, ctx, self.fused_decode)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        k = _norm_rotate(self.k_norm, k, ctx, self.fused_decode)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        k = _norm_rotate(self.k_norm, k.view(t, self.kv_heads, self.head_dim), ctx, self.fused_decode)
+        v = v.view(t, self.kv_heads, self.head_dim)
         state = ctx.pool.layer(self.layer_idx)
         out = ctx.backend.forward(q, k, v, state, ctx.attn_plan, self.head_dim**-0.5, selected=selected)
         return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))

@@ -1,0 +1,58 @@
+"""How fast the one-program cache resolution (common/kernels/resolve.py) runs for flashnext's shape (48 MoE
+layers × 512 experts, top-10, ~30 % cached) at each warp count: 48 calls recorded as one CUDA graph, the
+graph replayed, µs per call. A tuning aid, not a benchmark with a limit.
+
+    python -m bench.resolve_warps [--layers 48] [--experts 512] [--slots 154]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common.experts.cache_tables import CacheTables
+from common.kernels.resolve import resolve_step
+
+
+def time_warps(layers: int, experts: int, slots: int, warps: int, steps: int = 50) -> float:
+    """µs per resolve_step call with `warps` warps, over `steps` replays of a graph of one call per layer."""
+    tables = CacheTables(layers, experts, [slots] * layers, "lfu-admit", device="cuda")
+    step = torch.zeros((), dtype=torch.int64, device="cuda")
+    moved = torch.zeros(4, layers, dtype=torch.int64, device="cuda")
+    ids = torch.randint(0, experts, (layers, 10), device="cuda")  # uniform: more misses than a real trace
+
+    def one_pass() -> None:
+        step.add_(1)
+        for layer in range(layers):
+            resolve_step(tables, layer, ids[layer], step, moved, num_warps=warps)
+
+    one_pass()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        one_pass()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        ids.random_(0, experts)
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (steps * layers)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--experts", type=int, default=512)
+    ap.add_argument("--slots", type=int, default=154)
+    args = ap.parse_args()
+    for warps in (1, 2, 4, 8, 16):
+        us = time_warps(args.layers, args.experts, args.slots, warps)
+        print(f"num_warps {warps:>2}: {us:7.2f} µs per layer")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Linears that read the same input, run as one GEMM.
+
+A decode step multiplies one token by each weight matrix: a GEMV that cuBLAS runs in a few microseconds,
+however small the matrix. Per layer of qwen4_exp, the token mixer's input projections (4 for Gated DeltaNet,
+4 for QSA with its indexer), the MoE block's router, shared expert gate/up and shared-expert gate, and each
+hyper-connection's mix-down and inject weights all read one input: concatenated, they are a few launches
+instead of ~16, each reading the same bytes.
+
+The checkpoint's modules stay as they are: `fuse_linears` makes each Linear's weight a view of its rows in one
+[ΣN, K] tensor, so state dicts, parameter sharing across processes and the memory plan see the same
+parameters, and no byte is held twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FusedLinears:
+    """The concatenated weight (and bias) of some Linears, and how to split its output."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> None:
+        self.weight, self.bias, self.sizes = weight, bias, sizes
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, K] → one [T, N_i] output per Linear, in order (views of one [T, ΣN] product)."""
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def project(
+    x: torch.Tensor, linears: Sequence[nn.Linear], fused: FusedLinears | None
+) -> tuple[torch.Tensor, ...]:
+    """Each Linear of `linears` applied to x: one GEMM through `fused` when it is there."""
+    if fused is not None:
+        return fused(x)
+    return tuple(linear(x) for linear in linears)
+
+
+def fuse_linears(linears: Sequence[nn.Linear], copy: bool = True) -> FusedLinears | None:
+    """Concatenate the weights of `linears` (one input width, dtype and device; all with a bias or none):
+    each Linear's weight becomes a view of its rows. Weights that already are consecutive rows of one storage
+    (a process that maps another's fused weights) are viewed as they are; otherwise, with `copy`, they are
+    copied into a new tensor (and their old memory freed), and without it nothing is fused (None)."""
+    weights = [linear.weight for linear in linears]
+    biases = [linear.bias for linear in linears]
+    first = weights[0]
+    if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1 or len({b is None for b in biases}) != 1:
+        return None
+    sizes = [w.shape[0] for w in weights]
+    weight = _adjacent(weights)
+    bias = None if biases[0] is None else _adjacent(biases)
+    if weight is None or (biases[0] is not None and bias is None):
+        if not copy:
+            return None
+        with torch.no_grad():
+            weight = torch.cat([w.detach() for w in weights])  # [ΣN, K]
+            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        rows = weight.split(sizes)
+        for linear, w in zip(linears, rows, strict=True):
+            linear.weight = nn.Parameter(w, requires_grad=first.requires_grad)
+        if bias is not None:
+            for linear, b in zip(linears, bias.split(sizes), strict=True):
+                linear.bias = nn.Parameter(b, requires_grad=first.requires_grad)
+    return FusedLinears(weight, bias, sizes)
+
+
+def _adjacent(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor of `parts` concatenated on dim 0 when they already lie back to back in one storage
+    (contiguous, each starting where the previous one ends), as a view; else None."""
+    first = parts[0]
+    base = first.untyped_storage().data_ptr()
+    if first.device.type == "meta" or not all(
+        p.is_contiguous() and p.untyped_storage().data_ptr() == base for p in parts
+    ):
+        return None
+    for a, b in itertools.pairwise(parts):
+        if a.data_ptr() + a.numel() * a.element_size() != b.data_ptr():
+            return None
+    shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+    end = first.storage_offset() * first.element_size() + sum(p.numel() for p in parts) * first.element_size()
+    if end > first.untyped_storage().nbytes():
+        return None
+    view = torch.empty(0, dtype=first.dtype, device=first.device)
+    view.set_(first.untyped_storage(), first.storage_offset(), shape, first.stride())
+    return view.detach()
+
+
+def fuse_projections(model: nn.Module, copy: bool = True) -> int:
+    """Fuse every module's same-input Linears (the modules that define `fuse_projections(copy)`) → how many
+    groups were fused. Call it after the weights are loaded and before a decode pass is recorded; with
+    `copy` False (a process whose weights are mapped from another's) only groups already back to back are.
+    """
+    owners = [m for m in model.modules() if hasattr(m, "fuse_projections")]
+    fused = sum(int(m.fuse_projections(copy)) for m in owners)
+    if copy and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the unfused weights' blocks: give them back rather than keep them cached
+    return fused

@@ -1,0 +1,82 @@
+"""Fused same-input projections: the same products as the separate Linears, the Linears' weights become views
+of the fused weight (no byte held twice), weights already back to back are viewed rather than copied, and a
+whole model with its projections fused gives the same logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from common.engine import Engine
+from common.model.fused_linear import fuse_linears, fuse_projections, project
+from common.model.synthetic import make_model
+
+
+def _linears(bias: bool) -> list[nn.Linear]:
+    torch.manual_seed(0)
+    return [nn.Linear(16, n, bias=bias) for n in (8, 3, 5)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_products_and_views(bias: bool) -> None:
+    linears = _linears(bias)
+    x = torch.randn(4, 16)
+    separate = [linear(x) for linear in linears]
+    before = {name: t.clone() for linear in linears for name, t in linear.state_dict().items()}
+    fused = fuse_linears(linears)
+    assert fused is not None and fused.weight.shape == (16, 16)
+    for got, want in zip(project(x, linears, fused), separate, strict=True):
+        torch.testing.assert_close(got, want)
+    for linear, got in zip(linears, project(x, linears, None), strict=True):  # each Linear still works
+        torch.testing.assert_close(got, linear(x))
+    start = fused.weight.data_ptr()
+    for linear in linears:  # the Linears' weights are rows of the fused weight
+        assert linear.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+        assert start <= linear.weight.data_ptr() < start + fused.weight.nbytes
+    after = {name: t for linear in linears for name, t in linear.state_dict().items()}
+    assert all(torch.equal(after[n], before[n]) for n in before)
+
+
+def test_adjacent_weights_are_viewed_not_copied() -> None:
+    linears = _linears(False)
+    fused = fuse_linears(linears)
+    # a process that maps the fused weights sees each Linear's rows as its own tensor, back to back
+    mapped = [nn.Linear(16, linear.out_features, bias=False) for linear in linears]
+    for m, linear in zip(mapped, linears, strict=True):
+        m.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+    again = fuse_linears(mapped, copy=False)
+    assert again is not None and again.weight.data_ptr() == fused.weight.data_ptr()
+    assert fuse_linears(_linears(False), copy=False) is None  # separate allocations: not without a copy
+
+
+def test_mismatched_linears_are_not_fused() -> None:
+    assert fuse_linears([nn.Linear(16, 4, bias=False), nn.Linear(8, 4, bias=False)]) is None
+    assert fuse_linears([nn.Linear(16, 4, bias=False), nn.Linear(16, 4, bias=True)]) is None
+
+
+@pytest.mark.parametrize("arch", ["qwen4_exp", "qwen2_moe"])
+def test_a_model_with_fused_projections_gives_the_same_logits(tmp_path: Path, arch: str) -> None:
+    path = make_model(tmp_path / "m", preset="tiny", arch=arch)
+    engine = Engine(path, dtype=torch.float32, device="cpu", max_seqs=1, fused_kernels=False)
+    prompt = torch.randint(3, 1000, (9,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def logits() -> torch.Tensor:
+        seq = engine.runner.new_sequence()
+        out = [engine.runner.forward([seq], [prompt])]
+        for _ in range(3):
+            out.append(engine.runner.forward([seq], [[int(out[-1].argmax(-1))]]))
+        engine.runner.release(seq)
+        return torch.cat(out)
+
+    reference = logits()
+    weights = sum(p.numel() for p in engine.model.parameters())
+    fused = fuse_projections(engine.model)
+    groups = len(engine.config.moe_layers)  # each MoE block: its shared expert's inputs with the router
+    if arch == "qwen4_exp":
+        groups += 3 * len(engine.model.model.layers)  # the token mixer's inputs, two hyper-connections
+    assert fused == groups
+    assert sum(p.numel() for p in engine.model.parameters()) == weights
+    torch.testing.assert_close(logits(), reference, rtol=1e-5, atol=1e-5)
