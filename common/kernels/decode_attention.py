@@ -1,14 +1,24 @@
 """Decode attention over the paged KV cache as two Triton kernels (split-K, then the splits' merge).
 
-One query per sequence (a decode step). Program (sequence t, query head h, split s) walks its share of the
-keys — every cached position (dense), or the positions a sparse selection lists (QSA: the indexer's chosen
-blocks plus the query's own incomplete block), −1 entries skipped — reads each key and value through the
-page table (fp8 pages dequantised with the layer's scales), and keeps an online softmax (running max, sum,
-weighted values) in fp32. The second kernel merges the splits. Splitting the keys keeps the GPU busy when
-one sequence has few heads (flash-decoding); the launch shape depends only on the bound on keys.
+One query per sequence (a decode step). With grouped-query attention every query head of a group reads the
+same keys and values, so one program handles (sequence t, KV head, split s) and *all* query heads of that
+KV head's group at once: each key and value row is read once per group instead of once per query head, and
+the group's queries form a [G_PAD, D] tile, so scores and the value product are tensor-core dots
+(tl.dot: scores = q · kᵀ → [G_PAD, BLOCK_N], acc += p · v → [G_PAD, D]) rather than a scalar product per key
+row. G (query heads per KV head) is padded to a power of two of at least 16, the least tl.dot takes; the
+padding rows load zeros and are never stored.
 
-Agrees with the torch reference (common/kv/backend.py) to rounding: the reference forms scores and the
-value product in the activation dtype, this in fp32.
+A program walks its share of the keys — every cached position (dense), or the positions a sparse selection
+lists (QSA: the indexer's chosen blocks plus the query's own incomplete block), −1 entries skipped — reads
+each key and value through the page table (fp8 pages dequantised with the layer's scales: K's folded into
+the scores, V's into the accumulator) and keeps an online softmax per query row (running max, sum, weighted
+values) in fp32. The second kernel merges the splits of each query head. Splitting the keys keeps the GPU
+busy when a decode step has few sequences and only a couple of KV heads (flash-decoding); the launch shape
+depends only on the bound on keys and the tensors' shapes (no host sync: this runs inside CUDA graphs).
+
+Agrees with the torch reference (common/kv/backend.py) to rounding: like its matmuls, the dots take q's dtype
+(bf16 on the GPU, fp32 in the CPU tests), and the probabilities are rounded to it before the value product;
+the scores, the softmax and the accumulation stay fp32 here (the reference rounds its scores to q's dtype).
 """
 
 from __future__ import annotations
@@ -22,61 +32,98 @@ import triton.language as tl
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr,
     heads, kv_heads, table_width, page_size, keys, sel_width, scale, window,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ITERS: tl.constexpr, SPARSE: tl.constexpr,
-    FP8: tl.constexpr, WINDOW: tl.constexpr,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    ITERS: tl.constexpr, SPARSE: tl.constexpr, FP8: tl.constexpr, WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    t, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kvh = h // (heads // kv_heads)
+    t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (t * heads + h) * D + d).to(tl.float32) * scale
+    head = kvh * GROUP + g  # [G_PAD] the query heads of this KV head's group; rows ≥ GROUP are padding
+    real = g < GROUP
+    q = tl.load(q_ptr + (t * heads + head)[:, None] * D + d[None, :], mask=real[:, None], other=0.0)
+    if FP8:  # K's scale scales the scores; V's, being linear, the accumulator once at the end
+        scale = scale * tl.load(ks_ptr).to(tl.float32)
     length = tl.load(lens_ptr + t)  # keys of this sequence, the query's own included
-    first = s * ITERS * BLOCK_N  # this split's keys: [first, first + ITERS·BLOCK_N) ∩ [0, keys)
-    m = tl.full((), -1e30, tl.float32)
-    denom = tl.zeros((), dtype=tl.float32)
-    acc = tl.zeros((D,), dtype=tl.float32)
-    if FP8:
-        k_scale, v_scale = tl.load(ks_ptr).to(tl.float32), tl.load(vs_ptr).to(tl.float32)
+    # Keys this program's blocks may hold: a selection's width, or (dense) the cached ones; blocks past it
+    # are skipped whole (a runtime branch, so neither the launch shape nor the compiled code depends on it).
+    limit = keys if SPARSE else tl.minimum(length, keys)
+    first = s * ITERS * BLOCK_N  # this split's keys: [first, first + ITERS·BLOCK_N) ∩ [0, limit)
+    m = tl.full((G_PAD,), -1e30, tl.float32)  # finite, so a row with no key yet gives exp(−inf − m) = 0
+    denom = tl.zeros((G_PAD,), dtype=tl.float32)
+    acc = tl.zeros((G_PAD, D), dtype=tl.float32)
     for i in range(ITERS):
-        idx = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        inside = idx < keys
-        if SPARSE:  # noqa: SIM108  (a static branch)
-            pos = tl.load(sel_ptr + t * sel_width + idx, mask=inside, other=-1)
-        else:
-            pos = idx
-        ok = inside & (pos >= 0) & (pos < length)
-        if WINDOW:
-            ok = ok & (pos > length - 1 - window)
-        safe = tl.where(ok, pos, 0)
-        page = tl.load(table_ptr + t * table_width + safe // page_size, mask=ok, other=0).to(tl.int64)
-        row = (page * page_size + safe % page_size) * kv_heads + kvh  # [BLOCK_N] token rows of this head
-        k = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        if FP8:
-            k, v = k * k_scale, v * v_scale
-        score = tl.where(ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        new_m = tl.maximum(m, tl.max(score, axis=0))
-        p = tl.exp(score - new_m)
-        correction = tl.exp(m - new_m)
-        denom = denom * correction + tl.sum(p, axis=0)
-        acc = acc * correction + tl.sum(p[:, None] * v, axis=0)
-        m = new_m
-    at = (t * heads + h) * SPLITS + s
-    tl.store(m_ptr + at, m)
-    tl.store(l_ptr + at, denom)
-    tl.store(acc_ptr + at * D + d, acc)
+        start = first + i * BLOCK_N
+        if start < limit:
+            idx = start + tl.arange(0, BLOCK_N)
+            inside = idx < limit
+            if SPARSE:  # noqa: SIM108  (a static branch)
+                pos = tl.load(sel_ptr + t * sel_width + idx, mask=inside, other=-1)
+            else:
+                pos = idx
+            ok = inside & (pos >= 0) & (pos < length)
+            if WINDOW:
+                ok = ok & (pos > length - 1 - window)
+            safe = tl.where(ok, pos, 0)
+            page = tl.load(table_ptr + t * table_width + safe // page_size, mask=ok, other=0).to(tl.int64)
+            row = (page * page_size + safe % page_size) * kv_heads + kvh  # [BLOCK_N] token rows of this head
+            k = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            score = tl.where(ok[None, :], qk * scale, float("-inf"))  # [G_PAD, BLOCK_N]
+            new_m = tl.maximum(m, tl.max(score, axis=1))
+            p = tl.exp(score - new_m[:, None])
+            correction = tl.exp(m - new_m)
+            denom = denom * correction + tl.sum(p, axis=1)
+            # the probabilities in the activation dtype, as the reference rounds them
+            acc = acc * correction[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+            m = new_m
+    if FP8:
+        acc = acc * tl.load(vs_ptr).to(tl.float32)
+    at = (t * heads + head) * SPLITS + s  # [G_PAD] (token, query head, split) rows of the partial results
+    tl.store(m_ptr + at, m, mask=real)
+    # A split that saw no key (past a sequence's end or a selection's width) leaves its sum and values
+    # unwritten: the merge reads them only where m says the split saw one.
+    seen = real & (m > -1e30)
+    tl.store(l_ptr + at, denom, mask=seen)
+    tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=seen[:, None])
 
 
 @triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
-    row = tl.program_id(0)  # (token, head)
+def _merge_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    row, part = tl.program_id(0), tl.program_id(1)  # (token, query head), a BLOCK_D slice of the head dim
     s = tl.arange(0, SPLITS)
     m = tl.load(m_ptr + row * SPLITS + s)
-    weight = tl.exp(m - tl.max(m, axis=0))  # [SPLITS]
-    denom = tl.sum(tl.load(l_ptr + row * SPLITS + s) * weight, axis=0)
-    d = tl.arange(0, D)
-    acc = tl.load(acc_ptr + (row * SPLITS + s)[:, None] * D + d[None, :])  # [SPLITS, D]
+    seen = m > -1e30  # splits that saw a key; the others wrote no sum or values
+    weight = tl.where(seen, tl.exp(m - tl.max(m, axis=0)), 0.0)  # [SPLITS]
+    denom = tl.sum(tl.load(l_ptr + row * SPLITS + s, mask=seen, other=0.0) * weight, axis=0)
+    d = part * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.load(acc_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], mask=seen[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], axis=0) / denom
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+MERGE_BLOCK_D = 64
+"""Head-dim slice of one merge program: a few programs per head, so the merge's reads of SPLITS partial
+results spread over the GPU instead of queueing behind one program per head."""
+
+
+TARGET_PROGRAMS = 2048
+"""Split programs to aim for. A program waits on one chain of dependent loads (selection, page table, K/V)
+per block of keys, so the bytes in flight grow with the programs resident at once: many per SM of an
+H100/H200 (on an H200, aiming at 256 made decode of 8 and 64 sequences 1.3–2.4x slower). At one sequence
+the other limit, one block of keys per split, binds first."""
+
+
+def _num_splits(tokens: int, kv_heads: int, bound: int, block_n: int, cap: int | None) -> int:
+    """Splits of the keys (a power of two): enough for TARGET_PROGRAMS programs, at most one block each,
+    at most `cap`; from the shapes alone."""
+    want = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, tokens * kv_heads))
+    if cap is not None:
+        want = min(want, triton.next_power_of_2(cap))
+    return max(1, min(want, bound // block_n))
 
 
 def paged_decode_attention(
@@ -90,18 +137,23 @@ def paged_decode_attention(
     selected: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
     window: int | None = None,
-    splits: int = 16,
+    splits: int | None = None,
     block_n: int = 32,
 ) -> torch.Tensor:
     """q [T, Hq, D] (one query per sequence, at position kv_lens[t] − 1); k/v pages [P, page, Hkv, D];
     page_table [T, W]; kv_lens [T] int64 → attention [T, Hq, D] in q's dtype. `max_keys` bounds kv_lens
     (fixes the launch shape); `selected` [T, S] key positions a query may see (−1: none) replaces "every
-    earlier key"; `kv_scale` [2] (fp8 pages: K and V scales); `window`: keys within the last `window`."""
+    earlier key"; `kv_scale` [2] (fp8 pages: K and V scales); `window`: keys within the last `window`.
+    `splits` caps the splits of the keys (default: chosen from the shapes); `block_n` keys per step."""
     t, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
+    assert dim >= 16 and dim & (dim - 1) == 0, f"head dim {dim}: a power of two ≥ 16 (tl.dot)"
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n}: a power of two ≥ 16"
+    assert heads % kv_heads == 0, f"{heads} query heads over {kv_heads} KV heads"
+    group = heads // kv_heads
     keys = selected.shape[1] if selected is not None else max_keys
-    bound = triton.next_power_of_2(keys)  # compiled per power of two of the key bound, not per length
-    splits = min(triton.next_power_of_2(splits), max(1, bound // block_n))
+    bound = max(triton.next_power_of_2(keys), block_n)  # compiled per power of two of the key bound
+    splits = _num_splits(t, kv_heads, bound, block_n, splits)
     iters = triton.cdiv(bound, splits * block_n)
     m = torch.empty((t, heads, splits), dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
@@ -109,13 +161,18 @@ def paged_decode_attention(
     fp8 = kv_scale is not None
     scales = kv_scale if fp8 else m  # unread without fp8
     sel = selected.contiguous() if selected is not None else page_table
-    _split_kernel[(t, heads, splits)](
+    # Dots take q's dtype (bf16 on the GPU; fp8 pages widen to it exactly); fp32 ones in full IEEE fp32, as
+    # tf32 (the default, which 16-bit inputs ignore) would miss the fp32 reference by ~1e-3.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _split_kernel[(t, kv_heads, splits)](
         q.contiguous(), k_pages, v_pages, page_table, kv_lens, sel, scales, scales[1:] if fp8 else m,
         m, denom, acc, heads, kv_heads, page_table.shape[1], page_size, keys, sel.shape[1], scale,
         window or 0,
-        D=dim, BLOCK_N=block_n, SPLITS=splits, ITERS=iters, SPARSE=selected is not None, FP8=fp8,
-        WINDOW=window is not None,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, SPLITS=splits,
+        ITERS=iters, SPARSE=selected is not None, FP8=fp8, WINDOW=window is not None,
+        PRECISION=precision,
     )  # fmt: skip
     out = torch.empty_like(q)
-    _merge_kernel[(t * heads,)](m, denom, acc, out, D=dim, SPLITS=splits)
+    block_d = min(dim, MERGE_BLOCK_D)
+    _merge_kernel[(t * heads, dim // block_d)](m, denom, acc, out, D=dim, SPLITS=splits, BLOCK_D=block_d)
     return out

@@ -1,6 +1,7 @@
 """Paged decode attention (one query per sequence) against the torch backend: dense and with a sparse key
-selection, grouped query heads, pages scattered, sequences of different lengths, bf16 and fp8 pages, a
-sliding window."""
+selection, grouped query heads (a small group, and a production-like 12 query heads per KV head), pages
+scattered, sequences of different lengths, bf16 and fp8 pages, a sliding window, several splits of the
+keys and splits that see no key."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from common.kv.state import StatePool
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(fp8: bool):
-    gen = torch.Generator().manual_seed(int(fp8))
-    heads, kv_heads, dim, page = 4, 2, 32, 4
-    specs = [kv_specs(kv_heads, dim, torch.float8_e4m3fn if fp8 else torch.float32)]
-    pool = StatePool(specs, num_pages=16, page_size=page, max_seqs=3, device=DEVICE)
+def _case(fp8: bool, heads=4, kv_heads=2, dim=32, page=4, cached=(9, 3, 14), dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed + int(fp8))
+    specs = [kv_specs(kv_heads, dim, torch.float8_e4m3fn if fp8 else dtype)]
+    num_pages = sum(-(-(c + 1) // page) for c in cached) + 4
+    pool = StatePool(specs, num_pages=num_pages, page_size=page, max_seqs=len(cached), device=DEVICE)
     if fp8:
         pool.kv_scales.copy_(torch.tensor([[0.05, 0.04]]))
     layer = pool.layer(0)
@@ -27,14 +28,16 @@ def _case(fp8: bool):
         layer.paged[name].copy_(
             fill.to(layer.paged[name].dtype) if not fp8 else (fill * 8).to(torch.float8_e4m3fn)
         )
-    seqs = [pool.new_sequence() for _ in range(3)]
-    for seq, cached in zip(seqs, (9, 3, 14), strict=True):
-        pool.reserve(seq, cached + 1)
-        seq.num_cached = cached
-    batch = ForwardBatch.build(seqs, [[1], [2], [3]], page, DEVICE)
-    q = torch.randn(3, heads, dim, generator=gen).to(DEVICE)
-    k = torch.randn(3, kv_heads, dim, generator=gen).to(DEVICE)
-    v = torch.randn(3, kv_heads, dim, generator=gen).to(DEVICE)
+    seqs = [pool.new_sequence() for _ in cached]
+    for grown in range(1, max(cached) + 2):  # a page at a time, in turn: each sequence's pages interleave
+        for seq, n in zip(seqs, cached, strict=True):
+            pool.reserve(seq, min(grown, n + 1))
+    for seq, n in zip(seqs, cached, strict=True):
+        seq.num_cached = n
+    batch = ForwardBatch.build(seqs, [[i + 1] for i in range(len(seqs))], page, DEVICE)
+    q = torch.randn(len(seqs), heads, dim, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(len(seqs), kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(len(seqs), kv_heads, dim, generator=gen).to(DEVICE, dtype)
     return layer, batch, q, k, v
 
 
@@ -54,3 +57,63 @@ def test_fused_decode_attention_matches_torch(fp8: bool, mode: str) -> None:
         plan = backend.plan(batch)
         outs.append(backend.forward(q, k, v, layer, plan, 0.2, window=window, selected=selected))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def _selection(cached: tuple[int, ...], width: int, gen: torch.Generator) -> torch.Tensor:
+    """[T, width] distinct positions below the longest sequence in random order, the query's own always
+    among them; −1 pads; a shorter sequence's row also lists positions past its end (to be skipped)."""
+    longest = max(cached) + 1
+    rows = []
+    for n in cached:
+        others = torch.randperm(longest, generator=gen)
+        others = others[others != n][: width - 8]
+        row = torch.cat([others, torch.tensor([n]), torch.full((7,), -1)])
+        rows.append(row[torch.randperm(width, generator=gen)])
+    return torch.stack(rows).to(DEVICE)
+
+
+# bf16 dots need the GPU: Triton's interpreter (CPU) has fp32 ones only.
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("mode", ["dense", "sparse", "window"])
+def test_grouped_heads_and_splits_match_torch(mode: str, fp8: bool, dtype: torch.dtype) -> None:
+    """12 query heads per KV head (2 KV heads, as in production, a smaller head dim), a few hundred keys
+    over several splits: the default split count (one block each), a few splits of several blocks, and one
+    split of them all."""
+    from common.kernels.decode_attention import paged_decode_attention  # Triton
+
+    cached = (300, 37, 451)
+    selected = window = None
+    if mode == "sparse":
+        selected = _selection(cached, 200, torch.Generator().manual_seed(7))
+    if mode == "window":
+        window = 100
+    layer, batch, q, k, v = _case(fp8, heads=24, kv_heads=2, dim=64, page=16, cached=cached, dtype=dtype)
+    backend = TorchPagedBackend()
+    plan = backend.plan(batch)
+    ref = backend.forward(q, k, v, layer, plan, 0.125, window=window, selected=selected)  # writes k, v too
+    pages, scale = layer.paged, layer.kv_scale if fp8 else None
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for splits in (None, 4, 1):
+        out = paged_decode_attention(
+            q, pages["k"], pages["v"], plan.page_table, plan.k_lens, 0.125, plan.k_slots.shape[1],
+            selected, scale, window, splits=splits,
+        )  # fmt: skip
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m, s=splits: f"splits={s}: {m}")
+
+
+def test_dense_bound_past_the_lengths() -> None:
+    """A launch bound far past every length (a recorded decode's static bound): splits past a sequence's end
+    see no key and must not disturb the merge."""
+    from common.kernels.decode_attention import paged_decode_attention  # Triton
+
+    layer, batch, q, k, v = _case(False, heads=2, kv_heads=2, dim=16, page=4, cached=(5, 40))
+    backend = TorchPagedBackend()
+    plan = backend.plan(batch)
+    ref = backend.forward(q, k, v, layer, plan, 0.3)
+    pages = layer.paged
+    out = paged_decode_attention(q, pages["k"], pages["v"], plan.page_table, plan.k_lens, 0.3, 1024)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
