@@ -76,9 +76,11 @@ class Engine:
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
+        if fused_kernels is None:
+            fused_kernels = torch.device(device).type == "cuda"
         self.model = load_model(
             model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp",
-            expert_device="cpu" if offloaded else None,
+            expert_device="cpu" if offloaded else None, fuse=fused_kernels,
         )  # fmt: skip
         if embeddings_on_host:  # before the expert cache takes the device memory it frees
             embeddings_to_host(self.model)
@@ -115,9 +117,7 @@ class Engine:
         )
         self.device = self.runner.device
         self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None
-        if fused_kernels is None:
-            fused_kernels = self.device.type == "cuda"
-        if fused_kernels:  # before the first decode pass is recorded
+        if fused_kernels:  # before the first decode pass is recorded (the projections were fused at load)
             use_fused_kernels(self.model, True, self.runner.backend)
 
     def generate(

@@ -27,6 +27,7 @@ from common.experts.formats import FP8_BLOCK, dequantize_fp8_block
 from common.experts.provider import ExpertWeights
 from common.experts.resident import ResidentExperts
 from common.model.errors import CheckpointError
+from common.model.fused_linear import fuse_projections
 from common.model.hf_config import load_architecture, read_json
 from common.model.layers import activation
 from common.model.ngram import ngram_shard_rows
@@ -281,6 +282,7 @@ def load_model(
     device: torch.device | str = "cpu",
     with_mtp: bool = False,
     expert_device: torch.device | str | None = None,
+    fuse: bool = False,
 ) -> nn.Module:
     """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint (FP8
     block-quantized weights dequantized, see `dequantized_fp8_source`; the PLE n-gram table keeps its own
@@ -288,7 +290,8 @@ def load_model(
 
     `with_mtp` also builds and loads the checkpoint's MTP head (for speculative decoding). `expert_device`
     (default `device`) is where the routed experts are read to: `cpu` for a model whose experts go to a
-    host store next, so that they never pass through the device (they may not fit there).
+    host store next, so that they never pass through the device (they may not fit there). `fuse`: same-input
+    projections as one weight each (see `empty_model`).
     """
     arch, cfg = load_architecture(model_dir)
     if with_mtp:
@@ -308,9 +311,9 @@ def load_model(
                 "speculative decoding from a converted artifact is not supported yet",
                 Path(model_dir) / ARTIFACT_META,
             )
-        return build_model(arch, cfg, source, where, dtype, device, external_experts=True)
+        return build_model(arch, cfg, source, where, dtype, device, external_experts=True, fuse=fuse)
     where = where if where.is_file() else Path(model_dir)
-    return build_model(arch, cfg, source, where, dtype, device, expert_device=expert_device)
+    return build_model(arch, cfg, source, where, dtype, device, expert_device=expert_device, fuse=fuse)
 
 
 def empty_model(
@@ -319,15 +322,44 @@ def empty_model(
     experts: ResidentExperts,
     dtype: torch.dtype,
     device: torch.device | str,
+    fuse: bool = False,
 ) -> nn.Module:
     """`arch` for `cfg` with uninitialised weights in `dtype` on `device` (`meta`: no memory at all), the
-    buffers computed rather than loaded (in float32, e.g. RoPE's inverse frequencies) and embeddings tied."""
+    buffers computed rather than loaded (in float32, e.g. RoPE's inverse frequencies) and embeddings tied.
+    With `fuse` each module's same-input projections are one weight from the start (fused_linear.py): their
+    Linears' weights are views of it, so loading fills it and no memory is freed or held twice."""
     with torch.device("meta"):
-        model = arch.build(cfg, experts)
-    model = model.to_empty(device=device).to(dtype)
+        model = arch.build(cfg, experts).to(dtype)
+    if fuse:
+        fuse_projections(model)  # on the meta device: shapes only
+    _materialize(model, torch.device(device))
+    if fuse:
+        fuse_projections(model, copy=False)  # the fused weights, now on the device (views, no copy)
     model.rotary.init_buffers()
     model.tie_weights()
     return model
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Give `model`'s meta parameters and buffers uninitialised memory on `device`, one allocation per meta
+    storage: parameters that are views of one tensor (fused projections) stay views of one tensor."""
+    if device.type == "meta":
+        return
+    storages: dict[int, torch.UntypedStorage] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            meta = param.untyped_storage()
+            if meta._cdata not in storages:
+                storages[meta._cdata] = torch.UntypedStorage(meta.nbytes(), device=device)
+            real = torch.empty(0, dtype=param.dtype, device=device).set_(
+                storages[meta._cdata], param.storage_offset(), param.shape, param.stride()
+            )
+            module._parameters[name] = nn.Parameter(real, requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
 
 
 def build_model(
@@ -339,15 +371,16 @@ def build_model(
     device: torch.device | str = "cpu",
     external_experts: bool = False,
     expert_device: torch.device | str | None = None,
+    fuse: bool = False,
 ) -> nn.Module:
     """Build `arch` for `cfg` and fill it from `source` (a checkpoint, or tensors generated in memory).
 
     `where` names the checkpoint in errors about tensors that are missing altogether. With
     `external_experts` the routed experts come from elsewhere (an artifact's packed store); otherwise they
-    are read to `expert_device` (default `device`).
+    are read to `expert_device` (default `device`). `fuse`: see `empty_model`.
     """
     experts = ResidentExperts({}, activation(cfg.hidden_act))
-    model = empty_model(arch, cfg, experts, dtype, device)
+    model = empty_model(arch, cfg, experts, dtype, device, fuse)
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     loaded: set[str] = set()
     collector = _ExpertCollector(cfg)

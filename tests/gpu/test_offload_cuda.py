@@ -143,16 +143,21 @@ def test_slow_copies_are_waited_for(store, monkeypatch) -> None:
                 {n: b.cuda() for n, b in store.parts[layer].items()}, torch.bfloat16
             )
             expect = batched_expert_mlp(x, gate_up[ids], down[ids], ids, w, F.silu)
-            assert torch.equal(provider.forward(layer, x, ids, w), expect), layer
+            out = provider.forward(layer, x, ids, w)
+            if provider.fused_int4:  # the int4 kernel's fp32 sums: rounding apart (a stale row would not be)
+                torch.testing.assert_close(out, expect, atol=2e-2, rtol=2e-2)
+            else:
+                assert torch.equal(out, expect), layer
 
 
 def test_offloaded_experts_are_read_to_the_host_not_the_device(tmp_path: Path) -> None:
     """A model whose experts do not fit must load: they go from the checkpoint to the host store."""
-    shape = {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 128}  # experts dominate
+    # experts dominate; the pool (a tenth of them cached, a spare row, two arena buffers of E rows) is ~28 %
+    shape = {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 128, "num_hidden_layers": 12}
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides=shape)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    engine = Engine(path, dtype=torch.float32, device="cuda", max_seqs=1, expert_cache="0.25")
+    engine = Engine(path, dtype=torch.float32, device="cuda", max_seqs=1, expert_cache="0.1")
     cfg = engine.config
     resident = len(cfg.moe_layers) * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     assert torch.cuda.max_memory_allocated() < resident  # the fp32 experts were never all on the device

@@ -39,7 +39,7 @@ def test_fused_indexer_matches_torch(tmp_path: Path) -> None:
         ctx = ForwardContext(batch, runner.pool, runner.backend, runner.backend.plan(batch))
         model._set_rotary(ctx, x.dtype)
         indexer.fused_decode = fused
-        selected = indexer(x, ctx)
+        selected = indexer(indexer.index_qk_proj(x), ctx)
         results.append((selected, paged["index_block"].clone()))
         for name, t in paged.items():
             t.copy_(saved[name])

@@ -80,3 +80,19 @@ def test_a_model_with_fused_projections_gives_the_same_logits(tmp_path: Path, ar
     assert fused == groups
     assert sum(p.numel() for p in engine.model.parameters()) == weights
     torch.testing.assert_close(logits(), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_fused_allocates_each_weight_once(tmp_path: Path) -> None:
+    """Fused at load (the engine's way): the fused weights are allocated before the checkpoint fills them,
+    so the model's storages hold exactly its parameters' bytes, and it computes what the unfused one does."""
+    from common.model.loader import load_model
+    from common.model.qwen4_exp.gdn import GatedDeltaNet
+
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
+    plain, fused = (load_model(path, dtype=torch.float32, fuse=f) for f in (False, True))
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in fused.parameters()}
+    assert sum(storages.values()) == sum(p.nbytes for p in fused.parameters())
+    gdn = next(m for m in fused.modules() if isinstance(m, GatedDeltaNet))
+    assert gdn.fused_in is not None and gdn.fused_in.weight.data_ptr() == gdn.in_proj_qkv.weight.data_ptr()
+    for (name, a), b in zip(plain.state_dict().items(), fused.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
