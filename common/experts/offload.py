@@ -103,6 +103,11 @@ def _bytes(rows: torch.Tensor) -> torch.Tensor:
     return rows.reshape(rows.shape[0], -1).view(torch.uint8)
 
 
+Copies = tuple[torch.cuda.Event, ...] | None
+"""A launch's events, one per stage of components (in order, on one stream: waiting for one waits for all
+before it); None where copies run inline."""
+
+
 class CopyStream:
     """Where expert copies run: a side stream for a mapped store on CUDA (fork and join through events, which
     a CUDA graph capture keeps), inline otherwise."""
@@ -116,28 +121,39 @@ class CopyStream:
         """One launch for all of an expert's components (opt-in: `common.kernels.use_fused_kernels`)."""
 
     def launch(
-        self, layer: int, src_ids: torch.Tensor, dst_rows: torch.Tensor, valid: torch.Tensor
-    ) -> torch.cuda.Event | None:
-        """Start copying layer `layer`'s pairs after the main stream's work so far; the event to `join`."""
+        self,
+        layer: int,
+        src_ids: torch.Tensor,
+        dst_rows: torch.Tensor,
+        valid: torch.Tensor,
+        stages: tuple[tuple[str, ...], ...] | None = None,
+    ) -> Copies:
+        """Start copying layer `layer`'s pairs after the main stream's work so far; the events to `join`.
+        `stages`: the components in groups copied one after the other, each with its event (so a reader of
+        the first group need not wait for the rest); default one group of every component."""
         parts = self.store.parts[layer]
         if self.side is None:
             copy_experts(parts, src_ids, dst_rows, valid, self.pool, self.spare)
             return None
         self.side.wait_stream(torch.cuda.current_stream(self.side.device))  # fork: after the resolution
+        events = []
         with torch.cuda.stream(self.side):
-            copy_experts(
-                parts, src_ids, dst_rows, valid, self.pool, self.spare, kernel=True, merged=self.merged
-            )
-            done = torch.cuda.Event()
-            done.record(self.side)
+            for names in stages or (tuple(parts),):
+                group = {name: parts[name] for name in names}
+                copy_experts(
+                    group, src_ids, dst_rows, valid, self.pool, self.spare, kernel=True, merged=self.merged
+                )
+                events.append(torch.cuda.Event())
+                events[-1].record(self.side)
         for t in (src_ids, dst_rows, valid):  # made on the main stream, read on the side stream
             t.record_stream(self.side)
-        return done
+        return tuple(events)
 
-    def join(self, done: torch.cuda.Event | None) -> None:
-        """Make the main stream wait for a launch (right before its rows are read)."""
+    def join(self, done: Copies, stage: int = -1) -> None:
+        """Make the main stream wait for a launch's copies up to `stage` (default all), right before their
+        rows are read."""
         if done is not None:
-            torch.cuda.current_stream(done.device).wait_event(done)
+            torch.cuda.current_stream(done[stage].device).wait_event(done[stage])
 
 
 class PrefillArena:
@@ -166,7 +182,7 @@ class Prepared:
 
     rows: torch.Tensor
     """[E] pool row of each expert of the layer (meaningful for the requested ones)."""
-    done: torch.cuda.Event | None
+    done: Copies
     cached: torch.Tensor | None = None
     """Prefill: [E] bool, the expert's row is a slot of the cache (else of this provider's arena)."""
 
@@ -215,6 +231,12 @@ class OffloadedExperts(ExpertProvider):
         self.fused_resolve = False
         """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
         decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
+        self._stages = None
+        """Decode copies in two stages where the int4 kernels read gate_up before down: the gate_up kernel
+        starts as soon as its rows are in, while the down rows are still being copied."""
+        if self.fused_int4:
+            names = tuple(store.components)
+            self._stages = tuple(tuple(n for n in names if n.startswith(p)) for p in ("gate_up", "down"))
         self.step = torch.zeros((), dtype=torch.int64, device=self.device)  # on the device: recorded steps
         self.decode_passes = 0
 
@@ -284,7 +306,7 @@ class OffloadedExperts(ExpertProvider):
             from common.kernels.resolve import resolve_step  # Triton
 
             row, newcomer, target, valid = resolve_step(self.tables, i, topk_ids, self.step, self._moved)
-            return Prepared(rows=row, done=self.copies.launch(i, newcomer, target, valid))
+            return Prepared(rows=row, done=self.copies.launch(i, newcomer, target, valid, self._stages))
         requested = torch.zeros(self.store.num_experts, dtype=torch.bool, device=topk_ids.device)  # [E]
         requested.index_fill_(0, topk_ids.reshape(-1), True)  # (t[i] = True would synchronise)
         if self.prefill:
@@ -315,11 +337,15 @@ class OffloadedExperts(ExpertProvider):
                 return self.fmt.unpack({n: t[row[e]] for n, t in pool.items()}, self.dtype)
 
             return grouped_expert_mlp(x, weights_of, topk_ids, topk_weights, self.act)
-        self.copies.join(prepared.done)
         if self.fused_int4:
             from common.kernels.moe_int4 import moe_int4_decode  # Triton: CUDA machines only
 
-            return moe_int4_decode(x, prepared.rows[topk_ids], topk_weights, self.pool)
+            self.copies.join(prepared.done, stage=0)  # gate_up's rows: down's may still be on their way
+            return moe_int4_decode(
+                x, prepared.rows[topk_ids], topk_weights, self.pool,
+                before_down=lambda: self.copies.join(prepared.done),
+            )  # fmt: skip
+        self.copies.join(prepared.done)
         t, k = topk_ids.shape
         rows = prepared.rows[topk_ids].reshape(-1)  # [T*k]
         parts = {n: p.index_select(0, rows) for n, p in self.pool.items()}  # [T*k, ...] each
@@ -330,7 +356,7 @@ class OffloadedExperts(ExpertProvider):
     def _prepare_cache(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
         e = self.store.num_experts
         res = self.tables.resolve(i, requested, self.step, max_new=min(choices, e))
-        done = self.copies.launch(i, res.newcomer, res.target, res.valid)
+        done = self.copies.launch(i, res.newcomer, res.target, res.valid, self._stages)
         self._moved[_FILLS, i].add_(res.filled.sum())
         self._moved[_BYPASSES, i].add_(res.bypass.sum())
         return Prepared(rows=res.row, done=done)

@@ -18,6 +18,8 @@ zero point costs one multiply per row and group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -111,12 +113,14 @@ def moe_int4_decode(
     weights: torch.Tensor,
     pool: dict[str, torch.Tensor],
     block: int = 16,
+    before_down: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
     x [T, H] (bf16/fp16/fp32, contiguous); rows, weights [T, k]; pool: an int4 pool's components
     (`gate_up_qweight` [R, 2I, H/2], `gate_up_scales`/`gate_up_zeros` [R, 2I, H/128], `down_*` likewise
     [R, H, ...]). H and I multiples of 128. Fixed launch shapes, no host sync: a recorded step can hold it.
+    `before_down` runs between the two kernels (to wait for the down rows' copies).
     """
     t, k = rows.shape
     hidden = x.shape[1]
@@ -129,6 +133,8 @@ def moe_int4_decode(
         k, hidden, inter, GROUPS=hidden // GROUP, GPB=GROUPS_PER_STEP, BLOCK=block, HALF=GROUP // 2,
     )  # fmt: skip
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    if before_down is not None:
+        before_down()
     _down_kernel[(pairs, hidden // block)](
         act, rows, weights.reshape(-1).contiguous(), pool["down_qweight"], pool["down_scales"],
         pool["down_zeros"], partial, hidden, inter, GROUPS=inter // GROUP, GPB=GROUPS_PER_STEP, BLOCK=block,
