@@ -14,11 +14,10 @@ import torch
 from bench.common import measure_hbm_gbps, measure_pcie_gbps
 from common.experts.formats import get_format
 from common.experts.offload import OffloadedExperts, offload_experts
-from common.experts.routing import install_routing_hook, replayer_for
+from common.experts.routing import RoutingReplayer, install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.kernels import use_fused_kernels
 from common.memory_plan import plan_memory
-from common.model.fused_linear import fuse_projections
 from common.model.hf_config import parse_architecture
 from common.model.loader import build_model
 from common.model.synthetic import model_config, synthetic_tensors
@@ -40,6 +39,7 @@ class Flashnext:
     pcie_gbps: float
     hbm_gbps: float
     build_s: float
+    replayer: RoutingReplayer
 
 
 def random_int4_store(layers: int, experts: int, hidden: int, inter: int) -> HostExpertStore:
@@ -89,9 +89,9 @@ def build_flashnext(
     t0 = time.perf_counter()
     not_expert = lambda key: ".mlp.experts." not in key
     source = ((Path("<synthetic>"), k, lambda t=t: t) for k, t in synthetic_tensors(hf, keep=not_expert))
-    model = build_model(arch, cfg, source, Path("<synthetic>"), torch.bfloat16, "cuda", external_experts=True)
-    if fused:  # as loading does (use_fused_kernels then finds them fused): not counted in the peak below
-        fuse_projections(model)
+    model = build_model(
+        arch, cfg, source, Path("<synthetic>"), torch.bfloat16, "cuda", external_experts=True, fuse=fused
+    )
     store = random_int4_store(
         len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     )
@@ -111,5 +111,23 @@ def build_flashnext(
         provider.load_all()
     use_fused_kernels(model, fused, runner.backend)
     trace = f"synthetic-zipf:tokens={trace_tokens},seed=0"
-    install_routing_hook(model, replayer_for(trace, list(cfg.moe_layers), cfg.num_experts, cfg.top_k))
-    return Flashnext(model, cfg, store, runner, provider, slots, pcie, hbm, time.perf_counter() - t0)
+    replayer = replayer_for(trace, list(cfg.moe_layers), cfg.num_experts, cfg.top_k)
+    install_routing_hook(model, replayer)
+    return Flashnext(
+        model, cfg, store, runner, provider, slots, pcie, hbm, time.perf_counter() - t0, replayer
+    )
+
+
+def warm_prefill(flash: Flashnext, lengths: set[int]) -> None:
+    """Prefill throwaway sequences of each chunk length first, so that a timed prefill measures the work and
+    not the first call's Triton compilation and autotuning (fla-core's chunked kernels: tens of seconds on a
+    fresh machine); then replay routing from the trace's start again. Prefill reads cached experts without
+    touching the cache's statistics."""
+    vocab, runner = flash.cfg.vocab_size, flash.runner
+    for length in sorted(lengths - {0}):
+        seq = runner.new_sequence()
+        tokens = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(7)).tolist()
+        runner.forward([seq], [tokens])
+        runner.release(seq)
+    torch.cuda.synchronize()
+    flash.replayer.rewind()

@@ -78,6 +78,11 @@ class RoutingReplayer(RoutingHook):
         cursor[i].add_(n)
         return ids_all[rows, i].long(), weights_all[rows, i].to(weights.dtype)
 
+    def rewind(self) -> None:
+        """Replay from the trace's first row again (in place: recorded steps keep reading the cursors)."""
+        for _, _, cursor in self._device.values():
+            cursor.zero_()
+
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if device not in self._device:
             cursor = torch.zeros(self.trace.ids.shape[1], dtype=torch.int64, device=device)
