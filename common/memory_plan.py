@@ -39,6 +39,7 @@ from common.experts.cache_tables import CacheTables
 from common.experts.formats import ExpertFormat, get_format
 from common.experts.offload import parse_capacity
 from common.experts.resident import ResidentExperts
+from common.kv.backend import TorchPagedBackend
 from common.kv.fp8 import parse_kv_dtype, with_kv_dtype
 from common.kv.state import StatePool
 from common.model.hf_config import load_architecture, read_json
@@ -181,6 +182,16 @@ def _indexer_bytes(cfg: ModelConfig, tokens: int, context: int) -> int:
     return tokens * (2 * blocks * 4 + (cfg.indexer_budget + cfg.indexer_compress_ratio) * 8)
 
 
+def _attention_bytes(cfg: ModelConfig, tokens: int, context: int, dtype: torch.dtype) -> int:
+    """Prefill attention in the torch backend (the one on every device until a fused prefill kernel lands):
+    it attends in query slices whose scores and fp32 softmax (4 + b bytes a score, b = the dtype's size) fit
+    `TorchPagedBackend.score_bytes`; at its peak a slice holds the masked scores, the fp32 softmax and the
+    rounded probabilities (2b + 4 bytes a score)."""
+    b = dtype.itemsize
+    scores = min(cfg.num_heads * tokens * context, TorchPagedBackend.score_bytes // (4 + b))
+    return scores * (2 * b + 4)
+
+
 def _expert_mlp_bytes(
     cfg: ModelConfig, fmt: ExpertFormat, tokens: int, dtype: torch.dtype, decode: bool
 ) -> int:
@@ -212,12 +223,13 @@ def scratch_bytes(
     prefill runs one request at a time) plus a decode step of every lane (`_pass_bytes`, the expert MLPs and,
     for qwen4_exp, the linear-attention and indexer terms).
 
-    It assumes fused attention kernels (no [T, C] score matrix per head): the torch reference backend
-    materialises one and is meant for CPU and tests. The decode term is dominated by the gathered, dequantised
-    experts of the reference decode path; a fused kernel over cache slots would not need them."""
+    Prefill attention is the torch backend's, in query slices (`_attention_bytes`); decode attention is a
+    fused kernel or one query's scores, too small to count. The decode term is dominated by the gathered,
+    dequantised experts of the reference decode path; a fused kernel over cache slots would not need them."""
     chunk = min(prefill_chunk, max_context)
     prefill = (
         _pass_bytes(model, cfg, chunk, 1, dtype)
+        + _attention_bytes(cfg, chunk, max_context, dtype)
         + _expert_mlp_bytes(cfg, fmt, chunk, dtype, decode=False)
         + _linear_attention_bytes(cfg, chunk, dtype)
         + _indexer_bytes(cfg, chunk, max_context)
