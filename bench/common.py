@@ -77,3 +77,18 @@ def measure_hbm_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         end.synchronize()
         rates.append(2 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
     return sorted(rates)[len(rates) // 2]
+
+
+def write_profile(run, path: Path) -> None:
+    """Op tables of what `run()` does on the GPU, by device time then by host time, written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    path.write_text(
+        table.table(sort_by="cuda_time_total", row_limit=40)
+        + "\n"
+        + table.table(sort_by="self_cpu_time_total", row_limit=40)
+    )

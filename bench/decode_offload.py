@@ -15,25 +15,20 @@ from pathlib import Path
 
 import torch
 
-from bench.common import write_result
+from bench.common import write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.runner import ModelRunner
 
 
 def profile_steps(runner: ModelRunner, seqs: list, tokens: list[int], path: Path, steps: int = 4) -> None:
     """Op tables (by device time and by host time) of `steps` decode steps: where a step's time goes."""
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    def run() -> None:
+        last = tokens
         for _ in range(steps):
-            tokens = runner.forward(seqs, [[t] for t in tokens]).argmax(-1).tolist()
-        torch.cuda.synchronize()
-    table = prof.key_averages()
-    path.write_text(
-        table.table(sort_by="cuda_time_total", row_limit=40)
-        + "\n"
-        + table.table(sort_by="self_cpu_time_total", row_limit=40)
-    )
+            last = runner.forward(seqs, [[t] for t in last]).argmax(-1).tolist()
+
+    write_profile(run, path)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ nothing cached: TTFT, prefill tok/s, bytes streamed, and the limit max(streamed 
 rate), both ceilings measured in the same run.
 
     python -m bench.prefill --prompt 25600 [--chunk 8192] [--no-fused] [--layers 48] [--out DIR]
+        [--profile FILE]
 
 The prompt is prefilled in chunks of `--chunk` tokens, as the engine does. Flops count the resident weights
 that a token multiplies (not the embedding), its k experts, and attention over the keys each query sees (QSA:
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import write_result
+from bench.common import write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 
 
@@ -59,6 +60,7 @@ def main() -> None:
         help="the fused kernels and projections (common/kernels; --no-fused: torch ops)",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of one more chunk here")
     args = ap.parse_args()
 
     tflops = measure_tflops()
@@ -100,6 +102,10 @@ def main() -> None:
         "fused": args.fused,
         "build_s": flash.build_s,
     }
+    if args.profile is not None:  # the first chunk again, on a fresh sequence, after the timed prompt
+        runner.release(seq)
+        seq = runner.new_sequence()
+        write_profile(lambda: runner.forward([seq], [prompt[: args.chunk].tolist()]), args.profile)
     name = "prefill-128k" if args.prompt >= 131072 else "prefill-25k" if args.prompt == 25600 else "prefill"
     print(write_result(name, result, args.out))
     for key, value in result.items():
