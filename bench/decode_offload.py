@@ -50,12 +50,15 @@ def main() -> None:
         help="the fused kernels and projections (common/kernels; --no-fused: torch ops)",
     )  # fmt: skip
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of 4 steady steps here")
+    ap.add_argument(
+        "--lend", action="store_true", help="lend the prefill arena's second buffer to the cache (E slots)"
+    )
     args = ap.parse_args()
 
     flash = build_flashnext(
         args.layers, args.budget_gib, args.lanes, args.prompt + args.decode + 16 + 8,  # + profiled steps
         args.prompt + args.decode * args.lanes, args.policy, args.eager, args.fused, args.all_fit,
-        prefill_chunk=args.prompt,  # the prompt is prefilled in one pass
+        prefill_chunk=args.prompt, lend=args.lend,  # the prompt is prefilled in one pass
     )  # fmt: skip
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
     pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s
@@ -97,7 +100,8 @@ def main() -> None:
         "misses_per_token": run["misses"] / steps / args.lanes,
         "bypasses_per_token": run["bypasses"] / steps / args.lanes,
         "h2d_bytes_per_token": h2d / args.lanes,
-        "cache_slots": slots,
+        "cache_slots": slots + provider.tables.lent,  # with --lend: the lent buffer's slots too
+        "lent_slots": provider.tables.lent,
         "expert_bytes": store.expert_bytes,
         "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         "reserved_after_build_gib": built_gib,  # weights, pools, cache: before any pass
@@ -110,7 +114,7 @@ def main() -> None:
         "fused_decode": args.fused,
         "all_fit": args.all_fit,
     }
-    name = "decode-allfit" if args.all_fit else f"decode-{args.lanes}"
+    name = "decode-allfit" if args.all_fit else f"decode-{args.lanes}" + ("-lending" if args.lend else "")
     print(write_result(name, result, args.out))
     for k, v in result.items():
         print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")

@@ -73,11 +73,13 @@ def build_flashnext(
     fused: bool = True,
     all_fit: bool = False,
     prefill_chunk: int = 8192,
+    lend: bool = False,
 ) -> Flashnext:
     """Measure PCIe and HBM, then build flashnext cut to `layers` for `lanes` × `context` tokens, its cache
     the slots the memory plan gives `budget_gib` (one process; a prefill of `prefill_chunk` tokens), or
-    every expert with `all_fit`, loaded up front. The benchmark reports max_memory_reserved beside the
-    budget: the check that the plan holds."""
+    every expert with `all_fit`, loaded up front; `lend`: the arena's second buffer serves as E more slots
+    between prefills. The benchmark reports max_memory_reserved beside the budget: the check that the plan
+    holds."""
     hf = model_config(
         "flashnext",
         "qwen4_exp",
@@ -106,7 +108,7 @@ def build_flashnext(
         )  # fmt: skip
         plan.check()
         slots = plan.cache_slots
-    provider = offload_experts(model, str(slots), policy, "int4", store=store)
+    provider = offload_experts(model, str(slots), policy, "int4", store=store, lend_arena=lend)
     if all_fit:
         provider.load_all()
     use_fused_kernels(model, fused, runner.backend)

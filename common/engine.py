@@ -61,6 +61,7 @@ class Engine:
         cuda_graphs: bool = True,
         embeddings_on_host: bool = False,
         fused_kernels: bool | None = None,
+        lend_arena: bool = False,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
@@ -72,7 +73,9 @@ class Engine:
         drops the prefill arena's second buffer (no copy/compute overlap) for a worker that never prefills;
         `cuda_graphs` records and replays decode passes on CUDA (see ModelRunner); `embeddings_on_host` keeps
         the token embedding in host memory (common/model/host_embedding.py); `fused_kernels` switches the
-        fused Triton kernels and projections on or off (`common.kernels.use_fused_kernels`; None: on CUDA)."""
+        fused Triton kernels and projections on or off (`common.kernels.use_fused_kernels`; None: on CUDA);
+        `lend_arena` gives the prefill arena's second buffer to the expert cache between prefills (E more
+        slots during decode; see OffloadedExperts)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
@@ -91,12 +94,12 @@ class Engine:
             store, meta = open_store(model_dir)
             self.offload = offload_experts(
                 self.model, expert_cache or "all", cache_policy, meta["format"], pinned_experts, store,
-                arena_buffers=arena_buffers,
+                arena_buffers=arena_buffers, lend_arena=lend_arena,
             )  # fmt: skip
         elif expert_cache is not None:
             self.offload = offload_experts(
                 self.model, expert_cache, cache_policy, expert_format, pinned_experts, None, host_allocate,
-                arena_buffers,
+                arena_buffers, lend_arena,
             )  # fmt: skip
         cfg, layers = self.config, list(self.config.moe_layers)
         self.routing_recorder = RoutingRecorder(layers, cfg.num_experts) if record_routing else None

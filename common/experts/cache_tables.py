@@ -84,13 +84,16 @@ class CacheTables:
         device: torch.device | str = "cpu",
         decay: float = 0.9995,
         pinned: Mapping[int, Sequence[int]] | None = None,
+        lendable: int = 0,
     ) -> None:
+        """`lendable` slots beyond the layers' capacities are the bank (`lend`, `reclaim`): memory that
+        another user (the prefill arena) holds at times, given to the layers while it is idle."""
         if policy not in POLICIES:
             raise ValueError(f"cache policy {policy!r} is not one of {POLICIES}")
         if len(slots_per_layer) != num_layers:
             raise ValueError(f"{len(slots_per_layer)} layer capacities for {num_layers} layers")
         self.num_layers, self.num_experts, self.policy, self.decay = num_layers, num_experts, policy, decay
-        self.num_slots = sum(slots_per_layer)
+        self.num_slots = sum(slots_per_layer) + lendable
         self.device = torch.device(device)
         s, e = self.num_slots, num_experts
         self.slot_of = torch.full((num_layers, e + 1), -1, dtype=torch.int64, device=device)  # col e: spare
@@ -113,6 +116,10 @@ class CacheTables:
         self.slot_table = torch.full((num_layers, e), s, dtype=torch.int64, device=device)
         self._capacities: list[int] = []
         self._assign(list(slots_per_layer))
+        self.bank = torch.arange(self.num_slots - lendable, self.num_slots, device=device)
+        """The lendable slots (the last ones): in no layer's list until `lend`, again after `reclaim`."""
+        self.lent = 0
+        """Bank slots the layers hold now (all of them once lent, unless the layers had less room)."""
         self.decay_on_device = torch.tensor(decay, dtype=torch.float32, device=device)
         self.thawed = torch.ones((), dtype=torch.bool, device=device)
         """The device copy of `not frozen` that recorded steps read."""
@@ -163,6 +170,46 @@ class CacheTables:
             self.slot_table[layer, :c] = torch.arange(start, start + c, device=self.device)
             start += c
         self._capacities = list(capacities)
+
+    def lend(self) -> None:
+        """Between steps: give the bank's slots to the layers, as even a share each as their room allows
+        (capacity moves on from there with `rebalance`); they start free."""
+        if self.lent or self.bank.numel() == 0:
+            return
+        room = [self.num_experts - c for c in self._capacities]
+        share, left = [0] * self.num_layers, min(self.bank.numel(), sum(room))
+        while left:  # round robin over the layers with room
+            for layer in range(self.num_layers):
+                if left and share[layer] < room[layer]:
+                    share[layer], left = share[layer] + 1, left - 1
+        start = 0
+        for layer, n in enumerate(share):
+            c = self._capacities[layer]
+            self.slot_table[layer, c : c + n] = self.bank[start : start + n]
+            self._capacities[layer] = c + n
+            start += n
+        self.lent = start
+
+    def reclaim(self) -> None:
+        """Between steps: take the bank's slots back from whichever layers hold them now, evicting their
+        experts, before their memory is used for something else."""
+        if not self.lent:
+            return
+        if self.frozen:
+            raise RuntimeError("reclaiming lent slots while the cache is frozen (a reader may be using them)")
+        for layer, slots in enumerate(self.layer_slots):
+            lent = torch.isin(slots, self.bank)
+            if not bool(lent.any()):
+                continue
+            held = self.owner[slots[lent]]
+            self.slot_of[layer, held[held >= 0]] = -1
+            kept = slots[~lent]
+            self.slot_table[layer].fill_(self.num_slots)
+            self.slot_table[layer, : kept.numel()] = kept
+            self._capacities[layer] = kept.numel()
+        self.owner[self.bank] = -1
+        self.last_use[self.bank] = 0
+        self.lent = 0
 
     def pin(self, layer: int, experts: Sequence[int]) -> None:
         """Load-time: give `experts` of `layer` slots that are never evicted (they must still be filled)."""
@@ -385,8 +432,11 @@ class CacheTables:
             self._capacities[layer] = slots.numel()
 
     def check(self) -> None:
-        """Invariants (tests): no slot owned twice, tables agree, capacities sum to the slot count."""
-        assert sum(self.capacities) == self.num_slots
+        """Invariants (tests): no slot owned twice, tables agree, capacities sum to the slot count (less the
+        bank's while it is not lent, when its slots hold nothing)."""
+        assert sum(self.capacities) == self.num_slots - self.bank.numel() + self.lent
+        if not self.lent:
+            assert bool((self.owner[self.bank] < 0).all()), "a reclaimed slot still holds an expert"
         for layer, slots in enumerate(self.layer_slots):
             owners = self.owner[slots]
             held = owners[owners >= 0]

@@ -163,14 +163,15 @@ class PrefillArena:
     prefetch_factor = 4
     """Prefetch the next layer's uncached experts when a chunk's T·k ≥ this × E."""
 
-    def __init__(self, base: int, num_experts: int, device: torch.device, buffers: int = 2) -> None:
-        self.base, self.num_experts, self.buffers = base, num_experts, buffers
+    def __init__(self, bases: list[int], num_experts: int, device: torch.device) -> None:
+        """`bases`: the first pool row of each buffer (one or two)."""
+        self.bases, self.num_experts, self.buffers = bases, num_experts, len(bases)
         self.ids = torch.arange(num_experts, device=device)  # [E]
         self.prefetched: dict[int, torch.Tensor] = {}  # MoE layer index → [E] bool, already in its buffer
 
     def rows(self, i: int) -> torch.Tensor:
         """[E] pool rows of MoE layer i's buffer (expert e at row e of the buffer)."""
-        return self.base + (i % self.buffers) * self.num_experts + self.ids
+        return self.bases[i % self.buffers] + self.ids
 
     def should_prefetch(self, choices: int) -> bool:
         return self.buffers == 2 and choices >= self.prefetch_factor * self.num_experts
@@ -201,22 +202,32 @@ class OffloadedExperts(ExpertProvider):
         dtype: torch.dtype,
         shared_cache: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None,
         arena_buffers: int = 2,
+        lend_arena: bool = False,
     ) -> None:
         """`shared_cache` (the prefill worker's): another provider's (pool, slot_of) — decode's cache, mapped,
-        read in place while its owner keeps it frozen; this provider then only runs prefill passes."""
+        read in place while its owner keeps it frozen; this provider then only runs prefill passes.
+        `lend_arena`: the arena's second buffer is the tables' bank of E lendable slots (`CacheTables`
+        built with `lendable=E`): the cache holds it during decode passes and gives it back before a
+        prefill pass (see `begin_pass`)."""
         self.store, self.tables, self.fmt, self.act = store, tables, fmt, act
         self.shared_cache = shared_cache
         self.device, self.dtype = torch.device(device), dtype
         self.index = {layer: i for i, layer in enumerate(moe_layers)}
         # slots, spare, arena buffer 0 (= decode's staging rows), buffer 1 (prefill overlap: a serving decode
-        # worker, whose prompts another process prefills, keeps one buffer and gives the other to the cache)
-        rows = tables.num_rows + (arena_buffers - 1) * store.num_experts
+        # worker, whose prompts another process prefills, keeps one buffer and gives the other to the cache;
+        # lent to the cache between prefills, buffer 1 is the tables' bank, the last E slots)
+        e = store.num_experts
+        self.lend_arena = lend_arena
+        if lend_arena and (arena_buffers != 2 or tables.bank.numel() != e or shared_cache is not None):
+            raise ValueError(f"lending the arena needs two arena buffers and a bank of {e} slots")
+        rows = tables.num_rows + (arena_buffers - 1 - int(lend_arena)) * e
         self.pool = {
             name: torch.empty((rows, *shape), dtype=dtype, device=self.device)
             for name, (shape, dtype) in store.components.items()
         }
         self.copies = CopyStream(store, self.pool, tables.num_slots, self.device)
-        self.arena = PrefillArena(tables.staging_base, store.num_experts, self.device, arena_buffers)
+        second = int(tables.bank[0]) if lend_arena else tables.staging_base + e
+        self.arena = PrefillArena([tables.staging_base, second][:arena_buffers], e, self.device)
         self._moved = torch.zeros(4, len(moe_layers), dtype=torch.int64, device=self.device)
         self._fill_pinned()
         self.prefill = False
@@ -273,6 +284,10 @@ class OffloadedExperts(ExpertProvider):
         `rebalance_every` decode passes, slots move to the layers where they are worth most (see
         `CacheTables.rebalance`)."""
         self.prefill = not is_decode or self.shared_cache is not None
+        if self.lend_arena and is_decode:  # the arena's second buffer: the cache's between prefills
+            self.tables.lend()
+        elif self.lend_arena:
+            self.tables.reclaim()
         self.arena.prefetched.clear()
         self.step.add_(1)
         if is_decode:
@@ -414,11 +429,13 @@ def offload_experts(
     store: HostExpertStore | None = None,
     host_allocate: Callable[[int], torch.Tensor] | None = None,
     arena_buffers: int = 2,
+    lend_arena: bool = False,
 ) -> OffloadedExperts:
     """Serve `model`'s routed experts from a host store through a VRAM cache of `capacity` (see
     parse_capacity) under `policy`; `pinned` maps MoE layer index → hot experts. Without `store` the model's
     resident experts are packed into a new one in format `fmt` (and freed; `host_allocate(nbytes)` makes its
-    memory, e.g. shared memory a prefill worker maps); with it (an artifact's), used."""
+    memory, e.g. shared memory a prefill worker maps); with it (an artifact's), used. `lend_arena`: the
+    arena's second buffer serves as E more cache slots between prefills (see OffloadedExperts)."""
     resident = model.experts
     cfg = model.config
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -442,10 +459,12 @@ def offload_experts(
         policy,
         device,
         pinned=pinned,
+        lendable=cfg.num_experts if lend_arena else 0,
     )
     provider = OffloadedExperts(
-        store, tables, form, resident.act, layers, device, dtype, arena_buffers=arena_buffers
-    )
+        store, tables, form, resident.act, layers, device, dtype, arena_buffers=arena_buffers,
+        lend_arena=lend_arena,
+    )  # fmt: skip
     install_provider(model, provider)
     return provider
 

@@ -133,6 +133,37 @@ def test_random_traces_keep_invariants(sc) -> None:
 
 
 @settings(max_examples=60, deadline=None)
+@given(scenarios(), st.integers(1, 12), st.integers(2, 5))
+def test_lending_and_reclaiming_keep_the_tables_consistent(sc, bank: int, every: int) -> None:
+    """The bank's slots lent to the layers and taken back at random points of a trace (with rebalancing):
+    the tables stay consistent, a reclaimed slot holds nothing and no layer lists it, pinned experts stay."""
+    tables = CacheTables(
+        sc["layers"], sc["experts"], sc["capacities"], sc["policy"], decay=sc["decay"], pinned=sc["pinned"],
+        lendable=bank,
+    )  # fmt: skip
+    pinned_slots = {layer: tables.slot_of[layer, list(ids)].clone() for layer, ids in sc["pinned"].items()}
+    for step, requests in enumerate(sc["trace"]):
+        if step % every == 0:
+            if tables.lent:
+                tables.reclaim()
+                listed = torch.cat(tables.layer_slots)
+                assert not bool(torch.isin(listed, tables.bank).any())
+            else:
+                room = sc["layers"] * sc["experts"] - sum(tables.capacities)
+                tables.lend()
+                assert tables.lent == min(bank, room)
+            tables.check()
+        for layer, chosen in enumerate(requests):
+            res = tables.resolve(layer, _mask(sc["experts"], chosen), step, max_new=sc["top_k"])
+            _check_rows_and_copies(tables, _mask(sc["experts"], chosen), res, sc["top_k"])
+        if sc["rebalance_every"] and step % sc["rebalance_every"] == 0:
+            tables.rebalance(slots_to_move=1 + step % 2)
+        tables.check()
+        for layer, ids in sc["pinned"].items():
+            assert torch.equal(tables.slot_of[layer, list(ids)], pinned_slots[layer])
+
+
+@settings(max_examples=60, deadline=None)
 @given(scenarios())
 def test_capacity_all_second_access_hits(sc) -> None:
     e = sc["experts"]

@@ -144,6 +144,27 @@ def test_adaptive_capacity_moves_slots_and_changes_nothing(model):
     assert sum(after) == sum(before)
 
 
+@pytest.mark.parametrize("chunk", [5, 8192])
+def test_lending_the_arena_between_prefills_changes_nothing(model, chunk):
+    """Two lanes, three prompts: the third prompt's prefill comes after decode passes, so the lent buffer is
+    taken back for it and lent again; rebalancing moves lent slots between layers meanwhile."""
+    path, prompts, reference = model
+    engine = Engine(
+        path, dtype=torch.float32, max_seqs=2, expert_cache="0.25", prefill_chunk=chunk, lend_arena=True
+    )
+    engine.offload.rebalance_every = 3
+    tables, calls = engine.offload.tables, []
+    for name in ("lend", "reclaim"):
+        method = getattr(tables, name)
+        setattr(tables, name, lambda method=method, name=name: (calls.append((name, tables.lent)), method()))
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
+    tables.check()
+    assert tables.lent == tables.bank.numel() == engine.config.num_experts  # a decode pass came last
+    lends = [lent for name, lent in calls if name == "lend" and lent == 0]
+    reclaims = [lent for name, lent in calls if name == "reclaim" and lent > 0]
+    assert len(lends) >= 2 and len(reclaims) >= 1  # lent, taken back for the third prefill, lent again
+
+
 # --- the provider on its own: fixed-shape copies, staging rows, batched decode, the arena's prefetch -------
 
 E, LAYERS, TOP_K = 8, 3, 2

@@ -1,7 +1,8 @@
 """The one-program cache resolution (common/kernels/resolve.py) against CacheTables.resolve: after every
 step of random traces, every table (slots, owners, recency, statistics, counters) is identical, and so are
 the pool rows of the requested experts and the copy list — for each policy, with pinned experts, a frozen
-cache and rebalancing between steps. Without CUDA the kernel runs in Triton's interpreter (conftest.py)."""
+cache, rebalancing and lent slots lent and taken back between steps. Without CUDA the kernel runs in
+Triton's interpreter (conftest.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def _pair(policy: str, gen: torch.Generator, layers: int, experts: int) -> tuple
     capacities = torch.randint(1, experts + 1, (layers,), generator=gen).tolist()
     hot = torch.randperm(experts, generator=gen)[: capacities[0] // 2].tolist()
     make = lambda: CacheTables(
-        layers, experts, capacities, policy, DEVICE, decay=0.98, pinned={0: hot} if hot else None
+        layers, experts, capacities, policy, DEVICE, decay=0.98, pinned={0: hot} if hot else None, lendable=5
     )
     return make(), make()
 
@@ -37,6 +38,12 @@ def test_kernel_resolution_equals_torch(policy: str, seed: int) -> None:
             reference.frozen = fused.frozen = not reference.frozen
         if step % 10 == 0:
             assert reference.rebalance(2) == fused.rebalance(2)
+        if step % 7 == 0 and not reference.frozen:  # the bank lent, then taken back
+            for tables in (reference, fused):
+                if tables.lent:
+                    tables.reclaim()
+                else:
+                    tables.lend()
         tokens = int(torch.randint(1, 4, (), generator=gen))
         for layer in range(layers):
             ids = torch.randint(0, experts, (tokens, top_k), generator=gen).to(DEVICE)  # repeats: shared use
