@@ -55,6 +55,7 @@ def _generate(args: argparse.Namespace) -> int:
         pinned_experts=load_hot_set(args.pin_experts) if args.pin_experts else None,
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
         embeddings_on_host=args.embeddings_on_host,
+        lend_arena=args.lend_arena,
     )
     tok = engine.tokenizer
     if args.chat is not None:
@@ -324,6 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--embeddings-on-host", action="store_true", help="keep the token embedding in host memory"
+    )
+    gen.add_argument(
+        "--lend-arena",
+        action="store_true",
+        help="lend the prefill arena's second buffer to the expert cache between prefills (E more slots)",
     )
     gen.add_argument(
         "--vram-budget",

@@ -163,7 +163,7 @@ def test_serve_refuses_a_small_budget_before_starting(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_generate_sizes_its_cache_from_the_budget(tmp_path: Path) -> None:
     result = _run(
-        ["generate", "--vram-budget", "1GiB", "--prompt", "The cache", "--max-tokens", "4"], tmp_path
+        ["generate", "--vram-budget", "2GiB", "--prompt", "The cache", "--max-tokens", "4"], tmp_path
     )
     assert result.returncode == 0, result.stderr
     assert "cache slots" in result.stderr and "1 process on the device" in result.stderr
