@@ -139,8 +139,8 @@ class Engine:
                 index, prompt, p = waiting.pop(0)
                 seed = p.seed if p.seed is not None else random.getrandbits(62)
                 admitted[index] = Request(list(prompt), p, seed, self.runner.new_sequence())
-            if admitted:
-                self._prefill(list(admitted.values()))
+            if admitted:  # the running lanes take a decode step between its chunks (a decode share)
+                self._prefill(list(admitted.values()), lambda: self._decode_unfinished(running))
                 running.update(admitted)
             else:
                 self._decode(list(running.values()))
@@ -152,12 +152,19 @@ class Engine:
                 results[index] = GenerationResult(req.prompt_ids, req.token_ids, req.finish_reason)
         return [results[i] for i in range(len(prompts))]
 
-    def _prefill(self, reqs: list[Request]) -> None:
+    def _prefill(self, reqs: list[Request], between: Callable[[], None] | None = None) -> None:
+        """Prefill `reqs` and sample their first tokens; `between` runs between two chunk passes."""
         if self.speculator is not None:
             first = self.speculator.prefill([r.state for r in reqs], [r.prompt_ids for r in reqs])
             self._emit(reqs, [[t] for t in first])
         else:
-            self._sample_step(reqs, [r.prompt_ids for r in reqs])
+            self._sample_step(reqs, [r.prompt_ids for r in reqs], between)
+
+    def _decode_unfinished(self, running: dict[int, Request]) -> None:
+        """A decode step of the running requests that have not finished (a long prefill's decode share)."""
+        reqs = [r for r in running.values() if not r.finish_reason]
+        if reqs:
+            self._decode(reqs)
 
     def _decode(self, reqs: list[Request]) -> None:
         if self.speculator is not None:
@@ -165,16 +172,26 @@ class Engine:
         else:
             self._sample_step(reqs, [[r.token_ids[-1]] for r in reqs])
 
-    def _sample_step(self, reqs: list[Request], tokens: list[list[int]]) -> None:
-        logits = self._forward_chunked([r.state for r in reqs], tokens)  # [B, V]
+    def _sample_step(
+        self, reqs: list[Request], tokens: list[list[int]], between: Callable[[], None] | None = None
+    ) -> None:
+        logits = self._forward_chunked([r.state for r in reqs], tokens, between)  # [B, V]
         self._emit(reqs, [[t] for t in sample_next(logits, reqs)])
 
-    def _forward_chunked(self, seqs: list[SequenceState], tokens: list[list[int]]) -> torch.Tensor:
-        """Last-token logits [B, V], in passes of at most `prefill_chunk` tokens of each sequence."""
+    def _forward_chunked(
+        self,
+        seqs: list[SequenceState],
+        tokens: list[list[int]],
+        between: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """Last-token logits [B, V], in passes of at most `prefill_chunk` tokens of each sequence; `between`
+        runs between two passes."""
         if max(len(t) for t in tokens) <= self.prefill_chunk:
             return self.runner.forward(seqs, tokens)
         last: dict[int, torch.Tensor] = {}
         for start in range(0, max(len(t) for t in tokens), self.prefill_chunk):
+            if start and between is not None:
+                between()
             live = [b for b, t in enumerate(tokens) if start < len(t)]
             chunk = [tokens[b][start : start + self.prefill_chunk] for b in live]
             logits = self.runner.forward([seqs[b] for b in live], chunk)

@@ -65,3 +65,27 @@ def test_context_limit(engine: Engine) -> None:
     assert result.finish_reason == "length" and len(result.token_ids) == 96 - 90
     with pytest.raises(ValueError, match="exceeds the context"):
         engine.generate([list(range(3, 103))], SamplingParams(max_tokens=1))
+
+
+def test_running_requests_decode_between_a_long_prompts_chunks(tmp_path) -> None:
+    """A prompt prefilled in chunks while another request runs: the running one takes a decode step between
+    the chunks (it is not stalled for the whole prompt), and every output is what it is alone."""
+    model_dir = make_model(tmp_path / "m", preset="tiny", arch="qwen2_moe")
+    engine = Engine(model_dir, dtype=torch.float32, max_seqs=2, max_context=96, prefill_chunk=8)
+    prompts = [[5, 6, 7], [11, 12, 13, 14], list(range(20, 60))]  # the third: 40 tokens, 5 chunks
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 12, 3)]
+    passes: list[list[int]] = []  # tokens per sequence of each pass
+    forward = engine.runner.forward
+
+    def logged(seqs, tokens):
+        passes.append([len(t) for t in tokens])
+        return forward(seqs, tokens)
+
+    engine.runner.forward = logged
+    together = engine.generate(prompts, params)
+    chunks = [i for i, p in enumerate(passes) if p == [8]]  # the long prompt's passes (alone in them)
+    assert len(chunks) == 5
+    assert all(passes[a + 1] == [1] for a in chunks[:-1])  # a decode step after each chunk but the last
+    engine.runner.forward = forward
+    for prompt, p, got in zip(prompts, params, together, strict=True):
+        assert got.token_ids == engine.generate([prompt], p)[0].token_ids
