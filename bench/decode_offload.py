@@ -53,12 +53,16 @@ def main() -> None:
     ap.add_argument(
         "--lend", action="store_true", help="lend the prefill arena's second buffer to the cache (E slots)"
     )
+    ap.add_argument(
+        "--embeddings-on-host", action="store_true", help="the token embedding in host memory (more slots)"
+    )
     args = ap.parse_args()
 
     flash = build_flashnext(
         args.layers, args.budget_gib, args.lanes, args.prompt + args.decode + 16 + 8,  # + profiled steps
         args.prompt + args.decode * args.lanes, args.policy, args.eager, args.fused, args.all_fit,
         prefill_chunk=args.prompt, lend=args.lend,  # the prompt is prefilled in one pass
+        embeddings_on_host=args.embeddings_on_host,
     )  # fmt: skip
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
     pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s
@@ -102,6 +106,7 @@ def main() -> None:
         "h2d_bytes_per_token": h2d / args.lanes,
         "cache_slots": slots + provider.tables.lent,  # with --lend: the lent buffer's slots too
         "lent_slots": provider.tables.lent,
+        "embeddings_on_host": args.embeddings_on_host,
         "expert_bytes": store.expert_bytes,
         "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         "reserved_after_build_gib": built_gib,  # weights, pools, cache: before any pass
@@ -115,6 +120,7 @@ def main() -> None:
         "all_fit": args.all_fit,
     }
     name = "decode-allfit" if args.all_fit else f"decode-{args.lanes}" + ("-lending" if args.lend else "")
+    name += "-host-embeddings" if args.embeddings_on_host else ""
     print(write_result(name, result, args.out))
     for k, v in result.items():
         print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")

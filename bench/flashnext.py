@@ -19,6 +19,7 @@ from common.experts.store import HostExpertStore
 from common.kernels import use_fused_kernels
 from common.memory_plan import plan_memory
 from common.model.hf_config import parse_architecture
+from common.model.host_embedding import embeddings_to_host
 from common.model.loader import build_model
 from common.model.synthetic import model_config, synthetic_tensors
 from common.runner import ModelRunner
@@ -74,11 +75,13 @@ def build_flashnext(
     all_fit: bool = False,
     prefill_chunk: int = 8192,
     lend: bool = False,
+    embeddings_on_host: bool = False,
 ) -> Flashnext:
     """Measure PCIe and HBM, then build flashnext cut to `layers` for `lanes` × `context` tokens, its cache
     the slots the memory plan gives `budget_gib` (one process; a prefill of `prefill_chunk` tokens), or
     every expert with `all_fit`, loaded up front; `lend`: the arena's second buffer serves as E more slots
-    between prefills. The benchmark reports max_memory_reserved beside the budget: the check that the plan
+    between prefills; `embeddings_on_host`: the token embedding in host memory, its bytes to the cache.
+    The benchmark reports max_memory_reserved beside the budget: the check that the plan
     holds."""
     hf = model_config(
         "flashnext",
@@ -94,6 +97,8 @@ def build_flashnext(
     model = build_model(
         arch, cfg, source, Path("<synthetic>"), torch.bfloat16, "cuda", external_experts=True, fuse=fused
     )
+    if embeddings_on_host:
+        embeddings_to_host(model)
     store = random_int4_store(
         len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     )
@@ -105,6 +110,7 @@ def build_flashnext(
         plan = plan_memory(
             cfg, arch, budget_bytes=int(budget_gib * GIB), max_context=context, max_running=lanes,
             expert_format="int4", dtype=torch.bfloat16, prefill_chunk=prefill_chunk, processes=1,
+            embeddings_on_host=embeddings_on_host,
         )  # fmt: skip
         plan.check()
         slots = plan.cache_slots
