@@ -114,13 +114,17 @@ def moe_int4_decode(
     pool: dict[str, torch.Tensor],
     block: int = 16,
     before_down: Callable[[], None] | None = None,
+    groups_per_step: int = GROUPS_PER_STEP,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
     x [T, H] (bf16/fp16/fp32, contiguous); rows, weights [T, k]; pool: an int4 pool's components
     (`gate_up_qweight` [R, 2I, H/2], `gate_up_scales`/`gate_up_zeros` [R, 2I, H/128], `down_*` likewise
     [R, H, ...]). H and I multiples of 128. Fixed launch shapes, no host sync: a recorded step can hold it.
-    `before_down` runs between the two kernels (to wait for the down rows' copies).
+    `before_down` runs between the two kernels (to wait for the down rows' copies). `block` (output rows
+    per program), `groups_per_step` (a power of two) and `num_warps` are tuning knobs
+    (bench/moe_int4_tune.py sweeps them on the GPU).
     """
     t, k = rows.shape
     hidden = x.shape[1]
@@ -130,15 +134,16 @@ def moe_int4_decode(
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
     _gate_up_kernel[(pairs, inter // block)](
         x.contiguous(), rows, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act,
-        k, hidden, inter, GROUPS=hidden // GROUP, GPB=GROUPS_PER_STEP, BLOCK=block, HALF=GROUP // 2,
+        k, hidden, inter, GROUPS=hidden // GROUP, GPB=groups_per_step, BLOCK=block, HALF=GROUP // 2,
+        num_warps=num_warps,
     )  # fmt: skip
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     if before_down is not None:
         before_down()
     _down_kernel[(pairs, hidden // block)](
         act, rows, weights.reshape(-1).contiguous(), pool["down_qweight"], pool["down_scales"],
-        pool["down_zeros"], partial, hidden, inter, GROUPS=inter // GROUP, GPB=GROUPS_PER_STEP, BLOCK=block,
-        HALF=GROUP // 2,
+        pool["down_zeros"], partial, hidden, inter, GROUPS=inter // GROUP, GPB=groups_per_step, BLOCK=block,
+        HALF=GROUP // 2, num_warps=num_warps,
     )  # fmt: skip
     return partial.view(t, k, hidden).sum(1).to(x.dtype)
 

@@ -52,3 +52,18 @@ def test_int4_decode_matches_dequantised_reference(hidden, inter, tokens, k):
     want = _reference(x, rows, weights, pool)
     assert out.dtype == x.dtype and out.shape == want.shape
     assert (out.float() - want).norm() <= 1e-2 * want.norm()
+
+
+@pytest.mark.parametrize(("block", "groups", "warps"), [(8, 2, 2), (32, 8, 8), (16, 1, 4)])
+def test_int4_decode_tuning_knobs_keep_the_result(block, groups, warps):
+    """Every setting bench/moe_int4_tune.py sweeps computes the same thing."""
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    gen = torch.Generator().manual_seed(block + groups)
+    pool = _pool(6, 2560, 640, gen)
+    x = torch.randn(2, 2560, generator=gen).to(torch.bfloat16).cuda()
+    rows = torch.randint(0, 6, (2, 10), generator=gen).cuda()
+    weights = torch.softmax(torch.randn(2, 10, generator=gen), -1).cuda()
+    out = moe_int4_decode(x, rows, weights, pool, block=block, groups_per_step=groups, num_warps=warps)
+    want = _reference(x, rows, weights, pool)
+    assert (out.float() - want).norm() <= 1e-2 * want.norm()

@@ -1,0 +1,37 @@
+"""The int4 decode MoE kernels (common/kernels/moe_int4.py) in Triton's interpreter (compiled on CUDA)
+against dequantise-then-multiply, at each tuning setting bench/moe_int4_tune.py sweeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.experts.formats import get_format
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(("block", "groups", "warps"), [(16, 4, 4), (8, 1, 2), (32, 2, 8)])
+def test_int4_decode_matches_the_dequantised_reference(block: int, groups: int, warps: int) -> None:
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    fmt, gen = get_format("int4"), torch.Generator().manual_seed(block)
+    hidden, inter, rows_in_pool = 256, 128, 5
+    packed = [
+        fmt.pack(
+            torch.randn(2 * inter, hidden, generator=gen) * 0.05,
+            torch.randn(hidden, inter, generator=gen) * 0.05,
+        )
+        for _ in range(rows_in_pool)
+    ]
+    pool = {name: torch.stack([p[name] for p in packed]).to(DEVICE) for name in packed[0]}
+    x = torch.randn(2, hidden, generator=gen).to(DEVICE)
+    rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)  # a row twice in one token
+    weights = torch.softmax(torch.randn(2, 3, generator=gen), -1).to(DEVICE)
+    out = moe_int4_decode(x, rows, weights, pool, block=block, groups_per_step=groups, num_warps=warps)
+    gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, torch.float32)
+    h = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(3, dim=0), gate_up)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.einsum("pi,phi->ph", F.silu(gate) * up, down) * weights.reshape(-1, 1)
+    torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=1e-4, atol=1e-4)
