@@ -186,10 +186,14 @@ def _attention_bytes(cfg: ModelConfig, tokens: int, context: int, dtype: torch.d
     """Prefill attention in the torch backend (the one on every device until a fused prefill kernel lands):
     it attends in query slices whose scores and fp32 softmax (4 + b bytes a score, b = the dtype's size) fit
     `TorchPagedBackend.score_bytes`; at its peak a slice holds the masked scores, the fp32 softmax and the
-    rounded probabilities (2b + 4 bytes a score)."""
+    rounded probabilities (2b + 4 bytes a score). Beside them: the gathered keys and values of the context
+    (and an fp32 copy of one while fp8 pages are read) and the output's slices, their concatenation and the
+    valid rows (3 copies of [T, Hq, D])."""
     b = dtype.itemsize
     scores = min(cfg.num_heads * tokens * context, TorchPagedBackend.score_bytes // (4 + b))
-    return scores * (2 * b + 4)
+    kv = context * cfg.num_kv_heads * cfg.head_dim * (2 * b + 4)
+    out = 3 * tokens * cfg.num_heads * cfg.head_dim * b
+    return scores * (2 * b + 4) + kv + out
 
 
 def _expert_mlp_bytes(

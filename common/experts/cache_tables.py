@@ -192,7 +192,8 @@ class CacheTables:
 
     def reclaim(self) -> None:
         """Between steps: take the bank's slots back from whichever layers hold them now, evicting their
-        experts, before their memory is used for something else."""
+        experts, before their memory is used for something else. A layer left with no slot (rebalancing may
+        have given its own away while it held lent ones) gets one back from the layer with the most."""
         if not self.lent:
             return
         if self.frozen:
@@ -210,6 +211,15 @@ class CacheTables:
         self.owner[self.bank] = -1
         self.last_use[self.bank] = 0
         self.lent = 0
+        for layer in range(self.num_layers):
+            if self._capacities[layer] == 0:
+                donor = max(range(self.num_layers), key=lambda d: self._capacities[d])
+                slots = self.layer_slots[donor]
+                owner = self.owner[slots]
+                key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, self._rate(donor)))
+                key = torch.where(self.pinned[slots], _KEY_MAX, key)
+                if self._capacities[donor] > 1 and int(key.min()) < _KEY_MAX:
+                    self._move(donor, layer, slots[key.argmin()].reshape(1))
 
     def pin(self, layer: int, experts: Sequence[int]) -> None:
         """Load-time: give `experts` of `layer` slots that are never evicted (they must still be filled)."""

@@ -51,6 +51,8 @@ def fuse_linears(linears: Sequence[nn.Linear], copy: bool = True) -> FusedLinear
     first = weights[0]
     if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1 or len({b is None for b in biases}) != 1:
         return None
+    if biases[0] is not None and len({b.dtype for b in biases}) != 1:
+        return None
     sizes = [w.shape[0] for w in weights]
     weight = _adjacent(weights)
     bias = None if biases[0] is None else _adjacent(biases)
@@ -82,11 +84,12 @@ def _adjacent(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
         if a.data_ptr() + a.numel() * a.element_size() != b.data_ptr():
             return None
     shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()  # contiguous (a 1-row part may carry any stride)
     end = first.storage_offset() * first.element_size() + sum(p.numel() for p in parts) * first.element_size()
     if end > first.untyped_storage().nbytes():
         return None
     view = torch.empty(0, dtype=first.dtype, device=first.device)
-    view.set_(first.untyped_storage(), first.storage_offset(), shape, first.stride())
+    view.set_(first.untyped_storage(), first.storage_offset(), shape, stride)
     return view.detach()
 
 

@@ -24,6 +24,7 @@ from common.experts.provider import ExpertWeights, install_provider
 from common.experts.resident import ResidentExperts
 from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
+from common.model.fused_linear import fuse_projections
 from common.model.hf_config import load_architecture
 from common.model.host_embedding import embeddings_to_host
 from common.model.host_rows import HostRows
@@ -49,6 +50,9 @@ def decode_exports(core: DecodeCore) -> Exports:
     """Move decode's weights into exportable memory (a no-op on CUDA) and export them with the pools."""
     model = core.engine.model
     tensors = {f"weights.{k}": v for k, v in ipc.share_module(model).items()}
+    # On the CPU sharing copies each weight into its own segment: fused projections, no longer back to back,
+    # would keep the old fused copy alive; re-deriving them keeps those still adjacent (all, on CUDA).
+    fuse_projections(model, copy=False)
     experts = model.experts
     if isinstance(experts, ResidentExperts):
         for layer, w in experts.weights.items():

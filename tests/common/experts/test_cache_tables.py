@@ -148,6 +148,8 @@ def test_lending_and_reclaiming_keep_the_tables_consistent(sc, bank: int, every:
                 tables.reclaim()
                 listed = torch.cat(tables.layer_slots)
                 assert not bool(torch.isin(listed, tables.bank).any())
+                if not sc["pinned"]:  # rebalancing gave a layer's own slots away: reclaim leaves it one
+                    assert min(tables.capacities) >= 1
             else:
                 room = sc["layers"] * sc["experts"] - sum(tables.capacities)
                 tables.lend()
@@ -297,3 +299,19 @@ def test_rebalance_waits_while_frozen_and_keeps_pinned_and_min_slots() -> None:
     assert tables.rebalance(slots_to_move=4, min_slots=1) == [(0, 1, 1)]  # only the unpinned slot moves
     tables.check()
     assert tables.capacities == [3, 5] and bool(tables.pinned[tables.layer_slots[0]].all())
+
+
+def test_reclaim_leaves_every_layer_a_slot() -> None:
+    """A layer lent bank slots gives its own slot away to rebalancing (it holds a cold expert, the other
+    layer's misses are hot); taking the bank back must leave it a slot, not none (every miss would bypass)."""
+    tables = CacheTables(2, 10, [1, 1], "lfu", lendable=10)
+    tables.lend()
+    tables.resolve(0, _mask(10, [9]), 0, max_new=3)  # the cold expert: into layer 0's own slot (free, first)
+    for step in range(1, 11):
+        tables.resolve(0, _mask(10, [step % 5]), step, max_new=3)
+        tables.resolve(1, _mask(10, [step % 10, (step + 1) % 10, (step + 2) % 10]), step, max_new=3)
+    assert tables.rebalance(slots_to_move=1) == [(0, 1, 1)]
+    assert not bool(torch.isin(tables.layer_slots[0], tables.bank, invert=True).any())  # only lent ones
+    tables.reclaim()
+    assert tables.capacities == [1, 1]
+    tables.check()
