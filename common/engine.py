@@ -75,9 +75,11 @@ class Engine:
         the token embedding in host memory (common/model/host_embedding.py); `fused_kernels` switches the
         fused Triton kernels and projections on or off (`common.kernels.use_fused_kernels`; None: on CUDA);
         `lend_arena` gives the prefill arena's second buffer to the expert cache between prefills (E more
-        slots during decode; see OffloadedExperts)."""
+        slots during decode; see OffloadedExperts; each prefill pass takes it back, emptied)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
+        if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
+            raise ValueError("lending the arena does not combine with speculative decoding")
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
         if fused_kernels is None:
             fused_kernels = torch.device(device).type == "cuda"
