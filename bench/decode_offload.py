@@ -121,6 +121,7 @@ def main() -> None:
     }
     name = "decode-allfit" if args.all_fit else f"decode-{args.lanes}" + ("-lending" if args.lend else "")
     name += "-host-embeddings" if args.embeddings_on_host else ""
+    name += ("" if args.fused else "-torch-ops") + ("-eager" if args.eager else "")  # a variant: its own file
     print(write_result(name, result, args.out))
     for k, v in result.items():
         print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
