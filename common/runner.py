@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -54,7 +55,7 @@ class ModelRunner:
         specs = with_kv_dtype(model.state_specs(param.dtype), parse_kv_dtype(kv_dtype))
         pages = num_pages(max_seqs, max_context, page_size)
         self.pool = StatePool(specs, pages, page_size, max_seqs, self.device, allocate)
-        self.max_context = max_context
+        self.max_context, self.kv_dtype = max_context, kv_dtype
         if self.pool.kv_scales is not None:
             scales = kv_scales if kv_scales is not None else self.calibrate_kv_scales(page_size)
             self.pool.kv_scales.copy_(scales)
@@ -82,6 +83,25 @@ class ModelRunner:
             else:
                 probe.forward([seq], [tokens[:n]])
         return scales_from_amax(_kv_amax(probe.pool, self.device), KV_SCALE_MARGIN)
+
+    def warm_up(self, tokens: int = 64) -> None:
+        """Compile what requests will run before the first one comes: Triton and fla-core kernels compile
+        and autotune on first use (tens of seconds on a fresh machine, which a first request's TTFT would
+        pay). A throwaway sequence in a probe pool of its own (K/V as this pool's) takes a prefill of `tokens`
+        tokens and one eager decode step, routing hooks off; an offloaded expert cache runs them untracked
+        (frozen, its statistics and counters put back), so nothing of the warm-up stays."""
+        scales = self.pool.kv_scales
+        probe = ModelRunner(
+            self.model, 1, tokens + 1, self.pool.page_size, self.backend, self.kv_dtype,
+            kv_scales=None if scales is None else scales.clone(),
+        )  # fmt: skip
+        untracked = getattr(self.model.experts, "untracked", contextlib.nullcontext)
+        with _routing_hooks_off(self.model), untracked():
+            seq = probe.new_sequence()
+            first = probe.forward([seq], [list(range(3, 3 + tokens))]).argmax(-1)
+            probe.forward([seq], [[int(first)]])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def new_sequence(self) -> SequenceState:
         return self.pool.new_sequence()

@@ -33,7 +33,8 @@ on where, so the output does not depend on the cache's size, policy or contents.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -295,6 +296,24 @@ class OffloadedExperts(ExpertProvider):
             if self.decode_passes % self.rebalance_every == 0:
                 per_layer = self.tables.num_slots // self.tables.num_layers
                 self.tables.rebalance(slots_to_move=max(1, per_layer // 16))
+
+    @contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Passes that leave no trace (a warm-up): the cache frozen, so nothing is inserted or evicted (a miss
+        is computed from a staging row), and its statistics, counters, traffic and step put back after."""
+        t = self.tables
+        names = ("freq", "absent", "previous", "reuse", "counts", "last_use")
+        saved = {n: getattr(t, n).clone() for n in names}
+        moved, step, passes, frozen = self._moved.clone(), self.step.clone(), self.decode_passes, t.frozen
+        t.frozen = True
+        try:
+            yield
+        finally:
+            for n, value in saved.items():
+                getattr(t, n).copy_(value)
+            self._moved.copy_(moved)
+            self.step.copy_(step)
+            self.decode_passes, t.frozen = passes, frozen
 
     def traffic(self) -> TrafficCounters:
         """Bytes moved host → device so far, per MoE layer. Reads device counters (a sync): between steps."""

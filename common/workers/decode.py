@@ -93,6 +93,8 @@ class DecodeCore:
         # prompts are prefilled by the prefill worker (its own arena): one buffer here, the other to the cache
         self.engine = load_engine(self.cfg, allocate, host_allocate, arena_buffers=1)
         self.runner = self.engine.runner
+        if self.runner.device.type == "cuda":  # compile now, not on the first request's steps
+            self.runner.warm_up()
         self.pool = self.runner.pool
         self.eos_ids = self.engine.config.eos_token_ids
         self.running: dict[str, Request] = {}

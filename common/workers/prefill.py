@@ -71,6 +71,8 @@ class PrefillCore:
         if cfg.fused_kernels or (cfg.fused_kernels is None and self.runner.device.type == "cuda"):
             # decode fused the projections before sharing them: view its weights, copy nothing
             use_fused_kernels(model, True, self.runner.backend, fuse_copy=False)
+        if self.runner.device.type == "cuda":  # compile now, not in the first request's TTFT
+            self.runner.warm_up()
         self.eos_ids = eos_ids
         self.queue: deque[Generate] = deque()
         self.asked: Generate | None = None  # waiting for decode's StateGranted

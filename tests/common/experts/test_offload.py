@@ -165,6 +165,28 @@ def test_lending_the_arena_between_prefills_changes_nothing(model, chunk):
     assert len(lends) >= 2 and len(reclaims) >= 1  # lent, taken back for the third prefill, lent again
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "fp8_e4m3"])
+def test_a_warm_up_leaves_no_trace(model, kv_dtype):
+    """`ModelRunner.warm_up` (run by the workers on CUDA before their first request) changes no table, no
+    counter and no lane of the real pool, and the engine then generates what a fresh one does."""
+    path, prompts, reference = model
+    engine = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="0.25", kv_dtype=kv_dtype)
+    tables, provider = engine.offload.tables, engine.offload
+    names = ("slot_of", "owner", "last_use", "pinned", "freq", "absent", "previous", "reuse", "counts")
+    before = {n: getattr(tables, n).clone() for n in (*names, "slot_table")}
+    moved, step, free = provider._moved.clone(), provider.step.clone(), engine.runner.pool.slots.num_free
+    engine.runner.warm_up(tokens=9)
+    assert all(torch.equal(getattr(tables, n), t) for n, t in before.items())
+    assert torch.equal(provider._moved, moved) and torch.equal(provider.step, step) and not tables.frozen
+    assert engine.runner.pool.slots.num_free == free
+    if kv_dtype is None:
+        assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
+    else:  # fp8 K/V: the same tokens as an engine that was not warmed up
+        fresh = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="0.25", kv_dtype=kv_dtype)
+        want = [r.token_ids for r in fresh.generate(prompts, GREEDY)]
+        assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == want
+
+
 # --- the provider on its own: fixed-shape copies, staging rows, batched decode, the arena's prefetch -------
 
 E, LAYERS, TOP_K = 8, 3, 2
