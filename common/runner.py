@@ -100,8 +100,10 @@ class ModelRunner:
             seq = probe.new_sequence()
             first = probe.forward([seq], [list(range(3, 3 + tokens))]).argmax(-1)
             probe.forward([seq], [[int(first)]])
-        if self.device.type == "cuda":
+        del probe, seq
+        if self.device.type == "cuda":  # the probe pool's blocks go back: they are not this runner's to keep
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def new_sequence(self) -> SequenceState:
         return self.pool.new_sequence()
