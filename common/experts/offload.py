@@ -300,8 +300,11 @@ class OffloadedExperts(ExpertProvider):
     @contextmanager
     def untracked(self) -> Iterator[None]:
         """Passes that leave no trace (a warm-up): the cache frozen, so nothing is inserted or evicted (a miss
-        is computed from a staging row), and its statistics, counters, traffic and step put back after."""
+        is computed from a staging row), and its statistics, counters, traffic and step put back after. Lent
+        arena slots are taken back first (a prefill pass needs them, and a frozen cache cannot give them)."""
         t = self.tables
+        if self.lend_arena:
+            t.reclaim()
         names = ("freq", "absent", "previous", "reuse", "counts", "last_use")
         saved = {n: getattr(t, n).clone() for n in names}
         moved, step, passes, frozen = self._moved.clone(), self.step.clone(), self.decode_passes, t.frozen

@@ -391,3 +391,13 @@ def test_prefill_prefetch_path_in_the_engine_changes_nothing(model, monkeypatch)
     )
     out, _ = _run(path, prompts, expert_cache=_smallest(path), prefill_chunk=8192)
     assert out == reference and any(decisions) and not all(decisions)
+
+
+def test_a_warm_up_after_lending_takes_the_arena_back_first(model):
+    path, prompts, reference = model
+    engine = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="0.25", lend_arena=True)
+    assert [r.token_ids for r in engine.generate(prompts[:1], GREEDY)] == reference[:1]
+    assert engine.offload.tables.lent  # a decode pass came last
+    engine.runner.warm_up(tokens=9)
+    engine.offload.tables.check()
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
