@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -27,6 +28,9 @@ KV_CALIBRATION_TOKENS = 64
 """Synthetic tokens of the calibration pass that sets the fp8 K/V scales."""
 KV_SCALE_MARGIN = 2.0
 """Headroom over the calibration amax: real text may reach further; beyond it values saturate at ±448."""
+
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -169,6 +173,17 @@ class ModelRunner:
     def _advance(seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> None:
         for seq, toks in zip(seqs, tokens, strict=True):
             seq.num_cached += len(toks)
+
+
+def warm_up_on_cuda(runner: ModelRunner) -> None:
+    """A worker's warm-up before its first request (CUDA only): a failure costs only the first request's
+    compile time, so it is logged, not raised."""
+    if runner.device.type != "cuda":
+        return
+    try:
+        runner.warm_up()
+    except Exception:
+        log.warning("warm-up failed; the first request compiles its kernels instead", exc_info=True)
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from common.kv.state import Allocator, PoolExhausted, SequenceState
 from common.memory_plan import worker_plan
 from common.protocol import AllocState, PrefillDone, StateGranted, Tokens
 from common.requests import Request, append_token, sample_next
+from common.runner import warm_up_on_cuda
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,8 +94,7 @@ class DecodeCore:
         # prompts are prefilled by the prefill worker (its own arena): one buffer here, the other to the cache
         self.engine = load_engine(self.cfg, allocate, host_allocate, arena_buffers=1)
         self.runner = self.engine.runner
-        if self.runner.device.type == "cuda":  # compile now, not on the first request's steps
-            self.runner.warm_up()
+        warm_up_on_cuda(self.runner)  # compile now, not on the first request's steps
         self.pool = self.runner.pool
         self.eos_ids = self.engine.config.eos_token_ids
         self.running: dict[str, Request] = {}

@@ -30,7 +30,7 @@ from common.protocol import (
     Tokens,
 )
 from common.requests import Request, append_token, sample_next
-from common.runner import ModelRunner
+from common.runner import ModelRunner, warm_up_on_cuda
 
 Outgoing = list[tuple[str, Message]]
 """Messages to send, each with its destination service (`router` or `decode`)."""
@@ -71,8 +71,7 @@ class PrefillCore:
         if cfg.fused_kernels or (cfg.fused_kernels is None and self.runner.device.type == "cuda"):
             # decode fused the projections before sharing them: view its weights, copy nothing
             use_fused_kernels(model, True, self.runner.backend, fuse_copy=False)
-        if self.runner.device.type == "cuda":  # compile now, not in the first request's TTFT
-            self.runner.warm_up()
+        warm_up_on_cuda(self.runner)  # compile now, not in the first request's TTFT
         self.eos_ids = eos_ids
         self.queue: deque[Generate] = deque()
         self.asked: Generate | None = None  # waiting for decode's StateGranted
