@@ -92,3 +92,23 @@ def write_profile(run, path: Path) -> None:
         + "\n"
         + table.table(sort_by="self_cpu_time_total", row_limit=40)
     )
+
+
+def replay_us(run, replays: int = 20, between=None) -> float:
+    """µs per replay of `run()` recorded as one CUDA graph (after one eager call that compiles its kernels);
+    `between()` runs before each timed replay, outside the graph (e.g. new inputs in place)."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        if between is not None:
+            between()
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays

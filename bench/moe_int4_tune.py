@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from bench.common import measure_hbm_gbps
+from bench.common import measure_hbm_gbps, replay_us
 from bench.flashnext import random_int4_store
 from common.kernels.moe_int4 import moe_int4_decode
 
@@ -33,19 +33,7 @@ def time_config(pool: dict, tokens: int, block: int, groups: int, warps: int, re
         for c in range(CALLS):
             moe_int4_decode(x[c], rows[c], weights[c], pool, block, None, groups, warps)
 
-    calls()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (repeats * CALLS)
+    return replay_us(calls, repeats) / CALLS
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import argparse
 
 import torch
 
+from bench.common import replay_us
 from common.experts.cache_tables import CacheTables
 from common.kernels.resolve import resolve_step
 
@@ -27,20 +28,7 @@ def time_warps(layers: int, experts: int, slots: int, warps: int, steps: int = 5
         for layer in range(layers):
             resolve_step(tables, layer, ids[layer], step, moved, num_warps=warps)
 
-    one_pass()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        one_pass()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        ids.random_(0, experts)
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (steps * layers)
+    return replay_us(one_pass, steps, between=lambda: ids.random_(0, experts)) / layers
 
 
 def main() -> None:

@@ -61,13 +61,13 @@ class ModelRunner:
         self.pool = StatePool(specs, pages, page_size, max_seqs, self.device, allocate)
         self.max_context, self.kv_dtype = max_context, kv_dtype
         if self.pool.kv_scales is not None:
-            scales = kv_scales if kv_scales is not None else self.calibrate_kv_scales(page_size)
+            scales = kv_scales if kv_scales is not None else self.calibrate_kv_scales()
             self.pool.kv_scales.copy_(scales)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, self.backend, max_context)
 
-    def calibrate_kv_scales(self, page_size: int) -> torch.Tensor:
+    def calibrate_kv_scales(self) -> torch.Tensor:
         """Per-layer K and V scales [layers, 2]: amax × KV_SCALE_MARGIN / 448 over one pass of seeded random
         tokens (MTP layers too), run with K/V in the model dtype.
 
@@ -76,7 +76,7 @@ class ModelRunner:
         prefill worker reads decode's scales anyway (they are exported with the pool).
         """
         n = KV_CALIBRATION_TOKENS
-        probe = ModelRunner(self.model, 1, max_context=2 * n, page_size=page_size, backend=self.backend)
+        probe = self._probe(2 * n)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(self.model.config.vocab_size, (n + 1,), generator=gen).tolist()
         with _routing_hooks_off(self.model):  # a recorded or replayed routing trace must not see these tokens
@@ -95,10 +95,7 @@ class ModelRunner:
         tokens and one eager decode step, routing hooks off; an offloaded expert cache runs them untracked
         (frozen, its statistics and counters put back), so nothing of the warm-up stays."""
         scales = self.pool.kv_scales
-        probe = ModelRunner(
-            self.model, 1, tokens + 1, self.pool.page_size, self.backend, self.kv_dtype,
-            kv_scales=None if scales is None else scales.clone(),
-        )  # fmt: skip
+        probe = self._probe(tokens + 1, self.kv_dtype, None if scales is None else scales.clone())
         untracked = getattr(self.model.experts, "untracked", contextlib.nullcontext)
         with _routing_hooks_off(self.model), untracked():
             seq = probe.new_sequence()
@@ -108,6 +105,12 @@ class ModelRunner:
         if self.device.type == "cuda":  # the probe pool's blocks go back: they are not this runner's to keep
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    def _probe(self, context: int, kv_dtype=None, kv_scales: torch.Tensor | None = None) -> ModelRunner:
+        """A one-lane eager runner over this model with a pool of its own: passes that must not touch this
+        runner's pool (calibration, warm-up)."""
+        page_size = self.pool.page_size
+        return ModelRunner(self.model, 1, context, page_size, self.backend, kv_dtype, kv_scales=kv_scales)
 
     def new_sequence(self) -> SequenceState:
         return self.pool.new_sequence()

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
-from services.worker_args import add_config_args, size_arg
+from services.worker_args import add_config_args, add_placement_args, size_arg
 
 DTYPES = ("float32", "bfloat16", "float16")
 GENERATE_LANES, GENERATE_CONTEXT = 8, 4096
@@ -320,12 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON {MoE layer index: [experts]} kept cached for good (a calibration hot set)",
     )
     gen.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens per prefill pass")
-    gen.add_argument(
-        "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
-    )
-    gen.add_argument(
-        "--embeddings-on-host", action="store_true", help="keep the token embedding in host memory"
-    )
+    add_placement_args(gen)
     gen.add_argument(
         "--lend-arena",
         action="store_true",
@@ -390,12 +385,7 @@ def _add_plan(sub) -> None:
     plan.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
     plan.add_argument("--dtype", choices=DTYPES, default="float32")
     plan.add_argument("--prefill-chunk", type=int, default=8192)
-    plan.add_argument(
-        "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
-    )
-    plan.add_argument(
-        "--embeddings-on-host", action="store_true", help="keep the token embedding in host memory"
-    )
+    add_placement_args(plan)
     plan.add_argument(
         "--single-process",
         action="store_true",

@@ -33,14 +33,7 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         help="cap on the device memory of the services (32GiB, 500MiB, bytes): the expert cache gets what "
         "the memory plan leaves (see `spillway plan`); implies offloaded experts",
     )
-    parser.add_argument(
-        "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
-    )
-    parser.add_argument(
-        "--embeddings-on-host",
-        action="store_true",
-        help="keep the token embedding in host memory (its VRAM goes to the expert cache)",
-    )
+    add_placement_args(parser)
     parser.add_argument(
         "--fused-kernels",
         action=argparse.BooleanOptionalAction,
@@ -51,6 +44,18 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         "--eager", action="store_true", help="run decode passes op by op, not as recorded CUDA graphs"
     )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
+
+
+def add_placement_args(parser: argparse.ArgumentParser) -> None:
+    """Where state lives, for serve, generate and plan alike: the K/V dtype and the token embedding."""
+    parser.add_argument(
+        "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
+    )
+    parser.add_argument(
+        "--embeddings-on-host",
+        action="store_true",
+        help="keep the token embedding in host memory (its VRAM goes to the expert cache)",
+    )
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:

@@ -215,9 +215,7 @@ class CacheTables:
             if self._capacities[layer] == 0:
                 donor = max(range(self.num_layers), key=lambda d: self._capacities[d])
                 slots = self.layer_slots[donor]
-                owner = self.owner[slots]
-                key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, self._rate(donor)))
-                key = torch.where(self.pinned[slots], _KEY_MAX, key)
+                _, key = self._give_order(donor, slots)
                 if self._capacities[donor] > 1 and int(key.min()) < _KEY_MAX:
                     self._move(donor, layer, slots[key.argmin()].reshape(1))
 
@@ -383,9 +381,7 @@ class CacheTables:
         present = (self.slot_of[:, :e] >= 0).cpu()
         order, worth, absent = [], [], []  # per layer: slots it can give (lowest first), their worth; gains
         for layer, slots in enumerate(self.layer_slots):
-            owner = self.owner[slots]
-            key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, self._rate(layer)))
-            key = torch.where(self.pinned[slots], _KEY_MAX, key)
+            owner, key = self._give_order(layer, slots)
             can = max(0, min(slots.numel() - min_slots, int((key < _KEY_MAX).sum()), n * limit))
             lowest = torch.topk(key, can, largest=False).indices
             held = owner[lowest].cpu()
@@ -426,6 +422,13 @@ class CacheTables:
             self._move(d, r, moved[d][start[d] : start[d] + m])
             start[d] += m
         return [(d, r, m) for (d, r), m in moves.items()]
+
+    def _give_order(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(owners, keys) of `layer`'s `slots`: the order in which the layer gives slots up, lowest key
+        first (free slots first, pinned ones never)."""
+        owner = self.owner[slots]
+        key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, self._rate(layer)))
+        return owner, torch.where(self.pinned[slots], _KEY_MAX, key)
 
     def _move(self, donor: int, recipient: int, moved: torch.Tensor) -> None:
         """Move the slots `moved` from the donor to the recipient, evicting their experts."""

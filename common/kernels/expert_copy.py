@@ -25,13 +25,19 @@ def _copy_part(src_ptr, dst_ptr, row_words, src, dst, offs):
 
 
 @triton.jit
+def _pair(src_ids_ptr, dst_rows_ptr, pair, BLOCK: tl.constexpr):
+    """A valid pair's source row, destination row and this program's word offsets."""
+    src = tl.load(src_ids_ptr + pair).to(tl.int64)
+    dst = tl.load(dst_rows_ptr + pair).to(tl.int64)
+    return src, dst, tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
 def _copy_rows_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_rows_ptr, valid_ptr, row_words, BLOCK: tl.constexpr):
     pair = tl.program_id(0)
     if tl.load(valid_ptr + pair) == 0:
         return
-    src = tl.load(src_ids_ptr + pair).to(tl.int64)
-    dst = tl.load(dst_rows_ptr + pair).to(tl.int64)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    src, dst, offs = _pair(src_ids_ptr, dst_rows_ptr, pair, BLOCK)
     _copy_part(src_ptr, dst_ptr, row_words, src, dst, offs)
 
 
@@ -90,9 +96,7 @@ def _copy_parts_kernel(
     pair = tl.program_id(0)
     if tl.load(valid_ptr + pair) == 0:
         return
-    src = tl.load(src_ids_ptr + pair).to(tl.int64)
-    dst = tl.load(dst_rows_ptr + pair).to(tl.int64)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    src, dst, offs = _pair(src_ids_ptr, dst_rows_ptr, pair, BLOCK)
     part = tl.program_id(2)
     if part == 0:
         _copy_part(s0, d0, w0, src, dst, offs)

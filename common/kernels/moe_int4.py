@@ -57,6 +57,13 @@ def _groups_dot(
 
 
 @triton.jit
+def _expert_ptrs(w_ptr, s_ptr, z_ptr, row, rows_out, GROUPS: tl.constexpr, HALF: tl.constexpr):
+    """Pool row `row`'s codes, scales and zeros of one matrix of `rows_out` output rows."""
+    at = row * rows_out
+    return w_ptr + at * (GROUPS * HALF), s_ptr + at * GROUPS, z_ptr + at * GROUPS
+
+
+@triton.jit
 def _load_pairs(ptr, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr):
     """A vector's even and odd entries of groups g0..g0+GPB−1, [GPB, HALF] fp32 each (0 past the last)."""
     gi = g0 + tl.arange(0, GPB)
@@ -76,9 +83,7 @@ def _gate_up_kernel(
     t = p // k
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] act columns (< inter: inter % BLOCK == 0)
-    w = w_ptr + row * (2 * inter) * (GROUPS * HALF)
-    s = s_ptr + row * (2 * inter) * GROUPS
-    z = z_ptr + row * (2 * inter) * GROUPS
+    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, 2 * inter, GROUPS, HALF)
     gate = tl.zeros((BLOCK,), dtype=tl.float32)
     up = tl.zeros((BLOCK,), dtype=tl.float32)
     for g0 in range(0, GROUPS, GPB):
@@ -97,9 +102,7 @@ def _down_kernel(
     p = tl.program_id(0)
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
-    w = w_ptr + row * hidden * (GROUPS * HALF)
-    s = s_ptr + row * hidden * GROUPS
-    z = z_ptr + row * hidden * GROUPS
+    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for g0 in range(0, GROUPS, GPB):
         a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF)
@@ -191,9 +194,7 @@ def _grouped_gate_up_kernel(
     row, pairs, live = _block(rows_ptr, pairs_ptr, expert, b, BM)
     tokens = tl.where(live, pairs // k, 0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN] act columns
-    w = w_ptr + row * (2 * inter) * (GROUPS * HALF)
-    s = s_ptr + row * (2 * inter) * GROUPS
-    z = z_ptr + row * (2 * inter) * GROUPS
+    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, 2 * inter, GROUPS, HALF)
     gate = tl.zeros((BM, BN), dtype=tl.float32)
     up = tl.zeros((BM, BN), dtype=tl.float32)
     for g in range(GROUPS):
@@ -216,9 +217,7 @@ def _grouped_down_kernel(
     row, pairs, live = _block(rows_ptr, pairs_ptr, expert, b, BM)
     safe = tl.where(live, pairs, 0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN] output columns
-    w = w_ptr + row * hidden * (GROUPS * HALF)
-    s = s_ptr + row * hidden * GROUPS
-    z = z_ptr + row * hidden * GROUPS
+    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for g in range(GROUPS):
         acc = _tile_dot(acc, act_ptr, safe, live, inter, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
