@@ -80,8 +80,9 @@ class RoutingReplayer(RoutingHook):
 
     def rewind(self) -> None:
         """Replay from the trace's first row again (in place: recorded steps keep reading the cursors)."""
-        for _, _, cursor in self._device.values():
-            cursor.zero_()
+        with torch.inference_mode():  # the cursors were made inside the runner's inference mode
+            for _, _, cursor in self._device.values():
+                cursor.zero_()
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if device not in self._device:
