@@ -34,13 +34,6 @@ def _rate(freq_ptr, absent_ptr, at, mask):
 
 
 @triton.jit
-def _mul(a, b):
-    """a · b rounded once to fp32, as torch's fp32 multiply: the product is formed exactly in fp64, so the
-    compiler cannot fuse it with a following add into one fma (whose single rounding torch does not do)."""
-    return (a.to(tl.float64) * b.to(tl.float64)).to(tl.float32)
-
-
-@triton.jit
 def _add(ptr, value):
     tl.store(ptr, tl.load(ptr) + value)
 
@@ -92,17 +85,15 @@ def _resolve_kernel(
         req = req | (tl.max((e[:, None] == ids[None, :]).to(tl.int32), axis=1) > 0)
     req = req & live_e
     prev = (tl.load(previous_ptr + base + e, mask=live_e, other=0) != 0) & live_e
-    freq = _mul(tl.load(freq_ptr + base + e, mask=live_e, other=0.0), decay) + (req & ~prev).to(tl.float32)
-    absent = _mul(tl.load(absent_ptr + base + e, mask=live_e, other=0.0), decay) + (~prev & live_e).to(
-        tl.float32
-    )
+    freq = tl.load(freq_ptr + base + e, mask=live_e, other=0.0) * decay + (req & ~prev).to(tl.float32)
+    absent = tl.load(absent_ptr + base + e, mask=live_e, other=0.0) * decay + (~prev & live_e).to(tl.float32)
     tl.store(freq_ptr + base + e, freq, mask=live_e)
     tl.store(absent_ptr + base + e, absent, mask=live_e)
     tl.store(previous_ptr + base + e, req, mask=live_e)
     again = tl.sum((req & prev).to(tl.float32), axis=0)
     seen = tl.sum(prev.to(tl.float32), axis=0)
-    reuse_hits = _mul(tl.load(reuse_ptr + 2 * layer), decay) + again
-    reuse_seen = _mul(tl.load(reuse_ptr + 2 * layer + 1), decay) + seen
+    reuse_hits = tl.load(reuse_ptr + 2 * layer) * decay + again
+    reuse_seen = tl.load(reuse_ptr + 2 * layer + 1) * decay + seen
     tl.store(reuse_ptr + 2 * layer, reuse_hits)
     tl.store(reuse_ptr + 2 * layer + 1, reuse_seen)
     rate = tl.math.div_rn(freq, tl.maximum(absent, 1.0))  # [E]
@@ -143,7 +134,7 @@ def _resolve_kernel(
     old = tl.load(owner_ptr + victims, mask=jj < P, other=-1)
     if POLICY == 2:  # lfu-admit (CacheTables._admit)
         reuse = tl.math.div_rn(reuse_hits, tl.maximum(reuse_seen, 1.0))
-        new = reuse + _mul(1.0 - reuse, newcomer_rate)
+        new = reuse + (1.0 - reuse) * newcomer_rate
         old_rate = tl.where(old >= 0, _rate(freq_ptr, absent_ptr, base + old, old >= 0), float("-inf"))
         valid = valid & (new >= old_rate)
 
@@ -205,5 +196,6 @@ def resolve_step(
         POLICY=POLICY_CODES[tables.policy], P=p, PB=triton.next_power_of_2(p),
         BLOCK_E=triton.next_power_of_2(e), BLOCK_N=max(16, triton.next_power_of_2(n)), CHUNK=16,
         num_warps=num_warps or NUM_WARPS,
+        enable_fp_fusion=False,  # torch rounds each multiply and add; an fma would change the statistics
     )  # fmt: skip
     return row, newcomer, target, valid
