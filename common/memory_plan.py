@@ -199,17 +199,20 @@ def _attention_bytes(cfg: ModelConfig, tokens: int, context: int, dtype: torch.d
 def _expert_mlp_bytes(
     cfg: ModelConfig, fmt: ExpertFormat, tokens: int, dtype: torch.dtype, decode: bool
 ) -> int:
-    """The routed expert MLP. Prefill (`grouped_expert_mlp`, one expert at a time): the output accumulator and
-    one expert's rows of x, gate_up, the activated product and y — at most every token — plus one expert
-    dequantised. Decode (`batched_expert_mlp`): every (token, choice) gathers its expert's packed row and
-    dequantises it at once (T·k experts), and its 1-row products."""
+    """The routed expert MLP. Prefill, the larger of two paths: `grouped_expert_mlp` (one expert at a time:
+    the output accumulator and one expert's rows of x, gate_up, the activated product and y — at most every
+    token — plus one expert dequantised) and the grouped int4 kernels (`moe_int4_grouped`: every (token,
+    choice) pair's activated row and output row, the pairs' grouping indices, the fp32 sum over choices
+    and its rounding). Decode (`batched_expert_mlp`): every (token, choice) gathers its expert's packed row
+    and dequantises it at once (T·k experts), and its 1-row products."""
     if not cfg.moe_layers:
         return 0
     h, i, k, b = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, dtype.itemsize
     one = _dequant_bytes(fmt, h, i, dtype)
     if decode:
         return tokens * k * (fmt.expert_nbytes(h, i) + one + b * (4 * i + 3 * h))
-    return tokens * b * 4 * (h + i) + one
+    grouped = tokens * k * (b * (h + i) + 5 * 8) + tokens * h * (4 + b)
+    return max(tokens * b * 4 * (h + i) + one, grouped)
 
 
 def scratch_bytes(

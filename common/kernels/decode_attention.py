@@ -30,13 +30,14 @@ import triton.language as tl
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sel_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr,
-    heads, kv_heads, table_width, page_size, keys, sel_width, scale, window,
+    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, sel_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr,
+    out_ptr, heads, kv_heads, table_width, page_size, keys, sel_width, scale, window,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     ITERS: tl.constexpr, SPARSE: tl.constexpr, FP8: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    table_row = tl.load(rows_ptr + t).to(tl.int64) if ROWS else t  # the query's sequence
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     head = kvh * GROUP + g  # [G_PAD] the query heads of this KV head's group; rows ≥ GROUP are padding
@@ -65,7 +66,8 @@ def _split_kernel(
             if WINDOW:
                 ok = ok & (pos > length - 1 - window)
             safe = tl.where(ok, pos, 0)
-            page = tl.load(table_ptr + t * table_width + safe // page_size, mask=ok, other=0).to(tl.int64)
+            page = tl.load(table_ptr + table_row * table_width + safe // page_size, mask=ok, other=0)
+            page = page.to(tl.int64)
             row = (page * page_size + safe % page_size) * kv_heads + kvh  # [BLOCK_N] token rows of this head
             k = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
             v = tl.load(v_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
@@ -80,13 +82,18 @@ def _split_kernel(
             m = new_m
     if FP8:
         acc = acc * tl.load(vs_ptr).to(tl.float32)
-    at = (t * heads + head) * SPLITS + s  # [G_PAD] (token, query head, split) rows of the partial results
-    tl.store(m_ptr + at, m, mask=real)
-    # A split that saw no key (past a sequence's end or a selection's width) leaves its sum and values
-    # unwritten: the merge reads them only where m says the split saw one.
-    seen = real & (m > -1e30)
-    tl.store(l_ptr + at, denom, mask=seen)
-    tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=seen[:, None])
+    if SPLITS == 1:  # the only split: the output itself, no partial results to merge
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+        rows = (t * heads + head)[:, None] * D + d[None, :]
+        tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+    else:
+        at = (t * heads + head) * SPLITS + s  # [G_PAD] (token, query head, split) rows of the partials
+        tl.store(m_ptr + at, m, mask=real)
+        # A split that saw no key (past a sequence's end or a selection's width) leaves its sum and values
+        # unwritten: the merge reads them only where m says the split saw one.
+        seen = real & (m > -1e30)
+        tl.store(l_ptr + at, denom, mask=seen)
+        tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=seen[:, None])
 
 
 @triton.jit
@@ -139,12 +146,15 @@ def paged_decode_attention(
     window: int | None = None,
     splits: int | None = None,
     block_n: int = 32,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D] (one query per sequence, at position kv_lens[t] − 1); k/v pages [P, page, Hkv, D];
-    page_table [T, W]; kv_lens [T] int64 → attention [T, Hq, D] in q's dtype. `max_keys` bounds kv_lens
-    (fixes the launch shape); `selected` [T, S] key positions a query may see (−1: none) replaces "every
-    earlier key"; `kv_scale` [2] (fp8 pages: K and V scales); `window`: keys within the last `window`.
-    `splits` caps the splits of the keys (default: chosen from the shapes); `block_n` keys per step."""
+    """q [T, Hq, D] (query t at position kv_lens[t] − 1); k/v pages [P, page, Hkv, D]; page_table [B, W]
+    with query t's sequence at row table_rows[t] (default: row t, one query per sequence); kv_lens [T]
+    int64 → attention [T, Hq, D] in q's dtype. `max_keys` bounds kv_lens (fixes the launch shape);
+    `selected` [T, S] key positions a query may see (−1: none) replaces "every earlier key"; `kv_scale` [2]
+    (fp8 pages: K and V scales); `window`: keys within the last `window`. `splits` caps the splits of the
+    keys (default: chosen from the shapes); `block_n` keys per step. Prefill queries are rows too (with
+    `table_rows`): many tokens give one split each, written straight to the output (no merge)."""
     t, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     assert dim >= 16 and dim & (dim - 1) == 0, f"head dim {dim}: a power of two ≥ 16 (tl.dot)"
@@ -155,24 +165,28 @@ def paged_decode_attention(
     bound = max(triton.next_power_of_2(keys), block_n)  # compiled per power of two of the key bound
     splits = _num_splits(t, kv_heads, bound, block_n, splits)
     iters = triton.cdiv(bound, splits * block_n)
-    m = torch.empty((t, heads, splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    partial = (t, heads, splits) if splits > 1 else (1, 1, 1)  # one split writes `out` directly
+    m = torch.empty(partial, dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
-    acc = torch.empty((t, heads, splits, dim), dtype=torch.float32, device=q.device)
+    acc = torch.empty((*partial, dim), dtype=torch.float32, device=q.device)
     fp8 = kv_scale is not None
     scales = kv_scale if fp8 else m  # unread without fp8
     sel = selected.contiguous() if selected is not None else page_table
     # Dots take q's dtype (bf16 on the GPU; fp8 pages widen to it exactly); fp32 ones in full IEEE fp32, as
     # tf32 (the default, which 16-bit inputs ignore) would miss the fp32 reference by ~1e-3.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    rows = table_rows if table_rows is not None else kv_lens  # unread without table_rows
     _split_kernel[(t, kv_heads, splits)](
-        q.contiguous(), k_pages, v_pages, page_table, kv_lens, sel, scales, scales[1:] if fp8 else m,
-        m, denom, acc, heads, kv_heads, page_table.shape[1], page_size, keys, sel.shape[1], scale,
+        q.contiguous(), k_pages, v_pages, page_table, rows, kv_lens, sel, scales, scales[1:] if fp8 else m,
+        m, denom, acc, out, heads, kv_heads, page_table.shape[1], page_size, keys, sel.shape[1], scale,
         window or 0,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, SPLITS=splits,
         ITERS=iters, SPARSE=selected is not None, FP8=fp8, WINDOW=window is not None,
-        PRECISION=precision,
+        PRECISION=precision, ROWS=table_rows is not None,
     )  # fmt: skip
-    out = torch.empty_like(q)
+    if splits == 1:
+        return out
     block_d = min(dim, MERGE_BLOCK_D)
     _merge_kernel[(t * heads, dim // block_d)](m, denom, acc, out, D=dim, SPLITS=splits, BLOCK_D=block_d)
     return out

@@ -279,4 +279,4 @@ def moe_int4_grouped(
         pool["down_scales"], pool["down_zeros"], out, hidden, inter,
         GROUPS=inter // GROUP, BM=block_m, BN=block_n, HALF=GROUP // 2,
     )  # fmt: skip
-    return out.view(t, k, hidden).float().sum(1).to(x.dtype)
+    return out.view(t, k, hidden).sum(1, dtype=torch.float32).to(x.dtype)  # no fp32 copy of [T·k, H]

@@ -81,6 +81,8 @@ class TorchPlan:
     k_valid: torch.Tensor  # [B, Kmax]
     page_table: torch.Tensor  # [B, W] the batch's page table
     k_lens: torch.Tensor  # [B] keys of each sequence, this pass's included
+    seq_index: torch.Tensor  # [T] each token's sequence (its page-table row)
+    positions: torch.Tensor  # [T] each token's position
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -88,8 +90,10 @@ class TorchPagedBackend(AttentionBackend):
 
     Scores take O(B · heads · Kmax) per query, so a long prefill attends in slices of its queries
     (`score_bytes`); meant for CPU, tests and as the reference. With `fused_decode` (opt-in, see
-    `common.kernels.use_fused_kernels`), passes of one query per sequence run a Triton kernel over the
-    pages instead (common/kernels/decode_attention.py).
+    `common.kernels.use_fused_kernels`), passes of one query per sequence, and sparse passes (each query
+    its own selection of keys: QSA's prefill), run a Triton kernel over the pages instead
+    (common/kernels/decode_attention.py): a sparse query reads only its selected keys, where this path
+    scores every key and masks all but those.
     """
 
     fused_decode = False
@@ -118,8 +122,9 @@ class TorchPagedBackend(AttentionBackend):
         )
         k_slots = torch.where(k_valid, k_pages * page + keys % page, 0)
         return TorchPlan(
-            batch.slot_mapping, q_index, q_valid, q_pos, k_slots, k_valid, batch.page_table, k_lens
-        )
+            batch.slot_mapping, q_index, q_valid, q_pos, k_slots, k_valid, batch.page_table, k_lens,
+            batch.seq_index, batch.positions,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -133,13 +138,15 @@ class TorchPagedBackend(AttentionBackend):
         selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(state, plan.slot_mapping, k, v)
-        if self.fused_decode and plan.q_index.shape[1] == 1:
+        decode = plan.q_index.shape[1] == 1
+        if self.fused_decode and (decode or selected is not None):
             from common.kernels.decode_attention import paged_decode_attention  # Triton
 
-            fp8 = is_fp8(state.paged["k"])
+            fp8, scales = is_fp8(state.paged["k"]), state.kv_scale
+            k_lens, rows = (plan.k_lens, None) if decode else (plan.positions + 1, plan.seq_index)
             return paged_decode_attention(
-                q, state.paged["k"], state.paged["v"], plan.page_table, plan.k_lens, scale,
-                plan.k_slots.shape[1], selected, state.kv_scale if fp8 else None, window,
+                q, state.paged["k"], state.paged["v"], plan.page_table, k_lens, scale,
+                plan.k_slots.shape[1], selected, scales if fp8 else None, window, table_rows=rows,
             )  # fmt: skip
         kb, vb = read_kv(state, plan.k_slots, q.dtype)  # [B, Kmax, Hkv, D] each
         kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # [B, Hkv, Kmax, D]

@@ -15,10 +15,14 @@ from common.kv.state import StatePool
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(fp8: bool, heads=4, kv_heads=2, dim=32, page=4, cached=(9, 3, 14), dtype=torch.float32, seed=0):
+def _case(
+    fp8: bool, heads=4, kv_heads=2, dim=32, page=4, cached=(9, 3, 14), dtype=torch.float32, seed=0, new=None
+):
+    """A pool whose sequences hold `cached` tokens and a pass of `new` tokens each (default one: decode)."""
+    new = new or (1,) * len(cached)
     gen = torch.Generator().manual_seed(seed + int(fp8))
     specs = [kv_specs(kv_heads, dim, torch.float8_e4m3fn if fp8 else dtype)]
-    num_pages = sum(-(-(c + 1) // page) for c in cached) + 4
+    num_pages = sum(-(-(c + n) // page) for c, n in zip(cached, new, strict=True)) + 4
     pool = StatePool(specs, num_pages=num_pages, page_size=page, max_seqs=len(cached), device=DEVICE)
     if fp8:
         pool.kv_scales.copy_(torch.tensor([[0.05, 0.04]]))
@@ -29,15 +33,16 @@ def _case(fp8: bool, heads=4, kv_heads=2, dim=32, page=4, cached=(9, 3, 14), dty
             fill.to(layer.paged[name].dtype) if not fp8 else (fill * 8).to(torch.float8_e4m3fn)
         )
     seqs = [pool.new_sequence() for _ in cached]
-    for grown in range(1, max(cached) + 2):  # a page at a time, in turn: each sequence's pages interleave
-        for seq, n in zip(seqs, cached, strict=True):
-            pool.reserve(seq, min(grown, n + 1))
-    for seq, n in zip(seqs, cached, strict=True):
-        seq.num_cached = n
-    batch = ForwardBatch.build(seqs, [[i + 1] for i in range(len(seqs))], page, DEVICE)
-    q = torch.randn(len(seqs), heads, dim, generator=gen).to(DEVICE, dtype)
-    k = torch.randn(len(seqs), kv_heads, dim, generator=gen).to(DEVICE, dtype)
-    v = torch.randn(len(seqs), kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    for grown in range(1, max(c + n for c, n in zip(cached, new, strict=True)) + 1):  # pages interleave
+        for seq, c, n in zip(seqs, cached, new, strict=True):
+            pool.reserve(seq, min(grown, c + n))
+    for seq, c in zip(seqs, cached, strict=True):
+        seq.num_cached = c
+    batch = ForwardBatch.build(seqs, [[i + 1] * n for i, n in enumerate(new)], page, DEVICE)
+    t = sum(new)
+    q = torch.randn(t, heads, dim, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(t, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(t, kv_heads, dim, generator=gen).to(DEVICE, dtype)
     return layer, batch, q, k, v
 
 
@@ -117,3 +122,25 @@ def test_dense_bound_past_the_lengths() -> None:
     pages = layer.paged
     out = paged_decode_attention(q, pages["k"], pages["v"], plan.page_table, plan.k_lens, 0.3, 1024)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_prefill_matches_torch(fp8: bool) -> None:
+    """A prefill pass whose queries each see a selection of their own (QSA past its budget): sequences with
+    and without cached tokens, each query a row of the kernel reading its sequence's page-table row,
+    against the torch path that scores every key and masks the unselected."""
+    cached, new = (9, 0, 14), (5, 7, 3)
+    layer, batch, q, k, v = _case(fp8, heads=24, kv_heads=2, dim=32, page=4, cached=cached, new=new)
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for pos in batch.positions.tolist():  # earlier positions at random, the query's own, −1 pads
+        earlier = torch.randperm(pos, generator=gen)[:5]
+        row = torch.cat([earlier, torch.tensor([pos]), torch.full((8 - len(earlier) - 1,), -1)])
+        rows.append(row[torch.randperm(8, generator=gen)])
+    selected = torch.stack(rows).to(DEVICE)
+    outs = []
+    for fused in (False, True):
+        backend = TorchPagedBackend()
+        backend.fused_decode = fused
+        outs.append(backend.forward(q, k, v, layer, backend.plan(batch), 0.2, selected=selected))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)

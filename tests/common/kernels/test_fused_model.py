@@ -1,7 +1,7 @@
 """A tiny qwen4_exp model with every opt-in fused kernel on (hyper-connections, the Gated DeltaNet step, the
 cache resolution) against the same model in torch: close logits at every step of a prefill and a greedy
-decode with offloaded experts (past the QSA budget, so the indexer's selection matters), the same tokens,
-the same cache traffic (routing is replayed)."""
+decode with offloaded experts (past the QSA budget, so the indexer's selection matters in the prefill and
+in every decode step), the same tokens, the same cache traffic (routing is replayed)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ def _engine(path: Path, fused: bool) -> Engine:
 
 
 def test_fused_kernels_keep_the_model(tmp_path: Path) -> None:
-    sparse = {"indexer_budget": 8, "indexer_compress_ratio": 4}  # decode past the budget: QSA selects keys
+    sparse = {"indexer_budget": 8, "indexer_compress_ratio": 4}  # 11 keys at most: past it QSA selects
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=sparse)
     torch_engine, fused_engine = _engine(path, False), _engine(path, True)
-    prompt = torch.randint(3, 1000, (11,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(3, 1000, (23,), generator=torch.Generator().manual_seed(0)).tolist()
     logits = []
     for engine in (torch_engine, fused_engine):
         seq = engine.runner.new_sequence()
