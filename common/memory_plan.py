@@ -175,11 +175,15 @@ def _linear_attention_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -
 
 def _indexer_bytes(cfg: ModelConfig, tokens: int, context: int) -> int:
     """QSA layers (qwen4_exp): each query's scores over every compressed block of its context in fp32 (and
-    their masked copy) — top-k needs them all — plus the chosen key positions (int64)."""
+    their masked copy) — top-k needs them all — plus the chosen key positions (int64), and one query
+    slice's per-head scores (`QSAIndexer.score_bytes`; twice while their sum over heads is taken)."""
     if "indexed_attention" not in cfg.layer_types:
         return 0
+    from common.model.qwen4_exp.qsa import QSAIndexer
+
     blocks = -(-context // cfg.indexer_compress_ratio)
-    return tokens * (2 * blocks * 4 + (cfg.indexer_budget + cfg.indexer_compress_ratio) * 8)
+    per_head = min(tokens * cfg.indexer_n_heads * blocks * 4, QSAIndexer.score_bytes)
+    return tokens * (2 * blocks * 4 + (cfg.indexer_budget + cfg.indexer_compress_ratio) * 8) + 2 * per_head
 
 
 def _attention_bytes(cfg: ModelConfig, tokens: int, context: int, dtype: torch.dtype) -> int:

@@ -39,6 +39,10 @@ class QSAIndexer(nn.Module):
     fused_decode = False
     """Norm and rotate the queries in one Triton kernel (opt-in: `common.kernels.use_fused_kernels`)."""
 
+    score_bytes = 256 << 20
+    """Most bytes of per-head block scores at once (fp32 [queries, Hi, NB]): a long prefill scores its queries
+    in slices (25.6K queries over 6.4K blocks would otherwise hold 2.6 GB)."""
+
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -121,11 +125,13 @@ class QSAIndexer(nn.Module):
             scores = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys)).sum(1) / math.sqrt(self.dim)
         else:
             scores = torch.full((q.shape[0], max_blocks), float("-inf"), device=device)
-            start = 0
+            start, rows = 0, max(1, self.score_bytes // (4 * self.heads * max(max_blocks, 1)))
             for b, n in enumerate(batch.query_lens):  # per sequence: its queries against its own blocks
                 keys = blocks[batch.slots_of(torch.tensor(b, device=device), block_pos)].float()  # [NB, Di]
-                s = torch.relu(torch.einsum("thd,nd->thn", q[start : start + n].float(), keys)).sum(1)
-                scores[start : start + n] = s / math.sqrt(self.dim)
+                for a in range(start, start + n, rows):  # query slices: [rows, Hi, NB] per-head scores
+                    end = min(a + rows, start + n)
+                    s = torch.einsum("thd,nd->thn", q[a:end].float(), keys).relu_().sum(1)
+                    scores[a:end] = s / math.sqrt(self.dim)
                 start += n
         scores = scores.masked_fill(block_pos[None, :] >= visible[:, None] * r, float("-inf"))
         k = min(self.block_topk, max_blocks)

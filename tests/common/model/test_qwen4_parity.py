@@ -78,6 +78,21 @@ def test_logits_match_transformers(checkpoint, chunk, matches_transformers):
 
 
 @torch.inference_mode()
+def test_indexer_scores_in_query_slices(checkpoint, matches_transformers, monkeypatch):
+    """A long prefill scores its queries against the blocks in slices (`QSAIndexer.score_bytes`): here one
+    query per slice, still transformers' logits."""
+    from common.model.qwen4_exp.qsa import QSAIndexer
+
+    monkeypatch.setattr(QSAIndexer, "score_bytes", 1)
+    model_dir, hf = checkpoint
+    runner = Engine(model_dir, dtype=torch.float32, max_seqs=4, max_context=96).runner
+    prompts = _prompts(runner.model.config.vocab_size)
+    seqs = [runner.new_sequence() for _ in prompts]
+    ours = runner.forward(seqs, prompts, all_logits=True)
+    matches_transformers(runner, hf, seqs, prompts, ours, 16, REL_TOL)
+
+
+@torch.inference_mode()
 def test_greedy_generation_matches_transformers(checkpoint):
     model_dir, hf = checkpoint
     engine = Engine(model_dir, dtype=torch.float32, max_seqs=3, max_context=96)
