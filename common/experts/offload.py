@@ -150,6 +150,23 @@ class CopyStream:
             t.record_stream(self.side)
         return tuple(events)
 
+    def launch_layer(self, layer: int, base: int) -> Copies:
+        """Copy every expert of layer `layer` into pool rows [base, base + E), one DMA per component (the
+        copy engines: the SMs stay with the compute, where a kernel reading host memory would hold them for
+        the whole copy), after the main stream's work so far."""
+        parts = self.store.parts[layer]
+        if self.side is None:
+            for name, block in parts.items():
+                self.pool[name][base : base + block.shape[0]].copy_(block)
+            return None
+        self.side.wait_stream(torch.cuda.current_stream(self.side.device))  # fork: the buffer's last reader
+        with torch.cuda.stream(self.side):
+            for name, block in parts.items():
+                self.pool[name][base : base + block.shape[0]].copy_(block, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        return (done,)
+
     def join(self, done: Copies, stage: int = -1) -> None:
         """Make the main stream wait for a launch's copies up to `stage` (default all), right before their
         rows are read."""
@@ -159,16 +176,17 @@ class CopyStream:
 
 class PrefillArena:
     """Two buffers of E rows inside the pool, used by alternate MoE layers, so the next layer's experts can be
-    copied while this layer computes; remembers what was prefetched for which layer (within one pass)."""
+    copied while this layer computes; remembers which layers' copies are under way (within one pass)."""
 
     prefetch_factor = 4
-    """Prefetch the next layer's uncached experts when a chunk's T·k ≥ this × E."""
+    """Stream whole layers, each while the layer before computes, when a chunk's T·k ≥ this × E."""
 
     def __init__(self, bases: list[int], num_experts: int, device: torch.device) -> None:
         """`bases`: the first pool row of each buffer (one or two)."""
         self.bases, self.num_experts, self.buffers = bases, num_experts, len(bases)
         self.ids = torch.arange(num_experts, device=device)  # [E]
-        self.prefetched: dict[int, torch.Tensor] = {}  # MoE layer index → [E] bool, already in its buffer
+        self.none_cached = torch.zeros(num_experts, dtype=torch.bool, device=device)  # [E]
+        self.prefetched: dict[int, Copies] = {}  # MoE layer index → its whole layer's copy, launched
 
     def rows(self, i: int) -> torch.Tensor:
         """[E] pool rows of MoE layer i's buffer (expert e at row e of the buffer)."""
@@ -399,26 +417,29 @@ class OffloadedExperts(ExpertProvider):
         return Prepared(rows=res.row, done=done)
 
     def _prepare_arena(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
-        """Cached experts in place (a read-only peek: no statistics); the others from the layer's buffer,
-        topped up beyond what was prefetched; then maybe the next layer's prefetch into the other buffer."""
+        """Big chunks (T·k ≥ prefetch_factor · E: nearly every expert is used): whole layers into alternate
+        buffers by DMA, the next layer's launched now so that it streams while this one computes; the
+        cache is not read (its share of the experts would save bytes but cost a per-expert copy list, and a
+        kernel copying them holds SMs the compute needs). Smaller chunks: cached experts in place (a
+        read-only peek: no statistics), the others copied into the layer's buffer after routing."""
+        if self.arena.should_prefetch(choices):
+            launched = i in self.arena.prefetched  # by the layer before
+            done = self.arena.prefetched.pop(i) if launched else self._arena_load_layer(i)
+            if i + 1 < len(self.index):
+                self.arena.prefetched[i + 1] = self._arena_load_layer(i + 1)
+            return Prepared(rows=self.arena.rows(i), done=done, cached=self.arena.none_cached)
         table = self.shared_cache[1] if self.shared_cache is not None else self.tables.slot_of
         slot_of = table[i, : self.store.num_experts]  # [E]
         cached = slot_of >= 0
-        need = requested & ~cached
-        prefetched = self.arena.prefetched.pop(i, None)
-        if prefetched is not None:
-            need &= ~prefetched
-        done = self._arena_load(i, need)
-        if i + 1 < len(self.index) and self.arena.should_prefetch(choices):
-            uncached = table[i + 1, : self.store.num_experts] < 0  # [E]
-            self._arena_load(i + 1, uncached)  # joined through the next layer's top-up (same stream)
-            self.arena.prefetched[i + 1] = uncached
+        done = self.copies.launch(i, self.arena.ids, self.arena.rows(i), requested & ~cached)
+        self._moved[_ARENA, i].add_((requested & ~cached).sum())
+        self._moved[_LOADS, i].add_((requested & ~cached).any())
         return Prepared(rows=torch.where(cached, slot_of, self.arena.rows(i)), done=done, cached=cached)
 
-    def _arena_load(self, i: int, want: torch.Tensor) -> torch.cuda.Event | None:
-        done = self.copies.launch(i, self.arena.ids, self.arena.rows(i), want)
-        self._moved[_ARENA, i].add_(want.sum())
-        self._moved[_LOADS, i].add_(want.any())
+    def _arena_load_layer(self, i: int) -> Copies:
+        done = self.copies.launch_layer(i, self.arena.bases[i % self.arena.buffers])
+        self._moved[_ARENA, i].add_(self.store.num_experts)
+        self._moved[_LOADS, i].add_(1)
         return done
 
 
