@@ -112,3 +112,19 @@ def replay_us(run, replays: int = 20, between=None) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / replays
+
+
+def measure_tflops(n: int = 8192, repeats: int = 5) -> float:
+    """Dense bf16 GEMM rate, TFLOP/s (median of `repeats`)."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    a @ b  # warm-up
+    rates = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        rates.append(2 * n**3 / (start.elapsed_time(end) / 1e3) / 1e12)
+    return sorted(rates)[len(rates) // 2]

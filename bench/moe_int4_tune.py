@@ -1,24 +1,33 @@
-"""A tuning aid for the int4 decode MoE kernels (common/kernels/moe_int4.py): µs per call of
-`moe_int4_decode` at flashnext's expert shape (H 2560, I 640, top-10) for one and eight tokens, over output
-rows per program, groups per loop step and warps, and the bandwidth each reaches (expert bytes read / time,
-against the HBM rate measured here). Calls are replayed from a CUDA graph, each on other pool rows (a pool
-larger than L2), as a decode step's 48 layers would be.
+"""A tuning aid for the int4 MoE kernels (common/kernels/moe_int4.py) at flashnext's expert shape (H 2560,
+I 640, top-10).
+
+Decode (default): µs per call of `moe_int4_decode` for one and eight tokens, over output rows per program,
+groups per loop step and warps, and the bandwidth each reaches (expert bytes read / time, against the HBM rate
+measured here). Calls are replayed from a CUDA graph, each on other pool rows (a pool larger than L2), as a
+decode step's 48 layers would be.
+
+`--grouped`: ms per call of the prefill kernels (`moe_int4_grouped`) for 8,192 and 25,600 tokens routed
+uniformly over 512 experts, over `GroupedConfig` (pairs per block, columns per program, warps, pipelining
+stages), as TFLOP/s against the bf16 GEMM rate measured here; each setting's output is checked against the
+default's.
 
     python -m bench.moe_int4_tune [--tokens 1 8] [--rows 4096]
+    python -m bench.moe_int4_tune --grouped [--tokens 8192 25600]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
 
-from bench.common import measure_hbm_gbps, replay_us
+from bench.common import measure_hbm_gbps, measure_tflops, replay_us
 from bench.flashnext import random_int4_store
-from common.kernels.moe_int4 import moe_int4_decode
+from common.kernels.moe_int4 import GROUPED, GroupedConfig, moe_int4_decode, moe_int4_grouped
 
-HIDDEN, INTER, TOP_K, CALLS = 2560, 640, 10, 48
+HIDDEN, INTER, TOP_K, CALLS, EXPERTS = 2560, 640, 10, 48, 512
 
 
 def time_config(pool: dict, tokens: int, block: int, groups: int, warps: int, repeats: int = 20) -> float:
@@ -36,17 +45,66 @@ def time_config(pool: dict, tokens: int, block: int, groups: int, warps: int, re
     return replay_us(calls, repeats) / CALLS
 
 
+def grouped_sweep(tokens_list: list[int]) -> None:
+    """The prefill kernels over launch shapes, fastest first, per token count."""
+    peak = measure_tflops()
+    store = random_int4_store(1, EXPERTS, HIDDEN, INTER)
+    pool = {name: block.cuda() for name, block in store.parts[0].items()}
+    rows = torch.arange(EXPERTS, device="cuda")
+    print(f"bf16 GEMM {peak:.0f} TFLOP/s")
+    for tokens in tokens_list:
+        gen = torch.Generator(device="cuda").manual_seed(tokens)
+        x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices
+        weights = torch.softmax(torch.randn(tokens, TOP_K, device="cuda", generator=gen), -1)
+        flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+        want = moe_int4_grouped(x, ids, weights, rows, pool, GROUPED).float()
+        results = []
+        for shape in itertools.product((32, 64, 128), (64, 128), (4, 8), (1, 3)):
+            config = GroupedConfig(*shape)
+            call = functools.partial(moe_int4_grouped, x, ids, weights, rows, pool, config)
+            try:
+                got = call().float()  # compiles it too
+                ms = _eager_ms(call)
+            except Exception as error:  # e.g. out of shared memory at the largest tiles
+                print(f"  {config}: {type(error).__name__}")
+                continue
+            error = ((got - want).norm() / want.norm()).item()
+            results.append((ms, config, error))
+        print(f"tokens {tokens}: {flops / 1e12:.2f} TFLOP of expert GEMMs per call")
+        for ms, c, error in sorted(results, key=lambda r: r[0])[:10]:
+            tflops = flops / (ms / 1e3) / 1e12
+            setting = f"block_m {c.block_m:>3} block_n {c.block_n:>3} warps {c.num_warps} stages {c.stages}"
+            rate = f"{tflops:5.1f} TFLOP/s ({tflops / peak:.0%})"
+            print(f"  {setting}: {ms:7.2f} ms, {rate}, vs default {error:.0e}")
+
+
+def _eager_ms(call, repeats: int = 3) -> float:
+    """ms per call, timed by events (grouping the pairs counts experts with a host sync: no graph)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--rows", type=int, default=4096, help="pool rows (experts) the calls read from")
+    ap.add_argument("--grouped", action="store_true", help="the prefill kernels (default: decode)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None)
+    ap.add_argument("--rows", type=int, default=4096, help="pool rows (experts) the decode calls read from")
     args = ap.parse_args()
+    if args.grouped:
+        grouped_sweep(args.tokens or [8192, 25600])
+        return
     hbm = measure_hbm_gbps()
     store = random_int4_store(1, args.rows, HIDDEN, INTER)
     pool = {name: block.cuda() for name, block in store.parts[0].items()}  # [rows, ...] each
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
-    for tokens in args.tokens:
+    for tokens in args.tokens or [1, 8]:
         results = []
         for block, groups, warps in itertools.product((8, 16, 32), (1, 2, 4, 8), (2, 4, 8)):
             if INTER % block:

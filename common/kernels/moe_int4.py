@@ -19,6 +19,7 @@ zero point costs one multiply per row and group.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -155,15 +156,20 @@ def moe_int4_decode(
 
 
 @triton.jit
-def _tile_dot(
-    acc, a_ptr, a_rows, a_live, a_width, w_ptr, s_ptr, z_ptr, w_rows, g, in_half, groups, HALF: tl.constexpr
-):  # fmt: skip
-    """acc [BM, BN] += a[a_rows, group g] · w[w_rows, group g]ᵀ, w int4 dequantised in registers (the
-    group's even and odd inputs as two K = HALF products, so no nibble interleaving is needed)."""
+def _load_a(a_ptr, a_rows, a_live, a_width, g, HALF: tl.constexpr):
+    """Rows `a_rows` of a, group g's even and odd inputs: [BM, HALF] each (0 in dead rows)."""
+    cols = g * 2 * HALF + 2 * tl.arange(0, HALF)
+    at = a_rows[:, None] * a_width + cols[None, :]
+    even = tl.load(a_ptr + at, mask=a_live[:, None], other=0.0)
+    odd = tl.load(a_ptr + at + 1, mask=a_live[:, None], other=0.0)
+    return even, odd
+
+
+@triton.jit
+def _tile_dot(acc, a_even, a_odd, w_ptr, s_ptr, z_ptr, w_rows, g, in_half, groups, HALF: tl.constexpr):
+    """acc [BM, BN] += a (group g's even and odd inputs) · w[w_rows, group g]ᵀ, w int4 dequantised in
+    registers (the group's even and odd inputs as two K = HALF products, so no nibble interleaving)."""
     j = tl.arange(0, HALF)
-    cols = g * 2 * HALF + 2 * j
-    a_even = tl.load(a_ptr + a_rows[:, None] * a_width + cols[None, :], mask=a_live[:, None], other=0.0)
-    a_odd = tl.load(a_ptr + a_rows[:, None] * a_width + cols[None, :] + 1, mask=a_live[:, None], other=0.0)
     packed = tl.load(w_ptr + w_rows[:, None] * in_half + g * HALF + j[None, :])  # [BN, HALF] uint8
     scale = tl.load(s_ptr + w_rows * groups + g).to(tl.float32)[:, None]
     zero = tl.load(z_ptr + w_rows * groups + g).to(tl.float32)[:, None]
@@ -185,7 +191,7 @@ def _block(rows_ptr, pairs_ptr, expert, b, BM: tl.constexpr):
 @triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, pairs_ptr, block_expert_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
-    GROUPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr,
+    GROUPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     expert = tl.load(block_expert_ptr + b)
@@ -197,9 +203,10 @@ def _grouped_gate_up_kernel(
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, 2 * inter, GROUPS, HALF)
     gate = tl.zeros((BM, BN), dtype=tl.float32)
     up = tl.zeros((BM, BN), dtype=tl.float32)
-    for g in range(GROUPS):
-        gate = _tile_dot(gate, x_ptr, tokens, live, hidden, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
-        up = _tile_dot(up, x_ptr, tokens, live, hidden, w, s, z, n + inter, g, GROUPS * HALF, GROUPS, HALF)
+    for g in tl.range(GROUPS, num_stages=STAGES):
+        a_even, a_odd = _load_a(x_ptr, tokens, live, hidden, g, HALF)  # gathered once for gate and up
+        gate = _tile_dot(gate, a_even, a_odd, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
+        up = _tile_dot(up, a_even, a_odd, w, s, z, n + inter, g, GROUPS * HALF, GROUPS, HALF)
     act = gate / (1.0 + tl.exp(-gate)) * up
     at = tl.where(live, pairs, 0)[:, None] * inter + n[None, :]
     tl.store(act_ptr + at, act.to(act_ptr.dtype.element_ty), mask=live[:, None])
@@ -208,7 +215,7 @@ def _grouped_gate_up_kernel(
 @triton.jit
 def _grouped_down_kernel(
     act_ptr, pairs_ptr, block_expert_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
-    GROUPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr,
+    GROUPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     expert = tl.load(block_expert_ptr + b)
@@ -219,8 +226,9 @@ def _grouped_down_kernel(
     n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN] output columns
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for g in range(GROUPS):
-        acc = _tile_dot(acc, act_ptr, safe, live, inter, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
+    for g in tl.range(GROUPS, num_stages=STAGES):
+        a_even, a_odd = _load_a(act_ptr, safe, live, inter, g, HALF)
+        acc = _tile_dot(acc, a_even, a_odd, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
     acc = acc * tl.load(weights_ptr + safe, mask=live, other=0.0).to(tl.float32)[:, None]
     tl.store(
         out_ptr + safe[:, None] * hidden + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=live[:, None]
@@ -249,34 +257,53 @@ def group_pairs(topk_ids: torch.Tensor, num_experts: int, block: int) -> tuple[t
     return pairs, block_expert
 
 
+@dataclass(frozen=True)
+class GroupedConfig:
+    """Launch shape of the grouped prefill kernels."""
+
+    block_m: int = 32
+    """(token, choice) pairs per block (each block one expert's; its last block padded)."""
+    block_n: int = 64
+    """Output columns per program."""
+    num_warps: int = 4
+    stages: int = 1
+    """Software-pipelining stages of the loop over input groups (1: none)."""
+
+
+GROUPED = GroupedConfig()
+"""The default: the first measured shape (prefill-25k: ~34 TFLOP/s over the expert GEMMs, `python -m
+bench.moe_int4_tune --grouped` sweeps the others)."""
+
+
 def moe_int4_grouped(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     rows: torch.Tensor,
     pool: dict[str, torch.Tensor],
-    block_m: int = 32,
-    block_n: int = 64,
+    config: GroupedConfig = GROUPED,
 ) -> torch.Tensor:
     """Prefill: Σ_j topk_weights[t, j] · SwiGLU expert topk_ids[t, j] (x[t]) → [T, H] in x's dtype, with
     expert e's int4 weights at pool row rows[e] ([E] int64). Pairs grouped by expert into blocks of
-    `block_m`; each block runs gate/up and then down as tiled GEMMs. Each pair's term is rounded to x's dtype
-    and the k terms of a token are summed in fp32 (in choice order)."""
+    `config.block_m`; each block runs gate/up and then down as tiled GEMMs. Each pair's term is rounded to
+    x's dtype and the k terms of a token are summed in fp32 (in choice order)."""
     t, k = topk_ids.shape
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
-    pairs, block_expert = group_pairs(topk_ids, rows.numel(), block_m)
+    bm, bn = config.block_m, config.block_n
+    assert inter % bn == 0 and hidden % bn == 0, f"block_n {bn} must divide {inter} and {hidden}"
+    pairs, block_expert = group_pairs(topk_ids, rows.numel(), bm)
     blocks = block_expert.numel()
     x = x.contiguous()
+    launch = {"num_warps": config.num_warps, "STAGES": config.stages, "BM": bm, "BN": bn, "HALF": GROUP // 2}
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    _grouped_gate_up_kernel[(blocks, inter // block_n)](
+    _grouped_gate_up_kernel[(blocks, inter // bn)](
         x, pairs, block_expert, rows, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"],
-        act, k, hidden, inter, GROUPS=hidden // GROUP, BM=block_m, BN=block_n, HALF=GROUP // 2,
+        act, k, hidden, inter, GROUPS=hidden // GROUP, **launch,
     )  # fmt: skip
     out = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
-    _grouped_down_kernel[(blocks, hidden // block_n)](
+    _grouped_down_kernel[(blocks, hidden // bn)](
         act, pairs, block_expert, rows, topk_weights.reshape(-1).contiguous(), pool["down_qweight"],
-        pool["down_scales"], pool["down_zeros"], out, hidden, inter,
-        GROUPS=inter // GROUP, BM=block_m, BN=block_n, HALF=GROUP // 2,
+        pool["down_scales"], pool["down_zeros"], out, hidden, inter, GROUPS=inter // GROUP, **launch,
     )  # fmt: skip
     return out.view(t, k, hidden).sum(1, dtype=torch.float32).to(x.dtype)  # no fp32 copy of [T·k, H]

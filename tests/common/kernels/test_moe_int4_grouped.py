@@ -41,9 +41,15 @@ def test_grouped_pairs_cover_every_pair_once() -> None:
         assert expert >= 0 or (chosen < 0).all()
 
 
-@pytest.mark.parametrize(("hidden", "inter", "tokens", "k"), [(256, 128, 37, 4), (384, 256, 5, 2)])
-def test_grouped_int4_matches_dequantised_reference(hidden: int, inter: int, tokens: int, k: int) -> None:
-    from common.kernels.moe_int4 import moe_int4_grouped
+@pytest.mark.parametrize(
+    ("hidden", "inter", "tokens", "k", "shape"),
+    [(256, 128, 37, 4, (16, 64, 4, 1)), (384, 256, 5, 2, (16, 64, 4, 1)), (256, 128, 37, 4, (64, 128, 8, 3))],
+)
+def test_grouped_int4_matches_dequantised_reference(
+    hidden: int, inter: int, tokens: int, k: int, shape: tuple[int, int, int, int]
+) -> None:
+    """Blocks of 16 pairs, and (the tuning sweep's larger end) 64 pairs × 128 columns, 8 warps, 3 stages."""
+    from common.kernels.moe_int4 import GroupedConfig, moe_int4_grouped
 
     gen = torch.Generator().manual_seed(tokens)
     experts = 9
@@ -53,7 +59,9 @@ def test_grouped_int4_matches_dequantised_reference(hidden: int, inter: int, tok
     ids[: tokens // 2, 0] = 0  # a hot expert
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
     x = torch.randn(tokens, hidden, generator=gen)
-    out = moe_int4_grouped(x.to(DEVICE, DTYPE), ids.to(DEVICE), weights.to(DEVICE), rows, pool, block_m=16)
+    out = moe_int4_grouped(
+        x.to(DEVICE, DTYPE), ids.to(DEVICE), weights.to(DEVICE), rows, pool, GroupedConfig(*shape)
+    )
 
     chosen = {n: t[rows[ids.reshape(-1).to(DEVICE)]].cpu() for n, t in pool.items()}
     gate_up, down = get_format("int4").unpack_many(chosen, torch.float32)
