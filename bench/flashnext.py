@@ -110,7 +110,7 @@ def build_flashnext(
         plan = plan_memory(
             cfg, arch, budget_bytes=int(budget_gib * GIB), max_context=context, max_running=lanes,
             expert_format="int4", dtype=torch.bfloat16, prefill_chunk=prefill_chunk, processes=1,
-            embeddings_on_host=embeddings_on_host,
+            embeddings_on_host=embeddings_on_host, fused_kernels=fused,
         )  # fmt: skip
         plan.check()
         slots = plan.cache_slots

@@ -201,18 +201,21 @@ def _attention_bytes(cfg: ModelConfig, tokens: int, context: int, dtype: torch.d
 
 
 def _expert_mlp_bytes(
-    cfg: ModelConfig, fmt: ExpertFormat, tokens: int, dtype: torch.dtype, decode: bool
+    cfg: ModelConfig, fmt: ExpertFormat, tokens: int, dtype: torch.dtype, decode: bool, kernels: bool = False
 ) -> int:
     """The routed expert MLP. Prefill, the larger of two paths: `grouped_expert_mlp` (one expert at a time:
     the output accumulator and one expert's rows of x, gate_up, the activated product and y — at most every
     token — plus one expert dequantised) and the grouped int4 kernels (`moe_int4_grouped`: every (token,
     choice) pair's activated row and output row, the pairs' grouping indices, the fp32 sum over choices
     and its rounding). Decode (`batched_expert_mlp`): every (token, choice) gathers its expert's packed row
-    and dequantises it at once (T·k experts), and its 1-row products."""
+    and dequantises it at once (T·k experts), and its 1-row products; with `kernels` and int4 experts, the
+    int4 decode kernels read the codes in place and keep each pair's fp32 activation and output rows."""
     if not cfg.moe_layers:
         return 0
     h, i, k, b = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, dtype.itemsize
     one = _dequant_bytes(fmt, h, i, dtype)
+    if decode and kernels and fmt.name == "int4":
+        return tokens * k * 4 * (i + h) + tokens * h * (4 + b)
     if decode:
         return tokens * k * (fmt.expert_nbytes(h, i) + one + b * (4 * i + 3 * h))
     grouped = tokens * k * (b * (h + i) + 5 * 8) + tokens * h * (4 + b)
@@ -229,10 +232,13 @@ def scratch_bytes(
     max_running: int,
     prefill_chunk: int,
     processes: int,
+    fused_kernels: bool = True,
 ) -> int:
     """Activation workspace, an estimate meant to err high: a prefill pass of one chunk (at most the context;
     prefill runs one request at a time) plus a decode step of every lane (`_pass_bytes`, the expert MLPs and,
-    for qwen4_exp, the linear-attention and indexer terms).
+    for qwen4_exp, the linear-attention and indexer terms); `fused_kernels`: decode's int4 experts go
+    through the int4 kernels (nothing dequantised: eight lanes of flashnext's reference path would hold
+    4.4 GB of dequantised experts).
 
     Prefill attention is the torch backend's, in query slices (`_attention_bytes`); decode attention is a
     fused kernel or one query's scores, too small to count. The decode term is dominated by the gathered,
@@ -247,7 +253,7 @@ def scratch_bytes(
     )
     decode = (
         _pass_bytes(model, cfg, max_running, max_running, dtype)
-        + _expert_mlp_bytes(cfg, fmt, max_running, dtype, decode=True)
+        + _expert_mlp_bytes(cfg, fmt, max_running, dtype, decode=True, kernels=fused_kernels)
         + _linear_attention_bytes(cfg, max_running, dtype)
         + _indexer_bytes(cfg, max_running, max_context)
     )
@@ -295,10 +301,12 @@ def plan_memory(
     prefill_chunk: int = 8192,
     processes: int = 2,
     embeddings_on_host: bool = False,
+    fused_kernels: bool = True,
 ) -> MemoryPlan:
     """The plan for serving `cfg` within `budget_bytes` (see the module docstring); `processes` is 2 for
     `spillway serve` (decode and prefill each hold an arena, a context and a workspace), 1 for the offline
-    engine; `embeddings_on_host`: the token embedding is a host table (no device bytes). Not checked: call
+    engine; `embeddings_on_host`: the token embedding is a host table (no device bytes); `fused_kernels`:
+    the fused kernels' workspace (on CUDA by default) rather than the torch ops'. Not checked: call
     `MemoryPlan.check()` to refuse a cache that is too small."""
     if budget_bytes <= 0:
         raise ValueError(f"--vram-budget must be positive, got {budget_bytes} bytes")
@@ -316,7 +324,7 @@ def plan_memory(
     arena = arena_rows(experts, processes) * eb
     scratch = scratch_bytes(
         model, cfg, fmt, dtype, max_context=context, max_running=max_running,
-        prefill_chunk=prefill_chunk, processes=processes,
+        prefill_chunk=prefill_chunk, processes=processes, fused_kernels=fused_kernels,
     )  # fmt: skip
     graphs = processes * PROCESS_RESERVE + math.ceil(FRAGMENTATION * budget_bytes)
     weights = weight_bytes(model)
@@ -381,6 +389,7 @@ def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
         prefill_chunk=cfg.prefill_chunk,
         processes=2,
         embeddings_on_host=cfg.embeddings_on_host,
+        fused_kernels=cfg.fused_kernels if cfg.fused_kernels is not None else cfg.device.startswith("cuda"),
     )
 
 

@@ -118,6 +118,7 @@ def _generate_cache(args: argparse.Namespace, model_dir: Path) -> str:
         mtp=args.speculative == "mtp",
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
         embeddings_on_host=args.embeddings_on_host,
+        fused_kernels=args.device.startswith("cuda"),  # as the engine decides
     )
     print(format_plan(plan), file=sys.stderr)
     plan.check()
@@ -153,6 +154,7 @@ def _plan(args: argparse.Namespace) -> int:
         "processes": 1 if args.single_process else 2,
         "kv_dtype": None if args.kv_dtype == "auto" else args.kv_dtype,
         "embeddings_on_host": args.embeddings_on_host,
+        "fused_kernels": args.fused_kernels,
     }
     if args.model is not None:
         if args.arch is not None or args.set:
@@ -386,6 +388,12 @@ def _add_plan(sub) -> None:
     plan.add_argument("--dtype", choices=DTYPES, default="float32")
     plan.add_argument("--prefill-chunk", type=int, default=8192)
     add_placement_args(plan)
+    plan.add_argument(
+        "--fused-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the fused kernels' workspace, as served on CUDA (--no-fused-kernels: the torch ops')",
+    )
     plan.add_argument(
         "--single-process",
         action="store_true",

@@ -170,6 +170,21 @@ def test_flashnext_int4_at_32gib() -> None:
     assert not full.ok and full.kv > 32 * GiB
 
 
+def test_int4_decode_kernels_need_no_dequantised_experts() -> None:
+    """With the fused kernels (CUDA's default) eight lanes of int4 decode read the codes in place; the torch
+    path dequantises every chosen expert, which the plan must hold back from the cache."""
+    arch, cfg = _config("flashnext", None)
+    lanes = {"expert_format": "int4", "max_running": 8, "max_context": 2584, "prefill_chunk": 2048}
+    kernels = _plan(cfg, arch, 32 * GiB, **lanes, processes=1)
+    torch_ops = _plan(cfg, arch, 32 * GiB, **lanes, processes=1, fused_kernels=False)
+    assert kernels.scratch < torch_ops.scratch and kernels.cache_slots > torch_ops.cache_slots
+    bf16 = {**lanes, "expert_format": "bf16", "max_running": 1}  # no int4 kernels: nothing changes
+    assert (
+        _plan(cfg, arch, 80 * GiB, **bf16).scratch
+        == _plan(cfg, arch, 80 * GiB, **bf16, fused_kernels=False).scratch
+    )
+
+
 # -- against the real allocations (the tiny models) ---------------------------------------------------------
 
 
