@@ -45,6 +45,10 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of one more chunk here")
+    ap.add_argument(
+        "--grouped-mm", action="store_true",
+        help="int4 experts dequantised a batch at a time, then bf16 grouped GEMMs (moe_int4_mm.py)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     tflops = measure_tflops()
@@ -53,6 +57,7 @@ def main() -> None:
         prefill_chunk=args.chunk,
     )  # fmt: skip
     runner, provider, cfg = flash.runner, flash.provider, flash.cfg
+    provider.int4_prefill_mm = args.grouped_mm
     warm_prefill(flash, {min(args.chunk, args.prompt), args.prompt % args.chunk})
     prompt = torch.randint(3, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1))
     seq = runner.new_sequence()
@@ -84,6 +89,7 @@ def main() -> None:
         "budget_gib": args.budget_gib,
         "layers": args.layers,
         "fused": args.fused,
+        "grouped_mm": args.grouped_mm,
         "build_s": flash.build_s,
     }
     if args.profile is not None:  # the first chunk again, on a fresh sequence, after the timed prompt
@@ -91,6 +97,7 @@ def main() -> None:
         seq = runner.new_sequence()
         write_profile(lambda: runner.forward([seq], [prompt[: args.chunk].tolist()]), args.profile)
     name = "prefill-128k" if args.prompt >= 131072 else "prefill-25k" if args.prompt == 25600 else "prefill"
+    name += "-grouped-mm" if args.grouped_mm else ""  # a variant: its own file
     print(write_result(name, result, args.out))
     for key, value in result.items():
         print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")
