@@ -56,13 +56,16 @@ def main() -> None:
     ap.add_argument(
         "--embeddings-on-host", action="store_true", help="the token embedding in host memory (more slots)"
     )
+    ap.add_argument(
+        "--resident-dtype", choices=["fp8"], default=None, help="token mixers' projections in fp8"
+    )
     args = ap.parse_args()
 
     flash = build_flashnext(
         args.layers, args.budget_gib, args.lanes, args.prompt + args.decode + 16 + 8,  # + profiled steps
         args.prompt + args.decode * args.lanes, args.policy, args.eager, args.fused, args.all_fit,
         prefill_chunk=args.prompt, lend=args.lend,  # the prompt is prefilled in one pass
-        embeddings_on_host=args.embeddings_on_host,
+        embeddings_on_host=args.embeddings_on_host, resident_dtype=args.resident_dtype,
     )  # fmt: skip
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
     pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s
@@ -107,6 +110,7 @@ def main() -> None:
         "cache_slots": slots + provider.tables.lent,  # with --lend: the lent buffer's slots too
         "lent_slots": provider.tables.lent,
         "embeddings_on_host": args.embeddings_on_host,
+        "resident_dtype": args.resident_dtype,
         "expert_bytes": store.expert_bytes,
         "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         "reserved_after_build_gib": built_gib,  # weights, pools, cache: before any pass
@@ -121,6 +125,7 @@ def main() -> None:
     }
     name = "decode-allfit" if args.all_fit else f"decode-{args.lanes}" + ("-lending" if args.lend else "")
     name += "-host-embeddings" if args.embeddings_on_host else ""
+    name += f"-resident-{args.resident_dtype}" if args.resident_dtype else ""
     name += ("" if args.fused else "-torch-ops") + ("-eager" if args.eager else "")  # a variant: its own file
     print(write_result(name, result, args.out))
     for k, v in result.items():

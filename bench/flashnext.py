@@ -18,6 +18,7 @@ from common.experts.routing import RoutingReplayer, install_routing_hook, replay
 from common.experts.store import HostExpertStore
 from common.kernels import use_fused_kernels
 from common.memory_plan import plan_memory
+from common.model.fp8_linear import to_resident_dtype
 from common.model.hf_config import parse_architecture
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import build_model
@@ -76,11 +77,13 @@ def build_flashnext(
     prefill_chunk: int = 8192,
     lend: bool = False,
     embeddings_on_host: bool = False,
+    resident_dtype: str | None = None,
 ) -> Flashnext:
     """Measure PCIe and HBM, then build flashnext cut to `layers` for `lanes` × `context` tokens, its cache
     the slots the memory plan gives `budget_gib` (one process; a prefill of `prefill_chunk` tokens), or
     every expert with `all_fit`, loaded up front; `lend`: the arena's second buffer serves as E more slots
-    between prefills; `embeddings_on_host`: the token embedding in host memory, its bytes to the cache.
+    between prefills; `embeddings_on_host`: the token embedding in host memory, its bytes to the cache;
+    `resident_dtype` "fp8": the token mixers' projections in fp8.
     The benchmark reports max_memory_reserved beside the budget: the check that the plan
     holds."""
     hf = model_config(
@@ -99,6 +102,8 @@ def build_flashnext(
     )
     if embeddings_on_host:
         embeddings_to_host(model)
+    if resident_dtype is not None:
+        to_resident_dtype(model, resident_dtype)
     store = random_int4_store(
         len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     )
@@ -110,7 +115,7 @@ def build_flashnext(
         plan = plan_memory(
             cfg, arch, budget_bytes=int(budget_gib * GIB), max_context=context, max_running=lanes,
             expert_format="int4", dtype=torch.bfloat16, prefill_chunk=prefill_chunk, processes=1,
-            embeddings_on_host=embeddings_on_host, fused_kernels=fused,
+            embeddings_on_host=embeddings_on_host, fused_kernels=fused, resident_dtype=resident_dtype,
         )  # fmt: skip
         plan.check()
         slots = plan.cache_slots

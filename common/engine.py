@@ -15,6 +15,7 @@ from common.experts.offload import offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
 from common.kernels import use_fused_kernels
 from common.kv.state import Allocator, SequenceState
+from common.model.fp8_linear import to_resident_dtype
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
 from common.requests import Request, append_token, sample_next
@@ -62,6 +63,7 @@ class Engine:
         embeddings_on_host: bool = False,
         fused_kernels: bool | None = None,
         lend_arena: bool = False,
+        resident_dtype: str | None = None,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
@@ -75,7 +77,9 @@ class Engine:
         the token embedding in host memory (common/model/host_embedding.py); `fused_kernels` switches the
         fused Triton kernels and projections on or off (`common.kernels.use_fused_kernels`; None: on CUDA);
         `lend_arena` gives the prefill arena's second buffer to the expert cache between prefills (E more
-        slots during decode; see OffloadedExperts; each prefill pass takes it back, emptied)."""
+        slots during decode; see OffloadedExperts; each prefill pass takes it back, emptied);
+        `resident_dtype` "fp8" keeps the token mixers' projections in fp8 (common/model/fp8_linear.py;
+        None: the model dtype)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
@@ -89,6 +93,8 @@ class Engine:
         )  # fmt: skip
         if embeddings_on_host:  # before the expert cache takes the device memory it frees
             embeddings_to_host(self.model)
+        if resident_dtype is not None:
+            to_resident_dtype(self.model, resident_dtype)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_seqs = max_seqs

@@ -42,6 +42,7 @@ from common.experts.resident import ResidentExperts
 from common.kv.backend import TorchPagedBackend
 from common.kv.fp8 import parse_kv_dtype, with_kv_dtype
 from common.kv.state import StatePool
+from common.model.fp8_linear import MAX_ROWS, Fp8Linear, largest_dequantized, to_resident_dtype
 from common.model.hf_config import load_architecture, read_json
 from common.model.host_embedding import embeddings_to_host
 from common.model.layers import activation
@@ -129,7 +130,7 @@ def table_bytes(num_layers: int, num_experts: int, slots: int) -> int:
 
 
 def _linear_outputs(module: nn.Module) -> int:
-    return sum(m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+    return sum(m.out_features for m in module.modules() if isinstance(m, nn.Linear | Fp8Linear))
 
 
 def _dequant_bytes(fmt: ExpertFormat, hidden: int, inter: int, dtype: torch.dtype) -> int:
@@ -244,15 +245,18 @@ def scratch_bytes(
     fused kernel or one query's scores, too small to count. The decode term is dominated by the gathered,
     dequantised experts of the reference decode path; a fused kernel over cache slots would not need them."""
     chunk = min(prefill_chunk, max_context)
+    dequantized = 2 * largest_dequantized(model) * dtype.itemsize  # fp8 weights, beyond the kernel's rows
     prefill = (
-        _pass_bytes(model, cfg, chunk, 1, dtype)
+        dequantized
+        + _pass_bytes(model, cfg, chunk, 1, dtype)
         + _attention_bytes(cfg, chunk, max_context, dtype)
         + _expert_mlp_bytes(cfg, fmt, chunk, dtype, decode=False)
         + _linear_attention_bytes(cfg, chunk, dtype)
         + _indexer_bytes(cfg, chunk, max_context)
     )
     decode = (
-        _pass_bytes(model, cfg, max_running, max_running, dtype)
+        (dequantized if max_running > MAX_ROWS else 0)
+        + _pass_bytes(model, cfg, max_running, max_running, dtype)
         + _expert_mlp_bytes(cfg, fmt, max_running, dtype, decode=True, kernels=fused_kernels)
         + _linear_attention_bytes(cfg, max_running, dtype)
         + _indexer_bytes(cfg, max_running, max_context)
@@ -302,12 +306,14 @@ def plan_memory(
     processes: int = 2,
     embeddings_on_host: bool = False,
     fused_kernels: bool = True,
+    resident_dtype: str | None = None,
 ) -> MemoryPlan:
     """The plan for serving `cfg` within `budget_bytes` (see the module docstring); `processes` is 2 for
     `spillway serve` (decode and prefill each hold an arena, a context and a workspace), 1 for the offline
     engine; `embeddings_on_host`: the token embedding is a host table (no device bytes); `fused_kernels`:
-    the fused kernels' workspace (on CUDA by default) rather than the torch ops'. Not checked: call
-    `MemoryPlan.check()` to refuse a cache that is too small."""
+    the fused kernels' workspace (on CUDA by default) rather than the torch ops'; `resident_dtype` "fp8":
+    the token mixers' projections in fp8 (and the workspace to dequantise one for a prefill). Not checked:
+    call `MemoryPlan.check()` to refuse a cache that is too small."""
     if budget_bytes <= 0:
         raise ValueError(f"--vram-budget must be positive, got {budget_bytes} bytes")
     if not cfg.moe_layers:
@@ -317,6 +323,8 @@ def plan_memory(
     model = _meta_model(arch, cfg, dtype)
     if embeddings_on_host:
         embeddings_to_host(model)  # as the engine does: the plan's model is the served model
+    if resident_dtype is not None:
+        to_resident_dtype(model, resident_dtype)
     context = min(cfg.max_position, max_context)  # as Engine caps it
     kv, pages = state_bytes(model, dtype, kv_dtype, max_running, context, page_size)
     layers, experts = len(cfg.moe_layers), cfg.num_experts

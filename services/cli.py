@@ -56,6 +56,7 @@ def _generate(args: argparse.Namespace) -> int:
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
         embeddings_on_host=args.embeddings_on_host,
         lend_arena=args.lend_arena,
+        resident_dtype=args.resident_dtype,
     )
     tok = engine.tokenizer
     if args.chat is not None:
@@ -119,6 +120,7 @@ def _generate_cache(args: argparse.Namespace, model_dir: Path) -> str:
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
         embeddings_on_host=args.embeddings_on_host,
         fused_kernels=args.device.startswith("cuda"),  # as the engine decides
+        resident_dtype=args.resident_dtype,
     )
     print(format_plan(plan), file=sys.stderr)
     plan.check()
@@ -155,6 +157,7 @@ def _plan(args: argparse.Namespace) -> int:
         "kv_dtype": None if args.kv_dtype == "auto" else args.kv_dtype,
         "embeddings_on_host": args.embeddings_on_host,
         "fused_kernels": args.fused_kernels,
+        "resident_dtype": args.resident_dtype,
     }
     if args.model is not None:
         if args.arch is not None or args.set:
@@ -323,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens per prefill pass")
     add_placement_args(gen)
+    add_resident_dtype_arg(gen)
     gen.add_argument(
         "--lend-arena",
         action="store_true",
@@ -394,6 +398,7 @@ def _add_plan(sub) -> None:
         default=True,
         help="the fused kernels' workspace, as served on CUDA (--no-fused-kernels: the torch ops')",
     )
+    add_resident_dtype_arg(plan)
     plan.add_argument(
         "--single-process",
         action="store_true",
@@ -416,3 +421,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def add_resident_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    """--resident-dtype, for generate and plan (the served workers share their weights as loaded)."""
+    parser.add_argument(
+        "--resident-dtype",
+        choices=["fp8"],
+        default=None,
+        help="keep the token mixers' projections in fp8 (per row and 128 inputs scaled): more room for the "
+        "expert cache, fewer bytes a decode step reads (default: the model dtype)",
+    )
