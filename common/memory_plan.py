@@ -215,7 +215,7 @@ def _expert_mlp_bytes(
         return 0
     h, i, k, b = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, dtype.itemsize
     one = _dequant_bytes(fmt, h, i, dtype)
-    if decode and kernels and fmt.name == "int4":
+    if decode and kernels and fmt.name == "int4" and cfg.hidden_act == "silu":  # what runs them
         return tokens * k * 4 * (i + h) + tokens * h * (4 + b)
     if decode:
         return tokens * k * (fmt.expert_nbytes(h, i) + one + b * (4 * i + 3 * h))

@@ -264,6 +264,17 @@ def _add_serve(sub) -> None:
     srv.set_defaults(func=_serve)
 
 
+def add_resident_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    """--resident-dtype, for generate and plan (the served workers share their weights as loaded)."""
+    parser.add_argument(
+        "--resident-dtype",
+        choices=["fp8"],
+        default=None,
+        help="keep the token mixers' projections in fp8 (per row and 128 inputs scaled): more room for the "
+        "expert cache, fewer bytes a decode step reads (default: the model dtype)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spillway", description="Serve MoE models bigger than the GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -421,14 +432,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def add_resident_dtype_arg(parser: argparse.ArgumentParser) -> None:
-    """--resident-dtype, for generate and plan (the served workers share their weights as loaded)."""
-    parser.add_argument(
-        "--resident-dtype",
-        choices=["fp8"],
-        default=None,
-        help="keep the token mixers' projections in fp8 (per row and 128 inputs scaled): more room for the "
-        "expert cache, fewer bytes a decode step reads (default: the model dtype)",
-    )

@@ -9,15 +9,16 @@ Decode passes resolve each layer's experts against the cache tables (device ops,
 their slot; admitted misses are copied into their victim's slot, bypassed misses into a staging row, by one
 fixed-shape copy launch ([P] pairs, P = min(T·k, E), padding skipped). Every chosen (token, choice) then
 reads its expert's row and `batched_expert_mlp` computes all of them at once: no host sync, no loop over
-experts. Prefill passes use the arena: experts already cached are read in place (without touching the
-cache's statistics), the others are copied into the layer's arena buffer; when a chunk is big enough that
-the next MoE layer will almost surely need every expert (T·k ≥ 4·E: an expert is unused with probability
-e^(−T·k/E) < 2 %), the next layer's uncached experts are copied into the other buffer before this layer's
-compute, and the next layer only tops up what is missing. Prefill computes with `grouped_expert_mlp`.
+experts. Prefill passes use the arena. A small chunk reads the experts already cached in place (without
+touching the cache's statistics) and copies the others into the layer's arena buffer after routing. A chunk
+big enough that every MoE layer will almost surely need every expert (T·k ≥ 4·E: an expert is unused with
+probability e^(−T·k/E) < 2 %) streams whole layers instead, by DMA into the two buffers in turn, each
+launched while the layer before computes, and reads nothing from the cache. Prefill computes with
+`grouped_expert_mlp` (or, for int4 on CUDA, the grouped kernels).
 
 Streams. With a GPU-mapped store on CUDA the copies run on a side stream: forked from the main stream once
 the copy list is resolved, joined right before the weights are read, so they overlap with the main stream's
-work in between — the next layer's prefetch with this layer's compute; the shared expert, when the MoE block
+work in between — the next layer's stream with this layer's compute; the shared expert, when the MoE block
 runs it between `prepare` and `compute` (see `ExpertProvider.prepare`). Elsewhere the copies run inline.
 
 Memory bound. The pool is (S + 1 + 2·E) rows of one expert each. Prefill's scratch is bounded by the chunk,

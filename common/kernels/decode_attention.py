@@ -108,7 +108,7 @@ def _merge_kernel(
     denom = tl.sum(tl.load(l_ptr + row * SPLITS + s, mask=seen, other=0.0) * weight, axis=0)
     d = part * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.load(acc_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], mask=seen[:, None], other=0.0)
-    out = tl.sum(acc * weight[:, None], axis=0) / denom
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)  # no key seen: 0
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
 
 

@@ -31,16 +31,15 @@ def _fp8_gemv_kernel(
         cols = kb * BK + tl.arange(0, BK)
         live_k = cols < k
         x = tl.load(x_ptr + r[:, None] * k + cols[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
-        w = tl.load(
-            q_ptr + rows[:, None].to(tl.int64) * k + cols[None, :], mask=live_n[:, None] & live_k[None, :]
-        )
+        at = rows[:, None].to(tl.int64) * k + cols[None, :]
+        w = tl.load(q_ptr + at, mask=live_n[:, None] & live_k[None, :], other=0.0)  # [BN, BK] e4m3
         part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)  # [M_PAD, BN]
         scale = tl.load(s_ptr + rows.to(tl.int64) * BLOCKS + kb, mask=live_n, other=0.0)
         acc += part * scale[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=live_n, other=0.0).to(tl.float32)[None, :]
-    at = r[:, None] * n + rows[None, :]
-    tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=live_m[:, None] & live_n[None, :])
+    out = r[:, None] * n + rows[None, :]
+    tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=live_m[:, None] & live_n[None, :])
 
 
 def fp8_gemv(

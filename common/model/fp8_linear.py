@@ -40,14 +40,12 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [N, K] e4m3, scale [N, ⌈K/128⌉] → [N, K] in `dtype` (two [N, K] temporaries in `dtype`; e4m3
-    codes are exact in bf16)."""
+    """codes [N, K] e4m3, scale [N, ⌈K/128⌉] → [N, K] in `dtype`, each product in fp32 as the kernel forms it
+    (fp32 temporaries of [N, K]: prefill dequantises one weight at a time)."""
     n, k = codes.shape
     blocks = scale.shape[1]
-    if k % BLOCK_K:  # a last partial block (small models): pad it
-        padded = F.pad(codes.to(dtype), (0, blocks * BLOCK_K - k)).view(n, blocks, BLOCK_K)
-        return (padded * scale[..., None].to(dtype)).view(n, -1)[:, :k]
-    return (codes.to(dtype).view(n, blocks, BLOCK_K) * scale[..., None].to(dtype)).view(n, k)
+    padded = F.pad(codes.float(), (0, blocks * BLOCK_K - k)) if k % BLOCK_K else codes.float()
+    return (padded.view(n, blocks, BLOCK_K) * scale[..., None]).view(n, -1)[:, :k].to(dtype)
 
 
 def largest_dequantized(model: nn.Module) -> int:
