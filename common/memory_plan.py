@@ -245,7 +245,7 @@ def scratch_bytes(
     fused kernel or one query's scores, too small to count. The decode term is dominated by the gathered,
     dequantised experts of the reference decode path; a fused kernel over cache slots would not need them."""
     chunk = min(prefill_chunk, max_context)
-    dequantized = 2 * largest_dequantized(model) * dtype.itemsize  # fp8 weights, beyond the kernel's rows
+    dequantized = largest_dequantized(model) * (4 + dtype.itemsize)  # an fp8 weight, fp32 then `dtype`
     prefill = (
         dequantized
         + _pass_bytes(model, cfg, chunk, 1, dtype)

@@ -41,11 +41,12 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes [N, K] e4m3, scale [N, ⌈K/128⌉] → [N, K] in `dtype`, each product in fp32 as the kernel forms it
-    (fp32 temporaries of [N, K]: prefill dequantises one weight at a time)."""
+    (one fp32 [N, K] temporary, scaled in place: prefill dequantises one weight at a time)."""
     n, k = codes.shape
     blocks = scale.shape[1]
     padded = F.pad(codes.float(), (0, blocks * BLOCK_K - k)) if k % BLOCK_K else codes.float()
-    return (padded.view(n, blocks, BLOCK_K) * scale[..., None]).view(n, -1)[:, :k].to(dtype)
+    padded.view(n, blocks, BLOCK_K).mul_(scale[..., None])
+    return padded[:, :k].to(dtype)
 
 
 def largest_dequantized(model: nn.Module) -> int:
