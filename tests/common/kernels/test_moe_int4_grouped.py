@@ -28,6 +28,17 @@ def _pool(rows: int, hidden: int, inter: int, gen: torch.Generator) -> dict[str,
     return {name: torch.stack([p[name] for p in packed]).to(DEVICE) for name in packed[0]}
 
 
+def _assert_matches_dequantised(out, x, ids, weights, rows, pool) -> None:
+    """out [T, H] against each chosen expert dequantised to fp32 and applied to x, weighted, summed."""
+    tokens, k = ids.shape
+    chosen = {n: t[rows[ids.reshape(-1).to(DEVICE)]].cpu() for n, t in pool.items()}
+    gate_up, down = get_format("int4").unpack_many(chosen, torch.float32)
+    h = torch.einsum("ph,pnh->pn", x.to(DTYPE).float().repeat_interleave(k, 0), gate_up)
+    gate, up = h.chunk(2, dim=-1)
+    want = (torch.einsum("pi,phi->ph", F.silu(gate) * up, down) * weights.reshape(-1, 1)).view(tokens, k, -1)
+    assert (out.float().cpu() - want.sum(1)).norm() <= TOLERANCE * want.sum(1).norm()
+
+
 def test_grouped_pairs_cover_every_pair_once() -> None:
     from common.kernels.moe_int4 import group_pairs
 
@@ -63,12 +74,7 @@ def test_grouped_int4_matches_dequantised_reference(
         x.to(DEVICE, DTYPE), ids.to(DEVICE), weights.to(DEVICE), rows, pool, GroupedConfig(*shape)
     )
 
-    chosen = {n: t[rows[ids.reshape(-1).to(DEVICE)]].cpu() for n, t in pool.items()}
-    gate_up, down = get_format("int4").unpack_many(chosen, torch.float32)
-    h = torch.einsum("ph,pnh->pn", x.to(DTYPE).float().repeat_interleave(k, 0), gate_up)
-    gate, up = h.chunk(2, dim=-1)
-    want = (torch.einsum("pi,phi->ph", F.silu(gate) * up, down) * weights.reshape(-1, 1)).view(tokens, k, -1)
-    assert (out.float().cpu() - want.sum(1)).norm() <= TOLERANCE * want.sum(1).norm()
+    _assert_matches_dequantised(out, x, ids, weights, rows, pool)
 
 
 def test_dequantised_rows_match_the_format() -> None:
@@ -96,12 +102,7 @@ def test_grouped_mm_matches_dequantised_reference(batch: int) -> None:
     x = torch.randn(tokens, hidden, generator=gen)
     out = moe_int4_grouped_mm(x.to(DEVICE, DTYPE), ids.to(DEVICE), weights.to(DEVICE), rows, pool, batch)
 
-    chosen = {n: t[rows[ids.reshape(-1).to(DEVICE)]].cpu() for n, t in pool.items()}
-    gate_up, down = get_format("int4").unpack_many(chosen, torch.float32)
-    h = torch.einsum("ph,pnh->pn", x.to(DTYPE).float().repeat_interleave(k, 0), gate_up)
-    gate, up = h.chunk(2, dim=-1)
-    want = (torch.einsum("pi,phi->ph", F.silu(gate) * up, down) * weights.reshape(-1, 1)).view(tokens, k, -1)
-    assert (out.float().cpu() - want.sum(1)).norm() <= TOLERANCE * want.sum(1).norm()
+    _assert_matches_dequantised(out, x, ids, weights, rows, pool)
 
 
 @pytest.mark.parametrize("mm", [False, True], ids=["kernels", "grouped-mm"])
