@@ -46,6 +46,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of one more chunk here")
     ap.add_argument(
+        "--layer-major", action="store_true",
+        help="every chunk through a layer before the next layer (each layer's experts streamed once)",
+    )  # fmt: skip
+    ap.add_argument(
         "--grouped-mm", action="store_true",
         help="int4 experts dequantised a batch at a time, then bf16 grouped GEMMs (moe_int4_mm.py)",
     )  # fmt: skip
@@ -64,8 +68,11 @@ def main() -> None:
     before = provider.traffic()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for at in range(0, args.prompt, args.chunk):
-        logits = runner.forward([seq], [prompt[at : at + args.chunk].tolist()])
+    if args.layer_major:
+        logits = runner.prefill_layer_major(seq, prompt.tolist(), args.chunk)
+    else:
+        for at in range(0, args.prompt, args.chunk):
+            logits = runner.forward([seq], [prompt[at : at + args.chunk].tolist()])
     int(logits.argmax(-1))
     ttft = time.perf_counter() - start
     after = provider.traffic()
@@ -90,6 +97,7 @@ def main() -> None:
         "layers": args.layers,
         "fused": args.fused,
         "grouped_mm": args.grouped_mm,
+        "layer_major": args.layer_major,
         "build_s": flash.build_s,
     }
     if args.profile is not None:  # the first chunk again, on a fresh sequence, after the timed prompt
@@ -97,7 +105,7 @@ def main() -> None:
         seq = runner.new_sequence()
         write_profile(lambda: runner.forward([seq], [prompt[: args.chunk].tolist()]), args.profile)
     name = "prefill-128k" if args.prompt >= 131072 else "prefill-25k" if args.prompt == 25600 else "prefill"
-    name += "-grouped-mm" if args.grouped_mm else ""  # a variant: its own file
+    name += ("-grouped-mm" if args.grouped_mm else "") + ("-layer-major" if args.layer_major else "")
     print(write_result(name, result, args.out))
     for key, value in result.items():
         print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")

@@ -134,6 +134,27 @@ class ModelRunner:
         self._advance(seqs, tokens)
         return logits
 
+    @torch.inference_mode()
+    def prefill_layer_major(self, seq: SequenceState, tokens: Sequence[int], chunk: int) -> torch.Tensor:
+        """Append a long prompt to `seq` in chunks of `chunk` tokens taken layer by layer: every chunk through
+        layer l before any goes on to l + 1, so an offloaded model streams each layer's experts once for the
+        whole prompt, where chunk-major passes stream them once a chunk. The same results (each chunk still
+        sees the earlier ones' keys and states, in order); the chunks' residual streams are held at once.
+        → logits [1, V] of the last token."""
+        total = seq.num_cached + len(tokens)
+        if total > self.max_context:
+            raise ValueError(f"sequence of {total} tokens exceeds the context of {self.max_context}")
+        self.pool.reserve(seq, total)
+        contexts = []
+        for at in range(0, len(tokens), chunk):
+            piece = list(tokens[at : at + chunk])
+            batch = ForwardBatch.build([seq], [piece], self.pool.page_size, self.device)
+            contexts.append(ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch)))
+            seq.num_cached += len(piece)
+        self.model.experts.begin_pass(False)
+        hidden = self.model.forward_chunks(contexts)  # [T of the last chunk, H]
+        return self.model.compute_logits(hidden[contexts[-1].batch.last_token_index()])
+
     def _eager(self, batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
         ctx = ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
         hidden = self.model(ctx)  # [T, H]

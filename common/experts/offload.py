@@ -187,7 +187,9 @@ class PrefillArena:
         self.bases, self.num_experts, self.buffers = bases, num_experts, len(bases)
         self.ids = torch.arange(num_experts, device=device)  # [E]
         self.none_cached = torch.zeros(num_experts, dtype=torch.bool, device=device)  # [E]
-        self.prefetched: dict[int, Copies] = {}  # MoE layer index → its whole layer's copy, launched
+        self.loaded: dict[int, Copies] = {}
+        """MoE layer index → the copy of that whole layer into its buffer (launched; at most the two layers
+        the buffers hold: a layer's copy evicts the one two layers before it)."""
 
     def rows(self, i: int) -> torch.Tensor:
         """[E] pool rows of MoE layer i's buffer (expert e at row e of the buffer)."""
@@ -311,7 +313,7 @@ class OffloadedExperts(ExpertProvider):
             self.tables.lend()
         elif self.lend_arena:
             self.tables.reclaim()
-        self.arena.prefetched.clear()
+        self.arena.loaded.clear()
         self.step.add_(1)
         if is_decode:
             self.decode_passes += 1
@@ -429,10 +431,9 @@ class OffloadedExperts(ExpertProvider):
         kernel copying them holds SMs the compute needs). Smaller chunks: cached experts in place (a
         read-only peek: no statistics), the others copied into the layer's buffer after routing."""
         if self.arena.should_prefetch(choices):
-            launched = i in self.arena.prefetched  # by the layer before
-            done = self.arena.prefetched.pop(i) if launched else self._arena_load_layer(i)
+            done = self._arena_layer(i)  # launched by the layer before, or by an earlier chunk of this one
             if i + 1 < len(self.index):
-                self.arena.prefetched[i + 1] = self._arena_load_layer(i + 1)
+                self._arena_layer(i + 1)
             return Prepared(rows=self.arena.rows(i), done=done, cached=self.arena.none_cached)
         table = self.shared_cache[1] if self.shared_cache is not None else self.tables.slot_of
         slot_of = table[i, : self.store.num_experts]  # [E]
@@ -442,11 +443,15 @@ class OffloadedExperts(ExpertProvider):
         self._moved[_LOADS, i].add_((requested & ~cached).any())
         return Prepared(rows=torch.where(cached, slot_of, self.arena.rows(i)), done=done, cached=cached)
 
-    def _arena_load_layer(self, i: int) -> Copies:
-        done = self.copies.launch_layer(i, self.arena.bases[i % self.arena.buffers])
-        self._moved[_ARENA, i].add_(self.store.num_experts)
-        self._moved[_LOADS, i].add_(1)
-        return done
+    def _arena_layer(self, i: int) -> Copies:
+        """The copy of MoE layer i's experts into its buffer: the one under way, or a new one."""
+        loaded = self.arena.loaded
+        if i not in loaded:
+            loaded.pop(i - self.arena.buffers, None)  # the layer whose buffer this overwrites
+            loaded[i] = self.copies.launch_layer(i, self.arena.bases[i % self.arena.buffers])
+            self._moved[_ARENA, i].add_(self.store.num_experts)
+            self._moved[_LOADS, i].add_(1)
+        return loaded[i]
 
 
 def parse_capacity(spec: str, num_layers: int, num_experts: int) -> list[int]:

@@ -81,6 +81,18 @@ class MoECausalLM(nn.Module):
             x = layer(x, ctx)
         return self.model.norm(x)
 
+    def forward_chunks(self, contexts: list[ForwardContext]) -> torch.Tensor:
+        """One sequence's consecutive chunks layer by layer (`ModelRunner.prefill_layer_major`) → the last
+        chunk's hidden states [T, H] after the final norm."""
+        xs = []
+        for ctx in contexts:
+            xs.append(self.model.embed_tokens(ctx.batch.input_ids))  # [T_c, H]
+            ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.batch.positions, xs[-1].dtype)
+        for layer in self.model.layers:
+            for c, ctx in enumerate(contexts):
+                xs[c] = layer(xs[c], ctx)
+        return self.model.norm(xs[-1])
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] → [N, V] logits in fp32."""
         return self.lm_head(hidden).float()

@@ -100,6 +100,19 @@ class Qwen4ExpForCausalLM(nn.Module):
             streams = layer(streams, ctx)
         return streams
 
+    def forward_chunks(self, contexts: list[ForwardContext]) -> torch.Tensor:
+        """One sequence's consecutive chunks layer by layer (`ModelRunner.prefill_layer_major`) → the last
+        chunk's final mixed hidden states [T, H]."""
+        streams = []
+        for ctx in contexts:
+            x = self.model.embed_tokens(ctx.batch.input_ids)  # [T_c, H]
+            self._set_rotary(ctx, x.dtype)
+            streams.append(x.repeat(1, self.config.hc_count))  # [T_c, hc·H]
+        for layer in self.model.layers:
+            for c, ctx in enumerate(contexts):
+                streams[c] = layer(streams[c], ctx)
+        return self.mix(streams[-1])
+
     def mix(self, streams: torch.Tensor) -> torch.Tensor:
         """The final mixer: streams [T, hc·H] → hidden [T, H]."""
         return self.model.hyper_connection_mixer.mix(streams)[0]
