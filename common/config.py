@@ -150,6 +150,9 @@ class WorkerConfig:
     fused_kernels: bool | None = None
     """The fused Triton kernels and projections (`common.kernels.use_fused_kernels`): None switches them on
     where the device is CUDA; False keeps every pass in torch ops (debugging, profiling)."""
+    resident_dtype: str | None = None
+    """`fp8`: the token mixers' projections held as fp8 codes with per-row, per-128-input scales
+    (common/model/fp8_linear.py); decode quantises them at load, prefill maps them. None: `dtype`."""
     cuda_graphs: bool = True
     """On CUDA, record each lane count's decode pass once and replay it (common/graphs.py); False runs
     every pass op by op (debugging, profiling)."""

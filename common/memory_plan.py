@@ -398,6 +398,7 @@ def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
         processes=2,
         embeddings_on_host=cfg.embeddings_on_host,
         fused_kernels=cfg.fused_kernels if cfg.fused_kernels is not None else cfg.device.startswith("cuda"),
+        resident_dtype=cfg.resident_dtype,
     )
 
 

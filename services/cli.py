@@ -264,17 +264,6 @@ def _add_serve(sub) -> None:
     srv.set_defaults(func=_serve)
 
 
-def add_resident_dtype_arg(parser: argparse.ArgumentParser) -> None:
-    """--resident-dtype, for generate and plan (the served workers share their weights as loaded)."""
-    parser.add_argument(
-        "--resident-dtype",
-        choices=["fp8"],
-        default=None,
-        help="keep the token mixers' projections in fp8 (per row and 128 inputs scaled): more room for the "
-        "expert cache, fewer bytes a decode step reads (default: the model dtype)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spillway", description="Serve MoE models bigger than the GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -337,7 +326,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens per prefill pass")
     add_placement_args(gen)
-    add_resident_dtype_arg(gen)
     gen.add_argument(
         "--lend-arena",
         action="store_true",
@@ -409,7 +397,6 @@ def _add_plan(sub) -> None:
         default=True,
         help="the fused kernels' workspace, as served on CUDA (--no-fused-kernels: the torch ops')",
     )
-    add_resident_dtype_arg(plan)
     plan.add_argument(
         "--single-process",
         action="store_true",

@@ -47,7 +47,8 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
-    """Where state lives, for serve, generate and plan alike: the K/V dtype and the token embedding."""
+    """Where state lives and in what form, for serve, generate and plan alike: the K/V dtype, the token
+    embedding, the resident projections' dtype."""
     parser.add_argument(
         "--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="K/V pages: the model dtype or fp8"
     )
@@ -55,6 +56,13 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
         "--embeddings-on-host",
         action="store_true",
         help="keep the token embedding in host memory (its VRAM goes to the expert cache)",
+    )
+    parser.add_argument(
+        "--resident-dtype",
+        choices=["fp8"],
+        default=None,
+        help="keep the token mixers' projections in fp8 (per row and 128 inputs scaled): more room for the "
+        "expert cache, fewer bytes a decode step reads (default: the model dtype)",
     )
 
 
@@ -85,6 +93,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         cuda_graphs=not args.eager,
         embeddings_on_host=args.embeddings_on_host,
         fused_kernels=args.fused_kernels,
+        resident_dtype=args.resident_dtype,
     )
 
 
@@ -98,6 +107,7 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     optional["--vram-budget"] = None if cfg.vram_budget is None else str(cfg.vram_budget)
     argv += [] if cfg.cuda_graphs else ["--eager"]
     argv += ["--embeddings-on-host"] if cfg.embeddings_on_host else []
+    argv += ["--resident-dtype", cfg.resident_dtype] if cfg.resident_dtype else []
     if cfg.fused_kernels is not None:
         argv += ["--fused-kernels" if cfg.fused_kernels else "--no-fused-kernels"]
     for flag, value in optional.items():

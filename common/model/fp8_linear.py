@@ -93,14 +93,28 @@ class Fp8Linear(nn.Module):
 class Fp8Fused(FusedLinears):
     """A fused projection (fused_linear.py) whose concatenated weight is fp8."""
 
-    final = True
-
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
         super().__init__(codes, bias, sizes)
         self.scale = scale
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return fp8_linear(x, self.weight, self.scale, self.bias).split(self.sizes, dim=-1)
+
+
+def fuse_fp8(linears: list[Fp8Linear]) -> Fp8Fused | None:
+    """`fuse_linears` for fp8 members: one Fp8Fused over their codes and scales where those already lie back
+    to back (rows of one quantised fused weight, in this process or mapped from another), else None."""
+    from common.model.fused_linear import _adjacent
+
+    codes = _adjacent([m.qweight for m in linears])
+    scale = _adjacent([m.scale for m in linears])
+    biases = [m.bias for m in linears]
+    if codes is None or scale is None or len({b is None for b in biases}) != 1:
+        return None
+    bias = None if biases[0] is None else _adjacent(biases)
+    if biases[0] is not None and bias is None:
+        return None
+    return Fp8Fused(codes, scale, bias, [m.out_features for m in linears])
 
 
 def _to_fp8(linear: nn.Linear) -> Fp8Linear:

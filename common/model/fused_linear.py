@@ -24,9 +24,6 @@ from torch import nn
 class FusedLinears:
     """The concatenated weight (and bias) of some Linears, and how to split its output."""
 
-    final = False
-    """Its members are views of it in another form (fp8): `fuse_projections` leaves it as it is."""
-
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> None:
         self.weight, self.bias, self.sizes = weight, bias, sizes
 
@@ -49,7 +46,11 @@ def fuse_linears(linears: Sequence[nn.Linear], copy: bool = True) -> FusedLinear
     each Linear's weight becomes a view of its rows. Weights that already are consecutive rows of one storage
     (a process that maps another's fused weights) are viewed as they are; otherwise, with `copy`, they are
     copied into a new tensor (and their old memory freed), and without it nothing is fused (None)."""
-    if not all(isinstance(linear, nn.Linear) for linear in linears):  # e.g. fp8, quantised one by one
+    if all(hasattr(linear, "qweight") for linear in linears):  # fp8 (fp8_linear.py): views of one weight only
+        from common.model.fp8_linear import fuse_fp8
+
+        return fuse_fp8(linears)
+    if not all(isinstance(linear, nn.Linear) for linear in linears):
         return None
     weights = [linear.weight for linear in linears]
     biases = [linear.bias for linear in linears]
@@ -103,11 +104,7 @@ def fuse_projections(model: nn.Module, copy: bool = True) -> int:
     groups were fused. Call it after the weights are loaded and before a decode pass is recorded; with
     `copy` False (a process whose weights are mapped from another's) only groups already back to back are.
     """
-    owners = [
-        m
-        for m in model.modules()
-        if hasattr(m, "fuse_projections") and not getattr(getattr(m, "fused_in", None), "final", False)
-    ]
+    owners = [m for m in model.modules() if hasattr(m, "fuse_projections")]
     fused = sum(int(m.fuse_projections(copy)) for m in owners)
     if copy and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the unfused weights' blocks: give them back rather than keep them cached

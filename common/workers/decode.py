@@ -52,6 +52,7 @@ def load_engine(
         kv_dtype=cfg.kv_dtype,
         allocate=allocate,
         host_allocate=host_allocate,
+        resident_dtype=cfg.resident_dtype,
         arena_buffers=arena_buffers,
         cuda_graphs=cfg.cuda_graphs,
         embeddings_on_host=cfg.embeddings_on_host,

@@ -24,6 +24,7 @@ from common.experts.provider import ExpertWeights, install_provider
 from common.experts.resident import ResidentExperts
 from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
+from common.model.fp8_linear import quantize_resident
 from common.model.fused_linear import fuse_projections
 from common.model.hf_config import load_architecture
 from common.model.host_embedding import embeddings_to_host
@@ -150,6 +151,8 @@ def prefill_model(cfg: WorkerConfig, exports: Exports) -> tuple[nn.Module, dict[
     model = empty_model(arch, mcfg, experts, DTYPES[cfg.dtype], "meta")
     if cfg.embeddings_on_host:  # decode exports the rows as a host table
         embeddings_to_host(model)
+    if cfg.resident_dtype is not None:  # decode's quantised modules, on the meta device: shapes to map
+        quantize_resident(model)
     ipc.attach_module(model, {k[8:]: v for k, v in imported.items() if k.startswith("weights.")})
     if "cache.slot_of" in imported:
         install_provider(model, _prefill_experts(cfg, mcfg, exports, imported))

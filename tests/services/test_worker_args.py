@@ -29,5 +29,6 @@ def test_config_argv_gives_the_config_back():
         replay_routing="synthetic-zipf:seed=3",
         vram_budget=32 << 30,
         kv_dtype="fp8_e4m3",
+        resident_dtype="fp8",
     )
     assert _roundtrip(cfg) == cfg

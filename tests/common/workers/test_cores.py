@@ -37,6 +37,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
         ("qwen4_exp", "0.25", "bfloat16"),
         ("qwen4_exp", "0.25", "fp8-kv"),  # fp8 K/V pages: prefill quantizes with decode's scales
         ("qwen4_exp", "0.25", "host-embeddings"),  # prefill attaches decode's host embedding rows
+        ("qwen4_exp", "0.25", "fp8-resident"),  # prefill maps decode's fp8 projections
     ],
     ids=[
         "qwen3-resident",
@@ -46,13 +47,15 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
         "qwen4-offloaded-bf16",
         "qwen4-offloaded-fp8kv",
         "qwen4-offloaded-host-embeddings",
+        "qwen4-offloaded-fp8-resident",
     ],
 )
 def cores(request, tmp_path_factory):
     arch, cache, dtype = request.param
     kv_dtype = "fp8_e4m3" if dtype == "fp8-kv" else None
     on_host = dtype == "host-embeddings"
-    dtype = "float32" if kv_dtype or on_host else dtype
+    resident = "fp8" if dtype == "fp8-resident" else None
+    dtype = "float32" if kv_dtype or on_host or resident else dtype
     if arch == "qwen3_moe":
         model_dir = default_model_dir()
     else:
@@ -66,6 +69,7 @@ def cores(request, tmp_path_factory):
         dtype=dtype,
         kv_dtype=kv_dtype,
         embeddings_on_host=on_host,
+        resident_dtype=resident,
     )
     dec = DecodeCore(cfg, shared_allocator, host_allocator)
     exports = decode(encode(decode_exports(dec)))
