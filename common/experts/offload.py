@@ -59,7 +59,7 @@ class TrafficCounters:
     cache_bytes: list[int]
     """Misses copied into a cache slot."""
     arena_bytes: list[int]
-    """Experts copied into the prefill arena (prefetched ones too, used or not)."""
+    """Experts copied into the prefill arena (whole layers streamed ahead too, used or not)."""
     arena_loads: list[int]
     """Arena copy launches that moved at least one expert."""
     bypass_bytes: list[int]

@@ -1,5 +1,5 @@
 """The expert cache and arena with CUDA tensors and the real pinned, mapped host store: same tokens as the
-all-resident model on the GPU for every capacity, policy and prefill chunk (the arena's prefetch included);
+all-resident model on the GPU for every capacity, policy and prefill chunk (whole-layer streaming included);
 decode steps that never synchronise; copies on the side stream that are always waited for."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_offloaded_experts_on_cuda(tmp_path: Path) -> None:
     ]
     for capacity in ["3", "0.25", "all"]:
         for policy in ["lru", "lfu", "lfu-admit"]:
-            for chunk in [5, 8192]:  # 8192: whole prompts, T·k ≥ 4·E, the arena prefetches
+            for chunk in [5, 8192]:  # 8192: whole prompts, T·k ≥ 4·E, whole layers streamed
                 engine = Engine(
                     path,
                     dtype=torch.float32,

@@ -187,7 +187,7 @@ def test_a_warm_up_leaves_no_trace(model, kv_dtype):
         assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == want
 
 
-# --- the provider on its own: fixed-shape copies, staging rows, batched decode, the arena's prefetch -------
+# --- the provider on its own: fixed-shape copies, staging rows, batched decode, whole-layer streaming ----
 
 E, LAYERS, TOP_K = 8, 3, 2
 
@@ -382,7 +382,7 @@ def test_batched_expert_mlp_matches_grouped(store):
         )
 
 
-def test_prefill_prefetch_path_in_the_engine_changes_nothing(model, monkeypatch):
+def test_whole_layer_streaming_in_the_engine_changes_nothing(model, monkeypatch):
     path, prompts, reference = model
     decisions = []
     should = PrefillArena.should_prefetch
