@@ -37,7 +37,9 @@ def _split_kernel(
     PRECISION: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    table_row = tl.load(rows_ptr + t).to(tl.int64) if ROWS else t  # the query's sequence
+    table_row = t.to(tl.int64)  # the query's sequence: its own row, or (prefill) the one rows_ptr names
+    if ROWS:
+        table_row = tl.load(rows_ptr + t).to(tl.int64)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     head = kvh * GROUP + g  # [G_PAD] the query heads of this KV head's group; rows ≥ GROUP are padding
