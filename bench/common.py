@@ -43,6 +43,19 @@ def write_result(name: str, result: dict, out_dir: Path | None = None) -> Path:
     return path
 
 
+def median_ms(run, repeats: int = 5) -> float:
+    """ms of one `run()` on the current stream, timed by CUDA events: the median of `repeats` runs."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def measure_pcie_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Steady-state host→device copy rate from page-locked memory, GB/s (median of `repeats`)."""
     from common.hostmem import register_mapped, unregister
@@ -51,16 +64,9 @@ def measure_pcie_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     register_mapped(host)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev.copy_(host, non_blocking=True)  # warm-up
-    rates = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dev.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        rates.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    ms = median_ms(lambda: dev.copy_(host, non_blocking=True), repeats)
     unregister(host)
-    return sorted(rates)[len(rates) // 2]
+    return nbytes / (ms / 1e3) / 1e9
 
 
 def measure_hbm_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -68,15 +74,7 @@ def measure_hbm_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     b.copy_(a)
-    rates = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        rates.append(2 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
-    return sorted(rates)[len(rates) // 2]
+    return 2 * nbytes / (median_ms(lambda: b.copy_(a), repeats) / 1e3) / 1e9
 
 
 def write_profile(run, path: Path) -> None:
@@ -119,12 +117,4 @@ def measure_tflops(n: int = 8192, repeats: int = 5) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     a @ b  # warm-up
-    rates = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        rates.append(2 * n**3 / (start.elapsed_time(end) / 1e3) / 1e12)
-    return sorted(rates)[len(rates) // 2]
+    return 2 * n**3 / (median_ms(lambda: a @ b, repeats) / 1e3) / 1e12

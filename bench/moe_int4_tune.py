@@ -23,7 +23,7 @@ import itertools
 
 import torch
 
-from bench.common import measure_hbm_gbps, measure_tflops, replay_us
+from bench.common import measure_hbm_gbps, measure_tflops, median_ms, replay_us
 from bench.flashnext import random_int4_store
 from common.kernels.moe_int4 import GROUPED, GroupedConfig, moe_int4_decode, moe_int4_grouped
 
@@ -65,7 +65,7 @@ def grouped_sweep(tokens_list: list[int]) -> None:
             call = functools.partial(moe_int4_grouped, x, ids, weights, rows, pool, config)
             try:
                 got = call().float()  # compiles it too
-                ms = _eager_ms(call)
+                ms = median_ms(call, 3)  # events, no graph: grouping the pairs syncs the host
             except Exception as error:  # e.g. out of shared memory at the largest tiles
                 print(f"  {config}: {type(error).__name__}")
                 continue
@@ -77,17 +77,6 @@ def grouped_sweep(tokens_list: list[int]) -> None:
             setting = f"block_m {c.block_m:>3} block_n {c.block_n:>3} warps {c.num_warps} stages {c.stages}"
             rate = f"{tflops:5.1f} TFLOP/s ({tflops / peak:.0%})"
             print(f"  {setting}: {ms:7.2f} ms, {rate}, vs default {error:.0e}")
-
-
-def _eager_ms(call, repeats: int = 3) -> float:
-    """ms per call, timed by events (grouping the pairs counts experts with a host sync: no graph)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def main() -> None:

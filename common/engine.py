@@ -13,7 +13,7 @@ from common.experts.artifact import is_artifact, open_store
 from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
-from common.kernels import use_fused_kernels
+from common.kernels import fused_by_default, use_fused_kernels
 from common.kv.state import Allocator, SequenceState
 from common.model.fp8_linear import to_resident_dtype
 from common.model.host_embedding import embeddings_to_host
@@ -85,8 +85,7 @@ class Engine:
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
             raise ValueError("lending the arena does not combine with speculative decoding")
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
-        if fused_kernels is None:
-            fused_kernels = torch.device(device).type == "cuda"
+        fused_kernels = fused_by_default(fused_kernels, device)
         self.model = load_model(
             model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp",
             expert_device="cpu" if offloaded else None, fuse=fused_kernels,

@@ -39,6 +39,7 @@ from common.experts.cache_tables import CacheTables
 from common.experts.formats import ExpertFormat, get_format
 from common.experts.offload import parse_capacity
 from common.experts.resident import ResidentExperts
+from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
 from common.kv.fp8 import parse_kv_dtype, with_kv_dtype
 from common.kv.state import StatePool
@@ -188,7 +189,8 @@ def _indexer_bytes(cfg: ModelConfig, tokens: int, context: int) -> int:
 
 
 def _attention_bytes(cfg: ModelConfig, tokens: int, context: int, dtype: torch.dtype) -> int:
-    """Prefill attention in the torch backend (the one on every device until a fused prefill kernel lands):
+    """Prefill attention in the torch backend (dense passes; QSA's selected ones run the paged kernel, whose
+    output is all it allocates, so this errs high for them):
     it attends in query slices whose scores and fp32 softmax (4 + b bytes a score, b = the dtype's size) fit
     `TorchPagedBackend.score_bytes`; at its peak a slice holds the masked scores, the fp32 softmax and the
     rounded probabilities (2b + 4 bytes a score). Beside them: the gathered keys and values of the context
@@ -397,7 +399,7 @@ def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
         prefill_chunk=cfg.prefill_chunk,
         processes=2,
         embeddings_on_host=cfg.embeddings_on_host,
-        fused_kernels=cfg.fused_kernels if cfg.fused_kernels is not None else cfg.device.startswith("cuda"),
+        fused_kernels=fused_by_default(cfg.fused_kernels, cfg.device),
         resident_dtype=cfg.resident_dtype,
     )
 

@@ -141,10 +141,7 @@ class ModelRunner:
         whole prompt, where chunk-major passes stream them once a chunk. The same results (each chunk still
         sees the earlier ones' keys and states, in order); the chunks' residual streams are held at once.
         → logits [1, V] of the last token."""
-        total = seq.num_cached + len(tokens)
-        if total > self.max_context:
-            raise ValueError(f"sequence of {total} tokens exceeds the context of {self.max_context}")
-        self.pool.reserve(seq, total)
+        self._reserve([seq], [tokens])
         contexts = []
         for at in range(0, len(tokens), chunk):
             piece = list(tokens[at : at + chunk])
@@ -184,14 +181,18 @@ class ModelRunner:
 
     def _batch(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> ForwardBatch:
         """Reserve the pages the tokens need, batch them, and tell the expert provider a pass begins."""
+        self._reserve(seqs, tokens)
+        batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device)
+        self.model.experts.begin_pass(batch.is_decode)
+        return batch
+
+    def _reserve(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> None:
+        """The pages for `tokens[b]` appended to `seqs[b]`; ValueError past the context."""
         for seq, toks in zip(seqs, tokens, strict=True):
             total = seq.num_cached + len(toks)
             if total > self.max_context:
                 raise ValueError(f"sequence of {total} tokens exceeds the context of {self.max_context}")
             self.pool.reserve(seq, total)
-        batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device)
-        self.model.experts.begin_pass(batch.is_decode)
-        return batch
 
     @staticmethod
     def _advance(seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> None:

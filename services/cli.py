@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
-from services.worker_args import add_config_args, add_placement_args, size_arg
+from services.worker_args import add_config_args, add_fused_kernels_arg, add_placement_args, size_arg
 
 DTYPES = ("float32", "bfloat16", "float16")
 GENERATE_LANES, GENERATE_CONTEXT = 8, 4096
@@ -102,6 +102,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _generate_cache(args: argparse.Namespace, model_dir: Path) -> str:
     """--vram-budget for the offline engine: the expert cache's slots from a one-process plan (printed to
     stderr); ValueError when the plan is refused."""
+    from common.kernels import fused_by_default
     from common.memory_plan import DTYPES as PLAN_DTYPES
     from common.memory_plan import format_plan, plan_for_dir
 
@@ -119,7 +120,7 @@ def _generate_cache(args: argparse.Namespace, model_dir: Path) -> str:
         mtp=args.speculative == "mtp",
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
         embeddings_on_host=args.embeddings_on_host,
-        fused_kernels=args.device.startswith("cuda"),  # as the engine decides
+        fused_kernels=fused_by_default(None, args.device),  # as the engine decides
         resident_dtype=args.resident_dtype,
     )
     print(format_plan(plan), file=sys.stderr)
@@ -145,6 +146,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """Print the memory plan of a model directory or a preset's config (nothing is loaded or started)."""
+    from common.kernels import fused_by_default
     from common.memory_plan import DTYPES, format_plan, plan_dict, plan_for_dir, plan_memory
 
     settings = {
@@ -156,7 +158,7 @@ def _plan(args: argparse.Namespace) -> int:
         "processes": 1 if args.single_process else 2,
         "kv_dtype": None if args.kv_dtype == "auto" else args.kv_dtype,
         "embeddings_on_host": args.embeddings_on_host,
-        "fused_kernels": args.fused_kernels,
+        "fused_kernels": fused_by_default(args.fused_kernels, "cuda"),
         "resident_dtype": args.resident_dtype,
     }
     if args.model is not None:
@@ -391,12 +393,7 @@ def _add_plan(sub) -> None:
     plan.add_argument("--dtype", choices=DTYPES, default="float32")
     plan.add_argument("--prefill-chunk", type=int, default=8192)
     add_placement_args(plan)
-    plan.add_argument(
-        "--fused-kernels",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the fused kernels' workspace, as served on CUDA (--no-fused-kernels: the torch ops')",
-    )
+    add_fused_kernels_arg(plan)  # a plan is for a GPU: None plans the fused kernels' workspace
     plan.add_argument(
         "--single-process",
         action="store_true",

@@ -34,16 +34,21 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         "the memory plan leaves (see `spillway plan`); implies offloaded experts",
     )
     add_placement_args(parser)
+    add_fused_kernels_arg(parser)
+    parser.add_argument(
+        "--eager", action="store_true", help="run decode passes op by op, not as recorded CUDA graphs"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
+
+
+def add_fused_kernels_arg(parser: argparse.ArgumentParser) -> None:
+    """--fused-kernels / --no-fused-kernels, for serve, its workers and plan (None: on CUDA)."""
     parser.add_argument(
         "--fused-kernels",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the fused Triton kernels and projections (default: on CUDA; --no-fused-kernels: torch ops)",
     )
-    parser.add_argument(
-        "--eager", action="store_true", help="run decode passes op by op, not as recorded CUDA graphs"
-    )
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:

@@ -186,7 +186,6 @@ class PrefillArena:
         """`bases`: the first pool row of each buffer (one or two)."""
         self.bases, self.num_experts, self.buffers = bases, num_experts, len(bases)
         self.ids = torch.arange(num_experts, device=device)  # [E]
-        self.none_cached = torch.zeros(num_experts, dtype=torch.bool, device=device)  # [E]
         self.loaded: dict[int, Copies] = {}
         """MoE layer index → the copy of that whole layer into its buffer (launched; at most the two layers
         the buffers hold: a layer's copy evicts the one two layers before it)."""
@@ -207,7 +206,8 @@ class Prepared:
     """[E] pool row of each expert of the layer (meaningful for the requested ones)."""
     done: Copies
     cached: torch.Tensor | None = None
-    """Prefill: [E] bool, the expert's row is a slot of the cache (else of this provider's arena)."""
+    """Prefill: [E] bool, the expert's row is a slot of the cache (else of this provider's arena); None:
+    every row is the arena's."""
 
 
 class OffloadedExperts(ExpertProvider):
@@ -392,7 +392,8 @@ class OffloadedExperts(ExpertProvider):
             return grouped(x, topk_ids, topk_weights, prepared.rows, self.pool)
         if self.prefill:
             row = prepared.rows.tolist()  # prefill is not captured; read before waiting for the copies
-            cached = prepared.cached.tolist() if self.shared_cache is not None else None
+            mapped = self.shared_cache is not None and prepared.cached is not None  # rows in decode's pool
+            cached = prepared.cached.tolist() if mapped else None
             self.copies.join(prepared.done)
 
             def weights_of(e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,13 +435,14 @@ class OffloadedExperts(ExpertProvider):
             done = self._arena_layer(i)  # launched by the layer before, or by an earlier chunk of this one
             if i + 1 < len(self.index):
                 self._arena_layer(i + 1)
-            return Prepared(rows=self.arena.rows(i), done=done, cached=self.arena.none_cached)
+            return Prepared(rows=self.arena.rows(i), done=done)
         table = self.shared_cache[1] if self.shared_cache is not None else self.tables.slot_of
         slot_of = table[i, : self.store.num_experts]  # [E]
         cached = slot_of >= 0
-        done = self.copies.launch(i, self.arena.ids, self.arena.rows(i), requested & ~cached)
-        self._moved[_ARENA, i].add_((requested & ~cached).sum())
-        self._moved[_LOADS, i].add_((requested & ~cached).any())
+        need = requested & ~cached
+        done = self.copies.launch(i, self.arena.ids, self.arena.rows(i), need)
+        self._moved[_ARENA, i].add_(need.sum())
+        self._moved[_LOADS, i].add_(need.any())
         return Prepared(rows=torch.where(cached, slot_of, self.arena.rows(i)), done=done, cached=cached)
 
     def _arena_layer(self, i: int) -> Copies:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+
+def fused_by_default(fused: bool | None, device: torch.device | str) -> bool:
+    """Whether the fused kernels run: `fused` as given, or (None) where the device is CUDA."""
+    return torch.device(device).type == "cuda" if fused is None else fused
 
 
 def use_fused_kernels(

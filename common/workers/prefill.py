@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import WorkerConfig
-from common.kernels import use_fused_kernels
+from common.kernels import fused_by_default, use_fused_kernels
 from common.kv.state import SequenceState
 from common.protocol import (
     AllocState,
@@ -68,7 +68,7 @@ class PrefillCore:
             kv_scales=torch.ones(1),  # placeholder (skips calibration): attach brings decode's scales
         )
         self.runner.pool.attach(pool_tensors)
-        if cfg.fused_kernels or (cfg.fused_kernels is None and self.runner.device.type == "cuda"):
+        if fused_by_default(cfg.fused_kernels, self.runner.device):
             # decode fused the projections before sharing them: view its weights, copy nothing
             use_fused_kernels(model, True, self.runner.backend, fuse_copy=False)
         warm_up_on_cuda(self.runner)  # compile now, not in the first request's TTFT
