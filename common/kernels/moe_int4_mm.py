@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-GROUP = 128
+GROUP = tl.constexpr(128)  # inputs per scale (a constexpr: the kernel reads it)
 
 
 @triton.jit

@@ -12,17 +12,9 @@ from common.engine import Engine
 from common.model.fp8_linear import Fp8Fused
 from common.model.synthetic import make_model
 from common.sampling import SamplingParams
+from tests.common.model.test_fp8_linear import teacher_forced
 
 SPARSE = {"indexer_budget": 8, "indexer_compress_ratio": 4}  # prefill and decode past QSA's budget
-
-
-def _logits(engine: Engine, prompt: list[int], steps: int) -> torch.Tensor:
-    seq = engine.runner.new_sequence()
-    out = [engine.runner.forward([seq], [prompt]).float()]
-    for _ in range(steps):
-        out.append(engine.runner.forward([seq], [[int(out[-1].argmax(-1))]]).float().clone())
-    engine.runner.release(seq)
-    return torch.cat(out)
 
 
 def test_fp8_mixers_on_cuda_with_graphs(tmp_path: Path) -> None:
@@ -33,7 +25,9 @@ def test_fp8_mixers_on_cuda_with_graphs(tmp_path: Path) -> None:
     )
     bf16, fp8 = make(None, True), make("fp8", True)
     assert any(isinstance(getattr(m, "fused_in", None), Fp8Fused) for m in fp8.model.modules())
-    ref, got = _logits(bf16, prompt, 6), _logits(fp8, prompt, 6)
+    ref = teacher_forced(bf16, prompt, 6, None)
+    got = torch.cat(teacher_forced(fp8, prompt, 6, [int(r.argmax(-1)) for r in ref[:-1]]))
+    ref = torch.cat(ref)
     assert (got - ref).norm() <= 0.08 * ref.norm()  # fp8 weights and bf16 activations
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     eager = make("fp8", False)

@@ -38,4 +38,4 @@ def test_fp8_kernel_matches_dequantised_linear(rows: int, bias: bool, dtype: tor
 
 
 def test_fused_fp8_projections_keep_the_model_close(tmp_path: Path) -> None:
-    assert_fp8_close(make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp"), fused=True)
+    assert_fp8_close(make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp"), fused=True, device=DEVICE)

@@ -27,24 +27,39 @@ def test_codes_and_scales_round_trip(k: int) -> None:
     assert torch.equal(back[3, :BLOCK_K], torch.zeros(BLOCK_K))
 
 
-def assert_fp8_close(path: Path, fused: bool) -> None:
+def assert_fp8_close(path: Path, fused: bool, device: str = "cpu") -> None:
     """The token mixers' projections in fp8 (with `fused`, one weight per mixer whose members are row views;
     else each on its own): logits within fp8's rounding of the model-dtype ones over a prefill and decode
-    steps, and fewer bytes held."""
+    steps fed the same tokens (the model-dtype run's greedy ones), and fewer bytes held."""
     prompt = torch.randint(3, 1000, (13,), generator=torch.Generator().manual_seed(0)).tolist()
-    logits, held = [], []
+    logits, held, fed = [], [], None
     for resident in (None, "fp8"):
-        engine = Engine(path, dtype=torch.float32, max_seqs=1, fused_kernels=fused, resident_dtype=resident)
-        seq = engine.runner.new_sequence()
-        steps = [engine.runner.forward([seq], [prompt])]
-        for _ in range(3):
-            steps.append(engine.runner.forward([seq], [[int(steps[-1].argmax(-1))]]))
+        engine = Engine(
+            path, dtype=torch.float32, device=device, max_seqs=1, fused_kernels=fused, resident_dtype=resident
+        )
+        steps = teacher_forced(engine, prompt, 3, fed)
+        fed = fed or [int(s.argmax(-1)) for s in steps[:-1]]
         logits.append(torch.cat(steps))
         held.append(weight_bytes(engine.model))
     mixers = [m for m in engine.model.modules() if isinstance(getattr(m, "fused_in", None), Fp8Fused)]
     assert (len(mixers) > 0) == fused
     assert any(isinstance(m, Fp8Linear) for m in engine.model.modules()) and held[1] < held[0]
     assert (logits[1] - logits[0]).norm() <= 0.05 * logits[0].norm()
+
+
+def teacher_forced(
+    engine: Engine, prompt: list[int], steps: int, fed: list[int] | None
+) -> list[torch.Tensor]:
+    """fp32 logits [1, V] of a prefill of `prompt` and `steps` decode passes, each fed the token of `fed`
+    (None: the argmax of the pass before): two models compared on the same inputs, which their own greedy
+    choices would part after one near tie."""
+    seq = engine.runner.new_sequence()
+    out = [engine.runner.forward([seq], [prompt]).float()]
+    for i in range(steps):
+        token = fed[i] if fed is not None else int(out[-1].argmax(-1))
+        out.append(engine.runner.forward([seq], [[token]]).float().clone())
+    engine.runner.release(seq)
+    return out
 
 
 @pytest.fixture(scope="module")
