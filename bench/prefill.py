@@ -49,10 +49,6 @@ def main() -> None:
         "--layer-major", action="store_true",
         help="every chunk through a layer before the next layer (each layer's experts streamed once)",
     )  # fmt: skip
-    ap.add_argument(
-        "--grouped-mm", action="store_true",
-        help="int4 experts dequantised a batch at a time, then bf16 grouped GEMMs (moe_int4_mm.py)",
-    )  # fmt: skip
     args = ap.parse_args()
 
     tflops = measure_tflops()
@@ -61,7 +57,6 @@ def main() -> None:
         prefill_chunk=args.chunk,
     )  # fmt: skip
     runner, provider, cfg = flash.runner, flash.provider, flash.cfg
-    provider.int4_prefill_mm = args.grouped_mm
     warm_prefill(flash, {min(args.chunk, args.prompt), args.prompt % args.chunk})
     prompt = torch.randint(3, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1))
     seq = runner.new_sequence()
@@ -96,7 +91,6 @@ def main() -> None:
         "budget_gib": args.budget_gib,
         "layers": args.layers,
         "fused": args.fused,
-        "grouped_mm": args.grouped_mm,
         "layer_major": args.layer_major,
         "build_s": flash.build_s,
     }
@@ -105,7 +99,7 @@ def main() -> None:
         seq = runner.new_sequence()
         write_profile(lambda: runner.forward([seq], [prompt[: args.chunk].tolist()]), args.profile)
     name = "prefill-128k" if args.prompt >= 131072 else "prefill-25k" if args.prompt == 25600 else "prefill"
-    name += ("-grouped-mm" if args.grouped_mm else "") + ("-layer-major" if args.layer_major else "")
+    name += "-layer-major" if args.layer_major else ""
     print(write_result(name, result, args.out))
     for key, value in result.items():
         print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")

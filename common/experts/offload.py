@@ -261,9 +261,6 @@ class OffloadedExperts(ExpertProvider):
         self.fused_int4 = self.int4_kernels and self.device.type == "cuda"
         self.fused_int4_prefill = False
         """Prefill passes through the grouped int4 kernels (moe_int4.py); opt-in until measured."""
-        self.int4_prefill_mm = False
-        """With `fused_int4_prefill`: experts dequantised a batch at a time and multiplied as bf16 grouped
-        GEMMs instead (moe_int4_mm.py); opt-in until measured against the kernels."""
         self.fused_resolve = False
         """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
         decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
@@ -385,11 +382,9 @@ class OffloadedExperts(ExpertProvider):
         assert isinstance(prepared, Prepared)
         if self.prefill and self.fused_int4_prefill:
             from common.kernels.moe_int4 import moe_int4_grouped  # Triton
-            from common.kernels.moe_int4_mm import moe_int4_grouped_mm  # Triton, torch._grouped_mm
 
             self.copies.join(prepared.done)
-            grouped = moe_int4_grouped_mm if self.int4_prefill_mm else moe_int4_grouped
-            return grouped(x, topk_ids, topk_weights, prepared.rows, self.pool)
+            return moe_int4_grouped(x, topk_ids, topk_weights, prepared.rows, self.pool)
         if self.prefill:
             row = prepared.rows.tolist()  # prefill is not captured; read before waiting for the copies
             mapped = self.shared_cache is not None and prepared.cached is not None  # rows in decode's pool

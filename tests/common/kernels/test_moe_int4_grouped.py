@@ -77,36 +77,7 @@ def test_grouped_int4_matches_dequantised_reference(
     _assert_matches_dequantised(out, x, ids, weights, rows, pool)
 
 
-def test_dequantised_rows_match_the_format() -> None:
-    from common.kernels.moe_int4_mm import dequantize_rows
-
-    pool = _pool(5, 256, 128, torch.Generator().manual_seed(1))
-    rows = torch.tensor([3, 0, 4], device=DEVICE)
-    gate_up, down = get_format("int4").unpack_many({n: t[rows].cpu() for n, t in pool.items()}, torch.float32)
-    assert torch.equal(dequantize_rows(pool, "gate_up", rows, torch.float32).cpu(), gate_up)
-    assert torch.equal(dequantize_rows(pool, "down", rows, torch.float32).cpu(), down)
-
-
-@pytest.mark.parametrize("batch", [4, 32])
-def test_grouped_mm_matches_dequantised_reference(batch: int) -> None:
-    """Experts dequantised a batch at a time (4: several batches, one of them unused; 32: all at once)."""
-    from common.kernels.moe_int4_mm import moe_int4_grouped_mm
-
-    hidden, inter, tokens, k, experts = 256, 128, 37, 4, 13
-    gen = torch.Generator().manual_seed(5)
-    pool = _pool(16, hidden, inter, gen)
-    rows = torch.randperm(16, generator=gen)[:experts].to(DEVICE)
-    ids = torch.stack([torch.randperm(8, generator=gen)[:k] for _ in range(tokens)])  # 8..12 unused
-    ids[: tokens // 2, 0] = 0
-    weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
-    x = torch.randn(tokens, hidden, generator=gen)
-    out = moe_int4_grouped_mm(x.to(DEVICE, DTYPE), ids.to(DEVICE), weights.to(DEVICE), rows, pool, batch)
-
-    _assert_matches_dequantised(out, x, ids, weights, rows, pool)
-
-
-@pytest.mark.parametrize("mm", [False, True], ids=["kernels", "grouped-mm"])
-def test_offloaded_int4_prefill_through_the_kernels(tmp_path: Path, mm: bool) -> None:
+def test_offloaded_int4_prefill_through_the_kernels(tmp_path: Path) -> None:
     shape = {"hidden_size": 128, "moe_intermediate_size": 128, "intermediate_size": 256}
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides=shape)
     prompt = torch.randint(3, 1000, (24,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -117,7 +88,6 @@ def test_offloaded_int4_prefill_through_the_kernels(tmp_path: Path, mm: bool) ->
             cuda_graphs=False,
         )  # fmt: skip
         use_fused_kernels(engine.model, fused)
-        engine.offload.int4_prefill_mm = mm
         assert engine.offload.fused_int4_prefill == fused
         logits.append(engine.runner.forward([engine.runner.new_sequence()], [prompt]).float())
     # bf16 on the GPU: the two paths round in different orders through every layer, so the logits agree as
