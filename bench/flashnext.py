@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from bench.common import measure_hbm_gbps, measure_pcie_gbps
+from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from common.experts.formats import get_format
 from common.experts.offload import OffloadedExperts, offload_experts
 from common.experts.routing import RoutingReplayer, install_routing_hook, replayer_for
@@ -74,13 +75,15 @@ def build_flashnext(
     eager: bool = False,
     fused: bool = True,
     all_fit: bool = False,
-    prefill_chunk: int = 8192,
+    prefill_chunk: int = PREFILL_CHUNK,
+    layer_major_tokens: int = LAYER_MAJOR_TOKENS,
     lend: bool = False,
     embeddings_on_host: bool = False,
     resident_dtype: str | None = None,
 ) -> Flashnext:
     """Measure PCIe and HBM, then build flashnext cut to `layers` for `lanes` × `context` tokens, its cache
-    the slots the memory plan gives `budget_gib` (one process; a prefill of `prefill_chunk` tokens), or
+    the slots the memory plan gives `budget_gib` (one process; a prefill of `prefill_chunk` tokens in
+    layer-major groups of `layer_major_tokens`), or
     every expert with `all_fit`, loaded up front; `lend`: the arena's second buffer serves as E more slots
     between prefills; `embeddings_on_host`: the token embedding in host memory, its bytes to the cache;
     `resident_dtype` "fp8": the token mixers' projections in fp8.
@@ -115,6 +118,7 @@ def build_flashnext(
         plan = plan_memory(
             cfg, arch, budget_bytes=int(budget_gib * GIB), max_context=context, max_running=lanes,
             expert_format="int4", dtype=torch.bfloat16, prefill_chunk=prefill_chunk, processes=1,
+            layer_major_tokens=layer_major_tokens,
             embeddings_on_host=embeddings_on_host, fused_kernels=fused, resident_dtype=resident_dtype,
         )  # fmt: skip
         plan.check()

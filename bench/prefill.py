@@ -2,10 +2,11 @@
 nothing cached: TTFT, prefill tok/s, bytes streamed, and the limit max(streamed / PCIe, flops / bf16 GEMM
 rate), both ceilings measured in the same run.
 
-    python -m bench.prefill --prompt 25600 [--chunk 8192] [--no-fused] [--layers 48] [--out DIR]
-        [--profile FILE]
+    python -m bench.prefill --prompt 25600 [--chunk 8192] [--layer-major-tokens 32768] [--no-fused]
+        [--layers 48] [--out DIR] [--profile FILE]
 
-The prompt is prefilled in chunks of `--chunk` tokens, as the engine does. Flops count the resident weights
+The prompt is prefilled as the engine does: in chunks of `--chunk` tokens, grouped layer-major by
+`--layer-major-tokens` (`ModelRunner.prefill_groups`). Flops count the resident weights
 that a token multiplies (not the embedding), its k experts, and attention over the keys each query sees (QSA:
 at most the indexer's budget plus a block).
 """
@@ -20,6 +21,7 @@ import torch
 
 from bench.common import measure_tflops, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
+from common.config import LAYER_MAJOR_TOKENS
 
 
 def prefill_flops(model: torch.nn.Module, cfg, tokens: int) -> float:
@@ -46,15 +48,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", type=Path, default=None, help="write a torch profile of one more chunk here")
     ap.add_argument(
-        "--layer-major", action="store_true",
-        help="every chunk through a layer before the next layer (each layer's experts streamed once)",
+        "--layer-major-tokens", type=int, default=LAYER_MAJOR_TOKENS,
+        help="groups of this many tokens, each chunk of a group through a layer before the next layer (each "
+        "layer's experts streamed once a group); at most --chunk: chunk by chunk",
     )  # fmt: skip
     args = ap.parse_args()
 
     tflops = measure_tflops()
     flash = build_flashnext(
         args.layers, args.budget_gib, 1, args.prompt + 16, args.prompt, fused=args.fused,
-        prefill_chunk=args.chunk,
+        prefill_chunk=args.chunk, layer_major_tokens=args.layer_major_tokens,
     )  # fmt: skip
     runner, provider, cfg = flash.runner, flash.provider, flash.cfg
     warm_prefill(flash, {min(args.chunk, args.prompt), args.prompt % args.chunk})
@@ -63,8 +66,9 @@ def main() -> None:
     before = provider.traffic()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    if args.layer_major:
-        logits = runner.prefill_layer_major(seq, prompt.tolist(), args.chunk)
+    layer_major = args.chunk < args.layer_major_tokens and args.chunk < args.prompt
+    if layer_major:
+        logits = runner.prefill_groups(seq, prompt.tolist(), args.chunk, args.layer_major_tokens)
     else:
         for at in range(0, args.prompt, args.chunk):
             logits = runner.forward([seq], [prompt[at : at + args.chunk].tolist()])
@@ -91,7 +95,7 @@ def main() -> None:
         "budget_gib": args.budget_gib,
         "layers": args.layers,
         "fused": args.fused,
-        "layer_major": args.layer_major,
+        "layer_major_tokens": args.layer_major_tokens if layer_major else 0,
         "build_s": flash.build_s,
     }
     if args.profile is not None:  # the first chunk again, on a fresh sequence, after the timed prompt
@@ -99,7 +103,7 @@ def main() -> None:
         seq = runner.new_sequence()
         write_profile(lambda: runner.forward([seq], [prompt[: args.chunk].tolist()]), args.profile)
     name = "prefill-128k" if args.prompt >= 131072 else "prefill-25k" if args.prompt == 25600 else "prefill"
-    name += "-layer-major" if args.layer_major else ""
+    name += "-one-pass" if args.chunk >= args.prompt else "" if layer_major else "-chunk-major"
     print(write_result(name, result, args.out))
     for key, value in result.items():
         print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")

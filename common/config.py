@@ -110,6 +110,17 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.mlp_types) if t == "moe")
 
 
+PREFILL_CHUNK = 8192
+"""Most prompt tokens of one prefill pass, by default (its activations are the prefill scratch)."""
+
+LAYER_MAJOR_TOKENS = 32768
+"""Most prompt tokens of one sequence prefilled layer by layer, by default: its chunks all go through a layer
+before any goes on (`ModelRunner.prefill_layer_major`), so an offloaded model streams each layer's experts
+once per this many tokens instead of once per chunk (prefill-25k on the H200: 12.7 s in four chunk-major
+passes, 6.2 s layer-major). The chunks' residual streams are held meanwhile: hc·H model-dtype values a token
+(flashnext: 0.5 GB for 32K tokens, counted by the memory plan)."""
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """How the prefill and decode workers load and run the model (both read the same one)."""
@@ -131,8 +142,11 @@ class WorkerConfig:
     """Expert cache policy: `lru`, `lfu` or `lfu-admit`."""
     expert_format: str = "bf16"
     """Runtime format of offloaded experts: `bf16`, `fp8` or `int4`."""
-    prefill_chunk: int = 8192
-    """Most prompt tokens of one prefill pass (an abort waits at most one chunk)."""
+    prefill_chunk: int = PREFILL_CHUNK
+    """Most prompt tokens of one prefill pass."""
+    layer_major_tokens: int = LAYER_MAJOR_TOKENS
+    """Most prompt tokens prefilled layer by layer at once (see LAYER_MAJOR_TOKENS; ≤ `prefill_chunk`: chunk
+    by chunk); an abort waits at most this many tokens."""
     replay_routing: str | None = None
     """Force the router's choices: a trace file or `synthetic-zipf:...` (benchmarks)."""
     page_size: int = 16

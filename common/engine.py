@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from common.experts.artifact import is_artifact, open_store
 from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
@@ -50,7 +51,8 @@ class Engine:
         expert_cache: str | None = None,
         cache_policy: str = DEFAULT_POLICY,
         expert_format: str = "bf16",
-        prefill_chunk: int = 8192,
+        prefill_chunk: int = PREFILL_CHUNK,
+        layer_major_tokens: int = LAYER_MAJOR_TOKENS,
         record_routing: bool = False,
         replay_routing: str | None = None,
         pinned_experts: dict[int, list[int]] | None = None,
@@ -66,20 +68,21 @@ class Engine:
         resident_dtype: str | None = None,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
-        cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass; `record_routing`
-        keeps the router's choices (`routing_recorder.trace()`); `replay_routing` (a trace file or
-        `synthetic-zipf:...`) forces them; `pinned_experts` (MoE layer index → experts, a calibration hot set)
-        stay cached for good; `kv_dtype` (`fp8_e4m3`; None or `auto`: the model dtype) stores attention K/V
-        in fp8 with fixed per-layer scales (see ModelRunner); `allocate` makes the state pool's tensors (see
-        StatePool), `host_allocate` the host expert store's memory (see HostExpertStore); `arena_buffers` 1
-        drops the prefill arena's second buffer (no copy/compute overlap) for a worker that never prefills;
-        `cuda_graphs` records and replays decode passes on CUDA (see ModelRunner); `embeddings_on_host` keeps
-        the token embedding in host memory (common/model/host_embedding.py); `fused_kernels` switches the
-        fused Triton kernels and projections on or off (`common.kernels.use_fused_kernels`; None: on CUDA);
-        `lend_arena` gives the prefill arena's second buffer to the expert cache between prefills (E more
-        slots during decode; see OffloadedExperts; each prefill pass takes it back, emptied);
-        `resident_dtype` "fp8" keeps the token mixers' projections in fp8 (common/model/fp8_linear.py;
-        None: the model dtype)."""
+        cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass,
+        `layer_major_tokens` those of one sequence's prompt taken layer by layer (see LAYER_MAJOR_TOKENS);
+        `record_routing` keeps the router's choices (`routing_recorder.trace()`); `replay_routing` (a trace
+        file or `synthetic-zipf:...`) forces them; `pinned_experts` (MoE layer index → experts, a calibration
+        hot set) stay cached for good; `kv_dtype` (`fp8_e4m3`; None or `auto`: the model dtype) stores
+        attention K/V in fp8 with fixed per-layer scales (see ModelRunner); `allocate` makes the state pool's
+        tensors (see StatePool), `host_allocate` the host expert store's memory (see HostExpertStore);
+        `arena_buffers` 1 drops the prefill arena's second buffer (no copy/compute overlap) for a worker that
+        never prefills; `cuda_graphs` records and replays decode passes on CUDA (see ModelRunner);
+        `embeddings_on_host` keeps the token embedding in host memory (common/model/host_embedding.py);
+        `fused_kernels` switches the fused Triton kernels and projections on or off
+        (`common.kernels.use_fused_kernels`; None: on CUDA); `lend_arena` gives the prefill arena's second
+        buffer to the expert cache between prefills (E more slots during decode; see OffloadedExperts; each
+        prefill pass takes it back, emptied); `resident_dtype` "fp8" keeps the token mixers' projections in
+        fp8 (common/model/fp8_linear.py; None: the model dtype)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
@@ -115,6 +118,7 @@ class Engine:
         elif self.routing_recorder is not None:
             install_routing_hook(self.model, self.routing_recorder)
         self.prefill_chunk = prefill_chunk
+        self.layer_major_tokens = layer_major_tokens
         context = min(self.config.max_position, max_context or 4096)
         self.runner = ModelRunner(
             self.model,
@@ -146,8 +150,9 @@ class Engine:
                 index, prompt, p = waiting.pop(0)
                 seed = p.seed if p.seed is not None else random.getrandbits(62)
                 admitted[index] = Request(list(prompt), p, seed, self.runner.new_sequence())
-            if admitted:  # the running lanes take a decode step between its chunks (a decode share)
-                self._prefill(list(admitted.values()), lambda: self._decode_unfinished(running))
+            if admitted:  # the running lanes take a decode step between its passes (a decode share)
+                between = (lambda: self._decode_unfinished(running)) if running else None
+                self._prefill(list(admitted.values()), between)
                 running.update(admitted)
             else:
                 self._decode(list(running.values()))
@@ -191,10 +196,14 @@ class Engine:
         tokens: list[list[int]],
         between: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Last-token logits [B, V], in passes of at most `prefill_chunk` tokens of each sequence; `between`
-        runs between two passes."""
+        """Last-token logits [B, V], in passes of at most `prefill_chunk` tokens of each sequence (one
+        sequence: groups of `layer_major_tokens`, each a layer-major pass over its chunks); `between` runs
+        between two passes."""
         if max(len(t) for t in tokens) <= self.prefill_chunk:
             return self.runner.forward(seqs, tokens)
+        if len(seqs) == 1 and self.layer_major_tokens > self.prefill_chunk:
+            chunk, group = self.prefill_chunk, self.layer_major_tokens
+            return self.runner.prefill_groups(seqs[0], tokens[0], chunk, group, between)
         last: dict[int, torch.Tensor] = {}
         for start in range(0, max(len(t) for t in tokens), self.prefill_chunk):
             if start and between is not None:

@@ -12,8 +12,9 @@ parameter's shape and dtype and every layer's state specs for free. The pools (D
 - `arena`: an `OffloadedExperts` pool has, beside the cache's S slots, a spare row and two arena buffers of
   E rows (the first doubles as decode's staging rows): (1 + 2E) expert rows. Under `spillway serve` the
   prefill process holds such a pool (0 slots) and decode, which never prefills, keeps one buffer: (1 + E).
-- `scratch`: activation workspace, an estimate (`scratch_bytes`): one prefill chunk plus one decode step
-  (each process holds its own allocator cache; the offline engine, one process, needs the larger of the two).
+- `scratch`: activation workspace, an estimate (`scratch_bytes`): one prefill chunk (with the rest of its
+  layer-major group's streams) plus one decode step (each process holds its own allocator cache; the
+  offline engine, one process, needs the larger of the two).
 - `graphs`: a reserve for what the pools do not see: per process on the device `PROCESS_RESERVE` (CUDA
   context, cuBLAS/Triton workspaces, captured graph pools), plus `FRAGMENTATION` of the budget for the
   caching allocator's rounding and fragmentation.
@@ -34,7 +35,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.config import MemoryPlan, ModelConfig, WorkerConfig, format_bytes
+from common.config import (
+    LAYER_MAJOR_TOKENS,
+    PREFILL_CHUNK,
+    MemoryPlan,
+    ModelConfig,
+    WorkerConfig,
+    format_bytes,
+)
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import ExpertFormat, get_format
 from common.experts.offload import parse_capacity
@@ -165,6 +173,14 @@ def _pass_bytes(model: nn.Module, cfg: ModelConfig, tokens: int, seqs: int, dtyp
     return tokens * per_token + seqs * cfg.vocab_size * 4 * 16
 
 
+def _held_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
+    """Layer-major prefill (`ModelRunner.prefill_layer_major`): what the group's other `tokens` tokens hold
+    while one chunk computes — their residual streams (hc·H in `dtype`) and rotary tables (cos and sin, fp32,
+    head_dim each)."""
+    streams = getattr(cfg, "hc_count", 1) * cfg.hidden_size
+    return max(tokens, 0) * (streams * dtype.itemsize + 2 * 4 * cfg.head_dim)
+
+
 def _linear_attention_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
     """Gated DeltaNet layers (qwen4_exp): q/k repeated to the value heads, the fp32 core output, and the
     chunked kernel's per-chunk fp32 states (one [Hv, Dk, Dv] per 64 tokens)."""
@@ -236,9 +252,11 @@ def scratch_bytes(
     prefill_chunk: int,
     processes: int,
     fused_kernels: bool = True,
+    layer_major_tokens: int = LAYER_MAJOR_TOKENS,
 ) -> int:
     """Activation workspace, an estimate meant to err high: a prefill pass of one chunk (at most the context;
-    prefill runs one request at a time) plus a decode step of every lane (`_pass_bytes`, the expert MLPs and,
+    prefill runs one request at a time) with the other chunks of a layer-major group held (`_held_bytes`)
+    plus a decode step of every lane (`_pass_bytes`, the expert MLPs and,
     for qwen4_exp, the linear-attention and indexer terms); `fused_kernels`: decode's int4 experts go
     through the int4 kernels (nothing dequantised: eight lanes of flashnext's reference path would hold
     4.4 GB of dequantised experts).
@@ -255,6 +273,7 @@ def scratch_bytes(
         + _expert_mlp_bytes(cfg, fmt, chunk, dtype, decode=False)
         + _linear_attention_bytes(cfg, chunk, dtype)
         + _indexer_bytes(cfg, chunk, max_context)
+        + _held_bytes(cfg, min(layer_major_tokens, max_context) - chunk, dtype)
     )
     decode = (
         (dequantized if max_running > MAX_ROWS else 0)
@@ -304,7 +323,8 @@ def plan_memory(
     dtype: torch.dtype,
     kv_dtype: torch.dtype | str | None = None,
     page_size: int = 16,
-    prefill_chunk: int = 8192,
+    prefill_chunk: int = PREFILL_CHUNK,
+    layer_major_tokens: int = LAYER_MAJOR_TOKENS,
     processes: int = 2,
     embeddings_on_host: bool = False,
     fused_kernels: bool = True,
@@ -335,6 +355,7 @@ def plan_memory(
     scratch = scratch_bytes(
         model, cfg, fmt, dtype, max_context=context, max_running=max_running,
         prefill_chunk=prefill_chunk, processes=processes, fused_kernels=fused_kernels,
+        layer_major_tokens=layer_major_tokens,
     )  # fmt: skip
     graphs = processes * PROCESS_RESERVE + math.ceil(FRAGMENTATION * budget_bytes)
     weights = weight_bytes(model)
@@ -397,6 +418,7 @@ def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
         page_size=cfg.page_size,
         kv_dtype=cfg.kv_dtype,
         prefill_chunk=cfg.prefill_chunk,
+        layer_major_tokens=cfg.layer_major_tokens,
         processes=2,
         embeddings_on_host=cfg.embeddings_on_host,
         fused_kernels=fused_by_default(cfg.fused_kernels, cfg.device),

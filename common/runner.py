@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -151,6 +151,24 @@ class ModelRunner:
         self.model.experts.begin_pass(False)
         hidden = self.model.forward_chunks(contexts)  # [T of the last chunk, H]
         return self.model.compute_logits(hidden[contexts[-1].batch.last_token_index()])
+
+    def prefill_groups(
+        self,
+        seq: SequenceState,
+        tokens: Sequence[int],
+        chunk: int,
+        group: int,
+        between: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """Append a long prompt to `seq` in groups of `group` tokens, each a layer-major pass over its chunks
+        of `chunk` (`prefill_layer_major`: a group's streams are held at once, so the group bounds them);
+        `between` runs between two groups (a running request's decode share) → logits [1, V] of the last
+        token."""
+        for start in range(0, len(tokens), group):
+            if start and between is not None:
+                between()
+            logits = self.prefill_layer_major(seq, tokens[start : start + group], chunk)
+        return logits
 
     def _eager(self, batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
         ctx = ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))

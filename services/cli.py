@@ -9,7 +9,13 @@ import time
 from pathlib import Path
 
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
-from services.worker_args import add_config_args, add_fused_kernels_arg, add_placement_args, size_arg
+from services.worker_args import (
+    add_config_args,
+    add_fused_kernels_arg,
+    add_placement_args,
+    add_prefill_args,
+    size_arg,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 GENERATE_LANES, GENERATE_CONTEXT = 8, 4096
@@ -50,6 +56,7 @@ def _generate(args: argparse.Namespace) -> int:
         cache_policy=args.cache_policy,
         expert_format=args.expert_format,
         prefill_chunk=args.prefill_chunk,
+        layer_major_tokens=args.layer_major_tokens,
         record_routing=args.record_routing is not None,
         replay_routing=args.replay_routing,
         pinned_experts=load_hot_set(args.pin_experts) if args.pin_experts else None,
@@ -116,6 +123,7 @@ def _generate_cache(args: argparse.Namespace, model_dir: Path) -> str:
         max_running=GENERATE_LANES,
         dtype=PLAN_DTYPES[args.dtype],
         prefill_chunk=args.prefill_chunk,
+        layer_major_tokens=args.layer_major_tokens,
         processes=1,
         mtp=args.speculative == "mtp",
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
@@ -155,6 +163,7 @@ def _plan(args: argparse.Namespace) -> int:
         "max_running": args.max_running,
         "dtype": DTYPES[args.dtype],
         "prefill_chunk": args.prefill_chunk,
+        "layer_major_tokens": args.layer_major_tokens,
         "processes": 1 if args.single_process else 2,
         "kv_dtype": None if args.kv_dtype == "auto" else args.kv_dtype,
         "embeddings_on_host": args.embeddings_on_host,
@@ -326,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="JSON {MoE layer index: [experts]} kept cached for good (a calibration hot set)",
     )
-    gen.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens per prefill pass")
+    add_prefill_args(gen)
     add_placement_args(gen)
     gen.add_argument(
         "--lend-arena",
@@ -391,7 +400,7 @@ def _add_plan(sub) -> None:
     plan.add_argument("--max-running", type=int, default=8)
     plan.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
     plan.add_argument("--dtype", choices=DTYPES, default="float32")
-    plan.add_argument("--prefill-chunk", type=int, default=8192)
+    add_prefill_args(plan)
     add_placement_args(plan)
     add_fused_kernels_arg(plan)  # a plan is for a GPU: None plans the fused kernels' workspace
     plan.add_argument(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.config import WorkerConfig
+from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, WorkerConfig
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
 
 
@@ -23,7 +23,7 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
     parser.add_argument("--expert-cache", default=None, metavar="SLOTS|FRACTION|all")
     parser.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=POLICIES)
     parser.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
-    parser.add_argument("--prefill-chunk", type=int, default=8192, help="most prompt tokens per prefill pass")
+    add_prefill_args(parser)
     parser.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
     parser.add_argument(
         "--vram-budget",
@@ -39,6 +39,21 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         "--eager", action="store_true", help="run decode passes op by op, not as recorded CUDA graphs"
     )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
+
+
+def add_prefill_args(parser: argparse.ArgumentParser) -> None:
+    """How a prompt is cut into passes, for serve, its workers, generate and plan alike."""
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=PREFILL_CHUNK, help="most prompt tokens per prefill pass"
+    )
+    parser.add_argument(
+        "--layer-major-tokens",
+        type=int,
+        default=LAYER_MAJOR_TOKENS,
+        help="most prompt tokens whose chunks go through each layer together (each layer's experts "
+        "streamed once for them; their residual streams held meanwhile); at most --prefill-chunk: chunk "
+        "by chunk",
+    )
 
 
 def add_fused_kernels_arg(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +107,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         cache_policy=args.cache_policy,
         expert_format=args.expert_format,
         prefill_chunk=args.prefill_chunk,
+        layer_major_tokens=args.layer_major_tokens,
         replay_routing=args.replay_routing,
         vram_budget=args.vram_budget,
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
@@ -107,7 +123,8 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     argv = ["--model", cfg.model_dir, "--device", cfg.device, "--dtype", cfg.dtype]
     argv += ["--max-running", str(cfg.max_running), "--max-context", str(cfg.max_context)]
     argv += ["--cache-policy", cfg.cache_policy, "--expert-format", cfg.expert_format]
-    argv += ["--prefill-chunk", str(cfg.prefill_chunk), "--kv-dtype", cfg.kv_dtype or "auto"]
+    argv += ["--prefill-chunk", str(cfg.prefill_chunk), "--layer-major-tokens", str(cfg.layer_major_tokens)]
+    argv += ["--kv-dtype", cfg.kv_dtype or "auto"]
     optional = {"--expert-cache": cfg.expert_cache, "--replay-routing": cfg.replay_routing}
     optional["--vram-budget"] = None if cfg.vram_budget is None else str(cfg.vram_budget)
     argv += [] if cfg.cuda_graphs else ["--eager"]

@@ -47,6 +47,7 @@ def load_engine(
         cache_policy=cfg.cache_policy,
         expert_format=cfg.expert_format,
         prefill_chunk=cfg.prefill_chunk,
+        layer_major_tokens=cfg.layer_major_tokens,
         replay_routing=cfg.replay_routing,
         page_size=cfg.page_size,
         kv_dtype=cfg.kv_dtype,

@@ -1,11 +1,11 @@
 """PrefillCore: the prefill worker's library half, steppable in-process.
 
 It runs prompts on decode's weights and writes their state straight into decode's pools (both mapped, never
-copied), one chunk per `step()` so an abort waits at most one chunk. Per request: ask decode for state
-(`AllocState`; granting it also freezes decode's expert cache, which prefill reads in place), run the
-chunks, sample the first token, send it to the router and hand the request to decode (`PrefillDone`, which
-ends the freeze) — or, when the first token already ends it, give the state back. One request is prefilled
-at a time, in arrival order.
+copied), one pass per `step()` (a chunk, or a layer-major group of chunks) so an abort waits at most one
+pass. Per request: ask decode for state (`AllocState`; granting it also freezes decode's expert cache, which
+prefill reads in place), run the passes, sample the first token, send it to the router and hand the request
+to decode (`PrefillDone`, which ends the freeze) — or, when the first token already ends it, give the state
+back. One request is prefilled at a time, in arrival order.
 """
 
 from __future__ import annotations
@@ -125,14 +125,18 @@ class PrefillCore:
         return [("router", Tokens(g.rid, [], "error", error=error)) for g in gens]
 
     def step(self) -> Outgoing:
-        """Run the next chunk of the current request; after its last, hand it on."""
+        """Run the next pass of the current request — a chunk, or a layer-major group of chunks (see
+        LAYER_MAJOR_TOKENS); after its last, hand it on."""
         job = self.job
         if job is None:
             return []
-        prompt = job.gen.prompt_ids
-        chunk = prompt[job.done : job.done + self.cfg.prefill_chunk]
-        logits = self.runner.forward([job.seq], [chunk])  # [1, V]
-        job.done += len(chunk)
+        prompt, chunk = job.gen.prompt_ids, self.cfg.prefill_chunk
+        piece = prompt[job.done : job.done + max(chunk, self.cfg.layer_major_tokens)]
+        if len(piece) > chunk:
+            logits = self.runner.prefill_layer_major(job.seq, piece, chunk)  # [1, V]
+        else:
+            logits = self.runner.forward([job.seq], [piece])  # [1, V]
+        job.done += len(piece)
         if job.done < len(prompt):
             return []
         self.job = None

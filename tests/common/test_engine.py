@@ -71,7 +71,9 @@ def test_running_requests_decode_between_a_long_prompts_chunks(tmp_path) -> None
     """A prompt prefilled in chunks while another request runs: the running one takes a decode step between
     the chunks (it is not stalled for the whole prompt), and every output is what it is alone."""
     model_dir = make_model(tmp_path / "m", preset="tiny", arch="qwen2_moe")
-    engine = Engine(model_dir, dtype=torch.float32, max_seqs=2, max_context=96, prefill_chunk=8)
+    engine = Engine(
+        model_dir, dtype=torch.float32, max_seqs=2, max_context=96, prefill_chunk=8, layer_major_tokens=0
+    )
     prompts = [[5, 6, 7], [11, 12, 13, 14], list(range(20, 60))]  # the third: 40 tokens, 5 chunks
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 12, 3)]
     passes: list[list[int]] = []  # tokens per sequence of each pass
@@ -89,3 +91,36 @@ def test_running_requests_decode_between_a_long_prompts_chunks(tmp_path) -> None
     engine.runner.forward = forward
     for prompt, p, got in zip(prompts, params, together, strict=True):
         assert got.token_ids == engine.generate([prompt], p)[0].token_ids
+
+
+def test_a_long_prompt_goes_layer_major_in_groups(tmp_path) -> None:
+    """A 40-token prompt in chunks of 8 and layer-major groups of 16 while another request runs: three
+    layer-major passes (16, 16, 8 tokens) with a decode step of the running request between them, and the
+    tokens of chunk-by-chunk passes."""
+    model_dir = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
+    make = lambda group: Engine(
+        model_dir, dtype=torch.float32, max_seqs=2, max_context=96, prefill_chunk=8, expert_cache="0.5",
+        layer_major_tokens=group,
+    )  # fmt: skip
+    engine = make(16)
+    prompts = [[5, 6, 7], [11, 12, 13, 14], list(range(20, 60))]  # the third waits for the first's lane
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 12, 3)]
+    passes: list[tuple[str, list[int]]] = []
+    forward, layer_major = engine.runner.forward, engine.runner.prefill_layer_major
+
+    def logged_forward(seqs, tokens):
+        passes.append(("pass", [len(t) for t in tokens]))
+        return forward(seqs, tokens)
+
+    def logged_layer_major(seq, tokens, chunk):
+        assert chunk == 8
+        passes.append(("layer-major", [len(tokens)]))
+        return layer_major(seq, tokens, chunk)
+
+    engine.runner.forward, engine.runner.prefill_layer_major = logged_forward, logged_layer_major
+    together = engine.generate(prompts, params)
+    groups = [i for i, p in enumerate(passes) if p[0] == "layer-major"]
+    assert [passes[i][1] for i in groups] == [[16], [16], [8]]
+    assert all(passes[i + 1] == ("pass", [1]) for i in groups[:-1])  # the running request's decode share
+    chunked = make(0).generate(prompts, params)
+    assert [r.token_ids for r in together] == [r.token_ids for r in chunked]

@@ -185,6 +185,25 @@ def test_int4_decode_kernels_need_no_dequantised_experts() -> None:
     )
 
 
+def test_layer_major_groups_hold_their_streams() -> None:
+    """A layer-major group holds its other chunks' residual streams (hc·H bf16) and rotary tables (2·head_dim
+    fp32) while one computes: flashnext's default group of 32K tokens in chunks of 8K holds 24K tokens' worth
+    beyond chunk-by-chunk prefill; a context shorter than the group holds only up to the context."""
+    arch, cfg = _config("flashnext", None)
+    lanes = {"expert_format": "int4", "max_running": 1, "max_context": 40000, "prefill_chunk": 8192}
+    per_token = cfg.hc_count * cfg.hidden_size * 2 + 2 * 4 * cfg.head_dim
+    grouped = _plan(cfg, arch, 32 * GiB, **lanes, layer_major_tokens=32768)
+    chunked = _plan(cfg, arch, 32 * GiB, **lanes, layer_major_tokens=0)
+    assert grouped.scratch - chunked.scratch == (32768 - 8192) * per_token  # ~0.5 GB
+    assert grouped.cache_slots < chunked.cache_slots
+    short = {**lanes, "max_context": 10000}
+    assert (
+        _plan(cfg, arch, 32 * GiB, **short, layer_major_tokens=32768).scratch
+        - _plan(cfg, arch, 32 * GiB, **short, layer_major_tokens=0).scratch
+        == (10000 - 8192) * per_token
+    )
+
+
 # -- against the real allocations (the tiny models) ---------------------------------------------------------
 
 

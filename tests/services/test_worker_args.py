@@ -26,6 +26,7 @@ def test_config_argv_gives_the_config_back():
         cache_policy="lru",
         expert_format="int4",
         prefill_chunk=512,
+        layer_major_tokens=2048,
         replay_routing="synthetic-zipf:seed=3",
         vram_budget=32 << 30,
         kv_dtype="fp8_e4m3",

@@ -65,6 +65,7 @@ def cores(request, tmp_path_factory):
         max_running=2,
         max_context=256,
         prefill_chunk=5,
+        layer_major_tokens=12,  # the 13-token prompt: a layer-major pass of 5 + 5 + 2 tokens, then one of 1
         expert_cache=cache,
         dtype=dtype,
         kv_dtype=kv_dtype,
