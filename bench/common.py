@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,15 @@ def provenance() -> dict:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+_STARTED = time.perf_counter()
+
+
+def progress(stage: str) -> None:
+    """One line on stderr, flushed at once, with the seconds since the benchmark started: a run killed by a
+    time limit still shows how far it got (its results print only at the end)."""
+    print(f"[{time.perf_counter() - _STARTED:7.1f} s] {stage}", file=sys.stderr, flush=True)
 
 
 def write_result(name: str, result: dict, out_dir: Path | None = None) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import write_profile, write_result
+from bench.common import progress, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.runner import ModelRunner
 
@@ -75,6 +75,7 @@ def main() -> None:
     ).tolist()
     built_gib = torch.cuda.memory_reserved() / GIB
     warm_prefill(flash, {args.prompt})
+    progress("warm-up prefill done")
     seq = runner.new_sequence()
     t0 = time.perf_counter()
     token = int(runner.forward([seq], [prompt]).argmax(-1))
@@ -83,7 +84,9 @@ def main() -> None:
     prefill_peak_gib = torch.cuda.max_memory_reserved() / GIB
     # the other lanes share the prompt: copies of its state, not more prefills (routing comes from the trace)
     seqs = [seq] + [runner.pool.fork(seq) for _ in range(args.lanes - 1)]
+    progress("prompt prefilled; decoding")
     run = decode(runner, provider, seqs, [token] * args.lanes, args.decode, args.warmup)
+    progress("decode done")
     tokens = run.pop("tokens")
     if args.profile is not None:
         profile_steps(runner, seqs, tokens, args.profile)

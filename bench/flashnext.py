@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import measure_hbm_gbps, measure_pcie_gbps
+from bench.common import measure_hbm_gbps, measure_pcie_gbps, progress
 from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from common.experts.formats import get_format
 from common.experts.offload import OffloadedExperts, offload_experts
@@ -96,6 +96,7 @@ def build_flashnext(
     )
     arch, cfg = parse_architecture(hf, Path("<flashnext in memory>"))
     pcie, hbm = measure_pcie_gbps(), measure_hbm_gbps()
+    progress(f"ceilings measured: PCIe {pcie:.1f} GB/s, HBM {hbm:.0f} GB/s")
     torch.cuda.empty_cache()  # the probes' buffers must not count against the budget
     t0 = time.perf_counter()
     not_expert = lambda key: ".mlp.experts." not in key
@@ -107,9 +108,11 @@ def build_flashnext(
         embeddings_to_host(model)
     if resident_dtype is not None:
         to_resident_dtype(model, resident_dtype)
+    progress("resident weights built")
     store = random_int4_store(
         len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     )
+    progress("host expert store filled")
     runner = ModelRunner(model, max_seqs=lanes, max_context=context, cuda_graphs=not eager)
     torch.cuda.empty_cache()  # generating the synthetic weights left cached blocks behind: free them, and
     torch.cuda.reset_peak_memory_stats()  # count the peak from here (a served model loads from its files)
@@ -130,6 +133,7 @@ def build_flashnext(
     trace = f"synthetic-zipf:tokens={trace_tokens},seed=0"
     replayer = replayer_for(trace, list(cfg.moe_layers), cfg.num_experts, cfg.top_k)
     install_routing_hook(model, replayer)
+    progress(f"flashnext built: {slots} cache slots")
     return Flashnext(
         model, cfg, store, runner, provider, slots, pcie, hbm, time.perf_counter() - t0, replayer
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import measure_tflops, write_profile, write_result
+from bench.common import measure_tflops, progress, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.config import LAYER_MAJOR_TOKENS
 
@@ -61,6 +61,7 @@ def main() -> None:
     )  # fmt: skip
     runner, provider, cfg = flash.runner, flash.provider, flash.cfg
     warm_prefill(flash, {min(args.chunk, args.prompt), args.prompt % args.chunk})
+    progress("warm-up prefill done")
     prompt = torch.randint(3, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1))
     seq = runner.new_sequence()
     before = provider.traffic()
@@ -74,6 +75,7 @@ def main() -> None:
             logits = runner.forward([seq], [prompt[at : at + args.chunk].tolist()])
     int(logits.argmax(-1))
     ttft = time.perf_counter() - start
+    progress(f"prompt prefilled: TTFT {ttft:.2f} s")
     after = provider.traffic()
     streamed = (
         sum(after.arena_bytes) - sum(before.arena_bytes) + sum(after.cache_bytes) - sum(before.cache_bytes)
