@@ -25,7 +25,8 @@ of fresh requests and of the steps that could have made one) estimates P(request
 previous step) — what decides the next use of an eviction candidate, which the current step did not request.
 (A plain request count is inflated by bursts; a plain fresh count undercounts an expert requested at nearly
 every step.) The statistics decay by `decay` per step of their layer (0.9995: a half-life of ~1,400 steps,
-long enough for stable estimates, short enough to follow a drifting workload).
+long enough for stable estimates, short enough to follow a drifting workload). A prefill pass counts its
+tokens as steps too (`observe`), so decode starts from the prompt's rates rather than from nothing.
 
 `lfu-admit` is `lfu` with an admission test in the spirit of TinyLFU: a miss is inserted only if its chance
 of use by the next step — the layer's measured reuse probability (the share of a step's experts that the next
@@ -306,6 +307,31 @@ class CacheTables:
         again = torch.stack([(requested & previous).sum(), previous.sum()]).float()
         self.reuse[layer].mul_(d).add_(again)
         previous.copy_(requested)
+
+    observe_slice = 1024
+    """Tokens `observe` weighs at once (bounds its [tokens, E] temporaries to a few MB)."""
+
+    def observe(self, layer: int, ids: torch.Tensor) -> None:
+        """Prefill: count the tokens of a pass — `ids` [T, k], the layer's expert choices in token order — as
+        T steps of the layer's request statistics (exactly what `_count` would do for each in turn), without
+        touching slots or recency. The prompt's routing is the best estimate of its continuation's: decode
+        starts with rates counted over the prompt instead of from nothing (the cache tables' simulator on
+        decode-1's trace: 102.8 -> 93.0 misses a token after a 2,048-token prompt)."""
+        d, e = self.decay, self.num_experts
+        for start in range(0, ids.shape[0], self.observe_slice):
+            chunk = ids[start : start + self.observe_slice]
+            t = chunk.shape[0]
+            now = torch.zeros(t, e, dtype=torch.bool, device=self.device)
+            now.scatter_(1, chunk, True)  # [t, E]
+            before = torch.cat([self.previous[layer, None], now[:-1]])  # [t, E] each step's previous
+            weight = d ** torch.arange(t - 1, -1, -1, dtype=torch.float64, device=self.device)  # [t]
+            weight = weight.float()  # the last step weighs 1, as its own `_count` would leave it
+            kept = d**t
+            self.freq[layer].mul_(kept).add_(weight @ (now & ~before).float())
+            self.absent[layer].mul_(kept).add_(weight @ (~before).float())
+            again = torch.stack([(now & before).sum(1), before.sum(1)]).float()  # [2, t]
+            self.reuse[layer].mul_(kept).add_(again @ weight)
+            self.previous[layer].copy_(now[-1])
 
     def _rate(self, layer: int) -> torch.Tensor:
         """[E] estimated P(requested by a step | not requested by the step before): the fresh-request rate."""

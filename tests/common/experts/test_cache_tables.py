@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.experts.cache_tables import POLICIES, CacheTables
+from common.experts.trace import synthetic_zipf
 
 
 @st.composite
@@ -315,3 +316,24 @@ def test_reclaim_leaves_every_layer_a_slot() -> None:
     tables.reclaim()
     assert tables.capacities == [1, 1]
     tables.check()
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 2500])  # one step; fewer than a slice; several slices
+def test_observing_a_prefill_counts_its_tokens_as_steps(tokens: int) -> None:
+    """`observe` leaves the request statistics where `_count` for each token in turn would (fp32 rounding
+    apart), after some decode steps already counted, and touches no slot."""
+    trace = synthetic_zipf(layers=2, experts=64, top_k=4, tokens=tokens + 5, seed=3)
+    stepwise, at_once = (CacheTables(2, 64, [8, 8], "lfu-admit", "cpu") for _ in range(2))
+    for tables in (stepwise, at_once):
+        for t in range(5):  # decode steps before the prefill
+            for layer in range(2):
+                tables.resolve(layer, trace.masks(t)[layer], step=t, max_new=4)
+    slots = at_once.slot_of.clone()
+    for t in range(5, tokens + 5):
+        for layer in range(2):
+            stepwise._count(layer, trace.masks(t)[layer])
+    for layer in range(2):
+        at_once.observe(layer, trace.ids[5:, layer].long())
+    for name in ("freq", "absent", "reuse"):
+        torch.testing.assert_close(getattr(at_once, name), getattr(stepwise, name), rtol=1e-4, atol=1e-3)
+    assert torch.equal(at_once.previous, stepwise.previous) and torch.equal(at_once.slot_of, slots)

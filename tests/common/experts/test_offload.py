@@ -401,3 +401,21 @@ def test_a_warm_up_after_lending_takes_the_arena_back_first(model):
     engine.runner.warm_up(tokens=9)
     engine.offload.tables.check()
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
+
+
+def test_a_prefill_counts_its_routing_in_the_cache_statistics(model):
+    """Decode's rates start from the prompt's routing: after a prefill the request statistics are those of
+    its tokens taken as steps (the recorded choices observed by fresh tables), and no slot moved."""
+    path, prompts, _ = model
+    engine = Engine(path, dtype=torch.float32, max_seqs=1, expert_cache="0.5", record_routing=True)
+    tables = engine.offload.tables
+    slots = tables.slot_of.clone()
+    engine.runner.forward([engine.runner.new_sequence()], [prompts[1]])
+    trace = engine.routing_recorder.trace()  # [T, L, k] of the prompt
+    fresh = CacheTables(tables.num_layers, tables.num_experts, tables.capacities, "lfu-admit", "cpu")
+    for layer in range(tables.num_layers):
+        fresh.observe(layer, trace.ids[:, layer].long())
+    assert trace.num_tokens == len(prompts[1]) and float(tables.freq.sum()) > 0
+    for name in ("freq", "absent", "reuse", "previous"):
+        assert torch.equal(getattr(tables, name), getattr(fresh, name)), name
+    assert torch.equal(tables.slot_of, slots)
