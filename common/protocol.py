@@ -61,6 +61,9 @@ class PrefillDone(msgspec.Struct, frozen=True, tag=True):
     arrival: float
     slot: int
     pages: list[int]
+    routing: bytes = b""
+    """The prompt's routing as expert-cache request statistics (`CacheTables.statistics()`, fp32 [L, 2E + 2],
+    raw bytes), for decode to add to its own; empty for a model without offloaded experts."""
 
 
 class ReleaseState(msgspec.Struct, frozen=True, tag=True):

@@ -333,6 +333,24 @@ class CacheTables:
             self.reuse[layer].mul_(kept).add_(again @ weight)
             self.previous[layer].copy_(now[-1])
 
+    def statistics(self) -> torch.Tensor:
+        """The request statistics as one fp32 tensor [L, 2E + 2]: freq, absent, reuse (what `add_statistics`
+        merges; a prefill worker's observations of a prompt, sent to decode)."""
+        return torch.cat([self.freq, self.absent, self.reuse], dim=1)
+
+    def add_statistics(self, stats: torch.Tensor) -> None:
+        """Merge another's `statistics()` (counts of other steps: they add) into these, between steps."""
+        e = self.num_experts
+        stats = stats.to(self.device)
+        self.freq.add_(stats[:, :e])
+        self.absent.add_(stats[:, e : 2 * e])
+        self.reuse.add_(stats[:, 2 * e :])
+
+    def clear_statistics(self) -> None:
+        """Forget every request statistic (a prefill worker's tables, before the next prompt)."""
+        for t in (self.freq, self.absent, self.reuse, self.previous):
+            t.zero_()
+
     def _rate(self, layer: int) -> torch.Tensor:
         """[E] estimated P(requested by a step | not requested by the step before): the fresh-request rate."""
         return self.freq[layer] / self.absent[layer].clamp(min=1.0)

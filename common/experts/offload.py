@@ -368,8 +368,9 @@ class OffloadedExperts(ExpertProvider):
         requested = torch.zeros(self.store.num_experts, dtype=torch.bool, device=topk_ids.device)  # [E]
         requested.index_fill_(0, topk_ids.reshape(-1), True)  # (t[i] = True would synchronise)
         if self.prefill:
-            if self.shared_cache is None:  # the prompt's routing: decode's rates start from it
-                self.tables.observe(i, topk_ids)
+            # the prompt's routing: decode's rates start from it (a prefill worker's own tables collect it for
+            # decode: PrefillDone.routing)
+            self.tables.observe(i, topk_ids)
             return self._prepare_arena(i, requested, topk_ids.numel())
         return self._prepare_cache(i, requested, topk_ids.numel())
 

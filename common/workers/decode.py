@@ -137,6 +137,10 @@ class DecodeCore:
             log.info("PrefillDone for %s, which holds no state (aborted?)", msg.rid)
             return
         seq.num_cached = msg.num_cached
+        offload = getattr(self.engine, "offload", None)
+        if msg.routing and offload is not None:  # the prompt's routing: the cache's rates count it
+            stats = torch.frombuffer(bytearray(msg.routing), dtype=torch.float32)
+            offload.tables.add_statistics(stats.view(offload.tables.num_layers, -1))
         req = Request([], msg.sampling, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
         self.running[msg.rid] = req
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import WorkerConfig
+from common.experts.cache_tables import CacheTables
 from common.kernels import fused_by_default, use_fused_kernels
 from common.kv.state import SequenceState
 from common.protocol import (
@@ -73,6 +74,9 @@ class PrefillCore:
             use_fused_kernels(model, True, self.runner.backend, fuse_copy=False)
         warm_up_on_cuda(self.runner)  # compile now, not in the first request's TTFT
         self.eos_ids = eos_ids
+        self.tables: CacheTables | None = getattr(model.experts, "tables", None)
+        """This worker's own expert-cache tables (no slots: decode's cache is read in place), which observe
+        each prompt's routing for decode."""
         self.queue: deque[Generate] = deque()
         self.asked: Generate | None = None  # waiting for decode's StateGranted
         self.dropped: set[str] = set()  # aborted while asked: give the grant back
@@ -103,6 +107,8 @@ class PrefillCore:
             return [("router", Tokens(gen.rid, [], "error", error=msg.error)), *self._ask()]
         seed = gen.sampling.seed if gen.sampling.seed is not None else random.getrandbits(62)
         self.job = PrefillJob(gen, SequenceState(msg.slot, list(msg.pages)), seed)
+        if self.tables is not None:  # this prompt's routing only (PrefillDone.routing)
+            self.tables.clear_statistics()
         return []
 
     def abort(self, rid: str) -> Outgoing:
@@ -155,7 +161,8 @@ class PrefillCore:
         if finished:
             out.append(("decode", ReleaseState(gen.rid)))
         else:
+            routing = b"" if self.tables is None else self.tables.statistics().cpu().numpy().tobytes()
             done = PrefillDone(gen.rid, n, job.seq.num_cached, first, gen.sampling, job.seed, gen.arrival,
-                               job.seq.slot, job.seq.pages)  # fmt: skip
+                               job.seq.slot, job.seq.pages, routing)  # fmt: skip
             out.append(("decode", done))
         return out + self._ask()

@@ -4,6 +4,7 @@ state shared through exported shared memory: the tokens equal the offline engine
 from __future__ import annotations
 
 import pytest
+import torch
 
 from common.config import WorkerConfig
 from common.model.defaults import default_model_dir
@@ -164,3 +165,24 @@ def test_prompt_longer_than_context_is_an_error_event(cores):
     seen = _run(dec, pre, box)
     (event,) = seen["long"]
     assert event.finish_reason == "error" and "300" in event.error
+
+
+def test_decode_counts_the_prompts_routing_from_prefill(cores):
+    """Prefill's own tables observe each prompt alone and PrefillDone carries what they counted; decode adds
+    it to its cache's request statistics before the request's first step."""
+    cfg, dec, pre = cores
+    if not cfg.expert_cache:
+        pytest.skip("no expert cache")
+    tables = dec.engine.offload.tables
+    box = pre.submit(Generate("s", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=3), 0.0))
+    box = _deliver(dec, pre, box, {})  # AllocState → grant
+    box = _deliver(dec, pre, box, {})  # the grant → the job
+    before = tables.statistics().clone()
+    while pre.busy:
+        box += pre.step()
+    (done,) = [decode(encode(m)) for dest, m in box if isinstance(m, PrefillDone)]
+    sent = pre.tables.statistics()  # the prompt's 13 tokens counted as steps
+    assert len(done.routing) == sent.numel() * 4 and float(sent[:, : tables.num_experts].sum()) > 0
+    dec.prefill_done(done)
+    torch.testing.assert_close(tables.statistics(), before + sent.to(before.device))
+    _run(dec, pre, [(dest, m) for dest, m in box if not isinstance(m, PrefillDone)])
