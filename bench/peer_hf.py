@@ -49,8 +49,11 @@ def hf_decode_rate(model_dir: Path, budget_gib: float, prompt: list[int], tokens
     return decode_rate(generate, tokens)
 
 
-def spillway_decode_rate(model_dir: Path, budget_gib: float, prompt: list[int], tokens: int) -> dict:
-    """Decode tok/s of Spillway's engine under the budget (the plan sizes the expert cache)."""
+def spillway_decode_rate(
+    model_dir: Path, budget_gib: float, prompt: list[int], tokens: int, dense_kernels: bool = False
+) -> dict:
+    """Decode tok/s of Spillway's engine under the budget (the plan sizes the expert cache); `dense_kernels`:
+    bf16 decode through common/kernels/moe_dense.py."""
     from common.config import WorkerConfig
     from common.sampling import SamplingParams
     from common.workers.decode import apply_memory_plan, load_engine
@@ -61,6 +64,7 @@ def spillway_decode_rate(model_dir: Path, budget_gib: float, prompt: list[int], 
     )  # fmt: skip
     cfg, plan = apply_memory_plan(cfg)
     engine = load_engine(cfg)
+    engine.offload.fused_dense = dense_kernels
 
     def generate(n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -93,13 +97,16 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--dense-kernels", action="store_true", help="Spillway's bf16 decode through the dense MoE kernels"
+    )
     args = ap.parse_args()
 
     pcie = measure_pcie_gbps()
     layers = {"num_hidden_layers": args.layers}
     model_dir = make_model(Path(tempfile.mkdtemp()) / "qwen3-30b", preset="qwen3-30b", overrides=layers)
     prompt = torch.randint(3, 30000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    spillway = spillway_decode_rate(model_dir, args.budget_gib, prompt, args.decode)
+    spillway = spillway_decode_rate(model_dir, args.budget_gib, prompt, args.decode, args.dense_kernels)
     _free()  # the engine and its pinned store go before transformers loads
     torch.cuda.reset_peak_memory_stats()
     hf = hf_decode_rate(model_dir, args.budget_gib, prompt, args.decode)
@@ -112,8 +119,9 @@ def main() -> None:
         "layers": args.layers,
         "prompt": args.prompt,
         "decode": args.decode,
+        "dense_kernels": args.dense_kernels,
     }
-    print(write_result("peer-hf", result, args.out))
+    print(write_result("peer-hf" + ("-dense-kernels" if args.dense_kernels else ""), result, args.out))
     print(f"spillway {spillway['tok_per_s']:.2f} tok/s, hf {hf:.3f} tok/s, ratio {result['ratio']:.1f}")
 
 

@@ -264,12 +264,14 @@ class OffloadedExperts(ExpertProvider):
         self.fused_resolve = False
         """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
         decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
-        self._stages = None
-        """Decode copies in two stages where the int4 kernels read gate_up before down: the gate_up kernel
-        starts as soon as its rows are in, while the down rows are still being copied."""
-        if self.fused_int4:
-            names = tuple(store.components)
-            self._stages = tuple(tuple(n for n in names if n.startswith(p)) for p in ("gate_up", "down"))
+        self.dense_kernels = fmt.name in ("bf16", "fp8") and act is F.silu and shared_cache is None
+        self.fused_dense = False
+        """With `dense_kernels`: decode passes through the bf16 / fp8 decode kernels (moe_dense.py: each
+        pair's weights read in place instead of gathered); opt-in until measured on the GPU."""
+        names = tuple(store.components)
+        self._split = tuple(tuple(n for n in names if n.startswith(p)) for p in ("gate_up", "down"))
+        """The components in the two copy stages of a decode kernel that reads gate_up before down: its
+        gate_up kernel starts as soon as those rows are in, while the down rows are still being copied."""
         self.step = torch.zeros((), dtype=torch.int64, device=self.device)  # on the device: recorded steps
         self.decode_passes = 0
 
@@ -407,6 +409,14 @@ class OffloadedExperts(ExpertProvider):
                 x, prepared.rows[topk_ids], topk_weights, self.pool,
                 before_down=lambda: self.copies.join(prepared.done),
             )  # fmt: skip
+        if self.fused_dense and self.dense_kernels:
+            from common.kernels.moe_dense import moe_dense_decode  # Triton
+
+            self.copies.join(prepared.done, stage=0)  # gate_up's rows: down's may still be on their way
+            return moe_dense_decode(
+                x, prepared.rows[topk_ids], topk_weights, self.pool,
+                before_down=lambda: self.copies.join(prepared.done),
+            )  # fmt: skip
         self.copies.join(prepared.done)
         t, k = topk_ids.shape
         rows = prepared.rows[topk_ids].reshape(-1)  # [T*k]
@@ -414,6 +424,12 @@ class OffloadedExperts(ExpertProvider):
         gate_up, down = self.fmt.unpack_many(parts, self.dtype)  # [T*k, 2I, H], [T*k, H, I]
         gate_up, down = gate_up.view(t, k, *gate_up.shape[1:]), down.view(t, k, *down.shape[1:])
         return batched_expert_mlp(x, gate_up, down, topk_ids, topk_weights, self.act)
+
+    @property
+    def _stages(self) -> tuple[tuple[str, ...], ...] | None:
+        """Decode copies in two stages where a decode kernel reads gate_up before down, else in one."""
+        two = (self.fused_int4 or (self.fused_dense and self.dense_kernels)) and not self.prefill
+        return self._split if two else None
 
     def _prepare_cache(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
         e = self.store.num_experts
