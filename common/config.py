@@ -253,8 +253,8 @@ class MemoryPlan:
         left = self.budget - self.fixed
         changes = [
             f"a --vram-budget of at least {format_bytes(self.min_budget)}",
-            f"a smaller --max-context (now {self.max_context}), --max-running (now {self.max_running}) or "
-            f"--prefill-chunk (now {self.prefill_chunk})",
+            f"a smaller --max-context (now {self.max_context}), --max-running (now {self.max_running}), "
+            f"--prefill-chunk (now {self.prefill_chunk}) or --layer-major-tokens",
         ]
         if self.expert_format != "int4":
             changes.append(f"--expert-format int4 (now {self.expert_format})")

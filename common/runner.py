@@ -79,7 +79,8 @@ class ModelRunner:
         probe = self._probe(2 * n)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(self.model.config.vocab_size, (n + 1,), generator=gen).tolist()
-        with _routing_hooks_off(self.model):  # a recorded or replayed routing trace must not see these tokens
+        untracked = getattr(self.model.experts, "untracked", contextlib.nullcontext)
+        with _routing_hooks_off(self.model), untracked():  # no trace, no cache statistics of these tokens
             seq = probe.new_sequence()
             if getattr(self.model, "mtp", None) is not None:
                 streams = probe.forward_streams([seq], [tokens[:n]])
@@ -126,7 +127,7 @@ class ModelRunner:
 
         With CUDA graphs, a decode pass's logits are a recording's buffer: read them before the next pass.
         """
-        batch = self._batch(seqs, tokens)
+        batch = self._batch(seqs, tokens, prompt=True)  # a pass of several tokens here is a prompt's
         if self.graphs is not None and batch.is_decode and not all_logits:
             logits = self.graphs.run(batch, lambda: self._eager(batch, all_logits=False))
         else:
@@ -148,7 +149,7 @@ class ModelRunner:
             batch = ForwardBatch.build([seq], [piece], self.pool.page_size, self.device)
             contexts.append(ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch)))
             seq.num_cached += len(piece)
-        self.model.experts.begin_pass(False)
+        self.model.experts.begin_pass(False, prompt=True)
         hidden = self.model.forward_chunks(contexts)  # [T of the last chunk, H]
         return self.model.compute_logits(hidden[contexts[-1].batch.last_token_index()])
 
@@ -176,9 +177,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden if all_logits else hidden[batch.last_token_index()])
 
     @torch.inference_mode()
-    def forward_streams(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Like forward, but return every token's pre-mixer streams [T, hc·H] (models with an MTP head)."""
-        ctx = self._context(seqs, tokens)
+    def forward_streams(
+        self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]], prompt: bool = False
+    ) -> torch.Tensor:
+        """Like forward, but return every token's pre-mixer streams [T, hc·H] (models with an MTP head);
+        `prompt`: the tokens are a prompt's (not a verification of drafts)."""
+        ctx = self._context(seqs, tokens, prompt)
         streams = self.model.forward_streams(ctx)
         self._advance(seqs, tokens)
         return streams
@@ -193,15 +197,20 @@ class ModelRunner:
         """
         return self.model.draft(streams, self._context(seqs, next_tokens))
 
-    def _context(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> ForwardContext:
-        batch = self._batch(seqs, tokens)
+    def _context(
+        self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]], prompt: bool = False
+    ) -> ForwardContext:
+        batch = self._batch(seqs, tokens, prompt)
         return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
 
-    def _batch(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> ForwardBatch:
-        """Reserve the pages the tokens need, batch them, and tell the expert provider a pass begins."""
+    def _batch(
+        self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]], prompt: bool
+    ) -> ForwardBatch:
+        """Reserve the pages the tokens need, batch them, and tell the expert provider a pass begins (a
+        prompt's: see `ExpertProvider.begin_pass`)."""
         self._reserve(seqs, tokens)
         batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device)
-        self.model.experts.begin_pass(batch.is_decode)
+        self.model.experts.begin_pass(batch.is_decode, prompt)
         return batch
 
     def _reserve(self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]]) -> None:

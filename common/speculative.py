@@ -37,7 +37,7 @@ class MTPSpeculator:
 
     def prefill(self, seqs: Sequence[SequenceState], prompts: Sequence[Sequence[int]]) -> list[int]:
         """Prefill the prompts; return each first (greedy) token and prepare its drafts."""
-        streams = self.runner.forward_streams(seqs, prompts)  # [T, hc·H]
+        streams = self.runner.forward_streams(seqs, prompts, prompt=True)  # [T, hc·H]
         ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
         first = self._greedy(streams[ends.to(streams.device)]).tolist()
         starts = [0] * len(seqs)

@@ -26,7 +26,8 @@ previous step) — what decides the next use of an eviction candidate, which the
 (A plain request count is inflated by bursts; a plain fresh count undercounts an expert requested at nearly
 every step.) The statistics decay by `decay` per step of their layer (0.9995: a half-life of ~1,400 steps,
 long enough for stable estimates, short enough to follow a drifting workload). A prefill pass counts its
-tokens as steps too (`observe`), so decode starts from the prompt's rates rather than from nothing.
+tokens as steps too (`observe`: added, undecayed), so decode starts from the prompt's rates rather than from
+nothing.
 
 `lfu-admit` is `lfu` with an admission test in the spirit of TinyLFU: a miss is inserted only if its chance
 of use by the next step — the layer's measured reuse probability (the share of a step's experts that the next
@@ -109,6 +110,8 @@ class CacheTables:
         self.previous = torch.zeros(num_layers, e, dtype=torch.bool, device=device)
         self.absent = torch.zeros(num_layers, e, dtype=torch.float32, device=device)
         self.reuse = torch.zeros(num_layers, 2, dtype=torch.float32, device=device)
+        self.observed = torch.zeros(num_layers, e, dtype=torch.bool, device=device)
+        """The last prompt token `observe` counted, per layer (a prompt's own previous step)."""
         counters = ("hits", "misses", "evictions", "bypasses")
         self.counts = torch.zeros(len(counters), num_layers, dtype=torch.int64, device=device)
         self.counters = {n: self.counts[i] for i, n in enumerate(counters)}  # views, [L] each
@@ -309,29 +312,26 @@ class CacheTables:
         previous.copy_(requested)
 
     observe_slice = 1024
-    """Tokens `observe` weighs at once (bounds its [tokens, E] temporaries to a few MB)."""
+    """Tokens `observe` counts at once (bounds its [tokens, E] temporaries to a few MB)."""
 
     def observe(self, layer: int, ids: torch.Tensor) -> None:
-        """Prefill: count the tokens of a pass — `ids` [T, k], the layer's expert choices in token order — as
-        T steps of the layer's request statistics (exactly what `_count` would do for each in turn), without
-        touching slots or recency. The prompt's routing is the best estimate of its continuation's: decode
-        starts with rates counted over the prompt instead of from nothing (the cache tables' simulator on
-        decode-1's trace: 102.8 -> 93.0 misses a token after a 2,048-token prompt)."""
-        d, e = self.decay, self.num_experts
+        """Prefill: add the tokens of a prompt pass — `ids` [T, k], the layer's expert choices in token order
+        — to the layer's request statistics as T steps, each counted once (no decay among them, so a
+        prompt's passes add up to the same whatever its chunking; decode's steps then decay them as their
+        own), without touching slots, recency or decode's previous step. The prompt's routing is the best
+        estimate of its continuation's: decode starts with rates counted over the prompt instead of from
+        nothing (`python -m bench.prompt_seeding`). A token's previous step is the token observed before it
+        in the layer (`observed`: the previous pass's last, across prompts too)."""
+        e = self.num_experts
         for start in range(0, ids.shape[0], self.observe_slice):
             chunk = ids[start : start + self.observe_slice]
-            t = chunk.shape[0]
-            now = torch.zeros(t, e, dtype=torch.bool, device=self.device)
+            now = torch.zeros(chunk.shape[0], e, dtype=torch.bool, device=self.device)
             now.scatter_(1, chunk, True)  # [t, E]
-            before = torch.cat([self.previous[layer, None], now[:-1]])  # [t, E] each step's previous
-            weight = d ** torch.arange(t - 1, -1, -1, dtype=torch.float64, device=self.device)  # [t]
-            weight = weight.float()  # the last step weighs 1, as its own `_count` would leave it
-            kept = d**t
-            self.freq[layer].mul_(kept).add_(weight @ (now & ~before).float())
-            self.absent[layer].mul_(kept).add_(weight @ (~before).float())
-            again = torch.stack([(now & before).sum(1), before.sum(1)]).float()  # [2, t]
-            self.reuse[layer].mul_(kept).add_(again @ weight)
-            self.previous[layer].copy_(now[-1])
+            before = torch.cat([self.observed[layer, None], now[:-1]])  # [t, E] each token's previous
+            self.freq[layer].add_((now & ~before).sum(0))
+            self.absent[layer].add_((~before).sum(0))
+            self.reuse[layer].add_(torch.stack([(now & before).sum(), before.sum()]))
+            self.observed[layer].copy_(now[-1])
 
     def statistics(self) -> torch.Tensor:
         """The request statistics as one fp32 tensor [L, 2E + 2]: freq, absent, reuse (what `add_statistics`
@@ -348,7 +348,7 @@ class CacheTables:
 
     def clear_statistics(self) -> None:
         """Forget every request statistic (a prefill worker's tables, before the next prompt)."""
-        for t in (self.freq, self.absent, self.reuse, self.previous):
+        for t in (self.freq, self.absent, self.reuse, self.previous, self.observed):
             t.zero_()
 
     def _rate(self, layer: int) -> torch.Tensor:

@@ -253,6 +253,8 @@ class OffloadedExperts(ExpertProvider):
         self._moved = torch.zeros(4, len(moe_layers), dtype=torch.int64, device=self.device)
         self._fill_pinned()
         self.prefill = False
+        self.observing = False
+        """This pass is a prompt's: its routing is counted in the cache statistics."""
         self.all_resident = False
         """Every expert holds a slot for good (`load_all`): passes read the slots, nothing is resolved or
         copied."""
@@ -303,11 +305,12 @@ class OffloadedExperts(ExpertProvider):
                 torch.cuda.synchronize(self.device)  # the copies read the host store until they finish
             self.store.release()
 
-    def begin_pass(self, is_decode: bool) -> None:
-        """Called by the runner before each forward: decode passes use the cache, others the arena; every
-        `rebalance_every` decode passes, slots move to the layers where they are worth most (see
-        `CacheTables.rebalance`)."""
+    def begin_pass(self, is_decode: bool, prompt: bool = False) -> None:
+        """Called by the runner before each forward: decode passes use the cache, others the arena; a prompt
+        pass's routing is counted in the cache statistics (`CacheTables.observe`); every `rebalance_every`
+        decode passes, slots move to the layers where they are worth most (see `CacheTables.rebalance`)."""
         self.prefill = not is_decode or self.shared_cache is not None
+        self.observing = prompt and not is_decode
         if self.lend_arena and is_decode:  # the arena's second buffer: the cache's between prefills
             self.tables.lend()
         elif self.lend_arena:
@@ -328,7 +331,7 @@ class OffloadedExperts(ExpertProvider):
         t = self.tables
         if self.lend_arena:
             t.reclaim()
-        names = ("freq", "absent", "previous", "reuse", "counts", "last_use")
+        names = ("freq", "absent", "previous", "observed", "reuse", "counts", "last_use")
         saved = {n: getattr(t, n).clone() for n in names}
         moved, step, passes, frozen = self._moved.clone(), self.step.clone(), self.decode_passes, t.frozen
         t.frozen = True
@@ -370,9 +373,8 @@ class OffloadedExperts(ExpertProvider):
         requested = torch.zeros(self.store.num_experts, dtype=torch.bool, device=topk_ids.device)  # [E]
         requested.index_fill_(0, topk_ids.reshape(-1), True)  # (t[i] = True would synchronise)
         if self.prefill:
-            # the prompt's routing: decode's rates start from it (a prefill worker's own tables collect it for
-            # decode: PrefillDone.routing)
-            self.tables.observe(i, topk_ids)
+            if self.observing:  # decode's rates start from it (a prefill worker's: PrefillDone.routing)
+                self.tables.observe(i, topk_ids)
             return self._prepare_arena(i, requested, topk_ids.numel())
         return self._prepare_cache(i, requested, topk_ids.numel())
 

@@ -26,8 +26,9 @@ class ExpertWeights:
 class ExpertProvider(ABC):
     """Computes the weighted sum of the chosen routed experts for the tokens of one MoE layer."""
 
-    def begin_pass(self, is_decode: bool) -> None:  # noqa: B027  (a hook; most providers need nothing)
-        """Called before every forward pass (providers that serve decode and prefill differently use it)."""
+    def begin_pass(self, is_decode: bool, prompt: bool = False) -> None:  # noqa: B027  (a hook)
+        """Called before every forward pass (providers that serve decode and prefill differently use it);
+        `prompt`: the pass runs prompt tokens (not a speculative verification, a draft or a probe)."""
 
     @abstractmethod
     def forward(

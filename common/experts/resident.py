@@ -85,7 +85,7 @@ class ResidentExperts(ExpertProvider):
         self.act = act
         self.decode = False
 
-    def begin_pass(self, is_decode: bool) -> None:
+    def begin_pass(self, is_decode: bool, prompt: bool = False) -> None:
         """Decode passes compute as the offloaded provider's decode passes do (`batched_expert_mlp`), so
         that serving experts from host memory changes no bit of the output; other passes use the grouped
         form, as the offloaded provider's prefill arena does."""

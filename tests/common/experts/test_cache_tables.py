@@ -319,21 +319,28 @@ def test_reclaim_leaves_every_layer_a_slot() -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 2500])  # one step; fewer than a slice; several slices
-def test_observing_a_prefill_counts_its_tokens_as_steps(tokens: int) -> None:
-    """`observe` leaves the request statistics where `_count` for each token in turn would (fp32 rounding
-    apart), after some decode steps already counted, and touches no slot."""
+def test_observing_a_prompt_adds_its_tokens_as_steps(tokens: int) -> None:
+    """`observe` adds to the request statistics what `_count` for each prompt token in turn gives fresh
+    tables (no decay among a prompt's tokens: two passes add up to one), after decode steps already
+    counted, and leaves decode's previous step, slots and recency alone."""
     trace = synthetic_zipf(layers=2, experts=64, top_k=4, tokens=tokens + 5, seed=3)
-    stepwise, at_once = (CacheTables(2, 64, [8, 8], "lfu-admit", "cpu") for _ in range(2))
-    for tables in (stepwise, at_once):
-        for t in range(5):  # decode steps before the prefill
+    decoded, whole, split = (CacheTables(2, 64, [8, 8], "lfu-admit", "cpu", decay=0.99) for _ in range(3))
+    for tables in (decoded, whole, split):
+        for t in range(5):  # decode steps before the prompt
             for layer in range(2):
                 tables.resolve(layer, trace.masks(t)[layer], step=t, max_new=4)
-    slots = at_once.slot_of.clone()
+    prompt = CacheTables(2, 64, [8, 8], "lfu-admit", "cpu", decay=1.0)  # the prompt alone, step by step
     for t in range(5, tokens + 5):
         for layer in range(2):
-            stepwise._count(layer, trace.masks(t)[layer])
+            prompt._count(layer, trace.masks(t)[layer])
+    cut = tokens // 2
     for layer in range(2):
-        at_once.observe(layer, trace.ids[5:, layer].long())
-    for name in ("freq", "absent", "reuse"):
-        torch.testing.assert_close(getattr(at_once, name), getattr(stepwise, name), rtol=1e-4, atol=1e-3)
-    assert torch.equal(at_once.previous, stepwise.previous) and torch.equal(at_once.slot_of, slots)
+        ids = trace.ids[5:, layer].long()
+        whole.observe(layer, ids)
+        split.observe(layer, ids[:cut])
+        split.observe(layer, ids[cut:])
+    for tables in (whole, split):
+        torch.testing.assert_close(tables.statistics(), decoded.statistics() + prompt.statistics())
+        for name in ("previous", "slot_of", "owner", "last_use"):
+            assert torch.equal(getattr(tables, name), getattr(decoded, name)), name
+        assert torch.equal(tables.observed, prompt.previous)

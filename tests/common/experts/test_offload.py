@@ -416,6 +416,13 @@ def test_a_prefill_counts_its_routing_in_the_cache_statistics(model):
     for layer in range(tables.num_layers):
         fresh.observe(layer, trace.ids[:, layer].long())
     assert trace.num_tokens == len(prompts[1]) and float(tables.freq.sum()) > 0
-    for name in ("freq", "absent", "reuse", "previous"):
+    for name in ("freq", "absent", "reuse", "previous", "observed"):
         assert torch.equal(getattr(tables, name), getattr(fresh, name)), name
     assert torch.equal(tables.slot_of, slots)
+
+
+def test_kv_calibration_counts_nothing(model):
+    """fp8 K/V scales come from a pass of random tokens at load: not a prompt, so no statistic moves."""
+    path, _, _ = model
+    engine = Engine(path, dtype=torch.float32, max_seqs=1, expert_cache="0.5", kv_dtype="fp8_e4m3")
+    assert float(engine.offload.tables.statistics().abs().sum()) == 0.0
