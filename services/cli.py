@@ -235,6 +235,7 @@ BENCHMARKS = {
     "prefill-25k": ("bench.prefill", ["--prompt", "25600"]),
     "prefill-128k": ("bench.prefill", ["--prompt", "131072"]),
     "policy": ("bench.policy", []),
+    "prompt-seeding": ("bench.prompt_seeding", []),
     "serve-ipc": ("bench.serve_ipc", []),
     "qwen4-smoke": ("bench.qwen4_smoke", []),
 }
