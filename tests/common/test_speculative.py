@@ -92,3 +92,24 @@ def test_checkpoint_without_mtp_head(tmp_path):
     )
     with pytest.raises(CheckpointError, match="no MTP head"):
         Engine(plain, dtype=torch.float32, speculative="mtp")
+
+
+def test_only_prompt_tokens_are_counted_in_the_cache_statistics(model_dir, prompts):
+    """An offloaded speculative engine counts each prompt's tokens once in the cache statistics: its MTP
+    verifications, re-runs and drafts are not prompts."""
+    engine = Engine(
+        model_dir, dtype=torch.float32, max_seqs=2, max_context=96, speculative="mtp", num_draft=2,
+        expert_cache="0.5",
+    )  # fmt: skip
+    observed = []
+    observe = engine.offload.tables.observe
+
+    def counting(layer: int, ids: torch.Tensor) -> None:
+        observed.append((layer, ids.shape[0]))
+        observe(layer, ids)
+
+    engine.offload.tables.observe = counting
+    engine.generate(prompts, GREEDY)
+    trunk = len(engine.config.moe_layers) - 1  # the MTP head's MoE layer, the last, sees drafts only
+    per_layer = {layer: sum(n for i, n in observed if i == layer) for layer, _ in observed}
+    assert sorted(per_layer) == list(range(trunk)) and set(per_layer.values()) == {sum(map(len, prompts))}
