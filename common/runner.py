@@ -147,7 +147,7 @@ class ModelRunner:
         for at in range(0, len(tokens), chunk):
             piece = list(tokens[at : at + chunk])
             batch = ForwardBatch.build([seq], [piece], self.pool.page_size, self.device)
-            contexts.append(ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch)))
+            contexts.append(self._context_of(batch))
             seq.num_cached += len(piece)
         self.model.experts.begin_pass(False, prompt=True)
         hidden = self.model.forward_chunks(contexts)  # [T of the last chunk, H]
@@ -172,8 +172,7 @@ class ModelRunner:
         return logits
 
     def _eager(self, batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
-        ctx = ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
-        hidden = self.model(ctx)  # [T, H]
+        hidden = self.model(self._context_of(batch))  # [T, H]
         return self.model.compute_logits(hidden if all_logits else hidden[batch.last_token_index()])
 
     @torch.inference_mode()
@@ -200,7 +199,10 @@ class ModelRunner:
     def _context(
         self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]], prompt: bool = False
     ) -> ForwardContext:
-        batch = self._batch(seqs, tokens, prompt)
+        return self._context_of(self._batch(seqs, tokens, prompt))
+
+    def _context_of(self, batch: ForwardBatch) -> ForwardContext:
+        """A pass's context: its batch, this runner's pool and attention backend, the backend's plan."""
         return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
 
     def _batch(

@@ -403,19 +403,14 @@ class OffloadedExperts(ExpertProvider):
                 return self.fmt.unpack({n: t[row[e]] for n, t in pool.items()}, self.dtype)
 
             return grouped_expert_mlp(x, weights_of, topk_ids, topk_weights, self.act)
-        if self.fused_int4:
-            from common.kernels.moe_int4 import moe_int4_decode  # Triton: CUDA machines only
+        if self._kernel_decode:
+            if self.fused_int4:
+                from common.kernels.moe_int4 import moe_int4_decode as kernel  # Triton: CUDA machines only
+            else:
+                from common.kernels.moe_dense import moe_dense_decode as kernel  # Triton
 
             self.copies.join(prepared.done, stage=0)  # gate_up's rows: down's may still be on their way
-            return moe_int4_decode(
-                x, prepared.rows[topk_ids], topk_weights, self.pool,
-                before_down=lambda: self.copies.join(prepared.done),
-            )  # fmt: skip
-        if self.fused_dense and self.dense_kernels:
-            from common.kernels.moe_dense import moe_dense_decode  # Triton
-
-            self.copies.join(prepared.done, stage=0)  # gate_up's rows: down's may still be on their way
-            return moe_dense_decode(
+            return kernel(
                 x, prepared.rows[topk_ids], topk_weights, self.pool,
                 before_down=lambda: self.copies.join(prepared.done),
             )  # fmt: skip
@@ -428,10 +423,15 @@ class OffloadedExperts(ExpertProvider):
         return batched_expert_mlp(x, gate_up, down, topk_ids, topk_weights, self.act)
 
     @property
+    def _kernel_decode(self) -> bool:
+        """Decode passes run a Triton kernel that reads the chosen rows in place, gate_up before down (int4 on
+        CUDA; bf16 / fp8 with `fused_dense`): their copies come in two stages (`_stages`)."""
+        return self.fused_int4 or (self.fused_dense and self.dense_kernels)
+
+    @property
     def _stages(self) -> tuple[tuple[str, ...], ...] | None:
-        """Decode copies in two stages where a decode kernel reads gate_up before down, else in one."""
-        two = (self.fused_int4 or (self.fused_dense and self.dense_kernels)) and not self.prefill
-        return self._split if two else None
+        """A decode step's copy stages: gate_up's components, then down's, for a kernel decode; else one."""
+        return self._split if self._kernel_decode else None
 
     def _prepare_cache(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
         e = self.store.num_experts
