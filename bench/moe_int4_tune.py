@@ -60,7 +60,8 @@ def grouped_sweep(tokens_list: list[int]) -> None:
         flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
         want = moe_int4_grouped(x, ids, weights, rows, pool, GROUPED).float()
         results = []
-        for shape in itertools.product((32, 64, 128), (64, 128), (4, 8), (1, 3)):
+        shapes = [(32, 64, 4, 1), *itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
+        for shape in shapes:
             config = GroupedConfig(*shape)
             call = functools.partial(moe_int4_grouped, x, ids, weights, rows, pool, config)
             try:

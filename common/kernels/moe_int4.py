@@ -156,28 +156,24 @@ def moe_int4_decode(
 
 
 @triton.jit
-def _load_a(a_ptr, a_rows, a_live, a_width, g, HALF: tl.constexpr):
-    """Rows `a_rows` of a, group g's even and odd inputs: [BM, HALF] each (0 in dead rows)."""
-    cols = g * 2 * HALF + 2 * tl.arange(0, HALF)
-    at = a_rows[:, None] * a_width + cols[None, :]
-    even = tl.load(a_ptr + at, mask=a_live[:, None], other=0.0)
-    odd = tl.load(a_ptr + at + 1, mask=a_live[:, None], other=0.0)
-    return even, odd
+def _load_a(a_ptr, a_rows, a_live, a_width, g, GROUP_: tl.constexpr):
+    """Rows `a_rows` of a, input group g: [BM, GROUP_] (0 in dead rows), each row one contiguous read."""
+    at = a_rows[:, None] * a_width + g * GROUP_ + tl.arange(0, GROUP_)[None, :]
+    return tl.load(a_ptr + at, mask=a_live[:, None], other=0.0)
 
 
 @triton.jit
-def _tile_dot(acc, a_even, a_odd, w_ptr, s_ptr, z_ptr, w_rows, g, in_half, groups, HALF: tl.constexpr):
-    """acc [BM, BN] += a (group g's even and odd inputs) · w[w_rows, group g]ᵀ, w int4 dequantised in
-    registers (the group's even and odd inputs as two K = HALF products, so no nibble interleaving)."""
+def _tile_dot(acc, a, w_ptr, s_ptr, z_ptr, w_rows, g, in_half, groups, HALF: tl.constexpr):
+    """acc [BM, BN] += a [BM, 2·HALF] (input group g) · w[w_rows, group g]ᵀ, w int4 dequantised in a's dtype
+    in registers; the low and high nibbles interleaved back into input order so one K = 128 product runs
+    on contiguous activations."""
     j = tl.arange(0, HALF)
     packed = tl.load(w_ptr + w_rows[:, None] * in_half + g * HALF + j[None, :])  # [BN, HALF] uint8
-    scale = tl.load(s_ptr + w_rows * groups + g).to(tl.float32)[:, None]
-    zero = tl.load(z_ptr + w_rows * groups + g).to(tl.float32)[:, None]
-    w_even = (((packed & 15).to(tl.float32) - zero) * scale).to(a_even.dtype)
-    w_odd = (((packed >> 4).to(tl.float32) - zero) * scale).to(a_even.dtype)
-    acc += tl.dot(a_even, tl.trans(w_even))
-    acc += tl.dot(a_odd, tl.trans(w_odd))
-    return acc
+    scale = tl.load(s_ptr + w_rows * groups + g)[:, None].to(a.dtype)
+    zero = tl.load(z_ptr + w_rows * groups + g)[:, None].to(a.dtype)
+    codes = tl.interleave(packed & 15, packed >> 4).to(a.dtype)  # [BN, 2·HALF]: input 2j low, 2j+1 high
+    w = (codes - zero) * scale  # (q − z) is exact in bf16: one rounding, as dequantising in fp32 would
+    return tl.dot(a, tl.trans(w), acc)
 
 
 @triton.jit
@@ -204,9 +200,9 @@ def _grouped_gate_up_kernel(
     gate = tl.zeros((BM, BN), dtype=tl.float32)
     up = tl.zeros((BM, BN), dtype=tl.float32)
     for g in tl.range(GROUPS, num_stages=STAGES):
-        a_even, a_odd = _load_a(x_ptr, tokens, live, hidden, g, HALF)  # gathered once for gate and up
-        gate = _tile_dot(gate, a_even, a_odd, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
-        up = _tile_dot(up, a_even, a_odd, w, s, z, n + inter, g, GROUPS * HALF, GROUPS, HALF)
+        a = _load_a(x_ptr, tokens, live, hidden, g, 2 * HALF)  # gathered once for gate and up
+        gate = _tile_dot(gate, a, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
+        up = _tile_dot(up, a, w, s, z, n + inter, g, GROUPS * HALF, GROUPS, HALF)
     act = gate / (1.0 + tl.exp(-gate)) * up
     at = tl.where(live, pairs, 0)[:, None] * inter + n[None, :]
     tl.store(act_ptr + at, act.to(act_ptr.dtype.element_ty), mask=live[:, None])
@@ -227,8 +223,8 @@ def _grouped_down_kernel(
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for g in tl.range(GROUPS, num_stages=STAGES):
-        a_even, a_odd = _load_a(act_ptr, safe, live, inter, g, HALF)
-        acc = _tile_dot(acc, a_even, a_odd, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
+        a = _load_a(act_ptr, safe, live, inter, g, 2 * HALF)
+        acc = _tile_dot(acc, a, w, s, z, n, g, GROUPS * HALF, GROUPS, HALF)
     acc = acc * tl.load(weights_ptr + safe, mask=live, other=0.0).to(tl.float32)[:, None]
     tl.store(
         out_ptr + safe[:, None] * hidden + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=live[:, None]
@@ -261,12 +257,12 @@ def group_pairs(topk_ids: torch.Tensor, num_experts: int, block: int) -> tuple[t
 class GroupedConfig:
     """Launch shape of the grouped prefill kernels."""
 
-    block_m: int = 32
+    block_m: int = 128
     """(token, choice) pairs per block (each block one expert's; its last block padded)."""
     block_n: int = 64
     """Output columns per program."""
     num_warps: int = 4
-    stages: int = 1
+    stages: int = 3
     """Software-pipelining stages of the loop over input groups (1: none)."""
 
 
