@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import measure_pcie_gbps, write_result
+from bench.common import measure_pcie_gbps, progress, write_result
 from common.model.synthetic import make_model
 
 GIB = 1 << 30
@@ -105,11 +105,14 @@ def main() -> None:
     pcie = measure_pcie_gbps()
     layers = {"num_hidden_layers": args.layers}
     model_dir = make_model(Path(tempfile.mkdtemp()) / "qwen3-30b", preset="qwen3-30b", overrides=layers)
+    progress(f"checkpoint written: {model_dir}")
     prompt = torch.randint(3, 30000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     spillway = spillway_decode_rate(model_dir, args.budget_gib, prompt, args.decode, args.dense_kernels)
+    progress(f"spillway: {spillway}")
     _free()  # the engine and its pinned store go before transformers loads
     torch.cuda.reset_peak_memory_stats()
     hf = hf_decode_rate(model_dir, args.budget_gib, prompt, args.decode)
+    progress(f"hf: {hf:.3f} tok/s")
     result = {
         "ratio": spillway["tok_per_s"] / hf,
         "spillway": spillway,
