@@ -17,7 +17,8 @@ def use_fused_kernels(
     """Switch the fused kernels on or off for `model` (on by default on CUDA: Engine, WorkerConfig): the
     one-program cache resolution (resolve.py, decode passes of an offloaded provider), merged expert copies
     (expert_copy.py), the grouped int4 expert GEMMs of prefill passes (moe_int4.py, an offloaded int4
-    provider that owns its cache), the Gated DeltaNet step (gated_delta.py, decode passes), the
+    provider that owns its cache), the Gated DeltaNet step (gated_delta.py, decode passes), the causal
+    convs of Gated DeltaNet and PLE (causal_conv.py: prefill passes, and PLE's decode steps), the
     hyper-connections' elementwise work (hyper.py, every pass), QSA's norm + RoPE of q, k and indexer
     queries (norm_rope.py, every pass), the indexer's decode steps (qsa_indexer.py), the router's softmax +
     top-k (routing.py, every pass) and, given the runner's attention `backend`, paged decode attention
@@ -30,11 +31,12 @@ def use_fused_kernels(
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.gdn import GatedDeltaNet
     from common.model.qwen4_exp.hyper import HyperConnection
+    from common.model.qwen4_exp.ple import PLE
     from common.model.qwen4_exp.qsa import QSAIndexer, QSAttention
 
     if on:
         fuse_projections(model, fuse_copy)
-    fused = (GatedDeltaNet, HyperConnection, QSAIndexer, QSAttention, SparseMoeBlock)
+    fused = (GatedDeltaNet, HyperConnection, PLE, QSAIndexer, QSAttention, SparseMoeBlock)
     for module in model.modules():
         if isinstance(module, fused):
             module.fused_decode = on

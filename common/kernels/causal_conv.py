@@ -1,9 +1,14 @@
-"""A decode step of the depthwise causal conv (common/model/qwen4_exp/varlen.py `causal_conv`) as one Triton
-kernel: one token per sequence, the conv history shifted in place in its slot, optionally SiLU'd.
+"""The depthwise causal conv (common/model/qwen4_exp/varlen.py `causal_conv`) in Triton, optionally SiLU'd:
 
-In torch the step is ~10 kernels (gather the slots' histories, pad, concatenate, conv1d, gather the new
-history, scatter it back, unpad). Here program (token t, block of channels) reads the K taps of its channels
-— history entries at j·dilation, the new input last — and writes the history shifted by one.
+- `conv_step`, a decode step: one token per sequence, the conv history shifted in place in its slot. In torch
+  the step is ~10 kernels (gather the slots' histories, pad, concatenate, conv1d, gather the new history,
+  scatter it back, unpad). Here program (token t, block of channels) reads the K taps of its channels —
+  history entries at j·dilation, the new input last — and writes the history shifted by one.
+- `conv_prefill`, any pass over the flat [T, C] layout: each tap reads the input `(K−1−j)·dilation` tokens
+  back, or the slot's history where that lies before the pass. torch pads, transposes and concatenates the
+  [C, L] layout for a depthwise conv1d (~2 ms for 8,192 tokens × 8,192 channels on an H200, the SiLU and
+  the copies beside it); this reads x once and writes the output once. The new histories (a few entries a
+  sequence) are then gathered in torch.
 """
 
 from __future__ import annotations
@@ -64,4 +69,67 @@ def conv_step(
         x.contiguous(), history, slots, weight.contiguous(), out, channels, width,
         K=kernel, DILATION=dilation, BC=block, BW=triton.next_power_of_2(width), SILU=silu,
     )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr, hist_ptr, slots_ptr, seq_ptr, offset_ptr, w_ptr, out_ptr, tokens, channels, width,
+    K: tl.constexpr, DILATION: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] flat tokens
+    c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC]
+    live_t, live_c = t < tokens, c < channels
+    live = live_t[:, None] & live_c[None, :]
+    slot = tl.load(slots_ptr + tl.load(seq_ptr + t, mask=live_t, other=0), mask=live_t, other=0).to(tl.int64)
+    offset = tl.load(offset_ptr + t, mask=live_t, other=0)  # [BT] index of the token within its pass
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(K):
+        back = (K - 1 - j) * DILATION
+        rel = offset - back  # [BT] where tap j's input lies in the pass (< 0: in the history)
+        in_x = (rel >= 0)[:, None]
+        xv = tl.load(x_ptr + (t - back)[:, None] * channels + c[None, :], mask=live & in_x, other=0.0)
+        at = (slot[:, None] * channels + c[None, :]) * width + (width + rel)[:, None]
+        hv = tl.load(hist_ptr + at, mask=live & ~in_x, other=0.0)
+        tap = xv.to(tl.float32) + hv.to(tl.float32)  # one of the two is 0
+        acc += tap * tl.load(w_ptr + c * K + j, mask=live_c, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + t[:, None] * channels + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def conv_prefill(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    seq: torch.Tensor,
+    offset: torch.Tensor,
+    lens: torch.Tensor,
+    dilation: int = 1,
+    silu: bool = False,
+) -> torch.Tensor:
+    """x [T, C] flat (sequence b's tokens consecutive; token t of batch sequence seq[t] at index offset[t]
+    of its pass, lens [B] tokens a sequence), history [S, C, W] (W = (K−1)·dilation, sequence b's at
+    slots[b], updated in place to the W inputs ending at its last token), weight [C, K] → conv output
+    [T, C] in x's dtype (SiLU'd with `silu`)."""
+    tokens, channels = x.shape
+    kernel = weight.shape[1]
+    width = history.shape[2]
+    if width != (kernel - 1) * dilation:
+        raise ValueError(f"history of {width} for a kernel of {kernel} at dilation {dilation}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    bt, bc = 32, 128
+    _conv_prefill_kernel[(triton.cdiv(tokens, bt), triton.cdiv(channels, bc))](
+        x, history, slots, seq, offset, weight.contiguous(), out, tokens, channels, width,
+        K=kernel, DILATION=dilation, BT=bt, BC=bc, SILU=silu,
+    )  # fmt: skip
+    # new history entry i: the input at rel = lens − W + i of the pass, or (rel < 0) old entry W + rel
+    rel = lens[:, None] - width + torch.arange(width, device=x.device)  # [B, W]
+    starts = lens.cumsum(0) - lens
+    from_x = x[starts[:, None] + rel.clamp(min=0)].transpose(1, 2)  # [B, C, W]
+    old = history[slots]  # [B, C, W]
+    from_old = old.gather(2, (width + rel).clamp(max=width - 1)[:, None, :].expand(-1, channels, -1))
+    history[slots] = torch.where((rel >= 0)[:, None, :], from_x.to(history.dtype), from_old)
     return out

@@ -234,11 +234,13 @@ def _grouped_down_kernel(
 def group_pairs(topk_ids: torch.Tensor, num_experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks of `block` (token, choice) pairs that use one expert each, without a host sync: (pairs
     [blocks·block] pair indices, −1 in each expert's padding; block_expert [blocks], −1 for unused blocks),
-    blocks = ceil(P / block) + E, the worst case (every expert adds at most one partial block)."""
+    blocks = ceil(P / block) + E, the worst case (every expert adds at most one partial block). (Counts by
+    `index_add_`: CUDA's `bincount` reads the ids' maximum back to the host.)"""
     flat = topk_ids.reshape(-1)
     p, device = flat.numel(), flat.device
     order = torch.argsort(flat, stable=True)  # pairs by expert
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    ones = torch.ones_like(flat)
+    counts = torch.zeros(num_experts, dtype=flat.dtype, device=device).index_add_(0, flat, ones)  # [E]
     padded = (counts + block - 1) // block * block
     ends = torch.cumsum(padded, 0)  # [E] end of each expert's padded range
     expert = flat[order]

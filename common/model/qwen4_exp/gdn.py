@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,8 +77,14 @@ class GatedDeltaNet(nn.Module):
         if self.fused_decode and pad.max_len == 1:
             return self._fused_step(x, qkv, z, b, a, state, slots)
         t = x.shape[0]
-        qkv = causal_conv(qkv, state["conv"], slots, self.conv1d.weight[:, 0], pad)
-        qkv = F.silu(qkv)
+        if self.fused_decode:
+            from common.kernels.causal_conv import conv_prefill  # Triton
+
+            qkv = conv_prefill(
+                qkv, state["conv"], slots, self.conv1d.weight[:, 0], pad.seq, pad.offset, pad.lens, silu=True
+            )
+        else:
+            qkv = F.silu(causal_conv(qkv, state["conv"], slots, self.conv1d.weight[:, 0], pad))
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk)
         v = v.view(t, self.hv, self.dv)
@@ -137,7 +145,11 @@ class GatedDeltaNet(nn.Module):
     def _fla(self, q, k, v, g, beta, recurrent, slots, pad: Padding, ctx: ForwardContext) -> torch.Tensor:
         """fla-core over the flat batch: varlen through cu_seqlens, states read from and written to slots."""
         cu = F.pad(pad.lens.cumsum(0), (1, 0))  # int64, as fla expects
-        kernel = fused_recurrent_gated_delta_rule if ctx.batch.is_decode else chunk_gated_delta_rule
+        kernel = fused_recurrent_gated_delta_rule
+        host = {}
+        if not ctx.batch.is_decode:  # the chunked kernel sizes its chunk lists from the host's copy, no sync
+            kernel = chunk_gated_delta_rule
+            host["cu_seqlens_cpu"] = torch.tensor([0, *itertools.accumulate(ctx.batch.query_lens)])
         out, new = kernel(  # by keyword: the recurrent kernel takes gk, gv before beta
             q=q[None],
             k=k[None],
@@ -148,6 +160,7 @@ class GatedDeltaNet(nn.Module):
             output_final_state=True,
             cu_seqlens=cu,
             use_qk_l2norm_in_kernel=True,
+            **host,
         )
         recurrent[slots] = new.float()
         return out[0].float()

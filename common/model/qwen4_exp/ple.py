@@ -25,6 +25,9 @@ from common.model.qwen4_exp.varlen import Padding, causal_conv
 class PLE(nn.Module):
     """The per-layer n-gram embedding module; `table` is attached by the loader (host memory)."""
 
+    fused_decode = False
+    """The conv through the Triton kernel (`common.kernels.use_fused_kernels`)."""
+
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int, ple_index: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -77,15 +80,16 @@ class PLE(nn.Module):
         gated = (torch.sigmoid(gate) * self.value_proj(emb)[:, None, :]).flatten(-2)  # [T, hc·H]
         state = ctx.pool.layer(self.layer_idx).slots
         pad = Padding.of(ctx.batch)
-        conv = causal_conv(
-            self.norm_conv(gated),
-            state["ple_conv"],
-            ctx.batch.slot_ids,
-            self.conv1d.weight[:, 0],
-            pad,
-            self.dilation,
-        )
-        return gated + F.silu(conv)
+        conv_in, history, weight = self.norm_conv(gated), state["ple_conv"], self.conv1d.weight[:, 0]
+        slots = ctx.batch.slot_ids
+        if self.fused_decode:  # every pass: the kernel serves decode steps too
+            from common.kernels.causal_conv import conv_prefill  # Triton
+
+            conv = conv_prefill(
+                conv_in, history, slots, weight, pad.seq, pad.offset, pad.lens, self.dilation, True
+            )
+            return gated + conv
+        return gated + F.silu(causal_conv(conv_in, history, slots, weight, pad, self.dilation))
 
     def _hash(self, ctx: ForwardContext) -> torch.Tensor:
         """Table rows [T, heads] of this pass's tokens; advances each sequence's n-gram context."""

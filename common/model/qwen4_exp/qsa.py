@@ -33,6 +33,18 @@ def _norm_rotate(norm: OffsetRMSNorm, x: torch.Tensor, ctx: ForwardContext, fuse
     return apply_rotary(norm(x), ctx.cos, ctx.sin)
 
 
+def _block_ends(batch: ForwardBatch, r: int, device: torch.device) -> torch.Tensor | None:
+    """[M] indices of the batch's tokens that end a block of r positions (position % r == r − 1), from the
+    host's lengths (a `nonzero` over the positions would wait for the GPU); None when there are none."""
+    ends, at = [], 0
+    for cached, n in zip(batch.cache_lens, batch.query_lens, strict=True):
+        first = cached + (r - 1 - cached % r) % r  # the first block end at or after the pass's start
+        if first < cached + n:
+            ends.append(torch.arange(first - cached + at, at + n, r, device=device))
+        at += n
+    return torch.cat(ends) if ends else None
+
+
 class QSAIndexer(nn.Module):
     """Scores compressed key blocks for each query and returns the key positions it may attend to."""
 
@@ -97,8 +109,8 @@ class QSAIndexer(nn.Module):
             starts = pos - pos % r  # [T]
             members = torch.minimum(starts[:, None] + torch.arange(r, device=pos.device), pos[:, None])
         else:
-            ends = (batch.positions % r == r - 1).nonzero().squeeze(1)  # [M] token indices
-            if ends.numel() == 0:
+            ends = _block_ends(batch, r, batch.positions.device)  # [M] token indices
+            if ends is None:
                 return
             seq = batch.seq_index[ends]
             starts = batch.positions[ends] - (r - 1)  # [M]
@@ -127,7 +139,7 @@ class QSAIndexer(nn.Module):
             scores = torch.full((q.shape[0], max_blocks), float("-inf"), device=device)
             start, rows = 0, max(1, self.score_bytes // (4 * self.heads * max(max_blocks, 1)))
             for b, n in enumerate(batch.query_lens):  # per sequence: its queries against its own blocks
-                keys = blocks[batch.slots_of(torch.tensor(b, device=device), block_pos)].float()  # [NB, Di]
+                keys = blocks[batch.slots_of(b, block_pos)].float()  # [NB, Di]
                 for a in range(start, start + n, rows):  # query slices: [rows, Hi, NB] per-head scores
                     end = min(a + rows, start + n)
                     s = torch.einsum("thd,nd->thn", q[a:end].float(), keys).relu_().sum(1)

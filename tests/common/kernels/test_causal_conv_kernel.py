@@ -1,5 +1,6 @@
-"""The decode conv step against `causal_conv` (one token per sequence): outputs, with and without SiLU, and
-the histories shifted in place in scattered slots, at dilation 1 (GDN) and 3 (PLE)."""
+"""The conv kernels against `causal_conv`: the decode step (one token per sequence) and the flat-layout pass
+(sequences of many tokens, shorter and longer than the history, new and continued): outputs, with and
+without SiLU, and the histories updated in place in scattered slots, at dilation 1 (GDN) and 3 (PLE)."""
 
 from __future__ import annotations
 
@@ -32,5 +33,32 @@ def test_conv_step_matches_causal_conv(kernel: int, dilation: int, silu: bool) -
     got_history = history.to(DEVICE)
     slots = batch.slot_ids.to(DEVICE)
     got = conv_step(x.to(DEVICE), got_history, slots, weight.to(DEVICE), dilation, silu, block=64)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_history.cpu(), want_history)
+
+
+@pytest.mark.parametrize(("kernel", "dilation", "silu"), [(4, 1, True), (4, 3, False), (2, 1, False)])
+def test_conv_prefill_matches_causal_conv(kernel: int, dilation: int, silu: bool) -> None:
+    from common.kernels.causal_conv import conv_prefill
+
+    gen = torch.Generator().manual_seed(10 + kernel * dilation)
+    channels, slots_total, lens = 200, 6, [1, 37, 5, 2]  # 1 and 2 tokens: less than a history of 3 or 6
+    x = torch.randn(sum(lens), channels, generator=gen)
+    history = torch.randn(slots_total, channels, (kernel - 1) * dilation, generator=gen)
+    weight = torch.randn(channels, kernel, generator=gen)
+    cached = [4, 0, 9, 3]
+    seqs = [SequenceState(slot=s, pages=[0, 1, 2], num_cached=c) for s, c in zip((5, 0, 2, 3), cached)]
+    batch = ForwardBatch.build(seqs, [[1] * n for n in lens], page_size=16, device="cpu")
+    pad = Padding.of(batch)
+    want_history = history.clone()
+    want = causal_conv(x, want_history, batch.slot_ids, weight, pad, dilation)
+    want = F.silu(want) if silu else want
+
+    got_history = history.to(DEVICE)
+    on = {name: t.to(DEVICE) for name, t in (("seq", pad.seq), ("offset", pad.offset), ("lens", pad.lens))}
+    got = conv_prefill(
+        x.to(DEVICE), got_history, batch.slot_ids.to(DEVICE), weight.to(DEVICE), **on, dilation=dilation,
+        silu=silu,
+    )  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_history.cpu(), want_history)
