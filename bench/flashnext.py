@@ -18,7 +18,7 @@ from common.experts.offload import OffloadedExperts, offload_experts
 from common.experts.routing import RoutingReplayer, install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.kernels import use_fused_kernels
-from common.memory_plan import cap_allocator, plan_memory
+from common.memory_plan import plan_memory
 from common.model.fp8_linear import to_resident_dtype
 from common.model.hf_config import parse_architecture
 from common.model.host_embedding import embeddings_to_host
@@ -98,8 +98,6 @@ def build_flashnext(
     pcie, hbm = measure_pcie_gbps(), measure_hbm_gbps()
     progress(f"ceilings measured: PCIe {pcie:.1f} GB/s, HBM {hbm:.0f} GB/s")
     torch.cuda.empty_cache()  # the probes' buffers must not count against the budget
-    if not all_fit:
-        cap_allocator(int(budget_gib * GIB), "cuda")
     t0 = time.perf_counter()
     not_expert = lambda key: ".mlp.experts." not in key
     source = ((Path("<synthetic>"), k, lambda t=t: t) for k, t in synthetic_tensors(hf, keep=not_expert))

@@ -404,15 +404,6 @@ def plan_for_dir(model_dir: str | Path, *, expert_format: str, mtp: bool = False
     return plan_memory(cfg, arch, expert_format=fmt, **kwargs)
 
 
-def cap_allocator(budget_bytes: int, device: torch.device | str) -> None:
-    """Make `budget_bytes` the caching allocator's ceiling on a CUDA device for this process: an allocation
-    that would pass it first frees the cached blocks no tensor uses and retries, so blocks cached at sizes
-    that no longer come up (a long prompt's chunks see ever longer contexts) cannot take the process over
-    its budget; only memory in use can, and that is an out-of-memory error, not a silent overrun."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
-
-
 def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
     """The plan of `spillway serve`'s workers (decode and prefill on one device), unchecked."""
     if cfg.vram_budget is None:

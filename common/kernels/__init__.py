@@ -18,7 +18,7 @@ def use_fused_kernels(
     one-program cache resolution (resolve.py, decode passes of an offloaded provider), merged expert copies
     (expert_copy.py), the grouped int4 expert GEMMs of prefill passes (moe_int4.py, an offloaded int4
     provider that owns its cache), the Gated DeltaNet step (gated_delta.py, decode passes), the causal
-    convs of Gated DeltaNet and PLE (causal_conv.py: prefill passes, and PLE's decode steps), the
+    convs of Gated DeltaNet and PLE (causal_conv.py, prefill passes), the
     hyper-connections' elementwise work (hyper.py, every pass), QSA's norm + RoPE of q, k and indexer
     queries (norm_rope.py, every pass), the indexer's decode steps (qsa_indexer.py), the router's softmax +
     top-k (routing.py, every pass) and, given the runner's attention `backend`, paged decode attention

@@ -26,7 +26,7 @@ class PLE(nn.Module):
     """The per-layer n-gram embedding module; `table` is attached by the loader (host memory)."""
 
     fused_decode = False
-    """The conv through the Triton kernel (`common.kernels.use_fused_kernels`)."""
+    """Prefill passes' conv through the Triton kernel (`common.kernels.use_fused_kernels`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int, ple_index: int) -> None:
         super().__init__()
@@ -82,7 +82,7 @@ class PLE(nn.Module):
         pad = Padding.of(ctx.batch)
         conv_in, history, weight = self.norm_conv(gated), state["ple_conv"], self.conv1d.weight[:, 0]
         slots = ctx.batch.slot_ids
-        if self.fused_decode:  # every pass: the kernel serves decode steps too
+        if self.fused_decode and pad.max_len > 1:  # prefill passes (decode steps: as measured, in torch)
             from common.kernels.causal_conv import conv_prefill  # Triton
 
             conv = conv_prefill(

@@ -46,8 +46,8 @@ def test_conv_prefill_matches_causal_conv(kernel: int, dilation: int, silu: bool
     x = torch.randn(sum(lens), channels, generator=gen)
     history = torch.randn(slots_total, channels, (kernel - 1) * dilation, generator=gen)
     weight = torch.randn(channels, kernel, generator=gen)
-    cached = [4, 0, 9, 3]
-    seqs = [SequenceState(slot=s, pages=[0, 1, 2], num_cached=c) for s, c in zip((5, 0, 2, 3), cached)]
+    cached, slots = [4, 0, 9, 3], [5, 0, 2, 3]
+    seqs = [SequenceState(slot=s, pages=[0, 1, 2], num_cached=c) for s, c in zip(slots, cached, strict=True)]
     batch = ForwardBatch.build(seqs, [[1] * n for n in lens], page_size=16, device="cpu")
     pad = Padding.of(batch)
     want_history = history.clone()
