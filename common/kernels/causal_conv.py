@@ -48,6 +48,14 @@ def _conv_step_kernel(
     tl.store(row, shifted.to(hist_ptr.dtype.element_ty), mask=live[:, None] & (i[None, :] < width))
 
 
+def _history_width(history: torch.Tensor, weight: torch.Tensor, dilation: int) -> int:
+    """W of history [S, C, W], which must be (K − 1)·dilation for weight [C, K]."""
+    width, kernel = history.shape[2], weight.shape[1]
+    if width != (kernel - 1) * dilation:
+        raise ValueError(f"history of {width} for a kernel of {kernel} at dilation {dilation}")
+    return width
+
+
 def conv_step(
     x: torch.Tensor,
     history: torch.Tensor,
@@ -60,10 +68,7 @@ def conv_step(
     """One token per sequence: x [T, C], history [S, C, W] (W = (K−1)·dilation, sequence t's at slots[t],
     shifted in place), weight [C, K] → conv output [T, C] in x's dtype (SiLU'd with `silu`)."""
     t, channels = x.shape
-    kernel = weight.shape[1]
-    width = history.shape[2]
-    if width != (kernel - 1) * dilation:
-        raise ValueError(f"history of {width} for a kernel of {kernel} at dilation {dilation}")
+    kernel, width = weight.shape[1], _history_width(history, weight, dilation)
     out = torch.empty_like(x)
     _conv_step_kernel[(t, triton.cdiv(channels, block))](
         x.contiguous(), history, slots, weight.contiguous(), out, channels, width,
@@ -114,10 +119,7 @@ def conv_prefill(
     slots[b], updated in place to the W inputs ending at its last token), weight [C, K] → conv output
     [T, C] in x's dtype (SiLU'd with `silu`)."""
     tokens, channels = x.shape
-    kernel = weight.shape[1]
-    width = history.shape[2]
-    if width != (kernel - 1) * dilation:
-        raise ValueError(f"history of {width} for a kernel of {kernel} at dilation {dilation}")
+    kernel, width = weight.shape[1], _history_width(history, weight, dilation)
     x = x.contiguous()
     out = torch.empty_like(x)
     bt, bc = 32, 128
