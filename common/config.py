@@ -117,8 +117,15 @@ LAYER_MAJOR_TOKENS = 32768
 """Most prompt tokens of one sequence prefilled layer by layer, by default: its chunks all go through a layer
 before any goes on (`ModelRunner.prefill_layer_major`), so an offloaded model streams each layer's experts
 once per this many tokens instead of once per chunk (prefill-25k on the H200: 12.7 s in four chunk-major
-passes, 6.2 s layer-major). The chunks' residual streams are held meanwhile: hc·H model-dtype values a token
-(flashnext: 0.5 GB for 32K tokens, counted by the memory plan)."""
+passes, 6.2 s layer-major), and its MoE runs once over all of them (common/model/layer_major.py). The chunks'
+residual streams are held meanwhile: hc·H model-dtype values a token (flashnext: 0.5 GB for 32K tokens), and
+the MoE's buffers are a group's (~0.8 GB more at 32K), both counted by the memory plan."""
+
+MOE_DOWN_TOKENS = 8192
+"""Tokens a grouped int4 down projection takes at once (`moe_int4_grouped`): its per-(token, choice) output
+rows, H wide in the model dtype (flashnext: 420 MB for 8,192 tokens × top-10), are the largest buffer of a
+prefill MoE, so a layer-major group's MoE (every chunk's tokens at once) runs gate/up over all of them and
+down in slices of this many."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from torch import nn
 
 from common.config import (
     LAYER_MAJOR_TOKENS,
+    MOE_DOWN_TOKENS,
     PREFILL_CHUNK,
     MemoryPlan,
     ModelConfig,
@@ -225,10 +226,11 @@ def _expert_mlp_bytes(
     """The routed expert MLP. Prefill, the larger of two paths: `grouped_expert_mlp` (one expert at a time:
     the output accumulator and one expert's rows of x, gate_up, the activated product and y — at most every
     token — plus one expert dequantised) and the grouped int4 kernels (`moe_int4_grouped`: every (token,
-    choice) pair's activated row and output row, the pairs' grouping indices, the fp32 sum over choices
-    and its rounding). Decode (`batched_expert_mlp`): every (token, choice) gathers its expert's packed row
-    and dequantises it at once (T·k experts), and its 1-row products; with `kernels` and int4 experts, the
-    int4 decode kernels read the codes in place and keep each pair's fp32 activation and output rows."""
+    choice) pair's activated row and grouping indices, the output rows of one down slice of
+    `MOE_DOWN_TOKENS` tokens and their fp32 sum over choices, and the [T, H] result). Decode
+    (`batched_expert_mlp`): every (token, choice) gathers its expert's packed row and dequantises it at once
+    (T·k experts), and its 1-row products; with `kernels` and int4 experts, the int4 decode kernels read
+    the codes in place and keep each pair's fp32 activation and output rows."""
     if not cfg.moe_layers:
         return 0
     h, i, k, b = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, dtype.itemsize
@@ -237,7 +239,8 @@ def _expert_mlp_bytes(
         return tokens * k * 4 * (i + h) + tokens * h * (4 + b)
     if decode:
         return tokens * k * (fmt.expert_nbytes(h, i) + one + b * (4 * i + 3 * h))
-    grouped = tokens * k * (b * (h + i) + 5 * 8) + tokens * h * (4 + b)
+    rows = min(tokens, MOE_DOWN_TOKENS)  # the down projection's slice (its [n·k, H] output rows)
+    grouped = tokens * k * (b * i + 5 * 8) + rows * k * b * h + rows * h * 4 + tokens * h * b
     return max(tokens * b * 4 * (h + i) + one, grouped)
 
 
@@ -256,8 +259,9 @@ def scratch_bytes(
 ) -> int:
     """Activation workspace, an estimate meant to err high: a prefill pass of one chunk (at most the context;
     prefill runs one request at a time) with the other chunks of a layer-major group held (`_held_bytes`)
-    plus a decode step of every lane (`_pass_bytes`, the expert MLPs and,
-    for qwen4_exp, the linear-attention and indexer terms); `fused_kernels`: decode's int4 experts go
+    and its MoE over the whole group (common/model/layer_major.py: its input and output [T, H], the expert
+    MLP's buffers), plus a decode step of every lane (`_pass_bytes`, the expert MLPs and, for qwen4_exp,
+    the linear-attention and indexer terms); `fused_kernels`: decode's int4 experts go
     through the int4 kernels (nothing dequantised: eight lanes of flashnext's reference path would hold
     4.4 GB of dequantised experts).
 
@@ -265,15 +269,17 @@ def scratch_bytes(
     fused kernel or one query's scores, too small to count. The decode term is dominated by the gathered,
     dequantised experts of the reference decode path; a fused kernel over cache slots would not need them."""
     chunk = min(prefill_chunk, max_context)
+    group = max(chunk, min(layer_major_tokens, max_context))  # a layer-major group's MoE runs over all of it
     dequantized = largest_dequantized(model) * (4 + dtype.itemsize)  # an fp8 weight, fp32 then `dtype`
     prefill = (
         dequantized
         + _pass_bytes(model, cfg, chunk, 1, dtype)
         + _attention_bytes(cfg, chunk, max_context, dtype)
-        + _expert_mlp_bytes(cfg, fmt, chunk, dtype, decode=False)
+        + _expert_mlp_bytes(cfg, fmt, group, dtype, decode=False)
         + _linear_attention_bytes(cfg, chunk, dtype)
         + _indexer_bytes(cfg, chunk, max_context)
-        + _held_bytes(cfg, min(layer_major_tokens, max_context) - chunk, dtype)
+        + _held_bytes(cfg, group - chunk, dtype)
+        + (2 * group * cfg.hidden_size * dtype.itemsize if group > chunk else 0)  # the MoE's input, output
     )
     decode = (
         (dequantized if max_running > MAX_ROWS else 0)

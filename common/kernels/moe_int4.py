@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.config import MOE_DOWN_TOKENS
+
 GROUP = 128
 GROUPS_PER_STEP = 4
 """Groups of 128 inputs one loop step reads: [BLOCK rows × 4 groups × 64 bytes] per load keeps enough bytes in
@@ -282,10 +284,12 @@ def moe_int4_grouped(
     rows: torch.Tensor,
     pool: dict[str, torch.Tensor],
     config: GroupedConfig = GROUPED,
+    down_tokens: int = MOE_DOWN_TOKENS,
 ) -> torch.Tensor:
     """Prefill: Σ_j topk_weights[t, j] · SwiGLU expert topk_ids[t, j] (x[t]) → [T, H] in x's dtype, with
     expert e's int4 weights at pool row rows[e] ([E] int64). Pairs grouped by expert into blocks of
-    `config.block_m`; each block runs gate/up and then down as tiled GEMMs. Each pair's term is rounded to
+    `config.block_m`; gate/up runs over every pair as tiled GEMMs, then down over the pairs of
+    `down_tokens` tokens at a time (its output rows are the big buffer). Each pair's term is rounded to
     x's dtype and the k terms of a token are summed in fp32 (in choice order)."""
     t, k = topk_ids.shape
     hidden = x.shape[1]
@@ -293,17 +297,24 @@ def moe_int4_grouped(
     bm, bn = config.block_m, config.block_n
     assert inter % bn == 0 and hidden % bn == 0, f"block_n {bn} must divide {inter} and {hidden}"
     pairs, block_expert = group_pairs(topk_ids, rows.numel(), bm)
-    blocks = block_expert.numel()
     x = x.contiguous()
     launch = {"num_warps": config.num_warps, "STAGES": config.stages, "BM": bm, "BN": bn, "HALF": GROUP // 2}
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    _grouped_gate_up_kernel[(blocks, inter // bn)](
+    _grouped_gate_up_kernel[(block_expert.numel(), inter // bn)](
         x, pairs, block_expert, rows, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"],
         act, k, hidden, inter, GROUPS=hidden // GROUP, **launch,
     )  # fmt: skip
-    out = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
-    _grouped_down_kernel[(blocks, hidden // bn)](
-        act, pairs, block_expert, rows, topk_weights.reshape(-1).contiguous(), pool["down_qweight"],
-        pool["down_scales"], pool["down_zeros"], out, hidden, inter, GROUPS=inter // GROUP, **launch,
-    )  # fmt: skip
-    return out.view(t, k, hidden).sum(1, dtype=torch.float32).to(x.dtype)  # no fp32 copy of [T·k, H]
+    weights = topk_weights.reshape(-1).contiguous()
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    for start in range(0, t, down_tokens):  # bounded [n·k, H] output rows (MOE_DOWN_TOKENS)
+        end = min(t, start + down_tokens)
+        if (start, end) != (0, t):
+            pairs, block_expert = group_pairs(topk_ids[start:end], rows.numel(), bm)
+        rows_out = torch.empty(((end - start) * k, hidden), dtype=x.dtype, device=x.device)
+        _grouped_down_kernel[(block_expert.numel(), hidden // bn)](
+            act[start * k : end * k], pairs, block_expert, rows, weights[start * k : end * k],
+            pool["down_qweight"], pool["down_scales"], pool["down_zeros"], rows_out, hidden, inter,
+            GROUPS=inter // GROUP, **launch,
+        )  # fmt: skip
+        out[start:end] = rows_out.view(end - start, k, hidden).sum(1, dtype=torch.float32)  # no fp32 [n·k, H]
+    return out

@@ -14,6 +14,7 @@ from common.experts.provider import ExpertProvider
 from common.kv.state import StateSpec
 from common.model.attention import Attention
 from common.model.context import ForwardContext
+from common.model.layer_major import run_layer_major
 from common.model.layers import GatedMLP, RMSNorm
 from common.model.moe import SparseMoeBlock
 from common.model.registry import CHANNEL_MIXERS, TOKEN_MIXERS
@@ -38,8 +39,19 @@ class DecoderLayer(nn.Module):
         self.mlp = CHANNEL_MIXERS[cfg.mlp_types[layer_idx]](cfg, layer_idx, experts)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.mix_tokens(x, ctx)
+        h, _ = self.ffn_input(x)
+        return self.ffn_output(x, self.mlp(h), None)
+
+    # The two halves a layer-major pass runs apart (common/model/layer_major.py).
+    def mix_tokens(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), ctx)
+
+    def ffn_input(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.post_attention_layernorm(x), None
+
+    def ffn_output(self, x: torch.Tensor, out: torch.Tensor, aux: None) -> torch.Tensor:
+        return x + out
 
 
 class Backbone(nn.Module):
@@ -88,9 +100,7 @@ class MoECausalLM(nn.Module):
         for ctx in contexts:
             xs.append(self.model.embed_tokens(ctx.batch.input_ids))  # [T_c, H]
             ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.batch.positions, xs[-1].dtype)
-        for layer in self.model.layers:
-            for c, ctx in enumerate(contexts):
-                xs[c] = layer(xs[c], ctx)
+        xs = run_layer_major(self.model.layers, xs, contexts)
         return self.model.norm(xs[-1])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -187,21 +187,27 @@ def test_int4_decode_kernels_need_no_dequantised_experts() -> None:
 
 def test_layer_major_groups_hold_their_streams() -> None:
     """A layer-major group holds its other chunks' residual streams (hc·H bf16) and rotary tables (2·head_dim
-    fp32) while one computes: flashnext's default group of 32K tokens in chunks of 8K holds 24K tokens' worth
-    beyond chunk-by-chunk prefill; a context shorter than the group holds only up to the context."""
+    fp32) while one computes, and runs its MoE over the whole group: the MoE's input and output [T, H], and
+    per token more the int4 kernels' activated rows and grouping indices and its [T, H] result (their down
+    slice stays 8,192 tokens). flashnext's default group of 32K tokens in chunks of 8K: ~1.3 GB beyond
+    chunk-by-chunk prefill; a context shorter than the group counts only up to the context."""
     arch, cfg = _config("flashnext", None)
     lanes = {"expert_format": "int4", "max_running": 1, "max_context": 40000, "prefill_chunk": 8192}
-    per_token = cfg.hc_count * cfg.hidden_size * 2 + 2 * 4 * cfg.head_dim
+    h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k
+    held = cfg.hc_count * h * 2 + 2 * 4 * cfg.head_dim
+    moe = k * (2 * i + 40) + h * 2
+
+    def beyond_chunks(group: int) -> int:
+        return (group - 8192) * (held + moe) + 2 * group * h * 2
+
     grouped = _plan(cfg, arch, 32 * GiB, **lanes, layer_major_tokens=32768)
     chunked = _plan(cfg, arch, 32 * GiB, **lanes, layer_major_tokens=0)
-    assert grouped.scratch - chunked.scratch == (32768 - 8192) * per_token  # ~0.5 GB
+    assert grouped.scratch - chunked.scratch == beyond_chunks(32768)
     assert grouped.cache_slots < chunked.cache_slots
     short = {**lanes, "max_context": 10000}
-    assert (
-        _plan(cfg, arch, 32 * GiB, **short, layer_major_tokens=32768).scratch
-        - _plan(cfg, arch, 32 * GiB, **short, layer_major_tokens=0).scratch
-        == (10000 - 8192) * per_token
-    )
+    short_grouped = _plan(cfg, arch, 32 * GiB, **short, layer_major_tokens=32768)
+    short_chunked = _plan(cfg, arch, 32 * GiB, **short, layer_major_tokens=0)
+    assert short_grouped.scratch - short_chunked.scratch == beyond_chunks(10000)
 
 
 # -- against the real allocations (the tiny models) ---------------------------------------------------------

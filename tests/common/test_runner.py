@@ -33,8 +33,9 @@ def test_warm_up_on_cuda_logs_a_failure_and_skips_other_devices(caplog) -> None:
 @pytest.mark.parametrize("cache", [None, "0.5"], ids=["resident", "offloaded"])
 def test_layer_major_prefill_is_chunked_prefill(tmp_path: Path, arch: str, cache: str | None) -> None:
     """A prompt in chunks of 16 (T·k = 32 ≥ 4·E: whole layers streamed), layer by layer, against the same
-    chunks as passes: the same logits and the same tokens after; offloaded, each layer streamed once
-    instead of once a chunk (the last chunk, 7 tokens, is small: it reads the cache and tops up)."""
+    chunks as passes: the same logits and the same tokens after; offloaded, each layer streamed once (the
+    MoE runs once over all the chunks' tokens) instead of once a chunk (the last chunk as a pass, 7
+    tokens, is small: it reads the cache and tops up)."""
     overrides = {"indexer_budget": 8, "indexer_compress_ratio": 4} if arch == "qwen4_exp" else {}
     path = make_model(tmp_path / "m", preset="tiny", arch=arch, overrides=overrides)
     prompt = torch.randint(3, 1000, (55,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -60,5 +61,5 @@ def test_layer_major_prefill_is_chunked_prefill(tmp_path: Path, arch: str, cache
     torch.testing.assert_close(layered, chunked, rtol=1e-5, atol=1e-5)
     assert layered_tokens == chunked_tokens
     if cache:
-        # per MoE layer: three streams (one a big chunk) and the small chunk's top-up, against one and it
-        assert chunked_loads == [4] * len(chunked_loads) and layered_loads == [2] * len(layered_loads)
+        # per MoE layer: three streams (one a big chunk) and the small chunk's top-up, against one
+        assert chunked_loads == [4] * len(chunked_loads) and layered_loads == [1] * len(layered_loads)

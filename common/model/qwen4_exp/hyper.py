@@ -68,11 +68,19 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor, sublayer) -> torch.Tensor:
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight."""
-        mixed, _, logits = self._mix(streams)  # logits [T, hc]
+        mixed, logits = self.mix_input(streams)
+        return self.inject(streams, sublayer(mixed), logits)
+
+    def mix_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, hc·H] → (the sublayer's input [T, H], the inject logits [T, hc])."""
+        mixed, _, logits = self._mix(streams)
+        return mixed, logits
+
+    def inject(self, streams: torch.Tensor, out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """streams + the sublayer's output out [T, H] in every stream, weighted by 2·sigmoid(logits / hc)."""
         if self.fused_decode:
             from common.kernels.hyper import hc_inject  # Triton
 
-            return hc_inject(streams, sublayer(mixed), logits)
-        inject = 2 * torch.sigmoid(logits / self.hc)  # [T, hc]
-        out = sublayer(mixed)  # [T, H]
-        return streams + (out[:, None, :] * inject[:, :, None]).flatten(-2)
+            return hc_inject(streams, out, logits)
+        weight = 2 * torch.sigmoid(logits / self.hc)  # [T, hc]
+        return streams + (out[:, None, :] * weight[:, :, None]).flatten(-2)

@@ -8,6 +8,7 @@ from torch import nn
 from common.experts.provider import ExpertProvider
 from common.kv.state import StateSpec
 from common.model.context import ForwardContext
+from common.model.layer_major import run_layer_major
 from common.model.moe import SparseMoeBlock
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.gdn import GatedDeltaNet
@@ -51,10 +52,21 @@ class Qwen4DecoderLayer(nn.Module):
         return specs
 
     def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        streams = self.mix_tokens(streams, ctx)
+        return self.mlp_hyper_connection(streams, self.mlp)
+
+    # The two halves a layer-major pass runs apart (common/model/layer_major.py).
+    def mix_tokens(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.ple is not None:
             streams = streams + self.ple(streams, ctx)
-        streams = self.attn_hyper_connection(streams, lambda h: self.mixer(h, ctx))
-        return self.mlp_hyper_connection(streams, self.mlp)
+        return self.attn_hyper_connection(streams, lambda h: self.mixer(h, ctx))
+
+    def ffn_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MoE's input [T, H], the injection logits [T, hc])."""
+        return self.mlp_hyper_connection.mix_input(streams)
+
+    def ffn_output(self, streams: torch.Tensor, out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return self.mlp_hyper_connection.inject(streams, out, logits)
 
 
 class Qwen4Backbone(nn.Module):
@@ -108,9 +120,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             x = self.model.embed_tokens(ctx.batch.input_ids)  # [T_c, H]
             self._set_rotary(ctx, x.dtype)
             streams.append(x.repeat(1, self.config.hc_count))  # [T_c, hc·H]
-        for layer in self.model.layers:
-            for c, ctx in enumerate(contexts):
-                streams[c] = layer(streams[c], ctx)
+        streams = run_layer_major(self.model.layers, streams, contexts)
         return self.mix(streams[-1])
 
     def mix(self, streams: torch.Tensor) -> torch.Tensor:

@@ -53,13 +53,19 @@ def test_grouped_pairs_cover_every_pair_once() -> None:
 
 
 @pytest.mark.parametrize(
-    ("hidden", "inter", "tokens", "k", "shape"),
-    [(256, 128, 37, 4, (16, 64, 4, 1)), (384, 256, 5, 2, (16, 64, 4, 1)), (256, 128, 37, 4, (64, 128, 8, 3))],
+    ("hidden", "inter", "tokens", "k", "shape", "down_tokens"),
+    [
+        (256, 128, 37, 4, (16, 64, 4, 1), 64),
+        (384, 256, 5, 2, (16, 64, 4, 1), 64),
+        (256, 128, 37, 4, (64, 128, 8, 3), 64),
+        (256, 128, 37, 4, (16, 64, 4, 1), 8),
+    ],
 )
 def test_grouped_int4_matches_dequantised_reference(
-    hidden: int, inter: int, tokens: int, k: int, shape: tuple[int, int, int, int]
+    hidden: int, inter: int, tokens: int, k: int, shape: tuple[int, int, int, int], down_tokens: int
 ) -> None:
-    """Blocks of 16 pairs, and (the tuning sweep's larger end) 64 pairs × 128 columns, 8 warps, 3 stages."""
+    """Blocks of 16 pairs, (the tuning sweep's larger end) 64 pairs × 128 columns, 8 warps, 3 stages, and
+    down in slices of 8 tokens (the last one 5)."""
     from common.kernels.moe_int4 import GroupedConfig, moe_int4_grouped
 
     gen = torch.Generator().manual_seed(tokens)
@@ -70,9 +76,9 @@ def test_grouped_int4_matches_dequantised_reference(
     ids[: tokens // 2, 0] = 0  # a hot expert
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
     x = torch.randn(tokens, hidden, generator=gen)
-    out = moe_int4_grouped(
-        x.to(DEVICE, DTYPE), ids.to(DEVICE), weights.to(DEVICE), rows, pool, GroupedConfig(*shape)
-    )
+    config = GroupedConfig(*shape)
+    on = x.to(DEVICE, DTYPE), ids.to(DEVICE), weights.to(DEVICE)
+    out = moe_int4_grouped(*on, rows, pool, config, down_tokens)
 
     _assert_matches_dequantised(out, x, ids, weights, rows, pool)
 
