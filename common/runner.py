@@ -136,17 +136,22 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def prefill_layer_major(self, seq: SequenceState, tokens: Sequence[int], chunk: int) -> torch.Tensor:
+    def prefill_layer_major(
+        self, seq: SequenceState, tokens: Sequence[int], chunk: int, kv_bound: int | None = None
+    ) -> torch.Tensor:
         """Append a long prompt to `seq` in chunks of `chunk` tokens taken layer by layer: every chunk through
         layer l before any goes on to l + 1, so an offloaded model streams each layer's experts once for the
         whole prompt, where chunk-major passes stream them once a chunk. The same results (each chunk still
         sees the earlier ones' keys and states, in order); the chunks' residual streams are held at once.
-        → logits [1, V] of the last token."""
+        `kv_bound`: the prompt's whole length where these tokens are only its next piece (default: they end
+        it; see `ForwardBatch.kv_bound`). → logits [1, V] of the last token."""
+        bound = kv_bound if kv_bound is not None else seq.num_cached + len(tokens)
         self._reserve([seq], [tokens])
         contexts = []
         for at in range(0, len(tokens), chunk):
             piece = list(tokens[at : at + chunk])
             batch = ForwardBatch.build([seq], [piece], self.pool.page_size, self.device)
+            batch.kv_bound = bound
             contexts.append(self._context_of(batch))
             seq.num_cached += len(piece)
         self.model.experts.begin_pass(False, prompt=True)
@@ -165,10 +170,11 @@ class ModelRunner:
         of `chunk` (`prefill_layer_major`: a group's streams are held at once, so the group bounds them);
         `between` runs between two groups (a running request's decode share) → logits [1, V] of the last
         token."""
+        bound = seq.num_cached + len(tokens)
         for start in range(0, len(tokens), group):
             if start and between is not None:
                 between()
-            logits = self.prefill_layer_major(seq, tokens[start : start + group], chunk)
+            logits = self.prefill_layer_major(seq, tokens[start : start + group], chunk, bound)
         return logits
 
     def _eager(self, batch: ForwardBatch, all_logits: bool) -> torch.Tensor:

@@ -41,6 +41,12 @@ class ForwardBatch:
     host-side lengths are those of the recording, not of the replays. Layers and backends then take shapes
     from this bound (the most keys any sequence may have) and lengths from the device (`positions`)."""
 
+    kv_bound: int | None = None
+    """Set on the chunks of a prompt prefilled in pieces (`ModelRunner.prefill_layer_major`): the most keys
+    any chunk of the prompt will see. Buffers that grow with the keys (QSA's indexer scores, 1 GiB a chunk
+    at 128K) are allocated at this size and used in part, so that every chunk reuses the caching
+    allocator's blocks instead of leaving a larger set behind at each chunk."""
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)

@@ -139,7 +139,8 @@ class PrefillCore:
         prompt, chunk = job.gen.prompt_ids, self.cfg.prefill_chunk
         piece = prompt[job.done : job.done + max(chunk, self.cfg.layer_major_tokens)]
         if len(piece) > chunk:
-            logits = self.runner.prefill_layer_major(job.seq, piece, chunk)  # [1, V]
+            bound = job.seq.num_cached - job.done + len(prompt)  # the whole prompt's keys
+            logits = self.runner.prefill_layer_major(job.seq, piece, chunk, bound)  # [1, V]
         else:
             logits = self.runner.forward([job.seq], [piece])  # [1, V]
         job.done += len(piece)

@@ -135,8 +135,9 @@ class QSAIndexer(nn.Module):
         elif batch.is_decode:  # one query per sequence: every query against its own blocks at once
             keys = blocks[batch.slots_of(batch.seq_index[:, None], block_pos[None, :])].float()  # [T, NB, Di]
             scores = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys)).sum(1) / math.sqrt(self.dim)
-        else:
-            scores = torch.full((q.shape[0], max_blocks), float("-inf"), device=device)
+        else:  # every row is written below; allocated at the prompt's bound (`ForwardBatch.kv_bound`)
+            width = max(max_blocks, (batch.kv_bound or 0) // r)
+            scores = torch.empty((q.shape[0], width), device=device)[:, :max_blocks]
             start, rows = 0, max(1, self.score_bytes // (4 * self.heads * max(max_blocks, 1)))
             for b, n in enumerate(batch.query_lens):  # per sequence: its queries against its own blocks
                 keys = blocks[batch.slots_of(b, block_pos)].float()  # [NB, Di]
@@ -145,7 +146,7 @@ class QSAIndexer(nn.Module):
                     s = torch.einsum("thd,nd->thn", q[a:end].float(), keys).relu_().sum(1)
                     scores[a:end] = s / math.sqrt(self.dim)
                 start += n
-        scores = scores.masked_fill(block_pos[None, :] >= visible[:, None] * r, float("-inf"))
+        scores.masked_fill_(block_pos[None, :] >= visible[:, None] * r, float("-inf"))
         k = min(self.block_topk, max_blocks)
         top_scores, top_blocks = scores.topk(k, dim=-1)  # [T, k]
         offsets = torch.arange(r, device=device)
