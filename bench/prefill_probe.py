@@ -8,10 +8,11 @@ prompt prefilled as the engine runs it (`ModelRunner.prefill_groups`), after a w
 `syncs`: torch's sync debug mode on during the prompt; each call site that synchronised (the last frames of
 its Python stack), with its count. Every one drains the GPU's queue while the host catches up (prefill-25k
 at 4009b49: 854 of them, ~0.66 s of its 3.35 s).
-`memory`: per module (four levels deep), the peak allocated above what was allocated when it was entered,
-largest first; and what is reserved after the prompt against what was allocated before it (the gap beyond
-the largest peak is what the caching allocator keeps cached: prefill-128k at 4009b49 reserved 41.6 GiB of a
-32 GiB plan; a 4-layer probe, 28.8 GiB for ~13.5 allocated, the indexer the largest module peak).
+`memory`: per module (four levels deep; a layer-major pass calls the layers' halves, not the layers and
+their hyper-connections, so those rows are absent), the peak allocated above what was allocated when it was
+entered, largest first; and what is reserved after the prompt against what was allocated before it (the gap
+beyond the largest peak is what the caching allocator keeps cached: prefill-128k at 4009b49 reserved 41.6 GiB
+of a 32 GiB plan; a 4-layer probe, 28.8 GiB for ~13.5 allocated, the indexer the largest module peak).
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ the copy list is resolved, joined right before the weights are read, so they ove
 work in between — the next layer's stream with this layer's compute; the shared expert, when the MoE block
 runs it between `prepare` and `compute` (see `ExpertProvider.prepare`). Elsewhere the copies run inline.
 
-Memory bound. The pool is (S + 1 + 2·E) rows of one expert each. Prefill's scratch is bounded by the chunk,
-not by how many experts it uses: experts are computed one at a time, so a chunk of T tokens needs at most
+Memory bound. The pool is (S + 1 + 2·E) rows of one expert each. Prefill's scratch is bounded by the tokens
+of one MoE call (a chunk, or a layer-major group's chunks together), not by how many experts it uses: on the
+torch path experts are computed one at a time, so T tokens need at most
 T·(2H + 3I) activations (an expert's rows of x, gate_up's output, the activated product and y) plus one
 dequantised expert (3·H·I) at once, in the activation dtype — e.g. T = 8192, H = 2048, I = 512 in bf16:
 ~92 MB + 6 MB. Decode gathers its T·k chosen experts dequantised at once (T·k·3·H·I), which is why the
@@ -180,7 +181,8 @@ class PrefillArena:
     copied while this layer computes; remembers which layers' copies are under way (within one pass)."""
 
     prefetch_factor = 4
-    """Stream whole layers, each while the layer before computes, when a chunk's T·k ≥ this × E."""
+    """Stream whole layers, each while the layer before computes, when a pass's MoE call has T·k ≥ this × E
+    (a chunk, or a layer-major group's chunks together)."""
 
     def __init__(self, bases: list[int], num_experts: int, device: torch.device) -> None:
         """`bases`: the first pool row of each buffer (one or two)."""
@@ -448,7 +450,7 @@ class OffloadedExperts(ExpertProvider):
         kernel copying them holds SMs the compute needs). Smaller chunks: cached experts in place (a
         read-only peek: no statistics), the others copied into the layer's buffer after routing."""
         if self.arena.should_prefetch(choices):
-            done = self._arena_layer(i)  # launched by the layer before, or by an earlier chunk of this one
+            done = self._arena_layer(i)  # launched by the layer before (or now, for the first)
             if i + 1 < len(self.index):
                 self._arena_layer(i + 1)
             return Prepared(rows=self.arena.rows(i), done=done)

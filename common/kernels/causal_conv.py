@@ -82,7 +82,7 @@ def _conv_prefill_kernel(
     x_ptr, hist_ptr, slots_ptr, seq_ptr, offset_ptr, w_ptr, out_ptr, tokens, channels, width,
     K: tl.constexpr, DILATION: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] flat tokens
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # [BT] flat tokens (T·C may pass 2³¹)
     c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC]
     live_t, live_c = t < tokens, c < channels
     live = live_t[:, None] & live_c[None, :]

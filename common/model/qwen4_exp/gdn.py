@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.kv.batch import ForwardBatch
 from common.kv.state import SlotSpec, StateSpec
 from common.model.context import ForwardContext
 from common.model.fused_linear import FusedLinears, fuse_linears, project
@@ -20,6 +21,22 @@ try:  # fla-core's Triton kernels (GPU); the torch recurrence is used everywhere
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 except ImportError:  # pragma: no cover - depends on the machine
     chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
+
+
+FLA_CHUNK = 64
+"""Tokens per chunk of fla's chunked gated delta rule (its default `chunk_size`)."""
+
+
+def _fla_chunk_indices(batch: ForwardBatch, device: torch.device) -> torch.Tensor:
+    """fla's chunk list [chunks, 2] (sequence, chunk within it), once per pass: built from the host's lengths
+    and copied from pinned memory without waiting (fla builds it from `cu_seqlens_cpu` and copies it with a
+    blocking copy, a host sync in every layer)."""
+    cached = batch.__dict__.get("_fla_chunk_indices")
+    if cached is None:
+        rows = [(b, j) for b, n in enumerate(batch.query_lens) for j in range(-(-n // FLA_CHUNK))]
+        host = torch.tensor(rows, dtype=torch.int64).pin_memory()
+        cached = batch.__dict__["_fla_chunk_indices"] = host.to(device, non_blocking=True)
+    return cached
 
 
 class GatedDeltaNet(nn.Module):
@@ -147,9 +164,10 @@ class GatedDeltaNet(nn.Module):
         cu = F.pad(pad.lens.cumsum(0), (1, 0))  # int64, as fla expects
         kernel = fused_recurrent_gated_delta_rule
         host = {}
-        if not ctx.batch.is_decode:  # the chunked kernel sizes its chunk lists from the host's copy, no sync
+        if not ctx.batch.is_decode:  # the chunked kernel's chunk lists from the host's lengths: no sync
             kernel = chunk_gated_delta_rule
             host["cu_seqlens_cpu"] = torch.tensor([0, *itertools.accumulate(ctx.batch.query_lens)])
+            host["chunk_indices"] = _fla_chunk_indices(ctx.batch, q.device)
         out, new = kernel(  # by keyword: the recurrent kernel takes gk, gv before beta
             q=q[None],
             k=k[None],
