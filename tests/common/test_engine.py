@@ -112,10 +112,10 @@ def test_a_long_prompt_goes_layer_major_in_groups(tmp_path) -> None:
         passes.append(("pass", [len(t) for t in tokens]))
         return forward(seqs, tokens)
 
-    def logged_layer_major(seq, tokens, chunk):
-        assert chunk == 8
+    def logged_layer_major(seq, tokens, chunk, kv_bound=None):
+        assert chunk == 8 and kv_bound == 40  # every group's buffers sized for the whole prompt
         passes.append(("layer-major", [len(tokens)]))
-        return layer_major(seq, tokens, chunk)
+        return layer_major(seq, tokens, chunk, kv_bound)
 
     engine.runner.forward, engine.runner.prefill_layer_major = logged_forward, logged_layer_major
     together = engine.generate(prompts, params)
