@@ -141,8 +141,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Append a long prompt to `seq` in chunks of `chunk` tokens taken layer by layer: every chunk through
         layer l before any goes on to l + 1, so an offloaded model streams each layer's experts once for the
-        whole prompt, where chunk-major passes stream them once a chunk. The same results (each chunk still
-        sees the earlier ones' keys and states, in order); the chunks' residual streams are held at once.
+        whole prompt, where chunk-major passes stream them once a chunk; a layer's MoE runs once over all the
+        chunks (common/model/layer_major.py). The same results (each chunk still sees the earlier ones' keys
+        and states, in order); the chunks' residual streams are held at once.
         `kv_bound`: the prompt's whole length where these tokens are only its next piece (default: they end
         it; see `ForwardBatch.kv_bound`). → logits [1, V] of the last token."""
         bound = kv_bound if kv_bound is not None else seq.num_cached + len(tokens)
