@@ -27,15 +27,21 @@ FLA_CHUNK = 64
 """Tokens per chunk of fla's chunked gated delta rule (its default `chunk_size`)."""
 
 
-def _fla_chunk_indices(batch: ForwardBatch, device: torch.device) -> torch.Tensor:
-    """fla's chunk list [chunks, 2] (sequence, chunk within it), once per pass: built from the host's lengths
-    and copied from pinned memory without waiting (fla builds it from `cu_seqlens_cpu` and copies it with a
-    blocking copy, a host sync in every layer)."""
-    cached = batch.__dict__.get("_fla_chunk_indices")
+def _fla_varlen(batch: ForwardBatch, device: torch.device) -> dict[str, torch.Tensor]:
+    """The chunked kernel's varlen arguments from the host's lengths, once per pass: `cu_seqlens_cpu`, and
+    `chunk_indices` [chunks, 2] (sequence, chunk within it) made on the device from Python ints. Given
+    neither, fla reads the lengths back from the device; given only the first, it builds the chunk list on
+    the host and copies it over with a blocking copy — a host sync in every GDN layer either way."""
+    cached = batch.__dict__.get("_fla_varlen")
     if cached is None:
-        rows = [(b, j) for b, n in enumerate(batch.query_lens) for j in range(-(-n // FLA_CHUNK))]
-        host = torch.tensor(rows, dtype=torch.int64).pin_memory()
-        cached = batch.__dict__["_fla_chunk_indices"] = host.to(device, non_blocking=True)
+        pieces = []
+        for b, n in enumerate(batch.query_lens):
+            chunk = torch.arange(-(-n // FLA_CHUNK), device=device)
+            pieces.append(torch.stack([torch.full_like(chunk, b), chunk], dim=1))
+        cached = batch.__dict__["_fla_varlen"] = {
+            "cu_seqlens_cpu": torch.tensor([0, *itertools.accumulate(batch.query_lens)]),
+            "chunk_indices": torch.cat(pieces),
+        }
     return cached
 
 
@@ -166,8 +172,7 @@ class GatedDeltaNet(nn.Module):
         host = {}
         if not ctx.batch.is_decode:  # the chunked kernel's chunk lists from the host's lengths: no sync
             kernel = chunk_gated_delta_rule
-            host["cu_seqlens_cpu"] = torch.tensor([0, *itertools.accumulate(ctx.batch.query_lens)])
-            host["chunk_indices"] = _fla_chunk_indices(ctx.batch, q.device)
+            host = _fla_varlen(ctx.batch, q.device)
         out, new = kernel(  # by keyword: the recurrent kernel takes gk, gv before beta
             q=q[None],
             k=k[None],

@@ -35,7 +35,15 @@ def _norm_rotate(norm: OffsetRMSNorm, x: torch.Tensor, ctx: ForwardContext, fuse
 
 def _block_ends(batch: ForwardBatch, r: int, device: torch.device) -> torch.Tensor | None:
     """[M] indices of the batch's tokens that end a block of r positions (position % r == r − 1), from the
-    host's lengths (a `nonzero` over the positions would wait for the GPU); None when there are none."""
+    host's lengths (a `nonzero` over the positions would wait for the GPU); None when there are none. Once
+    per pass: every QSA layer asks."""
+    key = f"_block_ends_{r}"
+    if key not in batch.__dict__:
+        batch.__dict__[key] = _find_block_ends(batch, r, device)
+    return batch.__dict__[key]
+
+
+def _find_block_ends(batch: ForwardBatch, r: int, device: torch.device) -> torch.Tensor | None:
     ends, at = [], 0
     for cached, n in zip(batch.cache_lens, batch.query_lens, strict=True):
         first = cached + (r - 1 - cached % r) % r  # the first block end at or after the pass's start
