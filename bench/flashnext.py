@@ -18,7 +18,7 @@ from common.experts.offload import OffloadedExperts, offload_experts
 from common.experts.routing import RoutingReplayer, install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.kernels import use_fused_kernels
-from common.memory_plan import plan_memory
+from common.memory_plan import cap_allocator, plan_memory
 from common.model.fp8_linear import to_resident_dtype
 from common.model.hf_config import parse_architecture
 from common.model.host_embedding import embeddings_to_host
@@ -87,8 +87,8 @@ def build_flashnext(
     every expert with `all_fit`, loaded up front; `lend`: the arena's second buffer serves as E more slots
     between prefills; `embeddings_on_host`: the token embedding in host memory, its bytes to the cache;
     `resident_dtype` "fp8": the token mixers' projections in fp8.
-    The benchmark reports max_memory_reserved beside the budget: the check that the plan
-    holds."""
+    The allocator is capped at the budget (`cap_allocator`: a plan that undercounts fails as out-of-memory,
+    not as a quiet overrun), and the benchmark reports max_memory_reserved beside it."""
     hf = model_config(
         "flashnext",
         "qwen4_exp",
@@ -126,6 +126,7 @@ def build_flashnext(
         )  # fmt: skip
         plan.check()
         slots = plan.cache_slots
+        cap_allocator(plan.budget, "cuda")
     provider = offload_experts(model, str(slots), policy, "int4", store=store, lend_arena=lend)
     if all_fit:
         provider.load_all()

@@ -99,6 +99,7 @@ def main() -> None:
         "chunk": args.chunk,
         "cache_slots": flash.slots,
         "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
         "budget_gib": args.budget_gib,
         "layers": args.layers,
         "fused": args.fused,

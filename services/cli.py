@@ -37,6 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from common.engine import Engine
     from common.experts.offload import load_hot_set
+    from common.memory_plan import cap_allocator
     from common.model.defaults import default_model_dir
     from common.sampling import SamplingParams
 
@@ -44,6 +45,7 @@ def _generate(args: argparse.Namespace) -> int:
     expert_cache = args.expert_cache
     if args.vram_budget is not None:
         expert_cache = _generate_cache(args, model_dir)
+        cap_allocator(args.vram_budget, args.device)
     engine = Engine(
         model_dir,
         dtype=getattr(torch, args.dtype),

@@ -71,3 +71,23 @@ def test_cli_generate_on_cuda(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert len(out["token_ids"]) >= 1 and out["tok_per_s"] > 0
+
+
+def test_cap_allocator_is_a_hard_cap() -> None:
+    """Past the cap the allocator frees its cached blocks and retries; live tensors beyond it raise."""
+    from common.memory_plan import cap_allocator
+
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    cap_allocator(base + (1 << 30), "cuda")
+    try:
+        kept = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        for size in (300 << 20, 400 << 20):  # blocks of sizes that never come back, as a growing context's
+            torch.empty(size, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_reserved() <= base + (1 << 30)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(600 << 20, dtype=torch.uint8, device="cuda")
+        del kept
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

@@ -214,10 +214,10 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _assert_matches(transformers, hf_dir: Path, fp8_dir: Path, matches_transformers) -> None:
+def _assert_matches(transformers, hf_dir: Path, fp8_dir: Path, matches_transformers, **hf_kwargs) -> None:
     """transformers on `hf_dir` against Spillway on `fp8_dir` (float32): prefill, then 8 decode steps."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation="eager"
+        hf_dir, dtype=torch.float32, attn_implementation="eager", **hf_kwargs
     ).eval()
     engine = Engine(fp8_dir, dtype=torch.float32, max_seqs=3, max_context=64)
     prompts = _prompts(engine.config.vocab_size)
@@ -227,11 +227,14 @@ def _assert_matches(transformers, hf_dir: Path, fp8_dir: Path, matches_transform
 
 
 def test_logits_match_transformers_fp8_loading(fp8_dir: Path, matches_transformers) -> None:
-    """transformers dequantizes an FP8 checkpoint on a machine without a GPU (FineGrainedFP8,
-    dequantize=True); its loading needs accelerate."""
+    """transformers dequantizes the FP8 checkpoint as it loads it (FineGrainedFP8, dequantize=True, asked for:
+    it chooses so by itself only where no GPU is seen; with one it would want its `kernels` package's fp8
+    GEMM); its loading needs accelerate."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints only with accelerate")
-    _assert_matches(transformers, fp8_dir, fp8_dir, matches_transformers)
+    block = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]["weight_block_size"]
+    quant = transformers.FineGrainedFP8Config(weight_block_size=tuple(block), dequantize=True)
+    _assert_matches(transformers, fp8_dir, fp8_dir, matches_transformers, quantization_config=quant)
 
 
 @pytest.fixture(scope="module")
