@@ -22,6 +22,7 @@ import torch
 from bench.common import measure_tflops, progress, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.config import LAYER_MAJOR_TOKENS
+from common.memory_plan import use_expandable_segments
 
 
 def prefill_flops(model: torch.nn.Module, cfg, tokens: int) -> float:
@@ -54,6 +55,7 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
 
+    use_expandable_segments()  # before CUDA starts: under the budget's cap, fixed segments thrash
     tflops = measure_tflops()
     flash = build_flashnext(
         args.layers, args.budget_gib, 1, args.prompt + 16, args.prompt, fused=args.fused,

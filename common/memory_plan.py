@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 from pathlib import Path
 
@@ -393,12 +394,27 @@ def plan_memory(
     )
 
 
+def use_expandable_segments() -> None:
+    """Have the CUDA caching allocator grow and shrink its segments in place (`expandable_segments`) rather
+    than cache blocks of every size it was once asked for. A long prompt's chunks each see a longer context,
+    so their buffers never repeat a size: on the H200, prefill-128k reserved 34.5 GiB under a 32 GiB budget
+    without it, 26.9 GiB (26.3 live) with it; capped without it (`cap_allocator`), the allocator kept freeing
+    and re-reserving and the prefill stalled. Call it before CUDA starts; a setting already in
+    PYTORCH_CUDA_ALLOC_CONF wins."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in conf:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
+    if torch.cuda.is_available():  # the variable may have been read already (at torch's import, by version)
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 def cap_allocator(budget_bytes: int, device: torch.device | str) -> None:
     """Make `budget_bytes` a hard cap on what this process's caching allocator reserves on `device` (nothing
     off CUDA). The plan is an estimate; the cap is the guarantee: past it the allocator first frees its cached
-    blocks and retries, and raises out-of-memory only when live tensors alone would pass it. Without the cap
-    a long prompt left 41.6 GiB reserved under a 32 GiB plan — blocks of sizes that never came back (each
-    chunk's attention sees a longer context) kept cached beside the new ones."""
+    blocks and retries, and raises out-of-memory only when live tensors alone would pass it. Pair it with
+    `use_expandable_segments`: with fixed segments a prompt whose buffers keep changing size makes every
+    allocation near the cap free and re-reserve (prefill-128k stalled so on the H200)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return

@@ -37,13 +37,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     from common.engine import Engine
     from common.experts.offload import load_hot_set
-    from common.memory_plan import cap_allocator
+    from common.memory_plan import cap_allocator, use_expandable_segments
     from common.model.defaults import default_model_dir
     from common.sampling import SamplingParams
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     expert_cache = args.expert_cache
     if args.vram_budget is not None:
+        use_expandable_segments()  # before CUDA starts: the budget is a cap (cap_allocator's docstring)
         expert_cache = _generate_cache(args, model_dir)
         cap_allocator(args.vram_budget, args.device)
     engine = Engine(
