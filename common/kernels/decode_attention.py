@@ -29,12 +29,47 @@ import triton.language as tl
 
 
 @triton.jit
+def _key_block(
+    q, k_ptr, v_ptr, table_ptr, sel_ptr, t, kvh, table_row, table_width, page_size, kv_heads, sel_width,
+    start, limit, length, scale, window, m, denom, acc,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Keys [start, start + BLOCK_N) of the program's share into its online softmax → (m, denom, acc)."""
+    d = tl.arange(0, D)
+    idx = start + tl.arange(0, BLOCK_N)
+    inside = idx < limit
+    if SPARSE:  # noqa: SIM108  (a static branch)
+        pos = tl.load(sel_ptr + t * sel_width + idx, mask=inside, other=-1)
+    else:
+        pos = idx
+    ok = inside & (pos >= 0) & (pos < length)
+    if WINDOW:
+        ok = ok & (pos > length - 1 - window)
+    safe = tl.where(ok, pos, 0)
+    page = tl.load(table_ptr + table_row * table_width + safe // page_size, mask=ok, other=0)
+    page = page.to(tl.int64)
+    row = (page * page_size + safe % page_size) * kv_heads + kvh  # [BLOCK_N] token rows of this head
+    k = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    score = tl.where(ok[None, :], qk * scale, float("-inf"))  # [G_PAD, BLOCK_N]
+    new_m = tl.maximum(m, tl.max(score, axis=1))
+    p = tl.exp(score - new_m[:, None])
+    correction = tl.exp(m - new_m)
+    denom = denom * correction + tl.sum(p, axis=1)
+    # the probabilities in the activation dtype, as the reference rounds them
+    acc = acc * correction[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+    return new_m, denom, acc
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, sel_ptr, ks_ptr, vs_ptr, m_ptr, l_ptr, acc_ptr,
     out_ptr, heads, kv_heads, table_width, page_size, keys, sel_width, scale, window,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     ITERS: tl.constexpr, SPARSE: tl.constexpr, FP8: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, ROWS: tl.constexpr,
+    PRECISION: tl.constexpr, ROWS: tl.constexpr, TRIP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     table_row = t.to(tl.int64)  # the query's sequence: its own row, or (prefill) the one rows_ptr names
@@ -55,33 +90,21 @@ def _split_kernel(
     m = tl.full((G_PAD,), -1e30, tl.float32)  # finite, so a row with no key yet gives exp(−inf − m) = 0
     denom = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, D), dtype=tl.float32)
-    for i in range(ITERS):
-        start = first + i * BLOCK_N
-        if start < limit:
-            idx = start + tl.arange(0, BLOCK_N)
-            inside = idx < limit
-            if SPARSE:  # noqa: SIM108  (a static branch)
-                pos = tl.load(sel_ptr + t * sel_width + idx, mask=inside, other=-1)
-            else:
-                pos = idx
-            ok = inside & (pos >= 0) & (pos < length)
-            if WINDOW:
-                ok = ok & (pos > length - 1 - window)
-            safe = tl.where(ok, pos, 0)
-            page = tl.load(table_ptr + table_row * table_width + safe // page_size, mask=ok, other=0)
-            page = page.to(tl.int64)
-            row = (page * page_size + safe % page_size) * kv_heads + kvh  # [BLOCK_N] token rows of this head
-            k = tl.load(k_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-            v = tl.load(v_ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            score = tl.where(ok[None, :], qk * scale, float("-inf"))  # [G_PAD, BLOCK_N]
-            new_m = tl.maximum(m, tl.max(score, axis=1))
-            p = tl.exp(score - new_m[:, None])
-            correction = tl.exp(m - new_m)
-            denom = denom * correction + tl.sum(p, axis=1)
-            # the probabilities in the activation dtype, as the reference rounds them
-            acc = acc * correction[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-            m = new_m
+    if TRIP:  # ITERS blocks, no branch (those past the limit load nothing): a loop Triton can pipeline
+        for i in tl.range(0, ITERS, num_stages=STAGES):
+            m, denom, acc = _key_block(
+                q, k_ptr, v_ptr, table_ptr, sel_ptr, t, kvh, table_row, table_width, page_size, kv_heads,
+                sel_width, first + i * BLOCK_N, limit, length, scale, window, m, denom, acc,
+                D, BLOCK_N, SPARSE, WINDOW, PRECISION,
+            )  # fmt: skip
+    else:  # every block of the bound, those past the limit skipped whole (a runtime branch)
+        for i in range(ITERS):
+            if first + i * BLOCK_N < limit:
+                m, denom, acc = _key_block(
+                    q, k_ptr, v_ptr, table_ptr, sel_ptr, t, kvh, table_row, table_width, page_size, kv_heads,
+                    sel_width, first + i * BLOCK_N, limit, length, scale, window, m, denom, acc,
+                    D, BLOCK_N, SPARSE, WINDOW, PRECISION,
+                )  # fmt: skip
     if FP8:
         acc = acc * tl.load(vs_ptr).to(tl.float32)
     if SPLITS == 1:  # the only split: the output itself, no partial results to merge
@@ -149,6 +172,9 @@ def paged_decode_attention(
     splits: int | None = None,
     block_n: int = 32,
     table_rows: torch.Tensor | None = None,
+    pipelined: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """q [T, Hq, D] (query t at position kv_lens[t] − 1); k/v pages [P, page, Hkv, D]; page_table [B, W]
     with query t's sequence at row table_rows[t] (default: row t, one query per sequence); kv_lens [T]
@@ -156,7 +182,12 @@ def paged_decode_attention(
     `selected` [T, S] key positions a query may see (−1: none) replaces "every earlier key"; `kv_scale` [2]
     (fp8 pages: K and V scales); `window`: keys within the last `window`. `splits` caps the splits of the
     keys (default: chosen from the shapes); `block_n` keys per step. Prefill queries are rows too (with
-    `table_rows`): many tokens give one split each, written straight to the output (no merge)."""
+    `table_rows`): many tokens give one split each, written straight to the output (no merge).
+    `pipelined`: each program runs a fixed count of blocks (those of `keys`, not of its power-of-two
+    bound), a loop without branches that Triton software-pipelines in `num_stages`; the default loop runs
+    the bound's blocks and skips those past the limit, which keeps it from pipelining. Meant for sparse
+    passes (a selection is as wide as its keys); `num_warps` per program. bench/qsa_prefill_tune.py sweeps
+    them."""
     t, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     assert dim >= 16 and dim & (dim - 1) == 0, f"head dim {dim}: a power of two ≥ 16 (tl.dot)"
@@ -166,7 +197,8 @@ def paged_decode_attention(
     keys = selected.shape[1] if selected is not None else max_keys
     bound = max(triton.next_power_of_2(keys), block_n)  # compiled per power of two of the key bound
     splits = _num_splits(t, kv_heads, bound, block_n, splits)
-    iters = triton.cdiv(bound, splits * block_n)
+    # the pipelined loop runs every block it is given, so it gets the keys' blocks, not the bound's
+    iters = triton.cdiv(keys if pipelined else bound, splits * block_n)
     out = torch.empty_like(q)
     partial = (t, heads, splits) if splits > 1 else (1, 1, 1)  # one split writes `out` directly
     m = torch.empty(partial, dtype=torch.float32, device=q.device)
@@ -185,7 +217,8 @@ def paged_decode_attention(
         window or 0,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, SPLITS=splits,
         ITERS=iters, SPARSE=selected is not None, FP8=fp8, WINDOW=window is not None,
-        PRECISION=precision, ROWS=table_rows is not None,
+        PRECISION=precision, ROWS=table_rows is not None, TRIP=pipelined, STAGES=num_stages,
+        num_warps=num_warps,
     )  # fmt: skip
     if splits == 1:
         return out

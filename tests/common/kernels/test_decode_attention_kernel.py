@@ -5,6 +5,8 @@ keys and splits that see no key."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -87,7 +89,7 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [
 def test_grouped_heads_and_splits_match_torch(mode: str, fp8: bool, dtype: torch.dtype) -> None:
     """12 query heads per KV head (2 KV heads, as in production, a smaller head dim), a few hundred keys
     over several splits: the default split count (one block each), a few splits of several blocks, and one
-    split of them all."""
+    split of them all; each with the loop over every block of the bound and the pipelined one."""
     from common.kernels.decode_attention import paged_decode_attention  # Triton
 
     cached = (300, 37, 451)
@@ -102,12 +104,13 @@ def test_grouped_heads_and_splits_match_torch(mode: str, fp8: bool, dtype: torch
     ref = backend.forward(q, k, v, layer, plan, 0.125, window=window, selected=selected)  # writes k, v too
     pages, scale = layer.paged, layer.kv_scale if fp8 else None
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for splits in (None, 4, 1):
+    for splits, pipelined in itertools.product((None, 4, 1), (False, True)):
         out = paged_decode_attention(
             q, pages["k"], pages["v"], plan.page_table, plan.k_lens, 0.125, plan.k_slots.shape[1],
-            selected, scale, window, splits=splits,
+            selected, scale, window, splits=splits, pipelined=pipelined,
         )  # fmt: skip
-        torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m, s=splits: f"splits={s}: {m}")
+        note = f"splits={splits}, pipelined={pipelined}"
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m, n=note: f"{n}: {m}")
 
 
 def test_dense_bound_past_the_lengths() -> None:
@@ -144,3 +147,13 @@ def test_sparse_prefill_matches_torch(fp8: bool) -> None:
         backend.fused_decode = fused
         outs.append(backend.forward(q, k, v, layer, backend.plan(batch), 0.2, selected=selected))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    from common.kernels.decode_attention import paged_decode_attention  # Triton
+
+    plan, scale = TorchPagedBackend().plan(batch), layer.kv_scale if fp8 else None
+    for block_n in (16, 64):  # the pipelined loop, as bench/qsa_prefill_tune.py runs it
+        out = paged_decode_attention(
+            q, layer.paged["k"], layer.paged["v"], plan.page_table, plan.positions + 1, 0.2,
+            plan.k_slots.shape[1], selected, scale, table_rows=plan.seq_index, block_n=block_n,
+            pipelined=True,
+        )  # fmt: skip
+        torch.testing.assert_close(out, outs[0], rtol=1e-4, atol=1e-4)
