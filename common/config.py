@@ -225,6 +225,17 @@ class MemoryPlan:
     """Activation and resident-weight dtype."""
     processes: int
     """Processes on the device: 2 for `spillway serve` (decode, prefill), 1 for the offline engine."""
+    prefill_process: int = 0
+    """Of the budget, serve's prefill worker's own bytes (it maps decode's weights, pools and cache): its
+    arena rows, its prefill workspace, its reserve and their share of the fragmentation allowance. Each
+    worker caps its allocator at its part (`process_budget`); 0 with one process."""
+
+    def process_budget(self, role: str) -> int:
+        """The cap of one process's allocator: "prefill" its own bytes, "decode" (or the one process of the
+        offline engine) the rest of the budget."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"no process {role!r} in the plan")
+        return self.prefill_process if role == "prefill" else self.budget - self.prefill_process
 
     @property
     def fixed(self) -> int:

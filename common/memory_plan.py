@@ -12,7 +12,7 @@ parameter's shape and dtype and every layer's state specs for free. The pools (D
 - `arena`: an `OffloadedExperts` pool has, beside the cache's S slots, a spare row and two arena buffers of
   E rows (the first doubles as decode's staging rows): (1 + 2E) expert rows. Under `spillway serve` the
   prefill process holds such a pool (0 slots) and decode, which never prefills, keeps one buffer: (1 + E).
-- `scratch`: activation workspace, an estimate (`scratch_bytes`): one prefill chunk (with the rest of its
+- `scratch`: activation workspace, an estimate (`scratch_terms`): one prefill chunk (with the rest of its
   layer-major group's streams) plus one decode step (each process holds its own allocator cache; the
   offline engine, one process, needs the larger of the two).
 - `graphs`: a reserve for what the pools do not see: per process on the device `PROCESS_RESERVE` (CUDA
@@ -245,7 +245,7 @@ def _expert_mlp_bytes(
     return max(tokens * b * 4 * (h + i) + one, grouped)
 
 
-def scratch_bytes(
+def scratch_terms(
     model: nn.Module,
     cfg: ModelConfig,
     fmt: ExpertFormat,
@@ -254,15 +254,15 @@ def scratch_bytes(
     max_context: int,
     max_running: int,
     prefill_chunk: int,
-    processes: int,
     fused_kernels: bool = True,
     layer_major_tokens: int = LAYER_MAJOR_TOKENS,
-) -> int:
-    """Activation workspace, an estimate meant to err high: a prefill pass of one chunk (at most the context;
-    prefill runs one request at a time) with the other chunks of a layer-major group held (`_held_bytes`)
-    and its MoE over the whole group (common/model/layer_major.py: its input and output [T, H], the expert
-    MLP's buffers), plus a decode step of every lane (`_pass_bytes`, the expert MLPs and, for qwen4_exp,
-    the linear-attention and indexer terms); `fused_kernels`: decode's int4 experts go
+) -> tuple[int, int]:
+    """Activation workspace, (prefill, decode), an estimate meant to err high: a prefill pass of one chunk (at
+    most the context; prefill runs one request at a time) with the other chunks of a layer-major group held
+    (`_held_bytes`) and its MoE over the whole group (common/model/layer_major.py: its input and output
+    [T, H], the expert MLP's buffers); a decode step of every lane (`_pass_bytes`, the expert MLPs and, for
+    qwen4_exp, the linear-attention and indexer terms). One process needs the larger, two (each with its
+    own allocator cache) the sum. `fused_kernels`: decode's int4 experts go
     through the int4 kernels (nothing dequantised: eight lanes of flashnext's reference path would hold
     4.4 GB of dequantised experts).
 
@@ -289,7 +289,7 @@ def scratch_bytes(
         + _linear_attention_bytes(cfg, max_running, dtype)
         + _indexer_bytes(cfg, max_running, max_context)
     )
-    return prefill + decode if processes > 1 else max(prefill, decode)
+    return prefill, decode
 
 
 @functools.lru_cache(maxsize=32)
@@ -359,12 +359,15 @@ def plan_memory(
     layers, experts = len(cfg.moe_layers), cfg.num_experts
     eb = fmt.expert_nbytes(cfg.hidden_size, cfg.moe_intermediate_size)
     arena = arena_rows(experts, processes) * eb
-    scratch = scratch_bytes(
+    prefill_scratch, decode_scratch = scratch_terms(
         model, cfg, fmt, dtype, max_context=context, max_running=max_running,
-        prefill_chunk=prefill_chunk, processes=processes, fused_kernels=fused_kernels,
-        layer_major_tokens=layer_major_tokens,
+        prefill_chunk=prefill_chunk, fused_kernels=fused_kernels, layer_major_tokens=layer_major_tokens,
     )  # fmt: skip
+    scratch = prefill_scratch + decode_scratch if processes > 1 else max(prefill_scratch, decode_scratch)
     graphs = processes * PROCESS_RESERVE + math.ceil(FRAGMENTATION * budget_bytes)
+    # serve's prefill worker maps decode's weights, pools and cache: its own are a pool of arena rows (with
+    # no slots), its workspace and its reserve, plus their share of the fragmentation allowance
+    own = arena_rows(experts, 1) * eb + prefill_scratch + PROCESS_RESERVE if processes > 1 else 0
     weights = weight_bytes(model)
     fixed = weights + kv + arena + scratch + graphs
     slots = _cache_slots(budget_bytes - fixed, layers, experts, eb)
@@ -391,6 +394,7 @@ def plan_memory(
         expert_format=fmt.name,
         dtype=str(dtype).removeprefix("torch."),
         processes=processes,
+        prefill_process=own + math.ceil(FRAGMENTATION * own),
     )
 
 
@@ -462,6 +466,22 @@ def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
     )
 
 
+def cap_worker(cfg: WorkerConfig, role: str) -> MemoryPlan | None:
+    """Before a `spillway serve` worker ("decode" or "prefill") touches CUDA: its allocator capped at its
+    part of the plan (`MemoryPlan.process_budget`), so the two together stay within `--vram-budget`; the
+    plan, or None without a budget or off CUDA. Prefill, whose buffers change size with every prompt, also
+    gets expandable segments (`use_expandable_segments`): it exports nothing, so their CUDA IPC caveats
+    (a different handle kind, pidfd_getfd in containers) cannot reach it; decode, which exports its buffers
+    through cudaIpcMemHandle, keeps fixed segments: its pools are allocated once, at start."""
+    if cfg.vram_budget is None or torch.device(cfg.device).type != "cuda":
+        return None
+    plan = worker_plan(cfg)
+    if role == "prefill":
+        use_expandable_segments()
+    cap_allocator(plan.process_budget(role), cfg.device)
+    return plan
+
+
 def plan_dict(plan: MemoryPlan) -> dict:
     """The plan as JSON-ready values: every field, bytes per pool, the total and whether it is accepted."""
     return {
@@ -487,4 +507,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"for {plan.max_running} lanes × {plan.max_context} tokens ({plan.num_pages} KV pages), "
         f"{plan.dtype}, {plan.processes} process{'es' if plan.processes > 1 else ''} on the device"
     )
+    if plan.processes > 1:
+        caps = (f"{role} {format_bytes(plan.process_budget(role))}" for role in ("decode", "prefill"))
+        lines.append("allocator caps: " + ", ".join(caps))
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from common.config import format_bytes
-from common.memory_plan import format_plan
+from common.memory_plan import cap_worker, format_plan
 from common.protocol import (
     Abort,
     AllocState,
@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     outboxes = {"router": args.router, "prefill": args.peer}
     shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port)
+    cfg = worker_config(args)
     try:
-        core = DecodeCore(worker_config(args), shared_allocator, host_allocator)
+        cap_worker(cfg, "decode")  # the budget is a hard cap: decode's part of it
+        core = DecodeCore(cfg, shared_allocator, host_allocator)
     except ValueError as exc:  # a refused memory plan, a bad checkpoint: say why (the launcher gives up)
         log.error("cannot start: %s", exc)
         shell.close()

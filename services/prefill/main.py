@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 
+from common.memory_plan import cap_worker
 from common.protocol import Abort, Exports, Generate, Message, StateGranted, Tokens, WantExports
 from common.workers.prefill import Outgoing, PrefillCore
 from common.workers.sharing import prefill_model
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     outboxes = {"router": args.router, "decode": args.peer}
     shell = WorkerShell("prefill", args.inbox, outboxes, args.threads, args.metrics_port)
-    worker = PrefillWorker(shell, worker_config(args))
+    cfg = worker_config(args)
+    cap_worker(cfg, "prefill")  # before CUDA starts: expandable segments, then prefill's part of the budget
+    worker = PrefillWorker(shell, cfg)
     shell.send("decode", WantExports(shell.pid))
     while not shell.stopping:
         busy = worker.core is not None and worker.core.busy

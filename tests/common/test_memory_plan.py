@@ -13,10 +13,12 @@ from common.engine import Engine
 from common.experts.artifact import convert
 from common.experts.formats import FORMATS
 from common.memory_plan import (
+    PROCESS_RESERVE,
     MiB,
     _cache_bytes,
     _tensors_nbytes,
     arena_rows,
+    format_plan,
     min_cache_slots,
     parse_size,
     plan_for_dir,
@@ -208,6 +210,27 @@ def test_layer_major_groups_hold_their_streams() -> None:
     short_grouped = _plan(cfg, arch, 32 * GiB, **short, layer_major_tokens=32768)
     short_chunked = _plan(cfg, arch, 32 * GiB, **short, layer_major_tokens=0)
     assert short_grouped.scratch - short_chunked.scratch == beyond_chunks(10000)
+
+
+def test_serve_workers_split_the_budget() -> None:
+    """Under `spillway serve` the prefill worker's cap is its own pools (arena rows of a cache with no slots,
+    its prefill workspace, its reserve) plus their fragmentation share; decode's, the rest of the budget. The
+    prefill part is what one process would give prefill, and the caps add up to the budget."""
+    arch, cfg = _config("flashnext", None)
+    lanes = {"expert_format": "int4", "max_running": 8, "max_context": 4096}
+    serve = _plan(cfg, arch, 32 * GiB, **lanes, processes=2)
+    alone = _plan(cfg, arch, 32 * GiB, **lanes, processes=1)
+    decode_only = _plan(cfg, arch, 32 * GiB, **lanes, processes=1, prefill_chunk=1, layer_major_tokens=0)
+    assert serve.ok and alone.prefill_process == 0 and alone.process_budget("decode") == alone.budget
+    assert serve.process_budget("decode") + serve.process_budget("prefill") == serve.budget
+    own = serve.arena - (1 + cfg.num_experts) * serve.expert_bytes  # decode keeps 1 + E rows
+    assert own == arena_rows(cfg.num_experts, 1) * serve.expert_bytes
+    prefill_scratch = serve.scratch - decode_only.scratch  # a 1-token prefill needs less than a decode step
+    own += prefill_scratch + PROCESS_RESERVE
+    assert serve.prefill_process == own + -(-own * 2 // 100)  # FRAGMENTATION = 2 %
+    assert "allocator caps: decode" in format_plan(serve)
+    with pytest.raises(ValueError, match="no process"):
+        serve.process_budget("router")
 
 
 # -- against the real allocations (the tiny models) ---------------------------------------------------------

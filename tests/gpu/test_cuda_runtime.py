@@ -91,3 +91,33 @@ def test_cap_allocator_is_a_hard_cap() -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_serve_workers_cap_their_part_of_the_budget(tmp_path: Path) -> None:
+    """`cap_worker` in a fresh process, as each serve worker starts: prefill's allocator gets expandable
+    segments and its part of the budget; decode's, fixed segments and the rest; allocations past a cap
+    raise."""
+    model_dir = make_model(tmp_path / "m", preset="tiny")
+    code = (
+        "import sys, torch\n"
+        "from common.config import WorkerConfig\n"
+        "from common.memory_plan import cap_worker\n"
+        f"cfg = WorkerConfig(model_dir={str(model_dir)!r}, device='cuda', vram_budget=2 << 30,"
+        " max_context=256, max_running=2, expert_format='bf16')\n"
+        "plan = cap_worker(cfg, sys.argv[1])\n"
+        "cap = plan.process_budget(sys.argv[1])\n"
+        "x = torch.empty(cap // 2, dtype=torch.uint8, device='cuda')\n"
+        "expandable = all(s['is_expandable'] for s in torch.cuda.memory._snapshot()['segments'])\n"
+        "try:\n"
+        "    torch.empty(cap, dtype=torch.uint8, device='cuda')\n"
+        "    print(expandable, 'no cap')\n"
+        "except torch.OutOfMemoryError:\n"
+        "    print(expandable, 'capped')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    for role, expandable in (("prefill", True), ("decode", False)):
+        out = subprocess.run(
+            [sys.executable, "-c", code, role], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == [str(expandable), "capped"], role
