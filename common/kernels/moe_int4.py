@@ -288,9 +288,9 @@ def moe_int4_grouped(
 ) -> torch.Tensor:
     """Prefill: Σ_j topk_weights[t, j] · SwiGLU expert topk_ids[t, j] (x[t]) → [T, H] in x's dtype, with
     expert e's int4 weights at pool row rows[e] ([E] int64). Pairs grouped by expert into blocks of
-    `config.block_m`; gate/up runs over every pair as tiled GEMMs, then down over the pairs of
-    `down_tokens` tokens at a time (its output rows are the big buffer). Each pair's term is rounded to
-    x's dtype and the k terms of a token are summed in fp32 (in choice order)."""
+    `config.block_m`; gate/up runs over every pair as tiled GEMMs, then down over the pairs of at most
+    `down_tokens` tokens at a time, in slices of equal size (its output rows are the big buffer). Each
+    pair's term is rounded to x's dtype and the k terms of a token are summed in fp32 (in choice order)."""
     t, k = topk_ids.shape
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
@@ -306,8 +306,11 @@ def moe_int4_grouped(
     )  # fmt: skip
     weights = topk_weights.reshape(-1).contiguous()
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    for start in range(0, t, down_tokens):  # bounded [n·k, H] output rows (MOE_DOWN_TOKENS)
-        end = min(t, start + down_tokens)
+    # bounded [n·k, H] output rows (MOE_DOWN_TOKENS), in equal slices: a short last slice would spread few
+    # pairs over every expert, its blocks mostly padding, at nearly a full slice's cost
+    size = triton.cdiv(t, triton.cdiv(t, down_tokens))
+    for start in range(0, t, size):
+        end = min(t, start + size)
         if (start, end) != (0, t):
             pairs, block_expert = group_pairs(topk_ids[start:end], rows.numel(), bm)
         rows_out = torch.empty(((end - start) * k, hidden), dtype=x.dtype, device=x.device)

@@ -59,13 +59,14 @@ def test_grouped_pairs_cover_every_pair_once() -> None:
         (384, 256, 5, 2, (16, 64, 4, 1), 64),
         (256, 128, 37, 4, (64, 128, 8, 3), 64),
         (256, 128, 37, 4, (16, 64, 4, 1), 8),
+        (256, 128, 37, 4, (16, 64, 4, 1), 16),
     ],
 )
 def test_grouped_int4_matches_dequantised_reference(
     hidden: int, inter: int, tokens: int, k: int, shape: tuple[int, int, int, int], down_tokens: int
 ) -> None:
     """Blocks of 16 pairs, (the tuning sweep's larger end) 64 pairs × 128 columns, 8 warps, 3 stages, and
-    down in slices of 8 tokens (the last one 5)."""
+    down in slices of at most 8 tokens (8, 8, 8, 8, 5) or 16 (equal ones: 13, 13, 11)."""
     from common.kernels.moe_int4 import GroupedConfig, moe_int4_grouped
 
     gen = torch.Generator().manual_seed(tokens)
