@@ -127,8 +127,9 @@ def _quantize_mixer(mixer: nn.Module, output: str, parents: dict[int, tuple[nn.M
     inputs = mixer._inputs()
     fused = mixer.fused_in
     if fused is not None:  # one quantisation of the fused weight; each member a row view of it
-        codes, scale = quantize_fp8(fused.weight.detach())
-        bias = None if fused.bias is None else fused.bias.detach()
+        n = sum(fused.sizes)  # the Linears' rows, not the fused weight's alignment padding
+        codes, scale = quantize_fp8(fused.weight[:n].detach())
+        bias = None if fused.bias is None else fused.bias[:n].detach()
         mixer.fused_in = Fp8Fused(codes, scale, bias, fused.sizes)
         at = 0
         for linear, size in zip(inputs, fused.sizes, strict=True):

@@ -14,22 +14,41 @@ parameters, and no byte is held twice.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+ALIGN_BYTES = 16
+"""A fused weight gets rows beyond its Linears' (never read back) up to an output row of a multiple of this:
+cuBLAS's fast Hopper GEMMs want 16-byte-aligned rows. In prefill-25k's profile (a349658, H200) the MoE
+block's 1,793 columns (router 512, shared expert gate and up 640 each, its gate logit 1) ran on an
+alignment-1 cutlass kernel, 2.6 ms a layer (~90 TFLOP/s), and the hyper-connections' 324 on an
+alignment-4 one (~270 TFLOP/s)."""
+
+
+def _padding(rows: int, itemsize: int) -> int:
+    """Rows to add to `rows` output columns of `itemsize` bytes for ALIGN_BYTES-aligned output rows."""
+    step = max(1, ALIGN_BYTES // itemsize)
+    return -rows % step
+
 
 class FusedLinears:
     """The concatenated weight (and bias) of some Linears, and how to split its output."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> None:
+        """weight [ΣN + pad, K]: the Linears' rows (`sizes`), then `pad` rows whose outputs are dropped."""
         self.weight, self.bias, self.sizes = weight, bias, sizes
+        self.pad = weight.shape[0] - sum(sizes)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [T, K] → one [T, N_i] output per Linear, in order (views of one [T, ΣN] product)."""
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        """x [T, K] → one [T, N_i] output per Linear, in order (views of one [T, ΣN + pad] product)."""
+        out = F.linear(x, self.weight, self.bias)
+        if not self.pad:
+            return out.split(self.sizes, dim=-1)
+        return out.split([*self.sizes, self.pad], dim=-1)[:-1]
 
 
 def project(
@@ -60,26 +79,32 @@ def fuse_linears(linears: Sequence[nn.Linear], copy: bool = True) -> FusedLinear
     if biases[0] is not None and len({b.dtype for b in biases}) != 1:
         return None
     sizes = [w.shape[0] for w in weights]
-    weight = _adjacent(weights)
-    bias = None if biases[0] is None else _adjacent(biases)
+    pad = _padding(sum(sizes), first.element_size())
+    weight = _adjacent(weights, pad)
+    bias = None if biases[0] is None else _adjacent(biases, pad)
+    if weight is not None and bias is not None and bias.shape[0] != weight.shape[0]:
+        weight, bias = _adjacent(weights), _adjacent(biases)  # one mapped with its padding, one not
     if weight is None or (biases[0] is not None and bias is None):
         if not copy:
             return None
         with torch.no_grad():
-            weight = torch.cat([w.detach() for w in weights])  # [ΣN, K]
-            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        rows = weight.split(sizes)
-        for linear, w in zip(linears, rows, strict=True):
+            extra = first.new_zeros((pad, *first.shape[1:]))
+            weight = torch.cat([*(w.detach() for w in weights), extra])  # [ΣN + pad, K]
+            if biases[0] is not None:
+                bias = torch.cat([*(b.detach() for b in biases), biases[0].new_zeros(pad)])
+        rows = weight.split([*sizes, pad])
+        for linear, w in zip(linears, rows, strict=False):
             linear.weight = nn.Parameter(w, requires_grad=first.requires_grad)
         if bias is not None:
-            for linear, b in zip(linears, bias.split(sizes), strict=True):
+            for linear, b in zip(linears, bias.split([*sizes, pad]), strict=False):
                 linear.bias = nn.Parameter(b, requires_grad=first.requires_grad)
     return FusedLinears(weight, bias, sizes)
 
 
-def _adjacent(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def _adjacent(parts: Sequence[torch.Tensor], pad: int = 0) -> torch.Tensor | None:
     """The tensor of `parts` concatenated on dim 0 when they already lie back to back in one storage
-    (contiguous, each starting where the previous one ends), as a view; else None."""
+    (contiguous, each starting where the previous one ends), as a view, with the `pad` rows after them when
+    the storage holds them (a weight fused with its padding, mapped from another process); else None."""
     first = parts[0]
     base = first.untyped_storage().data_ptr()
     if first.device.type == "meta" or not all(
@@ -89,11 +114,15 @@ def _adjacent(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     for a, b in itertools.pairwise(parts):
         if a.data_ptr() + a.numel() * a.element_size() != b.data_ptr():
             return None
-    shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
-    stride = torch.empty(shape, device="meta").stride()  # contiguous (a 1-row part may carry any stride)
-    end = first.storage_offset() * first.element_size() + sum(p.numel() for p in parts) * first.element_size()
-    if end > first.untyped_storage().nbytes():
+    rows = sum(p.shape[0] for p in parts)
+    row_bytes = math.prod(first.shape[1:]) * first.element_size()
+    start, held = first.storage_offset() * first.element_size(), first.untyped_storage().nbytes()
+    if start + rows * row_bytes > held:
         return None
+    if start + (rows + pad) * row_bytes <= held:
+        rows += pad
+    shape = (rows, *first.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()  # contiguous (a 1-row part may carry any stride)
     view = torch.empty(0, dtype=first.dtype, device=first.device)
     view.set_(first.untyped_storage(), first.storage_offset(), shape, stride)
     return view.detach()

@@ -52,6 +52,28 @@ def test_adjacent_weights_are_viewed_not_copied() -> None:
     assert fuse_linears(_linears(False), copy=False) is None  # separate allocations: not without a copy
 
 
+@pytest.mark.parametrize(("dtype", "pad"), [(torch.bfloat16, 7), (torch.float32, 3)])
+def test_fused_outputs_are_padded_to_aligned_rows(dtype: torch.dtype, pad: int) -> None:
+    """17 output columns get the rows up to a 16-byte output row (24 in bf16, 20 in fp32), whose outputs
+    are dropped; a process that maps the padded weight views its padding too."""
+    linears = [*_linears(True), nn.Linear(16, 1)]
+    for linear in linears:
+        linear.to(dtype)
+    x = torch.randn(4, 16, dtype=dtype)
+    separate = [linear(x) for linear in linears]
+    fused = fuse_linears(linears)
+    assert fused is not None and fused.pad == pad
+    assert fused.weight.shape[0] == 17 + fused.pad and fused.bias.shape[0] == 17 + fused.pad
+    for got, want in zip(project(x, linears, fused), separate, strict=True):
+        torch.testing.assert_close(got, want)
+    mapped = [nn.Linear(16, linear.out_features, dtype=dtype) for linear in linears]
+    for m, linear in zip(mapped, linears, strict=True):
+        m.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        m.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+    again = fuse_linears(mapped, copy=False)
+    assert again is not None and again.pad == fused.pad and again.weight.data_ptr() == fused.weight.data_ptr()
+
+
 def test_mismatched_linears_are_not_fused() -> None:
     assert fuse_linears([nn.Linear(16, 4, bias=False), nn.Linear(8, 4, bias=False)]) is None
     assert fuse_linears([nn.Linear(16, 4, bias=False), nn.Linear(16, 4, bias=True)]) is None
@@ -84,14 +106,17 @@ def test_a_model_with_fused_projections_gives_the_same_logits(tmp_path: Path, ar
 
 def test_loading_fused_allocates_each_weight_once(tmp_path: Path) -> None:
     """Fused at load (the engine's way): the fused weights are allocated before the checkpoint fills them,
-    so the model's storages hold exactly its parameters' bytes, and it computes what the unfused one does."""
+    so the model's storages hold exactly its parameters' bytes (and the fused weights' alignment rows), and
+    it computes what the unfused one does."""
     from common.model.loader import load_model
     from common.model.qwen4_exp.gdn import GatedDeltaNet
 
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
     plain, fused = (load_model(path, dtype=torch.float32, fuse=f) for f in (False, True))
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in fused.parameters()}
-    assert sum(storages.values()) == sum(p.nbytes for p in fused.parameters())
+    groups = [m.fused_in for m in fused.modules() if getattr(m, "fused_in", None) is not None]
+    padding = sum(g.pad * g.weight[0].nbytes for g in groups)
+    assert sum(storages.values()) == sum(p.nbytes for p in fused.parameters()) + padding
     gdn = next(m for m in fused.modules() if isinstance(m, GatedDeltaNet))
     assert gdn.fused_in is not None and gdn.fused_in.weight.data_ptr() == gdn.in_proj_qkv.weight.data_ptr()
     for (name, a), b in zip(plain.state_dict().items(), fused.state_dict().values(), strict=True):
