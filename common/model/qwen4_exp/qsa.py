@@ -57,7 +57,8 @@ class QSAIndexer(nn.Module):
     """Scores compressed key blocks for each query and returns the key positions it may attend to."""
 
     fused_decode = False
-    """Norm and rotate the queries in one Triton kernel (opt-in: `common.kernels.use_fused_kernels`)."""
+    """Norm and rotate the queries in one Triton kernel, and score the blocks with Triton kernels (decode and
+    prefill; opt-in: `common.kernels.use_fused_kernels`)."""
 
     score_bytes = 256 << 20
     """Most bytes of per-head block scores at once (fp32 [queries, Hi, NB]): a long prefill scores its queries
@@ -128,6 +129,13 @@ class QSAIndexer(nn.Module):
         cos, sin = ctx.rotary.cos_sin(starts, pooled.dtype)
         blocks[batch.slots_of(seq, starts)] = apply_rotary(pooled[:, None], cos, sin)[:, 0].to(blocks.dtype)
 
+    def _scores(self, q: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, rows: int) -> None:
+        """out [T, NB] = Σ_heads relu(q_h · key) / √D of q [T, Hi, D] against keys [NB, D] (fp32), `rows`
+        queries at a time (their per-head scores [rows, Hi, NB] are the big buffer)."""
+        for a in range(0, q.shape[0], rows):
+            s = torch.einsum("thd,nd->thn", q[a : a + rows].float(), keys).relu_().sum(1)
+            out[a : a + rows] = s / math.sqrt(self.dim)
+
     def _select(self, q: torch.Tensor, batch: ForwardBatch, blocks: torch.Tensor) -> torch.Tensor:
         device, r = q.device, self.ratio
         visible = (batch.positions + 1) // r  # [T] complete blocks each query sees
@@ -148,11 +156,13 @@ class QSAIndexer(nn.Module):
             scores = torch.empty((q.shape[0], width), device=device)[:, :max_blocks]
             start, rows = 0, max(1, self.score_bytes // (4 * self.heads * max(max_blocks, 1)))
             for b, n in enumerate(batch.query_lens):  # per sequence: its queries against its own blocks
-                keys = blocks[batch.slots_of(b, block_pos)].float()  # [NB, Di]
-                for a in range(start, start + n, rows):  # query slices: [rows, Hi, NB] per-head scores
-                    end = min(a + rows, start + n)
-                    s = torch.einsum("thd,nd->thn", q[a:end].float(), keys).relu_().sum(1)
-                    scores[a:end] = s / math.sqrt(self.dim)
+                keys = blocks[batch.slots_of(b, block_pos)]  # [NB, Di]
+                if self.fused_decode:
+                    from common.kernels.qsa_indexer import prefill_block_scores  # Triton
+
+                    prefill_block_scores(q[start : start + n], keys, scores[start : start + n])
+                else:
+                    self._scores(q[start : start + n], keys.float(), scores[start : start + n], rows)
                 start += n
         scores.masked_fill_(block_pos[None, :] >= visible[:, None] * r, float("-inf"))
         k = min(self.block_topk, max_blocks)
