@@ -184,8 +184,9 @@ def _held_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
 
 
 def _linear_attention_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
-    """Gated DeltaNet layers (qwen4_exp): q/k repeated to the value heads, the fp32 core output, and the
-    chunked kernel's per-chunk fp32 states (one [Hv, Dk, Dv] per 64 tokens)."""
+    """Gated DeltaNet layers (qwen4_exp): q/k repeated to the value heads and the fp32 core output (the torch
+    path's; fla reads q/k as they are and returns the core in the model dtype, so this errs high on CUDA),
+    and the chunked kernel's per-chunk fp32 states (one [Hv, Dk, Dv] per 64 tokens)."""
     if "linear_attention" not in cfg.layer_types:
         return 0
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim

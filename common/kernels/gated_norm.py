@@ -16,13 +16,14 @@ ACTIVATIONS = ("silu", "swish")
 
 
 @triton.jit
-def _gated_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, dim, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)  # (token, head) flattened
+def _gated_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, dim, heads, gate_stride, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (token, head) flattened (T·H·D may pass 2³¹)
     i = tl.arange(0, BLOCK)
     live = i < dim
     x = tl.load(x_ptr + row * dim + i, mask=live, other=0.0).to(tl.float32)
     x = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-    gate = tl.load(gate_ptr + row * dim + i, mask=live, other=0.0).to(tl.float32)
+    at = (row // heads) * gate_stride + (row % heads) * dim  # the gate's rows may be strided (a split view)
+    gate = tl.load(gate_ptr + at + i, mask=live, other=0.0).to(tl.float32)
     gate = gate / (1.0 + tl.exp(-gate))  # SiLU
     w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * dim + i, (w * x * gate).to(out_ptr.dtype.element_ty), mask=live)
@@ -31,11 +32,14 @@ def _gated_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, dim, eps, BLOCK: tl.cons
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
 ) -> torch.Tensor:
-    """x [T, H, D] (any float dtype), gate [T, H·D] or [T, H, D], weight [D] → weight · RMSNorm(x) ·
-    SiLU(gate) [T, H·D] in `dtype`."""
+    """x [T, H, D] (any float dtype), gate [T, H·D] (its rows may be strided: a view of a fused projection's
+    output) or [T, H, D], weight [D] → weight · RMSNorm(x) · SiLU(gate) [T, H·D] in `dtype`."""
     t, heads, dim = x.shape
+    gate = gate.reshape(t, heads * dim)
+    if gate.stride(1) != 1:
+        gate = gate.contiguous()
     out = torch.empty((t, heads * dim), dtype=dtype, device=x.device)
     _gated_norm_kernel[(t * heads,)](
-        x.contiguous(), gate.contiguous(), weight, out, dim, eps, BLOCK=triton.next_power_of_2(dim)
+        x.contiguous(), gate, weight, out, dim, heads, gate.stride(0), eps, BLOCK=triton.next_power_of_2(dim)
     )  # fmt: skip
     return out

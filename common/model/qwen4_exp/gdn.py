@@ -109,14 +109,11 @@ class GatedDeltaNet(nn.Module):
         else:
             qkv = F.silu(causal_conv(qkv, state["conv"], slots, self.conv1d.weight[:, 0], pad))
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk)
+        q, k = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk)  # [T, Hk, Dk]
         v = v.view(t, self.hv, self.dv)
-        if self.hv != self.hk:  # each key head serves hv / hk consecutive value heads
-            q = q.repeat_interleave(self.hv // self.hk, dim=1)
-            k = k.repeat_interleave(self.hv // self.hk, dim=1)
         beta = torch.sigmoid(b)  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
-        core = self._delta_rule(q, k, v, g, beta, state["recurrent"], slots, pad, ctx)  # [T, Hv, Dv] fp32
+        core = self._delta_rule(q, k, v, g, beta, state["recurrent"], slots, pad, ctx)  # [T, Hv, Dv]
         return self._out(core, z, x.dtype)
 
     def _fused_step(
@@ -133,28 +130,35 @@ class GatedDeltaNet(nn.Module):
         projections; states updated in place in their slots."""
         from common.kernels.causal_conv import conv_step  # Triton
         from common.kernels.gated_delta import gated_delta_step
-        from common.kernels.gated_norm import ACTIVATIONS, gated_rms_norm
 
         qkv = conv_step(qkv, state["conv"], slots, self.conv1d.weight[:, 0], silu=True)
         core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
-        norm = self.norm
-        if norm.act_name not in ACTIVATIONS:
-            return self._out(core, z, x.dtype)
-        out = gated_rms_norm(core, z, norm.weight, norm.eps, x.dtype)
-        return self.out_proj(out)
+        return self._out(core, z, x.dtype)
 
     def _out(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm (gate z [T, Hv·Dv]) and out projection of the recurrence's output core [T, Hv, Dv]
-        fp32 → [T, H]."""
-        t = core.shape[0]
-        out = self.norm(core.to(dtype), z.reshape(t, self.hv, self.dv))
+        (fp32, or fla's output dtype) → [T, H]. With the fused kernels, the norm is one Triton kernel
+        (rounding once; torch rounds the normalised values to `dtype` before the weight): in torch a
+        prefill chunk's norm is ~10 passes over [T, Hv, Dv] in fp32, ~4 GB at 8,192 tokens."""
+        from common.kernels.gated_norm import ACTIVATIONS
+
+        t, norm = core.shape[0], self.norm
+        if self.fused_decode and norm.act_name in ACTIVATIONS:
+            from common.kernels.gated_norm import gated_rms_norm  # Triton
+
+            return self.out_proj(gated_rms_norm(core, z, norm.weight, norm.eps, dtype))
+        out = norm(core.to(dtype), z.reshape(t, self.hv, self.dv))
         return self.out_proj(out.reshape(t, self.value_dim))
 
     def _delta_rule(
         self, q, k, v, g, beta, recurrent, slots, pad: Padding, ctx: ForwardContext
     ) -> torch.Tensor:
-        if q.is_cuda and chunk_gated_delta_rule is not None:
+        """q, k [T, Hk, Dk], v [T, Hv, Dv] → the recurrence's output [T, Hv, Dv]."""
+        if q.is_cuda and chunk_gated_delta_rule is not None:  # fla maps value head h to key head h // (Hv/Hk)
             return self._fla(q, k, v, g, beta, recurrent, slots, pad, ctx)
+        if self.hv != self.hk:  # each key head serves hv / hk consecutive value heads
+            q = q.repeat_interleave(self.hv // self.hk, dim=1)
+            k = k.repeat_interleave(self.hv // self.hk, dim=1)
         if pad.max_len == 1:
             out, new = delta_rule.recurrent_step(q, k, v, g, beta, recurrent[slots])
             recurrent[slots] = new
@@ -186,4 +190,4 @@ class GatedDeltaNet(nn.Module):
             **host,
         )
         recurrent[slots] = new.float()
-        return out[0].float()
+        return out[0]  # in q's dtype: the norm reads it as it is
