@@ -477,6 +477,8 @@ def cap_worker(cfg: WorkerConfig, role: str) -> MemoryPlan | None:
     if cfg.vram_budget is None or torch.device(cfg.device).type != "cuda":
         return None
     plan = worker_plan(cfg)
+    if not plan.ok:  # decode refuses it with the numbers and what to change (`MemoryPlan.check`)
+        return plan
     if role == "prefill":
         use_expandable_segments()
     cap_allocator(plan.process_budget(role), cfg.device)
