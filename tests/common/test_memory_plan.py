@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from common.memory_plan import (
     parse_size,
     plan_for_dir,
     plan_memory,
+    use_expandable_segments,
 )
 from common.model.hf_config import parse_architecture
 from common.model.loader import load_model
@@ -231,6 +233,20 @@ def test_serve_workers_split_the_budget() -> None:
     assert "allocator caps: decode" in format_plan(serve)
     with pytest.raises(ValueError, match="no process"):
         serve.process_budget("router")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the allocator setting itself: tests/gpu")
+def test_expandable_segments_join_the_allocator_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Added to what PYTORCH_CUDA_ALLOC_CONF already says; an explicit choice of segments is kept."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    use_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
 # -- against the real allocations (the tiny models) ---------------------------------------------------------
