@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from common.kv.state import SequenceState
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -61,6 +64,14 @@ class ForwardBatch:
     @property
     def kv_lens(self) -> list[int]:
         return [c + q for c, q in zip(self.cache_lens, self.query_lens, strict=True)]
+
+    def per_pass(self, key: str, build: Callable[[], T]) -> T:
+        """What every layer of this pass derives alike from the batch (paddings, a kernel's varlen
+        arguments): `build()` the first time a layer asks for `key`, the same object after."""
+        memo = self.__dict__.setdefault("_per_pass", {})
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]
 
     def last_token_index(self) -> torch.Tensor:
         """[B] index into [T] of each sequence's last token."""

@@ -32,17 +32,18 @@ def _fla_varlen(batch: ForwardBatch, device: torch.device) -> dict[str, torch.Te
     `chunk_indices` [chunks, 2] (sequence, chunk within it) made on the device from Python ints. Given
     neither, fla reads the lengths back from the device; given only the first, it builds the chunk list on
     the host and copies it over with a blocking copy — a host sync in every GDN layer either way."""
-    cached = batch.__dict__.get("_fla_varlen")
-    if cached is None:
-        pieces = []
-        for b, n in enumerate(batch.query_lens):
-            chunk = torch.arange(-(-n // FLA_CHUNK), device=device)
-            pieces.append(torch.stack([torch.full_like(chunk, b), chunk], dim=1))
-        cached = batch.__dict__["_fla_varlen"] = {
-            "cu_seqlens_cpu": torch.tensor([0, *itertools.accumulate(batch.query_lens)]),
-            "chunk_indices": torch.cat(pieces),
-        }
-    return cached
+    return batch.per_pass("fla_varlen", lambda: _build_fla_varlen(batch.query_lens, device))
+
+
+def _build_fla_varlen(lens: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    pieces = []
+    for b, n in enumerate(lens):
+        chunk = torch.arange(-(-n // FLA_CHUNK), device=device)
+        pieces.append(torch.stack([torch.full_like(chunk, b), chunk], dim=1))
+    return {
+        "cu_seqlens_cpu": torch.tensor([0, *itertools.accumulate(lens)]),
+        "chunk_indices": torch.cat(pieces),
+    }
 
 
 class GatedDeltaNet(nn.Module):
@@ -140,13 +141,12 @@ class GatedDeltaNet(nn.Module):
         (fp32, or fla's output dtype) → [T, H]. With the fused kernels, the norm is one Triton kernel
         (rounding once; torch rounds the normalised values to `dtype` before the weight): in torch a
         prefill chunk's norm is ~10 passes over [T, Hv, Dv] in fp32, ~4 GB at 8,192 tokens."""
-        from common.kernels.gated_norm import ACTIVATIONS
-
         t, norm = core.shape[0], self.norm
-        if self.fused_decode and norm.act_name in ACTIVATIONS:
-            from common.kernels.gated_norm import gated_rms_norm  # Triton
+        if self.fused_decode:
+            from common.kernels.gated_norm import ACTIVATIONS, gated_rms_norm  # Triton
 
-            return self.out_proj(gated_rms_norm(core, z, norm.weight, norm.eps, dtype))
+            if norm.act_name in ACTIVATIONS:
+                return self.out_proj(gated_rms_norm(core, z, norm.weight, norm.eps, dtype))
         out = norm(core.to(dtype), z.reshape(t, self.hv, self.dv))
         return self.out_proj(out.reshape(t, self.value_dim))
 

@@ -37,10 +37,7 @@ def _block_ends(batch: ForwardBatch, r: int, device: torch.device) -> torch.Tens
     """[M] indices of the batch's tokens that end a block of r positions (position % r == r − 1), from the
     host's lengths (a `nonzero` over the positions would wait for the GPU); None when there are none. Once
     per pass: every QSA layer asks."""
-    key = f"_block_ends_{r}"
-    if key not in batch.__dict__:
-        batch.__dict__[key] = _find_block_ends(batch, r, device)
-    return batch.__dict__[key]
+    return batch.per_pass(f"block_ends_{r}", lambda: _find_block_ends(batch, r, device))
 
 
 def _find_block_ends(batch: ForwardBatch, r: int, device: torch.device) -> torch.Tensor | None:

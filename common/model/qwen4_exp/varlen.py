@@ -21,10 +21,7 @@ class Padding:
     @classmethod
     def of(cls, batch: ForwardBatch) -> Padding:
         """The batch's padding, computed once per forward pass and shared by every layer."""
-        cached = batch.__dict__.get("_padding")
-        if cached is None:
-            cached = batch.__dict__["_padding"] = cls._build(batch)
-        return cached
+        return batch.per_pass("padding", lambda: cls._build(batch))
 
     @classmethod
     def _build(cls, batch: ForwardBatch) -> Padding:
