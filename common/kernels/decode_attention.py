@@ -172,7 +172,7 @@ def paged_decode_attention(
     splits: int | None = None,
     block_n: int = 32,
     table_rows: torch.Tensor | None = None,
-    pipelined: bool = False,
+    pipelined: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -185,9 +185,10 @@ def paged_decode_attention(
     `table_rows`): many tokens give one split each, written straight to the output (no merge).
     `pipelined`: each program runs a fixed count of blocks (those of `keys`, not of its power-of-two
     bound), a loop without branches that Triton software-pipelines in `num_stages`; the default loop runs
-    the bound's blocks and skips those past the limit, which keeps it from pipelining. Meant for sparse
-    passes (a selection is as wide as its keys); `num_warps` per program. bench/qsa_prefill_tune.py sweeps
-    them."""
+    the bound's blocks and skips those past the limit, which keeps it from pipelining. Default: pipelined
+    for sparse passes (a selection is as wide as its keys: 2,052 keys of a 4,096 bound at flashnext's
+    shape), where bench/qsa_prefill_tune.py measured 9.5 ms against 12.1 (H200, 4 warps, 2 stages, 32 keys
+    a block: its best); the branching loop otherwise. `num_warps` per program."""
     t, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     assert dim >= 16 and dim & (dim - 1) == 0, f"head dim {dim}: a power of two ≥ 16 (tl.dot)"
@@ -195,6 +196,7 @@ def paged_decode_attention(
     assert heads % kv_heads == 0, f"{heads} query heads over {kv_heads} KV heads"
     group = heads // kv_heads
     keys = selected.shape[1] if selected is not None else max_keys
+    pipelined = selected is not None if pipelined is None else pipelined
     bound = max(triton.next_power_of_2(keys), block_n)  # compiled per power of two of the key bound
     splits = _num_splits(t, kv_heads, bound, block_n, splits)
     # the pipelined loop runs every block it is given, so it gets the keys' blocks, not the bound's
