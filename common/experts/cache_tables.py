@@ -311,27 +311,33 @@ class CacheTables:
         self.reuse[layer].mul_(d).add_(again)
         previous.copy_(requested)
 
-    observe_slice = 1024
-    """Tokens `observe` counts at once (bounds its [tokens, E] temporaries to a few MB)."""
-
     def observe(self, layer: int, ids: torch.Tensor) -> None:
         """Prefill: add the tokens of a prompt pass — `ids` [T, k], the layer's expert choices in token order
-        — to the layer's request statistics as T steps, each counted once (no decay among them, so a
-        prompt's passes add up to the same whatever its chunking; decode's steps then decay them as their
-        own), without touching slots, recency or decode's previous step. The prompt's routing is the best
-        estimate of its continuation's: decode starts with rates counted over the prompt instead of from
-        nothing (`python -m bench.prompt_seeding`). A token's previous step is the token observed before it
-        in the layer (`observed`: the previous pass's last, across prompts too)."""
-        e = self.num_experts
-        for start in range(0, ids.shape[0], self.observe_slice):
-            chunk = ids[start : start + self.observe_slice]
-            now = torch.zeros(chunk.shape[0], e, dtype=torch.bool, device=self.device)
-            now.scatter_(1, chunk, True)  # [t, E]
-            before = torch.cat([self.observed[layer, None], now[:-1]])  # [t, E] each token's previous
-            self.freq[layer].add_((now & ~before).sum(0))
-            self.absent[layer].add_((~before).sum(0))
-            self.reuse[layer].add_(torch.stack([(now & before).sum(), before.sum()]))
-            self.observed[layer].copy_(now[-1])
+        (distinct in a row, as top-k's are) — to the layer's request statistics as T steps, each counted once
+        (no decay among them, so a prompt's passes add up to the same whatever its chunking; decode's steps
+        then decay them as their own), without touching slots, recency or decode's previous step. The
+        prompt's routing is the best estimate of its continuation's: decode starts with rates counted over
+        the prompt instead of from nothing (`python -m bench.prompt_seeding`). A token's previous step is the
+        token observed before it in the layer (`observed`: the previous pass's last, across prompts too).
+
+        Counted from the ids, not from [T, E] masks: a token's repeats are its choices among the previous
+        token's ([T, k, k] compares), an expert's requests a scatter-add; ~12 launches a pass, where masks
+        took ~12 a slice of 1,024 tokens (prefill-25k: ~14,000 small kernels, ~50 ms of GPU)."""
+        if ids.shape[0] == 0:
+            return
+        ids = ids.long()  # index_fill's indices
+        (t, k), flat = ids.shape, ids.flatten()
+        observed = self.observed[layer]
+        repeat = torch.cat([observed[ids[:1]], (ids[1:, :, None] == ids[:-1, None, :]).any(-1)])  # [T, k]
+        zeros = torch.zeros_like(self.freq[layer])  # [E]
+        requests = zeros.index_add(0, flat, torch.ones_like(flat, dtype=zeros.dtype))
+        repeats = zeros.index_add(0, flat, repeat.flatten().to(zeros.dtype))
+        last = zeros.index_fill(0, ids[-1], 1.0)  # [E] the pass's last token
+        self.freq[layer].add_(requests - repeats)
+        self.absent[layer].add_(t - (requests - last + observed.float()))  # tokens whose previous lacked e
+        before = observed.sum() + (t - 1) * k  # Σ |previous| over the pass's tokens
+        self.reuse[layer].add_(torch.stack([repeat.sum(), before]).float())
+        observed.zero_().index_fill_(0, ids[-1], True)
 
     def statistics(self) -> torch.Tensor:
         """The request statistics as one fp32 tensor [L, 2E + 2]: freq, absent, reuse (what `add_statistics`
