@@ -50,12 +50,7 @@ class HyperConnection(nn.Module):
 
     def _mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """mix(streams), and the inject logits [T, hc] when there is an inject weight."""
-        if self.fused_decode:
-            from common.kernels.hyper import hc_norm  # Triton
-
-            normed = hc_norm(streams, self.hc_norm.weight, self.hc_norm.eps, self.hc)
-        else:
-            normed = self.hc_norm(streams)
+        normed = self.hc_norm.fused(streams) if self.fused_decode else self.hc_norm(streams)
         down, *inject = project(normed, self._inputs(), self.fused_in)
         logits = inject[0] if inject else None
         up = self.input_mix_weight_up(F.silu(down / self.hc))  # [T, hc·H]

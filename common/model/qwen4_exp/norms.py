@@ -25,6 +25,13 @@ class OffsetRMSNorm(nn.Module):
             x32 = x32.flatten(-2)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x) of a grouped norm, x [T, groups·group], in one Triton kernel (a group a program): torch
+        makes ~8 fp32 passes over x."""
+        from common.kernels.hyper import hc_norm  # Triton
+
+        return hc_norm(x, self.weight, self.eps, x.shape[-1] // self.group)
+
 
 class GatedRMSNorm(nn.Module):
     """weight · RMSNorm(x) · act(gate): the output norm of the linear-attention layers (weight used as is)."""

@@ -73,14 +73,16 @@ class PLE(nn.Module):
     def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """What PLE adds to the streams [T, hc·H]."""
         emb = self.table.lookup(self._hash(ctx), streams.dtype).flatten(-2)  # [T, E]
-        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc, self.hidden))  # [T, hc, H]
-        query = self.norm_query(streams).unflatten(-1, (self.hc, self.hidden))
+        split = (self.hc, self.hidden)
+        key = self._norm(self.norm_key, self.key_proj(emb)).unflatten(-1, split)  # [T, hc, H]
+        query = self._norm(self.norm_query, streams).unflatten(-1, split)
         gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)  # [T, hc, 1]
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gated = (torch.sigmoid(gate) * self.value_proj(emb)[:, None, :]).flatten(-2)  # [T, hc·H]
         state = ctx.pool.layer(self.layer_idx).slots
         pad = Padding.of(ctx.batch)
-        conv_in, history, weight = self.norm_conv(gated), state["ple_conv"], self.conv1d.weight[:, 0]
+        conv_in, history = self._norm(self.norm_conv, gated), state["ple_conv"]
+        weight = self.conv1d.weight[:, 0]
         slots = ctx.batch.slot_ids
         if self.fused_decode and pad.max_len > 1:  # prefill passes (decode steps: as measured, in torch)
             from common.kernels.causal_conv import conv_prefill  # Triton
@@ -90,6 +92,9 @@ class PLE(nn.Module):
             )
             return gated + conv
         return gated + F.silu(causal_conv(conv_in, history, slots, weight, pad, self.dilation))
+
+    def _norm(self, norm: OffsetRMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm.fused(x) if self.fused_decode else norm(x)
 
     def _hash(self, ctx: ForwardContext) -> torch.Tensor:
         """Table rows [T, heads] of this pass's tokens; advances each sequence's n-gram context."""
