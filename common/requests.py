@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.hostmem import host_list_to
 from common.kv.state import SequenceState
 from common.sampling import SamplingParams, sample
 
@@ -31,7 +32,7 @@ def sample_next(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
     device = logits.device
 
     def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return host_list_to(values, device, dtype)
 
     return sample(
         logits,

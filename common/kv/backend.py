@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from common.hostmem import host_list_to
 from common.kv.batch import ForwardBatch
 from common.kv.fp8 import dequantize, is_fp8, quantize
 from common.kv.state import LayerState, PagedSpec
@@ -108,8 +109,8 @@ class TorchPagedBackend(AttentionBackend):
             k_max, k_lens = batch.static_kv, batch.positions + 1
         else:
             q_max, k_max = max(batch.query_lens), max(batch.kv_lens)
-            q_lens = torch.tensor(batch.query_lens, device=device)
-            k_lens = torch.tensor(batch.kv_lens, device=device)
+            q_lens = host_list_to(batch.query_lens, device)
+            k_lens = host_list_to(batch.kv_lens, device)
             starts = q_lens.cumsum(0) - q_lens
             rows = torch.arange(q_max, device=device)
             q_valid = rows[None, :] < q_lens[:, None]

@@ -8,6 +8,7 @@ from typing import TypeVar
 
 import torch
 
+from common.hostmem import host_list_to
 from common.kv.state import SequenceState
 
 T = TypeVar("T")
@@ -75,7 +76,7 @@ class ForwardBatch:
 
     def last_token_index(self) -> torch.Tensor:
         """[B] index into [T] of each sequence's last token."""
-        ends = torch.tensor(self.query_lens, device=self.input_ids.device).cumsum(0)
+        ends = host_list_to(self.query_lens, self.input_ids.device).cumsum(0)
         return ends - 1
 
     @classmethod
@@ -95,7 +96,7 @@ class ForwardBatch:
         table = [s.pages + [0] * (max_pages - len(s.pages)) for s in seqs]
 
         def tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return host_list_to(values, device)
 
         slot_mapping = [
             s.pages[p // page_size] * page_size + p % page_size

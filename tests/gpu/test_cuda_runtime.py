@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common.engine import Engine
+from common.hostmem import host_list_to
 from common.model.synthetic import make_model
 from common.sampling import SamplingParams
 
@@ -121,3 +122,18 @@ def test_serve_workers_cap_their_part_of_the_budget(tmp_path: Path) -> None:
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == [str(expandable), "capped"], role
+
+
+def test_host_list_to_copies_without_waiting_for_the_stream() -> None:
+    """A host list reaches the GPU through pinned memory, asynchronously: no host wait for queued work, the
+    values and dtype as given."""
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            busy = busy @ busy / 64  # queued work a pageable copy would wait for
+        got = host_list_to([3, 1, 4], "cuda", torch.int32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.dtype == torch.int32 and got.tolist() == [3, 1, 4]

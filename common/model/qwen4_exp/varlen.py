@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.hostmem import host_list_to
 from common.kv.batch import ForwardBatch
 
 
@@ -29,7 +30,7 @@ class Padding:
         if batch.is_decode:  # one token per sequence; built from no host list, so a graph can record it
             ones = torch.ones_like(batch.seq_index)
             return cls(batch.seq_index, torch.zeros_like(batch.seq_index), ones, 1)
-        lens = torch.tensor(batch.query_lens, device=device)
+        lens = host_list_to(batch.query_lens, device)
         starts = lens.cumsum(0) - lens
         offset = torch.arange(batch.input_ids.shape[0], device=device) - starts[batch.seq_index]
         return cls(batch.seq_index, offset, lens, max(batch.query_lens))
