@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -79,8 +81,9 @@ def conv_step(
 
 @triton.jit
 def _conv_prefill_kernel(
-    x_ptr, hist_ptr, slots_ptr, seq_ptr, offset_ptr, w_ptr, out_ptr, tokens, channels, width,
-    K: tl.constexpr, DILATION: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr,
+    x_ptr, hist_ptr, slots_ptr, seq_ptr, offset_ptr, w_ptr, out_ptr, tokens, channels, width, x_stride,
+    hist_stride, K: tl.constexpr, DILATION: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    SILU: tl.constexpr,
 ):  # fmt: skip
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)  # [BT] flat tokens (T·C may pass 2³¹)
     c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC]
@@ -93,8 +96,8 @@ def _conv_prefill_kernel(
         back = (K - 1 - j) * DILATION
         rel = offset - back  # [BT] where tap j's input lies in the pass (< 0: in the history)
         in_x = (rel >= 0)[:, None]
-        xv = tl.load(x_ptr + (t - back)[:, None] * channels + c[None, :], mask=live & in_x, other=0.0)
-        at = (slot[:, None] * channels + c[None, :]) * width + (width + rel)[:, None]
+        xv = tl.load(x_ptr + (t - back)[:, None] * x_stride + c[None, :], mask=live & in_x, other=0.0)
+        at = slot[:, None] * hist_stride + c[None, :] * width + (width + rel)[:, None]
         hv = tl.load(hist_ptr + at, mask=live & ~in_x, other=0.0)
         tap = xv.to(tl.float32) + hv.to(tl.float32)  # one of the two is 0
         acc += tap * tl.load(w_ptr + c * K + j, mask=live_c, other=0.0).to(tl.float32)[None, :]
@@ -113,25 +116,40 @@ def conv_prefill(
     lens: torch.Tensor,
     dilation: int = 1,
     silu: bool = False,
-) -> torch.Tensor:
+    split: Sequence[int] | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
     """x [T, C] flat (sequence b's tokens consecutive; token t of batch sequence seq[t] at index offset[t]
-    of its pass, lens [B] tokens a sequence), history [S, C, W] (W = (K−1)·dilation, sequence b's at
-    slots[b], updated in place to the W inputs ending at its last token), weight [C, K] → conv output
-    [T, C] in x's dtype (SiLU'd with `silu`)."""
+    of its pass, lens [B] tokens a sequence; its rows may be strided: a view of a fused projection's
+    output, read in place), history [S, C, W] (W = (K−1)·dilation, sequence b's at slots[b], updated in
+    place to the W inputs ending at its last token), weight [C, K] → conv output [T, C] in x's dtype
+    (SiLU'd with `silu`). `split`: channel counts; the output as one contiguous [T, n] per group instead
+    (GDN's q, k and v, which fla copies to contiguous memory otherwise)."""
     tokens, channels = x.shape
     kernel, width = weight.shape[1], _history_width(history, weight, dilation)
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    bt, bc = 32, 128
-    _conv_prefill_kernel[(triton.cdiv(tokens, bt), triton.cdiv(channels, bc))](
-        x, history, slots, seq, offset, weight.contiguous(), out, tokens, channels, width,
-        K=kernel, DILATION=dilation, BT=bt, BC=bc, SILU=silu,
-    )  # fmt: skip
+    assert x.stride(1) == 1 and history.stride(2) == 1 and history.stride(1) == width, "row-major x, history"
+    outs, start = [], 0
+    for n in split or (channels,):
+        out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+        bt, bc = 32, 128
+        _conv_prefill_kernel[(triton.cdiv(tokens, bt), triton.cdiv(n, bc))](
+            x[:, start:], history[:, start:], slots, seq, offset, weight[start:].contiguous(), out, tokens,
+            n, width, x.stride(0), history.stride(0), K=kernel, DILATION=dilation, BT=bt, BC=bc, SILU=silu,
+        )  # fmt: skip
+        outs.append(out)
+        start += n
+    assert start == channels, f"split {split} does not cover {channels} channels"
+    _keep_history(x, history, slots, lens, width)
+    return outs if split is not None else outs[0]
+
+
+def _keep_history(
+    x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, width: int
+) -> None:
+    """Each sequence's history [C, W] ← the W inputs ending at its last token of the pass x [T, C]."""
     # new history entry i: the input at rel = lens − W + i of the pass, or (rel < 0) old entry W + rel
     rel = lens[:, None] - width + torch.arange(width, device=x.device)  # [B, W]
     starts = lens.cumsum(0) - lens
     from_x = x[starts[:, None] + rel.clamp(min=0)].transpose(1, 2)  # [B, C, W]
     old = history[slots]  # [B, C, W]
-    from_old = old.gather(2, (width + rel).clamp(max=width - 1)[:, None, :].expand(-1, channels, -1))
+    from_old = old.gather(2, (width + rel).clamp(max=width - 1)[:, None, :].expand(-1, x.shape[1], -1))
     history[slots] = torch.where((rel >= 0)[:, None, :], from_x.to(history.dtype), from_old)
-    return out

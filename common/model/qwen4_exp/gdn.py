@@ -100,16 +100,17 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = project(x, self._inputs(), self.fused_in)  # [T, conv_dim], [T, Hv·Dv], [T, Hv] × 2
         if self.fused_decode and pad.max_len == 1:
             return self._fused_step(x, qkv, z, b, a, state, slots)
-        t = x.shape[0]
-        if self.fused_decode:
+        t, split = x.shape[0], [self.key_dim, self.key_dim, self.value_dim]
+        if self.fused_decode:  # q, k, v each contiguous, as fla wants them; qkv read in place
             from common.kernels.causal_conv import conv_prefill  # Triton
 
-            qkv = conv_prefill(
-                qkv, state["conv"], slots, self.conv1d.weight[:, 0], pad.seq, pad.offset, pad.lens, silu=True
+            weight = self.conv1d.weight[:, 0]
+            q, k, v = conv_prefill(
+                qkv, state["conv"], slots, weight, pad.seq, pad.offset, pad.lens, 1, True, split
             )
         else:
             qkv = F.silu(causal_conv(qkv, state["conv"], slots, self.conv1d.weight[:, 0], pad))
-        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q, k, v = torch.split(qkv, split, dim=-1)
         q, k = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk)  # [T, Hk, Dk]
         v = v.view(t, self.hv, self.dv)
         beta = torch.sigmoid(b)  # [T, Hv]

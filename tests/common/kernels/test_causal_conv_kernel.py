@@ -37,13 +37,19 @@ def test_conv_step_matches_causal_conv(kernel: int, dilation: int, silu: bool) -
     assert torch.equal(got_history.cpu(), want_history)
 
 
-@pytest.mark.parametrize(("kernel", "dilation", "silu"), [(4, 1, True), (4, 3, False), (2, 1, False)])
-def test_conv_prefill_matches_causal_conv(kernel: int, dilation: int, silu: bool) -> None:
+@pytest.mark.parametrize(
+    ("kernel", "dilation", "silu", "split"),
+    [(4, 1, True, None), (4, 3, False, None), (2, 1, False, None), (4, 1, True, [40, 40, 120])],
+)
+def test_conv_prefill_matches_causal_conv(kernel: int, dilation: int, silu: bool, split: list | None) -> None:
+    """With `split`, x is a strided view (columns of a wider projection, as GDN's) and the output comes
+    as contiguous groups of channels."""
     from common.kernels.causal_conv import conv_prefill
 
     gen = torch.Generator().manual_seed(10 + kernel * dilation)
     channels, slots_total, lens = 200, 6, [1, 37, 5, 2]  # 1 and 2 tokens: less than a history of 3 or 6
-    x = torch.randn(sum(lens), channels, generator=gen)
+    wide = torch.randn(sum(lens), channels + 24, generator=gen)
+    x = wide[:, 8 : 8 + channels] if split else wide[:, :channels].contiguous()
     history = torch.randn(slots_total, channels, (kernel - 1) * dilation, generator=gen)
     weight = torch.randn(channels, kernel, generator=gen)
     cached, slots = [4, 0, 9, 3], [5, 0, 2, 3]
@@ -56,9 +62,13 @@ def test_conv_prefill_matches_causal_conv(kernel: int, dilation: int, silu: bool
 
     got_history = history.to(DEVICE)
     on = {name: t.to(DEVICE) for name, t in (("seq", pad.seq), ("offset", pad.offset), ("lens", pad.lens))}
+    x_on = wide.to(DEVICE)[:, 8 : 8 + channels] if split else x.to(DEVICE)
     got = conv_prefill(
-        x.to(DEVICE), got_history, batch.slot_ids.to(DEVICE), weight.to(DEVICE), **on, dilation=dilation,
-        silu=silu,
+        x_on, got_history, batch.slot_ids.to(DEVICE), weight.to(DEVICE), **on, dilation=dilation,
+        silu=silu, split=split,
     )  # fmt: skip
+    if split:
+        assert [g.shape[1] for g in got] == split and all(g.is_contiguous() for g in got)
+        got = torch.cat(got, dim=1)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_history.cpu(), want_history)
