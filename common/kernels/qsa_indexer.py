@@ -6,6 +6,10 @@
   halves, scatter); here program t does it, computing cos/sin from the rotary's inverse frequencies.
 - `block_scores`: every query's score for each complete block it sees, Σ_heads relu(q_h · key) / √D, −inf for
   the blocks it does not see (torch: gather [T, NB, D] keys, einsum, relu, sum, mask: ~12 kernels).
+- `select_blocks`: the keys each query attends to, from its scores: the top-k blocks' keys and its own
+  incomplete block's. torch's top-k sorts (a radix sort and a gather, ~34 µs a QSA layer on an H200 in the
+  all-fit decode profile) and ~8 small kernels expand and mask; here program t finds the k-th largest score
+  by bisection on its bits, all in registers (up to SELECT_MAX_BLOCKS blocks).
 
 And on a prefill pass, `prefill_block_scores`: one sequence's queries against its block keys, tiled (a tile of
 queries × a tile of blocks a program, the heads' products summed in registers), so only the [T, NB] scores
@@ -150,3 +154,58 @@ def prefill_block_scores(q: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,
         q.contiguous(), keys.contiguous(), out, t, keys.shape[0], out.stride(0), math.sqrt(dim),
         HEADS=heads, D=dim, BM=block, BN=block, PRECISION=precision,
     )  # fmt: skip
+
+
+SELECT_MAX_BLOCKS = 4096
+"""Blocks `select_blocks` holds in one program's registers (a 16K context at 4 tokens a block)."""
+
+
+@triton.jit
+def _select_kernel(
+    scores_ptr, pos_ptr, out_ptr, num_blocks, width, K: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    i = tl.arange(0, BN)
+    pos = tl.load(pos_ptr + t)
+    visible = (pos + 1) // R
+    seen = (i < num_blocks) & (i < visible)
+    score = tl.load(scores_ptr + t * num_blocks + i, mask=seen, other=float("-inf"))
+    live = score > float("-inf")
+    bits = score.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # ordered as the floats
+    lo, hi = tl.full([], -(2**31), tl.int64), tl.full([], 2**31 - 1, tl.int64)
+    for _ in tl.static_range(33):  # the largest threshold with K live keys at or above it
+        mid = (lo + hi + 1) // 2
+        enough = tl.sum((live & (key >= mid)).to(tl.int32), axis=0) >= K
+        lo, hi = tl.where(enough, mid, lo), tl.where(enough, hi, mid - 1)
+    above = live & (key > lo)
+    tie = live & (key == lo)
+    room = K - tl.sum(above.to(tl.int32), axis=0)  # ties taken lowest block first
+    chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= room))
+    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [BN] each chosen block's place in the output
+    r = tl.arange(0, R)
+    row = out_ptr + t * width
+    keys = ((i * R)[:, None] + r[None, :]).to(tl.int64)  # [BN, R] each block's key positions
+    tl.store(row + (slot * R)[:, None] + r[None, :], keys, mask=chosen[:, None])
+    count = tl.sum(chosen.to(tl.int32), axis=0)
+    j = tl.arange(0, BK)
+    tl.store(row + j, tl.full((BK,), -1, tl.int64), mask=(j >= count * R) & (j < K * R))
+    own = visible * R + r  # the query's incomplete block: its keys up to the query
+    tl.store(row + K * R + r, tl.where(own <= pos, own, -1), mask=r < R - 1)
+
+
+def select_blocks(scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio: int) -> torch.Tensor:
+    """scores [T, NB] fp32 (−inf: unseen; NB ≤ SELECT_MAX_BLOCKS), positions [T] → key positions [T,
+    k·ratio + ratio − 1] int64 (k = min(topk, NB)): the keys of the k best-scoring blocks a query sees, in
+    block order, then those of its incomplete block up to itself; −1 pads. The same keys as top-k's
+    (`QSAIndexer._select`), ties between scores broken towards the lower block."""
+    t, num_blocks = scores.shape
+    assert num_blocks <= SELECT_MAX_BLOCKS and ratio & (ratio - 1) == 0, (num_blocks, ratio)
+    k = min(topk, num_blocks)
+    out = torch.empty((t, k * ratio + ratio - 1), dtype=torch.int64, device=scores.device)
+    _select_kernel[(t,)](
+        scores.contiguous(), positions, out, num_blocks, out.shape[1], K=k, R=ratio,
+        BN=triton.next_power_of_2(max(num_blocks, 2)), BK=triton.next_power_of_2(k * ratio),
+    )  # fmt: skip
+    return out

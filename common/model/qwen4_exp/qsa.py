@@ -140,11 +140,13 @@ class QSAIndexer(nn.Module):
         max_blocks = bound // r
         block_pos = torch.arange(max_blocks, device=device) * r  # [NB] start position of each block
         if batch.is_decode and self.fused_decode:
-            from common.kernels.qsa_indexer import block_scores  # Triton: masks unseen blocks itself
+            from common.kernels.qsa_indexer import SELECT_MAX_BLOCKS, block_scores, select_blocks  # Triton
 
-            scores = block_scores(
+            scores = block_scores(  # masks unseen blocks itself
                 q, blocks, batch.page_table, batch.positions, batch.page_size, r, max_blocks
             )
+            if max_blocks <= SELECT_MAX_BLOCKS:  # top-k and expansion in one kernel, no sort
+                return select_blocks(scores, batch.positions, self.block_topk, r)
         elif batch.is_decode:  # one query per sequence: every query against its own blocks at once
             keys = blocks[batch.slots_of(batch.seq_index[:, None], block_pos[None, :])].float()  # [T, NB, Di]
             scores = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys)).sum(1) / math.sqrt(self.dim)
@@ -163,7 +165,10 @@ class QSAIndexer(nn.Module):
                 start += n
         scores.masked_fill_(block_pos[None, :] >= visible[:, None] * r, float("-inf"))
         k = min(self.block_topk, max_blocks)
-        top_scores, top_blocks = scores.topk(k, dim=-1)  # [T, k]
+        if batch.is_decode:  # ties (ReLU'd scores at 0) to the lower block, as select_blocks breaks them
+            top_scores, top_blocks = (x[:, :k] for x in scores.sort(dim=-1, descending=True, stable=True))
+        else:
+            top_scores, top_blocks = scores.topk(k, dim=-1)  # [T, k]
         offsets = torch.arange(r, device=device)
         chosen = torch.where(top_scores[..., None] > float("-inf"), top_blocks[..., None] * r + offsets, -1)
         tail = visible[:, None] * r + offsets[: r - 1]  # [T, r-1] the query's incomplete block

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from common.kv.batch import ForwardBatch
@@ -17,7 +18,18 @@ from common.runner import ModelRunner
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_fused_indexer_matches_torch(tmp_path: Path) -> None:
+def test_fused_indexer_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused decode path (block keys, scores, selection) against torch's: the same block keys written
+    and the same keys selected up to ties (ReLU'd scores tie at 0; both paths take the lower block, but
+    the scores may differ in their last bits): the chosen blocks' scores agree, and the incomplete
+    block's keys."""
+    from common.kernels import qsa_indexer
+
+    seen = []
+    select = qsa_indexer.select_blocks
+    monkeypatch.setattr(
+        qsa_indexer, "select_blocks", lambda scores, *a: seen.append(scores) or select(scores, *a)
+    )
     sparse = {"indexer_budget": 8, "indexer_compress_ratio": 4}
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=sparse)
     model = load_model(path, dtype=torch.float32, device=DEVICE)
@@ -45,7 +57,11 @@ def test_fused_indexer_matches_torch(tmp_path: Path) -> None:
             t.copy_(saved[name])
     (want_sel, want_blocks), (got_sel, got_blocks) = results
     torch.testing.assert_close(got_blocks, want_blocks, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got_sel.sort(1).values, want_sel.sort(1).values)  # the same keys (order aside)
+    (scores,), r = seen, indexer.ratio
+    assert got_sel.shape == want_sel.shape and torch.equal(got_sel[:, -(r - 1) :], want_sel[:, -(r - 1) :])
+    for got_row, want_row, row_scores in zip(got_sel, want_sel, scores, strict=True):
+        blocks = [row[: -(r - 1)][row[: -(r - 1)] >= 0][::r] // r for row in (got_row, want_row)]
+        torch.testing.assert_close(row_scores[blocks[0]].sort().values, row_scores[blocks[1]].sort().values)
 
 
 def test_prefill_block_scores_match_torch() -> None:
@@ -89,3 +105,31 @@ def test_fused_prefill_selection_matches_torch(tmp_path: Path) -> None:
     want, got = selections
     assert want is not None and got is not None
     assert torch.equal(got.sort(1).values, want.sort(1).values)
+
+
+def test_select_blocks_chooses_top_k_keys() -> None:
+    """The select kernel against torch's top-k and expansion (QSAIndexer._select's torch ops): the same keys
+    (order aside) for queries that see no block, fewer blocks than k, and many; with ties at the threshold
+    (the lower blocks win) and with k above the block count."""
+    from common.kernels.qsa_indexer import select_blocks
+
+    gen = torch.Generator().manual_seed(3)
+    r, num_blocks = 4, 300
+    positions = torch.tensor([0, 2, 13, 600, 1199, 1203])  # visible blocks: 0, 0, 3, 150, 300, 300
+    scores = torch.rand(6, num_blocks, generator=gen)
+    scores[4, :10], scores[4, 10:110] = 0.9, 0.5  # with k = 64: 10 above, 54 of 100 ties at the threshold
+    scores[4, 110:] = torch.rand(190, generator=gen) * 0.4
+    unseen = torch.arange(num_blocks)[None, :] >= ((positions + 1) // r)[:, None]
+    for topk in (64, 512):
+        k = min(topk, num_blocks)
+        top_scores, top_blocks = scores.masked_fill(unseen, float("-inf")).topk(k, dim=-1)
+        live = top_scores > float("-inf")
+        if topk == 64:  # torch takes any 54 of the tied blocks; the kernel the lowest
+            top_blocks[4] = torch.arange(k)
+        offsets = torch.arange(r)
+        chosen = torch.where(live[..., None], top_blocks[..., None] * r + offsets, -1).flatten(1)
+        tail = ((positions + 1) // r)[:, None] * r + offsets[: r - 1]
+        want = torch.cat([chosen, torch.where(tail <= positions[:, None], tail, -1)], dim=1)
+        got = select_blocks(scores.to(DEVICE), positions.to(DEVICE), topk, r).cpu()
+        assert got.shape == want.shape
+        assert torch.equal(got.sort(1).values, want.sort(1).values), topk
