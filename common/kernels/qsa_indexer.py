@@ -196,12 +196,14 @@ def _select_kernel(
 
 
 def select_blocks(scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio: int) -> torch.Tensor:
-    """scores [T, NB] fp32 (−inf: unseen; NB ≤ SELECT_MAX_BLOCKS), positions [T] → key positions [T,
-    k·ratio + ratio − 1] int64 (k = min(topk, NB)): the keys of the k best-scoring blocks a query sees, in
-    block order, then those of its incomplete block up to itself; −1 pads. The same keys as top-k's
-    (`QSAIndexer._select`), ties between scores broken towards the lower block."""
+    """scores [T, NB] fp32 (−inf: unseen; 0 < NB ≤ SELECT_MAX_BLOCKS), positions [T] → key positions [T,
+    k·ratio + ratio − 1] int64 (k = min(topk, NB) > 0): the keys of the k best-scoring blocks a query sees,
+    in block order, then those of its incomplete block up to itself; −1 pads. The same keys as a stable
+    descending sort's first k (`QSAIndexer._select`: ties to the lower block) for scores as the indexer
+    makes them: no NaN, no −0 (ranked below +0 here)."""
     t, num_blocks = scores.shape
-    assert num_blocks <= SELECT_MAX_BLOCKS and ratio & (ratio - 1) == 0, (num_blocks, ratio)
+    assert min(num_blocks, topk) > 0 and num_blocks <= SELECT_MAX_BLOCKS, (num_blocks, topk)
+    assert ratio & (ratio - 1) == 0, f"ratio {ratio}: a power of two"
     k = min(topk, num_blocks)
     out = torch.empty((t, k * ratio + ratio - 1), dtype=torch.int64, device=scores.device)
     _select_kernel[(t,)](

@@ -145,7 +145,7 @@ class QSAIndexer(nn.Module):
             scores = block_scores(  # masks unseen blocks itself
                 q, blocks, batch.page_table, batch.positions, batch.page_size, r, max_blocks
             )
-            if max_blocks <= SELECT_MAX_BLOCKS:  # top-k and expansion in one kernel, no sort
+            if 0 < max_blocks <= SELECT_MAX_BLOCKS:  # top-k and expansion in one kernel, no sort
                 return select_blocks(scores, batch.positions, self.block_topk, r)
         elif batch.is_decode:  # one query per sequence: every query against its own blocks at once
             keys = blocks[batch.slots_of(batch.seq_index[:, None], block_pos[None, :])].float()  # [T, NB, Di]

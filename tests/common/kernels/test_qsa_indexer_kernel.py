@@ -133,3 +133,25 @@ def test_select_blocks_chooses_top_k_keys() -> None:
         got = select_blocks(scores.to(DEVICE), positions.to(DEVICE), topk, r).cpu()
         assert got.shape == want.shape
         assert torch.equal(got.sort(1).values, want.sort(1).values), topk
+
+
+def test_fused_decode_selection_before_the_first_block(tmp_path: Path) -> None:
+    """A decode step that sees no complete block yet (a one-token prompt: 2 keys, blocks of 4) selects on
+    the fused path as on torch's: only its own keys."""
+    sparse = {"indexer_budget": 8, "indexer_compress_ratio": 4}
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=sparse)
+    model = load_model(path, dtype=torch.float32, device=DEVICE)
+    indexer = next(m for m in model.modules() if isinstance(m, QSAttention)).indexer
+    runner = ModelRunner(model, max_seqs=1, max_context=64)
+    seq = runner.new_sequence()
+    runner.forward([seq], [[5]])
+    runner.pool.reserve(seq, seq.num_cached + 1)
+    batch = ForwardBatch.build([seq], [[7]], runner.pool.page_size, DEVICE)
+    x = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    selections = []
+    for fused in (False, True):
+        ctx = ForwardContext(batch, runner.pool, runner.backend, runner.backend.plan(batch))
+        model._set_rotary(ctx, x.dtype)
+        indexer.fused_decode = fused
+        selections.append(indexer(indexer.index_qk_proj(x), ctx))
+    assert selections[0].tolist() == selections[1].tolist() == [[0, 1, -1]]
