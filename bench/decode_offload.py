@@ -59,6 +59,10 @@ def main() -> None:
     ap.add_argument(
         "--resident-dtype", choices=["fp8"], default=None, help="token mixers' projections in fp8"
     )
+    ap.add_argument(
+        "--hits-first", action="store_true",
+        help="each MoE layer computes its hits before waiting for its misses' copies (OffloadedExperts)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     flash = build_flashnext(
@@ -68,6 +72,7 @@ def main() -> None:
         embeddings_on_host=args.embeddings_on_host, resident_dtype=args.resident_dtype,
     )  # fmt: skip
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
+    provider.hits_first = args.hits_first  # before the first decode step records its graph
     pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s
 
     prompt = torch.randint(
@@ -125,10 +130,12 @@ def main() -> None:
         "cuda_graphs": not args.eager,
         "fused_decode": args.fused,
         "all_fit": args.all_fit,
+        "hits_first": args.hits_first,
     }
     name = "decode-allfit" if args.all_fit else f"decode-{args.lanes}" + ("-lending" if args.lend else "")
     name += "-host-embeddings" if args.embeddings_on_host else ""
     name += f"-resident-{args.resident_dtype}" if args.resident_dtype else ""
+    name += "-hits-first" if args.hits_first else ""
     name += ("" if args.fused else "-torch-ops") + ("-eager" if args.eager else "")  # a variant: its own file
     print(write_result(name, result, args.out))
     for k, v in result.items():

@@ -210,6 +210,8 @@ class Prepared:
     cached: torch.Tensor | None = None
     """Prefill: [E] bool, the expert's row is a slot of the cache (else of this provider's arena); None:
     every row is the arena's."""
+    moving: torch.Tensor | None = None
+    """Decode with `hits_first`: [E] bool, the expert's row is being copied this step (a miss or a bypass)."""
 
 
 class OffloadedExperts(ExpertProvider):
@@ -268,6 +270,10 @@ class OffloadedExperts(ExpertProvider):
         self.fused_resolve = False
         """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
         decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
+        self.hits_first = False
+        """With `fused_int4`: a decode step's MoE computes its hits' pairs before waiting for the misses'
+        copies (moe_int4_decode's `ready`), so the hits' work overlaps the copies; two launches a kernel
+        instead of one. Opt-in until measured on the GPU (bench.decode_offload --hits-first)."""
         self.dense_kernels = fmt.name in ("bf16", "fp8") and act is F.silu and shared_cache is None
         self.fused_dense = False
         """With `dense_kernels`: decode passes through the bf16 / fp8 decode kernels (moe_dense.py: each
@@ -371,7 +377,8 @@ class OffloadedExperts(ExpertProvider):
             from common.kernels.resolve import resolve_step  # Triton
 
             row, newcomer, target, valid = resolve_step(self.tables, i, topk_ids, self.step, self._moved)
-            return Prepared(rows=row, done=self.copies.launch(i, newcomer, target, valid, self._stages))
+            done = self.copies.launch(i, newcomer, target, valid, self._stages)
+            return Prepared(rows=row, done=done, moving=self._moving(newcomer, valid))
         requested = torch.zeros(self.store.num_experts, dtype=torch.bool, device=topk_ids.device)  # [E]
         requested.index_fill_(0, topk_ids.reshape(-1), True)  # (t[i] = True would synchronise)
         if self.prefill:
@@ -411,11 +418,15 @@ class OffloadedExperts(ExpertProvider):
             else:
                 from common.kernels.moe_dense import moe_dense_decode as kernel  # Triton
 
-            self.copies.join(prepared.done, stage=0)  # gate_up's rows: down's may still be on their way
-            return kernel(
-                x, prepared.rows[topk_ids], topk_weights, self.pool,
-                before_down=lambda: self.copies.join(prepared.done),
-            )  # fmt: skip
+            gate_up_rows = lambda: self.copies.join(prepared.done, stage=0)
+            down_rows = lambda: self.copies.join(prepared.done)  # down's rows come after gate_up's
+            if prepared.moving is not None:  # hits first, then the misses after their copies
+                return kernel(
+                    x, prepared.rows[topk_ids], topk_weights, self.pool, before_down=down_rows,
+                    ready=~prepared.moving[topk_ids], before_gate_up=gate_up_rows,
+                )  # fmt: skip
+            gate_up_rows()
+            return kernel(x, prepared.rows[topk_ids], topk_weights, self.pool, before_down=down_rows)
         self.copies.join(prepared.done)
         t, k = topk_ids.shape
         rows = prepared.rows[topk_ids].reshape(-1)  # [T*k]
@@ -441,7 +452,15 @@ class OffloadedExperts(ExpertProvider):
         done = self.copies.launch(i, res.newcomer, res.target, res.valid, self._stages)
         self._moved[_FILLS, i].add_(res.filled.sum())
         self._moved[_BYPASSES, i].add_(res.bypass.sum())
-        return Prepared(rows=res.row, done=done)
+        return Prepared(rows=res.row, done=done, moving=self._moving(res.newcomer, res.valid))
+
+    def _moving(self, newcomer: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
+        """[E] bool: the experts a step's copies write (`newcomer` where `valid`), for `hits_first`."""
+        if not (self.hits_first and self.fused_int4):
+            return None
+        count = torch.zeros(self.store.num_experts, dtype=torch.int32, device=newcomer.device)
+        ids = torch.where(valid, newcomer, 0)  # an invalid entry's id is not read (it adds 0 at expert 0)
+        return count.index_put_((ids,), valid.to(torch.int32), accumulate=True) > 0
 
     def _prepare_arena(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
         """Big chunks (T·k ≥ prefetch_factor · E: nearly every expert is used): whole layers into alternate

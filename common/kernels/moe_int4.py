@@ -79,10 +79,13 @@ def _load_pairs(ptr, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.const
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr,
+    x_ptr, rows_ptr, pick_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, PICK: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
+    if PICK >= 0:  # noqa: SIM102 (compile-time, then run-time): one pass of two, the pairs picked PICK
+        if tl.load(pick_ptr + p).to(tl.int32) != PICK:
+            return
     t = p // k
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] act columns (< inter: inter % BLOCK == 0)
@@ -99,10 +102,13 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr,
+    act_ptr, rows_ptr, pick_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, PICK: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
+    if PICK >= 0:  # noqa: SIM102 (as in _gate_up_kernel)
+        if tl.load(pick_ptr + p).to(tl.int32) != PICK:
+            return
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
@@ -122,35 +128,46 @@ def moe_int4_decode(
     before_down: Callable[[], None] | None = None,
     groups_per_step: int = GROUPS_PER_STEP,
     num_warps: int = 4,
+    ready: torch.Tensor | None = None,
+    before_gate_up: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
     x [T, H] (bf16/fp16/fp32, contiguous); rows, weights [T, k]; pool: an int4 pool's components
     (`gate_up_qweight` [R, 2I, H/2], `gate_up_scales`/`gate_up_zeros` [R, 2I, H/128], `down_*` likewise
     [R, H, ...]). H and I multiples of 128. Fixed launch shapes, no host sync: a recorded step can hold it.
-    `before_down` runs between the two kernels (to wait for the down rows' copies). `block` (output rows
-    per program), `groups_per_step` (a power of two) and `num_warps` are tuning knobs
-    (bench/moe_int4_tune.py sweeps them on the GPU).
+    `before_gate_up` and `before_down` run before the pairs that need them read their matrices (to wait for
+    the rows' copies). With `ready` [T, k] bool (pairs whose rows are in place now: the cache's hits), each
+    kernel runs twice: the ready pairs first, with no wait, then the others after the wait, so the hits'
+    work overlaps the misses' copies. `block` (output rows per program), `groups_per_step` (a power of two)
+    and `num_warps` are tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU).
     """
     t, k = rows.shape
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
     pairs = t * k
     rows = rows.reshape(-1).contiguous()
+    pick = ready.reshape(-1).to(torch.int8) if ready is not None else rows  # unread without `ready`
+    passes = (1, 0) if ready is not None else (-1,)
+    waits = {"gate_up": before_gate_up, "down": before_down}
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
-    _gate_up_kernel[(pairs, inter // block)](
-        x.contiguous(), rows, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act,
-        k, hidden, inter, GROUPS=hidden // GROUP, GPB=groups_per_step, BLOCK=block, HALF=GROUP // 2,
-        num_warps=num_warps,
-    )  # fmt: skip
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    if before_down is not None:
-        before_down()
-    _down_kernel[(pairs, hidden // block)](
-        act, rows, weights.reshape(-1).contiguous(), pool["down_qweight"], pool["down_scales"],
-        pool["down_zeros"], partial, hidden, inter, GROUPS=inter // GROUP, GPB=groups_per_step, BLOCK=block,
-        HALF=GROUP // 2, num_warps=num_warps,
-    )  # fmt: skip
+    x, weights = x.contiguous(), weights.reshape(-1).contiguous()
+    knobs = {"GPB": groups_per_step, "BLOCK": block, "HALF": GROUP // 2, "num_warps": num_warps}
+    for kernel in ("gate_up", "down"):
+        for chosen in passes:
+            if chosen != 1 and waits[kernel] is not None:  # the ready pairs went without waiting
+                waits[kernel]()
+            if kernel == "gate_up":
+                _gate_up_kernel[(pairs, inter // block)](
+                    x, rows, pick, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"],
+                    act, k, hidden, inter, GROUPS=hidden // GROUP, PICK=chosen, **knobs,
+                )  # fmt: skip
+            else:
+                _down_kernel[(pairs, hidden // block)](
+                    act, rows, pick, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"],
+                    partial, hidden, inter, GROUPS=inter // GROUP, PICK=chosen, **knobs,
+                )  # fmt: skip
     return partial.view(t, k, hidden).sum(1).to(x.dtype)
 
 

@@ -73,9 +73,13 @@ def store(request) -> HostExpertStore:
     return store
 
 
-def _provider(store: HostExpertStore, capacity: int, policy: str) -> OffloadedExperts:
+def _provider(
+    store: HostExpertStore, capacity: int, policy: str, hits_first: bool = False
+) -> OffloadedExperts:
     tables = CacheTables(LAYERS, E, [capacity] * LAYERS, policy, device="cuda")
-    return OffloadedExperts(store, tables, store.fmt, F.silu, list(range(LAYERS)), "cuda", torch.bfloat16)
+    provider = OffloadedExperts(store, tables, store.fmt, F.silu, list(range(LAYERS)), "cuda", torch.bfloat16)
+    provider.hits_first = hits_first  # int4: the hits' pairs before the wait for the misses' copies
+    return provider
 
 
 def _steps(n: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -88,8 +92,10 @@ def _steps(n: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     return out
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu-admit"])
-def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str) -> None:
+@pytest.mark.parametrize(
+    ("policy", "hits_first"), [("lru", False), ("lfu-admit", False), ("lfu-admit", True)]
+)
+def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str, hits_first: bool) -> None:
     steps = _steps(8, tokens=3)
     reference = []
     for layer in range(LAYERS):
@@ -99,7 +105,7 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
         reference.append([batched_expert_mlp(x, gate_up[i], down[i], i, w, F.silu) for x, i, w in steps])
     by_capacity = []
     for capacity in (1, 5, E):
-        provider = _provider(store, capacity, policy)
+        provider = _provider(store, capacity, policy, hits_first)
         provider.begin_pass(True)
         provider.forward(0, *steps[0])  # warm-up: compiles the copy kernel
         torch.cuda.synchronize()
@@ -124,8 +130,10 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
             assert all(torch.equal(a, b) for a, b in zip(out, every_slot, strict=True))
 
 
-def test_slow_copies_are_waited_for(store, monkeypatch) -> None:
-    """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows."""
+@pytest.mark.parametrize("hits_first", [False, True])
+def test_slow_copies_are_waited_for(store, monkeypatch, hits_first: bool) -> None:
+    """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows
+    (with `hits_first`, the hits' pairs run before the wait and the misses' after it)."""
     from common.experts import offload
 
     copy = offload.copy_experts
@@ -136,7 +144,7 @@ def test_slow_copies_are_waited_for(store, monkeypatch) -> None:
 
     monkeypatch.setattr(offload, "copy_experts", slow)
     steps = _steps(3, tokens=2)
-    provider = _provider(store, 1, "lru")
+    provider = _provider(store, 1, "lru", hits_first)
     for x, ids, w in steps:
         provider.begin_pass(True)
         for layer in range(LAYERS):

@@ -35,3 +35,44 @@ def test_int4_decode_matches_the_dequantised_reference(block: int, groups: int, 
     gate, up = h.chunk(2, dim=-1)
     y = torch.einsum("pi,phi->ph", F.silu(gate) * up, down) * weights.reshape(-1, 1)
     torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=1e-4, atol=1e-4)
+
+
+def test_int4_decode_runs_the_ready_pairs_before_waiting() -> None:
+    """With `ready`, the hits' pairs go first and the others after each wait: rows still being copied (here
+    garbage until the wait writes them, matrix by matrix) are read only after their wait, and the result is
+    the one-pass result, bit for bit."""
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    fmt, gen = get_format("int4"), torch.Generator().manual_seed(7)
+    hidden, inter = 256, 128
+    experts = [
+        fmt.pack(
+            torch.randn(2 * inter, hidden, generator=gen) * 0.05,
+            torch.randn(hidden, inter, generator=gen) * 0.05,
+        )
+        for _ in range(4)
+    ]
+    pool = {name: torch.stack([e[name] for e in experts]).to(DEVICE) for name in experts[0]}
+    x = torch.randn(2, hidden, generator=gen).to(DEVICE)
+    rows = torch.tensor([[0, 2], [3, 1]], device=DEVICE)
+    weights = torch.softmax(torch.randn(2, 2, generator=gen), -1).to(DEVICE)
+    want = moe_int4_decode(x, rows, weights, pool)
+    moving = [2, 3]  # pool rows "copied" this step
+    arriving = {name: t[moving].clone() for name, t in pool.items()}
+    for t in pool.values():
+        t[moving] = torch.randint(0, 200, t[moving].shape, generator=gen).to(t.dtype).to(DEVICE)
+    calls = []
+
+    def arrive(prefix: str) -> None:
+        calls.append(prefix)
+        for name, t in pool.items():
+            if name.startswith(prefix):
+                t[moving] = arriving[name]
+
+    ready = ~torch.isin(rows, torch.tensor(moving, device=DEVICE))
+    got = moe_int4_decode(
+        x, rows, weights, pool, ready=ready, before_gate_up=lambda: arrive("gate_up"),
+        before_down=lambda: arrive("down"),
+    )  # fmt: skip
+    assert calls == ["gate_up", "down"]
+    assert torch.equal(got, want)
