@@ -7,6 +7,10 @@ residual update. Its three GEMVs (mix down, mix up, inject) stay cuBLAS calls; t
 - `hc_norm`: streams [T, hc·H] → normed, each stream RMS-normalised on its own, weight (1 + w);
 - `hc_mix`: (up [T, hc·H] logits, normed) → Σ_s σ(up_s)·normed_s / hc  [T, H];
 - `hc_inject`: (streams, sublayer output [T, H], inject logits [T, hc]) → streams + out ⊗ 2σ(inject / hc).
+- `hc_mix_up`, for a few rows (decode): `hc_mix` with the mix-up GEMV inside, from the mix-down output:
+  up = W_up · silu(down / hc) computed per stream in registers. In a decode step that is one kernel where
+  there were four (the division, the SiLU, cuBLAS's GEMV, hc_mix: ~9 µs a sublayer on an H200, 96
+  sublayers a step); the weight (hc·H × rank, 6.5 MB for flashnext) is read once, up never written.
 
 Everything is computed in fp32 and rounded once to the streams' dtype (torch rounds some intermediate
 products to bf16, so results agree to bf16 rounding, not bit for bit).
@@ -77,6 +81,49 @@ def hc_mix(up: torch.Tensor, normed: torch.Tensor, hc: int, block: int = 1024) -
     _mix_kernel[(t, triton.cdiv(hidden, block))](
         up.contiguous(), normed.contiguous(), out, hidden, HC=hc, BLOCK=block
     )
+    return out
+
+
+@triton.jit
+def _mix_up_kernel(
+    down_ptr, w_ptr, normed_ptr, out_ptr, hidden, rank, down_stride,
+    HC: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] hidden columns
+    live = i < hidden
+    r = tl.arange(0, R_PAD)
+    live_r = r < rank
+    tile = live[:, None] & live_r[None, :]
+    d = tl.load(down_ptr + t * down_stride + r, mask=live_r, other=0.0).to(tl.float32) / HC
+    d = d / (1.0 + tl.exp(-d))  # [R_PAD] silu(down / hc)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(HC):
+        rows = s * hidden + i  # stream s's rows of W_up
+        w = tl.load(w_ptr + rows[:, None] * rank + r[None, :], mask=tile, other=0.0)  # [BLOCK, R_PAD]
+        gate = tl.sigmoid(tl.sum(w.to(tl.float32) * d[None, :], axis=1))  # [BLOCK] σ(up_s)
+        acc += gate * tl.load(normed_ptr + (t * HC + s) * hidden + i, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + i, (acc / HC).to(out_ptr.dtype.element_ty), mask=live)
+
+
+MIX_UP_ROWS = 16
+"""Rows up to which `hc_mix_up` runs (each program multiplies one row: the weight's tiles come from L2 for the
+others); past it, a GEMM for up and then `hc_mix`."""
+
+
+def hc_mix_up(
+    down: torch.Tensor, weight_up: torch.Tensor, normed: torch.Tensor, hc: int, block: int = 16
+) -> torch.Tensor:
+    """down [T, R] (rows may be strided: a view of a fused projection's output), weight_up [hc·H, R],
+    normed [T, hc·H] → Σ_s σ((W_up · silu(down / hc))_s) · normed_s / hc, [T, H] in normed's dtype."""
+    t, rank = down.shape
+    hidden = normed.shape[1] // hc
+    assert down.stride(1) == 1 and weight_up.is_contiguous() and weight_up.shape == (hc * hidden, rank)
+    out = torch.empty((t, hidden), dtype=normed.dtype, device=normed.device)
+    _mix_up_kernel[(t, triton.cdiv(hidden, block))](
+        down, weight_up, normed.contiguous(), out, hidden, rank, down.stride(0), HC=hc, BLOCK=block,
+        R_PAD=triton.next_power_of_2(rank),
+    )  # fmt: skip
     return out
 
 

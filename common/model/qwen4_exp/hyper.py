@@ -53,6 +53,10 @@ class HyperConnection(nn.Module):
         normed = self.hc_norm.fused(streams) if self.fused_decode else self.hc_norm(streams)
         down, *inject = project(normed, self._inputs(), self.fused_in)
         logits = inject[0] if inject else None
+        if self.fused_decode and self._mix_up_fits(down):
+            from common.kernels.hyper import hc_mix_up  # Triton
+
+            return hc_mix_up(down, self.input_mix_weight_up.weight, normed, self.hc), normed, logits
         up = self.input_mix_weight_up(F.silu(down / self.hc))  # [T, hc·H]
         if self.fused_decode:
             from common.kernels.hyper import hc_mix  # Triton
@@ -60,6 +64,14 @@ class HyperConnection(nn.Module):
             return hc_mix(up, normed, self.hc), normed, logits
         gate = torch.sigmoid(up).unflatten(-1, (self.hc, self.hidden))  # [T, hc, H]
         return (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2), normed, logits
+
+    def _mix_up_fits(self, down: torch.Tensor) -> bool:
+        """Whether a pass's mix-up runs inside the mix kernel: a few rows (decode) and a plain bf16/fp32
+        Linear (an fp8 one keeps its own GEMV)."""
+        from common.kernels.hyper import MIX_UP_ROWS
+
+        up = self.input_mix_weight_up
+        return down.shape[0] <= MIX_UP_ROWS and type(up) is nn.Linear and up.weight.is_contiguous()
 
     def forward(self, streams: torch.Tensor, sublayer) -> torch.Tensor:
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight."""
