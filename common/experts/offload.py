@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from common.experts.cache_tables import DEFAULT_POLICY, CacheTables
 from common.experts.formats import ExpertFormat, get_format
-from common.experts.provider import ExpertProvider, install_provider
+from common.experts.provider import ExpertProvider, add_shared, install_provider
 from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
 from common.experts.store import HostExpertStore
 from common.model.hf_config import read_json
@@ -394,8 +394,18 @@ class OffloadedExperts(ExpertProvider):
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(prepared, Prepared)
+        if self.fused_int4 and not self.prefill:  # the int4 decode kernels, which add the shared expert
+            return self._int4_decode(prepared, x, topk_ids, topk_weights, shared, shared_gate)
+        return add_shared(self._routed(prepared, x, topk_ids, topk_weights), shared, shared_gate)
+
+    def _routed(
+        self, prepared: Prepared, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum, on every path but the int4 decode kernel's."""
         if self.prefill and self.fused_int4_prefill:
             from common.kernels.moe_int4 import moe_int4_grouped  # Triton
 
@@ -412,21 +422,14 @@ class OffloadedExperts(ExpertProvider):
                 return self.fmt.unpack({n: t[row[e]] for n, t in pool.items()}, self.dtype)
 
             return grouped_expert_mlp(x, weights_of, topk_ids, topk_weights, self.act)
-        if self._kernel_decode:
-            if self.fused_int4:
-                from common.kernels.moe_int4 import moe_int4_decode as kernel  # Triton: CUDA machines only
-            else:
-                from common.kernels.moe_dense import moe_dense_decode as kernel  # Triton
+        if self._kernel_decode:  # bf16 / fp8 (int4: `_int4_decode`)
+            from common.kernels.moe_dense import moe_dense_decode  # Triton
 
-            gate_up_rows = lambda: self.copies.join(prepared.done, stage=0)
-            down_rows = lambda: self.copies.join(prepared.done)  # down's rows come after gate_up's
-            if prepared.moving is not None:  # hits first, then the misses after their copies
-                return kernel(
-                    x, prepared.rows[topk_ids], topk_weights, self.pool, before_down=down_rows,
-                    ready=~prepared.moving[topk_ids], before_gate_up=gate_up_rows,
-                )  # fmt: skip
-            gate_up_rows()
-            return kernel(x, prepared.rows[topk_ids], topk_weights, self.pool, before_down=down_rows)
+            self.copies.join(prepared.done, stage=0)  # gate_up's rows: down's may still be on their way
+            return moe_dense_decode(
+                x, prepared.rows[topk_ids], topk_weights, self.pool,
+                before_down=lambda: self.copies.join(prepared.done),
+            )  # fmt: skip
         self.copies.join(prepared.done)
         t, k = topk_ids.shape
         rows = prepared.rows[topk_ids].reshape(-1)  # [T*k]
@@ -434,6 +437,30 @@ class OffloadedExperts(ExpertProvider):
         gate_up, down = self.fmt.unpack_many(parts, self.dtype)  # [T*k, 2I, H], [T*k, H, I]
         gate_up, down = gate_up.view(t, k, *gate_up.shape[1:]), down.view(t, k, *down.shape[1:])
         return batched_expert_mlp(x, gate_up, down, topk_ids, topk_weights, self.act)
+
+    def _int4_decode(
+        self,
+        prepared: Prepared,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared: torch.Tensor | None,
+        shared_gate: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A decode pass through the int4 kernels: the rows read in place once their copies are in (gate_up's
+        before down's), with `hits_first` the hits' pairs before any wait; the shared expert added in the
+        kernel that sums the choices."""
+        from common.kernels.moe_int4 import moe_int4_decode  # Triton: CUDA machines only
+
+        gate_up_rows = lambda: self.copies.join(prepared.done, stage=0)
+        down_rows = lambda: self.copies.join(prepared.done)  # down's rows come after gate_up's
+        ready = ~prepared.moving[topk_ids] if prepared.moving is not None else None
+        if ready is None:  # every pair waits: gate_up's rows before the kernels start
+            gate_up_rows()
+        return moe_int4_decode(
+            x, prepared.rows[topk_ids], topk_weights, self.pool, before_down=down_rows, ready=ready,
+            before_gate_up=None if ready is None else gate_up_rows, shared=shared, shared_gate=shared_gate,
+        )  # fmt: skip
 
     @property
     def _kernel_decode(self) -> bool:

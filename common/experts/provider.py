@@ -53,9 +53,20 @@ class ExpertProvider(ABC):
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`forward`'s result, given `prepare(layer, topk_ids)`'s handle (same topk_ids)."""
-        return self.forward(layer, x, topk_ids, topk_weights)
+        """`forward`'s result, given `prepare(layer, topk_ids)`'s handle (same topk_ids), plus `shared`
+        [T, H] (a shared expert's output) gated by σ(shared_gate [T, 1]) when given: a provider whose kernel
+        sums the choices adds it there."""
+        return add_shared(self.forward(layer, x, topk_ids, topk_weights), shared, shared_gate)
+
+
+def add_shared(out: torch.Tensor, shared: torch.Tensor | None, gate: torch.Tensor | None) -> torch.Tensor:
+    """out + σ(gate) · shared (σ(gate): 1 without a gate; out as it is without `shared`)."""
+    if shared is None:
+        return out
+    return out + (torch.sigmoid(gate) * shared if gate is not None else shared)
 
 
 def install_provider(model, provider: ExpertProvider) -> None:

@@ -119,6 +119,25 @@ def _down_kernel(
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
 
 
+@triton.jit
+def _combine_kernel(
+    partial_ptr, shared_ptr, gate_ptr, out_ptr, hidden, gate_stride,
+    K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = i < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(K):  # the choices in order: the same sum whatever the schedule
+        acc += tl.load(partial_ptr + (t * K + j) * hidden + i, mask=live, other=0.0)
+    if SHARED:
+        shared = tl.load(shared_ptr + t * hidden + i, mask=live, other=0.0).to(tl.float32)
+        if GATED:
+            shared = shared * tl.sigmoid(tl.load(gate_ptr + t * gate_stride).to(tl.float32))
+        acc += shared
+    tl.store(out_ptr + t * hidden + i, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
 def moe_int4_decode(
     x: torch.Tensor,
     rows: torch.Tensor,
@@ -130,6 +149,8 @@ def moe_int4_decode(
     num_warps: int = 4,
     ready: torch.Tensor | None = None,
     before_gate_up: Callable[[], None] | None = None,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -139,8 +160,10 @@ def moe_int4_decode(
     `before_gate_up` and `before_down` run before the pairs that need them read their matrices (to wait for
     the rows' copies). With `ready` [T, k] bool (pairs whose rows are in place now: the cache's hits), each
     kernel runs twice: the ready pairs first, with no wait, then the others after the wait, so the hits'
-    work overlaps the misses' copies. `block` (output rows per program), `groups_per_step` (a power of two)
-    and `num_warps` are tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU).
+    work overlaps the misses' copies. `shared` [T, H] (a shared expert's output, gated by
+    σ(shared_gate [T, 1]) when given) is added in the kernel that sums the choices (torch took five: the sum,
+    the cast, the sigmoid, the product and the sum). `block` (output rows per program), `groups_per_step` (a
+    power of two) and `num_warps` are tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU).
     """
     t, k = rows.shape
     hidden = x.shape[1]
@@ -168,7 +191,14 @@ def moe_int4_decode(
                     act, rows, pick, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"],
                     partial, hidden, inter, GROUPS=inter // GROUP, PICK=chosen, **knobs,
                 )  # fmt: skip
-    return partial.view(t, k, hidden).sum(1).to(x.dtype)
+    out = torch.empty_like(x)
+    gated = shared_gate is not None
+    _combine_kernel[(t, triton.cdiv(hidden, 1024))](
+        partial, shared.contiguous() if shared is not None else partial, shared_gate if gated else partial,
+        out, hidden, shared_gate.stride(0) if gated else 0, K=k, SHARED=shared is not None, GATED=gated,
+        BLOCK=1024,
+    )  # fmt: skip
+    return out
 
 
 # --- prefill: (token, choice) pairs grouped by expert, tiled GEMMs on tensor cores -------------------------

@@ -77,15 +77,15 @@ class SparseMoeBlock(nn.Module):
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
         prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
-        shared = self._shared(x, shared_in)  # computed while the copies run
-        out = self.experts.compute(self.layer_idx, prepared, x, ids, weights)
-        return out if shared is None else out + shared
+        shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run
+        return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)
 
-    def _shared(self, x: torch.Tensor, projected: list[torch.Tensor] | None) -> torch.Tensor | None:
-        """The (gated) shared expert of x, given its input projections when they were fused with the
-        router's."""
+    def _shared(
+        self, x: torch.Tensor, projected: list[torch.Tensor] | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The shared expert of x and its gate's logit [T, 1] (None: no shared expert, no gate), given its
+        input projections when they were fused with the router's. The provider adds σ(logit) · shared."""
         if self.shared_expert is None:
-            return None
+            return None, None
         gate, up, *gate_logit = projected if projected is not None else project(x, self._inputs()[1:], None)
-        shared = self.shared_expert.finish(gate, up)
-        return torch.sigmoid(gate_logit[0]) * shared if gate_logit else shared
+        return self.shared_expert.finish(gate, up), gate_logit[0] if gate_logit else None

@@ -76,3 +76,30 @@ def test_int4_decode_runs_the_ready_pairs_before_waiting() -> None:
     )  # fmt: skip
     assert calls == ["gate_up", "down"]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_int4_decode_adds_the_shared_expert(gated: bool) -> None:
+    """`shared` (gated by σ of a strided [T, 1] logit, as the fused projection hands it over) is added where
+    the choices are summed: the result of adding it in torch after the kernel, to fp32 rounding."""
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    fmt, gen = get_format("int4"), torch.Generator().manual_seed(11)
+    hidden, inter = 256, 128
+    experts = [
+        fmt.pack(
+            torch.randn(2 * inter, hidden, generator=gen) * 0.05,
+            torch.randn(hidden, inter, generator=gen) * 0.05,
+        )
+        for _ in range(3)
+    ]
+    pool = {name: torch.stack([e[name] for e in experts]).to(DEVICE) for name in experts[0]}
+    x = torch.randn(2, hidden, generator=gen).to(DEVICE)
+    rows = torch.tensor([[0, 2], [1, 0]], device=DEVICE)
+    weights = torch.softmax(torch.randn(2, 2, generator=gen), -1).to(DEVICE)
+    shared = torch.randn(2, hidden, generator=gen).to(DEVICE)
+    fused_out = torch.randn(2, 5, generator=gen).to(DEVICE)  # the logit is column 3 of a wider output
+    gate = fused_out[:, 3:4] if gated else None
+    want = moe_int4_decode(x, rows, weights, pool) + (torch.sigmoid(gate) * shared if gated else shared)
+    got = moe_int4_decode(x, rows, weights, pool, shared=shared, shared_gate=gate)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
