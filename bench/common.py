@@ -88,10 +88,12 @@ def measure_hbm_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def write_profile(run, path: Path) -> None:
-    """Op tables of what `run()` does on the GPU, by device time then by host time, written to `path`."""
+    """Op tables of what `run()` does on the GPU, by device time then by host time, then the ops by self
+    device time with their input shapes (which launched the small kernels: in an eager run; ops replayed
+    in a CUDA graph show as kernels alone), written to `path`."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         run()
         torch.cuda.synchronize()
     table = prof.key_averages()
@@ -99,7 +101,16 @@ def write_profile(run, path: Path) -> None:
         table.table(sort_by="cuda_time_total", row_limit=40)
         + "\n"
         + table.table(sort_by="self_cpu_time_total", row_limit=40)
+        + "\n"
+        + op_table(prof)
     )
+
+
+def op_table(prof, rows: int = 60, frames: int = 0) -> str:
+    """A finished profile's ops by self device time, one row per op and input shapes (and, with `frames`
+    and a profile taken `with_stack`, per call site's last frames)."""
+    groups = prof.key_averages(group_by_input_shape=True, group_by_stack_n=frames)
+    return groups.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40)
 
 
 def replay_us(run, replays: int = 20, between=None) -> float:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import op_table
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 
@@ -66,8 +67,7 @@ def kernel_sites(run, rows: int = 45, frames: int = 4) -> str:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities, record_shapes=True, with_stack=True) as prof:
         run()
-    groups = prof.key_averages(group_by_input_shape=True, group_by_stack_n=frames)
-    return groups.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40)
+    return op_table(prof, rows, frames)
 
 
 def stream_gaps(run, rows: int = 30) -> str:
