@@ -60,6 +60,12 @@ def project(
     return tuple(linear(x) for linear in linears)
 
 
+def plain_linear(linear: nn.Module) -> bool:
+    """A bias-free Linear with a contiguous weight (not an fp8 one): what the Triton GEMVs that fold a
+    projection into their neighbours read (common/kernels/hyper.py, gated_mlp.py)."""
+    return type(linear) is nn.Linear and linear.bias is None and linear.weight.is_contiguous()
+
+
 def fuse_linears(linears: Sequence[nn.Linear], copy: bool = True) -> FusedLinears | None:
     """Concatenate the weights of `linears` (one input width, dtype and device; all with a bias or none):
     each Linear's weight becomes a view of its rows. Weights that already are consecutive rows of one storage

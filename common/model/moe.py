@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig
 from common.experts.provider import ExpertProvider
-from common.model.fused_linear import FusedLinears, fuse_linears, project
+from common.model.fused_linear import FusedLinears, fuse_linears, plain_linear, project
 from common.model.layers import GatedMLP
 
 
@@ -88,4 +89,17 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is None:
             return None, None
         gate, up, *gate_logit = projected if projected is not None else project(x, self._inputs()[1:], None)
-        return self.shared_expert.finish(gate, up), gate_logit[0] if gate_logit else None
+        return self._finish_shared(gate, up), gate_logit[0] if gate_logit else None
+
+    def _finish_shared(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The shared expert from its gate and up outputs: for a few rows with the fused kernels, SiLU, the
+        product and the down GEMV in one Triton kernel (torch: three launches a layer)."""
+        from common.kernels.gated_mlp import DOWN_ROWS
+
+        mlp = self.shared_expert
+        down = mlp.down_proj
+        if self.fused_decode and gate.shape[0] <= DOWN_ROWS and mlp.act is F.silu and plain_linear(down):
+            from common.kernels.gated_mlp import swiglu_down  # Triton
+
+            return swiglu_down(gate, up, down.weight)
+        return mlp.finish(gate, up)

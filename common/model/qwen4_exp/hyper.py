@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model.fused_linear import FusedLinears, fuse_linears, project
+from common.model.fused_linear import FusedLinears, fuse_linears, plain_linear, project
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import OffsetRMSNorm
 
@@ -70,8 +70,7 @@ class HyperConnection(nn.Module):
         Linear (an fp8 one keeps its own GEMV)."""
         from common.kernels.hyper import MIX_UP_ROWS
 
-        up = self.input_mix_weight_up
-        return down.shape[0] <= MIX_UP_ROWS and type(up) is nn.Linear and up.weight.is_contiguous()
+        return down.shape[0] <= MIX_UP_ROWS and plain_linear(self.input_mix_weight_up)
 
     def forward(self, streams: torch.Tensor, sublayer) -> torch.Tensor:
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight."""
