@@ -39,7 +39,7 @@ def _swiglu_down_kernel(
 
 
 def swiglu_down(
-    gate: torch.Tensor, up: torch.Tensor, weight_down: torch.Tensor, block: int = 16, i_block: int = 128
+    gate: torch.Tensor, up: torch.Tensor, weight_down: torch.Tensor, block: int = 16, i_block: int = 256
 ) -> torch.Tensor:
     """gate, up [T, I] (rows may be strided: views of a fused projection's output), weight_down [H, I] →
     weight_down · (silu(gate) · up) [T, H] in gate's dtype."""
