@@ -165,7 +165,9 @@ class QSAIndexer(nn.Module):
                 start += n
         scores.masked_fill_(block_pos[None, :] >= visible[:, None] * r, float("-inf"))
         k = min(self.block_topk, max_blocks)
-        if batch.is_decode:  # ties (ReLU'd scores at 0) to the lower block, as select_blocks breaks them
+        # torch's decode: ties (ReLU'd scores at 0) to the lower block, as select_blocks breaks them; the
+        # fused path past that kernel's reach keeps top-k (a sort of every block costs more)
+        if batch.is_decode and not self.fused_decode:
             top_scores, top_blocks = (x[:, :k] for x in scores.sort(dim=-1, descending=True, stable=True))
         else:
             top_scores, top_blocks = scores.topk(k, dim=-1)  # [T, k]
