@@ -12,23 +12,30 @@ from common.experts.formats import get_format
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize(("block", "groups", "warps"), [(16, 4, 4), (8, 1, 2), (32, 2, 8)])
-def test_int4_decode_matches_the_dequantised_reference(block: int, groups: int, warps: int) -> None:
-    from common.kernels.moe_int4 import moe_int4_decode
-
-    fmt, gen = get_format("int4"), torch.Generator().manual_seed(block)
-    hidden, inter, rows_in_pool = 256, 128, 5
+def _two_token_case(
+    gen: torch.Generator, experts: int, k: int = 2, hidden: int = 256, inter: int = 128
+) -> tuple:
+    """A pool of `experts` random int4 experts, two tokens' x and their routing weights over k choices."""
+    fmt = get_format("int4")
     packed = [
         fmt.pack(
             torch.randn(2 * inter, hidden, generator=gen) * 0.05,
             torch.randn(hidden, inter, generator=gen) * 0.05,
         )
-        for _ in range(rows_in_pool)
+        for _ in range(experts)
     ]
-    pool = {name: torch.stack([p[name] for p in packed]).to(DEVICE) for name in packed[0]}
+    pool = {name: torch.stack([e[name] for e in packed]).to(DEVICE) for name in packed[0]}
     x = torch.randn(2, hidden, generator=gen).to(DEVICE)
+    return pool, x, torch.softmax(torch.randn(2, k, generator=gen), -1).to(DEVICE)
+
+
+@pytest.mark.parametrize(("block", "groups", "warps"), [(16, 4, 4), (8, 1, 2), (32, 2, 8)])
+def test_int4_decode_matches_the_dequantised_reference(block: int, groups: int, warps: int) -> None:
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    fmt = get_format("int4")
+    pool, x, weights = _two_token_case(torch.Generator().manual_seed(block), experts=5, k=3)
     rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)  # a row twice in one token
-    weights = torch.softmax(torch.randn(2, 3, generator=gen), -1).to(DEVICE)
     out = moe_int4_decode(x, rows, weights, pool, block=block, groups_per_step=groups, num_warps=warps)
     gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, torch.float32)
     h = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(3, dim=0), gate_up)
@@ -43,19 +50,9 @@ def test_int4_decode_runs_the_ready_pairs_before_waiting() -> None:
     the one-pass result, bit for bit."""
     from common.kernels.moe_int4 import moe_int4_decode
 
-    fmt, gen = get_format("int4"), torch.Generator().manual_seed(7)
-    hidden, inter = 256, 128
-    experts = [
-        fmt.pack(
-            torch.randn(2 * inter, hidden, generator=gen) * 0.05,
-            torch.randn(hidden, inter, generator=gen) * 0.05,
-        )
-        for _ in range(4)
-    ]
-    pool = {name: torch.stack([e[name] for e in experts]).to(DEVICE) for name in experts[0]}
-    x = torch.randn(2, hidden, generator=gen).to(DEVICE)
+    gen = torch.Generator().manual_seed(7)
+    pool, x, weights = _two_token_case(gen, experts=4)
     rows = torch.tensor([[0, 2], [3, 1]], device=DEVICE)
-    weights = torch.softmax(torch.randn(2, 2, generator=gen), -1).to(DEVICE)
     want = moe_int4_decode(x, rows, weights, pool)
     moving = [2, 3]  # pool rows "copied" this step
     arriving = {name: t[moving].clone() for name, t in pool.items()}
@@ -84,20 +81,10 @@ def test_int4_decode_adds_the_shared_expert(gated: bool) -> None:
     the choices are summed: the result of adding it in torch after the kernel, to fp32 rounding."""
     from common.kernels.moe_int4 import moe_int4_decode
 
-    fmt, gen = get_format("int4"), torch.Generator().manual_seed(11)
-    hidden, inter = 256, 128
-    experts = [
-        fmt.pack(
-            torch.randn(2 * inter, hidden, generator=gen) * 0.05,
-            torch.randn(hidden, inter, generator=gen) * 0.05,
-        )
-        for _ in range(3)
-    ]
-    pool = {name: torch.stack([e[name] for e in experts]).to(DEVICE) for name in experts[0]}
-    x = torch.randn(2, hidden, generator=gen).to(DEVICE)
+    gen = torch.Generator().manual_seed(11)
+    pool, x, weights = _two_token_case(gen, experts=3)
     rows = torch.tensor([[0, 2], [1, 0]], device=DEVICE)
-    weights = torch.softmax(torch.randn(2, 2, generator=gen), -1).to(DEVICE)
-    shared = torch.randn(2, hidden, generator=gen).to(DEVICE)
+    shared = torch.randn(*x.shape, generator=gen).to(DEVICE)
     fused_out = torch.randn(2, 5, generator=gen).to(DEVICE)  # the logit is column 3 of a wider output
     gate = fused_out[:, 3:4] if gated else None
     want = moe_int4_decode(x, rows, weights, pool) + (torch.sigmoid(gate) * shared if gated else shared)

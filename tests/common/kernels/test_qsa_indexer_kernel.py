@@ -18,6 +18,14 @@ from common.runner import ModelRunner
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _select(model, indexer, runner: ModelRunner, batch: ForwardBatch, x: torch.Tensor, fused: bool):
+    """The indexer's selection for the pass `batch` of hidden states x, on the fused path or torch's."""
+    ctx = ForwardContext(batch, runner.pool, runner.backend, runner.backend.plan(batch))
+    model._set_rotary(ctx, x.dtype)
+    indexer.fused_decode = fused
+    return indexer(indexer.index_qk_proj(x), ctx)
+
+
 def test_fused_indexer_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused decode path (block keys, scores, selection) against torch's: the same block keys written
     and the same keys selected up to ties (ReLU'd scores tie at 0; both paths take the lower block, but
@@ -48,10 +56,7 @@ def test_fused_indexer_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyP
     results = []
     for fused in (False, True):
         saved = {name: t.clone() for name, t in paged.items()}
-        ctx = ForwardContext(batch, runner.pool, runner.backend, runner.backend.plan(batch))
-        model._set_rotary(ctx, x.dtype)
-        indexer.fused_decode = fused
-        selected = indexer(indexer.index_qk_proj(x), ctx)
+        selected = _select(model, indexer, runner, batch, x, fused)
         results.append((selected, paged["index_block"].clone()))
         for name, t in paged.items():
             t.copy_(saved[name])
@@ -96,12 +101,7 @@ def test_fused_prefill_selection_matches_torch(tmp_path: Path) -> None:
         runner.pool.reserve(seq, seq.num_cached + len(ids))
     batch = ForwardBatch.build(seqs, new, runner.pool.page_size, DEVICE)
     x = torch.randn(51, model.config.hidden_size, generator=gen).to(DEVICE)
-    selections = []
-    for fused in (False, True):
-        ctx = ForwardContext(batch, runner.pool, runner.backend, runner.backend.plan(batch))
-        model._set_rotary(ctx, x.dtype)
-        indexer.fused_decode = fused
-        selections.append(indexer(indexer.index_qk_proj(x), ctx))
+    selections = [_select(model, indexer, runner, batch, x, fused) for fused in (False, True)]
     want, got = selections
     assert want is not None and got is not None
     assert torch.equal(got.sort(1).values, want.sort(1).values)
@@ -148,10 +148,5 @@ def test_fused_decode_selection_before_the_first_block(tmp_path: Path) -> None:
     runner.pool.reserve(seq, seq.num_cached + 1)
     batch = ForwardBatch.build([seq], [[7]], runner.pool.page_size, DEVICE)
     x = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    selections = []
-    for fused in (False, True):
-        ctx = ForwardContext(batch, runner.pool, runner.backend, runner.backend.plan(batch))
-        model._set_rotary(ctx, x.dtype)
-        indexer.fused_decode = fused
-        selections.append(indexer(indexer.index_qk_proj(x), ctx))
+    selections = [_select(model, indexer, runner, batch, x, fused) for fused in (False, True)]
     assert selections[0].tolist() == selections[1].tolist() == [[0, 1, -1]]
