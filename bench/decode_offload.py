@@ -60,14 +60,21 @@ def main() -> None:
         "--resident-dtype", choices=["fp8"], default=None, help="token mixers' projections in fp8"
     )
     ap.add_argument(
+        "--ablate", action="store_true",
+        help="then decode again from the prompt with each decode kernel switched alone (DECODE_SWITCHES): "
+        "decode-N-ablate.json (one more lane's state held: slots a little fewer than the plain run's)",
+    )  # fmt: skip
+    ap.add_argument(
         "--hits-first", action="store_true",
         help="each MoE layer computes its hits before waiting for its misses' copies (OffloadedExperts)",
     )  # fmt: skip
     args = ap.parse_args()
 
+    lanes = args.lanes + int(args.ablate)  # --ablate: the prompt's state held beside the lanes
+    runs = 1 + (2 + len(DECODE_SWITCHES)) * int(args.ablate)  # the routing trace covers every run's steps
     flash = build_flashnext(
-        args.layers, args.budget_gib, args.lanes, args.prompt + args.decode + 16 + 8,  # + profiled steps
-        args.prompt + args.decode * args.lanes, args.policy, args.eager, args.fused, args.all_fit,
+        args.layers, args.budget_gib, lanes, args.prompt + args.decode + 16 + 8,  # + profiled steps
+        args.prompt + args.decode * args.lanes * runs, args.policy, args.eager, args.fused, args.all_fit,
         prefill_chunk=args.prompt, lend=args.lend,  # the prompt is prefilled in one pass
         embeddings_on_host=args.embeddings_on_host, resident_dtype=args.resident_dtype,
     )  # fmt: skip
@@ -87,6 +94,7 @@ def main() -> None:
     torch.cuda.synchronize()
     ttft = time.perf_counter() - t0
     prefill_peak_gib = torch.cuda.max_memory_reserved() / GIB
+    pristine = runner.pool.fork(seq) if args.ablate else None  # the prompt's state, for the ablations
     # the other lanes share the prompt: copies of its state, not more prefills (routing comes from the trace)
     seqs = [seq] + [runner.pool.fork(seq) for _ in range(args.lanes - 1)]
     progress("prompt prefilled; decoding")
@@ -137,9 +145,61 @@ def main() -> None:
     name += f"-resident-{args.resident_dtype}" if args.resident_dtype else ""
     name += "-hits-first" if args.hits_first else ""
     name += ("" if args.fused else "-torch-ops") + ("-eager" if args.eager else "")  # a variant: its own file
+    if args.ablate:
+        for s in seqs:  # their slots go to the ablations' lanes
+            runner.release(s)
+        result["ablations"] = ablations(runner, provider, pristine, token, args)
+        name += "-ablate"
     print(write_result(name, result, args.out))
     for k, v in result.items():
         print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
+
+
+DECODE_SWITCHES = (
+    "no-select-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared", "hits-first",
+)  # fmt: skip
+"""The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
+
+
+def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
+    """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
+    from common.model.moe import SparseMoeBlock
+    from common.model.qwen4_exp.hyper import HyperConnection
+    from common.model.qwen4_exp.qsa import QSAIndexer
+
+    switches = (
+        (QSAIndexer, "select_kernel", False),
+        (HyperConnection, "mix_up_kernel", False),
+        (SparseMoeBlock, "shared_kernel", False),
+        (provider, "combine_shared", False),
+        (provider, "hits_first", not provider.hits_first),
+    )
+    return dict(zip(DECODE_SWITCHES, switches, strict=True))
+
+
+def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict:
+    """The defaults, then each switch of `decode_switches` flipped alone: the same decode from the prompt's
+    state (fresh copies of `pristine` each time; the cache carries over and the warm-up steps settle it),
+    graphs recorded again for each. Per variant: tok/s per request and aggregate, hit rate."""
+    out = {}
+    for name, switch in {"defaults": None, **decode_switches(provider)}.items():
+        owner, attr, value = switch or (None, "", False)
+        before = getattr(owner, attr) if switch else None
+        if switch:
+            setattr(owner, attr, value)
+        if runner.graphs is not None:
+            runner.graphs.forget()
+        seqs = [runner.pool.fork(pristine) for _ in range(args.lanes)]
+        run = decode(runner, provider, seqs, [token] * args.lanes, args.decode, args.warmup)
+        seconds = run["seconds"] / (args.decode - args.warmup)
+        hits = run["hits"] / max(run["hits"] + run["misses"], 1)
+        out[name] = {"tok_per_s": 1 / seconds, "aggregate_tok_per_s": args.lanes / seconds, "hit_rate": hits}
+        progress(f"{name}: {1 / seconds:.2f} tok/s a request, hit {hits:.3f}")
+        for s in seqs:
+            runner.release(s)
+        if switch:
+            setattr(owner, attr, before)
+    return out
 
 
 def decode(runner: ModelRunner, provider, seqs: list, tokens: list[int], steps: int, warmup: int) -> dict:

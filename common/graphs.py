@@ -66,6 +66,11 @@ class DecodeGraphs:
         self.recorded: dict[int, _Recorded] = {}
         self.memory = torch.cuda.graph_pool_handle()  # one private pool: passes never run concurrently
 
+    def forget(self) -> None:
+        """Drop the recordings (their memory goes back to the private pool): the next batches record again,
+        after a change to what a step runs (a kernel switched on or off)."""
+        self.recorded.clear()
+
     def run(self, batch: ForwardBatch, eager) -> torch.Tensor:
         lanes = batch.input_ids.shape[0]
         rec = self.recorded.get(lanes)

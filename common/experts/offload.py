@@ -270,6 +270,9 @@ class OffloadedExperts(ExpertProvider):
         self.fused_resolve = False
         """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
         decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
+        self.combine_shared = True
+        """With `fused_int4`: decode's shared expert added in the kernel that sums the choices (else by torch
+        after it); a switch for bench.decode_offload --ablate."""
         self.hits_first = False
         """With `fused_int4`: a decode step's MoE computes its hits' pairs before waiting for the misses'
         copies (moe_int4_decode's `ready`), so the hits' work overlaps the copies; two launches a kernel
@@ -457,10 +460,12 @@ class OffloadedExperts(ExpertProvider):
         ready = ~prepared.moving[topk_ids] if prepared.moving is not None else None
         if ready is None:  # every pair waits: gate_up's rows before the kernels start
             gate_up_rows()
-        return moe_int4_decode(
+        added = (shared, shared_gate) if self.combine_shared else (None, None)
+        out = moe_int4_decode(
             x, prepared.rows[topk_ids], topk_weights, self.pool, before_down=down_rows, ready=ready,
-            before_gate_up=None if ready is None else gate_up_rows, shared=shared, shared_gate=shared_gate,
+            before_gate_up=None if ready is None else gate_up_rows, shared=added[0], shared_gate=added[1],
         )  # fmt: skip
+        return out if self.combine_shared else add_shared(out, shared, shared_gate)
 
     @property
     def _kernel_decode(self) -> bool:

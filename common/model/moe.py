@@ -30,6 +30,10 @@ class SparseMoeBlock(nn.Module):
     fused_in: FusedLinears | None = None
     """The router and the shared expert's gate, up and gate logit as one GEMM (`fuse_projections`)."""
 
+    shared_kernel = True
+    """With `fused_decode`: a few rows' shared expert after its input projections in one Triton kernel
+    (`swiglu_down`); a switch for bench.decode_offload --ablate."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertProvider) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -98,7 +102,8 @@ class SparseMoeBlock(nn.Module):
 
         mlp = self.shared_expert
         down = mlp.down_proj
-        if self.fused_decode and gate.shape[0] <= DOWN_ROWS and mlp.act is F.silu and plain_linear(down):
+        fits = gate.shape[0] <= DOWN_ROWS and mlp.act is F.silu and plain_linear(down)
+        if self.fused_decode and self.shared_kernel and fits:
             from common.kernels.gated_mlp import swiglu_down  # Triton
 
             return swiglu_down(gate, up, down.weight)

@@ -29,6 +29,10 @@ class HyperConnection(nn.Module):
         self.input_mix_weight_up = nn.Linear(cfg.hc_lowrank, cfg.hc_hidden, bias=False)
         self.block_inject_weight = nn.Linear(cfg.hc_hidden, cfg.hc_count, bias=False) if inject else None
 
+    mix_up_kernel = True
+    """With `fused_decode`: passes of a few rows run the mix-up GEMV inside the mix kernel (`hc_mix_up`); a
+    switch for bench.decode_offload --ablate."""
+
     fused_in: FusedLinears | None = None
     """The mix-down and inject weights (both read the normalised streams) as one GEMM."""
 
@@ -53,7 +57,7 @@ class HyperConnection(nn.Module):
         normed = self.hc_norm.fused(streams) if self.fused_decode else self.hc_norm(streams)
         down, *inject = project(normed, self._inputs(), self.fused_in)
         logits = inject[0] if inject else None
-        if self.fused_decode and self._mix_up_fits(down):
+        if self.fused_decode and self.mix_up_kernel and self._mix_up_fits(down):
             from common.kernels.hyper import hc_mix_up  # Triton
 
             return hc_mix_up(down, self.input_mix_weight_up.weight, normed, self.hc), normed, logits

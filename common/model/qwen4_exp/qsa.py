@@ -57,6 +57,10 @@ class QSAIndexer(nn.Module):
     """Norm and rotate the queries in one Triton kernel, and score the blocks with Triton kernels (decode and
     prefill; opt-in: `common.kernels.use_fused_kernels`)."""
 
+    select_kernel = True
+    """With `fused_decode`: a decode step's top-k and key expansion in one Triton kernel (`select_blocks`);
+    a switch for bench.decode_offload --ablate."""
+
     score_bytes = 256 << 20
     """Most bytes of per-head block scores at once (fp32 [queries, Hi, NB]): a long prefill scores its queries
     in slices (25.6K queries over 6.4K blocks would otherwise hold 2.6 GB)."""
@@ -145,7 +149,7 @@ class QSAIndexer(nn.Module):
             scores = block_scores(  # masks unseen blocks itself
                 q, blocks, batch.page_table, batch.positions, batch.page_size, r, max_blocks
             )
-            if 0 < max_blocks <= SELECT_MAX_BLOCKS:  # top-k and expansion in one kernel, no sort
+            if self.select_kernel and 0 < max_blocks <= SELECT_MAX_BLOCKS:  # top-k and keys in one kernel
                 return select_blocks(scores, batch.positions, self.block_topk, r)
         elif batch.is_decode:  # one query per sequence: every query against its own blocks at once
             keys = blocks[batch.slots_of(batch.seq_index[:, None], block_pos[None, :])].float()  # [T, NB, Di]
