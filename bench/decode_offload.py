@@ -156,7 +156,8 @@ def main() -> None:
 
 
 DECODE_SWITCHES = (
-    "no-select-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared", "hits-first",
+    "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
+    "hits-first",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -169,6 +170,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
 
     switches = (
         (QSAIndexer, "select_kernel", False),
+        (HyperConnection, "project_kernel", False),
         (HyperConnection, "mix_up_kernel", False),
         (SparseMoeBlock, "shared_kernel", False),
         (provider, "combine_shared", False),

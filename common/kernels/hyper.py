@@ -11,6 +11,8 @@ residual update. Its three GEMVs (mix down, mix up, inject) stay cuBLAS calls; t
   up = W_up · silu(down / hc) computed per stream in registers. In a decode step that is one kernel where
   there were four (the division, the SiLU, cuBLAS's GEMV, hc_mix: ~9 µs a sublayer on an H200, 96
   sublayers a step); the weight (hc·H × rank, 6.5 MB for flashnext) is read once, up never written.
+- `hc_project`, for a few rows: the mix-down and inject projection from the raw streams, normalised as they
+  are read (hc_norm and the GEMV in one kernel), with the streams' scales for hc_mix_up.
 
 Everything is computed in fp32 and rounded once to the streams' dtype (torch rounds some intermediate
 products to bf16, so results agree to bf16 rounding, not bit for bit).
@@ -86,8 +88,8 @@ def hc_mix(up: torch.Tensor, normed: torch.Tensor, hc: int, block: int = 1024) -
 
 @triton.jit
 def _mix_up_kernel(
-    down_ptr, w_ptr, normed_ptr, out_ptr, hidden, rank, down_stride,
-    HC: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr,
+    down_ptr, w_ptr, x_ptr, scale_ptr, nw_ptr, out_ptr, hidden, rank, down_stride,
+    HC: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] hidden columns
@@ -102,7 +104,11 @@ def _mix_up_kernel(
         rows = s * hidden + i  # stream s's rows of W_up
         w = tl.load(w_ptr + rows[:, None] * rank + r[None, :], mask=tile, other=0.0)  # [BLOCK, R_PAD]
         gate = tl.sigmoid(tl.sum(w.to(tl.float32) * d[None, :], axis=1))  # [BLOCK] σ(up_s)
-        acc += gate * tl.load(normed_ptr + (t * HC + s) * hidden + i, mask=live, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + (t * HC + s) * hidden + i, mask=live, other=0.0).to(tl.float32)
+        if NORM:  # x is the raw stream: its norm here, from the scale hc_project wrote
+            nw = tl.load(nw_ptr + rows, mask=live, other=0.0).to(tl.float32)
+            x = x * tl.load(scale_ptr + t * HC + s) * (1.0 + nw)
+        acc += gate * x
     tl.store(out_ptr + t * hidden + i, (acc / HC).to(out_ptr.dtype.element_ty), mask=live)
 
 
@@ -112,19 +118,78 @@ others); past it, a GEMM for up and then `hc_mix`."""
 
 
 def hc_mix_up(
-    down: torch.Tensor, weight_up: torch.Tensor, normed: torch.Tensor, hc: int, block: int = 16
+    down: torch.Tensor,
+    weight_up: torch.Tensor,
+    x: torch.Tensor,
+    hc: int,
+    block: int = 16,
+    scales: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """down [T, R] (rows may be strided: a view of a fused projection's output), weight_up [hc·H, R],
-    normed [T, hc·H] → Σ_s σ((W_up · silu(down / hc))_s) · normed_s / hc, [T, H] in normed's dtype."""
+    """down [T, R] (rows may be strided: a view of a fused projection's output), weight_up [hc·H, R], x the
+    normalised streams [T, hc·H] → Σ_s σ((W_up · silu(down / hc))_s) · x_s / hc, [T, H] in x's dtype. With
+    `scales` [T, hc] (hc_project's) and the norm's `norm_weight` [hc·H], x is the raw streams, normalised
+    here as hc_norm would (x · scale · (1 + w))."""
     t, rank = down.shape
-    hidden = normed.shape[1] // hc
+    hidden = x.shape[1] // hc
     assert down.stride(1) == 1 and weight_up.is_contiguous() and weight_up.shape == (hc * hidden, rank)
-    out = torch.empty((t, hidden), dtype=normed.dtype, device=normed.device)
+    norm = scales is not None
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     _mix_up_kernel[(t, triton.cdiv(hidden, block))](
-        down, weight_up, normed.contiguous(), out, hidden, rank, down.stride(0), HC=hc, BLOCK=block,
-        R_PAD=triton.next_power_of_2(rank),
+        down, weight_up, x.contiguous(), scales if norm else x, norm_weight if norm else x, out, hidden, rank,
+        down.stride(0), HC=hc, BLOCK=block, R_PAD=triton.next_power_of_2(rank), NORM=norm,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _project_kernel(
+    x_ptr, nw_ptr, w_ptr, out_ptr, scale_ptr, n_out, eps,
+    HC: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    t, nb = tl.program_id(0), tl.program_id(1)
+    n = nb * BN + tl.arange(0, BN)  # [BN] output columns
+    live_n = n < n_out
+    k = tl.arange(0, BK)
+    row = x_ptr + t * HC * H
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for s in range(HC):
+        squares = tl.zeros((BK,), dtype=tl.float32)
+        for k0 in range(0, H, BK):  # stream s's mean square (every program: ~20 KB from L2 a row)
+            xs = tl.load(row + s * H + k0 + k, mask=k0 + k < H, other=0.0).to(tl.float32)
+            squares += xs * xs
+        scale = tl.math.rsqrt(tl.sum(squares, axis=0) / H + eps)
+        tl.store(scale_ptr + t * HC + s, scale, mask=nb == 0)
+        for k0 in range(0, H, BK):
+            live_k = k0 + k < H
+            col = s * H + k0 + k
+            xs = tl.load(row + col, mask=live_k, other=0.0).to(tl.float32)
+            xs = xs * scale * (1.0 + tl.load(nw_ptr + col, mask=live_k, other=0.0).to(tl.float32))
+            tile = live_n[:, None] & live_k[None, :]
+            w = tl.load(w_ptr + n[:, None] * (HC * H) + col[None, :], mask=tile, other=0.0)  # [BN, BK]
+            acc += tl.sum(w.to(tl.float32) * xs[None, :], axis=1)
+    tl.store(out_ptr + t * n_out + n, acc.to(out_ptr.dtype.element_ty), mask=live_n)
+
+
+def hc_project(
+    streams: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, hc: int,
+    block_n: int = 4, block_k: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A few rows' hyper-connection input projection from the raw streams [T, hc·H]: hc_norm's normalised
+    streams (weight (1 + norm_weight)) times weight [N, hc·H]ᵀ → (the product [T, N] in the streams'
+    dtype, each stream's scale rsqrt(mean(x²) + eps) [T, hc] fp32, for hc_mix_up). The norm is applied as
+    the streams are read: no normalised copy, one launch where a decode step ran hc_norm, cuBLAS's
+    split-K GEMV and its reduction (~13 µs a sublayer, 96 a step, in the all-fit profile)."""
+    t, width = streams.shape
+    n_out = weight.shape[0]
+    assert weight.is_contiguous() and weight.shape[1] == width and width % hc == 0
+    out = torch.empty((t, n_out), dtype=streams.dtype, device=streams.device)
+    scales = torch.empty((t, hc), dtype=torch.float32, device=streams.device)
+    _project_kernel[(t, triton.cdiv(n_out, block_n))](
+        streams.contiguous(), norm_weight, weight, out, scales, n_out, eps, HC=hc, H=width // hc, BN=block_n,
+        BK=block_k,
+    )  # fmt: skip
+    return out, scales
 
 
 def hc_inject(

@@ -33,6 +33,10 @@ class HyperConnection(nn.Module):
     """With `fused_decode`: passes of a few rows run the mix-up GEMV inside the mix kernel (`hc_mix_up`); a
     switch for bench.decode_offload --ablate."""
 
+    project_kernel = True
+    """With `fused_decode` and `mix_up_kernel`: passes of a few rows normalise the streams inside the input
+    projection's kernel (`hc_project`); a switch for bench.decode_offload --ablate."""
+
     fused_in: FusedLinears | None = None
     """The mix-down and inject weights (both read the normalised streams) as one GEMM."""
 
@@ -47,34 +51,48 @@ class HyperConnection(nn.Module):
         self.fused_in = fuse_linears(self._inputs(), copy)
         return self.fused_in is not None
 
-    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """streams [T, hc·H] → (sublayer input [T, H], normalised streams [T, hc·H])."""
-        mixed, normed, _ = self._mix(streams)
-        return mixed, normed
+    def mix(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams [T, hc·H] → the sublayer input [T, H]."""
+        return self._mix(streams)[0]
 
-    def _mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """mix(streams), and the inject logits [T, hc] when there is an inject weight."""
+        if self.fused_decode and self._project_fits(streams):  # norm, projection and mix in two kernels
+            from common.kernels.hyper import hc_mix_up, hc_project  # Triton
+
+            norm, fused = self.hc_norm, self.fused_in
+            product, scales = hc_project(streams, norm.weight, norm.eps, fused.weight, self.hc)
+            down, *inject = product.split([*fused.sizes, fused.pad] if fused.pad else fused.sizes, dim=-1)
+            up = self.input_mix_weight_up.weight
+            return hc_mix_up(down, up, streams, self.hc, scales=scales, norm_weight=norm.weight), inject[0]
         normed = self.hc_norm.fused(streams) if self.fused_decode else self.hc_norm(streams)
         down, *inject = project(normed, self._inputs(), self.fused_in)
         logits = inject[0] if inject else None
-        if self.fused_decode and self.mix_up_kernel and self._mix_up_fits(down):
+        if self.fused_decode and self._mix_up_fits(down):
             from common.kernels.hyper import hc_mix_up  # Triton
 
-            return hc_mix_up(down, self.input_mix_weight_up.weight, normed, self.hc), normed, logits
+            return hc_mix_up(down, self.input_mix_weight_up.weight, normed, self.hc), logits
         up = self.input_mix_weight_up(F.silu(down / self.hc))  # [T, hc·H]
         if self.fused_decode:
             from common.kernels.hyper import hc_mix  # Triton
 
-            return hc_mix(up, normed, self.hc), normed, logits
+            return hc_mix(up, normed, self.hc), logits
         gate = torch.sigmoid(up).unflatten(-1, (self.hc, self.hidden))  # [T, hc, H]
-        return (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2), normed, logits
+        return (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2), logits
 
     def _mix_up_fits(self, down: torch.Tensor) -> bool:
         """Whether a pass's mix-up runs inside the mix kernel: a few rows (decode) and a plain bf16/fp32
         Linear (an fp8 one keeps its own GEMV)."""
         from common.kernels.hyper import MIX_UP_ROWS
 
-        return down.shape[0] <= MIX_UP_ROWS and plain_linear(self.input_mix_weight_up)
+        return self.mix_up_kernel and down.shape[0] <= MIX_UP_ROWS and plain_linear(self.input_mix_weight_up)
+
+    def _project_fits(self, streams: torch.Tensor) -> bool:
+        """Whether a pass runs `hc_project` (norm and input projection in one kernel) before the mix-up
+        kernel: as `_mix_up_fits`, with the mix-down and inject weights fused in one plain weight."""
+        fused = self.fused_in
+        plain = type(fused) is FusedLinears and fused.bias is None and fused.weight.is_contiguous()
+        return self.project_kernel and plain and self._mix_up_fits(streams)
 
     def forward(self, streams: torch.Tensor, sublayer) -> torch.Tensor:
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight."""
@@ -83,8 +101,7 @@ class HyperConnection(nn.Module):
 
     def mix_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [T, hc·H] → (the sublayer's input [T, H], the inject logits [T, hc])."""
-        mixed, _, logits = self._mix(streams)
-        return mixed, logits
+        return self._mix(streams)
 
     def inject(self, streams: torch.Tensor, out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """streams + the sublayer's output out [T, H] in every stream, weighted by 2·sigmoid(logits / hc)."""

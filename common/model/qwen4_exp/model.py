@@ -125,7 +125,7 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     def mix(self, streams: torch.Tensor) -> torch.Tensor:
         """The final mixer: streams [T, hc·H] → hidden [T, H]."""
-        return self.model.hyper_connection_mixer.mix(streams)[0]
+        return self.model.hyper_connection_mixer.mix(streams)
 
     def draft(self, streams: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP pass: row t pairs streams[t] with token ctx.batch.input_ids[t] (the next one) at its position.

@@ -48,4 +48,4 @@ class Qwen4MTP(nn.Module):
         x = (h + e[:, None, :]).flatten(-2)
         for layer in self.layers:
             x = layer(x, ctx)
-        return self.hyper_connection_mixer.mix(x)[0], x
+        return self.hyper_connection_mixer.mix(x), x
