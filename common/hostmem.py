@@ -32,9 +32,11 @@ def unregister(tensor: torch.Tensor) -> None:
 def host_list_to(values: list, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """`values` as a tensor on `device`; to a GPU through pinned memory and an asynchronous copy. torch
     copies pageable memory synchronously: the host waits for the stream to drain, then the GPU idles while
-    the host builds the rest of the pass (~0.6 ms gaps in bench/results/prefill-8l-gaps.txt). Small lists:
-    pin_memory's rounding costs nothing here. Not in graph capture, where the copy would be recorded from a
-    pinned block that the replay finds reused (the pageable copy raised there)."""
+    the host builds the rest of the pass (~0.6 ms gaps in bench/results/prefill-8l-gaps.txt). Small lists
+    (a pass's ids, lengths, page table): torch's caching host allocator recycles their pinned blocks,
+    recording each copy's event, and its power-of-two rounding (why the stores are registered with
+    `register_mapped` instead) costs nothing at this size. Not in graph capture, where the copy would be
+    recorded from a pinned block that the replay finds reused (the pageable copy raised there)."""
     host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)

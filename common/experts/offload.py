@@ -455,17 +455,15 @@ class OffloadedExperts(ExpertProvider):
         kernel that sums the choices."""
         from common.kernels.moe_int4 import moe_int4_decode  # Triton: CUDA machines only
 
-        gate_up_rows = lambda: self.copies.join(prepared.done, stage=0)
-        down_rows = lambda: self.copies.join(prepared.done)  # down's rows come after gate_up's
-        ready = ~prepared.moving[topk_ids] if prepared.moving is not None else None
-        if ready is None:  # every pair waits: gate_up's rows before the kernels start
-            gate_up_rows()
-        added = (shared, shared_gate) if self.combine_shared else (None, None)
+        fold = self.combine_shared
         out = moe_int4_decode(
-            x, prepared.rows[topk_ids], topk_weights, self.pool, before_down=down_rows, ready=ready,
-            before_gate_up=None if ready is None else gate_up_rows, shared=added[0], shared_gate=added[1],
+            x, prepared.rows[topk_ids], topk_weights, self.pool,
+            before_down=lambda: self.copies.join(prepared.done),  # down's rows come after gate_up's
+            ready=~prepared.moving[topk_ids] if prepared.moving is not None else None,
+            before_gate_up=lambda: self.copies.join(prepared.done, stage=0),
+            shared=shared if fold else None, shared_gate=shared_gate if fold else None,
         )  # fmt: skip
-        return out if self.combine_shared else add_shared(out, shared, shared_gate)
+        return out if fold else add_shared(out, shared, shared_gate)
 
     @property
     def _kernel_decode(self) -> bool:
@@ -490,9 +488,9 @@ class OffloadedExperts(ExpertProvider):
         """[E] bool: the experts a step's copies write (`newcomer` where `valid`), for `hits_first`."""
         if not (self.hits_first and self.fused_int4):
             return None
-        count = torch.zeros(self.store.num_experts, dtype=torch.int32, device=newcomer.device)
-        ids = torch.where(valid, newcomer, 0)  # an invalid entry's id is not read (it adds 0 at expert 0)
-        return count.index_put_((ids,), valid.to(torch.int32), accumulate=True) > 0
+        e = self.store.num_experts
+        moving = torch.zeros(e + 1, dtype=torch.bool, device=newcomer.device)
+        return moving.index_fill_(0, torch.where(valid, newcomer, e), True)[:e]  # invalid entries: row e
 
     def _prepare_arena(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
         """Big chunks (T·k ≥ prefetch_factor · E: nearly every expert is used): whole layers into alternate

@@ -171,26 +171,29 @@ def moe_int4_decode(
     pairs = t * k
     rows = rows.reshape(-1).contiguous()
     pick = ready.reshape(-1).to(torch.int8) if ready is not None else rows  # unread without `ready`
-    passes = (1, 0) if ready is not None else (-1,)
-    waits = {"gate_up": before_gate_up, "down": before_down}
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     x, weights = x.contiguous(), weights.reshape(-1).contiguous()
     knobs = {"GPB": groups_per_step, "BLOCK": block, "HALF": GROUP // 2, "num_warps": num_warps}
-    for kernel in ("gate_up", "down"):
-        for chosen in passes:
-            if chosen != 1 and waits[kernel] is not None:  # the ready pairs went without waiting
-                waits[kernel]()
-            if kernel == "gate_up":
-                _gate_up_kernel[(pairs, inter // block)](
-                    x, rows, pick, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"],
-                    act, k, hidden, inter, GROUPS=hidden // GROUP, PICK=chosen, **knobs,
-                )  # fmt: skip
-            else:
-                _down_kernel[(pairs, hidden // block)](
-                    act, rows, pick, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"],
-                    partial, hidden, inter, GROUPS=inter // GROUP, PICK=chosen, **knobs,
-                )  # fmt: skip
+
+    def gate_up(chosen: int) -> None:
+        _gate_up_kernel[(pairs, inter // block)](
+            x, rows, pick, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
+            hidden, inter, GROUPS=hidden // GROUP, PICK=chosen, **knobs,
+        )  # fmt: skip
+
+    def down(chosen: int) -> None:
+        _down_kernel[(pairs, hidden // block)](
+            act, rows, pick, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
+            hidden, inter, GROUPS=inter // GROUP, PICK=chosen, **knobs,
+        )  # fmt: skip
+
+    for launch, wait in ((gate_up, before_gate_up), (down, before_down)):
+        if ready is not None:
+            launch(1)  # the ready pairs, before the wait
+        if wait is not None:
+            wait()
+        launch(-1 if ready is None else 0)  # every pair, or the rest
     out = torch.empty_like(x)
     gated = shared_gate is not None
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](

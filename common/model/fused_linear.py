@@ -45,9 +45,10 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, K] → one [T, N_i] output per Linear, in order (views of one [T, ΣN + pad] product)."""
-        out = F.linear(x, self.weight, self.bias)
-        if not self.pad:
-            return out.split(self.sizes, dim=-1)
+        return self.split(F.linear(x, self.weight, self.bias))
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The fused weight's product [T, ΣN + pad] (however computed) → one [T, N_i] view per Linear."""
         return out.split([*self.sizes, self.pad], dim=-1)[:-1]
 
 

@@ -62,9 +62,9 @@ class HyperConnection(nn.Module):
 
             norm, fused = self.hc_norm, self.fused_in
             product, scales = hc_project(streams, norm.weight, norm.eps, fused.weight, self.hc)
-            down, *inject = product.split([*fused.sizes, fused.pad] if fused.pad else fused.sizes, dim=-1)
+            down, logits = fused.split(product)
             up = self.input_mix_weight_up.weight
-            return hc_mix_up(down, up, streams, self.hc, scales=scales, norm_weight=norm.weight), inject[0]
+            return hc_mix_up(down, up, streams, self.hc, scales=scales, norm_weight=norm.weight), logits
         normed = self.hc_norm.fused(streams) if self.fused_decode else self.hc_norm(streams)
         down, *inject = project(normed, self._inputs(), self.fused_in)
         logits = inject[0] if inject else None
