@@ -67,9 +67,11 @@ class DecodeGraphs:
         self.memory = torch.cuda.graph_pool_handle()  # one private pool: passes never run concurrently
 
     def forget(self) -> None:
-        """Drop the recordings (their memory goes back to the private pool): the next batches record again,
-        after a change to what a step runs (a kernel switched on or off)."""
+        """Drop the recordings: the next batches record again, after a change to what a step runs (a kernel
+        switched on or off). They record into a new private pool: the old one is released once its last
+        graph is gone, and torch's allocator refuses a capture into a pool it has released."""
         self.recorded.clear()
+        self.memory = torch.cuda.graph_pool_handle()
 
     def run(self, batch: ForwardBatch, eager) -> torch.Tensor:
         lanes = batch.input_ids.shape[0]

@@ -48,3 +48,17 @@ def test_recorded_decode_matches_eager(tmp_path: Path, arch: str, cache: str | N
         for name, counts in engine.offload.tables.counters.items():
             assert torch.equal(counts, reference.offload.tables.counters[name]), name
         assert engine.offload.tables.capacities == reference.offload.tables.capacities
+
+
+def test_forgotten_recordings_record_again(tmp_path: Path) -> None:
+    """After `forget` (bench.decode_offload --ablate between variants) the next batches record afresh and
+    decode the same tokens."""
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=ARCHS["qwen4_exp"])
+    first, engine = _run(path, True, None)
+    engine.runner.graphs.forget()
+    assert not engine.runner.graphs.recorded
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
+    again = [r.token_ids for r in engine.generate(prompts, PARAMS)]
+    assert again == first
+    assert set(engine.runner.graphs.recorded) == {1, 2}
