@@ -56,7 +56,8 @@ class HyperConnection(nn.Module):
         return self._mix(streams)[0]
 
     def _mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """mix(streams), and the inject logits [T, hc] when there is an inject weight."""
+        """mix(streams), and the inject logits [T, hc] when there is an inject weight (after hc_project: its
+        partial products [hc, T, hc], which hc_inject sums)."""
         if self.fused_decode and self._project_fits(streams):  # norm, projection and mix in two kernels
             from common.kernels.hyper import hc_mix_up, hc_project  # Triton
 

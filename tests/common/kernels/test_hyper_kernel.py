@@ -48,12 +48,31 @@ def test_project_and_mix_up_from_raw_streams(rows: int) -> None:
         name: t.to(DEVICE)
         for name, t in (("s", streams), ("nw", norm.weight.data), ("w", weight), ("up", up))
     }
-    got, scales = hc_project(on["s"], on["nw"], norm.eps, on["w"], hc, block_n=4, block_k=16)
+    parts, scales = hc_project(on["s"], on["nw"], norm.eps, on["w"], hc, block_n=4, block_k=16)
+    assert parts.shape == (hc, rows, n_out)  # one partial product a stream
+    got = parts.sum(0)
     torch.testing.assert_close(got.cpu(), F.linear(normed, weight), rtol=1e-5, atol=1e-5)
     want_scales = torch.rsqrt(streams.unflatten(-1, (hc, hidden)).pow(2).mean(-1) + norm.eps)
     torch.testing.assert_close(scales.cpu(), want_scales, rtol=1e-5, atol=1e-6)
-    down = got[:, :rank]
-    mixed = hc_mix_up(down, on["up"], on["s"], hc, scales=scales, norm_weight=on["nw"])
-    torch.testing.assert_close(
-        mixed.cpu(), hc_mix_up(down, on["up"], normed.to(DEVICE), hc).cpu(), rtol=1e-5, atol=1e-5
-    )
+    want = hc_mix_up(got[:, :rank], on["up"], normed.to(DEVICE), hc).cpu()
+    # the partials summed as they are read
+    mixed = hc_mix_up(parts[..., :rank], on["up"], on["s"], hc, scales=scales, norm_weight=on["nw"])
+    torch.testing.assert_close(mixed.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [0, 4])
+def test_inject_from_a_view_or_partial_products(parts: int) -> None:
+    """hc_inject against its torch form, the logits read as a fused product's strided last columns (0) or
+    as hc_project's partial products [P, T, hc], summed in the kernel."""
+    from common.kernels.hyper import hc_inject
+
+    gen = torch.Generator().manual_seed(11 + parts)
+    rows, hc, hidden = 3, 4, 40
+    streams = torch.randn(rows, hc * hidden, generator=gen)
+    out = torch.randn(rows, hidden, generator=gen)
+    product = torch.randn(max(parts, 1), rows, 7 + hc, generator=gen)
+    logits = product[..., 7:] if parts else product[0, :, 7:]  # [P, T, hc] or [T, hc], strided
+    weight = 2 * torch.sigmoid(logits.sum(0) / hc if parts else logits / hc)  # [T, hc]
+    want = streams + (out[:, None, :] * weight[:, :, None]).flatten(-2)
+    got = hc_inject(streams.to(DEVICE), out.to(DEVICE), logits.to(DEVICE), block=16)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
