@@ -12,7 +12,7 @@ residual update. Its three GEMVs (mix down, mix up, inject) stay cuBLAS calls; t
   up = W_up · silu(down / hc) computed per stream in registers. In a decode step that is one kernel where
   there were four (the division, the SiLU, cuBLAS's GEMV, hc_mix; 96 sublayers a step); the weight
   (hc·H × rank, 6.5 MB for flashnext) is read once, up never written.
-- `hc_project`, for a few rows: the mix-down and inject projection from the raw streams, normalised as they
+- `hc_project`, for the same rows: the mix-down and inject projection from the raw streams, normalised as they
   are read (hc_norm and the GEMV in one kernel), as one partial product a stream (hc_mix_up and hc_inject
   sum them), with the streams' scales for hc_mix_up.
 

@@ -30,11 +30,11 @@ class HyperConnection(nn.Module):
         self.block_inject_weight = nn.Linear(cfg.hc_hidden, cfg.hc_count, bias=False) if inject else None
 
     mix_up_kernel = True
-    """With `fused_decode`: passes of a few rows run the mix-up GEMV inside the mix kernel (`hc_mix_up`); a
-    switch for bench.decode_offload --ablate."""
+    """With `fused_decode`: passes of up to MIX_UP_ROWS rows run the mix-up GEMV inside the mix kernel
+    (`hc_mix_up`); a switch for bench.decode_offload --ablate."""
 
     project_kernel = True
-    """With `fused_decode` and `mix_up_kernel`: passes of a few rows normalise the streams inside the input
+    """With `fused_decode` and `mix_up_kernel`: those passes normalise the streams inside the input
     projection's kernel (`hc_project`); a switch for bench.decode_offload --ablate."""
 
     fused_in: FusedLinears | None = None
@@ -82,8 +82,8 @@ class HyperConnection(nn.Module):
         return (gate * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2), logits
 
     def _mix_up_fits(self, down: torch.Tensor) -> bool:
-        """Whether a pass's mix-up runs inside the mix kernel: a few rows (decode) and a plain bf16/fp32
-        Linear (an fp8 one keeps its own GEMV)."""
+        """Whether a pass's mix-up runs inside the mix kernel: up to MIX_UP_ROWS rows (decode) and a plain
+        bf16/fp32 Linear (an fp8 one keeps its own GEMV)."""
         from common.kernels.hyper import MIX_UP_ROWS
 
         return self.mix_up_kernel and down.shape[0] <= MIX_UP_ROWS and plain_linear(self.input_mix_weight_up)
