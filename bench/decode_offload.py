@@ -157,13 +157,14 @@ def main() -> None:
 
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
-    "hits-first",
+    "hits-first", "int4-deferred-sums",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
 
 def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
+    import common.kernels.moe_int4 as moe_int4
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.qwen4_exp.qsa import QSAIndexer
@@ -175,6 +176,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
         (SparseMoeBlock, "shared_kernel", False),
         (provider, "combine_shared", False),
         (provider, "hits_first", not provider.hits_first),
+        (moe_int4, "DEFERRED_SUMS", not moe_int4.DEFERRED_SUMS),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

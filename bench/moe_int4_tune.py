@@ -2,7 +2,8 @@
 I 640, top-10).
 
 Decode (default): µs per call of `moe_int4_decode` for one and eight tokens, over output rows per program,
-groups per loop step and warps, and the bandwidth each reaches (expert bytes read / time, against the HBM rate
+groups per loop step, warps and `deferred` (the products summed once after the loop), each output checked
+against the defaults', and the bandwidth each reaches (expert bytes read / time, against the HBM rate
 measured here). Calls are replayed from a CUDA graph, each on other pool rows (a pool larger than L2), as a
 decode step's 48 layers would be.
 
@@ -30,19 +31,28 @@ from common.kernels.moe_int4 import GROUPED, GroupedConfig, moe_int4_decode, moe
 HIDDEN, INTER, TOP_K, CALLS, EXPERTS = 2560, 640, 10, 48, 512
 
 
-def time_config(pool: dict, tokens: int, block: int, groups: int, warps: int, repeats: int = 20) -> float:
-    """µs per call: CALLS calls on random pool rows recorded as one graph, replayed `repeats` times."""
+def decode_calls(pool: dict, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """CALLS (x, rows, weights) on random pool rows (seeded: every setting times the same calls)."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
     n = pool["down_qweight"].shape[0]
-    x = torch.randn(CALLS, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    rows = torch.stack([torch.randperm(n, device="cuda")[: tokens * TOP_K] for _ in range(CALLS)])
-    rows = rows.view(CALLS, tokens, TOP_K)
-    weights = torch.softmax(torch.randn(CALLS, tokens, TOP_K, device="cuda"), -1)
+    out = []
+    for _ in range(CALLS):
+        x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+        rows = torch.randperm(n, device="cuda", generator=gen)[: tokens * TOP_K].view(tokens, TOP_K)
+        weights = torch.softmax(torch.randn(tokens, TOP_K, device="cuda", generator=gen), -1)
+        out.append((x, rows, weights))
+    return out
 
-    def calls() -> None:
-        for c in range(CALLS):
-            moe_int4_decode(x[c], rows[c], weights[c], pool, block, None, groups, warps)
 
-    return replay_us(calls, repeats) / CALLS
+def time_config(pool: dict, calls: list, setting: dict, repeats: int = 20) -> tuple[float, torch.Tensor]:
+    """µs per call of `calls` recorded as one graph, replayed `repeats` times; and the first call's output."""
+
+    def run() -> None:
+        for x, rows, weights in calls:
+            moe_int4_decode(x, rows, weights, pool, **setting)
+
+    first = moe_int4_decode(*calls[0], pool, **setting)
+    return replay_us(run, repeats) / CALLS, first
 
 
 def grouped_sweep(tokens_list: list[int]) -> None:
@@ -94,18 +104,27 @@ def main() -> None:
     pool = {name: block.cuda() for name, block in store.parts[0].items()}  # [rows, ...] each
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
+    settings = [
+        {"block": b, "groups_per_step": g, "num_warps": w, "deferred": False}
+        for b, g, w in itertools.product((8, 16, 32), (1, 2, 4, 8), (2, 4, 8))
+    ] + [
+        {"block": b, "groups_per_step": g, "num_warps": w, "deferred": True}
+        for b, g, w in itertools.product((4, 8, 16), (4, 8, 16, 32), (4, 8))
+    ]  # fmt: skip
     for tokens in args.tokens or [1, 8]:
+        calls = decode_calls(pool, tokens)
+        want = moe_int4_decode(*calls[0], pool).float()  # the defaults'
         results = []
-        for block, groups, warps in itertools.product((8, 16, 32), (1, 2, 4, 8), (2, 4, 8)):
-            if INTER % block:
-                continue
-            us = time_config(pool, tokens, block, groups, warps)
-            results.append((us, block, groups, warps))
+        for setting in settings:
+            us, got = time_config(pool, calls, setting)
+            error = ((got.float() - want).norm() / want.norm()).item()
+            results.append((us, setting, error))
         floor = tokens * TOP_K * expert_bytes / (hbm * 1e3)  # µs to read the experts once at the HBM rate
         print(f"tokens {tokens}: HBM floor {floor:.1f} µs per call")
-        for us, block, groups, warps in sorted(results)[:12]:
-            setting = f"block {block:>2} groups/step {groups} warps {warps}"
-            print(f"  {setting}: {us:7.2f} µs ({floor / us:.0%} of HBM)")
+        for us, s, error in sorted(results, key=lambda r: r[0])[:16]:
+            label = f"block {s['block']:>2} groups/step {s['groups_per_step']:>2} warps {s['num_warps']}"
+            label += " deferred" if s["deferred"] else ""
+            print(f"  {label}: {us:7.2f} µs ({floor / us:.0%} of HBM), vs default {error:.0e}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ import triton.language as tl
 from common.config import MOE_DOWN_TOKENS
 
 GROUP = 128
+DEFERRED_SUMS = False
+"""Decode kernels that sum their products once after the loop over input groups (`_groups_terms`), unrolled,
+instead of a reduction across threads at every step (`_groups_dot`: compiled for sm_90 its loop holds a
+barrier a reduction, and no step's loads can start before the last step's sums). Off until timed on the GPU
+(bench.moe_int4_tune --deferred, bench.decode_offload --ablate)."""
 GROUPS_PER_STEP = 4
 """Groups of 128 inputs one loop step reads: [BLOCK rows × 4 groups × 64 bytes] per load keeps enough bytes in
 flight (one group per step left the kernels at ~0.5 TB/s)."""
@@ -60,10 +65,47 @@ def _groups_dot(
 
 
 @triton.jit
+def _groups_terms(
+    w_ptr, s_ptr, z_ptr, rows_out, g0, x_even, x_odd,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """`_groups_dot`'s terms before any sum: scale · ((q_even − z) · x_even + (q_odd − z) · x_odd), [BLOCK,
+    GPB, HALF] fp32, x_even and x_odd [1, GPB, HALF] (`_load_pairs3`). Summed by the caller once after its
+    loop: no reduction across threads inside it."""
+    gi = g0 + tl.arange(0, GPB)  # [GPB]
+    live = gi < GROUPS
+    cols = gi[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [GPB, HALF] byte columns
+    packed = tl.load(
+        w_ptr + rows_out[:, None, None] * (GROUPS * HALF) + cols[None, :, :],
+        mask=live[None, :, None],
+        other=0,
+    )  # [BLOCK, GPB, HALF] uint8
+    at = rows_out[:, None] * GROUPS + gi[None, :]  # [BLOCK, GPB]
+    scale = tl.load(s_ptr + at, mask=live[None, :], other=0).to(tl.float32)[:, :, None]
+    zero = tl.load(z_ptr + at, mask=live[None, :], other=0).to(tl.float32)[:, :, None]
+    low = (packed & 15).to(tl.float32) - zero
+    high = (packed >> 4).to(tl.float32) - zero
+    return scale * (low * x_even + high * x_odd)
+
+
+@triton.jit
 def _expert_ptrs(w_ptr, s_ptr, z_ptr, row, rows_out, GROUPS: tl.constexpr, HALF: tl.constexpr):
     """Pool row `row`'s codes, scales and zeros of one matrix of `rows_out` output rows."""
     at = row * rows_out
     return w_ptr + at * (GROUPS * HALF), s_ptr + at * GROUPS, z_ptr + at * GROUPS
+
+
+@triton.jit
+def _load_pairs3(ptr, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr):
+    """`_load_pairs` as [1, GPB, HALF], to broadcast over the weights' [BLOCK, GPB, HALF] tiles. (Compiled
+    for sm_90 at flashnext's shape Triton still loads it in a layout of its own and converts it through
+    shared memory, a barrier each; a step's loads do not wait for the last step's sums, only for those.)"""
+    gi = g0 + tl.arange(0, GPB)
+    at = gi[None, :, None] * (2 * HALF) + 2 * tl.arange(0, HALF)[None, None, :]
+    live = (gi < GROUPS)[None, :, None]
+    even = tl.load(ptr + at, mask=live, other=0).to(tl.float32)
+    odd = tl.load(ptr + at + 1, mask=live, other=0).to(tl.float32)
+    return even, odd
 
 
 @triton.jit
@@ -81,6 +123,7 @@ def _load_pairs(ptr, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.const
 def _gate_up_kernel(
     x_ptr, rows_ptr, pick_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, PICK: tl.constexpr,
+    DEFER: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     if PICK >= 0:  # noqa: SIM102 (compile-time, then run-time): one pass of two, the pairs picked PICK
@@ -90,12 +133,22 @@ def _gate_up_kernel(
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] act columns (< inter: inter % BLOCK == 0)
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, 2 * inter, GROUPS, HALF)
-    gate = tl.zeros((BLOCK,), dtype=tl.float32)
-    up = tl.zeros((BLOCK,), dtype=tl.float32)
-    for g0 in range(0, GROUPS, GPB):
-        x_even, x_odd = _load_pairs(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
-        gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF)
-        up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF)
+    if DEFER:  # every step's loads independent of the others' sums: unrolled, no barrier in the loop
+        gate3 = tl.zeros((BLOCK, GPB, HALF), dtype=tl.float32)
+        up3 = tl.zeros((BLOCK, GPB, HALF), dtype=tl.float32)
+        for g0 in tl.static_range(0, GROUPS, GPB):
+            x_even, x_odd = _load_pairs3(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
+            gate3 += _groups_terms(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF)
+            up3 += _groups_terms(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF)
+        gate = tl.sum(tl.sum(gate3, axis=2), axis=1)
+        up = tl.sum(tl.sum(up3, axis=2), axis=1)
+    else:
+        gate = tl.zeros((BLOCK,), dtype=tl.float32)
+        up = tl.zeros((BLOCK,), dtype=tl.float32)
+        for g0 in range(0, GROUPS, GPB):
+            x_even, x_odd = _load_pairs(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
+            gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF)
+            up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
     tl.store(act_ptr + p * inter + n, act)
 
@@ -104,6 +157,7 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr, rows_ptr, pick_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, PICK: tl.constexpr,
+    DEFER: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     if PICK >= 0:  # noqa: SIM102 (as in _gate_up_kernel)
@@ -112,10 +166,17 @@ def _down_kernel(
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for g0 in range(0, GROUPS, GPB):
-        a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF)
-        acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF)
+    if DEFER:  # as in _gate_up_kernel
+        acc3 = tl.zeros((BLOCK, GPB, HALF), dtype=tl.float32)
+        for g0 in tl.static_range(0, GROUPS, GPB):
+            a_even, a_odd = _load_pairs3(act_ptr + p * inter, g0, GROUPS, GPB, HALF)
+            acc3 += _groups_terms(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF)
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for g0 in range(0, GROUPS, GPB):
+            a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF)
+            acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
 
 
@@ -151,6 +212,7 @@ def moe_int4_decode(
     before_gate_up: Callable[[], None] | None = None,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    deferred: bool | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -162,8 +224,10 @@ def moe_int4_decode(
     kernel runs twice: the ready pairs first, with no wait, then the others after the wait, so the hits'
     work overlaps the misses' copies. `shared` [T, H] (a shared expert's output, gated by
     σ(shared_gate [T, 1]) when given) is added in the kernel that sums the choices (torch took five: the sum,
-    the cast, the sigmoid, the product and the sum). `block` (output rows per program), `groups_per_step` (a
-    power of two) and `num_warps` are tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU).
+    the cast, the sigmoid, the product and the sum). `block` (output rows per program), `groups_per_step`
+    (a power of two; at 32 one step covers every group), `num_warps` and `deferred` (default
+    `DEFERRED_SUMS`: each program's products summed once after its loop instead of at every step) are
+    tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU).
     """
     t, k = rows.shape
     hidden = x.shape[1]
@@ -174,18 +238,22 @@ def moe_int4_decode(
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     x, weights = x.contiguous(), weights.reshape(-1).contiguous()
-    knobs = {"GPB": groups_per_step, "BLOCK": block, "HALF": GROUP // 2, "num_warps": num_warps}
+    defer = DEFERRED_SUMS if deferred is None else deferred
+    knobs = {"BLOCK": block, "HALF": GROUP // 2, "DEFER": defer, "num_warps": num_warps}
+    gpb = groups_per_step  # per kernel at most its groups' power of two: a step past them reads nothing
 
     def gate_up(chosen: int) -> None:
+        groups = hidden // GROUP
         _gate_up_kernel[(pairs, inter // block)](
             x, rows, pick, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
-            hidden, inter, GROUPS=hidden // GROUP, PICK=chosen, **knobs,
+            hidden, inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), PICK=chosen, **knobs,
         )  # fmt: skip
 
     def down(chosen: int) -> None:
+        groups = inter // GROUP
         _down_kernel[(pairs, hidden // block)](
             act, rows, pick, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
-            hidden, inter, GROUPS=inter // GROUP, PICK=chosen, **knobs,
+            hidden, inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), PICK=chosen, **knobs,
         )  # fmt: skip
 
     for launch, wait in ((gate_up, before_gate_up), (down, before_down)):
