@@ -139,3 +139,25 @@ def measure_tflops(n: int = 8192, repeats: int = 5) -> float:
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     a @ b  # warm-up
     return 2 * n**3 / (median_ms(lambda: a @ b, repeats) / 1e3) / 1e12
+
+
+def step_weight_bytes(model: torch.nn.Module, rows: int, device_type: str = "cuda") -> int:
+    """Bytes of the model's device weights one decode step of `rows` tokens reads (BENCHMARKS.md's
+    hbm_bytes, less experts and KV): the union of its parameters' and buffers' bytes on the device (a fused
+    projection and its Linears' views of it count once), an embedding table only for the `rows` rows it
+    gathers, unless a head reads all of it (tied weights)."""
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    spans: list[tuple[int, int]] = []
+    for module in model.modules():
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if t.device.type != device_type or t.numel() == 0:
+                continue
+            nbytes = t.numel() * t.element_size()
+            if isinstance(module, torch.nn.Embedding) and (head is None or head.data_ptr() != t.data_ptr()):
+                nbytes = min(nbytes, rows * t.shape[1] * t.element_size())
+            spans.append((t.data_ptr(), t.data_ptr() + nbytes))
+    total, reach = 0, 0
+    for start, end in sorted(spans):
+        total += max(0, end - max(start, reach))
+        reach = max(reach, end)
+    return total

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import progress, write_profile, write_result
+from bench.common import progress, step_weight_bytes, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.runner import ModelRunner
 
@@ -104,7 +104,7 @@ def main() -> None:
     if args.profile is not None:
         profile_steps(runner, seqs, tokens, args.profile)
     steps = args.decode - args.warmup
-    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    resident = step_weight_bytes(model, args.lanes)  # the embedding: the rows a step gathers
     used = (run["hits"] + run["misses"]) / steps * store.expert_bytes  # experts read per step
     if args.all_fit:  # nothing is resolved, so nothing counted: each layer reads its lanes' experts
         used = len(cfg.moe_layers) * min(cfg.num_experts, args.lanes * cfg.top_k) * store.expert_bytes
