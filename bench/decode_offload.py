@@ -157,7 +157,7 @@ def main() -> None:
 
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
-    "hits-first", "int4-deferred-sums",
+    "hits-first", "int4-deferred-sums", "int4-grouped-decode",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -177,6 +177,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
         (provider, "combine_shared", False),
         (provider, "hits_first", not provider.hits_first),
         (moe_int4, "DEFERRED_SUMS", not moe_int4.DEFERRED_SUMS),
+        (provider, "grouped_decode_tokens", 2 if provider.grouped_decode_tokens is None else None),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -2,10 +2,12 @@
 I 640, top-10).
 
 Decode (default): µs per call of `moe_int4_decode` for one and eight tokens, over output rows per program,
-groups per loop step, warps and `deferred` (the products summed once after the loop), each output checked
-against the defaults', and the bandwidth each reaches (expert bytes read / time, against the HBM rate
-measured here). Calls are replayed from a CUDA graph, each on other pool rows (a pool larger than L2), as a
-decode step's 48 layers would be.
+groups per loop step, warps and `deferred` (the products summed once after the loop), and past one token
+the grouped kernels at decode shapes (`moe_int4_grouped`, 16 pairs a block: each used expert read once),
+each output checked against the defaults', and the share of the HBM floor each reaches (the experts a call
+uses, read once, at the HBM rate measured here). Calls are replayed from a CUDA graph, each on another
+layer's pool rows (a pool larger than L2), as a decode step's 48 layers would be; a call's tokens draw from
+a Zipf popularity, so they share experts as eight lanes do.
 
 `--grouped`: ms per call of the prefill kernels (`moe_int4_grouped`) for 8,192 and 25,600 tokens routed
 uniformly over 512 experts, over `GroupedConfig` (pairs per block, columns per program, warps, pipelining
@@ -32,27 +34,44 @@ HIDDEN, INTER, TOP_K, CALLS, EXPERTS = 2560, 640, 10, 48, 512
 
 
 def decode_calls(pool: dict, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """CALLS (x, rows, weights) on random pool rows (seeded: every setting times the same calls)."""
+    """CALLS (x, rows [tokens, k], weights) as decode steps' MoE layers: each call one layer's EXPERTS pool
+    rows, each token's k experts drawn from a Zipf popularity (exponent 0.9, as synthetic-zipf's middle
+    layer), so tokens share experts as eight lanes do. Seeded: every setting times the same calls."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
-    n = pool["down_qweight"].shape[0]
+    layers = pool["down_qweight"].shape[0] // EXPERTS
+    popularity = 1 / torch.arange(1, EXPERTS + 1, device="cuda", dtype=torch.float32) ** 0.9
     out = []
-    for _ in range(CALLS):
+    for c in range(CALLS):
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
-        rows = torch.randperm(n, device="cuda", generator=gen)[: tokens * TOP_K].view(tokens, TOP_K)
+        ids = torch.multinomial(popularity.expand(tokens, -1), TOP_K, generator=gen)  # [tokens, k] distinct
         weights = torch.softmax(torch.randn(tokens, TOP_K, device="cuda", generator=gen), -1)
-        out.append((x, rows, weights))
+        out.append((x, (c % layers) * EXPERTS + ids, weights))
     return out
+
+
+def decode_once(pool: dict, call: tuple, setting: dict) -> torch.Tensor:
+    """One call under a setting: the decode kernels' knobs, or {"grouped": GroupedConfig} for the grouped
+    kernels (each used expert read once; the pool rows are the experts)."""
+    x, rows, weights = call
+    if "grouped" in setting:
+        identity = torch.arange(pool["down_qweight"].shape[0], device="cuda")
+        return moe_int4_grouped(x, rows, weights, identity, pool, setting["grouped"])
+    return moe_int4_decode(x, rows, weights, pool, **setting)
 
 
 def time_config(pool: dict, calls: list, setting: dict, repeats: int = 20) -> tuple[float, torch.Tensor]:
     """µs per call of `calls` recorded as one graph, replayed `repeats` times; and the first call's output."""
+    first = decode_once(pool, calls[0], setting)
+    return replay_us(lambda: [decode_once(pool, c, setting) for c in calls], repeats) / CALLS, first
 
-    def run() -> None:
-        for x, rows, weights in calls:
-            moe_int4_decode(x, rows, weights, pool, **setting)
 
-    first = moe_int4_decode(*calls[0], pool, **setting)
-    return replay_us(run, repeats) / CALLS, first
+def label(setting: dict) -> str:
+    if "grouped" in setting:
+        g = setting["grouped"]
+        return f"grouped block_m {g.block_m} block_n {g.block_n:>3} warps {g.num_warps} stages {g.stages}"
+    knobs = (setting["block"], setting["groups_per_step"], setting["num_warps"])
+    text = "block {:>2} groups/step {:>2} warps {}".format(*knobs)
+    return text + (" deferred" if setting["deferred"] else "")
 
 
 def grouped_sweep(tokens_list: list[int]) -> None:
@@ -94,13 +113,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--grouped", action="store_true", help="the prefill kernels (default: decode)")
     ap.add_argument("--tokens", type=int, nargs="+", default=None)
-    ap.add_argument("--rows", type=int, default=4096, help="pool rows (experts) the decode calls read from")
+    ap.add_argument(
+        "--rows", type=int, default=4096, help="pool rows the decode calls read (EXPERTS a layer)"
+    )
     args = ap.parse_args()
     if args.grouped:
         grouped_sweep(args.tokens or [8192, 25600])
         return
     hbm = measure_hbm_gbps()
-    store = random_int4_store(1, args.rows, HIDDEN, INTER)
+    store = random_int4_store(1, args.rows, HIDDEN, INTER)  # args.rows // EXPERTS layers' experts
     pool = {name: block.cuda() for name, block in store.parts[0].items()}  # [rows, ...] each
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
@@ -111,20 +132,22 @@ def main() -> None:
         {"block": b, "groups_per_step": g, "num_warps": w, "deferred": True}
         for b, g, w in itertools.product((4, 8, 16), (4, 8, 16, 32), (4, 8))
     ]  # fmt: skip
+    grouped = [
+        {"grouped": GroupedConfig(16, *s)} for s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))
+    ]
     for tokens in args.tokens or [1, 8]:
         calls = decode_calls(pool, tokens)
         want = moe_int4_decode(*calls[0], pool).float()  # the defaults'
         results = []
-        for setting in settings:
+        for setting in settings + (grouped if tokens > 1 else []):
             us, got = time_config(pool, calls, setting)
             error = ((got.float() - want).norm() / want.norm()).item()
             results.append((us, setting, error))
-        floor = tokens * TOP_K * expert_bytes / (hbm * 1e3)  # µs to read the experts once at the HBM rate
-        print(f"tokens {tokens}: HBM floor {floor:.1f} µs per call")
-        for us, s, error in sorted(results, key=lambda r: r[0])[:16]:
-            label = f"block {s['block']:>2} groups/step {s['groups_per_step']:>2} warps {s['num_warps']}"
-            label += " deferred" if s["deferred"] else ""
-            print(f"  {label}: {us:7.2f} µs ({floor / us:.0%} of HBM), vs default {error:.0e}")
+        used = sum(c[1].unique().numel() for c in calls) / CALLS  # experts a call reads at least once
+        floor = used * expert_bytes / (hbm * 1e3)  # µs to read them once at the HBM rate
+        print(f"tokens {tokens}: {used:.1f} experts a call, HBM floor {floor:.1f} µs per call")
+        for us, setting, error in sorted(results, key=lambda r: r[0])[:16]:
+            print(f"  {label(setting)}: {us:7.2f} µs ({floor / us:.0%} of HBM), vs default {error:.0e}")
 
 
 if __name__ == "__main__":

@@ -366,7 +366,7 @@ def group_pairs(topk_ids: torch.Tensor, num_experts: int, block: int) -> tuple[t
     expert = flat[order]
     rank = torch.arange(p, device=device) - (torch.cumsum(counts, 0) - counts)[expert]  # within its expert
     position = (ends - padded)[expert] + rank
-    blocks = -(-p // block) + num_experts
+    blocks = min(-(-p // block) + num_experts, p)  # an expert's blocks are at most its pairs (decode: P)
     pairs = torch.full((blocks * block,), -1, dtype=torch.int64, device=device)
     pairs[position] = order
     starts = torch.arange(blocks, device=device) * block
@@ -394,6 +394,11 @@ over 512 experts: 203 TFLOP/s, the sweep's fastest (the first shape, 32 pairs ×
 the even/odd split products, ran prefill-25k's expert GEMMs at ~34); at 8,192 tokens 131 TFLOP/s, within
 1 % of the fastest there."""
 
+GROUPED_DECODE = GroupedConfig(block_m=16, block_n=64, num_warps=4, stages=2)
+"""The grouped kernels in a decode pass of several tokens (`OffloadedExperts.grouped_decode_tokens`): one
+block of up to 16 pairs per used expert (a token picks an expert once: at most one block each). A first
+guess, not yet timed: `bench.moe_int4_tune --tokens 8` sweeps the shapes."""
+
 
 def moe_int4_grouped(
     x: torch.Tensor,
@@ -403,12 +408,15 @@ def moe_int4_grouped(
     pool: dict[str, torch.Tensor],
     config: GroupedConfig = GROUPED,
     down_tokens: int = MOE_DOWN_TOKENS,
+    before_down: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Prefill: Σ_j topk_weights[t, j] · SwiGLU expert topk_ids[t, j] (x[t]) → [T, H] in x's dtype, with
     expert e's int4 weights at pool row rows[e] ([E] int64). Pairs grouped by expert into blocks of
     `config.block_m`; gate/up runs over every pair as tiled GEMMs, then down over the pairs of at most
     `down_tokens` tokens at a time, in slices of equal size (its output rows are the big buffer). Each
-    pair's term is rounded to x's dtype and the k terms of a token are summed in fp32 (in choice order)."""
+    pair's term is rounded to x's dtype and the k terms of a token are summed in fp32 (in choice order).
+    `before_down` runs before down's first launch (a wait for its rows' copies, in decode). No host sync: a
+    recorded decode step can hold it (GROUPED_DECODE: each used expert read once for all its tokens)."""
     t, k = topk_ids.shape
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
@@ -424,6 +432,8 @@ def moe_int4_grouped(
     )  # fmt: skip
     weights = topk_weights.reshape(-1).contiguous()
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    if before_down is not None:
+        before_down()
     # bounded [n·k, H] output rows (MOE_DOWN_TOKENS), in equal slices: a short last slice would spread few
     # pairs over every expert, its blocks mostly padding, at nearly a full slice's cost
     size = triton.cdiv(t, triton.cdiv(t, down_tokens))

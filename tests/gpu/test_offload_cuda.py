@@ -74,11 +74,12 @@ def store(request) -> HostExpertStore:
 
 
 def _provider(
-    store: HostExpertStore, capacity: int, policy: str, hits_first: bool = False
+    store: HostExpertStore, capacity: int, policy: str, hits_first: bool = False, grouped: bool = False
 ) -> OffloadedExperts:
     tables = CacheTables(LAYERS, E, [capacity] * LAYERS, policy, device="cuda")
     provider = OffloadedExperts(store, tables, store.fmt, F.silu, list(range(LAYERS)), "cuda", torch.bfloat16)
     provider.hits_first = hits_first  # int4: the hits' pairs before the wait for the misses' copies
+    provider.grouped_decode_tokens = 2 if grouped else None  # int4: the grouped kernels from two tokens
     return provider
 
 
@@ -93,9 +94,17 @@ def _steps(n: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.
 
 
 @pytest.mark.parametrize(
-    ("policy", "hits_first"), [("lru", False), ("lfu-admit", False), ("lfu-admit", True)]
+    ("policy", "hits_first", "grouped"),
+    [
+        ("lru", False, False),
+        ("lfu-admit", False, False),
+        ("lfu-admit", True, False),
+        ("lfu-admit", False, True),
+    ],
 )
-def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str, hits_first: bool) -> None:
+def test_decode_on_cuda_never_syncs_and_matches_the_reference(
+    store, policy: str, hits_first: bool, grouped: bool
+) -> None:
     steps = _steps(8, tokens=3)
     reference = []
     for layer in range(LAYERS):
@@ -105,7 +114,7 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
         reference.append([batched_expert_mlp(x, gate_up[i], down[i], i, w, F.silu) for x, i, w in steps])
     by_capacity = []
     for capacity in (1, 5, E):
-        provider = _provider(store, capacity, policy, hits_first)
+        provider = _provider(store, capacity, policy, hits_first, grouped)
         provider.begin_pass(True)
         provider.forward(0, *steps[0])  # warm-up: compiles the copy kernel
         torch.cuda.synchronize()
@@ -130,10 +139,11 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
             assert all(torch.equal(a, b) for a, b in zip(out, every_slot, strict=True))
 
 
-@pytest.mark.parametrize("hits_first", [False, True])
-def test_slow_copies_are_waited_for(store, monkeypatch, hits_first: bool) -> None:
+@pytest.mark.parametrize(("hits_first", "grouped"), [(False, False), (True, False), (False, True)])
+def test_slow_copies_are_waited_for(store, monkeypatch, hits_first: bool, grouped: bool) -> None:
     """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows
-    (with `hits_first`, the hits' pairs run before the wait and the misses' after it)."""
+    (with `hits_first`, the hits' pairs run before the wait and the misses' after it; `grouped`: the
+    grouped kernels, gate_up after the first stage, down after the second)."""
     from common.experts import offload
 
     copy = offload.copy_experts
@@ -144,7 +154,7 @@ def test_slow_copies_are_waited_for(store, monkeypatch, hits_first: bool) -> Non
 
     monkeypatch.setattr(offload, "copy_experts", slow)
     steps = _steps(3, tokens=2)
-    provider = _provider(store, 1, "lru", hits_first)
+    provider = _provider(store, 1, "lru", hits_first, grouped)
     for x, ids, w in steps:
         provider.begin_pass(True)
         for layer in range(LAYERS):
