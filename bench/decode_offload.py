@@ -65,13 +65,18 @@ def main() -> None:
         "decode-N-ablate.json (one more lane's state held: slots a little fewer than the plain run's)",
     )  # fmt: skip
     ap.add_argument(
+        "--switches", nargs="+", choices=DECODE_SWITCHES, default=None,
+        help="with --ablate: only these variants (after the defaults)",
+    )  # fmt: skip
+    ap.add_argument(
         "--hits-first", action="store_true",
         help="each MoE layer computes its hits before waiting for its misses' copies (OffloadedExperts)",
     )  # fmt: skip
     args = ap.parse_args()
 
     lanes = args.lanes + int(args.ablate)  # --ablate: the prompt's state held beside the lanes
-    runs = 1 + (2 + len(DECODE_SWITCHES)) * int(args.ablate)  # the routing trace covers every run's steps
+    switches = args.switches or DECODE_SWITCHES
+    runs = 1 + (2 + len(switches)) * int(args.ablate)  # the routing trace covers every run's steps
     flash = build_flashnext(
         args.layers, args.budget_gib, lanes, args.prompt + args.decode + 16 + 8,  # + profiled steps
         args.prompt + args.decode * args.lanes * runs, args.policy, args.eager, args.fused, args.all_fit,
@@ -187,7 +192,9 @@ def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict
     state (fresh copies of `pristine` each time; the cache carries over and the warm-up steps settle it),
     graphs recorded again for each. Per variant: tok/s per request and aggregate, hit rate."""
     out = {}
-    for name, switch in {"defaults": None, **decode_switches(provider)}.items():
+    wanted = args.switches or DECODE_SWITCHES
+    chosen = {name: v for name, v in decode_switches(provider).items() if name in wanted}
+    for name, switch in {"defaults": None, **chosen}.items():
         owner, attr, value = switch or (None, "", False)
         before = getattr(owner, attr) if switch else None
         if switch:
