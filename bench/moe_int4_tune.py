@@ -121,6 +121,8 @@ def main() -> None:
         grouped_sweep(args.tokens or [8192, 25600])
         return
     hbm = measure_hbm_gbps()
+    if args.rows < EXPERTS:
+        ap.error(f"--rows must be at least one layer's {EXPERTS} experts")
     store = random_int4_store(1, args.rows, HIDDEN, INTER)  # args.rows // EXPERTS layers' experts
     pool = {name: block.cuda() for name, block in store.parts[0].items()}  # [rows, ...] each
     expert_bytes = store.expert_bytes
@@ -131,6 +133,7 @@ def main() -> None:
     ] + [
         {"block": b, "groups_per_step": g, "num_warps": w, "deferred": True}
         for b, g, w in itertools.product((4, 8, 16), (4, 8, 16, 32), (4, 8))
+        if b * g <= 128  # [block, groups, 64] fp32 accumulators, two of them: larger ones spill
     ]  # fmt: skip
     grouped = [
         {"grouped": GroupedConfig(16, *s)} for s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))

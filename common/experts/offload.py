@@ -463,9 +463,9 @@ class OffloadedExperts(ExpertProvider):
 
         grouped = self.grouped_decode_tokens
         if grouped is not None and x.shape[0] >= grouped:
-            self.copies.join(prepared.done, stage=0)  # gate_up's rows; down's before down
             out = moe_int4_grouped(
                 x, topk_ids, topk_weights, prepared.rows, self.pool, GROUPED_DECODE,
+                before_gate_up=lambda: self.copies.join(prepared.done, stage=0),  # after the grouping
                 before_down=lambda: self.copies.join(prepared.done),
             )  # fmt: skip
             return add_shared(out, shared, shared_gate)

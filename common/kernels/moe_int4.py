@@ -39,13 +39,11 @@ flight (one group per step left the kernels at ~0.5 TB/s)."""
 
 
 @triton.jit
-def _groups_dot(
-    w_ptr, s_ptr, z_ptr, rows_out, g0, x_even, x_odd,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr,
+def _group_tiles(
+    w_ptr, s_ptr, z_ptr, rows_out, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr
 ):  # fmt: skip
-    """Σ over groups g0..g0+GPB−1 (those < GROUPS) of w[rows_out, group] · x → [BLOCK] fp32.
-
-    x_even, x_odd [GPB, HALF]: the groups' even and odd inputs (0 past the last group)."""
+    """Rows `rows_out`, groups g0..g0+GPB−1: codes [BLOCK, GPB, HALF] uint8, scales and zeros [BLOCK, GPB]
+    fp32 (0 past the last group)."""
     gi = g0 + tl.arange(0, GPB)  # [GPB]
     live = gi < GROUPS
     cols = gi[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [GPB, HALF] byte columns
@@ -53,13 +51,25 @@ def _groups_dot(
         w_ptr + rows_out[:, None, None] * (GROUPS * HALF) + cols[None, :, :],
         mask=live[None, :, None],
         other=0,
-    )  # [BLOCK, GPB, HALF] uint8
-    low = (packed & 15).to(tl.float32)
-    high = (packed >> 4).to(tl.float32)
-    dot = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK, GPB]
+    )
     at = rows_out[:, None] * GROUPS + gi[None, :]  # [BLOCK, GPB]
     scale = tl.load(s_ptr + at, mask=live[None, :], other=0).to(tl.float32)
     zero = tl.load(z_ptr + at, mask=live[None, :], other=0).to(tl.float32)
+    return packed, scale, zero
+
+
+@triton.jit
+def _groups_dot(
+    w_ptr, s_ptr, z_ptr, rows_out, g0, x_even, x_odd,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """Σ over groups g0..g0+GPB−1 (those < GROUPS) of w[rows_out, group] · x → [BLOCK] fp32.
+
+    x_even, x_odd [GPB, HALF]: the groups' even and odd inputs (0 past the last group)."""
+    packed, scale, zero = _group_tiles(w_ptr, s_ptr, z_ptr, rows_out, g0, GROUPS, GPB, HALF)
+    low = (packed & 15).to(tl.float32)
+    high = (packed >> 4).to(tl.float32)
+    dot = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK, GPB]
     x_sum = tl.sum(x_even + x_odd, axis=1)  # [GPB]
     return tl.sum(scale * (dot - zero * x_sum[None, :]), axis=1)
 
@@ -72,17 +82,8 @@ def _groups_terms(
     """`_groups_dot`'s terms before any sum: scale · ((q_even − z) · x_even + (q_odd − z) · x_odd), [BLOCK,
     GPB, HALF] fp32, x_even and x_odd [1, GPB, HALF] (`_load_pairs3`). Summed by the caller once after its
     loop: no reduction across threads inside it."""
-    gi = g0 + tl.arange(0, GPB)  # [GPB]
-    live = gi < GROUPS
-    cols = gi[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [GPB, HALF] byte columns
-    packed = tl.load(
-        w_ptr + rows_out[:, None, None] * (GROUPS * HALF) + cols[None, :, :],
-        mask=live[None, :, None],
-        other=0,
-    )  # [BLOCK, GPB, HALF] uint8
-    at = rows_out[:, None] * GROUPS + gi[None, :]  # [BLOCK, GPB]
-    scale = tl.load(s_ptr + at, mask=live[None, :], other=0).to(tl.float32)[:, :, None]
-    zero = tl.load(z_ptr + at, mask=live[None, :], other=0).to(tl.float32)[:, :, None]
+    packed, scale, zero = _group_tiles(w_ptr, s_ptr, z_ptr, rows_out, g0, GROUPS, GPB, HALF)
+    scale, zero = scale[:, :, None], zero[:, :, None]
     low = (packed & 15).to(tl.float32) - zero
     high = (packed >> 4).to(tl.float32) - zero
     return scale * (low * x_even + high * x_odd)
@@ -354,8 +355,9 @@ def _grouped_down_kernel(
 def group_pairs(topk_ids: torch.Tensor, num_experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks of `block` (token, choice) pairs that use one expert each, without a host sync: (pairs
     [blocks·block] pair indices, −1 in each expert's padding; block_expert [blocks], −1 for unused blocks),
-    blocks = ceil(P / block) + E, the worst case (every expert adds at most one partial block). (Counts by
-    `index_add_`: CUDA's `bincount` reads the ids' maximum back to the host.)"""
+    blocks = min(ceil(P / block) + E, P), the worst case (every expert adds at most one partial block, and
+    has at most as many blocks as pairs). (Counts by `index_add_`: CUDA's `bincount` reads the ids' maximum
+    back to the host.)"""
     flat = topk_ids.reshape(-1)
     p, device = flat.numel(), flat.device
     order = torch.argsort(flat, stable=True)  # pairs by expert
@@ -409,14 +411,16 @@ def moe_int4_grouped(
     config: GroupedConfig = GROUPED,
     down_tokens: int = MOE_DOWN_TOKENS,
     before_down: Callable[[], None] | None = None,
+    before_gate_up: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Prefill: Σ_j topk_weights[t, j] · SwiGLU expert topk_ids[t, j] (x[t]) → [T, H] in x's dtype, with
     expert e's int4 weights at pool row rows[e] ([E] int64). Pairs grouped by expert into blocks of
     `config.block_m`; gate/up runs over every pair as tiled GEMMs, then down over the pairs of at most
     `down_tokens` tokens at a time, in slices of equal size (its output rows are the big buffer). Each
     pair's term is rounded to x's dtype and the k terms of a token are summed in fp32 (in choice order).
-    `before_down` runs before down's first launch (a wait for its rows' copies, in decode). No host sync: a
-    recorded decode step can hold it (GROUPED_DECODE: each used expert read once for all its tokens)."""
+    `before_gate_up` and `before_down` run right before those launches (waits for their rows' copies, in
+    decode: the grouping's small kernels go first). No host sync: a recorded decode step can hold it
+    (GROUPED_DECODE: each used expert read once for all its tokens)."""
     t, k = topk_ids.shape
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
@@ -426,6 +430,8 @@ def moe_int4_grouped(
     x = x.contiguous()
     launch = {"num_warps": config.num_warps, "STAGES": config.stages, "BM": bm, "BN": bn, "HALF": GROUP // 2}
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    if before_gate_up is not None:
+        before_gate_up()
     _grouped_gate_up_kernel[(block_expert.numel(), inter // bn)](
         x, pairs, block_expert, rows, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"],
         act, k, hidden, inter, GROUPS=hidden // GROUP, **launch,

@@ -86,7 +86,8 @@ class HyperConnection(nn.Module):
         bf16/fp32 Linear (an fp8 one keeps its own GEMV)."""
         from common.kernels.hyper import MIX_UP_ROWS
 
-        return self.mix_up_kernel and down.shape[0] <= MIX_UP_ROWS and plain_linear(self.input_mix_weight_up)
+        fits = down.shape[0] <= MIX_UP_ROWS and self.hc & (self.hc - 1) == 0  # the streams: one tile's rows
+        return self.mix_up_kernel and fits and plain_linear(self.input_mix_weight_up)
 
     def _project_fits(self, streams: torch.Tensor) -> bool:
         """Whether a pass runs `hc_project` (norm and input projection in one kernel) before the mix-up
