@@ -68,10 +68,6 @@ def main() -> None:
         "--switches", nargs="+", choices=DECODE_SWITCHES, default=None,
         help="with --ablate: only these variants (after the defaults)",
     )  # fmt: skip
-    ap.add_argument(
-        "--hits-first", action="store_true",
-        help="each MoE layer computes its hits before waiting for its misses' copies (OffloadedExperts)",
-    )  # fmt: skip
     args = ap.parse_args()
 
     lanes = args.lanes + int(args.ablate)  # --ablate: the prompt's state held beside the lanes
@@ -84,7 +80,6 @@ def main() -> None:
         embeddings_on_host=args.embeddings_on_host, resident_dtype=args.resident_dtype,
     )  # fmt: skip
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
-    provider.hits_first = args.hits_first  # before the first decode step records its graph
     pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s
 
     prompt = torch.randint(
@@ -143,12 +138,10 @@ def main() -> None:
         "cuda_graphs": not args.eager,
         "fused_decode": args.fused,
         "all_fit": args.all_fit,
-        "hits_first": args.hits_first,
     }
     name = "decode-allfit" if args.all_fit else f"decode-{args.lanes}" + ("-lending" if args.lend else "")
     name += "-host-embeddings" if args.embeddings_on_host else ""
     name += f"-resident-{args.resident_dtype}" if args.resident_dtype else ""
-    name += "-hits-first" if args.hits_first else ""
     name += ("" if args.fused else "-torch-ops") + ("-eager" if args.eager else "")  # a variant: its own file
     if args.ablate:
         for s in seqs:  # their slots go to the ablations' lanes
@@ -162,7 +155,7 @@ def main() -> None:
 
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
-    "hits-first", "int4-deferred-sums", "int4-grouped-decode",
+    "int4-deferred-sums", "int4-grouped-decode",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -180,7 +173,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
         (HyperConnection, "mix_up_kernel", False),
         (SparseMoeBlock, "shared_kernel", False),
         (provider, "combine_shared", False),
-        (provider, "hits_first", not provider.hits_first),
         (moe_int4, "DEFERRED_SUMS", not moe_int4.DEFERRED_SUMS),
         (provider, "grouped_decode_tokens", 2 if provider.grouped_decode_tokens is None else None),
     )

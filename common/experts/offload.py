@@ -210,8 +210,6 @@ class Prepared:
     cached: torch.Tensor | None = None
     """Prefill: [E] bool, the expert's row is a slot of the cache (else of this provider's arena); None:
     every row is the arena's."""
-    moving: torch.Tensor | None = None
-    """Decode with `hits_first`: [E] bool, the expert's row is being copied this step (a miss or a bypass)."""
 
 
 class OffloadedExperts(ExpertProvider):
@@ -273,10 +271,6 @@ class OffloadedExperts(ExpertProvider):
         self.combine_shared = True
         """With `fused_int4`: decode's shared expert added in the kernel that sums the choices (else by torch
         after it); a switch for bench.decode_offload --ablate."""
-        self.hits_first = False
-        """With `fused_int4`: a decode step's MoE computes its hits' pairs before waiting for the misses'
-        copies (moe_int4_decode's `ready`), so the hits' work overlaps the copies; two launches a kernel
-        instead of one. Opt-in until measured on the GPU (bench.decode_offload --hits-first)."""
         self.grouped_decode_tokens: int | None = None
         """With `fused_int4`: decode passes of at least this many tokens run the grouped int4 kernels
         (`moe_int4_grouped` at GROUPED_DECODE: each used expert's weights read once for all its tokens, where
@@ -386,7 +380,7 @@ class OffloadedExperts(ExpertProvider):
 
             row, newcomer, target, valid = resolve_step(self.tables, i, topk_ids, self.step, self._moved)
             done = self.copies.launch(i, newcomer, target, valid, self._stages)
-            return Prepared(rows=row, done=done, moving=self._moving(newcomer, valid))
+            return Prepared(rows=row, done=done)
         requested = torch.zeros(self.store.num_experts, dtype=torch.bool, device=topk_ids.device)  # [E]
         requested.index_fill_(0, topk_ids.reshape(-1), True)  # (t[i] = True would synchronise)
         if self.prefill:
@@ -456,9 +450,8 @@ class OffloadedExperts(ExpertProvider):
         shared_gate: torch.Tensor | None,
     ) -> torch.Tensor:
         """A decode pass through the int4 kernels: the rows read in place once their copies are in (gate_up's
-        before down's), with `hits_first` the hits' pairs before any wait; the shared expert added in the
-        kernel that sums the choices. Passes of `grouped_decode_tokens` tokens or more: the grouped kernels
-        (the shared expert added after them)."""
+        before down's); the shared expert added in the kernel that sums the choices. Passes of
+        `grouped_decode_tokens` tokens or more: the grouped kernels (the shared expert added after them)."""
         from common.kernels.moe_int4 import GROUPED_DECODE, moe_int4_decode, moe_int4_grouped  # Triton: CUDA
 
         grouped = self.grouped_decode_tokens
@@ -473,7 +466,6 @@ class OffloadedExperts(ExpertProvider):
         out = moe_int4_decode(
             x, prepared.rows[topk_ids], topk_weights, self.pool,
             before_down=lambda: self.copies.join(prepared.done),  # down's rows come after gate_up's
-            ready=~prepared.moving[topk_ids] if prepared.moving is not None else None,
             before_gate_up=lambda: self.copies.join(prepared.done, stage=0),
             shared=shared if fold else None, shared_gate=shared_gate if fold else None,
         )  # fmt: skip
@@ -496,15 +488,7 @@ class OffloadedExperts(ExpertProvider):
         done = self.copies.launch(i, res.newcomer, res.target, res.valid, self._stages)
         self._moved[_FILLS, i].add_(res.filled.sum())
         self._moved[_BYPASSES, i].add_(res.bypass.sum())
-        return Prepared(rows=res.row, done=done, moving=self._moving(res.newcomer, res.valid))
-
-    def _moving(self, newcomer: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
-        """[E] bool: the experts a step's copies write (`newcomer` where `valid`), for `hits_first`."""
-        if not (self.hits_first and self.fused_int4):
-            return None
-        e = self.store.num_experts
-        moving = torch.zeros(e + 1, dtype=torch.bool, device=newcomer.device)
-        return moving.index_fill_(0, torch.where(valid, newcomer, e), True)[:e]  # invalid entries: row e
+        return Prepared(rows=res.row, done=done)
 
     def _prepare_arena(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
         """Big chunks (T·k ≥ prefetch_factor · E: nearly every expert is used): whole layers into alternate

@@ -122,14 +122,10 @@ def _load_pairs(ptr, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.const
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, rows_ptr, pick_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, PICK: tl.constexpr,
-    DEFER: tl.constexpr,
+    x_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, DEFER: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
-    if PICK >= 0:  # noqa: SIM102 (compile-time, then run-time): one pass of two, the pairs picked PICK
-        if tl.load(pick_ptr + p).to(tl.int32) != PICK:
-            return
     t = p // k
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] act columns (< inter: inter % BLOCK == 0)
@@ -156,14 +152,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, rows_ptr, pick_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, PICK: tl.constexpr,
-    DEFER: tl.constexpr,
+    act_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, DEFER: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
-    if PICK >= 0:  # noqa: SIM102 (as in _gate_up_kernel)
-        if tl.load(pick_ptr + p).to(tl.int32) != PICK:
-            return
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
@@ -209,7 +201,6 @@ def moe_int4_decode(
     before_down: Callable[[], None] | None = None,
     groups_per_step: int = GROUPS_PER_STEP,
     num_warps: int = 4,
-    ready: torch.Tensor | None = None,
     before_gate_up: Callable[[], None] | None = None,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
@@ -220,12 +211,10 @@ def moe_int4_decode(
     x [T, H] (bf16/fp16/fp32, contiguous); rows, weights [T, k]; pool: an int4 pool's components
     (`gate_up_qweight` [R, 2I, H/2], `gate_up_scales`/`gate_up_zeros` [R, 2I, H/128], `down_*` likewise
     [R, H, ...]). H and I multiples of 128. Fixed launch shapes, no host sync: a recorded step can hold it.
-    `before_gate_up` and `before_down` run before the pairs that need them read their matrices (to wait for
-    the rows' copies). With `ready` [T, k] bool (pairs whose rows are in place now: the cache's hits), each
-    kernel runs twice: the ready pairs first, with no wait, then the others after the wait, so the hits'
-    work overlaps the misses' copies. `shared` [T, H] (a shared expert's output, gated by
-    σ(shared_gate [T, 1]) when given) is added in the kernel that sums the choices (torch took five: the sum,
-    the cast, the sigmoid, the product and the sum). `block` (output rows per program), `groups_per_step`
+    `before_gate_up` and `before_down` run right before the kernels that read those matrices (to wait for
+    the rows' copies). `shared` [T, H] (a shared expert's output, gated by σ(shared_gate [T, 1]) when
+    given) is added in the kernel that sums the choices (torch took five: the sum, the cast, the sigmoid,
+    the product and the sum). `block` (output rows per program), `groups_per_step`
     (a power of two; at 32 one step covers every group), `num_warps` and `deferred` (default
     `DEFERRED_SUMS`: each program's products summed once after its loop instead of at every step) are
     tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU).
@@ -235,7 +224,6 @@ def moe_int4_decode(
     inter = pool["down_qweight"].shape[2] * 2
     pairs = t * k
     rows = rows.reshape(-1).contiguous()
-    pick = ready.reshape(-1).to(torch.int8) if ready is not None else rows  # unread without `ready`
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     x, weights = x.contiguous(), weights.reshape(-1).contiguous()
@@ -243,26 +231,20 @@ def moe_int4_decode(
     knobs = {"BLOCK": block, "HALF": GROUP // 2, "DEFER": defer, "num_warps": num_warps}
     gpb = groups_per_step  # per kernel at most its groups' power of two: a step past them reads nothing
 
-    def gate_up(chosen: int) -> None:
-        groups = hidden // GROUP
-        _gate_up_kernel[(pairs, inter // block)](
-            x, rows, pick, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
-            hidden, inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), PICK=chosen, **knobs,
-        )  # fmt: skip
-
-    def down(chosen: int) -> None:
-        groups = inter // GROUP
-        _down_kernel[(pairs, hidden // block)](
-            act, rows, pick, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
-            hidden, inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), PICK=chosen, **knobs,
-        )  # fmt: skip
-
-    for launch, wait in ((gate_up, before_gate_up), (down, before_down)):
-        if ready is not None:
-            launch(1)  # the ready pairs, before the wait
-        if wait is not None:
-            wait()
-        launch(-1 if ready is None else 0)  # every pair, or the rest
+    if before_gate_up is not None:
+        before_gate_up()
+    groups = hidden // GROUP
+    _gate_up_kernel[(pairs, inter // block)](
+        x, rows, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k, hidden,
+        inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), **knobs,
+    )  # fmt: skip
+    if before_down is not None:
+        before_down()
+    groups = inter // GROUP
+    _down_kernel[(pairs, hidden // block)](
+        act, rows, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial, hidden,
+        inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), **knobs,
+    )  # fmt: skip
     out = torch.empty_like(x)
     gated = shared_gate is not None
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](

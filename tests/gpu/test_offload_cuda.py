@@ -73,12 +73,9 @@ def store(request) -> HostExpertStore:
     return store
 
 
-def _provider(
-    store: HostExpertStore, capacity: int, policy: str, hits_first: bool = False, grouped: bool = False
-) -> OffloadedExperts:
+def _provider(store: HostExpertStore, capacity: int, policy: str, grouped: bool = False) -> OffloadedExperts:
     tables = CacheTables(LAYERS, E, [capacity] * LAYERS, policy, device="cuda")
     provider = OffloadedExperts(store, tables, store.fmt, F.silu, list(range(LAYERS)), "cuda", torch.bfloat16)
-    provider.hits_first = hits_first  # int4: the hits' pairs before the wait for the misses' copies
     provider.grouped_decode_tokens = 2 if grouped else None  # int4: the grouped kernels from two tokens
     return provider
 
@@ -93,18 +90,8 @@ def _steps(n: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     return out
 
 
-@pytest.mark.parametrize(
-    ("policy", "hits_first", "grouped"),
-    [
-        ("lru", False, False),
-        ("lfu-admit", False, False),
-        ("lfu-admit", True, False),
-        ("lfu-admit", False, True),
-    ],
-)
-def test_decode_on_cuda_never_syncs_and_matches_the_reference(
-    store, policy: str, hits_first: bool, grouped: bool
-) -> None:
+@pytest.mark.parametrize(("policy", "grouped"), [("lru", False), ("lfu-admit", False), ("lfu-admit", True)])
+def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str, grouped: bool) -> None:
     steps = _steps(8, tokens=3)
     reference = []
     for layer in range(LAYERS):
@@ -114,7 +101,7 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(
         reference.append([batched_expert_mlp(x, gate_up[i], down[i], i, w, F.silu) for x, i, w in steps])
     by_capacity = []
     for capacity in (1, 5, E):
-        provider = _provider(store, capacity, policy, hits_first, grouped)
+        provider = _provider(store, capacity, policy, grouped)
         provider.begin_pass(True)
         provider.forward(0, *steps[0])  # warm-up: compiles the copy kernel
         torch.cuda.synchronize()
@@ -139,11 +126,10 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(
             assert all(torch.equal(a, b) for a, b in zip(out, every_slot, strict=True))
 
 
-@pytest.mark.parametrize(("hits_first", "grouped"), [(False, False), (True, False), (False, True)])
-def test_slow_copies_are_waited_for(store, monkeypatch, hits_first: bool, grouped: bool) -> None:
+@pytest.mark.parametrize("grouped", [False, True])
+def test_slow_copies_are_waited_for(store, monkeypatch, grouped: bool) -> None:
     """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows
-    (with `hits_first`, the hits' pairs run before the wait and the misses' after it; `grouped`: the
-    grouped kernels, gate_up after the first stage, down after the second)."""
+    (`grouped`: the grouped kernels, gate_up after the first stage, down after the second)."""
     from common.experts import offload
 
     copy = offload.copy_experts
@@ -154,7 +140,7 @@ def test_slow_copies_are_waited_for(store, monkeypatch, hits_first: bool, groupe
 
     monkeypatch.setattr(offload, "copy_experts", slow)
     steps = _steps(3, tokens=2)
-    provider = _provider(store, 1, "lru", hits_first, grouped)
+    provider = _provider(store, 1, "lru", grouped)
     for x, ids, w in steps:
         provider.begin_pass(True)
         for layer in range(LAYERS):

@@ -52,10 +52,10 @@ def test_int4_decode_matches_the_dequantised_reference(
     torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=1e-4, atol=1e-4)
 
 
-def test_int4_decode_runs_the_ready_pairs_before_waiting() -> None:
-    """With `ready`, the hits' pairs go first and the others after each wait: rows still being copied (here
-    garbage until the wait writes them, matrix by matrix) are read only after their wait, and the result is
-    the one-pass result, bit for bit."""
+def test_int4_decode_waits_before_each_matrix() -> None:
+    """Rows still being copied (garbage until each wait writes them, matrix by matrix) are read only after
+    their wait: `before_gate_up` runs before gate_up's kernel and `before_down` before down's, and the
+    result is the one with the rows in place from the start, bit for bit."""
     from common.kernels.moe_int4 import moe_int4_decode
 
     gen = torch.Generator().manual_seed(7)
@@ -74,11 +74,9 @@ def test_int4_decode_runs_the_ready_pairs_before_waiting() -> None:
             if name.startswith(prefix):
                 t[moving] = arriving[name]
 
-    ready = ~torch.isin(rows, torch.tensor(moving, device=DEVICE))
     got = moe_int4_decode(
-        x, rows, weights, pool, ready=ready, before_gate_up=lambda: arrive("gate_up"),
-        before_down=lambda: arrive("down"),
-    )  # fmt: skip
+        x, rows, weights, pool, before_gate_up=lambda: arrive("gate_up"), before_down=lambda: arrive("down")
+    )
     assert calls == ["gate_up", "down"]
     assert torch.equal(got, want)
 
