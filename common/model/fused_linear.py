@@ -61,10 +61,11 @@ def project(
     return tuple(linear(x) for linear in linears)
 
 
-def plain_linear(linear: nn.Module) -> bool:
-    """A bias-free Linear with a contiguous weight (not an fp8 one): what the Triton GEMVs that fold a
-    projection into their neighbours read (common/kernels/hyper.py, gated_mlp.py)."""
-    return type(linear) is nn.Linear and linear.bias is None and linear.weight.is_contiguous()
+def plain_linear(linear: nn.Module | FusedLinears | None) -> bool:
+    """A bias-free Linear (or fused Linears) with a contiguous weight, not an fp8 one: what the Triton GEMVs
+    that fold a projection into their neighbours read (common/kernels/hyper.py, gated_mlp.py)."""
+    kind = type(linear) in (nn.Linear, FusedLinears)
+    return kind and linear.bias is None and linear.weight.is_contiguous()
 
 
 def fuse_linears(linears: Sequence[nn.Linear], copy: bool = True) -> FusedLinears | None:

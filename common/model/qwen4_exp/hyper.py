@@ -92,9 +92,7 @@ class HyperConnection(nn.Module):
     def _project_fits(self, streams: torch.Tensor) -> bool:
         """Whether a pass runs `hc_project` (norm and input projection in one kernel) before the mix-up
         kernel: as `_mix_up_fits`, with the mix-down and inject weights fused in one plain weight."""
-        fused = self.fused_in
-        plain = type(fused) is FusedLinears and fused.bias is None and fused.weight.is_contiguous()
-        return self.project_kernel and plain and self._mix_up_fits(streams)
+        return self.project_kernel and plain_linear(self.fused_in) and self._mix_up_fits(streams)
 
     def forward(self, streams: torch.Tensor, sublayer) -> torch.Tensor:
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight."""
