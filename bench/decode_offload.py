@@ -155,14 +155,12 @@ def main() -> None:
 
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
-    "int4-deferred-sums", "int4-grouped-decode",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
 
 def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
-    import common.kernels.moe_int4 as moe_int4
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.qwen4_exp.qsa import QSAIndexer
@@ -173,8 +171,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
         (HyperConnection, "mix_up_kernel", False),
         (SparseMoeBlock, "shared_kernel", False),
         (provider, "combine_shared", False),
-        (moe_int4, "DEFERRED_SUMS", not moe_int4.DEFERRED_SUMS),
-        (provider, "grouped_decode_tokens", 2 if provider.grouped_decode_tokens is None else None),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -2,9 +2,9 @@
 I 640, top-10).
 
 Decode (default): µs per call of `moe_int4_decode` for one and eight tokens, over output rows per program,
-groups per loop step, warps and `deferred` (the products summed once after the loop), and past one token
-the grouped kernels at decode shapes (`moe_int4_grouped`, 16 pairs a block: each used expert read once),
-each output checked against the defaults', and the share of the HBM floor each reaches (the experts a call
+groups per loop step and warps, and past one token the grouped kernels at decode shapes (`moe_int4_grouped`,
+16 pairs a block: each used expert read once; slower at eight tokens, so decode does not use them), each
+output checked against the defaults', and the share of the HBM floor each reaches (the experts a call
 uses, read once, at the HBM rate measured here). Calls are replayed from a CUDA graph, each on another
 layer's pool rows (a pool larger than L2), as a decode step's 48 layers would be; a call's tokens draw from
 a Zipf popularity, so they share experts as eight lanes do.
@@ -70,8 +70,7 @@ def label(setting: dict) -> str:
         g = setting["grouped"]
         return f"grouped block_m {g.block_m} block_n {g.block_n:>3} warps {g.num_warps} stages {g.stages}"
     knobs = (setting["block"], setting["groups_per_step"], setting["num_warps"])
-    text = "block {:>2} groups/step {:>2} warps {}".format(*knobs)
-    return text + (" deferred" if setting["deferred"] else "")
+    return "block {:>2} groups/step {:>2} warps {}".format(*knobs)
 
 
 def grouped_sweep(tokens_list: list[int]) -> None:
@@ -128,13 +127,9 @@ def main() -> None:
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
     settings = [
-        {"block": b, "groups_per_step": g, "num_warps": w, "deferred": False}
+        {"block": b, "groups_per_step": g, "num_warps": w}
         for b, g, w in itertools.product((8, 16, 32), (1, 2, 4, 8), (2, 4, 8))
-    ] + [
-        {"block": b, "groups_per_step": g, "num_warps": w, "deferred": True}
-        for b, g, w in itertools.product((4, 8, 16), (4, 8, 16, 32), (4, 8))
-        if b * g <= 128  # [block, groups, 64] fp32 accumulators, two of them: larger ones spill
-    ]  # fmt: skip
+    ]
     grouped = [
         {"grouped": GroupedConfig(16, *s)} for s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))
     ]

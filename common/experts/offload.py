@@ -271,11 +271,6 @@ class OffloadedExperts(ExpertProvider):
         self.combine_shared = True
         """With `fused_int4`: decode's shared expert added in the kernel that sums the choices (else by torch
         after it); a switch for bench.decode_offload --ablate."""
-        self.grouped_decode_tokens: int | None = None
-        """With `fused_int4`: decode passes of at least this many tokens run the grouped int4 kernels
-        (`moe_int4_grouped` at GROUPED_DECODE: each used expert's weights read once for all its tokens, where
-        the decode kernels read them once per (token, choice) pair); None: never. Opt-in until measured on
-        the GPU (bench.decode_offload --ablate: int4-grouped-decode)."""
         self.dense_kernels = fmt.name in ("bf16", "fp8") and act is F.silu and shared_cache is None
         self.fused_dense = False
         """With `dense_kernels`: decode passes through the bf16 / fp8 decode kernels (moe_dense.py: each
@@ -450,18 +445,9 @@ class OffloadedExperts(ExpertProvider):
         shared_gate: torch.Tensor | None,
     ) -> torch.Tensor:
         """A decode pass through the int4 kernels: the rows read in place once their copies are in (gate_up's
-        before down's); the shared expert added in the kernel that sums the choices. Passes of
-        `grouped_decode_tokens` tokens or more: the grouped kernels (the shared expert added after them)."""
-        from common.kernels.moe_int4 import GROUPED_DECODE, moe_int4_decode, moe_int4_grouped  # Triton: CUDA
+        before down's); the shared expert added in the kernel that sums the choices."""
+        from common.kernels.moe_int4 import moe_int4_decode  # Triton: CUDA
 
-        grouped = self.grouped_decode_tokens
-        if grouped is not None and x.shape[0] >= grouped:
-            out = moe_int4_grouped(
-                x, topk_ids, topk_weights, prepared.rows, self.pool, GROUPED_DECODE,
-                before_gate_up=lambda: self.copies.join(prepared.done, stage=0),  # after the grouping
-                before_down=lambda: self.copies.join(prepared.done),
-            )  # fmt: skip
-            return add_shared(out, shared, shared_gate)
         fold = self.combine_shared
         out = moe_int4_decode(
             x, prepared.rows[topk_ids], topk_weights, self.pool,

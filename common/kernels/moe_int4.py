@@ -28,11 +28,6 @@ import triton.language as tl
 from common.config import MOE_DOWN_TOKENS
 
 GROUP = 128
-DEFERRED_SUMS = False
-"""Decode kernels that sum their products once after the loop over input groups (`_groups_terms`), unrolled,
-instead of a reduction across threads at every step (`_groups_dot`: compiled for sm_90 its loop holds a
-barrier a reduction, and no step's loads can start before the last step's sums). Off until timed on the GPU
-(bench.moe_int4_tune --deferred, bench.decode_offload --ablate)."""
 GROUPS_PER_STEP = 4
 """Groups of 128 inputs one loop step reads: [BLOCK rows × 4 groups × 64 bytes] per load keeps enough bytes in
 flight (one group per step left the kernels at ~0.5 TB/s)."""
@@ -75,38 +70,10 @@ def _groups_dot(
 
 
 @triton.jit
-def _groups_terms(
-    w_ptr, s_ptr, z_ptr, rows_out, g0, x_even, x_odd,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr,
-):  # fmt: skip
-    """`_groups_dot`'s terms before any sum: scale · ((q_even − z) · x_even + (q_odd − z) · x_odd), [BLOCK,
-    GPB, HALF] fp32, x_even and x_odd [1, GPB, HALF] (`_load_pairs3`). Summed by the caller once after its
-    loop: no reduction across threads inside it."""
-    packed, scale, zero = _group_tiles(w_ptr, s_ptr, z_ptr, rows_out, g0, GROUPS, GPB, HALF)
-    scale, zero = scale[:, :, None], zero[:, :, None]
-    low = (packed & 15).to(tl.float32) - zero
-    high = (packed >> 4).to(tl.float32) - zero
-    return scale * (low * x_even + high * x_odd)
-
-
-@triton.jit
 def _expert_ptrs(w_ptr, s_ptr, z_ptr, row, rows_out, GROUPS: tl.constexpr, HALF: tl.constexpr):
     """Pool row `row`'s codes, scales and zeros of one matrix of `rows_out` output rows."""
     at = row * rows_out
     return w_ptr + at * (GROUPS * HALF), s_ptr + at * GROUPS, z_ptr + at * GROUPS
-
-
-@triton.jit
-def _load_pairs3(ptr, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr):
-    """`_load_pairs` as [1, GPB, HALF], to broadcast over the weights' [BLOCK, GPB, HALF] tiles. (Compiled
-    for sm_90 at flashnext's shape Triton still loads it in a layout of its own and converts it through
-    shared memory, a barrier each; a step's loads do not wait for the last step's sums, only for those.)"""
-    gi = g0 + tl.arange(0, GPB)
-    at = gi[None, :, None] * (2 * HALF) + 2 * tl.arange(0, HALF)[None, None, :]
-    live = (gi < GROUPS)[None, :, None]
-    even = tl.load(ptr + at, mask=live, other=0).to(tl.float32)
-    odd = tl.load(ptr + at + 1, mask=live, other=0).to(tl.float32)
-    return even, odd
 
 
 @triton.jit
@@ -123,29 +90,19 @@ def _load_pairs(ptr, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.const
 @triton.jit
 def _gate_up_kernel(
     x_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, DEFER: tl.constexpr,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     t = p // k
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] act columns (< inter: inter % BLOCK == 0)
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, 2 * inter, GROUPS, HALF)
-    if DEFER:  # every step's loads independent of the others' sums: unrolled, no barrier in the loop
-        gate3 = tl.zeros((BLOCK, GPB, HALF), dtype=tl.float32)
-        up3 = tl.zeros((BLOCK, GPB, HALF), dtype=tl.float32)
-        for g0 in tl.static_range(0, GROUPS, GPB):
-            x_even, x_odd = _load_pairs3(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
-            gate3 += _groups_terms(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF)
-            up3 += _groups_terms(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF)
-        gate = tl.sum(tl.sum(gate3, axis=2), axis=1)
-        up = tl.sum(tl.sum(up3, axis=2), axis=1)
-    else:
-        gate = tl.zeros((BLOCK,), dtype=tl.float32)
-        up = tl.zeros((BLOCK,), dtype=tl.float32)
-        for g0 in range(0, GROUPS, GPB):
-            x_even, x_odd = _load_pairs(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
-            gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF)
-            up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF)
+    gate = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for g0 in range(0, GROUPS, GPB):
+        x_even, x_odd = _load_pairs(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
+        gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF)
+        up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
     tl.store(act_ptr + p * inter + n, act)
 
@@ -153,23 +110,16 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, DEFER: tl.constexpr,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
-    if DEFER:  # as in _gate_up_kernel
-        acc3 = tl.zeros((BLOCK, GPB, HALF), dtype=tl.float32)
-        for g0 in tl.static_range(0, GROUPS, GPB):
-            a_even, a_odd = _load_pairs3(act_ptr + p * inter, g0, GROUPS, GPB, HALF)
-            acc3 += _groups_terms(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF)
-        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)
-    else:
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for g0 in range(0, GROUPS, GPB):
-            a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF)
-            acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for g0 in range(0, GROUPS, GPB):
+        a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF)
+        acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
 
 
@@ -204,7 +154,6 @@ def moe_int4_decode(
     before_gate_up: Callable[[], None] | None = None,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
-    deferred: bool | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -214,10 +163,8 @@ def moe_int4_decode(
     `before_gate_up` and `before_down` run right before the kernels that read those matrices (to wait for
     the rows' copies). `shared` [T, H] (a shared expert's output, gated by σ(shared_gate [T, 1]) when
     given) is added in the kernel that sums the choices (torch took five: the sum, the cast, the sigmoid,
-    the product and the sum). `block` (output rows per program), `groups_per_step`
-    (a power of two; at 32 one step covers every group), `num_warps` and `deferred` (default
-    `DEFERRED_SUMS`: each program's products summed once after its loop instead of at every step) are
-    tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU).
+    the product and the sum). `block` (output rows per program), `groups_per_step` (a power of two) and
+    `num_warps` are tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU).
     """
     t, k = rows.shape
     hidden = x.shape[1]
@@ -227,8 +174,7 @@ def moe_int4_decode(
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     x, weights = x.contiguous(), weights.reshape(-1).contiguous()
-    defer = DEFERRED_SUMS if deferred is None else deferred
-    knobs = {"BLOCK": block, "HALF": GROUP // 2, "DEFER": defer, "num_warps": num_warps}
+    knobs = {"BLOCK": block, "HALF": GROUP // 2, "num_warps": num_warps}
     gpb = groups_per_step  # per kernel at most its groups' power of two: a step past them reads nothing
 
     if before_gate_up is not None:
@@ -378,11 +324,6 @@ over 512 experts: 203 TFLOP/s, the sweep's fastest (the first shape, 32 pairs ×
 the even/odd split products, ran prefill-25k's expert GEMMs at ~34); at 8,192 tokens 131 TFLOP/s, within
 1 % of the fastest there."""
 
-GROUPED_DECODE = GroupedConfig(block_m=16, block_n=64, num_warps=4, stages=2)
-"""The grouped kernels in a decode pass of several tokens (`OffloadedExperts.grouped_decode_tokens`): one
-block of up to 16 pairs per used expert (a token picks an expert once: at most one block each). A first
-guess, not yet timed: `bench.moe_int4_tune --tokens 8` sweeps the shapes."""
-
 
 def moe_int4_grouped(
     x: torch.Tensor,
@@ -392,17 +333,12 @@ def moe_int4_grouped(
     pool: dict[str, torch.Tensor],
     config: GroupedConfig = GROUPED,
     down_tokens: int = MOE_DOWN_TOKENS,
-    before_down: Callable[[], None] | None = None,
-    before_gate_up: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Prefill: Σ_j topk_weights[t, j] · SwiGLU expert topk_ids[t, j] (x[t]) → [T, H] in x's dtype, with
     expert e's int4 weights at pool row rows[e] ([E] int64). Pairs grouped by expert into blocks of
     `config.block_m`; gate/up runs over every pair as tiled GEMMs, then down over the pairs of at most
     `down_tokens` tokens at a time, in slices of equal size (its output rows are the big buffer). Each
-    pair's term is rounded to x's dtype and the k terms of a token are summed in fp32 (in choice order).
-    `before_gate_up` and `before_down` run right before those launches (waits for their rows' copies, in
-    decode: the grouping's small kernels go first). No host sync: a recorded decode step can hold it
-    (GROUPED_DECODE: each used expert read once for all its tokens)."""
+    pair's term is rounded to x's dtype and the k terms of a token are summed in fp32 (in choice order)."""
     t, k = topk_ids.shape
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
@@ -412,16 +348,12 @@ def moe_int4_grouped(
     x = x.contiguous()
     launch = {"num_warps": config.num_warps, "STAGES": config.stages, "BM": bm, "BN": bn, "HALF": GROUP // 2}
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    if before_gate_up is not None:
-        before_gate_up()
     _grouped_gate_up_kernel[(block_expert.numel(), inter // bn)](
         x, pairs, block_expert, rows, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"],
         act, k, hidden, inter, GROUPS=hidden // GROUP, **launch,
     )  # fmt: skip
     weights = topk_weights.reshape(-1).contiguous()
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    if before_down is not None:
-        before_down()
     # bounded [n·k, H] output rows (MOE_DOWN_TOKENS), in equal slices: a short last slice would spread few
     # pairs over every expert, its blocks mostly padding, at nearly a full slice's cost
     size = triton.cdiv(t, triton.cdiv(t, down_tokens))

@@ -73,11 +73,9 @@ def store(request) -> HostExpertStore:
     return store
 
 
-def _provider(store: HostExpertStore, capacity: int, policy: str, grouped: bool = False) -> OffloadedExperts:
+def _provider(store: HostExpertStore, capacity: int, policy: str) -> OffloadedExperts:
     tables = CacheTables(LAYERS, E, [capacity] * LAYERS, policy, device="cuda")
-    provider = OffloadedExperts(store, tables, store.fmt, F.silu, list(range(LAYERS)), "cuda", torch.bfloat16)
-    provider.grouped_decode_tokens = 2 if grouped else None  # int4: the grouped kernels from two tokens
-    return provider
+    return OffloadedExperts(store, tables, store.fmt, F.silu, list(range(LAYERS)), "cuda", torch.bfloat16)
 
 
 def _steps(n: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -90,8 +88,8 @@ def _steps(n: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     return out
 
 
-@pytest.mark.parametrize(("policy", "grouped"), [("lru", False), ("lfu-admit", False), ("lfu-admit", True)])
-def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str, grouped: bool) -> None:
+@pytest.mark.parametrize("policy", ["lru", "lfu-admit"])
+def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str) -> None:
     steps = _steps(8, tokens=3)
     reference = []
     for layer in range(LAYERS):
@@ -101,7 +99,7 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
         reference.append([batched_expert_mlp(x, gate_up[i], down[i], i, w, F.silu) for x, i, w in steps])
     by_capacity = []
     for capacity in (1, 5, E):
-        provider = _provider(store, capacity, policy, grouped)
+        provider = _provider(store, capacity, policy)
         provider.begin_pass(True)
         provider.forward(0, *steps[0])  # warm-up: compiles the copy kernel
         torch.cuda.synchronize()
@@ -126,10 +124,8 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
             assert all(torch.equal(a, b) for a, b in zip(out, every_slot, strict=True))
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_slow_copies_are_waited_for(store, monkeypatch, grouped: bool) -> None:
-    """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows
-    (`grouped`: the grouped kernels, gate_up after the first stage, down after the second)."""
+def test_slow_copies_are_waited_for(store, monkeypatch) -> None:
+    """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows."""
     from common.experts import offload
 
     copy = offload.copy_experts
@@ -140,7 +136,7 @@ def test_slow_copies_are_waited_for(store, monkeypatch, grouped: bool) -> None:
 
     monkeypatch.setattr(offload, "copy_experts", slow)
     steps = _steps(3, tokens=2)
-    provider = _provider(store, 1, "lru", grouped)
+    provider = _provider(store, 1, "lru")
     for x, ids, w in steps:
         provider.begin_pass(True)
         for layer in range(LAYERS):

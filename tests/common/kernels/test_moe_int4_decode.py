@@ -29,22 +29,16 @@ def _two_token_case(
     return pool, x, torch.softmax(torch.randn(2, k, generator=gen), -1).to(DEVICE)
 
 
-@pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize(("block", "groups", "warps"), [(16, 4, 4), (8, 1, 2), (32, 2, 8), (4, 32, 4)])
-def test_int4_decode_matches_the_dequantised_reference(
-    block: int, groups: int, warps: int, deferred: bool
-) -> None:
-    """`deferred`: the products summed once after the loop over groups (more steps than one, and a last
-    step past the groups, at hidden 256 and one group a step or two; 32 a step: clamped to each kernel's
-    groups)."""
+def test_int4_decode_matches_the_dequantised_reference(block: int, groups: int, warps: int) -> None:
+    """Several loop steps and a last one past the groups (hidden 256 at one group a step or two; 32 a step:
+    clamped to each kernel's groups)."""
     from common.kernels.moe_int4 import moe_int4_decode
 
     fmt = get_format("int4")
     pool, x, weights = _two_token_case(torch.Generator().manual_seed(block), experts=5, k=3)
     rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)  # a row twice in one token
-    out = moe_int4_decode(
-        x, rows, weights, pool, block=block, groups_per_step=groups, num_warps=warps, deferred=deferred
-    )
+    out = moe_int4_decode(x, rows, weights, pool, block=block, groups_per_step=groups, num_warps=warps)
     gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, torch.float32)
     h = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(3, dim=0), gate_up)
     gate, up = h.chunk(2, dim=-1)

@@ -101,23 +101,3 @@ def test_offloaded_int4_prefill_through_the_kernels(tmp_path: Path) -> None:
     # bf16 on the GPU: the two paths round in different orders through every layer, so the logits agree as
     # a whole (relative norm), not each within 2e-2 (37 of 1,024 were up to 0.06 apart on the H200)
     assert (logits[1] - logits[0]).norm() <= TOLERANCE * logits[0].norm()
-
-
-def test_grouped_decode_shape_matches_the_decode_kernels() -> None:
-    """A decode pass of three tokens through the grouped kernels at GROUPED_DECODE (one block of 16 pairs
-    per used expert) against the per-pair decode kernels, experts at scattered
-    pool rows; `before_down` runs once, before down."""
-    from common.kernels.moe_int4 import GROUPED_DECODE, moe_int4_decode, moe_int4_grouped
-
-    gen = torch.Generator().manual_seed(3)
-    hidden, inter, experts, k = 256, 128, 6, 4
-    pool = _pool(10, hidden, inter, gen)
-    rows = torch.randperm(10, generator=gen)[:experts].to(DEVICE)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(3)]).to(DEVICE)
-    weights = torch.softmax(torch.randn(3, k, generator=gen), -1).to(DEVICE)
-    x = torch.randn(3, hidden, generator=gen).to(DEVICE, DTYPE)
-    calls = []
-    out = moe_int4_grouped(x, ids, weights, rows, pool, GROUPED_DECODE, before_down=lambda: calls.append(1))
-    want = moe_int4_decode(x, rows[ids], weights, pool)
-    assert calls == [1]
-    assert (out.float() - want.float()).norm() <= TOLERANCE * want.float().norm()
