@@ -16,6 +16,10 @@ default's.
 
     python -m bench.moe_int4_tune [--tokens 1 8] [--rows 4096]
     python -m bench.moe_int4_tune --grouped [--tokens 8192 25600]
+
+`--once`: no timing, three eager calls of the decode defaults per token count (`moe-int4-decode-ncu.txt`:
+`ncu --kernel-name regex:"_gate_up_kernel|_down_kernel" --launch-skip 4 --launch-count 4 --section ...
+python -m bench.moe_int4_tune --once --rows 2048`, the third one-token call and the first eight-token one).
 """
 
 from __future__ import annotations
@@ -115,15 +119,22 @@ def main() -> None:
     ap.add_argument(
         "--rows", type=int, default=4096, help="pool rows the decode calls read (EXPERTS a layer)"
     )
+    ap.add_argument("--once", action="store_true", help="three untimed decode calls a token count (ncu)")
     args = ap.parse_args()
     if args.grouped:
         grouped_sweep(args.tokens or [8192, 25600])
         return
-    hbm = measure_hbm_gbps()
     if args.rows < EXPERTS:
         ap.error(f"--rows must be at least one layer's {EXPERTS} experts")
     store = random_int4_store(1, args.rows, HIDDEN, INTER)  # args.rows // EXPERTS layers' experts
     pool = {name: block.cuda() for name, block in store.parts[0].items()}  # [rows, ...] each
+    if args.once:
+        for tokens in args.tokens or [1, 8]:
+            for call in decode_calls(pool, tokens)[:3]:
+                moe_int4_decode(*call, pool)
+        torch.cuda.synchronize()
+        return
+    hbm = measure_hbm_gbps()
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
     settings = [
