@@ -2,7 +2,8 @@
 I 640, top-10).
 
 Decode (default): µs per call of `moe_int4_decode` for one and eight tokens, over output rows per program,
-groups per loop step and warps, and past one token the grouped kernels at decode shapes (`moe_int4_grouped`,
+groups per loop step and warps (and for three of those shapes down's own rows per program and the split
+activations), and past one token the grouped kernels at decode shapes (`moe_int4_grouped`,
 16 pairs a block: each used expert read once; slower at eight tokens, so decode does not use them), each
 output checked against the defaults', and the share of the HBM floor each reaches (the experts a call
 uses, read once, at the HBM rate measured here). Calls are replayed from a CUDA graph, each on another
@@ -74,7 +75,10 @@ def label(setting: dict) -> str:
         g = setting["grouped"]
         return f"grouped block_m {g.block_m} block_n {g.block_n:>3} warps {g.num_warps} stages {g.stages}"
     knobs = (setting["block"], setting["groups_per_step"], setting["num_warps"])
-    return "block {:>2} groups/step {:>2} warps {}".format(*knobs)
+    text = "block {:>2} groups/step {:>2} warps {}".format(*knobs)
+    if setting.get("down_block"):
+        text += f" down block {setting['down_block']}"
+    return text + (" split" if setting.get("split_act") else "")
 
 
 def grouped_sweep(tokens_list: list[int]) -> None:
@@ -141,6 +145,13 @@ def main() -> None:
         {"block": b, "groups_per_step": g, "num_warps": w}
         for b, g, w in itertools.product((8, 16, 32), (1, 2, 4, 8), (2, 4, 8))
     ]
+    for (b, g, w), down, split in itertools.product(
+        ((8, 4, 4), (16, 1, 2), (16, 4, 4)), (None, 32, 64), (False, True)
+    ):  # down is L1-bound (moe-int4-decode-ncu.txt): its own rows per program, contiguous activations
+        if down or split:
+            settings.append(
+                {"block": b, "groups_per_step": g, "num_warps": w, "down_block": down, "split_act": split}
+            )
     grouped = [
         {"grouped": GroupedConfig(16, *s)} for s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))
     ]

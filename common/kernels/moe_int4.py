@@ -77,20 +77,35 @@ def _expert_ptrs(w_ptr, s_ptr, z_ptr, row, rows_out, GROUPS: tl.constexpr, HALF:
 
 
 @triton.jit
-def _load_pairs(ptr, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr):
-    """A vector's even and odd entries of groups g0..g0+GPB−1, [GPB, HALF] fp32 each (0 past the last)."""
+def _load_pairs(
+    ptr, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr = False
+):  # fmt: skip
+    """A vector's even and odd entries of groups g0..g0+GPB−1, [GPB, HALF] fp32 each (0 past the last).
+    SPLIT: the vector is stored split, each group's evens then its odds (`_split_at`): two contiguous runs."""
     gi = g0 + tl.arange(0, GPB)
-    at = gi[:, None] * (2 * HALF) + 2 * tl.arange(0, HALF)[None, :]
     live = (gi < GROUPS)[:, None]
-    even = tl.load(ptr + at, mask=live, other=0).to(tl.float32)
-    odd = tl.load(ptr + at + 1, mask=live, other=0).to(tl.float32)
+    if SPLIT:
+        at = gi[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+        even = tl.load(ptr + at, mask=live, other=0).to(tl.float32)
+        odd = tl.load(ptr + at + HALF, mask=live, other=0).to(tl.float32)
+    else:
+        at = gi[:, None] * (2 * HALF) + 2 * tl.arange(0, HALF)[None, :]
+        even = tl.load(ptr + at, mask=live, other=0).to(tl.float32)
+        odd = tl.load(ptr + at + 1, mask=live, other=0).to(tl.float32)
     return even, odd
+
+
+@triton.jit
+def _split_at(n, HALF: tl.constexpr):
+    """Where entry n of a vector goes when stored split: per group of 2·HALF, the evens then the odds."""
+    j = n % (2 * HALF)
+    return n - j + (j % 2) * HALF + j // 2
 
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     t = p // k
@@ -104,13 +119,13 @@ def _gate_up_kernel(
         gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF)
         up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
-    tl.store(act_ptr + p * inter + n, act)
+    tl.store(act_ptr + p * inter + (_split_at(n, HALF) if SPLIT else n), act)
 
 
 @triton.jit
 def _down_kernel(
     act_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     row = tl.load(rows_ptr + p).to(tl.int64)
@@ -118,7 +133,7 @@ def _down_kernel(
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for g0 in range(0, GROUPS, GPB):
-        a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF)
+        a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF, SPLIT)
         acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
 
@@ -154,6 +169,8 @@ def moe_int4_decode(
     before_gate_up: Callable[[], None] | None = None,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    down_block: int | None = None,
+    split_act: bool = False,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -163,8 +180,11 @@ def moe_int4_decode(
     `before_gate_up` and `before_down` run right before the kernels that read those matrices (to wait for
     the rows' copies). `shared` [T, H] (a shared expert's output, gated by σ(shared_gate [T, 1]) when
     given) is added in the kernel that sums the choices (torch took five: the sum, the cast, the sigmoid,
-    the product and the sum). `block` (output rows per program), `groups_per_step` (a power of two) and
-    `num_warps` are tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU).
+    the product and the sum). `block` (output rows per program; `down_block` for down's kernel, default
+    `block`), `groups_per_step` (a power of two), `num_warps` and `split_act` (gate_up stores each group of
+    the activations evens first, so that down reads two contiguous runs instead of every other entry: down
+    is L1-bound, bench/results/moe-int4-decode-ncu.txt) are tuning knobs (bench/moe_int4_tune.py sweeps
+    them on the GPU).
     """
     t, k = rows.shape
     hidden = x.shape[1]
@@ -174,7 +194,7 @@ def moe_int4_decode(
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     x, weights = x.contiguous(), weights.reshape(-1).contiguous()
-    knobs = {"BLOCK": block, "HALF": GROUP // 2, "num_warps": num_warps}
+    knobs = {"HALF": GROUP // 2, "SPLIT": split_act, "num_warps": num_warps}
     gpb = groups_per_step  # per kernel at most its groups' power of two: a step past them reads nothing
 
     if before_gate_up is not None:
@@ -182,14 +202,14 @@ def moe_int4_decode(
     groups = hidden // GROUP
     _gate_up_kernel[(pairs, inter // block)](
         x, rows, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k, hidden,
-        inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), **knobs,
+        inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), BLOCK=block, **knobs,
     )  # fmt: skip
     if before_down is not None:
         before_down()
-    groups = inter // GROUP
-    _down_kernel[(pairs, hidden // block)](
+    groups, down_block = inter // GROUP, down_block or block
+    _down_kernel[(pairs, hidden // down_block)](
         act, rows, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial, hidden,
-        inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), **knobs,
+        inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), BLOCK=down_block, **knobs,
     )  # fmt: skip
     out = torch.empty_like(x)
     gated = shared_gate is not None

@@ -29,21 +29,32 @@ def _two_token_case(
     return pool, x, torch.softmax(torch.randn(2, k, generator=gen), -1).to(DEVICE)
 
 
-@pytest.mark.parametrize(("block", "groups", "warps"), [(16, 4, 4), (8, 1, 2), (32, 2, 8), (4, 32, 4)])
-def test_int4_decode_matches_the_dequantised_reference(block: int, groups: int, warps: int) -> None:
+@pytest.mark.parametrize(
+    ("block", "groups", "warps", "down_block", "split"),
+    [(16, 4, 4, None, False), (8, 1, 2, None, True), (32, 2, 8, 64, True), (4, 32, 4, 32, False)],
+)
+def test_int4_decode_matches_the_dequantised_reference(
+    block: int, groups: int, warps: int, down_block: int | None, split: bool
+) -> None:
     """Several loop steps and a last one past the groups (hidden 256 at one group a step or two; 32 a step:
-    clamped to each kernel's groups)."""
+    clamped to each kernel's groups); down's own block; the activations stored split (inter 256: two groups
+    of evens-then-odds)."""
     from common.kernels.moe_int4 import moe_int4_decode
 
     fmt = get_format("int4")
-    pool, x, weights = _two_token_case(torch.Generator().manual_seed(block), experts=5, k=3)
+    gen = torch.Generator().manual_seed(block)
+    pool, x, weights = _two_token_case(gen, experts=5, k=3, inter=256 if split else 128)
     rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)  # a row twice in one token
-    out = moe_int4_decode(x, rows, weights, pool, block=block, groups_per_step=groups, num_warps=warps)
+    knobs = {"groups_per_step": groups, "num_warps": warps, "down_block": down_block, "split_act": split}
+    out = moe_int4_decode(x, rows, weights, pool, block=block, **knobs)
     gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, torch.float32)
     h = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(3, dim=0), gate_up)
     gate, up = h.chunk(2, dim=-1)
     y = torch.einsum("pi,phi->ph", F.silu(gate) * up, down) * weights.reshape(-1, 1)
     torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=1e-4, atol=1e-4)
+    if split:  # the same sums in the same order as the interleaved store's, bit for bit
+        plain = {"groups_per_step": groups, "num_warps": warps, "down_block": down_block}
+        assert torch.equal(out, moe_int4_decode(x, rows, weights, pool, block=block, **plain))
 
 
 def test_int4_decode_waits_before_each_matrix() -> None:
