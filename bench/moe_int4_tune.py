@@ -3,12 +3,10 @@ I 640, top-10).
 
 Decode (default): µs per call of `moe_int4_decode` for one and eight tokens, over output rows per program,
 groups per loop step and warps (and for three of those shapes down's own rows per program and the split
-activations), and past one token the grouped kernels at decode shapes (`moe_int4_grouped`,
-16 pairs a block: each used expert read once; slower at eight tokens, so decode does not use them), each
-output checked against the defaults', and the share of the HBM floor each reaches (the experts a call
-uses, read once, at the HBM rate measured here). Calls are replayed from a CUDA graph, each on another
-layer's pool rows (a pool larger than L2), as a decode step's 48 layers would be; a call's tokens draw from
-a Zipf popularity, so they share experts as eight lanes do.
+activations), each output checked against the defaults', and the share of the HBM floor each reaches (the
+experts a call uses, read once, at the HBM rate measured here). Calls are replayed from a CUDA graph, each
+on another layer's pool rows (a pool larger than L2), as a decode step's 48 layers would be; a call's tokens
+draw from a Zipf popularity, so they share experts as eight lanes do.
 
 `--grouped`: ms per call of the prefill kernels (`moe_int4_grouped`) for 8,192 and 25,600 tokens routed
 uniformly over 512 experts, over `GroupedConfig` (pairs per block, columns per program, warps, pipelining
@@ -54,26 +52,13 @@ def decode_calls(pool: dict, tokens: int) -> list[tuple[torch.Tensor, torch.Tens
     return out
 
 
-def decode_once(pool: dict, call: tuple, setting: dict) -> torch.Tensor:
-    """One call under a setting: the decode kernels' knobs, or {"grouped": GroupedConfig} for the grouped
-    kernels (each used expert read once; the pool rows are the experts)."""
-    x, rows, weights = call
-    if "grouped" in setting:
-        identity = torch.arange(pool["down_qweight"].shape[0], device="cuda")
-        return moe_int4_grouped(x, rows, weights, identity, pool, setting["grouped"])
-    return moe_int4_decode(x, rows, weights, pool, **setting)
-
-
 def time_config(pool: dict, calls: list, setting: dict, repeats: int = 20) -> tuple[float, torch.Tensor]:
     """µs per call of `calls` recorded as one graph, replayed `repeats` times; and the first call's output."""
-    first = decode_once(pool, calls[0], setting)
-    return replay_us(lambda: [decode_once(pool, c, setting) for c in calls], repeats) / CALLS, first
+    first = moe_int4_decode(*calls[0], pool, **setting)
+    return replay_us(lambda: [moe_int4_decode(*c, pool, **setting) for c in calls], repeats) / CALLS, first
 
 
 def label(setting: dict) -> str:
-    if "grouped" in setting:
-        g = setting["grouped"]
-        return f"grouped block_m {g.block_m} block_n {g.block_n:>3} warps {g.num_warps} stages {g.stages}"
     knobs = (setting["block"], setting["groups_per_step"], setting["num_warps"])
     text = "block {:>2} groups/step {:>2} warps {}".format(*knobs)
     if setting.get("down_block"):
@@ -152,14 +137,11 @@ def main() -> None:
             settings.append(
                 {"block": b, "groups_per_step": g, "num_warps": w, "down_block": down, "split_act": split}
             )
-    grouped = [
-        {"grouped": GroupedConfig(16, *s)} for s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))
-    ]
     for tokens in args.tokens or [1, 8]:
         calls = decode_calls(pool, tokens)
         want = moe_int4_decode(*calls[0], pool).float()  # the defaults'
         results = []
-        for setting in settings + (grouped if tokens > 1 else []):
+        for setting in settings:
             us, got = time_config(pool, calls, setting)
             error = ((got.float() - want).norm() / want.norm()).item()
             results.append((us, setting, error))

@@ -34,26 +34,6 @@ flight (one group per step left the kernels at ~0.5 TB/s)."""
 
 
 @triton.jit
-def _group_tiles(
-    w_ptr, s_ptr, z_ptr, rows_out, g0, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr
-):  # fmt: skip
-    """Rows `rows_out`, groups g0..g0+GPB−1: codes [BLOCK, GPB, HALF] uint8, scales and zeros [BLOCK, GPB]
-    fp32 (0 past the last group)."""
-    gi = g0 + tl.arange(0, GPB)  # [GPB]
-    live = gi < GROUPS
-    cols = gi[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [GPB, HALF] byte columns
-    packed = tl.load(
-        w_ptr + rows_out[:, None, None] * (GROUPS * HALF) + cols[None, :, :],
-        mask=live[None, :, None],
-        other=0,
-    )
-    at = rows_out[:, None] * GROUPS + gi[None, :]  # [BLOCK, GPB]
-    scale = tl.load(s_ptr + at, mask=live[None, :], other=0).to(tl.float32)
-    zero = tl.load(z_ptr + at, mask=live[None, :], other=0).to(tl.float32)
-    return packed, scale, zero
-
-
-@triton.jit
 def _groups_dot(
     w_ptr, s_ptr, z_ptr, rows_out, g0, x_even, x_odd,
     GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr,
@@ -61,7 +41,17 @@ def _groups_dot(
     """Σ over groups g0..g0+GPB−1 (those < GROUPS) of w[rows_out, group] · x → [BLOCK] fp32.
 
     x_even, x_odd [GPB, HALF]: the groups' even and odd inputs (0 past the last group)."""
-    packed, scale, zero = _group_tiles(w_ptr, s_ptr, z_ptr, rows_out, g0, GROUPS, GPB, HALF)
+    gi = g0 + tl.arange(0, GPB)  # [GPB]
+    live = gi < GROUPS
+    cols = gi[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [GPB, HALF] byte columns
+    packed = tl.load(
+        w_ptr + rows_out[:, None, None] * (GROUPS * HALF) + cols[None, :, :],
+        mask=live[None, :, None],
+        other=0,
+    )  # [BLOCK, GPB, HALF] uint8
+    at = rows_out[:, None] * GROUPS + gi[None, :]  # [BLOCK, GPB]; loaded with the codes, before any math
+    scale = tl.load(s_ptr + at, mask=live[None, :], other=0).to(tl.float32)
+    zero = tl.load(z_ptr + at, mask=live[None, :], other=0).to(tl.float32)
     low = (packed & 15).to(tl.float32)
     high = (packed >> 4).to(tl.float32)
     dot = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK, GPB]
