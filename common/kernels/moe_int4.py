@@ -33,6 +33,34 @@ GROUPS_PER_STEP = 4
 flight (one group per step left the kernels at ~0.5 TB/s)."""
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the decode kernels (`moe_int4_decode`) for one token count."""
+
+    block: int = 16
+    """Output rows per program (gate_up's; down's too unless `down_block`)."""
+    groups_per_step: int = GROUPS_PER_STEP
+    num_warps: int = 4
+    down_block: int | None = None
+    """Down's own output rows per program: more rows share each load of the activations."""
+    split_act: bool = False
+    """gate_up stores each group of activations evens first: down reads two contiguous runs."""
+
+
+DECODE_CONFIGS = {
+    1: DecodeConfig(block=8, split_act=True),
+    8: DecodeConfig(block=16, groups_per_step=1, num_warps=2, down_block=64),
+}
+"""The fastest shape per token count in `python -m bench.moe_int4_tune` on the H200 (moe-int4-decode-tune.txt,
+1e9eb0f): one token 30.65 µs a call (the former default, 16 rows × 4 groups × 4 warps, 32.73); eight tokens
+146.8 µs (the former default 172.9)."""
+
+
+def decode_config(tokens: int) -> DecodeConfig:
+    """The measured shape of the largest token count in DECODE_CONFIGS not above `tokens`."""
+    return DECODE_CONFIGS[max((n for n in DECODE_CONFIGS if n <= tokens), default=1)]
+
+
 @triton.jit
 def _groups_dot(
     w_ptr, s_ptr, z_ptr, rows_out, g0, x_even, x_odd,
@@ -152,15 +180,15 @@ def moe_int4_decode(
     rows: torch.Tensor,
     weights: torch.Tensor,
     pool: dict[str, torch.Tensor],
-    block: int = 16,
+    block: int | None = None,
     before_down: Callable[[], None] | None = None,
-    groups_per_step: int = GROUPS_PER_STEP,
-    num_warps: int = 4,
+    groups_per_step: int | None = None,
+    num_warps: int | None = None,
     before_gate_up: Callable[[], None] | None = None,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
     down_block: int | None = None,
-    split_act: bool = False,
+    split_act: bool | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -174,9 +202,14 @@ def moe_int4_decode(
     `block`), `groups_per_step` (a power of two), `num_warps` and `split_act` (gate_up stores each group of
     the activations evens first, so that down reads two contiguous runs instead of every other entry: down
     is L1-bound, bench/results/moe-int4-decode-ncu.txt) are tuning knobs (bench/moe_int4_tune.py sweeps
-    them on the GPU).
+    them on the GPU); each left None takes `decode_config(T)`'s.
     """
     t, k = rows.shape
+    c = decode_config(t)
+    block = block or c.block
+    groups_per_step, num_warps = groups_per_step or c.groups_per_step, num_warps or c.num_warps
+    down_block = down_block or c.down_block or block
+    split_act = c.split_act if split_act is None else split_act
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
     pairs = t * k
@@ -196,7 +229,7 @@ def moe_int4_decode(
     )  # fmt: skip
     if before_down is not None:
         before_down()
-    groups, down_block = inter // GROUP, down_block or block
+    groups = inter // GROUP
     _down_kernel[(pairs, hidden // down_block)](
         act, rows, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial, hidden,
         inter, GROUPS=groups, GPB=min(gpb, triton.next_power_of_2(groups)), BLOCK=down_block, **knobs,

@@ -53,7 +53,7 @@ def test_int4_decode_matches_the_dequantised_reference(
     y = torch.einsum("pi,phi->ph", F.silu(gate) * up, down) * weights.reshape(-1, 1)
     torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=1e-4, atol=1e-4)
     if split:  # the same sums in the same order as the interleaved store's, bit for bit
-        plain = {"groups_per_step": groups, "num_warps": warps, "down_block": down_block}
+        plain = {"groups_per_step": groups, "num_warps": warps, "down_block": down_block, "split_act": False}
         assert torch.equal(out, moe_int4_decode(x, rows, weights, pool, block=block, **plain))
 
 
