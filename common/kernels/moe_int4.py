@@ -49,11 +49,14 @@ class DecodeConfig:
 
 DECODE_CONFIGS = {
     1: DecodeConfig(block=8, split_act=True),
+    2: DecodeConfig(block=8, groups_per_step=2, num_warps=2),
     8: DecodeConfig(block=16, groups_per_step=1, num_warps=2, down_block=64),
 }
-"""The fastest shape per token count in `python -m bench.moe_int4_tune` on the H200 (moe-int4-decode-tune.txt,
-1e9eb0f): one token 30.65 µs a call (the former default, 16 rows × 4 groups × 4 warps, 32.73); eight tokens
-146.8 µs (the former default 172.9)."""
+"""The fastest shape per token count in `python -m bench.moe_int4_tune` on the H200
+(bench/results/moe-int4-decode-tune.txt): one token 30.65 µs a call (the former default, 16 rows × 4 groups
+× 4 warps: 32.73); two tokens 48.31 and four 82.65 (the one-token shape: 51.53 and 92.72); eight 146.8 (the
+former default: 172.9). In a decode-1 step the one-token shape measured no faster than the former default
+(72.71 against 72.78 tok/s, one machine, back to back): the step's copy kernels share the SMs with it."""
 
 
 def decode_config(tokens: int) -> DecodeConfig:
