@@ -54,6 +54,13 @@ def main() -> None:
         "--lend", action="store_true", help="lend the prefill arena's second buffer to the cache (E slots)"
     )
     ap.add_argument(
+        "--max-context", type=int, default=None,
+        help="tokens of KV pool a lane (default: the prompt and the decode): a served --max-context",
+    )  # fmt: skip
+    ap.add_argument(
+        "--lend-kv", action="store_true", help="the KV pool's idle pages lent to the cache as slots"
+    )
+    ap.add_argument(
         "--embeddings-on-host", action="store_true", help="the token embedding in host memory (more slots)"
     )
     ap.add_argument(
@@ -74,11 +81,21 @@ def main() -> None:
     switches = args.switches or DECODE_SWITCHES
     runs = 1 + (2 + len(switches)) * int(args.ablate)  # the routing trace covers every run's steps
     flash = build_flashnext(
-        args.layers, args.budget_gib, lanes, args.prompt + args.decode + 16 + 8,  # + profiled steps
-        args.prompt + args.decode * args.lanes * runs, args.policy, args.eager, args.fused, args.all_fit,
-        prefill_chunk=args.prompt, lend=args.lend,  # the prompt is prefilled in one pass
-        embeddings_on_host=args.embeddings_on_host, resident_dtype=args.resident_dtype,
-    )  # fmt: skip
+        args.layers,
+        args.budget_gib,
+        lanes,
+        args.max_context or args.prompt + args.decode + 16 + 8,
+        args.prompt + args.decode * args.lanes * runs,
+        args.policy,
+        args.eager,
+        args.fused,
+        args.all_fit,
+        prefill_chunk=args.prompt,
+        lend=args.lend,  # the prompt is prefilled in one pass
+        embeddings_on_host=args.embeddings_on_host,
+        resident_dtype=args.resident_dtype,
+        lend_kv=args.lend_kv,
+    )  # fmt: skip  (the default context: + 16 + 8 for the profiled steps)
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
     pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s
 
@@ -123,8 +140,11 @@ def main() -> None:
         "misses_per_token": run["misses"] / steps / args.lanes,
         "bypasses_per_token": run["bypasses"] / steps / args.lanes,
         "h2d_bytes_per_token": h2d / args.lanes,
-        "cache_slots": slots + provider.tables.lent,  # with --lend: the lent buffer's slots too
+        "cache_slots": slots + provider.tables.lent,  # with --lend / --lend-kv: the lent slots too
         "lent_slots": provider.tables.lent,
+        "max_context": args.max_context,
+        "lend_kv": args.lend_kv,
+        "aliased_gib": flash.aliased_bytes / GIB,  # --lend-kv: the pools' memory, not in memory_reserved
         "embeddings_on_host": args.embeddings_on_host,
         "resident_dtype": args.resident_dtype,
         "expert_bytes": store.expert_bytes,
@@ -140,6 +160,8 @@ def main() -> None:
         "all_fit": args.all_fit,
     }
     name = "decode-allfit" if args.all_fit else f"decode-{args.lanes}" + ("-lending" if args.lend else "")
+    name += f"-context-{args.max_context}" if args.max_context else ""
+    name += "-lend-kv" if args.lend_kv else ""
     name += "-host-embeddings" if args.embeddings_on_host else ""
     name += f"-resident-{args.resident_dtype}" if args.resident_dtype else ""
     name += ("" if args.fused else "-torch-ops") + ("-eager" if args.eager else "")  # a variant: its own file

@@ -18,14 +18,17 @@ from common.experts.offload import OffloadedExperts, offload_experts
 from common.experts.routing import RoutingReplayer, install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.kernels import use_fused_kernels
+from common.kv.lending import KvLending
 from common.memory_plan import cap_allocator, plan_memory
 from common.model.fp8_linear import to_resident_dtype
 from common.model.hf_config import parse_architecture
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import build_model
 from common.model.synthetic import model_config, synthetic_tensors
-from common.runner import ModelRunner
+from common.runner import ModelRunner, state_layout
 
+PAGE_SIZE = 16
+"""KV page size (ModelRunner's default)."""
 GIB = 1 << 30
 
 
@@ -43,6 +46,8 @@ class Flashnext:
     hbm_gbps: float
     build_s: float
     replayer: RoutingReplayer
+    aliased_bytes: int = 0
+    """Device memory made outside the caching allocator (KV lending's pools): not in memory_reserved."""
 
 
 def random_int4_store(layers: int, experts: int, hidden: int, inter: int) -> HostExpertStore:
@@ -80,13 +85,15 @@ def build_flashnext(
     lend: bool = False,
     embeddings_on_host: bool = False,
     resident_dtype: str | None = None,
+    lend_kv: bool = False,
 ) -> Flashnext:
     """Measure PCIe and HBM, then build flashnext cut to `layers` for `lanes` × `context` tokens, its cache
     the slots the memory plan gives `budget_gib` (one process; a prefill of `prefill_chunk` tokens in
     layer-major groups of `layer_major_tokens`), or
     every expert with `all_fit`, loaded up front; `lend`: the arena's second buffer serves as E more slots
     between prefills; `embeddings_on_host`: the token embedding in host memory, its bytes to the cache;
-    `resident_dtype` "fp8": the token mixers' projections in fp8.
+    `resident_dtype` "fp8": the token mixers' projections in fp8; `lend_kv`: the KV pool's idle pages serve
+    as cache slots (common/kv/lending.py; the allocator's cap is the budget less that memory).
     The allocator is capped at the budget (`cap_allocator`: a plan that undercounts fails as out-of-memory,
     not as a quiet overrun), and the benchmark reports max_memory_reserved beside it."""
     hf = model_config(
@@ -113,7 +120,11 @@ def build_flashnext(
         len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     )
     progress("host expert store filled")
-    runner = ModelRunner(model, max_seqs=lanes, max_context=context, cuda_graphs=not eager)
+    lending = None
+    if lend_kv:  # its runner comes after the cache, whose tables it lends to
+        lending = KvLending(*state_layout(model, lanes, context, PAGE_SIZE, None), PAGE_SIZE, "cuda")
+    else:
+        runner = ModelRunner(model, max_seqs=lanes, max_context=context, cuda_graphs=not eager)
     torch.cuda.empty_cache()  # generating the synthetic weights left cached blocks behind: free them, and
     torch.cuda.reset_peak_memory_stats()  # count the peak from here (a served model loads from its files)
     slots = len(cfg.moe_layers) * cfg.num_experts  # all_fit: as many slots as experts, whatever it takes
@@ -126,8 +137,17 @@ def build_flashnext(
         )  # fmt: skip
         plan.check()
         slots = plan.cache_slots
-        cap_allocator(plan.budget, "cuda")
-    provider = offload_experts(model, str(slots), policy, "int4", store=store, lend_arena=lend)
+        if lending is None:
+            cap_allocator(plan.budget, "cuda")
+    provider = offload_experts(
+        model, str(slots), policy, "int4", store=store, lend_arena=lend, kv_lending=lending
+    )
+    if lending is not None:
+        runner = ModelRunner(
+            model, max_seqs=lanes, max_context=context, cuda_graphs=not eager, kv_lending=lending
+        )
+        if not all_fit:
+            cap_allocator(plan.budget - lending.memory.total_bytes, "cuda")
     if all_fit:
         provider.load_all()
     use_fused_kernels(model, fused, runner.backend)
@@ -135,8 +155,9 @@ def build_flashnext(
     replayer = replayer_for(trace, list(cfg.moe_layers), cfg.num_experts, cfg.top_k)
     install_routing_hook(model, replayer)
     progress(f"flashnext built: {slots} cache slots")
+    aliased = lending.memory.total_bytes if lending is not None else 0
     return Flashnext(
-        model, cfg, store, runner, provider, slots, pcie, hbm, time.perf_counter() - t0, replayer
+        model, cfg, store, runner, provider, slots, pcie, hbm, time.perf_counter() - t0, replayer, aliased
     )
 
 

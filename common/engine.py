@@ -15,12 +15,13 @@ from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
 from common.kernels import fused_by_default, use_fused_kernels
+from common.kv.lending import KvLending
 from common.kv.state import Allocator, SequenceState
 from common.model.fp8_linear import to_resident_dtype
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
 from common.requests import Request, append_token, sample_next
-from common.runner import ModelRunner
+from common.runner import ModelRunner, state_layout
 from common.sampling import SamplingParams
 from common.speculative import MTPSpeculator
 from common.tokenizer import Tokenizer
@@ -66,6 +67,7 @@ class Engine:
         fused_kernels: bool | None = None,
         lend_arena: bool = False,
         resident_dtype: str | None = None,
+        lend_kv: bool = False,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass,
@@ -82,7 +84,8 @@ class Engine:
         (`common.kernels.use_fused_kernels`; None: on CUDA); `lend_arena` gives the prefill arena's second
         buffer to the expert cache between prefills (E more slots during decode; see OffloadedExperts; each
         prefill pass takes it back, emptied); `resident_dtype` "fp8" keeps the token mixers' projections in
-        fp8 (common/model/fp8_linear.py; None: the model dtype)."""
+        fp8 (common/model/fp8_linear.py; None: the model dtype); `lend_kv` lends the KV pool's idle pages
+        to the expert cache as slots, taken back as contexts grow (common/kv/lending.py)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
@@ -100,16 +103,24 @@ class Engine:
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_seqs = max_seqs
+        context = min(self.config.max_position, max_context or 4096)
+        lending = None
+        if lend_kv:
+            if expert_cache is None and not is_artifact(model_dir):
+                raise ValueError("lending the KV pool needs an expert cache (--expert-cache)")
+            specs, pages = state_layout(self.model, max_seqs, context, page_size, kv_dtype)
+            lending = KvLending(specs, pages, page_size, device)
+        self.kv_lending = lending
         if is_artifact(model_dir):  # experts packed once by `spillway convert`: map them, serve them cached
             store, meta = open_store(model_dir)
             self.offload = offload_experts(
                 self.model, expert_cache or "all", cache_policy, meta["format"], pinned_experts, store,
-                arena_buffers=arena_buffers, lend_arena=lend_arena,
+                arena_buffers=arena_buffers, lend_arena=lend_arena, kv_lending=lending,
             )  # fmt: skip
         elif expert_cache is not None:
             self.offload = offload_experts(
                 self.model, expert_cache, cache_policy, expert_format, pinned_experts, None, host_allocate,
-                arena_buffers, lend_arena,
+                arena_buffers, lend_arena, lending,
             )  # fmt: skip
         cfg, layers = self.config, list(self.config.moe_layers)
         self.routing_recorder = RoutingRecorder(layers, cfg.num_experts) if record_routing else None
@@ -119,7 +130,6 @@ class Engine:
             install_routing_hook(self.model, self.routing_recorder)
         self.prefill_chunk = prefill_chunk
         self.layer_major_tokens = layer_major_tokens
-        context = min(self.config.max_position, max_context or 4096)
         self.runner = ModelRunner(
             self.model,
             max_seqs=max_seqs,
@@ -128,6 +138,7 @@ class Engine:
             kv_dtype=kv_dtype,
             allocate=allocate,
             cuda_graphs=cuda_graphs,
+            kv_lending=lending,
         )
         self.device = self.runner.device
         self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None

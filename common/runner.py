@@ -14,8 +14,17 @@ from common.graphs import DecodeGraphs
 from common.kv.backend import AttentionBackend, TorchPagedBackend
 from common.kv.batch import ForwardBatch
 from common.kv.fp8 import parse_kv_dtype, scales_from_amax, with_kv_dtype
-from common.kv.state import Allocator, LayerState, SequenceState, StatePool
+from common.kv.lending import KvLending
+from common.kv.state import Allocator, LayerState, SequenceState, StatePool, StateSpec
 from common.model.context import ForwardContext
+
+
+def state_layout(
+    model: nn.Module, max_seqs: int, max_context: int, page_size: int, kv_dtype: torch.dtype | str | None
+) -> tuple[list[dict[str, StateSpec]], int]:
+    """The state pool a runner of `model` makes: each layer's specs (K/V in `kv_dtype`) and the pages."""
+    specs = with_kv_dtype(model.state_specs(next(model.parameters()).dtype), parse_kv_dtype(kv_dtype))
+    return specs, num_pages(max_seqs, max_context, page_size)
 
 
 def num_pages(max_seqs: int, max_context: int, page_size: int) -> int:
@@ -47,18 +56,23 @@ class ModelRunner:
         allocate: Allocator | None = None,
         kv_scales: torch.Tensor | None = None,
         cuda_graphs: bool = False,
+        kv_lending: KvLending | None = None,
     ) -> None:
         """`kv_dtype` (`fp8_e4m3`, a torch dtype, or None/`auto` for the model's) stores attention K/V only;
         other state stays in the model dtype. With fp8, `kv_scales` [layers, 2] (K, V) are the fixed
         per-layer scales (e.g. a checkpoint's k_scale/v_scale); None calibrates them at load (see
         `calibrate_kv_scales`). `allocate` makes the state pool's tensors (see StatePool).
-        `cuda_graphs` (CUDA only) records decode passes and replays them (common/graphs.py)."""
+        `cuda_graphs` (CUDA only) records decode passes and replays them (common/graphs.py). `kv_lending`
+        (built from `state_layout`'s specs and pages) holds the paged tensors, and starts lending them to the
+        model's expert cache (common/kv/lending.py)."""
         param = next(model.parameters())
         self.model, self.device = model, param.device
         self.backend = backend or TorchPagedBackend()
-        specs = with_kv_dtype(model.state_specs(param.dtype), parse_kv_dtype(kv_dtype))
-        pages = num_pages(max_seqs, max_context, page_size)
-        self.pool = StatePool(specs, pages, page_size, max_seqs, self.device, allocate)
+        specs, pages = state_layout(model, max_seqs, max_context, page_size, kv_dtype)
+        paged = kv_lending.paged if kv_lending is not None else None
+        self.pool = StatePool(specs, pages, page_size, max_seqs, self.device, allocate, paged)
+        if kv_lending is not None:
+            kv_lending.bind(model.experts.tables, self.pool)
         self.max_context, self.kv_dtype = max_context, kv_dtype
         if self.pool.kv_scales is not None:
             scales = kv_scales if kv_scales is not None else self.calibrate_kv_scales()

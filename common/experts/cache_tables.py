@@ -122,8 +122,8 @@ class CacheTables:
         self._assign(list(slots_per_layer))
         self.bank = torch.arange(self.num_slots - lendable, self.num_slots, device=device)
         """The lendable slots (the last ones): in no layer's list until `lend`, again after `reclaim`."""
-        self.lent = 0
-        """Bank slots the layers hold now (all of them once lent, unless the layers had less room)."""
+        self.lent_mask = torch.zeros(s + 1, dtype=torch.bool, device=device)
+        """The bank slots the layers hold now."""
         self.decay_on_device = torch.tensor(decay, dtype=torch.float32, device=device)
         self.thawed = torch.ones((), dtype=torch.bool, device=device)
         """The device copy of `not frozen` that recorded steps read."""
@@ -175,13 +175,14 @@ class CacheTables:
             start += c
         self._capacities = list(capacities)
 
-    def lend(self) -> None:
-        """Between steps: give the bank's slots to the layers, as even a share each as their room allows
-        (capacity moves on from there with `rebalance`); they start free."""
-        if self.lent or self.bank.numel() == 0:
-            return
+    def lend(self, slots: torch.Tensor | None = None) -> None:
+        """Between steps: give bank slots (`slots`, default the whole bank; those lent already are skipped)
+        to the layers, as even a share each as their room allows (capacity moves on from there with
+        `rebalance`); they start free. Slots past every layer's room stay in the bank."""
+        give = self.bank if slots is None else slots.to(self.device)
+        give = give[~self.lent_mask[give]]
         room = [self.num_experts - c for c in self._capacities]
-        share, left = [0] * self.num_layers, min(self.bank.numel(), sum(room))
+        share, left = [0] * self.num_layers, min(give.numel(), sum(room))
         while left:  # round robin over the layers with room
             for layer in range(self.num_layers):
                 if left and share[layer] < room[layer]:
@@ -189,39 +190,47 @@ class CacheTables:
         start = 0
         for layer, n in enumerate(share):
             c = self._capacities[layer]
-            self.slot_table[layer, c : c + n] = self.bank[start : start + n]
+            self.slot_table[layer, c : c + n] = give[start : start + n]
             self._capacities[layer] = c + n
             start += n
-        self.lent = start
+        self.lent_mask[give[:start]] = True
 
-    def reclaim(self) -> None:
-        """Between steps: take the bank's slots back from whichever layers hold them now, evicting their
-        experts, before their memory is used for something else. A layer left with no slot (rebalancing may
-        have given its own away while it held lent ones) gets one back from the layer with the most."""
-        if not self.lent:
+    @property
+    def lent(self) -> int:
+        """Bank slots the layers hold now."""
+        return int(self.lent_mask.sum())
+
+    def reclaim(self, slots: torch.Tensor | None = None) -> None:
+        """Between steps: take bank slots back (`slots`, default the whole bank) from whichever layers hold
+        them now, evicting their experts, before their memory is used for something else. A layer left with
+        no slot (rebalancing may have given its own away while it held lent ones) gets one back from the
+        layer with the most."""
+        take = self.bank if slots is None else slots.to(self.device)
+        take = take[self.lent_mask[take]]
+        if take.numel() == 0:
             return
         if self.frozen:
             raise RuntimeError("reclaiming lent slots while the cache is frozen (a reader may be using them)")
-        for layer, slots in enumerate(self.layer_slots):
-            lent = torch.isin(slots, self.bank)
+        for layer, held_slots in enumerate(self.layer_slots):
+            lent = torch.isin(held_slots, take)
             if not bool(lent.any()):
                 continue
-            held = self.owner[slots[lent]]
+            held = self.owner[held_slots[lent]]
             self.slot_of[layer, held[held >= 0]] = -1
-            kept = slots[~lent]
+            kept = held_slots[~lent]
             self.slot_table[layer].fill_(self.num_slots)
             self.slot_table[layer, : kept.numel()] = kept
             self._capacities[layer] = kept.numel()
-        self.owner[self.bank] = -1
-        self.last_use[self.bank] = 0
-        self.lent = 0
+        self.owner[take] = -1
+        self.last_use[take] = 0
+        self.lent_mask[take] = False
         for layer in range(self.num_layers):
             if self._capacities[layer] == 0:
                 donor = max(range(self.num_layers), key=lambda d: self._capacities[d])
-                slots = self.layer_slots[donor]
-                _, key = self._give_order(donor, slots)
+                donor_slots = self.layer_slots[donor]
+                _, key = self._give_order(donor, donor_slots)
                 if self._capacities[donor] > 1 and int(key.min()) < _KEY_MAX:
-                    self._move(donor, layer, slots[key.argmin()].reshape(1))
+                    self._move(donor, layer, donor_slots[key.argmin()].reshape(1))
 
     def pin(self, layer: int, experts: Sequence[int]) -> None:
         """Load-time: give `experts` of `layer` slots that are never evicted (they must still be filled)."""

@@ -48,6 +48,7 @@ from common.experts.formats import ExpertFormat, get_format
 from common.experts.provider import ExpertProvider, add_shared, install_provider
 from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
 from common.experts.store import HostExpertStore
+from common.kv.lending import KvLending
 from common.model.hf_config import read_json
 
 _FILLS, _BYPASSES, _ARENA, _LOADS = range(4)  # rows of the device counters of experts moved
@@ -227,12 +228,14 @@ class OffloadedExperts(ExpertProvider):
         shared_cache: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None,
         arena_buffers: int = 2,
         lend_arena: bool = False,
+        kv_lending: KvLending | None = None,
     ) -> None:
         """`shared_cache` (the prefill worker's): another provider's (pool, slot_of) — decode's cache, mapped,
         read in place while its owner keeps it frozen; this provider then only runs prefill passes.
         `lend_arena`: the arena's second buffer is the tables' bank of E lendable slots (`CacheTables`
         built with `lendable=E`): the cache holds it during decode passes and gives it back before a
-        prefill pass (see `begin_pass`)."""
+        prefill pass (see `begin_pass`). `kv_lending`: the tables' bank rows are the KV pool's idle pages
+        (common/kv/lending.py; `KvLending.bind` starts lending once the state pool holds its tensors)."""
         self.store, self.tables, self.fmt, self.act = store, tables, fmt, act
         self.shared_cache = shared_cache
         self.device, self.dtype = torch.device(device), dtype
@@ -244,11 +247,18 @@ class OffloadedExperts(ExpertProvider):
         self.lend_arena = lend_arena
         if lend_arena and (arena_buffers != 2 or tables.bank.numel() != e or shared_cache is not None):
             raise ValueError(f"lending the arena needs two arena buffers and a bank of {e} slots")
+        if kv_lending is not None and (lend_arena or shared_cache is not None):
+            raise ValueError("KV lending does not combine with lending the arena or a shared cache")
         rows = tables.num_rows + (arena_buffers - 1 - int(lend_arena)) * e
-        self.pool = {
-            name: torch.empty((rows, *shape), dtype=dtype, device=self.device)
-            for name, (shape, dtype) in store.components.items()
-        }
+        bank = tables.bank.numel()
+        self.pool = (
+            kv_lending.expert_pool(store.components, rows, tables.num_slots - bank, bank)
+            if kv_lending is not None
+            else {
+                name: torch.empty((rows, *shape), dtype=dtype, device=self.device)
+                for name, (shape, dtype) in store.components.items()
+            }
+        )
         self.copies = CopyStream(store, self.pool, tables.num_slots, self.device)
         second = int(tables.bank[0]) if lend_arena else tables.staging_base + e
         self.arena = PrefillArena([tables.staging_base, second][:arena_buffers], e, self.device)
@@ -537,12 +547,14 @@ def offload_experts(
     host_allocate: Callable[[int], torch.Tensor] | None = None,
     arena_buffers: int = 2,
     lend_arena: bool = False,
+    kv_lending: KvLending | None = None,
 ) -> OffloadedExperts:
     """Serve `model`'s routed experts from a host store through a VRAM cache of `capacity` (see
     parse_capacity) under `policy`; `pinned` maps MoE layer index → hot experts. Without `store` the model's
     resident experts are packed into a new one in format `fmt` (and freed; `host_allocate(nbytes)` makes its
     memory, e.g. shared memory a prefill worker maps); with it (an artifact's), used. `lend_arena`: the
-    arena's second buffer serves as E more cache slots between prefills (see OffloadedExperts)."""
+    arena's second buffer serves as E more cache slots between prefills (see OffloadedExperts);
+    `kv_lending`: as many more as the KV pool's pages hold, while no sequence needs them."""
     resident = model.experts
     cfg = model.config
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -559,18 +571,16 @@ def offload_experts(
             f"expert store of {store.num_layers}×{store.num_experts}, model has "
             f"{len(layers)}×{cfg.num_experts}"
         )
+    capacities = parse_capacity(capacity, len(layers), cfg.num_experts)
+    lendable = cfg.num_experts if lend_arena else 0
+    if kv_lending is not None:
+        lendable = kv_lending.bank_size(store.components, sum(capacities))
     tables = CacheTables(
-        len(layers),
-        cfg.num_experts,
-        parse_capacity(capacity, len(layers), cfg.num_experts),
-        policy,
-        device,
-        pinned=pinned,
-        lendable=cfg.num_experts if lend_arena else 0,
+        len(layers), cfg.num_experts, capacities, policy, device, pinned=pinned, lendable=lendable
     )
     provider = OffloadedExperts(
         store, tables, form, resident.act, layers, device, dtype, arena_buffers=arena_buffers,
-        lend_arena=lend_arena,
+        lend_arena=lend_arena, kv_lending=kv_lending,
     )  # fmt: skip
     install_provider(model, provider)
     return provider

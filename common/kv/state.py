@@ -10,7 +10,7 @@ and written in place by another process. A sequence owns a list of pages and one
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,23 +46,50 @@ class PoolExhausted(RuntimeError):
 
 
 class IndexAllocator:
-    """Free list of the integers [0, size): O(1) alloc and free, lowest indices first on a fresh pool."""
+    """Free list of the integers [0, size): the lowest free ones first, so the indices in use stay packed
+    at the bottom (KV lending lends the top, common/kv/lending.py). O(log size) an index.
+
+    `limit`: indices at or above it are not handed out; an alloc that would need them calls
+    `on_short(end)` first (which may raise the limit to `end` or more), and every free calls `on_free()`."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._free: deque[int] = deque(range(size))
+        self._free: list[int] = list(range(size))  # a heap
+        self._used = bytearray(size)
+        self.limit = size
+        self.on_short: Callable[[int], None] | None = None
+        self.on_free: Callable[[], None] | None = None
 
     @property
     def num_free(self) -> int:
+        """Free indices, those past the limit included (an alloc can raise it)."""
         return len(self._free)
+
+    def high_water(self) -> int:
+        """One past the highest index in use (0 when none is)."""
+        return self._used.rfind(1) + 1
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise PoolExhausted(f"asked for {n} of {self.size}, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        end = heapq.nsmallest(n, self._free)[-1] + 1 if n else 0
+        if end > self.limit and self.on_short is not None:
+            self.on_short(end)
+        if end > self.limit:
+            raise PoolExhausted(
+                f"asked for {n} of {self.size}: {end - self.limit} past the limit {self.limit}"
+            )
+        out = [heapq.heappop(self._free) for _ in range(n)]
+        for i in out:
+            self._used[i] = 1
+        return out
 
     def free(self, indices: list[int]) -> None:
-        self._free.extend(indices)
+        for i in indices:
+            self._used[i] = 0
+            heapq.heappush(self._free, i)
+        if indices and self.on_free is not None:
+            self.on_free()
 
 
 @dataclass
@@ -99,25 +126,35 @@ class StatePool:
         max_seqs: int,
         device: torch.device | str,
         allocate: Allocator | None = None,
+        paged: list[dict[str, torch.Tensor]] | None = None,
     ) -> None:
         """`allocate(shape, dtype, device)` makes each pool tensor (default torch.zeros; the decode worker
-        passes one whose memory another process can map)."""
+        passes one whose memory another process can map); `paged`, each layer's paged tensors made already
+        (KV lending's, common/kv/lending.py), is used instead for those."""
         alloc = allocate or (lambda shape, dtype, dev: torch.zeros(shape, dtype=dtype, device=dev))
         self.page_size, self.num_pages, self.max_seqs = page_size, num_pages, max_seqs
         self.layers: list[LayerState] = []
         for specs in layer_specs:
-            paged = {
-                name: alloc((num_pages, page_size, *s.token_shape), s.dtype, device)
+            made = paged[len(self.layers)] if paged is not None else {}
+            tensors = {
+                name: made[name]
+                if name in made
+                else alloc((num_pages, page_size, *s.token_shape), s.dtype, device)
                 for name, s in specs.items()
                 if isinstance(s, PagedSpec)
             }
+            for name, s in specs.items():
+                if name in made and made[name].shape != (num_pages, page_size, *s.token_shape):
+                    raise ValueError(
+                        f"paged tensor {len(self.layers)}.{name}: shape {tuple(made[name].shape)}"
+                    )
             slots = {
                 name: alloc((max_seqs, *s.shape), s.dtype, device)
                 for name, s in specs.items()
                 if isinstance(s, SlotSpec)
             }
             fills = {name: s.fill for name, s in specs.items() if isinstance(s, SlotSpec)}
-            self.layers.append(LayerState(paged, slots, fills))
+            self.layers.append(LayerState(tensors, slots, fills))
         self.kv_scales = self._alloc_kv_scales(alloc, device)
         self.pages = IndexAllocator(num_pages)
         self.slots = IndexAllocator(max_seqs)

@@ -86,3 +86,23 @@ def test_a_forked_sequence_continues_like_its_source(tmp_path) -> None:
         logits = runner.forward([source, twin], [[token], [token]])
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
         token = int(logits[0].argmax())
+
+
+def test_allocator_hands_out_the_lowest_free_indices_below_its_limit() -> None:
+    """Lowest first after frees too (the pages in use stay packed at the bottom); past the limit `on_short`
+    is asked to raise it, and without it the alloc is refused; every free calls `on_free`."""
+    from common.kv.state import IndexAllocator
+
+    pages = IndexAllocator(10)
+    first = pages.alloc(4)
+    pages.free([first[1], first[3]])
+    assert pages.alloc(2) == [1, 3] and pages.high_water() == 4
+    pages.limit = 5
+    with pytest.raises(PoolExhausted, match="past the limit 5"):
+        pages.alloc(2)
+    asked, freed = [], []
+    pages.on_short = lambda end: (asked.append(end), setattr(pages, "limit", 8))
+    pages.on_free = lambda: freed.append(pages.high_water())
+    assert pages.alloc(2) == [4, 5] and asked == [6] and pages.limit == 8
+    pages.free([5, 4])
+    assert freed == [4] and pages.num_free == 6

@@ -1,0 +1,246 @@
+"""Tensors whose chosen byte ranges share memory: one physical buffer mapped at two virtual places.
+
+KV lending (common/kv/lending.py) needs the KV pool's idle pages to be expert-cache slots without moving
+either pool: both keep fixed addresses (recorded CUDA graphs bake them in), and the pages' physical memory is
+mapped a second time inside the expert pool's rows. Whoever uses a byte decides by protocol (the KV page
+allocator's limit and the cache tables' bank), never by copying.
+
+`AliasedMemory(shared_bytes, device)` owns the shared buffer; `tensor(nbytes, shared)` reserves a virtual
+range, maps the given chunk-aligned pieces onto the shared buffer and the rest onto memory of its own, and
+returns a uint8 tensor over it. Two backends, one contract:
+- CUDA: the driver's virtual memory API (cuMemAddressReserve / cuMemCreate / cuMemMap / cuMemSetAccess),
+  through ctypes; the chunk is the allocation granularity (2 MiB on an H200).
+- CPU: a memfd mapped MAP_SHARED | MAP_FIXED into a PROT_NONE reservation (libc mmap through ctypes),
+  private anonymous memory for the rest; the chunk is the page size. The same aliasing, so the lending
+  protocol is tested without a GPU.
+Memory made here is not the caching allocator's: it is not in `torch.cuda.memory_reserved()` (see
+`total_bytes`), and cudaIpcGetMemHandle cannot export it (common/ipc.py's CUDA form): a process that
+exports its pools to another does not lend them yet.
+Mappings live until the AliasedMemory and every tensor made from it are gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+Piece = tuple[int, int, int]
+"""(offset in the tensor, length, offset in the shared buffer), all multiples of the chunk size."""
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class _AllocationProp(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Location),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
+
+
+class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+_PINNED, _LOCATION_DEVICE, _READ_WRITE = 1, 1, 3
+
+
+class _CudaBackend:
+    """The driver's virtual memory API on one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        torch.cuda.init()  # the primary context the driver calls use
+        self.index = torch.cuda.current_device() if device.index is None else device.index
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.prop = _AllocationProp(type=_PINNED, location=_Location(_LOCATION_DEVICE, self.index))
+        size = ctypes.c_size_t()
+        self._check("cuMemGetAllocationGranularity", ctypes.byref(size), ctypes.byref(self.prop), 0)
+        self.chunk = size.value
+
+    def _check(self, name: str, *args) -> None:
+        rc = getattr(self.lib, name)(*args)
+        if rc != 0:
+            raise RuntimeError(f"{name} failed with CUresult {rc}")
+
+    def physical(self, nbytes: int) -> int:
+        handle = ctypes.c_ulonglong()
+        self._check("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(nbytes), ctypes.byref(self.prop), 0)
+        return handle.value
+
+    def reserve(self, nbytes: int) -> int:
+        ptr = ctypes.c_ulonglong()
+        size, align = ctypes.c_size_t(nbytes), ctypes.c_size_t(self.chunk)
+        self._check("cuMemAddressReserve", ctypes.byref(ptr), size, align, ctypes.c_ulonglong(0), 0)
+        return ptr.value
+
+    def map(self, addr: int, nbytes: int, handle: int, offset: int) -> None:
+        ptr, size = ctypes.c_ulonglong(addr), ctypes.c_size_t(nbytes)
+        self._check("cuMemMap", ptr, size, ctypes.c_size_t(offset), ctypes.c_ulonglong(handle), 0)
+        access = _AccessDesc(location=_Location(_LOCATION_DEVICE, self.index), flags=_READ_WRITE)
+        self._check("cuMemSetAccess", ptr, size, ctypes.byref(access), ctypes.c_size_t(1))
+
+    def unmap(self, addr: int, nbytes: int, pieces: Sequence[tuple[int, int]]) -> None:
+        for at, length in pieces:  # each mapping whole, as it was made
+            self._check("cuMemUnmap", ctypes.c_ulonglong(addr + at), ctypes.c_size_t(length))
+        self._check("cuMemAddressFree", ctypes.c_ulonglong(addr), ctypes.c_size_t(nbytes))
+
+    def release(self, handle: int) -> None:
+        self._check("cuMemRelease", ctypes.c_ulonglong(handle))
+
+    def as_tensor(self, addr: int, nbytes: int, keep: object) -> torch.Tensor:
+        return torch.as_tensor(_DeviceSpan(addr, nbytes, keep), device=f"cuda:{self.index}")
+
+
+class _DeviceSpan:
+    """A device byte range as `__cuda_array_interface__` (what torch.as_tensor wraps without copying); the
+    tensor holds this object, and this object holds the mapping."""
+
+    def __init__(self, addr: int, nbytes: int, keep: object) -> None:
+        self.keep = keep
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3, "strides": None,
+        }  # fmt: skip
+
+
+class _HostBackend:
+    """memfd + mmap(MAP_FIXED) in host memory: the CPU form of the same aliasing."""
+
+    PROT_NONE, PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+    MAP_FIXED = 0x10
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL(None, use_errno=True)
+        self.lib.mmap.restype = ctypes.c_void_p
+        self.lib.mmap.argtypes = [
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+        ]  # fmt: skip
+        self.lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.chunk = mmap.PAGESIZE
+
+    def _mmap(self, addr: int | None, nbytes: int, prot: int, flags: int, fd: int, offset: int) -> int:
+        out = self.lib.mmap(addr, nbytes, prot, flags, fd, offset)
+        if out in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes: {os.strerror(ctypes.get_errno())}")
+        return out
+
+    def physical(self, nbytes: int) -> int:
+        fd = os.memfd_create("spillway-aliased", os.MFD_CLOEXEC)
+        os.ftruncate(fd, nbytes)
+        return fd
+
+    def reserve(self, nbytes: int) -> int:
+        return self._mmap(None, nbytes, self.PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+
+    def map(self, addr: int, nbytes: int, handle: int, offset: int) -> None:
+        self._mmap(addr, nbytes, self.PROT_RW, mmap.MAP_SHARED | self.MAP_FIXED, handle, offset)
+
+    def unmap(self, addr: int, nbytes: int, pieces: Sequence[tuple[int, int]]) -> None:
+        self.lib.munmap(addr, nbytes)
+
+    def release(self, handle: int) -> None:
+        os.close(handle)
+
+    def as_tensor(self, addr: int, nbytes: int, keep: object) -> torch.Tensor:
+        span = (ctypes.c_uint8 * nbytes).from_address(addr)
+        span.keep = keep  # frombuffer holds the array, the array holds the mapping
+        return torch.frombuffer(span, dtype=torch.uint8)
+
+
+@dataclass
+class _Mapping:
+    """One reserved range and the physical memory of its own; unmapped when the last holder goes."""
+
+    backend: _CudaBackend | _HostBackend
+    addr: int
+    nbytes: int
+    own: int | None
+    shared: _Physical
+    pieces: list[tuple[int, int]]
+    """(offset, length) of each mapping made in the range."""
+
+    def __del__(self) -> None:
+        self.backend.unmap(self.addr, self.nbytes, self.pieces)
+        if self.own is not None:
+            self.backend.release(self.own)
+
+
+@dataclass
+class _Physical:
+    backend: _CudaBackend | _HostBackend
+    handle: int
+
+    def __del__(self) -> None:
+        self.backend.release(self.handle)
+
+
+class AliasedMemory:
+    """A shared buffer of `shared_bytes` (rounded up to whole chunks) and the tensors mapped onto it."""
+
+    def __init__(self, shared_bytes: int, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.backend = _CudaBackend(self.device) if self.device.type == "cuda" else _HostBackend()
+        self.chunk = self.backend.chunk
+        self.shared_bytes = self.round_up(max(shared_bytes, 1))
+        self._shared = _Physical(self.backend, self.backend.physical(self.shared_bytes))
+        self.total_bytes = self.shared_bytes
+        """Physical bytes made here: the shared buffer and every tensor's own memory."""
+
+    @staticmethod
+    def granularity(device: torch.device | str) -> int:
+        """The chunk size pieces are made of on `device`."""
+        device = torch.device(device)
+        return _CudaBackend(device).chunk if device.type == "cuda" else _HostBackend().chunk
+
+    def round_up(self, nbytes: int) -> int:
+        return -(-nbytes // self.chunk) * self.chunk
+
+    def tensor(self, nbytes: int, shared: Sequence[Piece] = ()) -> torch.Tensor:
+        """[nbytes] uint8 whose `shared` pieces are the shared buffer's bytes; the rest is its own memory,
+        uninitialised like torch.empty's."""
+        size = self.round_up(nbytes)
+        pieces = sorted(shared)
+        for at, length, src in pieces:
+            if (at | length | src) % self.chunk or at + length > size or src + length > self.shared_bytes:
+                raise ValueError(f"piece {(at, length, src)} not in whole chunks of {self.chunk} inside")
+        b = self.backend
+        addr = b.reserve(size)
+        own_ranges, cursor = [], 0
+        for at, length, _ in pieces:
+            if at < cursor:
+                raise ValueError(f"shared pieces overlap at byte {at}")
+            if at > cursor:
+                own_ranges.append((cursor, at - cursor))
+            cursor = at + length
+        if cursor < size:
+            own_ranges.append((cursor, size - cursor))
+        own_bytes = sum(n for _, n in own_ranges)
+        own = b.physical(own_bytes) if own_bytes else None
+        mapping = _Mapping(b, addr, size, own, self._shared, [])  # unmaps even if a map below fails
+        done = 0
+        for at, length in own_ranges:
+            b.map(addr + at, length, own, done)
+            mapping.pieces.append((at, length))
+            done += length
+        for at, length, src in pieces:
+            b.map(addr + at, length, self._shared.handle, src)
+            mapping.pieces.append((at, length))
+        self.total_bytes += own_bytes
+        return b.as_tensor(addr, size, mapping)[:nbytes]

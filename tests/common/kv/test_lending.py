@@ -1,0 +1,99 @@
+"""KV lending: the bank slots lent at a page limit share no byte with the pages below it, and an engine that
+lends its KV pool's idle pages generates exactly what one without lending does, while contexts grow past
+stages (slots reclaimed) and sequences finish (slots lent again)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine import Engine
+from common.kv.lending import KvLending
+from common.kv.state import PagedSpec, SlotSpec, StatePool
+from common.model.synthetic import make_model
+from common.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def check_disjoint(device: str, pages: int, page_size: int) -> KvLending:
+    """Three paged tensors of different page sizes and three expert components of different row sizes: at
+    every stage, bytes written to every lent slot's rows leave every page below the limit as it was."""
+    specs = [
+        {"k": PagedSpec((2, 24), torch.bfloat16), "v": PagedSpec((2, 24), torch.bfloat16)},
+        {"state": SlotSpec((3,), torch.float32)},
+        {"keys": PagedSpec((5,), torch.float32)},
+    ]
+    lending = KvLending(specs, pages, page_size, device)
+    components = {"w": ((96, 80), torch.uint8), "s": ((96, 3), torch.bfloat16), "z": ((7,), torch.uint8)}
+    main, extra = 13, 1 + 4  # slots before the bank; the spare row and staging rows after it
+    bank = lending.bank_size(components, main)
+    assert bank > 0
+    pool = lending.expert_pool(components, main + bank + extra, main, bank)
+    first = torch.tensor(lending._first_page)
+    for limit in lending.stages:
+        kv = [t.view(torch.uint8) for layer in lending.paged for t in layer.values()]
+        for t in kv:
+            t[:limit].fill_(0xAA)
+        lent = main + (first >= limit).nonzero().flatten()
+        for t in pool.values():
+            t.view(t.shape[0], -1).view(torch.uint8)[lent.to(device)] = 0x55
+        for t in kv:
+            assert bool((t[:limit] == 0xAA).all()), limit
+    assert int((first >= lending.stages[0]).sum()) >= bank // 2  # most are lent at the first stage
+    for t in kv:  # and the aliasing is real: the whole bank written over the whole pool shows in it
+        t.fill_(0xAA)
+    for t in pool.values():
+        t.view(t.shape[0], -1).view(torch.uint8)[main : main + bank] = 0x55
+    shared = sum(int((t == 0x55).sum()) for t in kv)
+    assert shared >= lending.memory.shared_bytes // 2
+    StatePool(specs, pages, page_size, 2, device, paged=lending.paged)  # the pool takes them as they are
+    return lending
+
+
+def test_lent_slots_share_no_byte_with_the_pages_in_use() -> None:
+    check_disjoint("cpu", pages=64, page_size=16)
+
+
+ARCHS = {"qwen3_moe": {}, "qwen4_exp": {"indexer_n_heads": 16, "indexer_budget": 8}}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def model(request, tmp_path_factory):
+    arch = request.param
+    path = make_model(tmp_path_factory.mktemp(arch), preset="tiny", arch=arch, overrides=ARCHS[arch], seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (200, 150, 40, 230, 9)]
+    reference = Engine(path, dtype=torch.float32, max_seqs=2, max_context=256).generate(prompts, GREEDY)
+    return path, prompts, [r.token_ids for r in reference]
+
+
+def run_lending(
+    path, prompts, device: str = "cpu", max_seqs: int = 2, max_context: int = 256
+) -> tuple[list[list[int]], Engine]:
+    """By default two lanes of 256 tokens (stages of 64 tokens): prompts of up to 230 tokens push the limit
+    up, finished ones let it down; the cache has one slot a layer of its own."""
+    layers = len(Engine(path, dtype=torch.float32, max_seqs=1).config.moe_layers)
+    engine = Engine(
+        path, dtype=torch.float32, device=device, max_seqs=max_seqs, max_context=max_context,
+        expert_cache=str(layers), lend_kv=True,
+    )  # fmt: skip
+    lending = engine.kv_lending
+    assert engine.offload.tables.lent > 0 and lending.limit == lending.stages[0]
+    out = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    engine.offload.tables.check()
+    assert lending.raises > 0 and lending.lowers > 0  # slots reclaimed as contexts grew, lent again after
+    assert engine.runner.pool.pages.high_water() == 0 and lending.limit <= lending.stages[1]
+    return out, engine
+
+
+def test_lending_generates_what_no_lending_does(model) -> None:
+    path, prompts, reference = model
+    out, _ = run_lending(path, prompts)
+    assert out == reference
+
+
+def test_lending_needs_an_expert_cache(model) -> None:
+    path, _, _ = model
+    with pytest.raises(ValueError, match="needs an expert cache"):
+        Engine(path, dtype=torch.float32, max_seqs=1, lend_kv=True)
