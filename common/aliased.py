@@ -171,24 +171,37 @@ class _Mapping:
     backend: _CudaBackend | _HostBackend
     addr: int
     nbytes: int
-    own: int | None
-    shared: _Physical
+    shared: _Shared
+    own: list[int]
+    """Handles of the range's own memory, one a contiguous run."""
     pieces: list[tuple[int, int]]
     """(offset, length) of each mapping made in the range."""
 
     def __del__(self) -> None:
         self.backend.unmap(self.addr, self.nbytes, self.pieces)
-        if self.own is not None:
-            self.backend.release(self.own)
+        for handle in self.own:
+            self.backend.release(handle)
 
 
-@dataclass
-class _Physical:
-    backend: _CudaBackend | _HostBackend
-    handle: int
+class _Shared:
+    """The shared buffer: one physical allocation a chunk on CUDA (the driver maps an allocation whole,
+    from offset 0, only), one memfd on the host."""
+
+    def __init__(self, backend: _CudaBackend | _HostBackend, nbytes: int) -> None:
+        self.backend, self.chunk = backend, backend.chunk
+        count = nbytes // self.chunk if isinstance(backend, _CudaBackend) else 1
+        size = self.chunk if isinstance(backend, _CudaBackend) else nbytes
+        self.handles = [backend.physical(size) for _ in range(count)]
+
+    def locate(self, offset: int) -> tuple[int, int, int]:
+        """(handle, offset in it, bytes from there one map may take) of the buffer's byte `offset`."""
+        if isinstance(self.backend, _CudaBackend):
+            return self.handles[offset // self.chunk], 0, self.chunk
+        return self.handles[0], offset, 1 << 62
 
     def __del__(self) -> None:
-        self.backend.release(self.handle)
+        for handle in self.handles:
+            self.backend.release(handle)
 
 
 class AliasedMemory:
@@ -199,7 +212,7 @@ class AliasedMemory:
         self.backend = _CudaBackend(self.device) if self.device.type == "cuda" else _HostBackend()
         self.chunk = self.backend.chunk
         self.shared_bytes = self.round_up(max(shared_bytes, 1))
-        self._shared = _Physical(self.backend, self.backend.physical(self.shared_bytes))
+        self._shared = _Shared(self.backend, self.shared_bytes)
         self.total_bytes = self.shared_bytes
         """Physical bytes made here: the shared buffer and every tensor's own memory."""
 
@@ -220,8 +233,6 @@ class AliasedMemory:
         for at, length, src in pieces:
             if (at | length | src) % self.chunk or at + length > size or src + length > self.shared_bytes:
                 raise ValueError(f"piece {(at, length, src)} not in whole chunks of {self.chunk} inside")
-        b = self.backend
-        addr = b.reserve(size)
         own_ranges, cursor = [], 0
         for at, length, _ in pieces:
             if at < cursor:
@@ -231,16 +242,19 @@ class AliasedMemory:
             cursor = at + length
         if cursor < size:
             own_ranges.append((cursor, size - cursor))
-        own_bytes = sum(n for _, n in own_ranges)
-        own = b.physical(own_bytes) if own_bytes else None
-        mapping = _Mapping(b, addr, size, own, self._shared, [])  # unmaps even if a map below fails
-        done = 0
+        b = self.backend
+        mapping = _Mapping(b, b.reserve(size), size, self._shared, [], [])  # unmaps even if a map below fails
         for at, length in own_ranges:
-            b.map(addr + at, length, own, done)
+            mapping.own.append(b.physical(length))
+            b.map(mapping.addr + at, length, mapping.own[-1], 0)
             mapping.pieces.append((at, length))
-            done += length
+            self.total_bytes += length
         for at, length, src in pieces:
-            b.map(addr + at, length, self._shared.handle, src)
-            mapping.pieces.append((at, length))
-        self.total_bytes += own_bytes
-        return b.as_tensor(addr, size, mapping)[:nbytes]
+            done = 0
+            while done < length:
+                handle, offset, most = self._shared.locate(src + done)
+                n = min(most, length - done)
+                b.map(mapping.addr + at + done, n, handle, offset)
+                mapping.pieces.append((at + done, n))
+                done += n
+        return b.as_tensor(mapping.addr, size, mapping)[:nbytes]
