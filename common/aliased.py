@@ -22,12 +22,18 @@ Mappings live until the AliasedMemory and every tensor made from it are gone.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
+import threading
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from common.fdpass import FdServer, fetch_fds
+from common.protocol import SharedTensor
 
 Piece = tuple[int, int, int]
 """(offset in the tensor, length, offset in the shared buffer), all multiples of the chunk size."""
@@ -60,7 +66,7 @@ class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
     _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
 
 
-_PINNED, _LOCATION_DEVICE, _READ_WRITE = 1, 1, 3
+_PINNED, _POSIX_FD, _LOCATION_DEVICE, _READ_WRITE = 1, 1, 1, 3
 
 
 class _CudaBackend:
@@ -70,7 +76,9 @@ class _CudaBackend:
         torch.cuda.init()  # the primary context the driver calls use
         self.index = torch.cuda.current_device() if device.index is None else device.index
         self.lib = ctypes.CDLL("libcuda.so.1")
-        self.prop = _AllocationProp(type=_PINNED, location=_Location(_LOCATION_DEVICE, self.index))
+        self.prop = _AllocationProp(
+            type=_PINNED, requestedHandleTypes=_POSIX_FD, location=_Location(_LOCATION_DEVICE, self.index)
+        )  # exportable as a file descriptor (common/fdpass.py)
         size = ctypes.c_size_t()
         self._check("cuMemGetAllocationGranularity", ctypes.byref(size), ctypes.byref(self.prop), 0)
         self.chunk = size.value
@@ -104,6 +112,19 @@ class _CudaBackend:
 
     def release(self, handle: int) -> None:
         self._check("cuMemRelease", ctypes.c_ulonglong(handle))
+
+    def export_fd(self, handle: int) -> int:
+        fd = ctypes.c_int()
+        self._check(
+            "cuMemExportToShareableHandle", ctypes.byref(fd), ctypes.c_ulonglong(handle), _POSIX_FD, 0
+        )
+        return fd.value
+
+    def import_fd(self, fd: int) -> int:
+        """The allocation `fd` names, as a handle of this process (`fd` stays the caller's to close)."""
+        handle = ctypes.c_ulonglong()
+        self._check("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd), _POSIX_FD)
+        return handle.value
 
     def as_tensor(self, addr: int, nbytes: int, keep: object) -> torch.Tensor:
         return torch.as_tensor(_DeviceSpan(addr, nbytes, keep), device=f"cuda:{self.index}")
@@ -158,29 +179,66 @@ class _HostBackend:
     def release(self, handle: int) -> None:
         os.close(handle)
 
+    def export_fd(self, handle: int) -> int:
+        return os.dup(handle)
+
+    def import_fd(self, fd: int) -> int:
+        return os.dup(fd)
+
     def as_tensor(self, addr: int, nbytes: int, keep: object) -> torch.Tensor:
         span = (ctypes.c_uint8 * nbytes).from_address(addr)
         span.keep = keep  # frombuffer holds the array, the array holds the mapping
         return torch.frombuffer(span, dtype=torch.uint8)
 
 
+_lock = threading.Lock()
+_sources: dict[int, tuple[_CudaBackend | _HostBackend, int]] = {}
+"""Every physical allocation this process made (source id → backend, handle): what an importer asks for."""
+_source_ids = itertools.count()
+_ranges: dict[int, weakref.ref[_Mapping]] = {}
+"""Address of each live range made here → its mapping (export_view finds a tensor's range by address)."""
+_server: FdServer | None = None
+_imported: dict[tuple[str, int], int] = {}
+"""(exporter's fd server, source id) → the handle imported here: an allocation is imported once."""
+
+
+def _new_source(backend: _CudaBackend | _HostBackend, nbytes: int) -> int:
+    with _lock:
+        sid = next(_source_ids)
+        _sources[sid] = (backend, backend.physical(nbytes))
+    return sid
+
+
+def _release_source(sid: int) -> None:
+    with _lock:
+        backend, handle = _sources.pop(sid)
+    backend.release(handle)
+
+
 @dataclass
 class _Mapping:
-    """One reserved range and the physical memory of its own; unmapped when the last holder goes."""
+    """One reserved range and its pieces; unmapped (and its own memory released) when the last holder goes."""
 
     backend: _CudaBackend | _HostBackend
     addr: int
     nbytes: int
-    shared: _Shared
-    own: list[int]
-    """Handles of the range's own memory, one a contiguous run."""
-    pieces: list[tuple[int, int]]
-    """(offset, length) of each mapping made in the range."""
+    pieces: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(offset, length, source id, offset in the source) of each mapping made in the range."""
+    owned: list[int] = field(default_factory=list)
+    """Source ids this range released when it goes (its own memory)."""
+    keep: object = None
+    """What must outlive the range (the shared buffer)."""
+
+    def map(self, at: int, length: int, sid: int, offset: int, handle: int) -> None:
+        self.backend.map(self.addr + at, length, handle, offset)
+        self.pieces.append((at, length, sid, offset))
 
     def __del__(self) -> None:
-        self.backend.unmap(self.addr, self.nbytes, self.pieces)
-        for handle in self.own:
-            self.backend.release(handle)
+        with _lock:
+            _ranges.pop(self.addr, None)
+        self.backend.unmap(self.addr, self.nbytes, [(at, n) for at, n, _, _ in self.pieces])
+        for sid in self.owned:
+            _release_source(sid)
 
 
 class _Shared:
@@ -189,19 +247,22 @@ class _Shared:
 
     def __init__(self, backend: _CudaBackend | _HostBackend, nbytes: int) -> None:
         self.backend, self.chunk = backend, backend.chunk
-        count = nbytes // self.chunk if isinstance(backend, _CudaBackend) else 1
-        size = self.chunk if isinstance(backend, _CudaBackend) else nbytes
-        self.handles = [backend.physical(size) for _ in range(count)]
+        self.cuda = isinstance(backend, _CudaBackend)
+        self.sources = (
+            [_new_source(backend, self.chunk) for _ in range(nbytes // self.chunk)]
+            if self.cuda
+            else [_new_source(backend, nbytes)]
+        )
 
     def locate(self, offset: int) -> tuple[int, int, int]:
-        """(handle, offset in it, bytes from there one map may take) of the buffer's byte `offset`."""
-        if isinstance(self.backend, _CudaBackend):
-            return self.handles[offset // self.chunk], 0, self.chunk
-        return self.handles[0], offset, 1 << 62
+        """(source id, offset in it, bytes from there one map may take) of the buffer's byte `offset`."""
+        if self.cuda:
+            return self.sources[offset // self.chunk], 0, self.chunk
+        return self.sources[0], offset, 1 << 62
 
     def __del__(self) -> None:
-        for handle in self.handles:
-            self.backend.release(handle)
+        for sid in self.sources:
+            _release_source(sid)
 
 
 class AliasedMemory:
@@ -243,18 +304,87 @@ class AliasedMemory:
         if cursor < size:
             own_ranges.append((cursor, size - cursor))
         b = self.backend
-        mapping = _Mapping(b, b.reserve(size), size, self._shared, [], [])  # unmaps even if a map below fails
+        mapping = _Mapping(b, b.reserve(size), size, keep=self._shared)  # unmaps even if a map below fails
         for at, length in own_ranges:
-            mapping.own.append(b.physical(length))
-            b.map(mapping.addr + at, length, mapping.own[-1], 0)
-            mapping.pieces.append((at, length))
+            sid = _new_source(b, length)
+            mapping.owned.append(sid)
+            mapping.map(at, length, sid, 0, _sources[sid][1])
             self.total_bytes += length
         for at, length, src in pieces:
             done = 0
             while done < length:
-                handle, offset, most = self._shared.locate(src + done)
+                sid, offset, most = self._shared.locate(src + done)
                 n = min(most, length - done)
-                b.map(mapping.addr + at + done, n, handle, offset)
-                mapping.pieces.append((at + done, n))
+                mapping.map(at + done, n, sid, offset, _sources[sid][1])
                 done += n
+        with _lock:
+            _ranges[mapping.addr] = weakref.ref(mapping)
         return b.as_tensor(mapping.addr, size, mapping)[:nbytes]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sharing with another process: a range's pieces travel as plain numbers, its allocations as descriptors.
+
+
+def _range_of(t: torch.Tensor) -> _Mapping | None:
+    ptr = t.untyped_storage().data_ptr()
+    with _lock:
+        for addr, ref in _ranges.items():
+            m = ref()
+            if m is not None and addr <= ptr < addr + m.nbytes:
+                return m
+    return None
+
+
+def owns(t: torch.Tensor) -> bool:
+    """Whether `t` lies in a range AliasedMemory made in this process (export_view accepts it)."""
+    return _range_of(t) is not None
+
+
+def _open_fd(sid: int) -> int:
+    with _lock:
+        backend, handle = _sources[sid]
+    return backend.export_fd(handle)
+
+
+def export_view(t: torch.Tensor, dtype: str) -> SharedTensor:
+    """The wire form of `t` (in a range made here): the range's pieces, and the fd server that hands out
+    their allocations. Writes queued on the device before it are visible to the importer (it synchronises)."""
+    global _server
+    m = _range_of(t)
+    if m is None:
+        raise ValueError("this tensor is not in memory AliasedMemory made")
+    with _lock:
+        if _server is None:
+            _server = FdServer(_open_fd)
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
+    return SharedTensor(
+        kind="aliased", handle=_server.path.encode(), offset=t.data_ptr() - m.addr, nbytes=m.nbytes,
+        dtype=dtype, shape=list(t.shape), stride=list(t.stride()),
+        device=t.device.index if t.device.type == "cuda" else -1, pieces=[list(p) for p in m.pieces],
+    )  # fmt: skip
+
+
+def import_view(s: SharedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor an `export_view` names, its range mapped here (not copied)."""
+    backend = _CudaBackend(torch.device("cuda", s.device)) if s.device >= 0 else _HostBackend()
+    for piece in s.pieces:
+        at, length, _, offset = piece if len(piece) == 4 else (-1, -1, -1, -1)
+        if min(at, length, offset) < 0 or (at | length) % backend.chunk or at + length > s.nbytes:
+            raise ValueError(f"malformed aliased piece {piece} of a {s.nbytes}-byte range")
+    path = s.handle.decode()
+    wanted = sorted({p[2] for p in s.pieces if (path, p[2]) not in _imported})
+    if wanted:
+        fds = fetch_fds(path, wanted)
+        try:
+            for sid, fd in fds.items():
+                _imported[(path, sid)] = backend.import_fd(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    mapping = _Mapping(backend, backend.reserve(s.nbytes), s.nbytes)
+    for at, length, sid, offset in s.pieces:
+        mapping.map(at, length, sid, offset, _imported[(path, sid)])
+    raw = backend.as_tensor(mapping.addr, s.nbytes, mapping).view(dtype)
+    return raw.as_strided(s.shape, s.stride, s.offset // dtype.itemsize)

@@ -177,6 +177,9 @@ class WorkerConfig:
     cuda_graphs: bool = True
     """On CUDA, record each lane count's decode pass once and replay it (common/graphs.py); False runs
     every pass op by op (debugging, profiling)."""
+    lend_kv: bool = False
+    """Decode lends the KV pool's idle pages to the expert cache as slots and takes them back, stage by
+    stage, before contexts need them (common/kv/lending.py); prefill maps them like the rest of the pools."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ torch (torch.multiprocessing's reductions are not used).
   its name, so any view of it (offset, shape, stride) can be exported; a CPU tensor elsewhere raises
   ValueError. The importer maps the segment by name (raw os.open + mmap: multiprocessing.shared_memory
   would have Python's resource tracker unlink it when the importer exits).
+- **Aliased** ("aliased"): a tensor in memory `common.aliased.AliasedMemory` made (KV lending's pools, on
+  either device) travels as its range's pieces; the importer fetches the physical allocations as file
+  descriptors from the exporter's fd server (common/fdpass.py) and maps the same pieces.
 
 Lifetime. A mapping lives as long as any tensor on it (each storage holds the mmap through a memoryview, so it
 cannot be unmapped under a live tensor). The creating process (owner) unlinks a segment when its last tensor
@@ -48,6 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from common import aliased
 from common.protocol import SharedTensor
 
 SHM_DIR = "/dev/shm"
@@ -306,7 +310,7 @@ def shared_empty(
 
 def is_exportable(t: torch.Tensor) -> bool:
     """Whether export_tensor accepts `t`: a CUDA tensor (not itself imported), or a view of a segment."""
-    if t.device.type == "cuda":
+    if aliased.owns(t) or t.device.type == "cuda":
         return True
     return t.device.type == "cpu" and t.untyped_storage().data_ptr() in _segments
 
@@ -314,6 +318,8 @@ def is_exportable(t: torch.Tensor) -> bool:
 def export_tensor(t: torch.Tensor) -> SharedTensor:
     """The wire form of `t`, which must stay alive (in this process) while importers may still map it."""
     dtype = dtype_name(t.dtype)
+    if aliased.owns(t):
+        return aliased.export_view(t, dtype)
     if t.device.type == "cuda":
         return _export_cuda(t, dtype)
     if t.device.type != "cpu":
@@ -374,6 +380,8 @@ def import_tensor(s: SharedTensor) -> torch.Tensor:
         storage = _storage_of(_map_segment(s.handle.decode(), s.nbytes))
     elif s.kind == "cuda":
         storage = _open_cuda(s)
+    elif s.kind == "aliased":
+        return aliased.import_view(s, dtype)
     else:
         raise ValueError(f"unknown SharedTensor kind {s.kind!r}")
     return torch.empty(0, dtype=dtype, device=storage.device).set_(

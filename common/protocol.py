@@ -96,7 +96,7 @@ class SharedTensor(msgspec.Struct, frozen=True):
     """A tensor another process can map (common.ipc): CUDA IPC handle or shared-memory segment."""
 
     kind: str
-    """"cuda" or "shm"."""
+    """"cuda", "shm" or "aliased" (memory mapped twice, common/aliased.py: KV lending's pools)."""
     handle: bytes
     """cudaIpcMemHandle bytes ("cuda") or the segment's name, utf-8 ("shm")."""
     offset: int
@@ -108,6 +108,9 @@ class SharedTensor(msgspec.Struct, frozen=True):
     stride: list[int]
     device: int
     """CUDA device index (−1 on the host)."""
+    pieces: list[list[int]] = []
+    """"aliased" only: the range's mappings, [offset, length, source id, offset in the source] each (its
+    allocations come from the fd server whose socket path is `handle`; common/aliased.py)."""
 
 
 class Exports(msgspec.Struct, frozen=True, tag=True):

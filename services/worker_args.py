@@ -38,6 +38,11 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
     parser.add_argument(
         "--eager", action="store_true", help="run decode passes op by op, not as recorded CUDA graphs"
     )
+    parser.add_argument(
+        "--lend-kv",
+        action="store_true",
+        help="lend the KV pool's idle pages to the expert cache as slots, taken back as contexts grow",
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
 
 
@@ -115,6 +120,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         embeddings_on_host=args.embeddings_on_host,
         fused_kernels=args.fused_kernels,
         resident_dtype=args.resident_dtype,
+        lend_kv=args.lend_kv,
     )
 
 
@@ -129,6 +135,7 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     optional["--vram-budget"] = None if cfg.vram_budget is None else str(cfg.vram_budget)
     argv += [] if cfg.cuda_graphs else ["--eager"]
     argv += ["--embeddings-on-host"] if cfg.embeddings_on_host else []
+    argv += ["--lend-kv"] if cfg.lend_kv else []
     argv += ["--resident-dtype", cfg.resident_dtype] if cfg.resident_dtype else []
     if cfg.fused_kernels is not None:
         argv += ["--fused-kernels" if cfg.fused_kernels else "--no-fused-kernels"]

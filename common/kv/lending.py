@@ -148,9 +148,10 @@ class KvLending:
 
     def grow(self, needed: int) -> None:
         """The allocator needs pages below `needed`: raise the limit to the stage that holds them, after
-        taking back the bank slots below it."""
+        taking back the bank slots below it. Not while the cache is frozen (another process may be reading
+        those slots): the allocation is then refused (PoolExhausted) and asked again after the thaw."""
         new = next(s for s in self.stages if s >= needed)
-        if new <= self.limit:
+        if new <= self.limit or self.tables.frozen:
             return
         self.tables.reclaim(self._slots((self.first_page >= self.limit) & (self.first_page < new)))
         self.pool.pages.limit = new

@@ -31,6 +31,7 @@ class CacheMetricsExporter:
                 m.hit_rate.labels(layer=layer).set(delta["hits"][i] / lookups)
         for i, capacity in enumerate(self.offload.tables.capacities):
             m.slots.labels(layer=self.layers[i]).set(capacity)
+        m.lent_bytes.set(self.offload.tables.lent * self.offload.store.expert_bytes)
         traffic = self.offload.traffic()
         moved = sum(traffic.cache_bytes) + sum(traffic.bypass_bytes) + sum(traffic.arena_bytes)
         loads = sum(traffic.arena_loads)

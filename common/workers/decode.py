@@ -58,6 +58,7 @@ def load_engine(
         cuda_graphs=cfg.cuda_graphs,
         embeddings_on_host=cfg.embeddings_on_host,
         fused_kernels=cfg.fused_kernels,
+        lend_kv=cfg.lend_kv,
     )
 
 

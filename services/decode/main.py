@@ -8,7 +8,7 @@ import logging
 import torch
 
 from common.config import format_bytes
-from common.memory_plan import cap_worker, format_plan
+from common.memory_plan import cap_allocator, cap_worker, format_plan
 from common.protocol import (
     Abort,
     AllocState,
@@ -31,14 +31,15 @@ def handle(core: DecodeCore, shell: WorkerShell, msg: Message, exports) -> None:
     if isinstance(msg, AllocState):
         for grant in core.alloc_state(msg):
             shell.send("prefill", grant)
-    elif isinstance(msg, PrefillDone):
-        core.prefill_done(msg)
-    elif isinstance(msg, Abort | ReleaseState):
-        core.release(msg.rid)
-        for grant in core.grant_pending():
+    elif isinstance(msg, PrefillDone | Abort | ReleaseState | Thaw):
+        if isinstance(msg, PrefillDone):
+            core.prefill_done(msg)
+        elif isinstance(msg, Thaw):
+            core.set_freeze(msg.holder, False)
+        else:
+            core.release(msg.rid)
+        for grant in core.grant_pending():  # freed pages, or a thawed cache that can give lent ones back
             shell.send("prefill", grant)
-    elif isinstance(msg, Thaw):
-        core.set_freeze(msg.holder, False)
     elif isinstance(msg, WantExports):  # a (re)started prefill: what its predecessor held is lost
         for rid in [*core.granted, *(ask.rid for ask in core.pending)]:
             core.release(rid)
@@ -87,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port)
     cfg = worker_config(args)
     try:
-        cap_worker(cfg, "decode")  # the budget is a hard cap: decode's part of it
+        plan = cap_worker(cfg, "decode")  # the budget is a hard cap: decode's part of it
         core = DecodeCore(cfg, shared_allocator, host_allocator)
+        lending = core.engine.kv_lending
+        if plan is not None and lending is not None:  # its pools are memory the allocator does not count
+            cap_allocator(plan.process_budget("decode") - lending.memory.total_bytes, cfg.device)
     except ValueError as exc:  # a refused memory plan, a bad checkpoint: say why (the launcher gives up)
         log.error("cannot start: %s", exc)
         shell.close()

@@ -32,3 +32,45 @@ def test_pieces_must_be_whole_chunks_inside_and_apart() -> None:
         memory.tensor(4 * c, [(0, c, 2 * c)])  # past the shared buffer
     with pytest.raises(ValueError, match="overlap"):
         memory.tensor(4 * c, [(0, 2 * c, 0), (c, c, 0)])
+
+
+def test_an_exported_view_maps_the_same_bytes_in_another_process() -> None:
+    """Through common.ipc, as the decode worker exports its pools: the importer (a separate process) gets
+    the range's memfds from the exporter's fd server and maps the pieces; its writes land in the exporter's
+    tensor, in the shared chunk too, and its view keeps the exported offset, shape and stride."""
+    import subprocess
+    import sys
+
+    import msgspec
+    import torch
+
+    from common import ipc
+
+    memory = AliasedMemory(2 * AliasedMemory.granularity("cpu"), "cpu")
+    c = memory.chunk
+    raw = memory.tensor(4 * c, [(2 * c, 2 * c, 0)])
+    view = raw.view(torch.int32)[c // 4 :].view(-1, 16)[:, :8]  # an offset, a stride
+    assert ipc.is_exportable(view)
+    wire = msgspec.json.encode(ipc.export_tensor(view))
+    child = (
+        "import sys, msgspec, torch\n"
+        "from common import ipc\n"
+        "from common.protocol import SharedTensor\n"
+        "t = ipc.import_tensor(msgspec.json.decode(sys.stdin.buffer.read(), type=SharedTensor))\n"
+        "t.copy_(torch.arange(t.numel(), dtype=torch.int32).view(t.shape))\n"
+    )
+    subprocess.run([sys.executable, "-c", child], input=wire, check=True, timeout=120)
+    assert torch.equal(view, torch.arange(view.numel(), dtype=torch.int32).view(view.shape))
+    other = memory.tensor(2 * c, [(0, 2 * c, 0)])  # the same shared chunks: the child's writes there show
+    assert torch.equal(other.view(torch.int32), raw.view(torch.int32)[c // 2 :])
+
+
+def test_an_import_from_a_bad_peer_is_refused() -> None:
+    import torch
+
+    from common.aliased import import_view
+    from common.protocol import SharedTensor
+
+    bad = SharedTensor("aliased", b"/nonexistent", 0, 4096, "uint8", [16], [1], -1, pieces=[[0, 100, 0, 0]])
+    with pytest.raises(ValueError, match="malformed aliased piece"):
+        import_view(bad, torch.uint8)

@@ -1,5 +1,6 @@
 """`spillway serve --device cuda`: decode owns the weights and state pools on the GPU, prefill maps them
-through CUDA IPC and writes each prompt's state in place; outputs equal the offline engine's on the GPU."""
+through CUDA IPC (or, lending KV pages, the driver's shareable handles) and writes each prompt's state in
+place; outputs equal the offline engine's on the GPU."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ from common.model.synthetic import make_model
 from common.sampling import SamplingParams
 
 
-@pytest.mark.parametrize("cache", [None, "0.25"], ids=["resident", "offloaded"])
-def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server, cache):
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--expert-cache", "0.25"], ["--expert-cache", "0.25", "--lend-kv"]],
+    ids=["resident", "offloaded", "lend-kv"],
+)
+def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server, extra):
+    """With --lend-kv decode's KV pool and expert pool are driver mappings (a 2 MiB chunk is 512 of this
+    model's pages: its 1,024 pages lend their upper half), which prefill imports through the fd server."""
     model = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
-    extra = ["--expert-cache", cache] if cache else []
     server = start_server("--model", str(model), "--device", "cuda", "--max-running", "4", *extra)
     client = server.client()
     engine = Engine(model, dtype=torch.float32, device="cuda", max_seqs=4)

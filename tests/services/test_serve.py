@@ -288,3 +288,27 @@ def test_a_bad_model_directory_is_refused_before_starting(tmp_path):
     argv = [sys.executable, "-m", "services.cli", "serve", "--model", str(tmp_path / "nothing")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "config.json" in done.stderr
+
+
+def test_lent_kv_pages_serve_the_same_tokens(start_server, tmp_path):
+    """Decode lends its idle KV pages to the expert cache and exports the aliased pools to prefill, which
+    maps them through the fd server; a long prompt takes pages back (stages of 16 pages here), and the
+    tokens are those of an engine that lends nothing; the lent bytes are a gauge."""
+    env = {"SPILLWAY_CACHE": str(tmp_path)}
+    metrics = free_port()
+    server = start_server(
+        "--threads", "1", "--max-context", "1024", "--max-running", "2", "--expert-cache", "3", "--lend-kv",
+        "--metrics-port", str(metrics), env=env,
+    )  # fmt: skip
+    assert _gauge(_decode_metrics(metrics), "expert_cache_lent_bytes") > 0
+    engine = Engine(tmp_path / "models" / "tiny-qwen3_moe", dtype=torch.float32, max_seqs=1, max_context=1024)
+    for text in ("Hi", "Tell me about experts and their caches, at length. " * 40):
+        messages = [{"role": "user", "content": text}]
+        reply = server.client().chat.completions.create(
+            model="tiny-qwen3_moe", messages=messages, max_tokens=12, temperature=0
+        )
+        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
+        (ref,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
+        assert reply.choices[0].message.content == engine.tokenizer.decode(ref.token_ids)
+    assert len(prompt) > 256  # past the first stage: lent slots were taken back for it
+    assert _gauge(_decode_metrics(metrics), "expert_cache_lent_bytes") > 0
