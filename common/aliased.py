@@ -198,8 +198,10 @@ _source_ids = itertools.count()
 _ranges: dict[int, weakref.ref[_Mapping]] = {}
 """Address of each live range made here → its mapping (export_view finds a tensor's range by address)."""
 _server: FdServer | None = None
-_imported: dict[tuple[str, int], int] = {}
-"""(exporter's fd server, source id) → the handle imported here: an allocation is imported once."""
+_import_lock = threading.Lock()
+_imported: dict[tuple[str, int], list[int]] = {}
+"""(exporter's fd server, source id) → [handle imported here, ranges mapping it]: an allocation is imported
+once, and released when no range maps it (a restarted exporter's memory is not kept alive here)."""
 
 
 def _new_source(backend: _CudaBackend | _HostBackend, nbytes: int) -> int:
@@ -225,7 +227,9 @@ class _Mapping:
     pieces: list[tuple[int, int, int, int]] = field(default_factory=list)
     """(offset, length, source id, offset in the source) of each mapping made in the range."""
     owned: list[int] = field(default_factory=list)
-    """Source ids this range released when it goes (its own memory)."""
+    """Source ids this range releases when it goes (its own memory)."""
+    borrowed: list[tuple[str, int]] = field(default_factory=list)
+    """`_imported` keys of the allocations it maps (an importer's range)."""
     keep: object = None
     """What must outlive the range (the shared buffer)."""
 
@@ -239,6 +243,13 @@ class _Mapping:
         self.backend.unmap(self.addr, self.nbytes, [(at, n) for at, n, _, _ in self.pieces])
         for sid in self.owned:
             _release_source(sid)
+        for key in self.borrowed:
+            with _import_lock:
+                entry = _imported[key]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _imported[key]
+                    self.backend.release(entry[0])
 
 
 class _Shared:
@@ -374,17 +385,21 @@ def import_view(s: SharedTensor, dtype: torch.dtype) -> torch.Tensor:
         if min(at, length, offset) < 0 or (at | length) % backend.chunk or at + length > s.nbytes:
             raise ValueError(f"malformed aliased piece {piece} of a {s.nbytes}-byte range")
     path = s.handle.decode()
-    wanted = sorted({p[2] for p in s.pieces if (path, p[2]) not in _imported})
-    if wanted:
-        fds = fetch_fds(path, wanted)
+    sources = sorted({p[2] for p in s.pieces})
+    mapping = _Mapping(backend, backend.reserve(s.nbytes), s.nbytes)
+    with _import_lock:  # imports are rare (a worker's start): one at a time, so each allocation comes once
+        wanted = [sid for sid in sources if (path, sid) not in _imported]
+        fds = fetch_fds(path, wanted) if wanted else {}
         try:
             for sid, fd in fds.items():
-                _imported[(path, sid)] = backend.import_fd(fd)
+                _imported[(path, sid)] = [backend.import_fd(fd), 0]
         finally:
             for fd in fds.values():
                 os.close(fd)
-    mapping = _Mapping(backend, backend.reserve(s.nbytes), s.nbytes)
+        for sid in sources:
+            _imported[(path, sid)][1] += 1
+            mapping.borrowed.append((path, sid))
     for at, length, sid, offset in s.pieces:
-        mapping.map(at, length, sid, offset, _imported[(path, sid)])
+        mapping.map(at, length, sid, offset, _imported[(path, sid)][0])
     raw = backend.as_tensor(mapping.addr, s.nbytes, mapping).view(dtype)
     return raw.as_strided(s.shape, s.stride, s.offset // dtype.itemsize)

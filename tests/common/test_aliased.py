@@ -74,3 +74,30 @@ def test_an_import_from_a_bad_peer_is_refused() -> None:
     bad = SharedTensor("aliased", b"/nonexistent", 0, 4096, "uint8", [16], [1], -1, pieces=[[0, 100, 0, 0]])
     with pytest.raises(ValueError, match="malformed aliased piece"):
         import_view(bad, torch.uint8)
+
+
+def test_imported_allocations_are_released_with_the_last_view_of_them() -> None:
+    """An importer maps each allocation once however many views it imports, and lets it go with the last
+    (a restarted exporter's memory must not stay alive in its peer)."""
+    import gc
+
+    import torch
+
+    from common import aliased, ipc
+
+    memory = AliasedMemory(AliasedMemory.granularity("cpu"), "cpu")
+    c = memory.chunk
+    first, second = memory.tensor(2 * c, [(c, c, 0)]), memory.tensor(c, [(0, c, 0)])
+    before = len(aliased._imported)
+    a = ipc.import_tensor(ipc.export_tensor(first))
+    b = ipc.import_tensor(ipc.export_tensor(second))
+    assert len(aliased._imported) == before + 2  # first's own chunk, and the shared buffer once
+    b.fill_(3)
+    assert int(a[c:].sum()) == 3 * c and int(first[c:].sum()) == 3 * c
+    del a
+    gc.collect()
+    assert len(aliased._imported) == before + 1
+    del b
+    gc.collect()
+    assert len(aliased._imported) == before
+    assert torch.equal(second, torch.full_like(second, 3))
