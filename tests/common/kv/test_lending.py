@@ -97,3 +97,57 @@ def test_lending_needs_an_expert_cache(model) -> None:
     path, _, _ = model
     with pytest.raises(ValueError, match="needs an expert cache"):
         Engine(path, dtype=torch.float32, max_seqs=1, lend_kv=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_growth_prefills_and_releases_keep_logits_and_tables(model, seed) -> None:
+    """Random prompts (prefills), decode steps and releases on three lanes of 256 tokens, in lockstep on a
+    lending engine and on one with the same cache that lends nothing: every pass's logits are equal; after
+    every pass the tables are consistent, no page in use is at or above the limit and no lent slot lies
+    below it."""
+    import random
+
+    path, _, _ = model
+    layers = len(Engine(path, dtype=torch.float32, max_seqs=1).config.moe_layers)
+    kwargs = {"dtype": torch.float32, "max_seqs": 3, "max_context": 256, "expert_cache": str(layers)}
+    plain, lend = Engine(path, **kwargs), Engine(path, **kwargs, lend_kv=True)
+    lending, tables = lend.kv_lending, lend.offload.tables
+    rng, live = random.Random(seed), []  # [(plain seq, lending seq, tokens so far)]
+
+    def check() -> None:
+        tables.check()
+        assert lend.runner.pool.pages.high_water() <= lending.limit
+        lent = tables.lent_mask[tables.bank].cpu()
+        assert bool((lending.first_page[lent] >= lending.limit).all())
+
+    def run(pairs: list, tokens: list[list[int]]) -> None:
+        want = plain.runner.forward([p[0] for p in pairs], tokens)
+        got = lend.runner.forward([p[1] for p in pairs], tokens)
+        assert torch.equal(got, want)
+        for pair, toks in zip(pairs, tokens, strict=True):
+            pair[2] += len(toks)
+        check()
+
+    for _ in range(40):
+        roll = rng.random()
+        if len(live) < 3 and roll < 0.35:
+            pair = [plain.runner.new_sequence(), lend.runner.new_sequence(), 0]
+            live.append(pair)
+            run([pair], [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 150))]])
+        elif live and roll < 0.5:
+            pair = live.pop(rng.randrange(len(live)))
+            plain.runner.release(pair[0])
+            lend.runner.release(pair[1])
+            check()
+        elif live:
+            for pair in [p for p in live if p[2] >= 250]:  # at the context's end: done
+                live.remove(pair)
+                plain.runner.release(pair[0])
+                lend.runner.release(pair[1])
+            if live:
+                run(live, [[rng.randrange(3, 1000)] for _ in live])
+    for pair in live:
+        plain.runner.release(pair[0])
+        lend.runner.release(pair[1])
+        check()
+    assert lending.raises > 0 and lending.limit <= lending.stages[1]
