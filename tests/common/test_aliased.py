@@ -34,13 +34,26 @@ def test_pieces_must_be_whole_chunks_inside_and_apart() -> None:
         memory.tensor(4 * c, [(0, 2 * c, 0), (c, c, 0)])
 
 
+def write_in_another_process(wire: bytes) -> None:
+    """A child process imports the SharedTensor `wire` (msgspec JSON) and fills it with 0, 1, 2, ..."""
+    import subprocess
+    import sys
+
+    child = (
+        "import sys, msgspec, torch\n"
+        "from common import ipc\n"
+        "from common.protocol import SharedTensor\n"
+        "t = ipc.import_tensor(msgspec.json.decode(sys.stdin.buffer.read(), type=SharedTensor))\n"
+        "t.copy_(torch.arange(t.numel(), dtype=torch.int32, device=t.device).view(t.shape))\n"
+        "torch.cuda.synchronize() if t.is_cuda else None\n"
+    )
+    subprocess.run([sys.executable, "-c", child], input=wire, check=True, timeout=120)
+
+
 def test_an_exported_view_maps_the_same_bytes_in_another_process() -> None:
     """Through common.ipc, as the decode worker exports its pools: the importer (a separate process) gets
     the range's memfds from the exporter's fd server and maps the pieces; its writes land in the exporter's
     tensor, in the shared chunk too, and its view keeps the exported offset, shape and stride."""
-    import subprocess
-    import sys
-
     import msgspec
     import torch
 
@@ -52,14 +65,7 @@ def test_an_exported_view_maps_the_same_bytes_in_another_process() -> None:
     view = raw.view(torch.int32)[c // 4 :].view(-1, 16)[:, :8]  # an offset, a stride
     assert ipc.is_exportable(view)
     wire = msgspec.json.encode(ipc.export_tensor(view))
-    child = (
-        "import sys, msgspec, torch\n"
-        "from common import ipc\n"
-        "from common.protocol import SharedTensor\n"
-        "t = ipc.import_tensor(msgspec.json.decode(sys.stdin.buffer.read(), type=SharedTensor))\n"
-        "t.copy_(torch.arange(t.numel(), dtype=torch.int32).view(t.shape))\n"
-    )
-    subprocess.run([sys.executable, "-c", child], input=wire, check=True, timeout=120)
+    write_in_another_process(wire)
     assert torch.equal(view, torch.arange(view.numel(), dtype=torch.int32).view(view.shape))
     other = memory.tensor(2 * c, [(0, 2 * c, 0)])  # the same shared chunks: the child's writes there show
     assert torch.equal(other.view(torch.int32), raw.view(torch.int32)[c // 2 :])

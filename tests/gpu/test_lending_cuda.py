@@ -9,6 +9,7 @@ from common.engine import Engine
 from common.model.synthetic import make_model
 from common.sampling import SamplingParams
 from tests.common.kv.test_lending import check_disjoint, run_lending
+from tests.common.test_aliased import write_in_another_process
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -35,9 +36,6 @@ def test_lending_on_the_gpu_generates_what_no_lending_does(tmp_path) -> None:
 def test_an_exported_device_range_maps_the_same_bytes_in_another_process() -> None:
     """common.ipc on driver mappings: the child imports the range's allocations as POSIX descriptors from
     the fd server, maps them, and its writes land in this process's tensor and in the shared chunk."""
-    import subprocess
-    import sys
-
     import msgspec
 
     from common import ipc
@@ -48,15 +46,7 @@ def test_an_exported_device_range_maps_the_same_bytes_in_another_process() -> No
     raw = memory.tensor(4 * c, [(2 * c, 2 * c, 0)])
     view = raw.view(torch.int32)[c // 4 :].view(-1, 16)[:, :8]
     wire = msgspec.json.encode(ipc.export_tensor(view))
-    child = (
-        "import sys, msgspec, torch\n"
-        "from common import ipc\n"
-        "from common.protocol import SharedTensor\n"
-        "t = ipc.import_tensor(msgspec.json.decode(sys.stdin.buffer.read(), type=SharedTensor))\n"
-        "t.copy_(torch.arange(t.numel(), dtype=torch.int32, device=t.device).view(t.shape))\n"
-        "torch.cuda.synchronize()\n"
-    )
-    subprocess.run([sys.executable, "-c", child], input=wire, check=True, timeout=120)
+    write_in_another_process(wire)
     want = torch.arange(view.numel(), dtype=torch.int32, device="cuda").view(view.shape)
     assert torch.equal(view, want)
     other = memory.tensor(2 * c, [(0, 2 * c, 0)])
