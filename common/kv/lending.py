@@ -83,8 +83,8 @@ class KvLending:
             self.paged[i][name] = raw.view(dtype).view(shape)
         self.stages = [-(-num_pages * s // stages) for s in range(1, stages + 1)]
         """The limits the page allocator moves between."""
-        self.bank_order: torch.Tensor | None = None
-        self._first_page: list[int] = []
+        self._first_page: list[int] = []  # expert_pool's: each bank slot's first page
+        self._first_row = 0
         self.tables = self.pool = None
         self.raises = self.lowers = 0
         """Times the limit went up (slots reclaimed) and down (slots lent)."""
@@ -168,8 +168,3 @@ class KvLending:
         self.tables.lend(self._slots((self.first_page >= new) & (self.first_page < self.limit)))
         self.pool.pages.limit = new
         self.lowers += 1
-
-    @property
-    def lent_slots(self) -> int:
-        """Bank slots the cache holds now."""
-        return self.tables.lent if self.tables is not None else 0
