@@ -89,7 +89,8 @@ class CacheTables:
         lendable: int = 0,
     ) -> None:
         """`lendable` slots beyond the layers' capacities are the bank (`lend`, `reclaim`): memory that
-        another user (the prefill arena) holds at times, given to the layers while it is idle."""
+        another user (the prefill arena, the KV pool's idle pages) holds at times, given to the layers while
+        it is idle."""
         if policy not in POLICIES:
             raise ValueError(f"cache policy {policy!r} is not one of {POLICIES}")
         if len(slots_per_layer) != num_layers:
@@ -124,6 +125,12 @@ class CacheTables:
         """The lendable slots (the last ones): in no layer's list until `lend`, again after `reclaim`."""
         self.lent_mask = torch.zeros(s + 1, dtype=torch.bool, device=device)
         """The bank slots the layers hold now."""
+        self.lent = 0
+        """How many: a host count, so the whole-bank `lend` of each arena-lending pass returns unsynced."""
+        self.readers = False
+        """Another process reads the slots in place while the cache is frozen (a serving decode worker's
+        prefill): lent slots cannot be reclaimed then. Without readers a freeze only keeps a pass from
+        leaving a trace (`OffloadedExperts.untracked`), and reclaiming is safe."""
         self.decay_on_device = torch.tensor(decay, dtype=torch.float32, device=device)
         self.thawed = torch.ones((), dtype=torch.bool, device=device)
         """The device copy of `not frozen` that recorded steps read."""
@@ -179,6 +186,8 @@ class CacheTables:
         """Between steps: give bank slots (`slots`, default the whole bank; those lent already are skipped)
         to the layers, as even a share each as their room allows (capacity moves on from there with
         `rebalance`); they start free. Slots past every layer's room stay in the bank."""
+        if slots is None and self.lent:  # the whole bank, lent already (as far as the layers had room)
+            return
         give = self.bank if slots is None else slots.to(self.device)
         give = give[~self.lent_mask[give]]
         room = [self.num_experts - c for c in self._capacities]
@@ -194,22 +203,20 @@ class CacheTables:
             self._capacities[layer] = c + n
             start += n
         self.lent_mask[give[:start]] = True
-
-    @property
-    def lent(self) -> int:
-        """Bank slots the layers hold now."""
-        return int(self.lent_mask.sum())
+        self.lent += start
 
     def reclaim(self, slots: torch.Tensor | None = None) -> None:
         """Between steps: take bank slots back (`slots`, default the whole bank) from whichever layers hold
         them now, evicting their experts, before their memory is used for something else. A layer left with
         no slot (rebalancing may have given its own away while it held lent ones) gets one back from the
         layer with the most."""
+        if not self.lent:
+            return
         take = self.bank if slots is None else slots.to(self.device)
         take = take[self.lent_mask[take]]
         if take.numel() == 0:
             return
-        if self.frozen:
+        if self.frozen and self.readers:
             raise RuntimeError("reclaiming lent slots while the cache is frozen (a reader may be using them)")
         for layer, held_slots in enumerate(self.layer_slots):
             lent = torch.isin(held_slots, take)
@@ -224,6 +231,7 @@ class CacheTables:
         self.owner[take] = -1
         self.last_use[take] = 0
         self.lent_mask[take] = False
+        self.lent -= take.numel()
         for layer in range(self.num_layers):
             if self._capacities[layer] == 0:
                 donor = max(range(self.num_layers), key=lambda d: self._capacities[d])
@@ -506,6 +514,7 @@ class CacheTables:
     def check(self) -> None:
         """Invariants (tests): no slot owned twice, tables agree, capacities sum to the slot count (less the
         bank's while it is not lent, when its slots hold nothing)."""
+        assert self.lent == int(self.lent_mask.sum())
         assert sum(self.capacities) == self.num_slots - self.bank.numel() + self.lent
         if not self.lent:
             assert bool((self.owner[self.bank] < 0).all()), "a reclaimed slot still holds an expert"

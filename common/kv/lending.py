@@ -147,22 +147,26 @@ class KvLending:
         return self.pool.pages.limit
 
     def grow(self, needed: int) -> None:
-        """The allocator needs pages below `needed`: raise the limit to the stage that holds them, after
-        taking back the bank slots below it. Not while the cache is frozen (another process may be reading
-        those slots): the allocation is then refused (PoolExhausted) and asked again after the thaw."""
-        new = next(s for s in self.stages if s >= needed)
-        if new <= self.limit or self.tables.frozen:
+        """The allocator needs pages below `needed`: raise the limit to the stage above the one that holds
+        them (a stage of headroom: lanes keep growing while a prefill holds the cache frozen), after taking
+        back the bank slots below it. Not while another process reads the frozen cache: the allocation is
+        then refused (PoolExhausted) and asked again after the thaw."""
+        at = next(i for i, s in enumerate(self.stages) if s >= needed)
+        new = self.stages[min(at + 1, len(self.stages) - 1)]
+        if needed <= self.limit or (self.tables.frozen and self.tables.readers):
             return
         self.tables.reclaim(self._slots((self.first_page >= self.limit) & (self.first_page < new)))
+        if self.tables.device.type == "cuda":  # the evictions land before a grant lets another process read
+            torch.cuda.synchronize(self.tables.device)
         self.pool.pages.limit = new
         self.raises += 1
 
     def shrink(self) -> None:
-        """Pages were freed: lower the limit to one stage above the stage the pages in use end in, and lend
-        what that frees."""
+        """Pages were freed: lower the limit to one stage above the stage the pages in use end in (to the
+        first stage when none is), and lend what that frees."""
         used = self.pool.pages.high_water()
         at = next(i for i, s in enumerate(self.stages) if s >= max(used, 1))
-        new = self.stages[min(at + 1, len(self.stages) - 1)]
+        new = self.stages[min(at + 1, len(self.stages) - 1)] if used else self.stages[0]
         if new >= self.limit:
             return
         self.tables.lend(self._slots((self.first_page >= new) & (self.first_page < self.limit)))

@@ -104,6 +104,10 @@ class DecodeCore:
         self.granted: dict[str, SequenceState] = {}  # state handed to prefill, not yet running
         self.pending: deque[AllocState] = deque()  # asks that wait for a free lane or pages
         self.freezes: set[str] = set()
+        self.aborted: set[str] = set()  # granted, then aborted: the pages wait for prefill to give them back
+        offload = getattr(self.engine, "offload", None)
+        if offload is not None:  # prefill reads the cache in place while frozen
+            offload.tables.readers = True
 
     # -- requests from prefill ------------------------------------------------------------------------------
 
@@ -132,6 +136,9 @@ class DecodeCore:
 
     def prefill_done(self, msg: PrefillDone) -> None:
         """Start decoding a request whose prompt state prefill has written."""
+        if msg.rid in self.aborted:
+            self.release(msg.rid)
+            return
         seq = self.granted.pop(msg.rid, None)
         self.set_freeze(msg.rid, False)
         if seq is None:  # aborted meanwhile
@@ -145,8 +152,18 @@ class DecodeCore:
         req = Request([], msg.sampling, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
         self.running[msg.rid] = req
 
+    def abort(self, rid: str) -> None:
+        """The router's abort. A request prefill holds keeps its pages (and prefill its freeze) until
+        prefill, which may be writing them in this moment, gives them back (`ReleaseState`, `PrefillDone`):
+        freed now, they could be granted again, or lent to the expert cache, under its writes."""
+        if rid in self.granted:
+            self.aborted.add(rid)
+        else:
+            self.release(rid)
+
     def release(self, rid: str) -> None:
         """Forget `rid` wherever it is (abort, or prefill finished it) and free its state."""
+        self.aborted.discard(rid)
         self.pending = deque(a for a in self.pending if a.rid != rid)
         seq = self.granted.pop(rid, None)
         req = self.running.pop(rid, None)
@@ -168,9 +185,9 @@ class DecodeCore:
 
     def step(self) -> list[Tokens]:
         """Decode one token for every running request; their events (the finished ones last for them)."""
-        if not self.running:
+        reqs = [r for r in self.running.values() if self._next_page(r)]
+        if not reqs:
             return []
-        reqs = list(self.running.values())
         logits = self.runner.forward([r.state for r in reqs], [[r.token_ids[-1]] for r in reqs])  # [B, V]
         events = []
         for req, token in zip(reqs, sample_next(logits, reqs), strict=True):
@@ -179,6 +196,15 @@ class DecodeCore:
             if done:
                 self.release(req.rid)
         return events
+
+    def _next_page(self, req: Request) -> bool:
+        """Whether `req`'s next token has its page. With KV lending it may not, for a while: a page past the
+        limit cannot be taken back from the expert cache while prefill reads it (the lane waits a step)."""
+        try:
+            self.pool.reserve(req.state, req.state.num_cached + 1)
+        except PoolExhausted:
+            return False
+        return True
 
     def stats(self) -> LaneStats:
         free = self.pool.pages.num_free

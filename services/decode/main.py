@@ -31,21 +31,30 @@ def handle(core: DecodeCore, shell: WorkerShell, msg: Message, exports) -> None:
     if isinstance(msg, AllocState):
         for grant in core.alloc_state(msg):
             shell.send("prefill", grant)
-    elif isinstance(msg, PrefillDone | Abort | ReleaseState | Thaw):
-        if isinstance(msg, PrefillDone):
-            core.prefill_done(msg)
-        elif isinstance(msg, Thaw):
-            core.set_freeze(msg.holder, False)
-        else:
-            core.release(msg.rid)
-        for grant in core.grant_pending():  # freed pages, or a thawed cache that can give lent ones back
-            shell.send("prefill", grant)
+    elif isinstance(msg, PrefillDone):
+        core.prefill_done(msg)
+        send_grants(core, shell)
+    elif isinstance(msg, Abort):
+        core.abort(msg.rid)
+        send_grants(core, shell)
+    elif isinstance(msg, ReleaseState):
+        core.release(msg.rid)
+        send_grants(core, shell)
+    elif isinstance(msg, Thaw):
+        core.set_freeze(msg.holder, False)
+        send_grants(core, shell)  # a thawed cache can give lent pages back
     elif isinstance(msg, WantExports):  # a (re)started prefill: what its predecessor held is lost
         for rid in [*core.granted, *(ask.rid for ask in core.pending)]:
             core.release(rid)
         shell.send("prefill", exports)
     else:
         log.warning("unexpected %s", type(msg).__name__)
+
+
+def send_grants(core: DecodeCore, shell: WorkerShell) -> None:
+    """Grant what waits, now that pages, lanes or a thaw may have come."""
+    for grant in core.grant_pending():
+        shell.send("prefill", grant)
 
 
 def step(core: DecodeCore, shell: WorkerShell) -> None:
@@ -60,8 +69,7 @@ def step(core: DecodeCore, shell: WorkerShell) -> None:
     for event in events:
         shell.send("router", event)
     if any(e.finish_reason for e in events):
-        for grant in core.grant_pending():
-            shell.send("prefill", grant)
+        send_grants(core, shell)
 
 
 def report_plan(core: DecodeCore, shell: WorkerShell) -> None:

@@ -39,6 +39,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
         ("qwen4_exp", "0.25", "fp8-kv"),  # fp8 K/V pages: prefill quantizes with decode's scales
         ("qwen4_exp", "0.25", "host-embeddings"),  # prefill attaches decode's host embedding rows
         ("qwen4_exp", "0.25", "fp8-resident"),  # prefill maps decode's fp8 projections
+        ("qwen3_moe", "0.25", "lend-kv"),  # idle KV pages lent to the cache; prefill maps both aliased
     ],
     ids=[
         "qwen3-resident",
@@ -49,6 +50,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
         "qwen4-offloaded-fp8kv",
         "qwen4-offloaded-host-embeddings",
         "qwen4-offloaded-fp8-resident",
+        "qwen3-offloaded-lend-kv",
     ],
 )
 def cores(request, tmp_path_factory):
@@ -56,7 +58,8 @@ def cores(request, tmp_path_factory):
     kv_dtype = "fp8_e4m3" if dtype == "fp8-kv" else None
     on_host = dtype == "host-embeddings"
     resident = "fp8" if dtype == "fp8-resident" else None
-    dtype = "float32" if kv_dtype or on_host or resident else dtype
+    lend_kv = dtype == "lend-kv"
+    dtype = "float32" if kv_dtype or on_host or resident or lend_kv else dtype
     if arch == "qwen3_moe":
         model_dir = default_model_dir()
     else:
@@ -72,6 +75,7 @@ def cores(request, tmp_path_factory):
         kv_dtype=kv_dtype,
         embeddings_on_host=on_host,
         resident_dtype=resident,
+        lend_kv=lend_kv,
     )
     dec = DecodeCore(cfg, shared_allocator, host_allocator)
     exports = decode(encode(decode_exports(dec)))
@@ -93,9 +97,10 @@ def _deliver(dec: DecodeCore, pre: PrefillCore, box, seen: dict[str, list[Tokens
             dec.prefill_done(msg)
         elif isinstance(msg, ReleaseState):
             dec.release(msg.rid)
-            nxt += [("prefill", g) for g in dec.grant_pending()]
         elif isinstance(msg, Thaw):
             dec.set_freeze(msg.holder, False)
+        if isinstance(msg, PrefillDone | ReleaseState | Thaw):  # as the decode worker does
+            nxt += [("prefill", g) for g in dec.grant_pending()]
     return nxt
 
 
@@ -109,7 +114,7 @@ def _run(dec: DecodeCore, pre: PrefillCore, box, abort_after: dict[str, int] | N
                 box += [("prefill", g) for g in dec.grant_pending()]
         for rid, n in (abort_after or {}).items():
             if sum(len(e.token_ids) for e in seen.get(rid, [])) >= n:
-                dec.release(rid)
+                dec.abort(rid)
                 box += pre.abort(rid) + [("prefill", g) for g in dec.grant_pending()]
         if not box and not dec.running and not pre.busy and not pre.queue and pre.asked is None:
             return seen
@@ -186,3 +191,50 @@ def test_decode_counts_the_prompts_routing_from_prefill(cores):
     dec.prefill_done(done)
     torch.testing.assert_close(tables.statistics(), before + sent.to(before.device))
     _run(dec, pre, [(dest, m) for dest, m in box if not isinstance(m, PrefillDone)])
+
+
+def test_an_abort_keeps_the_pages_prefill_may_be_writing(cores):
+    """The router's abort reaches decode while prefill still writes the prompt's state: decode keeps the
+    pages (and the freeze) until prefill gives them back, so they are neither granted again nor lent."""
+    _, dec, pre = cores
+    box = pre.submit(Generate("w", [9] * 12, SamplingParams(temperature=0.0, max_tokens=2), 0.0))
+    box = _deliver(dec, pre, box, {})  # AllocState → grant
+    box = _deliver(dec, pre, box, {})  # the grant → the job
+    assert pre.busy
+    held = list(dec.granted["w"].pages)
+    dec.abort("w")
+    assert dec.granted["w"].pages == held and dec.pool.pages.num_free == dec.pool.num_pages - len(held)
+    assert "w" in dec.freezes
+    _run(dec, pre, box + pre.abort("w"))  # prefill's Thaw and ReleaseState
+    assert dec.pool.pages.num_free == dec.pool.num_pages and not dec.granted and not dec.aborted
+    assert not dec.freezes
+
+
+def test_a_lane_waits_for_lent_pages_while_prefill_reads_the_cache(cores):
+    """KV lending: a running lane that needs a page past the limit while another prompt's prefill holds the
+    cache frozen waits (no error, no token) until the thaw, then goes on; its tokens are the engine's."""
+    cfg, dec, pre = cores
+    if not cfg.lend_kv:
+        pytest.skip("no KV lending")
+    lending, greedy = dec.engine.kv_lending, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    prompt = [11 + i for i in range(20)]
+    assert lending.limit == lending.stages[0] == 4  # 64 tokens: the lane needs more
+    seen: dict[str, list[Tokens]] = {}
+    box = pre.submit(Generate("grow", prompt, greedy, 0.0))
+    while not dec.running:
+        box = _deliver(dec, pre, box, seen) + pre.step()
+    box += pre.submit(Generate("other", [5] * 6, SamplingParams(temperature=0.0, max_tokens=2), 0.0))
+    box = _deliver(dec, pre, _deliver(dec, pre, box, seen), seen)  # granted, the job started: frozen
+    assert dec.engine.offload.tables.frozen and pre.busy
+    for _ in range(70):  # the lane runs into the limit and waits there
+        for event in dec.step():
+            seen.setdefault(event.rid, []).append(event)
+    state = dec.running["grow"].state
+    assert state.num_cached == len(state.pages) * cfg.page_size  # its pages full, the next one refused
+    assert dec.pool.pages.high_water() <= lending.limit == lending.stages[0]
+    tokens = [t for e in seen["grow"] for t in e.token_ids]
+    assert len(tokens) < 60 and all(e.finish_reason is None for e in seen["grow"])
+    rest = _run(dec, pre, box)
+    tokens += [t for e in rest["grow"] for t in e.token_ids]
+    (want,) = load_engine(cfg).generate([prompt], greedy)
+    assert tokens == want.token_ids and lending.limit == lending.stages[0]
