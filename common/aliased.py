@@ -10,12 +10,12 @@ range, maps the given chunk-aligned pieces onto the shared buffer and the rest o
 returns a uint8 tensor over it. Two backends, one contract:
 - CUDA: the driver's virtual memory API (cuMemAddressReserve / cuMemCreate / cuMemMap / cuMemSetAccess),
   through ctypes; the chunk is the allocation granularity (2 MiB on an H200).
-- CPU: a memfd mapped MAP_SHARED | MAP_FIXED into a PROT_NONE reservation (libc mmap through ctypes),
-  private anonymous memory for the rest; the chunk is the page size. The same aliasing, so the lending
-  protocol is tested without a GPU.
+- CPU: memfds mapped MAP_SHARED | MAP_FIXED into a PROT_NONE reservation (libc mmap through ctypes), one
+  for the shared buffer and one for each run of a tensor's own memory; the chunk is the page size. The same
+  aliasing, so the lending protocol is tested without a GPU.
 Memory made here is not the caching allocator's: it is not in `torch.cuda.memory_reserved()` (see
-`total_bytes`), and cudaIpcGetMemHandle cannot export it (common/ipc.py's CUDA form): a process that
-exports its pools to another does not lend them yet.
+`total_bytes`), and cudaIpcGetMemHandle cannot export it. `export_view` / `import_view` share it instead
+(common/ipc.py's "aliased" form): the pieces travel as numbers, the allocations as file descriptors.
 Mappings live until the AliasedMemory and every tensor made from it are gone.
 """
 
@@ -67,6 +67,20 @@ class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
 
 
 _PINNED, _POSIX_FD, _LOCATION_DEVICE, _READ_WRITE = 1, 1, 1, 3
+_u64, _size, _ptr = ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_void_p
+_DRIVER_ARGS = {
+    "cuMemGetAllocationGranularity": [_ptr, _ptr, ctypes.c_int],
+    "cuMemCreate": [_ptr, _size, _ptr, _u64],
+    "cuMemAddressReserve": [_ptr, _size, _size, _u64, _u64],
+    "cuMemMap": [_u64, _size, _size, _u64, _u64],
+    "cuMemSetAccess": [_u64, _size, _ptr, _size],
+    "cuMemUnmap": [_u64, _size],
+    "cuMemAddressFree": [_u64, _size],
+    "cuMemRelease": [_u64],
+    "cuMemExportToShareableHandle": [_ptr, _u64, ctypes.c_int, _u64],
+    "cuMemImportFromShareableHandle": [_ptr, _ptr, ctypes.c_int],
+}
+"""The signatures of the driver calls made here (CUdeviceptr and handles are 64-bit)."""
 
 
 class _CudaBackend:
@@ -79,6 +93,8 @@ class _CudaBackend:
         self.prop = _AllocationProp(
             type=_PINNED, requestedHandleTypes=_POSIX_FD, location=_Location(_LOCATION_DEVICE, self.index)
         )  # exportable as a file descriptor (common/fdpass.py)
+        for name, args in _DRIVER_ARGS.items():  # 64-bit flags and handles must not travel as C ints
+            getattr(self.lib, name).argtypes = args
         size = ctypes.c_size_t()
         self._check("cuMemGetAllocationGranularity", ctypes.byref(size), ctypes.byref(self.prop), 0)
         self.chunk = size.value
@@ -100,12 +116,15 @@ class _CudaBackend:
         return ptr.value
 
     def map(self, addr: int, nbytes: int, handle: int, offset: int) -> None:
-        ptr, size = ctypes.c_ulonglong(addr), ctypes.c_size_t(nbytes)
-        self._check("cuMemMap", ptr, size, ctypes.c_size_t(offset), ctypes.c_ulonglong(handle), 0)
+        self._check("cuMemMap", addr, nbytes, offset, handle, 0)
+
+    def grant(self, addr: int, nbytes: int) -> None:
+        """Let this device read and write a mapped piece."""
         access = _AccessDesc(location=_Location(_LOCATION_DEVICE, self.index), flags=_READ_WRITE)
-        self._check("cuMemSetAccess", ptr, size, ctypes.byref(access), ctypes.c_size_t(1))
+        self._check("cuMemSetAccess", addr, nbytes, ctypes.byref(access), 1)
 
     def unmap(self, addr: int, nbytes: int, pieces: Sequence[tuple[int, int]]) -> None:
+        torch.cuda.synchronize(self.index)  # the driver does not wait for kernels still reading the range
         for at, length in pieces:  # each mapping whole, as it was made
             self._check("cuMemUnmap", ctypes.c_ulonglong(addr + at), ctypes.c_size_t(length))
         self._check("cuMemAddressFree", ctypes.c_ulonglong(addr), ctypes.c_size_t(nbytes))
@@ -164,7 +183,11 @@ class _HostBackend:
 
     def physical(self, nbytes: int) -> int:
         fd = os.memfd_create("spillway-aliased", os.MFD_CLOEXEC)
-        os.ftruncate(fd, nbytes)
+        try:  # the pages reserved now: no memory is an error here, not a SIGBUS later
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            os.close(fd)
+            raise
         return fd
 
     def reserve(self, nbytes: int) -> int:
@@ -172,6 +195,9 @@ class _HostBackend:
 
     def map(self, addr: int, nbytes: int, handle: int, offset: int) -> None:
         self._mmap(addr, nbytes, self.PROT_RW, mmap.MAP_SHARED | self.MAP_FIXED, handle, offset)
+
+    def grant(self, addr: int, nbytes: int) -> None:
+        """Nothing to do: a host mapping is readable and writable as made."""
 
     def unmap(self, addr: int, nbytes: int, pieces: Sequence[tuple[int, int]]) -> None:
         self.lib.munmap(addr, nbytes)
@@ -191,14 +217,14 @@ class _HostBackend:
         return torch.frombuffer(span, dtype=torch.uint8)
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a mapping's __del__ may run in a collection while it is held
 _sources: dict[int, tuple[_CudaBackend | _HostBackend, int]] = {}
 """Every physical allocation this process made (source id → backend, handle): what an importer asks for."""
 _source_ids = itertools.count()
 _ranges: dict[int, weakref.ref[_Mapping]] = {}
 """Address of each live range made here → its mapping (export_view finds a tensor's range by address)."""
 _server: FdServer | None = None
-_import_lock = threading.Lock()
+_import_lock = threading.RLock()
 _imported: dict[tuple[str, int], list[int]] = {}
 """(exporter's fd server, source id) → [handle imported here, ranges mapping it]: an allocation is imported
 once, and released when no range maps it (a restarted exporter's memory is not kept alive here)."""
@@ -235,7 +261,8 @@ class _Mapping:
 
     def map(self, at: int, length: int, sid: int, offset: int, handle: int) -> None:
         self.backend.map(self.addr + at, length, handle, offset)
-        self.pieces.append((at, length, sid, offset))
+        self.pieces.append((at, length, sid, offset))  # unmapped with the range, even if the grant fails
+        self.backend.grant(self.addr + at, length)
 
     def __del__(self) -> None:
         with _lock:
@@ -380,22 +407,12 @@ def export_view(t: torch.Tensor, dtype: str) -> SharedTensor:
 def import_view(s: SharedTensor, dtype: torch.dtype) -> torch.Tensor:
     """The tensor an `export_view` names, its range mapped here (not copied)."""
     backend = _CudaBackend(torch.device("cuda", s.device)) if s.device >= 0 else _HostBackend()
-    for piece in s.pieces:
-        at, length, _, offset = piece if len(piece) == 4 else (-1, -1, -1, -1)
-        if min(at, length, offset) < 0 or (at | length) % backend.chunk or at + length > s.nbytes:
-            raise ValueError(f"malformed aliased piece {piece} of a {s.nbytes}-byte range")
+    _check_pieces(s, backend.chunk)
     path = s.handle.decode()
     sources = sorted({p[2] for p in s.pieces})
     mapping = _Mapping(backend, backend.reserve(s.nbytes), s.nbytes)
     with _import_lock:  # imports are rare (a worker's start): one at a time, so each allocation comes once
-        wanted = [sid for sid in sources if (path, sid) not in _imported]
-        fds = fetch_fds(path, wanted) if wanted else {}
-        try:
-            for sid, fd in fds.items():
-                _imported[(path, sid)] = [backend.import_fd(fd), 0]
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        _import_sources(backend, path, [sid for sid in sources if (path, sid) not in _imported])
         for sid in sources:
             _imported[(path, sid)][1] += 1
             mapping.borrowed.append((path, sid))
@@ -403,3 +420,38 @@ def import_view(s: SharedTensor, dtype: torch.dtype) -> torch.Tensor:
         mapping.map(at, length, sid, offset, _imported[(path, sid)][0])
     raw = backend.as_tensor(mapping.addr, s.nbytes, mapping).view(dtype)
     return raw.as_strided(s.shape, s.stride, s.offset // dtype.itemsize)
+
+
+def _check_pieces(s: SharedTensor, chunk: int) -> None:
+    """Refuse pieces that do not tile the range in whole chunks (a bad peer must not leave holes to fault
+    on, or map past the range)."""
+    cursor = 0
+    for piece in sorted(s.pieces):
+        at, length, _, offset = piece if len(piece) == 4 else (-1, -1, -1, -1)
+        if at != cursor or length <= 0 or offset < 0 or (length | offset) % chunk:
+            raise ValueError(f"malformed aliased piece {piece} of a {s.nbytes}-byte range")
+        cursor += length
+    if cursor != s.nbytes:
+        raise ValueError(f"aliased pieces cover {cursor} of a {s.nbytes}-byte range")
+
+
+def _import_sources(backend: _CudaBackend | _HostBackend, path: str, wanted: list[int]) -> None:
+    """Import `wanted` from the fd server at `path` into `_imported` (count 0), a batch of descriptors at a
+    time (a range of thousands of chunks stays under the open-file limit); on any failure none of them."""
+    done: list[tuple[str, int]] = []
+    asked = set(wanted)
+    try:
+        for batch in fetch_fds(path, wanted) if wanted else ():
+            try:
+                for sid, fd in batch.items():
+                    if sid not in asked or (path, sid) in _imported:
+                        raise OSError(f"fd server {path} sent source {sid}, which was not asked for")
+                    _imported[(path, sid)] = [backend.import_fd(fd), 0]
+                    done.append((path, sid))
+            finally:
+                for fd in batch.values():
+                    os.close(fd)
+    except BaseException:
+        for key in done:
+            backend.release(_imported.pop(key)[0])
+        raise

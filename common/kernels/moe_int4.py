@@ -49,14 +49,15 @@ class DecodeConfig:
 
 DECODE_CONFIGS = {
     1: DecodeConfig(block=8, split_act=True),
-    2: DecodeConfig(block=8, groups_per_step=2, num_warps=2),
+    2: DecodeConfig(block=8, groups_per_step=2, num_warps=2, split_act=True),
     8: DecodeConfig(block=16, groups_per_step=1, num_warps=2, down_block=64),
 }
 """The fastest shape per token count in `python -m bench.moe_int4_tune` on the H200
 (bench/results/moe-int4-decode-tune.txt): one token 30.65 µs a call (the former default, 16 rows × 4 groups
-× 4 warps: 32.73); two tokens 48.31 and four 82.65 (the one-token shape: 51.53 and 92.72); eight 146.8 (the
-former default: 172.9). In a decode-1 step the one-token shape measured no faster than the former default
-(72.71 against 72.78 tok/s, one machine, back to back): the step's copy kernels share the SMs with it."""
+× 4 warps: 32.73); two tokens 48.31 and four 82.65, both with the split activations (the one-token shape:
+51.53 and 92.72); eight 146.8 (the former default: 172.9). In a decode-1 step the one-token shape measured
+no faster than the former default (72.71 against 72.78 tok/s, one machine, back to back): the step's copy
+kernels share the SMs with it."""
 
 
 def decode_config(tokens: int) -> DecodeConfig:
@@ -205,10 +206,13 @@ def moe_int4_decode(
     `block`), `groups_per_step` (a power of two), `num_warps` and `split_act` (gate_up stores each group of
     the activations evens first, so that down reads two contiguous runs instead of every other entry: down
     is L1-bound, bench/results/moe-int4-decode-ncu.txt) are tuning knobs (bench/moe_int4_tune.py sweeps
-    them on the GPU); each left None takes `decode_config(T)`'s.
+    them on the GPU). With `block` None every knob left None takes `decode_config(T)`'s; with a `block`,
+    those left None take DecodeConfig's plain defaults (what the tune labels a setting by).
     """
     t, k = rows.shape
-    c = decode_config(t)
+    c = (
+        decode_config(t) if block is None else DecodeConfig()
+    )  # a shape given: the rest plain, not the table's
     block = block or c.block
     groups_per_step, num_warps = groups_per_step or c.groups_per_step, num_warps or c.num_warps
     down_block = down_block or c.down_block or block

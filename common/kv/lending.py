@@ -25,7 +25,11 @@ from collections.abc import Sequence
 import torch
 
 from common.aliased import AliasedMemory
+from common.experts.cache_tables import CacheTables
 from common.kv.state import PagedSpec, StatePool, StateSpec
+
+Components = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""An expert pool's components: name → (one row's shape, dtype) (HostExpertStore.components)."""
 
 STAGES = 8
 """Steps the KV limit moves in: one stage is this fraction of the pool's pages."""
@@ -83,34 +87,37 @@ class KvLending:
             self.paged[i][name] = raw.view(dtype).view(shape)
         self.stages = [-(-num_pages * s // stages) for s in range(1, stages + 1)]
         """The limits the page allocator moves between."""
-        self._first_page: list[int] = []  # expert_pool's: each bank slot's first page
-        self._first_row = 0
-        self.tables = self.pool = None
+        self.first_page = torch.zeros(0, dtype=torch.int64)
+        """[bank] the lowest KV page each bank slot's bytes lie in (`expert_pool` sets it)."""
+        self.first_row = 0
+        """The bank's first pool row (= slot)."""
+        self.tables: CacheTables | None = None
+        self.pool: StatePool | None = None
         self.raises = self.lowers = 0
         """Times the limit went up (slots reclaimed) and down (slots lent)."""
 
-    def _bank_chunks(self, components: dict, first_row: int, bank: int) -> list[tuple[int, int, int, int]]:
+    def _bank_chunks(
+        self, components: Components, first_row: int, bank: int
+    ) -> list[tuple[int, int, int, int]]:
         rows = [_nbytes(shape, dtype) for shape, dtype in components.values()]
         return _chunks(rows, first_row, bank, self.memory.chunk)
 
-    def bank_size(self, components: dict[str, tuple[tuple[int, ...], torch.dtype]], first_row: int) -> int:
-        """The most bank slots whose rows (from `first_row`, each component's [shape] of dtype) fit the
-        shared buffer."""
-        per_slot = sum(_nbytes(shape, dtype) for shape, dtype in components.values())
-        bank = self.memory.shared_bytes // per_slot
-        while bank and len(self._bank_chunks(components, first_row, bank)) > len(self._kv_chunks):
-            bank -= 1
-        return bank
+    def bank_size(self, components: Components, first_row: int) -> int:
+        """The bank slots the shared buffer holds: as many as whole slots fit its bytes (their whole chunks
+        are then at most the buffer's)."""
+        return self.memory.shared_bytes // sum(_nbytes(shape, dtype) for shape, dtype in components.values())
 
     def expert_pool(
-        self, components: dict[str, tuple[tuple[int, ...], torch.dtype]], rows: int, first_row: int, bank: int
+        self, components: Components, rows: int, first_row: int, bank: int
     ) -> dict[str, torch.Tensor]:
         """The expert pool's components [rows, *shape], rows [first_row, first_row + bank) over the shared
-        buffer (as far as whole chunks go), the rest their own memory; and each bank slot's first page."""
+        buffer (as far as whole chunks go), the rest their own memory. Notes each bank slot's first page:
+        the lowest KV page any of its bytes is (`first_page`, what `bind` lends by)."""
         chunk, names = self.memory.chunk, list(components)
         ex = self._bank_chunks(components, first_row, bank)
         base = len(self._kv_chunks) - len(ex)  # the bank's chunks alias the last (highest) pages
-        first_page = [self.num_pages] * bank  # a slot none of whose bytes are shared needs no page
+        assert base >= 0, "bank_size gives a bank whose whole chunks fit the shared buffer"
+        first_page = torch.full((bank,), self.num_pages, dtype=torch.int64)  # no byte shared: no page
         pool = {}
         for c, name in enumerate(names):
             shape, dtype = components[name]
@@ -119,19 +126,17 @@ class KvLending:
             pool[name] = raw.view(dtype).view(rows, *shape)
         for k, (lo, _, _, hi) in enumerate(ex):
             page = self._kv_chunks[base + k][0]
-            for row in range(max(lo, first_row), min(hi, first_row + bank)):
-                first_page[row - first_row] = min(first_page[row - first_row], page)
-        self._first_page = first_page
-        self._first_row = first_row
+            rows_hit = slice(max(lo, first_row) - first_row, min(hi, first_row + bank) - first_row)
+            first_page[rows_hit] = first_page[rows_hit].clamp(max=page)
+        self.first_page, self.first_row = first_page, first_row
         return pool
 
-    def bind(self, tables, pool: StatePool) -> None:
+    def bind(self, tables: CacheTables, pool: StatePool) -> None:
         """Start lending: the allocator's limit at the first stage, every bank slot above it lent."""
         for layer, mine in zip(pool.layers, self.paged, strict=True):
             if any(layer.paged[name] is not t for name, t in mine.items()):
                 raise ValueError("the state pool does not hold this lending's paged tensors")
         self.tables, self.pool = tables, pool
-        self.first_page = torch.tensor(self._first_page, dtype=torch.int64)  # [bank] per bank slot
         pool.pages.limit = self.stages[0]
         pool.pages.on_short, pool.pages.on_free = self.grow, self.shrink
         self.tables.lend(self._slots(self.first_page >= pool.pages.limit))
@@ -140,7 +145,7 @@ class KvLending:
         """The bank slots `which` selects, those of the highest pages first (lent first: the last needed)."""
         index = which.nonzero().flatten()
         index = index[torch.argsort(self.first_page[index], descending=True, stable=True)]
-        return (self._first_row + index).to(self.tables.device)
+        return (self.first_row + index).to(self.tables.device)
 
     @property
     def limit(self) -> int:

@@ -72,14 +72,16 @@ class IndexAllocator:
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise PoolExhausted(f"asked for {n} of {self.size}, {len(self._free)} free")
-        end = heapq.nsmallest(n, self._free)[-1] + 1 if n else 0
+        out = [heapq.heappop(self._free) for _ in range(n)]
+        end = out[-1] + 1 if out else 0
         if end > self.limit and self.on_short is not None:
             self.on_short(end)
         if end > self.limit:
+            for i in out:
+                heapq.heappush(self._free, i)
             raise PoolExhausted(
                 f"asked for {n} of {self.size}: {end - self.limit} past the limit {self.limit}"
             )
-        out = [heapq.heappop(self._free) for _ in range(n)]
         for i in out:
             self._used[i] = 1
         return out
@@ -144,10 +146,11 @@ class StatePool:
                 if isinstance(s, PagedSpec)
             }
             for name, s in specs.items():
-                if name in made and made[name].shape != (num_pages, page_size, *s.token_shape):
-                    raise ValueError(
-                        f"paged tensor {len(self.layers)}.{name}: shape {tuple(made[name].shape)}"
-                    )
+                t = made.get(name)
+                if t is not None and (
+                    t.shape != (num_pages, page_size, *s.token_shape) or t.dtype != s.dtype
+                ):
+                    raise ValueError(f"paged tensor {len(self.layers)}.{name}: {t.dtype}{list(t.shape)}")
             slots = {
                 name: alloc((max_seqs, *s.shape), s.dtype, device)
                 for name, s in specs.items()

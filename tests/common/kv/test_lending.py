@@ -30,7 +30,7 @@ def check_disjoint(device: str, pages: int, page_size: int) -> KvLending:
     bank = lending.bank_size(components, main)
     assert bank > 0
     pool = lending.expert_pool(components, main + bank + extra, main, bank)
-    first = torch.tensor(lending._first_page)
+    first = lending.first_page
     for limit in lending.stages:
         kv = [t.view(torch.uint8) for layer in lending.paged for t in layer.values()]
         for t in kv:
