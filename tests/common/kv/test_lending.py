@@ -151,3 +151,19 @@ def test_random_growth_prefills_and_releases_keep_logits_and_tables(model, seed)
         lend.runner.release(pair[1])
         check()
     assert lending.raises > 0 and lending.limit <= lending.stages[1]
+
+
+def test_a_warm_up_may_take_lent_pages_back(model) -> None:
+    """A freeze with no other reader (`untracked`, a benchmark's warm-up) does not block growth: a prompt
+    past the first stage takes its pages back from the cache, and the tables stay consistent."""
+    path, prompts, _ = model
+    layers = len(Engine(path, dtype=torch.float32, max_seqs=1).config.moe_layers)
+    engine = Engine(
+        path, dtype=torch.float32, max_seqs=2, max_context=256, expert_cache=str(layers), lend_kv=True
+    )
+    with engine.offload.untracked():
+        seq = engine.runner.new_sequence()
+        engine.runner.forward([seq], [prompts[0]])  # 200 tokens: 13 pages, past the first stage's 4
+        engine.runner.release(seq)
+    assert engine.kv_lending.raises == 1
+    engine.offload.tables.check()
