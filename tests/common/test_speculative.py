@@ -113,3 +113,15 @@ def test_only_prompt_tokens_are_counted_in_the_cache_statistics(model_dir, promp
     trunk = len(engine.config.moe_layers) - 1  # the MTP head's MoE layer, the last, sees drafts only
     per_layer = {layer: sum(n for i, n in observed if i == layer) for layer, _ in observed}
     assert sorted(per_layer) == list(range(trunk)) and set(per_layer.values()) == {sum(map(len, prompts))}
+
+
+def test_mtp_with_lent_kv_pages_gives_greedy_tokens(model_dir, prompts, reference):
+    """Verify passes reserve several pages at once: with KV lending they take lent pages back (and finished
+    sequences lend them again) without changing a token."""
+    engine = Engine(
+        model_dir, dtype=torch.float32, max_seqs=2, max_context=96, speculative="mtp", num_draft=2,
+        expert_cache="0.25", lend_kv=True,
+    )  # fmt: skip
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
+    assert engine.kv_lending.raises > 0 and engine.offload.tables.lent > 0
+    engine.offload.tables.check()
