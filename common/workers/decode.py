@@ -105,6 +105,8 @@ class DecodeCore:
         self.pending: deque[AllocState] = deque()  # asks that wait for a free lane or pages
         self.freezes: set[str] = set()
         self.aborted: set[str] = set()  # granted, then aborted: the pages wait for prefill to give them back
+        self.stalled = False
+        """The last step ran no lane: each waits for a page only a thaw can give (the loop may sleep)."""
         offload = getattr(self.engine, "offload", None)
         if offload is not None:  # prefill reads the cache in place while frozen
             offload.tables.readers = True
@@ -186,6 +188,7 @@ class DecodeCore:
     def step(self) -> list[Tokens]:
         """Decode one token for every running request; their events (the finished ones last for them)."""
         reqs = [r for r in self.running.values() if self._next_page(r)]
+        self.stalled = bool(self.running) and not reqs
         if not reqs:
             return []
         logits = self.runner.forward([r.state for r in reqs], [[r.token_ids[-1]] for r in reqs])  # [B, V]

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     shell.ready(core.cfg.max_running)
     log.info("ready: %d lanes, %d pages", core.cfg.max_running, core.pool.num_pages)
     while not shell.stopping:
-        for msg in shell.receive(busy=bool(core.running)):
+        for msg in shell.receive(busy=bool(core.running) and not core.stalled):
             handle(core, shell, msg, exports)
         step(core, shell)
         stats = core.stats()  # host-side counts: cheap enough to publish every step

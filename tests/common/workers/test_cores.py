@@ -231,6 +231,7 @@ def test_a_lane_waits_for_lent_pages_while_prefill_reads_the_cache(cores):
             seen.setdefault(event.rid, []).append(event)
     state = dec.running["grow"].state
     assert state.num_cached == len(state.pages) * cfg.page_size  # its pages full, the next one refused
+    assert dec.stalled  # the worker's loop then waits for a message instead of spinning
     assert dec.pool.pages.high_water() <= lending.limit == lending.stages[0]
     tokens = [t for e in seen["grow"] for t in e.token_ids]
     assert len(tokens) < 60 and all(e.finish_reason is None for e in seen["grow"])
