@@ -293,7 +293,8 @@ def test_a_bad_model_directory_is_refused_before_starting(tmp_path):
 def test_lent_kv_pages_serve_the_same_tokens(start_server, tmp_path):
     """Decode lends its idle KV pages to the expert cache and exports the aliased pools to prefill, which
     maps them through the fd server; a long prompt takes pages back (stages of 16 pages here), and the
-    tokens are those of an engine that lends nothing; the lent bytes are a gauge."""
+    tokens are those of an engine that lends nothing; the lent bytes are a gauge. A restarted decode (new
+    pools, a new fd server) and a restarted prefill (which maps them again) serve the same tokens."""
     env = {"SPILLWAY_CACHE": str(tmp_path)}
     metrics = free_port()
     server = start_server(
@@ -302,13 +303,30 @@ def test_lent_kv_pages_serve_the_same_tokens(start_server, tmp_path):
     )  # fmt: skip
     assert _gauge(_decode_metrics(metrics), "expert_cache_lent_bytes") > 0
     engine = Engine(tmp_path / "models" / "tiny-qwen3_moe", dtype=torch.float32, max_seqs=1, max_context=1024)
-    for text in ("Hi", "Tell me about experts and their caches, at length. " * 40):
+    texts = ("Hi", "Tell me about experts and their caches, at length. " * 40)
+    prompts = [
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True) for t in texts
+    ]
+    want = [
+        engine.tokenizer.decode(r.token_ids)
+        for r in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    ]
+    assert len(prompts[1]) > 256  # past the first stage: lent slots are taken back for it
+
+    def ask(text: str) -> str:
         messages = [{"role": "user", "content": text}]
         reply = server.client().chat.completions.create(
             model="tiny-qwen3_moe", messages=messages, max_tokens=12, temperature=0
         )
-        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
-        (ref,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
-        assert reply.choices[0].message.content == engine.tokenizer.decode(ref.token_ids)
-    assert len(prompt) > 256  # past the first stage: lent slots were taken back for it
+        return reply.choices[0].message.content
+
+    assert [ask(t) for t in texts] == want
     assert _gauge(_decode_metrics(metrics), "expert_cache_lent_bytes") > 0
+    for service in ("decode", "prefill"):
+        old = health(server.port)[1]["services"][service]["pid"]
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while health(server.port)[0] != 503 and time.monotonic() < deadline:
+            pass
+        assert wait_healthy(server.port)["services"][service]["pid"] != old
+        assert [ask(t) for t in texts] == want, service
