@@ -167,6 +167,38 @@ def test_lending_and_reclaiming_keep_the_tables_consistent(sc, bank: int, every:
 
 
 @settings(max_examples=60, deadline=None)
+@given(scenarios(), st.integers(1, 12), st.randoms(use_true_random=False))
+def test_lending_and_reclaiming_parts_of_the_bank(sc, bank: int, rng) -> None:
+    """KV lending's form: random subsets of the bank lent and taken back at random steps (with rebalancing):
+    the lent set is what was lent less what was taken back (as far as the layers had room), a slot taken back
+    holds nothing and no layer lists it, and the tables stay consistent."""
+    tables = CacheTables(
+        sc["layers"], sc["experts"], sc["capacities"], sc["policy"], decay=sc["decay"], lendable=bank
+    )
+    lent: set[int] = set()
+    for step, requests in enumerate(sc["trace"]):
+        part = [s for s in tables.bank.tolist() if rng.random() < 0.5]
+        if rng.random() < 0.5:
+            room = sc["layers"] * sc["experts"] - sum(tables.capacities)
+            fresh = [s for s in part if s not in lent]
+            tables.lend(torch.tensor(part, dtype=torch.int64))
+            lent |= set(fresh[:room])
+        else:
+            tables.reclaim(torch.tensor(part, dtype=torch.int64))
+            lent -= set(part)
+            listed = set(torch.cat(tables.layer_slots).tolist())
+            assert not listed & set(part) and all(int(tables.owner[s]) == -1 for s in part)
+        assert set(tables.bank[tables.lent_mask[tables.bank]].tolist()) == lent and tables.lent == len(lent)
+        tables.check()
+        for layer, chosen in enumerate(requests):
+            res = tables.resolve(layer, _mask(sc["experts"], chosen), step, max_new=sc["top_k"])
+            _check_rows_and_copies(tables, _mask(sc["experts"], chosen), res, sc["top_k"])
+        if sc["rebalance_every"] and step % sc["rebalance_every"] == 0:
+            tables.rebalance(slots_to_move=1 + step % 2)
+        tables.check()
+
+
+@settings(max_examples=60, deadline=None)
 @given(scenarios())
 def test_capacity_all_second_access_hits(sc) -> None:
     e = sc["experts"]
