@@ -232,6 +232,9 @@ class MemoryPlan:
     """Of the budget, serve's prefill worker's own bytes (it maps decode's weights, pools and cache): its
     arena rows, its prefill workspace, its reserve and their share of the fragmentation allowance. Each
     worker caps its allocator at its part (`process_budget`); 0 with one process."""
+    kv_lendable_slots: int = 0
+    """With `--lend-kv`, the most slots the KV pool's idle pages add to the cache: its paged state past the
+    first lending stage (an eighth, common/kv/lending.py) in whole slots, within the experts not cached."""
 
     def process_budget(self, role: str) -> int:
         """The cap of one process's allocator: "prefill" its own bytes, "decode" (or the one process of the

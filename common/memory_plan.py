@@ -52,6 +52,7 @@ from common.experts.resident import ResidentExperts
 from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
 from common.kv.fp8 import parse_kv_dtype, with_kv_dtype
+from common.kv.lending import STAGES
 from common.kv.state import StatePool
 from common.model.fp8_linear import MAX_ROWS, Fp8Linear, largest_dequantized, to_resident_dtype
 from common.model.hf_config import load_architecture, read_json
@@ -114,12 +115,14 @@ def state_bytes(
     max_context: int,
     page_size: int,
 ):
-    """(bytes, pages) of the state pool a `ModelRunner` would allocate (built on the meta device): state in
-    `dtype`, attention K/V in `kv_dtype` (None: `dtype`), as the runner builds it."""
+    """(bytes, pages, paged bytes) of the state pool a `ModelRunner` would allocate (built on the meta
+    device): state in `dtype`, attention K/V in `kv_dtype` (None: `dtype`), as the runner builds it; the
+    paged part is what KV lending can lend."""
     pages = num_pages(max_running, max_context, page_size)
     specs = with_kv_dtype(model.state_specs(dtype), parse_kv_dtype(kv_dtype))
     pool = StatePool(specs, pages, page_size, max_running, "meta")
-    return sum(t.nbytes for t in pool.named_tensors().values()), pages
+    paged = sum(t.nbytes for layer in pool.layers for t in layer.paged.values())
+    return sum(t.nbytes for t in pool.named_tensors().values()), pages, paged
 
 
 def _tensors_nbytes(obj: object) -> int:
@@ -356,7 +359,7 @@ def plan_memory(
     if resident_dtype is not None:
         to_resident_dtype(model, resident_dtype)
     context = min(cfg.max_position, max_context)  # as Engine caps it
-    kv, pages = state_bytes(model, dtype, kv_dtype, max_running, context, page_size)
+    kv, pages, paged = state_bytes(model, dtype, kv_dtype, max_running, context, page_size)
     layers, experts = len(cfg.moe_layers), cfg.num_experts
     eb = fmt.expert_nbytes(cfg.hidden_size, cfg.moe_intermediate_size)
     arena = arena_rows(experts, processes) * eb
@@ -396,6 +399,7 @@ def plan_memory(
         dtype=str(dtype).removeprefix("torch."),
         processes=processes,
         prefill_process=own + math.ceil(FRAGMENTATION * own),
+        kv_lendable_slots=min(layers * experts - slots, paged * (STAGES - 1) // STAGES // eb),
     )
 
 
@@ -513,4 +517,8 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.processes > 1:
         caps = (f"{role} {format_bytes(plan.process_budget(role))}" for role in ("decode", "prefill"))
         lines.append("allocator caps: " + ", ".join(caps))
+    lines.append(
+        f"--lend-kv: up to {plan.kv_lendable_slots} more slots while contexts stay within the KV pool's "
+        "first eighth"
+    )
     return "\n".join(lines)

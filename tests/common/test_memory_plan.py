@@ -326,3 +326,18 @@ def test_decode_sizes_its_cache_from_the_budget(tiny: Path) -> None:
         DecodeCore(WorkerConfig(model_dir=str(tiny), vram_budget=64 * MiB))
     with pytest.raises(ValueError, match="not both"):
         DecodeCore(WorkerConfig(model_dir=str(tiny), vram_budget=2 * GiB, expert_cache="0.5"))
+
+
+def test_kv_lendable_slots_are_about_what_an_engine_lends(tiny: Path) -> None:
+    """The plan's `kv_lendable_slots` against an engine with the plan's slots that lends its KV pool (a
+    long context, so the pool is mostly idle): the engine's bank, lent at the first stage, is the plan's
+    figure up to the chunks the layout cannot use (a few slots)."""
+    fit = _dir_plan(tiny, processes=1, max_context=2048)
+    plan = _dir_plan(tiny, processes=1, max_context=2048, budget=fit.min_budget + 5 * fit.expert_bytes)
+    assert plan.ok and plan.kv_lendable_slots > 0
+    engine = Engine(
+        tiny, dtype=torch.float32, max_seqs=3, max_context=2048, expert_cache=str(plan.cache_slots),
+        lend_kv=True,
+    )  # fmt: skip
+    lent = engine.offload.tables.lent
+    assert plan.kv_lendable_slots - 4 <= lent <= plan.kv_lendable_slots
