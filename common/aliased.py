@@ -86,6 +86,9 @@ _DRIVER_ARGS = {
 class _CudaBackend:
     """The driver's virtual memory API on one device."""
 
+    maps_whole = True
+    """cuMemMap maps an allocation only whole and from offset 0 (a part of one: CUDA_ERROR_NOT_SUPPORTED)."""
+
     def __init__(self, device: torch.device) -> None:
         torch.cuda.init()  # the primary context the driver calls use
         self.index = torch.cuda.current_device() if device.index is None else device.index
@@ -163,6 +166,8 @@ class _DeviceSpan:
 class _HostBackend:
     """memfd + mmap(MAP_FIXED) in host memory: the CPU form of the same aliasing."""
 
+    maps_whole = False
+    """mmap maps any page-aligned part of a memfd."""
     PROT_NONE, PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
     MAP_FIXED = 0x10
 
@@ -217,8 +222,15 @@ class _HostBackend:
         return torch.frombuffer(span, dtype=torch.uint8)
 
 
+_Backend = _CudaBackend | _HostBackend
+
+
+def _backend(device: torch.device) -> _Backend:
+    return _CudaBackend(device) if device.type == "cuda" else _HostBackend()
+
+
 _lock = threading.RLock()  # reentrant: a mapping's __del__ may run in a collection while it is held
-_sources: dict[int, tuple[_CudaBackend | _HostBackend, int]] = {}
+_sources: dict[int, tuple[_Backend, int]] = {}
 """Every physical allocation this process made (source id → backend, handle): what an importer asks for."""
 _source_ids = itertools.count()
 _ranges: dict[int, weakref.ref[_Mapping]] = {}
@@ -230,7 +242,7 @@ _imported: dict[tuple[str, int], list[int]] = {}
 once, and released when no range maps it (a restarted exporter's memory is not kept alive here)."""
 
 
-def _new_source(backend: _CudaBackend | _HostBackend, nbytes: int) -> int:
+def _new_source(backend: _Backend, nbytes: int) -> int:
     with _lock:
         sid = next(_source_ids)
         _sources[sid] = (backend, backend.physical(nbytes))
@@ -247,7 +259,7 @@ def _release_source(sid: int) -> None:
 class _Mapping:
     """One reserved range and its pieces; unmapped (and its own memory released) when the last holder goes."""
 
-    backend: _CudaBackend | _HostBackend
+    backend: _Backend
     addr: int
     nbytes: int
     pieces: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -280,21 +292,17 @@ class _Mapping:
 
 
 class _Shared:
-    """The shared buffer: one physical allocation a chunk on CUDA (the driver maps an allocation whole,
-    from offset 0, only), one memfd on the host."""
+    """The shared buffer: one physical allocation a chunk where the backend maps allocations only whole
+    (CUDA), else one for all of it."""
 
-    def __init__(self, backend: _CudaBackend | _HostBackend, nbytes: int) -> None:
+    def __init__(self, backend: _Backend, nbytes: int) -> None:
         self.backend, self.chunk = backend, backend.chunk
-        self.cuda = isinstance(backend, _CudaBackend)
-        self.sources = (
-            [_new_source(backend, self.chunk) for _ in range(nbytes // self.chunk)]
-            if self.cuda
-            else [_new_source(backend, nbytes)]
-        )
+        sizes = [self.chunk] * (nbytes // self.chunk) if backend.maps_whole else [nbytes]
+        self.sources = [_new_source(backend, n) for n in sizes]
 
     def locate(self, offset: int) -> tuple[int, int, int]:
         """(source id, offset in it, bytes from there one map may take) of the buffer's byte `offset`."""
-        if self.cuda:
+        if self.backend.maps_whole:
             return self.sources[offset // self.chunk], 0, self.chunk
         return self.sources[0], offset, 1 << 62
 
@@ -308,7 +316,7 @@ class AliasedMemory:
 
     def __init__(self, shared_bytes: int, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        self.backend = _CudaBackend(self.device) if self.device.type == "cuda" else _HostBackend()
+        self.backend = _backend(self.device)
         self.chunk = self.backend.chunk
         self.shared_bytes = self.round_up(max(shared_bytes, 1))
         self._shared = _Shared(self.backend, self.shared_bytes)
@@ -318,8 +326,7 @@ class AliasedMemory:
     @staticmethod
     def granularity(device: torch.device | str) -> int:
         """The chunk size pieces are made of on `device`."""
-        device = torch.device(device)
-        return _CudaBackend(device).chunk if device.type == "cuda" else _HostBackend().chunk
+        return _backend(torch.device(device)).chunk
 
     def round_up(self, nbytes: int) -> int:
         return -(-nbytes // self.chunk) * self.chunk
@@ -406,7 +413,7 @@ def export_view(t: torch.Tensor, dtype: str) -> SharedTensor:
 
 def import_view(s: SharedTensor, dtype: torch.dtype) -> torch.Tensor:
     """The tensor an `export_view` names, its range mapped here (not copied)."""
-    backend = _CudaBackend(torch.device("cuda", s.device)) if s.device >= 0 else _HostBackend()
+    backend = _backend(torch.device("cuda", s.device) if s.device >= 0 else torch.device("cpu"))
     _check_pieces(s, backend.chunk)
     path = s.handle.decode()
     sources = sorted({p[2] for p in s.pieces})
@@ -435,7 +442,7 @@ def _check_pieces(s: SharedTensor, chunk: int) -> None:
         raise ValueError(f"aliased pieces cover {cursor} of a {s.nbytes}-byte range")
 
 
-def _import_sources(backend: _CudaBackend | _HostBackend, path: str, wanted: list[int]) -> None:
+def _import_sources(backend: _Backend, path: str, wanted: list[int]) -> None:
     """Import `wanted` from the fd server at `path` into `_imported` (count 0), a batch of descriptors at a
     time (a range of thousands of chunks stays under the open-file limit); on any failure none of them."""
     done: list[tuple[str, int]] = []

@@ -51,7 +51,6 @@ from common.experts.offload import parse_capacity
 from common.experts.resident import ResidentExperts
 from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
-from common.kv.fp8 import parse_kv_dtype, with_kv_dtype
 from common.kv.lending import STAGES
 from common.kv.state import StatePool
 from common.model.fp8_linear import MAX_ROWS, Fp8Linear, largest_dequantized, to_resident_dtype
@@ -60,7 +59,7 @@ from common.model.host_embedding import embeddings_to_host
 from common.model.layers import activation
 from common.model.loader import ARTIFACT_META, empty_model
 from common.model.registry import Architecture, get_architecture
-from common.runner import num_pages
+from common.runner import state_layout
 
 MiB, GiB = 1 << 20, 1 << 30
 PROCESS_RESERVE = 512 * MiB
@@ -118,8 +117,7 @@ def state_bytes(
     """(bytes, pages, paged bytes) of the state pool a `ModelRunner` would allocate (built on the meta
     device): state in `dtype`, attention K/V in `kv_dtype` (None: `dtype`), as the runner builds it; the
     paged part is what KV lending can lend."""
-    pages = num_pages(max_running, max_context, page_size)
-    specs = with_kv_dtype(model.state_specs(dtype), parse_kv_dtype(kv_dtype))
+    specs, pages = state_layout(model, max_running, max_context, page_size, kv_dtype, dtype)
     pool = StatePool(specs, pages, page_size, max_running, "meta")
     paged = sum(t.nbytes for layer in pool.layers for t in layer.paged.values())
     return sum(t.nbytes for t in pool.named_tensors().values()), pages, paged

@@ -20,10 +20,17 @@ from common.model.context import ForwardContext
 
 
 def state_layout(
-    model: nn.Module, max_seqs: int, max_context: int, page_size: int, kv_dtype: torch.dtype | str | None
+    model: nn.Module,
+    max_seqs: int,
+    max_context: int,
+    page_size: int,
+    kv_dtype: torch.dtype | str | None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[list[dict[str, StateSpec]], int]:
-    """The state pool a runner of `model` makes: each layer's specs (K/V in `kv_dtype`) and the pages."""
-    specs = with_kv_dtype(model.state_specs(next(model.parameters()).dtype), parse_kv_dtype(kv_dtype))
+    """The state pool a runner of `model` makes: each layer's specs (state in `dtype`, default the model's
+    first parameter's, as the runner takes it; K/V in `kv_dtype`) and the pages."""
+    dtype = dtype or next(model.parameters()).dtype
+    specs = with_kv_dtype(model.state_specs(dtype), parse_kv_dtype(kv_dtype))
     return specs, num_pages(max_seqs, max_context, page_size)
 
 

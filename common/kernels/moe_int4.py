@@ -19,7 +19,7 @@ zero point costs one multiply per row and group.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -210,13 +210,12 @@ def moe_int4_decode(
     those left None take DecodeConfig's plain defaults (what the tune labels a setting by).
     """
     t, k = rows.shape
-    c = (
-        decode_config(t) if block is None else DecodeConfig()
-    )  # a shape given: the rest plain, not the table's
-    block = block or c.block
-    groups_per_step, num_warps = groups_per_step or c.groups_per_step, num_warps or c.num_warps
-    down_block = down_block or c.down_block or block
-    split_act = c.split_act if split_act is None else split_act
+    given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
+    given |= {"down_block": down_block, "split_act": split_act}
+    base = decode_config(t) if block is None else DecodeConfig()  # a shape given: the rest plain
+    c = replace(base, **{name: v for name, v in given.items() if v is not None})
+    block, groups_per_step, num_warps, split_act = c.block, c.groups_per_step, c.num_warps, c.split_act
+    down_block = c.down_block or block
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
     pairs = t * k

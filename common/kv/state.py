@@ -117,6 +117,15 @@ class LayerState:
     """[2] float32 (K, V): what the layer's fp8 K/V pages are multiplied by when read; None = not fp8."""
 
 
+def _checked(given: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A paged tensor made for the pool elsewhere (KV lending's), if it has the spec's shape and dtype."""
+    if given.shape != shape or given.dtype != dtype:
+        raise ValueError(
+            f"a given paged tensor is {given.dtype}{list(given.shape)}, not {dtype}{list(shape)}"
+        )
+    return given
+
+
 class StatePool:
     """Every layer's per-sequence state for up to `max_seqs` sequences and `num_pages` pages of tokens."""
 
@@ -138,19 +147,16 @@ class StatePool:
         self.layers: list[LayerState] = []
         for specs in layer_specs:
             made = paged[len(self.layers)] if paged is not None else {}
-            tensors = {
-                name: made[name]
-                if name in made
-                else alloc((num_pages, page_size, *s.token_shape), s.dtype, device)
-                for name, s in specs.items()
-                if isinstance(s, PagedSpec)
-            }
+            tensors = {}
             for name, s in specs.items():
-                t = made.get(name)
-                if t is not None and (
-                    t.shape != (num_pages, page_size, *s.token_shape) or t.dtype != s.dtype
-                ):
-                    raise ValueError(f"paged tensor {len(self.layers)}.{name}: {t.dtype}{list(t.shape)}")
+                if isinstance(s, PagedSpec):
+                    shape = (num_pages, page_size, *s.token_shape)
+                    given = made.get(name)
+                    tensors[name] = (
+                        _checked(given, shape, s.dtype)
+                        if given is not None
+                        else alloc(shape, s.dtype, device)
+                    )
             slots = {
                 name: alloc((max_seqs, *s.shape), s.dtype, device)
                 for name, s in specs.items()

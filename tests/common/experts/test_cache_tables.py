@@ -133,6 +133,17 @@ def test_random_traces_keep_invariants(sc) -> None:
             assert torch.equal(tables.slot_of[layer, list(ids)], pinned_slots[layer])
 
 
+def _serve_step(tables: CacheTables, sc: dict, step: int, requests: list) -> None:
+    """One trace step through every layer (rows and copies checked), the scenario's rebalancing, and the
+    tables' invariants after it."""
+    for layer, chosen in enumerate(requests):
+        res = tables.resolve(layer, _mask(sc["experts"], chosen), step, max_new=sc["top_k"])
+        _check_rows_and_copies(tables, _mask(sc["experts"], chosen), res, sc["top_k"])
+    if sc["rebalance_every"] and step % sc["rebalance_every"] == 0:
+        tables.rebalance(slots_to_move=1 + step % 2)
+    tables.check()
+
+
 @settings(max_examples=60, deadline=None)
 @given(scenarios(), st.integers(1, 12), st.integers(2, 5))
 def test_lending_and_reclaiming_keep_the_tables_consistent(sc, bank: int, every: int) -> None:
@@ -156,12 +167,7 @@ def test_lending_and_reclaiming_keep_the_tables_consistent(sc, bank: int, every:
                 tables.lend()
                 assert tables.lent == min(bank, room)
             tables.check()
-        for layer, chosen in enumerate(requests):
-            res = tables.resolve(layer, _mask(sc["experts"], chosen), step, max_new=sc["top_k"])
-            _check_rows_and_copies(tables, _mask(sc["experts"], chosen), res, sc["top_k"])
-        if sc["rebalance_every"] and step % sc["rebalance_every"] == 0:
-            tables.rebalance(slots_to_move=1 + step % 2)
-        tables.check()
+        _serve_step(tables, sc, step, requests)
         for layer, ids in sc["pinned"].items():
             assert torch.equal(tables.slot_of[layer, list(ids)], pinned_slots[layer])
 
@@ -190,12 +196,7 @@ def test_lending_and_reclaiming_parts_of_the_bank(sc, bank: int, rng) -> None:
             assert not listed & set(part) and all(int(tables.owner[s]) == -1 for s in part)
         assert set(tables.bank[tables.lent_mask[tables.bank]].tolist()) == lent and tables.lent == len(lent)
         tables.check()
-        for layer, chosen in enumerate(requests):
-            res = tables.resolve(layer, _mask(sc["experts"], chosen), step, max_new=sc["top_k"])
-            _check_rows_and_copies(tables, _mask(sc["experts"], chosen), res, sc["top_k"])
-        if sc["rebalance_every"] and step % sc["rebalance_every"] == 0:
-            tables.rebalance(slots_to_move=1 + step % 2)
-        tables.check()
+        _serve_step(tables, sc, step, requests)
 
 
 @settings(max_examples=60, deadline=None)
