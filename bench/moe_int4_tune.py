@@ -59,11 +59,13 @@ def time_config(pool: dict, calls: list, setting: dict, repeats: int = 20) -> tu
 
 
 def label(setting: dict) -> str:
+    if not setting:
+        return "defaults (DECODE_CONFIGS)"
     knobs = (setting["block"], setting["groups_per_step"], setting["num_warps"])
     text = "block {:>2} groups/step {:>2} warps {}".format(*knobs)
     if setting.get("down_block"):
         text += f" down block {setting['down_block']}"
-    return text + (" split" if setting.get("split_act") else "")
+    return text + (" split" if setting.get("split_act") else "") + (" words" if setting.get("words") else "")
 
 
 def grouped_sweep(tokens_list: list[int]) -> None:
@@ -101,6 +103,23 @@ def grouped_sweep(tokens_list: list[int]) -> None:
             print(f"  {setting}: {ms:7.2f} ms, {rate}, vs default {error:.0e}")
 
 
+def _byte_settings() -> list[dict]:
+    """The byte kernels' shapes: rows, groups a step and warps; for three of them down's own rows and the
+    split activations (down is L1-bound, moe-int4-decode-ncu.txt)."""
+    settings = [
+        {"block": b, "groups_per_step": g, "num_warps": w}
+        for b, g, w in itertools.product((8, 16, 32), (1, 2, 4, 8), (2, 4, 8))
+    ]
+    for (b, g, w), down, split in itertools.product(
+        ((8, 4, 4), (16, 1, 2), (16, 4, 4)), (None, 32, 64), (False, True)
+    ):
+        if down or split:
+            settings.append(
+                {"block": b, "groups_per_step": g, "num_warps": w, "down_block": down, "split_act": split}
+            )
+    return settings
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--grouped", action="store_true", help="the prefill kernels (default: decode)")
@@ -109,6 +128,7 @@ def main() -> None:
         "--rows", type=int, default=4096, help="pool rows the decode calls read (EXPERTS a layer)"
     )
     ap.add_argument("--once", action="store_true", help="three untimed decode calls a token count (ncu)")
+    ap.add_argument("--words", action="store_true", help="only the word kernels' shapes, beside the defaults")
     args = ap.parse_args()
     if args.grouped:
         grouped_sweep(args.tokens or [8192, 25600])
@@ -127,16 +147,13 @@ def main() -> None:
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
     settings = [
-        {"block": b, "groups_per_step": g, "num_warps": w}
-        for b, g, w in itertools.product((8, 16, 32), (1, 2, 4, 8), (2, 4, 8))
+        {"block": b, "groups_per_step": g, "num_warps": w, "words": True, "down_block": down}
+        for b, g, w, down in itertools.product((4, 8, 16), (1, 2, 4), (2, 4, 8), (None, 64))
     ]
-    for (b, g, w), down, split in itertools.product(
-        ((8, 4, 4), (16, 1, 2), (16, 4, 4)), (None, 32, 64), (False, True)
-    ):  # down is L1-bound (moe-int4-decode-ncu.txt): its own rows per program, contiguous activations
-        if down or split:
-            settings.append(
-                {"block": b, "groups_per_step": g, "num_warps": w, "down_block": down, "split_act": split}
-            )
+    if args.words:
+        settings.append({})  # the defaults, as the others are checked against
+    else:
+        settings += _byte_settings()
     for tokens in args.tokens or [1, 8]:
         calls = decode_calls(pool, tokens)
         want = moe_int4_decode(*calls[0], pool).float()  # the defaults'
