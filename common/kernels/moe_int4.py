@@ -162,7 +162,7 @@ def _down_kernel(
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
 
 
-WORD_ONE = 0x3F800000
+WORD_ONE = tl.constexpr(0x3F800000)
 """fp32 1.0: a code q at mantissa bits 19..22 under it reads as 1 + q/16, no int-to-float conversion."""
 
 
