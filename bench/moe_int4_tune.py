@@ -65,7 +65,7 @@ def label(setting: dict) -> str:
     text = "block {:>2} groups/step {:>2} warps {}".format(*knobs)
     if setting.get("down_block"):
         text += f" down block {setting['down_block']}"
-    return text + (" split" if setting.get("split_act") else "") + (" words" if setting.get("words") else "")
+    return text + (" split" if setting.get("split_act") else "") + (" magic" if setting.get("magic") else "")
 
 
 def grouped_sweep(tokens_list: list[int]) -> None:
@@ -128,7 +128,7 @@ def main() -> None:
         "--rows", type=int, default=4096, help="pool rows the decode calls read (EXPERTS a layer)"
     )
     ap.add_argument("--once", action="store_true", help="three untimed decode calls a token count (ncu)")
-    ap.add_argument("--words", action="store_true", help="only the word kernels' shapes, beside the defaults")
+    ap.add_argument("--magic", action="store_true", help="the shapes with DecodeConfig.magic; the defaults")
     args = ap.parse_args()
     if args.grouped:
         grouped_sweep(args.tokens or [8192, 25600])
@@ -146,14 +146,9 @@ def main() -> None:
     hbm = measure_hbm_gbps()
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
-    settings = [
-        {"block": b, "groups_per_step": g, "num_warps": w, "words": True, "down_block": down}
-        for b, g, w, down in itertools.product((4, 8, 16), (1, 2, 4), (2, 4, 8), (None, 64))
-    ]
-    if args.words:
-        settings.append({})  # the defaults, as the others are checked against
-    else:
-        settings += _byte_settings()
+    settings = _byte_settings()
+    if args.magic:
+        settings = [{}, *({**setting, "magic": True} for setting in settings)]  # beside the defaults
     for tokens in args.tokens or [1, 8]:
         calls = decode_calls(pool, tokens)
         want = moe_int4_decode(*calls[0], pool).float()  # the defaults'

@@ -45,8 +45,9 @@ class DecodeConfig:
     """Down's own output rows per program: more rows share each load of the activations."""
     split_act: bool = False
     """gate_up stores each group of activations evens first: down reads two contiguous runs."""
-    words: bool = False
-    """Read the codes as int32 words, each code placed in a float's mantissa (`_words_dot`)."""
+    magic: bool = False
+    """Turn each code into a float by placing it in the mantissa of 2²³ (an OR and a subtraction) instead of
+    an int-to-float conversion, an instruction the SMs issue at a quarter of the FMA rate."""
 
 
 DECODE_CONFIGS = {
@@ -70,7 +71,7 @@ def decode_config(tokens: int) -> DecodeConfig:
 @triton.jit
 def _groups_dot(
     w_ptr, s_ptr, z_ptr, rows_out, g0, x_even, x_odd,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr, MAGIC: tl.constexpr,
 ):  # fmt: skip
     """Σ over groups g0..g0+GPB−1 (those < GROUPS) of w[rows_out, group] · x → [BLOCK] fp32.
 
@@ -86,8 +87,13 @@ def _groups_dot(
     at = rows_out[:, None] * GROUPS + gi[None, :]  # [BLOCK, GPB]; loaded with the codes, before any math
     scale = tl.load(s_ptr + at, mask=live[None, :], other=0).to(tl.float32)
     zero = tl.load(z_ptr + at, mask=live[None, :], other=0).to(tl.float32)
-    low = (packed & 15).to(tl.float32)
-    high = (packed >> 4).to(tl.float32)
+    if MAGIC:  # 2²³ + q read as a float is exact: q without a conversion instruction
+        word = packed.to(tl.int32)
+        low = ((word & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        high = ((word >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    else:
+        low = (packed & 15).to(tl.float32)
+        high = (packed >> 4).to(tl.float32)
     dot = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK, GPB]
     x_sum = tl.sum(x_even + x_odd, axis=1)  # [GPB]
     return tl.sum(scale * (dot - zero * x_sum[None, :]), axis=1)
@@ -130,6 +136,7 @@ def _split_at(n, HALF: tl.constexpr):
 def _gate_up_kernel(
     x_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     t = p // k
@@ -140,8 +147,8 @@ def _gate_up_kernel(
     up = tl.zeros((BLOCK,), dtype=tl.float32)
     for g0 in range(0, GROUPS, GPB):
         x_even, x_odd = _load_pairs(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
-        gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF)
-        up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF)
+        gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
+        up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
     tl.store(act_ptr + p * inter + (_split_at(n, HALF) if SPLIT else n), act)
 
@@ -150,6 +157,7 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     row = tl.load(rows_ptr + p).to(tl.int64)
@@ -158,78 +166,7 @@ def _down_kernel(
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for g0 in range(0, GROUPS, GPB):
         a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF, SPLIT)
-        acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF)
-    tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
-
-
-WORD_ONE = tl.constexpr(0x3F800000)
-"""fp32 1.0: a code q at mantissa bits 19..22 under it reads as 1 + q/16, no int-to-float conversion."""
-
-
-@triton.jit
-def _load_x128(ptr, g0, GROUPS: tl.constexpr, GPB: tl.constexpr):
-    """Groups g0..g0+GPB−1 of a vector in order, [GPB, 16, 8] fp32 (0 past the last group): entry
-    [g, w, j] is input 128·g + 8·w + j, nibble j of code word w."""
-    gi = g0 + tl.arange(0, GPB)
-    at = gi[:, None, None] * 128 + tl.arange(0, 16)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    return tl.load(ptr + at, mask=(gi < GROUPS)[:, None, None], other=0).to(tl.float32)
-
-
-@triton.jit
-def _words_dot(w_ptr, s_ptr, z_ptr, rows_out, g0, x, GROUPS: tl.constexpr, GPB: tl.constexpr):
-    """_groups_dot over the codes as int32 words (8 codes each, code j at bits 4j..4j+3): each code goes
-    into a float's mantissa (m = 1 + q/16) instead of through an int-to-float conversion, a quarter-rate
-    instruction that held the byte kernels; Σ (q − z)·x = 16·Σ m·x − (16 + z)·Σ x. x [GPB, 16, 8]."""
-    gi = g0 + tl.arange(0, GPB)
-    live = gi < GROUPS
-    cols = gi[:, None] * 16 + tl.arange(0, 16)[None, :]  # [GPB, 16] word columns
-    words = tl.load(
-        w_ptr + rows_out[:, None, None] * (GROUPS * 16) + cols[None, :, :], mask=live[None, :, None], other=0
-    )  # [BLOCK, GPB, 16] int32
-    at = rows_out[:, None] * GROUPS + gi[None, :]  # [BLOCK, GPB]
-    scale = tl.load(s_ptr + at, mask=live[None, :], other=0).to(tl.float32)
-    zero = tl.load(z_ptr + at, mask=live[None, :], other=0).to(tl.float32)
-    shift = tl.arange(0, 8) * 4
-    codes = (words[:, :, :, None] >> shift[None, None, None, :]) & 15  # [BLOCK, GPB, 16, 8]
-    m = ((codes << 19) | WORD_ONE).to(tl.float32, bitcast=True)
-    dot = tl.sum(tl.sum(m * x[None, :, :, :], axis=3), axis=2)  # [BLOCK, GPB]
-    x_sum = tl.sum(tl.sum(x, axis=2), axis=1)  # [GPB]
-    return tl.sum(scale * (16.0 * dot - (16.0 + zero) * x_sum[None, :]), axis=1)
-
-
-@triton.jit
-def _gate_up_words_kernel(
-    x_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    p = tl.program_id(0)
-    t = p // k
-    row = tl.load(rows_ptr + p).to(tl.int64)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    at = row * 2 * inter
-    w, s, z = w_ptr + at * (GROUPS * 16), s_ptr + at * GROUPS, z_ptr + at * GROUPS
-    gate = tl.zeros((BLOCK,), dtype=tl.float32)
-    up = tl.zeros((BLOCK,), dtype=tl.float32)
-    for g0 in range(0, GROUPS, GPB):
-        x = _load_x128(x_ptr + t * hidden, g0, GROUPS, GPB)
-        gate += _words_dot(w, s, z, n, g0, x, GROUPS, GPB)
-        up += _words_dot(w, s, z, n + inter, g0, x, GROUPS, GPB)
-    tl.store(act_ptr + p * inter + n, gate / (1.0 + tl.exp(-gate)) * up)
-
-
-@triton.jit
-def _down_words_kernel(
-    act_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    p = tl.program_id(0)
-    row = tl.load(rows_ptr + p).to(tl.int64)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    at = row * hidden
-    w, s, z = w_ptr + at * (GROUPS * 16), s_ptr + at * GROUPS, z_ptr + at * GROUPS
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for g0 in range(0, GROUPS, GPB):
-        acc += _words_dot(w, s, z, n, g0, _load_x128(act_ptr + p * inter, g0, GROUPS, GPB), GROUPS, GPB)
+        acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF, MAGIC)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
 
 
@@ -266,7 +203,7 @@ def moe_int4_decode(
     shared_gate: torch.Tensor | None = None,
     down_block: int | None = None,
     split_act: bool | None = None,
-    words: bool | None = None,
+    magic: bool | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -285,7 +222,7 @@ def moe_int4_decode(
     """
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
-    given |= {"down_block": down_block, "split_act": split_act, "words": words}
+    given |= {"down_block": down_block, "split_act": split_act, "magic": magic}
     base = decode_config(t) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
     hidden = x.shape[1]
@@ -293,8 +230,7 @@ def moe_int4_decode(
     act = torch.empty((t * k, inter), dtype=torch.float32, device=x.device)
     partial = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
-    launch = _launch_words if c.words else _launch_bytes
-    launch(c, x, rows, weights, pool, act, partial, k, before_gate_up, before_down)
+    _launch(c, x, rows, weights, pool, act, partial, k, before_gate_up, before_down)
     out = torch.empty_like(x)
     gated = shared_gate is not None
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](
@@ -310,13 +246,13 @@ def _wait(hook: Callable[[], None] | None) -> None:
         hook()
 
 
-def _launch_bytes(
+def _launch(
     c: DecodeConfig, x, rows, weights, pool: dict[str, torch.Tensor], act, partial, k: int, before_gate_up,
     before_down,
 ) -> None:  # fmt: skip
-    """gate_up then down over the codes as bytes, an int-to-float conversion a code."""
+    """gate_up's kernel, then down's, each after its wait."""
     (pairs, inter), hidden = act.shape, x.shape[1]
-    knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "num_warps": c.num_warps}
+    knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     _wait(before_gate_up)
     groups = hidden // GROUP  # per kernel at most its groups' power of two: a step past them reads nothing
     _gate_up_kernel[(pairs, inter // c.block)](
@@ -330,28 +266,6 @@ def _launch_bytes(
         act, rows, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial, hidden,
         inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=down_block,
         **knobs,
-    )  # fmt: skip
-
-
-def _launch_words(
-    c: DecodeConfig, x, rows, weights, pool: dict[str, torch.Tensor], act, partial, k: int, before_gate_up,
-    before_down,
-) -> None:  # fmt: skip
-    """gate_up then down over the codes as int32 words (`_words_dot`); the activations in order."""
-    (pairs, inter), hidden = act.shape, x.shape[1]
-    _wait(before_gate_up)
-    groups = hidden // GROUP
-    _gate_up_words_kernel[(pairs, inter // c.block)](
-        x, rows, pool["gate_up_qweight"].view(torch.int32), pool["gate_up_scales"], pool["gate_up_zeros"],
-        act, k, hidden, inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)),
-        BLOCK=c.block, num_warps=c.num_warps,
-    )  # fmt: skip
-    _wait(before_down)
-    groups, down_block = inter // GROUP, c.down_block or c.block
-    _down_words_kernel[(pairs, hidden // down_block)](
-        act, rows, weights, pool["down_qweight"].view(torch.int32), pool["down_scales"], pool["down_zeros"],
-        partial, hidden, inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)),
-        BLOCK=down_block, num_warps=c.num_warps,
     )  # fmt: skip
 
 
