@@ -105,9 +105,14 @@ def replayer_for(spec: str, moe_layers: list[int], num_experts: int, top_k: int)
 
 
 def install_routing_hook(model: torch.nn.Module, hook: RoutingHook | None) -> None:
-    """Set `hook` on every MoE block of `model` (None removes it)."""
+    """Set `hook` on every MoE block of `model` (None removes it). A replay takes the blocks' fused-kernel
+    switch, as `use_fused_kernels` sets it on a hook already installed: the order of the two calls does not
+    matter (the decode benchmarks once installed theirs after the switch and replayed in ~8 torch ops a
+    layer instead of one kernel)."""
     from common.model.moe import SparseMoeBlock
 
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
             module.routing_hook = hook
+            if hasattr(hook, "fused"):
+                hook.fused = module.fused_decode

@@ -59,10 +59,10 @@ DECODE_CONFIGS = {
 (bench/results/moe-int4-decode-tune.txt): one token 30.65 µs a call (the former default, 16 rows × 4 groups
 × 4 warps: 32.73); two tokens 48.31 and four 82.65, both with the split activations (the one-token shape:
 51.53 and 92.72); eight 146.8 (the former default: 172.9), and with `magic` 134.5 against 146.2 in one run
-(`--magic`, bench/results/moe-int4-decode-magic.txt), where one token gained nothing (31.31 against 29.42:
-there the kernel waits on its loads and layout conversions more than on conversions). In a decode-1 step the one-token shape measured
-no faster than the former default (72.71 against 72.78 tok/s, one machine, back to back): the step's copy
-kernels share the SMs with it."""
+(`--magic`, bench/results/moe-int4-decode-magic.txt). One token gained nothing from `magic` (31.31 against
+29.42): that kernel waits on its loads and layout conversions more than on conversions. In a decode-1 step
+the one-token shape measured no faster than the former default (72.71 against 72.78 tok/s, one machine, back
+to back): the step's copy kernels share the SMs with it."""
 
 
 def decode_config(tokens: int) -> DecodeConfig:

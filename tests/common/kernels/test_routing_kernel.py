@@ -35,3 +35,23 @@ def test_fused_replay_hands_out_the_same_rows() -> None:
             weights = torch.zeros(n, 4, device=DEVICE)
             want, got = plain(layer, ids, weights), fused(layer, ids, weights)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("hook_first", [True, False])
+def test_replay_takes_the_fused_switch_whichever_comes_first(tmp_path, hook_first: bool) -> None:
+    """use_fused_kernels sets an installed replay's switch; a replay installed after it takes the blocks'."""
+    from common.engine import Engine
+    from common.experts.routing import install_routing_hook, replayer_for
+    from common.kernels import use_fused_kernels
+    from common.model.synthetic import make_model
+
+    engine = Engine(make_model(tmp_path, preset="tiny", arch="qwen3_moe"), max_seqs=1, max_context=32)
+    cfg, model = engine.config, engine.model
+    layers = list(cfg.moe_layers)
+    replayer = replayer_for("synthetic-zipf:tokens=8,seed=1", layers, cfg.num_experts, cfg.top_k)
+    steps = [lambda: install_routing_hook(model, replayer), lambda: use_fused_kernels(model, True)]
+    for step in steps if hook_first else steps[::-1]:
+        step()
+    assert replayer.fused
+    use_fused_kernels(model, False)
+    assert not replayer.fused
