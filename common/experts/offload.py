@@ -434,7 +434,7 @@ class OffloadedExperts(ExpertProvider):
 
             self.copies.join(prepared.done, stage=0)  # gate_up's rows: down's may still be on their way
             return moe_dense_decode(
-                x, prepared.rows[topk_ids], topk_weights, self.pool,
+                x, topk_ids, topk_weights, self.pool, row_of=prepared.rows,
                 before_down=lambda: self.copies.join(prepared.done),
             )  # fmt: skip
         self.copies.join(prepared.done)
@@ -460,7 +460,7 @@ class OffloadedExperts(ExpertProvider):
 
         fold = self.combine_shared
         out = moe_int4_decode(
-            x, prepared.rows[topk_ids], topk_weights, self.pool,
+            x, topk_ids, topk_weights, self.pool, row_of=prepared.rows,
             before_down=lambda: self.copies.join(prepared.done),  # down's rows come after gate_up's
             before_gate_up=lambda: self.copies.join(prepared.done, stage=0),
             shared=shared if fold else None, shared_gate=shared_gate if fold else None,

@@ -135,14 +135,23 @@ def _split_at(n, HALF: tl.constexpr):
 
 
 @triton.jit
+def _pair_row(rows_ptr, row_of_ptr, p, LOOKUP: tl.constexpr):
+    """Pair p's pool row: rows[p], or with LOOKUP row_of[rows[p]] (rows holds expert ids)."""
+    row = tl.load(rows_ptr + p)
+    if LOOKUP:
+        row = tl.load(row_of_ptr + row)
+    return row.to(tl.int64)
+
+
+@triton.jit
 def _gate_up_kernel(
-    x_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
+    x_ptr, rows_ptr, row_of_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
-    MAGIC: tl.constexpr,
+    MAGIC: tl.constexpr, LOOKUP: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     t = p // k
-    row = tl.load(rows_ptr + p).to(tl.int64)
+    row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] act columns (< inter: inter % BLOCK == 0)
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, 2 * inter, GROUPS, HALF)
     gate = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -157,12 +166,12 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
+    act_ptr, rows_ptr, row_of_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
-    MAGIC: tl.constexpr,
+    MAGIC: tl.constexpr, LOOKUP: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
-    row = tl.load(rows_ptr + p).to(tl.int64)
+    row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -206,21 +215,23 @@ def moe_int4_decode(
     down_block: int | None = None,
     split_act: bool | None = None,
     magic: bool | None = None,
+    row_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
-    x [T, H] (bf16/fp16/fp32, contiguous); rows, weights [T, k]; pool: an int4 pool's components
-    (`gate_up_qweight` [R, 2I, H/2], `gate_up_scales`/`gate_up_zeros` [R, 2I, H/128], `down_*` likewise
-    [R, H, ...]). H and I multiples of 128. Fixed launch shapes, no host sync: a recorded step can hold it.
-    `before_gate_up` and `before_down` run right before the kernels that read those matrices (to wait for
-    the rows' copies). `shared` [T, H] (a shared expert's output, gated by σ(shared_gate [T, 1]) when
-    given) is added in the kernel that sums the choices (torch took five: the sum, the cast, the sigmoid,
+    x [T, H] (bf16/fp16/fp32, contiguous); rows, weights [T, k] (with `row_of` [E], rows holds expert ids and
+    row_of[id] is the pool row: the kernels look it up, where a gather would be one more launch); pool: an
+    int4 pool's components (`gate_up_qweight` [R, 2I, H/2], `gate_up_scales`/`gate_up_zeros` [R, 2I, H/128],
+    `down_*` likewise [R, H, ...]). H and I multiples of 128. Fixed launch shapes, no host sync: a recorded
+    step can hold it. `before_gate_up` and `before_down` run right before the kernels that read those matrices
+    (to wait for the rows' copies). `shared` [T, H] (a shared expert's output, gated by σ(shared_gate [T, 1])
+    when given) is added in the kernel that sums the choices (torch took five: the sum, the cast, the sigmoid,
     the product and the sum). `block` (output rows per program; `down_block` for down's kernel, default
     `block`), `groups_per_step` (a power of two), `num_warps` and `split_act` (gate_up stores each group of
-    the activations evens first, so that down reads two contiguous runs instead of every other entry: down
-    is L1-bound, bench/results/moe-int4-decode-ncu.txt) are tuning knobs (bench/moe_int4_tune.py sweeps
-    them on the GPU). With `block` None every knob left None takes `decode_config(T)`'s; with a `block`,
-    those left None take DecodeConfig's plain defaults (what the tune labels a setting by).
+    the activations evens first, so that down reads two contiguous runs instead of every other entry: down is
+    L1-bound, bench/results/moe-int4-decode-ncu.txt) are tuning knobs (bench/moe_int4_tune.py sweeps them on
+    the GPU). With `block` None every knob left None takes `decode_config(T)`'s; with a `block`, those left
+    None take DecodeConfig's plain defaults (what the tune labels a setting by).
     """
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
@@ -232,7 +243,7 @@ def moe_int4_decode(
     act = torch.empty((t * k, inter), dtype=torch.float32, device=x.device)
     partial = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
-    _launch(c, x, rows, weights, pool, act, partial, k, before_gate_up, before_down)
+    _launch(c, x, rows, row_of, weights, pool, act, partial, k, before_gate_up, before_down)
     out = torch.empty_like(x)
     gated = shared_gate is not None
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](
@@ -249,25 +260,27 @@ def _wait(hook: Callable[[], None] | None) -> None:
 
 
 def _launch(
-    c: DecodeConfig, x, rows, weights, pool: dict[str, torch.Tensor], act, partial, k: int, before_gate_up,
-    before_down,
+    c: DecodeConfig, x, rows, row_of, weights, pool: dict[str, torch.Tensor], act, partial, k: int,
+    before_gate_up, before_down,
 ) -> None:  # fmt: skip
     """gate_up's kernel, then down's, each after its wait."""
     (pairs, inter), hidden = act.shape, x.shape[1]
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
+    knobs["LOOKUP"] = row_of is not None
+    row_of = rows if row_of is None else row_of
     _wait(before_gate_up)
     groups = hidden // GROUP  # per kernel at most its groups' power of two: a step past them reads nothing
     _gate_up_kernel[(pairs, inter // c.block)](
-        x, rows, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k, hidden,
-        inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=c.block,
-        **knobs,
+        x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
+        hidden, inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)),
+        BLOCK=c.block, **knobs,
     )  # fmt: skip
     _wait(before_down)
     groups, down_block = inter // GROUP, c.down_block or c.block
     _down_kernel[(pairs, hidden // down_block)](
-        act, rows, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial, hidden,
-        inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=down_block,
-        **knobs,
+        act, rows, row_of, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
+        hidden, inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)),
+        BLOCK=down_block, **knobs,
     )  # fmt: skip
 
 

@@ -109,3 +109,15 @@ def test_int4_decode_adds_the_shared_expert(gated: bool) -> None:
     want = moe_int4_decode(x, rows, weights, pool) + (torch.sigmoid(gate) * shared if gated else shared)
     got = moe_int4_decode(x, rows, weights, pool, shared=shared, shared_gate=gate)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_int4_decode_looks_up_the_rows_of_expert_ids() -> None:
+    """With `row_of` the kernels take expert ids, read row_of[id]: the gathered rows' result, bit for bit."""
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    gen = torch.Generator().manual_seed(3)
+    pool, x, weights = _two_token_case(gen, experts=6, k=3)
+    row_of = torch.tensor([4, 0, 5, 1, 3, 2], device=DEVICE)  # expert → pool row
+    ids = torch.tensor([[2, 0, 5], [1, 4, 2]], device=DEVICE)
+    want = moe_int4_decode(x, row_of[ids], weights, pool)
+    assert torch.equal(moe_int4_decode(x, ids, weights, pool, row_of=row_of), want)
