@@ -229,9 +229,10 @@ def moe_int4_decode(
     the product and the sum). `block` (output rows per program; `down_block` for down's kernel, default
     `block`), `groups_per_step` (a power of two), `num_warps` and `split_act` (gate_up stores each group of
     the activations evens first, so that down reads two contiguous runs instead of every other entry: down is
-    L1-bound, bench/results/moe-int4-decode-ncu.txt) are tuning knobs (bench/moe_int4_tune.py sweeps them on
-    the GPU). With `block` None every knob left None takes `decode_config(T)`'s; with a `block`, those left
-    None take DecodeConfig's plain defaults (what the tune labels a setting by).
+    L1-bound, bench/results/moe-int4-decode-ncu.txt) and `magic` (DecodeConfig) are tuning knobs
+    (bench/moe_int4_tune.py sweeps them on the GPU). With `block` None every knob left None takes
+    `decode_config(T)`'s; with a `block`, those left None take DecodeConfig's plain defaults (what the tune
+    labels a setting by).
     """
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
@@ -254,16 +255,20 @@ def moe_int4_decode(
     return out
 
 
-def _wait(hook: Callable[[], None] | None) -> None:
+Hook = Callable[[], None] | None
+
+
+def _wait(hook: Hook) -> None:
     if hook is not None:
         hook()
 
 
 def _launch(
-    c: DecodeConfig, x, rows, row_of, weights, pool: dict[str, torch.Tensor], act, partial, k: int,
-    before_gate_up, before_down,
+    c: DecodeConfig, x: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, weights: torch.Tensor,
+    pool: dict[str, torch.Tensor], act: torch.Tensor, partial: torch.Tensor, k: int, before_gate_up: Hook,
+    before_down: Hook,
 ) -> None:  # fmt: skip
-    """gate_up's kernel, then down's, each after its wait."""
+    """gate_up's kernel (x, rows → act [P, I]), then down's (act → partial [P, H]), each after its wait."""
     (pairs, inter), hidden = act.shape, x.shape[1]
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     knobs["LOOKUP"] = row_of is not None
