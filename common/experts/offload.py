@@ -434,7 +434,7 @@ class OffloadedExperts(ExpertProvider):
 
             self.copies.join(prepared.done, stage=0)  # gate_up's rows: down's may still be on their way
             return moe_dense_decode(
-                x, topk_ids, topk_weights, self.pool, row_of=prepared.rows,
+                x, prepared.rows[topk_ids], topk_weights, self.pool,
                 before_down=lambda: self.copies.join(prepared.done),
             )  # fmt: skip
         self.copies.join(prepared.done)
