@@ -180,6 +180,10 @@ class WorkerConfig:
     lend_kv: bool = False
     """Decode lends the KV pool's idle pages to the expert cache as slots and takes them back, stage by
     stage, before contexts need them (common/kv/lending.py); prefill maps them like the rest of the pools."""
+    lend_arena: bool = False
+    """Prefill's arena (a spare row and two buffers of E experts) lives in decode's expert pool, as the cache
+    tables' bank: decode lends it to the cache between prefills and takes it back when it grants a prefill
+    its freeze; prefill copies its experts there, through the pool it maps anyway."""
 
 
 @dataclass(frozen=True)
@@ -230,8 +234,12 @@ class MemoryPlan:
     """Processes on the device: 2 for `spillway serve` (decode, prefill), 1 for the offline engine."""
     prefill_process: int = 0
     """Of the budget, serve's prefill worker's own bytes (it maps decode's weights, pools and cache): its
-    arena rows, its prefill workspace, its reserve and their share of the fragmentation allowance. Each
-    worker caps its allocator at its part (`process_budget`); 0 with one process."""
+    arena rows (none with `--lend-arena`: decode's pool holds them), its prefill workspace, its reserve and
+    their share of the fragmentation allowance. Each worker caps its allocator at its part (`process_budget`);
+    0 with one process."""
+    arena_lendable_slots: int = 0
+    """With serve's `--lend-arena`, the slots prefill's arena adds to decode's cache between prefills (a
+    spare row and two buffers of E rows: `prefill_arena_rows`); 0 without it or with one process."""
     kv_lendable_slots: int = 0
     """With `--lend-kv`, the most slots the KV pool's idle pages add to the cache: its paged state past the
     first lending stage (an eighth, common/kv/lending.py) in whole slots, within the experts not cached."""

@@ -68,6 +68,7 @@ class Engine:
         lend_arena: bool = False,
         resident_dtype: str | None = None,
         lend_kv: bool = False,
+        prefill_bank: bool = False,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass,
@@ -85,11 +86,17 @@ class Engine:
         buffer to the expert cache between prefills (E more slots during decode; see OffloadedExperts; each
         prefill pass takes it back, emptied); `resident_dtype` "fp8" keeps the token mixers' projections in
         fp8 (common/model/fp8_linear.py; None: the model dtype); `lend_kv` lends the KV pool's idle pages
-        to the expert cache as slots, taken back as contexts grow (common/kv/lending.py)."""
+        to the expert cache as slots, taken back as contexts grow (common/kv/lending.py); `prefill_bank` (a
+        serving decode worker's) adds a bank of 1 + 2E slots that a prefill worker uses as its arena, lent to
+        the cache between prefills by the worker (`DecodeCore`)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
             raise ValueError("lending the arena does not combine with speculative decoding")
+        if prefill_bank and (lend_kv or lend_arena):  # each lends the tables' one bank
+            raise ValueError("lending prefill's arena does not combine with --lend-kv")
+        if prefill_bank and expert_cache is None and not is_artifact(model_dir):
+            raise ValueError("lending prefill's arena needs an expert cache (--expert-cache, --vram-budget)")
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
         fused_kernels = fused_by_default(fused_kernels, device)
         self.model = load_model(
@@ -116,11 +123,12 @@ class Engine:
             self.offload = offload_experts(
                 self.model, expert_cache or "all", cache_policy, meta["format"], pinned_experts, store,
                 arena_buffers=arena_buffers, lend_arena=lend_arena, kv_lending=lending,
+                prefill_bank=prefill_bank,
             )  # fmt: skip
         elif expert_cache is not None:
             self.offload = offload_experts(
                 self.model, expert_cache, cache_policy, expert_format, pinned_experts, None, host_allocate,
-                arena_buffers, lend_arena, lending,
+                arena_buffers, lend_arena, lending, prefill_bank,
             )  # fmt: skip
         cfg, layers = self.config, list(self.config.moe_layers)
         self.routing_recorder = RoutingRecorder(layers, cfg.num_experts) if record_routing else None

@@ -47,7 +47,7 @@ from common.config import (
 )
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import ExpertFormat, get_format
-from common.experts.offload import parse_capacity
+from common.experts.offload import parse_capacity, prefill_arena_rows
 from common.experts.resident import ResidentExperts
 from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
@@ -318,7 +318,7 @@ def arena_rows(experts: int, processes: int) -> int:
     """Expert rows beside the cache's slots: a spare row and the arena's buffers of E rows each — two where
     prompts are prefilled (one process: the engine; two: the prefill worker), one in a serving decode worker
     (its staging rows; see OffloadedExperts)."""
-    return (1 + 2 * experts) + (processes - 1) * (1 + experts)
+    return prefill_arena_rows(experts) + (processes - 1) * (1 + experts)
 
 
 def plan_memory(
@@ -338,12 +338,15 @@ def plan_memory(
     embeddings_on_host: bool = False,
     fused_kernels: bool = True,
     resident_dtype: str | None = None,
+    lend_arena: bool = False,
 ) -> MemoryPlan:
     """The plan for serving `cfg` within `budget_bytes` (see the module docstring); `processes` is 2 for
     `spillway serve` (decode and prefill each hold an arena, a context and a workspace), 1 for the offline
     engine; `embeddings_on_host`: the token embedding is a host table (no device bytes); `fused_kernels`:
     the fused kernels' workspace (on CUDA by default) rather than the torch ops'; `resident_dtype` "fp8":
-    the token mixers' projections in fp8 (and the workspace to dequantise one for a prefill). Not checked:
+    the token mixers' projections in fp8 (and the workspace to dequantise one for a prefill); `lend_arena`
+    (serve's `--lend-arena`): prefill's arena rows are decode's (its bank), so the prefill process's own
+    bytes leave them out (the arena's total is the same). Not checked:
     call `MemoryPlan.check()` to refuse a cache that is too small."""
     if budget_bytes <= 0:
         raise ValueError(f"--vram-budget must be positive, got {budget_bytes} bytes")
@@ -369,7 +372,8 @@ def plan_memory(
     graphs = processes * PROCESS_RESERVE + math.ceil(FRAGMENTATION * budget_bytes)
     # serve's prefill worker maps decode's weights, pools and cache: its own are a pool of arena rows (with
     # no slots), its workspace and its reserve, plus their share of the fragmentation allowance
-    own = arena_rows(experts, 1) * eb + prefill_scratch + PROCESS_RESERVE if processes > 1 else 0
+    own_arena = 0 if lend_arena else arena_rows(experts, 1) * eb
+    own = own_arena + prefill_scratch + PROCESS_RESERVE if processes > 1 else 0
     weights = weight_bytes(model)
     fixed = weights + kv + arena + scratch + graphs
     slots = _cache_slots(budget_bytes - fixed, layers, experts, eb)
@@ -397,6 +401,7 @@ def plan_memory(
         dtype=str(dtype).removeprefix("torch."),
         processes=processes,
         prefill_process=own + math.ceil(FRAGMENTATION * own),
+        arena_lendable_slots=prefill_arena_rows(experts) if lend_arena and processes > 1 else 0,
         kv_lendable_slots=min(layers * experts - slots, paged * (STAGES - 1) // STAGES // eb),
     )
 
@@ -466,6 +471,7 @@ def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
         embeddings_on_host=cfg.embeddings_on_host,
         fused_kernels=fused_by_default(cfg.fused_kernels, cfg.device),
         resident_dtype=cfg.resident_dtype,
+        lend_arena=cfg.lend_arena,
     )
 
 
@@ -519,4 +525,6 @@ def format_plan(plan: MemoryPlan) -> str:
         f"--lend-kv: up to {plan.kv_lendable_slots} more slots while contexts stay within the KV pool's "
         "first eighth"
     )
+    if plan.arena_lendable_slots:
+        lines.append(f"--lend-arena: {plan.arena_lendable_slots} more slots between prefills (its arena)")
     return "\n".join(lines)

@@ -126,6 +126,10 @@ class Exports(msgspec.Struct, frozen=True, tag=True):
     expert_store: str = ""
     """Path of the host expert store's file (offloaded experts; prefill maps it too), else empty."""
     expert_format: str = ""
+    arena_row: int = -1
+    """With `--lend-arena`: the first row of prefill's arena in `cache.pool.*` (a spare row, then two buffers
+    of E rows; decode's bank, lent to its cache only while no prefill holds a freeze); −1: prefill allocates
+    its own."""
 
 
 class WantExports(msgspec.Struct, frozen=True, tag=True):

@@ -172,6 +172,7 @@ def _plan(args: argparse.Namespace) -> int:
         "embeddings_on_host": args.embeddings_on_host,
         "fused_kernels": fused_by_default(args.fused_kernels, "cuda"),
         "resident_dtype": args.resident_dtype,
+        "lend_arena": args.lend_arena,
     }
     if args.model is not None:
         if args.arch is not None or args.set:
@@ -411,6 +412,9 @@ def _add_plan(sub) -> None:
         "--single-process",
         action="store_true",
         help="plan `spillway generate` (prefill and decode in one process) rather than `spillway serve`",
+    )
+    plan.add_argument(
+        "--lend-arena", action="store_true", help="serve's --lend-arena: decode holds prefill's arena rows"
     )
     plan.add_argument("--json", action="store_true", help="print one JSON object (bytes)")
     plan.set_defaults(func=_plan)

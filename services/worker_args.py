@@ -43,6 +43,11 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         action="store_true",
         help="lend the KV pool's idle pages to the expert cache as slots, taken back as contexts grow",
     )
+    parser.add_argument(
+        "--lend-arena",
+        action="store_true",
+        help="hold prefill's arena in decode's expert pool, lent to the cache as 2E+1 slots between prefills",
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
 
 
@@ -101,7 +106,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 
 
 def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> WorkerConfig:
-    """The WorkerConfig the flags of add_config_args give (`model_dir` in place of a missing --model)."""
+    """The WorkerConfig the flags of add_config_args give (`model_dir` in place of a missing --model);
+    ValueError for lending flags that cannot hold."""
+    _check_lending(args, model_dir or args.model)
     return WorkerConfig(
         model_dir=model_dir or args.model,
         device=args.device,
@@ -121,7 +128,20 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         fused_kernels=args.fused_kernels,
         resident_dtype=args.resident_dtype,
         lend_kv=args.lend_kv,
+        lend_arena=args.lend_arena,
     )
+
+
+def _check_lending(args: argparse.Namespace, model_dir: str | None) -> None:
+    """Both lending flags lend the cache tables' one bank, and both need an expert cache."""
+    from common.experts.artifact import is_artifact
+
+    if args.lend_arena and args.lend_kv:
+        raise ValueError("--lend-arena and --lend-kv lend the same bank of the cache: give one of them")
+    cached = args.expert_cache is not None or args.vram_budget is not None
+    if (args.lend_arena or args.lend_kv) and not cached and not (model_dir and is_artifact(model_dir)):
+        flag = "--lend-arena" if args.lend_arena else "--lend-kv"
+        raise ValueError(f"{flag} lends to the expert cache: give --expert-cache or --vram-budget")
 
 
 def config_argv(cfg: WorkerConfig) -> list[str]:
@@ -136,6 +156,7 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     argv += [] if cfg.cuda_graphs else ["--eager"]
     argv += ["--embeddings-on-host"] if cfg.embeddings_on_host else []
     argv += ["--lend-kv"] if cfg.lend_kv else []
+    argv += ["--lend-arena"] if cfg.lend_arena else []
     argv += ["--resident-dtype", cfg.resident_dtype] if cfg.resident_dtype else []
     if cfg.fused_kernels is not None:
         argv += ["--fused-kernels" if cfg.fused_kernels else "--no-fused-kernels"]

@@ -177,6 +177,11 @@ class CopyStream:
             torch.cuda.current_stream(done[stage].device).wait_event(done[stage])
 
 
+def prefill_arena_rows(experts: int) -> int:
+    """Pool rows a prefill pass needs beside any cache: a spare row and two arena buffers of E rows."""
+    return 1 + 2 * experts
+
+
 class PrefillArena:
     """Two buffers of E rows inside the pool, used by alternate MoE layers, so the next layer's experts can be
     copied while this layer computes; remembers which layers' copies are under way (within one pass)."""
@@ -229,13 +234,17 @@ class OffloadedExperts(ExpertProvider):
         arena_buffers: int = 2,
         lend_arena: bool = False,
         kv_lending: KvLending | None = None,
+        arena_row: int | None = None,
     ) -> None:
         """`shared_cache` (the prefill worker's): another provider's (pool, slot_of) — decode's cache, mapped,
         read in place while its owner keeps it frozen; this provider then only runs prefill passes.
         `lend_arena`: the arena's second buffer is the tables' bank of E lendable slots (`CacheTables`
         built with `lendable=E`): the cache holds it during decode passes and gives it back before a
         prefill pass (see `begin_pass`). `kv_lending`: the tables' bank rows are the KV pool's idle pages
-        (common/kv/lending.py; `KvLending.bind` starts lending once the state pool holds its tensors)."""
+        (common/kv/lending.py; `KvLending.bind` starts lending once the state pool holds its tensors).
+        `arena_row` (with `shared_cache`): this provider allocates no pool; its spare row and two arena
+        buffers are `prefill_arena_rows` rows of the shared pool from that row on (decode's bank, which
+        decode lends to its cache only while no prefill holds a freeze)."""
         self.store, self.tables, self.fmt, self.act = store, tables, fmt, act
         self.shared_cache = shared_cache
         self.device, self.dtype = torch.device(device), dtype
@@ -249,19 +258,17 @@ class OffloadedExperts(ExpertProvider):
             raise ValueError(f"lending the arena needs two arena buffers and a bank of {e} slots")
         if kv_lending is not None and (lend_arena or shared_cache is not None):
             raise ValueError("KV lending does not combine with lending the arena or a shared cache")
-        rows = tables.num_rows + (arena_buffers - 1 - int(lend_arena)) * e
-        bank = tables.bank.numel()
-        self.pool = (
-            kv_lending.expert_pool(store.components, rows, tables.num_slots - bank, bank)
-            if kv_lending is not None
-            else {
-                name: torch.empty((rows, *shape), dtype=dtype, device=self.device)
-                for name, (shape, dtype) in store.components.items()
-            }
-        )
-        self.copies = CopyStream(store, self.pool, tables.num_slots, self.device)
-        second = int(tables.bank[0]) if lend_arena else tables.staging_base + e
-        self.arena = PrefillArena([tables.staging_base, second][:arena_buffers], e, self.device)
+        if arena_row is not None:
+            if shared_cache is None:
+                raise ValueError("an arena in another provider's pool needs that pool (shared_cache)")
+            self.pool, spare = shared_cache[0], arena_row
+            bases = [arena_row + 1, arena_row + 1 + e]
+        else:
+            self.pool, spare = self._own_pool(tables, arena_buffers, kv_lending), tables.num_slots
+            second = int(tables.bank[0]) if lend_arena else tables.staging_base + e
+            bases = [tables.staging_base, second][:arena_buffers]
+        self.copies = CopyStream(store, self.pool, spare, self.device)
+        self.arena = PrefillArena(bases, e, self.device)
         self._moved = torch.zeros(4, len(moe_layers), dtype=torch.int64, device=self.device)
         self._fill_pinned()
         self.prefill = False
@@ -291,6 +298,20 @@ class OffloadedExperts(ExpertProvider):
         gate_up kernel starts as soon as those rows are in, while the down rows are still being copied."""
         self.step = torch.zeros((), dtype=torch.int64, device=self.device)  # on the device: recorded steps
         self.decode_passes = 0
+
+    def _own_pool(
+        self, tables: CacheTables, arena_buffers: int, kv_lending: KvLending | None
+    ) -> dict[str, torch.Tensor]:
+        """The pool rows of `tables` (slots, spare, staging) and the arena buffers past them."""
+        rows = tables.num_rows + (arena_buffers - 1 - int(self.lend_arena)) * self.store.num_experts
+        components = self.store.components
+        if kv_lending is not None:
+            bank = tables.bank.numel()
+            return kv_lending.expert_pool(components, rows, tables.num_slots - bank, bank)
+        return {
+            name: torch.empty((rows, *shape), dtype=dtype, device=self.device)
+            for name, (shape, dtype) in components.items()
+        }
 
     rebalance_every = 256
     """Decode passes between two per-layer capacity adjustments (host-side, between steps)."""
@@ -548,13 +569,15 @@ def offload_experts(
     arena_buffers: int = 2,
     lend_arena: bool = False,
     kv_lending: KvLending | None = None,
+    prefill_bank: bool = False,
 ) -> OffloadedExperts:
     """Serve `model`'s routed experts from a host store through a VRAM cache of `capacity` (see
     parse_capacity) under `policy`; `pinned` maps MoE layer index → hot experts. Without `store` the model's
     resident experts are packed into a new one in format `fmt` (and freed; `host_allocate(nbytes)` makes its
     memory, e.g. shared memory a prefill worker maps); with it (an artifact's), used. `lend_arena`: the
     arena's second buffer serves as E more cache slots between prefills (see OffloadedExperts);
-    `kv_lending`: as many more as the KV pool's pages hold, while no sequence needs them."""
+    `kv_lending`: as many more as the KV pool's pages hold, while no sequence needs them; `prefill_bank`:
+    1 + 2E more, a prefill worker's arena (`arena_row`), lent by the decode worker between prefills."""
     resident = model.experts
     cfg = model.config
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -572,7 +595,7 @@ def offload_experts(
             f"{len(layers)}×{cfg.num_experts}"
         )
     capacities = parse_capacity(capacity, len(layers), cfg.num_experts)
-    lendable = cfg.num_experts if lend_arena else 0
+    lendable = cfg.num_experts if lend_arena else prefill_arena_rows(cfg.num_experts) if prefill_bank else 0
     if kv_lending is not None:
         lendable = kv_lending.bank_size(store.components, sum(capacities))
     tables = CacheTables(

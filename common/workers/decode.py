@@ -59,6 +59,7 @@ def load_engine(
         embeddings_on_host=cfg.embeddings_on_host,
         fused_kernels=cfg.fused_kernels,
         lend_kv=cfg.lend_kv,
+        prefill_bank=cfg.lend_arena,
     )
 
 
@@ -110,6 +111,10 @@ class DecodeCore:
         offload = getattr(self.engine, "offload", None)
         if offload is not None:  # prefill reads the cache in place while frozen
             offload.tables.readers = True
+        self.bank_ready = False
+        """With `lend_arena`: the bank (prefill's arena) is lent whenever the last freeze ends, once the
+        running prefill worker has been granted one (it asks for state only after its warm-up, which writes
+        its arena unfrozen). A (re)started prefill sets it back (`prefill_restarted`)."""
 
     # -- requests from prefill ------------------------------------------------------------------------------
 
@@ -178,10 +183,36 @@ class DecodeCore:
         """Prefill reads the expert cache in place while it holds a freeze (from the grant of its state to
         `Thaw`, `PrefillDone` or the request's end): no insertions or evictions meanwhile. Decode applies
         messages between steps, after a step's copies have completed, so a granted freeze is in force."""
+        was = bool(self.freezes)
         (self.freezes.add if on else self.freezes.discard)(holder)
         offload = getattr(self.engine, "offload", None)
-        if offload is not None:
-            offload.tables.frozen = bool(self.freezes)
+        if offload is None:
+            return
+        if self.freezes and not was:
+            self._take_bank()  # prefill copies its experts there from the grant on
+        self.bank_ready |= on  # a grant: the prefill that asked for it is past its warm-up
+        offload.tables.frozen = bool(self.freezes)
+        if was and not self.freezes and self.bank_ready and self.cfg.lend_arena:
+            offload.tables.lend()
+
+    def prefill_restarted(self) -> None:
+        """A (re)started prefill worker asks for the exports: what its predecessor held is released, and the
+        bank is taken back and kept until one of the new worker's freezes ends (its warm-up writes its arena,
+        unfrozen)."""
+        self.bank_ready = False
+        for rid in [*self.granted, *(ask.rid for ask in self.pending)]:
+            self.release(rid)
+        self._take_bank()
+
+    def _take_bank(self) -> None:
+        """With `lend_arena`: evict the cache from prefill's arena rows, the evictions landed before a grant
+        or the exports let prefill write them."""
+        offload = getattr(self.engine, "offload", None)
+        if not self.cfg.lend_arena or offload is None or not offload.tables.lent:
+            return
+        offload.tables.reclaim()
+        if offload.tables.device.type == "cuda":
+            torch.cuda.synchronize(offload.tables.device)
 
     # -- stepping -------------------------------------------------------------------------------------------
 

@@ -65,13 +65,14 @@ def decode_exports(core: DecodeCore) -> Exports:
     for key, t in core.pool.named_tensors().items():
         tensors[f"state.{key}"] = ipc.export_tensor(t)
     tensors.update(_table_exports(model))
-    fmt = experts.fmt.name if isinstance(experts, OffloadedExperts) else ""
+    offloaded = isinstance(experts, OffloadedExperts)
     return Exports(
         epoch=os.getpid(),
         tensors=tensors,
         page_size=core.pool.page_size,
         max_context=core.runner.max_context,
-        expert_format=fmt,
+        expert_format=experts.fmt.name if offloaded else "",
+        arena_row=int(experts.tables.bank[0]) if offloaded and core.cfg.lend_arena else -1,
     )
 
 
@@ -119,7 +120,8 @@ def host_allocator(nbytes: int) -> torch.Tensor:
 
 
 def _prefill_experts(cfg: WorkerConfig, mcfg, exports: Exports, imported: dict[str, torch.Tensor]):
-    """Prefill's provider over decode's expert store and (frozen) cache: an arena of its own."""
+    """Prefill's provider over decode's expert store and (frozen) cache: an arena of its own, or with
+    `--lend-arena` rows of decode's pool (`Exports.arena_row`)."""
     layers = sorted(mcfg.moe_layers)
     fmt = get_format(exports.expert_format)
     if "experts.store" in imported:
@@ -140,6 +142,7 @@ def _prefill_experts(cfg: WorkerConfig, mcfg, exports: Exports, imported: dict[s
         cfg.device,
         DTYPES[cfg.dtype],
         shared_cache=(pool, imported["cache.slot_of"]),
+        arena_row=exports.arena_row if exports.arena_row >= 0 else None,
     )
 
 

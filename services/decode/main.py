@@ -44,8 +44,7 @@ def handle(core: DecodeCore, shell: WorkerShell, msg: Message, exports) -> None:
         core.set_freeze(msg.holder, False)
         send_grants(core, shell)  # a thawed cache can give lent pages back
     elif isinstance(msg, WantExports):  # a (re)started prefill: what its predecessor held is lost
-        for rid in [*core.granted, *(ask.rid for ask in core.pending)]:
-            core.release(rid)
+        core.prefill_restarted()
         shell.send("prefill", exports)
     else:
         log.warning("unexpected %s", type(msg).__name__)
@@ -84,7 +83,8 @@ def report_plan(core: DecodeCore, shell: WorkerShell) -> None:
     device = torch.device(core.cfg.device)
     if device.type == "cuda":
         held = torch.cuda.memory_allocated(device)
-        planned = plan.weights + plan.kv + plan.expert_cache + plan.arena // plan.processes
+        arena = plan.arena if core.cfg.lend_arena else plan.arena // plan.processes  # --lend-arena: all of it
+        planned = plan.weights + plan.kv + plan.expert_cache + arena
         log.info("decode holds %s; the plan gives its pools %s", format_bytes(held), format_bytes(planned))
 
 

@@ -231,6 +231,14 @@ def test_serve_workers_split_the_budget() -> None:
     own += prefill_scratch + PROCESS_RESERVE
     assert serve.prefill_process == own + -(-own * 2 // 100)  # FRAGMENTATION = 2 %
     assert "allocator caps: decode" in format_plan(serve)
+    # --lend-arena: prefill's arena rows are decode's bank; the pools and the cache are as they were
+    lent = _plan(cfg, arch, 32 * GiB, **lanes, processes=2, lend_arena=True)
+    assert (lent.arena, lent.cache_slots) == (serve.arena, serve.cache_slots)
+    own = prefill_scratch + PROCESS_RESERVE
+    assert lent.prefill_process == own + -(-own * 2 // 100)
+    assert lent.process_budget("decode") + lent.process_budget("prefill") == lent.budget
+    assert lent.arena_lendable_slots == 1 + 2 * cfg.num_experts and serve.arena_lendable_slots == 0
+    assert f"--lend-arena: {1 + 2 * cfg.num_experts} more slots" in format_plan(lent)
     with pytest.raises(ValueError, match="no process"):
         serve.process_budget("router")
 

@@ -14,12 +14,19 @@ from common.sampling import SamplingParams
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--expert-cache", "0.25"], ["--expert-cache", "0.25", "--lend-kv"]],
-    ids=["resident", "offloaded", "lend-kv"],
+    [
+        [],
+        ["--expert-cache", "0.25"],
+        ["--expert-cache", "0.25", "--lend-kv"],
+        ["--expert-cache", "0.25", "--lend-arena"],
+    ],
+    ids=["resident", "offloaded", "lend-kv", "lend-arena"],
 )
 def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server, extra):
     """With --lend-kv decode's KV pool and expert pool are driver mappings (a 2 MiB chunk is 512 of this
-    model's pages: its 1,024 pages lend their upper half), which prefill imports through the fd server."""
+    model's pages: its 1,024 pages lend their upper half), which prefill imports through the fd server. With
+    --lend-arena prefill copies its experts into decode's pool (CUDA IPC), in rows decode's cache holds
+    between prefills (after the first: prefill's warm-up writes them)."""
     model = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
     server = start_server("--model", str(model), "--device", "cuda", "--max-running", "4", *extra)
     client = server.client()

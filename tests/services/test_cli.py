@@ -154,6 +154,18 @@ def test_plan_of_a_model_directory(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "not a number of bytes" in bad.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lend-arena"], "give --expert-cache"),
+        (["--lend-arena", "--lend-kv", "--expert-cache", "3"], "one of"),
+    ],
+)
+def test_serve_refuses_lending_that_cannot_hold(tmp_path: Path, flags: list[str], message: str) -> None:
+    result = _run(["serve", "--port", "1", *flags], tmp_path)
+    assert result.returncode == 2 and message in result.stderr and "started" not in result.stderr
+
+
 def test_serve_refuses_a_small_budget_before_starting(tmp_path: Path) -> None:
     result = _run(["serve", "--vram-budget", "100MiB", "--port", "1"], tmp_path)
     assert result.returncode == 2 and "too small" in result.stderr and "Traceback" not in result.stderr

@@ -290,6 +290,34 @@ def test_a_bad_model_directory_is_refused_before_starting(tmp_path):
     assert done.returncode == 2 and "config.json" in done.stderr
 
 
+def _ask(server, text: str) -> str:
+    """The tiny model's greedy 12-token reply to one user message."""
+    messages = [{"role": "user", "content": text}]
+    reply = server.client().chat.completions.create(
+        model="tiny-qwen3_moe", messages=messages, max_tokens=12, temperature=0
+    )
+    return reply.choices[0].message.content
+
+
+def _engine_replies(model_dir, texts, max_context: int | None = None) -> tuple[list[list[int]], list[str]]:
+    """What `_ask` should get: each text's chat prompt and the offline engine's greedy 12-token reply."""
+    engine = Engine(model_dir, dtype=torch.float32, max_seqs=1, max_context=max_context)
+    template = engine.tokenizer.apply_chat_template
+    chat = [template([{"role": "user", "content": t}], tokenize=True) for t in texts]
+    replies = engine.generate(chat, SamplingParams(temperature=0.0, max_tokens=12))
+    return chat, [engine.tokenizer.decode(r.token_ids) for r in replies]
+
+
+def _kill_and_restart(server, service: str) -> None:
+    """SIGKILL a worker and wait until the launcher's replacement serves."""
+    old = health(server.port)[1]["services"][service]["pid"]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while health(server.port)[0] != 503 and time.monotonic() < deadline:
+        pass
+    assert wait_healthy(server.port)["services"][service]["pid"] != old
+
+
 def test_lent_kv_pages_serve_the_same_tokens(start_server, tmp_path):
     """Decode lends its idle KV pages to the expert cache and exports the aliased pools to prefill, which
     maps them through the fd server; a long prompt takes pages back (stages of 16 pages here), and the
@@ -302,31 +330,34 @@ def test_lent_kv_pages_serve_the_same_tokens(start_server, tmp_path):
         "--metrics-port", str(metrics), env=env,
     )  # fmt: skip
     assert _gauge(_decode_metrics(metrics), "expert_cache_lent_bytes") > 0
-    engine = Engine(tmp_path / "models" / "tiny-qwen3_moe", dtype=torch.float32, max_seqs=1, max_context=1024)
     texts = ("Hi", "Tell me about experts and their caches, at length. " * 40)
-    prompts = [
-        engine.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True) for t in texts
-    ]
-    want = [
-        engine.tokenizer.decode(r.token_ids)
-        for r in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
-    ]
+    prompts, want = _engine_replies(tmp_path / "models" / "tiny-qwen3_moe", texts, max_context=1024)
     assert len(prompts[1]) > 256  # past the first stage: lent slots are taken back for it
-
-    def ask(text: str) -> str:
-        messages = [{"role": "user", "content": text}]
-        reply = server.client().chat.completions.create(
-            model="tiny-qwen3_moe", messages=messages, max_tokens=12, temperature=0
-        )
-        return reply.choices[0].message.content
-
-    assert [ask(t) for t in texts] == want
+    assert [_ask(server, t) for t in texts] == want
     assert _gauge(_decode_metrics(metrics), "expert_cache_lent_bytes") > 0
     for service in ("decode", "prefill"):
-        old = health(server.port)[1]["services"][service]["pid"]
-        os.kill(old, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while health(server.port)[0] != 503 and time.monotonic() < deadline:
-            pass
-        assert wait_healthy(server.port)["services"][service]["pid"] != old
-        assert [ask(t) for t in texts] == want, service
+        _kill_and_restart(server, service)
+        assert [_ask(server, t) for t in texts] == want, service
+
+
+def test_a_lent_arena_serves_the_same_tokens(start_server, tmp_path):
+    """--lend-arena: prefill's arena lives in decode's pool as the cache's bank, lent between prefills (not
+    before the first: the prefill worker's warm-up writes it), taken back for each prefill. The tokens are an
+    engine's that lends nothing, also after decode, then prefill, is killed and restarted."""
+    env = {"SPILLWAY_CACHE": str(tmp_path)}
+    metrics = free_port()
+    server = start_server(
+        "--threads", "1", "--max-running", "2", "--expert-cache", "3", "--lend-arena",
+        "--metrics-port", str(metrics), env=env,
+    )  # fmt: skip
+    assert _gauge(_decode_metrics(metrics), "expert_cache_lent_bytes") == 0
+    texts = ("Hi", "Tell me about experts and their caches. " * 4)
+    _, want = _engine_replies(tmp_path / "models" / "tiny-qwen3_moe", texts)
+    assert [_ask(server, t) for t in texts] == want
+    deadline = time.monotonic() + 10  # the gauges refresh once a second
+    while _gauge(_decode_metrics(metrics), "expert_cache_lent_bytes") == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _gauge(_decode_metrics(metrics), "expert_cache_lent_bytes") > 0
+    for service in ("decode", "prefill"):
+        _kill_and_restart(server, service)
+        assert [_ask(server, t) for t in texts] == want, service

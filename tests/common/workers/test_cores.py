@@ -40,6 +40,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
         ("qwen4_exp", "0.25", "host-embeddings"),  # prefill attaches decode's host embedding rows
         ("qwen4_exp", "0.25", "fp8-resident"),  # prefill maps decode's fp8 projections
         ("qwen3_moe", "0.25", "lend-kv"),  # idle KV pages lent to the cache; prefill maps both aliased
+        ("qwen4_exp", "0.25", "lend-arena"),  # prefill's arena in decode's pool, lent between prefills
     ],
     ids=[
         "qwen3-resident",
@@ -51,6 +52,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
         "qwen4-offloaded-host-embeddings",
         "qwen4-offloaded-fp8-resident",
         "qwen3-offloaded-lend-kv",
+        "qwen4-offloaded-lend-arena",
     ],
 )
 def cores(request, tmp_path_factory):
@@ -58,8 +60,8 @@ def cores(request, tmp_path_factory):
     kv_dtype = "fp8_e4m3" if dtype == "fp8-kv" else None
     on_host = dtype == "host-embeddings"
     resident = "fp8" if dtype == "fp8-resident" else None
-    lend_kv = dtype == "lend-kv"
-    dtype = "float32" if kv_dtype or on_host or resident or lend_kv else dtype
+    lend_kv, lend_arena = dtype == "lend-kv", dtype == "lend-arena"
+    dtype = "float32" if kv_dtype or on_host or resident or lend_kv or lend_arena else dtype
     if arch == "qwen3_moe":
         model_dir = default_model_dir()
     else:
@@ -76,6 +78,7 @@ def cores(request, tmp_path_factory):
         embeddings_on_host=on_host,
         resident_dtype=resident,
         lend_kv=lend_kv,
+        lend_arena=lend_arena,
     )
     dec = DecodeCore(cfg, shared_allocator, host_allocator)
     exports = decode(encode(decode_exports(dec)))
@@ -239,3 +242,39 @@ def test_a_lane_waits_for_lent_pages_while_prefill_reads_the_cache(cores):
     tokens += [t for e in rest["grow"] for t in e.token_ids]
     (want,) = load_engine(cfg).generate([prompt], greedy)
     assert tokens == want.token_ids and lending.limit == lending.stages[0]
+
+
+def test_prefills_take_the_lent_arena_back(cores):
+    """--lend-arena: prefill's arena is decode's bank (its rows in the pool prefill maps). The bank is lent
+    only after a freeze of the running prefill ended, taken back (its slots evicted) when a prefill is granted
+    its freeze, lent again at the thaw; a restarted prefill takes it back until its own first freeze ends.
+    Tokens stay the engine's (test_disaggregated_tokens_equal_offline_engine runs with it too)."""
+    cfg, dec, pre = cores
+    if not cfg.lend_arena:
+        pytest.skip("no arena lending")
+    tables, e = dec.engine.offload.tables, dec.engine.config.num_experts
+    arena = pre.runner.model.experts.arena
+    assert tables.bank.numel() == 1 + 2 * e and arena.bases == [int(tables.bank[1]), int(tables.bank[1 + e])]
+    pools = pre.runner.model.experts.pool, dec.engine.offload.pool  # prefill's is decode's, mapped
+    assert all(pools[0][name].shape == t.shape for name, t in pools[1].items())
+    dec.prefill_restarted()  # as a prefill worker's start
+    assert tables.lent == 0 and not dec.bank_ready
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    box = pre.submit(Generate("b0", PROMPTS[0], greedy, 0.0))
+    box = _deliver(dec, pre, box, {})  # AllocState → grant: the freeze begins, the bank is not lent
+    assert tables.frozen and tables.lent == 0 and dec.bank_ready
+    seen = _run(dec, pre, box)  # the thaw lends it; decode's steps then cache experts there
+    assert not tables.frozen and tables.lent == tables.bank.numel()
+    assert bool((tables.owner[tables.bank] >= 0).any())  # lent slots in use
+    box = pre.submit(Generate("b1", PROMPTS[2], greedy, 0.0))
+    box = _deliver(dec, pre, box, {})
+    assert tables.frozen and tables.lent == 0 and bool((tables.owner[tables.bank] < 0).all())
+    tables.check()
+    seen |= _run(dec, pre, box)
+    assert tables.lent == tables.bank.numel()
+    tables.check()
+    want = load_engine(cfg).generate([PROMPTS[0], PROMPTS[2]], greedy)
+    for rid, ref in zip(("b0", "b1"), want, strict=True):
+        assert [t for ev in seen[rid] for t in ev.token_ids] == ref.token_ids
+    dec.prefill_restarted()
+    assert tables.lent == 0 and not dec.bank_ready
