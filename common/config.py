@@ -239,7 +239,8 @@ class MemoryPlan:
     0 with one process."""
     arena_lendable_slots: int = 0
     """With serve's `--lend-arena`, the slots prefill's arena adds to decode's cache between prefills (a
-    spare row and two buffers of E rows: `prefill_arena_rows`); 0 without it or with one process."""
+    spare row and two buffers of E rows: `prefill_arena_rows`, within the experts not cached); 0 without it
+    or with one process."""
     kv_lendable_slots: int = 0
     """With `--lend-kv`, the most slots the KV pool's idle pages add to the cache: its paged state past the
     first lending stage (an eighth, common/kv/lending.py) in whole slots, within the experts not cached."""

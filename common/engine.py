@@ -93,8 +93,8 @@ class Engine:
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
             raise ValueError("lending the arena does not combine with speculative decoding")
-        if prefill_bank and (lend_kv or lend_arena):  # each lends the tables' one bank
-            raise ValueError("lending prefill's arena does not combine with --lend-kv")
+        if prefill_bank and (lend_kv or lend_arena):  # each lends the tables' bank
+            raise ValueError("lending prefill's arena does not combine with lending KV pages or an own arena")
         if prefill_bank and expert_cache is None and not is_artifact(model_dir):
             raise ValueError("lending prefill's arena needs an expert cache (--expert-cache, --vram-budget)")
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host

@@ -401,7 +401,9 @@ def plan_memory(
         dtype=str(dtype).removeprefix("torch."),
         processes=processes,
         prefill_process=own + math.ceil(FRAGMENTATION * own),
-        arena_lendable_slots=prefill_arena_rows(experts) if lend_arena and processes > 1 else 0,
+        arena_lendable_slots=(
+            min(prefill_arena_rows(experts), layers * experts - slots) if lend_arena and processes > 1 else 0
+        ),
         kv_lendable_slots=min(layers * experts - slots, paged * (STAGES - 1) // STAGES // eb),
     )
 

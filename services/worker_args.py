@@ -132,6 +132,14 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
     )
 
 
+def parsed_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> WorkerConfig:
+    """A worker's config from its flags; flags that cannot hold end the process as argparse does (exit 2)."""
+    try:
+        return worker_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def _check_lending(args: argparse.Namespace, model_dir: str | None) -> None:
     """Both lending flags lend the cache tables' one bank, and both need an expert cache."""
     from common.experts.artifact import is_artifact

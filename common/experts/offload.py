@@ -259,8 +259,10 @@ class OffloadedExperts(ExpertProvider):
         if kv_lending is not None and (lend_arena or shared_cache is not None):
             raise ValueError("KV lending does not combine with lending the arena or a shared cache")
         if arena_row is not None:
-            if shared_cache is None:
-                raise ValueError("an arena in another provider's pool needs that pool (shared_cache)")
+            rows = next(iter(shared_cache[0].values())).shape[0] if shared_cache is not None else 0
+            need = prefill_arena_rows(e)
+            if arena_row < 0 or arena_row + need > rows:
+                raise ValueError(f"an arena of {need} rows from row {arena_row} overruns a pool of {rows}")
             self.pool, spare = shared_cache[0], arena_row
             bases = [arena_row + 1, arena_row + 1 + e]
         else:

@@ -119,8 +119,17 @@ class PrefillCore:
             return self._ask()
         if self.job is not None and self.job.gen.rid == rid:
             self.job = None
+            self._settle()
             return [("decode", Thaw(rid)), ("decode", ReleaseState(rid)), *self._ask()]
         return []
+
+    def _settle(self) -> None:
+        """Wait for this worker's queued GPU work before a Thaw or a release: decode may then lend the arena's
+        rows (--lend-arena) or the pages to others, which copies or kernels still queued would write. (A
+        finished prompt's sampling has synchronised already.) A sticky CUDA error raises here: the worker
+        ends, and its successor's WantExports gives everything back."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
 
     def fail_all(self, error: str) -> Outgoing:
         """Every request this worker holds ends with an error (decode restarted: their state is gone)."""
@@ -147,7 +156,11 @@ class PrefillCore:
         if job.done < len(prompt):
             return []
         self.job = None
-        return self._finish(job, logits)
+        try:
+            return self._finish(job, logits)
+        except Exception:
+            self.job = job  # the worker's failure path aborts it: its freeze and pages go back
+            raise
 
     def _finish(self, job: PrefillJob, logits: torch.Tensor) -> Outgoing:
         gen = job.gen

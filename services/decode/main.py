@@ -21,7 +21,7 @@ from common.protocol import (
 )
 from common.workers.decode import DecodeCore
 from common.workers.sharing import decode_exports, host_allocator, shared_allocator
-from services.worker_args import add_worker_args, worker_config
+from services.worker_args import add_worker_args, parsed_config
 from services.worker_loop import WorkerShell
 
 log = logging.getLogger("decode")
@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spillway-decode", description=__doc__)
     add_worker_args(parser)
     args = parser.parse_args(argv)
+    cfg = parsed_config(parser, args)
     outboxes = {"router": args.router, "prefill": args.peer}
     shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port)
-    cfg = worker_config(args)
     try:
         plan = cap_worker(cfg, "decode")  # the budget is a hard cap: decode's part of it
         core = DecodeCore(cfg, shared_allocator, host_allocator)

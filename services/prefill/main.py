@@ -10,7 +10,7 @@ from common.memory_plan import cap_worker
 from common.protocol import Abort, Exports, Generate, Message, StateGranted, Tokens, WantExports
 from common.workers.prefill import Outgoing, PrefillCore
 from common.workers.sharing import prefill_model
-from services.worker_args import add_worker_args, worker_config
+from services.worker_args import add_worker_args, parsed_config
 from services.worker_loop import WorkerShell
 
 log = logging.getLogger("prefill")
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spillway-prefill", description=__doc__)
     add_worker_args(parser)
     args = parser.parse_args(argv)
+    cfg = parsed_config(parser, args)
     outboxes = {"router": args.router, "decode": args.peer}
     shell = WorkerShell("prefill", args.inbox, outboxes, args.threads, args.metrics_port)
-    cfg = worker_config(args)
     cap_worker(cfg, "prefill")  # before CUDA starts: expandable segments, then prefill's part of the budget
     worker = PrefillWorker(shell, cfg)
     shell.send("decode", WantExports(shell.pid))

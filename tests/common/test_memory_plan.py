@@ -239,6 +239,8 @@ def test_serve_workers_split_the_budget() -> None:
     assert lent.process_budget("decode") + lent.process_budget("prefill") == lent.budget
     assert lent.arena_lendable_slots == 1 + 2 * cfg.num_experts and serve.arena_lendable_slots == 0
     assert f"--lend-arena: {1 + 2 * cfg.num_experts} more slots" in format_plan(lent)
+    roomy = _plan(cfg, arch, 1024 * GiB, **lanes, processes=2, lend_arena=True)  # every expert cached
+    assert roomy.all_experts_fit and roomy.arena_lendable_slots == 0
     with pytest.raises(ValueError, match="no process"):
         serve.process_budget("router")
 

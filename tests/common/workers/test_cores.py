@@ -278,3 +278,29 @@ def test_prefills_take_the_lent_arena_back(cores):
         assert [t for ev in seen[rid] for t in ev.token_ids] == ref.token_ids
     dec.prefill_restarted()
     assert tables.lent == 0 and not dec.bank_ready
+
+
+def test_a_prefill_that_fails_in_its_last_step_gives_everything_back(cores):
+    """A failure while the first token is sampled leaves the job in place, so the worker's failure path
+    (abort) sends the Thaw and the release: decode's freeze ends (and, with --lend-arena, the bank is lent
+    again) instead of staying frozen for good."""
+    cfg, dec, pre = cores
+    if not cfg.lend_arena:
+        pytest.skip("one case is enough: the path is the same for every config")
+    box = pre.submit(Generate("x", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2), 0.0))
+    box = _deliver(dec, pre, _deliver(dec, pre, box, {}), {})  # granted, the job started
+    assert "x" in dec.freezes and pre.busy
+
+    def fail(job, logits):
+        raise RuntimeError("sampling failed")
+
+    pre._finish = fail
+    try:
+        with pytest.raises(RuntimeError, match="sampling failed"):
+            while True:
+                pre.step()
+    finally:
+        del pre._finish
+    assert pre.busy and pre.job.gen.rid == "x"
+    _run(dec, pre, pre.abort("x"))
+    assert not dec.freezes and not dec.granted and dec.engine.offload.tables.lent > 0
