@@ -100,8 +100,9 @@ class PrefillCore:
         if msg.rid in self.dropped:
             self.dropped.discard(msg.rid)
             return [("decode", ReleaseState(msg.rid))] if msg.slot >= 0 else []
-        if self.asked is None or self.asked.rid != msg.rid:
-            return []
+        if self.asked is None or self.asked.rid != msg.rid:  # not asked by this core (decode restarted and
+            # granted what the core before it asked): give it back, or its freeze would hold for good
+            return [("decode", ReleaseState(msg.rid))] if msg.slot >= 0 else []
         gen, self.asked = self.asked, None
         if msg.slot < 0:
             return [("router", Tokens(gen.rid, [], "error", error=msg.error)), *self._ask()]

@@ -304,3 +304,17 @@ def test_a_prefill_that_fails_in_its_last_step_gives_everything_back(cores):
     assert pre.busy and pre.job.gen.rid == "x"
     _run(dec, pre, pre.abort("x"))
     assert not dec.freezes and not dec.granted and dec.engine.offload.tables.lent > 0
+
+
+def test_a_grant_this_prefill_did_not_ask_for_is_given_back(cores):
+    """After a decode restart, the new decode may grant what the previous prefill core asked for: the core
+    gives it back, so the freeze that came with the grant ends (and, with --lend-arena, the bank is lent)."""
+    cfg, dec, pre = cores
+    if not cfg.lend_arena:
+        pytest.skip("one case is enough: the path is the same for every config")
+    (grant,) = dec.alloc_state(AllocState("stale", 5))
+    assert "stale" in dec.freezes
+    out = pre.granted(decode(encode(grant)))
+    assert [type(m) for _, m in out] == [ReleaseState]
+    _run(dec, pre, out)
+    assert not dec.freezes and not dec.granted and dec.pool.pages.num_free == dec.pool.num_pages
