@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK
+from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, check_lending
 from common.experts.artifact import is_artifact, open_store
 from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
@@ -93,10 +93,7 @@ class Engine:
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
             raise ValueError("lending the arena does not combine with speculative decoding")
-        if prefill_bank and (lend_kv or lend_arena):  # each lends the tables' bank
-            raise ValueError("lending prefill's arena does not combine with lending KV pages or an own arena")
-        if prefill_bank and expert_cache is None and not is_artifact(model_dir):
-            raise ValueError("lending prefill's arena needs an expert cache (--expert-cache, --vram-budget)")
+        check_lending(str(model_dir), expert_cache is not None, lend_kv, lend_arena, prefill_bank)
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
         fused_kernels = fused_by_default(fused_kernels, device)
         self.model = load_model(
@@ -113,8 +110,6 @@ class Engine:
         context = min(self.config.max_position, max_context or 4096)
         lending = None
         if lend_kv:
-            if expert_cache is None and not is_artifact(model_dir):
-                raise ValueError("lending the KV pool needs an expert cache (--expert-cache)")
             specs, pages = state_layout(self.model, max_seqs, context, page_size, kv_dtype)
             lending = KvLending(specs, pages, page_size, device)
         self.kv_lending = lending

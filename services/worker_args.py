@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, WorkerConfig
+from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, WorkerConfig, check_lending
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
 
 
@@ -108,7 +108,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> WorkerConfig:
     """The WorkerConfig the flags of add_config_args give (`model_dir` in place of a missing --model);
     ValueError for lending flags that cannot hold."""
-    _check_lending(args, model_dir or args.model)
+    cached = args.expert_cache is not None or args.vram_budget is not None  # a budget implies a cache
+    check_lending(str(model_dir or args.model), cached, args.lend_kv, prefill_bank=args.lend_arena)
     return WorkerConfig(
         model_dir=model_dir or args.model,
         device=args.device,
@@ -138,18 +139,6 @@ def parsed_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         return worker_config(args)
     except ValueError as exc:
         parser.error(str(exc))
-
-
-def _check_lending(args: argparse.Namespace, model_dir: str | None) -> None:
-    """Both lending flags lend the cache tables' one bank, and both need an expert cache."""
-    from common.experts.artifact import is_artifact
-
-    if args.lend_arena and args.lend_kv:
-        raise ValueError("--lend-arena and --lend-kv lend the same bank of the cache: give one of them")
-    cached = args.expert_cache is not None or args.vram_budget is not None
-    if (args.lend_arena or args.lend_kv) and not cached and not (model_dir and is_artifact(model_dir)):
-        flag = "--lend-arena" if args.lend_arena else "--lend-kv"
-        raise ValueError(f"{flag} lends to the expert cache: give --expert-cache or --vram-budget")
 
 
 def config_argv(cfg: WorkerConfig) -> list[str]:

@@ -209,7 +209,8 @@ class CacheTables:
         """Between steps: take bank slots back (`slots`, default the whole bank) from whichever layers hold
         them now, evicting their experts, before their memory is used for something else. A layer left with
         no slot (rebalancing may have given its own away while it held lent ones) gets one back from the
-        layer with the most."""
+        layer with the most. With `readers`, the evictions have landed on the device when it returns: another
+        process may read the tables, or write the slots' memory, as soon as it is told."""
         if not self.lent:
             return
         take = self.bank if slots is None else slots.to(self.device)
@@ -239,6 +240,8 @@ class CacheTables:
                 _, key = self._give_order(donor, donor_slots)
                 if self._capacities[donor] > 1 and int(key.min()) < _KEY_MAX:
                     self._move(donor, layer, donor_slots[key.argmin()].reshape(1))
+        if self.readers and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def pin(self, layer: int, experts: Sequence[int]) -> None:
         """Load-time: give `experts` of `layer` slots that are never evicted (they must still be filled)."""

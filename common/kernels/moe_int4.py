@@ -244,7 +244,26 @@ def moe_int4_decode(
     act = torch.empty((t * k, inter), dtype=torch.float32, device=x.device)
     partial = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
-    _launch(c, x, rows, row_of, weights, pool, act, partial, k, before_gate_up, before_down)
+    knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
+    knobs["LOOKUP"] = row_of is not None
+    row_of = rows if row_of is None else row_of  # (unread without LOOKUP)
+
+    if before_gate_up is not None:
+        before_gate_up()
+    groups = hidden // GROUP  # per kernel at most its groups' power of two: a step past them reads nothing
+    _gate_up_kernel[(t * k, inter // c.block)](
+        x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
+        hidden, inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)),
+        BLOCK=c.block, **knobs,
+    )  # fmt: skip
+    if before_down is not None:
+        before_down()
+    groups, down_block = inter // GROUP, c.down_block or c.block
+    _down_kernel[(t * k, hidden // down_block)](
+        act, rows, row_of, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
+        hidden, inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)),
+        BLOCK=down_block, **knobs,
+    )  # fmt: skip
     out = torch.empty_like(x)
     gated = shared_gate is not None
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](
@@ -253,40 +272,6 @@ def moe_int4_decode(
         BLOCK=1024,
     )  # fmt: skip
     return out
-
-
-Hook = Callable[[], None] | None
-
-
-def _wait(hook: Hook) -> None:
-    if hook is not None:
-        hook()
-
-
-def _launch(
-    c: DecodeConfig, x: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, weights: torch.Tensor,
-    pool: dict[str, torch.Tensor], act: torch.Tensor, partial: torch.Tensor, k: int, before_gate_up: Hook,
-    before_down: Hook,
-) -> None:  # fmt: skip
-    """gate_up's kernel (x, rows → act [P, I]), then down's (act → partial [P, H]), each after its wait."""
-    (pairs, inter), hidden = act.shape, x.shape[1]
-    knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
-    knobs["LOOKUP"] = row_of is not None
-    row_of = rows if row_of is None else row_of
-    _wait(before_gate_up)
-    groups = hidden // GROUP  # per kernel at most its groups' power of two: a step past them reads nothing
-    _gate_up_kernel[(pairs, inter // c.block)](
-        x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
-        hidden, inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)),
-        BLOCK=c.block, **knobs,
-    )  # fmt: skip
-    _wait(before_down)
-    groups, down_block = inter // GROUP, c.down_block or c.block
-    _down_kernel[(pairs, hidden // down_block)](
-        act, rows, row_of, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
-        hidden, inter, GROUPS=groups, GPB=min(c.groups_per_step, triton.next_power_of_2(groups)),
-        BLOCK=down_block, **knobs,
-    )  # fmt: skip
 
 
 # --- prefill: (token, choice) pairs grouped by expert, tiled GEMMs on tensor cores -------------------------

@@ -161,8 +161,6 @@ class KvLending:
         if needed <= self.limit or (self.tables.frozen and self.tables.readers):
             return
         self.tables.reclaim(self._slots((self.first_page >= self.limit) & (self.first_page < new)))
-        if self.tables.device.type == "cuda":  # the evictions land before a grant lets another process read
-            torch.cuda.synchronize(self.tables.device)
         self.pool.pages.limit = new
         self.raises += 1
 

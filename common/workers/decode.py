@@ -205,14 +205,11 @@ class DecodeCore:
         self._take_bank()
 
     def _take_bank(self) -> None:
-        """With `lend_arena`: evict the cache from prefill's arena rows, the evictions landed before a grant
-        or the exports let prefill write them."""
+        """With `lend_arena`: evict the cache from prefill's arena rows (landed on the device before a grant
+        or the exports let prefill write them: the tables have readers)."""
         offload = getattr(self.engine, "offload", None)
-        if not self.cfg.lend_arena or offload is None or not offload.tables.lent:
-            return
-        offload.tables.reclaim()
-        if offload.tables.device.type == "cuda":
-            torch.cuda.synchronize(offload.tables.device)
+        if self.cfg.lend_arena and offload is not None:
+            offload.tables.reclaim()
 
     # -- stepping -------------------------------------------------------------------------------------------
 
