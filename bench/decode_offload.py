@@ -67,6 +67,14 @@ def main() -> None:
         "--resident-dtype", choices=["fp8"], default=None, help="token mixers' projections in fp8"
     )
     ap.add_argument(
+        "--lookahead", type=int, default=0,
+        help="each MoE layer guesses the next one's top-N experts a token and copies them ahead (0: off)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--routing", choices=["synthetic-zipf", "model"], default="synthetic-zipf",
+        help="the trace replay (the benchmark's), or the random-weight routers' own choices",
+    )  # fmt: skip
+    ap.add_argument(
         "--ablate", action="store_true",
         help="then decode again from the prompt with each decode kernel switched alone (DECODE_SWITCHES): "
         "decode-N-ablate.json (one more lane's state held: slots a little fewer than the plain run's)",
@@ -95,6 +103,8 @@ def main() -> None:
         embeddings_on_host=args.embeddings_on_host,
         resident_dtype=args.resident_dtype,
         lend_kv=args.lend_kv,
+        lookahead=args.lookahead,
+        routing=args.routing,
     )  # fmt: skip  (the default context: + 16 + 8 for the profiled steps)
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
     pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s
@@ -125,7 +135,7 @@ def main() -> None:
     used = (run["hits"] + run["misses"]) / steps * store.expert_bytes  # experts read per step
     if args.all_fit:  # nothing is resolved, so nothing counted: each layer reads its lanes' experts
         used = len(cfg.moe_layers) * min(cfg.num_experts, args.lanes * cfg.top_k) * store.expert_bytes
-    h2d = (run["cache_bytes"] + run["bypasses"] * store.expert_bytes) / steps
+    h2d = (run["cache_bytes"] + run["prefetch_bytes"] + run["bypasses"] * store.expert_bytes) / steps
     t_limit = max(h2d / (pcie * 1e9), (resident + used) / (hbm * 1e9))  # per step
     step_s = run["seconds"] / steps
     result = {
@@ -139,7 +149,11 @@ def main() -> None:
         "hit_rate": 1.0 if args.all_fit else run["hits"] / max(run["hits"] + run["misses"], 1),
         "misses_per_token": run["misses"] / steps / args.lanes,
         "bypasses_per_token": run["bypasses"] / steps / args.lanes,
-        "h2d_bytes_per_token": h2d / args.lanes,
+        "h2d_bytes_per_token": h2d / args.lanes,  # with --lookahead: its copies, used or not, too
+        "lookahead": args.lookahead,
+        "routing": args.routing,
+        "prefetches_per_token": run["prefetches"] / steps / args.lanes,
+        "prefetch_hits_per_token": run["prefetch_hits"] / steps / args.lanes,  # guesses a step then used
         "cache_slots": slots + provider.tables.lent,  # with --lend / --lend-kv: the lent slots too
         "lent_slots": provider.tables.lent,
         "max_context": args.max_context,
@@ -164,6 +178,8 @@ def main() -> None:
     name += "-lend-kv" if args.lend_kv else ""
     name += "-host-embeddings" if args.embeddings_on_host else ""
     name += f"-resident-{args.resident_dtype}" if args.resident_dtype else ""
+    name += "-routing-model" if args.routing == "model" else ""
+    name += f"-lookahead-{args.lookahead}" if args.lookahead else ""
     name += ("" if args.fused else "-torch-ops") + ("-eager" if args.eager else "")  # a variant: its own file
     if args.ablate:
         for s in seqs:  # their slots go to the ablations' lanes
@@ -240,7 +256,8 @@ def decode(runner: ModelRunner, provider, seqs: list, tokens: list[int], steps: 
 
 def _counts(provider) -> dict:
     counters = {k: int(v.sum()) for k, v in provider.tables.counters.items()}
-    return counters | {"cache_bytes": sum(provider.traffic().cache_bytes)}
+    traffic = provider.traffic()
+    return counters | {"cache_bytes": sum(traffic.cache_bytes), "prefetch_bytes": sum(traffic.prefetch_bytes)}
 
 
 if __name__ == "__main__":

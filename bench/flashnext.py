@@ -24,6 +24,7 @@ from common.model.fp8_linear import to_resident_dtype
 from common.model.hf_config import parse_architecture
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import build_model
+from common.model.moe import install_lookahead
 from common.model.synthetic import model_config, synthetic_tensors
 from common.runner import ModelRunner, state_layout
 
@@ -45,7 +46,8 @@ class Flashnext:
     pcie_gbps: float
     hbm_gbps: float
     build_s: float
-    replayer: RoutingReplayer
+    replayer: RoutingReplayer | None
+    """The synthetic-zipf replay (None: the model's own routers choose)."""
     aliased_bytes: int = 0
     """Device memory made outside the caching allocator (KV lending's pools): not in memory_reserved."""
 
@@ -86,6 +88,8 @@ def build_flashnext(
     embeddings_on_host: bool = False,
     resident_dtype: str | None = None,
     lend_kv: bool = False,
+    lookahead: int = 0,
+    routing: str = "synthetic-zipf",
 ) -> Flashnext:
     """Measure PCIe and HBM, then build flashnext cut to `layers` for `lanes` × `context` tokens, its cache
     the slots the memory plan gives `budget_gib` (one process; a prefill of `prefill_chunk` tokens in
@@ -93,7 +97,9 @@ def build_flashnext(
     every expert with `all_fit`, loaded up front; `lend`: the arena's second buffer serves as E more slots
     between prefills; `embeddings_on_host`: the token embedding in host memory, its bytes to the cache;
     `resident_dtype` "fp8": the token mixers' projections in fp8; `lend_kv`: the KV pool's idle pages serve
-    as cache slots (common/kv/lending.py; the allocator's cap is the budget less that memory).
+    as cache slots (common/kv/lending.py; the allocator's cap is the budget less that memory);
+    `lookahead`: each MoE layer guesses the next one's top-n experts a token and copies them in ahead
+    (`install_lookahead`); `routing` "model": the random-weight routers choose, no replay.
     The allocator is capped at the budget (`cap_allocator`: a plan that undercounts fails as out-of-memory,
     not as a quiet overrun), and the benchmark reports max_memory_reserved beside it."""
     hf = model_config(
@@ -151,9 +157,12 @@ def build_flashnext(
     if all_fit:
         provider.load_all()
     use_fused_kernels(model, fused, runner.backend)
-    trace = f"synthetic-zipf:tokens={trace_tokens},seed=0"
-    replayer = replayer_for(trace, list(cfg.moe_layers), cfg.num_experts, cfg.top_k)
-    install_routing_hook(model, replayer)
+    install_lookahead(model, lookahead, cfg.num_layers)
+    replayer = None
+    if routing == "synthetic-zipf":
+        trace = f"synthetic-zipf:tokens={trace_tokens},seed=0"
+        replayer = replayer_for(trace, list(cfg.moe_layers), cfg.num_experts, cfg.top_k)
+        install_routing_hook(model, replayer)
     progress(f"flashnext built: {slots} cache slots")
     aliased = lending.memory.total_bytes if lending is not None else 0
     return Flashnext(
@@ -174,4 +183,5 @@ def warm_prefill(flash: Flashnext, lengths: set[int]) -> None:
             runner.forward([seq], [tokens])
             runner.release(seq)
     torch.cuda.synchronize()
-    flash.replayer.rewind()
+    if flash.replayer is not None:
+        flash.replayer.rewind()

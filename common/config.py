@@ -201,6 +201,9 @@ class WorkerConfig:
     """Prefill's arena (a spare row and two buffers of E experts) lives in decode's expert pool, as the cache
     tables' bank: decode lends it to the cache between prefills and takes it back when it grants a prefill
     its freeze; prefill copies its experts there, through the pool it maps anyway."""
+    lookahead: int = 0
+    """Decode: each MoE layer guesses the next one's top-`lookahead` experts a token (that layer's router on
+    this layer's input) and copies the uncached ones into slots while it computes (0: off)."""
 
 
 @dataclass(frozen=True)

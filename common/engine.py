@@ -20,6 +20,7 @@ from common.kv.state import Allocator, SequenceState
 from common.model.fp8_linear import to_resident_dtype
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
+from common.model.moe import install_lookahead
 from common.requests import Request, append_token, sample_next
 from common.runner import ModelRunner, state_layout
 from common.sampling import SamplingParams
@@ -69,6 +70,7 @@ class Engine:
         resident_dtype: str | None = None,
         lend_kv: bool = False,
         prefill_bank: bool = False,
+        lookahead: int = 0,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass,
@@ -88,7 +90,9 @@ class Engine:
         fp8 (common/model/fp8_linear.py; None: the model dtype); `lend_kv` lends the KV pool's idle pages
         to the expert cache as slots, taken back as contexts grow (common/kv/lending.py); `prefill_bank` (a
         serving decode worker's) adds a bank of 1 + 2E slots that a prefill worker uses as its arena, lent to
-        the cache between prefills by the worker (`DecodeCore`)."""
+        the cache between prefills by the worker (`DecodeCore`); `lookahead` (with an expert cache): each MoE
+        layer guesses the next one's top-n experts a token and copies them in ahead (`install_lookahead`;
+        0: off)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
@@ -126,6 +130,9 @@ class Engine:
                 arena_buffers, lend_arena, lending, prefill_bank,
             )  # fmt: skip
         cfg, layers = self.config, list(self.config.moe_layers)
+        if lookahead and expert_cache is None and not is_artifact(model_dir):
+            raise ValueError("lookahead guesses which experts to copy in: it needs an expert cache")
+        install_lookahead(self.model, lookahead, cfg.num_layers)
         self.routing_recorder = RoutingRecorder(layers, cfg.num_experts) if record_routing else None
         if replay_routing is not None:
             install_routing_hook(self.model, replayer_for(replay_routing, layers, cfg.num_experts, cfg.top_k))

@@ -12,6 +12,7 @@ from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
 from services.worker_args import (
     add_config_args,
     add_fused_kernels_arg,
+    add_lookahead_arg,
     add_placement_args,
     add_prefill_args,
     size_arg,
@@ -67,6 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
         embeddings_on_host=args.embeddings_on_host,
         lend_arena=args.lend_arena,
         resident_dtype=args.resident_dtype,
+        lookahead=args.lookahead,
     )
     tok = engine.tokenizer
     if args.chat is not None:
@@ -347,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="lend the prefill arena's second buffer to the expert cache between prefills (E more slots)",
     )
+    add_lookahead_arg(gen)
     gen.add_argument(
         "--vram-budget",
         type=size_arg,

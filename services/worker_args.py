@@ -48,7 +48,20 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         action="store_true",
         help="hold prefill's arena in decode's expert pool, lent to the cache as 2E+1 slots between prefills",
     )
+    add_lookahead_arg(parser)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
+
+
+def add_lookahead_arg(parser: argparse.ArgumentParser) -> None:
+    """--lookahead N, for serve, its workers and generate."""
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        default=0,
+        metavar="N",
+        help="decode: each MoE layer guesses the next one's top-N experts a token from its own input and "
+        "copies the uncached ones in while it computes (0: off; bench/README.md has the measurements)",
+    )
 
 
 def add_prefill_args(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +123,8 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
     ValueError for lending flags that cannot hold."""
     cached = args.expert_cache is not None or args.vram_budget is not None  # a budget implies a cache
     check_lending(str(model_dir or args.model), cached, args.lend_kv, prefill_bank=args.lend_arena)
+    if args.lookahead < 0:
+        raise ValueError(f"--lookahead counts experts a token: {args.lookahead} is below 0")
     return WorkerConfig(
         model_dir=model_dir or args.model,
         device=args.device,
@@ -130,6 +145,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         resident_dtype=args.resident_dtype,
         lend_kv=args.lend_kv,
         lend_arena=args.lend_arena,
+        lookahead=args.lookahead,
     )
 
 
@@ -154,6 +170,7 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     argv += ["--embeddings-on-host"] if cfg.embeddings_on_host else []
     argv += ["--lend-kv"] if cfg.lend_kv else []
     argv += ["--lend-arena"] if cfg.lend_arena else []
+    argv += ["--lookahead", str(cfg.lookahead)] if cfg.lookahead else []
     argv += ["--resident-dtype", cfg.resident_dtype] if cfg.resident_dtype else []
     if cfg.fused_kernels is not None:
         argv += ["--fused-kernels" if cfg.fused_kernels else "--no-fused-kernels"]

@@ -113,7 +113,11 @@ class CacheTables:
         self.reuse = torch.zeros(num_layers, 2, dtype=torch.float32, device=device)
         self.observed = torch.zeros(num_layers, e, dtype=torch.bool, device=device)
         """The last prompt token `observe` counted, per layer (a prompt's own previous step)."""
-        counters = ("hits", "misses", "evictions", "bypasses")
+        self.predicted = torch.zeros(num_layers, e, dtype=torch.bool, device=device)
+        """The experts each layer's last `prefetch` was given."""
+        self.fetched = torch.zeros(s + 1, dtype=torch.bool, device=device)
+        """Slots `prefetch` filled that no step has used since (a hit on one counts as a prefetch hit)."""
+        counters = ("hits", "misses", "evictions", "bypasses", "prefetches", "prefetch_hits")
         self.counts = torch.zeros(len(counters), num_layers, dtype=torch.int64, device=device)
         self.counters = {n: self.counts[i] for i, n in enumerate(counters)}  # views, [L] each
         # Layer l's slots are slot_table[l, :capacity[l]], the rest of the row is the spare slot: a fixed
@@ -272,26 +276,9 @@ class CacheTables:
         miss = requested & (current < 0)
         hit_slot = torch.where(hit, current, spare)
         self._stamp(hit_slot, step)
-
-        # Victims: evictable slots of the layer, lowest key first (free slots first, unevictable last).
-        slots = self.slot_table[layer]  # [E]: the layer's C slots, then the spare as padding
-        owner = self.owner[slots]
-        in_use = torch.zeros(spare + 1, dtype=torch.bool, device=self.device)
-        in_use.index_fill_(0, hit_slot, True)
-        evictable = ~self.pinned[slots] & ~in_use[slots] & (slots < spare)  # the row's padding: never
-        key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, rate))
-        key = torch.where(evictable, key, _KEY_MAX)
-        pairs = min(max_new, e)
-        victim_key, victim_idx = torch.sort(key, stable=True)  # ties: the row's first slot first
-        victim_key, victim_idx = victim_key[:pairs], victim_idx[:pairs]  # [P]
-        victims = slots[victim_idx]
-        # Misses, most frequent first (ties: lower expert id): one int64 key per expert, unique, so a top-P
-        # gives the order a stable sort would (and costs less than sorting all E).
-        miss_key = (rate.view(torch.int32).to(torch.int64) << 16) + (e - 1 - self._expert_ids)  # rate ≥ 0
-        newcomer = torch.topk(torch.where(miss, miss_key, -1), pairs).indices  # [P] misses first
-        valid = miss[newcomer] & (victim_key < _KEY_MAX) & self.thawed
-        if self.policy == "lfu-admit":
-            valid &= self._admit(layer, rate, newcomer, self.owner[victims])
+        self.counters["prefetch_hits"][layer].add_(self.fetched[hit_slot].sum())  # fetched[spare]: False
+        self.fetched.index_fill_(0, hit_slot, False)
+        newcomer, victims, valid = self._pair_misses(layer, miss, hit_slot, rate, min(max_new, e))
         self._apply(layer, newcomer, victims, valid, step)
 
         slot = torch.where(requested, self.slot_of[layer, :e], -1)
@@ -308,6 +295,54 @@ class CacheTables:
         return Resolution(
             slot=slot, filled=filled, bypass=bypass, row=row, newcomer=newcomer, target=target, valid=need
         )
+
+    def _pair_misses(
+        self, layer: int, miss: torch.Tensor, in_use: torch.Tensor, rate: torch.Tensor, pairs: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The misses ([E] bool), most frequent first, each paired with a victim: the layer's evictable
+        slots (not pinned, not in `in_use` [N] slots), lowest key first (free slots first) → newcomer,
+        victims, valid [P] (valid: a miss with a victim the policy lets it take)."""
+        e, spare = self.num_experts, self.num_slots
+        slots = self.slot_table[layer]  # [E]: the layer's C slots, then the spare as padding
+        owner = self.owner[slots]
+        used = torch.zeros(spare + 1, dtype=torch.bool, device=self.device)
+        used.index_fill_(0, in_use, True)
+        evictable = ~self.pinned[slots] & ~used[slots] & (slots < spare)  # the row's padding: never
+        key = torch.where(owner < 0, _KEY_MIN, self._evict_key(owner, slots, rate))
+        key = torch.where(evictable, key, _KEY_MAX)
+        victim_key, victim_idx = torch.sort(key, stable=True)  # ties: the row's first slot first
+        victim_key, victim_idx = victim_key[:pairs], victim_idx[:pairs]  # [P]
+        victims = slots[victim_idx]
+        # Misses, most frequent first (ties: lower expert id): one int64 key per expert, unique, so a top-P
+        # gives the order a stable sort would (and costs less than sorting all E).
+        miss_key = (rate.view(torch.int32).to(torch.int64) << 16) + (e - 1 - self._expert_ids)  # rate ≥ 0
+        newcomer = torch.topk(torch.where(miss, miss_key, -1), pairs).indices  # [P] misses first
+        valid = miss[newcomer] & (victim_key < _KEY_MAX) & self.thawed
+        if self.policy == "lfu-admit":
+            valid &= self._admit(layer, rate, newcomer, self.owner[victims])
+        return newcomer, victims, valid
+
+    def prefetch(
+        self, layer: int, predicted: torch.Tensor, step: int | torch.Tensor, max_new: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Lookahead: give the experts a layer is predicted to request (`predicted` [E] bool) slots before
+        its step, as that step's misses would take them (the same victims and admission), without counting
+        requests or touching the recency of those already cached (a guess is not a use). Predicted experts
+        that are cached are not evicted for the others. At most `max_new` fills (the byte budget; fixes the
+        shapes) → the copy list newcomer, target, valid [P]: `pool[target[p]] ← host[newcomer[p]]` where
+        valid. A later `resolve` that hits a slot filled here counts a prefetch hit."""
+        e, spare = self.num_experts, self.num_slots
+        self.predicted[layer].copy_(predicted)
+        rate = self._rate(layer)
+        current = self.slot_of[layer, :e]  # [E]
+        held = torch.where(predicted & (current >= 0), current, spare)
+        absent = predicted & (current < 0)
+        newcomer, victims, valid = self._pair_misses(layer, absent, held, rate, min(max_new, e))
+        self._apply(layer, newcomer, victims, valid, step)
+        self.fetched.index_fill_(0, torch.where(valid, victims, spare), True)
+        self.fetched[spare].fill_(False)
+        self.counters["prefetches"][layer].add_(valid.sum())
+        return newcomer, torch.where(valid, victims, spare), valid
 
     def _stamp(self, slots: torch.Tensor, step: int | torch.Tensor) -> None:
         """last_use[slots] = step (index_fill_ would read a tensor step on the host: a sync)."""
@@ -419,6 +454,7 @@ class CacheTables:
         slot_of.index_fill_(0, torch.where(evicted, old, e), -1)
         target = torch.where(valid, victims, spare)
         self.owner.index_copy_(0, target, torch.where(valid, newcomer, -1))
+        self.fetched.index_fill_(0, target, False)
         slot_of.index_copy_(0, torch.where(valid, newcomer, e), torch.where(valid, victims, -1))
         self._stamp(target, step)
         self.owner[spare].fill_(-1)

@@ -51,7 +51,7 @@ from common.experts.store import HostExpertStore
 from common.kv.lending import KvLending
 from common.model.hf_config import read_json
 
-_FILLS, _BYPASSES, _ARENA, _LOADS = range(4)  # rows of the device counters of experts moved
+_FILLS, _BYPASSES, _ARENA, _LOADS, _PREFETCHES = range(5)  # rows of the device counters of experts moved
 
 
 @dataclass
@@ -66,6 +66,8 @@ class TrafficCounters:
     """Arena copy launches that moved at least one expert."""
     bypass_bytes: list[int]
     """Bypassed misses copied into a staging row (for one step)."""
+    prefetch_bytes: list[int]
+    """Experts copied into a cache slot ahead of their layer's step (`OffloadedExperts.lookahead`)."""
 
 
 def copy_experts(
@@ -271,7 +273,11 @@ class OffloadedExperts(ExpertProvider):
             bases = [tables.staging_base, second][:arena_buffers]
         self.copies = CopyStream(store, self.pool, spare, self.device)
         self.arena = PrefillArena(bases, e, self.device)
-        self._moved = torch.zeros(4, len(moe_layers), dtype=torch.int64, device=self.device)
+        self._moved = torch.zeros(5, len(moe_layers), dtype=torch.int64, device=self.device)
+        self._ahead = torch.cuda.Stream(self.device) if self.copies.side is not None else None
+        """Where a lookahead's prediction and table update run (beside the main stream's work)."""
+        self._ahead_done: torch.cuda.Event | None = None
+        """The last lookahead's table update, which the next resolution waits for."""
         self._fill_pinned()
         self.prefill = False
         self.observing = False
@@ -384,13 +390,14 @@ class OffloadedExperts(ExpertProvider):
 
     def traffic(self) -> TrafficCounters:
         """Bytes moved host → device so far, per MoE layer. Reads device counters (a sync): between steps."""
-        fills, bypasses, arena, loads = self._moved.tolist()
+        fills, bypasses, arena, loads, prefetches = self._moved.tolist()
         b = self.store.expert_bytes
         return TrafficCounters(
             cache_bytes=[n * b for n in fills],
             arena_bytes=[n * b for n in arena],
             arena_loads=loads,
             bypass_bytes=[n * b for n in bypasses],
+            prefetch_bytes=[n * b for n in prefetches],
         )
 
     def forward(
@@ -401,6 +408,7 @@ class OffloadedExperts(ExpertProvider):
     def prepare(self, layer: int, topk_ids: torch.Tensor) -> Prepared:
         """Resolve `layer`'s experts and launch their copies (on the side stream where there is one)."""
         i = self.index[layer]
+        self._join_lookahead()
         if self.all_resident:  # every expert in its slot: nothing to resolve or copy
             return Prepared(rows=self.tables.slot_of[i, : self.store.num_experts], done=None)
         if self.fused_resolve and not self.prefill:
@@ -416,6 +424,47 @@ class OffloadedExperts(ExpertProvider):
                 self.tables.observe(i, topk_ids)
             return self._prepare_arena(i, requested, topk_ids.numel())
         return self._prepare_cache(i, requested, topk_ids.numel())
+
+    def lookahead(self, layer: int, x: torch.Tensor, predict: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Decode passes: copy the experts `predict(x)` ([T, n] ids) guesses for MoE layer `layer` into slots
+        now, while the layers before it compute (`CacheTables.prefetch`: the victims its misses would take,
+        at most T·n of them). The guess and the table update run on a stream of their own, the copies on
+        the copy stream behind the misses already queued; the layer's `prepare` waits for the update, its
+        `compute` for the copies (queued before its own). Elsewhere it runs inline; prefill passes and an
+        all-resident cache skip it."""
+        if self.prefill or self.all_resident or self.shared_cache is not None:
+            return
+        i = self.index[layer]
+        self._join_lookahead()  # one update at a time
+        if self._ahead is None:
+            self._prefetch(i, predict(x))
+            return
+        self._ahead.wait_stream(torch.cuda.current_stream(self.device))  # fork: after the hidden state
+        x.record_stream(self._ahead)  # made on the main stream, read on this one
+        with torch.cuda.stream(self._ahead):
+            self._prefetch(i, predict(x))
+            self._ahead_done = torch.cuda.Event()
+            self._ahead_done.record(self._ahead)
+
+    def _prefetch(self, i: int, ids: torch.Tensor) -> None:
+        """Table update and copy launch of a lookahead for MoE layer index i, on the current stream."""
+        budget = ids.numel()
+        if self.fused_resolve:
+            from common.kernels.resolve import prefetch_step  # Triton
+
+            newcomer, target, valid = prefetch_step(self.tables, i, ids, self.step, self._moved, budget)
+        else:
+            predicted = torch.zeros(self.store.num_experts, dtype=torch.bool, device=ids.device)
+            predicted.index_fill_(0, ids.reshape(-1), True)
+            newcomer, target, valid = self.tables.prefetch(i, predicted, self.step, budget)
+            self._moved[_PREFETCHES, i].add_(valid.sum())
+        self.copies.launch(i, newcomer, target, valid)
+
+    def _join_lookahead(self) -> None:
+        """Make the current stream wait for the last lookahead's table update."""
+        if self._ahead_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ahead_done)
+            self._ahead_done = None
 
     def compute(
         self,

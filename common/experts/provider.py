@@ -8,6 +8,7 @@ call per layer. Providers differ in where expert weights live: all resident in m
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,12 @@ class ExpertProvider(ABC):
         copies, on a side stream) and return a handle for `compute`. A caller that runs other work between
         the two (the shared expert) overlaps it with that preparation. Default: nothing to prepare."""
         return None
+
+    def lookahead(  # noqa: B027  (a hook)
+        self, layer: int, x: torch.Tensor, predict: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """A guess at `layer`'s experts (`predict(x)` → ids [T, n], called only if wanted), made while earlier
+        layers compute: a provider that copies experts in may start on them. Default: ignored."""
 
     def compute(
         self,

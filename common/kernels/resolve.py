@@ -64,53 +64,32 @@ def _pick(vec, pos, values, count, PB: tl.constexpr, P: tl.constexpr, LARGEST: t
 
 
 @triton.jit
-def _resolve_kernel(
-    ids_ptr, n_ids, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
-    freq_ptr, absent_ptr, previous_ptr, reuse_ptr, counters_ptr, moved_ptr, thawed_ptr, step_ptr,
-    row_ptr, newcomer_ptr, target_ptr, valid_ptr,
-    layer, num_layers, decay_ptr, E, spare, staging_base, KEY_MIN, KEY_MAX,
-    POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr,
-):  # fmt: skip
-    e = tl.arange(0, BLOCK_E)
-    live_e = e < E
-    base = layer * E  # row of freq / absent / previous / slot_table
-    step = tl.load(step_ptr)
-    decay = tl.load(decay_ptr)  # fp32, as torch multiplies an fp32 tensor by a Python float
-
-    # Requests, then the statistics (CacheTables._count).
+def _requests(ids_ptr, n_ids, e, live_e, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """[BLOCK_E] bool: the experts among the n_ids ids."""
     req = e < 0  # all False
     for c in range(0, BLOCK_N, CHUNK):
         ids = tl.load(ids_ptr + c + tl.arange(0, CHUNK), mask=c + tl.arange(0, CHUNK) < n_ids, other=-1)
         req = req | (tl.max((e[:, None] == ids[None, :]).to(tl.int32), axis=1) > 0)
-    req = req & live_e
-    prev = (tl.load(previous_ptr + base + e, mask=live_e, other=0) != 0) & live_e
-    freq = tl.load(freq_ptr + base + e, mask=live_e, other=0.0) * decay + (req & ~prev).to(tl.float32)
-    absent = tl.load(absent_ptr + base + e, mask=live_e, other=0.0) * decay + (~prev & live_e).to(tl.float32)
-    tl.store(freq_ptr + base + e, freq, mask=live_e)
-    tl.store(absent_ptr + base + e, absent, mask=live_e)
-    tl.store(previous_ptr + base + e, req, mask=live_e)
-    again = tl.sum((req & prev).to(tl.float32), axis=0)
-    seen = tl.sum(prev.to(tl.float32), axis=0)
-    reuse_hits = tl.load(reuse_ptr + 2 * layer) * decay + again
-    reuse_seen = tl.load(reuse_ptr + 2 * layer + 1) * decay + seen
-    tl.store(reuse_ptr + 2 * layer, reuse_hits)
-    tl.store(reuse_ptr + 2 * layer + 1, reuse_seen)
-    rate = tl.math.div_rn(freq, tl.maximum(absent, 1.0))  # [E]
+    return req & live_e
 
-    # Hits and misses; hits are stamped.
-    current = tl.load(slot_of_ptr + layer * (E + 1) + e, mask=live_e, other=-1)
-    hit = req & (current >= 0)
-    miss = req & (current < 0)
-    tl.store(last_use_ptr + current, step, mask=hit)
-    tl.debug_barrier()
+
+@triton.jit
+def _pair_and_apply(
+    miss, rate, reuse, asked_ptr, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
+    freq_ptr, absent_ptr, counters_ptr, thawed_ptr, fetched_ptr, step,
+    e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX,
+    POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, FETCHED: tl.constexpr,
+):  # fmt: skip
+    """CacheTables._pair_misses then _apply: the misses (most frequent first) paired with victims, the layer's
+    evictable slots whose expert is not in asked_ptr's row (the step's requests), applied; `fetched` set to
+    FETCHED on the filled slots → (newcomer, victims, valid, is_miss) [PB]."""
     misses = tl.minimum(tl.sum(miss.to(tl.int32), axis=0), P)  # newcomers, and the victims they need
 
     # Victims: the row's evictable slots, lowest key first.
     slots = tl.load(slot_table_ptr + base + e, mask=live_e, other=spare)
     owner = tl.load(owner_ptr + slots)
     held = owner >= 0
-    in_use = held & (tl.load(previous_ptr + base + owner, mask=held, other=0) != 0)  # its expert is a hit
+    in_use = held & (tl.load(asked_ptr + owner, mask=held, other=0) != 0)
     pinned = tl.load(pinned_ptr + slots) != 0
     evictable = ~pinned & ~in_use & (slots < spare) & live_e
     recency = tl.load(last_use_ptr + slots)
@@ -133,7 +112,6 @@ def _resolve_kernel(
     valid = is_miss & (victim_key < KEY_MAX) & thawed & (jj < P)  # mixing scalars in stay boolean everywhere
     old = tl.load(owner_ptr + victims, mask=jj < P, other=-1)
     if POLICY == 2:  # lfu-admit (CacheTables._admit)
-        reuse = tl.math.div_rn(reuse_hits, tl.maximum(reuse_seen, 1.0))
         new = reuse + (1.0 - reuse) * newcomer_rate
         old_rate = tl.where(old >= 0, _rate(freq_ptr, absent_ptr, base + old, old >= 0), float("-inf"))
         valid = valid & (new >= old_rate)
@@ -146,7 +124,57 @@ def _resolve_kernel(
     tl.store(owner_ptr + victims, newcomer, mask=valid)
     tl.store(slot_of_ptr + layer * (E + 1) + newcomer, victims, mask=valid)
     tl.store(last_use_ptr + victims, step, mask=valid)
+    tl.store(fetched_ptr + victims, valid == FETCHED, mask=valid)
     tl.debug_barrier()
+    return newcomer, victims, valid, is_miss
+
+
+@triton.jit
+def _resolve_kernel(
+    ids_ptr, n_ids, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
+    freq_ptr, absent_ptr, previous_ptr, reuse_ptr, counters_ptr, moved_ptr, thawed_ptr, step_ptr, fetched_ptr,
+    row_ptr, newcomer_ptr, target_ptr, valid_ptr,
+    layer, num_layers, decay_ptr, E, spare, staging_base, KEY_MIN, KEY_MAX,
+    POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    e = tl.arange(0, BLOCK_E)
+    live_e = e < E
+    base = layer * E  # row of freq / absent / previous / slot_table
+    step = tl.load(step_ptr)
+    decay = tl.load(decay_ptr)  # fp32, as torch multiplies an fp32 tensor by a Python float
+
+    # Requests, then the statistics (CacheTables._count).
+    req = _requests(ids_ptr, n_ids, e, live_e, BLOCK_N, CHUNK)
+    prev = (tl.load(previous_ptr + base + e, mask=live_e, other=0) != 0) & live_e
+    freq = tl.load(freq_ptr + base + e, mask=live_e, other=0.0) * decay + (req & ~prev).to(tl.float32)
+    absent = tl.load(absent_ptr + base + e, mask=live_e, other=0.0) * decay + (~prev & live_e).to(tl.float32)
+    tl.store(freq_ptr + base + e, freq, mask=live_e)
+    tl.store(absent_ptr + base + e, absent, mask=live_e)
+    tl.store(previous_ptr + base + e, req, mask=live_e)
+    again = tl.sum((req & prev).to(tl.float32), axis=0)
+    seen = tl.sum(prev.to(tl.float32), axis=0)
+    reuse_hits = tl.load(reuse_ptr + 2 * layer) * decay + again
+    reuse_seen = tl.load(reuse_ptr + 2 * layer + 1) * decay + seen
+    tl.store(reuse_ptr + 2 * layer, reuse_hits)
+    tl.store(reuse_ptr + 2 * layer + 1, reuse_seen)
+    rate = tl.math.div_rn(freq, tl.maximum(absent, 1.0))  # [E]
+
+    # Hits and misses; hits are stamped, and counted as prefetch hits on slots a prefetch filled.
+    current = tl.load(slot_of_ptr + layer * (E + 1) + e, mask=live_e, other=-1)
+    hit = req & (current >= 0)
+    miss = req & (current < 0)
+    tl.store(last_use_ptr + current, step, mask=hit)
+    fetched = hit & (tl.load(fetched_ptr + current, mask=hit, other=0) != 0)
+    _add(counters_ptr + 5 * num_layers + layer, tl.sum(fetched.to(tl.int64), axis=0))
+    tl.store(fetched_ptr + current, hit & ~hit, mask=hit)
+    tl.debug_barrier()
+    reuse = tl.math.div_rn(reuse_hits, tl.maximum(reuse_seen, 1.0))
+    newcomer, _, _, is_miss = _pair_and_apply(
+        miss, rate, reuse, previous_ptr + base, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr,
+        slot_table_ptr, freq_ptr, absent_ptr, counters_ptr, thawed_ptr, fetched_ptr, step,
+        e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX, POLICY, P, PB, False,
+    )  # fmt: skip
 
     # Rows and counters.
     slot = tl.load(slot_of_ptr + layer * (E + 1) + e, mask=live_e, other=-1)
@@ -163,10 +191,43 @@ def _resolve_kernel(
     tl.debug_barrier()
 
     # The copy list: each miss to its row.
+    jj = tl.arange(0, PB)
     target = tl.where(is_miss, tl.load(row_ptr + newcomer, mask=is_miss, other=spare), spare)
     tl.store(newcomer_ptr + jj, newcomer, mask=jj < P)
     tl.store(target_ptr + jj, target, mask=jj < P)
     tl.store(valid_ptr + jj, is_miss, mask=jj < P)
+
+
+@triton.jit
+def _prefetch_kernel(
+    ids_ptr, n_ids, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
+    freq_ptr, absent_ptr, predicted_ptr, reuse_ptr, counters_ptr, moved_ptr, thawed_ptr, step_ptr,
+    fetched_ptr, newcomer_ptr, target_ptr, valid_ptr, layer, num_layers, E, spare, KEY_MIN, KEY_MAX,
+    POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    e = tl.arange(0, BLOCK_E)
+    live_e = e < E
+    base = layer * E
+    req = _requests(ids_ptr, n_ids, e, live_e, BLOCK_N, CHUNK)
+    tl.store(predicted_ptr + base + e, req, mask=live_e)
+    rate = _rate(freq_ptr, absent_ptr, base + e, live_e)
+    current = tl.load(slot_of_ptr + layer * (E + 1) + e, mask=live_e, other=-1)
+    tl.debug_barrier()
+    reuse_seen = tl.maximum(tl.load(reuse_ptr + 2 * layer + 1), 1.0)
+    reuse = tl.math.div_rn(tl.load(reuse_ptr + 2 * layer), reuse_seen)
+    newcomer, victims, valid, _ = _pair_and_apply(
+        req & (current < 0), rate, reuse, predicted_ptr + base, slot_of_ptr, owner_ptr, last_use_ptr,
+        pinned_ptr, slot_table_ptr, freq_ptr, absent_ptr, counters_ptr, thawed_ptr, fetched_ptr,
+        tl.load(step_ptr), e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX,
+        POLICY, P, PB, True,
+    )  # fmt: skip
+    _add(counters_ptr + 4 * num_layers + layer, tl.sum(valid.to(tl.int64), axis=0))
+    _add(moved_ptr + 4 * num_layers + layer, tl.sum(valid.to(tl.int64), axis=0))
+    jj = tl.arange(0, PB)
+    tl.store(newcomer_ptr + jj, newcomer, mask=jj < P)
+    tl.store(target_ptr + jj, tl.where(valid, victims, spare), mask=jj < P)
+    tl.store(valid_ptr + jj, valid, mask=jj < P)
 
 
 NUM_WARPS = 4
@@ -191,7 +252,7 @@ def resolve_step(
     _resolve_kernel[(1,)](
         ids.reshape(-1), n, tables.slot_of, tables.owner, tables.last_use, tables.pinned, tables.slot_table,
         tables.freq, tables.absent, tables.previous, tables.reuse, tables.counts, moved, tables.thawed, step,
-        row, newcomer, target, valid, layer, tables.num_layers, tables.decay_on_device,
+        tables.fetched, row, newcomer, target, valid, layer, tables.num_layers, tables.decay_on_device,
         e, tables.num_slots, tables.staging_base, _KEY_MIN, _KEY_MAX,
         POLICY=POLICY_CODES[tables.policy], P=p, PB=triton.next_power_of_2(p),
         BLOCK_E=triton.next_power_of_2(e), BLOCK_N=max(16, triton.next_power_of_2(n)), CHUNK=16,
@@ -199,3 +260,25 @@ def resolve_step(
         enable_fp_fusion=False,  # torch rounds each multiply and add; an fma would change the statistics
     )  # fmt: skip
     return row, newcomer, target, valid
+
+
+def prefetch_step(
+    tables, layer: int, ids: torch.Tensor, step: torch.Tensor, moved: torch.Tensor, max_new: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tables.prefetch` for the predicted experts `ids` ([T, n] or flat) of `layer`, as one program → the
+    copy list (newcomer, target, valid) [P], P = min(max_new, E); moved row 4 gets the fills."""
+    e, n = tables.num_experts, ids.numel()
+    p = min(max_new, e)
+    device = tables.slot_of.device
+    newcomer = torch.empty(p, dtype=torch.int64, device=device)
+    target = torch.empty(p, dtype=torch.int64, device=device)
+    valid = torch.empty(p, dtype=torch.bool, device=device)
+    _prefetch_kernel[(1,)](
+        ids.reshape(-1), n, tables.slot_of, tables.owner, tables.last_use, tables.pinned, tables.slot_table,
+        tables.freq, tables.absent, tables.predicted, tables.reuse, tables.counts, moved, tables.thawed, step,
+        tables.fetched, newcomer, target, valid, layer, tables.num_layers, e, tables.num_slots,
+        _KEY_MIN, _KEY_MAX, POLICY=POLICY_CODES[tables.policy], P=p, PB=triton.next_power_of_2(p),
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_N=max(16, triton.next_power_of_2(n)), CHUNK=16,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+    return newcomer, target, valid

@@ -30,6 +30,11 @@ class SparseMoeBlock(nn.Module):
     fused_in: FusedLinears | None = None
     """The router and the shared expert's gate, up and gate logit as one GEMM (`fuse_projections`)."""
 
+    ahead: SparseMoeBlock | None = None
+    """The next MoE block, whose experts this block's input predicts (`install_lookahead`); None: no guess."""
+    ahead_experts = 0
+    """Experts a token the guess names (the next layer's router's top-n on this block's input)."""
+
     shared_kernel = True
     """With `fused_decode`: a few rows' shared expert after its input projections in one Triton kernel
     (`swiglu_down`); a switch for bench.decode_offload --ablate."""
@@ -82,8 +87,14 @@ class SparseMoeBlock(nn.Module):
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
         prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
+        if self.ahead is not None:  # the next layer's guess: its copies queue behind this layer's
+            self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
         shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run
         return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)
+
+    def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
+        """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""
+        return torch.topk(self.ahead.gate(x), self.ahead_experts, dim=-1, sorted=False).indices
 
     def _shared(
         self, x: torch.Tensor, projected: list[torch.Tensor] | None
@@ -108,3 +119,18 @@ class SparseMoeBlock(nn.Module):
 
             return swiglu_down(gate, up, down.weight)
         return mlp.finish(gate, up)
+
+
+def install_lookahead(model: nn.Module, experts: int, num_layers: int) -> int:
+    """Make each of the first `num_layers` layers' MoE blocks guess the next one's `experts` experts a token
+    from its own input (DESIGN §4, Lookahead; 0: no guesses) → the blocks that guess. MTP's blocks neither
+    guess nor are guessed."""
+    blocks = sorted(
+        (m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.layer_idx < num_layers),
+        key=lambda m: m.layer_idx,
+    )
+    for block, after in zip(blocks, [*blocks[1:], None], strict=True):
+        # a plain reference: nn.Module's setattr would make the next block a child (twice in the state dict)
+        object.__setattr__(block, "ahead", after if experts > 0 else None)
+        block.ahead_experts = experts
+    return sum(b.ahead is not None for b in blocks)

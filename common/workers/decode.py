@@ -60,6 +60,7 @@ def load_engine(
         fused_kernels=cfg.fused_kernels,
         lend_kv=cfg.lend_kv,
         prefill_bank=cfg.lend_arena,
+        lookahead=cfg.lookahead,
     )
 
 

@@ -19,10 +19,12 @@ ARCHS = {"qwen3_moe": None, "qwen4_exp": {"indexer_budget": 8, "indexer_compress
 PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
-def _run(path: Path, graphs: bool, cache: str | None, fused: bool = False) -> tuple[list[list[int]], Engine]:
+def _run(
+    path: Path, graphs: bool, cache: str | None, fused: bool = False, lookahead: int = 0
+) -> tuple[list[list[int]], Engine]:
     engine = Engine(
         path, dtype=torch.float32, device="cuda", max_seqs=2, expert_cache=cache, cuda_graphs=graphs,
-        replay_routing="synthetic-zipf:seed=3" if cache else None,
+        replay_routing="synthetic-zipf:seed=3" if cache else None, lookahead=lookahead,
     )  # fmt: skip
     if cache is not None:
         engine.offload.rebalance_every = 8  # capacities move between replays
@@ -48,6 +50,24 @@ def test_recorded_decode_matches_eager(tmp_path: Path, arch: str, cache: str | N
         for name, counts in engine.offload.tables.counters.items():
             assert torch.equal(counts, reference.offload.tables.counters[name]), name
         assert engine.offload.tables.capacities == reference.offload.tables.capacities
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_recorded_lookahead_matches_eager(tmp_path: Path, fused: bool) -> None:
+    """Lookahead in recorded steps: its guesses and table updates on their own stream, its copies queued
+    behind the misses'. The tokens are those of a run without it; without the fused kernels (the same torch
+    ops recorded and eager) the cache counters, prefetches included, match the eager run's exactly."""
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=ARCHS["qwen4_exp"])
+    plain, _ = _run(path, False, "0.25")
+    eager, reference = _run(path, False, "0.25", lookahead=4)
+    graphed, engine = _run(path, True, "0.25", fused, lookahead=4)
+    assert graphed == eager == plain
+    engine.offload.tables.check()
+    counters = engine.offload.tables.counters
+    assert 0 < int(counters["prefetch_hits"].sum()) <= int(counters["prefetches"].sum())
+    if not fused:
+        for name, counts in counters.items():
+            assert torch.equal(counts, reference.offload.tables.counters[name]), name
 
 
 def test_forgotten_recordings_record_again(tmp_path: Path) -> None:

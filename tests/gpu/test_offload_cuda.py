@@ -125,7 +125,8 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
 
 
 def test_slow_copies_are_waited_for(store, monkeypatch) -> None:
-    """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows."""
+    """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows,
+    also those a lookahead copied in ahead of their layer."""
     from common.experts import offload
 
     copy = offload.copy_experts
@@ -137,9 +138,11 @@ def test_slow_copies_are_waited_for(store, monkeypatch) -> None:
     monkeypatch.setattr(offload, "copy_experts", slow)
     steps = _steps(3, tokens=2)
     provider = _provider(store, 1, "lru")
-    for x, ids, w in steps:
+    for step, (x, ids, w) in enumerate(steps):
         provider.begin_pass(True)
         for layer in range(LAYERS):
+            if step == 2 and layer:  # a lookahead's (right) guess: its slow copies must be waited for too
+                provider.lookahead(layer, x, lambda x, ids=ids: ids)
             gate_up, down = store.fmt.unpack_many(
                 {n: b.cuda() for n, b in store.parts[layer].items()}, torch.bfloat16
             )

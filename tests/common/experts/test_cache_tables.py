@@ -377,3 +377,30 @@ def test_observing_a_prompt_adds_its_tokens_as_steps(tokens: int) -> None:
         for name in ("previous", "slot_of", "owner", "last_use"):
             assert torch.equal(getattr(tables, name), getattr(decoded, name)), name
         assert torch.equal(tables.observed, prompt.previous)
+
+
+def test_prefetch_fills_guessed_experts_that_the_step_then_hits() -> None:
+    tables = CacheTables(1, 16, [4], "lru")
+    tables.resolve(0, _mask(16, [0, 1, 2]), 1, max_new=3)  # three of four slots
+    stats = tables.statistics().clone()
+    newcomer, target, valid = tables.prefetch(0, _mask(16, [1, 5, 6]), 2, max_new=3)
+    assert sorted(newcomer[valid].tolist()) == [5, 6]  # 1 is cached already
+    assert tables.slot_of[0, 1] >= 0, "a guessed expert that is cached is not evicted for the others"
+    assert torch.equal(target[valid], tables.slot_of[0, newcomer[valid]])
+    assert torch.equal(tables.statistics(), stats), "a guess is not a request"
+    assert int(tables.counters["prefetches"][0]) == 2 and int(tables.counters["misses"][0]) == 3
+    res = tables.resolve(0, _mask(16, [1, 5]), 3, max_new=2)
+    assert not bool(res.valid.any())  # both hits
+    assert int(tables.counters["prefetch_hits"][0]) == 1  # 5; 1 was cached by a step, not a guess
+    tables.resolve(0, _mask(16, [5]), 4, max_new=1)
+    assert int(tables.counters["prefetch_hits"][0]) == 1  # counted once
+    tables.check()
+
+
+def test_prefetch_does_nothing_while_frozen() -> None:
+    tables = CacheTables(1, 16, [4], "lfu-admit")
+    tables.resolve(0, _mask(16, [0, 1]), 1, max_new=2)
+    owner = tables.owner.clone()
+    tables.frozen = True
+    _, _, valid = tables.prefetch(0, _mask(16, [7, 8]), 2, max_new=2)
+    assert not bool(valid.any()) and torch.equal(tables.owner, owner)

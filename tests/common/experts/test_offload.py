@@ -144,6 +144,19 @@ def test_adaptive_capacity_moves_slots_and_changes_nothing(model):
     assert sum(after) == sum(before)
 
 
+@pytest.mark.parametrize("guess", [2, 6])
+def test_lookahead_changes_nothing_and_its_guesses_are_used(model, guess):
+    path, prompts, reference = model
+    out, engine = _run(path, prompts, expert_cache="0.25", lookahead=guess)
+    assert out == reference
+    counters = {k: int(v.sum()) for k, v in engine.offload.tables.counters.items()}
+    assert 0 < counters["prefetch_hits"] <= counters["prefetches"]
+    moved = sum(engine.offload.traffic().prefetch_bytes)
+    assert moved == counters["prefetches"] * engine.offload.store.expert_bytes
+    with pytest.raises(ValueError, match="expert cache"):
+        Engine(path, dtype=torch.float32, max_seqs=1, lookahead=guess)
+
+
 @pytest.mark.parametrize("chunk", [5, 8192])
 def test_lending_the_arena_between_prefills_changes_nothing(model, chunk):
     """Two lanes, three prompts: the third prompt's prefill comes after decode passes, so the lent buffer is
@@ -306,9 +319,12 @@ def test_decode_step_never_syncs(store, monkeypatch):
         provider.begin_pass(True)
         for layer in range(LAYERS):
             provider.forward(layer, x, ids, weights)
+            if layer + 1 < LAYERS:  # a lookahead's guess (the next layer's own choices, shifted)
+                provider.lookahead(layer + 1, x, lambda x, ids=ids: (ids + 1) % E)
     monkeypatch.undo()
     counters = provider.tables.counters
     assert int(counters["evictions"].sum()) > 0 and int(counters["misses"].sum()) > 0
+    assert int(counters["prefetches"].sum()) > 0
 
 
 def _prefill(provider: OffloadedExperts, x, ids, weights) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ from common.experts.cache_tables import POLICIES, CacheTables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TABLES = ("slot_of", "owner", "last_use", "freq", "absent", "previous", "reuse", "counts", "slot_table")
+TABLES += ("fetched", "predicted")
 
 
 def _pair(policy: str, gen: torch.Generator, layers: int, experts: int) -> tuple[CacheTables, CacheTables]:
@@ -62,3 +63,49 @@ def test_kernel_resolution_equals_torch(policy: str, seed: int) -> None:
             assert torch.equal(newcomer[valid], want.newcomer[want.valid]), (step, layer)
         fused.check()
     assert moved[0].sum() + moved[1].sum() == fused.counters["misses"].sum()  # every miss: filled or bypassed
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("seed", range(2))
+def test_kernel_prefetch_equals_torch(policy: str, seed: int) -> None:
+    """Lookahead guesses before each layer's step (half of them right), a frozen stretch, lending: the
+    prefetch program's tables and copy lists equal CacheTables.prefetch's, and the resolutions after it too
+    (prefetch hits counted alike)."""
+    from common.kernels.resolve import prefetch_step, resolve_step
+
+    gen = torch.Generator().manual_seed(100 + seed)
+    layers, experts, top_k, guess = 3, 16, 3, 4
+    reference, fused = _pair(policy, gen, layers, experts)
+    moved = torch.zeros(5, layers, dtype=torch.int64, device=DEVICE)
+    for step in range(1, 30):
+        if step % 11 == 0:
+            reference.frozen = fused.frozen = not reference.frozen
+        if step % 7 == 0 and not reference.frozen:
+            for tables in (reference, fused):
+                tables.reclaim() if tables.lent else tables.lend()
+        tokens = int(torch.randint(1, 3, (), generator=gen))
+        stamp = torch.tensor(step, device=DEVICE)
+        for layer in range(layers):
+            ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+            wrong = torch.randint(0, experts, (tokens, guess - 2), generator=gen)
+            guessed = torch.cat([ids[:, :2], wrong], dim=1).to(DEVICE)  # [T, guess]
+            ids = ids.to(DEVICE)
+            predicted = torch.zeros(experts, dtype=torch.bool, device=DEVICE)
+            predicted[guessed.reshape(-1)] = True
+            budget = guessed.numel()
+            want = reference.prefetch(layer, predicted, stamp, budget)
+            got = prefetch_step(fused, layer, guessed, stamp, moved, budget)
+            assert torch.equal(got[2], want[2]) and torch.equal(got[1], want[1]), (step, layer)
+            assert torch.equal(got[0][got[2]], want[0][want[2]]), (step, layer)
+            requested = torch.zeros(experts, dtype=torch.bool, device=DEVICE)
+            requested[ids.reshape(-1)] = True
+            reference.resolve(layer, requested, stamp, max_new=min(ids.numel(), experts))
+            resolve_step(fused, layer, ids, stamp, moved)
+            for name in TABLES:
+                got_t, expected = getattr(fused, name), getattr(reference, name)
+                if name == "last_use":
+                    got_t, expected = got_t[:-1], expected[:-1]
+                assert torch.equal(got_t, expected), (step, layer, name)
+        fused.check()
+    assert moved[4].sum() == fused.counters["prefetches"].sum()
+    assert 0 < fused.counters["prefetch_hits"].sum() <= fused.counters["prefetches"].sum()
