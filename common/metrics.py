@@ -174,6 +174,10 @@ class ExpertCacheMetrics:
     evictions: Counter
     bypasses: Counter
     """Misses computed straight from host memory without insertion (admission filter, freeze)."""
+    prefetches: Counter
+    """Experts a lookahead copied into a slot ahead of their layer's step (`--lookahead`)."""
+    prefetch_hits: Counter
+    """Lookups served by a slot a lookahead filled (prefetch hits ÷ prefetches: how often a guess pays)."""
     hit_rate: Gauge
     """Per layer, over the worker's recent window; the Grafana heatmap reads it."""
     slots: Gauge
@@ -199,6 +203,10 @@ class ExpertCacheMetrics:
             evictions=counter("expert_cache_evictions_total", "Experts evicted from the cache."),
             bypasses=counter(
                 "expert_cache_bypasses_total", "Misses computed from host memory, not inserted."
+            ),
+            prefetches=counter("expert_cache_prefetches_total", "Experts copied in ahead by a lookahead."),
+            prefetch_hits=counter(
+                "expert_cache_prefetch_hits_total", "Lookups served by a slot a lookahead filled."
             ),
             hit_rate=gauge("expert_cache_hit_rate", "Recent expert cache hit rate."),
             slots=gauge("expert_cache_slots", "Expert cache slots held by the layer."),

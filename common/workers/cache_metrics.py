@@ -12,7 +12,8 @@ class CacheMetricsExporter:
     def __init__(self, offload: OffloadedExperts, metrics: ExpertCacheMetrics) -> None:
         self.offload, self.metrics = offload, metrics
         self.layers = [str(layer) for layer in sorted(offload.index, key=offload.index.get)]
-        self.seen = {name: [0] * len(self.layers) for name in ("hits", "misses", "evictions", "bypasses")}
+        names = ("hits", "misses", "evictions", "bypasses", "prefetches", "prefetch_hits")
+        self.seen = {name: [0] * len(self.layers) for name in names}
         self.bytes_seen = self.loads_seen = 0
 
     def update(self) -> None:
@@ -23,7 +24,8 @@ class CacheMetricsExporter:
         m = self.metrics
         for i, layer in enumerate(self.layers):
             for name, metric in (("hits", m.hits), ("misses", m.misses), ("evictions", m.evictions),
-                                 ("bypasses", m.bypasses)):  # fmt: skip
+                                 ("bypasses", m.bypasses), ("prefetches", m.prefetches),
+                                 ("prefetch_hits", m.prefetch_hits)):  # fmt: skip
                 if delta[name][i]:
                     metric.labels(layer=layer).inc(delta[name][i])
             lookups = delta["hits"][i] + delta["misses"][i]
@@ -34,6 +36,7 @@ class CacheMetricsExporter:
         m.lent_bytes.set(self.offload.tables.lent * self.offload.store.expert_bytes)
         traffic = self.offload.traffic()
         moved = sum(traffic.cache_bytes) + sum(traffic.bypass_bytes) + sum(traffic.arena_bytes)
+        moved += sum(traffic.prefetch_bytes)
         loads = sum(traffic.arena_loads)
         m.h2d_bytes.inc(moved - self.bytes_seen)
         m.arena_loads.inc(loads - self.loads_seen)

@@ -361,3 +361,21 @@ def test_a_lent_arena_serves_the_same_tokens(start_server, tmp_path):
     for service in ("decode", "prefill"):
         _kill_and_restart(server, service)
         assert [_ask(server, t) for t in texts] == want, service
+
+
+def test_lookahead_serves_the_same_tokens_and_counts_its_guesses(start_server, tmp_path):
+    """--lookahead: decode's MoE layers copy the next layer's guessed experts in ahead. The tokens are an
+    engine's without it; the prefetch counters reach /metrics."""
+    env = {"SPILLWAY_CACHE": str(tmp_path)}
+    metrics = free_port()
+    server = start_server(
+        "--threads", "1", "--max-running", "2", "--expert-cache", "3", "--lookahead", "4",
+        "--metrics-port", str(metrics), env=env,
+    )  # fmt: skip
+    texts = ("Hi", "Tell me about experts and their caches. " * 4)
+    _, want = _engine_replies(tmp_path / "models" / "tiny-qwen3_moe", texts)
+    assert [_ask(server, t) for t in texts] == want
+    text = _wait_metrics(metrics, lambda t: _counter_sum(t, "expert_cache_prefetch_hits_total") > 0)
+    assert _counter_sum(text, "expert_cache_prefetches_total") >= _counter_sum(
+        text, "expert_cache_prefetch_hits_total"
+    )
