@@ -5,6 +5,7 @@ knowing on the host how many experts actually miss. Program (p, c) copies chunk 
 `valid[p]` and returns at once when the pair is padding, so no byte of an invalid pair crosses PCIe. The GPU
 reads the host row through the mapping (zero-copy), like `common/kernels/gather.py`; rows are treated as raw
 bytes, moved in 4-byte words when the row size allows it (every format's rows do at realistic sizes).
+`copy_parts` moves every component of the pairs in one launch of a few programs that loop over the work.
 """
 
 from __future__ import annotations
@@ -88,28 +89,38 @@ MAX_PARTS = 6
 """Components one `copy_experts_rows` launch can take (int4 has six: codes, scales, zeros of two matrices)."""
 
 
+COPY_PROGRAMS = 32
+"""Programs of a `copy_parts` launch, each looping over (pair, chunk, component) items: 32 × 8 KiB in
+flight covers the link's latency (55 GB/s × ~2 µs ≈ 110 KB). A grid of one program per item (~1,000 for a
+few int4 experts) filled every SM with programs waiting on PCIe, and the compute queued behind them never ran
+beside the copies."""
+
+
 @triton.jit
 def _copy_parts_kernel(
     s0, d0, w0, s1, d1, w1, s2, d2, w2, s3, d3, w3, s4, d4, w4, s5, d5, w5,
-    src_ids_ptr, dst_rows_ptr, valid_ptr, BLOCK: tl.constexpr,
+    src_ids_ptr, dst_rows_ptr, valid_ptr, items, chunks, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+    PROGRAMS: tl.constexpr,
 ):  # fmt: skip
-    pair = tl.program_id(0)
-    if tl.load(valid_ptr + pair) == 0:
-        return
-    src, dst, offs = _pair(src_ids_ptr, dst_rows_ptr, pair, BLOCK)
-    part = tl.program_id(2)
-    if part == 0:
-        _copy_part(s0, d0, w0, src, dst, offs)
-    elif part == 1:
-        _copy_part(s1, d1, w1, src, dst, offs)
-    elif part == 2:
-        _copy_part(s2, d2, w2, src, dst, offs)
-    elif part == 3:
-        _copy_part(s3, d3, w3, src, dst, offs)
-    elif part == 4:
-        _copy_part(s4, d4, w4, src, dst, offs)
-    else:
-        _copy_part(s5, d5, w5, src, dst, offs)
+    for item in range(tl.program_id(0), items, PROGRAMS):  # item = (pair · chunks + chunk) · PARTS + part
+        pair = item // (chunks * PARTS)
+        if tl.load(valid_ptr + pair) != 0:
+            src = tl.load(src_ids_ptr + pair).to(tl.int64)
+            dst = tl.load(dst_rows_ptr + pair).to(tl.int64)
+            offs = ((item // PARTS) % chunks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            part = item % PARTS
+            if part == 0:
+                _copy_part(s0, d0, w0, src, dst, offs)
+            elif part == 1:
+                _copy_part(s1, d1, w1, src, dst, offs)
+            elif part == 2:
+                _copy_part(s2, d2, w2, src, dst, offs)
+            elif part == 3:
+                _copy_part(s3, d3, w3, src, dst, offs)
+            elif part == 4:
+                _copy_part(s4, d4, w4, src, dst, offs)
+            else:
+                _copy_part(s5, d5, w5, src, dst, offs)
 
 
 def copy_parts(
@@ -117,9 +128,11 @@ def copy_parts(
     src_ids: torch.Tensor,
     dst_rows: torch.Tensor,
     valid: torch.Tensor,
+    programs: int | None = None,
 ) -> bool:
-    """`copy_rows` for up to MAX_PARTS (src, dst) pairs of one expert's components in one launch, when every
-    row is whole 4-byte words; returns False (nothing copied) otherwise, for per-component launches."""
+    """`copy_rows` for up to MAX_PARTS (src, dst) pairs of one expert's components in one launch of
+    `programs` programs (default COPY_PROGRAMS), when every row is whole 4-byte words; returns False (nothing
+    copied) otherwise, for per-component launches."""
     if not 0 < len(parts) <= MAX_PARTS or src_ids.numel() == 0:
         return False
     args, longest = [], 0
@@ -130,10 +143,12 @@ def copy_parts(
         source, dest = as_words(src, torch.int32), as_words(dst, torch.int32)
         args += [source, dest, source.shape[1]]
         longest = max(longest, source.shape[1])
-    args += args[-3:] * (MAX_PARTS - len(parts))  # unused slots: never reached (grid dim 2 = len(parts))
-    grid = (src_ids.numel(), triton.cdiv(longest, BLOCK_WORDS), len(parts))
-    _copy_parts_kernel[grid](
-        *args, src_ids.contiguous(), dst_rows.contiguous(), valid.contiguous().view(torch.uint8),
-        BLOCK=BLOCK_WORDS,
+    args += args[-3:] * (MAX_PARTS - len(parts))  # unused slots: never reached (part < PARTS)
+    chunks = triton.cdiv(longest, BLOCK_WORDS)
+    items = src_ids.numel() * chunks * len(parts)
+    programs = min(COPY_PROGRAMS, items) if programs is None else programs
+    _copy_parts_kernel[(programs,)](
+        *args, src_ids.contiguous(), dst_rows.contiguous(), valid.contiguous().view(torch.uint8), items,
+        chunks, PARTS=len(parts), BLOCK=BLOCK_WORDS, PROGRAMS=programs,
     )  # fmt: skip
     return True

@@ -1,14 +1,17 @@
 """One launch for all of an expert's components against indexing: rows of different word counts, padding
-pairs skipped, and the fall back (False) when a row is not whole words."""
+pairs skipped, any number of programs sharing the work, and the fall back (False) when a row is not whole
+words."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_copy_parts_matches_indexing() -> None:
+@pytest.mark.parametrize("programs", [None, 1, 5])
+def test_copy_parts_matches_indexing(programs: int | None) -> None:
     from common.kernels.expert_copy import copy_parts
 
     gen = torch.Generator().manual_seed(0)
@@ -25,7 +28,7 @@ def test_copy_parts_matches_indexing() -> None:
     src_ids = torch.tensor([3, 0, 4, 1], device=DEVICE)
     dst_rows = torch.tensor([6, 2, 0, 5], device=DEVICE)
     valid = torch.tensor([True, True, False, True], device=DEVICE)
-    assert copy_parts(parts, src_ids, dst_rows, valid)
+    assert copy_parts(parts, src_ids, dst_rows, valid, programs)
     for src, dst in parts:
         want = torch.zeros_like(dst)
         want[dst_rows[valid]] = src[src_ids[valid]]
