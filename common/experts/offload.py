@@ -79,6 +79,7 @@ def copy_experts(
     spare: int,
     kernel: bool = False,
     merged: bool = False,
+    background: bool = False,
 ) -> None:
     """pool[c][dst_rows[p]] ← parts[c][src_ids[p]] for every component c and every p with valid[p].
 
@@ -87,12 +88,15 @@ def copy_experts(
     kernel reads the host rows directly and skips invalid pairs; otherwise torch ops copy every pair with the
     invalid ones redirected (host row 0 into the pool's `spare` row, whose contents do not matter). An
     unmapped store on CUDA has to bring the ids to the host: that fallback synchronises. With `merged` too,
-    one launch copies every component (when their rows are whole words).
+    one launch copies every component (when their rows are whole words); with `background` too, in a few
+    programs that leave the SMs to the compute running beside them (`expert_copy.BACKGROUND_PROGRAMS`).
     """
     if kernel:
-        from common.kernels.expert_copy import copy_parts, copy_rows  # Triton: CUDA machines only
+        from common.kernels.expert_copy import BACKGROUND_PROGRAMS, copy_parts, copy_rows  # Triton: CUDA
 
-        if merged and copy_parts([(b, pool[n]) for n, b in parts.items()], src_ids, dst_rows, valid):
+        pairs = [(b, pool[n]) for n, b in parts.items()]
+        programs = BACKGROUND_PROGRAMS if background else None
+        if merged and copy_parts(pairs, src_ids, dst_rows, valid, programs):
             return
         for name, block in parts.items():
             copy_rows(block, pool[name], src_ids, dst_rows, valid)
@@ -133,10 +137,12 @@ class CopyStream:
         dst_rows: torch.Tensor,
         valid: torch.Tensor,
         stages: tuple[tuple[str, ...], ...] | None = None,
+        background: bool = False,
     ) -> Copies:
         """Start copying layer `layer`'s pairs after the main stream's work so far; the events to `join`.
         `stages`: the components in groups copied one after the other, each with its event (so a reader of
-        the first group need not wait for the rest); default one group of every component."""
+        the first group need not wait for the rest); default one group of every component. `background`:
+        compute runs beside these copies (a lookahead's): a merged launch holds few SMs."""
         parts = self.store.parts[layer]
         if self.side is None:
             copy_experts(parts, src_ids, dst_rows, valid, self.pool, self.spare)
@@ -147,8 +153,9 @@ class CopyStream:
             for names in stages or (tuple(parts),):
                 group = {name: parts[name] for name in names}
                 copy_experts(
-                    group, src_ids, dst_rows, valid, self.pool, self.spare, kernel=True, merged=self.merged
-                )
+                    group, src_ids, dst_rows, valid, self.pool, self.spare, kernel=True, merged=self.merged,
+                    background=background,
+                )  # fmt: skip
                 events.append(torch.cuda.Event())
                 events[-1].record(self.side)
         for t in (src_ids, dst_rows, valid):  # made on the main stream, read on the side stream
@@ -458,7 +465,7 @@ class OffloadedExperts(ExpertProvider):
             predicted.index_fill_(0, ids.reshape(-1), True)
             newcomer, target, valid = self.tables.prefetch(i, predicted, self.step, budget)
             self._moved[_PREFETCHES, i].add_(valid.sum())
-        self.copies.launch(i, newcomer, target, valid)
+        self.copies.launch(i, newcomer, target, valid, background=True)
 
     def _join_lookahead(self) -> None:
         """Make the current stream wait for the last lookahead's table update."""
