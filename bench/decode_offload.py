@@ -136,7 +136,9 @@ def main() -> None:
     if args.all_fit:  # nothing is resolved, so nothing counted: each layer reads its lanes' experts
         used = len(cfg.moe_layers) * min(cfg.num_experts, args.lanes * cfg.top_k) * store.expert_bytes
     h2d = (run["cache_bytes"] + run["prefetch_bytes"] + run["bypasses"] * store.expert_bytes) / steps
-    t_limit = max(h2d / (pcie * 1e9), (resident + used) / (hbm * 1e9))  # per step
+    # the limit counts the bytes the step needed: a lookahead's guesses that no step used are waste, not limit
+    needed = (run["cache_bytes"] + (run["bypasses"] + run["prefetch_hits"]) * store.expert_bytes) / steps
+    t_limit = max(needed / (pcie * 1e9), (resident + used) / (hbm * 1e9))  # per step
     step_s = run["seconds"] / steps
     result = {
         "limit_ratio": t_limit / step_s,
@@ -150,6 +152,7 @@ def main() -> None:
         "misses_per_token": run["misses"] / steps / args.lanes,
         "bypasses_per_token": run["bypasses"] / steps / args.lanes,
         "h2d_bytes_per_token": h2d / args.lanes,  # with --lookahead: its copies, used or not, too
+        "h2d_needed_bytes_per_token": needed / args.lanes,  # the limit's: misses and guesses then used
         "lookahead": args.lookahead,
         "routing": args.routing,
         "prefetches_per_token": run["prefetches"] / steps / args.lanes,
