@@ -145,6 +145,17 @@ def check_lending(
         raise ValueError(f"{lenders[0]} needs an expert cache: give --expert-cache or --vram-budget")
 
 
+def check_lookahead(model_dir: str, cached: bool, lookahead: int) -> None:
+    """ValueError unless `lookahead` (experts a token each MoE layer guesses for the next) can hold: not
+    negative, and a guess needs an expert cache to copy into (`cached`, or an artifact's)."""
+    from common.experts.artifact import is_artifact
+
+    if lookahead < 0:
+        raise ValueError(f"--lookahead counts experts a token: {lookahead} is below 0")
+    if lookahead and not cached and not is_artifact(model_dir):
+        raise ValueError("--lookahead guesses which experts to copy in: give --expert-cache or --vram-budget")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """How the prefill and decode workers load and run the model (both read the same one)."""

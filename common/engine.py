@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, check_lending
+from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, check_lending, check_lookahead
 from common.experts.artifact import is_artifact, open_store
 from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
@@ -98,6 +98,7 @@ class Engine:
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
             raise ValueError("lending the arena does not combine with speculative decoding")
         check_lending(str(model_dir), expert_cache is not None, lend_kv, lend_arena, prefill_bank)
+        check_lookahead(str(model_dir), expert_cache is not None, lookahead)
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
         fused_kernels = fused_by_default(fused_kernels, device)
         self.model = load_model(
@@ -130,8 +131,6 @@ class Engine:
                 arena_buffers, lend_arena, lending, prefill_bank,
             )  # fmt: skip
         cfg, layers = self.config, list(self.config.moe_layers)
-        if lookahead and expert_cache is None and not is_artifact(model_dir):
-            raise ValueError("lookahead guesses which experts to copy in: it needs an expert cache")
         install_lookahead(self.model, lookahead, cfg.num_layers)
         self.routing_recorder = RoutingRecorder(layers, cfg.num_experts) if record_routing else None
         if replay_routing is not None:

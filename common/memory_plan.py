@@ -47,7 +47,7 @@ from common.config import (
 )
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import ExpertFormat, get_format
-from common.experts.offload import parse_capacity, prefill_arena_rows
+from common.experts.offload import TRAFFIC_ROWS, parse_capacity, prefill_arena_rows
 from common.experts.resident import ResidentExperts
 from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
@@ -138,7 +138,7 @@ def table_bytes(num_layers: int, num_experts: int, slots: int) -> int:
     tables = CacheTables(
         num_layers, num_experts, parse_capacity(str(slots), num_layers, num_experts), device="meta"
     )
-    return _tensors_nbytes(tables) + 8 * (4 * num_layers + num_experts)
+    return _tensors_nbytes(tables) + 8 * (TRAFFIC_ROWS * num_layers + num_experts)
 
 
 def _linear_outputs(module: nn.Module) -> int:

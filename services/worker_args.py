@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, WorkerConfig, check_lending
+from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, WorkerConfig, check_lending, check_lookahead
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
 
 
@@ -123,8 +123,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
     ValueError for lending flags that cannot hold."""
     cached = args.expert_cache is not None or args.vram_budget is not None  # a budget implies a cache
     check_lending(str(model_dir or args.model), cached, args.lend_kv, prefill_bank=args.lend_arena)
-    if args.lookahead < 0:
-        raise ValueError(f"--lookahead counts experts a token: {args.lookahead} is below 0")
+    check_lookahead(str(model_dir or args.model), cached, args.lookahead)
     return WorkerConfig(
         model_dir=model_dir or args.model,
         device=args.device,

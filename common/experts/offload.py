@@ -52,6 +52,7 @@ from common.kv.lending import KvLending
 from common.model.hf_config import read_json
 
 _FILLS, _BYPASSES, _ARENA, _LOADS, _PREFETCHES = range(5)  # rows of the device counters of experts moved
+TRAFFIC_ROWS = _PREFETCHES + 1
 
 
 @dataclass
@@ -280,7 +281,7 @@ class OffloadedExperts(ExpertProvider):
             bases = [tables.staging_base, second][:arena_buffers]
         self.copies = CopyStream(store, self.pool, spare, self.device)
         self.arena = PrefillArena(bases, e, self.device)
-        self._moved = torch.zeros(5, len(moe_layers), dtype=torch.int64, device=self.device)
+        self._moved = torch.zeros(TRAFFIC_ROWS, len(moe_layers), dtype=torch.int64, device=self.device)
         self._ahead = torch.cuda.Stream(self.device) if self.copies.side is not None else None
         """Where a lookahead's prediction and table update run (beside the main stream's work)."""
         self._ahead_done: torch.cuda.Event | None = None
@@ -360,6 +361,7 @@ class OffloadedExperts(ExpertProvider):
         """Called by the runner before each forward: decode passes use the cache, others the arena; a prompt
         pass's routing is counted in the cache statistics (`CacheTables.observe`); every `rebalance_every`
         decode passes, slots move to the layers where they are worth most (see `CacheTables.rebalance`)."""
+        self._join_lookahead()  # one a pass that failed midway left (else the next prepare joins it)
         self.prefill = not is_decode or self.shared_cache is not None
         self.observing = prompt and not is_decode
         if self.lend_arena and is_decode:  # the arena's second buffer: the cache's between prefills
@@ -382,7 +384,17 @@ class OffloadedExperts(ExpertProvider):
         t = self.tables
         if self.lend_arena:
             t.reclaim()
-        names = ("freq", "absent", "previous", "observed", "reuse", "counts", "last_use")
+        names = (
+            "freq",
+            "absent",
+            "previous",
+            "observed",
+            "reuse",
+            "counts",
+            "last_use",
+            "fetched",
+            "predicted",
+        )
         saved = {n: getattr(t, n).clone() for n in names}
         moved, step, passes, frozen = self._moved.clone(), self.step.clone(), self.decode_passes, t.frozen
         t.frozen = True

@@ -103,9 +103,8 @@ machine, back to back)."""
 def _copy_parts_kernel(
     s0, d0, w0, s1, d1, w1, s2, d2, w2, s3, d3, w3, s4, d4, w4, s5, d5, w5,
     src_ids_ptr, dst_rows_ptr, valid_ptr, items, chunks, PARTS: tl.constexpr, BLOCK: tl.constexpr,
-    PROGRAMS: tl.constexpr,
 ):  # fmt: skip
-    for item in range(tl.program_id(0), items, PROGRAMS):  # item = (pair · chunks + chunk) · PARTS + part
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):  # (pair · chunks + chunk) · PARTS + part
         pair = item // (chunks * PARTS)
         if tl.load(valid_ptr + pair) != 0:
             src = tl.load(src_ids_ptr + pair).to(tl.int64)
@@ -152,6 +151,6 @@ def copy_parts(
     programs = items if programs is None else min(programs, items)
     _copy_parts_kernel[(programs,)](
         *args, src_ids.contiguous(), dst_rows.contiguous(), valid.contiguous().view(torch.uint8), items,
-        chunks, PARTS=len(parts), BLOCK=BLOCK_WORDS, PROGRAMS=programs,
+        chunks, PARTS=len(parts), BLOCK=BLOCK_WORDS,
     )  # fmt: skip
     return True

@@ -108,7 +108,15 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
         try:
             for x, ids, w in steps:
                 provider.begin_pass(True)
-                outs.append([provider.forward(layer, x, ids, w) for layer in range(LAYERS)])
+                out = []
+                for layer in range(LAYERS):
+                    prepared = provider.prepare(layer, ids)
+                    if (
+                        layer + 1 < LAYERS
+                    ):  # a lookahead's guess (its stream, its copies) syncs nothing either
+                        provider.lookahead(layer + 1, x, lambda x, ids=ids: (ids + 1) % E)
+                    out.append(provider.compute(layer, prepared, x, ids, w))
+                outs.append(out)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for s, out in enumerate(outs):
@@ -136,22 +144,27 @@ def test_slow_copies_are_waited_for(store, monkeypatch) -> None:
         copy(*args, **kwargs)
 
     monkeypatch.setattr(offload, "copy_experts", slow)
-    steps = _steps(3, tokens=2)
-    provider = _provider(store, 1, "lru")
-    for step, (x, ids, w) in enumerate(steps):
+    steps = _steps(4, tokens=2)
+    provider = _provider(store, 3, "lru")
+    for x, ids, w in steps:
         provider.begin_pass(True)
         for layer in range(LAYERS):
-            if step == 2 and layer:  # a lookahead's (right) guess: its slow copies must be waited for too
-                provider.lookahead(layer, x, lambda x, ids=ids: ids)
             gate_up, down = store.fmt.unpack_many(
                 {n: b.cuda() for n, b in store.parts[layer].items()}, torch.bfloat16
             )
             expect = batched_expert_mlp(x, gate_up[ids], down[ids], ids, w, F.silu)
-            out = provider.forward(layer, x, ids, w)
+            prepared = provider.prepare(layer, ids)
+            if (
+                layer + 1 < LAYERS
+            ):  # as a MoE block guesses, between its prepare and compute (right: same ids)
+                provider.lookahead(layer + 1, x, lambda x, ids=ids: ids)
+            out = provider.compute(layer, prepared, x, ids, w)
             if provider.fused_int4:  # the int4 kernel's fp32 sums: rounding apart (a stale row would not be)
                 torch.testing.assert_close(out, expect, atol=2e-2, rtol=2e-2)
             else:
                 assert torch.equal(out, expect), layer
+    counters = provider.tables.counters
+    assert int(counters["prefetch_hits"].sum()) > 0  # rows a guess copied (slowly) were read
 
 
 def test_offloaded_experts_are_read_to_the_host_not_the_device(tmp_path: Path) -> None:

@@ -159,6 +159,8 @@ def test_plan_of_a_model_directory(tmp_path: Path) -> None:
     [
         (["--lend-arena"], "give --expert-cache"),
         (["--lend-arena", "--lend-kv", "--expert-cache", "3"], "one of"),
+        (["--lookahead", "4"], "give --expert-cache"),
+        (["--lookahead", "-1", "--expert-cache", "3"], "below 0"),
     ],
 )
 def test_serve_refuses_lending_that_cannot_hold(tmp_path: Path, flags: list[str], message: str) -> None:

@@ -153,8 +153,10 @@ def test_lookahead_changes_nothing_and_its_guesses_are_used(model, guess):
     assert 0 < counters["prefetch_hits"] <= counters["prefetches"]
     moved = sum(engine.offload.traffic().prefetch_bytes)
     assert moved == counters["prefetches"] * engine.offload.store.expert_bytes
-    with pytest.raises(ValueError, match="expert cache"):
+    with pytest.raises(ValueError, match="expert-cache"):
         Engine(path, dtype=torch.float32, max_seqs=1, lookahead=guess)
+    with pytest.raises(ValueError, match="num_experts"):
+        Engine(path, dtype=torch.float32, max_seqs=1, expert_cache="0.25", lookahead=1000)
 
 
 @pytest.mark.parametrize("chunk", [5, 8192])
