@@ -114,10 +114,15 @@ class CacheTables:
         self.observed = torch.zeros(num_layers, e, dtype=torch.bool, device=device)
         """The last prompt token `observe` counted, per layer (a prompt's own previous step)."""
         self.predicted = torch.zeros(num_layers, e, dtype=torch.bool, device=device)
-        """The experts each layer's last `prefetch` was given."""
+        """The experts each layer's `prefetch` was given, until the layer's next `resolve` compares them with
+        its requests (counters `guesses`, `guesses_used`) and clears them."""
+        self.guessing = torch.ones(num_layers, dtype=torch.bool, device=device)
+        """Per layer, whether `prefetch` copies its guesses in (else it only records them, so that their
+        precision is still measured): set between steps (`OffloadedExperts` gates it on that precision)."""
         self.fetched = torch.zeros(s + 1, dtype=torch.bool, device=device)
         """Slots `prefetch` filled that no step has used since (a hit on one counts as a prefetch hit)."""
-        counters = ("hits", "misses", "evictions", "bypasses", "prefetches", "prefetch_hits")
+        counters = ("hits", "misses", "evictions", "bypasses", "prefetches", "prefetch_hits", "guesses")
+        counters += ("guesses_used",)
         self.counts = torch.zeros(len(counters), num_layers, dtype=torch.int64, device=device)
         self.counters = {n: self.counts[i] for i, n in enumerate(counters)}  # views, [L] each
         # Layer l's slots are slot_table[l, :capacity[l]], the rest of the row is the spare slot: a fixed
@@ -270,6 +275,8 @@ class CacheTables:
         """
         e, spare = self.num_experts, self.num_slots
         self._count(layer, requested)
+        self.counters["guesses_used"][layer].add_((requested & self.predicted[layer]).sum())
+        self.predicted[layer].zero_()
         rate = self._rate(layer)
         current = self.slot_of[layer, :e]  # [E]
         hit = requested & (current >= 0)
@@ -330,14 +337,17 @@ class CacheTables:
         requests or touching the recency of those already cached (a guess is not a use). Predicted experts
         that are cached are not evicted for the others. At most `max_new` fills (the byte budget; fixes the
         shapes) → the copy list newcomer, target, valid [P]: `pool[target[p]] ← host[newcomer[p]]` where
-        valid. A later `resolve` that hits a slot filled here counts a prefetch hit."""
+        valid. A later `resolve` that hits a slot filled here counts a prefetch hit. While the layer is not
+        `guessing`, the guess is only recorded (nothing is filled)."""
         e, spare = self.num_experts, self.num_slots
         self.predicted[layer].copy_(predicted)
+        self.counters["guesses"][layer].add_(predicted.sum())
         rate = self._rate(layer)
         current = self.slot_of[layer, :e]  # [E]
         held = torch.where(predicted & (current >= 0), current, spare)
         absent = predicted & (current < 0)
         newcomer, victims, valid = self._pair_misses(layer, absent, held, rate, min(max_new, e))
+        valid &= self.guessing[layer]
         self._apply(layer, newcomer, victims, valid, step)
         self.fetched.index_fill_(0, torch.where(valid, victims, spare), True)
         self.fetched[spare].fill_(False)

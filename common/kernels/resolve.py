@@ -76,13 +76,14 @@ def _requests(ids_ptr, n_ids, e, live_e, BLOCK_N: tl.constexpr, CHUNK: tl.conste
 @triton.jit
 def _pair_and_apply(
     miss, rate, reuse, asked_ptr, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
-    freq_ptr, absent_ptr, counters_ptr, thawed_ptr, fetched_ptr, step,
+    freq_ptr, absent_ptr, counters_ptr, allowed, fetched_ptr, step,
     e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX,
     POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, FETCHED: tl.constexpr,
 ):  # fmt: skip
     """CacheTables._pair_misses then _apply: the misses (most frequent first) paired with victims, the layer's
     evictable slots whose expert is not in asked_ptr's row (the step's requests), applied; `fetched` set to
-    FETCHED on the filled slots → (newcomer, victims, valid, is_miss) [PB]."""
+    FETCHED on the filled slots; nothing is filled unless `allowed` (int32: the cache thawed, and for a guess
+    the layer guessing) → (newcomer, victims, valid, is_miss) [PB]."""
     misses = tl.minimum(tl.sum(miss.to(tl.int32), axis=0), P)  # newcomers, and the victims they need
 
     # Victims: the row's evictable slots, lowest key first.
@@ -108,8 +109,8 @@ def _pair_and_apply(
     newcomer, newcomer_key, newcomer_rate = _pick(miss_key, e, rate, misses, PB, P, True, -2)
     is_miss = newcomer_key >= 0
     jj = tl.arange(0, PB)
-    thawed = (tl.zeros((PB,), dtype=tl.int32) + tl.load(thawed_ptr).to(tl.int32)) != 0  # a vector: masks
-    valid = is_miss & (victim_key < KEY_MAX) & thawed & (jj < P)  # mixing scalars in stay boolean everywhere
+    thawed = (tl.zeros((PB,), dtype=tl.int32) + allowed) != 0  # a vector: masks mixing scalars in stay
+    valid = is_miss & (victim_key < KEY_MAX) & thawed & (jj < P)  # boolean everywhere
     old = tl.load(owner_ptr + victims, mask=jj < P, other=-1)
     if POLICY == 2:  # lfu-admit (CacheTables._admit)
         new = reuse + (1.0 - reuse) * newcomer_rate
@@ -133,7 +134,7 @@ def _pair_and_apply(
 def _resolve_kernel(
     ids_ptr, n_ids, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
     freq_ptr, absent_ptr, previous_ptr, reuse_ptr, counters_ptr, moved_ptr, thawed_ptr, step_ptr, fetched_ptr,
-    row_ptr, newcomer_ptr, target_ptr, valid_ptr,
+    predicted_ptr, row_ptr, newcomer_ptr, target_ptr, valid_ptr,
     layer, num_layers, decay_ptr, E, spare, staging_base, KEY_MIN, KEY_MAX,
     POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -159,6 +160,9 @@ def _resolve_kernel(
     tl.store(reuse_ptr + 2 * layer, reuse_hits)
     tl.store(reuse_ptr + 2 * layer + 1, reuse_seen)
     rate = tl.math.div_rn(freq, tl.maximum(absent, 1.0))  # [E]
+    guessed = req & (tl.load(predicted_ptr + base + e, mask=live_e, other=0) != 0)  # a lookahead's, right
+    _add(counters_ptr + 7 * num_layers + layer, tl.sum(guessed.to(tl.int64), axis=0))
+    tl.store(predicted_ptr + base + e, req & ~req, mask=live_e)
 
     # Hits and misses; hits are stamped, and counted as prefetch hits on slots a prefetch filled.
     current = tl.load(slot_of_ptr + layer * (E + 1) + e, mask=live_e, other=-1)
@@ -172,8 +176,8 @@ def _resolve_kernel(
     reuse = tl.math.div_rn(reuse_hits, tl.maximum(reuse_seen, 1.0))
     newcomer, _, _, is_miss = _pair_and_apply(
         miss, rate, reuse, previous_ptr + base, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr,
-        slot_table_ptr, freq_ptr, absent_ptr, counters_ptr, thawed_ptr, fetched_ptr, step,
-        e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX, POLICY, P, PB, False,
+        slot_table_ptr, freq_ptr, absent_ptr, counters_ptr, tl.load(thawed_ptr).to(tl.int32), fetched_ptr,
+        step, e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX, POLICY, P, PB, False,
     )  # fmt: skip
 
     # Rows and counters.
@@ -202,7 +206,8 @@ def _resolve_kernel(
 def _prefetch_kernel(
     ids_ptr, n_ids, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
     freq_ptr, absent_ptr, predicted_ptr, reuse_ptr, counters_ptr, moved_ptr, thawed_ptr, step_ptr,
-    fetched_ptr, newcomer_ptr, target_ptr, valid_ptr, layer, num_layers, E, spare, KEY_MIN, KEY_MAX,
+    fetched_ptr, guessing_ptr, newcomer_ptr, target_ptr, valid_ptr, layer, num_layers, E, spare,
+    KEY_MIN, KEY_MAX,
     POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
 ):  # fmt: skip
@@ -211,6 +216,8 @@ def _prefetch_kernel(
     base = layer * E
     req = _requests(ids_ptr, n_ids, e, live_e, BLOCK_N, CHUNK)
     tl.store(predicted_ptr + base + e, req, mask=live_e)
+    _add(counters_ptr + 6 * num_layers + layer, tl.sum(req.to(tl.int64), axis=0))
+    allowed = tl.load(thawed_ptr).to(tl.int32) & tl.load(guessing_ptr + layer).to(tl.int32)
     rate = _rate(freq_ptr, absent_ptr, base + e, live_e)
     current = tl.load(slot_of_ptr + layer * (E + 1) + e, mask=live_e, other=-1)
     tl.debug_barrier()
@@ -218,7 +225,7 @@ def _prefetch_kernel(
     reuse = tl.math.div_rn(tl.load(reuse_ptr + 2 * layer), reuse_seen)
     newcomer, victims, valid, _ = _pair_and_apply(
         req & (current < 0), rate, reuse, predicted_ptr + base, slot_of_ptr, owner_ptr, last_use_ptr,
-        pinned_ptr, slot_table_ptr, freq_ptr, absent_ptr, counters_ptr, thawed_ptr, fetched_ptr,
+        pinned_ptr, slot_table_ptr, freq_ptr, absent_ptr, counters_ptr, allowed, fetched_ptr,
         tl.load(step_ptr), e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX,
         POLICY, P, PB, True,
     )  # fmt: skip
@@ -236,28 +243,40 @@ top-10, µs per layer): 1 warp 30.0, 2: 22.6, 4: 19.4, 8: 20.2, 16: 24.2. The 2�
 argmin/argmax over E set the time, not the warps: a faster resolution needs fewer rounds."""
 
 
+def _copy_list(p: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An empty copy list: newcomer, target [P] int64, valid [P] bool."""
+    ids = lambda: torch.empty(p, dtype=torch.int64, device=device)
+    return ids(), ids(), torch.empty(p, dtype=torch.bool, device=device)
+
+
+def _launch_shape(tables, p: int, n: int) -> dict:
+    """The programs' compile-time shape and launch options for P pairs and n ids."""
+    e = tables.num_experts
+    shape = {"POLICY": POLICY_CODES[tables.policy], "P": p, "PB": triton.next_power_of_2(p)}
+    shape |= {
+        "BLOCK_E": triton.next_power_of_2(e),
+        "BLOCK_N": max(16, triton.next_power_of_2(n)),
+        "CHUNK": 16,
+    }
+    return shape | {"enable_fp_fusion": False}  # torch rounds each multiply and add: an fma would not
+
+
 def resolve_step(
     tables, layer: int, ids: torch.Tensor, step: torch.Tensor, moved: torch.Tensor, num_warps: int = 0
 ):
     """`tables.resolve` for the experts `ids` ([T, k] or flat) of `layer`, as one program → (row [E], newcomer
-    [P], target [P], valid [P]) with P = min(ids.numel(), E); moved [4, L] int64 gets the fills (row 0) and
+    [P], target [P], valid [P]) with P = min(ids.numel(), E); moved [≥ 2, L] int64 gets the fills (row 0) and
     bypasses (row 1). `step` is a 0-d int64 device tensor. Tables on a CUDA device (or the interpreter)."""
     e, n = tables.num_experts, ids.numel()
     p = min(n, e)
-    device = tables.slot_of.device
-    row = torch.empty(e, dtype=torch.int64, device=device)
-    newcomer = torch.empty(p, dtype=torch.int64, device=device)
-    target = torch.empty(p, dtype=torch.int64, device=device)
-    valid = torch.empty(p, dtype=torch.bool, device=device)
+    row = torch.empty(e, dtype=torch.int64, device=tables.slot_of.device)
+    newcomer, target, valid = _copy_list(p, tables.slot_of.device)
     _resolve_kernel[(1,)](
         ids.reshape(-1), n, tables.slot_of, tables.owner, tables.last_use, tables.pinned, tables.slot_table,
         tables.freq, tables.absent, tables.previous, tables.reuse, tables.counts, moved, tables.thawed, step,
-        tables.fetched, row, newcomer, target, valid, layer, tables.num_layers, tables.decay_on_device,
-        e, tables.num_slots, tables.staging_base, _KEY_MIN, _KEY_MAX,
-        POLICY=POLICY_CODES[tables.policy], P=p, PB=triton.next_power_of_2(p),
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_N=max(16, triton.next_power_of_2(n)), CHUNK=16,
-        num_warps=num_warps or NUM_WARPS,
-        enable_fp_fusion=False,  # torch rounds each multiply and add; an fma would change the statistics
+        tables.fetched, tables.predicted, row, newcomer, target, valid, layer, tables.num_layers,
+        tables.decay_on_device, e, tables.num_slots, tables.staging_base, _KEY_MIN, _KEY_MAX,
+        **_launch_shape(tables, p, n), num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     return row, newcomer, target, valid
 
@@ -266,19 +285,14 @@ def prefetch_step(
     tables, layer: int, ids: torch.Tensor, step: torch.Tensor, moved: torch.Tensor, max_new: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`tables.prefetch` for the predicted experts `ids` ([T, n] or flat) of `layer`, as one program → the
-    copy list (newcomer, target, valid) [P], P = min(max_new, E); moved row 4 gets the fills."""
+    copy list (newcomer, target, valid) [P], P = min(max_new, E); moved [5, L]: row 4 gets the fills."""
     e, n = tables.num_experts, ids.numel()
     p = min(max_new, e)
-    device = tables.slot_of.device
-    newcomer = torch.empty(p, dtype=torch.int64, device=device)
-    target = torch.empty(p, dtype=torch.int64, device=device)
-    valid = torch.empty(p, dtype=torch.bool, device=device)
+    newcomer, target, valid = _copy_list(p, tables.slot_of.device)
     _prefetch_kernel[(1,)](
         ids.reshape(-1), n, tables.slot_of, tables.owner, tables.last_use, tables.pinned, tables.slot_table,
         tables.freq, tables.absent, tables.predicted, tables.reuse, tables.counts, moved, tables.thawed, step,
-        tables.fetched, newcomer, target, valid, layer, tables.num_layers, e, tables.num_slots,
-        _KEY_MIN, _KEY_MAX, POLICY=POLICY_CODES[tables.policy], P=p, PB=triton.next_power_of_2(p),
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_N=max(16, triton.next_power_of_2(n)), CHUNK=16,
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
+        tables.fetched, tables.guessing, newcomer, target, valid, layer, tables.num_layers, e,
+        tables.num_slots, _KEY_MIN, _KEY_MAX, **_launch_shape(tables, p, n), num_warps=NUM_WARPS,
     )  # fmt: skip
     return newcomer, target, valid

@@ -404,3 +404,15 @@ def test_prefetch_does_nothing_while_frozen() -> None:
     tables.frozen = True
     _, _, valid = tables.prefetch(0, _mask(16, [7, 8]), 2, max_new=2)
     assert not bool(valid.any()) and torch.equal(tables.owner, owner)
+
+
+def test_guesses_are_measured_whether_or_not_they_are_copied() -> None:
+    tables = CacheTables(1, 16, [4], "lru")
+    tables.guessing[0] = False
+    _, _, valid = tables.prefetch(0, _mask(16, [3, 4, 5]), 1, max_new=3)
+    assert not bool(valid.any()) and bool((tables.owner < 0).all())  # recorded, not copied
+    tables.resolve(0, _mask(16, [4, 7]), 2, max_new=2)
+    assert int(tables.counters["guesses"][0]) == 3 and int(tables.counters["guesses_used"][0]) == 1
+    assert not bool(tables.predicted.any()), "a guess is compared with one step only"
+    tables.resolve(0, _mask(16, [3]), 3, max_new=1)
+    assert int(tables.counters["guesses_used"][0]) == 1

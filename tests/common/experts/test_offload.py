@@ -329,6 +329,32 @@ def test_decode_step_never_syncs(store, monkeypatch):
     assert int(counters["prefetches"].sum()) > 0
 
 
+def test_lookahead_copies_only_the_layers_whose_guesses_pay(store):
+    """Every `rebalance_every` passes a layer's guess precision switches its copies: layer 1 guesses its
+    experts right, layer 2 wrong (it keeps guessing, measured, but copies nothing), until it guesses right."""
+    provider = _provider(store, 3, "lru")
+    provider.rebalance_every = 2
+    steps = _routing(steps=16, tokens=2, seed=9)
+    for s, (x, ids, weights) in enumerate(steps):
+        provider.begin_pass(True)
+        wrong = s < 8
+        for layer in range(LAYERS):
+            prepared = provider.prepare(layer, ids)
+            if layer + 1 < LAYERS:
+                others = torch.tensor([[e for e in range(E) if e not in ids]])  # [1, n]: all wrong
+                guess = others if layer + 1 == 2 and wrong else ids
+                provider.lookahead(layer + 1, x, lambda x, guess=guess: guess)
+            out = provider.compute(layer, prepared, x, ids, weights)
+            assert torch.equal(out, _reference(store, layer, x, ids, weights))
+        if s == 7:
+            assert provider.tables.guessing.tolist() == [True, True, False]
+            prefetched = int(provider.tables.counters["prefetches"][2])
+    assert provider.tables.guessing.tolist() == [True, True, True]  # right again: copies again
+    counters = provider.tables.counters
+    assert int(counters["prefetches"][2]) > prefetched and int(counters["guesses"][2]) > 0
+    provider.tables.check()
+
+
 def _prefill(provider: OffloadedExperts, x, ids, weights) -> list[torch.Tensor]:
     provider.begin_pass(False)
     return [provider.forward(layer, x, ids, weights) for layer in range(LAYERS)]

@@ -13,7 +13,7 @@ from common.experts.cache_tables import POLICIES, CacheTables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TABLES = ("slot_of", "owner", "last_use", "freq", "absent", "previous", "reuse", "counts", "slot_table")
-TABLES += ("fetched", "predicted")
+TABLES += ("fetched", "predicted", "guessing")
 
 
 def _pair(policy: str, gen: torch.Generator, layers: int, experts: int) -> tuple[CacheTables, CacheTables]:
@@ -83,6 +83,9 @@ def test_kernel_prefetch_equals_torch(policy: str, seed: int) -> None:
         if step % 7 == 0 and not reference.frozen:
             for tables in (reference, fused):
                 tables.reclaim() if tables.lent else tables.lend()
+        if step % 5 == 0:  # a layer's guesses gated off, then on again: recorded, not copied
+            for tables in (reference, fused):
+                tables.guessing[1] = not bool(tables.guessing[1])
         tokens = int(torch.randint(1, 3, (), generator=gen))
         stamp = torch.tensor(step, device=DEVICE)
         for layer in range(layers):
@@ -109,3 +112,4 @@ def test_kernel_prefetch_equals_torch(policy: str, seed: int) -> None:
         fused.check()
     assert moved[4].sum() == fused.counters["prefetches"].sum()
     assert 0 < fused.counters["prefetch_hits"].sum() <= fused.counters["prefetches"].sum()
+    assert 0 < fused.counters["guesses_used"].sum() < fused.counters["guesses"].sum()
