@@ -51,8 +51,8 @@ from common.experts.store import HostExpertStore
 from common.kv.lending import KvLending
 from common.model.hf_config import read_json
 
-_FILLS, _BYPASSES, _ARENA, _LOADS, _PREFETCHES = range(5)  # rows of the device counters of experts moved
-TRAFFIC_ROWS = _PREFETCHES + 1
+_FILLS, _BYPASSES, _ARENA, _LOADS = range(4)  # rows of the device counters of experts moved
+TRAFFIC_ROWS = _LOADS + 1
 
 
 @dataclass
@@ -68,7 +68,8 @@ class TrafficCounters:
     bypass_bytes: list[int]
     """Bypassed misses copied into a staging row (for one step)."""
     prefetch_bytes: list[int]
-    """Experts copied into a cache slot ahead of their layer's step (`OffloadedExperts.lookahead`)."""
+    """Experts copied into a cache slot ahead of their layer's step (`OffloadedExperts.lookahead`; the
+    tables' `prefetches` counter)."""
 
 
 def copy_experts(
@@ -286,8 +287,8 @@ class OffloadedExperts(ExpertProvider):
         """Where a lookahead's prediction and table update run (beside the main stream's work)."""
         self._ahead_done: torch.cuda.Event | None = None
         """The last lookahead's table update, which the next resolution waits for."""
-        self._guesses_seen = torch.zeros(2, len(moe_layers), dtype=torch.int64)
-        """The guess counters at the last `_gate_guesses` (host)."""
+        self._guesses_seen = torch.zeros(2, len(moe_layers), dtype=torch.int64, device=self.device)
+        """The guess counters at the last `_gate_guesses`."""
         self._fill_pinned()
         self.prefill = False
         self.observing = False
@@ -387,17 +388,14 @@ class OffloadedExperts(ExpertProvider):
                 self._gate_guesses()
 
     def _gate_guesses(self) -> None:
-        """Between steps (it reads device counters): each layer that guessed since the last call copies its
+        """Between steps, as device ops (no sync): each layer that guessed since the last call copies its
         guesses in from now on if at least `guess_precision` of them were requested (else it only keeps
         measuring them)."""
-        counters = self.tables.counters
-        seen = torch.stack([counters["guesses"], counters["guesses_used"]]).cpu()  # [2, L]
+        counters, guessing = self.tables.counters, self.tables.guessing
+        seen = torch.stack([counters["guesses"], counters["guesses_used"]])  # [2, L]
         made, used = (seen - self._guesses_seen).unbind()
-        self._guesses_seen = seen
-        if bool((made > 0).any()):
-            guessing = self.tables.guessing.cpu()
-            on = torch.where(made > 0, used >= self.guess_precision * made, guessing)
-            self.tables.guessing.copy_(on)
+        guessing.copy_(torch.where(made > 0, used >= self.guess_precision * made, guessing))
+        self._guesses_seen.copy_(seen)
 
     @contextmanager
     def untracked(self) -> Iterator[None]:
@@ -407,17 +405,8 @@ class OffloadedExperts(ExpertProvider):
         t = self.tables
         if self.lend_arena:
             t.reclaim()
-        names = (
-            "freq",
-            "absent",
-            "previous",
-            "observed",
-            "reuse",
-            "counts",
-            "last_use",
-            "fetched",
-            "predicted",
-        )
+        names = ("freq", "absent", "previous", "observed", "reuse", "counts", "last_use")
+        names += ("fetched", "predicted")
         saved = {n: getattr(t, n).clone() for n in names}
         moved, step, passes, frozen = self._moved.clone(), self.step.clone(), self.decode_passes, t.frozen
         t.frozen = True
@@ -432,7 +421,8 @@ class OffloadedExperts(ExpertProvider):
 
     def traffic(self) -> TrafficCounters:
         """Bytes moved host → device so far, per MoE layer. Reads device counters (a sync): between steps."""
-        fills, bypasses, arena, loads, prefetches = self._moved.tolist()
+        fills, bypasses, arena, loads = self._moved.tolist()
+        prefetches = self.tables.counters["prefetches"].tolist()
         b = self.store.expert_bytes
         return TrafficCounters(
             cache_bytes=[n * b for n in fills],
@@ -459,8 +449,7 @@ class OffloadedExperts(ExpertProvider):
             row, newcomer, target, valid = resolve_step(self.tables, i, topk_ids, self.step, self._moved)
             done = self.copies.launch(i, newcomer, target, valid, self._stages)
             return Prepared(rows=row, done=done)
-        requested = torch.zeros(self.store.num_experts, dtype=torch.bool, device=topk_ids.device)  # [E]
-        requested.index_fill_(0, topk_ids.reshape(-1), True)  # (t[i] = True would synchronise)
+        requested = self._chosen(topk_ids)
         if self.prefill:
             if self.observing:  # decode's rates start from it (a prefill worker's: PrefillDone.routing)
                 self.tables.observe(i, topk_ids)
@@ -491,17 +480,18 @@ class OffloadedExperts(ExpertProvider):
 
     def _prefetch(self, i: int, ids: torch.Tensor) -> None:
         """Table update and copy launch of a lookahead for MoE layer index i, on the current stream."""
-        budget = ids.numel()
         if self.fused_resolve:
             from common.kernels.resolve import prefetch_step  # Triton
 
-            newcomer, target, valid = prefetch_step(self.tables, i, ids, self.step, self._moved, budget)
+            newcomer, target, valid = prefetch_step(self.tables, i, ids, self.step, ids.numel())
         else:
-            predicted = torch.zeros(self.store.num_experts, dtype=torch.bool, device=ids.device)
-            predicted.index_fill_(0, ids.reshape(-1), True)
-            newcomer, target, valid = self.tables.prefetch(i, predicted, self.step, budget)
-            self._moved[_PREFETCHES, i].add_(valid.sum())
+            newcomer, target, valid = self.tables.prefetch(i, self._chosen(ids), self.step, ids.numel())
         self.copies.launch(i, newcomer, target, valid, background=True)
+
+    def _chosen(self, ids: torch.Tensor) -> torch.Tensor:
+        """[E] bool: the layer's experts among `ids` (t[i] = True would synchronise: a fill instead)."""
+        chosen = torch.zeros(self.store.num_experts, dtype=torch.bool, device=ids.device)
+        return chosen.index_fill_(0, ids.reshape(-1), True)
 
     def _join_lookahead(self) -> None:
         """Make the current stream wait for the last lookahead's table update."""

@@ -26,11 +26,11 @@ def _copy_part(src_ptr, dst_ptr, row_words, src, dst, offs):
 
 
 @triton.jit
-def _pair(src_ids_ptr, dst_rows_ptr, pair, BLOCK: tl.constexpr):
-    """A valid pair's source row, destination row and this program's word offsets."""
+def _pair(src_ids_ptr, dst_rows_ptr, pair, chunk, BLOCK: tl.constexpr):
+    """A valid pair's source row, destination row and the word offsets of its chunk `chunk`."""
     src = tl.load(src_ids_ptr + pair).to(tl.int64)
     dst = tl.load(dst_rows_ptr + pair).to(tl.int64)
-    return src, dst, tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return src, dst, chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _copy_rows_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_rows_ptr, valid_ptr, ro
     pair = tl.program_id(0)
     if tl.load(valid_ptr + pair) == 0:
         return
-    src, dst, offs = _pair(src_ids_ptr, dst_rows_ptr, pair, BLOCK)
+    src, dst, offs = _pair(src_ids_ptr, dst_rows_ptr, pair, tl.program_id(1), BLOCK)
     _copy_part(src_ptr, dst_ptr, row_words, src, dst, offs)
 
 
@@ -107,9 +107,7 @@ def _copy_parts_kernel(
     for item in range(tl.program_id(0), items, tl.num_programs(0)):  # (pair · chunks + chunk) · PARTS + part
         pair = item // (chunks * PARTS)
         if tl.load(valid_ptr + pair) != 0:
-            src = tl.load(src_ids_ptr + pair).to(tl.int64)
-            dst = tl.load(dst_rows_ptr + pair).to(tl.int64)
-            offs = ((item // PARTS) % chunks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            src, dst, offs = _pair(src_ids_ptr, dst_rows_ptr, pair, (item // PARTS) % chunks, BLOCK)
             part = item % PARTS
             if part == 0:
                 _copy_part(s0, d0, w0, src, dst, offs)

@@ -205,7 +205,7 @@ def _resolve_kernel(
 @triton.jit
 def _prefetch_kernel(
     ids_ptr, n_ids, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
-    freq_ptr, absent_ptr, predicted_ptr, reuse_ptr, counters_ptr, moved_ptr, thawed_ptr, step_ptr,
+    freq_ptr, absent_ptr, predicted_ptr, reuse_ptr, counters_ptr, thawed_ptr, step_ptr,
     fetched_ptr, guessing_ptr, newcomer_ptr, target_ptr, valid_ptr, layer, num_layers, E, spare,
     KEY_MIN, KEY_MAX,
     POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -230,7 +230,6 @@ def _prefetch_kernel(
         POLICY, P, PB, True,
     )  # fmt: skip
     _add(counters_ptr + 4 * num_layers + layer, tl.sum(valid.to(tl.int64), axis=0))
-    _add(moved_ptr + 4 * num_layers + layer, tl.sum(valid.to(tl.int64), axis=0))
     jj = tl.arange(0, PB)
     tl.store(newcomer_ptr + jj, newcomer, mask=jj < P)
     tl.store(target_ptr + jj, tl.where(valid, victims, spare), mask=jj < P)
@@ -282,16 +281,16 @@ def resolve_step(
 
 
 def prefetch_step(
-    tables, layer: int, ids: torch.Tensor, step: torch.Tensor, moved: torch.Tensor, max_new: int
+    tables, layer: int, ids: torch.Tensor, step: torch.Tensor, max_new: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`tables.prefetch` for the predicted experts `ids` ([T, n] or flat) of `layer`, as one program → the
-    copy list (newcomer, target, valid) [P], P = min(max_new, E); moved [5, L]: row 4 gets the fills."""
+    copy list (newcomer, target, valid) [P], P = min(max_new, E)."""
     e, n = tables.num_experts, ids.numel()
     p = min(max_new, e)
     newcomer, target, valid = _copy_list(p, tables.slot_of.device)
     _prefetch_kernel[(1,)](
         ids.reshape(-1), n, tables.slot_of, tables.owner, tables.last_use, tables.pinned, tables.slot_table,
-        tables.freq, tables.absent, tables.predicted, tables.reuse, tables.counts, moved, tables.thawed, step,
+        tables.freq, tables.absent, tables.predicted, tables.reuse, tables.counts, tables.thawed, step,
         tables.fetched, tables.guessing, newcomer, target, valid, layer, tables.num_layers, e,
         tables.num_slots, _KEY_MIN, _KEY_MAX, **_launch_shape(tables, p, n), num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -76,7 +76,7 @@ def test_kernel_prefetch_equals_torch(policy: str, seed: int) -> None:
     gen = torch.Generator().manual_seed(100 + seed)
     layers, experts, top_k, guess = 3, 16, 3, 4
     reference, fused = _pair(policy, gen, layers, experts)
-    moved = torch.zeros(5, layers, dtype=torch.int64, device=DEVICE)
+    moved = torch.zeros(4, layers, dtype=torch.int64, device=DEVICE)
     for step in range(1, 30):
         if step % 11 == 0:
             reference.frozen = fused.frozen = not reference.frozen
@@ -97,7 +97,7 @@ def test_kernel_prefetch_equals_torch(policy: str, seed: int) -> None:
             predicted[guessed.reshape(-1)] = True
             budget = guessed.numel()
             want = reference.prefetch(layer, predicted, stamp, budget)
-            got = prefetch_step(fused, layer, guessed, stamp, moved, budget)
+            got = prefetch_step(fused, layer, guessed, stamp, budget)
             assert torch.equal(got[2], want[2]) and torch.equal(got[1], want[1]), (step, layer)
             assert torch.equal(got[0][got[2]], want[0][want[2]]), (step, layer)
             requested = torch.zeros(experts, dtype=torch.bool, device=DEVICE)
@@ -110,6 +110,5 @@ def test_kernel_prefetch_equals_torch(policy: str, seed: int) -> None:
                     got_t, expected = got_t[:-1], expected[:-1]
                 assert torch.equal(got_t, expected), (step, layer, name)
         fused.check()
-    assert moved[4].sum() == fused.counters["prefetches"].sum()
     assert 0 < fused.counters["prefetch_hits"].sum() <= fused.counters["prefetches"].sum()
     assert 0 < fused.counters["guesses_used"].sum() < fused.counters["guesses"].sum()
