@@ -17,6 +17,7 @@ import torch
 
 from bench.common import progress, step_weight_bytes, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
+from common.config import DEFAULT_LOOKAHEAD
 from common.runner import ModelRunner
 
 
@@ -67,8 +68,9 @@ def main() -> None:
         "--resident-dtype", choices=["fp8"], default=None, help="token mixers' projections in fp8"
     )
     ap.add_argument(
-        "--lookahead", type=int, default=0,
-        help="each MoE layer guesses the next one's top-N experts a token and copies them ahead (0: off)",
+        "--lookahead", type=int, default=None,
+        help="each MoE layer guesses the next one's top-N experts a token and copies them ahead while they "
+        f"are used (0: off; default {DEFAULT_LOOKAHEAD}, the engine's on CUDA with a cache)",
     )  # fmt: skip
     ap.add_argument(
         "--routing", choices=["synthetic-zipf", "model"], default="synthetic-zipf",
@@ -84,6 +86,7 @@ def main() -> None:
         help="with --ablate: only these variants (after the defaults)",
     )  # fmt: skip
     args = ap.parse_args()
+    lookahead = DEFAULT_LOOKAHEAD if args.lookahead is None else args.lookahead
 
     lanes = args.lanes + int(args.ablate)  # --ablate: the prompt's state held beside the lanes
     switches = args.switches or DECODE_SWITCHES
@@ -103,7 +106,7 @@ def main() -> None:
         embeddings_on_host=args.embeddings_on_host,
         resident_dtype=args.resident_dtype,
         lend_kv=args.lend_kv,
-        lookahead=args.lookahead,
+        lookahead=lookahead,
         routing=args.routing,
     )  # fmt: skip  (the default context: + 16 + 8 for the profiled steps)
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
@@ -153,7 +156,7 @@ def main() -> None:
         "bypasses_per_token": run["bypasses"] / steps / args.lanes,
         "h2d_bytes_per_token": h2d / args.lanes,  # with --lookahead: its copies, used or not, too
         "h2d_needed_bytes_per_token": needed / args.lanes,  # the limit's: misses and guesses then used
-        "lookahead": args.lookahead,
+        "lookahead": lookahead,
         "routing": args.routing,
         "prefetches_per_token": run["prefetches"] / steps / args.lanes,
         "prefetch_hits_per_token": run["prefetch_hits"] / steps / args.lanes,  # guesses a step then used
@@ -182,7 +185,7 @@ def main() -> None:
     name += "-host-embeddings" if args.embeddings_on_host else ""
     name += f"-resident-{args.resident_dtype}" if args.resident_dtype else ""
     name += "-routing-model" if args.routing == "model" else ""
-    name += f"-lookahead-{args.lookahead}" if args.lookahead else ""
+    name += "" if args.lookahead is None else f"-lookahead-{args.lookahead}"  # the default: no suffix
     name += ("" if args.fused else "-torch-ops") + ("-eager" if args.eager else "")  # a variant: its own file
     if args.ablate:
         for s in seqs:  # their slots go to the ablations' lanes

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, check_lending, check_lookahead
+from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, check_lending, resolve_lookahead
 from common.experts.artifact import is_artifact, open_store
 from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
@@ -70,7 +70,7 @@ class Engine:
         resident_dtype: str | None = None,
         lend_kv: bool = False,
         prefill_bank: bool = False,
-        lookahead: int = 0,
+        lookahead: int | None = None,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass,
@@ -92,13 +92,13 @@ class Engine:
         serving decode worker's) adds a bank of 1 + 2E slots that a prefill worker uses as its arena, lent to
         the cache between prefills by the worker (`DecodeCore`); `lookahead` (with an expert cache): each MoE
         layer guesses the next one's top-n experts a token and copies them in ahead (`install_lookahead`;
-        0: off)."""
+        0: off; None: `resolve_lookahead`'s default)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
             raise ValueError("lending the arena does not combine with speculative decoding")
         check_lending(str(model_dir), expert_cache is not None, lend_kv, lend_arena, prefill_bank)
-        check_lookahead(str(model_dir), expert_cache is not None, lookahead)
+        lookahead = resolve_lookahead(str(model_dir), expert_cache is not None, lookahead, str(device))
         offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
         fused_kernels = fused_by_default(fused_kernels, device)
         self.model = load_model(

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, WorkerConfig, check_lending, check_lookahead
+from common.config import (
+    DEFAULT_LOOKAHEAD,
+    LAYER_MAJOR_TOKENS,
+    PREFILL_CHUNK,
+    WorkerConfig,
+    check_lending,
+    resolve_lookahead,
+)
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
 
 
@@ -57,10 +64,11 @@ def add_lookahead_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lookahead",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="decode: each MoE layer guesses the next one's top-N experts a token from its own input and "
-        "copies the uncached ones in while it computes (0: off; bench/README.md has the measurements)",
+        "copies the uncached ones in while it computes, while they are used (0: off; default "
+        f"{DEFAULT_LOOKAHEAD} with an expert cache on CUDA, else 0; bench/README.md has the measurements)",
     )
 
 
@@ -123,7 +131,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
     ValueError for lending flags that cannot hold."""
     cached = args.expert_cache is not None or args.vram_budget is not None  # a budget implies a cache
     check_lending(str(model_dir or args.model), cached, args.lend_kv, prefill_bank=args.lend_arena)
-    check_lookahead(str(model_dir or args.model), cached, args.lookahead)
+    resolve_lookahead(str(model_dir or args.model), cached, args.lookahead, args.device)  # raises early
     return WorkerConfig(
         model_dir=model_dir or args.model,
         device=args.device,
@@ -169,7 +177,7 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     argv += ["--embeddings-on-host"] if cfg.embeddings_on_host else []
     argv += ["--lend-kv"] if cfg.lend_kv else []
     argv += ["--lend-arena"] if cfg.lend_arena else []
-    argv += ["--lookahead", str(cfg.lookahead)] if cfg.lookahead else []
+    argv += [] if cfg.lookahead is None else ["--lookahead", str(cfg.lookahead)]
     argv += ["--resident-dtype", cfg.resident_dtype] if cfg.resident_dtype else []
     if cfg.fused_kernels is not None:
         argv += ["--fused-kernels" if cfg.fused_kernels else "--no-fused-kernels"]

@@ -334,11 +334,16 @@ class OffloadedExperts(ExpertProvider):
 
     rebalance_every = 256
     """Decode passes between two per-layer capacity adjustments (host-side, between steps); lookahead's
-    guesses are gated at the same cadence (`_gate_guesses`)."""
+    guesses are gated at the same cadence (`_gate_guesses`), and once before, after `first_gate`."""
+
+    first_gate = 32
+    """Decode passes after which lookahead's guesses are first gated: a layer starts copying its guesses in,
+    and one that guesses at chance stops after this many passes rather than `rebalance_every` (on
+    synthetic-zipf a copied guess costs ~58 % of the step while it runs)."""
 
     guess_precision = 0.5
     """A layer's lookahead copies its guesses in while at least this share of them was then requested over
-    the last `rebalance_every` decode passes (measured whether it copies or not). Where lookahead paid, 98 %
+    the decode passes since the last gate (measured whether it copies or not). Where lookahead paid, 98 %
     and 85 % were (+22 % and +12 % tok/s, bench/results/decode-1-routing-model-lookahead-*.json); where it
     cost 58 %, 1.8 % (synthetic-zipf: decode-1-lookahead-10.json)."""
 
@@ -385,6 +390,8 @@ class OffloadedExperts(ExpertProvider):
             if self.decode_passes % self.rebalance_every == 0:
                 per_layer = self.tables.num_slots // self.tables.num_layers
                 self.tables.rebalance(slots_to_move=max(1, per_layer // 16))
+                self._gate_guesses()
+            elif self.decode_passes == self.first_gate:
                 self._gate_guesses()
 
     def _gate_guesses(self) -> None:

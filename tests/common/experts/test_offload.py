@@ -355,6 +355,26 @@ def test_lookahead_copies_only_the_layers_whose_guesses_pay(store):
     provider.tables.check()
 
 
+def test_lookahead_is_first_gated_after_first_gate_passes(store):
+    """A layer that guesses at chance stops copying after `first_gate` passes, long before the first
+    rebalance; one that guesses right goes on."""
+    provider = _provider(store, 3, "lru")
+    provider.rebalance_every, provider.first_gate = 1000, 3
+    for s, (x, ids, weights) in enumerate(_routing(steps=5, tokens=1, seed=4)):
+        provider.begin_pass(True)
+        assert provider.tables.guessing.tolist() == (
+            [True] * 3 if s < 2 else [True, True, False]
+        )  # gated at pass 3
+        for layer in range(LAYERS):
+            prepared = provider.prepare(layer, ids)
+            if layer + 1 < LAYERS:
+                wrong = torch.tensor([[e for e in range(E) if e not in ids]])
+                guess = wrong if layer + 1 == 2 else ids
+                provider.lookahead(layer + 1, x, lambda x, guess=guess: guess)
+            provider.compute(layer, prepared, x, ids, weights)
+    provider.tables.check()
+
+
 def _prefill(provider: OffloadedExperts, x, ids, weights) -> list[torch.Tensor]:
     provider.begin_pass(False)
     return [provider.forward(layer, x, ids, weights) for layer in range(LAYERS)]
