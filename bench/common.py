@@ -90,7 +90,8 @@ def measure_hbm_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 def write_profile(run, path: Path) -> None:
     """Op tables of what `run()` does on the GPU, by device time then by host time, then the ops by self
     device time with their input shapes (which launched the small kernels: in an eager run; ops replayed
-    in a CUDA graph show as kernels alone), written to `path`."""
+    in a CUDA graph show as kernels alone), written to `path`; the timeline (Chrome trace format: which
+    kernel waited on which stream) beside it, as `<path>.trace.json`."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
@@ -104,6 +105,7 @@ def write_profile(run, path: Path) -> None:
         + "\n"
         + op_table(prof)
     )
+    prof.export_chrome_trace(str(path.with_name(path.name + ".trace.json")))
 
 
 def op_table(prof, rows: int = 60, frames: int = 0) -> str:

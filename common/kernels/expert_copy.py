@@ -102,25 +102,42 @@ machine, back to back)."""
 @triton.jit
 def _copy_parts_kernel(
     s0, d0, w0, s1, d1, w1, s2, d2, w2, s3, d3, w3, s4, d4, w4, s5, d5, w5,
-    src_ids_ptr, dst_rows_ptr, valid_ptr, items, chunks, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+    src_ids_ptr, dst_rows_ptr, valid_ptr, pairs, c1, c2, c3, c4, c5, chunks,
+    BLOCK: tl.constexpr, PB: tl.constexpr,
 ):  # fmt: skip
-    for item in range(tl.program_id(0), items, tl.num_programs(0)):  # (pair · chunks + chunk) · PARTS + part
-        pair = item // (chunks * PARTS)
+    if PB > 0:  # the work ends at the last valid pair (a step's misses come first in its copy list)
+        p = tl.arange(0, PB)
+        valid = tl.load(valid_ptr + p, mask=p < pairs, other=0) != 0
+        items = tl.max(tl.where(valid, p + 1, 0), axis=0) * chunks
+    else:
+        items = pairs * chunks
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):  # pair · chunks + chunk of the parts
+        pair = item // chunks
         if tl.load(valid_ptr + pair) != 0:
-            src, dst, offs = _pair(src_ids_ptr, dst_rows_ptr, pair, (item // PARTS) % chunks, BLOCK)
-            part = item % PARTS
-            if part == 0:
-                _copy_part(s0, d0, w0, src, dst, offs)
-            elif part == 1:
-                _copy_part(s1, d1, w1, src, dst, offs)
-            elif part == 2:
-                _copy_part(s2, d2, w2, src, dst, offs)
-            elif part == 3:
-                _copy_part(s3, d3, w3, src, dst, offs)
-            elif part == 4:
-                _copy_part(s4, d4, w4, src, dst, offs)
+            chunk = item % chunks  # component k's chunks are [c_k, c_k+1): c0 = 0, unused parts empty
+            if chunk < c1:
+                _copy_chunk(s0, d0, w0, src_ids_ptr, dst_rows_ptr, pair, chunk, BLOCK)
+            elif chunk < c2:
+                _copy_chunk(s1, d1, w1, src_ids_ptr, dst_rows_ptr, pair, chunk - c1, BLOCK)
+            elif chunk < c3:
+                _copy_chunk(s2, d2, w2, src_ids_ptr, dst_rows_ptr, pair, chunk - c2, BLOCK)
+            elif chunk < c4:
+                _copy_chunk(s3, d3, w3, src_ids_ptr, dst_rows_ptr, pair, chunk - c3, BLOCK)
+            elif chunk < c5:
+                _copy_chunk(s4, d4, w4, src_ids_ptr, dst_rows_ptr, pair, chunk - c4, BLOCK)
             else:
-                _copy_part(s5, d5, w5, src, dst, offs)
+                _copy_chunk(s5, d5, w5, src_ids_ptr, dst_rows_ptr, pair, chunk - c5, BLOCK)
+
+
+@triton.jit
+def _copy_chunk(src_ptr, dst_ptr, row_words, src_ids_ptr, dst_rows_ptr, pair, chunk, BLOCK: tl.constexpr):
+    src, dst, offs = _pair(src_ids_ptr, dst_rows_ptr, pair, chunk, BLOCK)
+    _copy_part(src_ptr, dst_ptr, row_words, src, dst, offs)
+
+
+LIVE_PAIRS = 4096
+"""Copy lists up to this long are scanned by every program for their last valid pair (one [P] load from
+L2), so that no work is scheduled past it; longer ones cover every pair."""
 
 
 def copy_parts(
@@ -129,26 +146,31 @@ def copy_parts(
     dst_rows: torch.Tensor,
     valid: torch.Tensor,
     programs: int | None = None,
+    block_words: int = BLOCK_WORDS,
 ) -> bool:
     """`copy_rows` for up to MAX_PARTS (src, dst) pairs of one expert's components in one launch of
-    `programs` programs (default: one per 8 KiB chunk of a component of a pair), when every row is whole
-    4-byte words; returns False (nothing copied) otherwise, for per-component launches."""
+    `programs` programs (default: one per `block_words` chunk of every component of every pair, each
+    component cut into its own chunks), when every row is whole 4-byte words; returns False (nothing
+    copied) otherwise, for per-component launches."""
     if not 0 < len(parts) <= MAX_PARTS or src_ids.numel() == 0:
         return False
-    args, longest = [], 0
+    args, bounds = [], [0]
     for src, dst in parts:
         row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
         if row_bytes == 0 or word_dtype(row_bytes, src, dst) != torch.int32 or src.shape[1:] != dst.shape[1:]:
             return False
         source, dest = as_words(src, torch.int32), as_words(dst, torch.int32)
         args += [source, dest, source.shape[1]]
-        longest = max(longest, source.shape[1])
-    args += args[-3:] * (MAX_PARTS - len(parts))  # unused slots: never reached (part < PARTS)
-    chunks = triton.cdiv(longest, BLOCK_WORDS)
-    items = src_ids.numel() * chunks * len(parts)
+        bounds.append(bounds[-1] + triton.cdiv(source.shape[1], block_words))
+    args += args[-3:] * (MAX_PARTS - len(parts))  # unused slots: never reached (their chunks are empty)
+    chunks = bounds[-1]
+    bounds += [chunks] * (MAX_PARTS - len(bounds))  # [c0 .. c5]
+    pairs = src_ids.numel()
+    items = pairs * chunks
     programs = items if programs is None else min(programs, items)
+    scan = triton.next_power_of_2(pairs) if pairs <= LIVE_PAIRS else 0
     _copy_parts_kernel[(programs,)](
-        *args, src_ids.contiguous(), dst_rows.contiguous(), valid.contiguous().view(torch.uint8), items,
-        chunks, PARTS=len(parts), BLOCK=BLOCK_WORDS,
+        *args, src_ids.contiguous(), dst_rows.contiguous(), valid.contiguous().view(torch.uint8), pairs,
+        *bounds[1:MAX_PARTS], chunks, BLOCK=block_words, PB=scan,
     )  # fmt: skip
     return True

@@ -10,8 +10,9 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("programs", [None, 1, 5])
-def test_copy_parts_matches_indexing(programs: int | None) -> None:
+@pytest.mark.parametrize(("programs", "block_words"), [(None, 2048), (1, 2048), (5, 2048), (None, 64), (3, 8)])
+def test_copy_parts_matches_indexing(programs: int | None, block_words: int) -> None:
+    """small block_words: components in several chunks of their own (the last one partial)."""
     from common.kernels.expert_copy import copy_parts
 
     gen = torch.Generator().manual_seed(0)
@@ -25,10 +26,10 @@ def test_copy_parts_matches_indexing(programs: int | None) -> None:
     for shape, dtype in shapes:
         src = torch.randint(0, 100, (5, *shape), generator=gen).to(dtype)
         parts.append((src.to(DEVICE), torch.zeros((7, *shape), dtype=dtype, device=DEVICE)))
-    src_ids = torch.tensor([3, 0, 4, 1], device=DEVICE)
-    dst_rows = torch.tensor([6, 2, 0, 5], device=DEVICE)
-    valid = torch.tensor([True, True, False, True], device=DEVICE)
-    assert copy_parts(parts, src_ids, dst_rows, valid, programs)
+    src_ids = torch.tensor([3, 0, 4, 1, 2], device=DEVICE)
+    dst_rows = torch.tensor([6, 2, 0, 5, 1], device=DEVICE)
+    valid = torch.tensor([True, True, False, True, False], device=DEVICE)  # padding inside and after
+    assert copy_parts(parts, src_ids, dst_rows, valid, programs, block_words)
     for src, dst in parts:
         want = torch.zeros_like(dst)
         want[dst_rows[valid]] = src[src_ids[valid]]
