@@ -39,28 +39,27 @@ def _add(ptr, value):
 
 
 @triton.jit
-def _pick(vec, pos, values, count, PB: tl.constexpr, P: tl.constexpr, LARGEST: tl.constexpr, SENTINEL):
-    """`count` (≤ P) rounds of argmin (or argmax): ([PB] positions, keys, values) in order, ties to the lower
+def _pick(vec, pos, count, PB: tl.constexpr, P: tl.constexpr, LARGEST: tl.constexpr, SENTINEL):
+    """`count` (≤ P) rounds of argmin (or argmax): ([PB] positions, keys) in order, ties to the lower
     position; entries from `count` on keep position 0 and key SENTINEL. Rounds past `count` are skipped:
-    a step has as many rounds as misses (~2 of top-10 at a 0.8 hit rate), not P."""
+    a step has as many rounds as misses (~2 of top-10 at a 0.8 hit rate), not P. A round is one reduction
+    (the key and its position together): the rounds set the program's time, and a caller gathers what else
+    it needs at the chosen positions from memory."""
     jj = tl.arange(0, PB)
     chosen = tl.zeros((PB,), dtype=tl.int64)
     keys = tl.zeros((PB,), dtype=tl.int64) + SENTINEL
-    extra = tl.zeros((PB,), dtype=values.dtype)
     taken = pos < 0  # all False
     for j in range(P):
         if j < count:
             live = tl.where(taken, SENTINEL, vec)
             if LARGEST:
-                at = tl.argmax(live, axis=0, tie_break_left=True)
+                key, at = tl.max(live, axis=0, return_indices=True, return_indices_tie_break_left=True)
             else:
-                at = tl.argmin(live, axis=0, tie_break_left=True)
-            hit = pos == at
+                key, at = tl.min(live, axis=0, return_indices=True, return_indices_tie_break_left=True)
             chosen = tl.where(jj == j, at.to(tl.int64), chosen)
-            keys = tl.where(jj == j, tl.sum(tl.where(hit, live, 0), axis=0), keys)
-            extra = tl.where(jj == j, tl.sum(tl.where(hit, values, 0), axis=0), extra)
-            taken = taken | hit
-    return chosen, keys, extra
+            keys = tl.where(jj == j, key, keys)
+            taken = taken | (pos == at)
+    return chosen, keys
 
 
 @triton.jit
@@ -101,18 +100,22 @@ def _pair_and_apply(
         key = (owner_rate.to(tl.int32, bitcast=True).to(tl.int64) << 32) + recency
     key = tl.where(held, key, KEY_MIN)
     key = tl.where(evictable, key, KEY_MAX)
-    _, victim_key, victims = _pick(key, e, slots, misses, PB, P, False, KEY_MAX)
+    jj = tl.arange(0, PB)
+    picked = jj < misses
+    victim_at, victim_key = _pick(key, e, misses, PB, P, False, KEY_MAX)
+    at_slot = tl.load(slot_table_ptr + base + victim_at, mask=picked & (victim_at < E), other=spare)
+    victims = tl.where(picked, at_slot, 0)  # [PB] the slots at the chosen positions (0 past the count)
 
     # Newcomers: misses, most frequent first, ties to the lower expert id (the torch path's unique keys).
     miss_key = (rate.to(tl.int32, bitcast=True).to(tl.int64) << 16) + (E - 1 - e)
     miss_key = tl.where(miss, miss_key, -1)
-    newcomer, newcomer_key, newcomer_rate = _pick(miss_key, e, rate, misses, PB, P, True, -2)
+    newcomer, newcomer_key = _pick(miss_key, e, misses, PB, P, True, -2)
     is_miss = newcomer_key >= 0
-    jj = tl.arange(0, PB)
     thawed = (tl.zeros((PB,), dtype=tl.int32) + allowed) != 0  # a vector: masks mixing scalars in stay
     valid = is_miss & (victim_key < KEY_MAX) & thawed & (jj < P)  # boolean everywhere
     old = tl.load(owner_ptr + victims, mask=jj < P, other=-1)
     if POLICY == 2:  # lfu-admit (CacheTables._admit)
+        newcomer_rate = _rate(freq_ptr, absent_ptr, base + newcomer, picked)  # `rate` at them, as stored
         new = reuse + (1.0 - reuse) * newcomer_rate
         old_rate = tl.where(old >= 0, _rate(freq_ptr, absent_ptr, base + old, old >= 0), float("-inf"))
         valid = valid & (new >= old_rate)
