@@ -10,7 +10,9 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize(("programs", "block_words"), [(None, 2048), (1, 2048), (5, 2048), (None, 64), (3, 8)])
+@pytest.mark.parametrize(
+    ("programs", "block_words"), [(None, 2048), (1, 2048), (5, 2048), (None, 64), (3, 8)]
+)
 def test_copy_parts_matches_indexing(programs: int | None, block_words: int) -> None:
     """small block_words: components in several chunks of their own (the last one partial)."""
     from common.kernels.expert_copy import copy_parts
