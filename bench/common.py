@@ -91,7 +91,7 @@ def write_profile(run, path: Path) -> None:
     """Op tables of what `run()` does on the GPU, by device time then by host time, then the ops by self
     device time with their input shapes (which launched the small kernels: in an eager run; ops replayed
     in a CUDA graph show as kernels alone), written to `path`; the timeline (Chrome trace format: which
-    kernel waited on which stream) beside it, as `<path>.trace.json`."""
+    kernel waited on which stream) beside it, as `<path>.trace.json` (`python -m bench.trace_summary`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:

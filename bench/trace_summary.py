@@ -1,0 +1,80 @@
+"""What a decode profile's timeline says (the `<profile>.trace.json` `--profile` writes beside its tables).
+
+The op tables sum each kernel's time; in a CUDA graph they cannot say which kernels the step waited on. The
+timeline can: steps are cut at the LM head's GEMM (the step's last large kernel) and the host gap before
+each step's first kernel; per step, the device time from its first kernel to its LM head, and each kernel's
+time and count, largest first (small torch kernels pooled as `aten`).
+
+    python -m bench.trace_summary FILE.trace.json[.gz] [--head 512x8] [--rows 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import Counter
+from itertools import pairwise
+from pathlib import Path
+
+
+def kernels(path: Path) -> list[dict]:
+    """The trace's kernel events, by start time."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    found = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    return sorted(found, key=lambda e: e["ts"])
+
+
+def kernel_name(name: str) -> str:
+    """A kernel's name, torch's templated elementwise kernels pooled as `aten`."""
+    return "aten" if name.startswith(("void at::", "void (anonymous")) else name[:60]
+
+
+def steps(events: list[dict], head: str) -> list[list[dict]]:
+    """Each whole step's kernels: after an LM head (a kernel whose name holds `head`), from the first
+    kernel after the largest host gap, up to and with the next LM head."""
+    heads = [i for i, e in enumerate(events) if head in e["name"]]
+    out = []
+    for a, b in pairwise(heads):
+        seg = events[a : b + 1]  # from the last step's head: the host's gap may follow it at once
+        gaps = [seg[i + 1]["ts"] - seg[i]["ts"] - seg[i]["dur"] for i in range(len(seg) - 1)]
+        out.append(seg[max(range(len(gaps)), key=gaps.__getitem__) + 1 :])
+    return out
+
+
+def summary(events: list[dict], head: str = "512x8", rows: int = 30) -> str:
+    """Per-step device time and the kernels' time and count a step, as text."""
+    cut = steps(events, head)
+    if not cut:
+        return f"no two kernels named like {head!r}: no whole step"
+    time, count = Counter(), Counter()
+    for step in cut:
+        for e in step:
+            time[kernel_name(e["name"])] += e["dur"]
+            count[kernel_name(e["name"])] += 1
+    n = len(cut)
+    walls = [(s[-1]["ts"] + s[-1]["dur"] - s[0]["ts"]) / 1e3 for s in cut]
+    lines = [
+        f"steps {n}: device ms from the first kernel to the LM head {', '.join(f'{w:.3f}' for w in walls)}"
+    ]
+    lines.append(f"kernel time a step {sum(time.values()) / n / 1e3:.3f} ms")
+    for name, us in time.most_common(rows):
+        lines.append(
+            f"{us / n / 1e3:8.3f} ms {count[name] / n:7.1f} a step {us / count[name]:8.2f} us  {name}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--head", default="512x8", help="a substring of the LM head GEMM's kernel name")
+    ap.add_argument("--rows", type=int, default=30)
+    args = ap.parse_args()
+    print(summary(kernels(args.trace), args.head, args.rows))
+
+
+if __name__ == "__main__":
+    main()

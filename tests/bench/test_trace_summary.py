@@ -1,0 +1,47 @@
+import gzip
+import json
+from pathlib import Path
+
+from bench.trace_summary import kernels, summary
+
+
+def _trace(path: Path) -> Path:
+    """Two whole steps between three LM heads, a host gap before each step, a torch kernel in each."""
+    events, ts = [], 0.0
+
+    def kernel(name: str, dur: float, gap: float = 1.0) -> None:
+        nonlocal ts
+        ts += gap
+        events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur})
+        ts += dur
+
+    kernel("nvjet_512x8_head", 300.0)
+    for _ in range(2):
+        kernel("void at::native::vectorized_elementwise_kernel<4>", 2.0, gap=5000.0)  # the host's gap first
+        for _ in range(3):
+            kernel("_copy_parts_kernel", 50.0)
+            kernel("_down_kernel", 10.0)
+        kernel("nvjet_512x8_head", 300.0)
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 1.0})  # not a kernel
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+def test_steps_are_cut_at_the_head_and_the_host_gap(tmp_path: Path) -> None:
+    text = summary(kernels(_trace(tmp_path / "t.trace.json.gz")))
+    lines = text.splitlines()
+    assert (
+        lines[0] == "steps 2: device ms from the first kernel to the LM head 0.489, 0.489"
+    )  # 2 + 7 gaps + 480
+    assert "0.150 ms     3.0 a step    50.00 us  _copy_parts_kernel" in text
+    assert "0.002 ms     1.0 a step     2.00 us  aten" in text
+    assert lines[1] == "kernel time a step 0.482 ms"
+
+
+def test_a_trace_without_two_heads_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(
+        json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 1}]})
+    )
+    assert summary(kernels(path)).startswith("no two kernels")
