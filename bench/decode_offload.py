@@ -78,7 +78,8 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--ablate", action="store_true",
-        help="then decode again from the prompt with each decode kernel switched alone (DECODE_SWITCHES): "
+        help="then decode again from the prompt with each decode kernel (and lookahead) switched alone "
+        "(DECODE_SWITCHES): "
         "decode-N-ablate.json (one more lane's state held: slots a little fewer than the plain run's)",
     )  # fmt: skip
     ap.add_argument(
@@ -199,6 +200,7 @@ def main() -> None:
 
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
+    "no-lookahead",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -215,6 +217,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
         (HyperConnection, "mix_up_kernel", False),
         (SparseMoeBlock, "shared_kernel", False),
         (provider, "combine_shared", False),
+        (SparseMoeBlock, "lookahead", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -35,6 +35,9 @@ class SparseMoeBlock(nn.Module):
     ahead_experts = 0
     """Experts a token the guess names (the next layer's router's top-n on this block's input)."""
 
+    lookahead = True
+    """With `ahead`: guess (a switch for bench.decode_offload --ablate, which compares a run without)."""
+
     shared_kernel = True
     """With `fused_decode`: a few rows' shared expert after its input projections in one Triton kernel
     (`swiglu_down`); a switch for bench.decode_offload --ablate."""
@@ -87,7 +90,7 @@ class SparseMoeBlock(nn.Module):
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
         prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
-        if self.ahead is not None:  # the next layer's guess: its copies queue behind this layer's
+        if self.ahead is not None and self.lookahead:  # the next layer's guess: its copies queue behind
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
         shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run
         return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)

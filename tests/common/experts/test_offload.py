@@ -159,6 +159,17 @@ def test_lookahead_changes_nothing_and_its_guesses_are_used(model, guess):
         Engine(path, dtype=torch.float32, max_seqs=1, expert_cache="0.25", lookahead=1000)
 
 
+def test_the_lookahead_switch_stops_the_guesses(model, monkeypatch):
+    """SparseMoeBlock.lookahead off (decode_offload --ablate's no-lookahead): installed, but no guess."""
+    from common.model.moe import SparseMoeBlock
+
+    path, prompts, reference = model
+    monkeypatch.setattr(SparseMoeBlock, "lookahead", False)
+    out, engine = _run(path, prompts, expert_cache="0.25", lookahead=2)
+    assert out == reference
+    assert int(engine.offload.tables.counters["guesses"].sum()) == 0
+
+
 @pytest.mark.parametrize("chunk", [5, 8192])
 def test_lending_the_arena_between_prefills_changes_nothing(model, chunk):
     """Two lanes, three prompts: the third prompt's prefill comes after decode passes, so the lent buffer is
