@@ -17,7 +17,7 @@ import torch
 
 from bench.common import progress, step_weight_bytes, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
-from common.config import DEFAULT_LOOKAHEAD
+from common.config import DEFAULT_LOOKAHEAD, resolve_lookahead
 from common.runner import ModelRunner
 
 
@@ -87,7 +87,7 @@ def main() -> None:
         help="with --ablate: only these variants (after the defaults)",
     )  # fmt: skip
     args = ap.parse_args()
-    lookahead = DEFAULT_LOOKAHEAD if args.lookahead is None else args.lookahead
+    lookahead = resolve_lookahead("", True, args.lookahead, "cuda")  # the engine's rule: an expert cache
 
     lanes = args.lanes + int(args.ablate)  # --ablate: the prompt's state held beside the lanes
     switches = args.switches or DECODE_SWITCHES
@@ -139,7 +139,7 @@ def main() -> None:
     used = (run["hits"] + run["misses"]) / steps * store.expert_bytes  # experts read per step
     if args.all_fit:  # nothing is resolved, so nothing counted: each layer reads its lanes' experts
         used = len(cfg.moe_layers) * min(cfg.num_experts, args.lanes * cfg.top_k) * store.expert_bytes
-    h2d = (run["cache_bytes"] + run["prefetch_bytes"] + run["bypasses"] * store.expert_bytes) / steps
+    h2d = (run["cache_bytes"] + (run["prefetches"] + run["bypasses"]) * store.expert_bytes) / steps
     # the limit counts the bytes the step needed: a lookahead's guesses that no step used are waste, not limit
     needed = (run["cache_bytes"] + (run["bypasses"] + run["prefetch_hits"]) * store.expert_bytes) / steps
     t_limit = max(needed / (pcie * 1e9), (resident + used) / (hbm * 1e9))  # per step
@@ -265,8 +265,7 @@ def decode(runner: ModelRunner, provider, seqs: list, tokens: list[int], steps: 
 
 def _counts(provider) -> dict:
     counters = {k: int(v.sum()) for k, v in provider.tables.counters.items()}
-    traffic = provider.traffic()
-    return counters | {"cache_bytes": sum(traffic.cache_bytes), "prefetch_bytes": sum(traffic.prefetch_bytes)}
+    return counters | {"cache_bytes": sum(provider.traffic().cache_bytes)}
 
 
 if __name__ == "__main__":

@@ -349,10 +349,11 @@ class CacheTables:
         newcomer, victims, valid = self._pair_misses(layer, absent, held, rate, min(max_new, e))
         valid &= self.guessing[layer]
         self._apply(layer, newcomer, victims, valid, step)
-        self.fetched.index_fill_(0, torch.where(valid, victims, spare), True)
+        target = torch.where(valid, victims, spare)
+        self.fetched.index_fill_(0, target, True)
         self.fetched[spare].fill_(False)
         self.counters["prefetches"][layer].add_(valid.sum())
-        return newcomer, torch.where(valid, victims, spare), valid
+        return newcomer, target, valid
 
     def _stamp(self, slots: torch.Tensor, step: int | torch.Tensor) -> None:
         """last_use[slots] = step (index_fill_ would read a tensor step on the host: a sync)."""
