@@ -158,6 +158,7 @@ def main() -> None:
         "h2d_bytes_per_token": h2d / args.lanes,  # with --lookahead: its copies, used or not, too
         "h2d_needed_bytes_per_token": needed / args.lanes,  # the limit's: misses and guesses then used
         "lookahead": lookahead,
+        "decode_groups": runner.graphs.groups(args.lanes) if runner.graphs is not None else 1,
         "routing": args.routing,
         "prefetches_per_token": run["prefetches"] / steps / args.lanes,
         "prefetch_hits_per_token": run["prefetch_hits"] / steps / args.lanes,  # guesses a step then used
@@ -200,13 +201,14 @@ def main() -> None:
 
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
-    "no-lookahead",
+    "no-lookahead", "no-groups",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
 
-def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
+def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
+    from common.graphs import DecodeGraphs
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.qwen4_exp.qsa import QSAIndexer
@@ -218,6 +220,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, bool]]:
         (SparseMoeBlock, "shared_kernel", False),
         (provider, "combine_shared", False),
         (SparseMoeBlock, "lookahead", False),
+        (DecodeGraphs, "split_lanes", 0),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -19,6 +19,7 @@ import torch
 
 from common.kv.batch import ForwardBatch
 from common.model.context import ForwardContext
+from common.model.groups import lane_groups
 
 
 class _Recorded:
@@ -61,6 +62,10 @@ class DecodeGraphs:
     [B, V] are the recording's buffer: valid until the next replay of that lane count.
     """
 
+    split_lanes = 8
+    """Lane counts from which a pass is recorded as two groups of lanes (common/model/groups.py: one group
+    computes while the other's experts copy), where the model and its expert provider can; 0: never."""
+
     def __init__(self, model: torch.nn.Module, pool, backend, max_context: int) -> None:
         self.model, self.pool, self.backend, self.max_context = model, pool, backend, max_context
         self.recorded: dict[int, _Recorded] = {}
@@ -95,8 +100,28 @@ class DecodeGraphs:
 
     def _record(self, lanes: int, device: torch.device) -> _Recorded:
         rec = _Recorded(lanes, self.max_context, self.pool.page_size, device)
+        groups = [rec.batch.lanes(a, b) for a, b in lane_groups(lanes, self.groups(lanes))]
         # thread_local: other threads of a worker (metrics, heartbeats) may touch CUDA meanwhile
         with torch.cuda.graph(rec.graph, pool=self.memory, capture_error_mode="thread_local"):
-            ctx = ForwardContext(rec.batch, self.pool, self.backend, self.backend.plan(rec.batch))
-            rec.logits = self.model.compute_logits(self.model(ctx))  # one token per lane: all are last
+            if len(groups) > 1:
+                hidden = self.model.forward_groups([self._context(b) for b in groups])
+            else:
+                hidden = self.model(self._context(rec.batch))
+            rec.logits = self.model.compute_logits(hidden)  # one token per lane: all are last
         return rec
+
+    def groups(self, lanes: int) -> int:
+        """Groups a pass of `lanes` lanes is recorded as: two from `split_lanes` lanes on where the model runs
+        grouped passes and its expert provider takes them, with a group's expert choices within its share
+        of the staging rows (`CacheTables.resolve`); else one."""
+        model = self.model
+        experts = getattr(model, "experts", None)
+        if not self.split_lanes or lanes < self.split_lanes or not hasattr(model, "forward_groups"):
+            return 1
+        if experts is None or experts.max_groups < 2:
+            return 1
+        cfg = model.config
+        return 2 if -(-lanes // 2) * cfg.top_k <= cfg.num_experts // 2 else 1
+
+    def _context(self, batch: ForwardBatch) -> ForwardContext:
+        return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))

@@ -47,6 +47,8 @@ import torch
 POLICIES = ("lru", "lfu", "lfu-admit")
 DEFAULT_POLICY = "lfu-admit"
 _KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max  # free / unevictable slots
+DECODE_GROUPS = 2
+"""Most groups a decode pass's lanes are split into (`resolve`'s `group`; common/model/groups.py)."""
 
 
 @dataclass
@@ -104,11 +106,11 @@ class CacheTables:
         self.last_use = torch.zeros(s + 1, dtype=torch.int64, device=device)
         self.pinned = torch.zeros(s + 1, dtype=torch.bool, device=device)
         self.freq = torch.zeros(num_layers, e, dtype=torch.float32, device=device)
-        # The previous step's requests; per expert, the decayed count of steps that could make a fresh
-        # request (the expert was not requested by the step before), so freq / absent estimates
-        # P(requested | not requested by the previous step); per layer, decayed counts of [experts requested
-        # again by the next step, experts requested] (the reuse probability).
-        self.previous = torch.zeros(num_layers, e, dtype=torch.bool, device=device)
+        # The previous step's requests, per decode group (`resolve`); per expert, the decayed count of steps
+        # that could make a fresh request (the expert was not requested by the step before), so freq /
+        # absent estimates P(requested | not requested by the previous step); per layer, decayed counts of
+        # [experts requested again by the next step, experts requested] (the reuse probability).
+        self.previous = torch.zeros(DECODE_GROUPS, num_layers, e, dtype=torch.bool, device=device)
         self.absent = torch.zeros(num_layers, e, dtype=torch.float32, device=device)
         self.reuse = torch.zeros(num_layers, 2, dtype=torch.float32, device=device)
         self.observed = torch.zeros(num_layers, e, dtype=torch.bool, device=device)
@@ -263,7 +265,13 @@ class CacheTables:
         self.pinned[slots] = True
 
     def resolve(
-        self, layer: int, requested: torch.Tensor, step: int | torch.Tensor, max_new: int
+        self,
+        layer: int,
+        requested: torch.Tensor,
+        step: int | torch.Tensor,
+        max_new: int,
+        group: int = 0,
+        groups: int = 1,
     ) -> Resolution:
         """Serve a step of `layer` that uses the experts in `requested` ([E] bool).
 
@@ -272,9 +280,15 @@ class CacheTables:
         `max_new` bounds the misses that can take a slot this step (the tokens' expert choices, known on the
         host): it fixes the shape of the pairing and of the copy list, not the result. The copy list covers
         every miss when `max_new` is at least the number of requested experts.
+
+        A pass split into `groups` groups of lanes (common/model/groups.py) resolves each layer once per
+        group, in group order, and each group is a step of its own in the statistics (its previous step is
+        its own). A group never evicts what any group of the pass requested at the layer (the groups before
+        it in this pass compute from those slots while this one's copies run), and its bypasses take their
+        own share of the staging rows (E // groups each).
         """
         e, spare = self.num_experts, self.num_slots
-        self._count(layer, requested)
+        self._count(layer, requested, group)
         self.counters["guesses_used"][layer].add_((requested & self.predicted[layer]).sum())
         self.predicted[layer].zero_()
         rate = self._rate(layer)
@@ -285,7 +299,9 @@ class CacheTables:
         self._stamp(hit_slot, step)
         self.counters["prefetch_hits"][layer].add_(self.fetched[hit_slot].sum())  # fetched[spare]: False
         self.fetched.index_fill_(0, hit_slot, False)
-        newcomer, victims, valid = self._pair_misses(layer, miss, hit_slot, rate, min(max_new, e))
+        asked = self.previous[:groups, layer].any(0)  # [E] every group's requests (this one's: `requested`)
+        in_use = torch.where(asked & (current >= 0), current, spare)
+        newcomer, victims, valid = self._pair_misses(layer, miss, in_use, rate, min(max_new, e))
         self._apply(layer, newcomer, victims, valid, step)
 
         slot = torch.where(requested, self.slot_of[layer, :e], -1)
@@ -296,7 +312,7 @@ class CacheTables:
         self.counters["hits"][layer].add_(hit.sum())
         self.counters["misses"][layer].add_(miss.sum())
         self.counters["bypasses"][layer].add_(bypass.sum())
-        row = self._rows(slot, bypass)
+        row = self._rows(slot, bypass, group * (e // groups))
         need = miss[newcomer]  # the copy list: every miss (there are at most max_new), then padding
         target = torch.where(need, row[newcomer], spare)
         return Resolution(
@@ -362,14 +378,16 @@ class CacheTables:
         else:
             self.last_use.index_fill_(0, slots, step)
 
-    def _rows(self, slot: torch.Tensor, bypass: torch.Tensor) -> torch.Tensor:
-        """[E] pool row of each expert: its slot, else the next staging row for a bypass, else the spare."""
-        staging = self.staging_base + torch.cumsum(bypass, 0) - 1  # [E] j-th bypass → staging_base + j
+    def _rows(self, slot: torch.Tensor, bypass: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """[E] pool row of each expert: its slot, else the next staging row from staging row `first` on for a
+        bypass, else the spare."""
+        staging = self.staging_base + first + torch.cumsum(bypass, 0) - 1  # [E] j-th bypass → its row
         return torch.where(bypass, staging, torch.where(slot >= 0, slot, self.num_slots))
 
-    def _count(self, layer: int, requested: torch.Tensor) -> None:
-        """Update the layer's request statistics with this step's requests."""
-        previous, d = self.previous[layer], self.decay
+    def _count(self, layer: int, requested: torch.Tensor, group: int = 0) -> None:
+        """Update the layer's request statistics with this step's requests (a step of decode group
+        `group`)."""
+        previous, d = self.previous[group, layer], self.decay
         fresh = requested & ~previous  # a run of consecutive requests counts once
         self.freq[layer].mul_(d).add_(fresh.float())
         self.absent[layer].mul_(d).add_((~previous).float())

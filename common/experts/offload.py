@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.experts.cache_tables import DEFAULT_POLICY, CacheTables
+from common.experts.cache_tables import DECODE_GROUPS, DEFAULT_POLICY, CacheTables
 from common.experts.formats import ExpertFormat, get_format
 from common.experts.provider import ExpertProvider, add_shared, install_provider
 from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
@@ -317,6 +317,10 @@ class OffloadedExperts(ExpertProvider):
         gate_up kernel starts as soon as those rows are in, while the down rows are still being copied."""
         self.step = torch.zeros((), dtype=torch.int64, device=self.device)  # on the device: recorded steps
         self.decode_passes = 0
+        self.groups = 1
+        """The groups of the pass being issued (`grouped`)."""
+        self._turns: dict[int, torch.cuda.Event] = {}
+        """In a grouped pass on CUDA: MoE layer → the last group's `turn` at it, which the next waits for."""
 
     def _own_pool(
         self, tables: CacheTables, arena_buffers: int, kv_lending: KvLending | None
@@ -394,6 +398,39 @@ class OffloadedExperts(ExpertProvider):
             elif self.decode_passes == self.first_gate:
                 self._gate_guesses()
 
+    @property
+    def max_groups(self) -> int:
+        """A decode pass through the cache may be split (an all-resident cache has nothing to overlap)."""
+        return 1 if self.all_resident or self.shared_cache is not None else DECODE_GROUPS
+
+    @contextmanager
+    def grouped(self, groups: int) -> Iterator[None]:
+        """A decode pass of `groups` groups of lanes (common/model/groups.py). Each group resolves each layer
+        as a step of its own (`CacheTables.resolve`'s `group`), in turn (`turn`), so that one group's
+        copies run while another computes. Lookahead's guesses are not made in a grouped pass (they would
+        be one group's, and its stream and update are one at a time)."""
+        with super().grouped(groups):
+            self.groups, self.group = groups, 0
+            self._turns.clear()
+            try:
+                yield
+            finally:
+                self.groups, self.group = 1, 0
+                self._turns.clear()
+
+    @contextmanager
+    def turn(self, layer: int) -> Iterator[None]:
+        """Group g's routing replay and resolution of a layer after group g−1's: both update the layer's
+        tables (and a replay's cursor) in place."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        before = self._turns.pop(layer, None)
+        if before is not None:
+            stream.wait_event(before)
+        yield
+        if self.groups > 1 and stream is not None:
+            self._turns[layer] = torch.cuda.Event()
+            self._turns[layer].record(stream)
+
     def _gate_guesses(self) -> None:
         """Between steps, as device ops (no sync): each layer that guessed since the last call copies its
         guesses in from now on if at least `guess_precision` of them were requested (else it only keeps
@@ -450,10 +487,17 @@ class OffloadedExperts(ExpertProvider):
         self._join_lookahead()
         if self.all_resident:  # every expert in its slot: nothing to resolve or copy
             return Prepared(rows=self.tables.slot_of[i, : self.store.num_experts], done=None)
+        if self.groups > 1 and topk_ids.numel() > self.store.num_experts // self.groups:
+            raise ValueError(
+                f"a group of {topk_ids.shape[0]} lanes has more choices than its {self.store.num_experts} "
+                f"// {self.groups} staging rows"
+            )
         if self.fused_resolve and not self.prefill:
             from common.kernels.resolve import resolve_step  # Triton
 
-            row, newcomer, target, valid = resolve_step(self.tables, i, topk_ids, self.step, self._moved)
+            row, newcomer, target, valid = resolve_step(
+                self.tables, i, topk_ids, self.step, self._moved, group=self.group, groups=self.groups
+            )
             done = self.copies.launch(i, newcomer, target, valid, self._stages)
             return Prepared(rows=row, done=done)
         requested = self._chosen(topk_ids)
@@ -471,7 +515,7 @@ class OffloadedExperts(ExpertProvider):
         `compute` for the copies (queued before its own). Elsewhere it runs inline; prefill passes and an
         all-resident cache skip it. A layer whose guesses are seldom requested only records them
         (`guess_precision`)."""
-        if self.prefill or self.all_resident or self.shared_cache is not None:
+        if self.prefill or self.all_resident or self.shared_cache is not None or self.groups > 1:
             return
         i = self.index[layer]
         self._join_lookahead()  # one update at a time
@@ -592,7 +636,7 @@ class OffloadedExperts(ExpertProvider):
 
     def _prepare_cache(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
         e = self.store.num_experts
-        res = self.tables.resolve(i, requested, self.step, max_new=min(choices, e))
+        res = self.tables.resolve(i, requested, self.step, min(choices, e), self.group, self.groups)
         done = self.copies.launch(i, res.newcomer, res.target, res.valid, self._stages)
         self._moved[_FILLS, i].add_(res.filled.sum())
         self._moved[_BYPASSES, i].add_(res.bypass.sum())

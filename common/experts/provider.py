@@ -8,7 +8,8 @@ call per layer. Providers differ in where expert weights live: all resident in m
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,26 @@ class ExpertWeights:
 
 class ExpertProvider(ABC):
     """Computes the weighted sum of the chosen routed experts for the tokens of one MoE layer."""
+
+    max_groups = 1
+    """Groups of lanes a recorded decode pass may be split into (common/model/groups.py); 1: no split."""
+
+    group = 0
+    """In a grouped pass (`grouped`), the group whose layers are being issued."""
+
+    @contextmanager
+    def grouped(self, groups: int) -> Iterator[None]:
+        """A decode pass whose lanes run as `groups` groups, layer by layer in group order, each group's
+        work on a stream of its own (common/model/groups.py sets `group` before each group's layer)."""
+        if not 1 <= groups <= self.max_groups:
+            raise ValueError(f"{type(self).__name__} splits a pass into at most {self.max_groups} groups")
+        yield
+
+    @contextmanager
+    def turn(self, layer: int) -> Iterator[None]:
+        """Where a MoE block routes (its replay hook) and calls `prepare`: in a grouped pass, one group after
+        the other at each layer. Default: no order needed."""
+        yield
 
     def begin_pass(self, is_decode: bool, prompt: bool = False) -> None:  # noqa: B027  (a hook)
         """Called before every forward pass (providers that serve decode and prefill differently use it);

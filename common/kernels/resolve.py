@@ -74,13 +74,14 @@ def _requests(ids_ptr, n_ids, e, live_e, BLOCK_N: tl.constexpr, CHUNK: tl.conste
 
 @triton.jit
 def _pair_and_apply(
-    miss, rate, reuse, asked_ptr, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
-    freq_ptr, absent_ptr, counters_ptr, allowed, fetched_ptr, step,
+    miss, rate, reuse, asked_ptr, asked_rows, asked_stride, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr,
+    slot_table_ptr, freq_ptr, absent_ptr, counters_ptr, allowed, fetched_ptr, step,
     e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX,
     POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, FETCHED: tl.constexpr,
 ):  # fmt: skip
     """CacheTables._pair_misses then _apply: the misses (most frequent first) paired with victims, the layer's
-    evictable slots whose expert is not in asked_ptr's row (the step's requests), applied; `fetched` set to
+    evictable slots whose expert is in none of asked_ptr's `asked_rows` rows (`asked_stride` apart: the
+    requests of the pass's groups at the layer, this one's included), applied; `fetched` set to
     FETCHED on the filled slots; nothing is filled unless `allowed` (int32: the cache thawed, and for a guess
     the layer guessing) → (newcomer, victims, valid, is_miss) [PB]."""
     misses = tl.minimum(tl.sum(miss.to(tl.int32), axis=0), P)  # newcomers, and the victims they need
@@ -89,7 +90,9 @@ def _pair_and_apply(
     slots = tl.load(slot_table_ptr + base + e, mask=live_e, other=spare)
     owner = tl.load(owner_ptr + slots)
     held = owner >= 0
-    in_use = held & (tl.load(asked_ptr + owner, mask=held, other=0) != 0)
+    in_use = slots < 0  # all False
+    for r in range(asked_rows):
+        in_use = in_use | (held & (tl.load(asked_ptr + r * asked_stride + owner, mask=held, other=0) != 0))
     pinned = tl.load(pinned_ptr + slots) != 0
     evictable = ~pinned & ~in_use & (slots < spare) & live_e
     recency = tl.load(last_use_ptr + slots)
@@ -138,24 +141,25 @@ def _resolve_kernel(
     ids_ptr, n_ids, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr, slot_table_ptr,
     freq_ptr, absent_ptr, previous_ptr, reuse_ptr, counters_ptr, moved_ptr, thawed_ptr, step_ptr, fetched_ptr,
     predicted_ptr, row_ptr, newcomer_ptr, target_ptr, valid_ptr,
-    layer, num_layers, decay_ptr, E, spare, staging_base, KEY_MIN, KEY_MAX,
+    layer, num_layers, decay_ptr, E, spare, staging_base, group, groups, KEY_MIN, KEY_MAX,
     POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
 ):  # fmt: skip
     e = tl.arange(0, BLOCK_E)
     live_e = e < E
-    base = layer * E  # row of freq / absent / previous / slot_table
+    base = layer * E  # row of freq / absent / slot_table
+    previous_at = previous_ptr + group * num_layers * E + base  # the group's previous step
     step = tl.load(step_ptr)
     decay = tl.load(decay_ptr)  # fp32, as torch multiplies an fp32 tensor by a Python float
 
     # Requests, then the statistics (CacheTables._count).
     req = _requests(ids_ptr, n_ids, e, live_e, BLOCK_N, CHUNK)
-    prev = (tl.load(previous_ptr + base + e, mask=live_e, other=0) != 0) & live_e
+    prev = (tl.load(previous_at + e, mask=live_e, other=0) != 0) & live_e
     freq = tl.load(freq_ptr + base + e, mask=live_e, other=0.0) * decay + (req & ~prev).to(tl.float32)
     absent = tl.load(absent_ptr + base + e, mask=live_e, other=0.0) * decay + (~prev & live_e).to(tl.float32)
     tl.store(freq_ptr + base + e, freq, mask=live_e)
     tl.store(absent_ptr + base + e, absent, mask=live_e)
-    tl.store(previous_ptr + base + e, req, mask=live_e)
+    tl.store(previous_at + e, req, mask=live_e)
     again = tl.sum((req & prev).to(tl.float32), axis=0)
     seen = tl.sum(prev.to(tl.float32), axis=0)
     reuse_hits = tl.load(reuse_ptr + 2 * layer) * decay + again
@@ -178,16 +182,17 @@ def _resolve_kernel(
     tl.debug_barrier()
     reuse = tl.math.div_rn(reuse_hits, tl.maximum(reuse_seen, 1.0))
     newcomer, _, _, is_miss = _pair_and_apply(
-        miss, rate, reuse, previous_ptr + base, slot_of_ptr, owner_ptr, last_use_ptr, pinned_ptr,
-        slot_table_ptr, freq_ptr, absent_ptr, counters_ptr, tl.load(thawed_ptr).to(tl.int32), fetched_ptr,
-        step, e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX, POLICY, P, PB, False,
+        miss, rate, reuse, previous_ptr + base, groups, num_layers * E, slot_of_ptr, owner_ptr, last_use_ptr,
+        pinned_ptr, slot_table_ptr, freq_ptr, absent_ptr, counters_ptr, tl.load(thawed_ptr).to(tl.int32),
+        fetched_ptr, step, e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX,
+        POLICY, P, PB, False,
     )  # fmt: skip
 
     # Rows and counters.
     slot = tl.load(slot_of_ptr + layer * (E + 1) + e, mask=live_e, other=-1)
     filled = miss & (slot >= 0)
     bypass = miss & ~filled
-    staging = staging_base + tl.cumsum(bypass.to(tl.int64), axis=0) - 1
+    staging = staging_base + group * (E // groups) + tl.cumsum(bypass.to(tl.int64), axis=0) - 1
     row = tl.where(bypass, staging, tl.where(req & (slot >= 0), slot, spare))
     tl.store(row_ptr + e, row, mask=live_e)
     _add(counters_ptr + layer, tl.sum(hit.to(tl.int64), axis=0))
@@ -227,7 +232,7 @@ def _prefetch_kernel(
     reuse_seen = tl.maximum(tl.load(reuse_ptr + 2 * layer + 1), 1.0)
     reuse = tl.math.div_rn(tl.load(reuse_ptr + 2 * layer), reuse_seen)
     newcomer, victims, valid, _ = _pair_and_apply(
-        req & (current < 0), rate, reuse, predicted_ptr + base, slot_of_ptr, owner_ptr, last_use_ptr,
+        req & (current < 0), rate, reuse, predicted_ptr + base, 1, 0, slot_of_ptr, owner_ptr, last_use_ptr,
         pinned_ptr, slot_table_ptr, freq_ptr, absent_ptr, counters_ptr, allowed, fetched_ptr,
         tl.load(step_ptr), e, live_e, layer, num_layers, base, E, spare, KEY_MIN, KEY_MAX,
         POLICY, P, PB, True,
@@ -265,11 +270,19 @@ def _launch_shape(tables, p: int, n: int) -> dict:
 
 
 def resolve_step(
-    tables, layer: int, ids: torch.Tensor, step: torch.Tensor, moved: torch.Tensor, num_warps: int = 0
+    tables,
+    layer: int,
+    ids: torch.Tensor,
+    step: torch.Tensor,
+    moved: torch.Tensor,
+    num_warps: int = 0,
+    group: int = 0,
+    groups: int = 1,
 ):
-    """`tables.resolve` for the experts `ids` ([T, k] or flat) of `layer`, as one program → (row [E], newcomer
-    [P], target [P], valid [P]) with P = min(ids.numel(), E); moved [≥ 2, L] int64 gets the fills (row 0) and
-    bypasses (row 1). `step` is a 0-d int64 device tensor. Tables on a CUDA device (or the interpreter)."""
+    """`tables.resolve` for the experts `ids` ([T, k] or flat) of `layer` (decode group `group` of `groups`),
+    as one program → (row [E], newcomer [P], target [P], valid [P]) with P = min(ids.numel(), E); moved
+    [≥ 2, L] int64 gets the fills (row 0) and bypasses (row 1). `step` is a 0-d int64 device tensor. Tables
+    on a CUDA device (or the interpreter)."""
     e, n = tables.num_experts, ids.numel()
     p = min(n, e)
     row = torch.empty(e, dtype=torch.int64, device=tables.slot_of.device)
@@ -278,7 +291,7 @@ def resolve_step(
         ids.reshape(-1), n, tables.slot_of, tables.owner, tables.last_use, tables.pinned, tables.slot_table,
         tables.freq, tables.absent, tables.previous, tables.reuse, tables.counts, moved, tables.thawed, step,
         tables.fetched, tables.predicted, row, newcomer, target, valid, layer, tables.num_layers,
-        tables.decay_on_device, e, tables.num_slots, tables.staging_base, _KEY_MIN, _KEY_MAX,
+        tables.decay_on_device, e, tables.num_slots, tables.staging_base, group, groups, _KEY_MIN, _KEY_MAX,
         **_launch_shape(tables, p, n), num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     return row, newcomer, target, valid

@@ -74,6 +74,25 @@ class ForwardBatch:
             memo[key] = build()
         return memo[key]
 
+    def lanes(self, start: int, stop: int) -> ForwardBatch:
+        """A decode pass's sequences [start, stop) as a batch of their own, its tensors views of these (a
+        recorded pass's replays fill them)."""
+        if not self.is_decode:
+            raise ValueError("only a decode pass (one token a sequence) splits into lanes")
+        n = stop - start
+        return ForwardBatch(
+            input_ids=self.input_ids[start:stop],
+            positions=self.positions[start:stop],
+            seq_index=torch.arange(n, device=self.input_ids.device),
+            query_lens=self.query_lens[start:stop],
+            cache_lens=self.cache_lens[start:stop],
+            page_table=self.page_table[start:stop],
+            slot_ids=self.slot_ids[start:stop],
+            page_size=self.page_size,
+            slot_mapping=self.slot_mapping[start:stop],
+            static_kv=self.static_kv,
+        )
+
     def last_token_index(self) -> torch.Tensor:
         """[B] index into [T] of each sequence's last token."""
         ends = host_list_to(self.query_lens, self.input_ids.device).cumsum(0)

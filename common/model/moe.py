@@ -85,11 +85,12 @@ class SparseMoeBlock(nn.Module):
             weights, ids = route_fused(logits, self.top_k, self.normalize)  # [T, k] each
         else:
             weights, ids = route(logits, self.top_k, self.normalize)
-        if self.routing_hook is not None:
-            ids, weights = self.routing_hook(self.layer_idx, ids, weights)
+        with self.experts.turn(self.layer_idx):  # a grouped pass's groups replay and resolve in turn
+            if self.routing_hook is not None:
+                ids, weights = self.routing_hook(self.layer_idx, ids, weights)
+            prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
-        prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
         if self.ahead is not None and self.lookahead:  # the next layer's guess: its copies queue behind
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
         shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run

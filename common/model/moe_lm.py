@@ -14,6 +14,7 @@ from common.experts.provider import ExpertProvider
 from common.kv.state import StateSpec
 from common.model.attention import Attention
 from common.model.context import ForwardContext
+from common.model.groups import run_groups
 from common.model.layer_major import run_layer_major
 from common.model.layers import GatedMLP, RMSNorm
 from common.model.moe import SparseMoeBlock
@@ -87,8 +88,7 @@ class MoECausalLM(nn.Module):
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, H] after the final norm for every token of the batch."""
-        x = self.model.embed_tokens(ctx.batch.input_ids)  # [T, H]
-        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.batch.positions, x.dtype)
+        x = self._embed(ctx)
         for layer in self.model.layers:
             x = layer(x, ctx)
         return self.model.norm(x)
@@ -96,12 +96,20 @@ class MoECausalLM(nn.Module):
     def forward_chunks(self, contexts: list[ForwardContext]) -> torch.Tensor:
         """One sequence's consecutive chunks layer by layer (`ModelRunner.prefill_layer_major`) → the last
         chunk's hidden states [T, H] after the final norm."""
-        xs = []
-        for ctx in contexts:
-            xs.append(self.model.embed_tokens(ctx.batch.input_ids))  # [T_c, H]
-            ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.batch.positions, xs[-1].dtype)
-        xs = run_layer_major(self.model.layers, xs, contexts)
+        xs = run_layer_major(self.model.layers, [self._embed(c) for c in contexts], contexts)
         return self.model.norm(xs[-1])
+
+    def forward_groups(self, contexts: list[ForwardContext]) -> torch.Tensor:
+        """A decode pass's lanes in groups (common/model/groups.py) → hidden states [T, H] after the final
+        norm, the groups' lanes in order."""
+        xs = run_groups(self.model.layers, [self._embed(c) for c in contexts], contexts, self.experts)
+        return self.model.norm(torch.cat(xs))
+
+    def _embed(self, ctx: ForwardContext) -> torch.Tensor:
+        """The batch's embeddings [T, H]; the rotary cos/sin set on ctx."""
+        x = self.model.embed_tokens(ctx.batch.input_ids)
+        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.batch.positions, x.dtype)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] → [N, V] logits in fp32."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.engine import Engine
+from common.graphs import DecodeGraphs
 from common.kernels import use_fused_kernels
 from common.model.synthetic import make_model
 from common.sampling import SamplingParams
@@ -68,6 +69,23 @@ def test_recorded_lookahead_matches_eager(tmp_path: Path, fused: bool) -> None:
     if not fused:
         for name, counts in counters.items():
             assert torch.equal(counts, reference.offload.tables.counters[name]), name
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_recorded_grouped_decode_matches_eager(tmp_path: Path, arch: str, fused: bool, monkeypatch) -> None:
+    """Passes of two lanes recorded as two groups of one (common/model/groups.py): each group's layers on a
+    stream of their own, resolving each layer in turn, one group's copies beside the other's compute. The
+    tokens are the eager run's; the tables stay consistent, each group with its own previous steps."""
+    monkeypatch.setattr(DecodeGraphs, "split_lanes", 2)
+    path = make_model(tmp_path / "m", preset="tiny", arch=arch, overrides=ARCHS[arch])
+    eager, _ = _run(path, False, "0.25")
+    graphed, engine = _run(path, True, "0.25", fused)
+    assert graphed == eager
+    assert engine.runner.graphs.groups(2) == 2 and engine.runner.graphs.groups(1) == 1
+    tables = engine.offload.tables
+    tables.check()
+    assert tables.previous[1].any()
 
 
 def test_forgotten_recordings_record_again(tmp_path: Path) -> None:

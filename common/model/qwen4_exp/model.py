@@ -8,6 +8,7 @@ from torch import nn
 from common.experts.provider import ExpertProvider
 from common.kv.state import StateSpec
 from common.model.context import ForwardContext
+from common.model.groups import run_groups
 from common.model.layer_major import run_layer_major
 from common.model.moe import SparseMoeBlock
 from common.model.qwen4_exp.config import Qwen4ExpConfig
@@ -105,9 +106,7 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     def forward_streams(self, ctx: ForwardContext) -> torch.Tensor:
         """The trunk's streams [T, hc·H] before the final mixer (what the MTP head reads)."""
-        x = self.model.embed_tokens(ctx.batch.input_ids)  # [T, H]
-        self._set_rotary(ctx, x.dtype)
-        streams = x.repeat(1, self.config.hc_count)  # [T, hc·H]
+        streams = self._embed(ctx)
         for layer in self.model.layers:
             streams = layer(streams, ctx)
         return streams
@@ -115,13 +114,20 @@ class Qwen4ExpForCausalLM(nn.Module):
     def forward_chunks(self, contexts: list[ForwardContext]) -> torch.Tensor:
         """One sequence's consecutive chunks layer by layer (`ModelRunner.prefill_layer_major`) → the last
         chunk's final mixed hidden states [T, H]."""
-        streams = []
-        for ctx in contexts:
-            x = self.model.embed_tokens(ctx.batch.input_ids)  # [T_c, H]
-            self._set_rotary(ctx, x.dtype)
-            streams.append(x.repeat(1, self.config.hc_count))  # [T_c, hc·H]
-        streams = run_layer_major(self.model.layers, streams, contexts)
+        streams = run_layer_major(self.model.layers, [self._embed(c) for c in contexts], contexts)
         return self.mix(streams[-1])
+
+    def forward_groups(self, contexts: list[ForwardContext]) -> torch.Tensor:
+        """A decode pass's lanes in groups (common/model/groups.py) → the final mixed hidden states [T, H] of
+        every lane, the groups' in order."""
+        streams = run_groups(self.model.layers, [self._embed(c) for c in contexts], contexts, self.experts)
+        return self.mix(torch.cat(streams))
+
+    def _embed(self, ctx: ForwardContext) -> torch.Tensor:
+        """The batch's embeddings copied into the streams [T, hc·H]; the rotary cos/sin set on ctx."""
+        x = self.model.embed_tokens(ctx.batch.input_ids)  # [T, H]
+        self._set_rotary(ctx, x.dtype)
+        return x.repeat(1, self.config.hc_count)
 
     def mix(self, streams: torch.Tensor) -> torch.Tensor:
         """The final mixer: streams [T, hc·H] → hidden [T, H]."""

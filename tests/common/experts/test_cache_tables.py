@@ -292,6 +292,41 @@ def test_bypasses_get_staging_rows_in_expert_order() -> None:
     assert res.target[2] == tables.num_slots
 
 
+def test_a_group_never_evicts_what_the_group_before_it_requested() -> None:
+    """A grouped pass: group 1's miss takes a slot the earlier group's step did not request, even where the
+    policy ranks that one first (its expert the rarest)."""
+    tables = CacheTables(1, 16, [4], "lfu", decay=1.0)
+    for step, chosen in enumerate([[0, 1, 2, 3], [], [1, 2, 3], [], [1, 2, 3]], start=1):
+        tables.resolve(0, _mask(16, chosen), step, max_new=4)  # 0 the rarest of the four cached
+    tables.resolve(0, _mask(16, [0]), 6, max_new=1, group=0, groups=2)
+    res = tables.resolve(0, _mask(16, [9]), 6, max_new=1, group=1, groups=2)
+    assert res.valid.tolist() == [True] and tables.slot_of[0, 9] >= 0
+    assert tables.slot_of[0, 0] >= 0 and tables.slot_of[0, 1] == -1  # 9 took 1's slot, not 0's
+    tables.check()
+    alone = CacheTables(1, 16, [4], "lfu", decay=1.0)  # ungrouped, 0 requested by no one this step
+    for step, chosen in enumerate([[0, 1, 2, 3], [], [1, 2, 3], [], [1, 2, 3], [9]], start=1):
+        alone.resolve(0, _mask(16, chosen), step, max_new=4)
+    assert alone.slot_of[0, 0] == -1
+
+
+def test_groups_keep_their_own_previous_step_and_staging_rows() -> None:
+    """Each group's step is fresh against its own previous step, and its bypasses take its half of the
+    staging rows."""
+    tables = CacheTables(1, 8, [1], "lfu-admit", decay=1.0)
+    tables.resolve(0, _mask(8, [0]), 1, max_new=2, group=0, groups=2)
+    tables.resolve(0, _mask(8, [0]), 1, max_new=2, group=1, groups=2)
+    assert tables.previous[:, 0].sum(1).tolist() == [1, 1]
+    assert tables.freq[0, 0] == 2  # each group's first request of 0 is fresh
+    tables.resolve(0, _mask(8, [0]), 2, max_new=2, group=0, groups=2)
+    assert tables.freq[0, 0] == 2  # a repeat of group 0's previous step
+    for step in range(3, 6):  # 0 frequent, no room: newcomers bypass
+        tables.resolve(0, _mask(8, [0]), step, max_new=2, group=0, groups=2)
+    res = tables.resolve(0, _mask(8, [0, 3, 5]), 6, max_new=3, group=1, groups=2)
+    base = tables.staging_base + 8 // 2
+    assert res.bypass.nonzero().squeeze(1).tolist() == [3, 5]
+    assert res.row[[3, 5]].tolist() == [base, base + 1]
+
+
 def _serve(tables: CacheTables, steps: int, chosen_by_layer) -> None:
     for step in range(steps):
         for layer, chosen in enumerate(chosen_by_layer(step)):
@@ -376,7 +411,7 @@ def test_observing_a_prompt_adds_its_tokens_as_steps(tokens: int) -> None:
         torch.testing.assert_close(tables.statistics(), decoded.statistics() + prompt.statistics())
         for name in ("previous", "slot_of", "owner", "last_use"):
             assert torch.equal(getattr(tables, name), getattr(decoded, name)), name
-        assert torch.equal(tables.observed, prompt.previous)
+        assert torch.equal(tables.observed, prompt.previous[0])
 
 
 def test_prefetch_fills_guessed_experts_that_the_step_then_hits() -> None:

@@ -6,6 +6,8 @@ Triton's interpreter (conftest.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -25,12 +27,14 @@ def _pair(policy: str, gen: torch.Generator, layers: int, experts: int) -> tuple
     return make(), make()
 
 
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
-def test_kernel_resolution_equals_torch(policy: str, seed: int) -> None:
+def test_kernel_resolution_equals_torch(policy: str, seed: int, groups: int) -> None:
+    """`groups` 2: each step resolves every layer once a group, in turn (a grouped decode pass)."""
     from common.kernels.resolve import resolve_step
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 10 * groups)
     layers, experts, top_k = 3, 16, 3
     reference, fused = _pair(policy, gen, layers, experts)
     moved = torch.zeros(4, layers, dtype=torch.int64, device=DEVICE)
@@ -45,14 +49,17 @@ def test_kernel_resolution_equals_torch(policy: str, seed: int) -> None:
                     tables.reclaim()
                 else:
                     tables.lend()
-        tokens = int(torch.randint(1, 4, (), generator=gen))
-        for layer in range(layers):
+        tokens = int(torch.randint(1, 4 if groups == 1 else 3, (), generator=gen))  # ≤ E // groups choices
+        for layer, group in itertools.product(range(layers), range(groups)):
             ids = torch.randint(0, experts, (tokens, top_k), generator=gen).to(DEVICE)  # repeats: shared use
             requested = torch.zeros(experts, dtype=torch.bool, device=DEVICE)
             requested[ids.reshape(-1)] = True
             stamp = torch.tensor(step, device=DEVICE)
-            want = reference.resolve(layer, requested, stamp, max_new=min(ids.numel(), experts))
-            row, newcomer, target, valid = resolve_step(fused, layer, ids, stamp, moved)
+            max_new = min(ids.numel(), experts)
+            want = reference.resolve(layer, requested, stamp, max_new, group, groups)
+            row, newcomer, target, valid = resolve_step(
+                fused, layer, ids, stamp, moved, group=group, groups=groups
+            )
             for name in TABLES:
                 got, expected = getattr(fused, name), getattr(reference, name)
                 if name == "last_use":  # the torch path also stamps the spare slot (its stamp means nothing)

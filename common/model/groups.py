@@ -1,0 +1,65 @@
+"""Grouped decode passes: a pass's lanes in groups, each running the layer stack on a stream of its own.
+
+An offloaded decode step at eight lanes is its miss copies plus the compute that waits for them, layer after
+layer: a layer's experts cannot be computed before their copies are in, and the next layer's copies cannot
+start before this layer's output is routed (decode-8 on an H200: ~39 ms of copies and ~17 ms of compute
+that waits, a step; bench/results/decode-8-profile.txt). With the lanes in two groups, one group's layer
+computes while the other's misses copy, so the copy stream runs with few gaps. The price is compute: the
+resident weights (attention, shared experts, routers) are read once a group.
+
+Layers take part unchanged, as `layer(x, ctx)` with a context of the group's lanes. The expert provider
+makes the groups resolve each layer in turn (`ExpertProvider.turn`: the tables and a routing replay's
+cursor are updated in place) and gives each group its own request history and staging rows
+(`ExpertProvider.grouped`). Every token's computation is its own, so a grouped pass computes what the whole
+pass does (up to the GEMMs' choice of kernels for fewer rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from common.experts.provider import ExpertProvider
+from common.model.context import ForwardContext
+
+
+def lane_groups(lanes: int, groups: int) -> list[tuple[int, int]]:
+    """[start, stop) of each of `groups` groups of consecutive lanes (the first ones one larger if uneven)."""
+    size, extra = divmod(lanes, groups)
+    bounds, start = [], 0
+    for g in range(groups):
+        stop = start + size + (g < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def run_groups(
+    layers: Sequence[nn.Module],
+    xs: list[torch.Tensor],
+    contexts: Sequence[ForwardContext],
+    experts: ExpertProvider,
+) -> list[torch.Tensor]:
+    """xs[g] [T_g, ...] (group g's hidden states, its lanes in `contexts[g]`) through every layer, layer by
+    layer in group order, each group's work on its own CUDA stream (forked from the current stream and
+    joined back at the end; on the CPU in order) → the new xs."""
+    device = xs[0].device
+    main = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    streams = [torch.cuda.Stream(device) if main is not None else None for _ in contexts]
+    for stream in streams:
+        if stream is not None:
+            stream.wait_stream(main)
+    with experts.grouped(len(contexts)):
+        for layer in layers:
+            for g, (stream, ctx) in enumerate(zip(streams, contexts, strict=True)):
+                experts.group = g
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    xs[g] = layer(xs[g], ctx)
+    for stream, x in zip(streams, xs, strict=True):
+        if stream is not None:
+            main.wait_stream(stream)
+            x.record_stream(main)
+    return xs
