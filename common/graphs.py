@@ -43,6 +43,7 @@ class _Recorded:
         )
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None  # [lanes, V] fp32, rewritten by each replay
+        self.groups: list[ForwardBatch] = [self.batch]  # the lanes' groups (common/model/groups.py)
 
     def load(self, batch: ForwardBatch) -> None:
         """Copy a step's batch into the static inputs (page-table columns past its width keep old page ids:
@@ -100,11 +101,13 @@ class DecodeGraphs:
 
     def _record(self, lanes: int, device: torch.device) -> _Recorded:
         rec = _Recorded(lanes, self.max_context, self.pool.page_size, device)
-        groups = [rec.batch.lanes(a, b) for a, b in lane_groups(lanes, self.groups(lanes))]
+        groups = self.groups(lanes)
+        if groups > 1:  # the groups' batches are static inputs too (their own lane index): kept with it
+            rec.groups = [rec.batch.lanes(a, b) for a, b in lane_groups(lanes, groups)]
         # thread_local: other threads of a worker (metrics, heartbeats) may touch CUDA meanwhile
         with torch.cuda.graph(rec.graph, pool=self.memory, capture_error_mode="thread_local"):
-            if len(groups) > 1:
-                hidden = self.model.forward_groups([self._context(b) for b in groups])
+            if len(rec.groups) > 1:
+                hidden = self.model.forward_groups([self._context(b) for b in rec.groups])
             else:
                 hidden = self.model(self._context(rec.batch))
             rec.logits = self.model.compute_logits(hidden)  # one token per lane: all are last
