@@ -48,7 +48,10 @@ def run_groups(
     joined back at the end; on the CPU in order) → the new xs."""
     device = xs[0].device
     main = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    streams = [torch.cuda.Stream(device) if main is not None else None for _ in contexts]
+    # high priority: the groups' kernels go ahead of a copy launch's programs waiting for SMs; and from
+    # torch's pool of high-priority streams, not the pool the copy streams come from (a stream shared with
+    # the copies would queue a group's compute behind them)
+    streams = [torch.cuda.Stream(device, priority=-1) if main is not None else None for _ in contexts]
     for stream in streams:
         if stream is not None:
             stream.wait_stream(main)
