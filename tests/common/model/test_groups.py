@@ -61,3 +61,17 @@ def test_grouped_decode_decodes_the_reference_tokens(tmp_path: Path, arch: str, 
     tables = engine.offload.tables
     tables.check()
     assert tables.previous[1].any()  # the second group's own previous steps
+
+
+def test_grouped_passes_make_no_guesses(tmp_path: Path) -> None:
+    """Lookahead is on, but a grouped pass guesses nothing (its update and stream are one group's at a time):
+    every decode pass here is grouped, so no guess is made or copied."""
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
+    engine = Engine(path, dtype=torch.float32, max_seqs=3, expert_cache="0.25", lookahead=2)
+    passes = _grouped(engine)
+    engine.generate(prompts, GREEDY)
+    assert len(passes) >= GREEDY.max_tokens - 1
+    counters = engine.offload.tables.counters
+    assert int(counters["guesses"].sum()) == int(counters["prefetches"].sum()) == 0
