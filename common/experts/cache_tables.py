@@ -283,9 +283,9 @@ class CacheTables:
 
         A pass split into `groups` groups of lanes (common/model/groups.py) resolves each layer once per
         group, in group order, and each group is a step of its own in the statistics (its previous step is
-        its own). A group never evicts what any group of the pass requested at the layer (the groups before
-        it in this pass compute from those slots while this one's copies run), and its bypasses take their
-        own share of the staging rows (E // groups each).
+        its own). A group never evicts what any group last requested at the layer: the groups before it in
+        this pass compute from those slots while this one's copies run (the later ones' requests of the pass
+        before are kept too). Its bypasses take their own share of the staging rows (E // groups each).
         """
         e, spare = self.num_experts, self.num_slots
         self._count(layer, requested, group)
