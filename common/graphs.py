@@ -83,6 +83,7 @@ class DecodeGraphs:
         lanes = batch.input_ids.shape[0]
         rec = self.recorded.get(lanes)
         if rec is not None:
+            self.model.experts.regroup(len(rec.groups))  # (an eager pass is one group: ModelRunner)
             rec.load(batch)
             rec.graph.replay()
             return rec.logits
@@ -118,10 +119,9 @@ class DecodeGraphs:
         grouped passes and its expert provider takes them, with a group's expert choices within its share
         of the staging rows (`CacheTables.resolve`); else one."""
         model = self.model
-        experts = getattr(model, "experts", None)
-        if not self.split_lanes or lanes < self.split_lanes or not hasattr(model, "forward_groups"):
+        if not self.split_lanes or lanes < max(2, self.split_lanes) or not hasattr(model, "forward_groups"):
             return 1
-        if experts is None or experts.max_groups < 2:
+        if model.experts.max_groups < 2:
             return 1
         cfg = model.config
         return 2 if -(-lanes // 2) * cfg.top_k <= cfg.num_experts // 2 else 1

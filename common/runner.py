@@ -230,7 +230,9 @@ class ModelRunner:
         return self._context_of(self._batch(seqs, tokens, prompt))
 
     def _context_of(self, batch: ForwardBatch) -> ForwardContext:
-        """A pass's context: its batch, this runner's pool and attention backend, the backend's plan."""
+        """An eager pass's context: its batch, this runner's pool and attention backend, the backend's plan.
+        An eager pass runs its lanes as one group (recorded passes may run two: common/graphs.py)."""
+        self.model.experts.regroup(1)
         return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
 
     def _batch(

@@ -111,6 +111,8 @@ class CacheTables:
         # absent estimates P(requested | not requested by the previous step); per layer, decayed counts of
         # [experts requested again by the next step, experts requested] (the reuse probability).
         self.previous = torch.zeros(DECODE_GROUPS, num_layers, e, dtype=torch.bool, device=device)
+        self.groups = 1
+        """The groups of the decode passes served now (`regroup`)."""
         self.absent = torch.zeros(num_layers, e, dtype=torch.float32, device=device)
         self.reuse = torch.zeros(num_layers, 2, dtype=torch.float32, device=device)
         self.observed = torch.zeros(num_layers, e, dtype=torch.bool, device=device)
@@ -318,6 +320,20 @@ class CacheTables:
         return Resolution(
             slot=slot, filled=filled, bypass=bypass, row=row, newcomer=newcomer, target=target, valid=need
         )
+
+    def regroup(self, groups: int) -> None:
+        """Between steps, before a decode pass of `groups` groups when the passes before had another count:
+        every group's previous step becomes the last pass's requests, all its groups' together. Else a
+        group's row would be that of a grouped pass long gone: its freshness and reuse measured against it,
+        and its experts protected from eviction (`resolve`)."""
+        if groups == self.groups:
+            return
+        if not 1 <= groups <= DECODE_GROUPS:
+            raise ValueError(f"a decode pass runs in 1 to {DECODE_GROUPS} groups, not {groups}")
+        merged = self.previous[: self.groups].any(0)  # [L, E]
+        self.previous[:groups] = merged
+        self.previous[groups:] = False
+        self.groups = groups
 
     def _pair_misses(
         self, layer: int, miss: torch.Tensor, in_use: torch.Tensor, rate: torch.Tensor, pairs: int

@@ -409,8 +409,9 @@ class OffloadedExperts(ExpertProvider):
         as a step of its own (`CacheTables.resolve`'s `group`), in turn (`turn`), so that one group's
         copies run while another computes: they run in the background form (a few programs: one per item
         would hold every SM, and the other group's kernels would queue behind them; a profile of decode-8
-        showed 2-µs kernels taking 40-70). Lookahead's guesses are not made in a grouped pass (they would
-        be one group's, and its stream and update are one at a time)."""
+        showed 2-µs kernels taking 40-70). That form needs merged copies (`CopyStream.merged`, on with the
+        fused kernels): per-component launches keep one program per item. Lookahead's guesses are not
+        made in a grouped pass (they would be one group's, and its stream and update are one at a time)."""
         with super().grouped(groups):
             self.groups, self.group = groups, 0
             self._turns.clear()
@@ -419,6 +420,10 @@ class OffloadedExperts(ExpertProvider):
             finally:
                 self.groups, self.group = 1, 0
                 self._turns.clear()
+
+    def regroup(self, groups: int) -> None:
+        if self.max_groups > 1:
+            self.tables.regroup(groups)
 
     @contextmanager
     def turn(self, layer: int) -> Iterator[None]:
@@ -455,6 +460,7 @@ class OffloadedExperts(ExpertProvider):
         names += ("fetched", "predicted")
         saved = {n: getattr(t, n).clone() for n in names}
         moved, step, passes, frozen = self._moved.clone(), self.step.clone(), self.decode_passes, t.frozen
+        groups = t.groups  # the previous steps are put back as they were: their grouping too
         t.frozen = True
         try:
             yield
@@ -463,7 +469,7 @@ class OffloadedExperts(ExpertProvider):
                 getattr(t, n).copy_(value)
             self._moved.copy_(moved)
             self.step.copy_(step)
-            self.decode_passes, t.frozen = passes, frozen
+            self.decode_passes, t.frozen, t.groups = passes, frozen, groups
 
     def traffic(self) -> TrafficCounters:
         """Bytes moved host → device so far, per MoE layer. Reads device counters (a sync): between steps."""

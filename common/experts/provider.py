@@ -42,6 +42,9 @@ class ExpertProvider(ABC):
             raise ValueError(f"{type(self).__name__} splits a pass into at most {self.max_groups} groups")
         yield
 
+    def regroup(self, groups: int) -> None:  # noqa: B027  (a hook)
+        """Between steps: the next decode pass runs in `groups` groups (1: not grouped). Default: nothing."""
+
     @contextmanager
     def turn(self, layer: int) -> Iterator[None]:
         """Where a MoE block routes (its replay hook) and calls `prepare`: in a grouped pass, one group after

@@ -53,9 +53,10 @@ def run_groups(
     # torch's pool of high-priority streams, not the pool the copy streams come from (a stream shared with
     # the copies would queue a group's compute behind them)
     streams = [torch.cuda.Stream(device, priority=-1) if main is not None else None for _ in contexts]
-    for stream in streams:
+    for stream, x in zip(streams, xs, strict=True):
         if stream is not None:
             stream.wait_stream(main)
+            x.record_stream(stream)  # made on the current stream, read and dropped on the group's
     with experts.grouped(len(contexts)):
         for layer in layers:
             for g, (stream, ctx) in enumerate(zip(streams, contexts, strict=True)):

@@ -309,6 +309,25 @@ def test_a_group_never_evicts_what_the_group_before_it_requested() -> None:
     assert alone.slot_of[0, 0] == -1
 
 
+def test_regrouping_starts_every_group_from_the_last_pass() -> None:
+    """After ungrouped passes, a grouped pass's groups start from the last pass's requests (not a grouped
+    pass's long gone): here LRU keeps 7 and 8, requested by the last pass, and evicts 1 and 2, which group 1
+    requested four passes before; and back to one group, the previous step is both groups' requests."""
+    tables = CacheTables(1, 16, [4], "lru")
+    tables.regroup(2)
+    tables.resolve(0, _mask(16, [0]), 1, max_new=2, group=0, groups=2)
+    tables.resolve(0, _mask(16, [1, 2]), 1, max_new=2, group=1, groups=2)
+    tables.regroup(1)
+    assert tables.previous[0, 0].nonzero().squeeze(1).tolist() == [0, 1, 2]
+    for step in range(2, 5):
+        tables.resolve(0, _mask(16, [7, 8]), step, max_new=2)
+    tables.regroup(2)
+    tables.resolve(0, _mask(16, [5, 6]), 5, max_new=2, group=0, groups=2)
+    cached = (tables.slot_of[0, :16] >= 0).nonzero().squeeze(1).tolist()
+    assert cached == [5, 6, 7, 8]
+    tables.check()
+
+
 def test_groups_keep_their_own_previous_step_and_staging_rows() -> None:
     """Each group's step is fresh against its own previous step, and its bypasses take its half of the
     staging rows."""

@@ -36,6 +36,7 @@ def _grouped(engine: Engine) -> list[int]:
             return plain(ctx)
         parts = [batch.lanes(a, b) for a, b in lane_groups(batch.num_seqs, 2)]
         passes.append(len(parts))
+        model.experts.regroup(len(parts))  # as DecodeGraphs.run before a grouped replay
         return model.forward_groups(
             [ForwardContext(p, ctx.pool, ctx.backend, ctx.backend.plan(p)) for p in parts]
         )
@@ -75,3 +76,16 @@ def test_grouped_passes_make_no_guesses(tmp_path: Path) -> None:
     assert len(passes) >= GREEDY.max_tokens - 1
     counters = engine.offload.tables.counters
     assert int(counters["guesses"].sum()) == int(counters["prefetches"].sum()) == 0
+
+
+def test_an_untracked_pass_leaves_the_grouping_as_it_was(tmp_path: Path) -> None:
+    """A warm-up (an eager pass: one group) between grouped passes puts the previous steps back, and with
+    them their grouping."""
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", seed=1)
+    engine = Engine(path, dtype=torch.float32, max_seqs=3, expert_cache="0.25")
+    tables = engine.offload.tables
+    tables.regroup(2)
+    tables.previous[1, 0, 3] = True
+    before = tables.previous.clone()
+    engine.runner.warm_up(tokens=4)  # untracked, its passes regroup to one
+    assert tables.groups == 2 and torch.equal(tables.previous, before)
