@@ -19,7 +19,7 @@ import torch
 
 from common.kv.batch import ForwardBatch
 from common.model.context import ForwardContext
-from common.model.groups import lane_groups
+from common.model.groups import lane_groups, pass_groups
 
 
 class _Recorded:
@@ -115,16 +115,8 @@ class DecodeGraphs:
         return rec
 
     def groups(self, lanes: int) -> int:
-        """Groups a pass of `lanes` lanes is recorded as: two from `split_lanes` lanes on where the model runs
-        grouped passes and its expert provider takes them, with a group's expert choices within its share
-        of the staging rows (`CacheTables.resolve`); else one."""
-        model = self.model
-        if not self.split_lanes or lanes < max(2, self.split_lanes) or not hasattr(model, "forward_groups"):
-            return 1
-        if model.experts.max_groups < 2:
-            return 1
-        cfg = model.config
-        return 2 if -(-lanes // 2) * cfg.top_k <= cfg.num_experts // 2 else 1
+        """Groups a pass of `lanes` lanes is recorded as (`pass_groups`)."""
+        return pass_groups(self.model, lanes, self.split_lanes)
 
     def _context(self, batch: ForwardBatch) -> ForwardContext:
         return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))

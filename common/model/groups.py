@@ -38,6 +38,18 @@ def lane_groups(lanes: int, groups: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def pass_groups(model: nn.Module, lanes: int, split_lanes: int) -> int:
+    """Groups a recorded decode pass of `lanes` lanes runs as: two from `split_lanes` lanes on (0: never),
+    where the model runs grouped passes (`forward_groups`) and its expert provider takes them, and a group's
+    expert choices fit its share of the staging rows (`CacheTables.resolve`); else one."""
+    if not split_lanes or lanes < max(2, split_lanes) or not hasattr(model, "forward_groups"):
+        return 1
+    if model.experts.max_groups < 2:
+        return 1
+    cfg = model.config
+    return 2 if -(-lanes // 2) * cfg.top_k <= cfg.num_experts // 2 else 1
+
+
 def run_groups(
     layers: Sequence[nn.Module],
     xs: list[torch.Tensor],

@@ -21,10 +21,10 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 def _run(
-    path: Path, graphs: bool, cache: str | None, fused: bool = False, lookahead: int = 0
+    path: Path, graphs: bool, cache: str | None, fused: bool = False, lookahead: int = 0, lanes: int = 2
 ) -> tuple[list[list[int]], Engine]:
     engine = Engine(
-        path, dtype=torch.float32, device="cuda", max_seqs=2, expert_cache=cache, cuda_graphs=graphs,
+        path, dtype=torch.float32, device="cuda", max_seqs=lanes, expert_cache=cache, cuda_graphs=graphs,
         replay_routing="synthetic-zipf:seed=3" if cache else None, lookahead=lookahead,
     )  # fmt: skip
     if cache is not None:
@@ -71,18 +71,22 @@ def test_recorded_lookahead_matches_eager(tmp_path: Path, fused: bool) -> None:
             assert torch.equal(counts, reference.offload.tables.counters[name]), name
 
 
+@pytest.mark.parametrize("lanes", [2, 3])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_recorded_grouped_decode_matches_eager(tmp_path: Path, arch: str, fused: bool, monkeypatch) -> None:
-    """Passes of two lanes recorded as two groups of one (common/model/groups.py): each group's layers on a
-    stream of their own, resolving each layer in turn, one group's copies beside the other's compute. The
-    tokens are the eager run's; the tables stay consistent, each group with its own previous steps."""
+def test_recorded_grouped_decode_matches_eager(
+    tmp_path: Path, arch: str, fused: bool, lanes: int, monkeypatch
+) -> None:
+    """Passes of two or three lanes recorded as two groups (1 + 1, 2 + 1; common/model/groups.py): each
+    group's layers on a stream of their own, resolving each layer in turn, one group's copies beside the
+    other's compute (with two lanes, the third request then runs alone: one group, regrouped). The tokens are
+    the eager run's; the tables stay consistent, each group with its own previous steps."""
     monkeypatch.setattr(DecodeGraphs, "split_lanes", 2)
     path = make_model(tmp_path / "m", preset="tiny", arch=arch, overrides=ARCHS[arch])
-    eager, _ = _run(path, False, "0.25")
-    graphed, engine = _run(path, True, "0.25", fused)
+    eager, _ = _run(path, False, "0.25", lanes=lanes)
+    graphed, engine = _run(path, True, "0.25", fused, lanes=lanes)
     assert graphed == eager
-    assert engine.runner.graphs.groups(2) == 2 and engine.runner.graphs.groups(1) == 1
+    assert engine.runner.graphs.groups(lanes) == 2 and engine.runner.graphs.groups(1) == 1
     tables = engine.offload.tables
     tables.check()
     assert tables.previous[1].any()

@@ -11,7 +11,7 @@ import torch
 
 from common.engine import Engine
 from common.model.context import ForwardContext
-from common.model.groups import lane_groups
+from common.model.groups import lane_groups, pass_groups
 from common.model.synthetic import make_model
 from common.sampling import SamplingParams
 
@@ -23,6 +23,21 @@ def test_lane_groups_cover_the_lanes_in_order() -> None:
     assert lane_groups(8, 2) == [(0, 4), (4, 8)]
     assert lane_groups(5, 2) == [(0, 3), (3, 5)]
     assert lane_groups(1, 1) == [(0, 1)]
+
+
+def test_pass_groups_split_where_the_cache_takes_two_groups(tmp_path: Path) -> None:
+    """Two groups from `split_lanes` lanes on, only through an expert cache that copies (not all-resident,
+    not resident experts), with a group's choices within its half of the staging rows (tiny: 8 experts,
+    top-2, so at most two lanes a group), and never an empty group."""
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", seed=1)
+    cached = Engine(path, dtype=torch.float32, max_seqs=4, expert_cache="0.5").model
+    assert pass_groups(cached, 4, 2) == 2 and pass_groups(cached, 3, 2) == 2
+    assert pass_groups(cached, 6, 2) == 1  # three lanes a group: 6 choices, 4 staging rows
+    assert pass_groups(cached, 4, 8) == pass_groups(cached, 4, 0) == pass_groups(cached, 1, 1) == 1
+    assert pass_groups(Engine(path, dtype=torch.float32, max_seqs=4).model, 4, 2) == 1
+    all_fit = Engine(path, dtype=torch.float32, max_seqs=4, expert_cache="all")
+    all_fit.offload.load_all(release_host=False)
+    assert pass_groups(all_fit.model, 4, 2) == 1
 
 
 def _grouped(engine: Engine) -> list[int]:
