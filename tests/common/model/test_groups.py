@@ -79,6 +79,24 @@ def test_grouped_decode_decodes_the_reference_tokens(tmp_path: Path, arch: str, 
     assert tables.previous[1].any()  # the second group's own previous steps
 
 
+def test_grouped_bypasses_take_their_groups_staging_rows(tmp_path: Path) -> None:
+    """A frozen cache: every miss is a bypass, computed from a staging row, and the tokens are the
+    reference's. (On the CPU the groups run one after the other: this checks the path; that the groups'
+    bypasses take separate halves of the rows is test_cache_tables's.)"""
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
+    reference = Engine(path, dtype=torch.float32, max_seqs=3).generate(prompts, GREEDY)
+    engine = Engine(path, dtype=torch.float32, max_seqs=3, expert_cache="0.25")
+    engine.offload.tables.frozen = True
+    passes = _grouped(engine)
+    out = engine.generate(prompts, GREEDY)
+    assert [r.token_ids for r in out] == [r.token_ids for r in reference]
+    assert len(passes) >= GREEDY.max_tokens - 1
+    counters = engine.offload.tables.counters
+    assert int(counters["bypasses"].sum()) == int(counters["misses"].sum()) > 0
+
+
 def test_grouped_passes_make_no_guesses(tmp_path: Path) -> None:
     """Lookahead is on, but a grouped pass guesses nothing (its update and stream are one group's at a time):
     every decode pass here is grouped, so no guess is made or copied."""
