@@ -301,8 +301,10 @@ class CacheTables:
         self._stamp(hit_slot, step)
         self.counters["prefetch_hits"][layer].add_(self.fetched[hit_slot].sum())  # fetched[spare]: False
         self.fetched.index_fill_(0, hit_slot, False)
-        asked = self.previous[:groups, layer].any(0)  # [E] every group's requests (this one's: `requested`)
-        in_use = torch.where(asked & (current >= 0), current, spare)
+        in_use = hit_slot  # this step's requests that hold a slot
+        if groups > 1:  # and every other group's last ones
+            asked = self.previous[:groups, layer].any(0)  # [E] (this group's row: `requested`)
+            in_use = torch.where(asked & (current >= 0), current, spare)
         newcomer, victims, valid = self._pair_misses(layer, miss, in_use, rate, min(max_new, e))
         self._apply(layer, newcomer, victims, valid, step)
 
@@ -331,8 +333,7 @@ class CacheTables:
         if not 1 <= groups <= DECODE_GROUPS:
             raise ValueError(f"a decode pass runs in 1 to {DECODE_GROUPS} groups, not {groups}")
         merged = self.previous[: self.groups].any(0)  # [L, E]
-        self.previous[:groups] = merged
-        self.previous[groups:] = False
+        self.previous[:groups] = merged  # rows past `groups` are not read until the next regroup
         self.groups = groups
 
     def _pair_misses(

@@ -429,14 +429,16 @@ class OffloadedExperts(ExpertProvider):
     def turn(self, layer: int) -> Iterator[None]:
         """Group g's routing replay and resolution of a layer after group g−1's: both update the layer's
         tables (and a replay's cursor) in place."""
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if self.groups == 1 or self.device.type != "cuda":  # one group, or groups run in order (CPU)
+            yield
+            return
+        stream = torch.cuda.current_stream(self.device)
         before = self._turns.pop(layer, None)
         if before is not None:
             stream.wait_event(before)
         yield
-        if self.groups > 1 and stream is not None:
-            self._turns[layer] = torch.cuda.Event()
-            self._turns[layer].record(stream)
+        self._turns[layer] = torch.cuda.Event()
+        self._turns[layer].record(stream)
 
     def _gate_guesses(self) -> None:
         """Between steps, as device ops (no sync): each layer that guessed since the last call copies its

@@ -23,6 +23,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from common.experts.cache_tables import DECODE_GROUPS
 from common.experts.provider import ExpertProvider
 from common.model.context import ForwardContext
 
@@ -39,15 +40,14 @@ def lane_groups(lanes: int, groups: int) -> list[tuple[int, int]]:
 
 
 def pass_groups(model: nn.Module, lanes: int, split_lanes: int) -> int:
-    """Groups a recorded decode pass of `lanes` lanes runs as: two from `split_lanes` lanes on (0: never),
-    where the model runs grouped passes (`forward_groups`) and its expert provider takes them, and a group's
-    expert choices fit its share of the staging rows (`CacheTables.resolve`); else one."""
+    """Groups a recorded decode pass of `lanes` lanes runs as: DECODE_GROUPS from `split_lanes` lanes on
+    (0: never), where the model runs grouped passes (`forward_groups`) and its expert provider takes them,
+    and a group's expert choices fit its share of the staging rows (`CacheTables.resolve`); else one."""
     if not split_lanes or lanes < max(2, split_lanes) or not hasattr(model, "forward_groups"):
         return 1
-    if model.experts.max_groups < 2:
-        return 1
+    groups = min(model.experts.max_groups, DECODE_GROUPS)
     cfg = model.config
-    return 2 if -(-lanes // 2) * cfg.top_k <= cfg.num_experts // 2 else 1
+    return groups if -(-lanes // groups) * cfg.top_k <= cfg.num_experts // groups else 1
 
 
 def run_groups(

@@ -40,6 +40,11 @@ def test_pass_groups_split_where_the_cache_takes_two_groups(tmp_path: Path) -> N
     assert pass_groups(all_fit.model, 4, 2) == 1
 
 
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
+
+
 def _grouped(engine: Engine) -> list[int]:
     """Make every decode pass of two or more lanes run in two groups → a list that counts those passes."""
     model, passes = engine.model, []
@@ -65,8 +70,7 @@ def _grouped(engine: Engine) -> list[int]:
 def test_grouped_decode_decodes_the_reference_tokens(tmp_path: Path, arch: str, replay: str | None) -> None:
     """With the model's routing and with a replayed one (the groups take the trace's rows in lane order)."""
     path = make_model(tmp_path / "m", preset="tiny", arch=arch, overrides=ARCHS[arch], seed=1)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
+    prompts = _prompts()
     make = lambda: Engine(path, dtype=torch.float32, max_seqs=3, expert_cache="0.25", replay_routing=replay)
     reference = make().generate(prompts, GREEDY)
     engine = make()
@@ -84,8 +88,7 @@ def test_grouped_bypasses_take_their_groups_staging_rows(tmp_path: Path) -> None
     reference's. (On the CPU the groups run one after the other: this checks the path; that the groups'
     bypasses take separate halves of the rows is test_cache_tables's.)"""
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", seed=1)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
+    prompts = _prompts()
     reference = Engine(path, dtype=torch.float32, max_seqs=3).generate(prompts, GREEDY)
     engine = Engine(path, dtype=torch.float32, max_seqs=3, expert_cache="0.25")
     engine.offload.tables.frozen = True
@@ -101,8 +104,7 @@ def test_grouped_passes_make_no_guesses(tmp_path: Path) -> None:
     """Lookahead is on, but a grouped pass guesses nothing (its update and stream are one group's at a time):
     every decode pass here is grouped, so no guess is made or copied."""
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", seed=1)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
+    prompts = _prompts()
     engine = Engine(path, dtype=torch.float32, max_seqs=3, expert_cache="0.25", lookahead=2)
     passes = _grouped(engine)
     engine.generate(prompts, GREEDY)
