@@ -181,6 +181,16 @@ class CopyStream:
             done.record(self.side)
         return (done,)
 
+    def fence(self) -> Copies:
+        """Events that stand for every copy queued so far (a lookahead's), launching none: what a step that
+        copies its own misses waits for before reading its hits."""
+        if self.side is None:
+            return None
+        self.side.wait_stream(torch.cuda.current_stream(self.side.device))  # fork: joins a capture too
+        done = torch.cuda.Event()
+        done.record(self.side)
+        return (done, done)
+
     def join(self, done: Copies, stage: int = -1) -> None:
         """Make the main stream wait for a launch's copies up to `stage` (default all), right before their
         rows are read."""
@@ -227,6 +237,9 @@ class Prepared:
     cached: torch.Tensor | None = None
     """Prefill: [E] bool, the expert's row is a slot of the cache (else of this provider's arena); None:
     every row is the arena's."""
+    fills: tuple[torch.Tensor, torch.Tensor] | None = None
+    """A decode step whose misses the int4 kernels read from the host store themselves (`host_reads`): the
+    copy list (expert ids [P], valid [P]) that no copy launch took."""
 
 
 class OffloadedExperts(ExpertProvider):
@@ -304,6 +317,10 @@ class OffloadedExperts(ExpertProvider):
         self.fused_resolve = False
         """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
         decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
+        self.host_reads = True
+        """With `fused_int4`, a mapped store on CUDA: a one-token decode step's misses are read from the host
+        store by the int4 kernels that use them, which also write them into their slots (moe_int4_decode's
+        `host`), instead of copied first and then read; a switch for bench.decode_offload --ablate."""
         self.combine_shared = True
         """With `fused_int4`: decode's shared expert added in the kernel that sums the choices (else by torch
         after it); a switch for bench.decode_offload --ablate."""
@@ -508,14 +525,13 @@ class OffloadedExperts(ExpertProvider):
             row, newcomer, target, valid = resolve_step(
                 self.tables, i, topk_ids, self.step, self._moved, group=self.group, groups=self.groups
             )
-            done = self.copies.launch(i, newcomer, target, valid, self._stages, self.groups > 1)
-            return Prepared(rows=row, done=done)
+            return self._copy_misses(i, row, newcomer, target, valid, topk_ids.shape[0])
         requested = self._chosen(topk_ids)
         if self.prefill:
             if self.observing:  # decode's rates start from it (a prefill worker's: PrefillDone.routing)
                 self.tables.observe(i, topk_ids)
             return self._prepare_arena(i, requested, topk_ids.numel())
-        return self._prepare_cache(i, requested, topk_ids.numel())
+        return self._prepare_cache(i, requested, topk_ids.numel(), topk_ids.shape[0])
 
     def lookahead(self, layer: int, x: torch.Tensor, predict: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Decode passes: copy the experts `predict(x)` ([T, n] ids) guesses for MoE layer `layer` into slots
@@ -572,7 +588,9 @@ class OffloadedExperts(ExpertProvider):
     ) -> torch.Tensor:
         assert isinstance(prepared, Prepared)
         if self.fused_int4 and not self.prefill:  # the int4 decode kernels, which add the shared expert
-            return self._int4_decode(prepared, x, topk_ids, topk_weights, shared, shared_gate)
+            return self._int4_decode(
+                self.index[layer], prepared, x, topk_ids, topk_weights, shared, shared_gate
+            )
         return add_shared(self._routed(prepared, x, topk_ids, topk_weights), shared, shared_gate)
 
     def _routed(
@@ -613,6 +631,7 @@ class OffloadedExperts(ExpertProvider):
 
     def _int4_decode(
         self,
+        i: int,
         prepared: Prepared,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
@@ -621,7 +640,8 @@ class OffloadedExperts(ExpertProvider):
         shared_gate: torch.Tensor | None,
     ) -> torch.Tensor:
         """A decode pass through the int4 kernels: the rows read in place once their copies are in (gate_up's
-        before down's); the shared expert added in the kernel that sums the choices."""
+        before down's), or a one-token step's misses from the host store (`Prepared.fills`); the shared expert
+        added in the kernel that sums the choices."""
         from common.kernels.moe_int4 import moe_int4_decode  # Triton: CUDA
 
         fold = self.combine_shared
@@ -630,6 +650,7 @@ class OffloadedExperts(ExpertProvider):
             before_down=lambda: self.copies.join(prepared.done),  # down's rows come after gate_up's
             before_gate_up=lambda: self.copies.join(prepared.done, stage=0),
             shared=shared if fold else None, shared_gate=shared_gate if fold else None,
+            host=self.store.parts[i] if prepared.fills is not None else None, fills=prepared.fills,
         )  # fmt: skip
         return out if fold else add_shared(out, shared, shared_gate)
 
@@ -644,13 +665,23 @@ class OffloadedExperts(ExpertProvider):
         """A decode step's copy stages: gate_up's components, then down's, for a kernel decode; else one."""
         return self._split if self._kernel_decode else None
 
-    def _prepare_cache(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
+    def _prepare_cache(self, i: int, requested: torch.Tensor, choices: int, tokens: int) -> Prepared:
         e = self.store.num_experts
         res = self.tables.resolve(i, requested, self.step, min(choices, e), self.group, self.groups)
-        done = self.copies.launch(i, res.newcomer, res.target, res.valid, self._stages, self.groups > 1)
         self._moved[_FILLS, i].add_(res.filled.sum())
         self._moved[_BYPASSES, i].add_(res.bypass.sum())
-        return Prepared(rows=res.row, done=done)
+        return self._copy_misses(i, res.row, res.newcomer, res.target, res.valid, tokens)
+
+    def _copy_misses(
+        self, i: int, row: torch.Tensor, newcomer: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
+        tokens: int,
+    ) -> Prepared:  # fmt: skip
+        """A decode step's resolution → its handle: the misses' copies launched, or left to the int4
+        kernels (`host_reads`, one token: a token's experts are distinct, so each miss crosses once)."""
+        if self.host_reads and self.fused_int4 and self.copies.side is not None and tokens == 1:
+            return Prepared(rows=row, done=self.copies.fence(), fills=(newcomer, valid))
+        done = self.copies.launch(i, newcomer, target, valid, self._stages, self.groups > 1)
+        return Prepared(rows=row, done=done)
 
     def _prepare_arena(self, i: int, requested: torch.Tensor, choices: int) -> Prepared:
         """Big chunks (T·k ≥ prefetch_factor · E: nearly every expert is used): whole layers into alternate

@@ -88,9 +88,14 @@ def _steps(n: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.
     return out
 
 
+@pytest.mark.parametrize(("tokens", "fused"), [(3, False), (1, False), (1, True)])
 @pytest.mark.parametrize("policy", ["lru", "lfu-admit"])
-def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str) -> None:
-    steps = _steps(8, tokens=3)
+def test_decode_on_cuda_never_syncs_and_matches_the_reference(
+    store, policy: str, tokens: int, fused: bool
+) -> None:
+    """Also at one token, where the int4 kernels read the misses from the host store and fill their slots
+    (`host_reads`), with the torch resolution and the resolve kernel (`fused`)."""
+    steps = _steps(8, tokens=tokens)
     reference = []
     for layer in range(LAYERS):
         gate_up, down = store.fmt.unpack_many(
@@ -100,6 +105,7 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
     by_capacity = []
     for capacity in (1, 5, E):
         provider = _provider(store, capacity, policy)
+        provider.fused_resolve = provider.copies.merged = fused
         provider.begin_pass(True)
         provider.forward(0, *steps[0])  # warm-up: compiles the copy kernel
         torch.cuda.synchronize()
@@ -111,6 +117,7 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
                 out = []
                 for layer in range(LAYERS):
                     prepared = provider.prepare(layer, ids)
+                    assert (prepared.fills is not None) == (provider.fused_int4 and tokens == 1)
                     if (
                         layer + 1 < LAYERS
                     ):  # a lookahead's guess (its stream, its copies) syncs nothing either
@@ -132,9 +139,11 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(store, policy: str
             assert all(torch.equal(a, b) for a, b in zip(out, every_slot, strict=True))
 
 
-def test_slow_copies_are_waited_for(store, monkeypatch) -> None:
+@pytest.mark.parametrize("tokens", [2, 1])
+def test_slow_copies_are_waited_for(store, monkeypatch, tokens: int) -> None:
     """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows,
-    also those a lookahead copied in ahead of their layer."""
+    also those a lookahead copied in ahead of their layer (at one token, with int4, the only copies: the
+    step's misses are the kernels' own reads)."""
     from common.experts import offload
 
     copy = offload.copy_experts
@@ -144,7 +153,7 @@ def test_slow_copies_are_waited_for(store, monkeypatch) -> None:
         copy(*args, **kwargs)
 
     monkeypatch.setattr(offload, "copy_experts", slow)
-    steps = _steps(4, tokens=2)
+    steps = _steps(4, tokens=tokens)
     provider = _provider(store, 3, "lru")
     for x, ids, w in steps:
         provider.begin_pass(True)
@@ -181,3 +190,37 @@ def test_offloaded_experts_are_read_to_the_host_not_the_device(tmp_path: Path) -
     resident = len(cfg.moe_layers) * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     # the fp32 experts were never all on the device
     assert torch.cuda.max_memory_allocated() - before < resident
+
+
+def test_one_lane_int4_decode_reads_its_misses_from_the_host(tmp_path: Path) -> None:
+    """One lane, int4 experts in a small cache, the fused kernels: the kernels read each miss from the host
+    store and leave it in its slot (`host_reads`), recorded or not. The tokens and every cache counter are
+    those of recorded steps that copy their misses first, bit for bit (the same bytes, summed in the same
+    order)."""
+    from common.kernels import use_fused_kernels
+
+    shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides=shape)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23)]
+
+    def run(graphs: bool, host_reads: bool) -> tuple[list[list[int]], dict]:
+        engine = Engine(
+            path, dtype=torch.bfloat16, device="cuda", max_seqs=1, expert_cache="0.25", expert_format="int4",
+            cuda_graphs=graphs, replay_routing="synthetic-zipf:seed=3",
+        )  # fmt: skip
+        use_fused_kernels(engine.model, True, engine.runner.backend)
+        provider = engine.offload
+        assert provider.fused_int4
+        provider.host_reads = host_reads
+        out = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+        provider.tables.check()
+        assert sum(provider.traffic().cache_bytes) > 0
+        return out, {name: c.clone() for name, c in provider.tables.counters.items()}
+
+    tokens, counters = run(graphs=True, host_reads=False)
+    for graphs in (True, False):
+        got, got_counters = run(graphs, host_reads=True)
+        assert got == tokens, graphs
+        for name, c in counters.items():
+            assert torch.equal(got_counters[name], c), (graphs, name)

@@ -121,3 +121,33 @@ def test_int4_decode_looks_up_the_rows_of_expert_ids() -> None:
     ids = torch.tensor([[2, 0, 5], [1, 4, 2]], device=DEVICE)
     want = moe_int4_decode(x, row_of[ids], weights, pool)
     assert torch.equal(moe_int4_decode(x, ids, weights, pool, row_of=row_of), want)
+
+
+def test_int4_decode_reads_the_listed_misses_from_the_host_and_fills_their_rows() -> None:
+    """With `host` and the copy list, a pair whose expert is listed (and valid) reads the host's rows, not its
+    pool row (garbage there), and leaves them in that pool row; an invalid entry is not read from the host.
+    The result is the one with every row in place, bit for bit; no other row changes."""
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    gen = torch.Generator().manual_seed(5)
+    host, x, weights = _two_token_case(gen, experts=6, k=3)  # the host store: expert e at row e
+    x, weights = x[:1], weights[:1]
+    row_of = torch.tensor([4, 0, 5, 1, 3, 2], device=DEVICE)  # expert → pool row
+    pool = {n: torch.empty_like(t) for n, t in host.items()}
+    for n, t in pool.items():
+        t[row_of] = host[n]
+    ids = torch.tensor([[2, 0, 5]], device=DEVICE)
+    want = moe_int4_decode(x, ids, weights, pool, row_of=row_of)
+    listed = torch.tensor([5, 2, 1], device=DEVICE)  # experts 5 and 2 missed; 1's entry is padding
+    valid = torch.tensor([True, True, False], device=DEVICE)
+    moving = row_of[listed[:2]]
+    for t in pool.values():
+        t[moving] = torch.randint(0, 200, t[moving].shape, generator=gen).to(t.dtype).to(DEVICE)
+    before = {n: t.clone() for n, t in pool.items()}
+    got = moe_int4_decode(x, ids, weights, pool, row_of=row_of, host=host, fills=(listed, valid))
+    assert torch.equal(got, want)
+    for n, t in pool.items():
+        assert torch.equal(t[moving], host[n][listed[:2]]), n
+        kept = torch.ones(t.shape[0], dtype=torch.bool, device=DEVICE)
+        kept[moving] = False
+        assert torch.equal(t[kept], before[n][kept]), n
