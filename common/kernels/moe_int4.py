@@ -72,30 +72,23 @@ def decode_config(tokens: int) -> DecodeConfig:
 
 @triton.jit
 def _groups_dot(
-    w_ptr, s_ptr, z_ptr, rows_out, g0, x_even, x_odd, dw_ptr, ds_ptr, dz_ptr, fill,
-    GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr, MAGIC: tl.constexpr, FILL: tl.constexpr,
+    w_ptr, s_ptr, z_ptr, rows_out, g0, x_even, x_odd,
+    GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr, MAGIC: tl.constexpr,
 ):  # fmt: skip
     """Σ over groups g0..g0+GPB−1 (those < GROUPS) of w[rows_out, group] · x → [BLOCK] fp32.
 
-    x_even, x_odd [GPB, HALF]: the groups' even and odd inputs (0 past the last group). FILL (where `fill`):
-    the codes, scales and zeros read are also written at dw, ds, dz (a missed expert's host rows, read once,
-    land in its pool row as they are used); `fill` is int32, 0 or 1."""
+    x_even, x_odd [GPB, HALF]: the groups' even and odd inputs (0 past the last group)."""
     gi = g0 + tl.arange(0, GPB)  # [GPB]
     live = gi < GROUPS
     cols = gi[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [GPB, HALF] byte columns
-    codes_at = rows_out[:, None, None] * (GROUPS * HALF) + cols[None, :, :]  # [BLOCK, GPB, HALF]
-    packed = tl.load(w_ptr + codes_at, mask=live[None, :, None], other=0)  # uint8
+    packed = tl.load(
+        w_ptr + rows_out[:, None, None] * (GROUPS * HALF) + cols[None, :, :],
+        mask=live[None, :, None],
+        other=0,
+    )  # [BLOCK, GPB, HALF] uint8
     at = rows_out[:, None] * GROUPS + gi[None, :]  # [BLOCK, GPB]; loaded with the codes, before any math
-    scale_raw = tl.load(s_ptr + at, mask=live[None, :], other=0)
-    zero_raw = tl.load(z_ptr + at, mask=live[None, :], other=0)
-    if FILL:
-        write = live & (
-            gi * 0 + fill != 0
-        )  # [GPB] (a vector: the interpreter's scalar compares are not bool)
-        tl.store(dw_ptr + codes_at, packed, mask=write[None, :, None])
-        tl.store(ds_ptr + at, scale_raw, mask=write[None, :])
-        tl.store(dz_ptr + at, zero_raw, mask=write[None, :])
-    scale, zero = scale_raw.to(tl.float32), zero_raw.to(tl.float32)
+    scale = tl.load(s_ptr + at, mask=live[None, :], other=0).to(tl.float32)
+    zero = tl.load(z_ptr + at, mask=live[None, :], other=0).to(tl.float32)
     if MAGIC:  # 2²³ + q read as a float is exact: q without a conversion instruction
         word = packed.to(tl.int32)
         low = ((word & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
@@ -151,25 +144,33 @@ def _pair_row(rows_ptr, row_of_ptr, p, LOOKUP: tl.constexpr):
 
 
 @triton.jit
-def _sources(
-    w_ptr, s_ptr, z_ptr, hw_ptr, hs_ptr, hz_ptr, rows_ptr, fill_ptr, valid_ptr, fills, p, row, rows_out,
-    GROUPS: tl.constexpr, HALF: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr,
+def _listed(rows_ptr, fill_ptr, valid_ptr, fills, p, FILLS: tl.constexpr):
+    """Pair p's expert id and whether it is a valid entry of the step's copy list ([fills] ids, valid)."""
+    expert = tl.load(rows_ptr + p).to(tl.int64)
+    q = tl.arange(0, FILLS)
+    listed = tl.load(fill_ptr + q, mask=q < fills, other=-1)
+    valid = tl.load(valid_ptr + q, mask=q < fills, other=0) != 0
+    return expert, tl.max(((listed == expert) & valid).to(tl.int32), axis=0) != 0
+
+
+@triton.jit
+def _stage(src, dst, count, TILE: tl.constexpr):
+    """dst[:count] ← src[:count] in one tile: every load in flight at once (count ≤ TILE)."""
+    i = tl.arange(0, TILE)
+    tl.store(dst + i, tl.load(src + i, mask=i < count), mask=i < count)
+
+
+@triton.jit
+def _stage_rows(
+    hw_ptr, hs_ptr, hz_ptr, w, s, z, expert, rows_out, first, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+    HALF: tl.constexpr, CODES: tl.constexpr, SCALES: tl.constexpr,
 ):  # fmt: skip
-    """Where pair p reads one matrix, and where it writes what it read: (codes, scales, zeros to read; pool
-    row's codes, scales, zeros; whether to write them, int32 0 or 1). Its pool row, unless HOST and its
-    expert is on the step's copy list (`fill_ptr`, `valid_ptr`: [fills] ids, valid): then the host's row."""
-    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, rows_out, GROUPS, HALF)
-    src_w, src_s, src_z = w, s, z
-    fill = p * 0  # int32 0 or 1
-    if HOST:
-        expert = tl.load(rows_ptr + p).to(tl.int64)
-        q = tl.arange(0, FILLS)
-        listed = tl.load(fill_ptr + q, mask=q < fills, other=-1)
-        valid = tl.load(valid_ptr + q, mask=q < fills, other=0) != 0
-        fill = tl.max(((listed == expert) & valid).to(tl.int32), axis=0)
-        if fill != 0:
-            src_w, src_s, src_z = _expert_ptrs(hw_ptr, hs_ptr, hz_ptr, expert, rows_out, GROUPS, HALF)
-    return src_w, src_s, src_z, w, s, z, fill
+    """Copy rows first..first+BLOCK−1 of a matrix of `rows_out` rows (codes, scales, zeros) from host row
+    `expert` into the pool row at w, s, z."""
+    hw, hs, hz = _expert_ptrs(hw_ptr, hs_ptr, hz_ptr, expert, rows_out, GROUPS, HALF)
+    _stage(hw + first * (GROUPS * HALF), w + first * (GROUPS * HALF), BLOCK * GROUPS * HALF, CODES)
+    _stage(hs + first * GROUPS, s + first * GROUPS, BLOCK * GROUPS, SCALES)
+    _stage(hz + first * GROUPS, z + first * GROUPS, BLOCK * GROUPS, SCALES)
 
 
 @triton.jit
@@ -177,26 +178,32 @@ def _gate_up_kernel(
     x_ptr, rows_ptr, row_of_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
     hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
-    MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr,
+    MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
+    SCALES: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     t = p // k
     row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] act columns (< inter: inter % BLOCK == 0)
-    w, s, z, dw, ds, dz, fill = _sources(
-        w_ptr, s_ptr, z_ptr, hw_ptr, hs_ptr, hz_ptr, rows_ptr, fill_ptr, valid_ptr, fills, p, row, 2 * inter,
-        GROUPS, HALF, HOST, FILLS,
-    )  # fmt: skip
+    first = tl.program_id(1) * BLOCK
+    n = first + tl.arange(0, BLOCK)  # [BLOCK] act columns (< inter: inter % BLOCK == 0)
+    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, 2 * inter, GROUPS, HALF)
+    if HOST:  # a listed miss: its gate and up rows from the host into its pool row, then read as a hit's
+        expert, listed = _listed(rows_ptr, fill_ptr, valid_ptr, fills, p, FILLS)
+        if listed:
+            _stage_rows(
+                hw_ptr, hs_ptr, hz_ptr, w, s, z, expert, 2 * inter, first, BLOCK, GROUPS, HALF, CODES, SCALES
+            )  # fmt: skip
+            _stage_rows(
+                hw_ptr, hs_ptr, hz_ptr, w, s, z, expert, 2 * inter, first + inter, BLOCK, GROUPS, HALF, CODES,
+                SCALES,
+            )  # fmt: skip
+            tl.debug_barrier()  # the program's own writes, visible to all its threads
     gate = tl.zeros((BLOCK,), dtype=tl.float32)
     up = tl.zeros((BLOCK,), dtype=tl.float32)
     for g0 in range(0, GROUPS, GPB):
         x_even, x_odd = _load_pairs(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
-        gate += _groups_dot(
-            w, s, z, n, g0, x_even, x_odd, dw, ds, dz, fill, GROUPS, GPB, HALF, MAGIC, HOST
-        )  # fmt: skip
-        up += _groups_dot(
-            w, s, z, n + inter, g0, x_even, x_odd, dw, ds, dz, fill, GROUPS, GPB, HALF, MAGIC, HOST
-        )  # fmt: skip
+        gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
+        up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
     tl.store(act_ptr + p * inter + (_split_at(n, HALF) if SPLIT else n), act)
 
@@ -206,19 +213,25 @@ def _down_kernel(
     act_ptr, rows_ptr, row_of_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
     hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
-    MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr,
+    MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
+    SCALES: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
-    w, s, z, dw, ds, dz, fill = _sources(
-        w_ptr, s_ptr, z_ptr, hw_ptr, hs_ptr, hz_ptr, rows_ptr, fill_ptr, valid_ptr, fills, p, row, hidden,
-        GROUPS, HALF, HOST, FILLS,
-    )  # fmt: skip
+    first = tl.program_id(1) * BLOCK
+    n = first + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
+    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
+    if HOST:
+        expert, listed = _listed(rows_ptr, fill_ptr, valid_ptr, fills, p, FILLS)
+        if listed:
+            _stage_rows(
+                hw_ptr, hs_ptr, hz_ptr, w, s, z, expert, hidden, first, BLOCK, GROUPS, HALF, CODES, SCALES
+            )
+            tl.debug_barrier()
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for g0 in range(0, GROUPS, GPB):
         a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF, SPLIT)
-        acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, dw, ds, dz, fill, GROUPS, GPB, HALF, MAGIC, HOST)
+        acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF, MAGIC)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
 
 
@@ -278,12 +291,13 @@ def moe_int4_decode(
     labels a setting by).
 
     `host` (the layer's host store blocks, by component, [E, ...] as the pool's rows; mapped) and `fills`
-    (the step's copy list: expert ids [P] and valid [P] bool), with `row_of`: a pair whose expert is a valid
-    entry of the list reads its weights from the host rows instead of its pool row, and writes what it reads
-    into that pool row as it goes. The miss is copied by the kernels that use it, which start at once:
-    no copy launch, the hits computed while the misses stream in. Each program reads its own rows, so one
-    token's misses cross the link once (a token's experts are distinct; of several tokens, each pair of an
-    expert would read it).
+    (the step's copy list: expert ids [P] and valid [P] bool), with `row_of`: a program whose pair's expert
+    is a valid entry of the list first copies its own rows of the matrix from the host into the expert's
+    pool row, in one tile (every load in flight at once: read as the GEMV's loop reads, tiny scale and zero
+    rows and one round trip a loop step, the link ran at 40-43 GB/s), then computes from them as a hit's
+    program does. The misses are copied by the kernels that use them, which start at once: no copy launch,
+    the hits computed while the misses stream in. One token's misses cross the link once (a token's experts
+    are distinct); of several tokens, every pair of a missed expert copies its rows (the same bytes).
     """
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
@@ -308,13 +322,20 @@ def moe_int4_decode(
         names = (f"{matrix}_qweight", f"{matrix}_scales", f"{matrix}_zeros")
         return (*(src[n] for n in names), listed, valid, listed.numel())
 
+    def tiles(rows: int, groups: int) -> dict[str, int]:  # a miss program's staging tiles (HOST)
+        return {
+            "CODES": triton.next_power_of_2(rows * groups * GROUP // 2),
+            "SCALES": triton.next_power_of_2(rows * groups),
+        }
+
     if before_gate_up is not None:
         before_gate_up()
     groups = hidden // GROUP  # per kernel at most its groups' power of two: a step past them reads nothing
     _gate_up_kernel[(t * k, inter // c.block)](
         x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
         hidden, inter, *reads("gate_up"), GROUPS=groups,
-        GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=c.block, **knobs,
+        GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=c.block, **tiles(c.block, groups),
+        **knobs,
     )  # fmt: skip
     if before_down is not None:
         before_down()
@@ -322,7 +343,8 @@ def moe_int4_decode(
     _down_kernel[(t * k, hidden // down_block)](
         act, rows, row_of, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
         hidden, inter, *reads("down"), GROUPS=groups,
-        GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=down_block, **knobs,
+        GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=down_block,
+        **tiles(down_block, groups), **knobs,
     )  # fmt: skip
     out = torch.empty_like(x)
     gated = shared_gate is not None

@@ -60,9 +60,13 @@ def test_int4_decode_matches_the_dequantised_reference(
     gate, up = h.chunk(2, dim=-1)
     y = torch.einsum("pi,phi->ph", F.silu(gate) * up, down) * weights.reshape(-1, 1)
     torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=1e-4, atol=1e-4)
-    if split:  # the same sums in the same order as the interleaved store's, bit for bit
+    if split:  # the interleaved store's sums: bit for bit in the interpreter; compiled, the two layouts'
+        # code may contract and reduce apart (seen on the H200 with `magic`), so to fp32 rounding
         plain = {"groups_per_step": groups, "num_warps": warps, "down_block": down_block, "split_act": False}
-        assert torch.equal(out, moe_int4_decode(x, rows, weights, pool, block=block, **plain))
+        plain["magic"] = magic
+        interleaved = moe_int4_decode(x, rows, weights, pool, block=block, **plain)
+        torch.testing.assert_close(out, interleaved, rtol=1e-5, atol=1e-6)
+        assert DEVICE == "cuda" or torch.equal(out, interleaved)
 
 
 def test_int4_decode_waits_before_each_matrix() -> None:
