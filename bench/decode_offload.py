@@ -201,7 +201,7 @@ def main() -> None:
 
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
-    "no-lookahead", "no-groups", "no-host-reads",
+    "no-lookahead", "no-groups", "host-reads",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -221,7 +221,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (provider, "combine_shared", False),
         (SparseMoeBlock, "lookahead", False),
         (DecodeGraphs, "split_lanes", 0),
-        (provider, "host_reads", False),
+        (provider, "host_reads", True),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

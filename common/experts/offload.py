@@ -317,10 +317,12 @@ class OffloadedExperts(ExpertProvider):
         self.fused_resolve = False
         """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
         decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
-        self.host_reads = True
-        """With `fused_int4`, a mapped store on CUDA: a one-token decode step's misses are read from the host
-        store by the int4 kernels that use them, which also write them into their slots (moe_int4_decode's
-        `host`), instead of copied first and then read; a switch for bench.decode_offload --ablate."""
+        self.host_reads = False
+        """With `fused_int4`, a mapped store on CUDA: a one-token decode step's misses are copied from the
+        host store by the int4 kernels that use them (moe_int4_decode's `host`) instead of by a copy launch
+        before them. Off: on the H200 decode-1 ran 3.7 % slower with it (73.04 against 75.85 tok/s in one
+        process, bench/results/decode-1-host-reads-staged.json; the GEMV reading the host rows in its own
+        loop, 2.7 % slower). A switch for bench.decode_offload --ablate (`no-host-reads` flips it)."""
         self.combine_shared = True
         """With `fused_int4`: decode's shared expert added in the kernel that sums the choices (else by torch
         after it); a switch for bench.decode_offload --ablate."""

@@ -93,8 +93,9 @@ def _steps(n: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.
 def test_decode_on_cuda_never_syncs_and_matches_the_reference(
     store, policy: str, tokens: int, fused: bool
 ) -> None:
-    """Also at one token, where the int4 kernels read the misses from the host store and fill their slots
-    (`host_reads`), with the torch resolution and the resolve kernel (`fused`)."""
+    """`host_reads` on (off by default): at one token the int4 kernels copy the misses from the host store
+    into their slots themselves (at three it does not apply); with the torch resolution and the resolve
+    kernel (`fused`)."""
     steps = _steps(8, tokens=tokens)
     reference = []
     for layer in range(LAYERS):
@@ -106,6 +107,7 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(
     for capacity in (1, 5, E):
         provider = _provider(store, capacity, policy)
         provider.fused_resolve = provider.copies.merged = fused
+        provider.host_reads = True
         provider.begin_pass(True)
         provider.forward(0, *steps[0])  # warm-up: compiles the copy kernel
         torch.cuda.synchronize()
@@ -142,8 +144,8 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(
 @pytest.mark.parametrize("tokens", [2, 1])
 def test_slow_copies_are_waited_for(store, monkeypatch, tokens: int) -> None:
     """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows,
-    also those a lookahead copied in ahead of their layer (at one token, with int4, the only copies: the
-    step's misses are the kernels' own reads)."""
+    also those a lookahead copied in ahead of their layer (at one token, with int4 and `host_reads`, the only
+    copies: the step's misses are the kernels' own)."""
     from common.experts import offload
 
     copy = offload.copy_experts
@@ -155,6 +157,7 @@ def test_slow_copies_are_waited_for(store, monkeypatch, tokens: int) -> None:
     monkeypatch.setattr(offload, "copy_experts", slow)
     steps = _steps(4, tokens=tokens)
     provider = _provider(store, 3, "lru")
+    provider.host_reads = True
     for x, ids, w in steps:
         provider.begin_pass(True)
         for layer in range(LAYERS):
