@@ -86,7 +86,15 @@ def main() -> None:
         "--switches", nargs="+", choices=DECODE_SWITCHES, default=None,
         help="with --ablate: only these variants (after the defaults)",
     )  # fmt: skip
+    ap.add_argument(
+        "--split-lanes", type=int, default=None,
+        help="lanes from which a recorded pass runs as two groups (DecodeGraphs.split_lanes; default 8)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.split_lanes is not None:
+        from common.graphs import DecodeGraphs
+
+        DecodeGraphs.split_lanes = args.split_lanes  # before the runner records any pass
     lookahead = resolve_lookahead("", True, args.lookahead, "cuda")  # the engine's rule: an expert cache
 
     lanes = args.lanes + int(args.ablate)  # --ablate: the prompt's state held beside the lanes
@@ -188,6 +196,7 @@ def main() -> None:
     name += f"-resident-{args.resident_dtype}" if args.resident_dtype else ""
     name += "-routing-model" if args.routing == "model" else ""
     name += "" if args.lookahead is None else f"-lookahead-{args.lookahead}"  # the default: no suffix
+    name += "" if args.split_lanes is None else f"-split-{args.split_lanes}"
     name += ("" if args.fused else "-torch-ops") + ("-eager" if args.eager else "")  # a variant: its own file
     if args.ablate:
         for s in seqs:  # their slots go to the ablations' lanes
