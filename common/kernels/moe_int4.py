@@ -297,7 +297,8 @@ def moe_int4_decode(
     rows and one round trip a loop step, the link ran at 40-43 GB/s), then computes from them as a hit's
     program does. The misses are copied by the kernels that use them, which start at once: no copy launch,
     the hits computed while the misses stream in. One token's misses cross the link once (a token's experts
-    are distinct); of several tokens, every pair of a missed expert copies its rows (the same bytes).
+    are distinct); of several tokens, every pair of a missed expert copies its rows (the same bytes). On the
+    H200 decode-1 steps ran slower this way than with the copies launched first (OffloadedExperts.host_reads).
     """
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
@@ -323,6 +324,8 @@ def moe_int4_decode(
         return (*(src[n] for n in names), listed, valid, listed.numel())
 
     def tiles(rows: int, groups: int) -> dict[str, int]:  # a miss program's staging tiles (HOST)
+        if host is None:
+            return {"CODES": 1, "SCALES": 1}  # unread: one compiled variant whatever the block
         return {
             "CODES": triton.next_power_of_2(rows * groups * GROUP // 2),
             "SCALES": triton.next_power_of_2(rows * groups),
