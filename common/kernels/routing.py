@@ -53,26 +53,59 @@ def route_fused(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torc
 
 @triton.jit
 def _replay_kernel(
-    trace_ids_ptr, trace_w_ptr, cursor_ptr, ids_ptr, weights_ptr, rows, layers, layer,
-    K: tl.constexpr, KB: tl.constexpr,
+    trace_ids_ptr, trace_w_ptr, cursor_ptr, ids_ptr, weights_ptr, rows, layers, layer, tokens,
+    K: tl.constexpr, KB: tl.constexpr, TB: tl.constexpr, ADVANCE: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    row = ((t + tl.load(cursor_ptr + layer)) % rows).to(tl.int64)
+    """Tokens [TB·pid, TB·(pid+1)) of the call (every token with ADVANCE: one program, which then moves the
+    cursor on, as no other program reads it). The interpreter casts fp32 to bf16 by truncation: BF16 rounds
+    by hand."""
+    base = tl.load(cursor_ptr + layer)
     j = tl.arange(0, KB)
-    at = (row * layers + layer) * K + j
-    tl.store(ids_ptr + t * K + j, tl.load(trace_ids_ptr + at, mask=j < K).to(tl.int64), mask=j < K)
-    tl.store(weights_ptr + t * K + j, tl.load(trace_w_ptr + at, mask=j < K), mask=j < K)
+    first = tl.program_id(0) * TB
+    last = tokens if ADVANCE else first + TB
+    for t0 in range(first, last, TB):
+        t = t0 + tl.arange(0, TB)  # [TB]
+        live = (t < tokens)[:, None] & (j < K)[None, :]  # [TB, KB]
+        row = ((t + base) % rows).to(tl.int64)
+        at = (row[:, None] * layers + layer) * K + j[None, :]
+        out = t[:, None] * K + j[None, :]
+        tl.store(ids_ptr + out, tl.load(trace_ids_ptr + at, mask=live).to(tl.int64), mask=live)
+        weight = tl.load(trace_w_ptr + at, mask=live)  # fp32
+        if BF16:  # weights_ptr: the bf16 weights' bits (int16), rounded to nearest even as torch casts
+            bits = weight.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # (finite: softmax outputs)
+            tl.store(weights_ptr + out, bits.to(tl.int16), mask=live)
+        else:
+            tl.store(weights_ptr + out, weight, mask=live)
+    if ADVANCE:
+        tl.store(cursor_ptr + layer, base + tokens)
+
+
+REPLAY_ONE_PROGRAM = 256
+"""Calls of up to this many tokens (decode passes) run as one program that also advances the cursor: two
+small kernels fewer a MoE layer (the cursor's add and the weights' cast). Longer ones (prefill chunks) run a
+program per 16 tokens, and the caller advances the cursor."""
 
 
 def replay_rows(
-    trace_ids: torch.Tensor, trace_weights: torch.Tensor, cursor: torch.Tensor, layer: int, tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    trace_ids: torch.Tensor,
+    trace_weights: torch.Tensor,
+    cursor: torch.Tensor,
+    layer: int,
+    tokens: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The routing replay's rows for `tokens` tokens of trace layer `layer` from row cursor[layer] on
-    (cycling): (ids [T, k] int64, weights [T, k] fp32). The caller advances the cursor."""
+    (cycling): (ids [T, k] int64, weights [T, k] in `dtype` (fp32 or bf16 in the kernel, others cast
+    after it), whether the cursor was advanced by `tokens`: up to REPLAY_ONE_PROGRAM tokens; otherwise the
+    caller advances it)."""
     rows, layers, k = trace_ids.shape
     ids = torch.empty((tokens, k), dtype=torch.int64, device=trace_ids.device)
-    weights = torch.empty((tokens, k), dtype=torch.float32, device=trace_ids.device)
-    _replay_kernel[(tokens,)](
-        trace_ids, trace_weights, cursor, ids, weights, rows, layers, layer, K=k, KB=triton.next_power_of_2(k)
-    )
-    return ids, weights
+    bf16 = dtype == torch.bfloat16
+    weights = torch.empty((tokens, k), dtype=dtype if bf16 else torch.float32, device=trace_ids.device)
+    advance, tb = tokens <= REPLAY_ONE_PROGRAM, 16
+    _replay_kernel[(1 if advance else triton.cdiv(tokens, tb),)](
+        trace_ids, trace_weights, cursor, ids, weights.view(torch.int16) if bf16 else weights, rows, layers,
+        layer, tokens, K=k, KB=triton.next_power_of_2(k), TB=tb, ADVANCE=advance, BF16=bf16,
+    )  # fmt: skip
+    return ids, weights.to(dtype), advance

@@ -23,18 +23,25 @@ def test_route_fused_matches_route(experts: int, k: int, normalize: bool) -> Non
     torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_replay_hands_out_the_same_rows() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_replay_hands_out_the_same_rows(dtype: torch.dtype) -> None:
+    """The same rows and weights (in the router's dtype), and the same cursors after every call: calls of a
+    few tokens (one program, which advances the cursor) and a long one (a program per 16 tokens)."""
     from common.experts.routing import replayer_for
+    from common.kernels.routing import REPLAY_ONE_PROGRAM
 
     layers = [1, 3]
     plain, fused = (replayer_for("synthetic-zipf:tokens=20,seed=2", layers, 16, 4) for _ in range(2))
     fused.fused = True
-    for n in (3, 1, 9, 12):  # past the trace's end: rows cycle
+    for n in (3, 1, 9, 12, 37, REPLAY_ONE_PROGRAM + 5):  # past the trace's end: rows cycle
         for layer in layers:
             ids = torch.zeros(n, 4, dtype=torch.int64, device=DEVICE)
-            weights = torch.zeros(n, 4, device=DEVICE)
+            weights = torch.zeros(n, 4, dtype=dtype, device=DEVICE)
             want, got = plain(layer, ids, weights), fused(layer, ids, weights)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert got[1].dtype == dtype
+        (_, _, want_cursor), (_, _, cursor) = plain._on(ids.device), fused._on(ids.device)
+        assert torch.equal(cursor, want_cursor)
 
 
 @pytest.mark.parametrize("hook_first", [True, False])
