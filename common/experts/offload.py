@@ -240,6 +240,8 @@ class Prepared:
     fills: tuple[torch.Tensor, torch.Tensor] | None = None
     """A decode step whose misses the int4 kernels read from the host store themselves (`host_reads`): the
     copy list (expert ids [P], valid [P]) that no copy launch took."""
+    host: dict[str, torch.Tensor] | None = None
+    """With `fills`: the layer's host store blocks the kernels read them from."""
 
 
 class OffloadedExperts(ExpertProvider):
@@ -322,7 +324,7 @@ class OffloadedExperts(ExpertProvider):
         host store by the int4 kernels that use them (moe_int4_decode's `host`) instead of by a copy launch
         before them. Off: on the H200 decode-1 ran 3.7 % slower with it (73.04 against 75.85 tok/s in one
         process, bench/results/decode-1-host-reads-staged.json; the GEMV reading the host rows in its own
-        loop, 2.7 % slower). A switch for bench.decode_offload --ablate (`no-host-reads` flips it)."""
+        loop, 2.7 % slower). A switch for bench.decode_offload --ablate (`host-reads` flips it)."""
         self.combine_shared = True
         """With `fused_int4`: decode's shared expert added in the kernel that sums the choices (else by torch
         after it); a switch for bench.decode_offload --ablate."""
@@ -590,9 +592,7 @@ class OffloadedExperts(ExpertProvider):
     ) -> torch.Tensor:
         assert isinstance(prepared, Prepared)
         if self.fused_int4 and not self.prefill:  # the int4 decode kernels, which add the shared expert
-            return self._int4_decode(
-                self.index[layer], prepared, x, topk_ids, topk_weights, shared, shared_gate
-            )
+            return self._int4_decode(prepared, x, topk_ids, topk_weights, shared, shared_gate)
         return add_shared(self._routed(prepared, x, topk_ids, topk_weights), shared, shared_gate)
 
     def _routed(
@@ -633,7 +633,6 @@ class OffloadedExperts(ExpertProvider):
 
     def _int4_decode(
         self,
-        i: int,
         prepared: Prepared,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
@@ -652,7 +651,7 @@ class OffloadedExperts(ExpertProvider):
             before_down=lambda: self.copies.join(prepared.done),  # down's rows come after gate_up's
             before_gate_up=lambda: self.copies.join(prepared.done, stage=0),
             shared=shared if fold else None, shared_gate=shared_gate if fold else None,
-            host=self.store.parts[i] if prepared.fills is not None else None, fills=prepared.fills,
+            host=prepared.host, fills=prepared.fills,
         )  # fmt: skip
         return out if fold else add_shared(out, shared, shared_gate)
 
@@ -681,7 +680,8 @@ class OffloadedExperts(ExpertProvider):
         """A decode step's resolution → its handle: the misses' copies launched, or left to the int4
         kernels (`host_reads`, one token: a token's experts are distinct, so each miss crosses once)."""
         if self.host_reads and self.fused_int4 and self.copies.side is not None and tokens == 1:
-            return Prepared(rows=row, done=self.copies.fence(), fills=(newcomer, valid))
+            fills = (newcomer, valid)
+            return Prepared(rows=row, done=self.copies.fence(), fills=fills, host=self.store.parts[i])
         done = self.copies.launch(i, newcomer, target, valid, self._stages, self.groups > 1)
         return Prepared(rows=row, done=done)
 

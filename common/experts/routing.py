@@ -71,10 +71,7 @@ class RoutingReplayer(RoutingHook):
         if self.fused:
             from common.kernels.routing import replay_rows  # Triton
 
-            chosen, chosen_weights, advanced = replay_rows(ids_all, weights_all, cursor, i, n, weights.dtype)
-            if not advanced:
-                cursor[i].add_(n)
-            return chosen, chosen_weights
+            return replay_rows(ids_all, weights_all, cursor, i, n, weights.dtype)  # advances cursor[i]
         rows = (torch.arange(n, device=ids.device) + cursor[i]) % ids_all.shape[0]
         cursor[i].add_(n)
         return ids_all[rows, i].long(), weights_all[rows, i].to(weights.dtype)

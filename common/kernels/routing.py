@@ -84,7 +84,7 @@ def _replay_kernel(
 REPLAY_ONE_PROGRAM = 256
 """Calls of up to this many tokens (decode passes) run as one program that also advances the cursor: two
 small kernels fewer a MoE layer (the cursor's add and the weights' cast). Longer ones (prefill chunks) run a
-program per 16 tokens, and the caller advances the cursor."""
+program per 16 tokens, and a torch add advances the cursor after them."""
 
 
 def replay_rows(
@@ -94,11 +94,10 @@ def replay_rows(
     layer: int,
     tokens: int,
     dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing replay's rows for `tokens` tokens of trace layer `layer` from row cursor[layer] on
-    (cycling): (ids [T, k] int64, weights [T, k] in `dtype` (fp32 or bf16 in the kernel, others cast
-    after it), whether the cursor was advanced by `tokens`: up to REPLAY_ONE_PROGRAM tokens; otherwise the
-    caller advances it)."""
+    (cycling): (ids [T, k] int64, weights [T, k] in `dtype`: fp32 or bf16 in the kernel, others cast after
+    it); cursor[layer] advanced by `tokens`."""
     rows, layers, k = trace_ids.shape
     ids = torch.empty((tokens, k), dtype=torch.int64, device=trace_ids.device)
     bf16 = dtype == torch.bfloat16
@@ -108,4 +107,6 @@ def replay_rows(
         trace_ids, trace_weights, cursor, ids, weights.view(torch.int16) if bf16 else weights, rows, layers,
         layer, tokens, K=k, KB=triton.next_power_of_2(k), TB=tb, ADVANCE=advance, BF16=bf16,
     )  # fmt: skip
-    return ids, weights.to(dtype), advance
+    if not advance:
+        cursor[layer].add_(tokens)
+    return ids, weights.to(dtype)
