@@ -210,14 +210,17 @@ def main() -> None:
 
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
-    "no-lookahead", "no-groups", "host-reads",
+    "no-lookahead", "no-groups", "host-reads", "int4-words",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
 
 def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
+    from dataclasses import replace
+
     from common.graphs import DecodeGraphs
+    from common.kernels import moe_int4
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.qwen4_exp.qsa import QSAIndexer
@@ -231,6 +234,11 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (SparseMoeBlock, "lookahead", False),
         (DecodeGraphs, "split_lanes", 0),
         (provider, "host_reads", True),
+        (
+            moe_int4,
+            "DECODE_CONFIGS",
+            {n: replace(c, words=not c.words) for n, c in moe_int4.DECODE_CONFIGS.items()},
+        ),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

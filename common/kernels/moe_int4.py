@@ -48,6 +48,9 @@ class DecodeConfig:
     magic: bool = False
     """Turn each code into a float by placing it in the mantissa of 2²³ (an OR and a subtraction) instead of
     an int-to-float conversion, an instruction the SMs issue at a quarter of the FMA rate."""
+    words: bool = False
+    """Read the codes as 32-bit words, eight codes each, taken out in place (`_words_dot`); the activations
+    between the kernels stored by nibble position. Ignores `split_act` and `magic`; no host reads."""
 
 
 DECODE_CONFIGS = {
@@ -99,6 +102,67 @@ def _groups_dot(
     dot = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK, GPB]
     x_sum = tl.sum(x_even + x_odd, axis=1)  # [GPB]
     return tl.sum(scale * (dot - zero * x_sum[None, :]), axis=1)
+
+
+@triton.jit
+def _nibble_x(ptr, gi, live, m, CODE: tl.constexpr, PLACE: tl.constexpr, MAJOR: tl.constexpr):
+    """The inputs code CODE of each word multiplies, for groups gi: [GPB, 16] fp32, divided by the code's
+    place value PLACE. MAJOR: the vector is stored that way already (`_words_at`); else in input order, any
+    dtype."""
+    if MAJOR:
+        return tl.load(ptr + (gi[:, None] * 8 + CODE) * 16 + m[None, :], mask=live[:, None], other=0.0)
+    x = tl.load(ptr + gi[:, None] * 128 + m[None, :] * 8 + CODE, mask=live[:, None], other=0.0)
+    return x.to(tl.float32) * (1.0 / PLACE)
+
+
+@triton.jit
+def _nibble_term(words, high, zero, x_ptr, gi, live, m, CODE: tl.constexpr, MAJOR: tl.constexpr):
+    """(q − z) · x of code CODE of every word: [BLOCK, GPB, 16] fp32. The code is masked in place and ORed
+    into the mantissa of 2²³: the float 2²³ + q·16^e, exact; less 2²³ + z·16^e it is (q − z)·16^e, and the
+    input it multiplies comes divided by 16^e. Codes 0-4 in place (e = CODE), 5-7 from `high`, the word
+    shifted right by 20 (e = CODE − 5): at bit 20 or above a code would reach the float's exponent."""
+    if CODE < 5:
+        bits = (words & (15 << (4 * CODE))) | 0x4B000000
+        place: tl.constexpr = 16.0**CODE
+    else:
+        bits = (high & (15 << (4 * (CODE - 5)))) | 0x4B000000
+        place: tl.constexpr = 16.0 ** (CODE - 5)
+    offset = 8388608.0 + zero * place  # [BLOCK, GPB] 2²³ + z·16^e
+    x = _nibble_x(x_ptr, gi, live, m, CODE, place, MAJOR)
+    return (bits.to(tl.float32, bitcast=True) - offset[:, :, None]) * x[None, :, :]
+
+
+@triton.jit
+def _words_dot(
+    w_ptr, s_ptr, z_ptr, rows_out, g0, x_ptr, GROUPS: tl.constexpr, GPB: tl.constexpr, MAJOR: tl.constexpr
+):  # fmt: skip
+    """Σ over groups g0..g0+GPB−1 (those < GROUPS) of w[rows_out, group] · x → [BLOCK] fp32, the codes read
+    as int32 words [BLOCK, GPB, 16] (input 8·m + i in bits 4i..4i+3 of word m), each taken out in place
+    (`_nibble_term`): one shift a word, no int-to-float conversion, no byte unpacking, where the byte form
+    spent ~10 instructions a code (compiled for sm_90: 656 instructions a loop step against 512 here)."""
+    gi = g0 + tl.arange(0, GPB)  # [GPB]
+    live = gi < GROUPS
+    m = tl.arange(0, 16)  # words of a group
+    at = rows_out[:, None, None] * (GROUPS * 16) + gi[None, :, None] * 16 + m[None, None, :]
+    words = tl.load(w_ptr + at, mask=live[None, :, None], other=0)  # [BLOCK, GPB, 16] int32
+    at = rows_out[:, None] * GROUPS + gi[None, :]  # [BLOCK, GPB]
+    scale = tl.load(s_ptr + at, mask=live[None, :], other=0).to(tl.float32)
+    zero = tl.load(z_ptr + at, mask=live[None, :], other=0).to(tl.float32)
+    high = words >> 20
+    acc = _nibble_term(words, high, zero, x_ptr, gi, live, m, 0, MAJOR)
+    for i in tl.static_range(1, 8):
+        acc += _nibble_term(words, high, zero, x_ptr, gi, live, m, i, MAJOR)
+    return tl.sum(scale * tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _words_at(n):
+    """Where entry n of a vector goes stored by nibble position (`_nibble_x` MAJOR), and the factor its value
+    is stored with (1 / its code's place value)."""
+    g, r = n // 128, n % 128
+    i, m = r % 8, r // 8
+    shift = tl.where(i < 5, 4 * i, 4 * (i - 5))
+    return (g * 8 + i) * 16 + m, ((127 - shift) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -179,14 +243,14 @@ def _gate_up_kernel(
     hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
-    SCALES: tl.constexpr,
+    SCALES: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     t = p // k
     row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
     first = tl.program_id(1) * BLOCK
     n = first + tl.arange(0, BLOCK)  # [BLOCK] act columns (< inter: inter % BLOCK == 0)
-    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, 2 * inter, GROUPS, HALF)
+    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, 2 * inter, GROUPS, HALF // 4 if WORDS else HALF)
     if HOST:  # a listed miss: its gate and up rows from the host into its pool row, then read as a hit's
         expert, listed = _listed(rows_ptr, fill_ptr, valid_ptr, fills, p, FILLS)
         if listed:
@@ -201,11 +265,19 @@ def _gate_up_kernel(
     gate = tl.zeros((BLOCK,), dtype=tl.float32)
     up = tl.zeros((BLOCK,), dtype=tl.float32)
     for g0 in range(0, GROUPS, GPB):
-        x_even, x_odd = _load_pairs(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
-        gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
-        up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
+        if WORDS:
+            gate += _words_dot(w, s, z, n, g0, x_ptr + t * hidden, GROUPS, GPB, False)
+            up += _words_dot(w, s, z, n + inter, g0, x_ptr + t * hidden, GROUPS, GPB, False)
+        else:
+            x_even, x_odd = _load_pairs(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
+            gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
+            up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
-    tl.store(act_ptr + p * inter + (_split_at(n, HALF) if SPLIT else n), act)
+    if WORDS:
+        at, factor = _words_at(n)
+        tl.store(act_ptr + p * inter + at, act * factor)
+    else:
+        tl.store(act_ptr + p * inter + (_split_at(n, HALF) if SPLIT else n), act)
 
 
 @triton.jit
@@ -214,13 +286,13 @@ def _down_kernel(
     hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
-    SCALES: tl.constexpr,
+    SCALES: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
     first = tl.program_id(1) * BLOCK
     n = first + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
-    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF)
+    w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF // 4 if WORDS else HALF)
     if HOST:
         expert, listed = _listed(rows_ptr, fill_ptr, valid_ptr, fills, p, FILLS)
         if listed:
@@ -230,8 +302,11 @@ def _down_kernel(
             tl.debug_barrier()
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for g0 in range(0, GROUPS, GPB):
-        a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF, SPLIT)
-        acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF, MAGIC)
+        if WORDS:
+            acc += _words_dot(w, s, z, n, g0, act_ptr + p * inter, GROUPS, GPB, True)
+        else:
+            a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF, SPLIT)
+            acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF, MAGIC)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
 
 
@@ -272,6 +347,7 @@ def moe_int4_decode(
     row_of: torch.Tensor | None = None,
     host: dict[str, torch.Tensor] | None = None,
     fills: tuple[torch.Tensor, torch.Tensor] | None = None,
+    words: bool | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -285,7 +361,7 @@ def moe_int4_decode(
     the product and the sum). `block` (output rows per program; `down_block` for down's kernel, default
     `block`), `groups_per_step` (a power of two), `num_warps` and `split_act` (gate_up stores each group of
     the activations evens first, so that down reads two contiguous runs instead of every other entry: down is
-    L1-bound, bench/results/moe-int4-decode-ncu.txt) and `magic` (DecodeConfig) are tuning knobs
+    L1-bound, bench/results/moe-int4-decode-ncu.txt), `magic` and `words` (DecodeConfig) are tuning knobs
     (bench/moe_int4_tune.py sweeps them on the GPU). With `block` None every knob left None takes
     `decode_config(T)`'s; with a `block`, those left None take DecodeConfig's plain defaults (what the tune
     labels a setting by).
@@ -302,7 +378,7 @@ def moe_int4_decode(
     """
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
-    given |= {"down_block": down_block, "split_act": split_act, "magic": magic}
+    given |= {"down_block": down_block, "split_act": split_act, "magic": magic, "words": words}
     base = decode_config(t) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
     hidden = x.shape[1]
@@ -311,6 +387,10 @@ def moe_int4_decode(
     partial = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
+    c = replace(c, words=c.words and host is None)  # host reads stage bytes: the byte form
+    knobs["WORDS"] = c.words
+    if c.words:  # the codes as int32 words: 16 a group's row
+        pool = {name: t.view(torch.int32) if name.endswith("qweight") else t for name, t in pool.items()}
     knobs["LOOKUP"] = row_of is not None
     row_of = rows if row_of is None else row_of  # (unread without LOOKUP)
     knobs["HOST"] = host is not None

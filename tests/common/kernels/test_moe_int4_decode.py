@@ -30,30 +30,34 @@ def _two_token_case(
 
 
 @pytest.mark.parametrize(
-    ("block", "groups", "warps", "down_block", "split", "magic"),
+    ("block", "groups", "warps", "down_block", "split", "magic", "words"),
     [
-        (16, 4, 4, None, False, False),
-        (8, 1, 2, None, True, False),
-        (32, 2, 8, 64, True, False),
-        (4, 32, 4, 32, False, False),
-        (8, 1, 2, None, False, True),
-        (16, 4, 4, 64, True, True),
+        (16, 4, 4, None, False, False, False),
+        (8, 1, 2, None, True, False, False),
+        (32, 2, 8, 64, True, False, False),
+        (4, 32, 4, 32, False, False, False),
+        (8, 1, 2, None, False, True, False),
+        (16, 4, 4, 64, True, True, False),
+        (8, 4, 4, None, False, False, True),
+        (16, 1, 2, 64, False, False, True),
     ],
 )
 def test_int4_decode_matches_the_dequantised_reference(
-    block: int, groups: int, warps: int, down_block: int | None, split: bool, magic: bool
+    block: int, groups: int, warps: int, down_block: int | None, split: bool, magic: bool, words: bool
 ) -> None:
     """Several loop steps and a last one past the groups (hidden 256 at one group a step or two; 32 a step:
     clamped to each kernel's groups); down's own block; the activations stored split (inter 256: two groups
-    of evens-then-odds); codes made floats through the mantissa."""
+    of evens-then-odds); codes made floats through the mantissa; codes read as words (inter 384 at four
+    groups a step: down's one step part past its groups)."""
     from common.kernels.moe_int4 import moe_int4_decode
 
     fmt = get_format("int4")
     gen = torch.Generator().manual_seed(block)
-    pool, x, weights = _two_token_case(gen, experts=5, k=3, inter=256 if split else 128)
+    inter = 384 if words and groups == 4 else 256 if split else 128
+    pool, x, weights = _two_token_case(gen, experts=5, k=3, inter=inter)
     rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)  # a row twice in one token
     knobs = {"groups_per_step": groups, "num_warps": warps, "down_block": down_block, "split_act": split}
-    knobs["magic"] = magic
+    knobs |= {"magic": magic, "words": words}
     out = moe_int4_decode(x, rows, weights, pool, block=block, **knobs)
     gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, torch.float32)
     h = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(3, dim=0), gate_up)
