@@ -16,7 +16,7 @@ default's.
     python -m bench.moe_int4_tune [--tokens 1 8] [--rows 4096]
     python -m bench.moe_int4_tune --grouped [--tokens 8192 25600]
 
-`--magic`, `--words`: every shape with that DecodeConfig knob on, beside the defaults.
+`--magic`, `--words`, `--stages N`: every shape with those DecodeConfig knobs, beside the defaults.
 
 `--once`: no timing, three eager calls of the decode defaults per token count (`moe-int4-decode-ncu.txt`:
 `ncu --kernel-name regex:"_gate_up_kernel|_down_kernel" --launch-skip 4 --launch-count 4 --section ...
@@ -68,7 +68,9 @@ def label(setting: dict) -> str:
     if setting.get("down_block"):
         text += f" down block {setting['down_block']}"
     text += " split" if setting.get("split_act") else ""
-    return text + (" magic" if setting.get("magic") else "") + (" words" if setting.get("words") else "")
+    text += " magic" if setting.get("magic") else ""
+    text += " words" if setting.get("words") else ""
+    return text + (f" stages {setting['stages']}" if setting.get("stages", 1) > 1 else "")
 
 
 def grouped_sweep(tokens_list: list[int]) -> None:
@@ -133,6 +135,9 @@ def main() -> None:
     ap.add_argument("--once", action="store_true", help="three untimed decode calls a token count (ncu)")
     ap.add_argument("--magic", action="store_true", help="the shapes with DecodeConfig.magic; the defaults")
     ap.add_argument("--words", action="store_true", help="the shapes with DecodeConfig.words; the defaults")
+    ap.add_argument(
+        "--stages", type=int, default=None, help="the shapes with DecodeConfig.stages; the defaults"
+    )
     args = ap.parse_args()
     if args.grouped:
         grouped_sweep(args.tokens or [8192, 25600])
@@ -151,10 +156,11 @@ def main() -> None:
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
     settings = _byte_settings()
-    for knob in ("magic", "words"):
-        if getattr(args, knob):  # every shape with the knob, beside the defaults
-            shapes = [s for s in settings if s and not (knob == "words" and s.get("split_act"))]  # (ignored)
-            settings = [{}, *({**setting, knob: True} for setting in shapes)]
+    extra = {"magic": args.magic, "words": args.words, "stages": args.stages}
+    extra = {knob: v for knob, v in extra.items() if v}
+    if extra:  # every shape with these knobs, beside the defaults
+        shapes = [s for s in settings if not (args.words and s.get("split_act"))]  # (ignored by words)
+        settings = [{}, *({**setting, **extra} for setting in shapes)]
     for tokens in args.tokens or [1, 8]:
         calls = decode_calls(pool, tokens)
         want = moe_int4_decode(*calls[0], pool).float()  # the defaults'

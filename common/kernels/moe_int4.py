@@ -51,6 +51,11 @@ class DecodeConfig:
     words: bool = False
     """Read the codes as 32-bit words, eight codes each, taken out in place (`_words_dot`); the activations
     between the kernels stored by nibble position. Ignores `split_act` and `magic`; no host reads."""
+    stages: int = 1
+    """Software-pipelining stages of the loop over groups: with 2 or more, Triton copies the rows of the
+    next steps into shared memory asynchronously while a step computes (with 1, each step waits a full
+    memory round trip for its rows: static unrolling did not move the loads ahead, ptxas kept them
+    interleaved)."""
 
 
 DECODE_CONFIGS = {
@@ -238,12 +243,42 @@ def _stage_rows(
 
 
 @triton.jit
+def _gate_up_step(
+    gate, up, w, s, z, n, inter, g0, x, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr,
+    MAGIC: tl.constexpr, WORDS: tl.constexpr,
+):  # fmt: skip
+    """gate and up [BLOCK] plus one loop step's products (groups g0..g0+GPB−1)."""
+    if WORDS:
+        gate += _words_dot(w, s, z, n, g0, x, GROUPS, GPB, False)
+        up += _words_dot(w, s, z, n + inter, g0, x, GROUPS, GPB, False)
+    else:
+        x_even, x_odd = _load_pairs(x, g0, GROUPS, GPB, HALF)
+        gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
+        up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
+    return gate, up
+
+
+@triton.jit
+def _down_step(
+    w, s, z, n, g0, a, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
+    MAGIC: tl.constexpr, WORDS: tl.constexpr,
+):  # fmt: skip
+    """One loop step's products of down's rows n [BLOCK] (groups g0..g0+GPB−1)."""
+    if WORDS:
+        dot = _words_dot(w, s, z, n, g0, a, GROUPS, GPB, True)
+    else:
+        a_even, a_odd = _load_pairs(a, g0, GROUPS, GPB, HALF, SPLIT)
+        dot = _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF, MAGIC)
+    return dot
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, rows_ptr, row_of_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
     hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
-    SCALES: tl.constexpr, WORDS: tl.constexpr,
+    SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     t = p // k
@@ -264,14 +299,9 @@ def _gate_up_kernel(
             tl.debug_barrier()  # the program's own writes, visible to all its threads
     gate = tl.zeros((BLOCK,), dtype=tl.float32)
     up = tl.zeros((BLOCK,), dtype=tl.float32)
-    for g0 in range(0, GROUPS, GPB):
-        if WORDS:
-            gate += _words_dot(w, s, z, n, g0, x_ptr + t * hidden, GROUPS, GPB, False)
-            up += _words_dot(w, s, z, n + inter, g0, x_ptr + t * hidden, GROUPS, GPB, False)
-        else:
-            x_even, x_odd = _load_pairs(x_ptr + t * hidden, g0, GROUPS, GPB, HALF)
-            gate += _groups_dot(w, s, z, n, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
-            up += _groups_dot(w, s, z, n + inter, g0, x_even, x_odd, GROUPS, GPB, HALF, MAGIC)
+    x = x_ptr + t * hidden
+    for g0 in tl.range(0, GROUPS, GPB, num_stages=STAGES):
+        gate, up = _gate_up_step(gate, up, w, s, z, n, inter, g0, x, GROUPS, GPB, HALF, MAGIC, WORDS)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
     if WORDS:
         at, factor = _words_at(n)
@@ -286,7 +316,7 @@ def _down_kernel(
     hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
-    SCALES: tl.constexpr, WORDS: tl.constexpr,
+    SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
@@ -301,12 +331,9 @@ def _down_kernel(
             )
             tl.debug_barrier()
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for g0 in range(0, GROUPS, GPB):
-        if WORDS:
-            acc += _words_dot(w, s, z, n, g0, act_ptr + p * inter, GROUPS, GPB, True)
-        else:
-            a_even, a_odd = _load_pairs(act_ptr + p * inter, g0, GROUPS, GPB, HALF, SPLIT)
-            acc += _groups_dot(w, s, z, n, g0, a_even, a_odd, GROUPS, GPB, HALF, MAGIC)
+    a = act_ptr + p * inter
+    for g0 in tl.range(0, GROUPS, GPB, num_stages=STAGES):
+        acc += _down_step(w, s, z, n, g0, a, GROUPS, GPB, HALF, SPLIT, MAGIC, WORDS)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
 
 
@@ -348,6 +375,7 @@ def moe_int4_decode(
     host: dict[str, torch.Tensor] | None = None,
     fills: tuple[torch.Tensor, torch.Tensor] | None = None,
     words: bool | None = None,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -361,8 +389,8 @@ def moe_int4_decode(
     the product and the sum). `block` (output rows per program; `down_block` for down's kernel, default
     `block`), `groups_per_step` (a power of two), `num_warps` and `split_act` (gate_up stores each group of
     the activations evens first, so that down reads two contiguous runs instead of every other entry: down is
-    L1-bound, bench/results/moe-int4-decode-ncu.txt), `magic` and `words` (DecodeConfig) are tuning knobs
-    (bench/moe_int4_tune.py sweeps them on the GPU). With `block` None every knob left None takes
+    L1-bound, bench/results/moe-int4-decode-ncu.txt), `magic`, `words` and `stages` (DecodeConfig) are
+    tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU). With `block` None every knob left None takes
     `decode_config(T)`'s; with a `block`, those left None take DecodeConfig's plain defaults (what the tune
     labels a setting by).
 
@@ -379,6 +407,7 @@ def moe_int4_decode(
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
     given |= {"down_block": down_block, "split_act": split_act, "magic": magic, "words": words}
+    given["stages"] = stages
     base = decode_config(t) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
     hidden = x.shape[1]
@@ -388,7 +417,7 @@ def moe_int4_decode(
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     c = replace(c, words=c.words and host is None)  # host reads stage bytes: the byte form
-    knobs["WORDS"] = c.words
+    knobs |= {"WORDS": c.words, "STAGES": c.stages}
     if c.words:  # the codes as int32 words: 16 a group's row
         pool = {name: t.view(torch.int32) if name.endswith("qweight") else t for name, t in pool.items()}
     knobs["LOOKUP"] = row_of is not None

@@ -30,25 +30,34 @@ def _two_token_case(
 
 
 @pytest.mark.parametrize(
-    ("block", "groups", "warps", "down_block", "split", "magic", "words"),
+    ("block", "groups", "warps", "down_block", "split", "magic", "words", "stages"),
     [
-        (16, 4, 4, None, False, False, False),
-        (8, 1, 2, None, True, False, False),
-        (32, 2, 8, 64, True, False, False),
-        (4, 32, 4, 32, False, False, False),
-        (8, 1, 2, None, False, True, False),
-        (16, 4, 4, 64, True, True, False),
-        (8, 4, 4, None, False, False, True),
-        (16, 1, 2, 64, False, False, True),
+        (16, 4, 4, None, False, False, False, 1),
+        (8, 1, 2, None, True, False, False, 1),
+        (32, 2, 8, 64, True, False, False, 1),
+        (4, 32, 4, 32, False, False, False, 1),
+        (8, 1, 2, None, False, True, False, 1),
+        (16, 4, 4, 64, True, True, False, 1),
+        (8, 4, 4, None, False, False, True, 1),
+        (16, 1, 2, 64, False, False, True, 1),
+        (8, 1, 4, None, True, False, False, 3),
+        (8, 1, 4, 32, False, False, True, 2),
     ],
 )
 def test_int4_decode_matches_the_dequantised_reference(
-    block: int, groups: int, warps: int, down_block: int | None, split: bool, magic: bool, words: bool
+    block: int,
+    groups: int,
+    warps: int,
+    down_block: int | None,
+    split: bool,
+    magic: bool,
+    words: bool,
+    stages: int,
 ) -> None:
     """Several loop steps and a last one past the groups (hidden 256 at one group a step or two; 32 a step:
     clamped to each kernel's groups); down's own block; the activations stored split (inter 256: two groups
     of evens-then-odds); codes made floats through the mantissa; codes read as words (inter 384 at four
-    groups a step: down's one step part past its groups)."""
+    groups a step: down's one step part past its groups); the loop software-pipelined."""
     from common.kernels.moe_int4 import moe_int4_decode
 
     fmt = get_format("int4")
@@ -57,7 +66,7 @@ def test_int4_decode_matches_the_dequantised_reference(
     pool, x, weights = _two_token_case(gen, experts=5, k=3, inter=inter)
     rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)  # a row twice in one token
     knobs = {"groups_per_step": groups, "num_warps": warps, "down_block": down_block, "split_act": split}
-    knobs |= {"magic": magic, "words": words}
+    knobs |= {"magic": magic, "words": words, "stages": stages}
     out = moe_int4_decode(x, rows, weights, pool, block=block, **knobs)
     gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, torch.float32)
     h = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(3, dim=0), gate_up)
