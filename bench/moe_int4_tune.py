@@ -16,7 +16,8 @@ default's.
     python -m bench.moe_int4_tune [--tokens 1 8] [--rows 4096]
     python -m bench.moe_int4_tune --grouped [--tokens 8192 25600]
 
-`--magic`, `--words`, `--stages N`: every shape with those DecodeConfig knobs, beside the defaults.
+`--magic`, `--words`, `--stages N`: every shape with those DecodeConfig knobs, beside the defaults. `--down`:
+gate_up's and down's shapes apart.
 
 `--once`: no timing, three eager calls of the decode defaults per token count (`moe-int4-decode-ncu.txt`:
 `ncu --kernel-name regex:"_gate_up_kernel|_down_kernel" --launch-skip 4 --launch-count 4 --section ...
@@ -67,6 +68,8 @@ def label(setting: dict) -> str:
     text = "block {:>2} groups/step {:>2} warps {}".format(*knobs)
     if setting.get("down_block"):
         text += f" down block {setting['down_block']}"
+    if setting.get("down_groups_per_step"):
+        text += f" down {setting['down_groups_per_step']} groups/step {setting['down_warps']} warps"
     text += " split" if setting.get("split_act") else ""
     text += " magic" if setting.get("magic") else ""
     text += " words" if setting.get("words") else ""
@@ -125,6 +128,25 @@ def _byte_settings() -> list[dict]:
     return settings
 
 
+def _down_settings() -> list[dict]:
+    """gate_up's and down's shapes apart (down: 5 groups of 128 at flashnext's shape, where gate_up has 20):
+    a few gate_up shapes × down's rows, groups a step and warps, codes as words; and the byte form's
+    one-token shape with down's at one group a step."""
+    gate_ups = ((8, 4, 4), (16, 2, 2), (16, 4, 4), (32, 4, 2))
+    downs = ((8, 4, 4), (16, 1, 2), (32, 1, 1), (32, 1, 2), (32, 2, 2), (64, 1, 2), (64, 1, 4))
+    settings = [
+        {"block": b, "groups_per_step": g, "num_warps": w, "words": True}
+        | {"down_block": db, "down_groups_per_step": dg, "down_warps": dw}
+        for (b, g, w), (db, dg, dw) in itertools.product(gate_ups, downs)
+    ]
+    for db, dg, dw in ((64, 1, 1), (32, 1, 1), (32, 1, 2)):
+        settings.append(
+            {"block": 8, "groups_per_step": 4, "num_warps": 4, "split_act": True}
+            | {"down_block": db, "down_groups_per_step": dg, "down_warps": dw}
+        )
+    return settings
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--grouped", action="store_true", help="the prefill kernels (default: decode)")
@@ -155,7 +177,7 @@ def main() -> None:
     hbm = measure_hbm_gbps()
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
-    settings = _byte_settings()
+    settings = [{}, *_down_settings()] if args.down else _byte_settings()
     extra = {"magic": args.magic, "words": args.words, "stages": args.stages}
     extra = {knob: v for knob, v in extra.items() if v}
     if extra:  # every shape with these knobs, beside the defaults

@@ -43,6 +43,11 @@ class DecodeConfig:
     num_warps: int = 4
     down_block: int | None = None
     """Down's own output rows per program: more rows share each load of the activations."""
+    down_groups_per_step: int | None = None
+    """Down's own groups a loop step (default `groups_per_step`): flashnext's down has 5 groups, which 4 a
+    step cover in two steps with three groups' lanes idle."""
+    down_warps: int | None = None
+    """Down's own warps a program (default `num_warps`)."""
     split_act: bool = False
     """gate_up stores each group of activations evens first: down reads two contiguous runs."""
     magic: bool = False
@@ -376,6 +381,8 @@ def moe_int4_decode(
     fills: tuple[torch.Tensor, torch.Tensor] | None = None,
     words: bool | None = None,
     stages: int | None = None,
+    down_groups_per_step: int | None = None,
+    down_warps: int | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -387,12 +394,12 @@ def moe_int4_decode(
     (to wait for the rows' copies). `shared` [T, H] (a shared expert's output, gated by σ(shared_gate [T, 1])
     when given) is added in the kernel that sums the choices (torch took five: the sum, the cast, the sigmoid,
     the product and the sum). `block` (output rows per program; `down_block` for down's kernel, default
-    `block`), `groups_per_step` (a power of two), `num_warps` and `split_act` (gate_up stores each group of
-    the activations evens first, so that down reads two contiguous runs instead of every other entry: down is
-    L1-bound, bench/results/moe-int4-decode-ncu.txt), `magic`, `words` and `stages` (DecodeConfig) are
-    tuning knobs (bench/moe_int4_tune.py sweeps them on the GPU). With `block` None every knob left None takes
-    `decode_config(T)`'s; with a `block`, those left None take DecodeConfig's plain defaults (what the tune
-    labels a setting by).
+    `block`), `groups_per_step` (a power of two; `down_groups_per_step`), `num_warps` (`down_warps`) and
+    `split_act` (gate_up stores each group of the activations evens first, so that down reads two
+    contiguous runs instead of every other entry: down is L1-bound, bench/results/moe-int4-decode-ncu.txt),
+    `magic`, `words` and `stages` (DecodeConfig) are tuning knobs (bench/moe_int4_tune.py sweeps them on the
+    GPU). With `block` None every knob left None takes `decode_config(T)`'s; with a `block`, those left None
+    take DecodeConfig's plain defaults (what the tune labels a setting by).
 
     `host` (the layer's host store blocks, by component, [E, ...] as the pool's rows; mapped) and `fills`
     (the step's copy list: expert ids [P] and valid [P] bool), with `row_of`: a program whose pair's expert
@@ -407,6 +414,7 @@ def moe_int4_decode(
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
     given |= {"down_block": down_block, "split_act": split_act, "magic": magic, "words": words}
+    given |= {"down_groups_per_step": down_groups_per_step, "down_warps": down_warps}
     given["stages"] = stages
     base = decode_config(t) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
@@ -452,10 +460,12 @@ def moe_int4_decode(
     if before_down is not None:
         before_down()
     groups, down_block = inter // GROUP, c.down_block or c.block
+    knobs["num_warps"] = c.down_warps or c.num_warps
     _down_kernel[(t * k, hidden // down_block)](
         act, rows, row_of, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
         hidden, inter, *reads("down"), GROUPS=groups,
-        GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=down_block,
+        GPB=min(c.down_groups_per_step or c.groups_per_step, triton.next_power_of_2(groups)),
+        BLOCK=down_block,
         **tiles(down_block, groups), **knobs,
     )  # fmt: skip
     out = torch.empty_like(x)

@@ -82,6 +82,23 @@ def test_int4_decode_matches_the_dequantised_reference(
         assert DEVICE == "cuda" or torch.equal(out, interleaved)
 
 
+@pytest.mark.parametrize("words", [False, True])
+def test_int4_decode_takes_downs_own_shape(words: bool) -> None:
+    """down's own groups a step and warps (gate_up's left as they are): the result of the shared shape, to
+    fp32 rounding (the groups are summed in another order)."""
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    gen = torch.Generator().manual_seed(5)
+    pool, x, weights = _two_token_case(gen, experts=4, inter=384)  # down: 3 groups
+    rows = torch.tensor([[0, 2], [3, 1]], device=DEVICE)
+    shape = {"block": 8, "groups_per_step": 4, "num_warps": 4, "words": words}
+    want = moe_int4_decode(x, rows, weights, pool, **shape)
+    got = moe_int4_decode(
+        x, rows, weights, pool, **shape, down_block=32, down_groups_per_step=1, down_warps=2
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_int4_decode_waits_before_each_matrix() -> None:
     """Rows still being copied (garbage until each wait writes them, matrix by matrix) are read only after
     their wait: `before_gate_up` runs before gate_up's kernel and `before_down` before down's, and the
