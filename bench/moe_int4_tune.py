@@ -160,6 +160,9 @@ def main() -> None:
     ap.add_argument(
         "--stages", type=int, default=None, help="the shapes with DecodeConfig.stages; the defaults"
     )
+    ap.add_argument(
+        "--down", action="store_true", help="gate_up's and down's shapes apart (`_down_settings`)"
+    )
     args = ap.parse_args()
     if args.grouped:
         grouped_sweep(args.tokens or [8192, 25600])
