@@ -210,15 +210,13 @@ def main() -> None:
 
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
-    "no-lookahead", "no-groups", "host-reads", "int4-words",
+    "no-lookahead", "no-groups", "host-reads", "int4-bytes",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
 
 def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
-    from dataclasses import replace
-
     from common.graphs import DecodeGraphs
     from common.kernels import moe_int4
     from common.model.moe import SparseMoeBlock
@@ -234,11 +232,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (SparseMoeBlock, "lookahead", False),
         (DecodeGraphs, "split_lanes", 0),
         (provider, "host_reads", True),
-        (
-            moe_int4,
-            "DECODE_CONFIGS",
-            {n: replace(c, words=not c.words) for n, c in moe_int4.DECODE_CONFIGS.items()},
-        ),
+        (moe_int4, "DECODE_CONFIGS", moe_int4.BYTE_CONFIGS),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

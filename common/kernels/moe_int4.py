@@ -63,19 +63,30 @@ class DecodeConfig:
     interleaved)."""
 
 
-DECODE_CONFIGS = {
+BYTE_CONFIGS = {
     1: DecodeConfig(block=8, split_act=True),
     2: DecodeConfig(block=8, groups_per_step=2, num_warps=2, split_act=True),
     8: DecodeConfig(block=16, groups_per_step=1, num_warps=2, down_block=64, magic=True),
 }
-"""The fastest shape per token count in `python -m bench.moe_int4_tune` on the H200
+"""The fastest byte-form shape per token count in `python -m bench.moe_int4_tune` on the H200
 (bench/results/moe-int4-decode-tune.txt): one token 30.65 µs a call (the former default, 16 rows × 4 groups
 × 4 warps: 32.73); two tokens 48.31 and four 82.65, both with the split activations (the one-token shape:
 51.53 and 92.72); eight 146.8 (the former default: 172.9), and with `magic` 134.5 against 146.2 in one run
 (`--magic`, bench/results/moe-int4-decode-magic.txt). One token gained nothing from `magic` (31.31 against
-29.42): that kernel waits on its loads and layout conversions more than on conversions. In a decode-1 step
-the one-token shape measured no faster than the former default (72.71 against 72.78 tok/s, one machine, back
-to back): the step's copy kernels share the SMs with it."""
+29.42). In a decode-1 step the one-token shape measured no faster than the former default (72.71 against
+72.78 tok/s, one machine, back to back): the step's copy kernels share the SMs with it. The ablation switch
+`int4-bytes` of bench.decode_offload runs these."""
+
+DECODE_CONFIGS = {
+    **BYTE_CONFIGS,
+    1: DecodeConfig(block=8, down_block=16, down_groups_per_step=1, down_warps=2, words=True),
+}
+"""The shapes decode runs: BYTE_CONFIGS but at one token, where the codes read as words with down at one
+group a step (flashnext's 5 groups: 4 a step left three idle in the second) measured 24.40 µs a call
+against 29.36 (`--down`, bench/results/moe-int4-decode-down.txt); words alone measured 28.79, and 28.8-29.6
+software-pipelined (`--words`, `--stages`: moe-int4-decode-words.txt). At eight tokens words measured 120.6
+against 134.4 but is not the default: not yet measured in a decode step (words alone ran a one-token
+decode-allfit step 3 % slower than the tune predicted)."""
 
 
 def decode_config(tokens: int) -> DecodeConfig:
