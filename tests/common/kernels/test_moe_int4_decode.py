@@ -171,7 +171,7 @@ def test_int4_decode_reads_the_listed_misses_from_the_host_and_fills_their_rows(
     for n, t in pool.items():
         t[row_of] = host[n]
     ids = torch.tensor([[2, 0, 5]], device=DEVICE)
-    want = moe_int4_decode(x, ids, weights, pool, row_of=row_of)
+    want = moe_int4_decode(x, ids, weights, pool, row_of=row_of, words=False)  # host reads: the byte form
     listed = torch.tensor([5, 2, 1], device=DEVICE)  # experts 5 and 2 missed; 1's entry is padding
     valid = torch.tensor([True, True, False], device=DEVICE)
     moving = row_of[listed[:2]]
