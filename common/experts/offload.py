@@ -643,11 +643,14 @@ class OffloadedExperts(ExpertProvider):
         """A decode pass through the int4 kernels: the rows read in place once their copies are in (gate_up's
         before down's), or a one-token step's misses from the host store (`Prepared.fills`); the shared expert
         added in the kernel that sums the choices."""
-        from common.kernels.moe_int4 import moe_int4_decode  # Triton: CUDA
+        from common.kernels import moe_int4  # Triton: CUDA
 
         fold = self.combine_shared
-        out = moe_int4_decode(
-            x, topk_ids, topk_weights, self.pool, row_of=prepared.rows,
+        configs = (
+            moe_int4.RESIDENT_CONFIGS if self.all_resident else moe_int4.DECODE_CONFIGS
+        )  # measured apart
+        out = moe_int4.moe_int4_decode(
+            x, topk_ids, topk_weights, self.pool, row_of=prepared.rows, configs=configs,
             before_down=lambda: self.copies.join(prepared.done),  # down's rows come after gate_up's
             before_gate_up=lambda: self.copies.join(prepared.done, stage=0),
             shared=shared if fold else None, shared_gate=shared_gate if fold else None,

@@ -63,35 +63,40 @@ class DecodeConfig:
     interleaved)."""
 
 
-BYTE_CONFIGS = {
+DECODE_CONFIGS = {
     1: DecodeConfig(block=8, split_act=True),
     2: DecodeConfig(block=8, groups_per_step=2, num_warps=2, split_act=True),
     8: DecodeConfig(block=16, groups_per_step=1, num_warps=2, down_block=64, magic=True),
 }
-"""The fastest byte-form shape per token count in `python -m bench.moe_int4_tune` on the H200
+"""The fastest shape per token count in `python -m bench.moe_int4_tune` on the H200
 (bench/results/moe-int4-decode-tune.txt): one token 30.65 µs a call (the former default, 16 rows × 4 groups
 × 4 warps: 32.73); two tokens 48.31 and four 82.65, both with the split activations (the one-token shape:
 51.53 and 92.72); eight 146.8 (the former default: 172.9), and with `magic` 134.5 against 146.2 in one run
 (`--magic`, bench/results/moe-int4-decode-magic.txt). One token gained nothing from `magic` (31.31 against
 29.42). In a decode-1 step the one-token shape measured no faster than the former default (72.71 against
-72.78 tok/s, one machine, back to back): the step's copy kernels share the SMs with it. The ablation switch
-`int4-bytes` of bench.decode_offload runs these."""
+72.78 tok/s, one machine, back to back): the step's copy kernels share the SMs with it. Steps that copy
+misses run these; see RESIDENT_CONFIGS for the others."""
 
-DECODE_CONFIGS = {
-    **BYTE_CONFIGS,
+RESIDENT_CONFIGS = {
+    **DECODE_CONFIGS,
     1: DecodeConfig(block=8, down_block=16, down_groups_per_step=1, down_warps=2, words=True),
 }
-"""The shapes decode runs: BYTE_CONFIGS but at one token, where the codes read as words with down at one
-group a step (flashnext's 5 groups: 4 a step left three idle in the second) measured 24.40 µs a call
-against 29.36 (`--down`, bench/results/moe-int4-decode-down.txt); words alone measured 28.79, and 28.8-29.6
-software-pipelined (`--words`, `--stages`: moe-int4-decode-words.txt). At eight tokens words measured 120.6
-against 134.4 but is not the default: not yet measured in a decode step (words alone ran a one-token
-decode-allfit step 3 % slower than the tune predicted)."""
+"""The shapes of decode steps with no copies beside them (every expert resident:
+OffloadedExperts.all_resident): DECODE_CONFIGS but at one token, where the codes read as words with down at
+one group a step (flashnext's 5 groups: 4 a step left three idle in the second) measured 24.40 µs a call
+against 29.36 (`bench.moe_int4_tune --down`, bench/results/moe-int4-decode-down.txt) and ran decode-allfit
+at 135.51 tok/s against 131.60 (decode-allfit-int4-ab.json). In decode-1, with the misses' copies beside
+it, the same shape ran 3 % slower (71.25 against 73.53, decode-1-int4-ab.json): offloaded steps keep
+DECODE_CONFIGS. Words alone measured 28.79 a call and ran decode-allfit 3 % slower; software-pipelined,
+28.8-29.6 (moe-int4-decode-words.txt). At eight tokens words measured 120.6 against 134.4 a call, not yet
+measured in a decode step."""
 
 
-def decode_config(tokens: int) -> DecodeConfig:
-    """The measured shape of the largest token count in DECODE_CONFIGS not above `tokens`."""
-    return DECODE_CONFIGS[max((n for n in DECODE_CONFIGS if n <= tokens), default=1)]
+def decode_config(tokens: int, configs: dict[int, DecodeConfig] | None = None) -> DecodeConfig:
+    """The measured shape of the largest token count in `configs` (default DECODE_CONFIGS) not above
+    `tokens`."""
+    configs = DECODE_CONFIGS if configs is None else configs
+    return configs[max((n for n in configs if n <= tokens), default=1)]
 
 
 @triton.jit
@@ -394,6 +399,7 @@ def moe_int4_decode(
     stages: int | None = None,
     down_groups_per_step: int | None = None,
     down_warps: int | None = None,
+    configs: dict[int, DecodeConfig] | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -409,8 +415,9 @@ def moe_int4_decode(
     `split_act` (gate_up stores each group of the activations evens first, so that down reads two
     contiguous runs instead of every other entry: down is L1-bound, bench/results/moe-int4-decode-ncu.txt),
     `magic`, `words` and `stages` (DecodeConfig) are tuning knobs (bench/moe_int4_tune.py sweeps them on the
-    GPU). With `block` None every knob left None takes `decode_config(T)`'s; with a `block`, those left None
-    take DecodeConfig's plain defaults (what the tune labels a setting by).
+    GPU); `configs` the shape table (default DECODE_CONFIGS). With `block` None every knob left None takes
+    `decode_config(T, configs)`'s; with a `block`, those left None take DecodeConfig's plain defaults (what
+    the tune labels a setting by).
 
     `host` (the layer's host store blocks, by component, [E, ...] as the pool's rows; mapped) and `fills`
     (the step's copy list: expert ids [P] and valid [P] bool), with `row_of`: a program whose pair's expert
@@ -427,7 +434,7 @@ def moe_int4_decode(
     given |= {"down_block": down_block, "split_act": split_act, "magic": magic, "words": words}
     given |= {"down_groups_per_step": down_groups_per_step, "down_warps": down_warps}
     given["stages"] = stages
-    base = decode_config(t) if block is None else DecodeConfig()  # a shape given: the rest plain
+    base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2

@@ -195,14 +195,12 @@ def test_offloaded_experts_are_read_to_the_host_not_the_device(tmp_path: Path) -
     assert torch.cuda.max_memory_allocated() - before < resident
 
 
-def test_one_lane_int4_decode_reads_its_misses_from_the_host(tmp_path: Path, monkeypatch) -> None:
+def test_one_lane_int4_decode_reads_its_misses_from_the_host(tmp_path: Path) -> None:
     """One lane, int4 experts in a small cache, the fused kernels: the kernels read each miss from the host
     store and leave it in its slot (`host_reads`), recorded or not. The tokens and every cache counter are
     those of recorded steps that copy their misses first, bit for bit (the same bytes, summed in the same
-    order: both in the byte form, which host reads take)."""
-    from common.kernels import moe_int4, use_fused_kernels
-
-    monkeypatch.setattr(moe_int4, "DECODE_CONFIGS", moe_int4.BYTE_CONFIGS)
+    order)."""
+    from common.kernels import use_fused_kernels
 
     shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides=shape)

@@ -99,6 +99,20 @@ def test_int4_decode_takes_downs_own_shape(words: bool) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_int4_decode_takes_a_shape_table() -> None:
+    """`configs` picks the table the shape comes from: one token through RESIDENT_CONFIGS (codes as words,
+    down's own shape) gives DECODE_CONFIGS' result to fp32 rounding."""
+    from common.kernels.moe_int4 import RESIDENT_CONFIGS, decode_config, moe_int4_decode
+
+    assert decode_config(1, RESIDENT_CONFIGS).words and not decode_config(1).words
+    gen = torch.Generator().manual_seed(9)
+    pool, x, weights = _two_token_case(gen, experts=4, inter=384)
+    rows = torch.tensor([[0, 2]], device=DEVICE)
+    want = moe_int4_decode(x[:1], rows, weights[:1], pool)
+    got = moe_int4_decode(x[:1], rows, weights[:1], pool, configs=RESIDENT_CONFIGS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_int4_decode_waits_before_each_matrix() -> None:
     """Rows still being copied (garbage until each wait writes them, matrix by matrix) are read only after
     their wait: `before_gate_up` runs before gate_up's kernel and `before_down` before down's, and the
