@@ -642,13 +642,12 @@ class OffloadedExperts(ExpertProvider):
     ) -> torch.Tensor:
         """A decode pass through the int4 kernels: the rows read in place once their copies are in (gate_up's
         before down's), or a one-token step's misses from the host store (`Prepared.fills`); the shared expert
-        added in the kernel that sums the choices."""
+        added in the kernel that sums the choices. Launch shapes from RESIDENT_CONFIGS when every expert is
+        resident (no copies beside the kernels), else DECODE_CONFIGS: the two cases measured apart."""
         from common.kernels import moe_int4  # Triton: CUDA
 
         fold = self.combine_shared
-        configs = (
-            moe_int4.RESIDENT_CONFIGS if self.all_resident else moe_int4.DECODE_CONFIGS
-        )  # measured apart
+        configs = moe_int4.RESIDENT_CONFIGS if self.all_resident else moe_int4.DECODE_CONFIGS
         out = moe_int4.moe_int4_decode(
             x, topk_ids, topk_weights, self.pool, row_of=prepared.rows, configs=configs,
             before_down=lambda: self.copies.join(prepared.done),  # down's rows come after gate_up's
