@@ -227,3 +227,37 @@ def test_one_lane_int4_decode_reads_its_misses_from_the_host(tmp_path: Path) -> 
         assert got == tokens, graphs
         for name, c in counters.items():
             assert torch.equal(got_counters[name], c), (graphs, name)
+
+
+def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monkeypatch) -> None:
+    """Every expert resident, int4, the fused kernels, recorded steps: one-token steps run RESIDENT_CONFIGS'
+    shape (codes as words) and generate the tokens of the byte form's shapes (DECODE_CONFIGS)."""
+    from common.kernels import moe_int4, use_fused_kernels
+
+    shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides=shape)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23)]
+    calls = []
+    plain = moe_int4.moe_int4_decode
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("configs"))
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(moe_int4, "moe_int4_decode", spy)
+
+    def run() -> list[list[int]]:
+        engine = Engine(
+            path, dtype=torch.bfloat16, device="cuda", max_seqs=1, expert_cache="all", expert_format="int4",
+            cuda_graphs=True,
+        )  # fmt: skip
+        engine.offload.load_all(release_host=False)
+        use_fused_kernels(engine.model, True, engine.runner.backend)
+        assert engine.offload.fused_int4 and engine.offload.all_resident
+        return [r.token_ids for r in engine.generate(prompts, GREEDY)]
+
+    resident = run()
+    assert calls and all(c is moe_int4.RESIDENT_CONFIGS for c in calls)
+    monkeypatch.setattr(moe_int4, "RESIDENT_CONFIGS", moe_int4.DECODE_CONFIGS)
+    assert run() == resident
