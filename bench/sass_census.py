@@ -1,0 +1,160 @@
+"""The int4 decode kernels compiled for the H200 (sm_90) on any machine, no GPU needed: what each launch shape
+costs in instructions before it is timed.
+
+Triton compiles for a named target without a device, and its wheel carries ptxas and cuobjdump. For
+`moe_int4_decode`'s gate_up and down kernels at flashnext's expert shape (H 2560, I 640, top-10), one token,
+this prints the SASS instruction count of the whole kernel and of its loop body, the loop steps a program
+runs, the layout conversions Triton inserted (each a trip through shared memory), and an estimate of the
+issue time of one call: every program's warps issuing one instruction a cycle per scheduler, 132 SMs × 4
+schedulers at 1.75 GHz. The estimate leaves out memory latency and launches: on the H200 the one-token
+calls ran ~2-3× longer than it (bench/results/moe-int4-decode-down.txt). It ranks shapes by the work they
+issue; the GPU times them (bench.moe_int4_tune).
+
+    python -m bench.sass_census [--shape BLOCK GROUPS WARPS] [--down BLOCK GROUPS WARPS] [--words]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import triton
+import triton.backends.nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from common.kernels import moe_int4
+from common.kernels.moe_int4 import GROUP, DecodeConfig
+
+HIDDEN, INTER, TOP_K, SMS, CLOCK_GHZ = 2560, 640, 10, 132, 1.75
+_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+@dataclass(frozen=True)
+class Census:
+    """One compiled kernel's SASS."""
+
+    total: int
+    """Instructions in the kernel."""
+    loop: int
+    """Instructions of its loop body (the span a backward branch closes; 0 when fully unrolled)."""
+    conversions: int
+    """Layout conversions in its TTGIR."""
+    opcodes: Counter
+    """Instructions by opcode (without modifiers)."""
+
+
+def compile_sm90(fn, signature: dict[str, str], constants: dict, num_warps: int, divisible: tuple[str, ...]):
+    """`fn` compiled for sm_90: pointer arguments and those named in `divisible` marked multiples of 16, as
+    Triton specialises them at launch; FMA contraction on, as on a launch."""
+    names = list(signature)
+    attrs = {
+        (names.index(n),): [["tt.divisibility", 16]]
+        for n in names
+        if signature[n].startswith("*") or n in divisible
+    }
+    signature = signature | dict.fromkeys(constants, "constexpr")
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "enable_fp_fusion": True}
+    )
+
+
+def census(kernel) -> Census:
+    """The SASS of a compiled kernel (cuobjdump from Triton's wheel), counted."""
+    tools = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-sass", cubin.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    found = [m for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
+    addresses = [int(m.group(1), 16) for m in found]
+    loop = 0
+    for i, m in enumerate(found):
+        target = re.search(r"BRA (0x[0-9a-f]+)", m.string)
+        if m.group(3).startswith("BRA") and target and int(target.group(1), 16) < addresses[i]:
+            loop = i - addresses.index(int(target.group(1), 16)) + 1
+    opcodes = Counter(m.group(3).split(".")[0] for m in found)
+    return Census(len(found), loop, kernel.asm["ttgir"].count("convert_layout"), opcodes)
+
+
+_COMMON = {"hw_ptr": "*u8", "hs_ptr": "*bf16", "hz_ptr": "*u8", "fill_ptr": "*i64", "valid_ptr": "*i1"}
+_COMMON |= {"fills": "i32"}
+
+
+def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
+    """gate_up's and down's census at one token under `config`, each with its estimated issue time (µs)."""
+    codes = "*i32" if config.words else "*u8"
+    pool = {"w_ptr": codes, "s_ptr": "*bf16", "z_ptr": "*u8"}
+    gate_up = {"x_ptr": "*bf16", "rows_ptr": "*i64", "row_of_ptr": "*i64", **pool, "act_ptr": "*fp32"}
+    gate_up |= {"k": "i32", "hidden": "i32", "inter": "i32", **_COMMON}
+    down = {"act_ptr": "*fp32", "rows_ptr": "*i64", "row_of_ptr": "*i64", "weights_ptr": "*fp32", **pool}
+    down |= {"out_ptr": "*fp32", "hidden": "i32", "inter": "i32", **_COMMON}
+    knobs = {"HALF": GROUP // 2, "SPLIT": config.split_act, "MAGIC": config.magic, "LOOKUP": True}
+    knobs |= {
+        "HOST": False,
+        "FILLS": 1,
+        "CODES": 1,
+        "SCALES": 1,
+        "WORDS": config.words,
+        "STAGES": config.stages,
+    }
+    down_block = config.down_block or config.block
+    down_gpb, down_warps = (
+        config.down_groups_per_step or config.groups_per_step,
+        config.down_warps or config.num_warps,
+    )
+    kernels = {
+        "gate_up": (moe_int4._gate_up_kernel, gate_up, HIDDEN, config.block, INTER // config.block,
+                    config.groups_per_step, config.num_warps),
+        "down": (moe_int4._down_kernel, down, INTER, down_block, HIDDEN // down_block, down_gpb, down_warps),
+    }  # fmt: skip
+    out = {}
+    for name, (fn, signature, width, block, blocks, gpb, warps) in kernels.items():
+        groups = width // GROUP
+        gpb = min(gpb, triton.next_power_of_2(groups))
+        constants = knobs | {"GROUPS": groups, "GPB": gpb, "BLOCK": block}
+        c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter")))
+        steps = -(-groups // gpb)
+        per_warp = c.total + (steps - 1) * c.loop  # the loop body once per step
+        issue_us = TOP_K * blocks * warps * per_warp / (SMS * 4) / (CLOCK_GHZ * 1e3)
+        out[name] = (c, issue_us)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
+    ap.add_argument("--down", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
+    ap.add_argument("--words", action="store_true")
+    args = ap.parse_args()
+    configs = {
+        "DECODE_CONFIGS[1]": moe_int4.DECODE_CONFIGS[1],
+        "RESIDENT_CONFIGS[1]": moe_int4.RESIDENT_CONFIGS[1],
+    }
+    if args.shape or args.down or args.words:
+        given = DecodeConfig(*(args.shape or ()), words=args.words)
+        if args.down:
+            given = replace(given, down_block=args.down[0], down_groups_per_step=args.down[1],
+                            down_warps=args.down[2])  # fmt: skip
+        configs = {"given": given}
+    for label, config in configs.items():
+        print(f"{label}: {config}")
+        for name, (c, issue_us) in int4_decode_census(config).items():
+            top = ", ".join(f"{op} {n}" for op, n in c.opcodes.most_common(6))
+            print(f"  {name:>7}: {c.total} instructions, loop {c.loop}, {c.conversions} layout conversions, "
+                  f"~{issue_us:.1f} µs of issue a call; {top}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
