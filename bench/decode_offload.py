@@ -210,7 +210,7 @@ def main() -> None:
 
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
-    "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words",
+    "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "pdl",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -218,7 +218,7 @@ DECODE_SWITCHES = (
 def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
     from common.graphs import DecodeGraphs
-    from common.kernels import moe_int4
+    from common.kernels import moe_int4, pdl
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.qwen4_exp.qsa import QSAIndexer
@@ -234,6 +234,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (provider, "host_reads", True),
         (moe_int4, "RESIDENT_CONFIGS", moe_int4.DECODE_CONFIGS),
         (moe_int4, "DECODE_CONFIGS", moe_int4.RESIDENT_CONFIGS),
+        (pdl, "ENABLED", True),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -16,6 +16,7 @@ issue; the GPU times them (bench.moe_int4_tune).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -101,14 +102,8 @@ def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
     down = {"act_ptr": "*fp32", "rows_ptr": "*i64", "row_of_ptr": "*i64", "weights_ptr": "*fp32", **pool}
     down |= {"out_ptr": "*fp32", "hidden": "i32", "inter": "i32", **_COMMON}
     knobs = {"HALF": GROUP // 2, "SPLIT": config.split_act, "MAGIC": config.magic, "LOOKUP": True}
-    knobs |= {
-        "HOST": False,
-        "FILLS": 1,
-        "CODES": 1,
-        "SCALES": 1,
-        "WORDS": config.words,
-        "STAGES": config.stages,
-    }
+    knobs |= {"HOST": False, "FILLS": 1, "CODES": 1, "SCALES": 1, "WORDS": config.words}
+    knobs |= {"STAGES": config.stages, "GDC": False}
     down_block = config.down_block or config.block
     down_gpb, down_warps = (
         config.down_groups_per_step or config.groups_per_step,
@@ -137,7 +132,10 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
     ap.add_argument("--down", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
     ap.add_argument("--words", action="store_true")
+    ap.add_argument("--json", action="store_true", help="one JSON object: config → kernel → counts")
     args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("TRITON_INTERPRET=1 makes the kernels interpreted: nothing to compile")
     configs = {
         "DECODE_CONFIGS[1]": moe_int4.DECODE_CONFIGS[1],
         "RESIDENT_CONFIGS[1]": moe_int4.RESIDENT_CONFIGS[1],
@@ -148,12 +146,20 @@ def main() -> None:
             given = replace(given, down_block=args.down[0], down_groups_per_step=args.down[1],
                             down_warps=args.down[2])  # fmt: skip
         configs = {"given": given}
+    report = {}
     for label, config in configs.items():
-        print(f"{label}: {config}")
+        report[label] = {}
+        if not args.json:
+            print(f"{label}: {config}")
         for name, (c, issue_us) in int4_decode_census(config).items():
-            top = ", ".join(f"{op} {n}" for op, n in c.opcodes.most_common(6))
-            print(f"  {name:>7}: {c.total} instructions, loop {c.loop}, {c.conversions} layout conversions, "
-                  f"~{issue_us:.1f} µs of issue a call; {top}")  # fmt: skip
+            report[label][name] = {"total": c.total, "loop": c.loop, "conversions": c.conversions,
+                                   "issue_us": issue_us, "opcodes": dict(c.opcodes)}  # fmt: skip
+            if not args.json:
+                top = ", ".join(f"{op} {n}" for op, n in c.opcodes.most_common(6))
+                counts = f"{c.total} instructions, loop {c.loop}, {c.conversions} layout conversions"
+                print(f"  {name:>7}: {counts}, ~{issue_us:.1f} µs of issue a call; {top}")
+    if args.json:
+        print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ residual update. Its three GEMVs (mix down, mix up, inject) stay cuBLAS calls; t
   are read (hc_norm and the GEMV in one kernel), as one partial product a stream (hc_mix_up and hc_inject
   sum them), with the streams' scales for hc_mix_up.
 
+`hc_project`, `hc_mix_up` and `hc_inject` take part in programmatic dependent launch (pdl.py, off by default);
+`hc_mix_up` loads its weight tile before it waits for the kernels before it.
+
 Everything is computed in fp32 and rounded once to the streams' dtype (torch rounds some intermediate
 products to bf16, so results agree to bf16 rounding, not bit for bit).
 """
@@ -25,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from common.kernels.pdl import gdc_enter, launch
 
 
 @triton.jit
@@ -56,11 +61,12 @@ def _mix_kernel(up_ptr, normed_ptr, out_ptr, hidden, HC: tl.constexpr, BLOCK: tl
 @triton.jit
 def _inject_kernel(
     x_ptr, y_ptr, inject_ptr, out_ptr, hidden, inject_stride, part_stride,
-    HC: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+    HC: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = i < hidden
+    gdc_enter(GDC)
     y = tl.load(y_ptr + t * hidden + i, mask=live, other=0.0).to(tl.float32)
     for s in range(HC):
         logit = 0.0
@@ -98,22 +104,24 @@ def hc_mix(up: torch.Tensor, normed: torch.Tensor, hc: int, block: int = 1024) -
 def _mix_up_kernel(
     down_ptr, w_ptr, x_ptr, scale_ptr, nw_ptr, out_ptr, hidden, rank, down_stride, part_stride,
     HC: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] hidden columns
     live = i < hidden
     r = tl.arange(0, R_PAD)
     live_r = r < rank
+    s = tl.arange(0, HC)  # every stream's rows in one tile: all of a program's weight loads in flight at once
+    rows = s[:, None] * hidden + i[None, :]  # [HC, BLOCK]
+    tile = live[None, :, None] & live_r[None, None, :]
+    at = rows[:, :, None] * rank + r[None, None, :]  # [HC, BLOCK, R_PAD]
+    w = tl.load(w_ptr + at, mask=tile, other=0.0)  # no kernel writes it: loaded before the wait
+    gdc_enter(GDC)
     d = tl.zeros((R_PAD,), dtype=tl.float32)
     for p in range(PARTS):  # hc_project's partial products, one a stream
         d += tl.load(down_ptr + p * part_stride + t * down_stride + r, mask=live_r, other=0.0).to(tl.float32)
     d = d / HC
     d = d / (1.0 + tl.exp(-d))  # [R_PAD] silu(down / hc)
-    s = tl.arange(0, HC)  # every stream's rows in one tile: all of a program's weight loads in flight at once
-    rows = s[:, None] * hidden + i[None, :]  # [HC, BLOCK]
-    tile = live[None, :, None] & live_r[None, None, :]
-    at = rows[:, :, None] * rank + r[None, None, :]  # [HC, BLOCK, R_PAD]
-    w = tl.load(w_ptr + at, mask=tile, other=0.0)
     gate = tl.sigmoid(tl.sum(w.to(tl.float32) * d[None, None, :], axis=2))  # [HC, BLOCK] σ(up)
     x = tl.load(x_ptr + t * HC * hidden + rows, mask=live[None, :], other=0.0).to(tl.float32)
     if NORM:  # x is the raw streams: their norm here, from the scales hc_project wrote
@@ -155,7 +163,7 @@ def hc_mix_up(
     _mix_up_kernel[(t, triton.cdiv(hidden, block))](
         parts, weight_up, x.contiguous(), scales if norm else x, norm_weight if norm else x, out, hidden,
         rank, parts.stride(1), parts.stride(0), HC=hc, BLOCK=block, R_PAD=triton.next_power_of_2(rank),
-        NORM=norm, PARTS=parts.shape[0], num_warps=num_warps,
+        NORM=norm, PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device),
     )  # fmt: skip
     return out
 
@@ -163,12 +171,13 @@ def hc_mix_up(
 @triton.jit
 def _project_kernel(
     x_ptr, nw_ptr, w_ptr, out_ptr, scale_ptr, rows, n_out, eps,
-    HC: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    HC: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     t, nb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = nb * BN + tl.arange(0, BN)  # [BN] output columns
     live_n = n < n_out
     k = tl.arange(0, BK)
+    gdc_enter(GDC)
     stream = x_ptr + (t * HC + s) * H
     squares = tl.zeros((BK,), dtype=tl.float32)
     for k0 in range(0, H, BK):  # the stream's mean square (every program: its 5 KB again, from L2)
@@ -205,7 +214,7 @@ def hc_project(
     scales = torch.empty((t, hc), dtype=torch.float32, device=streams.device)
     _project_kernel[(t, triton.cdiv(n_out, block_n), hc)](
         streams.contiguous(), norm_weight, weight, out, scales, t, n_out, eps, HC=hc, H=width // hc,
-        BN=block_n, BK=block_k, num_warps=num_warps,
+        BN=block_n, BK=block_k, num_warps=num_warps, **launch(streams.device),
     )  # fmt: skip
     return out, scales
 
@@ -222,6 +231,6 @@ def hc_inject(
     new = torch.empty_like(streams)
     _inject_kernel[(t, triton.cdiv(hidden, block))](
         streams.contiguous(), out.contiguous(), parts, new, hidden, parts.stride(1), parts.stride(0), HC=hc,
-        BLOCK=block, PARTS=parts.shape[0],
+        BLOCK=block, PARTS=parts.shape[0], **launch(streams.device),
     )  # fmt: skip
     return new

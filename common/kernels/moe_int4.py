@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from common.config import MOE_DOWN_TOKENS
+from common.kernels.pdl import gdc_enter, launch
 
 GROUP = 128
 GROUPS_PER_STEP = 4
@@ -301,9 +302,10 @@ def _gate_up_kernel(
     hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
-    SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr,
+    SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
+    gdc_enter(GDC)
     t = p // k
     row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
     first = tl.program_id(1) * BLOCK
@@ -339,9 +341,10 @@ def _down_kernel(
     hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
-    SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr,
+    SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
+    gdc_enter(GDC)
     row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
     first = tl.program_id(1) * BLOCK
     n = first + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
@@ -363,9 +366,10 @@ def _down_kernel(
 @triton.jit
 def _combine_kernel(
     partial_ptr, shared_ptr, gate_ptr, out_ptr, hidden, gate_stride,
-    K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
+    K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
+    gdc_enter(GDC)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = i < hidden
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -430,6 +434,7 @@ def moe_int4_decode(
     the hits computed while the misses stream in. One token's misses cross the link once (a token's experts
     are distinct); of several tokens, every pair of a missed expert copies its rows (the same bytes). On the
     H200 decode-1 steps ran slower this way than with the copies launched first (OffloadedExperts.host_reads).
+    The three kernels take part in programmatic dependent launch (common/kernels/pdl.py, off by default).
     """
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
@@ -445,7 +450,7 @@ def moe_int4_decode(
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     c = replace(c, words=c.words and host is None)  # host reads stage bytes: the byte form
-    knobs |= {"WORDS": c.words, "STAGES": c.stages}
+    knobs |= {"WORDS": c.words, "STAGES": c.stages, **launch(x.device)}
     if c.words:  # the codes as int32 words: 16 a group's row
         pool = {name: t.view(torch.int32) if name.endswith("qweight") else t for name, t in pool.items()}
     knobs["LOOKUP"] = row_of is not None
@@ -493,7 +498,7 @@ def moe_int4_decode(
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](
         partial, shared.contiguous() if shared is not None else partial, shared_gate if gated else partial,
         out, hidden, shared_gate.stride(0) if gated else 0, K=k, SHARED=shared is not None, GATED=gated,
-        BLOCK=1024,
+        BLOCK=1024, **launch(x.device),
     )  # fmt: skip
     return out
 

@@ -1,0 +1,38 @@
+"""Programmatic dependent launch for the decode kernels (Hopper on): a kernel launched with it may start while
+the kernel before it in the stream finishes, its programs resident and their prologue done, then wait in
+`gdc_enter` (griddepcontrol.wait: the earlier grids complete, their writes visible) before they read
+anything an earlier kernel wrote. Weights no earlier kernel writes may be loaded before the wait.
+
+Why: a decode step is ~1,400 small kernels (decode-allfit at a02f295); a GEMV of a few MB takes ~4-6 µs of
+which ~2 are its launch, ramp and tail, and the HBM sits idle between kernels. With PDL the next kernel's
+ramp (and its weights' first loads) overlaps the previous kernel's tail. CUDA graphs keep the programmatic
+edges a stream capture records (CUDA 12.3 on).
+
+Off by default (`ENABLED`): not yet measured. `bench.decode_offload --ablate --switches pdl` compares it.
+A kernel taking part calls `gdc_enter(GDC)` before its first read of an earlier kernel's output, in every
+program, and is launched with `**launch(device)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = False
+"""Launch the kernels that take part with programmatic dependent launch (CUDA, compute capability 9 on)."""
+
+
+def launch(device: torch.device) -> dict[str, object]:
+    """Keyword arguments of a participating kernel's launch: its `GDC` constexpr, and Triton's `launch_pdl`
+    when on (never in the interpreter: griddepcontrol is PTX)."""
+    on = ENABLED and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
+
+
+@triton.jit
+def gdc_enter(GDC: tl.constexpr):
+    """With GDC: wait for the earlier kernels (their writes visible), then let the next kernel launch."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
