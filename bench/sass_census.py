@@ -10,7 +10,11 @@ schedulers at 1.75 GHz. The estimate leaves out memory latency and launches: on 
 calls ran ~2-3× longer than it (bench/results/moe-int4-decode-down.txt). It ranks shapes by the work they
 issue; the GPU times them (bench.moe_int4_tune).
 
-    python -m bench.sass_census [--shape BLOCK GROUPS WARPS] [--down BLOCK GROUPS WARPS] [--words]
+`--hc`: the same for the hyper-connection decode kernels at flashnext's shape (hc 4, rank 320, one row,
+the launch shapes hc_project and hc_mix_up default to): in a decode-allfit step on the H200 (a02f295)
+mix-up ran 5.65 µs a sublayer and the projection 5.2, ~3.5× their estimates.
+
+    python -m bench.sass_census [--shape BLOCK GROUPS WARPS] [--down BLOCK GROUPS WARPS] [--words] [--hc]
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from common.kernels import moe_int4
+from common.kernels import hyper, moe_int4
 from common.kernels.moe_int4 import GROUP, DecodeConfig
 
 HIDDEN, INTER, TOP_K, SMS, CLOCK_GHZ = 2560, 640, 10, 132, 1.75
+HC, RANK = 4, 320
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
@@ -122,8 +127,42 @@ def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
         c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter")))
         steps = -(-groups // gpb)
         per_warp = c.total + (steps - 1) * c.loop  # the loop body once per step
-        issue_us = TOP_K * blocks * warps * per_warp / (SMS * 4) / (CLOCK_GHZ * 1e3)
+        issue_us = _issue_us(TOP_K * blocks, warps, per_warp)
         out[name] = (c, issue_us)
+    return out
+
+
+def _issue_us(programs: int, warps: int, instructions: int) -> float:
+    """Every program's warps issuing `instructions` each, one a cycle per scheduler."""
+    return programs * warps * instructions / (SMS * 4) / (CLOCK_GHZ * 1e3)
+
+
+def hc_census() -> dict[str, tuple[Census, float]]:
+    """hc_project's and hc_mix_up's census for one row at their default launch shapes (project: 4 columns,
+    1,024 inputs a step, 8 warps; mix-up: 8 columns, 4 warps), each with its estimated issue time (µs)."""
+    n_out = RANK + HC  # the fused mix-down and inject projection
+    project = {
+        "x_ptr": "*bf16",
+        "nw_ptr": "*bf16",
+        "w_ptr": "*bf16",
+        "out_ptr": "*fp32",
+        "scale_ptr": "*fp32",
+    }
+    project |= {"rows": "i32", "n_out": "i32", "eps": "fp32"}
+    c = census(compile_sm90(hyper._project_kernel, project, {"HC": HC, "H": HIDDEN, "BN": 4, "BK": 1024,
+                                                               "GDC": False}, 8, ()))  # fmt: skip
+    out = {"hc_project": (c, _issue_us(-(-n_out // 4) * HC, 8, c.total))}  # (its loops unroll: H constexpr)
+    mix_up = {
+        "down_ptr": "*fp32",
+        "w_ptr": "*bf16",
+        "x_ptr": "*bf16",
+        "scale_ptr": "*fp32",
+        "nw_ptr": "*bf16",
+    }
+    mix_up |= {"out_ptr": "*bf16", "hidden": "i32", "rank": "i32", "down_stride": "i32", "part_stride": "i32"}
+    constants = {"HC": HC, "BLOCK": 8, "R_PAD": triton.next_power_of_2(RANK), "NORM": True, "PARTS": HC}
+    c = census(compile_sm90(hyper._mix_up_kernel, mix_up, constants | {"GDC": False}, 4, ("hidden", "rank")))
+    out["hc_mix_up"] = (c, _issue_us(HIDDEN // 8, 4, c.total))
     return out
 
 
@@ -133,6 +172,7 @@ def main() -> None:
     ap.add_argument("--down", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
     ap.add_argument("--words", action="store_true")
     ap.add_argument("--json", action="store_true", help="one JSON object: config → kernel → counts")
+    ap.add_argument("--hc", action="store_true", help="the hyper-connection decode kernels instead")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("TRITON_INTERPRET=1 makes the kernels interpreted: nothing to compile")
@@ -146,12 +186,15 @@ def main() -> None:
             given = replace(given, down_block=args.down[0], down_groups_per_step=args.down[1],
                             down_warps=args.down[2])  # fmt: skip
         configs = {"given": given}
+    if args.hc:
+        configs = {"hyper-connections": None}
     report = {}
     for label, config in configs.items():
         report[label] = {}
         if not args.json:
-            print(f"{label}: {config}")
-        for name, (c, issue_us) in int4_decode_census(config).items():
+            print(f"{label}: {config}" if config else label)
+        kernels = hc_census() if config is None else int4_decode_census(config)
+        for name, (c, issue_us) in kernels.items():
             report[label][name] = {"total": c.total, "loop": c.loop, "conversions": c.conversions,
                                    "issue_us": issue_us, "opcodes": dict(c.opcodes)}  # fmt: skip
             if not args.json:

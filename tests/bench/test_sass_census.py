@@ -28,3 +28,13 @@ def test_census_tells_the_words_form_from_the_byte_form() -> None:
         assert w["conversions"] == 1 < b["conversions"], name
         assert b["loop"] > 0 and b["total"] > b["loop"] and b["issue_us"] > 0 and w["issue_us"] > 0
     assert words["down"]["issue_us"] < byte_form["down"]["issue_us"]  # one group a step: no idle lanes
+
+
+def test_census_of_the_hyper_connection_kernels() -> None:
+    """`--hc`: the projection and mix-up kernels at flashnext's shape compile, each with an issue estimate."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, "-m", "bench.sass_census", "--hc", "--json"]
+    report = json.loads(subprocess.run(args, capture_output=True, text=True, env=env, check=True).stdout)
+    kernels = report["hyper-connections"]
+    assert set(kernels) == {"hc_project", "hc_mix_up"}
+    assert all(k["total"] > 0 and k["issue_us"] > 0 for k in kernels.values())
