@@ -443,14 +443,15 @@ def moe_int4_decode(
     given["stages"] = stages
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
+    c = replace(c, words=c.words and host is None)  # host reads stage bytes: the byte form
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
     act = torch.empty((t * k, inter), dtype=torch.float32, device=x.device)
     partial = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+    pdl = launch(x.device)  # every kernel of the call: the same launch
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
-    c = replace(c, words=c.words and host is None)  # host reads stage bytes: the byte form
-    knobs |= {"WORDS": c.words, "STAGES": c.stages, **launch(x.device)}
+    knobs |= {"WORDS": c.words, "STAGES": c.stages, **pdl}
     if c.words:  # the codes as int32 words: 16 a group's row
         pool = {name: t.view(torch.int32) if name.endswith("qweight") else t for name, t in pool.items()}
     knobs["LOOKUP"] = row_of is not None
@@ -498,7 +499,7 @@ def moe_int4_decode(
     _combine_kernel[(t, triton.cdiv(hidden, 1024))](
         partial, shared.contiguous() if shared is not None else partial, shared_gate if gated else partial,
         out, hidden, shared_gate.stride(0) if gated else 0, K=k, SHARED=shared is not None, GATED=gated,
-        BLOCK=1024, **launch(x.device),
+        BLOCK=1024, **pdl,
     )  # fmt: skip
     return out
 

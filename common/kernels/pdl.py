@@ -15,6 +15,8 @@ program, and is launched with `**launch(device)`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -26,8 +28,14 @@ ENABLED = False
 def launch(device: torch.device) -> dict[str, object]:
     """Keyword arguments of a participating kernel's launch: its `GDC` constexpr, and Triton's `launch_pdl`
     when on (never in the interpreter: griddepcontrol is PTX)."""
-    on = ENABLED and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    on = ENABLED and device.type == "cuda" and _hopper_or_later(device.index)
     return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
+
+
+@functools.cache
+def _hopper_or_later(index: int | None) -> bool:
+    """Compute capability 9 or more (asked of the driver once a device, not at every launch)."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @triton.jit
