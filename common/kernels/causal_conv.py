@@ -19,12 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.pdl import gdc_enter, launch
+
 
 @triton.jit
 def _conv_step_kernel(
     x_ptr, hist_ptr, slots_ptr, w_ptr, out_ptr, channels, width,
     K: tl.constexpr, DILATION: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, SILU: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     t = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     live = c < channels
@@ -75,6 +79,7 @@ def conv_step(
     _conv_step_kernel[(t, triton.cdiv(channels, block))](
         x.contiguous(), history, slots, weight.contiguous(), out, channels, width,
         K=kernel, DILATION=dilation, BC=block, BW=triton.next_power_of_2(width), SILU=silu,
+        **launch(x.device),
     )  # fmt: skip
     return out
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.pdl import gdc_enter, launch
+
 
 @triton.jit
 def _key_block(
@@ -69,8 +71,9 @@ def _split_kernel(
     out_ptr, heads, kv_heads, table_width, page_size, keys, sel_width, scale, window,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     ITERS: tl.constexpr, SPARSE: tl.constexpr, FP8: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, ROWS: tl.constexpr, TRIP: tl.constexpr, STAGES: tl.constexpr,
+    PRECISION: tl.constexpr, ROWS: tl.constexpr, TRIP: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     t, kvh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     table_row = t.to(tl.int64)  # the query's sequence: its own row, or (prefill) the one rows_ptr names
     if ROWS:
@@ -123,8 +126,16 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    gdc_enter(GDC)
     row, part = tl.program_id(0), tl.program_id(1)  # (token, query head), a BLOCK_D slice of the head dim
     s = tl.arange(0, SPLITS)
     m = tl.load(m_ptr + row * SPLITS + s)
@@ -220,10 +231,19 @@ def paged_decode_attention(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, SPLITS=splits,
         ITERS=iters, SPARSE=selected is not None, FP8=fp8, WINDOW=window is not None,
         PRECISION=precision, ROWS=table_rows is not None, TRIP=pipelined, STAGES=num_stages,
-        num_warps=num_warps,
+        num_warps=num_warps, **launch(q.device),
     )  # fmt: skip
     if splits == 1:
         return out
     block_d = min(dim, MERGE_BLOCK_D)
-    _merge_kernel[(t * heads, dim // block_d)](m, denom, acc, out, D=dim, SPLITS=splits, BLOCK_D=block_d)
+    _merge_kernel[(t * heads, dim // block_d)](
+        m,
+        denom,
+        acc,
+        out,
+        D=dim,
+        SPLITS=splits,
+        BLOCK_D=block_d,
+        **launch(q.device),
+    )
     return out

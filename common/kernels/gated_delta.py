@@ -18,13 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.pdl import gdc_enter, launch
+
 
 @triton.jit
 def _gated_delta_step_kernel(
     qkv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, out_ptr,
     qkv_stride, heads_v, group, key_dim,
-    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     t = tl.program_id(0)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)  # [BV] value columns
@@ -76,5 +79,6 @@ def gated_delta_step(
     _gated_delta_step_kernel[grid](
         qkv, a.contiguous(), b.contiguous(), a_log, dt_bias, state, slots, out,
         qkv.stride(0), heads_v, heads_v // heads_k, heads_k * dk, DK=dk, DV=dv, BV=block_v,
+        **launch(qkv.device),
     )  # fmt: skip
     return out

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.pdl import gdc_enter, launch
+
 DOWN_ROWS = 16
 """Rows up to which `swiglu_down` runs (each program one row: the weight's tiles come from L2 for the
 others); past it, torch's GEMM."""
@@ -20,8 +22,9 @@ others); past it, torch's GEMM."""
 @triton.jit
 def _swiglu_down_kernel(
     gate_ptr, up_ptr, w_ptr, out_ptr, hidden, gate_stride, up_stride,
-    INTER: tl.constexpr, BLOCK: tl.constexpr, I_BLOCK: tl.constexpr,
+    INTER: tl.constexpr, BLOCK: tl.constexpr, I_BLOCK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output columns
     live_n = n < hidden
@@ -50,6 +53,6 @@ def swiglu_down(
     out = torch.empty((t, hidden), dtype=gate.dtype, device=gate.device)
     _swiglu_down_kernel[(t, triton.cdiv(hidden, block))](
         gate, up, weight_down, out, hidden, gate.stride(0), up.stride(0), INTER=inter, BLOCK=block,
-        I_BLOCK=i_block,
+        I_BLOCK=i_block, **launch(gate.device),
     )  # fmt: skip
     return out

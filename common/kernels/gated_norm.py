@@ -11,12 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.pdl import gdc_enter, launch
+
 ACTIVATIONS = ("silu", "swish")
 """Gate activations the kernel computes (SiLU: what qwen4_exp uses); others stay on the torch path."""
 
 
 @triton.jit
-def _gated_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, dim, heads, gate_stride, eps, BLOCK: tl.constexpr):
+def _gated_norm_kernel(
+    x_ptr, gate_ptr, w_ptr, out_ptr, dim, heads, gate_stride, eps, BLOCK: tl.constexpr, GDC: tl.constexpr
+):
+    gdc_enter(GDC)
     row = tl.program_id(0).to(tl.int64)  # (token, head) flattened (T·H·D may pass 2³¹)
     i = tl.arange(0, BLOCK)
     live = i < dim
@@ -40,6 +45,7 @@ def gated_rms_norm(
         gate = gate.contiguous()
     out = torch.empty((t, heads * dim), dtype=dtype, device=x.device)
     _gated_norm_kernel[(t * heads,)](
-        x.contiguous(), gate, weight, out, dim, heads, gate.stride(0), eps, BLOCK=triton.next_power_of_2(dim)
+        x.contiguous(), gate, weight, out, dim, heads, gate.stride(0), eps,
+        BLOCK=triton.next_power_of_2(dim), **launch(x.device),
     )  # fmt: skip
     return out

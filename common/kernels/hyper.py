@@ -16,7 +16,7 @@ residual update. Its three GEMVs (mix down, mix up, inject) stay cuBLAS calls; t
   are read (hc_norm and the GEMV in one kernel), as one partial product a stream (hc_mix_up and hc_inject
   sum them), with the streams' scales for hc_mix_up.
 
-`hc_project`, `hc_mix_up` and `hc_inject` take part in programmatic dependent launch (pdl.py, off by default);
+`hc_project`, `hc_mix_up` and `hc_inject` take part in programmatic dependent launch (pdl.py, on by default);
 `hc_mix_up` loads its weight tile before it waits for the kernels before it.
 
 Everything is computed in fp32 and rounded once to the streams' dtype (torch rounds some intermediate

@@ -434,7 +434,7 @@ def moe_int4_decode(
     the hits computed while the misses stream in. One token's misses cross the link once (a token's experts
     are distinct); of several tokens, every pair of a missed expert copies its rows (the same bytes). On the
     H200 decode-1 steps ran slower this way than with the copies launched first (OffloadedExperts.host_reads).
-    The three kernels take part in programmatic dependent launch (common/kernels/pdl.py, off by default).
+    The three kernels take part in programmatic dependent launch (common/kernels/pdl.py, on by default).
     """
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}

@@ -13,12 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.pdl import gdc_enter, launch
+
 
 @triton.jit
 def _norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, heads, eps, rot,
-    D: tl.constexpr,
+    D: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     t, h = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, D)
     half = rot // 2
@@ -49,6 +52,6 @@ def norm_rope(
     out = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
     _norm_rope_kernel[(t, heads)](
         x, weight, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), heads, eps,
-        cos.shape[1], D=dim,
+        cos.shape[1], D=dim, **launch(x.device),
     )  # fmt: skip
     return out

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.pdl import gdc_enter, launch
+
 
 @triton.jit
 def _pooled(raw_ptr, table_ptr, seq, start, pos, cols, table_width, page_size, R: tl.constexpr, D):
@@ -42,8 +44,9 @@ def _pooled(raw_ptr, table_ptr, seq, start, pos, cols, table_width, page_size, R
 @triton.jit
 def _compress_kernel(
     raw_ptr, blocks_ptr, table_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_width, page_size, eps, scaling, rot,
-    R: tl.constexpr, D: tl.constexpr,
+    R: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     start = pos - pos % R
@@ -69,8 +72,9 @@ def _compress_kernel(
 @triton.jit
 def _scores_kernel(
     q_ptr, blocks_ptr, table_ptr, pos_ptr, out_ptr, num_blocks, table_width, page_size,
-    R: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, BN: tl.constexpr,
+    R: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     t, tile = tl.program_id(0), tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)  # [BN] block indices
     visible = (tl.load(pos_ptr + t) + 1) // R
@@ -106,7 +110,7 @@ def compress_step(
     dim = raw.shape[1]
     _compress_kernel[(t,)](
         raw, blocks, page_table, positions, weight, inv_freq, page_table.shape[1], page_size, eps, scaling,
-        2 * inv_freq.numel(), R=ratio, D=dim,
+        2 * inv_freq.numel(), R=ratio, D=dim, **launch(raw.device),
     )  # fmt: skip
 
 
@@ -119,7 +123,7 @@ def block_scores(
     out = torch.empty((t, num_blocks), dtype=torch.float32, device=q.device)
     _scores_kernel[(t, triton.cdiv(num_blocks, block_n))](
         q.contiguous(), blocks, page_table, positions, out, num_blocks, page_table.shape[1], page_size,
-        R=ratio, D=dim, HEADS=heads, BN=block_n,
+        R=ratio, D=dim, HEADS=heads, BN=block_n, **launch(q.device),
     )  # fmt: skip
     return out
 
@@ -163,8 +167,9 @@ SELECT_MAX_BLOCKS = 4096
 @triton.jit
 def _select_kernel(
     scores_ptr, pos_ptr, out_ptr, num_blocks, width, K: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr,
+    BK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     t = tl.program_id(0)
     i = tl.arange(0, BN)
     pos = tl.load(pos_ptr + t)
@@ -209,5 +214,6 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, topk: int, rati
     _select_kernel[(t,)](
         scores.contiguous(), positions, out, num_blocks, out.shape[1], K=k, R=ratio,
         BN=triton.next_power_of_2(max(num_blocks, 2)), BK=triton.next_power_of_2(k * ratio),
+        **launch(scores.device),
     )  # fmt: skip
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.pdl import gdc_enter, launch
+
 _KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max
 POLICY_CODES = {"lru": 0, "lfu": 1, "lfu-admit": 2}
 
@@ -143,8 +145,9 @@ def _resolve_kernel(
     predicted_ptr, row_ptr, newcomer_ptr, target_ptr, valid_ptr,
     layer, num_layers, decay_ptr, E, spare, staging_base, group, groups, KEY_MIN, KEY_MAX,
     POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     e = tl.arange(0, BLOCK_E)
     live_e = e < E
     base = layer * E  # row of freq / absent / slot_table
@@ -217,8 +220,9 @@ def _prefetch_kernel(
     fetched_ptr, guessing_ptr, newcomer_ptr, target_ptr, valid_ptr, layer, num_layers, E, spare,
     KEY_MIN, KEY_MAX,
     POLICY: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     e = tl.arange(0, BLOCK_E)
     live_e = e < E
     base = layer * E
@@ -292,7 +296,7 @@ def resolve_step(
         tables.freq, tables.absent, tables.previous, tables.reuse, tables.counts, moved, tables.thawed, step,
         tables.fetched, tables.predicted, row, newcomer, target, valid, layer, tables.num_layers,
         tables.decay_on_device, e, tables.num_slots, tables.staging_base, group, groups, _KEY_MIN, _KEY_MAX,
-        **_launch_shape(tables, p, n), num_warps=num_warps or NUM_WARPS,
+        **_launch_shape(tables, p, n), num_warps=num_warps or NUM_WARPS, **launch(ids.device),
     )  # fmt: skip
     return row, newcomer, target, valid
 
@@ -310,5 +314,6 @@ def prefetch_step(
         tables.freq, tables.absent, tables.predicted, tables.reuse, tables.counts, tables.thawed, step,
         tables.fetched, tables.guessing, newcomer, target, valid, layer, tables.num_layers, e,
         tables.num_slots, _KEY_MIN, _KEY_MAX, **_launch_shape(tables, p, n), num_warps=NUM_WARPS,
+        **launch(ids.device),
     )  # fmt: skip
     return newcomer, target, valid

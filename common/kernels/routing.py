@@ -12,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.pdl import gdc_enter, launch
+
 
 @triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, experts, K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr,
-    NORMALIZE: tl.constexpr,
+    NORMALIZE: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK)
     live = e < experts
@@ -46,7 +49,7 @@ def route_fused(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torc
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
     _route_kernel[(t,)](
         logits.contiguous(), weights, ids, experts, K=top_k, KB=triton.next_power_of_2(top_k),
-        BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize,
+        BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize, **launch(logits.device),
     )  # fmt: skip
     return weights, ids
 
@@ -55,10 +58,12 @@ def route_fused(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torc
 def _replay_kernel(
     trace_ids_ptr, trace_w_ptr, cursor_ptr, ids_ptr, weights_ptr, rows, layers, layer, tokens,
     K: tl.constexpr, KB: tl.constexpr, TB: tl.constexpr, ADVANCE: tl.constexpr, BF16: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
     """Tokens [TB·pid, TB·(pid+1)) of the call (every token with ADVANCE: one program, which then moves the
     cursor on, as no other program reads it). The interpreter casts fp32 to bf16 by truncation: BF16 rounds
     by hand."""
+    gdc_enter(GDC)
     base = tl.load(cursor_ptr + layer)
     j = tl.arange(0, KB)
     first = tl.program_id(0) * TB
@@ -106,6 +111,7 @@ def replay_rows(
     _replay_kernel[(1 if advance else triton.cdiv(tokens, tb),)](
         trace_ids, trace_weights, cursor, ids, weights.view(torch.int16) if bf16 else weights, rows, layers,
         layer, tokens, K=k, KB=triton.next_power_of_2(k), TB=tb, ADVANCE=advance, BF16=bf16,
+        **launch(trace_ids.device),
     )  # fmt: skip
     if not advance:
         cursor[layer].add_(tokens)

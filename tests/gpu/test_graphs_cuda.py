@@ -107,12 +107,14 @@ def test_forgotten_recordings_record_again(tmp_path: Path) -> None:
 
 
 def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, monkeypatch) -> None:
-    """The hyper-connection kernels launched with programmatic dependent launch in recorded steps (qwen4_exp,
-    fused kernels): each waits for the kernels before it, so the tokens and the cache counters are those of
-    the same recorded steps without it, exactly. (The int4 kernels: tests/gpu/test_offload_cuda.py.)"""
+    """The decode kernels launched with programmatic dependent launch (the default) in recorded steps
+    (qwen4_exp, fused kernels): each waits for the kernels before it, so the tokens and the cache counters
+    are those of the same recorded steps without it, exactly. (The int4 kernels:
+    tests/gpu/test_offload_cuda.py.)"""
     from common.kernels import pdl
 
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=ARCHS["qwen4_exp"])
+    monkeypatch.setattr(pdl, "ENABLED", False)
     plain, reference = _run(path, True, "0.25", fused=True)
     monkeypatch.setattr(pdl, "ENABLED", True)
     launched, engine = _run(path, True, "0.25", fused=True)

@@ -232,7 +232,8 @@ def test_one_lane_int4_decode_reads_its_misses_from_the_host(tmp_path: Path) -> 
 def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monkeypatch) -> None:
     """Every expert resident, int4, the fused kernels, recorded steps: one-token steps run RESIDENT_CONFIGS'
     shape (codes as words) and generate the tokens of the byte form's shapes (DECODE_CONFIGS); the same
-    tokens with the int4 kernels launched programmatically (common/kernels/pdl.py)."""
+    tokens with the int4 kernels launched programmatically (common/kernels/pdl.py, the default) and
+    without."""
     from common.kernels import moe_int4, pdl, use_fused_kernels
 
     shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
@@ -258,9 +259,10 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
         assert engine.offload.fused_int4 and engine.offload.all_resident
         return [r.token_ids for r in engine.generate(prompts, GREEDY)]
 
+    monkeypatch.setattr(pdl, "ENABLED", True)
     resident = run()
     assert calls and all(c is moe_int4.RESIDENT_CONFIGS for c in calls)
-    monkeypatch.setattr(pdl, "ENABLED", True)  # the int4 kernels launched programmatically: the same tokens
+    monkeypatch.setattr(pdl, "ENABLED", False)  # every kernel launched plainly: the same tokens
     assert run() == resident
     monkeypatch.setattr(moe_int4, "RESIDENT_CONFIGS", moe_int4.DECODE_CONFIGS)
     assert run() == resident
