@@ -211,6 +211,7 @@ def main() -> None:
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
+    "no-defer-inject",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -235,6 +236,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (moe_int4, "RESIDENT_CONFIGS", moe_int4.DECODE_CONFIGS),
         (moe_int4, "DECODE_CONFIGS", moe_int4.RESIDENT_CONFIGS),
         (pdl, "ENABLED", False),
+        (HyperConnection, "defer_inject", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -149,8 +149,10 @@ def hc_census() -> dict[str, tuple[Census, float]]:
         "scale_ptr": "*fp32",
     }
     project |= {"rows": "i32", "n_out": "i32", "eps": "fp32"}
-    c = census(compile_sm90(hyper._project_kernel, project, {"HC": HC, "H": HIDDEN, "BN": 4, "BK": 1024,
-                                                               "GDC": False}, 8, ()))  # fmt: skip
+    project |= {"y_ptr": "*bf16", "inject_ptr": "*fp32", "new_ptr": "*bf16", "inject_stride": "i32"}
+    project["part_stride"] = "i32"
+    constants = {"HC": HC, "H": HIDDEN, "BN": 4, "BK": 1024, "INJECT": True, "PARTS": HC, "GDC": False}
+    c = census(compile_sm90(hyper._project_kernel, project, constants, 8, ()))  # the previous injection in it
     out = {"hc_project": (c, _issue_us(-(-n_out // 4) * HC, 8, c.total))}  # (its loops unroll: H constexpr)
     mix_up = {
         "down_ptr": "*fp32",

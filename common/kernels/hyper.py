@@ -69,13 +69,20 @@ def _inject_kernel(
     gdc_enter(GDC)
     y = tl.load(y_ptr + t * hidden + i, mask=live, other=0.0).to(tl.float32)
     for s in range(HC):
-        logit = 0.0
-        for p in range(PARTS):  # hc_project's partial products
-            logit += tl.load(inject_ptr + p * part_stride + t * inject_stride + s).to(tl.float32)
-        weight = 2.0 * tl.sigmoid(logit / HC)
+        weight = _inject_weight(inject_ptr, t, s, inject_stride, part_stride, HC, PARTS)
         at = (t * HC + s) * hidden + i
         x = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)
         tl.store(out_ptr + at, (x + y * weight).to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _inject_weight(inject_ptr, t, s, inject_stride, part_stride, HC: tl.constexpr, PARTS: tl.constexpr):
+    """Stream s's injection weight 2σ(logit / hc) for row t, the logit summed from its partial products in
+    order (the same sum in every kernel that applies an injection)."""
+    logit = 0.0
+    for p in range(PARTS):  # hc_project's partial products
+        logit += tl.load(inject_ptr + p * part_stride + t * inject_stride + s).to(tl.float32)
+    return 2.0 * tl.sigmoid(logit / HC)
 
 
 def hc_norm(streams: torch.Tensor, weight: torch.Tensor, eps: float, hc: int) -> torch.Tensor:
@@ -171,7 +178,9 @@ def hc_mix_up(
 @triton.jit
 def _project_kernel(
     x_ptr, nw_ptr, w_ptr, out_ptr, scale_ptr, rows, n_out, eps,
-    HC: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr,
+    y_ptr, inject_ptr, new_ptr, inject_stride, part_stride,
+    HC: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INJECT: tl.constexpr,
+    PARTS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     t, nb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = nb * BN + tl.arange(0, BN)  # [BN] output columns
@@ -179,16 +188,22 @@ def _project_kernel(
     k = tl.arange(0, BK)
     gdc_enter(GDC)
     stream = x_ptr + (t * HC + s) * H
+    weight = 0.0
+    if INJECT:  # the streams are x + y ⊗ 2σ(logit / hc), hc_inject's, applied as they are read
+        weight = _inject_weight(inject_ptr, t, s, inject_stride, part_stride, HC, PARTS)
     squares = tl.zeros((BK,), dtype=tl.float32)
     for k0 in range(0, H, BK):  # the stream's mean square (every program: its 5 KB again, from L2)
-        xs = tl.load(stream + k0 + k, mask=k0 + k < H, other=0.0).to(tl.float32)
+        xs = _stream_block(stream, y_ptr + t * H, k0 + k, weight, new_ptr, H, INJECT)
         squares += xs * xs
     scale = tl.math.rsqrt(tl.sum(squares, axis=0) / H + eps)
     tl.store(scale_ptr + t * HC + s, scale, mask=nb == 0)
     acc = tl.zeros((BN,), dtype=tl.float32)
     for k0 in range(0, H, BK):
         live_k = k0 + k < H
-        xs = tl.load(stream + k0 + k, mask=live_k, other=0.0).to(tl.float32)
+        xs = _stream_block(stream, y_ptr + t * H, k0 + k, weight, new_ptr, H, INJECT)
+        if INJECT:  # noqa: SIM102  (a static branch around a runtime one)
+            if nb == 0:  # one program a stream writes the injected streams: hc_mix_up and hc_inject read them
+                tl.store(new_ptr + (t * HC + s) * H + k0 + k, xs.to(new_ptr.dtype.element_ty), mask=live_k)
         xs = xs * scale * (1.0 + tl.load(nw_ptr + s * H + k0 + k, mask=live_k, other=0.0).to(tl.float32))
         at = n[:, None] * (HC * H) + s * H + (k0 + k)[None, :]  # [BN, BK]
         w = tl.load(w_ptr + at, mask=live_n[:, None] & live_k[None, :], other=0.0)
@@ -196,27 +211,58 @@ def _project_kernel(
     tl.store(out_ptr + (s * rows + t) * n_out + n, acc, mask=live_n)
 
 
+@triton.jit
+def _stream_block(stream, y_row, cols, weight, new_ptr, H: tl.constexpr, INJECT: tl.constexpr):
+    """A stream's values at `cols` (those ≥ H read as 0) in fp32; with INJECT, the injection's, rounded to
+    the streams' dtype as hc_inject stores them (the same values, so the same products)."""
+    live = cols < H
+    xs = tl.load(stream + cols, mask=live, other=0.0).to(tl.float32)
+    if INJECT:
+        y = tl.load(y_row + cols, mask=live, other=0.0).to(tl.float32)
+        xs = (xs + y * weight).to(new_ptr.dtype.element_ty).to(tl.float32)
+    return xs
+
+
 def hc_project(
     streams: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, hc: int,
     block_n: int = 4, block_k: int = 1024, num_warps: int = 8,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    inject: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A few rows' hyper-connection input projection from the raw streams [T, hc·H]: hc_norm's normalised
     streams (weight (1 + norm_weight)) times weight [N, hc·H]ᵀ → (the product's partial sums over each
     stream's columns [hc, T, N] fp32 — their sum is the product; hc_mix_up and hc_inject add them as they
-    read them — and each stream's scale rsqrt(mean(x²) + eps) [T, hc] fp32, for hc_mix_up). The norm is
-    applied as the streams are read: no normalised copy, and one launch where a decode step ran hc_norm,
-    cuBLAS's split-K GEMV and its reduction. A program a stream and `block_n` columns: the split over
-    streams gives the GEMV hc times the programs, which the weight's read rate needs at one row."""
+    read them —, each stream's scale rsqrt(mean(x²) + eps) [T, hc] fp32, for hc_mix_up, and the streams).
+    The norm is applied as the streams are read: no normalised copy, and one launch where a decode step ran
+    hc_norm, cuBLAS's split-K GEMV and its reduction. A program a stream and `block_n` columns: the split
+    over streams gives the GEMV hc times the programs, which the weight's read rate needs at one row.
+
+    `inject` (the previous sublayer's output [T, H] and its inject logits, as hc_inject takes them): the
+    streams are first `hc_inject(streams, *inject)`, applied as they are read and written by the kernel
+    (the streams returned): one launch fewer a sublayer, and the same values as hc_inject's."""
     t, width = streams.shape
     n_out = weight.shape[0]
     assert weight.is_contiguous() and weight.shape[1] == width and width % hc == 0
     out = torch.empty((hc, t, n_out), dtype=torch.float32, device=streams.device)
     scales = torch.empty((t, hc), dtype=torch.float32, device=streams.device)
+    streams = streams.contiguous()
+    if inject is not None:
+        y, parts = inject[0].contiguous(), _inject_parts(inject[1])
+        new = torch.empty_like(streams)
+    else:
+        y, parts, new = streams, streams[None], streams  # (unread without INJECT)
     _project_kernel[(t, triton.cdiv(n_out, block_n), hc)](
-        streams.contiguous(), norm_weight, weight, out, scales, t, n_out, eps, HC=hc, H=width // hc,
-        BN=block_n, BK=block_k, num_warps=num_warps, **launch(streams.device),
+        streams, norm_weight, weight, out, scales, t, n_out, eps, y, parts, new, parts.stride(1),
+        parts.stride(0), HC=hc, H=width // hc, BN=block_n, BK=block_k, INJECT=inject is not None,
+        PARTS=parts.shape[0], num_warps=num_warps, **launch(streams.device),
     )  # fmt: skip
-    return out, scales
+    return out, scales, new
+
+
+def _inject_parts(logits: torch.Tensor) -> torch.Tensor:
+    """Inject logits [T, hc] (may be a strided view) or partial products [P, T, hc] as [P, T, hc]."""
+    parts = logits if logits.dim() == 3 else logits[None]
+    assert parts.stride(2) == 1
+    return parts
 
 
 def hc_inject(
@@ -224,9 +270,8 @@ def hc_inject(
 ) -> torch.Tensor:
     """streams [T, hc·H] + the sublayer's out [T, H] weighted per stream by 2σ(inject [T, hc] / hc); inject
     may be a strided view (a fused projection's last columns) or [P, T, hc] partial products, summed here."""
-    parts = inject if inject.dim() == 3 else inject[None]  # [P, T, hc]
+    parts = _inject_parts(inject)
     _, t, hc = parts.shape
-    assert parts.stride(2) == 1
     hidden = out.shape[1]
     new = torch.empty_like(streams)
     _inject_kernel[(t, triton.cdiv(hidden, block))](

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,32 @@ from torch import nn
 from common.model.fused_linear import FusedLinears, fuse_linears, plain_linear, project
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import OffsetRMSNorm
+
+
+@dataclass(frozen=True)
+class DeferredInject:
+    """streams + out injected with `logits` (`HyperConnection.inject`), not yet applied: the next
+    hyper-connection's projection kernel applies it as it reads the streams (`hc_project`'s `inject`), one
+    launch fewer a sublayer in decode steps. Anything else that reads the streams takes `applied(...)`."""
+
+    streams: torch.Tensor
+    """[T, hc·H], before the injection."""
+    out: torch.Tensor
+    """The sublayer's output [T, H]."""
+    logits: torch.Tensor
+    """The inject logits [T, hc], or hc_project's partial products [P, T, hc]."""
+
+
+Streams = torch.Tensor | DeferredInject
+
+
+def applied(streams: Streams) -> torch.Tensor:
+    """The streams [T, hc·H], a deferred injection applied (hc_inject)."""
+    if isinstance(streams, torch.Tensor):
+        return streams
+    from common.kernels.hyper import hc_inject  # Triton (deferred only with the fused kernels)
+
+    return hc_inject(streams.streams, streams.out, streams.logits)
 
 
 class HyperConnection(nn.Module):
@@ -37,6 +65,11 @@ class HyperConnection(nn.Module):
     """With `fused_decode` and `mix_up_kernel`: those passes normalise the streams inside the input
     projection's kernel (`hc_project`); a switch for bench.decode_offload --ablate."""
 
+    defer_inject = True
+    """With `fused_decode` and `project_kernel`: a pass whose caller allows it (`forward`'s `defer`) leaves
+    each injection to the next hyper-connection's projection kernel; a switch for bench.decode_offload
+    --ablate."""
+
     fused_in: FusedLinears | None = None
     """The mix-down and inject weights (both read the normalised streams) as one GEMM."""
 
@@ -51,21 +84,33 @@ class HyperConnection(nn.Module):
         self.fused_in = fuse_linears(self._inputs(), copy)
         return self.fused_in is not None
 
-    def mix(self, streams: torch.Tensor) -> torch.Tensor:
+    def mix(self, streams: Streams) -> torch.Tensor:
         """streams [T, hc·H] → the sublayer input [T, H]."""
         return self._mix(streams)[0]
 
-    def _mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """mix(streams), and the inject logits [T, hc] when there is an inject weight (after hc_project: its
-        partial products [hc, T, hc], which hc_inject sums)."""
-        if self.fused_decode and self._project_fits(streams):  # norm, projection and mix in two kernels
+    def _mix(self, streams: Streams) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """mix(streams), the inject logits [T, hc] when there is an inject weight (after hc_project: its
+        partial products [hc, T, hc], which hc_inject sums), and the streams (a deferred injection applied).
+        """
+        deferred = streams if isinstance(streams, DeferredInject) else None
+        rows = streams.streams if deferred is not None else streams
+        if self.fused_decode and self._project_fits(rows):  # norm, projection and mix in two kernels
             from common.kernels.hyper import hc_mix_up, hc_project  # Triton
 
             norm, fused = self.hc_norm, self.fused_in
-            product, scales = hc_project(streams, norm.weight, norm.eps, fused.weight, self.hc)
+            inject = (deferred.out, deferred.logits) if deferred is not None else None
+            product, scales, streams = hc_project(
+                rows, norm.weight, norm.eps, fused.weight, self.hc, inject=inject
+            )
             down, logits = fused.split(product)
             up = self.input_mix_weight_up.weight
-            return hc_mix_up(down, up, streams, self.hc, scales=scales, norm_weight=norm.weight), logits
+            mixed = hc_mix_up(down, up, streams, self.hc, scales=scales, norm_weight=norm.weight)
+            return mixed, logits, streams
+        streams = applied(streams)
+        return (*self._mix_normed(streams), streams)
+
+    def _mix_normed(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """_mix's sublayer input and logits through hc_norm's normalised streams."""
         normed = self.hc_norm.fused(streams) if self.fused_decode else self.hc_norm(streams)
         down, *inject = project(normed, self._inputs(), self.fused_in)
         logits = inject[0] if inject else None
@@ -94,17 +139,24 @@ class HyperConnection(nn.Module):
         kernel: as `_mix_up_fits`, with the mix-down and inject weights fused in one plain weight."""
         return self.project_kernel and plain_linear(self.fused_in) and self._mix_up_fits(streams)
 
-    def forward(self, streams: torch.Tensor, sublayer) -> torch.Tensor:
-        """streams + sublayer(mix(streams)) injected into every stream with its learned weight."""
-        mixed, logits = self.mix_input(streams)
-        return self.inject(streams, sublayer(mixed), logits)
+    def forward(self, streams: Streams, sublayer, defer: bool = False) -> Streams:
+        """streams + sublayer(mix(streams)) injected into every stream with its learned weight; with `defer`,
+        the injection may be left to the next hyper-connection (a DeferredInject)."""
+        mixed, logits, streams = self._mix(streams)
+        return self.inject(streams, sublayer(mixed), logits, defer)
 
-    def mix_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mix_input(self, streams: Streams) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [T, hc·H] → (the sublayer's input [T, H], the inject logits [T, hc])."""
-        return self._mix(streams)
+        return self._mix(applied(streams))[:2]
 
-    def inject(self, streams: torch.Tensor, out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """streams + the sublayer's output out [T, H] in every stream, weighted by 2·sigmoid(logits / hc)."""
+    def inject(
+        self, streams: torch.Tensor, out: torch.Tensor, logits: torch.Tensor, defer: bool = False
+    ) -> Streams:
+        """streams + the sublayer's output out [T, H] in every stream, weighted by 2·sigmoid(logits / hc).
+        With `defer`, in passes whose next hyper-connection projects in its kernel (`_project_fits`: decode
+        rows), a DeferredInject that it applies."""
+        if defer and self.defer_inject and self.fused_decode and self._project_fits(streams):
+            return DeferredInject(streams, out, logits)
         if self.fused_decode:
             from common.kernels.hyper import hc_inject  # Triton
 

@@ -13,7 +13,7 @@ from common.model.layer_major import run_layer_major
 from common.model.moe import SparseMoeBlock
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.gdn import GatedDeltaNet
-from common.model.qwen4_exp.hyper import HyperConnection
+from common.model.qwen4_exp.hyper import HyperConnection, Streams, applied
 from common.model.qwen4_exp.mtp import Qwen4MTP
 from common.model.qwen4_exp.ple import PLE
 from common.model.qwen4_exp.qsa import QSAttention
@@ -52,15 +52,18 @@ class Qwen4DecoderLayer(nn.Module):
             specs.update(self.ple.state_specs(dtype))
         return specs
 
-    def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        streams = self.mix_tokens(streams, ctx)
-        return self.mlp_hyper_connection(streams, self.mlp)
+    def forward(self, streams: Streams, ctx: ForwardContext, defer: bool = False) -> Streams:
+        """The layer's streams after it; with `defer`, its hyper-connections may leave their injections to
+        the next one's projection kernel (DeferredInject, decode rows): the caller applies the last."""
+        streams = self.mix_tokens(streams, ctx, defer)
+        return self.mlp_hyper_connection(streams, self.mlp, defer)
 
     # The two halves a layer-major pass runs apart (common/model/layer_major.py).
-    def mix_tokens(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def mix_tokens(self, streams: Streams, ctx: ForwardContext, defer: bool = False) -> Streams:
         if self.ple is not None:
+            streams = applied(streams)
             streams = streams + self.ple(streams, ctx)
-        return self.attn_hyper_connection(streams, lambda h: self.mixer(h, ctx))
+        return self.attn_hyper_connection(streams, lambda h: self.mixer(h, ctx), defer)
 
     def ffn_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MoE's input [T, H], the injection logits [T, hc])."""
@@ -108,8 +111,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         """The trunk's streams [T, hc·H] before the final mixer (what the MTP head reads)."""
         streams = self._embed(ctx)
         for layer in self.model.layers:
-            streams = layer(streams, ctx)
-        return streams
+            streams = layer(streams, ctx, defer=True)
+        return applied(streams)
 
     def forward_chunks(self, contexts: list[ForwardContext]) -> torch.Tensor:
         """One sequence's consecutive chunks layer by layer (`ModelRunner.prefill_layer_major`) → the last

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,7 +50,8 @@ def test_project_and_mix_up_from_raw_streams(rows: int) -> None:
         name: t.to(DEVICE)
         for name, t in (("s", streams), ("nw", norm.weight.data), ("w", weight), ("up", up))
     }
-    parts, scales = hc_project(on["s"], on["nw"], norm.eps, on["w"], hc, block_n=4, block_k=16)
+    parts, scales, same = hc_project(on["s"], on["nw"], norm.eps, on["w"], hc, block_n=4, block_k=16)
+    assert same is on["s"]  # no injection: the streams given
     assert parts.shape == (hc, rows, n_out)  # one partial product a stream
     got = parts.sum(0)
     torch.testing.assert_close(got.cpu(), F.linear(normed, weight), rtol=1e-5, atol=1e-5)
@@ -76,3 +79,62 @@ def test_inject_from_a_view_or_partial_products(parts: int) -> None:
     want = streams + (out[:, None, :] * weight[:, :, None]).flatten(-2)
     got = hc_inject(streams.to(DEVICE), out.to(DEVICE), logits.to(DEVICE), block=16)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_project_applies_the_previous_injection(dtype: torch.dtype) -> None:
+    """hc_project with `inject` against hc_inject then hc_project: the same injected streams (written by the
+    kernel, rounded to the streams' dtype as hc_inject stores them), the same partial products and scales,
+    bit for bit. The logits as hc_project's partial products [P, T, hc], as a decode step hands them on."""
+    from common.kernels.hyper import hc_inject, hc_project
+
+    gen = torch.Generator().manual_seed(17)
+    rows, hc, hidden, n_out = 1, 4, 40, 27
+    on = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+    streams, out = on(rows, hc * hidden, scale=3.0), on(rows, hidden)
+    logits = (torch.randn(hc, rows, 7 + hc, generator=gen)[..., 7:]).to(DEVICE)  # strided partials
+    norm_weight, weight = on(hc * hidden, scale=0.2), on(n_out, hc * hidden, scale=0.1)
+    injected = hc_inject(streams, out, logits, block=16)
+    want = hc_project(injected, norm_weight, 1e-6, weight, hc, block_n=4, block_k=16)
+    got = hc_project(streams, norm_weight, 1e-6, weight, hc, block_n=4, block_k=16, inject=(out, logits))
+    assert torch.equal(got[2], injected)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_deferred_injections_decode_as_applied_ones(tmp_path: Path, monkeypatch) -> None:
+    """qwen4_exp with the fused kernels: one-row decode passes leave each hyper-connection's injection to the
+    next one's projection kernel (but before a PLE layer and the final mixer), and give the logits of the
+    same passes with every injection applied by hc_inject, exactly."""
+    from common.engine import Engine
+    from common.kernels import hyper, use_fused_kernels
+    from common.model.qwen4_exp.hyper import HyperConnection
+    from common.model.synthetic import make_model
+
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
+    prompt = torch.randint(3, 1000, (5,), generator=torch.Generator().manual_seed(0)).tolist()
+    plain, injected = hyper.hc_project, []
+
+    def spy(*args, **kwargs):
+        injected.append(kwargs.get("inject") is not None)
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(hyper, "hc_project", spy)
+
+    def decode(defer: bool) -> tuple[list[torch.Tensor], int]:
+        monkeypatch.setattr(HyperConnection, "defer_inject", defer)
+        engine = Engine(path, dtype=torch.float32, device=DEVICE, max_seqs=1, cuda_graphs=False)
+        use_fused_kernels(engine.model, True)
+        seq = engine.runner.new_sequence()
+        logits = [engine.runner.forward([seq], [prompt])]
+        for _ in range(2):
+            logits.append(engine.runner.forward([seq], [[int(logits[-1][-1].argmax())]]))
+        layers = engine.model.model.layers  # a PLE layer takes its streams applied: the chain restarts there
+        return logits, 2 * len(layers) - 1 - sum(layer.ple is not None for layer in layers[1:])
+
+    deferred, chained = decode(True)
+    assert chained > 1 and injected.count(True) == 2 * chained  # two one-row passes
+    injected.clear()
+    applied, _ = decode(False)
+    assert injected and not any(injected)
+    for a, b in zip(deferred, applied, strict=True):
+        assert torch.equal(a, b)
