@@ -139,11 +139,10 @@ class QSAIndexer(nn.Module):
 
     def _select(self, q: torch.Tensor, batch: ForwardBatch, blocks: torch.Tensor) -> torch.Tensor:
         device, r = q.device, self.ratio
-        visible = (batch.positions + 1) // r  # [T] complete blocks each query sees
         bound = batch.static_kv if batch.static_kv is not None else max(batch.kv_lens)
         max_blocks = bound // r
-        block_pos = torch.arange(max_blocks, device=device) * r  # [NB] start position of each block
-        if batch.is_decode and self.fused_decode:
+        fused = batch.is_decode and self.fused_decode
+        if fused:
             from common.kernels.qsa_indexer import SELECT_MAX_BLOCKS, block_scores, select_blocks  # Triton
 
             scores = block_scores(  # masks unseen blocks itself
@@ -151,10 +150,13 @@ class QSAIndexer(nn.Module):
             )
             if self.select_kernel and 0 < max_blocks <= SELECT_MAX_BLOCKS:  # top-k and keys in one kernel
                 return select_blocks(scores, batch.positions, self.block_topk, r)
-        elif batch.is_decode:  # one query per sequence: every query against its own blocks at once
+        # (after the kernels' return: four small kernels a layer that their decode steps do not need)
+        visible = (batch.positions + 1) // r  # [T] complete blocks each query sees
+        block_pos = torch.arange(max_blocks, device=device) * r  # [NB] start position of each block
+        if batch.is_decode and not fused:  # one query a sequence: each against its own blocks at once
             keys = blocks[batch.slots_of(batch.seq_index[:, None], block_pos[None, :])].float()  # [T, NB, Di]
             scores = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys)).sum(1) / math.sqrt(self.dim)
-        else:  # every row is written below; allocated at the prompt's bound (`ForwardBatch.kv_bound`)
+        elif not batch.is_decode:  # every row is written below; allocated at the prompt's bound (kv_bound)
             width = max(max_blocks, (batch.kv_bound or 0) // r)
             scores = torch.empty((q.shape[0], width), device=device)[:, :max_blocks]
             start, rows = 0, max(1, self.score_bytes // (4 * self.heads * max(max_blocks, 1)))
@@ -225,4 +227,5 @@ class QSAttention(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         state = ctx.pool.layer(self.layer_idx)
         out = ctx.backend.forward(q, k, v, state, ctx.attn_plan, self.head_dim**-0.5, selected=selected)
-        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+        # σ of the strided gate view writes a contiguous result: no copy of the gate first
+        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate).reshape(t, -1))
