@@ -18,8 +18,9 @@ from common.kernels.pdl import gdc_enter, launch
 @triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, experts, K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr,
-    NORMALIZE: tl.constexpr, GDC: tl.constexpr,
+    NORMALIZE: tl.constexpr, BF16: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    """One token's softmax and top-k; the weights in fp32, or with BF16 as bf16 bits (weights_ptr int16)."""
     gdc_enter(GDC)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK)
@@ -39,19 +40,33 @@ def _route_kernel(
     if NORMALIZE:
         weights = weights / tl.sum(tl.where(j < K, weights, 0.0), axis=0)
     tl.store(ids_ptr + t * K + j, ids, mask=j < K)
-    tl.store(weights_ptr + t * K + j, weights, mask=j < K)
+    tl.store(weights_ptr + t * K + j, _bf16_bits(weights) if BF16 else weights, mask=j < K)
 
 
-def route_fused(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route`'s result — (weights [T, k] fp32, ids [T, k] int64) — from router logits [T, E]."""
+@triton.jit
+def _bf16_bits(x):
+    """fp32 x (finite) → its bf16 bits (int16), rounded to nearest even as torch casts (the interpreter
+    casts fp32 to bf16 by truncation: rounded by hand)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+
+
+def route_fused(
+    logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route`'s result — (weights [T, k] in `dtype`, ids [T, k] int64) — from router logits [T, E]. The
+    weights are computed in fp32; bf16 ones are rounded in the kernel (no cast kernel after it), others
+    cast after it."""
     t, experts = logits.shape
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    bf16 = dtype == torch.bfloat16
+    weights = torch.empty((t, top_k), dtype=dtype if bf16 else torch.float32, device=logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
     _route_kernel[(t,)](
-        logits.contiguous(), weights, ids, experts, K=top_k, KB=triton.next_power_of_2(top_k),
-        BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize, **launch(logits.device),
+        logits.contiguous(), weights.view(torch.int16) if bf16 else weights, ids, experts, K=top_k,
+        KB=triton.next_power_of_2(top_k), BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize,
+        BF16=bf16, **launch(logits.device),
     )  # fmt: skip
-    return weights, ids
+    return weights.to(dtype), ids
 
 
 @triton.jit
@@ -61,8 +76,7 @@ def _replay_kernel(
     GDC: tl.constexpr,
 ):  # fmt: skip
     """Tokens [TB·pid, TB·(pid+1)) of the call (every token with ADVANCE: one program, which then moves the
-    cursor on, as no other program reads it). The interpreter casts fp32 to bf16 by truncation: BF16 rounds
-    by hand."""
+    cursor on, as no other program reads it); with BF16 the weights as bf16 bits (`_bf16_bits`)."""
     gdc_enter(GDC)
     base = tl.load(cursor_ptr + layer)
     j = tl.arange(0, KB)
@@ -76,10 +90,8 @@ def _replay_kernel(
         out = t[:, None] * K + j[None, :]
         tl.store(ids_ptr + out, tl.load(trace_ids_ptr + at, mask=live).to(tl.int64), mask=live)
         weight = tl.load(trace_w_ptr + at, mask=live)  # fp32
-        if BF16:  # weights_ptr: the bf16 weights' bits (int16), rounded to nearest even as torch casts
-            bits = weight.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # (finite: softmax outputs)
-            tl.store(weights_ptr + out, bits.to(tl.int16), mask=live)
+        if BF16:  # weights_ptr: the bf16 weights' bits (int16)
+            tl.store(weights_ptr + out, _bf16_bits(weight), mask=live)
         else:
             tl.store(weights_ptr + out, weight, mask=live)
     if ADVANCE:

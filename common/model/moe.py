@@ -82,7 +82,8 @@ class SparseMoeBlock(nn.Module):
         if self.fused_decode:
             from common.kernels.routing import route_fused  # Triton
 
-            weights, ids = route_fused(logits, self.top_k, self.normalize)  # [T, k] each
+            dtype = torch.float32 if self.weights_fp32 else x.dtype  # rounded in the kernel: no cast after
+            weights, ids = route_fused(logits, self.top_k, self.normalize, dtype)  # [T, k] each
         else:
             weights, ids = route(logits, self.top_k, self.normalize)
         with self.experts.turn(self.layer_idx):  # a grouped pass's groups replay and resolve in turn

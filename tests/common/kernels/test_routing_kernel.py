@@ -62,3 +62,16 @@ def test_replay_takes_the_fused_switch_whichever_comes_first(tmp_path, hook_firs
     assert replayer.fused
     use_fused_kernels(model, False)
     assert not replayer.fused
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_route_fused_weights_in_the_model_dtype(dtype: torch.dtype) -> None:
+    """Weights asked in the model's dtype: bf16 rounded in the kernel, fp16 cast after it, both equal to the
+    fp32 weights cast by torch (what the MoE block did after the kernel), bit for bit."""
+    from common.kernels.routing import route_fused
+
+    logits = (torch.randn(9, 512, generator=torch.Generator().manual_seed(4)) * 3).to(DEVICE)
+    fp32, ids = route_fused(logits, 10, True)
+    weights, same = route_fused(logits, 10, True, dtype)
+    assert weights.dtype == dtype and torch.equal(same, ids)
+    assert torch.equal(weights, fp32.to(dtype))
