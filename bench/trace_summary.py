@@ -3,7 +3,8 @@
 The op tables sum each kernel's time; in a CUDA graph they cannot say which kernels the step waited on. The
 timeline can: steps are cut at the LM head's GEMM (the step's last large kernel) and the host gap before
 each step's first kernel; per step, the device time from its first kernel to its LM head, and each kernel's
-time and count, largest first (small torch kernels pooled as `aten`).
+time, exposed time (what it adds to the step: `exposed`) and count, largest first (small torch kernels
+pooled as `aten`).
 
     python -m bench.trace_summary FILE.trace.json[.gz] [--head 512x8] [--rows 30]
 """
@@ -44,25 +45,44 @@ def steps(events: list[dict], head: str) -> list[list[dict]]:
     return out
 
 
+def exposed(step: list[dict]) -> tuple[Counter, float]:
+    """Per kernel name, the time its kernels add to the step: how far each one's end moves past the latest
+    end before it (kernels by start). With programmatic dependent launch a kernel starts while the one before
+    it runs and its time includes its wait, so summed durations exceed the step; these sum to it, less the
+    idle time (the second value, µs), where no kernel runs."""
+    added, idle, end = Counter(), 0.0, step[0]["ts"]
+    for e in step:
+        finish = e["ts"] + e["dur"]
+        if finish > end:
+            added[kernel_name(e["name"])] += finish - max(e["ts"], end)
+            idle += max(0.0, e["ts"] - end)
+            end = finish
+    return added, idle
+
+
 def summary(events: list[dict], head: str = "512x8", rows: int = 30) -> str:
-    """Per-step device time and the kernels' time and count a step, as text."""
+    """Per-step device time and the kernels' time, exposed time (`exposed`) and count a step, as text."""
     cut = steps(events, head)
     if not cut:
         return f"no two kernels named like {head!r}: no whole step"
-    time, count = Counter(), Counter()
+    time, count, added, idle = Counter(), Counter(), Counter(), 0.0
     for step in cut:
         for e in step:
             time[kernel_name(e["name"])] += e["dur"]
             count[kernel_name(e["name"])] += 1
+        step_added, step_idle = exposed(step)
+        added.update(step_added)
+        idle += step_idle
     n = len(cut)
     walls = [(s[-1]["ts"] + s[-1]["dur"] - s[0]["ts"]) / 1e3 for s in cut]
     lines = [
         f"steps {n}: device ms from the first kernel to the LM head {', '.join(f'{w:.3f}' for w in walls)}"
     ]
-    lines.append(f"kernel time a step {sum(time.values()) / n / 1e3:.3f} ms")
+    lines.append(f"kernel time a step {sum(time.values()) / n / 1e3:.3f} ms, idle {idle / n / 1e3:.3f} ms")
     for name, us in time.most_common(rows):
         lines.append(
-            f"{us / n / 1e3:8.3f} ms {count[name] / n:7.1f} a step {us / count[name]:8.2f} us  {name}"
+            f"{us / n / 1e3:8.3f} ms {added[name] / n / 1e3:8.3f} exposed {count[name] / n:7.1f} a step "
+            f"{us / count[name]:8.2f} us  {name}"
         )
     return "\n".join(lines)
 

@@ -2,7 +2,7 @@ import gzip
 import json
 from pathlib import Path
 
-from bench.trace_summary import kernels, summary
+from bench.trace_summary import exposed, kernels, summary
 
 
 def _trace(path: Path) -> Path:
@@ -34,9 +34,9 @@ def test_steps_are_cut_at_the_head_and_the_host_gap(tmp_path: Path) -> None:
     assert (
         lines[0] == "steps 2: device ms from the first kernel to the LM head 0.489, 0.489"
     )  # 2 + 7 gaps + 480
-    assert "0.150 ms     3.0 a step    50.00 us  _copy_parts_kernel" in text
-    assert "0.002 ms     1.0 a step     2.00 us  aten" in text
-    assert lines[1] == "kernel time a step 0.482 ms"
+    assert "0.150 ms    0.150 exposed     3.0 a step    50.00 us  _copy_parts_kernel" in text
+    assert "0.002 ms    0.002 exposed     1.0 a step     2.00 us  aten" in text
+    assert lines[1] == "kernel time a step 0.482 ms, idle 0.007 ms"
 
 
 def test_a_trace_without_two_heads_says_so(tmp_path: Path) -> None:
@@ -45,3 +45,17 @@ def test_a_trace_without_two_heads_says_so(tmp_path: Path) -> None:
         json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 1}]})
     )
     assert summary(kernels(path)).startswith("no two kernels")
+
+
+def test_overlapping_kernels_add_only_what_they_extend() -> None:
+    """A kernel launched while the one before it runs (programmatic dependent launch) adds only the time past
+    the other's end; one inside another's span adds nothing; a gap is idle."""
+    step = [
+        {"name": "_gate_up_kernel", "ts": 0.0, "dur": 10.0},
+        {"name": "_down_kernel", "ts": 6.0, "dur": 8.0},  # waits from 6 to 10: adds 4
+        {"name": "_combine_kernel", "ts": 7.0, "dur": 2.0},  # inside down's span: adds nothing
+        {"name": "_inject_kernel", "ts": 16.0, "dur": 3.0},  # after 2 idle
+    ]
+    added, idle = exposed(step)
+    assert added == {"_gate_up_kernel": 10.0, "_down_kernel": 4.0, "_inject_kernel": 3.0}
+    assert idle == 2.0
