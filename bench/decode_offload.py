@@ -18,18 +18,26 @@ import torch
 from bench.common import progress, step_weight_bytes, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.config import DEFAULT_LOOKAHEAD, resolve_lookahead
+from common.decode_pipeline import DecodePipeline
 from common.runner import ModelRunner
 
 
 def profile_steps(runner: ModelRunner, seqs: list, tokens: list[int], path: Path, steps: int = 4) -> None:
     """Op tables (by device time and by host time) of `steps` decode steps: where a step's time goes."""
+    write_profile(lambda: greedy_steps(DecodePipeline(runner), seqs, tokens, steps), path)
 
-    def run() -> None:
-        last = tokens
-        for _ in range(steps):
-            last = runner.forward(seqs, [[t] for t in last]).argmax(-1).tolist()
 
-    write_profile(run, path)
+def greedy_steps(pipe: DecodePipeline, seqs: list, tokens: list[int], steps: int) -> list[int]:
+    """`steps` greedy decode steps over every lane from `tokens`, pipelined as the decode worker's
+    (`DecodePipeline.depth`); the lanes' last tokens, once every step has landed."""
+    pipe.seed(seqs, tokens)
+    for _ in range(steps):
+        if len(pipe.launched) == pipe.depth:
+            pipe.land()
+        pipe.launch(seqs, seqs, lambda logits: logits.argmax(dim=-1))
+    while pipe.launched:
+        _, tokens = pipe.land()
+    return tokens
 
 
 def main() -> None:
@@ -211,7 +219,7 @@ def main() -> None:
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
-    "no-defer-inject",
+    "no-defer-inject", "no-pipeline",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -237,6 +245,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (moe_int4, "DECODE_CONFIGS", moe_int4.RESIDENT_CONFIGS),
         (pdl, "ENABLED", False),
         (HyperConnection, "defer_inject", False),
+        (DecodePipeline, "depth", 1),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 
@@ -271,12 +280,11 @@ def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict
 def decode(runner: ModelRunner, provider, seqs: list, tokens: list[int], steps: int, warmup: int) -> dict:
     """Greedy decode steps over every lane; totals of the steps after `warmup`: seconds, cache counters,
     bytes copied into the cache; and the lanes' last tokens."""
-    marks: dict = {}
-    for step in range(steps):
-        if step == warmup:
-            torch.cuda.synchronize()
-            marks = _counts(provider) | {"seconds": time.perf_counter()}
-        tokens = runner.forward(seqs, [[t] for t in tokens]).argmax(-1).tolist()
+    pipe = DecodePipeline(runner)
+    tokens = greedy_steps(pipe, seqs, tokens, warmup)
+    torch.cuda.synchronize()
+    marks = _counts(provider) | {"seconds": time.perf_counter()}
+    tokens = greedy_steps(pipe, seqs, tokens, steps - warmup)
     torch.cuda.synchronize()
     end = _counts(provider) | {"seconds": time.perf_counter()}
     return {k: end[k] - marks[k] for k in end} | {"tokens": tokens}

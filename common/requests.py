@@ -29,7 +29,19 @@ class Request:
 
 def sample_next(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
     """Each request's next token from its row of logits [B, V] (its sampling step = tokens so far)."""
+    return sample_on_device(logits, reqs).tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor, reqs: Sequence[Request], ahead: Sequence[int] = ()
+) -> torch.Tensor:
+    """Each request's next token [B] from its row of logits [B, V], left on the device. Its sampling step
+    is the tokens it has so far, `ahead[b]` of them sampled but not yet on the host (a pipelined decode's).
+    A batch of greedy requests only takes the argmax (what `sample` gives them, without its sort)."""
+    if all(r.params.temperature <= 0 for r in reqs):
+        return logits.argmax(dim=-1)
     device = logits.device
+    ahead = ahead or [0] * len(reqs)
 
     def t(values: list, dtype: torch.dtype) -> torch.Tensor:
         return host_list_to(values, device, dtype)
@@ -40,17 +52,24 @@ def sample_next(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
         t([r.params.top_p for r in reqs], torch.float32),
         t([r.params.top_k for r in reqs], torch.int64),
         t([r.seed for r in reqs], torch.int64),
-        t([len(r.token_ids) for r in reqs], torch.int64),
-    ).tolist()
+        t([len(r.token_ids) + a for r, a in zip(reqs, ahead, strict=True)], torch.int64),
+    )
 
 
-def append_token(req: Request, token: int, eos_ids: Sequence[int], max_context: int) -> bool:
+def append_token(req: Request, token: int, eos_ids: Sequence[int], max_context: int, ahead: int = 0) -> bool:
     """Append `token` and set `finish_reason` when it ends the request: `stop` (an end-of-sequence or stop
-    token) or `length` (max_tokens, or the context is full). True when the request is finished."""
+    token) or `length` (max_tokens, or the context is full). True when the request is finished. `ahead`:
+    passes its state has taken past this token's (a pipelined decode's step in flight)."""
     req.token_ids.append(token)
     p = req.params
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
         req.finish_reason = "stop"
-    elif len(req.token_ids) >= p.max_tokens or req.state.num_cached + 1 >= max_context:
+    elif ends_by_length(req, max_context, len(req.token_ids), req.state.num_cached - ahead):
         req.finish_reason = "length"
     return req.finish_reason is not None
+
+
+def ends_by_length(req: Request, max_context: int, tokens: int, cached: int) -> bool:
+    """Whether `req`'s token number `tokens` is its last by length (max_tokens, or the context full), its
+    state holding `cached` tokens when that token is sampled."""
+    return tokens >= req.params.max_tokens or cached + 1 >= max_context

@@ -149,12 +149,25 @@ class ModelRunner:
         With CUDA graphs, a decode pass's logits are a recording's buffer: read them before the next pass.
         """
         batch = self._batch(seqs, tokens, prompt=True)  # a pass of several tokens here is a prompt's
-        if self.graphs is not None and batch.is_decode and not all_logits:
-            logits = self.graphs.run(batch, lambda: self._eager(batch, all_logits=False))
-        else:
-            logits = self._eager(batch, all_logits)
+        logits = self._pass(batch, all_logits)
         self._advance(seqs, tokens)
         return logits
+
+    @torch.inference_mode()
+    def decode(self, seqs: Sequence[SequenceState], input_ids: torch.Tensor) -> torch.Tensor:
+        """A decode pass whose tokens are on the device already, `input_ids` [B] (sampled by the pass before,
+        not read by the host: common/decode_pipeline.py) → logits [B, V], as `forward`'s."""
+        tokens = [[0]] * len(seqs)  # one token a sequence: only the lengths are read
+        batch = self._batch(seqs, tokens, prompt=False, input_ids=input_ids)
+        logits = self._pass(batch, all_logits=False)
+        self._advance(seqs, tokens)
+        return logits
+
+    def _pass(self, batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
+        """A batch's forward: a decode pass through its recording (with CUDA graphs), anything else eager."""
+        if self.graphs is not None and batch.is_decode and not all_logits:
+            return self.graphs.run(batch, lambda: self._eager(batch, all_logits=False))
+        return self._eager(batch, all_logits)
 
     @torch.inference_mode()
     def prefill_layer_major(
@@ -236,12 +249,16 @@ class ModelRunner:
         return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
 
     def _batch(
-        self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]], prompt: bool
+        self,
+        seqs: Sequence[SequenceState],
+        tokens: Sequence[Sequence[int]],
+        prompt: bool,
+        input_ids: torch.Tensor | None = None,
     ) -> ForwardBatch:
-        """Reserve the pages the tokens need, batch them, and tell the expert provider a pass begins (a
-        prompt's: see `ExpertProvider.begin_pass`)."""
+        """Reserve the pages the tokens need, batch them (`input_ids`: see `ForwardBatch.build`), and tell the
+        expert provider a pass begins (a prompt's: see `ExpertProvider.begin_pass`)."""
         self._reserve(seqs, tokens)
-        batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device)
+        batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device, input_ids)
         self.model.experts.begin_pass(batch.is_decode, prompt)
         return batch
 

@@ -105,8 +105,11 @@ class ForwardBatch:
         tokens: Sequence[Sequence[int]],
         page_size: int,
         device: torch.device | str,
+        input_ids: torch.Tensor | None = None,
     ) -> ForwardBatch:
-        """Batch `tokens[b]` appended to `seqs[b]` (whose pages must already cover them)."""
+        """Batch `tokens[b]` appended to `seqs[b]` (whose pages must already cover them). `input_ids` [T]: the
+        tokens on the device already (a pipelined decode's, never read by the host); `tokens` then give only
+        the lengths."""
         query_lens = [len(t) for t in tokens]
         cache_lens = [s.num_cached for s in seqs]
         positions = [p for c, q in zip(cache_lens, query_lens, strict=True) for p in range(c, c + q)]
@@ -123,7 +126,7 @@ class ForwardBatch:
             for p in range(c, c + q)
         ]
         return cls(
-            input_ids=tensor([t for ts in tokens for t in ts]),
+            input_ids=tensor([t for ts in tokens for t in ts]) if input_ids is None else input_ids,
             positions=tensor(positions),
             seq_index=tensor(seq_index),
             query_lens=query_lens,

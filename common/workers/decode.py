@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from common.config import MemoryPlan, WorkerConfig
+from common.decode_pipeline import DecodePipeline
 from common.engine import Engine
 from common.kv.state import Allocator, PoolExhausted, SequenceState
 from common.memory_plan import worker_plan
 from common.protocol import AllocState, PrefillDone, StateGranted, Tokens
-from common.requests import Request, append_token, sample_next
+from common.requests import Request, append_token, ends_by_length, sample_on_device
 from common.runner import warm_up_on_cuda
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,9 @@ class DecodeCore:
         self.aborted: set[str] = set()  # granted, then aborted: the pages wait for prefill to give them back
         self.stalled = False
         """The last step ran no lane: each waits for a page only a thaw can give (the loop may sleep)."""
+        self.pipeline = DecodePipeline(self.runner)
+        self.landed: list[Tokens] = []  # events of steps landed outside `step` (before a message)
+        self.retiring: list[SequenceState] = []  # forgotten requests' states a launched step still uses
         offload = getattr(self.engine, "offload", None)
         if offload is not None:  # prefill reads the cache in place while frozen
             offload.tables.readers = True
@@ -127,7 +131,10 @@ class DecodeCore:
         return self.grant_pending()
 
     def grant_pending(self) -> list[StateGranted]:
+        """Grant the waiting asks, in order, while lanes and pages last (each grant freezes the cache)."""
         grants = []
+        if self.pending and len(self.running) + len(self.granted) < self.cfg.max_running:
+            self._settle()  # a freed state may come back; a launched step's copies end before the freeze
         while self.pending and len(self.running) + len(self.granted) < self.cfg.max_running:
             ask = self.pending[0]
             seq = self.pool.new_sequence()
@@ -159,6 +166,7 @@ class DecodeCore:
             offload.tables.add_statistics(stats.view(offload.tables.num_layers, -1))
         req = Request([], msg.sampling, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
         self.running[msg.rid] = req
+        self.pipeline.seed([seq], [msg.first_token])  # its first step reads it on the device
 
     def abort(self, rid: str) -> None:
         """The router's abort. A request prefill holds keeps its pages (and prefill its freeze) until
@@ -170,20 +178,22 @@ class DecodeCore:
             self.release(rid)
 
     def release(self, rid: str) -> None:
-        """Forget `rid` wherever it is (abort, or prefill finished it) and free its state."""
+        """Forget `rid` wherever it is (abort, or prefill finished it) and free its state: now, or once the
+        launched steps that use it have landed (they still write its pages)."""
         self.aborted.discard(rid)
         self.pending = deque(a for a in self.pending if a.rid != rid)
         seq = self.granted.pop(rid, None)
         req = self.running.pop(rid, None)
         self.set_freeze(rid, False)
-        for state in (seq, req.state if req else None):
-            if state is not None:
-                self.pool.release(state)
+        self.retiring += [state for state in (seq, req.state if req else None) if state is not None]
+        self._free_landed()
 
     def set_freeze(self, holder: str, on: bool) -> None:
         """Prefill reads the expert cache in place while it holds a freeze (from the grant of its state to
-        `Thaw`, `PrefillDone` or the request's end): no insertions or evictions meanwhile. Decode applies
-        messages between steps, after a step's copies have completed, so a granted freeze is in force."""
+        `Thaw`, `PrefillDone` or the request's end): no insertions or evictions meanwhile. A freeze lands the
+        launched steps first, so their copies have completed when it is granted."""
+        if on:
+            self._settle()
         was = bool(self.freezes)
         (self.freezes.add if on else self.freezes.discard)(holder)
         offload = getattr(self.engine, "offload", None)
@@ -200,6 +210,7 @@ class DecodeCore:
         """A (re)started prefill worker asks for the exports: what its predecessor held is released, and the
         bank is taken back and kept until one of the new worker's freezes ends (its warm-up writes its arena,
         unfrozen)."""
+        self._settle()  # the bank's slots: no launched step reads them once the new worker may write them
         self.bank_ready = False
         for rid in [*self.granted, *(ask.rid for ask in self.pending)]:
             self.release(rid)
@@ -215,19 +226,69 @@ class DecodeCore:
     # -- stepping -------------------------------------------------------------------------------------------
 
     def step(self) -> list[Tokens]:
-        """Decode one token for every running request; their events (the finished ones last for them)."""
-        reqs = [r for r in self.running.values() if self._next_page(r)]
-        self.stalled = bool(self.running) and not reqs
-        if not reqs:
-            return []
-        logits = self.runner.forward([r.state for r in reqs], [[r.token_ids[-1]] for r in reqs])  # [B, V]
-        events = []
-        for req, token in zip(reqs, sample_next(logits, reqs), strict=True):
-            done = append_token(req, token, self.eos_ids, self.runner.max_context)
-            events.append(Tokens(req.rid, [token], req.finish_reason, index=len(req.token_ids) - 1))
+        """Launch a decode step for every running request that takes one, then land the step before it: its
+        events (and those of a step landed meanwhile), a finished request's last. A step's tokens reach the
+        host while the next step runs (common/decode_pipeline.py)."""
+        reqs = [r for r in self.running.values() if self._takes_step(r) and self._next_page(r)]
+        self.stalled = bool(self.running) and not reqs and not self.pipeline.launched
+        if reqs:
+            ahead = [int(self.pipeline.ahead(r)) for r in reqs]
+            self.pipeline.launch(reqs, [r.state for r in reqs], lambda x: sample_on_device(x, reqs, ahead))
+        launched = len(self.pipeline.launched)
+        if launched >= self.pipeline.depth or (launched and not reqs):
+            self._land()
+        events, self.landed = self.landed, []
+        return events
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step has work: a running request that can take one, or a launched step to land."""
+        return (bool(self.running) and not self.stalled) or bool(self.pipeline.launched)
+
+    def fail(self, error: str) -> list[Tokens]:
+        """After a failed step: every running request ends with an error event, and its state is freed (the
+        launched steps are forgotten: what they wrote is lost with the requests)."""
+        self.pipeline.clear()
+        errors = [Tokens(rid, [], "error", error=error) for rid in list(self.running)]
+        for event in errors:
+            self.release(event.rid)
+        events, self.landed = self.landed, []
+        return events + errors
+
+    def _takes_step(self, req: Request) -> bool:
+        """Whether `req` gets a token from a step launched now: not when its token in flight (if any) ends
+        it by length — known on the host, so no step is launched for nothing."""
+        if not self.pipeline.ahead(req):
+            return True
+        cached = req.state.num_cached
+        return not ends_by_length(req, self.runner.max_context, len(req.token_ids) + 1, cached)
+
+    def _land(self) -> None:
+        """Land the oldest launched step: its tokens become events (in `landed`, for the next `step` to
+        return); a request it finishes is forgotten (its state freed once no launched step uses it)."""
+        lanes, tokens = self.pipeline.land()
+        for req, token in zip(lanes, tokens, strict=True):
+            if req.finish_reason or self.running.get(req.rid) is not req:
+                continue  # finished by the step before, or aborted: a token no one asked for
+            ahead = int(self.pipeline.ahead(req))
+            done = append_token(req, token, self.eos_ids, self.runner.max_context, ahead)
+            self.landed.append(Tokens(req.rid, [token], req.finish_reason, index=len(req.token_ids) - 1))
             if done:
                 self.release(req.rid)
-        return events
+        self._free_landed()
+
+    def _settle(self) -> None:
+        """Land every launched step: before a message changes what the lanes hold or the cache may do (a
+        grant's freeze must find the steps' copies done; a freed state no step in flight still writes)."""
+        while self.pipeline.launched:
+            self._land()
+
+    def _free_landed(self) -> None:
+        """Free the states of forgotten requests that no launched step uses any more."""
+        waiting = []
+        for state in self.retiring:
+            (waiting.append if self.pipeline.uses(state) else self.pool.release)(state)
+        self.retiring = waiting
 
     def _next_page(self, req: Request) -> bool:
         """Whether `req`'s next token has its page. With KV lending it may not, for a while: a page past the

@@ -16,7 +16,6 @@ from common.protocol import (
     PrefillDone,
     ReleaseState,
     Thaw,
-    Tokens,
     WantExports,
 )
 from common.workers.decode import DecodeCore
@@ -62,9 +61,7 @@ def step(core: DecodeCore, shell: WorkerShell) -> None:
         events = core.step()
     except Exception as exc:
         log.exception("decode step failed")
-        events = [Tokens(rid, [], "error", error=f"decode failed: {exc}") for rid in list(core.running)]
-        for event in events:
-            core.release(event.rid)
+        events = core.fail(f"decode failed: {exc}")
     for event in events:
         shell.send("router", event)
     if any(e.finish_reason for e in events):
@@ -112,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     shell.ready(core.cfg.max_running)
     log.info("ready: %d lanes, %d pages", core.cfg.max_running, core.pool.num_pages)
     while not shell.stopping:
-        for msg in shell.receive(busy=bool(core.running) and not core.stalled):
+        for msg in shell.receive(busy=core.busy):
             handle(core, shell, msg, exports)
         step(core, shell)
         stats = core.stats()  # host-side counts: cheap enough to publish every step

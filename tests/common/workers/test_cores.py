@@ -3,6 +3,7 @@ state shared through exported shared memory: the tokens equal the offline engine
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -119,7 +120,14 @@ def _run(dec: DecodeCore, pre: PrefillCore, box, abort_after: dict[str, int] | N
             if sum(len(e.token_ids) for e in seen.get(rid, [])) >= n:
                 dec.abort(rid)
                 box += pre.abort(rid) + [("prefill", g) for g in dec.grant_pending()]
-        if not box and not dec.running and not pre.busy and not pre.queue and pre.asked is None:
+        if (
+            not box
+            and not dec.busy
+            and not dec.running
+            and not pre.busy
+            and not pre.queue
+            and pre.asked is None
+        ):
             return seen
     raise AssertionError("did not finish")
 
@@ -142,6 +150,29 @@ def test_disaggregated_tokens_equal_offline_engine(cores):
         assert pre.runner.model.experts.shared_cache is not None
         assert not dec.engine.offload.tables.frozen
         dec.engine.offload.tables.check()
+
+
+def test_sampled_and_stopped_requests_equal_offline_engine(cores):
+    """Seeded sampling (a step launched before the last token reached the host counts it in the sampling
+    step) and a stop token met while the request's next step is already launched: the engine's tokens,
+    nothing after the stop, every page and slot back."""
+    cfg, dec, pre = cores
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, ignore_eos=True, seed=7 + i)
+        for i in range(3)
+    ]
+    reference = [r.token_ids for r in load_engine(cfg).generate(PROMPTS, params)]
+    stop = reference[0][4]
+    params[0] = msgspec.structs.replace(params[0], stop_token_ids=(stop,))
+    box = [out for i, p in enumerate(PROMPTS) for out in pre.submit(Generate(f"s{i}", p, params[i], 0.0))]
+    seen = _run(dec, pre, box)
+    tokens = {rid: [t for e in events for t in e.token_ids] for rid, events in seen.items()}
+    assert (
+        tokens["s0"] == reference[0][: reference[0].index(stop) + 1]
+        and seen["s0"][-1].finish_reason == "stop"
+    )
+    assert tokens["s1"] == reference[1] and tokens["s2"] == reference[2]
+    assert dec.pool.pages.num_free == dec.pool.num_pages and dec.pool.slots.num_free == cfg.max_running
 
 
 def test_aborts_free_every_page_and_slot(cores):

@@ -1,0 +1,105 @@
+"""Decode steps launched one ahead of the host (what vLLM calls async scheduling, in small).
+
+A recorded decode pass is one launch, but between two passes the host used to wait for the sampled tokens,
+read them, decide, and build the next batch, while the GPU idled (~0.24 ms a step on the H200: ~3.5 % of an
+all-resident flashnext step). Here pass n+1 is launched before pass n's tokens reach the host: its input ids
+are read on the device from what pass n sampled (each lane's newest token is kept at its state slot), and
+the host reads pass n's tokens, and builds pass n+2's batch, while pass n+1 runs.
+
+The price is a step of lag in what the host knows. A request that pass n finishes (an end-of-sequence
+token) may already be in pass n+1: that pass's token for it is dropped, and its state must stay allocated
+until pass n+1 has landed (`uses`). What is known on the host before a launch (max_tokens, the context's
+end) never launches a pass for nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.hostmem import host_list_to
+from common.kv.state import SequenceState
+from common.runner import ModelRunner
+
+Pick = Callable[[torch.Tensor], torch.Tensor]
+"""logits [B, V] → the lanes' next tokens [B] int64, on the device (sampling, or the argmax)."""
+
+
+@dataclass
+class Launched:
+    """A decode pass on its way: its lanes (the caller's objects, in batch order), their states, and the
+    tokens it samples, copied to the host behind it."""
+
+    lanes: list
+    states: list[SequenceState]
+    tokens: torch.Tensor
+    """[max_seqs] int64, pinned on CUDA: the first len(lanes) are the pass's tokens once `done` is."""
+    done: torch.cuda.Event | None
+
+
+class DecodePipeline:
+    """Launches decode passes over a runner's lanes, at most two at once, and lands them in order.
+
+    Contract: `seed` a lane's token from the host before its first pass (a prompt's first token); every
+    pass after reads the token the one before sampled, on the device. `land` the oldest pass before a
+    third launch. Nothing a launched pass reads or writes (its states' pages and slots, the expert cache's
+    slots it resolved) may be freed or handed to another process before it has landed.
+    """
+
+    depth = 2
+    """Passes launched and not landed at most: the one running, and the next one queued behind it (1: each
+    pass lands before the next is built, the host and the device taking turns)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        device, lanes = runner.device, runner.pool.max_seqs
+        self.newest = torch.zeros(lanes, dtype=torch.int64, device=device)  # [slots] each lane's last token
+        pin = device.type == "cuda"
+        self._buffers = [torch.zeros(lanes, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+        self.launched: deque[Launched] = deque()
+
+    def seed(self, states: Sequence[SequenceState], tokens: Sequence[int]) -> None:
+        """The host-known newest token of each state's lane (its next pass reads it)."""
+        device = self.newest.device
+        self.newest[host_list_to([s.slot for s in states], device)] = host_list_to(list(tokens), device)
+
+    def launch(self, lanes: list, states: Sequence[SequenceState], pick: Pick) -> None:
+        """A decode pass of one token for each state, its lane's newest, and `pick`'s choice of the next."""
+        assert len(self.launched) < self.depth, "land the oldest pass first"
+        slots = host_list_to([s.slot for s in states], self.newest.device)
+        logits = self.runner.decode(states, self.newest[slots])  # [B, V]
+        tokens = pick(logits)  # [B]
+        self.newest[slots] = tokens
+        host = self._buffers[self._turn]
+        self._turn = (self._turn + 1) % len(self._buffers)
+        host[: len(states)].copy_(tokens, non_blocking=True)
+        done = None
+        if tokens.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        self.launched.append(Launched(list(lanes), list(states), host, done))
+
+    def land(self) -> tuple[list, list[int]] | None:
+        """The oldest launched pass's lanes and tokens (waiting for it), or None when none is launched."""
+        if not self.launched:
+            return None
+        oldest = self.launched.popleft()
+        if oldest.done is not None:
+            oldest.done.synchronize()
+        return oldest.lanes, oldest.tokens[: len(oldest.lanes)].tolist()
+
+    def ahead(self, lane: object) -> bool:
+        """Whether `lane` is in a launched pass that has not landed (its newest token is on the device)."""
+        return any(any(x is lane for x in p.lanes) for p in self.launched)
+
+    def uses(self, state: SequenceState) -> bool:
+        """Whether a launched pass that has not landed reads or writes `state`."""
+        return any(any(s is state for s in p.states) for p in self.launched)
+
+    def clear(self) -> None:
+        """Forget the launched passes without landing them (after a failed step: their tokens are lost)."""
+        self.launched.clear()
