@@ -123,7 +123,7 @@ def shifted_history(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor
 
 
 @functools.cache
-def _spec_tensors(spec: NGramSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def spec_tensors(spec: NGramSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec's multipliers, head vocabulary sizes and offsets on `device`, made once: a decode step that a
     CUDA graph records may not copy host values to the device."""
     values = (spec.multipliers, spec.head_vocab_sizes, spec.head_offsets)
@@ -132,7 +132,7 @@ def _spec_tensors(spec: NGramSpec, device: torch.device) -> tuple[torch.Tensor, 
 
 def ngram_ids(spec: NGramSpec, history: torch.Tensor, num_new: int) -> torch.Tensor:
     """Table rows [N, num_new, heads] of the last `num_new` tokens of history [N, S] (S ≥ num_new + n - 1)."""
-    mult, sizes, offsets = _spec_tensors(spec, history.device)
+    mult, sizes, offsets = spec_tensors(spec, history.device)
     shifted = [shifted_history(history, s, spec.eos_token_id) for s in range(spec.ngram_size)]
     blocks = []
     for order in range(2, spec.ngram_size + 1):

@@ -26,7 +26,8 @@ class PLE(nn.Module):
     """The per-layer n-gram embedding module; `table` is attached by the loader (host memory)."""
 
     fused_decode = False
-    """Prefill passes' conv through the Triton kernel (`common.kernels.use_fused_kernels`)."""
+    """Prefill passes' conv, and decode steps' n-gram hashing, through Triton kernels
+    (`common.kernels.use_fused_kernels`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int, ple_index: int) -> None:
         super().__init__()
@@ -100,6 +101,10 @@ class PLE(nn.Module):
         """Table rows [T, heads] of this pass's tokens; advances each sequence's n-gram context."""
         batch, pad = ctx.batch, Padding.of(ctx.batch)
         context = ctx.pool.layer(self.layer_idx).slots["ngram_ctx"]
+        if self.fused_decode and batch.is_decode:  # one token a sequence: one kernel (~50 in torch)
+            from common.kernels.ngram import ngram_step  # Triton
+
+            return ngram_step(self.spec, context, batch.input_ids, batch.slot_ids)
         prev = context[batch.slot_ids]  # [B, n-1]
         history = torch.cat([prev, pad.pad(batch.input_ids, self.spec.eos_token_id)], dim=1)  # [B, n-1+Lmax]
         ids = pad.unpad(ngram_ids(self.spec, history, pad.max_len))  # [T, heads]
