@@ -126,15 +126,9 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    m_ptr,
-    l_ptr,
-    acc_ptr,
-    out_ptr,
-    D: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GDC: tl.constexpr,
-):
+    m_ptr, l_ptr, acc_ptr, out_ptr, gate_ptr, heads, gate_stride_t, gate_stride_h,
+    D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, GATE: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
     gdc_enter(GDC)
     row, part = tl.program_id(0), tl.program_id(1)  # (token, query head), a BLOCK_D slice of the head dim
     s = tl.arange(0, SPLITS)
@@ -145,7 +139,13 @@ def _merge_kernel(
     d = part * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.load(acc_ptr + (row * SPLITS + s)[:, None] * D + d[None, :], mask=seen[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)  # no key seen: 0
-    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+    out = out.to(out_ptr.dtype.element_ty)
+    if GATE:  # out · σ(gate), each rounded to the output's dtype first, as the same ops in torch round
+        at = (row // heads) * gate_stride_t + (row % heads) * gate_stride_h + d
+        gate = tl.load(gate_ptr + at).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) * gate.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * D + d, out)
 
 
 MERGE_BLOCK_D = 64
@@ -186,6 +186,7 @@ def paged_decode_attention(
     pipelined: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] (query t at position kv_lens[t] − 1); k/v pages [P, page, Hkv, D]; page_table [B, W]
     with query t's sequence at row table_rows[t] (default: row t, one query per sequence); kv_lens [T]
@@ -199,7 +200,9 @@ def paged_decode_attention(
     the bound's blocks and skips those past the limit, which keeps it from pipelining. Default: pipelined
     for sparse passes (a selection is as wide as its keys: 2,052 keys of a 4,096 bound at flashnext's
     shape), where bench/qsa_prefill_tune.py measured 9.5 ms against 12.1 (H200, 4 warps, 2 stages, 32 keys
-    a block: its best); the branching loop otherwise. `num_warps` per program."""
+    a block: its best); the branching loop otherwise. `num_warps` per program. `gate` [T, Hq, D] (any
+    strides, the last dim's 1): the output is attention · σ(gate) (QSA's output gate), applied by the
+    merge (a pass of one split: by torch)."""
     t, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     assert dim >= 16 and dim & (dim - 1) == 0, f"head dim {dim}: a power of two ≥ 16 (tl.dot)"
@@ -234,16 +237,13 @@ def paged_decode_attention(
         num_warps=num_warps, **launch(q.device),
     )  # fmt: skip
     if splits == 1:
-        return out
+        return out if gate is None else out * torch.sigmoid(gate)
     block_d = min(dim, MERGE_BLOCK_D)
+    if gate is not None:
+        assert gate.shape == q.shape and gate.stride(2) == 1, "gate: [T, Hq, D], its last dim contiguous"
+    gates = gate if gate is not None else out  # unread without a gate
     _merge_kernel[(t * heads, dim // block_d)](
-        m,
-        denom,
-        acc,
-        out,
-        D=dim,
-        SPLITS=splits,
-        BLOCK_D=block_d,
-        **launch(q.device),
-    )
+        m, denom, acc, out, gates, heads, gates.stride(0), gates.stride(1),
+        D=dim, SPLITS=splits, BLOCK_D=block_d, GATE=gate is not None, **launch(q.device),
+    )  # fmt: skip
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -62,28 +63,78 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None = None,
         selected: torch.Tensor | None = None,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store k, v [T, Hkv, D] in `state`'s pages; return attention of q [T, Hq, D] as [T, Hq, D].
 
         `window`: a query at position p sees keys at positions (p - window, p]; None = all earlier keys.
         `selected`: [T, S] key positions each query may see (−1 = unused), for sparse attention; None = all.
+        `gate`: [T, Hq, D]: the attention times σ(gate) is returned (an output gate, as QSA's).
         """
 
 
 @dataclass
 class TorchPlan:
-    """Index tensors of the torch backend: queries and keys padded to [B, Qmax] and [B, Kmax]."""
+    """Index tensors of the torch backend: queries and keys padded to [B, Qmax] and [B, Kmax].
+
+    The padded layouts are built on first use and kept for the pass's other layers: a pass that the fused
+    kernels serve (decode) reads only the page table and the lengths, and a recorded step would otherwise
+    replay their ~10 small kernels for nothing."""
 
     slot_mapping: torch.Tensor  # [T] flat KV slot of each new token
-    q_index: torch.Tensor  # [B, Qmax] token index of each padded query
-    q_valid: torch.Tensor  # [B, Qmax]
-    q_pos: torch.Tensor  # [B, Qmax] position of each padded query
-    k_slots: torch.Tensor  # [B, Kmax] flat KV slot of each key
-    k_valid: torch.Tensor  # [B, Kmax]
     page_table: torch.Tensor  # [B, W] the batch's page table
     k_lens: torch.Tensor  # [B] keys of each sequence, this pass's included
     seq_index: torch.Tensor  # [T] each token's sequence (its page-table row)
     positions: torch.Tensor  # [T] each token's position
+    page_size: int
+    q_max: int  # queries of the longest sequence in this pass
+    k_max: int  # keys of the longest sequence (a recorded decode: the context bound)
+    q_lens: torch.Tensor | None  # [B] queries of each sequence; None: one each, lengths on the device
+
+    @cached_property
+    def _queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        device, b = self.k_lens.device, self.k_lens.shape[0]
+        if self.q_lens is None:
+            return torch.arange(b, device=device)[:, None], torch.ones(
+                (b, 1), dtype=torch.bool, device=device
+            )
+        starts = self.q_lens.cumsum(0) - self.q_lens
+        rows = torch.arange(self.q_max, device=device)
+        q_valid = rows[None, :] < self.q_lens[:, None]
+        return torch.where(q_valid, starts[:, None] + rows[None, :], 0), q_valid
+
+    @property
+    def q_index(self) -> torch.Tensor:
+        """[B, Qmax] token index of each padded query."""
+        return self._queries[0]
+
+    @property
+    def q_valid(self) -> torch.Tensor:
+        """[B, Qmax]"""
+        return self._queries[1]
+
+    @cached_property
+    def q_pos(self) -> torch.Tensor:
+        """[B, Qmax] position of each padded query."""
+        return self.positions[self.q_index]
+
+    @cached_property
+    def _keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        page, table = self.page_size, self.page_table
+        keys = torch.arange(self.k_max, device=table.device)
+        k_valid = keys[None, :] < self.k_lens[:, None]
+        k_pages = table.gather(1, (keys // page).clamp(max=table.shape[1] - 1).expand(table.shape[0], -1))
+        return torch.where(k_valid, k_pages * page + keys % page, 0), k_valid
+
+    @property
+    def k_slots(self) -> torch.Tensor:
+        """[B, Kmax] flat KV slot of each key."""
+        return self._keys[0]
+
+    @property
+    def k_valid(self) -> torch.Tensor:
+        """[B, Kmax]"""
+        return self._keys[1]
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -100,31 +151,15 @@ class TorchPagedBackend(AttentionBackend):
     fused_decode = False
 
     def plan(self, batch: ForwardBatch) -> TorchPlan:
-        device = batch.input_ids.device
-        page = batch.page_size
         if batch.static_kv is not None:  # recorded decode: one query per sequence, lengths on the device
-            b = batch.input_ids.shape[0]
-            q_index = torch.arange(b, device=device)[:, None]  # [B, 1]
-            q_valid = torch.ones((b, 1), dtype=torch.bool, device=device)
-            k_max, k_lens = batch.static_kv, batch.positions + 1
+            q_max, k_max, q_lens, k_lens = 1, batch.static_kv, None, batch.positions + 1
         else:
             q_max, k_max = max(batch.query_lens), max(batch.kv_lens)
-            q_lens = host_list_to(batch.query_lens, device)
-            k_lens = host_list_to(batch.kv_lens, device)
-            starts = q_lens.cumsum(0) - q_lens
-            rows = torch.arange(q_max, device=device)
-            q_valid = rows[None, :] < q_lens[:, None]
-            q_index = torch.where(q_valid, starts[:, None] + rows[None, :], 0)
-        q_pos = batch.positions[q_index]
-        keys = torch.arange(k_max, device=device)
-        k_valid = keys[None, :] < k_lens[:, None]
-        k_pages = batch.page_table.gather(
-            1, (keys // page).clamp(max=batch.page_table.shape[1] - 1).expand(k_lens.shape[0], -1)
-        )
-        k_slots = torch.where(k_valid, k_pages * page + keys % page, 0)
+            q_lens = host_list_to(batch.query_lens, batch.input_ids.device)
+            k_lens = host_list_to(batch.kv_lens, batch.input_ids.device)
         return TorchPlan(
-            batch.slot_mapping, q_index, q_valid, q_pos, k_slots, k_valid, batch.page_table, k_lens,
-            batch.seq_index, batch.positions,
+            batch.slot_mapping, batch.page_table, k_lens, batch.seq_index, batch.positions, batch.page_size,
+            q_max, k_max, q_lens,
         )  # fmt: skip
 
     def forward(
@@ -137,29 +172,40 @@ class TorchPagedBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         selected: torch.Tensor | None = None,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(state, plan.slot_mapping, k, v)
-        decode = plan.q_index.shape[1] == 1
+        decode = plan.q_max == 1
         if self.fused_decode and (decode or selected is not None):
             from common.kernels.decode_attention import paged_decode_attention  # Triton
 
             fp8, scales = is_fp8(state.paged["k"]), state.kv_scale
             k_lens, rows = (plan.k_lens, None) if decode else (plan.positions + 1, plan.seq_index)
             return paged_decode_attention(
-                q, state.paged["k"], state.paged["v"], plan.page_table, k_lens, scale,
-                plan.k_slots.shape[1], selected, scales if fp8 else None, window, table_rows=rows,
-            )  # fmt: skip
+                q,
+                state.paged["k"],
+                state.paged["v"],
+                plan.page_table,
+                k_lens,
+                scale,
+                plan.k_max,
+                selected,
+                scales if fp8 else None,
+                window,
+                table_rows=rows,
+                gate=gate,
+            )  # fmt: skip  (the gate: in the merge kernel)
         kb, vb = read_kv(state, plan.k_slots, q.dtype)  # [B, Kmax, Hkv, D] each
         kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # [B, Hkv, Kmax, D]
-        q_max, step = plan.q_index.shape[1], self._query_rows(q, kb)
+        q_max, step = plan.q_max, self._query_rows(q, kb)
         parts = [
             self._attend(q, kb, vb, plan, rows, scale, window, selected)
             for rows in (slice(a, min(a + step, q_max)) for a in range(0, q_max, step))
         ]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [B, Qmax, Hq, D]
-        if out.shape[1] == 1:  # one query per sequence (decode): no mask to apply, and no host sync
-            return out[:, 0]
-        return out[plan.q_valid]  # [T, Hq, D]: tokens are laid out sequence by sequence
+        # [T, Hq, D], tokens laid out sequence by sequence; one query a sequence (decode): no mask, no sync
+        out = out[:, 0] if out.shape[1] == 1 else out[plan.q_valid]
+        return out if gate is None else out * torch.sigmoid(gate)
 
     score_bytes = 512 << 20
     """Most bytes of attention scores at once: a long prefill attends in slices of its queries."""

@@ -226,6 +226,6 @@ class QSAttention(nn.Module):
         k = _norm_rotate(self.k_norm, k.view(t, self.kv_heads, self.head_dim), ctx, self.fused_decode)
         v = v.view(t, self.kv_heads, self.head_dim)
         state = ctx.pool.layer(self.layer_idx)
-        out = ctx.backend.forward(q, k, v, state, ctx.attn_plan, self.head_dim**-0.5, selected=selected)
-        # σ of the strided gate view writes a contiguous result: no copy of the gate first
-        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate).reshape(t, -1))
+        scale = self.head_dim**-0.5
+        out = ctx.backend.forward(q, k, v, state, ctx.attn_plan, scale, selected=selected, gate=gate)
+        return self.o_proj(out.reshape(t, -1))  # gated by the backend (in its merge kernel: decode)

@@ -113,6 +113,32 @@ def test_grouped_heads_and_splits_match_torch(mode: str, fp8: bool, dtype: torch
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m, n=note: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("splits", [None, 1], ids=["merged", "one-split"])
+def test_output_gate_is_applied_as_torch_applies_it(splits: int | None, dtype: torch.dtype) -> None:
+    """attention · σ(gate), the gate a strided view (QSA's: the second half of each query head's
+    projection): applied by the merge kernel (or, with one split, by torch after), as the backend's torch
+    path applies it."""
+    from common.kernels.decode_attention import paged_decode_attention  # Triton
+
+    layer, batch, q, k, v = _case(False, 24, 2, 64, 16, cached=(300, 37, 451), dtype=dtype)
+    backend = TorchPagedBackend()
+    plan = backend.plan(batch)
+    both = torch.randn(3, 24, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    gate = both[..., 64:]  # strided: [T, H, D] in rows of 2·D
+    ref = backend.forward(q, k, v, layer, plan, 0.125, gate=gate)
+    pages = layer.paged
+    out = paged_decode_attention(
+        q, pages["k"], pages["v"], plan.page_table, plan.k_lens, 0.125, plan.k_max, splits=splits, gate=gate
+    )
+    plain = paged_decode_attention(
+        q, pages["k"], pages["v"], plan.page_table, plan.k_lens, 0.125, plan.k_max, splits=splits
+    )
+    tol, ulp = (1e-4, 1e-6) if dtype == torch.float32 else (2e-2, 1e-2)  # bf16: σ's exp may round apart
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(out, plain * torch.sigmoid(gate), rtol=ulp, atol=ulp)
+
+
 def test_dense_bound_past_the_lengths() -> None:
     """A launch bound far past every length (a recorded decode's static bound): splits past a sequence's end
     see no key and must not disturb the merge."""
