@@ -31,20 +31,23 @@ from common.kernels.pdl import gdc_enter, launch
 
 
 @triton.jit
-def _pooled(raw_ptr, table_ptr, seq, start, pos, cols, table_width, page_size, R: tl.constexpr, D):
-    """Mean of the block's raw keys at columns `cols` (members past `pos` clamped to it), fp32."""
+def _pooled(raw_ptr, new, table_ptr, seq, start, pos, cols, table_width, page_size, R: tl.constexpr, D):
+    """Mean of the block's raw keys at columns `cols` (members past `pos` clamped to it), fp32; the key at
+    `pos` is `new` (the token's own, [cols] in the store's dtype: not in its page yet)."""
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for m in tl.static_range(R):
         member = tl.minimum(start + m, pos)
         page = tl.load(table_ptr + seq * table_width + member // page_size).to(tl.int64)
-        acc += tl.load(raw_ptr + (page * page_size + member % page_size) * D + cols).to(tl.float32)
+        at = raw_ptr + (page * page_size + member % page_size) * D + cols
+        stored = tl.load(at, mask=cols * 0 + member != pos, other=0.0)  # (a mask of the block's shape)
+        acc += tl.where(member == pos, new, stored).to(tl.float32)
     return acc / R
 
 
 @triton.jit
 def _compress_kernel(
-    raw_ptr, blocks_ptr, table_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_width, page_size, eps, scaling, rot,
-    R: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
+    raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_width, page_size,
+    eps, scaling, rot, R: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     gdc_enter(GDC)
     t = tl.program_id(0)
@@ -54,9 +57,13 @@ def _compress_kernel(
     half = rot // 2
     partner = tl.where(i < half, i + half, i - half)
     rotated = i < rot
-    pooled = _pooled(raw_ptr, table_ptr, t, start, pos, i, table_width, page_size, R, D)
+    new = tl.load(new_ptr + t * new_stride + i).to(raw_ptr.dtype.element_ty)  # the token's raw key, stored
+    at = tl.load(table_ptr + t * table_width + pos // page_size).to(tl.int64) * page_size + pos % page_size
+    tl.store(raw_ptr + at * D + i, new)
+    new_other = tl.load(new_ptr + t * new_stride + partner).to(raw_ptr.dtype.element_ty)
+    pooled = _pooled(raw_ptr, new, table_ptr, t, start, pos, i, table_width, page_size, R, D)
     pooled = pooled.to(blocks_ptr.dtype.element_ty).to(tl.float32)  # torch rounds the mean to the key dtype
-    other = _pooled(raw_ptr, table_ptr, t, start, pos, partner, table_width, page_size, R, D)
+    other = _pooled(raw_ptr, new_other, table_ptr, t, start, pos, partner, table_width, page_size, R, D)
     other = other.to(blocks_ptr.dtype.element_ty).to(tl.float32)
     factor = tl.math.rsqrt(tl.sum(pooled * pooled, axis=0) / D + eps)
     normed = pooled * factor * (1.0 + tl.load(w_ptr + i).to(tl.float32))
@@ -94,6 +101,7 @@ def _scores_kernel(
 
 def compress_step(
     raw: torch.Tensor,
+    new: torch.Tensor,
     blocks: torch.Tensor,
     page_table: torch.Tensor,
     positions: torch.Tensor,
@@ -104,13 +112,16 @@ def compress_step(
     scaling: float,
     ratio: int,
 ) -> None:
-    """One token per sequence (sequence t's pages in page_table[t]): write each token's block key. raw and
-    blocks are flat paged tensors [slots, D]; inv_freq [rot/2] (the rotary's); weight [D] (the key norm's)."""
+    """One token per sequence (sequence t's pages in page_table[t]): store each token's raw key `new` [T, D]
+    (its rows may be strided: a view of the fused projection's output) at its position, and write its
+    block's key. raw and blocks are flat paged tensors [slots, D]; inv_freq [rot/2] (the rotary's); weight
+    [D] (the key norm's)."""
     t = positions.shape[0]
     dim = raw.shape[1]
+    assert new.shape == (t, dim) and new.stride(1) == 1, "new: [T, D], its last dim contiguous"
     _compress_kernel[(t,)](
-        raw, blocks, page_table, positions, weight, inv_freq, page_table.shape[1], page_size, eps, scaling,
-        2 * inv_freq.numel(), R=ratio, D=dim, **launch(raw.device),
+        raw, new, new.stride(0), blocks, page_table, positions, weight, inv_freq, page_table.shape[1],
+        page_size, eps, scaling, 2 * inv_freq.numel(), R=ratio, D=dim, **launch(raw.device),
     )  # fmt: skip
 
 

@@ -86,17 +86,17 @@ class QSAIndexer(nn.Module):
         batch, paged = ctx.batch, ctx.pool.layer(self.layer_idx).paged
         q, raw_k = torch.split(qk, [self.heads * self.dim, self.dim], dim=-1)
         raw_store = paged["index_k"].flatten(0, 1)  # [slots, Di]
-        raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
         blocks = paged["index_block"].flatten(0, 1)  # [slots, Di]
-        if self.fused_decode and batch.is_decode:
+        if self.fused_decode and batch.is_decode:  # the raw keys stored by the kernel
             from common.kernels.qsa_indexer import compress_step  # Triton
 
             norm, rotary = self.k_layernorm, ctx.rotary
             compress_step(
-                raw_store, blocks, batch.page_table, batch.positions, batch.page_size, norm.weight, norm.eps,
-                rotary.inv_freq, rotary.scaling, self.ratio,
+                raw_store, raw_k, blocks, batch.page_table, batch.positions, batch.page_size, norm.weight,
+                norm.eps, rotary.inv_freq, rotary.scaling, self.ratio,
             )  # fmt: skip
         else:
+            raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
             self._compress_completed_blocks(batch, raw_store, blocks, ctx)
         if not batch.is_decode and max(batch.kv_lens) <= self.block_topk * self.ratio + self.ratio - 1:
             return None  # every query sees at most the budget: dense (decode selects: the same keys)

@@ -27,9 +27,9 @@ def _select(model, indexer, runner: ModelRunner, batch: ForwardBatch, x: torch.T
 
 
 def test_fused_indexer_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused decode path (block keys, scores, selection) against torch's: the same block keys written
-    and the same keys selected up to ties (ReLU'd scores tie at 0; both paths take the lower block, but
-    the scores may differ in their last bits): the chosen blocks' scores agree, and the incomplete
+    """The fused decode path (block keys, scores, selection) against torch's: the same raw and block keys
+    written and the same keys selected up to ties (ReLU'd scores tie at 0; both paths take the lower block,
+    but the scores may differ in their last bits): the chosen blocks' scores agree, and the incomplete
     block's keys."""
     from common.kernels import qsa_indexer
 
@@ -57,11 +57,12 @@ def test_fused_indexer_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyP
     for fused in (False, True):
         saved = {name: t.clone() for name, t in paged.items()}
         selected = _select(model, indexer, runner, batch, x, fused)
-        results.append((selected, paged["index_block"].clone()))
+        results.append((selected, paged["index_block"].clone(), paged["index_k"].clone()))
         for name, t in paged.items():
             t.copy_(saved[name])
-    (want_sel, want_blocks), (got_sel, got_blocks) = results
+    (want_sel, want_blocks, want_raw), (got_sel, got_blocks, got_raw) = results
     torch.testing.assert_close(got_blocks, want_blocks, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_raw, want_raw)  # the raw keys stored by the compress kernel, as by torch
     (scores,), r = seen, indexer.ratio
     assert got_sel.shape == want_sel.shape and torch.equal(got_sel[:, -(r - 1) :], want_sel[:, -(r - 1) :])
     for got_row, want_row, row_scores in zip(got_sel, want_sel, scores, strict=True):
