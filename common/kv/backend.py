@@ -64,12 +64,14 @@ class AttentionBackend(ABC):
         window: int | None = None,
         selected: torch.Tensor | None = None,
         gate: torch.Tensor | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:
         """Store k, v [T, Hkv, D] in `state`'s pages; return attention of q [T, Hq, D] as [T, Hq, D].
 
         `window`: a query at position p sees keys at positions (p - window, p]; None = all earlier keys.
         `selected`: [T, S] key positions each query may see (−1 = unused), for sparse attention; None = all.
         `gate`: [T, Hq, D]: the attention times σ(gate) is returned (an output gate, as QSA's).
+        `stored`: k and v are in the pages already (the kernel that made k stored both: norm_rope's `store`).
         """
 
 
@@ -173,28 +175,20 @@ class TorchPagedBackend(AttentionBackend):
         window: int | None = None,
         selected: torch.Tensor | None = None,
         gate: torch.Tensor | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:
-        write_kv(state, plan.slot_mapping, k, v)
+        if not stored:
+            write_kv(state, plan.slot_mapping, k, v)
         decode = plan.q_max == 1
         if self.fused_decode and (decode or selected is not None):
             from common.kernels.decode_attention import paged_decode_attention  # Triton
 
             fp8, scales = is_fp8(state.paged["k"]), state.kv_scale
             k_lens, rows = (plan.k_lens, None) if decode else (plan.positions + 1, plan.seq_index)
-            return paged_decode_attention(
-                q,
-                state.paged["k"],
-                state.paged["v"],
-                plan.page_table,
-                k_lens,
-                scale,
-                plan.k_max,
-                selected,
-                scales if fp8 else None,
-                window,
-                table_rows=rows,
-                gate=gate,
-            )  # fmt: skip  (the gate: in the merge kernel)
+            return paged_decode_attention(  # the gate: applied in the merge kernel
+                q, state.paged["k"], state.paged["v"], plan.page_table, k_lens, scale,
+                plan.k_max, selected, scales if fp8 else None, window, table_rows=rows, gate=gate,
+            )  # fmt: skip
         kb, vb = read_kv(state, plan.k_slots, q.dtype)  # [B, Kmax, Hkv, D] each
         kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # [B, Hkv, Kmax, D]
         q_max, step = plan.q_max, self._query_rows(q, kb)

@@ -16,7 +16,8 @@ from torch import nn
 
 from common.kv.backend import kv_specs
 from common.kv.batch import ForwardBatch
-from common.kv.state import PagedSpec, StateSpec
+from common.kv.fp8 import is_fp8
+from common.kv.state import LayerState, PagedSpec, StateSpec
 from common.model.context import ForwardContext
 from common.model.fused_linear import FusedLinears, fuse_linears, project
 from common.model.qwen4_exp.config import Qwen4ExpConfig
@@ -24,12 +25,15 @@ from common.model.qwen4_exp.norms import OffsetRMSNorm
 from common.model.rope import apply_rotary
 
 
-def _norm_rotate(norm: OffsetRMSNorm, x: torch.Tensor, ctx: ForwardContext, fused: bool) -> torch.Tensor:
-    """RoPE(norm(x)) for x [T, heads, D]: one Triton kernel when `fused` (common/kernels/norm_rope.py)."""
+def _norm_rotate(
+    norm: OffsetRMSNorm, x: torch.Tensor, ctx: ForwardContext, fused: bool, store: tuple | None = None
+) -> torch.Tensor:
+    """RoPE(norm(x)) for x [T, heads, D]: one Triton kernel when `fused` (common/kernels/norm_rope.py),
+    which also stores the key and value in their pages given `store` (norm_rope's)."""
     if fused:
         from common.kernels.norm_rope import norm_rope  # Triton
 
-        return norm_rope(x, norm.weight, norm.eps, ctx.cos, ctx.sin)
+        return norm_rope(x, norm.weight, norm.eps, ctx.cos, ctx.sin, store)
     return apply_rotary(norm(x), ctx.cos, ctx.sin)
 
 
@@ -223,9 +227,20 @@ class QSAttention(nn.Module):
         selected = self.indexer(index_qk, ctx)
         q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
         q = _norm_rotate(self.q_norm, q, ctx, self.fused_decode)
-        k = _norm_rotate(self.k_norm, k.view(t, self.kv_heads, self.head_dim), ctx, self.fused_decode)
         v = v.view(t, self.kv_heads, self.head_dim)
         state = ctx.pool.layer(self.layer_idx)
-        scale = self.head_dim**-0.5
-        out = ctx.backend.forward(q, k, v, state, ctx.attn_plan, scale, selected=selected, gate=gate)
+        store = self._page_store(v, state, ctx)
+        k = _norm_rotate(self.k_norm, k.view(t, self.kv_heads, self.head_dim), ctx, self.fused_decode, store)
+        plan, scale = ctx.attn_plan, self.head_dim**-0.5
+        out = ctx.backend.forward(
+            q, k, v, state, plan, scale, selected=selected, gate=gate, stored=store is not None
+        )
         return self.o_proj(out.reshape(t, -1))  # gated by the backend (in its merge kernel: decode)
+
+    def _page_store(self, v: torch.Tensor, state: LayerState, ctx: ForwardContext) -> tuple | None:
+        """norm_rope's `store` (the kernel stores k and v: two launches fewer a layer) where it makes k and
+        the pages are not fp8 (those are quantized with the layer's scales by `write_kv`); else None."""
+        k_pages, v_pages = state.paged["k"], state.paged["v"]
+        if not self.fused_decode or is_fp8(k_pages):
+            return None
+        return k_pages.flatten(0, 1), v, v_pages.flatten(0, 1), ctx.batch.slot_mapping
