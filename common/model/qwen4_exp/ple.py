@@ -15,6 +15,7 @@ from torch import nn
 
 from common.kv.state import SlotSpec, StateSpec
 from common.model.context import ForwardContext
+from common.model.fused_linear import FusedLinears, fuse_linears, project
 from common.model.host_rows import HostRows
 from common.model.ngram import NGramSpec, ngram_ids
 from common.model.qwen4_exp.config import Qwen4ExpConfig
@@ -26,7 +27,7 @@ class PLE(nn.Module):
     """The per-layer n-gram embedding module; `table` is attached by the loader (host memory)."""
 
     fused_decode = False
-    """Prefill passes' conv, and decode steps' n-gram hashing, through Triton kernels
+    """Decode steps' n-gram hashing, gate and conv, and prefill passes' conv, through Triton kernels
     (`common.kernels.use_fused_kernels`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int, ple_index: int) -> None:
@@ -57,6 +58,7 @@ class PLE(nn.Module):
         self.conv1d = nn.Conv1d(
             streams, streams, cfg.ple_conv_kernel_size, groups=streams, dilation=self.dilation, bias=False
         )
+        self.fused_in: FusedLinears | None = None  # key_proj and value_proj as one GEMM (fuse_projections)
 
     def table_shape(self) -> tuple[int, int]:
         """(rows, row width) the attached table must have."""
@@ -71,21 +73,28 @@ class PLE(nn.Module):
             "ple_conv": SlotSpec((self.hc * self.hidden, self.conv_history), dtype),
         }
 
+    def fuse_projections(self, copy: bool = True) -> bool:
+        """Run key_proj and value_proj (both read the gathered rows) as one GEMM from now on
+        (common/model/fused_linear.py)."""
+        self.fused_in = fuse_linears((self.key_proj, self.value_proj), copy)
+        return self.fused_in is not None
+
     def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """What PLE adds to the streams [T, hc·H]."""
         emb = self.table.lookup(self._hash(ctx), streams.dtype).flatten(-2)  # [T, E]
-        split = (self.hc, self.hidden)
-        key = self._norm(self.norm_key, self.key_proj(emb)).unflatten(-1, split)  # [T, hc, H]
-        query = self._norm(self.norm_query, streams).unflatten(-1, split)
-        gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)  # [T, hc, 1]
-        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gated = (torch.sigmoid(gate) * self.value_proj(emb)[:, None, :]).flatten(-2)  # [T, hc·H]
-        state = ctx.pool.layer(self.layer_idx).slots
-        pad = Padding.of(ctx.batch)
-        conv_in, history = self._norm(self.norm_conv, gated), state["ple_conv"]
-        weight = self.conv1d.weight[:, 0]
+        key, value = project(emb, (self.key_proj, self.value_proj), self.fused_in)  # [T, hc·H], [T, H]
+        history, weight = ctx.pool.layer(self.layer_idx).slots["ple_conv"], self.conv1d.weight[:, 0]
         slots = ctx.batch.slot_ids
-        if self.fused_decode and pad.max_len > 1:  # prefill passes (decode steps: as measured, in torch)
+        if self.fused_decode and ctx.batch.is_decode:  # two kernels (~25 in torch)
+            from common.kernels.causal_conv import conv_step  # Triton
+            from common.kernels.ple import ple_gate
+
+            norms = (self.norm_key.weight, self.norm_query.weight, self.norm_conv.weight)
+            gated, conv_in = ple_gate(key, streams, value, norms, self.norm_key.eps, self.hc)
+            return gated + conv_step(conv_in, history, slots, weight, self.dilation, silu=True)
+        gated = self.gate(key, streams, value)
+        conv_in, pad = self._norm(self.norm_conv, gated), Padding.of(ctx.batch)
+        if self.fused_decode:  # prefill passes
             from common.kernels.causal_conv import conv_prefill  # Triton
 
             conv = conv_prefill(
@@ -93,6 +102,16 @@ class PLE(nn.Module):
             )
             return gated + conv
         return gated + F.silu(causal_conv(conv_in, history, slots, weight, pad, self.dilation))
+
+    def gate(self, key: torch.Tensor, streams: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The value [T, H] gated for each stream [T, hc·H] by its normalised key's agreement with it (the
+        torch ops; `ple_gate` in decode steps with the fused kernels)."""
+        split = (self.hc, self.hidden)
+        key = self._norm(self.norm_key, key).unflatten(-1, split)  # [T, hc, H]
+        query = self._norm(self.norm_query, streams).unflatten(-1, split)
+        gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)  # [T, hc, 1]
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        return (torch.sigmoid(gate) * value[:, None, :]).flatten(-2)  # [T, hc·H]
 
     def _norm(self, norm: OffsetRMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm.fused(x) if self.fused_decode else norm(x)

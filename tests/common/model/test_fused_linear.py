@@ -99,6 +99,7 @@ def test_a_model_with_fused_projections_gives_the_same_logits(tmp_path: Path, ar
     groups = len(engine.config.moe_layers)  # each MoE block: its shared expert's inputs with the router
     if arch == "qwen4_exp":
         groups += 3 * len(engine.model.model.layers)  # the token mixer's inputs, two hyper-connections
+        groups += len(engine.config.ple_layer_ids)  # each PLE layer's key and value
     assert fused == groups
     assert sum(p.numel() for p in engine.model.parameters()) == weights
     torch.testing.assert_close(logits(), reference, rtol=1e-5, atol=1e-5)
