@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,12 +14,31 @@ from common.kv.state import StatePool
 
 @dataclass
 class ForwardContext:
-    """The batch, its state pools, the attention backend with its plan, and the rotary cos/sin."""
+    """The batch, its state pools, the attention backend with its plan, and the rotary embedding."""
 
     batch: ForwardBatch
     pool: StatePool
     backend: AttentionBackend
     attn_plan: Any
-    cos: torch.Tensor | None = None  # [T, rot_dim], set by the model at the start of its forward
-    sin: torch.Tensor | None = None
-    rotary: Any = None  # the model's RotaryEmbedding, for layers that rotate at other positions
+    rotary: Any = None
+    """The model's RotaryEmbedding (set by the model at the start of its forward), for the batch's cos/sin
+    and for layers that rotate at other positions or compute their own (the fused kernels)."""
+    rotary_dtype: torch.dtype | None = None
+    """The dtype of `cos` and `sin` (the activations')."""
+    _rotation: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """[T, rot_dim] at the batch's positions, computed on first use (a recorded decode step whose kernels
+        compute their own never launches the ~9 small kernels)."""
+        return self._rotated()[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        """[T, rot_dim], as `cos`."""
+        return self._rotated()[1]
+
+    def _rotated(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rotation is None:
+            self._rotation = self.rotary.cos_sin(self.batch.positions, self.rotary_dtype)
+        return self._rotation

@@ -106,9 +106,9 @@ class MoECausalLM(nn.Module):
         return self.model.norm(torch.cat(xs))
 
     def _embed(self, ctx: ForwardContext) -> torch.Tensor:
-        """The batch's embeddings [T, H]; the rotary cos/sin set on ctx."""
+        """The batch's embeddings [T, H]; the rotary embedding set on ctx (its cos/sin: `ctx.cos`)."""
         x = self.model.embed_tokens(ctx.batch.input_ids)
-        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.batch.positions, x.dtype)
+        ctx.rotary, ctx.rotary_dtype = self.rotary, x.dtype
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -147,8 +147,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         return self.compute_logits(hidden), out_streams
 
     def _set_rotary(self, ctx: ForwardContext, dtype: torch.dtype) -> None:
-        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.batch.positions, dtype)
-        ctx.rotary = self.rotary
+        ctx.rotary, ctx.rotary_dtype = self.rotary, dtype  # cos/sin on first use (`ctx.cos`)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

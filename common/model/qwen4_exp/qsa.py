@@ -33,7 +33,7 @@ def _norm_rotate(
     if fused:
         from common.kernels.norm_rope import norm_rope  # Triton
 
-        return norm_rope(x, norm.weight, norm.eps, ctx.cos, ctx.sin, store)
+        return norm_rope(x, norm.weight, norm.eps, ctx.batch.positions, ctx.rotary, store)
     return apply_rotary(norm(x), ctx.cos, ctx.sin)
 
 
