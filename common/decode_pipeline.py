@@ -70,8 +70,7 @@ class DecodePipeline:
     def launch(self, lanes: list, states: Sequence[SequenceState], pick: Pick) -> None:
         """A decode pass of one token for each state, its lane's newest, and `pick`'s choice of the next."""
         assert len(self.launched) < self.depth, "land the oldest pass first"
-        slots = host_list_to([s.slot for s in states], self.newest.device)
-        logits = self.runner.decode(states, self.newest[slots])  # [B, V]
+        logits, slots = self.runner.decode(states, self.newest)  # [B, V], [B]
         tokens = pick(logits)  # [B]
         self.newest[slots] = tokens
         host = self._buffers[self._turn]

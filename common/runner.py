@@ -154,14 +154,18 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def decode(self, seqs: Sequence[SequenceState], input_ids: torch.Tensor) -> torch.Tensor:
-        """A decode pass whose tokens are on the device already, `input_ids` [B] (sampled by the pass before,
-        not read by the host: common/decode_pipeline.py) → logits [B, V], as `forward`'s."""
+    def decode(
+        self, seqs: Sequence[SequenceState], newest: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode pass whose tokens are on the device already: sequence b's is newest[seqs[b].slot] (each
+        lane's newest token, sampled by the pass before and not read by the host: common/decode_pipeline.py)
+        → logits [B, V], as `forward`'s, and the batch's slot ids [B] on the device."""
         tokens = [[0]] * len(seqs)  # one token a sequence: only the lengths are read
-        batch = self._batch(seqs, tokens, prompt=False, input_ids=input_ids)
+        batch = self._batch(seqs, tokens, prompt=False)
+        batch.input_ids = newest[batch.slot_ids]
         logits = self._pass(batch, all_logits=False)
         self._advance(seqs, tokens)
-        return logits
+        return logits, batch.slot_ids
 
     def _pass(self, batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
         """A batch's forward: a decode pass through its recording (with CUDA graphs), anything else eager."""
@@ -249,16 +253,12 @@ class ModelRunner:
         return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))
 
     def _batch(
-        self,
-        seqs: Sequence[SequenceState],
-        tokens: Sequence[Sequence[int]],
-        prompt: bool,
-        input_ids: torch.Tensor | None = None,
+        self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]], prompt: bool
     ) -> ForwardBatch:
-        """Reserve the pages the tokens need, batch them (`input_ids`: see `ForwardBatch.build`), and tell the
-        expert provider a pass begins (a prompt's: see `ExpertProvider.begin_pass`)."""
+        """Reserve the pages the tokens need, batch them, and tell the expert provider a pass begins (a
+        prompt's: see `ExpertProvider.begin_pass`)."""
         self._reserve(seqs, tokens)
-        batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device, input_ids)
+        batch = ForwardBatch.build(seqs, tokens, self.pool.page_size, self.device)
         self.model.experts.begin_pass(batch.is_decode, prompt)
         return batch
 

@@ -105,36 +105,41 @@ class ForwardBatch:
         tokens: Sequence[Sequence[int]],
         page_size: int,
         device: torch.device | str,
-        input_ids: torch.Tensor | None = None,
     ) -> ForwardBatch:
-        """Batch `tokens[b]` appended to `seqs[b]` (whose pages must already cover them). `input_ids` [T]: the
-        tokens on the device already (a pipelined decode's, never read by the host); `tokens` then give only
-        the lengths."""
+        """Batch `tokens[b]` appended to `seqs[b]` (whose pages must already cover them). The index tensors
+        are views of one tensor copied to the device at once: a copy costs the step a few µs however small,
+        and a decode step has six."""
         query_lens = [len(t) for t in tokens]
         cache_lens = [s.num_cached for s in seqs]
         positions = [p for c, q in zip(cache_lens, query_lens, strict=True) for p in range(c, c + q)]
         seq_index = [b for b, q in enumerate(query_lens) for _ in range(q)]
         max_pages = max(len(s.pages) for s in seqs)
-        table = [s.pages + [0] * (max_pages - len(s.pages)) for s in seqs]
-
-        def tensor(values: list) -> torch.Tensor:
-            return host_list_to(values, device)
-
+        table = [p for s in seqs for p in s.pages + [0] * (max_pages - len(s.pages))]
         slot_mapping = [
             s.pages[p // page_size] * page_size + p % page_size
             for s, c, q in zip(seqs, cache_lens, query_lens, strict=True)
             for p in range(c, c + q)
         ]
+        parts = [
+            [t for ts in tokens for t in ts],
+            positions,
+            seq_index,
+            table,
+            [s.slot for s in seqs],
+            slot_mapping,
+        ]
+        packed = host_list_to([v for part in parts for v in part], device)
+        ids, pos, seq, pages, slots, mapping = packed.split([len(part) for part in parts])
         return cls(
-            input_ids=tensor([t for ts in tokens for t in ts]) if input_ids is None else input_ids,
-            positions=tensor(positions),
-            seq_index=tensor(seq_index),
+            input_ids=ids,
+            positions=pos,
+            seq_index=seq,
             query_lens=query_lens,
             cache_lens=cache_lens,
-            page_table=tensor(table),
-            slot_ids=tensor([s.slot for s in seqs]),
+            page_table=pages.view(len(seqs), max_pages),
+            slot_ids=slots,
             page_size=page_size,
-            slot_mapping=tensor(slot_mapping),
+            slot_mapping=mapping,
         )
 
     def slots_of(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
