@@ -96,11 +96,11 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         state = ctx.pool.layer(self.layer_idx).slots
         slots = ctx.batch.slot_ids
-        pad = Padding.of(ctx.batch)
         qkv, z, b, a = project(x, self._inputs(), self.fused_in)  # [T, conv_dim], [T, Hv·Dv], [T, Hv] × 2
-        if self.fused_decode and pad.max_len == 1:
+        if self.fused_decode and max(ctx.batch.query_lens) == 1:  # one token a sequence: no padding
             return self._fused_step(x, qkv, z, b, a, state, slots)
         t, split = x.shape[0], [self.key_dim, self.key_dim, self.value_dim]
+        pad = Padding.of(ctx.batch)
         if self.fused_decode:  # q, k, v each contiguous, as fla wants them; qkv read in place
             from common.kernels.causal_conv import conv_prefill  # Triton
 

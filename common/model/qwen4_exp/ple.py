@@ -118,12 +118,13 @@ class PLE(nn.Module):
 
     def _hash(self, ctx: ForwardContext) -> torch.Tensor:
         """Table rows [T, heads] of this pass's tokens; advances each sequence's n-gram context."""
-        batch, pad = ctx.batch, Padding.of(ctx.batch)
+        batch = ctx.batch
         context = ctx.pool.layer(self.layer_idx).slots["ngram_ctx"]
         if self.fused_decode and batch.is_decode:  # one token a sequence: one kernel (~50 in torch)
             from common.kernels.ngram import ngram_step  # Triton
 
             return ngram_step(self.spec, context, batch.input_ids, batch.slot_ids)
+        pad = Padding.of(batch)
         prev = context[batch.slot_ids]  # [B, n-1]
         history = torch.cat([prev, pad.pad(batch.input_ids, self.spec.eos_token_id)], dim=1)  # [B, n-1+Lmax]
         ids = pad.unpad(ngram_ids(self.spec, history, pad.max_len))  # [T, heads]
