@@ -239,8 +239,9 @@ class QSAttention(nn.Module):
 
     def _page_store(self, v: torch.Tensor, state: LayerState, ctx: ForwardContext) -> tuple | None:
         """norm_rope's `store` (the kernel stores k and v: two launches fewer a layer) where it makes k and
-        the pages are not fp8 (those are quantized with the layer's scales by `write_kv`); else None."""
+        the pages are plain (not fp8, which `write_kv` quantizes with the layer's scales); else None."""
         k_pages, v_pages = state.paged["k"], state.paged["v"]
-        if not self.fused_decode or is_fp8(k_pages):
+        flat = k_pages.is_contiguous() and v_pages.is_contiguous()  # the kernel's [slots, H, D] layout
+        if not self.fused_decode or is_fp8(k_pages) or not flat:
             return None
         return k_pages.flatten(0, 1), v, v_pages.flatten(0, 1), ctx.batch.slot_mapping
