@@ -14,6 +14,7 @@ end) never launches a pass for nothing.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ import torch
 from common.hostmem import host_list_to
 from common.kv.state import SequenceState
 from common.runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 Pick = Callable[[torch.Tensor], torch.Tensor]
 """logits [B, V] → the lanes' next tokens [B] int64, on the device (sampling, or the argmax)."""
@@ -99,6 +102,15 @@ class DecodePipeline:
         """Whether a launched pass that has not landed reads or writes `state`."""
         return any(any(s is state for s in p.states) for p in self.launched)
 
-    def clear(self) -> None:
-        """Forget the launched passes without landing them (after a failed step: their tokens are lost)."""
+    def abandon(self) -> None:
+        """Forget the launched passes without reading their tokens (after a failed step), once the device has
+        finished them: what they write must be written before their states can be freed. A failure of that
+        wait is the device's own (a sticky error): it is logged, and the passes are forgotten anyway."""
+        try:
+            while self.launched:
+                done = self.launched.popleft().done
+                if done is not None:
+                    done.synchronize()
+        except Exception:
+            log.exception("waiting for the abandoned decode passes failed")
         self.launched.clear()

@@ -69,10 +69,11 @@ def ple_gate(
     t, width = streams.shape
     hidden = width // hc
     assert key.shape == (t, width) and value.shape == (t, hidden) and key.stride(1) == value.stride(1) == 1
-    gated, conv_in = torch.empty_like(streams), torch.empty_like(streams)
+    streams = streams.contiguous()
+    gated, conv_in = torch.empty_like(streams), torch.empty_like(streams)  # contiguous, as streams now
     wk, wq, wc = norms
     _ple_gate_kernel[(t, hc)](
-        key, key.stride(0), streams.contiguous(), value, value.stride(0), wk, wq, wc, gated, conv_in,
+        key, key.stride(0), streams, value, value.stride(0), wk, wq, wc, gated, conv_in,
         hidden, eps, math.sqrt(hidden), HC=hc, BLOCK=triton.next_power_of_2(hidden), num_warps=8,
         **launch(streams.device),
     )  # fmt: skip

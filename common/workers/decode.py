@@ -242,13 +242,15 @@ class DecodeCore:
 
     @property
     def busy(self) -> bool:
-        """Whether a step has work: a running request that can take one, or a launched step to land."""
-        return (bool(self.running) and not self.stalled) or bool(self.pipeline.launched)
+        """Whether a step has work: a running request that can take one, a launched step to land, or events
+        of a step landed outside `step` (a grant lands the steps in flight) to hand out."""
+        return (bool(self.running) and not self.stalled) or bool(self.pipeline.launched or self.landed)
 
     def fail(self, error: str) -> list[Tokens]:
         """After a failed step: every running request ends with an error event, and its state is freed (the
-        launched steps are forgotten: what they wrote is lost with the requests)."""
-        self.pipeline.clear()
+        launched steps are forgotten, their tokens lost with the requests, once the device is done with them:
+        their pages may be granted again right after)."""
+        self.pipeline.abandon()
         errors = [Tokens(rid, [], "error", error=error) for rid in list(self.running)]
         for event in errors:
             self.release(event.rid)
