@@ -60,8 +60,10 @@ class DecodePipeline:
         self.runner = runner
         device, lanes = runner.device, runner.pool.max_seqs
         self.newest = torch.zeros(lanes, dtype=torch.int64, device=device)  # [slots] each lane's last token
-        pin = device.type == "cuda"
-        self._buffers = [torch.zeros(lanes, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        cuda = device.type == "cuda"
+        # a pinned buffer and an event for each pass that may be launched at once, reused turn by turn
+        self._buffers = [torch.zeros(lanes, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._turn = 0
         self.launched: deque[Launched] = deque()
 
@@ -76,12 +78,10 @@ class DecodePipeline:
         logits, slots = self.runner.decode(states, self.newest)  # [B, V], [B]
         tokens = pick(logits)  # [B]
         self.newest[slots] = tokens
-        host = self._buffers[self._turn]
+        host, done = self._buffers[self._turn], self._events[self._turn]
         self._turn = (self._turn + 1) % len(self._buffers)
         host[: len(states)].copy_(tokens, non_blocking=True)
-        done = None
-        if tokens.is_cuda:
-            done = torch.cuda.Event()
+        if done is not None:
             done.record()
         self.launched.append(Launched(list(lanes), list(states), host, done))
 

@@ -36,6 +36,18 @@ def write_kv(state: LayerState, slot_mapping: torch.Tensor, k: torch.Tensor, v: 
         flat[slot_mapping] = quantize(x, state.kv_scale[i]) if is_fp8(flat) else x.to(flat.dtype)
 
 
+def kv_store(
+    state: LayerState, slot_mapping: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """What a kernel that makes the keys needs to store k and v as `write_kv` would (norm_rope's `store`):
+    (flat k pages [slots, Hkv, D], v [T, Hkv, D], flat v pages, slot_mapping [T]); None where only
+    `write_kv` can: fp8 pages (quantized with the layer's scales) or pages not laid out flat."""
+    k_pages, v_pages = state.paged["k"], state.paged["v"]
+    if is_fp8(k_pages) or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
+        return None
+    return k_pages.flatten(0, 1), v, v_pages.flatten(0, 1), slot_mapping
+
+
 def read_kv(state: LayerState, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [*slots.shape, Hkv, D] at the flat KV `slots`, in `dtype` (fp8 pages dequantized)."""
     out = []
@@ -96,10 +108,9 @@ class TorchPlan:
     @cached_property
     def _queries(self) -> tuple[torch.Tensor, torch.Tensor]:
         device, b = self.k_lens.device, self.k_lens.shape[0]
-        if self.q_lens is None:
-            return torch.arange(b, device=device)[:, None], torch.ones(
-                (b, 1), dtype=torch.bool, device=device
-            )
+        if self.q_lens is None:  # one query a sequence
+            index = torch.arange(b, device=device)[:, None]  # [B, 1]
+            return index, torch.ones_like(index, dtype=torch.bool)
         starts = self.q_lens.cumsum(0) - self.q_lens
         rows = torch.arange(self.q_max, device=device)
         q_valid = rows[None, :] < self.q_lens[:, None]

@@ -14,10 +14,9 @@ import math
 import torch
 from torch import nn
 
-from common.kv.backend import kv_specs
+from common.kv.backend import kv_specs, kv_store
 from common.kv.batch import ForwardBatch
-from common.kv.fp8 import is_fp8
-from common.kv.state import LayerState, PagedSpec, StateSpec
+from common.kv.state import PagedSpec, StateSpec
 from common.model.context import ForwardContext
 from common.model.fused_linear import FusedLinears, fuse_linears, project
 from common.model.qwen4_exp.config import Qwen4ExpConfig
@@ -229,19 +228,10 @@ class QSAttention(nn.Module):
         q = _norm_rotate(self.q_norm, q, ctx, self.fused_decode)
         v = v.view(t, self.kv_heads, self.head_dim)
         state = ctx.pool.layer(self.layer_idx)
-        store = self._page_store(v, state, ctx)
+        store = kv_store(state, ctx.batch.slot_mapping, v) if self.fused_decode else None
         k = _norm_rotate(self.k_norm, k.view(t, self.kv_heads, self.head_dim), ctx, self.fused_decode, store)
         plan, scale = ctx.attn_plan, self.head_dim**-0.5
         out = ctx.backend.forward(
             q, k, v, state, plan, scale, selected=selected, gate=gate, stored=store is not None
         )
         return self.o_proj(out.reshape(t, -1))  # gated by the backend (in its merge kernel: decode)
-
-    def _page_store(self, v: torch.Tensor, state: LayerState, ctx: ForwardContext) -> tuple | None:
-        """norm_rope's `store` (the kernel stores k and v: two launches fewer a layer) where it makes k and
-        the pages are plain (not fp8, which `write_kv` quantizes with the layer's scales); else None."""
-        k_pages, v_pages = state.paged["k"], state.paged["v"]
-        flat = k_pages.is_contiguous() and v_pages.is_contiguous()  # the kernel's [slots, H, D] layout
-        if not self.fused_decode or is_fp8(k_pages) or not flat:
-            return None
-        return k_pages.flatten(0, 1), v, v_pages.flatten(0, 1), ctx.batch.slot_mapping

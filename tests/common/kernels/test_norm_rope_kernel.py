@@ -38,7 +38,7 @@ def test_norm_rope_stores_the_key_and_value_as_write_kv() -> None:
     """With `store`: the rotated keys and the values (a strided view, as QSA's v of its fused projection)
     land in their pages at the tokens' slots, bit for bit what write_kv writes; the other slots untouched."""
     from common.kernels.norm_rope import norm_rope
-    from common.kv.backend import kv_specs, write_kv
+    from common.kv.backend import kv_specs, kv_store, write_kv
     from common.kv.state import StatePool
 
     gen = torch.Generator().manual_seed(5)
@@ -54,7 +54,7 @@ def test_norm_rope_stores_the_key_and_value_as_write_kv() -> None:
         for t in pool.layer(0).paged.values():
             t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(1)))
     paged = [pool.layer(0).paged for pool in pools]
-    store = (paged[0]["k"].flatten(0, 1), v, paged[0]["v"].flatten(0, 1), slots)
+    store = kv_store(pools[0].layer(0), slots, v)
     k = norm_rope(x, weight, 1e-6, positions, rotary, store)
     write_kv(pools[1].layer(0), slots, k, v)
     for name in ("k", "v"):
