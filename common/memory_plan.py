@@ -53,7 +53,8 @@ from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
 from common.kv.lending import STAGES
 from common.kv.state import StatePool
-from common.model.fp8_linear import MAX_ROWS, Fp8Linear, largest_dequantized, to_resident_dtype
+from common.model.fp8_linear import Fp8Linear, largest_dequantized, to_resident_dtype
+from common.model.fused_linear import GEMV_ROWS
 from common.model.hf_config import load_architecture, read_json
 from common.model.host_embedding import embeddings_to_host
 from common.model.layers import activation
@@ -285,7 +286,7 @@ def scratch_terms(
         + (2 * group * cfg.hidden_size * dtype.itemsize if group > chunk else 0)  # the MoE's input, output
     )
     decode = (
-        (dequantized if max_running > MAX_ROWS else 0)
+        (dequantized if max_running > GEMV_ROWS else 0)
         + _pass_bytes(model, cfg, max_running, max_running, dtype)
         + _expert_mlp_bytes(cfg, fmt, max_running, dtype, decode=True, kernels=fused_kernels)
         + _linear_attention_bytes(cfg, max_running, dtype)

@@ -9,6 +9,7 @@ from common.config import ModelConfig
 from common.kv.backend import kv_specs
 from common.kv.state import StateSpec
 from common.model.context import ForwardContext
+from common.model.fused_linear import Linear
 from common.model.layers import RMSNorm
 from common.model.rope import apply_rotary
 
@@ -24,7 +25,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=cfg.o_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)

@@ -18,14 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model.fused_linear import FusedLinears
+from common.model.fused_linear import GEMV_ROWS, FusedLinears
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 BLOCK_K = 128
 """Inputs per scale (the quantisation block along K)."""
-MAX_ROWS = 16
-"""Most rows the fp8 kernel takes in one launch (its dot's padded M); more are dequantised for one GEMM."""
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,13 +62,13 @@ def largest_dequantized(model: nn.Module) -> int:
 def fp8_linear(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x [..., K] through the fp8 weight: a few rows on CUDA by the fp8 kernel (the codes read once), else the
-    weight dequantised for one GEMM (prefill: the GEMM's time dwarfs it)."""
+    """x [..., K] through the fp8 weight: a few rows on CUDA by the GEMV kernel (common/kernels/gemv.py: the
+    codes read once), else the weight dequantised for one GEMM (prefill: the GEMM's time dwarfs it)."""
     rows = x.numel() // x.shape[-1]
-    if x.is_cuda and rows <= MAX_ROWS:
-        from common.kernels.fp8_gemv import fp8_gemv  # Triton
+    if x.is_cuda and rows <= GEMV_ROWS:
+        from common.kernels.gemv import gemv  # Triton
 
-        y = fp8_gemv(x.reshape(rows, -1), codes, scale, bias)
+        y = gemv(x.reshape(rows, -1), codes, bias, scale)
         return y.view(*x.shape[:-1], -1)
     return F.linear(x, dequantize_fp8(codes, scale, x.dtype), bias)
 

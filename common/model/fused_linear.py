@@ -27,12 +27,38 @@ cuBLAS's fast Hopper GEMMs want 16-byte-aligned rows. In prefill-25k's profile (
 block's 1,793 columns (router 512, shared expert gate and up 640 each, its gate logit 1) ran on an
 alignment-1 cutlass kernel, 2.6 ms a layer (~90 TFLOP/s), and the hyper-connections' 324 on an
 alignment-4 one (~270 TFLOP/s)."""
+GEMV_ROWS = 16
+"""Most rows of input the Triton GEMV (common/kernels/gemv.py) takes; more run as a GEMM."""
+GEMV = True
+"""Projections of at most GEMV_ROWS rows on CUDA run through the Triton GEMV (False: cuBLAS; the benchmark's
+`no-gemv` switch). Switch before a pass is recorded."""
 
 
 def _padding(rows: int, itemsize: int) -> int:
     """Rows to add to `rows` output columns of `itemsize` bytes for ALIGN_BYTES-aligned output rows."""
     step = max(1, ALIGN_BYTES // itemsize)
     return -rows % step
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] · weightᵀ (+ bias): a few rows on CUDA through the Triton GEMV where it beats cuBLAS
+    (common/kernels/gemv.py: `choose`), else F.linear."""
+    rows = x.numel() // x.shape[-1]
+    if GEMV and x.is_cuda and rows <= GEMV_ROWS and weight.dtype == x.dtype and weight.is_contiguous():
+        from common.kernels.gemv import choose, gemv  # Triton
+
+        config = choose(rows, weight.shape[0], weight.shape[1], x.device)
+        if config is not None:
+            return gemv(x.reshape(rows, -1), weight, bias, config=config).view(*x.shape[:-1], -1)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose few-row products on CUDA run through the Triton GEMV (`linear`): a decode step's
+    output projections. Same parameters and state dict keys as nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class FusedLinears:
@@ -45,7 +71,7 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, K] → one [T, N_i] output per Linear, in order (views of one [T, ΣN + pad] product)."""
-        return self.split(F.linear(x, self.weight, self.bias))
+        return self.split(linear(x, self.weight, self.bias))
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The fused weight's product [T, ΣN + pad] (however computed) → one [T, N_i] view per Linear."""
@@ -64,7 +90,7 @@ def project(
 def plain_linear(linear: nn.Module | FusedLinears | None) -> bool:
     """A bias-free Linear (or fused Linears) with a contiguous weight, not an fp8 one: what the Triton GEMVs
     that fold a projection into their neighbours read (common/kernels/hyper.py, gated_mlp.py)."""
-    kind = type(linear) in (nn.Linear, FusedLinears)
+    kind = type(linear) in (nn.Linear, Linear, FusedLinears)
     return kind and linear.bias is None and linear.weight.is_contiguous()
 
 

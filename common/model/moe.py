@@ -8,7 +8,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.experts.provider import ExpertProvider
-from common.model.fused_linear import FusedLinears, fuse_linears, plain_linear, project
+from common.model.fused_linear import FusedLinears, Linear, fuse_linears, plain_linear, project
 from common.model.layers import GatedMLP
 
 
@@ -47,7 +47,7 @@ class SparseMoeBlock(nn.Module):
         self.layer_idx = layer_idx
         self.top_k, self.normalize = cfg.top_k, cfg.norm_topk_prob
         self.weights_fp32 = cfg.router_weights_fp32
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = experts
         self.routing_hook = None  # record or replay the router's choices (common/experts/routing.py)
         self.shared_expert = None

@@ -11,7 +11,7 @@ from torch import nn
 from common.kv.batch import ForwardBatch
 from common.kv.state import SlotSpec, StateSpec
 from common.model.context import ForwardContext
-from common.model.fused_linear import FusedLinears, fuse_linears, project
+from common.model.fused_linear import FusedLinears, Linear, fuse_linears, project
 from common.model.qwen4_exp import delta_rule
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import GatedRMSNorm
@@ -77,7 +77,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, cfg.output_gate_act)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
 
     def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:
         return {

@@ -18,7 +18,7 @@ from common.kv.backend import kv_specs, kv_store
 from common.kv.batch import ForwardBatch
 from common.kv.state import PagedSpec, StateSpec
 from common.model.context import ForwardContext
-from common.model.fused_linear import FusedLinears, fuse_linears, project
+from common.model.fused_linear import FusedLinears, Linear, fuse_linears, project
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import OffsetRMSNorm
 from common.model.rope import apply_rotary
@@ -204,7 +204,7 @@ class QSAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.heads * self.head_dim * 2, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=cfg.o_bias)
+        self.o_proj = Linear(self.heads * self.head_dim, hidden, bias=cfg.o_bias)
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.indexer = QSAIndexer(cfg, layer_idx)

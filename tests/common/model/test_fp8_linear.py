@@ -1,6 +1,6 @@
 """fp8 resident projections: the codes and scales, a qwen4_exp model with its token mixers in fp8 against the
 same model in its dtype (each projection on its own; fused ones, through the kernels, are in
-tests/common/kernels/test_fp8_gemv_kernel.py), and the memory plan against what the quantised model holds."""
+tests/common/kernels/test_gemv_kernel.py), and the memory plan against what the quantised model holds."""
 
 from __future__ import annotations
 

@@ -1,0 +1,126 @@
+"""A tuning aid for the GEMV kernel (common/kernels/gemv.py) at flashnext's decode projections.
+
+For each projection a decode step runs (N × K from the flashnext config, and how many a step), µs per call
+of cuBLAS (F.linear), of the GEMV as `choose` sets it, and of the GEMV over output rows per program, inputs
+per loop step, chunks of K, warps and pipelining stages (the fastest six), for one row and for eight, each
+output checked against cuBLAS's, and the share of the HBM rate (measured here) each reaches (lm_head, at
+~99 % with cuBLAS, is left out). Calls are replayed from a CUDA graph, each on another copy of the weight
+(more bytes than L2 holds), as a step's layers would be. The last lines: what `choose` saves a step.
+
+    python -m bench.gemv_tune [--rows 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from bench.common import measure_hbm_gbps, replay_us
+from common.kernels.gemv import CUBLAS_ROWS, GemvConfig, choose, gemv
+from common.model.hf_config import parse_architecture
+from common.model.synthetic import model_config
+
+CALLS = 24
+"""Calls a timed graph makes (cycling over the weight copies)."""
+COPY_BYTES = 256 << 20
+"""Bytes of weight copies a shape cycles over (more than the H200's 50 MB L2)."""
+
+
+def projections() -> dict[str, tuple[int, int, int]]:
+    """name → (N, K, calls a decode step) of flashnext's fused decode projections."""
+    hf = model_config("flashnext", "qwen4_exp", {"num_hidden_layers": 4, "mtp_num_hidden_layers": 0})
+    _, c = parse_architecture(hf, Path("<flashnext>"))
+    h, layers, gdn = c.hidden_size, 48, 36
+    key, value = (
+        c.linear_num_key_heads * c.linear_key_head_dim,
+        c.linear_num_value_heads * c.linear_value_head_dim,
+    )
+    qsa_in = c.num_heads * c.head_dim * 2 + 2 * c.num_kv_heads * c.head_dim + (c.indexer_n_heads + 1) * 128
+    moe_in = c.num_experts + 2 * c.shared_expert_intermediate_size + 1
+    pad8 = lambda n: n + (-n % 8)  # fuse_linears' 16-byte rows
+    return {
+        "gdn in": (pad8(2 * key + 2 * value + 2 * c.linear_num_value_heads), h, gdn),
+        "gdn out": (h, value, gdn),
+        "qsa in": (pad8(qsa_in), h, layers - gdn),
+        "qsa out": (h, c.num_heads * c.head_dim, layers - gdn),
+        "moe in": (pad8(moe_in), h, layers),
+        "router": (c.num_experts, h, 0),  # the lookahead's guess (offloaded decode)
+    }
+
+
+def settings(n: int, k: int) -> list[GemvConfig]:
+    """The grid: rows a program, inputs a step, chunks of K, warps and stages (a few for a weight `choose`
+    leaves to cuBLAS: do they confirm it?)."""
+    if n >= CUBLAS_ROWS:
+        grid = itertools.product((16, 32), (512,), (1, 2), (4, 8), (2,))
+    else:
+        grid = itertools.product((16, 32), (256, 512), (1, 2, 3, 4, 5, 6, 8, 10), (4, 8), (1, 2))
+    return [
+        GemvConfig(bn=bn, bk=bk, splits=splits, warps=w, stages=st)
+        for bn, bk, splits, w, st in grid
+        if splits <= k // bk
+    ]
+
+
+def time_calls(run, weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    """µs per call of `run(x, w)` over CALLS calls cycling through `weights`, recorded as one graph."""
+    calls = [weights[i % len(weights)] for i in range(CALLS)]
+    return replay_us(lambda: [run(x, w) for w in calls]) / CALLS
+
+
+def label(cfg: GemvConfig | None) -> str:
+    if cfg is None:
+        return "cuBLAS"
+    return f"bn {cfg.bn:>2} bk {cfg.bk:>3} splits {cfg.splits:>2} warps {cfg.warps} stages {cfg.stages}"
+
+
+def tune_shape(name: str, n: int, k: int, rows: int, hbm: float) -> tuple[float, float]:
+    """Print one shape's table; → (cuBLAS µs, `choose`'s µs)."""
+    copies = max(1, min(CALLS, COPY_BYTES // (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    floor = n * k * 2 / hbm / 1e3  # µs at the HBM rate
+    want = F.linear(x, weights[0]).float()
+    cublas = time_calls(F.linear, weights, x)
+    chosen = choose(rows, n, k, x.device)
+    timed = []
+    for cfg in [chosen, *settings(n, k)] if chosen is not None else settings(n, k):
+        try:
+            err = (gemv(x, weights[0], config=cfg).float() - want).abs().max().item()
+            us = time_calls(lambda x, w, cfg=cfg: gemv(x, w, config=cfg), weights, x)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        timed.append((us, err, cfg))
+    ours = timed[0][0] if chosen is not None else cublas
+    head = f"{name} {n}x{k}, {rows} row(s): HBM floor {floor:.2f} µs"
+    print(f"{head}; cuBLAS {cublas:.2f} µs ({floor / cublas:.0%}); choose ({label(chosen)}) {ours:.2f} µs")
+    for us, err, cfg in sorted(timed, key=lambda t: t[0])[:6]:
+        print(f"  {label(cfg)}: {us:7.2f} µs ({floor / us:.0%} of HBM), max |err| {err:.1e}")
+    del weights
+    torch.cuda.empty_cache()
+    return cublas, ours
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    args = ap.parse_args()
+    hbm = measure_hbm_gbps()
+    print(f"HBM {hbm:.0f} GB/s")
+    for rows in args.rows:
+        saved, seen = 0.0, {}
+        for name, (n, k, per_step) in projections().items():
+            if (n, k) not in seen:
+                seen[n, k] = tune_shape(name, n, k, rows, hbm)
+            cublas, ours = seen[n, k]
+            saved += per_step * (cublas - ours)
+        print(f"{rows} row(s): `choose` saves {saved:.0f} µs a decode step against cuBLAS (calls alone)\n")
+
+
+if __name__ == "__main__":
+    main()

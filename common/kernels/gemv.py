@@ -1,0 +1,162 @@
+"""y = x · Wᵀ (+ bias) for a few rows of x, as Triton kernels: the decode step's projections (one row a
+lane), whose weight's bytes set the time. W is the model's dtype, or fp8 (e4m3) codes with one fp32 scale per
+row and block of 128 inputs (common/model/fp8_linear.py), converted in registers.
+
+Why not cuBLAS everywhere: at one row its kernels are sized for GEMMs. For flashnext's MoE input projection
+(router and shared expert, 1,800 × 2,560: 9 MB, ~2 µs of HBM) it picks a split-K kernel and a reduction,
+~12 µs a layer in a decode step (decode-allfit-profile.txt at 81a85af), and its kernels cannot take part in
+programmatic dependent launch (common/kernels/pdl.py), so each pays its launch and ramp in the open. Here a
+program owns BN output rows and one chunk of their inputs, read BK at a time: few rows and many chunks give
+enough programs to fill the SMs with loads in flight. With more than one chunk, each program writes its fp32
+partial product and a second kernel sums the chunks in order (deterministic, unlike atomics). One or two rows
+of x are multiplied on the CUDA cores (a broadcast and a sum: no padding), more on the tensor cores (x padded
+to the 16 rows a dot needs). Where cuBLAS reads its weight near the HBM rate (large N), `choose` leaves it
+to cuBLAS.
+
+Graph-safe (no host sync; shapes alone fix the launch).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from common.kernels.pdl import gdc_enter, launch
+from common.model.fused_linear import GEMV_ROWS
+
+SCALE_BLOCK = 128
+"""Inputs per fp8 scale (fp8_linear.BLOCK_K): an fp8 weight's BK."""
+CUBLAS_ROWS = 8192
+"""Weights of at least this many output rows stay with cuBLAS (bf16; it reads them at ~90 % of HBM)."""
+PROGRAMS = 4
+"""Programs an SM that `choose` aims for (enough loads in flight)."""
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch's shape (bench/gemv_tune.py measures them)."""
+
+    bn: int = 16
+    """Output rows a program."""
+    bk: int = 512
+    """Inputs a loop step (128 for an fp8 weight: one scale block)."""
+    splits: int = 1
+    """Chunks K is cut into, one program each (then a second kernel sums them)."""
+    warps: int = 4
+    """Warps a program."""
+    stages: int = 2
+    """Loop steps whose loads are in flight at once."""
+    dot_rows: int = 3
+    """From this many rows of x on, the tensor cores multiply (below: broadcast and sum)."""
+
+
+def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> GemvConfig | None:
+    """The launch shape for x [m, k] · W [n, k]ᵀ, or None: cuBLAS (a large bf16 weight)."""
+    if n >= CUBLAS_ROWS and not fp8:
+        return None
+    dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
+    bn, bk = (32, 256) if dot else (16, 512)
+    bk = SCALE_BLOCK if fp8 else min(bk, triton.next_power_of_2(k))
+    splits = min(triton.cdiv(k, bk), triton.cdiv(PROGRAMS * _sms(device), triton.cdiv(n, bn)))
+    return GemvConfig(bn=bn, bk=bk, splits=max(1, splits))
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, m, n, k, k_chunk,
+    M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
+    GDC: tl.constexpr,
+):  # fmt: skip
+    outs = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] output features
+    live_n = outs < n
+    k_lo = tl.program_id(1) * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, k)
+    r = tl.arange(0, M_PAD)
+    live_m = r < m
+    w_rows = w_ptr + outs[:, None].to(tl.int64) * k  # [BN, 1]
+    acc = tl.zeros((M_PAD, BN), dtype=tl.float32)
+    gdc_enter(GDC)  # x is the kernel before's output
+    for k0 in range(k_lo, k_hi, BK):
+        cols = k0 + tl.arange(0, BK)
+        live_k = (cols < k_hi) | EVEN_K
+        x = tl.load(x_ptr + r[:, None] * k + cols[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
+        w = tl.load(w_rows + cols[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)  # [BN, BK]
+        if DOT:
+            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)  # [M_PAD, BN]
+        else:
+            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [M_PAD, BN]
+        if HAS_SCALE:
+            scale = tl.load(s_ptr + outs.to(tl.int64) * tl.cdiv(k, BK) + k0 // BK, mask=live_n, other=0.0)
+            part = part * scale[None, :]
+        acc += part
+    out = r[:, None] * n + outs[None, :]  # [M_PAD, BN]
+    if PARTIAL:  # this chunk's product: [splits, m, n] fp32
+        tl.store(y_ptr + tl.program_id(1) * m * n + out, acc, mask=live_m[:, None] & live_n[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + outs, mask=live_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=live_m[:, None] & live_n[None, :])
+
+
+@triton.jit
+def _sum_chunks_kernel(
+    part_ptr, b_ptr, y_ptr, m, n,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat (row, output) of y
+    live = i < m * n
+    gdc_enter(GDC)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):  # in order: the same sum every run
+        acc += tl.load(part_ptr + s * m * n + i, mask=live, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + i % n, mask=live, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=live)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [M ≤ 16, K] · weightᵀ (+ bias [N]) → [M, N] in x's dtype. weight [N, K] contiguous: x's dtype, or
+    e4m3 codes with `scale` [N, ⌈K/128⌉] fp32 (one per row and 128 inputs). `config` None: `choose`'s, or
+    one setting (fp8) when that is cuBLAS."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= GEMV_ROWS, f"{m} rows: at most {GEMV_ROWS} (larger batches run a GEMM)"
+    cfg = config or choose(m, n, k, x.device, scale is not None) or GemvConfig()
+    bk = SCALE_BLOCK if scale is not None else cfg.bk
+    chunk = triton.cdiv(triton.cdiv(k, cfg.splits), bk) * bk  # inputs a program: whole BK steps
+    splits = triton.cdiv(k, chunk)
+    dot = m >= cfg.dot_rows
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    bias_arg = bias if bias is not None else weight
+    _gemv_kernel[(triton.cdiv(n, cfg.bn), splits)](
+        x.contiguous(), weight, scale if scale is not None else weight, bias_arg, part, m, n, k, chunk,
+        M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(m), BN=cfg.bn, BK=bk, DOT=dot,
+        EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+        PARTIAL=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device),
+    )  # fmt: skip
+    if splits > 1:
+        block = 256
+        _sum_chunks_kernel[(triton.cdiv(m * n, block),)](
+            part, bias_arg, y, m, n, SPLITS=splits, BLOCK=block, HAS_BIAS=bias is not None, **launch(x.device)
+        )
+    return y

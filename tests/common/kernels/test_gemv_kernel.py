@@ -1,0 +1,73 @@
+"""The GEMV kernel (common/kernels/gemv.py) against F.linear, for plain and fp8 weights (dequantised), rows
+on the CUDA cores and on the tensor cores, and inside a qwen4_exp model whose fused projections are fp8
+(Triton's interpreter without CUDA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.kernels.gemv import GemvConfig, gemv
+from common.model.fp8_linear import dequantize_fp8, quantize_fp8
+from common.model.synthetic import make_model
+from tests.common.model.test_fp8_linear import assert_fp8_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# bf16 dots need the GPU: Triton's interpreter (CPU) has fp32 ones only.
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: the output's rounding
+
+
+def _inputs(rows: int, bias: bool, dtype: torch.dtype, k: int = 300) -> tuple:
+    """x [rows, k], a weight [200, k] (N past a block, K past one unless a multiple), a bias or None."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, k, generator=gen) * 0.05
+    x = torch.randn(rows, k, generator=gen)
+    b = torch.randn(200, generator=gen) if bias else None
+    return x.to(DEVICE, dtype), w, None if b is None else b.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_weight_matches_dequantised_linear(rows: int, bias: bool, dtype: torch.dtype) -> None:
+    x, w, b = _inputs(rows, bias, dtype)
+    codes, scale = (t.to(DEVICE) for t in quantize_fp8(w))
+    want = F.linear(x.float(), dequantize_fp8(codes, scale, torch.float32), None if b is None else b.float())
+    got = gemv(x, codes, b, scale).float()
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("k", [300, 512])
+def test_plain_weight_matches_linear(rows: int, k: int, dtype: torch.dtype) -> None:
+    x, w, b = _inputs(rows, True, dtype, k)
+    w = w.to(DEVICE, dtype)
+    want = F.linear(x.float(), w.float(), b.float())
+    configs = (  # one chunk or several (summed by the second kernel), CUDA cores or tensor cores
+        GemvConfig(),
+        GemvConfig(bn=32, bk=128, dot_rows=1, splits=2),
+        GemvConfig(bn=64, bk=64, dot_rows=16, splits=3),
+    )
+    for cfg in configs:
+        torch.testing.assert_close(gemv(x, w, b, config=cfg).float(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_choose_leaves_large_weights_to_cublas_and_fills_the_sms() -> None:
+    from common.kernels.gemv import CUBLAS_ROWS, choose
+
+    cpu = torch.device("cpu")
+    assert choose(1, CUBLAS_ROWS, 2560, cpu) is None
+    assert choose(1, CUBLAS_ROWS, 2560, cpu, fp8=True) is not None  # no cuBLAS for fp8 codes
+    small = choose(1, 1800, 2560, cpu)  # flashnext's MoE input projection: 113 row tiles alone
+    assert small.splits > 1 and small.bk * small.splits >= 2560
+
+
+def test_fused_fp8_projections_keep_the_model_close(tmp_path: Path) -> None:
+    assert_fp8_close(make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp"), fused=True, device=DEVICE)
