@@ -5,7 +5,7 @@ streams of 2,560, the mix-down and inject projections fused (328 × 10,240 bf16 
 µs per sublayer, one and eight rows, for each way to go from the raw streams to the sublayer's input:
 - `torch`: hc_norm, cuBLAS for mix-down/inject, the division and SiLU, cuBLAS for mix-up, hc_mix;
 - `mix-up`: hc_norm, cuBLAS, then hc_mix_up (block, warps swept);
-- `project`: hc_project (columns a program, width a step, warps swept; a program a stream), then hc_mix_up
+- `project`: hc_project (columns a program and warps swept; a program a stream), then hc_mix_up
   normalising and summing its partial products (two blocks).
 Calls are replayed from a CUDA graph, 96 sublayers a replay each with its own weights (more than L2 holds), as
 a decode step's would be. The rate is the weight bytes read per call (13.3 MB) over the time. Each variant's
@@ -58,9 +58,9 @@ def mix_up_path(c: dict, mix: dict) -> torch.Tensor:
     return hc_mix_up(down, c["up"], normed, HC, **mix)
 
 
-def project_path(c: dict, block_n: int, block_k: int, warps: int, mix: dict) -> torch.Tensor:
-    parts, scales = hc_project(
-        c["streams"], c["norm"], EPS, c["fused"], HC, block_n=block_n, block_k=block_k, num_warps=warps
+def project_path(c: dict, block_n: int, warps: int, mix: dict) -> torch.Tensor:
+    parts, scales, _ = hc_project(
+        c["streams"], c["norm"], EPS, c["fused"], HC, block_n=block_n, num_warps=warps
     )
     return hc_mix_up(
         parts[..., :RANK], c["up"], c["streams"], HC, scales=scales, norm_weight=c["norm"], **mix
@@ -76,10 +76,10 @@ def variants() -> dict:
     for block, warps in itertools.product((4, 8, 16), (2, 4, 8)):
         mix = {"block": block, "num_warps": warps}
         out[f"mix-up {mix_label(mix)}"] = lambda c, m=mix: mix_up_path(c, m)
-    for bn, bk, warps, mix_block in itertools.product((1, 2, 4, 8), (256, 512, 1024), (2, 4, 8), (4, 8)):
+    for bn, warps, mix_block in itertools.product((1, 2, 4), (2, 4, 8), (4, 8)):
         mix = {"block": mix_block, "num_warps": 4}
-        name = f"project n {bn} k {bk} warps {warps} + {mix_label(mix)}"
-        out[name] = lambda c, n=bn, k=bk, w=warps, m=mix: project_path(c, n, k, w, m)
+        name = f"project n {bn} warps {warps} + {mix_label(mix)}"
+        out[name] = lambda c, n=bn, w=warps, m=mix: project_path(c, n, w, m)
     return out
 
 

@@ -6,8 +6,9 @@ Why not cuBLAS everywhere: at one row its kernels are sized for GEMMs. For flash
 (router and shared expert, 1,800 × 2,560: 9 MB, ~2 µs of HBM) it picks a split-K kernel and a reduction,
 ~12 µs a layer in a decode step (decode-allfit-profile.txt at 81a85af), and its kernels cannot take part in
 programmatic dependent launch (common/kernels/pdl.py), so each pays its launch and ramp in the open. Here a
-program owns BN output rows and one chunk of their inputs, read BK at a time: few rows and many chunks give
-enough programs to fill the SMs with loads in flight. With more than one chunk, each program writes its fp32
+program owns BN output rows and one chunk of their inputs, read BK at a time (the first BK before it waits
+for the kernel before it: the weights are no kernel's output): few rows and many chunks give enough programs
+to fill the SMs with loads in flight. With more than one chunk, each program writes its fp32
 partial product and a second kernel sums the chunks in order (deterministic, unlike atomics). One or two rows
 of x are multiplied on the CUDA cores (a broadcast and a sum: no padding), more on the tensor cores (x padded
 to the 16 rows a dot needs). Where cuBLAS reads its weight near the HBM rate (large N), `choose` leaves it
@@ -86,21 +87,22 @@ def _gemv_kernel(
     r = tl.arange(0, M_PAD)
     live_m = r < m
     w_rows = w_ptr + outs[:, None].to(tl.int64) * k  # [BN, 1]
-    acc = tl.zeros((M_PAD, BN), dtype=tl.float32)
-    gdc_enter(GDC)  # x is the kernel before's output
-    for k0 in range(k_lo, k_hi, BK):
+    cols = k_lo + tl.arange(0, BK)
+    live_k = (cols < k_hi) | EVEN_K
+    # The first step's weights [BN, BK] are read before the wait (no kernel writes them); x is the kernel
+    # before's output.
+    w = tl.load(w_rows + cols[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
+    gdc_enter(GDC)
+    acc = _step(
+        x_ptr, w, s_ptr, r, live_m, cols, live_k, outs, live_n, k, k_lo, BK, DOT, HAS_SCALE, PRECISION
+    )
+    for k0 in range(k_lo + BK, k_hi, BK):
         cols = k0 + tl.arange(0, BK)
         live_k = (cols < k_hi) | EVEN_K
-        x = tl.load(x_ptr + r[:, None] * k + cols[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
-        w = tl.load(w_rows + cols[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)  # [BN, BK]
-        if DOT:
-            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)  # [M_PAD, BN]
-        else:
-            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [M_PAD, BN]
-        if HAS_SCALE:
-            scale = tl.load(s_ptr + outs.to(tl.int64) * tl.cdiv(k, BK) + k0 // BK, mask=live_n, other=0.0)
-            part = part * scale[None, :]
-        acc += part
+        w = tl.load(w_rows + cols[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
+        acc += _step(
+            x_ptr, w, s_ptr, r, live_m, cols, live_k, outs, live_n, k, k0, BK, DOT, HAS_SCALE, PRECISION
+        )
     out = r[:, None] * n + outs[None, :]  # [M_PAD, BN]
     if PARTIAL:  # this chunk's product: [splits, m, n] fp32
         tl.store(y_ptr + tl.program_id(1) * m * n + out, acc, mask=live_m[:, None] & live_n[None, :])
@@ -108,6 +110,23 @@ def _gemv_kernel(
         if HAS_BIAS:
             acc += tl.load(b_ptr + outs, mask=live_n, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=live_m[:, None] & live_n[None, :])
+
+
+@triton.jit
+def _step(
+    x_ptr, w, s_ptr, r, live_m, cols, live_k, outs, live_n, k, k0,
+    BK: tl.constexpr, DOT: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """x's rows at `cols` times the weight tile w [BN, BK] (scaled per row and block: fp8) → [M_PAD, BN]."""
+    x = tl.load(x_ptr + r[:, None] * k + cols[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
+    if DOT:
+        part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
+    else:
+        part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_SCALE:
+        scale = tl.load(s_ptr + outs.to(tl.int64) * tl.cdiv(k, BK) + k0 // BK, mask=live_n, other=0.0)
+        part = part * scale[None, :]
+    return part
 
 
 @triton.jit

@@ -17,7 +17,7 @@ residual update. Its three GEMVs (mix down, mix up, inject) stay cuBLAS calls; t
   sum them), with the streams' scales for hc_mix_up.
 
 `hc_project`, `hc_mix_up` and `hc_inject` take part in programmatic dependent launch (pdl.py, on by default);
-`hc_mix_up` loads its weight tile before it waits for the kernels before it.
+`hc_project` and `hc_mix_up` load their weight tiles before they wait for the kernels before them.
 
 Everything is computed in fp32 and rounded once to the streams' dtype (torch rounds some intermediate
 products to bf16, so results agree to bf16 rounding, not bit for bit).
@@ -179,35 +179,30 @@ def hc_mix_up(
 def _project_kernel(
     x_ptr, nw_ptr, w_ptr, out_ptr, scale_ptr, rows, n_out, eps,
     y_ptr, inject_ptr, new_ptr, inject_stride, part_stride,
-    HC: tl.constexpr, H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INJECT: tl.constexpr,
+    HC: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, BN: tl.constexpr, INJECT: tl.constexpr,
     PARTS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     t, nb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = nb * BN + tl.arange(0, BN)  # [BN] output columns
     live_n = n < n_out
-    k = tl.arange(0, BK)
+    k = tl.arange(0, H_PAD)  # the whole stream: one read, no loop
+    live_k = k < H
+    at = n[:, None] * (HC * H) + s * H + k[None, :]  # [BN, H_PAD]
+    w = tl.load(
+        w_ptr + at, mask=live_n[:, None] & live_k[None, :], other=0.0
+    )  # no kernel writes the weights:
+    nw = tl.load(nw_ptr + s * H + k, mask=live_k, other=0.0).to(tl.float32)  # loaded before the wait
     gdc_enter(GDC)
-    stream = x_ptr + (t * HC + s) * H
     weight = 0.0
     if INJECT:  # the streams are x + y ⊗ 2σ(logit / hc), hc_inject's, applied as they are read
         weight = _inject_weight(inject_ptr, t, s, inject_stride, part_stride, HC, PARTS)
-    squares = tl.zeros((BK,), dtype=tl.float32)
-    for k0 in range(0, H, BK):  # the stream's mean square (every program: its 5 KB again, from L2)
-        xs = _stream_block(stream, y_ptr + t * H, k0 + k, weight, new_ptr, H, INJECT)
-        squares += xs * xs
-    scale = tl.math.rsqrt(tl.sum(squares, axis=0) / H + eps)
+    xs = _stream_block(x_ptr + (t * HC + s) * H, y_ptr + t * H, k, weight, new_ptr, H, INJECT)  # [H_PAD]
+    if INJECT:  # noqa: SIM102  (a static branch around a runtime one)
+        if nb == 0:  # one program a stream writes the injected streams: hc_mix_up and hc_inject read them
+            tl.store(new_ptr + (t * HC + s) * H + k, xs.to(new_ptr.dtype.element_ty), mask=live_k)
+    scale = tl.math.rsqrt(tl.sum(xs * xs, axis=0) / H + eps)
     tl.store(scale_ptr + t * HC + s, scale, mask=nb == 0)
-    acc = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        live_k = k0 + k < H
-        xs = _stream_block(stream, y_ptr + t * H, k0 + k, weight, new_ptr, H, INJECT)
-        if INJECT:  # noqa: SIM102  (a static branch around a runtime one)
-            if nb == 0:  # one program a stream writes the injected streams: hc_mix_up and hc_inject read them
-                tl.store(new_ptr + (t * HC + s) * H + k0 + k, xs.to(new_ptr.dtype.element_ty), mask=live_k)
-        xs = xs * scale * (1.0 + tl.load(nw_ptr + s * H + k0 + k, mask=live_k, other=0.0).to(tl.float32))
-        at = n[:, None] * (HC * H) + s * H + (k0 + k)[None, :]  # [BN, BK]
-        w = tl.load(w_ptr + at, mask=live_n[:, None] & live_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xs[None, :], axis=1)
+    acc = tl.sum(w.to(tl.float32) * (xs * (1.0 + nw))[None, :], axis=1) * scale  # the norm's scale after
     tl.store(out_ptr + (s * rows + t) * n_out + n, acc, mask=live_n)
 
 
@@ -223,18 +218,26 @@ def _stream_block(stream, y_row, cols, weight, new_ptr, H: tl.constexpr, INJECT:
     return xs
 
 
+PROJECT_TILE = 16384
+"""Most weight elements a `hc_project` program holds in registers ([block_n, H] padded: 64 a thread at 8
+warps); a wider stream takes fewer columns a program."""
+
+
 def hc_project(
     streams: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, hc: int,
-    block_n: int = 4, block_k: int = 1024, num_warps: int = 8,
-    inject: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_n: int = 4, num_warps: int = 8, inject: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A few rows' hyper-connection input projection from the raw streams [T, hc·H]: hc_norm's normalised
     streams (weight (1 + norm_weight)) times weight [N, hc·H]ᵀ → (the product's partial sums over each
     stream's columns [hc, T, N] fp32 — their sum is the product; hc_mix_up and hc_inject add them as they
     read them —, each stream's scale rsqrt(mean(x²) + eps) [T, hc] fp32, for hc_mix_up, and the streams).
     The norm is applied as the streams are read: no normalised copy, and one launch where a decode step ran
-    hc_norm, cuBLAS's split-K GEMV and its reduction. A program a stream and `block_n` columns: the split
-    over streams gives the GEMV hc times the programs, which the weight's read rate needs at one row.
+    hc_norm, cuBLAS's split-K GEMV and its reduction. A program a stream and `block_n` columns (fewer for a
+    stream wider than PROJECT_TILE / block_n): the split over streams gives the GEMV hc times the programs,
+    which the weight's read rate needs at one row. Each program loads its whole weight tile before it waits
+    for the kernel before it (pdl.py), then reads its stream once: the norm's scale multiplies the product
+    after the sum, so the stream's mean square and the product come from one pass (a program's weight reads
+    overlap the previous kernel's tail, and none waits on the norm).
 
     `inject` (the previous sublayer's output [T, H] and its inject logits, as hc_inject takes them): the
     streams are first `hc_inject(streams, *inject)`, applied as they are read and written by the kernel
@@ -242,6 +245,9 @@ def hc_project(
     t, width = streams.shape
     n_out = weight.shape[0]
     assert weight.is_contiguous() and weight.shape[1] == width and width % hc == 0
+    h_pad = triton.next_power_of_2(width // hc)
+    assert h_pad <= PROJECT_TILE, f"streams of {width // hc}: at most {PROJECT_TILE}"
+    block_n = min(block_n, PROJECT_TILE // h_pad)
     out = torch.empty((hc, t, n_out), dtype=torch.float32, device=streams.device)
     scales = torch.empty((t, hc), dtype=torch.float32, device=streams.device)
     streams = streams.contiguous()
@@ -252,7 +258,7 @@ def hc_project(
         y, parts, new = streams, streams[None], streams  # (unread without INJECT)
     _project_kernel[(t, triton.cdiv(n_out, block_n), hc)](
         streams, norm_weight, weight, out, scales, t, n_out, eps, y, parts, new, parts.stride(1),
-        parts.stride(0), HC=hc, H=width // hc, BN=block_n, BK=block_k, INJECT=inject is not None,
+        parts.stride(0), HC=hc, H=width // hc, H_PAD=h_pad, BN=block_n, INJECT=inject is not None,
         PARTS=parts.shape[0], num_warps=num_warps, **launch(streams.device),
     )  # fmt: skip
     return out, scales, new

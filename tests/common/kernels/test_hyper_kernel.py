@@ -50,7 +50,7 @@ def test_project_and_mix_up_from_raw_streams(rows: int) -> None:
         name: t.to(DEVICE)
         for name, t in (("s", streams), ("nw", norm.weight.data), ("w", weight), ("up", up))
     }
-    parts, scales, same = hc_project(on["s"], on["nw"], norm.eps, on["w"], hc, block_n=4, block_k=16)
+    parts, scales, same = hc_project(on["s"], on["nw"], norm.eps, on["w"], hc, block_n=4)
     assert same is on["s"]  # no injection: the streams given
     assert parts.shape == (hc, rows, n_out)  # one partial product a stream
     got = parts.sum(0)
@@ -95,8 +95,8 @@ def test_project_applies_the_previous_injection(dtype: torch.dtype) -> None:
     logits = (torch.randn(hc, rows, 7 + hc, generator=gen)[..., 7:]).to(DEVICE)  # strided partials
     norm_weight, weight = on(hc * hidden, scale=0.2), on(n_out, hc * hidden, scale=0.1)
     injected = hc_inject(streams, out, logits, block=16)
-    want = hc_project(injected, norm_weight, 1e-6, weight, hc, block_n=4, block_k=16)
-    got = hc_project(streams, norm_weight, 1e-6, weight, hc, block_n=4, block_k=16, inject=(out, logits))
+    want = hc_project(injected, norm_weight, 1e-6, weight, hc, block_n=4)
+    got = hc_project(streams, norm_weight, 1e-6, weight, hc, block_n=4, inject=(out, logits))
     assert torch.equal(got[2], injected)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
