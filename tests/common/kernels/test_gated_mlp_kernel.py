@@ -23,5 +23,8 @@ def test_swiglu_down_matches_finish(rows: int) -> None:
     gate, up = fused[:, 3 : 3 + inter], fused[:, 3 + inter :]
     want = mlp.finish(gate, up)
     on = fused.to(DEVICE)
-    got = swiglu_down(on[:, 3 : 3 + inter], on[:, 3 + inter :], mlp.down_proj.weight.to(DEVICE), i_block=64)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    for i_block in (64, None):  # four steps; the whole (padded) width in one
+        got = swiglu_down(
+            on[:, 3 : 3 + inter], on[:, 3 + inter :], mlp.down_proj.weight.to(DEVICE), i_block=i_block
+        )
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
