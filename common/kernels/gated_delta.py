@@ -27,11 +27,20 @@ def _gated_delta_step_kernel(
     qkv_stride, heads_v, group, key_dim,
     DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    gdc_enter(GDC)
     t = tl.program_id(0)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)  # [BV] value columns
     d = tl.arange(0, DK)
+    # Read before the wait (pdl.py: only the kernel just before may still run): the gate projections (the
+    # projection's, before the conv), the slots and the state (this kernel's own, a step ago).
+    beta = tl.sigmoid(tl.load(b_ptr + t * heads_v + h).to(tl.float32))
+    x = tl.load(a_ptr + t * heads_v + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus threshold
+    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    at = state_ptr + ((slot * heads_v + h) * DK + d[:, None]) * DV + cols[None, :]  # [DK, BV]
+    s = tl.load(at) * tl.exp(g)
+    gdc_enter(GDC)  # q, k, v: the causal conv's output, the kernel just before
     row = qkv_ptr + t * qkv_stride
     kh = h // group
     q = tl.load(row + kh * DK + d).to(tl.float32)
@@ -39,15 +48,6 @@ def _gated_delta_step_kernel(
     v = tl.load(row + 2 * key_dim + h * DV + cols).to(tl.float32)
     q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
     k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-
-    beta = tl.sigmoid(tl.load(b_ptr + t * heads_v + h).to(tl.float32))
-    x = tl.load(a_ptr + t * heads_v + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus threshold
-    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
-
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    at = state_ptr + ((slot * heads_v + h) * DK + d[:, None]) * DV + cols[None, :]  # [DK, BV]
-    s = tl.load(at) * tl.exp(g)
     predicted = tl.sum(s * k[:, None], axis=0)  # [BV]
     s = s + k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(at, s)

@@ -1,7 +1,9 @@
 """Programmatic dependent launch for the decode kernels (Hopper on): a kernel launched with it may start while
 the kernel before it in the stream finishes, its programs resident and their prologue done, then wait in
 `gdc_enter` (griddepcontrol.wait: the earlier grids complete, their writes visible) before they read
-anything an earlier kernel wrote. Weights no earlier kernel writes may be loaded before the wait.
+anything the kernel just before wrote. Weights no earlier kernel writes may be loaded before the wait, and so
+may the outputs of kernels further back: the kernel just before lets this one launch only after its own wait
+(`gdc_enter` waits, then triggers), so everything before it has completed.
 
 Why: a decode step is ~1,400 small kernels (decode-allfit at a02f295); a GEMV of a few MB takes ~4-6 µs of
 which ~2 are its launch, ramp and tail, and the HBM sits idle between kernels. With PDL the next kernel's
