@@ -122,18 +122,21 @@ def _mix_up_kernel(
     rows = s[:, None] * hidden + i[None, :]  # [HC, BLOCK]
     tile = live[None, :, None] & live_r[None, None, :]
     at = rows[:, :, None] * rank + r[None, None, :]  # [HC, BLOCK, R_PAD]
-    w = tl.load(w_ptr + at, mask=tile, other=0.0)  # no kernel writes it: loaded before the wait
+    w = tl.load(w_ptr + at, mask=tile, other=0.0)  # no kernel writes the weights: loaded before the wait
+    if NORM:
+        nw = tl.load(nw_ptr + rows, mask=live[None, :], other=0.0).to(tl.float32)
     gdc_enter(GDC)
+    # Every read of the kernel before's outputs issued at once (one round trip, not one before the gate's
+    # sum and one after it).
+    x = tl.load(x_ptr + t * HC * hidden + rows, mask=live[None, :], other=0.0).to(tl.float32)
+    if NORM:  # x is the raw streams: their norm here, from the scales hc_project wrote
+        x = x * tl.load(scale_ptr + t * HC + s)[:, None] * (1.0 + nw)
     d = tl.zeros((R_PAD,), dtype=tl.float32)
     for p in range(PARTS):  # hc_project's partial products, one a stream
         d += tl.load(down_ptr + p * part_stride + t * down_stride + r, mask=live_r, other=0.0).to(tl.float32)
     d = d / HC
     d = d / (1.0 + tl.exp(-d))  # [R_PAD] silu(down / hc)
     gate = tl.sigmoid(tl.sum(w.to(tl.float32) * d[None, None, :], axis=2))  # [HC, BLOCK] σ(up)
-    x = tl.load(x_ptr + t * HC * hidden + rows, mask=live[None, :], other=0.0).to(tl.float32)
-    if NORM:  # x is the raw streams: their norm here, from the scales hc_project wrote
-        nw = tl.load(nw_ptr + rows, mask=live[None, :], other=0.0).to(tl.float32)
-        x = x * tl.load(scale_ptr + t * HC + s)[:, None] * (1.0 + nw)
     acc = tl.sum(gate * x, axis=0)
     tl.store(out_ptr + t * hidden + i, (acc / HC).to(out_ptr.dtype.element_ty), mask=live)
 
