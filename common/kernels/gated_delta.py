@@ -24,23 +24,25 @@ from common.kernels.pdl import gdc_enter, launch
 @triton.jit
 def _gated_delta_step_kernel(
     qkv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, out_ptr,
-    qkv_stride, heads_v, group, key_dim,
-    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, GDC: tl.constexpr,
+    qkv_stride, a_stride, b_stride, heads_v, group, key_dim,
+    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, EARLY_GATES: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)  # [BV] value columns
     d = tl.arange(0, DK)
-    # Read before the wait (pdl.py: only the kernel just before may still run): the gate projections (the
-    # projection's, before the conv), the slots and the state (this kernel's own, a step ago).
-    beta = tl.sigmoid(tl.load(b_ptr + t * heads_v + h).to(tl.float32))
-    x = tl.load(a_ptr + t * heads_v + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus threshold
-    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+    # Read before the wait (pdl.py: only the kernel just before may still run): the slots, the state (this
+    # kernel's own, a step ago) and, with EARLY_GATES, the gate projections (the input projection's, from
+    # before the conv; without, copies of them may be the kernels just before).
     slot = tl.load(slots_ptr + t).to(tl.int64)
     at = state_ptr + ((slot * heads_v + h) * DK + d[:, None]) * DV + cols[None, :]  # [DK, BV]
-    s = tl.load(at) * tl.exp(g)
+    s = tl.load(at)
+    if EARLY_GATES:
+        g, beta = _gates(a_ptr + t * a_stride + h, b_ptr + t * b_stride + h, a_log_ptr + h, dt_bias_ptr + h)
     gdc_enter(GDC)  # q, k, v: the causal conv's output, the kernel just before
+    if not EARLY_GATES:
+        g, beta = _gates(a_ptr + t * a_stride + h, b_ptr + t * b_stride + h, a_log_ptr + h, dt_bias_ptr + h)
+    s = s * tl.exp(g)
     row = qkv_ptr + t * qkv_stride
     kh = h // group
     q = tl.load(row + kh * DK + d).to(tl.float32)
@@ -52,6 +54,15 @@ def _gated_delta_step_kernel(
     s = s + k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(at, s)
     tl.store(out_ptr + (t * heads_v + h) * DV + cols, tl.sum(s * q[:, None], axis=0))
+
+
+@triton.jit
+def _gates(a_at, b_at, a_log_at, dt_bias_at):
+    """Head h's decay g = −exp(A_log)·softplus(a + dt_bias) and write strength β = σ(b), fp32."""
+    beta = tl.sigmoid(tl.load(b_at).to(tl.float32))
+    x = tl.load(a_at).to(tl.float32) + tl.load(dt_bias_at).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus threshold
+    return -tl.exp(tl.load(a_log_at).to(tl.float32)) * softplus, beta
 
 
 def gated_delta_step(
@@ -66,7 +77,8 @@ def gated_delta_step(
     block_v: int = 32,
 ) -> torch.Tensor:
     """One token per sequence: qkv [T, 2·Hk·Dk + Hv·Dv] (the convolved, activated projections: q, k, v
-    heads back to back), a, b [T, Hv] (the gate projections, before softplus / sigmoid), a_log, dt_bias [Hv],
+    heads back to back), a, b [T, Hv] (the gate projections, before softplus / sigmoid; rows may be strided),
+    a_log, dt_bias [Hv],
     state [S, Hv, Dk, Dv] fp32 (sequence t's at slots[t], updated in place) → o [T, Hv, Dv] fp32."""
     t = qkv.shape[0]
     qkv = qkv.contiguous()  # a conv's output may come transposed
@@ -75,10 +87,11 @@ def gated_delta_step(
     if dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"head dims must be powers of two, got Dk={dk}, Dv={dv}")
     out = torch.empty((t, heads_v, dv), dtype=torch.float32, device=qkv.device)
+    early = a.stride(1) == 1 and b.stride(1) == 1  # rows of a fused projection: read in place, no copy
+    a, b = (a, b) if early else (a.contiguous(), b.contiguous())
     grid = (t, heads_v, dv // block_v)
     _gated_delta_step_kernel[grid](
-        qkv, a.contiguous(), b.contiguous(), a_log, dt_bias, state, slots, out,
-        qkv.stride(0), heads_v, heads_v // heads_k, heads_k * dk, DK=dk, DV=dv, BV=block_v,
-        **launch(qkv.device),
+        qkv, a, b, a_log, dt_bias, state, slots, out, qkv.stride(0), a.stride(0), b.stride(0), heads_v,
+        heads_v // heads_k, heads_k * dk, DK=dk, DV=dv, BV=block_v, EARLY_GATES=early, **launch(qkv.device),
     )  # fmt: skip
     return out

@@ -61,7 +61,7 @@ def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> G
         return None
     dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
     bn, bk = (32, 256) if dot else (16, 512)
-    bk = SCALE_BLOCK if fp8 else min(bk, triton.next_power_of_2(k))
+    bk = SCALE_BLOCK if fp8 else min(bk, max(16, triton.next_power_of_2(k)))  # a dot's K: at least 16
     splits = min(triton.cdiv(k, bk), triton.cdiv(PROGRAMS * _sms(device), triton.cdiv(n, bn)))
     return GemvConfig(bn=bn, bk=bk, splits=max(1, splits))
 
@@ -168,7 +168,7 @@ def gemv(
     bias_arg = bias if bias is not None else weight
     _gemv_kernel[(triton.cdiv(n, cfg.bn), splits)](
         x.contiguous(), weight, scale if scale is not None else weight, bias_arg, part, m, n, k, chunk,
-        M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(m), BN=cfg.bn, BK=bk, DOT=dot,
+        M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(max(m, 1)), BN=cfg.bn, BK=bk, DOT=dot,
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device),

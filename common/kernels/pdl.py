@@ -3,7 +3,9 @@ the kernel before it in the stream finishes, its programs resident and their pro
 `gdc_enter` (griddepcontrol.wait: the earlier grids complete, their writes visible) before they read
 anything the kernel just before wrote. Weights no earlier kernel writes may be loaded before the wait, and so
 may the outputs of kernels further back: the kernel just before lets this one launch only after its own wait
-(`gdc_enter` waits, then triggers), so everything before it has completed.
+(`gdc_enter` waits, then triggers) or, if it does not take part (torch's, cuBLAS's), once its programs have
+exited (their writes not yet promised visible) — and it started only after the kernels before it completed.
+So the kernel just before must be known: a torch copy inserted before a launch (`.contiguous()`) becomes it.
 
 Why: a decode step is ~1,400 small kernels (decode-allfit at a02f295); a GEMV of a few MB takes ~4-6 µs of
 which ~2 are its launch, ramp and tail, and the HBM sits idle between kernels. With PDL the next kernel's

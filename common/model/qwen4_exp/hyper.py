@@ -136,8 +136,12 @@ class HyperConnection(nn.Module):
 
     def _project_fits(self, streams: torch.Tensor) -> bool:
         """Whether a pass runs `hc_project` (norm and input projection in one kernel) before the mix-up
-        kernel: as `_mix_up_fits`, with the mix-down and inject weights fused in one plain weight."""
-        return self.project_kernel and plain_linear(self.fused_in) and self._mix_up_fits(streams)
+        kernel: as `_mix_up_fits`, with the mix-down and inject weights fused in one plain weight, and
+        streams no wider than a program's tile (PROJECT_TILE)."""
+        from common.kernels.hyper import PROJECT_TILE
+
+        narrow = streams.shape[-1] // self.hc <= PROJECT_TILE
+        return self.project_kernel and narrow and plain_linear(self.fused_in) and self._mix_up_fits(streams)
 
     def forward(self, streams: Streams, sublayer, defer: bool = False) -> Streams:
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight; with `defer`,

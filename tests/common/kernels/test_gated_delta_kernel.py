@@ -35,9 +35,19 @@ def test_fused_step_matches_torch(heads_k: int, heads_v: int, dk: int, dv: int) 
     )
 
     on = lambda x: x.to(DEVICE)
-    got_state = on(state.clone())
-    got = gated_delta_step(on(qkv), on(a), on(b), on(a_log), on(dt_bias), got_state, on(slots), heads_k, 16)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_state.cpu()[slots], want_state, rtol=1e-4, atol=1e-4)
-    untouched = torch.tensor([1, 3])
-    assert torch.equal(got_state.cpu()[untouched], state[untouched])
+    # a and b as they come: contiguous, rows of a fused projection's output (read in place), or with
+    # strided columns (copied first)
+    fused = on(torch.cat([a, b, torch.zeros(t, 3)], dim=1))
+    wide = on(torch.stack([a, b], dim=-1))  # [T, Hv, 2]: a and b with a column stride of 2
+    gates = [
+        (on(a), on(b)),
+        (fused[:, :heads_v], fused[:, heads_v : 2 * heads_v]),
+        (wide[..., 0], wide[..., 1]),
+    ]
+    for ga, gb in gates:
+        got_state = on(state.clone())
+        got = gated_delta_step(on(qkv), ga, gb, on(a_log), on(dt_bias), got_state, on(slots), heads_k, 16)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_state.cpu()[slots], want_state, rtol=1e-4, atol=1e-4)
+        untouched = torch.tensor([1, 3])
+        assert torch.equal(got_state.cpu()[untouched], state[untouched])

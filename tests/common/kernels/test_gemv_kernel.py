@@ -59,6 +59,19 @@ def test_plain_weight_matches_linear(rows: int, k: int, dtype: torch.dtype) -> N
         torch.testing.assert_close(gemv(x, w, b, config=cfg).float(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
+def test_no_rows_and_short_inputs() -> None:
+    """No rows give an empty product; K below a tensor-core dot's 16 still runs at `choose`'s shape."""
+    from common.kernels.gemv import choose
+
+    w = torch.randn(24, 40, device=DEVICE)
+    assert gemv(torch.empty(0, 40, device=DEVICE), w).shape == (0, 24)
+    short = torch.randn(24, 8, device=DEVICE)
+    x = torch.randn(4, 8, device=DEVICE)
+    cfg = choose(4, 24, 8, x.device)
+    assert cfg.bk >= 16
+    torch.testing.assert_close(gemv(x, short, config=cfg), F.linear(x, short), rtol=1e-4, atol=1e-4)
+
+
 def test_choose_leaves_large_weights_to_cublas_and_fills_the_sms() -> None:
     from common.kernels.gemv import CUBLAS_ROWS, choose
 
