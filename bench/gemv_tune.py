@@ -53,16 +53,19 @@ def projections() -> dict[str, tuple[int, int, int]]:
     }
 
 
-def settings(n: int, k: int) -> list[GemvConfig]:
+def settings(n: int, k: int, rows: int) -> list[GemvConfig]:
     """The grid: rows a program, inputs a step, chunks of K, warps and stages (a few for a weight `choose`
-    leaves to cuBLAS: do they confirm it?)."""
+    leaves to cuBLAS: do they confirm it?); below the tensor cores' default rows, each on the tensor cores
+    too (x padded to 16 rows: the MMA reduces, where the CUDA cores' sum takes shuffles: sass_census
+    --step)."""
     if n >= CUBLAS_ROWS:
         grid = itertools.product((16, 32), (512,), (1, 2), (4, 8), (2,))
     else:
         grid = itertools.product((16, 32), (256, 512), (1, 2, 3, 4, 5, 6, 8, 10), (4, 8), (1, 2))
+    dots = (GemvConfig.dot_rows, 1) if rows < GemvConfig.dot_rows else (GemvConfig.dot_rows,)
     return [
-        GemvConfig(bn=bn, bk=bk, splits=splits, warps=w, stages=st)
-        for bn, bk, splits, w, st in grid
+        GemvConfig(bn=bn, bk=bk, splits=splits, warps=w, stages=st, dot_rows=dot)
+        for (bn, bk, splits, w, st), dot in itertools.product(grid, dots)
         if splits <= k // bk
     ]
 
@@ -76,7 +79,8 @@ def time_calls(run, weights: list[torch.Tensor], x: torch.Tensor) -> float:
 def label(cfg: GemvConfig | None) -> str:
     if cfg is None:
         return "cuBLAS"
-    return f"bn {cfg.bn:>2} bk {cfg.bk:>3} splits {cfg.splits:>2} warps {cfg.warps} stages {cfg.stages}"
+    text = f"bn {cfg.bn:>2} bk {cfg.bk:>3} splits {cfg.splits:>2} warps {cfg.warps} stages {cfg.stages}"
+    return text + (" dot" if cfg.dot_rows == 1 else "")
 
 
 def tune_shape(name: str, n: int, k: int, rows: int, hbm: float) -> tuple[float, float]:
@@ -89,7 +93,7 @@ def tune_shape(name: str, n: int, k: int, rows: int, hbm: float) -> tuple[float,
     cublas = time_calls(F.linear, weights, x)
     chosen = choose(rows, n, k, x.device)
     timed = []
-    for cfg in [chosen, *settings(n, k)] if chosen is not None else settings(n, k):
+    for cfg in [chosen, *settings(n, k, rows)] if chosen is not None else settings(n, k, rows):
         try:
             err = (gemv(x, weights[0], config=cfg).float() - want).abs().max().item()
             us = time_calls(lambda x, w, cfg=cfg: gemv(x, w, config=cfg), weights, x)

@@ -14,7 +14,11 @@ issue; the GPU times them (bench.moe_int4_tune).
 the launch shapes hc_project and hc_mix_up default to): in a decode-allfit step on the H200 (a02f295)
 mix-up ran 5.65 µs a sublayer and the projection 5.2, ~3.5× their estimates.
 
-    python -m bench.sass_census [--shape BLOCK GROUPS WARPS] [--down BLOCK GROUPS WARPS] [--words] [--hc]
+`--step`: the step's other decode kernels (the GEMV, the router, the shared expert's down, the Gated DeltaNet
+step) at flashnext's shapes. Each kernel's registers and local memory (spills) are reported beside its SASS.
+
+    python -m bench.sass_census [--shape BLOCK GROUPS WARPS] [--down BLOCK GROUPS WARPS] [--words]
+    python -m bench.sass_census --hc | --step
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, replace
 
+import torch
 import triton
 import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
@@ -53,6 +58,10 @@ class Census:
     """Layout conversions in its TTGIR."""
     opcodes: Counter
     """Instructions by opcode (without modifiers)."""
+    registers: int
+    """Registers a thread (ptxas's allocation: with the warps, how many programs an SM holds)."""
+    local: int
+    """Local memory a thread, bytes: registers spilled (0 unless ptxas ran out)."""
 
 
 def compile_sm90(fn, signature: dict[str, str], constants: dict, num_warps: int, divisible: tuple[str, ...]):
@@ -72,17 +81,21 @@ def compile_sm90(fn, signature: dict[str, str], constants: dict, num_warps: int,
 
 
 def census(kernel) -> Census:
-    """The SASS of a compiled kernel (cuobjdump from Triton's wheel), counted."""
+    """The SASS of a compiled kernel (cuobjdump from Triton's wheel), counted, and its resource usage."""
     tools = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        sass = subprocess.run(
-            [os.path.join(tools, "cuobjdump"), "-sass", cubin.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        dump = lambda flag: (
+            subprocess.run(
+                [os.path.join(tools, "cuobjdump"), flag, cubin.name],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        sass, usage = dump("-sass"), dump("-res-usage")
+    registers, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
     found = [m for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
     addresses = [int(m.group(1), 16) for m in found]
     loop = 0
@@ -91,7 +104,8 @@ def census(kernel) -> Census:
         if m.group(3).startswith("BRA") and target and int(target.group(1), 16) < addresses[i]:
             loop = i - addresses.index(int(target.group(1), 16)) + 1
     opcodes = Counter(m.group(3).split(".")[0] for m in found)
-    return Census(len(found), loop, kernel.asm["ttgir"].count("convert_layout"), opcodes)
+    conversions = kernel.asm["ttgir"].count("convert_layout")
+    return Census(len(found), loop, conversions, opcodes, registers, local)
 
 
 _COMMON = {"hw_ptr": "*u8", "hs_ptr": "*bf16", "hz_ptr": "*u8", "fill_ptr": "*i64", "valid_ptr": "*i1"}
@@ -139,7 +153,7 @@ def _issue_us(programs: int, warps: int, instructions: int) -> float:
 
 def hc_census() -> dict[str, tuple[Census, float]]:
     """hc_project's and hc_mix_up's census for one row at their default launch shapes (project: 4 columns,
-    1,024 inputs a step, 8 warps; mix-up: 8 columns, 4 warps), each with its estimated issue time (µs)."""
+    the whole stream, 8 warps; mix-up: 8 columns, 4 warps), each with its estimated issue time (µs)."""
     n_out = RANK + HC  # the fused mix-down and inject projection
     project = {
         "x_ptr": "*bf16",
@@ -151,9 +165,10 @@ def hc_census() -> dict[str, tuple[Census, float]]:
     project |= {"rows": "i32", "n_out": "i32", "eps": "fp32"}
     project |= {"y_ptr": "*bf16", "inject_ptr": "*fp32", "new_ptr": "*bf16", "inject_stride": "i32"}
     project["part_stride"] = "i32"
-    constants = {"HC": HC, "H": HIDDEN, "BN": 4, "BK": 1024, "INJECT": True, "PARTS": HC, "GDC": False}
+    h_pad = triton.next_power_of_2(HIDDEN)
+    constants = {"HC": HC, "H": HIDDEN, "H_PAD": h_pad, "BN": 4, "INJECT": True, "PARTS": HC, "GDC": False}
     c = census(compile_sm90(hyper._project_kernel, project, constants, 8, ()))  # the previous injection in it
-    out = {"hc_project": (c, _issue_us(-(-n_out // 4) * HC, 8, c.total))}  # (its loops unroll: H constexpr)
+    out = {"hc_project": (c, _issue_us(-(-n_out // 4) * HC, 8, c.total))}  # (no loop: one read a stream)
     mix_up = {
         "down_ptr": "*fp32",
         "w_ptr": "*bf16",
@@ -168,6 +183,47 @@ def hc_census() -> dict[str, tuple[Census, float]]:
     return out
 
 
+def step_census() -> dict[str, tuple[Census, float]]:
+    """The rest of a decode step's Triton kernels at flashnext's shapes and default launches, one row (the
+    GEMV also at eight), each with its estimated issue time (µs): the GEMV on the MoE input projection
+    (1,800 × 2,560 in five chunks), its chunks' sum, the router (512 experts, top-10), the shared expert's
+    SwiGLU + down (640 → 2,560) and the Gated DeltaNet step (48 value heads of 128 × 128)."""
+    from common.kernels import gated_delta, gated_mlp, gemv, routing
+
+    gdc = {"GDC": True}
+    product = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*fp32"}
+    product |= {"m": "i32", "n": "i32", "k": "i32", "k_chunk": "i32"}
+    plain = {"EVEN_K": True, "HAS_SCALE": False, "HAS_BIAS": False, "PARTIAL": True, "PRECISION": "tf32"}
+    moe_in, splits = 1800, 5
+    kernels = {}
+    for rows in (1, 8):
+        cfg = gemv.choose(rows, moe_in, HIDDEN, torch.device("cpu"))
+        dot = rows >= cfg.dot_rows
+        shape = {"M_PAD": 16 if dot else rows, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot} | plain | gdc
+        programs = -(-moe_in // cfg.bn) * cfg.splits
+        kernels[f"gemv {rows}"] = (gemv._gemv_kernel, product, shape, cfg.warps, ("k", "k_chunk"), programs)
+    chunks = {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32", "n": "i32"}
+    shape = {"SPLITS": splits, "BLOCK": 256, "HAS_BIAS": False} | gdc
+    kernels["gemv sum"] = (gemv._sum_chunks_kernel, chunks, shape, 4, (), -(-moe_in // 256))
+    route = {"logits_ptr": "*fp32", "weights_ptr": "*i16", "ids_ptr": "*i64", "experts": "i32"}
+    shape = {"K": TOP_K, "KB": 16, "BLOCK": 512, "NORMALIZE": True, "BF16": True} | gdc
+    kernels["route"] = (routing._route_kernel, route, shape, routing.ROUTE_WARPS, (), 1)
+    down = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "hidden": "i32"}
+    down |= {"gate_stride": "i32", "up_stride": "i32"}
+    shape = {"INTER": INTER, "BLOCK": 8, "I_BLOCK": 1024} | gdc
+    kernels["swiglu_down"] = (gated_mlp._swiglu_down_kernel, down, shape, 4, (), HIDDEN // 8)
+    step = {"qkv_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*fp32"}
+    step |= {"dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64", "out_ptr": "*fp32"}
+    step |= dict.fromkeys(("qkv_stride", "a_stride", "b_stride", "heads_v", "group", "key_dim"), "i32")
+    shape = {"DK": 128, "DV": 128, "BV": 32, "EARLY_GATES": True} | gdc
+    kernels["gated_delta"] = (gated_delta._gated_delta_step_kernel, step, shape, 4, (), 48 * 4)
+    out = {}
+    for name, (fn, signature, constants, warps, divisible, programs) in kernels.items():
+        c = census(compile_sm90(fn, signature, constants, warps, divisible))
+        out[name] = (c, _issue_us(programs, warps, c.total))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
@@ -175,6 +231,9 @@ def main() -> None:
     ap.add_argument("--words", action="store_true")
     ap.add_argument("--json", action="store_true", help="one JSON object: config → kernel → counts")
     ap.add_argument("--hc", action="store_true", help="the hyper-connection decode kernels instead")
+    ap.add_argument(
+        "--step", action="store_true", help="the step's other decode kernels instead (step_census)"
+    )
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("TRITON_INTERPRET=1 makes the kernels interpreted: nothing to compile")
@@ -190,19 +249,26 @@ def main() -> None:
         configs = {"given": given}
     if args.hc:
         configs = {"hyper-connections": None}
+    if args.step:
+        configs = {"step": None}
     report = {}
     for label, config in configs.items():
         report[label] = {}
         if not args.json:
             print(f"{label}: {config}" if config else label)
-        kernels = hc_census() if config is None else int4_decode_census(config)
+        if config is None:
+            kernels = step_census() if label == "step" else hc_census()
+        else:
+            kernels = int4_decode_census(config)
         for name, (c, issue_us) in kernels.items():
             report[label][name] = {"total": c.total, "loop": c.loop, "conversions": c.conversions,
-                                   "issue_us": issue_us, "opcodes": dict(c.opcodes)}  # fmt: skip
+                                   "issue_us": issue_us, "opcodes": dict(c.opcodes),
+                                   "registers": c.registers, "local": c.local}  # fmt: skip
             if not args.json:
                 top = ", ".join(f"{op} {n}" for op, n in c.opcodes.most_common(6))
                 counts = f"{c.total} instructions, loop {c.loop}, {c.conversions} layout conversions"
-                print(f"  {name:>7}: {counts}, ~{issue_us:.1f} µs of issue a call; {top}")
+                held = f"{c.registers} registers, {c.local} B local"
+                print(f"  {name:>7}: {counts}, {held}, ~{issue_us:.1f} µs of issue a call; {top}")
     if args.json:
         print(json.dumps(report))
 
