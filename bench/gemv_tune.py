@@ -55,14 +55,13 @@ def projections() -> dict[str, tuple[int, int, int]]:
 
 def settings(n: int, k: int, rows: int) -> list[GemvConfig]:
     """The grid: rows a program, inputs a step, chunks of K, warps and stages (a few for a weight `choose`
-    leaves to cuBLAS: do they confirm it?); below the tensor cores' default rows, each on the tensor cores
-    too (x padded to 16 rows: the MMA reduces, where the CUDA cores' sum takes shuffles: sass_census
-    --step)."""
+    leaves to cuBLAS: do they confirm it?); at one or two rows, each on the CUDA cores too (a broadcast and
+    a sum instead of the tensor cores' dot of x padded to 16 rows)."""
     if n >= CUBLAS_ROWS:
         grid = itertools.product((16, 32), (512,), (1, 2), (4, 8), (2,))
     else:
         grid = itertools.product((16, 32), (256, 512), (1, 2, 3, 4, 5, 6, 8, 10), (4, 8), (1, 2))
-    dots = (GemvConfig.dot_rows, 1) if rows < GemvConfig.dot_rows else (GemvConfig.dot_rows,)
+    dots = (1, 3) if rows < 3 else (1,)  # dot_rows 3: one or two rows on the CUDA cores
     return [
         GemvConfig(bn=bn, bk=bk, splits=splits, warps=w, stages=st, dot_rows=dot)
         for (bn, bk, splits, w, st), dot in itertools.product(grid, dots)
@@ -80,7 +79,7 @@ def label(cfg: GemvConfig | None) -> str:
     if cfg is None:
         return "cuBLAS"
     text = f"bn {cfg.bn:>2} bk {cfg.bk:>3} splits {cfg.splits:>2} warps {cfg.warps} stages {cfg.stages}"
-    return text + (" dot" if cfg.dot_rows == 1 else "")
+    return text + (" cuda cores" if cfg.dot_rows > 1 else "")
 
 
 def tune_shape(name: str, n: int, k: int, rows: int, hbm: float) -> tuple[float, float]:

@@ -5,15 +5,20 @@ row and block of 128 inputs (common/model/fp8_linear.py), converted in registers
 Why not cuBLAS everywhere: at one row its kernels are sized for GEMMs. For flashnext's MoE input projection
 (router and shared expert, 1,800 × 2,560: 9 MB, ~2 µs of HBM) it picks a split-K kernel and a reduction,
 ~12 µs a layer in a decode step (decode-allfit-profile.txt at 81a85af), and its kernels cannot take part in
-programmatic dependent launch (common/kernels/pdl.py), so each pays its launch and ramp in the open. Here a
-program owns BN output rows and one chunk of their inputs, read BK at a time (the first BK before it waits
-for the kernel before it: the weights are no kernel's output): few rows and many chunks give enough programs
-to fill the SMs with loads in flight. With more than one chunk, each program writes its fp32
-partial product and a second kernel sums the chunks in order (deterministic, unlike atomics). One or two rows
-of x are multiplied on the CUDA cores (a broadcast and a sum: no padding), more on the tensor cores (x padded
-to the 16 rows a dot needs). Where cuBLAS reads its weight near the HBM rate (large N), `choose` leaves it
-to cuBLAS. On the H200, decode-allfit ran 171.12 tok/s with it against 168.85 with cuBLAS for every
-projection (bench/results/decode-allfit-gemv-ab.json; `bench.decode_offload --ablate --switches no-gemv`).
+programmatic dependent launch (common/kernels/pdl.py), so each pays its launch and ramp in the open.
+
+Here a program owns BN output rows and one chunk of their inputs, read BK at a time (the first BK before it
+waits for the kernel before it: the weights are no kernel's output): few rows and many chunks give enough
+programs to fill the SMs with loads in flight. With more than one chunk, each program writes its fp32
+partial product and a second kernel sums the chunks in order (deterministic, unlike atomics). The rows of x
+are multiplied on the tensor cores (x padded to the 16 rows a dot needs: masked rows cost no bytes) or, with
+`dot_rows` above them, on the CUDA cores (a broadcast and a sum, whose reduction over K takes shuffles: at
+one row ~1,200 SASS instructions against the dot's ~600, `bench.sass_census --step`; in gemv-tune.txt the
+eight-row dot, an upper bound of the one-row dot's time, matched or beat the one-row sum on every small
+weight: 10.9 µs against 12.4 on the output projections). Where cuBLAS reads its weight near the HBM rate
+(large N), `choose` leaves it to cuBLAS. On the H200 (the one-row sum then), decode-allfit ran 171.12 tok/s
+with it against 168.85 with cuBLAS for every projection (bench/results/decode-allfit-gemv-ab.json;
+`bench.decode_offload --ablate --switches no-gemv`).
 
 Graph-safe (no host sync; shapes alone fix the launch).
 """
@@ -52,7 +57,7 @@ class GemvConfig:
     """Warps a program."""
     stages: int = 2
     """Loop steps whose loads are in flight at once."""
-    dot_rows: int = 3
+    dot_rows: int = 1
     """From this many rows of x on, the tensor cores multiply (below: broadcast and sum)."""
 
 
@@ -61,7 +66,7 @@ def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> G
     if n >= CUBLAS_ROWS and not fp8:
         return None
     dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
-    bn, bk = (32, 256) if dot else (16, 512)
+    bn, bk = (32, 256) if dot else (16, 512)  # each form's best at its measured rows
     bk = SCALE_BLOCK if fp8 else min(bk, max(16, triton.next_power_of_2(k)))  # a dot's K: at least 16
     splits = min(triton.cdiv(k, bk), triton.cdiv(PROGRAMS * _sms(device), triton.cdiv(n, bn)))
     return GemvConfig(bn=bn, bk=bk, splits=max(1, splits))

@@ -52,7 +52,7 @@ def test_plain_weight_matches_linear(rows: int, k: int, dtype: torch.dtype) -> N
     want = F.linear(x.float(), w.float(), b.float())
     configs = (  # one chunk or several (summed by the second kernel), CUDA cores or tensor cores
         GemvConfig(),
-        GemvConfig(bn=32, bk=128, dot_rows=1, splits=2),
+        GemvConfig(bn=32, bk=128, dot_rows=3, splits=2),
         GemvConfig(bn=64, bk=64, dot_rows=16, splits=3),
     )
     for cfg in configs:
