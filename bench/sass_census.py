@@ -184,30 +184,32 @@ def hc_census() -> dict[str, tuple[Census, float]]:
 
 
 def step_census() -> dict[str, tuple[Census, float]]:
-    """The rest of a decode step's Triton kernels at flashnext's shapes and default launches, one row (the
-    GEMV also at eight), each with its estimated issue time (µs): the GEMV on the MoE input projection
-    (1,800 × 2,560 in five chunks), its chunks' sum, the router (512 experts, top-10), the shared expert's
-    SwiGLU + down (640 → 2,560) and the Gated DeltaNet step (48 value heads of 128 × 128)."""
+    """The rest of a decode step's Triton kernels at flashnext's shapes and default launches, one row, each
+    with its estimated issue time (µs): the GEMV on the MoE input projection (1,800 × 2,560) as `choose`
+    launches it and in its CUDA-core form (16 rows a program, 512 inputs a step, x unpadded), its chunks'
+    sum, the router (512 experts, top-10), the shared expert's SwiGLU + down (640 → 2,560) and the Gated
+    DeltaNet step (48 value heads of 128 × 128)."""
     from common.kernels import gated_delta, gated_mlp, gemv, routing
 
     gdc = {"GDC": True}
     product = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*fp32"}
     product |= {"m": "i32", "n": "i32", "k": "i32", "k_chunk": "i32"}
     plain = {"EVEN_K": True, "HAS_SCALE": False, "HAS_BIAS": False, "PARTIAL": True, "PRECISION": "tf32"}
-    moe_in, splits = 1800, 5
+    moe_in = 1800
+    chosen = gemv.choose(1, moe_in, HIDDEN, torch.device("cpu"))
+    cuda_cores = gemv.GemvConfig(bn=16, bk=512, splits=gemv.chunks(HIDDEN, 512, 5)[1], dot_rows=2)
     kernels = {}
-    for rows in (1, 8):
-        cfg = gemv.choose(rows, moe_in, HIDDEN, torch.device("cpu"))
-        dot = rows >= cfg.dot_rows
-        shape = {"M_PAD": 16 if dot else rows, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot} | plain | gdc
+    for name, cfg in (("gemv", chosen), ("gemv cuda cores", cuda_cores)):
+        dot = cfg.dot_rows <= 1
+        shape = {"M_PAD": 16 if dot else 1, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot} | plain | gdc
         programs = -(-moe_in // cfg.bn) * cfg.splits
-        kernels[f"gemv {rows}"] = (gemv._gemv_kernel, product, shape, cfg.warps, ("k", "k_chunk"), programs)
-    chunks = {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32", "n": "i32"}
-    shape = {"SPLITS": splits, "BLOCK": 256, "HAS_BIAS": False} | gdc
-    kernels["gemv sum"] = (gemv._sum_chunks_kernel, chunks, shape, 4, (), -(-moe_in // 256))
-    route = {"logits_ptr": "*fp32", "weights_ptr": "*i16", "ids_ptr": "*i64", "experts": "i32"}
+        kernels[name] = (gemv._gemv_kernel, product, shape, cfg.warps, ("k", "k_chunk"), programs)
+    parts = {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32", "n": "i32"}
+    shape = {"SPLITS": chosen.splits, "BLOCK": 256, "HAS_BIAS": False} | gdc
+    kernels["gemv sum"] = (gemv._sum_chunks_kernel, parts, shape, 4, (), -(-moe_in // 256))
+    route = {"logits_ptr": "*bf16", "weights_ptr": "*i16", "ids_ptr": "*i64", "experts": "i32"}
     shape = {"K": TOP_K, "KB": 16, "BLOCK": 512, "NORMALIZE": True, "BF16": True} | gdc
-    kernels["route"] = (routing._route_kernel, route, shape, routing.ROUTE_WARPS, (), 1)
+    kernels["route"] = (routing._route_kernel, route, shape, routing.ROUTE_WARPS, ("experts",), 1)
     down = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "hidden": "i32"}
     down |= {"gate_stride": "i32", "up_stride": "i32"}
     shape = {"INTER": INTER, "BLOCK": 8, "I_BLOCK": 1024} | gdc

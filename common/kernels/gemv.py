@@ -69,7 +69,13 @@ def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> G
     bn, bk = (32, 256) if dot else (16, 512)  # each form's best at its measured rows
     bk = SCALE_BLOCK if fp8 else min(bk, max(16, triton.next_power_of_2(k)))  # a dot's K: at least 16
     splits = min(triton.cdiv(k, bk), triton.cdiv(PROGRAMS * _sms(device), triton.cdiv(n, bn)))
-    return GemvConfig(bn=bn, bk=bk, splits=max(1, splits))
+    return GemvConfig(bn=bn, bk=bk, splits=chunks(k, bk, max(1, splits))[1])
+
+
+def chunks(k: int, bk: int, splits: int) -> tuple[int, int]:
+    """K cut into about `splits` chunks of whole BK steps → (inputs a chunk, chunks)."""
+    chunk = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    return chunk, triton.cdiv(k, chunk)
 
 
 @functools.cache
@@ -166,8 +172,7 @@ def gemv(
     assert m <= GEMV_ROWS, f"{m} rows: at most {GEMV_ROWS} (larger batches run a GEMM)"
     cfg = config or choose(m, n, k, x.device, scale is not None) or GemvConfig()
     bk = SCALE_BLOCK if scale is not None else cfg.bk
-    chunk = triton.cdiv(triton.cdiv(k, cfg.splits), bk) * bk  # inputs a program: whole BK steps
-    splits = triton.cdiv(k, chunk)
+    chunk, splits = chunks(k, bk, cfg.splits)
     dot = m >= cfg.dot_rows
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y

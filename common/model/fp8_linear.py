@@ -65,7 +65,7 @@ def fp8_linear(
     """x [..., K] through the fp8 weight: a few rows on CUDA by the GEMV kernel (common/kernels/gemv.py: the
     codes read once), else the weight dequantised for one GEMM (prefill: the GEMM's time dwarfs it)."""
     rows = x.numel() // x.shape[-1]
-    if x.is_cuda and rows <= GEMV_ROWS:
+    if x.is_cuda and 0 < rows <= GEMV_ROWS:
         from common.kernels.gemv import gemv  # Triton
 
         y = gemv(x.reshape(rows, -1), codes, bias, scale)

@@ -44,7 +44,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., K] · weightᵀ (+ bias): a few rows on CUDA through the Triton GEMV where it beats cuBLAS
     (common/kernels/gemv.py: `choose`), else F.linear."""
     rows = x.numel() // x.shape[-1]
-    if GEMV and x.is_cuda and rows <= GEMV_ROWS and weight.dtype == x.dtype and weight.is_contiguous():
+    if GEMV and x.is_cuda and 0 < rows <= GEMV_ROWS and weight.dtype == x.dtype and weight.is_contiguous():
         from common.kernels.gemv import choose, gemv  # Triton
 
         config = choose(rows, weight.shape[0], weight.shape[1], x.device)
