@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -25,20 +26,18 @@ class ForwardContext:
     and for layers that rotate at other positions or compute their own (the fused kernels)."""
     rotary_dtype: torch.dtype | None = None
     """The dtype of `cos` and `sin` (the activations')."""
-    _rotation: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def cos(self) -> torch.Tensor:
         """[T, rot_dim] at the batch's positions, computed on first use (a recorded decode step whose kernels
         compute their own never launches the ~9 small kernels)."""
-        return self._rotated()[0]
+        return self._rotation[0]
 
     @property
     def sin(self) -> torch.Tensor:
         """[T, rot_dim], as `cos`."""
-        return self._rotated()[1]
+        return self._rotation[1]
 
-    def _rotated(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rotation is None:
-            self._rotation = self.rotary.cos_sin(self.batch.positions, self.rotary_dtype)
-        return self._rotation
+    @cached_property
+    def _rotation(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary.cos_sin(self.batch.positions, self.rotary_dtype)
