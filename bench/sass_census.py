@@ -153,7 +153,7 @@ def _issue_us(programs: int, warps: int, instructions: int) -> float:
 
 def hc_census() -> dict[str, tuple[Census, float]]:
     """hc_project's and hc_mix_up's census for one row at their default launch shapes (project: 4 columns,
-    the whole stream, 8 warps; mix-up: 8 columns, 4 warps), each with its estimated issue time (µs)."""
+    the whole stream, PROJECT_WARPS; mix-up: 8 columns, 4 warps), each with its estimated issue time (µs)."""
     n_out = RANK + HC  # the fused mix-down and inject projection
     project = {
         "x_ptr": "*bf16",
@@ -167,8 +167,9 @@ def hc_census() -> dict[str, tuple[Census, float]]:
     project["part_stride"] = "i32"
     h_pad = triton.next_power_of_2(HIDDEN)
     constants = {"HC": HC, "H": HIDDEN, "H_PAD": h_pad, "BN": 4, "INJECT": True, "PARTS": HC, "GDC": False}
-    c = census(compile_sm90(hyper._project_kernel, project, constants, 8, ()))  # the previous injection in it
-    out = {"hc_project": (c, _issue_us(-(-n_out // 4) * HC, 8, c.total))}  # (no loop: one read a stream)
+    warps = hyper.PROJECT_WARPS  # the previous injection in it
+    c = census(compile_sm90(hyper._project_kernel, project, constants, warps, ()))
+    out = {"hc_project": (c, _issue_us(-(-n_out // 4) * HC, warps, c.total))}  # (no loop: one read a stream)
     mix_up = {
         "down_ptr": "*fp32",
         "w_ptr": "*bf16",

@@ -38,7 +38,13 @@ from common.model.fused_linear import GEMV_ROWS
 SCALE_BLOCK = 128
 """Inputs per fp8 scale (fp8_linear.BLOCK_K): an fp8 weight's BK."""
 CUBLAS_ROWS = 8192
-"""Weights of at least this many output rows stay with cuBLAS (bf16; it reads them at ~90 % of HBM)."""
+"""Weights of at least this many output rows stay with cuBLAS from two rows on (bf16; it reads them at ~88 %
+of HBM, the GEMV at ~65-70 % at eight rows). At one row the GEMV takes them (`LARGE_ONE_ROW`)."""
+LARGE_ONE_ROW = True
+"""At one row, a bf16 weight of CUBLAS_ROWS rows and more runs one chunk a program (bn 32, bk 512): it read
+GDN's input projection (16,480 × 2,560) at 91 % of HBM on the H200 against cuBLAS's 89 %, QSA's at 84 against
+86 % (gemv-tune.txt), and unlike cuBLAS it lets the kernel after it launch early (pdl.py). False: cuBLAS (the
+benchmark's `cublas-large` switch). Switch before a pass is recorded."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
@@ -64,12 +70,20 @@ class GemvConfig:
 def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> GemvConfig | None:
     """The launch shape for x [m, k] · W [n, k]ᵀ, or None: cuBLAS (a large bf16 weight)."""
     if n >= CUBLAS_ROWS and not fp8:
-        return None
+        return GemvConfig(bn=32, bk=512, splits=1) if m == 1 and LARGE_ONE_ROW else None
     dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
     bn, bk = (32, 256) if dot else (16, 512)  # each form's best at its measured rows
     bk = SCALE_BLOCK if fp8 else min(bk, max(16, triton.next_power_of_2(k)))  # a dot's K: at least 16
-    splits = min(triton.cdiv(k, bk), triton.cdiv(PROGRAMS * _sms(device), triton.cdiv(n, bn)))
-    return GemvConfig(bn=bn, bk=bk, splits=chunks(k, bk, max(1, splits))[1])
+    steps = triton.cdiv(k, bk)
+    # From two rows on, a chunk of one step loses: the sums' kernel reads splits × rows partial products
+    # (the MoE input projection at eight rows: 7.60 µs in ten chunks, 5.87 in five).
+    splits = min(
+        steps if m == 1 else triton.cdiv(steps, 2), triton.cdiv(PROGRAMS * _sms(device), triton.cdiv(n, bn))
+    )
+    chunk, splits = chunks(k, bk, max(1, splits))
+    # A one-step chunk has no loop to pipeline: one stage (the MoE input projection at one row 5.25 µs
+    # against 5.86, the router 3.07 against 3.34).
+    return GemvConfig(bn=bn, bk=bk, splits=splits, stages=1 if chunk <= bk else 2)
 
 
 def chunks(k: int, bk: int, splits: int) -> tuple[int, int]:

@@ -222,13 +222,17 @@ def _stream_block(stream, y_row, cols, weight, new_ptr, H: tl.constexpr, INJECT:
 
 
 PROJECT_TILE = 16384
-"""Most weight elements a `hc_project` program holds in registers ([block_n, H] padded: 64 a thread at 8
-warps); a wider stream takes fewer columns a program."""
+"""Most weight elements a `hc_project` program holds in registers ([block_n, H] padded); a wider stream takes
+fewer columns a program."""
+PROJECT_WARPS = 2
+"""Warps a `hc_project` program. On the H200 at flashnext's shape (hc-decode-tune.txt, e7ee52e) 4 columns at
+2 warps and hc_mix_up took 6.53 µs a sublayer against 7.07 at 8 warps: fewer, longer-lived threads whose
+weight tile (256 elements a thread) is all in flight before the wait."""
 
 
 def hc_project(
     streams: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, hc: int,
-    block_n: int = 4, num_warps: int = 8, inject: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_n: int = 4, num_warps: int = PROJECT_WARPS, inject: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A few rows' hyper-connection input projection from the raw streams [T, hc·H]: hc_norm's normalised
     streams (weight (1 + norm_weight)) times weight [N, hc·H]ᵀ → (the product's partial sums over each

@@ -72,14 +72,21 @@ def test_no_rows_and_short_inputs() -> None:
     torch.testing.assert_close(gemv(x, short, config=cfg), F.linear(x, short), rtol=1e-4, atol=1e-4)
 
 
-def test_choose_leaves_large_weights_to_cublas_and_fills_the_sms() -> None:
-    from common.kernels.gemv import CUBLAS_ROWS, choose
+def test_choose_leaves_large_weights_to_cublas_from_two_rows_and_fills_the_sms(monkeypatch) -> None:
+    from common.kernels import gemv as module
+    from common.kernels.gemv import CUBLAS_ROWS, choose, chunks
 
     cpu = torch.device("cpu")
+    assert choose(2, CUBLAS_ROWS, 2560, cpu) is None
+    assert choose(1, CUBLAS_ROWS, 2560, cpu).splits == 1  # one row: one chunk a program, no sums' kernel
+    monkeypatch.setattr(module, "LARGE_ONE_ROW", False)
     assert choose(1, CUBLAS_ROWS, 2560, cpu) is None
-    assert choose(1, CUBLAS_ROWS, 2560, cpu, fp8=True) is not None  # no cuBLAS for fp8 codes
+    assert choose(2, CUBLAS_ROWS, 2560, cpu, fp8=True) is not None  # no cuBLAS for fp8 codes
     small = choose(1, 1800, 2560, cpu)  # flashnext's MoE input projection: 113 row tiles alone
     assert small.splits > 1 and small.bk * small.splits >= 2560
+    assert chunks(2560, small.bk, small.splits)[0] == small.bk and small.stages == 1  # one step, no pipeline
+    eight = choose(8, 1800, 2560, cpu)  # from two rows on, at least two steps a chunk
+    assert chunks(2560, eight.bk, eight.splits)[0] >= 2 * eight.bk and eight.stages == 2
 
 
 def test_fused_fp8_projections_keep_the_model_close(tmp_path: Path) -> None:
