@@ -138,6 +138,7 @@ def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
         groups = width // GROUP
         gpb = min(gpb, triton.next_power_of_2(groups))
         constants = knobs | {"GROUPS": groups, "GPB": gpb, "BLOCK": block}
+        constants |= {"SETTLED": True} if name == "gate_up" else {}  # as a block with a shared expert runs it
         c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter")))
         steps = -(-groups // gpb)
         per_warp = c.total + (steps - 1) * c.loop  # the loop body once per step

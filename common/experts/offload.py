@@ -654,6 +654,7 @@ class OffloadedExperts(ExpertProvider):
             before_gate_up=lambda: self.copies.join(prepared.done, stage=0),
             shared=shared if fold else None, shared_gate=shared_gate if fold else None,
             host=prepared.host, fills=prepared.fills,
+            settled=shared is not None,  # the shared expert's kernels ran after the routing's and resolve's
         )  # fmt: skip
         return out if fold else add_shared(out, shared, shared_gate)
 

@@ -302,12 +302,16 @@ def _gate_up_kernel(
     hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
-    SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr,
+    SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, SETTLED: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
+    if SETTLED:  # the rows are a kernel's further back (pdl.py): their two dependent reads before the wait
+        row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
     gdc_enter(GDC)
     t = p // k
-    row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
+    if not SETTLED:
+        row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
     first = tl.program_id(1) * BLOCK
     n = first + tl.arange(0, BLOCK)  # [BLOCK] act columns (< inter: inter % BLOCK == 0)
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, 2 * inter, GROUPS, HALF // 4 if WORDS else HALF)
@@ -344,8 +348,10 @@ def _down_kernel(
     SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
-    gdc_enter(GDC)
+    # The rows and the routing weight are never gate_up's outputs (the kernel before): read before the wait.
     row = _pair_row(rows_ptr, row_of_ptr, p, LOOKUP)
+    weight = tl.load(weights_ptr + p).to(tl.float32)
+    gdc_enter(GDC)
     first = tl.program_id(1) * BLOCK
     n = first + tl.arange(0, BLOCK)  # [BLOCK] output rows (< hidden)
     w, s, z = _expert_ptrs(w_ptr, s_ptr, z_ptr, row, hidden, GROUPS, HALF // 4 if WORDS else HALF)
@@ -360,7 +366,7 @@ def _down_kernel(
     a = act_ptr + p * inter
     for g0 in tl.range(0, GROUPS, GPB, num_stages=STAGES):
         acc += _down_step(w, s, z, n, g0, a, GROUPS, GPB, HALF, SPLIT, MAGIC, WORDS)
-    tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32))
+    tl.store(out_ptr + p * hidden + n, acc * weight)
 
 
 @triton.jit
@@ -406,6 +412,7 @@ def moe_int4_decode(
     down_groups_per_step: int | None = None,
     down_warps: int | None = None,
     configs: dict[int, DecodeConfig] | None = None,
+    settled: bool = False,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -435,6 +442,9 @@ def moe_int4_decode(
     are distinct); of several tokens, every pair of a missed expert copies its rows (the same bytes). On the
     H200 decode-1 steps ran slower this way than with the copies launched first (OffloadedExperts.host_reads).
     The three kernels take part in programmatic dependent launch (common/kernels/pdl.py, on by default).
+    Down reads its rows (and `row_of`) and routing weights before it waits for gate_up, which never writes
+    them. `settled`: rows and `row_of` are not the outputs of the kernel launched just before this call (a
+    shared expert's kernels came between: the caller knows), so gate_up reads them before its wait too.
     """
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
@@ -452,6 +462,7 @@ def moe_int4_decode(
     pdl = launch(x.device)  # every kernel of the call: the same launch
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     knobs |= {"WORDS": c.words, "STAGES": c.stages, **pdl}
+    gate_up_knobs = {"SETTLED": settled}
     if c.words:  # the codes as int32 words: 16 a group's row
         pool = {name: t.view(torch.int32) if name.endswith("qweight") else t for name, t in pool.items()}
     knobs["LOOKUP"] = row_of is not None
@@ -481,7 +492,7 @@ def moe_int4_decode(
         x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
         hidden, inter, *reads("gate_up"), GROUPS=groups,
         GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=c.block, **tiles(c.block, groups),
-        **knobs,
+        **knobs, **gate_up_knobs,
     )  # fmt: skip
     if before_down is not None:
         before_down()

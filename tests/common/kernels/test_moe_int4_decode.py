@@ -111,6 +111,8 @@ def test_int4_decode_takes_a_shape_table() -> None:
     want = moe_int4_decode(x[:1], rows, weights[:1], pool)
     got = moe_int4_decode(x[:1], rows, weights[:1], pool, configs=RESIDENT_CONFIGS)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    settled = moe_int4_decode(x[:1], rows, weights[:1], pool, configs=RESIDENT_CONFIGS, settled=True)
+    torch.testing.assert_close(settled, got, rtol=0, atol=0)  # rows read before the wait: the same product
 
 
 def test_int4_decode_waits_before_each_matrix() -> None:
