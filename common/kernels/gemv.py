@@ -15,8 +15,9 @@ are multiplied on the tensor cores (x padded to the 16 rows a dot needs: masked 
 `dot_rows` above them, on the CUDA cores (a broadcast and a sum, whose reduction over K takes shuffles: at
 one row ~1,200 SASS instructions against the dot's ~600, `bench.sass_census --step`; in gemv-tune.txt the
 eight-row dot, an upper bound of the one-row dot's time, matched or beat the one-row sum on every small
-weight: 10.9 µs against 12.4 on the output projections). Where cuBLAS reads its weight near the HBM rate
-(large N), `choose` leaves it to cuBLAS. On the H200 (the one-row sum then), decode-allfit ran 171.12 tok/s
+weight: 10.9 µs against 12.4 on the output projections). From two rows on, where cuBLAS reads a large
+weight near the HBM rate, `choose` leaves it to cuBLAS; at one row the GEMV reads it as fast and lets the next
+kernel launch early (`LARGE_ONE_ROW`). On the H200 (the one-row sum then), decode-allfit ran 171.12 tok/s
 with it against 168.85 with cuBLAS for every projection (bench/results/decode-allfit-gemv-ab.json;
 `bench.decode_offload --ablate --switches no-gemv`).
 
@@ -44,7 +45,8 @@ LARGE_ONE_ROW = True
 """At one row, a bf16 weight of CUBLAS_ROWS rows and more runs one chunk a program (bn 32, bk 512): it read
 GDN's input projection (16,480 × 2,560) at 91 % of HBM on the H200 against cuBLAS's 89 %, QSA's at 84 against
 86 % (gemv-tune.txt), and unlike cuBLAS it lets the kernel after it launch early (pdl.py). False: cuBLAS (the
-benchmark's `cublas-large` switch). Switch before a pass is recorded."""
+benchmark's `cublas-large` switch; decode-allfit ran 188.33 tok/s with it against 185.18 without,
+bench/results/decode-allfit-large-ab.json). Switch before a pass is recorded."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
