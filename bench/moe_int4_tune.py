@@ -17,7 +17,7 @@ default's.
     python -m bench.moe_int4_tune --grouped [--tokens 8192 25600]
 
 `--magic`, `--words`, `--stages N`: every shape with those DecodeConfig knobs, beside the defaults. `--down`:
-gate_up's and down's shapes apart.
+gate_up's and down's shapes apart. `--registers N`: every shape also with gate_up's registers capped at N.
 
 `--once`: no timing, three eager calls of the decode defaults per token count (`moe-int4-decode-ncu.txt`:
 `ncu --kernel-name regex:"_gate_up_kernel|_down_kernel" --launch-skip 4 --launch-count 4 --section ...
@@ -73,6 +73,7 @@ def label(setting: dict) -> str:
     text += " split" if setting.get("split_act") else ""
     text += " magic" if setting.get("magic") else ""
     text += " words" if setting.get("words") else ""
+    text += f" regs {setting['gate_up_registers']}" if setting.get("gate_up_registers") else ""
     return text + (f" stages {setting['stages']}" if setting.get("stages", 1) > 1 else "")
 
 
@@ -163,6 +164,10 @@ def main() -> None:
     ap.add_argument(
         "--down", action="store_true", help="gate_up's and down's shapes apart (`_down_settings`)"
     )
+    ap.add_argument(
+        "--registers", type=int, default=None,
+        help="each shape also with gate_up's registers capped (DecodeConfig.gate_up_registers)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.grouped:
         grouped_sweep(args.tokens or [8192, 25600])
@@ -186,6 +191,9 @@ def main() -> None:
     if extra:  # every shape with these knobs, beside the defaults
         shapes = [s for s in settings if not (args.words and s.get("split_act"))]  # (ignored by words)
         settings = [{}, *({**setting, **extra} for setting in shapes)]
+    if args.registers:  # each shape as it is and capped, side by side
+        capped = [{**setting, "gate_up_registers": args.registers} for setting in settings if setting]
+        settings = [*settings, *capped]
     for tokens in args.tokens or [1, 8]:
         calls = decode_calls(pool, tokens)
         want = moe_int4_decode(*calls[0], pool).float()  # the defaults'

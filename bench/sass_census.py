@@ -18,6 +18,7 @@ mix-up ran 5.65 µs a sublayer and the projection 5.2, ~3.5× their estimates.
 step) at flashnext's shapes. Each kernel's registers and local memory (spills) are reported beside its SASS.
 
     python -m bench.sass_census [--shape BLOCK GROUPS WARPS] [--down BLOCK GROUPS WARPS] [--words]
+        [--registers N]
     python -m bench.sass_census --hc | --step
 """
 
@@ -64,9 +65,12 @@ class Census:
     """Local memory a thread, bytes: registers spilled (0 unless ptxas ran out)."""
 
 
-def compile_sm90(fn, signature: dict[str, str], constants: dict, num_warps: int, divisible: tuple[str, ...]):
+def compile_sm90(
+    fn, signature: dict[str, str], constants: dict, num_warps: int, divisible: tuple[str, ...],
+    maxnreg: int | None = None,
+):  # fmt: skip
     """`fn` compiled for sm_90: pointer arguments and those named in `divisible` marked multiples of 16, as
-    Triton specialises them at launch; FMA contraction on, as on a launch."""
+    Triton specialises them at launch; FMA contraction on, as on a launch; registers capped at `maxnreg`."""
     names = list(signature)
     attrs = {
         (names.index(n),): [["tt.divisibility", 16]]
@@ -75,9 +79,9 @@ def compile_sm90(fn, signature: dict[str, str], constants: dict, num_warps: int,
     }
     signature = signature | dict.fromkeys(constants, "constexpr")
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
-    return triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "enable_fp_fusion": True}
-    )
+    options = {"num_warps": num_warps, "enable_fp_fusion": True}
+    options |= {"maxnreg": maxnreg} if maxnreg else {}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def census(kernel) -> Census:
@@ -139,7 +143,8 @@ def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
         gpb = min(gpb, triton.next_power_of_2(groups))
         constants = knobs | {"GROUPS": groups, "GPB": gpb, "BLOCK": block}
         constants |= {"SETTLED": True} if name == "gate_up" else {}  # as a block with a shared expert runs it
-        c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter")))
+        cap = config.gate_up_registers if name == "gate_up" else None
+        c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter"), cap))
         steps = -(-groups // gpb)
         per_warp = c.total + (steps - 1) * c.loop  # the loop body once per step
         issue_us = _issue_us(TOP_K * blocks, warps, per_warp)
@@ -233,6 +238,7 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
     ap.add_argument("--down", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
     ap.add_argument("--words", action="store_true")
+    ap.add_argument("--registers", type=int, default=None, help="gate_up's registers capped (maxnreg)")
     ap.add_argument("--json", action="store_true", help="one JSON object: config → kernel → counts")
     ap.add_argument("--hc", action="store_true", help="the hyper-connection decode kernels instead")
     ap.add_argument(
@@ -251,6 +257,12 @@ def main() -> None:
             given = replace(given, down_block=args.down[0], down_groups_per_step=args.down[1],
                             down_warps=args.down[2])  # fmt: skip
         configs = {"given": given}
+    if args.registers:
+        cap = args.registers
+        configs = {
+            f"{name}, gate_up_registers {cap}": replace(c, gate_up_registers=cap)
+            for name, c in configs.items()
+        }
     if args.hc:
         configs = {"hyper-connections": None}
     if args.step:

@@ -62,6 +62,12 @@ class DecodeConfig:
     next steps into shared memory asynchronously while a step computes (with 1, each step waits a full
     memory round trip for its rows: static unrolling did not move the loads ahead, ptxas kept them
     interleaved)."""
+    gate_up_registers: int | None = None
+    """A cap on gate_up's registers a thread (Triton's `maxnreg`; None: ptxas's choice). Compiled for sm_90
+    (`bench.sass_census --registers`), RESIDENT_CONFIGS' one-token gate_up takes 95 registers: 5 programs of
+    4 warps an SM, 660 at once against the call's 800 (10 pairs × 80 blocks), a second partial wave. At 64,
+    8 an SM hold them all in one wave, for 688 SASS instructions against 616 and no spills. Not yet timed
+    (`bench.moe_int4_tune --down --tokens 1 --registers 64`)."""
 
 
 DECODE_CONFIGS = {
@@ -411,6 +417,7 @@ def moe_int4_decode(
     stages: int | None = None,
     down_groups_per_step: int | None = None,
     down_warps: int | None = None,
+    gate_up_registers: int | None = None,
     configs: dict[int, DecodeConfig] | None = None,
     settled: bool = False,
 ) -> torch.Tensor:
@@ -450,6 +457,7 @@ def moe_int4_decode(
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
     given |= {"down_block": down_block, "split_act": split_act, "magic": magic, "words": words}
     given |= {"down_groups_per_step": down_groups_per_step, "down_warps": down_warps}
+    given["gate_up_registers"] = gate_up_registers
     given["stages"] = stages
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
@@ -463,6 +471,8 @@ def moe_int4_decode(
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     knobs |= {"WORDS": c.words, "STAGES": c.stages, **pdl}
     gate_up_knobs = {"SETTLED": settled}
+    if c.gate_up_registers:
+        gate_up_knobs["maxnreg"] = c.gate_up_registers
     if c.words:  # the codes as int32 words: 16 a group's row
         pool = {name: t.view(torch.int32) if name.endswith("qweight") else t for name, t in pool.items()}
     knobs["LOOKUP"] = row_of is not None

@@ -55,3 +55,14 @@ def test_census_of_the_steps_other_kernels() -> None:
         kernels["gemv"]["opcodes"].get("HMMA", 0) > 0 == kernels["gemv cuda cores"]["opcodes"].get("HMMA", 0)
     )
     assert kernels["gemv"]["total"] < kernels["gemv cuda cores"]["total"]  # the MMA reduces, not shuffles
+
+
+def test_census_caps_gate_ups_registers() -> None:
+    """`--registers 64`: gate_up compiled under the cap (DecodeConfig.gate_up_registers) holds at most 64
+    registers a thread and spills none, in both one-token shapes; down keeps its own allocation."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, "-m", "bench.sass_census", "--registers", "64", "--json"]
+    report = json.loads(subprocess.run(args, capture_output=True, text=True, env=env, check=True).stdout)
+    assert len(report) == 2
+    for kernels in report.values():
+        assert 0 < kernels["gate_up"]["registers"] <= 64 and kernels["gate_up"]["local"] == 0

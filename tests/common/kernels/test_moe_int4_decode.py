@@ -113,6 +113,8 @@ def test_int4_decode_takes_a_shape_table() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     settled = moe_int4_decode(x[:1], rows, weights[:1], pool, configs=RESIDENT_CONFIGS, settled=True)
     torch.testing.assert_close(settled, got, rtol=0, atol=0)  # rows read before the wait: the same product
+    capped = moe_int4_decode(x[:1], rows, weights[:1], pool, configs=RESIDENT_CONFIGS, gate_up_registers=64)
+    torch.testing.assert_close(capped, got, rtol=1e-6, atol=1e-7)  # fewer registers, the same arithmetic
 
 
 def test_int4_decode_waits_before_each_matrix() -> None:
