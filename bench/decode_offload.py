@@ -219,7 +219,7 @@ def main() -> None:
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
-    "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large",
+    "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -249,6 +249,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (DecodePipeline, "depth", 1),
         (fused_linear, "GEMV", False),
         (gemv, "LARGE_ONE_ROW", False),
+        (moe_int4, "RESIDENT_CONFIGS", moe_int4.MMA_CONFIGS),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

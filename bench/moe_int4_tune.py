@@ -18,6 +18,7 @@ default's.
 
 `--magic`, `--words`, `--stages N`: every shape with those DecodeConfig knobs, beside the defaults. `--down`:
 gate_up's and down's shapes apart. `--registers N`: every shape also with gate_up's registers capped at N.
+`--mma`: gate_up on the tensor cores (`_mma_settings`), beside the all-resident one-token shape.
 
 `--once`: no timing, three eager calls of the decode defaults per token count (`moe-int4-decode-ncu.txt`:
 `ncu --kernel-name regex:"_gate_up_kernel|_down_kernel" --launch-skip 4 --launch-count 4 --section ...
@@ -73,6 +74,7 @@ def label(setting: dict) -> str:
     text += " split" if setting.get("split_act") else ""
     text += " magic" if setting.get("magic") else ""
     text += " words" if setting.get("words") else ""
+    text += " mma" if setting.get("mma") else ""
     text += f" regs {setting['gate_up_registers']}" if setting.get("gate_up_registers") else ""
     return text + (f" stages {setting['stages']}" if setting.get("stages", 1) > 1 else "")
 
@@ -148,6 +150,18 @@ def _down_settings() -> list[dict]:
     return settings
 
 
+def _mma_settings() -> list[dict]:
+    """gate_up on the tensor cores (DecodeConfig.mma) over rows a program, warps and pipelining stages, down
+    as RESIDENT_CONFIGS' one-token shape; beside that shape itself (the words form's gate_up)."""
+    down = {"words": True, "down_block": 16, "down_groups_per_step": 1, "down_warps": 2}
+    resident = {"block": 8, "groups_per_step": 4, "num_warps": 4} | down
+    shapes = ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8))
+    return [resident] + [
+        {"block": b, "groups_per_step": 1, "num_warps": w, "stages": st, "mma": True} | down
+        for (b, w), st in itertools.product(shapes, (1, 2, 3))
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--grouped", action="store_true", help="the prefill kernels (default: decode)")
@@ -164,6 +178,7 @@ def main() -> None:
     ap.add_argument(
         "--down", action="store_true", help="gate_up's and down's shapes apart (`_down_settings`)"
     )
+    ap.add_argument("--mma", action="store_true", help="gate_up on the tensor cores (`_mma_settings`)")
     ap.add_argument(
         "--registers", type=int, default=None,
         help="each shape also with gate_up's registers capped (DecodeConfig.gate_up_registers)",
@@ -186,6 +201,7 @@ def main() -> None:
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
     settings = [{}, *_down_settings()] if args.down else _byte_settings()
+    settings = [{}, *_mma_settings()] if args.mma else settings
     extra = {"magic": args.magic, "words": args.words, "stages": args.stages}
     extra = {knob: v for knob, v in extra.items() if v}
     if extra:  # every shape with these knobs, beside the defaults

@@ -142,10 +142,11 @@ def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
         groups = width // GROUP
         gpb = min(gpb, triton.next_power_of_2(groups))
         constants = knobs | {"GROUPS": groups, "GPB": gpb, "BLOCK": block}
-        constants |= {"SETTLED": True} if name == "gate_up" else {}  # as a block with a shared expert runs it
+        if name == "gate_up":  # SETTLED as a block with a shared expert runs it
+            constants |= {"SETTLED": True, "MMA": config.mma}
         cap = config.gate_up_registers if name == "gate_up" else None
         c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter"), cap))
-        steps = -(-groups // gpb)
+        steps = groups if name == "gate_up" and config.mma else -(-groups // gpb)  # mma: a group a step
         per_warp = c.total + (steps - 1) * c.loop  # the loop body once per step
         issue_us = _issue_us(TOP_K * blocks, warps, per_warp)
         out[name] = (c, issue_us)
@@ -239,6 +240,7 @@ def main() -> None:
     ap.add_argument("--down", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
     ap.add_argument("--words", action="store_true")
     ap.add_argument("--registers", type=int, default=None, help="gate_up's registers capped (maxnreg)")
+    ap.add_argument("--mma", action="store_true", help="gate_up on the tensor cores (DecodeConfig.mma)")
     ap.add_argument("--json", action="store_true", help="one JSON object: config → kernel → counts")
     ap.add_argument("--hc", action="store_true", help="the hyper-connection decode kernels instead")
     ap.add_argument(
@@ -251,8 +253,8 @@ def main() -> None:
         "DECODE_CONFIGS[1]": moe_int4.DECODE_CONFIGS[1],
         "RESIDENT_CONFIGS[1]": moe_int4.RESIDENT_CONFIGS[1],
     }
-    if args.shape or args.down or args.words:
-        given = DecodeConfig(*(args.shape or ()), words=args.words)
+    if args.shape or args.down or args.words or args.mma:
+        given = DecodeConfig(*(args.shape or ()), words=args.words or args.mma, mma=args.mma)
         if args.down:
             given = replace(given, down_block=args.down[0], down_groups_per_step=args.down[1],
                             down_warps=args.down[2])  # fmt: skip

@@ -62,6 +62,14 @@ class DecodeConfig:
     next steps into shared memory asynchronously while a step computes (with 1, each step waits a full
     memory round trip for its rows: static unrolling did not move the loads ahead, ptxas kept them
     interleaved)."""
+    mma: bool = False
+    """gate_up on the tensor cores (`_gate_up_mma`; needs `words`, and a `block` of 16 or more): a word's
+    codes i and 4 + i become two bf16 values at once (one shift and one AND-OR on the word), their (q − z)·s
+    in paired bf16 instructions, and the products an MMA of x padded to 16 rows: no reductions over K.
+    Compiled for sm_90 at block 32, 4 warps (`bench.sass_census --mma --shape 32 1 4`): 357 SASS
+    instructions a loop step of 2,048 weights a warp (0.17 a weight) against the words form's 0.22, ~6.4 µs
+    of issue a call against 8.2, 66 registers, 200 programs in one wave. Not yet timed (`bench.moe_int4_tune
+    --mma`). The weights and x are rounded to bf16, as torch's dequantisation and activations are."""
     gate_up_registers: int | None = None
     """A cap on gate_up's registers a thread (Triton's `maxnreg`; None: ptxas's choice). Compiled for sm_90
     (`bench.sass_census --registers`), RESIDENT_CONFIGS' one-token gate_up takes 95 registers: 5 programs of
@@ -97,6 +105,14 @@ it, the same shape ran 3 % slower (71.25 against 73.53, decode-1-int4-ab.json): 
 DECODE_CONFIGS. Words alone measured 28.79 a call and ran decode-allfit 3 % slower; software-pipelined,
 28.8-29.6 (moe-int4-decode-words.txt). At eight tokens words measured 120.6 against 134.4 a call, not yet
 measured in a decode step."""
+
+
+MMA_CONFIGS = {
+    **RESIDENT_CONFIGS,
+    1: replace(RESIDENT_CONFIGS[1], block=32, groups_per_step=1, num_warps=4, stages=2, mma=True),
+}
+"""RESIDENT_CONFIGS with one token's gate_up on the tensor cores (DecodeConfig.mma), 32 rows a program at
+4 warps: a candidate, not yet timed (`bench.decode_offload --all-fit --ablate --switches int4-mma`)."""
 
 
 def decode_config(tokens: int, configs: dict[int, DecodeConfig] | None = None) -> DecodeConfig:
@@ -273,6 +289,61 @@ def _stage_rows(
 
 
 @triton.jit
+def _code_halves(pairs, HIGH: tl.constexpr, BF16: tl.constexpr):
+    """The low or high half of each int32 of `pairs` (bf16 bits of 128 + q), as 128 + q: read in place as a
+    bf16, or (BF16 false: x in another dtype, and the interpreter, whose dots and arithmetic do not take
+    bf16) shifted into an fp32's upper half, the same value."""
+    if BF16:
+        half = (pairs >> 16) if HIGH else pairs
+        value = half.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        bits = ((pairs >> 16) << 16) if HIGH else (pairs << 16)
+        value = bits.to(tl.float32, bitcast=True)
+    return value
+
+
+@triton.jit
+def _mma_rows(acc, x_lo, x_hi, words, i: tl.constexpr, zero, scale, BF16: tl.constexpr):
+    """acc [16, BLOCK] + x's inputs 8m + i and 8m + 4 + i [16, 16] times code i and 4 + i of each word m
+    [BLOCK, 16] dequantised. OR-ed into 0x4300 (bf16 128.0, whose unit in the last place is 1) a code q reads
+    as 128 + q; less 128 + z it is q − z, exact; times the scale, one rounding."""
+    pairs = ((words >> (4 * i)) & 0x000F000F) | 0x43004300  # codes i and 4 + i, one AND-OR for both
+    precision: tl.constexpr = "tf32" if BF16 else "ieee"  # (bf16: no effect; fp32: exact products)
+    w_lo = (_code_halves(pairs, False, BF16) - zero) * scale
+    acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=precision)
+    w_hi = (_code_halves(pairs, True, BF16) - zero) * scale
+    return tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=precision)
+
+
+@triton.jit
+def _gate_up_mma(w, s, z, n, inter, x, GROUPS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """gate and up [BLOCK] fp32 for rows n and n + inter of the codes as words (DecodeConfig.mma): one group
+    a loop step, x's row padded to the 16 rows a dot takes (the masked rows read nothing). The weights in
+    bf16 for bf16 x, else in fp32."""
+    BF16: tl.constexpr = x.dtype.element_ty == tl.bfloat16
+    dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float32
+    r = tl.arange(0, 16)
+    m = tl.arange(0, 16)  # a group's words: word m holds inputs 8m..8m+7
+    one_row = r[:, None] == 0
+    gate = tl.zeros((16, BLOCK), dtype=tl.float32)
+    up = tl.zeros((16, BLOCK), dtype=tl.float32)
+    for g in tl.range(0, GROUPS, num_stages=STAGES):
+        words_g = tl.load(w + n[:, None] * (GROUPS * 16) + g * 16 + m[None, :])  # [BLOCK, 16] int32
+        words_u = tl.load(w + (n + inter)[:, None] * (GROUPS * 16) + g * 16 + m[None, :])
+        scale_g = tl.load(s + n * GROUPS + g).to(dtype)[:, None]
+        scale_u = tl.load(s + (n + inter) * GROUPS + g).to(dtype)[:, None]
+        zero_g = (tl.load(z + n * GROUPS + g).to(tl.float32) + 128.0).to(dtype)[:, None]
+        zero_u = (tl.load(z + (n + inter) * GROUPS + g).to(tl.float32) + 128.0).to(dtype)[:, None]
+        inputs = x + g * 128 + m[None, :] * 8 + r[:, None] * 0  # [16, 16]
+        for i in tl.static_range(4):
+            x_lo = tl.load(inputs + i, mask=one_row, other=0.0).to(dtype)
+            x_hi = tl.load(inputs + 4 + i, mask=one_row, other=0.0).to(dtype)
+            gate = _mma_rows(gate, x_lo, x_hi, words_g, i, zero_g, scale_g, BF16)
+            up = _mma_rows(up, x_lo, x_hi, words_u, i, zero_u, scale_u, BF16)
+    return tl.sum(gate, axis=0), tl.sum(up, axis=0)  # row 0: the others are 0
+
+
+@triton.jit
 def _gate_up_step(
     gate, up, w, s, z, n, inter, g0, x, GROUPS: tl.constexpr, GPB: tl.constexpr, HALF: tl.constexpr,
     MAGIC: tl.constexpr, WORDS: tl.constexpr,
@@ -309,7 +380,7 @@ def _gate_up_kernel(
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
     SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, SETTLED: tl.constexpr,
-    GDC: tl.constexpr,
+    MMA: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     if SETTLED:  # the rows are a kernel's further back (pdl.py): their two dependent reads before the wait
@@ -332,11 +403,14 @@ def _gate_up_kernel(
                 SCALES,
             )  # fmt: skip
             tl.debug_barrier()  # the program's own writes, visible to all its threads
-    gate = tl.zeros((BLOCK,), dtype=tl.float32)
-    up = tl.zeros((BLOCK,), dtype=tl.float32)
     x = x_ptr + t * hidden
-    for g0 in tl.range(0, GROUPS, GPB, num_stages=STAGES):
-        gate, up = _gate_up_step(gate, up, w, s, z, n, inter, g0, x, GROUPS, GPB, HALF, MAGIC, WORDS)
+    if MMA:
+        gate, up = _gate_up_mma(w, s, z, n, inter, x, GROUPS, BLOCK, STAGES)
+    else:
+        gate = tl.zeros((BLOCK,), dtype=tl.float32)
+        up = tl.zeros((BLOCK,), dtype=tl.float32)
+        for g0 in tl.range(0, GROUPS, GPB, num_stages=STAGES):
+            gate, up = _gate_up_step(gate, up, w, s, z, n, inter, g0, x, GROUPS, GPB, HALF, MAGIC, WORDS)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
     if WORDS:
         at, factor = _words_at(n)
@@ -418,6 +492,7 @@ def moe_int4_decode(
     down_groups_per_step: int | None = None,
     down_warps: int | None = None,
     gate_up_registers: int | None = None,
+    mma: bool | None = None,
     configs: dict[int, DecodeConfig] | None = None,
     settled: bool = False,
 ) -> torch.Tensor:
@@ -458,10 +533,12 @@ def moe_int4_decode(
     given |= {"down_block": down_block, "split_act": split_act, "magic": magic, "words": words}
     given |= {"down_groups_per_step": down_groups_per_step, "down_warps": down_warps}
     given["gate_up_registers"] = gate_up_registers
+    given["mma"] = mma
     given["stages"] = stages
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
-    c = replace(c, words=c.words and host is None)  # host reads stage bytes: the byte form
+    words = c.words and host is None  # host reads stage bytes: the byte form
+    c = replace(c, words=words, mma=c.mma and words)
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
     act = torch.empty((t * k, inter), dtype=torch.float32, device=x.device)
@@ -470,7 +547,8 @@ def moe_int4_decode(
     pdl = launch(x.device)  # every kernel of the call: the same launch
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     knobs |= {"WORDS": c.words, "STAGES": c.stages, **pdl}
-    gate_up_knobs = {"SETTLED": settled}
+    assert not c.mma or (c.words and c.block >= 16), "mma: codes as words, at least 16 rows a program"
+    gate_up_knobs = {"SETTLED": settled, "MMA": c.mma}
     if c.gate_up_registers:
         gate_up_knobs["maxnreg"] = c.gate_up_registers
     if c.words:  # the codes as int32 words: 16 a group's row

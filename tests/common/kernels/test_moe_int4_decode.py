@@ -82,6 +82,42 @@ def test_int4_decode_matches_the_dequantised_reference(
         assert DEVICE == "cuda" or torch.equal(out, interleaved)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block", "warps", "stages"), [(16, 1, 1), (32, 4, 2)])
+def test_int4_decode_gate_up_on_the_tensor_cores(
+    block: int, warps: int, stages: int, dtype: torch.dtype
+) -> None:
+    """DecodeConfig.mma: gate_up's products from MMAs of x padded to 16 rows, against the reference with the
+    weights dequantised in x's dtype (bf16: each code read in place as a bf16, the weights rounded as
+    torch's dequantisation rounds them), two tokens, a row twice in one token, inter 384 (24 or 12 blocks),
+    hidden 256 (two loop steps)."""
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's interpreter multiplies bf16 tensors as their raw bits")
+    fmt = get_format("int4")
+    gen = torch.Generator().manual_seed(block)
+    pool, x, weights = _two_token_case(gen, experts=5, k=3, inter=384)
+    x = x.to(dtype)
+    rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)
+    knobs = {"groups_per_step": 1, "num_warps": warps, "words": True, "stages": stages}
+    out = moe_int4_decode(x, rows, weights, pool, block=block, mma=True, **knobs)
+    gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, dtype)
+    xs = x.float().repeat_interleave(3, dim=0)
+    gate, up = torch.einsum("ph,pnh->pn", xs, gate_up.float()).chunk(2, dim=-1)
+    y = torch.einsum("pi,phi->ph", F.silu(gate) * up, down.float()) * weights.reshape(-1, 1)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=tol, atol=tol)
+    with pytest.raises(AssertionError, match="mma"):
+        moe_int4_decode(x, rows, weights, pool, block=8, mma=True, **knobs)
+    if dtype == torch.float32:  # the candidate table (switch int4-mma) at one token: the same products
+        from common.kernels.moe_int4 import MMA_CONFIGS, RESIDENT_CONFIGS
+
+        one = (x[:1], rows[:1], weights[:1], pool)
+        want = moe_int4_decode(*one, configs=RESIDENT_CONFIGS)
+        torch.testing.assert_close(moe_int4_decode(*one, configs=MMA_CONFIGS), want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("words", [False, True])
 def test_int4_decode_takes_downs_own_shape(words: bool) -> None:
     """down's own groups a step and warps (gate_up's left as they are): the result of the shared shape, to
