@@ -10,16 +10,15 @@ import subprocess
 import sys
 
 
-def test_census_tells_the_words_form_from_the_byte_form() -> None:
+def _census(*flags: str) -> dict:
+    """`python -m bench.sass_census FLAGS --json` in its own process, outside the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.sass_census", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    ).stdout
-    report = json.loads(out)
+    args = [sys.executable, "-m", "bench.sass_census", *flags, "--json"]
+    return json.loads(subprocess.run(args, capture_output=True, text=True, env=env, check=True).stdout)
+
+
+def test_census_tells_the_words_form_from_the_byte_form() -> None:
+    report = _census()
     byte_form, words = report["DECODE_CONFIGS[1]"], report["RESIDENT_CONFIGS[1]"]
     for name in ("gate_up", "down"):
         b, w = byte_form[name], words[name]
@@ -32,9 +31,7 @@ def test_census_tells_the_words_form_from_the_byte_form() -> None:
 
 def test_census_of_the_hyper_connection_kernels() -> None:
     """`--hc`: the projection and mix-up kernels at flashnext's shape compile, each with an issue estimate."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, "-m", "bench.sass_census", "--hc", "--json"]
-    report = json.loads(subprocess.run(args, capture_output=True, text=True, env=env, check=True).stdout)
+    report = _census("--hc")
     kernels = report["hyper-connections"]
     assert set(kernels) == {"hc_project", "hc_mix_up"}
     assert all(k["total"] > 0 and k["issue_us"] > 0 for k in kernels.values())
@@ -45,9 +42,7 @@ def test_census_of_the_steps_other_kernels() -> None:
     """`--step`: the GEMV (as `choose` launches one row, and its CUDA-core form) and its chunks' sum, the
     router, the shared expert's down and the Gated DeltaNet step compile for sm_90 at flashnext's shapes,
     none spilling a register."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, "-m", "bench.sass_census", "--step", "--json"]
-    report = json.loads(subprocess.run(args, capture_output=True, text=True, env=env, check=True).stdout)
+    report = _census("--step")
     kernels = report["step"]
     assert set(kernels) == {"gemv", "gemv cuda cores", "gemv sum", "route", "swiglu_down", "gated_delta"}
     assert all(k["total"] > 0 and k["registers"] > 0 and k["local"] == 0 for k in kernels.values())
@@ -60,9 +55,16 @@ def test_census_of_the_steps_other_kernels() -> None:
 def test_census_caps_gate_ups_registers() -> None:
     """`--registers 64`: gate_up compiled under the cap (DecodeConfig.gate_up_registers) holds at most 64
     registers a thread and spills none, in both one-token shapes; down keeps its own allocation."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, "-m", "bench.sass_census", "--registers", "64", "--json"]
-    report = json.loads(subprocess.run(args, capture_output=True, text=True, env=env, check=True).stdout)
+    report = _census("--registers", "64")
     assert len(report) == 2
     for kernels in report.values():
         assert 0 < kernels["gate_up"]["registers"] <= 64 and kernels["gate_up"]["local"] == 0
+
+
+def test_census_of_gate_up_on_the_tensor_cores() -> None:
+    """`--mma`: gate_up (DecodeConfig.mma) compiles for sm_90 with bf16 inputs into MMAs and paired bf16
+    dequantisation, no spills, and less issue a call than the words form's gate_up of RESIDENT_CONFIGS."""
+    mma = _census("--mma", "--shape", "32", "1", "4", "--down", "16", "1", "2")["given"]["gate_up"]
+    words = _census("--words", "--shape", "8", "4", "4", "--down", "16", "1", "2")["given"]["gate_up"]
+    assert mma["opcodes"].get("HMMA", 0) > 0 and mma["opcodes"].get("HMUL2", 0) > 0 and mma["local"] == 0
+    assert mma["issue_us"] < words["issue_us"]
