@@ -75,6 +75,7 @@ def label(setting: dict) -> str:
     text += " magic" if setting.get("magic") else ""
     text += " words" if setting.get("words") else ""
     text += " mma" if setting.get("mma") else ""
+    text += f" gate_up stages {setting['gate_up_stages']}" if setting.get("gate_up_stages") else ""
     text += f" regs {setting['gate_up_registers']}" if setting.get("gate_up_registers") else ""
     return text + (f" stages {setting['stages']}" if setting.get("stages", 1) > 1 else "")
 
@@ -157,7 +158,7 @@ def _mma_settings() -> list[dict]:
     resident = {"block": 8, "groups_per_step": 4, "num_warps": 4} | down
     shapes = ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8))
     return [resident] + [
-        {"block": b, "groups_per_step": 1, "num_warps": w, "stages": st, "mma": True} | down
+        {"block": b, "groups_per_step": 1, "num_warps": w, "gate_up_stages": st, "mma": True} | down
         for (b, w), st in itertools.product(shapes, (1, 2, 3))
     ]
 

@@ -143,7 +143,11 @@ def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
         gpb = min(gpb, triton.next_power_of_2(groups))
         constants = knobs | {"GROUPS": groups, "GPB": gpb, "BLOCK": block}
         if name == "gate_up":  # SETTLED as a block with a shared expert runs it
-            constants |= {"SETTLED": True, "MMA": config.mma}
+            constants |= {
+                "SETTLED": True,
+                "MMA": config.mma,
+                "STAGES": config.gate_up_stages or config.stages,
+            }
         cap = config.gate_up_registers if name == "gate_up" else None
         c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter"), cap))
         steps = groups if name == "gate_up" and config.mma else -(-groups // gpb)  # mma: a group a step

@@ -70,6 +70,9 @@ class DecodeConfig:
     instructions a loop step of 2,048 weights a warp (0.17 a weight) against the words form's 0.22, ~6.4 µs
     of issue a call against 8.2, 66 registers, 200 programs in one wave. Not yet timed (`bench.moe_int4_tune
     --mma`). The weights and x are rounded to bf16, as torch's dequantisation and activations are."""
+    gate_up_stages: int | None = None
+    """gate_up's own `stages` (default `stages`): the tensor cores' loop takes a group a step, 20 at
+    flashnext's shape, where down keeps its one-step-a-round-trip loop."""
     gate_up_registers: int | None = None
     """A cap on gate_up's registers a thread (Triton's `maxnreg`; None: ptxas's choice). Compiled for sm_90
     (`bench.sass_census --registers`), RESIDENT_CONFIGS' one-token gate_up takes 95 registers: 5 programs of
@@ -109,10 +112,11 @@ measured in a decode step."""
 
 MMA_CONFIGS = {
     **RESIDENT_CONFIGS,
-    1: replace(RESIDENT_CONFIGS[1], block=32, groups_per_step=1, num_warps=4, stages=2, mma=True),
+    1: replace(RESIDENT_CONFIGS[1], block=32, groups_per_step=1, num_warps=4, gate_up_stages=3, mma=True),
 }
 """RESIDENT_CONFIGS with one token's gate_up on the tensor cores (DecodeConfig.mma), 32 rows a program at
-4 warps: a candidate, not yet timed (`bench.decode_offload --all-fit --ablate --switches int4-mma`)."""
+4 warps, its loop pipelined three deep, down as RESIDENT_CONFIGS': a candidate, not yet timed
+(`bench.decode_offload --all-fit --ablate --switches int4-mma`)."""
 
 
 def decode_config(tokens: int, configs: dict[int, DecodeConfig] | None = None) -> DecodeConfig:
@@ -492,6 +496,7 @@ def moe_int4_decode(
     down_groups_per_step: int | None = None,
     down_warps: int | None = None,
     gate_up_registers: int | None = None,
+    gate_up_stages: int | None = None,
     mma: bool | None = None,
     configs: dict[int, DecodeConfig] | None = None,
     settled: bool = False,
@@ -533,6 +538,7 @@ def moe_int4_decode(
     given |= {"down_block": down_block, "split_act": split_act, "magic": magic, "words": words}
     given |= {"down_groups_per_step": down_groups_per_step, "down_warps": down_warps}
     given["gate_up_registers"] = gate_up_registers
+    given["gate_up_stages"] = gate_up_stages
     given["mma"] = mma
     given["stages"] = stages
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
@@ -548,7 +554,7 @@ def moe_int4_decode(
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     knobs |= {"WORDS": c.words, "STAGES": c.stages, **pdl}
     assert not c.mma or (c.words and c.block >= 16), "mma: codes as words, at least 16 rows a program"
-    gate_up_knobs = {"SETTLED": settled, "MMA": c.mma}
+    gate_up_knobs = {"SETTLED": settled, "MMA": c.mma, "STAGES": c.gate_up_stages or c.stages}
     if c.gate_up_registers:
         gate_up_knobs["maxnreg"] = c.gate_up_registers
     if c.words:  # the codes as int32 words: 16 a group's row
@@ -580,7 +586,7 @@ def moe_int4_decode(
         x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
         hidden, inter, *reads("gate_up"), GROUPS=groups,
         GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=c.block, **tiles(c.block, groups),
-        **knobs, **gate_up_knobs,
+        **(knobs | gate_up_knobs),
     )  # fmt: skip
     if before_down is not None:
         before_down()

@@ -100,7 +100,7 @@ def test_int4_decode_gate_up_on_the_tensor_cores(
     pool, x, weights = _two_token_case(gen, experts=5, k=3, inter=384)
     x = x.to(dtype)
     rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)
-    knobs = {"groups_per_step": 1, "num_warps": warps, "words": True, "stages": stages}
+    knobs = {"groups_per_step": 1, "num_warps": warps, "words": True, "gate_up_stages": stages}
     out = moe_int4_decode(x, rows, weights, pool, block=block, mma=True, **knobs)
     gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, dtype)
     xs = x.float().repeat_interleave(3, dim=0)
