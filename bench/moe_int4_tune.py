@@ -218,6 +218,7 @@ def main() -> None:
         for setting in settings:
             us, got = time_config(pool, calls, setting)
             error = ((got.float() - want).norm() / want.norm()).item()
+            assert error < 1e-2, f"{label(setting)}: {error:.1e} from the defaults (bf16 weights: ~1e-3)"
             results.append((us, setting, error))
         used = sum(c[1].unique().numel() for c in calls) / CALLS  # experts a call reads at least once
         floor = used * expert_bytes / (hbm * 1e3)  # µs to read them once at the HBM rate
