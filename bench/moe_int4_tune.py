@@ -201,8 +201,12 @@ def main() -> None:
     hbm = measure_hbm_gbps()
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
-    settings = [{}, *_down_settings()] if args.down else _byte_settings()
-    settings = [{}, *_mma_settings()] if args.mma else settings
+    if args.mma:
+        settings = [{}, *_mma_settings()]
+    elif args.down:
+        settings = [{}, *_down_settings()]
+    else:
+        settings = _byte_settings()
     extra = {"magic": args.magic, "words": args.words, "stages": args.stages}
     extra = {knob: v for knob, v in extra.items() if v}
     if extra:  # every shape with these knobs, beside the defaults

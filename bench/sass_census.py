@@ -132,25 +132,23 @@ def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
         config.down_groups_per_step or config.groups_per_step,
         config.down_warps or config.num_warps,
     )
+    # gate_up's own knobs (SETTLED as a block with a shared expert runs it; the tensor cores take a group a
+    # step) and register cap
+    gate_up_own = {"SETTLED": True, "MMA": config.mma, "STAGES": config.gate_up_stages or config.stages}
+    gate_up_gpb = 1 if config.mma else config.groups_per_step
     kernels = {
         "gate_up": (moe_int4._gate_up_kernel, gate_up, HIDDEN, config.block, INTER // config.block,
-                    config.groups_per_step, config.num_warps),
-        "down": (moe_int4._down_kernel, down, INTER, down_block, HIDDEN // down_block, down_gpb, down_warps),
+                    gate_up_gpb, config.num_warps, gate_up_own, config.gate_up_registers),
+        "down": (moe_int4._down_kernel, down, INTER, down_block, HIDDEN // down_block, down_gpb, down_warps,
+                 {}, None),
     }  # fmt: skip
     out = {}
-    for name, (fn, signature, width, block, blocks, gpb, warps) in kernels.items():
+    for name, (fn, signature, width, block, blocks, gpb, warps, own, cap) in kernels.items():
         groups = width // GROUP
         gpb = min(gpb, triton.next_power_of_2(groups))
-        constants = knobs | {"GROUPS": groups, "GPB": gpb, "BLOCK": block}
-        if name == "gate_up":  # SETTLED as a block with a shared expert runs it
-            constants |= {
-                "SETTLED": True,
-                "MMA": config.mma,
-                "STAGES": config.gate_up_stages or config.stages,
-            }
-        cap = config.gate_up_registers if name == "gate_up" else None
+        constants = knobs | {"GROUPS": groups, "GPB": gpb, "BLOCK": block} | own
         c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter"), cap))
-        steps = groups if name == "gate_up" and config.mma else -(-groups // gpb)  # mma: a group a step
+        steps = -(-groups // gpb)
         per_warp = c.total + (steps - 1) * c.loop  # the loop body once per step
         issue_us = _issue_us(TOP_K * blocks, warps, per_warp)
         out[name] = (c, issue_us)

@@ -543,7 +543,8 @@ def moe_int4_decode(
     given["stages"] = stages
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
-    words = c.words and host is None  # host reads stage bytes: the byte form
+    assert not c.mma or (c.words and c.block >= 16), "mma: codes as words, at least 16 rows a program"
+    words = c.words and host is None  # host reads stage bytes: the byte form (and no tensor cores)
     c = replace(c, words=words, mma=c.mma and words)
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
@@ -553,7 +554,6 @@ def moe_int4_decode(
     pdl = launch(x.device)  # every kernel of the call: the same launch
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     knobs |= {"WORDS": c.words, "STAGES": c.stages, **pdl}
-    assert not c.mma or (c.words and c.block >= 16), "mma: codes as words, at least 16 rows a program"
     gate_up_knobs = {"SETTLED": settled, "MMA": c.mma, "STAGES": c.gate_up_stages or c.stages}
     if c.gate_up_registers:
         gate_up_knobs["maxnreg"] = c.gate_up_registers
