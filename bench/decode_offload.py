@@ -219,7 +219,7 @@ def main() -> None:
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
-    "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma",
+    "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -227,7 +227,7 @@ DECODE_SWITCHES = (
 def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
     from common.graphs import DecodeGraphs
-    from common.kernels import gemv, moe_int4, pdl
+    from common.kernels import arrival, gemv, moe_int4, pdl
     from common.model import fused_linear
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.hyper import HyperConnection
@@ -250,6 +250,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (fused_linear, "GEMV", False),
         (gemv, "LARGE_ONE_ROW", False),
         (moe_int4, "RESIDENT_CONFIGS", moe_int4.MMA_CONFIGS),
+        (arrival, "ENABLED", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

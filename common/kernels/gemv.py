@@ -9,17 +9,18 @@ programmatic dependent launch (common/kernels/pdl.py), so each pays its launch a
 
 Here a program owns BN output rows and one chunk of their inputs, read BK at a time (the first BK before it
 waits for the kernel before it: the weights are no kernel's output): few rows and many chunks give enough
-programs to fill the SMs with loads in flight. With more than one chunk, each program writes its fp32
-partial product and a second kernel sums the chunks in order (deterministic, unlike atomics). The rows of x
-are multiplied on the tensor cores (x padded to the 16 rows a dot needs: masked rows cost no bytes) or, with
-`dot_rows` above them, on the CUDA cores (a broadcast and a sum, whose reduction over K takes shuffles: at
-one row ~1,200 SASS instructions against the dot's ~600, `bench.sass_census --step`; in gemv-tune.txt the
-eight-row dot, an upper bound of the one-row dot's time, matched or beat the one-row sum on every small
-weight: 10.9 µs against 12.4 on the output projections). From two rows on, where cuBLAS reads a large
-weight near the HBM rate, `choose` leaves it to cuBLAS; at one row the GEMV reads it as fast and lets the next
-kernel launch early (`LARGE_ONE_ROW`). On the H200 (the one-row sum then), decode-allfit ran 171.12 tok/s
-with it against 168.85 with cuBLAS for every projection (bench/results/decode-allfit-gemv-ab.json;
-`bench.decode_offload --ablate --switches no-gemv`).
+programs to fill the SMs with loads in flight. With more than one chunk, each program writes its fp32 partial
+product, and the row tile's last program to finish sums the chunks in order (arrival.py: deterministic, unlike
+atomic adds of the products; with arrival.ENABLED False a second kernel does). The rows of x are multiplied on
+the tensor cores (x padded to the 16 rows a dot needs: masked rows cost no bytes) or, with `dot_rows` above
+them, on the CUDA cores (a broadcast and a sum, whose reduction over K takes shuffles: at one row ~1,200 SASS
+instructions against the dot's ~600, `bench.sass_census --step`; in gemv-tune.txt the eight-row dot, an upper
+bound of the one-row dot's time, matched or beat the one-row sum on every small weight: 10.9 µs against 12.4
+on the output projections). From two rows on, where cuBLAS reads a large weight near the HBM rate, `choose`
+leaves it to cuBLAS; at one row the GEMV reads it as fast and lets the next kernel launch early
+(`LARGE_ONE_ROW`). On the H200 (the one-row sum then), decode-allfit ran 171.12 tok/s with it against 168.85
+with cuBLAS for every projection (bench/results/decode-allfit-gemv-ab.json; `bench.decode_offload --ablate
+--switches no-gemv`).
 
 Graph-safe (no host sync; shapes alone fix the launch).
 """
@@ -33,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels import arrival
+from common.kernels.arrival import arrive
 from common.kernels.pdl import gdc_enter, launch
 from common.model.fused_linear import GEMV_ROWS
 
@@ -103,10 +106,10 @@ def _sms(device: torch.device) -> int:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, m, n, k, k_chunk,
+    x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, y_ptr, count_ptr, m, n, k, k_chunk,
     M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
-    GDC: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FOLD: tl.constexpr,
+    PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     outs = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] output features
     live_n = outs < n
@@ -131,13 +134,16 @@ def _gemv_kernel(
         acc += _step(
             x_ptr, w, s_ptr, r, live_m, cols, live_k, outs, live_n, k, k0, BK, DOT, HAS_SCALE, PRECISION
         )
-    out = r[:, None] * n + outs[None, :]  # [M_PAD, BN]
-    if PARTIAL:  # this chunk's product: [splits, m, n] fp32
-        tl.store(y_ptr + tl.program_id(1) * m * n + out, acc, mask=live_m[:, None] & live_n[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + outs, mask=live_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=live_m[:, None] & live_n[None, :])
+    out = r[:, None] * n + outs[None, :]  # [M_PAD, BN] flat (row, output) of y
+    live = live_m[:, None] & live_n[None, :]
+    if not PARTIAL:
+        _finish(acc, b_ptr, y_ptr, out, n, live, HAS_BIAS)
+    else:  # this chunk's product: [splits, m, n] fp32
+        tl.store(part_ptr + tl.program_id(1) * m * n + out, acc, mask=live)
+        if FOLD:  # noqa: SIM102 (a constexpr: no arrival compiled without it) the last chunk sums them all
+            if arrive(count_ptr + tl.program_id(0), tl.num_programs(1)):
+                acc = _chunk_sum(part_ptr, out, live, m * n, tl.num_programs(1))
+                _finish(acc, b_ptr, y_ptr, out, n, live, HAS_BIAS)
 
 
 @triton.jit
@@ -158,19 +164,30 @@ def _step(
 
 
 @triton.jit
+def _chunk_sum(part_ptr, i, live, mn, splits):
+    """Σ over the chunks, in order (the same sum every run), of their partial products at flat indices i."""
+    acc = tl.zeros(i.shape, dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(part_ptr + s * mn + i, mask=live, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def _finish(acc, b_ptr, y_ptr, i, n, live, HAS_BIAS: tl.constexpr):
+    """y at flat indices i (row · n + output) ← acc (+ the bias), in y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + i % n, mask=live, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
 def _sum_chunks_kernel(
-    part_ptr, b_ptr, y_ptr, m, n,
-    SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr,
+    part_ptr, b_ptr, y_ptr, m, n, splits, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr
 ):  # fmt: skip
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat (row, output) of y
     live = i < m * n
     gdc_enter(GDC)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):  # in order: the same sum every run
-        acc += tl.load(part_ptr + s * m * n + i, mask=live, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + i % n, mask=live, other=0.0).to(tl.float32)
-    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=live)
+    _finish(_chunk_sum(part_ptr, i, live, m * n, splits), b_ptr, y_ptr, i, n, live, HAS_BIAS)
 
 
 def gemv(
@@ -193,16 +210,19 @@ def gemv(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
     bias_arg = bias if bias is not None else weight
-    _gemv_kernel[(triton.cdiv(n, cfg.bn), splits)](
-        x.contiguous(), weight, scale if scale is not None else weight, bias_arg, part, m, n, k, chunk,
+    tiles = triton.cdiv(n, cfg.bn)
+    fold = splits > 1 and arrival.ENABLED
+    _gemv_kernel[(tiles, splits)](
+        x.contiguous(), weight, scale if scale is not None else weight, bias_arg, part, y,
+        arrival.counters(x.device, tiles) if fold else y, m, n, k, chunk,
         M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(max(m, 1)), BN=cfg.bn, BK=bk, DOT=dot,
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        PARTIAL=splits > 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PARTIAL=splits > 1, FOLD=fold, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device),
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and not fold:
         block = 256
         _sum_chunks_kernel[(triton.cdiv(m * n, block),)](
-            part, bias_arg, y, m, n, SPLITS=splits, BLOCK=block, HAS_BIAS=bias is not None, **launch(x.device)
+            part, bias_arg, y, m, n, splits, BLOCK=block, HAS_BIAS=bias is not None, **launch(x.device)
         )
     return y

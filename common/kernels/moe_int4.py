@@ -7,8 +7,9 @@ read once, dequantised in registers and multiplied at once:
 1. gate/up: program (pair p, block of I columns) computes gate and up rows of expert rows[p] against x[t]
    (t = p // k), and writes silu(gate) · up in fp32 — act [P, I].
 2. down: program (pair p, block of H rows) computes act[p] · down^T and scales it by the routing weight —
-   partial sums [P, H] fp32, added over the k choices of each token by the caller (a fixed order: the
-   result does not depend on scheduling).
+   partial sums [P, H] fp32; the last of a token's k programs of a block to finish adds its k choices (and
+   the shared expert) in a fixed order (arrival.py: the result does not depend on scheduling), or with
+   arrival.ENABLED False a third kernel does.
 
 Int4 layout (common/experts/formats.py): qweight uint8 [R, out, in/2] (column 2j in the low nibble of byte j,
 2j+1 in the high one), scales bf16 and zeros uint8 [R, out, in/128]; w = (q − zero) · scale. A loop step
@@ -26,6 +27,8 @@ import triton
 import triton.language as tl
 
 from common.config import MOE_DOWN_TOKENS
+from common.kernels import arrival
+from common.kernels.arrival import arrive
 from common.kernels.pdl import gdc_enter, launch
 
 GROUP = 128
@@ -425,11 +428,13 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, rows_ptr, row_of_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, hidden, inter,
+    act_ptr, rows_ptr, row_of_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, partial_ptr, hidden, inter,
     hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
+    count_ptr, shared_ptr, gate_ptr, out_ptr, gate_stride,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
-    SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr,
+    SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, FOLD: tl.constexpr, K: tl.constexpr,
+    SHARED: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     # The rows and the routing weight are never gate_up's outputs (the kernel before): read before the wait.
@@ -450,27 +455,42 @@ def _down_kernel(
     a = act_ptr + p * inter
     for g0 in tl.range(0, GROUPS, GPB, num_stages=STAGES):
         acc += _down_step(w, s, z, n, g0, a, GROUPS, GPB, HALF, SPLIT, MAGIC, WORDS)
-    tl.store(out_ptr + p * hidden + n, acc * weight)
+    tl.store(partial_ptr + p * hidden + n, acc * weight)
+    if FOLD:  # the token's last choice to arrive at these rows sums the choices (arrival.py)
+        t = p // K
+        if arrive(count_ptr + t * tl.num_programs(1) + tl.program_id(1), K):
+            _sum_choices(partial_ptr, shared_ptr, gate_ptr, out_ptr, t, n, n < hidden, hidden, gate_stride, K,
+                         SHARED, GATED)  # fmt: skip
 
 
 @triton.jit
-def _combine_kernel(
-    partial_ptr, shared_ptr, gate_ptr, out_ptr, hidden, gate_stride,
-    K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
+def _sum_choices(
+    partial_ptr, shared_ptr, gate_ptr, out_ptr, t, i, live, hidden, gate_stride,
+    K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    gdc_enter(GDC)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = i < hidden
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    """out[t, i] ← Σ_j partial[t·K + j, i] (+ the shared expert's output, gated), in out's dtype."""
+    acc = tl.zeros(i.shape, dtype=tl.float32)
     for j in tl.static_range(K):  # the choices in order: the same sum whatever the schedule
-        acc += tl.load(partial_ptr + (t * K + j) * hidden + i, mask=live, other=0.0)
+        acc += tl.load(partial_ptr + (t * K + j) * hidden + i, mask=live, other=0.0, cache_modifier=".cg")
     if SHARED:
         shared = tl.load(shared_ptr + t * hidden + i, mask=live, other=0.0).to(tl.float32)
         if GATED:
             shared = shared * tl.sigmoid(tl.load(gate_ptr + t * gate_stride).to(tl.float32))
         acc += shared
     tl.store(out_ptr + t * hidden + i, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _combine_kernel(
+    partial_ptr, shared_ptr, gate_ptr, out_ptr, gate_stride, hidden,
+    K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    gdc_enter(GDC)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    _sum_choices(
+        partial_ptr, shared_ptr, gate_ptr, out_ptr, t, i, i < hidden, hidden, gate_stride, K, SHARED, GATED
+    )
 
 
 def moe_int4_decode(
@@ -592,20 +612,24 @@ def moe_int4_decode(
         before_down()
     groups, down_block = inter // GROUP, c.down_block or c.block
     knobs["num_warps"] = c.down_warps or c.num_warps
-    _down_kernel[(t * k, hidden // down_block)](
-        act, rows, row_of, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
-        hidden, inter, *reads("down"), GROUPS=groups,
-        GPB=min(c.down_groups_per_step or c.groups_per_step, triton.next_power_of_2(groups)),
-        BLOCK=down_block,
-        **tiles(down_block, groups), **knobs,
-    )  # fmt: skip
     out = torch.empty_like(x)
     gated = shared_gate is not None
-    _combine_kernel[(t, triton.cdiv(hidden, 1024))](
-        partial, shared.contiguous() if shared is not None else partial, shared_gate if gated else partial,
-        out, hidden, shared_gate.stride(0) if gated else 0, K=k, SHARED=shared is not None, GATED=gated,
-        BLOCK=1024, **pdl,
+    shared = shared.contiguous() if shared is not None else partial
+    # the shared expert, its gate and the output: read and written by whichever kernel sums the choices
+    sums = (shared, shared_gate if gated else partial, out, shared_gate.stride(0) if gated else 0)
+    sums_knobs = {"K": k, "SHARED": shared is not partial, "GATED": gated}
+    fold = arrival.ENABLED
+    blocks = hidden // down_block
+    _down_kernel[(t * k, blocks)](
+        act, rows, row_of, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
+        hidden, inter, *reads("down"), arrival.counters(x.device, t * blocks) if fold else partial, *sums,
+        GROUPS=groups, GPB=min(c.down_groups_per_step or c.groups_per_step, triton.next_power_of_2(groups)),
+        BLOCK=down_block, FOLD=fold, **sums_knobs, **tiles(down_block, groups), **knobs,
     )  # fmt: skip
+    if not fold:
+        _combine_kernel[(t, triton.cdiv(hidden, 1024))](
+            partial, *sums, hidden, BLOCK=1024, **sums_knobs, **pdl
+        )
     return out
 
 
