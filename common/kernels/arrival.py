@@ -28,8 +28,14 @@ import triton
 import triton.language as tl
 
 ENABLED = True
-"""Fold the GEMV's chunk sums and the int4 MoE's combine into the kernels before them. Switch before a pass
-is recorded."""
+"""Fold the GEMV's chunk sums and the int4 MoE's combine into the kernels before them, at one row (`folds`).
+Switch before a pass is recorded."""
+ROWS = 1
+"""Rows (tokens) up to which the sums fold. On the H200 at one row decode-allfit ran 191.00 tok/s folded
+against 188.69 (bench/results/decode-allfit-fold-ab.json) and decode-1 91.48 against 92.14, the second
+variant a cache already warmer (decode-1-fold-ab.json); eight lanes (two groups of four) ran 21.16 and 21.14
+against 21.55 and 21.37 tok/s a request (decode-8-fold-ab.json): longer kernels, where one launch saved is
+worth less than every program's atomic at its tail."""
 COUNTERS = 8192
 """Counters a buffer: output tiles of one launch (a GEMV's row tiles, tokens × down's row blocks)."""
 
@@ -48,6 +54,11 @@ def counters(device: torch.device, needed: int) -> torch.Tensor:
     if key not in _buffers:
         _buffers[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return _buffers[key]
+
+
+def folds(rows: int) -> bool:
+    """Whether a sum over `rows` rows folds into the kernel that writes its terms."""
+    return ENABLED and rows <= ROWS
 
 
 @triton.jit

@@ -11,16 +11,16 @@ Here a program owns BN output rows and one chunk of their inputs, read BK at a t
 waits for the kernel before it: the weights are no kernel's output): few rows and many chunks give enough
 programs to fill the SMs with loads in flight. With more than one chunk, each program writes its fp32 partial
 product, and the row tile's last program to finish sums the chunks in order (arrival.py: deterministic, unlike
-atomic adds of the products; with arrival.ENABLED False a second kernel does). The rows of x are multiplied on
-the tensor cores (x padded to the 16 rows a dot needs: masked rows cost no bytes) or, with `dot_rows` above
-them, on the CUDA cores (a broadcast and a sum, whose reduction over K takes shuffles: at one row ~1,200 SASS
-instructions against the dot's ~600, `bench.sass_census --step`; in gemv-tune.txt the eight-row dot, an upper
-bound of the one-row dot's time, matched or beat the one-row sum on every small weight: 10.9 µs against 12.4
-on the output projections). From two rows on, where cuBLAS reads a large weight near the HBM rate, `choose`
-leaves it to cuBLAS; at one row the GEMV reads it as fast and lets the next kernel launch early
-(`LARGE_ONE_ROW`). On the H200 (the one-row sum then), decode-allfit ran 171.12 tok/s with it against 168.85
-with cuBLAS for every projection (bench/results/decode-allfit-gemv-ab.json; `bench.decode_offload --ablate
---switches no-gemv`).
+atomic adds of the products; from two rows on, or with arrival.ENABLED False, a second kernel does). The rows
+of x are multiplied on the tensor cores (x padded to the 16 rows a dot needs: masked rows cost no bytes) or,
+with `dot_rows` above them, on the CUDA cores (a broadcast and a sum, whose reduction over K takes shuffles:
+at one row ~1,200 SASS instructions against the dot's ~600, `bench.sass_census --step`; in gemv-tune.txt the
+eight-row dot, an upper bound of the one-row dot's time, matched or beat the one-row sum on every small
+weight: 10.9 µs against 12.4 on the output projections). From two rows on, where cuBLAS reads a large weight
+near the HBM rate, `choose` leaves it to cuBLAS; at one row the GEMV reads it as fast and lets the next kernel
+launch early (`LARGE_ONE_ROW`). On the H200 (the one-row sum then), decode-allfit ran 171.12 tok/s with it
+against 168.85 with cuBLAS for every projection (bench/results/decode-allfit-gemv-ab.json;
+`bench.decode_offload --ablate --switches no-gemv`).
 
 Graph-safe (no host sync; shapes alone fix the launch).
 """
@@ -211,7 +211,7 @@ def gemv(
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
     bias_arg = bias if bias is not None else weight
     tiles = triton.cdiv(n, cfg.bn)
-    fold = splits > 1 and arrival.ENABLED
+    fold = splits > 1 and arrival.folds(m)
     _gemv_kernel[(tiles, splits)](
         x.contiguous(), weight, scale if scale is not None else weight, bias_arg, part, y,
         arrival.counters(x.device, tiles) if fold else y, m, n, k, chunk,

@@ -8,8 +8,8 @@ read once, dequantised in registers and multiplied at once:
    (t = p // k), and writes silu(gate) · up in fp32 — act [P, I].
 2. down: program (pair p, block of H rows) computes act[p] · down^T and scales it by the routing weight —
    partial sums [P, H] fp32; the last of a token's k programs of a block to finish adds its k choices (and
-   the shared expert) in a fixed order (arrival.py: the result does not depend on scheduling), or with
-   arrival.ENABLED False a third kernel does.
+   the shared expert) in a fixed order (arrival.py: the result does not depend on scheduling), or (several
+   tokens, or arrival.ENABLED False) a third kernel does.
 
 Int4 layout (common/experts/formats.py): qweight uint8 [R, out, in/2] (column 2j in the low nibble of byte j,
 2j+1 in the high one), scales bf16 and zeros uint8 [R, out, in/128]; w = (q − zero) · scale. A loop step
@@ -618,7 +618,7 @@ def moe_int4_decode(
     # the shared expert, its gate and the output: read and written by whichever kernel sums the choices
     sums = (shared, shared_gate if gated else partial, out, shared_gate.stride(0) if gated else 0)
     sums_knobs = {"K": k, "SHARED": shared is not partial, "GATED": gated}
-    fold = arrival.ENABLED
+    fold = arrival.folds(t)
     blocks = hidden // down_block
     _down_kernel[(t * k, blocks)](
         act, rows, row_of, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,

@@ -16,11 +16,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture
-def separate():
-    """Run the test's body with the separate sums' kernels, then fold again."""
-    arrival.ENABLED = False
-    yield
-    arrival.ENABLED = True
+def separate(monkeypatch):
+    """The separate sums' kernels until the test turns folding on (up to `arrival.ROWS` rows); the defaults
+    after it."""
+    monkeypatch.setattr(arrival, "ENABLED", False)
 
 
 def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -34,7 +33,7 @@ def _zeroed() -> bool:
     return not arrival.counters(torch.device(DEVICE), 1).any()
 
 
-def _gemv_case(rows: int = 3) -> tuple:
+def _gemv_case(rows: int = 1) -> tuple:
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 700, generator=gen).to(DEVICE)
     w = (torch.randn(200, 700, generator=gen) * 0.05).to(DEVICE)
@@ -44,20 +43,27 @@ def _gemv_case(rows: int = 3) -> tuple:
 CHUNKED = GemvConfig(bn=32, bk=128, splits=3, dot_rows=2)  # 7 row tiles × 3 chunks of 256 inputs
 
 
-def test_gemv_chunks_summed_by_the_last_to_arrive(separate) -> None:
-    x, w, b = _gemv_case()
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_chunks_summed_by_the_last_to_arrive(separate, monkeypatch, rows: int) -> None:
+    """One row, and three with the sums folded up to three rows (by default from two rows on a second
+    kernel sums them)."""
+    x, w, b = _gemv_case(rows)
     want = gemv(x, w, b, config=CHUNKED)  # separate sums' kernel
     arrival.ENABLED = True
+    monkeypatch.setattr(arrival, "ROWS", rows)
     for _ in range(2):  # the counters back at zero after each call
         _assert_same(gemv(x, w, b, config=CHUNKED), want)
         assert _zeroed()
     torch.testing.assert_close(want, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("shared", [False, True])
-def test_moe_choices_summed_by_the_last_to_arrive(separate, shared: bool) -> None:
+def test_moe_choices_summed_by_the_last_to_arrive(separate, monkeypatch, shared: bool, tokens: int) -> None:
+    """One token, and two with the sums folded up to two (each token its own counters)."""
     from common.kernels.moe_int4 import moe_int4_decode
 
+    monkeypatch.setattr(arrival, "ROWS", tokens)
     gen = torch.Generator().manual_seed(3)
     pool, x, weights = _two_token_case(gen, experts=5, k=3)
     rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)  # a row twice in one token
@@ -65,6 +71,8 @@ def test_moe_choices_summed_by_the_last_to_arrive(separate, shared: bool) -> Non
     if shared:
         extra = {"shared": torch.randn(2, 256, generator=gen).to(DEVICE)}
         extra["shared_gate"] = torch.randn(2, 4, generator=gen).to(DEVICE)[:, 1:2]  # a strided column
+    x, rows, weights = x[:tokens], rows[:tokens], weights[:tokens]
+    extra = {name: v[:tokens] for name, v in extra.items()}
     for words in (False, True):
         arrival.ENABLED = False
         want = moe_int4_decode(x, rows, weights, pool, block=8, down_block=32, words=words, **extra)
@@ -98,8 +106,9 @@ def test_folded_gemv_in_a_recorded_graph() -> None:
 
 
 @cuda
-def test_folded_gemv_on_two_streams_at_once() -> None:
+def test_folded_gemv_on_two_streams_at_once(monkeypatch) -> None:
     """Decode groups run the same projections on their own streams at once: each stream its own counters."""
+    monkeypatch.setattr(arrival, "ROWS", 3)
     cases = [_gemv_case(rows) for rows in (1, 3)]
     streams = [torch.cuda.Stream() for _ in cases]
     outs = []
