@@ -71,8 +71,11 @@ class DecodeConfig:
     in paired bf16 instructions, and the products an MMA of x padded to 16 rows: no reductions over K.
     Compiled for sm_90 at block 32, 4 warps (`bench.sass_census --mma --shape 32 1 4`): 357 SASS
     instructions a loop step of 2,048 weights a warp (0.17 a weight) against the words form's 0.22, ~6.4 µs
-    of issue a call against 8.2, 66 registers, 200 programs in one wave. Not yet timed (`bench.moe_int4_tune
-    --mma`). The weights and x are rounded to bf16, as torch's dequantisation and activations are."""
+    of issue a call against 8.2, 66 registers, 200 programs in one wave. Timed on the H200
+    (`bench.moe_int4_tune --mma`, bench/results/moe-int4-decode-mma.txt): 33.63 µs a call at its best shape
+    (block 32, 4 warps, 3 stages) against the words form's 24.26; fewer programs, each with one load in
+    flight, lost more than the instructions saved. The weights and x are rounded to bf16, as torch's
+    dequantisation and activations are."""
     gate_up_stages: int | None = None
     """gate_up's own `stages` (default `stages`): the tensor cores' loop takes a group a step, 20 at
     flashnext's shape, where down keeps its one-step-a-round-trip loop."""
@@ -80,8 +83,9 @@ class DecodeConfig:
     """A cap on gate_up's registers a thread (Triton's `maxnreg`; None: ptxas's choice). Compiled for sm_90
     (`bench.sass_census --registers`), RESIDENT_CONFIGS' one-token gate_up takes 95 registers: 5 programs of
     4 warps an SM, 660 at once against the call's 800 (10 pairs × 80 blocks), a second partial wave. At 64,
-    8 an SM hold them all in one wave, for 688 SASS instructions against 616 and no spills. Not yet timed
-    (`bench.moe_int4_tune --down --tokens 1 --registers 64`)."""
+    8 an SM hold them all in one wave, for 688 SASS instructions against 616 and no spills. On the H200
+    (`bench.moe_int4_tune --down --tokens 1 --registers 64`, bench/results/moe-int4-decode-registers.txt):
+    24.04 µs a call against 24.24, inside the spread; the second wave is not what holds gate_up back."""
 
 
 DECODE_CONFIGS = {
@@ -118,8 +122,9 @@ MMA_CONFIGS = {
     1: replace(RESIDENT_CONFIGS[1], block=32, groups_per_step=1, num_warps=4, gate_up_stages=3, mma=True),
 }
 """RESIDENT_CONFIGS with one token's gate_up on the tensor cores (DecodeConfig.mma), 32 rows a program at
-4 warps, its loop pipelined three deep, down as RESIDENT_CONFIGS': a candidate, not yet timed
-(`bench.decode_offload --all-fit --ablate --switches int4-mma`)."""
+4 warps, its loop pipelined three deep, down as RESIDENT_CONFIGS': the tune's best tensor-core shape, 39 %
+slower a call than RESIDENT_CONFIGS' (moe-int4-decode-mma.txt); the switch `int4-mma` of `bench.decode_offload
+--ablate` still runs it in a step."""
 
 
 def decode_config(tokens: int, configs: dict[int, DecodeConfig] | None = None) -> DecodeConfig:
