@@ -18,7 +18,8 @@ default's.
 
 `--magic`, `--words`, `--stages N`: every shape with those DecodeConfig knobs, beside the defaults. `--down`:
 gate_up's and down's shapes apart. `--registers N`: every shape also with gate_up's registers capped at N.
-`--mma`: gate_up on the tensor cores (`_mma_settings`), beside the all-resident one-token shape.
+`--mma`: gate_up on the tensor cores (`_mma_settings`), beside the all-resident one-token shape. `--chunks N
+...`: each shape also with gate_up's inputs cut into N chunks, one program each (DecodeConfig.gate_up_chunks).
 
 `--once`: no timing, three eager calls of the decode defaults per token count (`moe-int4-decode-ncu.txt`:
 `ncu --kernel-name regex:"_gate_up_kernel|_down_kernel" --launch-skip 4 --launch-count 4 --section ...
@@ -35,7 +36,14 @@ import torch
 
 from bench.common import measure_hbm_gbps, measure_tflops, median_ms, replay_us
 from bench.flashnext import random_int4_store
-from common.kernels.moe_int4 import GROUPED, GroupedConfig, moe_int4_decode, moe_int4_grouped
+from common.kernels.moe_int4 import (
+    GROUP,
+    GROUPED,
+    GROUPS_PER_STEP,
+    GroupedConfig,
+    moe_int4_decode,
+    moe_int4_grouped,
+)
 
 HIDDEN, INTER, TOP_K, CALLS, EXPERTS = 2560, 640, 10, 48, 512
 
@@ -77,6 +85,7 @@ def label(setting: dict) -> str:
     text += " mma" if setting.get("mma") else ""
     text += f" gate_up stages {setting['gate_up_stages']}" if setting.get("gate_up_stages") else ""
     text += f" regs {setting['gate_up_registers']}" if setting.get("gate_up_registers") else ""
+    text += f" chunks {setting['gate_up_chunks']}" if setting.get("gate_up_chunks", 1) > 1 else ""
     return text + (f" stages {setting['stages']}" if setting.get("stages", 1) > 1 else "")
 
 
@@ -163,6 +172,18 @@ def _mma_settings() -> list[dict]:
     ]
 
 
+def _chunked(settings: list[dict], counts: list[int]) -> list[dict]:
+    """Each gate_up shape of `settings` with its inputs cut into each of `counts` chunks, where a chunk is
+    whole loop steps (DecodeConfig.gate_up_chunks; the tensor cores take a group a step)."""
+    groups, out = HIDDEN // GROUP, []
+    for setting in filter(None, settings):
+        step = 1 if setting.get("mma") else setting.get("groups_per_step", GROUPS_PER_STEP)
+        out += [
+            {**setting, "gate_up_chunks": n} for n in counts if groups % n == 0 and groups // n % step == 0
+        ]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--grouped", action="store_true", help="the prefill kernels (default: decode)")
@@ -180,6 +201,10 @@ def main() -> None:
         "--down", action="store_true", help="gate_up's and down's shapes apart (`_down_settings`)"
     )
     ap.add_argument("--mma", action="store_true", help="gate_up on the tensor cores (`_mma_settings`)")
+    ap.add_argument(
+        "--chunks", type=int, nargs="+", default=None,
+        help="each shape also with gate_up's inputs in this many chunks (DecodeConfig.gate_up_chunks)",
+    )  # fmt: skip
     ap.add_argument(
         "--registers", type=int, default=None,
         help="each shape also with gate_up's registers capped (DecodeConfig.gate_up_registers)",
@@ -212,6 +237,8 @@ def main() -> None:
     if extra:  # every shape with these knobs, beside the defaults
         shapes = [s for s in settings if not (args.words and s.get("split_act"))]  # (ignored by words)
         settings = [{}, *({**setting, **extra} for setting in shapes)]
+    if args.chunks:
+        settings += _chunked(settings, args.chunks)
     if args.registers:  # each shape as it is and capped, side by side
         capped = [{**setting, "gate_up_registers": args.registers} for setting in settings if setting]
         settings = [*settings, *capped]

@@ -39,7 +39,7 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from common.kernels import hyper, moe_int4
+from common.kernels import arrival, hyper, moe_int4
 from common.kernels.moe_int4 import GROUP, DecodeConfig
 
 HIDDEN, INTER, TOP_K, SMS, CLOCK_GHZ = 2560, 640, 10, 132, 1.75
@@ -121,9 +121,17 @@ def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
     codes = "*i32" if config.words else "*u8"
     pool = {"w_ptr": codes, "s_ptr": "*bf16", "z_ptr": "*u8"}
     gate_up = {"x_ptr": "*bf16", "rows_ptr": "*i64", "row_of_ptr": "*i64", **pool, "act_ptr": "*fp32"}
-    gate_up |= {"k": "i32", "hidden": "i32", "inter": "i32", **_COMMON}
+    gate_up |= {
+        "k": "i32",
+        "hidden": "i32",
+        "inter": "i32",
+        **_COMMON,
+        "part_ptr": "*fp32",
+        "count_ptr": "*i32",
+    }
     down = {"act_ptr": "*fp32", "rows_ptr": "*i64", "row_of_ptr": "*i64", "weights_ptr": "*fp32", **pool}
-    down |= {"out_ptr": "*fp32", "hidden": "i32", "inter": "i32", **_COMMON}
+    down |= {"partial_ptr": "*fp32", "hidden": "i32", "inter": "i32", **_COMMON, "count_ptr": "*i32"}
+    down |= {"shared_ptr": "*bf16", "gate_ptr": "*bf16", "out_ptr": "*bf16", "gate_stride": "i32"}
     knobs = {"HALF": GROUP // 2, "SPLIT": config.split_act, "MAGIC": config.magic, "LOOKUP": True}
     knobs |= {"HOST": False, "FILLS": 1, "CODES": 1, "SCALES": 1, "WORDS": config.words}
     knobs |= {"STAGES": config.stages, "GDC": False}
@@ -134,21 +142,25 @@ def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
     )
     # gate_up's own knobs (SETTLED as a block with a shared expert runs it; the tensor cores take a group a
     # step) and register cap
+    chunks = config.gate_up_chunks
     gate_up_own = {"SETTLED": True, "MMA": config.mma, "STAGES": config.gate_up_stages or config.stages}
+    gate_up_own["CHUNKS"] = chunks
     gate_up_gpb = 1 if config.mma else config.groups_per_step
+    # down as a one-token step launches it: the choices summed by its last program (arrival.py)
+    down_own = {"FOLD": arrival.folds(1), "K": TOP_K, "SHARED": True, "GATED": True}
     kernels = {
-        "gate_up": (moe_int4._gate_up_kernel, gate_up, HIDDEN, config.block, INTER // config.block,
-                    gate_up_gpb, config.num_warps, gate_up_own, config.gate_up_registers),
+        "gate_up": (moe_int4._gate_up_kernel, gate_up, HIDDEN, config.block, INTER // config.block * chunks,
+                    gate_up_gpb, config.num_warps, gate_up_own, config.gate_up_registers, chunks),
         "down": (moe_int4._down_kernel, down, INTER, down_block, HIDDEN // down_block, down_gpb, down_warps,
-                 {}, None),
+                 down_own, None, 1),
     }  # fmt: skip
     out = {}
-    for name, (fn, signature, width, block, blocks, gpb, warps, own, cap) in kernels.items():
+    for name, (fn, signature, width, block, blocks, gpb, warps, own, cap, chunks) in kernels.items():
         groups = width // GROUP
         gpb = min(gpb, triton.next_power_of_2(groups))
         constants = knobs | {"GROUPS": groups, "GPB": gpb, "BLOCK": block} | own
         c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter"), cap))
-        steps = -(-groups // gpb)
+        steps = -(-groups // chunks // gpb)  # a program's loop steps: its chunk's
         per_warp = c.total + (steps - 1) * c.loop  # the loop body once per step
         issue_us = _issue_us(TOP_K * blocks, warps, per_warp)
         out[name] = (c, issue_us)
@@ -202,9 +214,10 @@ def step_census() -> dict[str, tuple[Census, float]]:
     from common.kernels import gated_delta, gated_mlp, gemv, routing
 
     gdc = {"GDC": True}
-    product = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*fp32"}
-    product |= {"m": "i32", "n": "i32", "k": "i32", "k_chunk": "i32"}
+    product = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "part_ptr": "*fp32"}
+    product |= {"y_ptr": "*bf16", "count_ptr": "*i32", "m": "i32", "n": "i32", "k": "i32", "k_chunk": "i32"}
     plain = {"EVEN_K": True, "HAS_SCALE": False, "HAS_BIAS": False, "PARTIAL": True, "PRECISION": "tf32"}
+    plain["FOLD"] = arrival.folds(1)  # the chunks summed by the last to finish
     moe_in = 1800
     chosen = gemv.choose(1, moe_in, HIDDEN, torch.device("cpu"))
     cuda_cores = gemv.GemvConfig(bn=16, bk=512, splits=gemv.chunks(HIDDEN, 512, 5)[1], dot_rows=2)
@@ -214,8 +227,8 @@ def step_census() -> dict[str, tuple[Census, float]]:
         shape = {"M_PAD": 16 if dot else 1, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot} | plain | gdc
         programs = -(-moe_in // cfg.bn) * cfg.splits
         kernels[name] = (gemv._gemv_kernel, product, shape, cfg.warps, ("k", "k_chunk"), programs)
-    parts = {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32", "n": "i32"}
-    shape = {"SPLITS": chosen.splits, "BLOCK": 256, "HAS_BIAS": False} | gdc
+    parts = {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32", "n": "i32", "splits": "i32"}
+    shape = {"BLOCK": 256, "HAS_BIAS": False} | gdc  # (from two rows on, or arrival off)
     kernels["gemv sum"] = (gemv._sum_chunks_kernel, parts, shape, 4, (), -(-moe_in // 256))
     route = {"logits_ptr": "*bf16", "weights_ptr": "*i16", "ids_ptr": "*i64", "experts": "i32"}
     shape = {"K": TOP_K, "KB": 16, "BLOCK": 512, "NORMALIZE": True, "BF16": True} | gdc
@@ -243,6 +256,7 @@ def main() -> None:
     ap.add_argument("--words", action="store_true")
     ap.add_argument("--registers", type=int, default=None, help="gate_up's registers capped (maxnreg)")
     ap.add_argument("--mma", action="store_true", help="gate_up on the tensor cores (DecodeConfig.mma)")
+    ap.add_argument("--chunks", type=int, default=1, help="with --shape: DecodeConfig.gate_up_chunks")
     ap.add_argument("--json", action="store_true", help="one JSON object: config → kernel → counts")
     ap.add_argument("--hc", action="store_true", help="the hyper-connection decode kernels instead")
     ap.add_argument(
@@ -257,6 +271,7 @@ def main() -> None:
     }
     if args.shape or args.down or args.words or args.mma:
         given = DecodeConfig(*(args.shape or ()), words=args.words or args.mma, mma=args.mma)
+        given = replace(given, gate_up_chunks=args.chunks)
         if args.down:
             given = replace(given, down_block=args.down[0], down_groups_per_step=args.down[1],
                             down_warps=args.down[2])  # fmt: skip

@@ -86,6 +86,14 @@ class DecodeConfig:
     8 an SM hold them all in one wave, for 688 SASS instructions against 616 and no spills. On the H200
     (`bench.moe_int4_tune --down --tokens 1 --registers 64`, bench/results/moe-int4-decode-registers.txt):
     24.04 µs a call against 24.24, inside the spread; the second wave is not what holds gate_up back."""
+    gate_up_chunks: int = 1
+    """gate_up's inputs cut into this many chunks of whole loop steps, one program each: the chunk's gate and
+    up go to memory, and the last of a block's chunks to finish (arrival.py) sums them in order and applies
+    SwiGLU. For the tensor-core form, whose 200 programs at one token each walk all 20 groups with one load
+    in flight (moe-int4-decode-mma.txt: 33.63 µs a call against the words form's 24.26, for ~6.4 µs of
+    issue against 8.2): five chunks give 1,000 programs of four steps, which at its 66 registers fit the
+    SMs in one wave. Not used with host reads (each chunk would copy the whole rows). Not yet timed
+    (`bench.moe_int4_tune --mma --chunks 5`)."""
 
 
 DECODE_CONFIGS = {
@@ -328,10 +336,13 @@ def _mma_rows(acc, x_lo, x_hi, words, i: tl.constexpr, zero, scale, BF16: tl.con
 
 
 @triton.jit
-def _gate_up_mma(w, s, z, n, inter, x, GROUPS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """gate and up [BLOCK] fp32 for rows n and n + inter of the codes as words (DecodeConfig.mma): one group
-    a loop step, x's row padded to the 16 rows a dot takes (the masked rows read nothing). The weights in
-    bf16 for bf16 x, else in fp32."""
+def _gate_up_mma(
+    w, s, z, n, inter, x, g_lo, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """gate and up [BLOCK] fp32 for rows n and n + inter of the codes as words (DecodeConfig.mma) over groups
+    g_lo..g_lo+CHUNK−1: one group a loop step, x's row padded to the 16 rows a dot takes (the masked rows
+    read nothing). The weights in bf16 for bf16 x, else in fp32."""
     BF16: tl.constexpr = x.dtype.element_ty == tl.bfloat16
     dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float32
     r = tl.arange(0, 16)
@@ -339,7 +350,7 @@ def _gate_up_mma(w, s, z, n, inter, x, GROUPS: tl.constexpr, BLOCK: tl.constexpr
     one_row = r[:, None] == 0
     gate = tl.zeros((16, BLOCK), dtype=tl.float32)
     up = tl.zeros((16, BLOCK), dtype=tl.float32)
-    for g in tl.range(0, GROUPS, num_stages=STAGES):
+    for g in tl.range(g_lo, g_lo + CHUNK, num_stages=STAGES):
         words_g = tl.load(w + n[:, None] * (GROUPS * 16) + g * 16 + m[None, :])  # [BLOCK, 16] int32
         words_u = tl.load(w + (n + inter)[:, None] * (GROUPS * 16) + g * 16 + m[None, :])
         scale_g = tl.load(s + n * GROUPS + g).to(dtype)[:, None]
@@ -388,11 +399,11 @@ def _down_step(
 @triton.jit
 def _gate_up_kernel(
     x_ptr, rows_ptr, row_of_ptr, w_ptr, s_ptr, z_ptr, act_ptr, k, hidden, inter,
-    hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills,
+    hw_ptr, hs_ptr, hz_ptr, fill_ptr, valid_ptr, fills, part_ptr, count_ptr,
     GROUPS: tl.constexpr, GPB: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     MAGIC: tl.constexpr, LOOKUP: tl.constexpr, HOST: tl.constexpr, FILLS: tl.constexpr, CODES: tl.constexpr,
     SCALES: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, SETTLED: tl.constexpr,
-    MMA: tl.constexpr, GDC: tl.constexpr,
+    MMA: tl.constexpr, CHUNKS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     if SETTLED:  # the rows are a kernel's further back (pdl.py): their two dependent reads before the wait
@@ -416,14 +427,38 @@ def _gate_up_kernel(
             )  # fmt: skip
             tl.debug_barrier()  # the program's own writes, visible to all its threads
     x = x_ptr + t * hidden
+    chunk: tl.constexpr = GROUPS // CHUNKS
+    # this program's groups of inputs; all of them from a constant 0, where the loop's masks fold (616 SASS
+    # instructions against 656 from program_id(2) · chunk)
+    g_lo = tl.program_id(2) * chunk if CHUNKS > 1 else 0
     if MMA:
-        gate, up = _gate_up_mma(w, s, z, n, inter, x, GROUPS, BLOCK, STAGES)
+        gate, up = _gate_up_mma(w, s, z, n, inter, x, g_lo, GROUPS, chunk, BLOCK, STAGES)
     else:
         gate = tl.zeros((BLOCK,), dtype=tl.float32)
         up = tl.zeros((BLOCK,), dtype=tl.float32)
-        for g0 in tl.range(0, GROUPS, GPB, num_stages=STAGES):
+        for g0 in tl.range(g_lo, g_lo + chunk, GPB, num_stages=STAGES):
             gate, up = _gate_up_step(gate, up, w, s, z, n, inter, g0, x, GROUPS, GPB, HALF, MAGIC, WORDS)
-    act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
+    if CHUNKS == 1:
+        _store_act(act_ptr, p, n, inter, gate, up, HALF, SPLIT, WORDS)
+    else:  # this chunk's gate and up [P, CHUNKS, 2, I]; the last chunk to arrive sums them (arrival.py)
+        at = part_ptr + (p * CHUNKS + tl.program_id(2)) * (2 * inter) + n
+        tl.store(at, gate)
+        tl.store(at + inter, up)
+        if arrive(count_ptr + p * tl.num_programs(1) + tl.program_id(1), CHUNKS):
+            gate = tl.zeros((BLOCK,), dtype=tl.float32)
+            up = tl.zeros((BLOCK,), dtype=tl.float32)
+            for c in tl.static_range(CHUNKS):  # in order: the same sums every run
+                at = part_ptr + (p * CHUNKS + c) * (2 * inter) + n
+                gate += tl.load(at, cache_modifier=".cg")
+                up += tl.load(at + inter, cache_modifier=".cg")
+            _store_act(act_ptr, p, n, inter, gate, up, HALF, SPLIT, WORDS)
+
+
+@triton.jit
+def _store_act(act_ptr, p, n, inter, gate, up, HALF: tl.constexpr, SPLIT: tl.constexpr, WORDS: tl.constexpr):
+    """act[p, n] ← silu(gate) · up, in the layout down reads (by nibble position with WORDS, else split or
+    in order)."""
+    act = gate / (1.0 + tl.exp(-gate)) * up
     if WORDS:
         at, factor = _words_at(n)
         tl.store(act_ptr + p * inter + at, act * factor)
@@ -523,6 +558,7 @@ def moe_int4_decode(
     gate_up_registers: int | None = None,
     gate_up_stages: int | None = None,
     mma: bool | None = None,
+    gate_up_chunks: int | None = None,
     configs: dict[int, DecodeConfig] | None = None,
     settled: bool = False,
 ) -> torch.Tensor:
@@ -539,10 +575,10 @@ def moe_int4_decode(
     `block`), `groups_per_step` (a power of two; `down_groups_per_step`), `num_warps` (`down_warps`) and
     `split_act` (gate_up stores each group of the activations evens first, so that down reads two
     contiguous runs instead of every other entry: down is L1-bound, bench/results/moe-int4-decode-ncu.txt),
-    `magic`, `words` and `stages` (DecodeConfig) are tuning knobs (bench/moe_int4_tune.py sweeps them on the
-    GPU); `configs` the shape table (default DECODE_CONFIGS). With `block` None every knob left None takes
-    `decode_config(T, configs)`'s; with a `block`, those left None take DecodeConfig's plain defaults (what
-    the tune labels a setting by).
+    `magic`, `words`, `stages`, `mma`, `gate_up_*` (DecodeConfig) are tuning knobs (bench/moe_int4_tune.py
+    sweeps them on the GPU); `configs` the shape table (default DECODE_CONFIGS). With `block` None every knob
+    left None takes `decode_config(T, configs)`'s; with a `block`, those left None take DecodeConfig's plain
+    defaults (what the tune labels a setting by).
 
     `host` (the layer's host store blocks, by component, [E, ...] as the pool's rows; mapped) and `fills`
     (the step's copy list: expert ids [P] and valid [P] bool), with `row_of`: a program whose pair's expert
@@ -565,12 +601,13 @@ def moe_int4_decode(
     given["gate_up_registers"] = gate_up_registers
     given["gate_up_stages"] = gate_up_stages
     given["mma"] = mma
+    given["gate_up_chunks"] = gate_up_chunks
     given["stages"] = stages
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
     assert not c.mma or (c.words and c.block >= 16), "mma: codes as words, at least 16 rows a program"
     words = c.words and host is None  # host reads stage bytes: the byte form (and no tensor cores)
-    c = replace(c, words=words, mma=c.mma and words)
+    c = replace(c, words=words, mma=c.mma and words, gate_up_chunks=c.gate_up_chunks if host is None else 1)
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
     act = torch.empty((t * k, inter), dtype=torch.float32, device=x.device)
@@ -607,11 +644,22 @@ def moe_int4_decode(
     if before_gate_up is not None:
         before_gate_up()
     groups = hidden // GROUP  # per kernel at most its groups' power of two: a step past them reads nothing
-    _gate_up_kernel[(t * k, inter // c.block)](
+    gpb, n_chunks, blocks = (
+        min(c.groups_per_step, triton.next_power_of_2(groups)),
+        c.gate_up_chunks,
+        inter // c.block,
+    )
+    assert groups % n_chunks == 0 and (n_chunks == 1 or (groups // n_chunks) % (1 if c.mma else gpb) == 0), (
+        f"gate_up_chunks {n_chunks}: whole loop steps of {groups} groups"
+    )
+    part = act  # (unread with one chunk)
+    if n_chunks > 1:
+        part = torch.empty((t * k, n_chunks, 2, inter), dtype=torch.float32, device=x.device)
+    counts = arrival.counters(x.device, t * k * blocks) if n_chunks > 1 else act
+    _gate_up_kernel[(t * k, blocks, n_chunks)](
         x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
-        hidden, inter, *reads("gate_up"), GROUPS=groups,
-        GPB=min(c.groups_per_step, triton.next_power_of_2(groups)), BLOCK=c.block, **tiles(c.block, groups),
-        **(knobs | gate_up_knobs),
+        hidden, inter, *reads("gate_up"), part, counts, GROUPS=groups, GPB=gpb, BLOCK=c.block,
+        CHUNKS=n_chunks, **tiles(c.block, groups), **(knobs | gate_up_knobs),
     )  # fmt: skip
     if before_down is not None:
         before_down()

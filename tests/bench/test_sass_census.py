@@ -68,3 +68,14 @@ def test_census_of_gate_up_on_the_tensor_cores() -> None:
     words = _census("--words", "--shape", "8", "4", "4", "--down", "16", "1", "2")["given"]["gate_up"]
     assert mma["opcodes"].get("HMMA", 0) > 0 and mma["opcodes"].get("HMUL2", 0) > 0 and mma["local"] == 0
     assert mma["issue_us"] < words["issue_us"]
+
+
+def test_census_of_gate_up_in_chunks() -> None:
+    """`--chunks 5` (DecodeConfig.gate_up_chunks): the tensor-core gate_up at 32 rows compiles with its
+    chunk's four steps, the chunks' sums and the arrival, fewer registers than whole and no spills."""
+    shape = ("--mma", "--shape", "32", "1", "4", "--down", "16", "1", "2")
+    whole = _census(*shape)["given"]["gate_up"]
+    chunked = _census(*shape, "--chunks", "5")["given"]["gate_up"]
+    atomics = [c["opcodes"].get("ATOMG", 0) for c in (whole, chunked)]
+    assert atomics[0] == 0 < atomics[1]  # the arrival's count and reset
+    assert chunked["registers"] <= whole["registers"] and chunked["local"] == 0

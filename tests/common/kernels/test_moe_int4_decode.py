@@ -118,6 +118,39 @@ def test_int4_decode_gate_up_on_the_tensor_cores(
         torch.testing.assert_close(moe_int4_decode(*one, configs=MMA_CONFIGS), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("mma", "chunks"), [(True, 2), (True, 4), (False, 2)])
+def test_int4_decode_gate_up_in_chunks(mma: bool, chunks: int, dtype: torch.dtype) -> None:
+    """DecodeConfig.gate_up_chunks: gate_up's inputs cut into chunks, one program each, the last to finish
+    summing them (hidden 512: four groups, two or one a chunk; codes as words, on the tensor cores or
+    not), two tokens, a row twice in one token; the
+    unchunked result to fp32 rounding (the chunks' sums are added in another order), and the reference. A
+    chunk that is not whole loop steps is refused."""
+    from common.kernels import arrival
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("Triton's interpreter multiplies bf16 tensors as their raw bits")
+    fmt = get_format("int4")
+    gen = torch.Generator().manual_seed(chunks)
+    pool, x, weights = _two_token_case(gen, experts=5, k=3, hidden=512, inter=128)
+    x = x.to(dtype)
+    rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)
+    shape = {"block": 16, "groups_per_step": 1, "num_warps": 4, "words": True, "mma": mma}
+    whole = moe_int4_decode(x, rows, weights, pool, **shape)
+    out = moe_int4_decode(x, rows, weights, pool, gate_up_chunks=chunks, **shape)
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+    assert not arrival.counters(x.device, 1).any()  # the counters back at zero
+    gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, dtype)
+    xs = x.float().repeat_interleave(3, dim=0)
+    gate, up = torch.einsum("ph,pnh->pn", xs, gate_up.float()).chunk(2, dim=-1)
+    y = torch.einsum("pi,phi->ph", F.silu(gate) * up, down.float()) * weights.reshape(-1, 1)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=tol, atol=tol)
+    with pytest.raises(AssertionError, match="whole loop steps"):
+        moe_int4_decode(x, rows, weights, pool, gate_up_chunks=3, **shape)
+
+
 @pytest.mark.parametrize("words", [False, True])
 def test_int4_decode_takes_downs_own_shape(words: bool) -> None:
     """down's own groups a step and warps (gate_up's left as they are): the result of the shared shape, to
