@@ -25,6 +25,13 @@ class RoutingHook(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The choices to use for these tokens."""
 
+    def kernel_rows(
+        self, layer: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """What the router's kernel needs to apply this hook itself (`route_fused`'s `replay`), or None:
+        the hook is called."""
+        return None
+
 
 class RoutingRecorder(RoutingHook):
     """Keeps every layer's choices; `trace()` stacks them into a RoutingTrace."""
@@ -64,6 +71,20 @@ class RoutingReplayer(RoutingHook):
         self._device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.fused = False
         """Gather the rows with one Triton kernel (opt-in: `common.kernels.use_fused_kernels`)."""
+
+    in_router = False
+    """With `fused`, where the router is the fused kernel: that kernel hands out the rows too (`kernel_rows`),
+    one launch fewer a MoE layer. The replay is the benchmark's, not a server's, and its own kernel makes a
+    decode-allfit step ~0.09 ms longer (48 × ~1.9 µs exposed, decode-allfit-profile.txt at 0292dc6): in the
+    router's kernel the step is closer to a server's. Off until it has run on CUDA (a wrong cursor would
+    replay the wrong rows and change every hit rate): tests/common/kernels/test_routing_kernel.py, then
+    `bench.decode_offload --ablate --switches replay-in-router`."""
+
+    def kernel_rows(self, layer, device):
+        if not (self.fused and self.in_router):
+            return None
+        ids, weights, cursor = self._on(device)
+        return ids, weights, cursor, self.index[layer]
 
     def __call__(self, layer, ids, weights):
         i, n = self.index[layer], ids.shape[0]
