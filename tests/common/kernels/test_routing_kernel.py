@@ -56,7 +56,8 @@ def test_router_kernel_hands_out_the_replay(dtype: torch.dtype) -> None:
     layers = [1, 3]
     plain, fused = (replayer_for("synthetic-zipf:tokens=20,seed=2", layers, 64, 4) for _ in range(2))
     plain.fused = fused.fused = fused.in_router = True
-    assert plain.kernel_rows(1, torch.device(DEVICE)) is None  # the class's default: off
+    plain.in_router = False
+    assert plain.kernel_rows(1, torch.device(DEVICE)) is None  # called, not in the router's kernel
     gen = torch.Generator().manual_seed(1)
     for n in (1, 3, 1, 9, 37):
         for layer in layers:
@@ -74,7 +75,7 @@ def test_moe_block_replays_in_its_routers_kernel(tmp_path) -> None:
     """A model whose fused router hands out the replay decodes the tokens the router-then-replay model does
     (the engine's greedy decode of a tiny qwen3_moe, CPU)."""
     from common.engine import Engine
-    from common.experts.routing import RoutingReplayer, install_routing_hook, replayer_for
+    from common.experts.routing import install_routing_hook, replayer_for
     from common.kernels import use_fused_kernels
     from common.model.synthetic import make_model
     from common.sampling import SamplingParams
@@ -96,7 +97,6 @@ def test_moe_block_replays_in_its_routers_kernel(tmp_path) -> None:
         )[0]
         tokens.append(result.token_ids)
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
-    assert RoutingReplayer.in_router is False
 
 
 @pytest.mark.parametrize("hook_first", [True, False])
