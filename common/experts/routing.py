@@ -58,6 +58,14 @@ class RoutingRecorder(RoutingHook):
 class RoutingReplayer(RoutingHook):
     """Replaces the router's choices with a trace's rows, token by token, per layer."""
 
+    in_router = False
+    """With `fused`, where the router is the fused kernel: that kernel hands out the rows too (`kernel_rows`),
+    one launch fewer a MoE layer. The replay is the benchmark's, not a server's, and its own kernel makes a
+    decode-allfit step ~0.09 ms longer (48 × ~1.9 µs exposed, decode-allfit-profile.txt at 0292dc6): in the
+    router's kernel the step is closer to a server's. Off until it has run on CUDA (a wrong cursor would
+    replay the wrong rows and change every hit rate): tests/common/kernels/test_routing_kernel.py, then
+    `bench.decode_offload --ablate --switches replay-in-router`."""
+
     def __init__(self, trace: RoutingTrace, moe_layers: list[int], num_experts: int, top_k: int) -> None:
         _, layers, k = trace.ids.shape
         if layers != len(moe_layers) or k != top_k or trace.num_experts != num_experts:
@@ -72,15 +80,10 @@ class RoutingReplayer(RoutingHook):
         self.fused = False
         """Gather the rows with one Triton kernel (opt-in: `common.kernels.use_fused_kernels`)."""
 
-    in_router = False
-    """With `fused`, where the router is the fused kernel: that kernel hands out the rows too (`kernel_rows`),
-    one launch fewer a MoE layer. The replay is the benchmark's, not a server's, and its own kernel makes a
-    decode-allfit step ~0.09 ms longer (48 × ~1.9 µs exposed, decode-allfit-profile.txt at 0292dc6): in the
-    router's kernel the step is closer to a server's. Off until it has run on CUDA (a wrong cursor would
-    replay the wrong rows and change every hit rate): tests/common/kernels/test_routing_kernel.py, then
-    `bench.decode_offload --ablate --switches replay-in-router`."""
-
-    def kernel_rows(self, layer, device):
+    def kernel_rows(
+        self, layer: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """With `fused` and `in_router`: the trace on `device`, its cursors and `layer`'s trace layer."""
         if not (self.fused and self.in_router):
             return None
         ids, weights, cursor = self._on(device)

@@ -89,11 +89,11 @@ class DecodeConfig:
     gate_up_chunks: int = 1
     """gate_up's inputs cut into this many chunks of whole loop steps, one program each: the chunk's gate and
     up go to memory, and the last of a block's chunks to finish (arrival.py) sums them in order and applies
-    SwiGLU. For the tensor-core form, whose 200 programs at one token each walk all 20 groups with one load
-    in flight (moe-int4-decode-mma.txt: 33.63 µs a call against the words form's 24.26, for ~6.4 µs of
-    issue against 8.2): five chunks give 1,000 programs of four steps, which at its 66 registers fit the
-    SMs in one wave. Not used with host reads (each chunk would copy the whole rows). Not yet timed
-    (`bench.moe_int4_tune --mma --chunks 5`)."""
+    SwiGLU. For the tensor-core form, whose 200 programs at one token each walk all 20 groups with one load in
+    flight (moe-int4-decode-mma.txt: 33.63 µs a call against the words form's 24.26, for ~6.4 µs of issue
+    against 8.2): five chunks give 1,000 programs of four steps, which at 56 registers fit the SMs in one wave
+    (`bench.sass_census --mma --shape 32 1 4 --chunks 5`: ~7.7 µs of issue a call). Not used with host reads
+    (each chunk would copy the whole rows). Not yet timed (`bench.moe_int4_tune --mma --chunks 5`)."""
 
 
 DECODE_CONFIGS = {

@@ -80,7 +80,9 @@ class SparseMoeBlock(nn.Module):
         else:
             logits, shared_in = self.gate(x), None
         hook = self.routing_hook
-        replay = hook.kernel_rows(self.layer_idx, x.device) if hook and self.fused_decode else None
+        replay = (
+            hook.kernel_rows(self.layer_idx, x.device) if hook is not None and self.fused_decode else None
+        )
         if replay is None:
             weights, ids = self._route(logits, x.dtype)  # [T, k] each
         with self.experts.turn(self.layer_idx):  # a grouped pass's groups replay and resolve in turn
