@@ -70,3 +70,13 @@ def arrive(counter_ptr, terms):
     if last:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
     return last
+
+
+@triton.jit
+def sum_terms(ptr, i, live, stride, terms):
+    """Σ over `terms` terms `stride` apart, in order (the same sum every run), at indices i of the first:
+    what the last program to arrive reads, past L1."""
+    acc = tl.zeros(i.shape, dtype=tl.float32)
+    for s in range(terms):
+        acc += tl.load(ptr + s * stride + i, mask=live, other=0.0, cache_modifier=".cg")
+    return acc

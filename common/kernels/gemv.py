@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from common.kernels import arrival
-from common.kernels.arrival import arrive
+from common.kernels.arrival import arrive, sum_terms
 from common.kernels.pdl import gdc_enter, launch
 from common.model.fused_linear import GEMV_ROWS
 
@@ -142,7 +142,7 @@ def _gemv_kernel(
         tl.store(part_ptr + tl.program_id(1) * m * n + out, acc, mask=live)
         if FOLD:  # noqa: SIM102 (a constexpr: no arrival compiled without it) the last chunk sums them all
             if arrive(count_ptr + tl.program_id(0), tl.num_programs(1)):
-                acc = _chunk_sum(part_ptr, out, live, m * n, tl.num_programs(1))
+                acc = sum_terms(part_ptr, out, live, m * n, tl.num_programs(1))
                 _finish(acc, b_ptr, y_ptr, out, n, live, HAS_BIAS)
 
 
@@ -164,15 +164,6 @@ def _step(
 
 
 @triton.jit
-def _chunk_sum(part_ptr, i, live, mn, splits):
-    """Σ over the chunks, in order (the same sum every run), of their partial products at flat indices i."""
-    acc = tl.zeros(i.shape, dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(part_ptr + s * mn + i, mask=live, other=0.0, cache_modifier=".cg")
-    return acc
-
-
-@triton.jit
 def _finish(acc, b_ptr, y_ptr, i, n, live, HAS_BIAS: tl.constexpr):
     """y at flat indices i (row · n + output) ← acc (+ the bias), in y's dtype."""
     if HAS_BIAS:
@@ -187,7 +178,7 @@ def _sum_chunks_kernel(
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] flat (row, output) of y
     live = i < m * n
     gdc_enter(GDC)
-    _finish(_chunk_sum(part_ptr, i, live, m * n, splits), b_ptr, y_ptr, i, n, live, HAS_BIAS)
+    _finish(sum_terms(part_ptr, i, live, m * n, splits), b_ptr, y_ptr, i, n, live, HAS_BIAS)
 
 
 def gemv(

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from common.config import MOE_DOWN_TOKENS
 from common.kernels import arrival
-from common.kernels.arrival import arrive
+from common.kernels.arrival import arrive, sum_terms
 from common.kernels.pdl import gdc_enter, launch
 
 GROUP = 128
@@ -440,17 +440,14 @@ def _gate_up_kernel(
             gate, up = _gate_up_step(gate, up, w, s, z, n, inter, g0, x, GROUPS, GPB, HALF, MAGIC, WORDS)
     if CHUNKS == 1:
         _store_act(act_ptr, p, n, inter, gate, up, HALF, SPLIT, WORDS)
-    else:  # this chunk's gate and up [P, CHUNKS, 2, I]; the last chunk to arrive sums them (arrival.py)
-        at = part_ptr + (p * CHUNKS + tl.program_id(2)) * (2 * inter) + n
-        tl.store(at, gate)
-        tl.store(at + inter, up)
+    else:  # this chunk's gate and up [CHUNKS, P, 2, I]; the last chunk to arrive sums them (arrival.py)
+        chunk_stride = tl.num_programs(0) * 2 * inter
+        at = p * (2 * inter) + n
+        tl.store(part_ptr + tl.program_id(2) * chunk_stride + at, gate)
+        tl.store(part_ptr + tl.program_id(2) * chunk_stride + at + inter, up)
         if arrive(count_ptr + p * tl.num_programs(1) + tl.program_id(1), CHUNKS):
-            gate = tl.zeros((BLOCK,), dtype=tl.float32)
-            up = tl.zeros((BLOCK,), dtype=tl.float32)
-            for c in tl.static_range(CHUNKS):  # in order: the same sums every run
-                at = part_ptr + (p * CHUNKS + c) * (2 * inter) + n
-                gate += tl.load(at, cache_modifier=".cg")
-                up += tl.load(at + inter, cache_modifier=".cg")
+            gate = sum_terms(part_ptr, at, n < inter, chunk_stride, CHUNKS)
+            up = sum_terms(part_ptr, at + inter, n < inter, chunk_stride, CHUNKS)
             _store_act(act_ptr, p, n, inter, gate, up, HALF, SPLIT, WORDS)
 
 
@@ -654,7 +651,7 @@ def moe_int4_decode(
     )
     part = act  # (unread with one chunk)
     if n_chunks > 1:
-        part = torch.empty((t * k, n_chunks, 2, inter), dtype=torch.float32, device=x.device)
+        part = torch.empty((n_chunks, t * k, 2, inter), dtype=torch.float32, device=x.device)
     counts = arrival.counters(x.device, t * k * blocks) if n_chunks > 1 else act
     _gate_up_kernel[(t * k, blocks, n_chunks)](
         x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
