@@ -7,7 +7,7 @@ output checked against cuBLAS's, and the share of the HBM rate (measured here) e
 ~99 % with cuBLAS, is left out). Calls are replayed from a CUDA graph, each on another copy of the weight
 (more bytes than L2 holds), as a step's layers would be. The last lines: what `choose` saves a step.
 
-    python -m bench.gemv_tune [--rows 1 8]
+    python -m bench.gemv_tune [--rows 1 8] [--fp8]
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch.nn.functional as F
 import triton
 
 from bench.common import measure_hbm_gbps, replay_us
-from common.kernels.gemv import CUBLAS_ROWS, GemvConfig, choose, chunks, gemv
+from common.kernels.gemv import CUBLAS_ROWS, SCALE_BLOCK, GemvConfig, choose, chunks, gemv
+from common.model.fp8_linear import dequantize_fp8, quantize_fp8
 from common.model.hf_config import parse_architecture
 from common.model.synthetic import model_config
 
@@ -29,6 +30,10 @@ CALLS = 24
 """Calls a timed graph makes (cycling over the weight copies)."""
 COPY_BYTES = 256 << 20
 """Bytes of weight copies a shape cycles over (more than the H200's 50 MB L2)."""
+
+
+FP8_PROJECTIONS = ("gdn in", "gdn out", "qsa in", "qsa out")
+"""What `--resident-dtype fp8` quantises (fp8_linear.py: the token mixers')."""
 
 
 def projections() -> dict[str, tuple[int, int, int]]:
@@ -53,11 +58,13 @@ def projections() -> dict[str, tuple[int, int, int]]:
     }
 
 
-def settings(n: int, k: int, rows: int) -> list[GemvConfig]:
+def settings(n: int, k: int, rows: int, fp8: bool = False) -> list[GemvConfig]:
     """The grid: rows a program, inputs a step, chunks of K, warps and stages (a few for a weight `choose`
     leaves to cuBLAS: do they confirm it?); at one or two rows, each on the CUDA cores too (a broadcast and
-    a sum instead of the tensor cores' dot of x padded to 16 rows)."""
-    if n >= CUBLAS_ROWS:
+    a sum instead of the tensor cores' dot of x padded to 16 rows). fp8: steps of whole scale blocks."""
+    if fp8:
+        grid = itertools.product((16, 32, 64), (256, 512), (1, 2), (4,), (2, 3))
+    elif n >= CUBLAS_ROWS:
         grid = itertools.product((16, 32), (512,), (1, 2), (4, 8), (2,))
     else:
         grid = itertools.product((16, 32), (256, 512), (1, 2, 3, 4, 5, 6, 8, 10), (4, 8), (1, 2))
@@ -83,22 +90,31 @@ def label(cfg: GemvConfig | None) -> str:
     return text + (" cuda cores" if cfg.dot_rows > 1 else "")
 
 
-def tune_shape(name: str, n: int, k: int, rows: int, hbm: float) -> tuple[float, float]:
-    """Print one shape's table; → (cuBLAS µs, `choose`'s µs)."""
-    copies = max(1, min(CALLS, COPY_BYTES // (n * k * 2)))
+def tune_shape(name: str, n: int, k: int, rows: int, hbm: float, fp8: bool = False) -> tuple[float, float]:
+    """Print one shape's table; → (cuBLAS µs, `choose`'s µs). fp8: the GEMV reads the weight's e4m3 codes
+    and scales (fp8_linear.quantize_fp8), cuBLAS the bf16 weight; the floor: the codes' and scales' bytes."""
+    weight_bytes = n * k * (1 + 4 / SCALE_BLOCK) if fp8 else n * k * 2
+    copies = max(1, min(CALLS, int(COPY_BYTES // weight_bytes)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    floor = n * k * 2 / hbm / 1e3  # µs at the HBM rate
-    want = F.linear(x, weights[0]).float()
+    floor = weight_bytes / hbm / 1e3  # µs at the HBM rate
     cublas = time_calls(F.linear, weights, x)
-    chosen = choose(rows, n, k, x.device)
+    if fp8:
+        weights = [quantize_fp8(w) for w in weights]
+        want = F.linear(x, dequantize_fp8(*weights[0], x.dtype)).float()
+        run = lambda x, w, cfg: gemv(x, w[0], scale=w[1], config=cfg)
+    else:
+        want = F.linear(x, weights[0]).float()
+        run = lambda x, w, cfg: gemv(x, w, config=cfg)
+    chosen = choose(rows, n, k, x.device, fp8)
     timed = {}
-    for cfg in [chosen, *settings(n, k, rows)] if chosen is not None else settings(n, k, rows):
+    grid = settings(n, k, rows, fp8)
+    for cfg in [chosen, *grid] if chosen is not None else grid:
         if cfg in timed:
             continue
         try:
-            err = (gemv(x, weights[0], config=cfg).float() - want).abs().max().item()
-            us = time_calls(lambda x, w, cfg=cfg: gemv(x, w, config=cfg), weights, x)
+            err = (run(x, weights[0], cfg).float() - want).abs().max().item()
+            us = time_calls(lambda x, w, cfg=cfg: run(x, w, cfg), weights, x)
         except triton.runtime.errors.OutOfResources:
             continue
         assert err < 0.05, f"{label(cfg)}: max |err| {err} against cuBLAS"  # bf16 outputs of ~0.5
@@ -116,14 +132,17 @@ def tune_shape(name: str, n: int, k: int, rows: int, hbm: float) -> tuple[float,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--fp8", action="store_true", help="the token mixers' projections in fp8 (the GEMV's)")
     args = ap.parse_args()
     hbm = measure_hbm_gbps()
     print(f"HBM {hbm:.0f} GB/s")
     for rows in args.rows:
         saved, seen = 0.0, {}
         for name, (n, k, per_step) in projections().items():
+            if args.fp8 and name not in FP8_PROJECTIONS:
+                continue
             if (n, k) not in seen:
-                seen[n, k] = tune_shape(name, n, k, rows, hbm)
+                seen[n, k] = tune_shape(name, n, k, rows, hbm, args.fp8)
             cublas, ours = seen[n, k]
             saved += per_step * (cublas - ours)
         print(f"{rows} row(s): `choose` saves {saved:.0f} µs a decode step against cuBLAS (calls alone)\n")

@@ -11,7 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # -- `spillway serve` as a real process (tests/services, tests/gpu) ---------------------------------------
 
+import contextlib
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -20,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +31,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports (`serve --metrics-port M` takes M..M+3), below the
+    kernel's ephemeral range: a later free_port() or a worker's outgoing connection cannot land on them."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(100):
+        base = rng.randrange(10_000, low - count)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports below {low}")
 
 
 def health(port: int) -> tuple[int, dict]:

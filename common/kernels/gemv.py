@@ -40,7 +40,8 @@ from common.kernels.pdl import gdc_enter, launch
 from common.model.fused_linear import GEMV_ROWS
 
 SCALE_BLOCK = 128
-"""Inputs per fp8 scale (fp8_linear.BLOCK_K): an fp8 weight's BK."""
+"""Inputs per fp8 scale (fp8_linear.BLOCK_K): an fp8 weight's BK is a multiple of it."""
+SCALE_K = tl.constexpr(SCALE_BLOCK)
 CUBLAS_ROWS = 8192
 """Weights of at least this many output rows stay with cuBLAS from two rows on (bf16; it reads them at ~88 %
 of HBM, the GEMV at ~65-70 % at eight rows). At one row the GEMV takes them (`LARGE_ONE_ROW`)."""
@@ -50,6 +51,9 @@ GDN's input projection (16,480 × 2,560) at 91 % of HBM on the H200 against cuBL
 86 % (gemv-tune.txt), and unlike cuBLAS it lets the kernel after it launch early (pdl.py). False: cuBLAS (the
 benchmark's `cublas-large` switch; decode-allfit ran 188.33 tok/s with it against 185.18 without,
 bench/results/decode-allfit-large-ab.json). Switch before a pass is recorded."""
+FP8_BK = 128
+"""An fp8 weight's inputs a loop step (whole scale blocks; past one block, the codes are scaled in registers
+before the product rather than the product after it)."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
@@ -61,7 +65,7 @@ class GemvConfig:
     bn: int = 16
     """Output rows a program."""
     bk: int = 512
-    """Inputs a loop step (128 for an fp8 weight: one scale block)."""
+    """Inputs a loop step (for an fp8 weight whole scale blocks of 128)."""
     splits: int = 1
     """Chunks K is cut into, one program each (then a second kernel sums them)."""
     warps: int = 4
@@ -72,13 +76,22 @@ class GemvConfig:
     """From this many rows of x on, the tensor cores multiply (below: broadcast and sum)."""
 
 
+FP8_LARGE_ONE_ROW = GemvConfig(bn=64, bk=256, splits=1, stages=3)
+"""At one row, an fp8 weight of CUBLAS_ROWS rows and more: two scale blocks a step, 64 rows a program. On the
+H200 (gemv-tune-fp8.txt) GDN's input projection took 14.30 µs (72 % of HBM) against 21.56 at one block a step
+in two chunks (and 22.01 for the bf16 weight), QSA's 13.90 against 21.32; the output projections (2,560 rows)
+are fastest at one block a step (11.06 µs, as in bf16: their time is not their bytes')."""
+
+
 def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> GemvConfig | None:
     """The launch shape for x [m, k] · W [n, k]ᵀ, or None: cuBLAS (a large bf16 weight)."""
     if n >= CUBLAS_ROWS and not fp8:
         return GemvConfig(bn=32, bk=512, splits=1) if m == 1 and LARGE_ONE_ROW else None
+    if n >= CUBLAS_ROWS and m == 1:  # fp8: the large input projections' best at one row
+        return FP8_LARGE_ONE_ROW
     dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
     bn, bk = (32, 256) if dot else (16, 512)  # each form's best at its measured rows
-    bk = SCALE_BLOCK if fp8 else min(bk, max(16, triton.next_power_of_2(k)))  # a dot's K: at least 16
+    bk = FP8_BK if fp8 else min(bk, max(16, triton.next_power_of_2(k)))  # a dot's K: at least 16
     steps = triton.cdiv(k, bk)
     # From two rows on, a chunk of one step loses: the sums' kernel reads splits × rows partial products
     # (the MoE input projection at eight rows: 7.60 µs in ten chunks, 5.87 in five).
@@ -153,14 +166,29 @@ def _step(
 ):  # fmt: skip
     """x's rows at `cols` times the weight tile w [BN, BK] (scaled per row and block: fp8) → [M_PAD, BN]."""
     x = tl.load(x_ptr + r[:, None] * k + cols[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
+    blocks: tl.constexpr = BK // SCALE_K
+    if HAS_SCALE and blocks > 1:  # each 128 inputs' scale on the codes, before the product
+        w = _dequantize(w, s_ptr, outs, live_n, k, k0, BK)
     if DOT:
         part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
     else:
         part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    if HAS_SCALE:
-        scale = tl.load(s_ptr + outs.to(tl.int64) * tl.cdiv(k, BK) + k0 // BK, mask=live_n, other=0.0)
+    if HAS_SCALE and blocks == 1:  # one scale a row: on the product
+        scale = tl.load(s_ptr + outs.to(tl.int64) * tl.cdiv(k, SCALE_K) + k0 // BK, mask=live_n, other=0.0)
         part = part * scale[None, :]
     return part
+
+
+@triton.jit
+def _dequantize(w, s_ptr, outs, live_n, k, k0, BK: tl.constexpr):
+    """fp8 codes w [BN, BK] → the weight in fp32, each row's 128-input blocks times their scales."""
+    blocks: tl.constexpr = BK // SCALE_K
+    per_row = tl.cdiv(k, SCALE_K)
+    b = k0 // SCALE_K + tl.arange(0, blocks)  # [blocks] this step's scale blocks
+    at = outs.to(tl.int64)[:, None] * per_row + b[None, :]
+    scale = tl.load(s_ptr + at, mask=live_n[:, None] & (b < per_row)[None, :], other=0.0)  # [BN, blocks]
+    w3 = tl.reshape(w.to(tl.float32), (w.shape[0], blocks, SCALE_K)) * scale[:, :, None]
+    return tl.reshape(w3, (w.shape[0], BK))
 
 
 @triton.jit
@@ -195,7 +223,8 @@ def gemv(
     n = weight.shape[0]
     assert m <= GEMV_ROWS, f"{m} rows: at most {GEMV_ROWS} (larger batches run a GEMM)"
     cfg = config or choose(m, n, k, x.device, scale is not None) or GemvConfig()
-    bk = SCALE_BLOCK if scale is not None else cfg.bk
+    bk = cfg.bk
+    assert scale is None or bk % SCALE_BLOCK == 0, f"an fp8 weight's BK is whole scale blocks, not {bk}"
     chunk, splits = chunks(k, bk, cfg.splits)
     dot = m >= cfg.dot_rows
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -29,7 +29,7 @@ import torch
 from common.engine import Engine
 from common.model.synthetic import make_model
 from common.sampling import SamplingParams
-from tests.conftest import Server, free_port, health, wait_healthy
+from tests.conftest import Server, free_port, free_ports, health, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 def stack(request, tmp_path_factory):
     """A served tiny model: qwen3_moe is the embedded default (created by `serve` itself), qwen4_exp given."""
     cache = tmp_path_factory.mktemp("cache")
-    port, metrics = free_port(), free_port()
+    port, metrics = free_port(), free_ports(4)
     args = ["--threads", "1", "--max-running", "2", "--max-queue", "4", "--max-context", "2048"]
     args += ["--expert-cache", "0.5", "--metrics-port", str(metrics), "--port", str(port)]
     if request.param == "qwen3_moe":
@@ -324,7 +324,7 @@ def test_lent_kv_pages_serve_the_same_tokens(start_server, tmp_path):
     tokens are those of an engine that lends nothing; the lent bytes are a gauge. A restarted decode (new
     pools, a new fd server) and a restarted prefill (which maps them again) serve the same tokens."""
     env = {"SPILLWAY_CACHE": str(tmp_path)}
-    metrics = free_port()
+    metrics = free_ports(4)
     server = start_server(
         "--threads", "1", "--max-context", "1024", "--max-running", "2", "--expert-cache", "3", "--lend-kv",
         "--metrics-port", str(metrics), env=env,
@@ -345,7 +345,7 @@ def test_a_lent_arena_serves_the_same_tokens(start_server, tmp_path):
     before the first: the prefill worker's warm-up writes it), taken back for each prefill. The tokens are an
     engine's that lends nothing, also after decode, then prefill, is killed and restarted."""
     env = {"SPILLWAY_CACHE": str(tmp_path)}
-    metrics = free_port()
+    metrics = free_ports(4)
     server = start_server(
         "--threads", "1", "--max-running", "2", "--expert-cache", "3", "--lend-arena",
         "--metrics-port", str(metrics), env=env,
@@ -367,7 +367,7 @@ def test_lookahead_serves_the_same_tokens_and_counts_its_guesses(start_server, t
     """--lookahead: decode's MoE layers copy the next layer's guessed experts in ahead. The tokens are an
     engine's without it; the prefetch counters reach /metrics."""
     env = {"SPILLWAY_CACHE": str(tmp_path)}
-    metrics = free_port()
+    metrics = free_ports(4)
     server = start_server(
         "--threads", "1", "--max-running", "2", "--expert-cache", "3", "--lookahead", "4",
         "--metrics-port", str(metrics), env=env,

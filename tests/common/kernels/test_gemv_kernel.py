@@ -39,8 +39,11 @@ def test_fp8_weight_matches_dequantised_linear(rows: int, bias: bool, dtype: tor
     x, w, b = _inputs(rows, bias, dtype)
     codes, scale = (t.to(DEVICE) for t in quantize_fp8(w))
     want = F.linear(x.float(), dequantize_fp8(codes, scale, torch.float32), None if b is None else b.float())
-    got = gemv(x, codes, b, scale).float()
-    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    # one scale block a step (scaled after the product), or several (the codes scaled before it), K past
+    # the last step's blocks
+    for cfg in (None, GemvConfig(bn=32, bk=256, splits=1), GemvConfig(bn=16, bk=512, splits=2, dot_rows=3)):
+        got = gemv(x, codes, b, scale, config=cfg).float()
+        torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -74,7 +77,7 @@ def test_no_rows_and_short_inputs() -> None:
 
 def test_choose_leaves_large_weights_to_cublas_from_two_rows_and_fills_the_sms(monkeypatch) -> None:
     from common.kernels import gemv as module
-    from common.kernels.gemv import CUBLAS_ROWS, choose, chunks
+    from common.kernels.gemv import CUBLAS_ROWS, SCALE_BLOCK, choose, chunks
 
     cpu = torch.device("cpu")
     assert choose(2, CUBLAS_ROWS, 2560, cpu) is None
@@ -82,6 +85,7 @@ def test_choose_leaves_large_weights_to_cublas_from_two_rows_and_fills_the_sms(m
     monkeypatch.setattr(module, "LARGE_ONE_ROW", False)
     assert choose(1, CUBLAS_ROWS, 2560, cpu) is None
     assert choose(2, CUBLAS_ROWS, 2560, cpu, fp8=True) is not None  # no cuBLAS for fp8 codes
+    assert choose(1, CUBLAS_ROWS, 2560, cpu, fp8=True).bk % SCALE_BLOCK == 0  # whole scale blocks a step
     small = choose(1, 1800, 2560, cpu)  # flashnext's MoE input projection: 113 row tiles alone
     assert small.splits > 1 and small.bk * small.splits >= 2560
     assert chunks(2560, small.bk, small.splits)[0] == small.bk and small.stages == 1  # one step, no pipeline

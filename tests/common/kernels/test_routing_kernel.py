@@ -73,7 +73,7 @@ def test_router_kernel_hands_out_the_replay(dtype: torch.dtype) -> None:
 
 def test_moe_block_replays_in_its_routers_kernel(tmp_path) -> None:
     """A model whose fused router hands out the replay decodes the tokens the router-then-replay model does
-    (the engine's greedy decode of a tiny qwen3_moe, CPU)."""
+    (the engine's greedy decode of a tiny qwen3_moe, on the GPU where there is one)."""
     from common.engine import Engine
     from common.experts.routing import install_routing_hook, replayer_for
     from common.kernels import use_fused_kernels
@@ -83,7 +83,7 @@ def test_moe_block_replays_in_its_routers_kernel(tmp_path) -> None:
     path = make_model(tmp_path, preset="tiny", arch="qwen3_moe")
     tokens = []
     for in_router in (False, True):
-        engine = Engine(path, max_seqs=1, max_context=64)
+        engine = Engine(path, max_seqs=1, max_context=64, device=DEVICE)
         cfg = engine.config
         replayer = replayer_for(
             "synthetic-zipf:tokens=8,seed=1", list(cfg.moe_layers), cfg.num_experts, cfg.top_k
@@ -91,7 +91,7 @@ def test_moe_block_replays_in_its_routers_kernel(tmp_path) -> None:
         replayer.in_router = in_router
         install_routing_hook(engine.model, replayer)
         use_fused_kernels(engine.model, True)
-        assert (replayer.kernel_rows(cfg.moe_layers[0], torch.device("cpu")) is not None) == in_router
+        assert (replayer.kernel_rows(cfg.moe_layers[0], torch.device(DEVICE)) is not None) == in_router
         result = engine.generate(
             [[5, 9, 2, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         )[0]
