@@ -62,9 +62,10 @@ class RoutingReplayer(RoutingHook):
     """With `fused`, where the router is the fused kernel: that kernel hands out the rows too (`kernel_rows`),
     one launch fewer a MoE layer. The replay is the benchmark's, not a server's, and its own kernel makes a
     decode-allfit step ~0.09 ms longer (48 × ~1.9 µs exposed, decode-allfit-profile.txt at 0292dc6): in the
-    router's kernel the step is closer to a server's. Off until it has run on CUDA (a wrong cursor would
-    replay the wrong rows and change every hit rate): tests/common/kernels/test_routing_kernel.py, then
-    `bench.decode_offload --ablate --switches replay-in-router`."""
+    router's kernel the step is closer to a server's. Its tests pass on CUDA (test_routing_kernel.py), but the
+    step did not gain: decode-allfit 190.34 tok/s against 190.58 with the replay kernel (f4c0b4f,
+    bench/results/decode-allfit-replay-in-router-ab.json; predicted +1.5 %). Off: the replay kernel's launch
+    overlaps the router's tail (pdl.py) more than its exposed time suggested."""
 
     def __init__(self, trace: RoutingTrace, moe_layers: list[int], num_experts: int, top_k: int) -> None:
         _, layers, k = trace.ids.shape

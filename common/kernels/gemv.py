@@ -52,8 +52,12 @@ GDN's input projection (16,480 × 2,560) at 91 % of HBM on the H200 against cuBL
 benchmark's `cublas-large` switch; decode-allfit ran 188.33 tok/s with it against 185.18 without,
 bench/results/decode-allfit-large-ab.json). Switch before a pass is recorded."""
 FP8_BK = 128
-"""An fp8 weight's inputs a loop step (whole scale blocks; past one block, the codes are scaled in registers
-before the product rather than the product after it)."""
+"""An fp8 weight's inputs a loop step in `choose`'s launches: whole scale blocks; past one block the codes are
+scaled in registers before the product rather than the product after it. One block stays: on the H200
+(bench/results/gemv-tune-fp8.txt) 64 rows and two blocks a step read GDN's input projection at one row in
+14.30 µs against 21.56, QSA's in 13.90 against 21.32, but in the decode step with them (`--resident-dtype
+fp8`, e5ef32a) decode-allfit ran 189.60 tok/s against 191.64 and decode-1 86.92 against 89.39 (f4c0b4f, one
+block a step; separate machine starts, which spread ~2 %): the isolated gain does not reach the step."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
@@ -76,19 +80,10 @@ class GemvConfig:
     """From this many rows of x on, the tensor cores multiply (below: broadcast and sum)."""
 
 
-FP8_LARGE_ONE_ROW = GemvConfig(bn=64, bk=256, splits=1, stages=3)
-"""At one row, an fp8 weight of CUBLAS_ROWS rows and more: two scale blocks a step, 64 rows a program. On the
-H200 (gemv-tune-fp8.txt) GDN's input projection took 14.30 µs (72 % of HBM) against 21.56 at one block a step
-in two chunks (and 22.01 for the bf16 weight), QSA's 13.90 against 21.32; the output projections (2,560 rows)
-are fastest at one block a step (11.06 µs, as in bf16: their time is not their bytes')."""
-
-
 def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> GemvConfig | None:
     """The launch shape for x [m, k] · W [n, k]ᵀ, or None: cuBLAS (a large bf16 weight)."""
     if n >= CUBLAS_ROWS and not fp8:
         return GemvConfig(bn=32, bk=512, splits=1) if m == 1 and LARGE_ONE_ROW else None
-    if n >= CUBLAS_ROWS and m == 1:  # fp8: the large input projections' best at one row
-        return FP8_LARGE_ONE_ROW
     dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
     bn, bk = (32, 256) if dot else (16, 512)  # each form's best at its measured rows
     bk = FP8_BK if fp8 else min(bk, max(16, triton.next_power_of_2(k)))  # a dot's K: at least 16
