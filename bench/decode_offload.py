@@ -220,14 +220,12 @@ DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
-    "replay-in-router",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
 
 def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
-    from common.experts.routing import RoutingReplayer
     from common.graphs import DecodeGraphs
     from common.kernels import arrival, gemv, moe_int4, pdl
     from common.model import fused_linear
@@ -253,7 +251,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (gemv, "LARGE_ONE_ROW", False),
         (moe_int4, "RESIDENT_CONFIGS", moe_int4.MMA_CONFIGS),
         (arrival, "ENABLED", False),
-        (RoutingReplayer, "in_router", True),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -231,10 +231,7 @@ def step_census() -> dict[str, tuple[Census, float]]:
     shape = {"BLOCK": 256, "HAS_BIAS": False} | gdc  # (from two rows on, or arrival off)
     kernels["gemv sum"] = (gemv._sum_chunks_kernel, parts, shape, 4, (), -(-moe_in // 256))
     route = {"logits_ptr": "*bf16", "weights_ptr": "*i16", "ids_ptr": "*i64", "experts": "i32"}
-    route |= {"trace_ids_ptr": "*i32", "trace_w_ptr": "*fp32", "cursor_ptr": "*i64", "count_ptr": "*i32"}
-    route |= {"r_ids_ptr": "*i64", "r_weights_ptr": "*i16"}
-    route |= dict.fromkeys(("rows", "layers", "layer", "tokens"), "i32")
-    shape = {"K": TOP_K, "KB": 16, "BLOCK": 512, "NORMALIZE": True, "BF16": True, "REPLAY": False} | gdc
+    shape = {"K": TOP_K, "KB": 16, "BLOCK": 512, "NORMALIZE": True, "BF16": True} | gdc
     kernels["route"] = (routing._route_kernel, route, shape, routing.ROUTE_WARPS, ("experts",), 1)
     down = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "hidden": "i32"}
     down |= {"gate_stride": "i32", "up_stride": "i32"}

@@ -25,13 +25,6 @@ class RoutingHook(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The choices to use for these tokens."""
 
-    def kernel_rows(
-        self, layer: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
-        """What the router's kernel needs to apply this hook itself (`route_fused`'s `replay`), or None:
-        the hook is called."""
-        return None
-
 
 class RoutingRecorder(RoutingHook):
     """Keeps every layer's choices; `trace()` stacks them into a RoutingTrace."""
@@ -58,15 +51,6 @@ class RoutingRecorder(RoutingHook):
 class RoutingReplayer(RoutingHook):
     """Replaces the router's choices with a trace's rows, token by token, per layer."""
 
-    in_router = False
-    """With `fused`, where the router is the fused kernel: that kernel hands out the rows too (`kernel_rows`),
-    one launch fewer a MoE layer. The replay is the benchmark's, not a server's, and its own kernel makes a
-    decode-allfit step ~0.09 ms longer (48 × ~1.9 µs exposed, decode-allfit-profile.txt at 0292dc6): in the
-    router's kernel the step is closer to a server's. Its tests pass on CUDA (test_routing_kernel.py), but the
-    step did not gain: decode-allfit 190.34 tok/s against 190.58 with the replay kernel (f4c0b4f,
-    bench/results/decode-allfit-replay-in-router-ab.json; predicted +1.5 %). Off: the replay kernel's launch
-    overlaps the router's tail (pdl.py) more than its exposed time suggested."""
-
     def __init__(self, trace: RoutingTrace, moe_layers: list[int], num_experts: int, top_k: int) -> None:
         _, layers, k = trace.ids.shape
         if layers != len(moe_layers) or k != top_k or trace.num_experts != num_experts:
@@ -80,15 +64,6 @@ class RoutingReplayer(RoutingHook):
         self._device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.fused = False
         """Gather the rows with one Triton kernel (opt-in: `common.kernels.use_fused_kernels`)."""
-
-    def kernel_rows(
-        self, layer: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
-        """With `fused` and `in_router`: the trace on `device`, its cursors and `layer`'s trace layer."""
-        if not (self.fused and self.in_router):
-            return None
-        ids, weights, cursor = self._on(device)
-        return ids, weights, cursor, self.index[layer]
 
     def __call__(self, layer, ids, weights):
         i, n = self.index[layer], ids.shape[0]

@@ -79,17 +79,16 @@ class SparseMoeBlock(nn.Module):
             logits, *shared_in = self.fused_in(x)
         else:
             logits, shared_in = self.gate(x), None
-        hook = self.routing_hook
-        replay = (
-            hook.kernel_rows(self.layer_idx, x.device) if hook is not None and self.fused_decode else None
-        )
-        if replay is None:
-            weights, ids = self._route(logits, x.dtype)  # [T, k] each
+        if self.fused_decode:
+            from common.kernels.routing import route_fused  # Triton
+
+            dtype = torch.float32 if self.weights_fp32 else x.dtype  # rounded in the kernel: no cast after
+            weights, ids = route_fused(logits, self.top_k, self.normalize, dtype)  # [T, k] each
+        else:
+            weights, ids = route(logits, self.top_k, self.normalize)
         with self.experts.turn(self.layer_idx):  # a grouped pass's groups replay and resolve in turn
-            if replay is not None:  # the router's kernel hands out the replay's rows
-                weights, ids = self._route(logits, x.dtype, replay)
-            elif hook is not None:
-                ids, weights = hook(self.layer_idx, ids, weights)
+            if self.routing_hook is not None:
+                ids, weights = self.routing_hook(self.layer_idx, ids, weights)
             prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
@@ -97,18 +96,6 @@ class SparseMoeBlock(nn.Module):
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
         shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run
         return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)
-
-    def _route(
-        self, logits: torch.Tensor, dtype: torch.dtype, replay: tuple | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, ids) [T, k] each: the router's choice; with `replay` (RoutingHook.kernel_rows) the
-        replay's rows, handed out by the router's kernel."""
-        if not self.fused_decode:
-            return route(logits, self.top_k, self.normalize)
-        from common.kernels.routing import route_fused  # Triton
-
-        dtype = torch.float32 if self.weights_fp32 else dtype  # rounded in the kernel: no cast after
-        return route_fused(logits, self.top_k, self.normalize, dtype, replay)
 
     def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
         """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""
