@@ -15,7 +15,10 @@ the launch shapes hc_project and hc_mix_up default to): in a decode-allfit step 
 mix-up ran 5.65 µs a sublayer and the projection 5.2, ~3.5× their estimates.
 
 `--step`: the step's other decode kernels (the GEMV, the router, the shared expert's down, the Gated DeltaNet
-step) at flashnext's shapes. Each kernel's registers and local memory (spills) are reported beside its SASS.
+step) at flashnext's shapes, and the GEMV on GDN's fp8 input projection (`--resident-dtype fp8`) as `choose`
+launches it and at the tune's fastest shape alone (64 rows, two scale blocks a step). Each kernel's
+registers and local memory (spills) are reported beside its SASS; a GEMV's issue estimate counts its loop
+once a step.
 
     python -m bench.sass_census [--shape BLOCK GROUPS WARPS] [--down BLOCK GROUPS WARPS] [--words]
         [--registers N]
@@ -67,10 +70,11 @@ class Census:
 
 def compile_sm90(
     fn, signature: dict[str, str], constants: dict, num_warps: int, divisible: tuple[str, ...],
-    maxnreg: int | None = None,
+    maxnreg: int | None = None, stages: int | None = None,
 ):  # fmt: skip
     """`fn` compiled for sm_90: pointer arguments and those named in `divisible` marked multiples of 16, as
-    Triton specialises them at launch; FMA contraction on, as on a launch; registers capped at `maxnreg`."""
+    Triton specialises them at launch; FMA contraction on, as on a launch; registers capped at `maxnreg`;
+    `stages` the launch's num_stages (None: Triton's default)."""
     names = list(signature)
     attrs = {
         (names.index(n),): [["tt.divisibility", 16]]
@@ -81,6 +85,7 @@ def compile_sm90(
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     options = {"num_warps": num_warps, "enable_fp_fusion": True}
     options |= {"maxnreg": maxnreg} if maxnreg else {}
+    options |= {"num_stages": stages} if stages else {}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -221,12 +226,25 @@ def step_census() -> dict[str, tuple[Census, float]]:
     moe_in = 1800
     chosen = gemv.choose(1, moe_in, HIDDEN, torch.device("cpu"))
     cuda_cores = gemv.GemvConfig(bn=16, bk=512, splits=gemv.chunks(HIDDEN, 512, 5)[1], dot_rows=2)
-    kernels = {}
-    for name, cfg in (("gemv", chosen), ("gemv cuda cores", cuda_cores)):
+    fp8 = product | {"w_ptr": "*fp8e4nv"}
+    fp8_shape = plain | {"HAS_SCALE": True}
+    gdn_in = 16480  # fp8 (--resident-dtype fp8): GDN's input projection as `choose` launches it, and the
+    wide = gemv.GemvConfig(bn=64, bk=256, splits=1, stages=3)  # tune's fastest alone (gemv-tune-fp8.txt)
+    kernels, launch = {}, {}  # launch: the GEMVs' stages and loop steps a program
+    for name, cfg, n, signature, base in (
+        ("gemv", chosen, moe_in, product, plain),
+        ("gemv cuda cores", cuda_cores, moe_in, product, plain),
+        ("gemv fp8", gemv.choose(1, gdn_in, HIDDEN, torch.device("cpu"), fp8=True), gdn_in, fp8, fp8_shape),
+        ("gemv fp8 64x256", wide, gdn_in, fp8, fp8_shape),
+    ):
         dot = cfg.dot_rows <= 1
-        shape = {"M_PAD": 16 if dot else 1, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot} | plain | gdc
-        programs = -(-moe_in // cfg.bn) * cfg.splits
-        kernels[name] = (gemv._gemv_kernel, product, shape, cfg.warps, ("k", "k_chunk"), programs)
+        shape = base | {"M_PAD": 16 if dot else 1, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot} | gdc
+        shape["PARTIAL"] = cfg.splits > 1
+        shape["FOLD"] = shape["PARTIAL"] and arrival.folds(1)
+        programs = -(-n // cfg.bn) * cfg.splits
+        steps = gemv.chunks(HIDDEN, cfg.bk, cfg.splits)[0] // cfg.bk  # loop steps a program
+        kernels[name] = (gemv._gemv_kernel, signature, shape, cfg.warps, ("k", "k_chunk"), programs)
+        launch[name] = (cfg.stages, steps)
     parts = {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32", "n": "i32", "splits": "i32"}
     shape = {"BLOCK": 256, "HAS_BIAS": False} | gdc  # (from two rows on, or arrival off)
     kernels["gemv sum"] = (gemv._sum_chunks_kernel, parts, shape, 4, (), -(-moe_in // 256))
@@ -244,8 +262,9 @@ def step_census() -> dict[str, tuple[Census, float]]:
     kernels["gated_delta"] = (gated_delta._gated_delta_step_kernel, step, shape, 4, (), 48 * 4)
     out = {}
     for name, (fn, signature, constants, warps, divisible, programs) in kernels.items():
-        c = census(compile_sm90(fn, signature, constants, warps, divisible))
-        out[name] = (c, _issue_us(programs, warps, c.total))
+        stages, steps = launch.get(name, (None, 1))
+        c = census(compile_sm90(fn, signature, constants, warps, divisible, stages=stages))
+        out[name] = (c, _issue_us(programs, warps, c.total + (steps - 1) * c.loop))
     return out
 
 

@@ -57,7 +57,10 @@ scaled in registers before the product rather than the product after it. One blo
 (bench/results/gemv-tune-fp8.txt) 64 rows and two blocks a step read GDN's input projection at one row in
 14.30 µs against 21.56, QSA's in 13.90 against 21.32, but in the decode step with them (`--resident-dtype
 fp8`, e5ef32a) decode-allfit ran 189.60 tok/s against 191.64 and decode-1 86.92 against 89.39 (f4c0b4f, one
-block a step; separate machine starts, which spread ~2 %): the isolated gain does not reach the step."""
+block a step; separate machine starts, which spread ~2 %): the isolated gain does not reach the step. The
+two-block form issues ~9.0 µs of instructions a call against a 10.4 µs HBM floor (`bench.sass_census --step`:
+the scaling in registers, 15 layout conversions; one block a step: ~4.9 µs), so it leans on issue slots that
+the kernels overlapping it in a step (pdl.py) also want."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
