@@ -59,8 +59,8 @@ scaled in registers before the product rather than the product after it. One blo
 fp8`, e5ef32a) decode-allfit ran 189.60 tok/s against 191.64 and decode-1 86.92 against 89.39 (f4c0b4f, one
 block a step; separate machine starts, which spread ~2 %): the isolated gain does not reach the step. The
 two-block form issues ~9.0 µs of instructions a call against a 10.4 µs HBM floor (`bench.sass_census --step`:
-the scaling in registers, 15 layout conversions; one block a step: ~4.9 µs), so it leans on issue slots that
-the kernels overlapping it in a step (pdl.py) also want."""
+the scaling in registers, 15 layout conversions; one block a step: ~4.9 µs): a likely reason, unprofiled, is
+that it competes for issue slots with the kernels overlapping it in a step (pdl.py)."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
