@@ -23,6 +23,7 @@ import triton
 from bench.common import measure_hbm_gbps, replay_us
 from common.kernels.gemv import CUBLAS_ROWS, SCALE_BLOCK, GemvConfig, choose, chunks, gemv
 from common.model.fp8_linear import dequantize_fp8, quantize_fp8
+from common.model.fused_linear import GEMV_ROWS
 from common.model.hf_config import parse_architecture
 from common.model.synthetic import model_config
 
@@ -61,7 +62,8 @@ def projections() -> dict[str, tuple[int, int, int]]:
 def settings(n: int, k: int, rows: int, fp8: bool = False) -> list[GemvConfig]:
     """The grid: rows a program, inputs a step, chunks of K, warps and stages (a few for a weight `choose`
     leaves to cuBLAS: do they confirm it?); at one or two rows, each on the CUDA cores too (a broadcast and
-    a sum instead of the tensor cores' dot of x padded to 16 rows). fp8: steps of whole scale blocks."""
+    a sum instead of the tensor cores' dot of x padded to 16 rows). fp8: steps of whole scale blocks on the
+    tensor cores, each block in dot rows of its own (rows × blocks within the dot's 16)."""
     if fp8:
         grid = itertools.product((16, 32, 64), (256, 512), (1, 2), (4,), (2, 3))
     elif n >= CUBLAS_ROWS:
@@ -72,7 +74,7 @@ def settings(n: int, k: int, rows: int, fp8: bool = False) -> list[GemvConfig]:
     found = {  # the chunks a launch makes (whole BK steps a chunk), each setting once
         GemvConfig(bn=bn, bk=bk, splits=chunks(k, bk, splits)[1], warps=w, stages=st, dot_rows=dot): None
         for (bn, bk, splits, w, st), dot in itertools.product(grid, dots)
-        if splits <= k // bk
+        if splits <= k // bk and (not fp8 or (dot <= rows and rows * (bk // SCALE_BLOCK) <= GEMV_ROWS))
     }
     return list(found)
 
