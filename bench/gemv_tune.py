@@ -21,9 +21,8 @@ import torch.nn.functional as F
 import triton
 
 from bench.common import measure_hbm_gbps, replay_us
-from common.kernels.gemv import CUBLAS_ROWS, SCALE_BLOCK, GemvConfig, choose, chunks, gemv
+from common.kernels.gemv import CUBLAS_ROWS, SCALE_BLOCK, GemvConfig, choose, chunks, gemv, scale_blocks
 from common.model.fp8_linear import dequantize_fp8, quantize_fp8
-from common.model.fused_linear import GEMV_ROWS
 from common.model.hf_config import parse_architecture
 from common.model.synthetic import model_config
 
@@ -74,9 +73,9 @@ def settings(n: int, k: int, rows: int, fp8: bool = False) -> list[GemvConfig]:
     found = {  # the chunks a launch makes (whole BK steps a chunk), each setting once
         GemvConfig(bn=bn, bk=bk, splits=chunks(k, bk, splits)[1], warps=w, stages=st, dot_rows=dot): None
         for (bn, bk, splits, w, st), dot in itertools.product(grid, dots)
-        if splits <= k // bk and (not fp8 or (dot <= rows and rows * (bk // SCALE_BLOCK) <= GEMV_ROWS))
+        if splits <= k // bk
     }
-    return list(found)
+    return [cfg for cfg in found if not fp8 or scale_blocks(rows, cfg)]
 
 
 def time_calls(run, weights: list[torch.Tensor], x: torch.Tensor) -> float:

@@ -230,7 +230,7 @@ def step_census() -> dict[str, tuple[Census, float]]:
     fp8_shape = plain | {"HAS_SCALE": True}
     gdn_in = 16480  # fp8 (--resident-dtype fp8): GDN's input projection as `choose` launches it, and the
     wide = gemv.GemvConfig(bn=64, bk=256, splits=1, stages=3)  # tune's fastest alone (gemv-tune-fp8.txt)
-    kernels, launch = {}, {}  # launch: the GEMVs' stages and loop steps a program
+    kernels, gemv_launch = {}, {}  # the GEMVs' stages and loop steps a program
     for name, cfg, n, signature, base in (
         ("gemv", chosen, moe_in, product, plain),
         ("gemv cuda cores", cuda_cores, moe_in, product, plain),
@@ -238,7 +238,7 @@ def step_census() -> dict[str, tuple[Census, float]]:
         ("gemv fp8 64x256", wide, gdn_in, fp8, fp8_shape),
     ):
         dot = cfg.dot_rows <= 1
-        blocks = cfg.bk // gemv.SCALE_BLOCK if base["HAS_SCALE"] else 1  # scale blocks a step (dot rows)
+        blocks = gemv.scale_blocks(1, cfg) if base["HAS_SCALE"] else 1  # scale blocks a step (dot rows)
         shape = (
             base | {"M_PAD": 16 if dot else 1, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot, "BLOCKS": blocks} | gdc
         )
@@ -247,7 +247,7 @@ def step_census() -> dict[str, tuple[Census, float]]:
         programs = -(-n // cfg.bn) * cfg.splits
         steps = gemv.chunks(HIDDEN, cfg.bk, cfg.splits)[0] // cfg.bk  # loop steps a program
         kernels[name] = (gemv._gemv_kernel, signature, shape, cfg.warps, ("k", "k_chunk"), programs)
-        launch[name] = (cfg.stages, steps)
+        gemv_launch[name] = (cfg.stages, steps)
     parts = {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32", "n": "i32", "splits": "i32"}
     shape = {"BLOCK": 256, "HAS_BIAS": False} | gdc  # (from two rows on, or arrival off)
     kernels["gemv sum"] = (gemv._sum_chunks_kernel, parts, shape, 4, (), -(-moe_in // 256))
@@ -265,7 +265,7 @@ def step_census() -> dict[str, tuple[Census, float]]:
     kernels["gated_delta"] = (gated_delta._gated_delta_step_kernel, step, shape, 4, (), 48 * 4)
     out = {}
     for name, (fn, signature, constants, warps, divisible, programs) in kernels.items():
-        stages, steps = launch.get(name, (None, 1))
+        stages, steps = gemv_launch.get(name, (None, 1))
         c = census(compile_sm90(fn, signature, constants, warps, divisible, stages=stages))
         out[name] = (c, _issue_us(programs, warps, c.total + (steps - 1) * c.loop))
     return out

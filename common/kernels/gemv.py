@@ -51,7 +51,7 @@ GDN's input projection (16,480 × 2,560) at 91 % of HBM on the H200 against cuBL
 86 % (gemv-tune.txt), and unlike cuBLAS it lets the kernel after it launch early (pdl.py). False: cuBLAS (the
 benchmark's `cublas-large` switch; decode-allfit ran 188.33 tok/s with it against 185.18 without,
 bench/results/decode-allfit-large-ab.json). Switch before a pass is recorded."""
-FP8_BK = 128
+FP8_BK = SCALE_BLOCK
 """An fp8 weight's inputs a loop step in `choose`'s launches, in whole scale blocks. One block a step stays.
 On the H200 (bench/results/gemv-tune-fp8.txt, e5ef32a, the codes then scaled in registers before the product)
 64 rows and two blocks a step read GDN's input projection at one row in 14.30 µs against 21.56, and QSA's in
@@ -107,6 +107,15 @@ def chunks(k: int, bk: int, splits: int) -> tuple[int, int]:
     """K cut into about `splits` chunks of whole BK steps → (inputs a chunk, chunks)."""
     chunk = triton.cdiv(triton.cdiv(k, splits), bk) * bk
     return chunk, triton.cdiv(k, chunk)
+
+
+def scale_blocks(m: int, cfg: GemvConfig) -> int:
+    """Scale blocks an fp8 weight's loop step spans under `cfg` at m rows (`_step`'s BLOCKS), or 0 where that
+    launch cannot take an fp8 weight: BK not whole blocks, or several blocks a step (each in dot rows of its
+    own) outside the tensor cores' form or past the dot's GEMV_ROWS rows."""
+    blocks, whole = divmod(cfg.bk, SCALE_BLOCK)
+    fits = blocks == 1 or (m >= cfg.dot_rows and m * blocks <= GEMV_ROWS)
+    return blocks if blocks and not whole and fits else 0
 
 
 @functools.cache
@@ -232,11 +241,8 @@ def gemv(
     cfg = config or choose(m, n, k, x.device, scale is not None) or GemvConfig()
     bk = cfg.bk
     dot = m >= cfg.dot_rows
-    blocks = bk // SCALE_BLOCK if scale is not None else 1
-    assert scale is None or bk % SCALE_BLOCK == 0, f"an fp8 weight's BK is whole scale blocks, not {bk}"
-    assert blocks == 1 or (dot and m * blocks <= GEMV_ROWS), (
-        f"{blocks} scale blocks a step: the tensor cores' form, {GEMV_ROWS // blocks} rows at most"
-    )
+    blocks = scale_blocks(m, cfg) if scale is not None else 1
+    assert blocks, f"an fp8 weight at {m} rows: {cfg} is not whole scale blocks a step within the dot's rows"
     chunk, splits = chunks(k, bk, cfg.splits)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.kernels.gemv import GemvConfig, gemv
+from common.kernels.gemv import GemvConfig, gemv, scale_blocks
 from common.model.fp8_linear import dequantize_fp8, quantize_fp8
 from common.model.synthetic import make_model
 from tests.common.model.test_fp8_linear import assert_fp8_close
@@ -43,7 +43,7 @@ def test_fp8_weight_matches_dequantised_linear(rows: int, bias: bool, dtype: tor
     # (as many as rows × blocks fit in 16), K past the last step's blocks
     configs = [None, GemvConfig(bn=16, bk=128, splits=2, dot_rows=3)]
     configs += [
-        c for c in (GemvConfig(bn=32, bk=256), GemvConfig(bn=64, bk=512, splits=2)) if rows * c.bk <= 2048
+        c for c in (GemvConfig(bn=32, bk=256), GemvConfig(bn=64, bk=512, splits=2)) if scale_blocks(rows, c)
     ]
     for cfg in configs:
         got = gemv(x, codes, b, scale, config=cfg).float()
