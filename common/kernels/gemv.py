@@ -61,7 +61,7 @@ starts, which spread ~2 %): the isolated gain did not reach the step. That form 
 instructions a call against a 10.4 µs HBM floor (`bench.sass_census --step` at cf2ef3f: 15 layout
 conversions; one block a step: ~4.9 µs). A likely reason, unprofiled, is that it competes for issue slots
 with the kernels overlapping it in a step (pdl.py). The form since then gives each block dot rows of its own
-(`_step`): ~7.5 µs and 9 conversions in the census, not yet run on CUDA."""
+(`_step`): ~7.5 µs and 9 conversions in the census; `FP8_LARGE_ONE_ROW` sets it for a same-process A/B."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
@@ -84,10 +84,18 @@ class GemvConfig:
     """From this many rows of x on, the tensor cores multiply (below: broadcast and sum)."""
 
 
+FP8_LARGE_ONE_ROW: GemvConfig | None = None
+"""At one row, the launch for an fp8 weight of CUBLAS_ROWS rows and more (the token mixers' input
+projections), or None: `choose`'s one block a step. The benchmark's `fp8-wide` switch sets 64 rows and two
+blocks a step (`_step`'s dot rows a block). Switch before a pass is recorded."""
+
+
 def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> GemvConfig | None:
     """The launch shape for x [m, k] · W [n, k]ᵀ, or None: cuBLAS (a large bf16 weight)."""
     if n >= CUBLAS_ROWS and not fp8:
         return GemvConfig(bn=32, bk=512, splits=1) if m == 1 and LARGE_ONE_ROW else None
+    if n >= CUBLAS_ROWS and m == 1 and FP8_LARGE_ONE_ROW is not None:
+        return FP8_LARGE_ONE_ROW
     dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
     bn, bk = (32, 256) if dot else (16, 512)  # each form's best at its measured rows
     bk = FP8_BK if fp8 else min(bk, max(16, triton.next_power_of_2(k)))  # a dot's K: at least 16
