@@ -61,8 +61,7 @@ def projections() -> dict[str, tuple[int, int, int]]:
 def settings(n: int, k: int, rows: int, fp8: bool = False) -> list[GemvConfig]:
     """The grid: rows a program, inputs a step, chunks of K, warps and stages (a few for a weight `choose`
     leaves to cuBLAS: do they confirm it?); at one or two rows, each on the CUDA cores too (a broadcast and
-    a sum instead of the tensor cores' dot of x padded to 16 rows). fp8: steps of whole scale blocks on the
-    tensor cores, each block in dot rows of its own (rows × blocks within the dot's 16)."""
+    a sum instead of the tensor cores' dot of x padded to 16 rows). fp8: steps of whole scale blocks."""
     if fp8:
         grid = itertools.product((16, 32, 64), (256, 512), (1, 2), (4,), (2, 3))
     elif n >= CUBLAS_ROWS:
@@ -75,7 +74,7 @@ def settings(n: int, k: int, rows: int, fp8: bool = False) -> list[GemvConfig]:
         for (bn, bk, splits, w, st), dot in itertools.product(grid, dots)
         if splits <= k // bk
     }
-    return [cfg for cfg in found if not fp8 or scale_blocks(rows, cfg)]
+    return [cfg for cfg in found if not fp8 or scale_blocks(cfg)]
 
 
 def time_calls(run, weights: list[torch.Tensor], x: torch.Tensor) -> float:

@@ -238,10 +238,7 @@ def step_census() -> dict[str, tuple[Census, float]]:
         ("gemv fp8 64x256", wide, gdn_in, fp8, fp8_shape),
     ):
         dot = cfg.dot_rows <= 1
-        blocks = gemv.scale_blocks(1, cfg) if base["HAS_SCALE"] else 1  # scale blocks a step (dot rows)
-        shape = (
-            base | {"M_PAD": 16 if dot else 1, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot, "BLOCKS": blocks} | gdc
-        )
+        shape = base | {"M_PAD": 16 if dot else 1, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot} | gdc
         shape["PARTIAL"] = cfg.splits > 1
         shape["FOLD"] = shape["PARTIAL"] and arrival.folds(1)
         programs = -(-n // cfg.bn) * cfg.splits

@@ -53,15 +53,13 @@ benchmark's `cublas-large` switch; decode-allfit ran 188.33 tok/s with it agains
 bench/results/decode-allfit-large-ab.json). Switch before a pass is recorded."""
 FP8_BK = SCALE_BLOCK
 """An fp8 weight's inputs a loop step in `choose`'s launches, in whole scale blocks. One block a step stays.
-On the H200 (bench/results/gemv-tune-fp8.txt, e5ef32a, the codes then scaled in registers before the product)
-64 rows and two blocks a step read GDN's input projection at one row in 14.30 µs against 21.56, and QSA's in
+On the H200 (bench/results/gemv-tune-fp8.txt, e5ef32a) 64 rows and two blocks a step, the codes scaled in
+registers before the product, read GDN's input projection at one row in 14.30 µs against 21.56, and QSA's in
 13.90 against 21.32. But in the decode step with them (`--resident-dtype fp8`, e5ef32a) decode-allfit ran
 189.60 tok/s against 191.64 and decode-1 86.92 against 89.39 (f4c0b4f, one block a step; separate machine
-starts, which spread ~2 %): the isolated gain did not reach the step. That form issued ~9.0 µs of
-instructions a call against a 10.4 µs HBM floor (`bench.sass_census --step` at cf2ef3f: 15 layout
-conversions; one block a step: ~4.9 µs). A likely reason, unprofiled, is that it competes for issue slots
-with the kernels overlapping it in a step (pdl.py). The form since then gives each block dot rows of its own
-(`_step`): ~7.5 µs and 9 conversions in the census; `FP8_LARGE_ONE_ROW` sets it for a same-process A/B."""
+starts, which spread ~2 %): the isolated gain did not reach the step. A form giving each block dot rows of
+its own and scaling the products (fewer instructions in `bench.sass_census --step`: ~7.5 µs of issue against
+~9.0) measured slower alone, 19.09 µs at 64 × 256 (gemv-tune-fp8-rows.txt), and was dropped."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
@@ -86,8 +84,8 @@ class GemvConfig:
 
 FP8_LARGE_ONE_ROW: GemvConfig | None = None
 """At one row, the launch for an fp8 weight of CUBLAS_ROWS rows and more (the token mixers' input
-projections), or None: `choose`'s one block a step. The benchmark's `fp8-wide` switch sets 64 rows and two
-blocks a step (`_step`'s dot rows a block). Switch before a pass is recorded."""
+projections), or None: `choose`'s one block a step. The benchmark's `fp8-wide` switch sets the tune's fastest
+alone, 64 rows and two blocks a step, for a same-process A/B. Switch before a pass is recorded."""
 
 
 def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> GemvConfig | None:
@@ -117,13 +115,11 @@ def chunks(k: int, bk: int, splits: int) -> tuple[int, int]:
     return chunk, triton.cdiv(k, chunk)
 
 
-def scale_blocks(m: int, cfg: GemvConfig) -> int:
-    """Scale blocks an fp8 weight's loop step spans under `cfg` at m rows (`_step`'s BLOCKS), or 0 where that
-    launch cannot take an fp8 weight: BK not whole blocks, or several blocks a step (each in dot rows of its
-    own) outside the tensor cores' form or past the dot's GEMV_ROWS rows."""
+def scale_blocks(cfg: GemvConfig) -> int:
+    """Scale blocks an fp8 weight's loop step spans under `cfg`, or 0 where that launch cannot take an fp8
+    weight (BK not whole blocks). Past one block `_step` scales the codes in registers before the product."""
     blocks, whole = divmod(cfg.bk, SCALE_BLOCK)
-    fits = blocks == 1 or (m >= cfg.dot_rows and m * blocks <= GEMV_ROWS)
-    return blocks if blocks and not whole and fits else 0
+    return blocks if blocks and not whole else 0
 
 
 @functools.cache
@@ -138,7 +134,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, y_ptr, count_ptr, m, n, k, k_chunk,
     M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FOLD: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCKS: tl.constexpr, GDC: tl.constexpr,
+    PRECISION: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     outs = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] output features
     live_n = outs < n
@@ -154,20 +150,16 @@ def _gemv_kernel(
     w = tl.load(w_rows + cols[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
     gdc_enter(GDC)
     acc = _step(
-        x_ptr, w, s_ptr, r, m, cols, live_k, outs, live_n, k, k_lo, BK, DOT, HAS_SCALE, PRECISION, BLOCKS
+        x_ptr, w, s_ptr, r, live_m, cols, live_k, outs, live_n, k, k_lo, BK, DOT, HAS_SCALE, PRECISION
     )
     for k0 in range(k_lo + BK, k_hi, BK):
         cols = k0 + tl.arange(0, BK)
         live_k = (cols < k_hi) | EVEN_K
         w = tl.load(w_rows + cols[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
         acc += _step(
-            x_ptr, w, s_ptr, r, m, cols, live_k, outs, live_n, k, k0, BK, DOT, HAS_SCALE, PRECISION, BLOCKS
+            x_ptr, w, s_ptr, r, live_m, cols, live_k, outs, live_n, k, k0, BK, DOT, HAS_SCALE, PRECISION
         )
-    if BLOCKS > 1:  # each row's blocks' products summed: [M_PAD / BLOCKS, BN]
-        acc = tl.sum(tl.reshape(acc, (M_PAD // BLOCKS, BLOCKS, BN)), axis=1)
-        r = tl.arange(0, M_PAD // BLOCKS)
-        live_m = r < m
-    out = r[:, None] * n + outs[None, :]  # [rows, BN] flat (row, output) of y
+    out = r[:, None] * n + outs[None, :]  # [M_PAD, BN] flat (row, output) of y
     live = live_m[:, None] & live_n[None, :]
     if not PARTIAL:
         _finish(acc, b_ptr, y_ptr, out, n, live, HAS_BIAS)
@@ -181,38 +173,36 @@ def _gemv_kernel(
 
 @triton.jit
 def _step(
-    x_ptr, w, s_ptr, r, m, cols, live_k, outs, live_n, k, k0,
+    x_ptr, w, s_ptr, r, live_m, cols, live_k, outs, live_n, k, k0,
     BK: tl.constexpr, DOT: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCKS: tl.constexpr,
 ):  # fmt: skip
-    """x's rows at `cols` times the weight tile w [BN, BK] (scaled per row and block: fp8) → [M_PAD, BN].
-
-    BLOCKS > 1 (fp8, tensor cores, BLOCKS scale blocks a step): row i of the dot's x is x's row i // BLOCKS
-    masked to the step's block i % BLOCKS (the padding rows a few rows leave idle), so the dot gives each
-    block's product apart, scaled after it like a single block's: the codes are multiplied as they are."""
-    per_row = tl.cdiv(k, SCALE_K)  # an fp8 weight's scale blocks a row
-    if BLOCKS > 1:
-        row, block = r // BLOCKS, r % BLOCKS  # [M_PAD] x's row and this step's block of each dot row
-        mine = (cols[None, :] - k0) // SCALE_K == block[:, None]  # [M_PAD, BK]
-        x = tl.load(
-            x_ptr + row[:, None] * k + cols[None, :],
-            mask=mine & (row < m)[:, None] & live_k[None, :],
-            other=0.0,
-        )
-        part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
-        b = block + k0 // SCALE_K  # [M_PAD] each dot row's scale block (tensor first: k0 may be an int)
-        at = outs.to(tl.int64)[None, :] * per_row + b[:, None]  # [M_PAD, BN]
-        live = (row < m)[:, None] & live_n[None, :] & (b < per_row)[:, None]
-        return part * tl.load(s_ptr + at, mask=live, other=0.0)
-    x = tl.load(x_ptr + r[:, None] * k + cols[None, :], mask=(r < m)[:, None] & live_k[None, :], other=0.0)
+    """x's rows at `cols` times the weight tile w [BN, BK] (scaled per row and block: fp8) → [M_PAD, BN]."""
+    x = tl.load(x_ptr + r[:, None] * k + cols[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
+    blocks: tl.constexpr = BK // SCALE_K
+    if HAS_SCALE and blocks > 1:  # each 128 inputs' scale on the codes, before the product
+        w = _dequantize(w, s_ptr, outs, live_n, k, k0, BK)
     if DOT:
         part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
     else:
         part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    if HAS_SCALE:  # one block a step: its scale a row on the product
-        scale = tl.load(s_ptr + outs.to(tl.int64) * per_row + k0 // SCALE_K, mask=live_n, other=0.0)
+    if HAS_SCALE and blocks == 1:  # one scale a row: on the product
+        scale = tl.load(
+            s_ptr + outs.to(tl.int64) * tl.cdiv(k, SCALE_K) + k0 // SCALE_K, mask=live_n, other=0.0
+        )
         part = part * scale[None, :]
     return part
+
+
+@triton.jit
+def _dequantize(w, s_ptr, outs, live_n, k, k0, BK: tl.constexpr):
+    """fp8 codes w [BN, BK] → the weight in fp32, each row's 128-input blocks times their scales."""
+    blocks: tl.constexpr = BK // SCALE_K
+    per_row = tl.cdiv(k, SCALE_K)
+    b = k0 // SCALE_K + tl.arange(0, blocks)  # [blocks] this step's scale blocks
+    at = outs.to(tl.int64)[:, None] * per_row + b[None, :]
+    scale = tl.load(s_ptr + at, mask=live_n[:, None] & (b < per_row)[None, :], other=0.0)  # [BN, blocks]
+    w3 = tl.reshape(w.to(tl.float32), (w.shape[0], blocks, SCALE_K)) * scale[:, :, None]
+    return tl.reshape(w3, (w.shape[0], BK))
 
 
 @triton.jit
@@ -249,8 +239,7 @@ def gemv(
     cfg = config or choose(m, n, k, x.device, scale is not None) or GemvConfig()
     bk = cfg.bk
     dot = m >= cfg.dot_rows
-    blocks = scale_blocks(m, cfg) if scale is not None else 1
-    assert blocks, f"an fp8 weight at {m} rows: {cfg} is not whole scale blocks a step within the dot's rows"
+    assert scale is None or scale_blocks(cfg), f"an fp8 weight's BK is whole scale blocks, not {bk}"
     chunk, splits = chunks(k, bk, cfg.splits)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
@@ -263,7 +252,7 @@ def gemv(
         M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(max(m, 1)), BN=cfg.bn, BK=bk, DOT=dot,
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, FOLD=fold, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device),
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device),
     )  # fmt: skip
     if splits > 1 and not fold:
         block = 256

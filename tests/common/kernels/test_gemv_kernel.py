@@ -39,18 +39,20 @@ def test_fp8_weight_matches_dequantised_linear(rows: int, bias: bool, dtype: tor
     x, w, b = _inputs(rows, bias, dtype)
     codes, scale = (t.to(DEVICE) for t in quantize_fp8(w))
     want = F.linear(x.float(), dequantize_fp8(codes, scale, torch.float32), None if b is None else b.float())
-    # one scale block a step (on the tensor cores or the CUDA cores), or several, each in dot rows of its own
-    # (as many as rows × blocks fit in 16), K past the last step's blocks
-    configs = [None, GemvConfig(bn=16, bk=128, splits=2, dot_rows=3)]
-    configs += [
-        c for c in (GemvConfig(bn=32, bk=256), GemvConfig(bn=64, bk=512, splits=2)) if scale_blocks(rows, c)
-    ]
+    # one scale block a step (on the tensor cores or the CUDA cores), or several scaled in registers, K past
+    # the last step's blocks
+    configs = (
+        None,
+        GemvConfig(bn=16, bk=128, splits=2, dot_rows=3),
+        GemvConfig(bn=32, bk=256),
+        GemvConfig(bn=64, bk=512, splits=2, dot_rows=3),
+    )
     for cfg in configs:
         got = gemv(x, codes, b, scale, config=cfg).float()
         torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
-    if rows > 8:  # two blocks a step leave no rows for 16
-        with pytest.raises(AssertionError, match="scale blocks a step"):
-            gemv(x, codes, b, scale, config=GemvConfig(bk=256))
+    assert not scale_blocks(GemvConfig(bk=192))
+    with pytest.raises(AssertionError, match="whole scale blocks"):
+        gemv(x, codes, b, scale, config=GemvConfig(bk=64))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
