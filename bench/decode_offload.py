@@ -260,7 +260,8 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
 def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict:
     """The defaults, then each switch of `decode_switches` flipped alone: the same decode from the prompt's
     state (fresh copies of `pristine` each time; the cache carries over and the warm-up steps settle it),
-    graphs recorded again for each. Per variant: tok/s per request and aggregate, hit rate."""
+    graphs recorded again for each. Per variant: tok/s per request and aggregate, hit rate; with --profile
+    PATH, a profile of its steps too (PATH-NAME)."""
     out = {}
     wanted = args.switches or DECODE_SWITCHES
     chosen = {name: v for name, v in decode_switches(provider).items() if name in wanted}
@@ -277,6 +278,8 @@ def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict
         hits = run["hits"] / max(run["hits"] + run["misses"], 1)
         out[name] = {"tok_per_s": 1 / seconds, "aggregate_tok_per_s": args.lanes / seconds, "hit_rate": hits}
         progress(f"{name}: {1 / seconds:.2f} tok/s a request, hit {hits:.3f}")
+        if args.profile is not None:  # each variant's steps beside the plain run's: PATH-NAME
+            profile_steps(runner, seqs, run["tokens"], args.profile.with_name(f"{args.profile.name}-{name}"))
         for s in seqs:
             runner.release(s)
         if switch:
