@@ -91,8 +91,8 @@ def main() -> None:
         "decode-N-ablate.json (one more lane's state held: slots a little fewer than the plain run's)",
     )  # fmt: skip
     ap.add_argument(
-        "--switches", nargs="+", choices=DECODE_SWITCHES, default=None,
-        help="with --ablate: only these variants (after the defaults)",
+        "--switches", nargs="+", type=variant, default=None,
+        help="with --ablate: only these variants (after the defaults); A+B flips two switches together",
     )  # fmt: skip
     ap.add_argument(
         "--split-lanes", type=int, default=None,
@@ -225,6 +225,16 @@ DECODE_SWITCHES = (
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
 
+def variant(name: str) -> str:
+    """An `--switches` variant: one of DECODE_SWITCHES, or several joined by '+' (flipped together)."""
+    unknown = [part for part in name.split("+") if part not in DECODE_SWITCHES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown switch {unknown[0]!r}: one of {', '.join(DECODE_SWITCHES)}"
+        )
+    return name
+
+
 def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
     from common.graphs import DecodeGraphs
@@ -258,17 +268,16 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
 
 
 def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict:
-    """The defaults, then each switch of `decode_switches` flipped alone: the same decode from the prompt's
-    state (fresh copies of `pristine` each time; the cache carries over and the warm-up steps settle it),
-    graphs recorded again for each. Per variant: tok/s per request and aggregate, hit rate; with --profile
-    PATH, a profile of its steps too (PATH-NAME)."""
+    """The defaults, then each variant of `--switches` (a switch of `decode_switches`, or several joined by
+    '+') flipped: the same decode from the prompt's state (fresh copies of `pristine` each time; the cache
+    carries over and the warm-up steps settle it), graphs recorded again for each. Per variant: tok/s per
+    request and aggregate, hit rate; with --profile PATH, a profile of its steps too (PATH-NAME)."""
     out = {}
-    wanted = args.switches or DECODE_SWITCHES
-    chosen = {name: v for name, v in decode_switches(provider).items() if name in wanted}
-    for name, switch in {"defaults": None, **chosen}.items():
-        owner, attr, value = switch or (None, "", False)
-        before = getattr(owner, attr) if switch else None
-        if switch:
+    table = decode_switches(provider)
+    for name in ("defaults", *(args.switches or DECODE_SWITCHES)):
+        flips = [] if name == "defaults" else [table[part] for part in name.split("+")]
+        before = [getattr(owner, attr) for owner, attr, _ in flips]
+        for owner, attr, value in flips:
             setattr(owner, attr, value)
         if runner.graphs is not None:
             runner.graphs.forget()
@@ -282,8 +291,8 @@ def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict
             profile_steps(runner, seqs, run["tokens"], args.profile.with_name(f"{args.profile.name}-{name}"))
         for s in seqs:
             runner.release(s)
-        if switch:
-            setattr(owner, attr, before)
+        for (owner, attr, _), value in reversed(list(zip(flips, before, strict=True))):
+            setattr(owner, attr, value)
     return out
 
 

@@ -6,7 +6,7 @@ each step's first kernel; per step, the device time from its first kernel to its
 time, exposed time (what it adds to the step: `exposed`) and count, largest first (small torch kernels
 pooled as `aten`).
 
-    python -m bench.trace_summary FILE.trace.json[.gz] [--head 512x8] [--rows 30]
+    python -m bench.trace_summary FILE.trace.json[.gz] [--head 512x8] [--rows 30] [--by-grid]
 """
 
 from __future__ import annotations
@@ -45,7 +45,14 @@ def steps(events: list[dict], head: str) -> list[list[dict]]:
     return out
 
 
-def exposed(step: list[dict]) -> tuple[Counter, float]:
+def label(e: dict, by_grid: bool = False) -> str:
+    """A kernel event's row: its name (`kernel_name`), with `by_grid` its launch grid too (one kernel's
+    launches of different weights apart: the GEMV's projections)."""
+    name = kernel_name(e["name"])
+    return f"{name} {e.get('args', {}).get('grid')}" if by_grid else name
+
+
+def exposed(step: list[dict], by_grid: bool = False) -> tuple[Counter, float]:
     """Per kernel name, the time its kernels add to the step: how far each one's end moves past the latest
     end before it (kernels by start). With programmatic dependent launch a kernel starts while the one before
     it runs and its time includes its wait, so summed durations exceed the step; these sum to it, less the
@@ -54,13 +61,13 @@ def exposed(step: list[dict]) -> tuple[Counter, float]:
     for e in step:
         finish = e["ts"] + e["dur"]
         if finish > end:
-            added[kernel_name(e["name"])] += finish - max(e["ts"], end)
+            added[label(e, by_grid)] += finish - max(e["ts"], end)
             idle += max(0.0, e["ts"] - end)
             end = finish
     return added, idle
 
 
-def summary(events: list[dict], head: str = "512x8", rows: int = 30) -> str:
+def summary(events: list[dict], head: str = "512x8", rows: int = 30, by_grid: bool = False) -> str:
     """Per-step device time and the kernels' time, exposed time (`exposed`) and count a step, as text."""
     cut = steps(events, head)
     if not cut:
@@ -68,9 +75,9 @@ def summary(events: list[dict], head: str = "512x8", rows: int = 30) -> str:
     time, count, added, idle = Counter(), Counter(), Counter(), 0.0
     for step in cut:
         for e in step:
-            time[kernel_name(e["name"])] += e["dur"]
-            count[kernel_name(e["name"])] += 1
-        step_added, step_idle = exposed(step)
+            time[label(e, by_grid)] += e["dur"]
+            count[label(e, by_grid)] += 1
+        step_added, step_idle = exposed(step, by_grid)
         added.update(step_added)
         idle += step_idle
     n = len(cut)
@@ -92,8 +99,9 @@ def main() -> None:
     ap.add_argument("trace", type=Path)
     ap.add_argument("--head", default="512x8", help="a substring of the LM head GEMM's kernel name")
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--by-grid", action="store_true", help="a row per kernel and launch grid")
     args = ap.parse_args()
-    print(summary(kernels(args.trace), args.head, args.rows))
+    print(summary(kernels(args.trace), args.head, args.rows, args.by_grid))
 
 
 if __name__ == "__main__":

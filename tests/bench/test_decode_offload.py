@@ -3,9 +3,12 @@ differs from the default's (a switch that flips nothing would time the defaults 
 
 from __future__ import annotations
 
+import argparse
 from types import SimpleNamespace
 
-from bench.decode_offload import DECODE_SWITCHES, decode_switches
+import pytest
+
+from bench.decode_offload import DECODE_SWITCHES, decode_switches, variant
 
 
 def test_every_switch_flips_an_existing_attribute() -> None:
@@ -15,3 +18,9 @@ def test_every_switch_flips_an_existing_attribute() -> None:
     for name, (owner, attr, value) in switches.items():
         assert hasattr(owner, attr), name
         assert getattr(owner, attr) != value, name
+
+
+def test_a_variant_names_switches_joined_by_plus() -> None:
+    assert variant("no-pdl+fp8-wide") == "no-pdl+fp8-wide"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown switch 'no-such'"):
+        variant("no-pdl+no-such")

@@ -59,3 +59,12 @@ def test_overlapping_kernels_add_only_what_they_extend() -> None:
     added, idle = exposed(step)
     assert added == {"_gate_up_kernel": 10.0, "_down_kernel": 4.0, "_inject_kernel": 3.0}
     assert idle == 2.0
+
+
+def test_by_grid_parts_one_kernel_by_its_launches() -> None:
+    events = [
+        {"name": "_gemv_kernel", "ts": 0.0, "dur": 10.0, "args": {"grid": [515, 1, 1]}},
+        {"name": "_gemv_kernel", "ts": 11.0, "dur": 4.0, "args": {"grid": [80, 7, 1]}},
+    ]
+    assert set(exposed(events, by_grid=True)[0]) == {"_gemv_kernel [515, 1, 1]", "_gemv_kernel [80, 7, 1]"}
+    assert exposed(events)[0] == {"_gemv_kernel": 14.0}
