@@ -60,6 +60,10 @@ registers before the product, read GDN's input projection at one row in 14.30 µ
 starts, which spread ~2 %): the isolated gain did not reach the step. A form giving each block dot rows of
 its own and scaling the products (fewer instructions in `bench.sass_census --step`: ~7.5 µs of issue against
 ~9.0) measured slower alone, 19.09 µs at 64 × 256 (gemv-tune-fp8-rows.txt), and was dropped."""
+PDL = True
+"""The GEMV takes part in programmatic dependent launch (pdl.py): its programs may become resident while the
+kernel before it runs. False (the benchmark's `gemv-no-pdl` switch): it launches once that kernel's programs
+have exited, onto free SMs. Switch before a pass is recorded."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
@@ -252,7 +256,7 @@ def gemv(
         M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(max(m, 1)), BN=cfg.bn, BK=bk, DOT=dot,
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, FOLD=fold, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device),
+        num_warps=cfg.warps, num_stages=cfg.stages, **(launch(x.device) if PDL else {"GDC": False}),
     )  # fmt: skip
     if splits > 1 and not fold:
         block = 256
