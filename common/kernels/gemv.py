@@ -53,17 +53,19 @@ benchmark's `cublas-large` switch; decode-allfit ran 188.33 tok/s with it agains
 bench/results/decode-allfit-large-ab.json). Switch before a pass is recorded."""
 FP8_BK = SCALE_BLOCK
 """An fp8 weight's inputs a loop step in `choose`'s launches, in whole scale blocks. One block a step stays.
-On the H200 (bench/results/gemv-tune-fp8.txt, e5ef32a) 64 rows and two blocks a step, the codes scaled in
-registers before the product, read GDN's input projection at one row in 14.30 µs against 21.56, and QSA's in
-13.90 against 21.32. But in the decode step with them (`--resident-dtype fp8`, e5ef32a) decode-allfit ran
-189.60 tok/s against 191.64 and decode-1 86.92 against 89.39 (f4c0b4f, one block a step; separate machine
-starts, which spread ~2 %): the isolated gain did not reach the step. A form giving each block dot rows of
-its own and scaling the products (fewer instructions in `bench.sass_census --step`: ~7.5 µs of issue against
-~9.0) measured slower alone, 19.09 µs at 64 × 256 (gemv-tune-fp8-rows.txt), and was dropped."""
+On the H200, 64 rows and two blocks a step, the codes scaled in registers before the product, read GDN's input
+projection at one row in 14.30 µs against 21.56 alone (bench/results/gemv-tune-fp8.txt), and 15.55 against
+21.01 in a serialized step (no kernel in PDL). But with the step's PDL the wide launch gains nothing:
+decode-allfit `--resident-dtype fp8` ran 187.41 tok/s with it against 188.01, in one process; it gains only
+with the GEMV out of PDL (`PDL`), 189.92 against 181.11, which is within the spread of the defaults
+(bench/results/decode-allfit-fp8-wide-ab.json). A form giving each block dot rows of its own and scaling the
+products (fewer instructions in `bench.sass_census --step`) ran slower alone, 19.09 µs
+(gemv-tune-fp8-rows.txt), and was dropped."""
 PDL = True
 """The GEMV takes part in programmatic dependent launch (pdl.py): its programs may become resident while the
 kernel before it runs. False (the benchmark's `gemv-no-pdl` switch): it launches once that kernel's programs
-have exited, onto free SMs. Switch before a pass is recorded."""
+have exited, onto free SMs; decode-allfit then ran 174.80 tok/s against 188.27 (bf16, one process,
+bench/results/decode-allfit-gemv-pdl-ab.json). Switch before a pass is recorded."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
@@ -89,7 +91,7 @@ class GemvConfig:
 FP8_LARGE_ONE_ROW: GemvConfig | None = None
 """At one row, the launch for an fp8 weight of CUBLAS_ROWS rows and more (the token mixers' input
 projections), or None: `choose`'s one block a step. The benchmark's `fp8-wide` switch sets the tune's fastest
-alone, 64 rows and two blocks a step, for a same-process A/B. Switch before a pass is recorded."""
+alone, 64 rows and two blocks a step (no gain in the step: FP8_BK). Switch before a pass is recorded."""
 
 
 def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> GemvConfig | None:
