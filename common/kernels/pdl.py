@@ -15,9 +15,11 @@ edges a stream capture records (CUDA 12.3 on).
 On by default (`ENABLED`). With the hyper-connection and int4 decode kernels taking part, decode-allfit ran
 144.66 tok/s against 139.62 without (+3.6 %) and decode-1 79.55 against 77.13 (+3.1 %) on the H200
 (bench/results/decode-allfit-pdl-ab.json, decode-1-pdl-ab.json); the step's other Triton kernels (norms,
-conv, GDN, attention, QSA, routing, cache resolution) took part after that. `bench.decode_offload --ablate
---switches no-pdl` compares it. A kernel taking part calls `gdc_enter(GDC)` before its first read of an
-earlier kernel's output and its first write, in every program, and is launched with `**launch(device)`.
+conv, GDN, attention, QSA, routing, cache resolution) took part after that. With all of them, decode-allfit
+ran 188.51 tok/s against 166.98 with none (6f69515, one process: decode-allfit-serial-profile.txt).
+`bench.decode_offload --ablate --switches no-pdl` compares it. A kernel taking part calls `gdc_enter(GDC)`
+before its first read of an earlier kernel's output and its first write, in every program, and is launched
+with `**launch(device)`.
 cuBLAS's and torch's kernels do not wait: a kernel after one of them starts when it ends, as without.
 """
 
