@@ -220,7 +220,7 @@ DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
-    "fp8-wide", "gemv-no-pdl",
+    "fp8-wide", "gemv-no-pdl", "pdl-exit-trigger",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -264,6 +264,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (arrival, "ENABLED", False),
         (gemv, "FP8_LARGE_ONE_ROW", gemv.GemvConfig(bn=64, bk=256, splits=1, stages=3)),
         (gemv, "PDL", False),
+        (pdl, "EARLY_TRIGGER", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -33,13 +33,22 @@ import triton.language as tl
 
 ENABLED = True
 """Launch the kernels that take part with programmatic dependent launch (CUDA, compute capability 9 on)."""
+EARLY_TRIGGER = True
+"""A taking-part kernel lets the next one launch as soon as all its programs have waited (`gdc_enter`), so
+the next kernel's programs may sit resident, waiting, beside it while it runs. False (the benchmark's
+`pdl-exit-trigger` switch): only once its programs have exited (the launch still overlaps its memory flush),
+leaving it the SMs to itself: whether early residents cost a large kernel its speed (the wide fp8 GEMV gained
+out of PDL only, gemv.FP8_BK). Switch before a pass is recorded."""
+WAIT_ONLY = 2
+"""`GDC`'s value with EARLY_TRIGGER off: wait, no trigger (True: wait, then trigger)."""
+WAIT_ONLY_K = tl.constexpr(WAIT_ONLY)
 
 
 def launch(device: torch.device) -> dict[str, object]:
     """Keyword arguments of a participating kernel's launch: its `GDC` constexpr, and Triton's `launch_pdl`
     when on (never in the interpreter: griddepcontrol is PTX)."""
     on = ENABLED and device.type == "cuda" and _hopper_or_later(device.index)
-    return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
+    return {"GDC": True if EARLY_TRIGGER else WAIT_ONLY, "launch_pdl": True} if on else {"GDC": False}
 
 
 @functools.cache
@@ -50,7 +59,9 @@ def _hopper_or_later(index: int | None) -> bool:
 
 @triton.jit
 def gdc_enter(GDC: tl.constexpr):
-    """With GDC: wait for the earlier kernels (their writes visible), then let the next kernel launch."""
+    """With GDC: wait for the earlier kernels (their writes visible), then (GDC True, not WAIT_ONLY) let the
+    next kernel launch."""
     if GDC:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if GDC != WAIT_ONLY_K:
+            tl.extra.cuda.gdc_launch_dependents()

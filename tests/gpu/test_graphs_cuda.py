@@ -118,6 +118,9 @@ def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, m
     plain, reference = _run(path, True, "0.25", fused=True)
     monkeypatch.setattr(pdl, "ENABLED", True)
     launched, engine = _run(path, True, "0.25", fused=True)
-    assert launched == plain
+    monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)  # each kernel lets the next launch at its exit
+    at_exit, exit_engine = _run(path, True, "0.25", fused=True)
+    assert launched == plain and at_exit == plain
     for name, counts in engine.offload.tables.counters.items():
         assert torch.equal(counts, reference.offload.tables.counters[name]), name
+        assert torch.equal(exit_engine.offload.tables.counters[name], counts), name
