@@ -220,7 +220,7 @@ DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
-    "fp8-wide", "gemv-no-pdl", "pdl-exit-trigger",
+    "fp8-wide", "gemv-no-pdl", "pdl-exit-trigger", "gdn-one-kernel",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -241,6 +241,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     from common.kernels import arrival, gemv, moe_int4, pdl
     from common.model import fused_linear
     from common.model.moe import SparseMoeBlock
+    from common.model.qwen4_exp.gdn import GatedDeltaNet
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.qwen4_exp.qsa import QSAIndexer
 
@@ -265,6 +266,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (gemv, "FP8_LARGE_ONE_ROW", gemv.GemvConfig(bn=64, bk=256, splits=1, stages=3)),
         (gemv, "PDL", False),
         (pdl, "EARLY_TRIGGER", False),
+        (GatedDeltaNet, "one_kernel_step", True),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -215,8 +215,8 @@ def step_census() -> dict[str, tuple[Census, float]]:
     with its estimated issue time (µs): the GEMV on the MoE input projection (1,800 × 2,560) as `choose`
     launches it and in its CUDA-core form (16 rows a program, 512 inputs a step, x unpadded), its chunks'
     sum, the router (512 experts, top-10), the shared expert's SwiGLU + down (640 → 2,560) and the Gated
-    DeltaNet step (48 value heads of 128 × 128)."""
-    from common.kernels import gated_delta, gated_mlp, gemv, routing
+    DeltaNet step (48 value heads of 128 × 128), alone and with its conv and norm (gdn_step)."""
+    from common.kernels import gated_delta, gated_mlp, gdn_step, gemv, routing
 
     gdc = {"GDC": True}
     product = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "part_ptr": "*fp32"}
@@ -260,6 +260,13 @@ def step_census() -> dict[str, tuple[Census, float]]:
     step |= dict.fromkeys(("qkv_stride", "a_stride", "b_stride", "heads_v", "group", "key_dim"), "i32")
     shape = {"DK": 128, "DV": 128, "BV": 32, "EARLY_GATES": True} | gdc
     kernels["gated_delta"] = (gated_delta._gated_delta_step_kernel, step, shape, 4, (), 48 * 4)
+    one = {"x_ptr": "*bf16", "hist_ptr": "*bf16", "cw_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"}
+    one |= {"a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64"}
+    one |= {"z_ptr": "*bf16", "nw_ptr": "*bf16", "o_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32"}
+    one |= dict.fromkeys(("x_stride", "a_stride", "b_stride", "z_stride", "heads_v", "heads_k"), "i32")
+    one |= dict.fromkeys(("group", "key_dim", "channels"), "i32") | {"eps": "fp32"}
+    shape = {"DK": 128, "DV": 128, "BV": 32, "TAPS": 4, "BW": 4} | gdc
+    kernels["gdn_step"] = (gdn_step._gdn_step_kernel, one, shape, 4, (), 48 * 4)
     out = {}
     for name, (fn, signature, constants, warps, divisible, programs) in kernels.items():
         stages, steps = gemv_launch.get(name, (None, 1))

@@ -27,37 +27,51 @@ def _gated_delta_step_kernel(
     qkv_stride, a_stride, b_stride, heads_v, group, key_dim,
     DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, EARLY_GATES: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    cols = tl.program_id(2) * BV + tl.arange(0, BV)  # [BV] value columns
-    d = tl.arange(0, DK)
+    t, h = tl.program_id(0), tl.program_id(1)
     # Read before the wait (pdl.py: only the kernel just before may still run): the slots, the state (this
     # kernel's own, a step ago) and, with EARLY_GATES, the gate projections (the input projection's, from
     # before the conv; without, copies of them may be the kernels just before).
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    at = state_ptr + ((slot * heads_v + h) * DK + d[:, None]) * DV + cols[None, :]  # [DK, BV]
-    s = tl.load(at)
+    at, s, cols = state_block(state_ptr, slots_ptr, heads_v, DK, DV, BV)
     if EARLY_GATES:
-        g, beta = _gates(a_ptr + t * a_stride + h, b_ptr + t * b_stride + h, a_log_ptr + h, dt_bias_ptr + h)
+        g, beta = gates(a_ptr + t * a_stride + h, b_ptr + t * b_stride + h, a_log_ptr + h, dt_bias_ptr + h)
     gdc_enter(GDC)  # q, k, v: the causal conv's output, the kernel just before
     if not EARLY_GATES:
-        g, beta = _gates(a_ptr + t * a_stride + h, b_ptr + t * b_stride + h, a_log_ptr + h, dt_bias_ptr + h)
-    s = s * tl.exp(g)
+        g, beta = gates(a_ptr + t * a_stride + h, b_ptr + t * b_stride + h, a_log_ptr + h, dt_bias_ptr + h)
     row = qkv_ptr + t * qkv_stride
-    kh = h // group
+    kh, d = h // group, tl.arange(0, DK)
     q = tl.load(row + kh * DK + d).to(tl.float32)
     k = tl.load(row + key_dim + kh * DK + d).to(tl.float32)
     v = tl.load(row + 2 * key_dim + h * DV + cols).to(tl.float32)
+    tl.store(out_ptr + (t * heads_v + h) * DV + cols, delta_rule(at, s, q, k, v, g, beta, DK))
+
+
+@triton.jit
+def state_block(state_ptr, slots_ptr, heads_v, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """Program (token t, value head h, block of BV value columns)'s state block: (its pointers [DK, BV], its
+    values, its columns [BV]), from sequence t's slot."""
+    t, h = tl.program_id(0), tl.program_id(1)
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    d = tl.arange(0, DK)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    at = state_ptr + ((slot * heads_v + h) * DK + d[:, None]) * DV + cols[None, :]
+    return at, tl.load(at), cols
+
+
+@triton.jit
+def delta_rule(at, s, q, k, v, g, beta, DK: tl.constexpr):
+    """The gated delta rule on state block s [DK, BV] (stored back at `at`) with q, k [DK], v [BV] (fp32, not
+    yet normalised) → o [BV]."""
+    s = s * tl.exp(g)
     q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
     k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     predicted = tl.sum(s * k[:, None], axis=0)  # [BV]
     s = s + k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(at, s)
-    tl.store(out_ptr + (t * heads_v + h) * DV + cols, tl.sum(s * q[:, None], axis=0))
+    return tl.sum(s * q[:, None], axis=0)
 
 
 @triton.jit
-def _gates(a_at, b_at, a_log_at, dt_bias_at):
+def gates(a_at, b_at, a_log_at, dt_bias_at):
     """Head h's decay g = −exp(A_log)·softplus(a + dt_bias) and write strength β = σ(b), fp32."""
     beta = tl.sigmoid(tl.load(b_at).to(tl.float32))
     x = tl.load(a_at).to(tl.float32) + tl.load(dt_bias_at).to(tl.float32)
