@@ -56,11 +56,11 @@ FP8_BK = SCALE_BLOCK
 On the H200, 64 rows and two blocks a step, the codes scaled in registers before the product, read GDN's input
 projection at one row in 14.30 µs against 21.56 alone (bench/results/gemv-tune-fp8.txt), and 15.55 against
 21.01 in a serialized step (no kernel in PDL). But with the step's PDL the wide launch gains nothing:
-decode-allfit `--resident-dtype fp8` ran 187.41 tok/s with it against 188.01, in one process; it gains only
-with the GEMV out of PDL (`PDL`), 189.92 against 181.11, which is within the spread of the defaults
-(bench/results/decode-allfit-fp8-wide-ab.json). A form giving each block dot rows of its own and scaling the
-products (fewer instructions in `bench.sass_census --step`) ran slower alone, 19.09 µs
-(gemv-tune-fp8-rows.txt), and was dropped."""
+decode-allfit `--resident-dtype fp8` ran 187.41 tok/s with it against 188.01, in one process. It gains only
+with the GEMV out of PDL (`PDL`): 189.92 against one block's 181.11 there, and 189.92 is within the spread
+of the defaults' 188.01 (bench/results/decode-allfit-fp8-wide-ab.json). A form giving each block dot rows
+of its own and scaling the products (fewer instructions in `bench.sass_census --step`) ran slower alone,
+19.09 µs (gemv-tune-fp8-rows.txt), and was dropped."""
 PDL = True
 """The GEMV takes part in programmatic dependent launch (pdl.py): its programs may become resident while the
 kernel before it runs. False (the benchmark's `gemv-no-pdl` switch): it launches once that kernel's programs
