@@ -5,7 +5,8 @@ k and v (causal_conv.py `conv_step`), the gated delta rule (gated_delta.py) and 
 
 Program (token t, value head h, block of BV value columns), as gated_delta.py's, convolves the channels it
 reads: its key head's q and k (shared by the head's `group` value heads and their blocks) and its own v
-columns. Two sums cross programs, each folded by the last program to arrive (arrival.py):
+columns. Two steps need every program of a group done first; the last program to arrive does them
+(arrival.py):
 
 - the conv history of q's and k's channels is shifted only once every program of the key head has read it:
   the last of them writes it (each program's v history is its own, shifted at once);
