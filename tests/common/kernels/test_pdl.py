@@ -1,0 +1,45 @@
+"""Programmatic dependent launch's switches (common/kernels/pdl.py): what a launch asks for, and what a
+taking-part kernel compiles to for sm_90 (in a process of its own, outside this directory's interpreter):
+wait and trigger, wait only (`EARLY_TRIGGER` off), or neither."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from common.kernels import pdl
+
+_PTX = """
+import json
+from bench.sass_census import compile_sm90
+from common.kernels import pdl, routing
+signature = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "experts": "i32"}
+shape = {"K": 10, "KB": 16, "BLOCK": 512, "NORMALIZE": True, "BF16": False}
+found = {}
+for gdc in (True, pdl.WAIT_ONLY, False):
+    ptx = compile_sm90(routing._route_kernel, signature, shape | {"GDC": gdc}, 1, ()).asm["ptx"]
+    found[str(gdc)] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx]
+print(json.dumps(found))
+"""
+
+
+def test_a_launch_asks_for_the_trigger_it_is_set_to(monkeypatch) -> None:
+    monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: True)
+    gpu = torch.device("cuda", 0)
+    assert pdl.launch(gpu) == {"GDC": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)
+    assert pdl.launch(gpu) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.launch(gpu) == {"GDC": False}
+    assert pdl.launch(torch.device("cpu")) == {"GDC": False}
+
+
+def test_wait_only_compiles_without_the_trigger() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _PTX], capture_output=True, text=True, env=env, check=True)
+    found = json.loads(run.stdout)
+    assert found == {"True": [True, True], str(pdl.WAIT_ONLY): [True, False], "False": [False, False]}
