@@ -31,7 +31,7 @@ def _gated_delta_step_kernel(
     # Read before the wait (pdl.py: only the kernel just before may still run): the slots, the state (this
     # kernel's own, a step ago) and, with EARLY_GATES, the gate projections (the input projection's, from
     # before the conv; without, copies of them may be the kernels just before).
-    at, s, cols = state_block(state_ptr, slots_ptr, heads_v, DK, DV, BV)
+    at, s, cols, _ = state_block(state_ptr, slots_ptr, heads_v, DK, DV, BV)
     if EARLY_GATES:
         g, beta = gates(a_ptr + t * a_stride + h, b_ptr + t * b_stride + h, a_log_ptr + h, dt_bias_ptr + h)
     gdc_enter(GDC)  # q, k, v: the causal conv's output, the kernel just before
@@ -48,13 +48,13 @@ def _gated_delta_step_kernel(
 @triton.jit
 def state_block(state_ptr, slots_ptr, heads_v, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """Program (token t, value head h, block of BV value columns)'s state block: (its pointers [DK, BV], its
-    values, its columns [BV]), from sequence t's slot."""
+    values, its columns [BV], sequence t's slot)."""
     t, h = tl.program_id(0), tl.program_id(1)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
     d = tl.arange(0, DK)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     at = state_ptr + ((slot * heads_v + h) * DK + d[:, None]) * DV + cols[None, :]
-    return at, tl.load(at), cols
+    return at, tl.load(at), cols, slot
 
 
 @triton.jit
@@ -79,6 +79,14 @@ def gates(a_at, b_at, a_log_at, dt_bias_at):
     return -tl.exp(tl.load(a_log_at).to(tl.float32)) * softplus, beta
 
 
+def state_dims(state: torch.Tensor) -> tuple[int, int, int]:
+    """(Hv, Dk, Dv) of a recurrent state [S, Hv, Dk, Dv], whose head dims the kernels need powers of two."""
+    _, heads_v, dk, dv = state.shape
+    if dk & (dk - 1) or dv & (dv - 1):
+        raise ValueError(f"head dims must be powers of two, got Dk={dk}, Dv={dv}")
+    return heads_v, dk, dv
+
+
 def gated_delta_step(
     qkv: torch.Tensor,
     a: torch.Tensor,
@@ -96,10 +104,8 @@ def gated_delta_step(
     state [S, Hv, Dk, Dv] fp32 (sequence t's at slots[t], updated in place) → o [T, Hv, Dv] fp32."""
     t = qkv.shape[0]
     qkv = qkv.contiguous()  # a conv's output may come transposed
-    _, heads_v, dk, dv = state.shape
+    heads_v, dk, dv = state_dims(state)
     block_v = min(block_v, dv)
-    if dk & (dk - 1) or dv & (dv - 1):
-        raise ValueError(f"head dims must be powers of two, got Dk={dk}, Dv={dv}")
     out = torch.empty((t, heads_v, dv), dtype=torch.float32, device=qkv.device)
     early = a.stride(1) == 1 and b.stride(1) == 1  # rows of a fused projection: read in place, no copy
     a, b = (a, b) if early else (a.contiguous(), b.contiguous())

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from common.kernels import arrival
 from common.kernels.arrival import arrive
-from common.kernels.gated_delta import delta_rule, gates, state_block
+from common.kernels.gated_delta import delta_rule, gates, state_block, state_dims
 from common.kernels.pdl import gdc_enter, launch
 
 
@@ -68,10 +68,10 @@ def _gdn_step_kernel(
 ):  # fmt: skip
     t, h = tl.program_id(0), tl.program_id(1)
     # Before the wait (pdl.py): the slot and this head's state block, this kernel's own a step ago.
-    at, s, cols = state_block(state_ptr, slots_ptr, heads_v, DK, DV, BV)
+    at, s, cols, slot = state_block(state_ptr, slots_ptr, heads_v, DK, DV, BV)
     gdc_enter(GDC)  # the projections (x, a, b, z): the kernel just before
     g, beta = gates(a_ptr + t * a_stride + h, b_ptr + t * b_stride + h, a_log_ptr + h, dt_bias_ptr + h)
-    row, slot = x_ptr + t * x_stride, tl.load(slots_ptr + t).to(tl.int64)
+    row = x_ptr + t * x_stride
     kh, d = h // group, tl.arange(0, DK)
     q, xq, q_rows = _conv(row, hist_ptr, slot, cw_ptr, kh * DK + d, channels, TAPS, BW)
     k, xk, k_rows = _conv(row, hist_ptr, slot, cw_ptr, key_dim + kh * DK + d, channels, TAPS, BW)
@@ -117,11 +117,9 @@ def gdn_step(
     [S, Hv, Dk, Dv] fp32 (updated in place), z [T, Hv·Dv] (the norm's gate, rows may be strided),
     norm_weight [Dv] → weight · RMSNorm(o) · SiLU(z) [T, Hv·Dv] in `dtype`, o the recurrence's output."""
     t, channels = qkv.shape
-    _, heads_v, dk, dv = state.shape
+    heads_v, dk, dv = state_dims(state)
     taps = conv_weight.shape[1]
     block_v = min(block_v, dv)
-    if dk & (dk - 1) or dv & (dv - 1):
-        raise ValueError(f"head dims must be powers of two, got Dk={dk}, Dv={dv}")
     if history.shape[1:] != (channels, taps - 1):
         raise ValueError(f"history {tuple(history.shape)} for {channels} channels and {taps} taps")
     qkv, a, b, z = (u if u.stride(-1) == 1 else u.contiguous() for u in (qkv, a, b, z))

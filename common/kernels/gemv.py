@@ -258,7 +258,7 @@ def gemv(
         M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(max(m, 1)), BN=cfg.bn, BK=bk, DOT=dot,
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, FOLD=fold, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.warps, num_stages=cfg.stages, **(launch(x.device) if PDL else {"GDC": False}),
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, PDL),
     )  # fmt: skip
     if splits > 1 and not fold:
         block = 256

@@ -44,10 +44,10 @@ WAIT_ONLY = 2
 WAIT_ONLY_K = tl.constexpr(WAIT_ONLY)
 
 
-def launch(device: torch.device) -> dict[str, object]:
+def launch(device: torch.device, take_part: bool = True) -> dict[str, object]:
     """Keyword arguments of a participating kernel's launch: its `GDC` constexpr, and Triton's `launch_pdl`
-    when on (never in the interpreter: griddepcontrol is PTX)."""
-    on = ENABLED and device.type == "cuda" and _hopper_or_later(device.index)
+    when on (never in the interpreter: griddepcontrol is PTX). `take_part` False: this launch stays out."""
+    on = take_part and ENABLED and device.type == "cuda" and _hopper_or_later(device.index)
     return {"GDC": True if EARLY_TRIGGER else WAIT_ONLY, "launch_pdl": True} if on else {"GDC": False}
 
 

@@ -33,6 +33,7 @@ def test_a_launch_asks_for_the_trigger_it_is_set_to(monkeypatch) -> None:
     assert pdl.launch(gpu) == {"GDC": True, "launch_pdl": True}
     monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)
     assert pdl.launch(gpu) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
+    assert pdl.launch(gpu, take_part=False) == {"GDC": False}
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.launch(gpu) == {"GDC": False}
     assert pdl.launch(torch.device("cpu")) == {"GDC": False}
