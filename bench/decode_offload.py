@@ -220,7 +220,7 @@ DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
-    "fp8-wide", "gemv-no-pdl", "pdl-exit-trigger", "gdn-one-kernel",
+    "fp8-wide", "gemv-no-pdl", "pdl-exit-trigger", "gdn-one-kernel", "hold-mixer-launch",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -243,6 +243,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.gdn import GatedDeltaNet
     from common.model.qwen4_exp.hyper import HyperConnection
+    from common.model.qwen4_exp.model import Qwen4DecoderLayer
     from common.model.qwen4_exp.qsa import QSAIndexer
 
     switches = (
@@ -267,6 +268,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (gemv, "PDL", False),
         (pdl, "EARLY_TRIGGER", False),
         (GatedDeltaNet, "one_kernel_step", True),
+        (Qwen4DecoderLayer, "hold_mixer_launch", True),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

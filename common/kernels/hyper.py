@@ -157,12 +157,13 @@ def hc_mix_up(
     scales: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     num_warps: int = 4,
+    hold_next: bool = False,
 ) -> torch.Tensor:
     """down [T, R] (rows may be strided: a view of a fused projection's output; or [P, T, R], partial
     products summed here), weight_up [hc·H, R], x the normalised streams [T, hc·H] →
     Σ_s σ((W_up · silu(down / hc))_s) · x_s / hc, [T, H] in x's dtype. With `scales` [T, hc] (hc_project's)
     and the norm's `norm_weight` [hc·H], x is the raw streams, normalised here as hc_norm would
-    (x · scale · (1 + w))."""
+    (x · scale · (1 + w)). `hold_next`: the next kernel launches only at this one's exit (pdl.launch)."""
     parts = down if down.dim() == 3 else down[None]  # [P, T, R]
     _, t, rank = parts.shape
     hidden = x.shape[1] // hc
@@ -173,7 +174,7 @@ def hc_mix_up(
     _mix_up_kernel[(t, triton.cdiv(hidden, block))](
         parts, weight_up, x.contiguous(), scales if norm else x, norm_weight if norm else x, out, hidden,
         rank, parts.stride(1), parts.stride(0), HC=hc, BLOCK=block, R_PAD=triton.next_power_of_2(rank),
-        NORM=norm, PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device),
+        NORM=norm, PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device, hold_next=hold_next),
     )  # fmt: skip
     return out
 

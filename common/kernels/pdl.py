@@ -44,11 +44,14 @@ WAIT_ONLY = 2
 WAIT_ONLY_K = tl.constexpr(WAIT_ONLY)
 
 
-def launch(device: torch.device, take_part: bool = True) -> dict[str, object]:
+def launch(device: torch.device, take_part: bool = True, hold_next: bool = False) -> dict[str, object]:
     """Keyword arguments of a participating kernel's launch: its `GDC` constexpr, and Triton's `launch_pdl`
-    when on (never in the interpreter: griddepcontrol is PTX). `take_part` False: this launch stays out."""
+    when on (never in the interpreter: griddepcontrol is PTX). `take_part` False: this launch stays out.
+    `hold_next`: this launch lets the next kernel launch only at its programs' exit (as with EARLY_TRIGGER
+    off, for this launch alone): the next one is a large single-wave kernel that early residency slows."""
     on = take_part and ENABLED and device.type == "cuda" and _hopper_or_later(device.index)
-    return {"GDC": True if EARLY_TRIGGER else WAIT_ONLY, "launch_pdl": True} if on else {"GDC": False}
+    early = EARLY_TRIGGER and not hold_next
+    return {"GDC": True if early else WAIT_ONLY, "launch_pdl": True} if on else {"GDC": False}
 
 
 @functools.cache

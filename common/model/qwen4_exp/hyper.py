@@ -88,9 +88,12 @@ class HyperConnection(nn.Module):
         """streams [T, hc·H] → the sublayer input [T, H]."""
         return self._mix(streams)[0]
 
-    def _mix(self, streams: Streams) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _mix(
+        self, streams: Streams, hold_next: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """mix(streams), the inject logits [T, hc] when there is an inject weight (after hc_project: its
         partial products [hc, T, hc], which hc_inject sums), and the streams (a deferred injection applied).
+        `hold_next`: the mix-up kernel lets the sublayer's first kernel launch only at its exit (pdl.launch).
         """
         deferred = streams if isinstance(streams, DeferredInject) else None
         rows = streams.streams if deferred is not None else streams
@@ -104,7 +107,9 @@ class HyperConnection(nn.Module):
             )
             down, logits = fused.split(product)
             up = self.input_mix_weight_up.weight
-            mixed = hc_mix_up(down, up, streams, self.hc, scales=scales, norm_weight=norm.weight)
+            mixed = hc_mix_up(
+                down, up, streams, self.hc, scales=scales, norm_weight=norm.weight, hold_next=hold_next
+            )
             return mixed, logits, streams
         streams = applied(streams)
         return (*self._mix_normed(streams), streams)
@@ -143,10 +148,10 @@ class HyperConnection(nn.Module):
         narrow = streams.shape[-1] // self.hc <= PROJECT_TILE
         return self.project_kernel and narrow and plain_linear(self.fused_in) and self._mix_up_fits(streams)
 
-    def forward(self, streams: Streams, sublayer, defer: bool = False) -> Streams:
+    def forward(self, streams: Streams, sublayer, defer: bool = False, hold_next: bool = False) -> Streams:
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight; with `defer`,
-        the injection may be left to the next hyper-connection (a DeferredInject)."""
-        mixed, logits, streams = self._mix(streams)
+        the injection may be left to the next hyper-connection (a DeferredInject); `hold_next` as `_mix`'s."""
+        mixed, logits, streams = self._mix(streams, hold_next)
         return self.inject(streams, sublayer(mixed), logits, defer)
 
     def mix_input(self, streams: Streams) -> tuple[torch.Tensor, torch.Tensor]:

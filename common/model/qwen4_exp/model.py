@@ -42,6 +42,11 @@ class Qwen4DecoderLayer(nn.Module):
         self.attn_hyper_connection = HyperConnection(cfg)
         self.mlp_hyper_connection = HyperConnection(cfg)
 
+    hold_mixer_launch = False
+    """In decode steps, the token mixer's input projection (the layer's largest GEMV) launches only once the
+    hyper-connection's mix-up kernel before it has exited, not while it runs (pdl.launch's `hold_next`); a
+    switch for bench.decode_offload --ablate. Switch before a pass is recorded."""
+
     @property
     def mixer(self) -> nn.Module:
         return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
@@ -63,7 +68,8 @@ class Qwen4DecoderLayer(nn.Module):
         if self.ple is not None:
             streams = applied(streams)
             streams = streams + self.ple(streams, ctx)
-        return self.attn_hyper_connection(streams, lambda h: self.mixer(h, ctx), defer)
+        hyper = self.attn_hyper_connection
+        return hyper(streams, lambda h: self.mixer(h, ctx), defer, hold_next=self.hold_mixer_launch)
 
     def ffn_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MoE's input [T, H], the injection logits [T, hc])."""
