@@ -220,7 +220,7 @@ DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
-    "fp8-wide", "gemv-no-pdl", "pdl-exit-trigger", "gdn-one-kernel", "hold-mixer-launch",
+    "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -241,7 +241,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     from common.kernels import arrival, gemv, moe_int4, pdl
     from common.model import fused_linear
     from common.model.moe import SparseMoeBlock
-    from common.model.qwen4_exp.gdn import GatedDeltaNet
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.qwen4_exp.model import Qwen4DecoderLayer
     from common.model.qwen4_exp.qsa import QSAIndexer
@@ -264,11 +263,11 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (gemv, "LARGE_ONE_ROW", False),
         (moe_int4, "RESIDENT_CONFIGS", moe_int4.MMA_CONFIGS),
         (arrival, "ENABLED", False),
-        (gemv, "FP8_LARGE_ONE_ROW", gemv.GemvConfig(bn=64, bk=256, splits=1, stages=3)),
+        (gemv, "FP8_LARGE_ONE_ROW", None),
         (gemv, "PDL", False),
         (pdl, "EARLY_TRIGGER", False),
-        (GatedDeltaNet, "one_kernel_step", True),
         (Qwen4DecoderLayer, "hold_mixer_launch", True),
+        (Qwen4DecoderLayer, "hold_mixer_launch", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -215,8 +215,8 @@ def step_census() -> dict[str, tuple[Census, float]]:
     with its estimated issue time (µs): the GEMV on the MoE input projection (1,800 × 2,560) as `choose`
     launches it and in its CUDA-core form (16 rows a program, 512 inputs a step, x unpadded), its chunks'
     sum, the router (512 experts, top-10), the shared expert's SwiGLU + down (640 → 2,560) and the Gated
-    DeltaNet step (48 value heads of 128 × 128), alone and with its conv and norm (gdn_step)."""
-    from common.kernels import gated_delta, gated_mlp, gdn_step, gemv, routing
+    DeltaNet step (48 value heads of 128 × 128)."""
+    from common.kernels import gated_delta, gated_mlp, gemv, routing
 
     gdc = {"GDC": True}
     product = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "part_ptr": "*fp32"}
@@ -228,14 +228,14 @@ def step_census() -> dict[str, tuple[Census, float]]:
     cuda_cores = gemv.GemvConfig(bn=16, bk=512, splits=gemv.chunks(HIDDEN, 512, 5)[1], dot_rows=2)
     fp8 = product | {"w_ptr": "*fp8e4nv"}
     fp8_shape = plain | {"HAS_SCALE": True}
-    gdn_in = 16480  # fp8 (--resident-dtype fp8): GDN's input projection as `choose` launches it, and the
-    wide = gemv.GemvConfig(bn=64, bk=256, splits=1, stages=3)  # tune's fastest alone (gemv-tune-fp8.txt)
+    gdn_in = 16480  # fp8 (--resident-dtype fp8): GDN's input projection as `choose` launches it (wide,
+    narrow = gemv.GemvConfig(bn=32, bk=gemv.FP8_BK, splits=2)  # gemv.FP8_LARGE_ONE_ROW), and one block a step
     kernels, gemv_launch = {}, {}  # the GEMVs' stages and loop steps a program
     for name, cfg, n, signature, base in (
         ("gemv", chosen, moe_in, product, plain),
         ("gemv cuda cores", cuda_cores, moe_in, product, plain),
         ("gemv fp8", gemv.choose(1, gdn_in, HIDDEN, torch.device("cpu"), fp8=True), gdn_in, fp8, fp8_shape),
-        ("gemv fp8 64x256", wide, gdn_in, fp8, fp8_shape),
+        ("gemv fp8 one block", narrow, gdn_in, fp8, fp8_shape),
     ):
         dot = cfg.dot_rows <= 1
         shape = base | {"M_PAD": 16 if dot else 1, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot} | gdc
@@ -260,13 +260,6 @@ def step_census() -> dict[str, tuple[Census, float]]:
     step |= dict.fromkeys(("qkv_stride", "a_stride", "b_stride", "heads_v", "group", "key_dim"), "i32")
     shape = {"DK": 128, "DV": 128, "BV": 32, "EARLY_GATES": True} | gdc
     kernels["gated_delta"] = (gated_delta._gated_delta_step_kernel, step, shape, 4, (), 48 * 4)
-    one = {"x_ptr": "*bf16", "hist_ptr": "*bf16", "cw_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"}
-    one |= {"a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "state_ptr": "*fp32", "slots_ptr": "*i64"}
-    one |= {"z_ptr": "*bf16", "nw_ptr": "*bf16", "o_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32"}
-    one |= dict.fromkeys(("x_stride", "a_stride", "b_stride", "z_stride", "heads_v", "heads_k"), "i32")
-    one |= dict.fromkeys(("group", "key_dim", "channels"), "i32") | {"eps": "fp32"}
-    shape = {"DK": 128, "DV": 128, "BV": 32, "TAPS": 4, "BW": 4} | gdc
-    kernels["gdn_step"] = (gdn_step._gdn_step_kernel, one, shape, 4, (), 48 * 4)
     out = {}
     for name, (fn, signature, constants, warps, divisible, programs) in kernels.items():
         stages, steps = gemv_launch.get(name, (None, 1))

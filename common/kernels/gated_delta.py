@@ -31,7 +31,7 @@ def _gated_delta_step_kernel(
     # Read before the wait (pdl.py: only the kernel just before may still run): the slots, the state (this
     # kernel's own, a step ago) and, with EARLY_GATES, the gate projections (the input projection's, from
     # before the conv; without, copies of them may be the kernels just before).
-    at, s, cols, _ = state_block(state_ptr, slots_ptr, heads_v, DK, DV, BV)
+    at, s, cols = state_block(state_ptr, slots_ptr, heads_v, DK, DV, BV)
     if EARLY_GATES:
         g, beta = gates(a_ptr + t * a_stride + h, b_ptr + t * b_stride + h, a_log_ptr + h, dt_bias_ptr + h)
     gdc_enter(GDC)  # q, k, v: the causal conv's output, the kernel just before
@@ -48,13 +48,13 @@ def _gated_delta_step_kernel(
 @triton.jit
 def state_block(state_ptr, slots_ptr, heads_v, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """Program (token t, value head h, block of BV value columns)'s state block: (its pointers [DK, BV], its
-    values, its columns [BV], sequence t's slot)."""
+    values, its columns [BV])."""
     t, h = tl.program_id(0), tl.program_id(1)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
     d = tl.arange(0, DK)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     at = state_ptr + ((slot * heads_v + h) * DK + d[:, None]) * DV + cols[None, :]
-    return at, tl.load(at), cols, slot
+    return at, tl.load(at), cols
 
 
 @triton.jit

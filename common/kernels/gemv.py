@@ -52,15 +52,10 @@ GDN's input projection (16,480 × 2,560) at 91 % of HBM on the H200 against cuBL
 benchmark's `cublas-large` switch; decode-allfit ran 188.33 tok/s with it against 185.18 without,
 bench/results/decode-allfit-large-ab.json). Switch before a pass is recorded."""
 FP8_BK = SCALE_BLOCK
-"""An fp8 weight's inputs a loop step in `choose`'s launches, in whole scale blocks. One block a step stays.
-On the H200, 64 rows and two blocks a step, the codes scaled in registers before the product, read GDN's input
-projection at one row in 14.30 µs against 21.56 alone (bench/results/gemv-tune-fp8.txt), and 15.55 against
-21.01 in a serialized step (no kernel in PDL). But with the step's PDL the wide launch gains nothing:
-decode-allfit `--resident-dtype fp8` ran 187.41 tok/s with it against 188.01, in one process. It gains only
-with the GEMV out of PDL (`PDL`): 189.92 against one block's 181.11 there, and 189.92 is within the spread
-of the defaults' 188.01 (bench/results/decode-allfit-fp8-wide-ab.json). A form giving each block dot rows
-of its own and scaling the products (fewer instructions in `bench.sass_census --step`) ran slower alone,
-19.09 µs (gemv-tune-fp8-rows.txt), and was dropped."""
+"""An fp8 weight's inputs a loop step in `choose`'s launches (but FP8_LARGE_ONE_ROW's), in whole scale blocks.
+A form giving each block dot rows of its own and scaling the products (fewer instructions in
+`bench.sass_census --step`) ran slower alone than scaling the codes in registers, 19.09 µs against 14.30
+(bench/results/gemv-tune-fp8-rows.txt), and was dropped."""
 PDL = True
 """The GEMV takes part in programmatic dependent launch (pdl.py): its programs may become resident while the
 kernel before it runs. False (the benchmark's `gemv-no-pdl` switch): it launches once that kernel's programs
@@ -88,17 +83,28 @@ class GemvConfig:
     """From this many rows of x on, the tensor cores multiply (below: broadcast and sum)."""
 
 
-FP8_LARGE_ONE_ROW: GemvConfig | None = None
+FP8_LARGE_ONE_ROW: GemvConfig | None = GemvConfig(bn=64, bk=256, splits=1, stages=3)
 """At one row, the launch for an fp8 weight of CUBLAS_ROWS rows and more (the token mixers' input
-projections), or None: `choose`'s one block a step. The benchmark's `fp8-wide` switch sets the tune's fastest
-alone, 64 rows and two blocks a step (no gain in the step: FP8_BK). Switch before a pass is recorded."""
+projections: `wide_fp8`), or None: `choose`'s one block a step (the benchmark's `fp8-narrow` switch). 64 rows
+and two scale blocks a step, the codes scaled in registers: GDN's input projection in 14.30 µs at one row
+against one block's 21.56 alone (bench/results/gemv-tune-fp8.txt), 15.55 against 21.01 in a serialized
+step. Its 258 programs are one wave of large ones, and in the step's PDL they become resident while the
+kernel before still holds SMs: there it gained nothing (187.41 tok/s against 188.01) until that kernel, the
+hyper-connection's mix-up, let it launch only at its exit (Qwen4DecoderLayer.hold_mixer_launch):
+decode-allfit `--resident-dtype fp8` 201.77 tok/s against 188.85 for one block without the hold, in one
+process (bench/results/decode-allfit-fp8-hold-ab.json). Switch before a pass is recorded."""
+
+
+def wide_fp8(m: int, n: int) -> bool:
+    """Whether x [m, k] · W [n, k]ᵀ with W fp8 runs FP8_LARGE_ONE_ROW's launch."""
+    return m == 1 and n >= CUBLAS_ROWS and FP8_LARGE_ONE_ROW is not None
 
 
 def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> GemvConfig | None:
     """The launch shape for x [m, k] · W [n, k]ᵀ, or None: cuBLAS (a large bf16 weight)."""
     if n >= CUBLAS_ROWS and not fp8:
         return GemvConfig(bn=32, bk=512, splits=1) if m == 1 and LARGE_ONE_ROW else None
-    if n >= CUBLAS_ROWS and m == 1 and FP8_LARGE_ONE_ROW is not None:
+    if fp8 and wide_fp8(m, n):
         return FP8_LARGE_ONE_ROW
     dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
     bn, bk = (32, 256) if dot else (16, 512)  # each form's best at its measured rows

@@ -21,6 +21,6 @@ def test_every_switch_flips_an_existing_attribute() -> None:
 
 
 def test_a_variant_names_switches_joined_by_plus() -> None:
-    assert variant("no-pdl+fp8-wide") == "no-pdl+fp8-wide"
+    assert variant("no-pdl+fp8-narrow") == "no-pdl+fp8-narrow"
     with pytest.raises(argparse.ArgumentTypeError, match="unknown switch 'no-such'"):
         variant("no-pdl+no-such")

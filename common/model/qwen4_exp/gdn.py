@@ -57,11 +57,6 @@ class GatedDeltaNet(nn.Module):
     (common/kernels: causal_conv, gated_delta, gated_norm) instead of ~60 torch ops. Opt-in until measured
     on the GPU (see `common.kernels.use_fused_kernels`)."""
 
-    one_kernel_step = False
-    """With `fused_decode`, a decode step's conv, recurrence and output norm as one Triton kernel
-    (common/kernels/gdn_step.py) instead of three: two launches fewer a layer. Off until measured on the GPU
-    (the benchmark's `gdn-one-kernel` switch). Switch before a pass is recorded."""
-
     fused_in: FusedLinears | None = None
     """The four input projections as one GEMM (`fuse_projections`)."""
 
@@ -134,19 +129,12 @@ class GatedDeltaNet(nn.Module):
         slots: torch.Tensor,
     ) -> torch.Tensor:
         """A decode step in three Triton kernels (conv + SiLU, recurrence + gates, gated norm) after the
-        projections, or one (`one_kernel_step`); states updated in place in their slots."""
+        projections; states updated in place in their slots. As one kernel (conv and norm folded in by the
+        last program to arrive, d1950bd) the step lost: decode-allfit 184.33 tok/s against 186.87, 9.05 µs a
+        call serialized against the three's 7.66 (bench/results/decode-allfit-gdn-step-ab.json)."""
         from common.kernels.causal_conv import conv_step  # Triton
         from common.kernels.gated_delta import gated_delta_step
-        from common.kernels.gated_norm import ACTIVATIONS
-        from common.kernels.gdn_step import gdn_step
 
-        if self.one_kernel_step and self.norm.act_name in ACTIVATIONS:
-            conv, norm, recurrent = self.conv1d.weight[:, 0], self.norm, state["recurrent"]
-            out = gdn_step(
-                qkv, state["conv"], conv, a, b, self.A_log, self.dt_bias, recurrent, slots, self.hk, z,
-                norm.weight, norm.eps, x.dtype,
-            )  # fmt: skip
-            return self.out_proj(out)
         qkv = conv_step(qkv, state["conv"], slots, self.conv1d.weight[:, 0], silu=True)
         core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
         return self._out(core, z, x.dtype)

@@ -30,6 +30,11 @@ class DeferredInject:
 Streams = torch.Tensor | DeferredInject
 
 
+def rows_of(streams: Streams) -> int:
+    """The tokens a pass's streams hold (a deferred injection not applied)."""
+    return (streams.streams if isinstance(streams, DeferredInject) else streams).shape[0]
+
+
 def applied(streams: Streams) -> torch.Tensor:
     """The streams [T, hc·H], a deferred injection applied (hc_inject)."""
     if isinstance(streams, torch.Tensor):

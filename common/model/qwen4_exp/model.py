@@ -8,12 +8,13 @@ from torch import nn
 from common.experts.provider import ExpertProvider
 from common.kv.state import StateSpec
 from common.model.context import ForwardContext
+from common.model.fp8_linear import Fp8Fused
 from common.model.groups import run_groups
 from common.model.layer_major import run_layer_major
 from common.model.moe import SparseMoeBlock
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.gdn import GatedDeltaNet
-from common.model.qwen4_exp.hyper import HyperConnection, Streams, applied
+from common.model.qwen4_exp.hyper import HyperConnection, Streams, applied, rows_of
 from common.model.qwen4_exp.mtp import Qwen4MTP
 from common.model.qwen4_exp.ple import PLE
 from common.model.qwen4_exp.qsa import QSAttention
@@ -42,10 +43,14 @@ class Qwen4DecoderLayer(nn.Module):
         self.attn_hyper_connection = HyperConnection(cfg)
         self.mlp_hyper_connection = HyperConnection(cfg)
 
-    hold_mixer_launch = False
+    hold_mixer_launch: bool | None = None
     """In decode steps, the token mixer's input projection (the layer's largest GEMV) launches only once the
-    hyper-connection's mix-up kernel before it has exited, not while it runs (pdl.launch's `hold_next`); a
-    switch for bench.decode_offload --ablate. Switch before a pass is recorded."""
+    hyper-connection's mix-up kernel before it has exited, not while it runs (pdl.launch's `hold_next`).
+    None: when that projection runs the wide fp8 launch (gemv.FP8_LARGE_ONE_ROW), whose single wave of large
+    programs early residents slow: decode-allfit `--resident-dtype fp8` ran 201.77 tok/s with the hold against
+    188.42 without. Held before the bf16 projection it lost, 183.60 against 187.36
+    (bench/results/decode-allfit-fp8-hold-ab.json). True/False: always/never (the benchmark's
+    `hold-mixer-launch` and `no-hold-mixer-launch` switches). Switch before a pass is recorded."""
 
     @property
     def mixer(self) -> nn.Module:
@@ -68,8 +73,19 @@ class Qwen4DecoderLayer(nn.Module):
         if self.ple is not None:
             streams = applied(streams)
             streams = streams + self.ple(streams, ctx)
-        hyper = self.attn_hyper_connection
-        return hyper(streams, lambda h: self.mixer(h, ctx), defer, hold_next=self.hold_mixer_launch)
+        hold = self._holds_mixer_launch(rows_of(streams))
+        return self.attn_hyper_connection(streams, lambda h: self.mixer(h, ctx), defer, hold_next=hold)
+
+    def _holds_mixer_launch(self, rows: int) -> bool:
+        """`hold_mixer_launch` for a pass of `rows` tokens."""
+        if self.hold_mixer_launch is not None:
+            return self.hold_mixer_launch
+        fused = self.mixer.fused_in
+        if not isinstance(fused, Fp8Fused):
+            return False
+        from common.kernels.gemv import wide_fp8  # Triton
+
+        return wide_fp8(rows, fused.weight.shape[0])
 
     def ffn_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MoE's input [T, H], the injection logits [T, hc])."""

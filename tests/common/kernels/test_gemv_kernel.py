@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.kernels.gemv import GemvConfig, gemv, scale_blocks
+from common.kernels.gemv import FP8_LARGE_ONE_ROW, GemvConfig, gemv, scale_blocks
 from common.model.fp8_linear import dequantize_fp8, quantize_fp8
 from common.model.synthetic import make_model
 from tests.common.model.test_fp8_linear import assert_fp8_close
@@ -46,6 +46,7 @@ def test_fp8_weight_matches_dequantised_linear(rows: int, bias: bool, dtype: tor
         GemvConfig(bn=16, bk=128, splits=2, dot_rows=3),
         GemvConfig(bn=32, bk=256),
         GemvConfig(bn=64, bk=512, splits=2, dot_rows=3),
+        FP8_LARGE_ONE_ROW,
     )
     for cfg in configs:
         got = gemv(x, codes, b, scale, config=cfg).float()
@@ -94,6 +95,8 @@ def test_choose_leaves_large_weights_to_cublas_from_two_rows_and_fills_the_sms(m
     monkeypatch.setattr(module, "LARGE_ONE_ROW", False)
     assert choose(1, CUBLAS_ROWS, 2560, cpu) is None
     assert choose(2, CUBLAS_ROWS, 2560, cpu, fp8=True) is not None  # no cuBLAS for fp8 codes
+    assert choose(1, CUBLAS_ROWS, 2560, cpu, fp8=True) == module.FP8_LARGE_ONE_ROW  # the wide launch
+    monkeypatch.setattr(module, "FP8_LARGE_ONE_ROW", None)
     assert choose(1, CUBLAS_ROWS, 2560, cpu, fp8=True).bk % SCALE_BLOCK == 0  # whole scale blocks a step
     small = choose(1, 1800, 2560, cpu)  # flashnext's MoE input projection: 113 row tiles alone
     assert small.splits > 1 and small.bk * small.splits >= 2560

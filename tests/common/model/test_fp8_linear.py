@@ -86,3 +86,23 @@ def test_fp8_needs_token_mixers_it_covers(tmp_path: Path) -> None:
         Engine(path, dtype=torch.float32, max_seqs=1, resident_dtype="fp8")
     with pytest.raises(ValueError, match="--resident-dtype must be one of"):
         Engine(path, dtype=torch.float32, max_seqs=1, resident_dtype="int8")
+
+
+def test_layers_hold_the_mixer_launch_before_a_wide_fp8_projection(qwen4: Path, monkeypatch) -> None:
+    """Qwen4DecoderLayer.hold_mixer_launch None: a layer holds its token mixer's launch at one row when the
+    mixer's fused projection is fp8 and runs the wide launch (gemv.wide_fp8; CUBLAS_ROWS lowered to the tiny
+    model's rows), never at two rows nor in the model dtype; True/False force it."""
+    from common.kernels import gemv
+    from common.model.qwen4_exp.model import Qwen4DecoderLayer
+
+    monkeypatch.setattr(gemv, "CUBLAS_ROWS", 1)
+    held = {}
+    for resident in (None, "fp8"):
+        engine = Engine(qwen4, dtype=torch.float32, max_seqs=1, fused_kernels=True, resident_dtype=resident)
+        layers = [m for m in engine.model.modules() if isinstance(m, Qwen4DecoderLayer)]
+        held[resident] = {(layer._holds_mixer_launch(1), layer._holds_mixer_launch(2)) for layer in layers}
+    assert held == {None: {(False, False)}, "fp8": {(True, False)}}
+    monkeypatch.setattr(gemv, "FP8_LARGE_ONE_ROW", None)
+    assert not layers[0]._holds_mixer_launch(1)
+    monkeypatch.setattr(Qwen4DecoderLayer, "hold_mixer_launch", True)
+    assert layers[0]._holds_mixer_launch(2)
