@@ -92,7 +92,9 @@ step. Its 258 programs are one wave of large ones, and in the step's PDL they be
 kernel before still holds SMs: there it gained nothing (187.41 tok/s against 188.01) until that kernel, the
 hyper-connection's mix-up, let it launch only at its exit (Qwen4DecoderLayer.hold_mixer_launch):
 decode-allfit `--resident-dtype fp8` 201.77 tok/s against 188.85 for one block without the hold, in one
-process (bench/results/decode-allfit-fp8-hold-ab.json). Switch before a pass is recorded."""
+process (bench/results/decode-allfit-fp8-hold-ab.json); again at 96422dd 201.34 against 191.02, and decode-1
+97.28 against 91.93 without the hold (decode-allfit-resident-fp8.json, decode-1-resident-fp8.json). Switch
+before a pass is recorded."""
 
 
 def wide_fp8(m: int, n: int) -> bool:

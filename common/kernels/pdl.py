@@ -36,9 +36,11 @@ ENABLED = True
 EARLY_TRIGGER = True
 """A taking-part kernel lets the next one launch as soon as all its programs have waited (`gdc_enter`), so
 the next kernel's programs may sit resident, waiting, beside it while it runs. False (the benchmark's
-`pdl-exit-trigger` switch): only once its programs have exited (the launch still overlaps its memory flush),
-leaving it the SMs to itself: whether early residents cost a large kernel its speed (the wide fp8 GEMV gained
-out of PDL only, gemv.FP8_BK). Switch before a pass is recorded."""
+`pdl-exit-trigger` switch): only once its programs have exited (the launch still overlaps its memory flush).
+Early is worth 10 %: decode-allfit 186.87 tok/s against 167.42 at the exit, in one process
+(bench/results/decode-allfit-gdn-step-ab.json). One launch may still hold the next (`launch`'s `hold_next`):
+a single wave of large programs, resident early, loses what its shape gains (gemv.FP8_LARGE_ONE_ROW).
+Switch before a pass is recorded."""
 WAIT_ONLY = 2
 """`GDC`'s value with EARLY_TRIGGER off: wait, no trigger (True: wait, then trigger)."""
 WAIT_ONLY_K = tl.constexpr(WAIT_ONLY)
