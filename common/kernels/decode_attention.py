@@ -244,6 +244,7 @@ def paged_decode_attention(
     gates = gate if gate is not None else out  # unread without a gate
     _merge_kernel[(t * heads, dim // block_d)](
         m, denom, acc, out, gates, heads, gates.stride(0), gates.stride(1),
-        D=dim, SPLITS=splits, BLOCK_D=block_d, GATE=gate is not None, **launch(q.device),
+        D=dim, SPLITS=splits, BLOCK_D=block_d, GATE=gate is not None,
+        **launch(q.device, site="attention-merge"),
     )  # fmt: skip
     return out

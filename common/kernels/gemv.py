@@ -123,6 +123,11 @@ def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> G
     return GemvConfig(bn=bn, bk=bk, splits=splits, stages=1 if chunk <= bk else 2)
 
 
+def _site(m: int, n: int) -> str:
+    """A launch's pdl site: "gemv-large" for one row of a weight of CUBLAS_ROWS rows and more."""
+    return "gemv-large" if m == 1 and n >= CUBLAS_ROWS else "gemv"
+
+
 def chunks(k: int, bk: int, splits: int) -> tuple[int, int]:
     """K cut into about `splits` chunks of whole BK steps → (inputs a chunk, chunks)."""
     chunk = triton.cdiv(triton.cdiv(k, splits), bk) * bk
@@ -266,7 +271,7 @@ def gemv(
         M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(max(m, 1)), BN=cfg.bn, BK=bk, DOT=dot,
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, FOLD=fold, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, PDL),
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, PDL, site=_site(m, n)),
     )  # fmt: skip
     if splits > 1 and not fold:
         block = 256
