@@ -97,15 +97,21 @@ process (bench/results/decode-allfit-fp8-hold-ab.json); again at 96422dd 201.34 
 before a pass is recorded."""
 
 
+def large_one_row(m: int, n: int) -> bool:
+    """Whether x [m, k] · W [n, k]ᵀ is one row of a weight of CUBLAS_ROWS rows and more (the token mixers'
+    input projections in a one-lane step): LARGE_ONE_ROW's and FP8_LARGE_ONE_ROW's launches."""
+    return m == 1 and n >= CUBLAS_ROWS
+
+
 def wide_fp8(m: int, n: int) -> bool:
     """Whether x [m, k] · W [n, k]ᵀ with W fp8 runs FP8_LARGE_ONE_ROW's launch."""
-    return m == 1 and n >= CUBLAS_ROWS and FP8_LARGE_ONE_ROW is not None
+    return large_one_row(m, n) and FP8_LARGE_ONE_ROW is not None
 
 
 def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> GemvConfig | None:
     """The launch shape for x [m, k] · W [n, k]ᵀ, or None: cuBLAS (a large bf16 weight)."""
     if n >= CUBLAS_ROWS and not fp8:
-        return GemvConfig(bn=32, bk=512, splits=1) if m == 1 and LARGE_ONE_ROW else None
+        return GemvConfig(bn=32, bk=512, splits=1) if large_one_row(m, n) and LARGE_ONE_ROW else None
     if fp8 and wide_fp8(m, n):
         return FP8_LARGE_ONE_ROW
     dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
@@ -121,11 +127,6 @@ def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> G
     # A one-step chunk has no loop to pipeline: one stage (the MoE input projection at one row 5.25 µs
     # against 5.86, the router 3.07 against 3.34).
     return GemvConfig(bn=bn, bk=bk, splits=splits, stages=1 if chunk <= bk else 2)
-
-
-def _site(m: int, n: int) -> str:
-    """A launch's pdl site: "gemv-large" for one row of a weight of CUBLAS_ROWS rows and more."""
-    return "gemv-large" if m == 1 and n >= CUBLAS_ROWS else "gemv"
 
 
 def chunks(k: int, bk: int, splits: int) -> tuple[int, int]:
@@ -265,13 +266,14 @@ def gemv(
     bias_arg = bias if bias is not None else weight
     tiles = triton.cdiv(n, cfg.bn)
     fold = splits > 1 and arrival.folds(m)
+    site = "gemv-large" if large_one_row(m, n) else "gemv"  # (pdl.HELD)
     _gemv_kernel[(tiles, splits)](
         x.contiguous(), weight, scale if scale is not None else weight, bias_arg, part, y,
         arrival.counters(x.device, tiles) if fold else y, m, n, k, chunk,
         M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(max(m, 1)), BN=cfg.bn, BK=bk, DOT=dot,
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, FOLD=fold, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, PDL, site=_site(m, n)),
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, PDL, site=site),
     )  # fmt: skip
     if splits > 1 and not fold:
         block = 256
