@@ -221,14 +221,8 @@ DECODE_SWITCHES = (
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
-    "hold-after-gate-up", "hold-after-gated-norm", "hold-after-merge", "hold-after-large-gemv",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
-
-
-HOLD_SITES = ("int4-gate-up", "gated-norm", "attention-merge", "gemv-large")
-"""The pdl.launch sites of the `hold-after-*` switches, in DECODE_SWITCHES' order (one site a variant: joined
-by '+', the last one named holds)."""
 
 
 def variant(name: str) -> str:
@@ -274,7 +268,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (pdl, "EARLY_TRIGGER", False),
         (Qwen4DecoderLayer, "hold_mixer_launch", True),
         (Qwen4DecoderLayer, "hold_mixer_launch", False),
-        *((pdl, "HELD", frozenset({site})) for site in HOLD_SITES),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -245,6 +245,6 @@ def paged_decode_attention(
     _merge_kernel[(t * heads, dim // block_d)](
         m, denom, acc, out, gates, heads, gates.stride(0), gates.stride(1),
         D=dim, SPLITS=splits, BLOCK_D=block_d, GATE=gate is not None,
-        **launch(q.device, site="attention-merge"),
+        **launch(q.device),
     )  # fmt: skip
     return out

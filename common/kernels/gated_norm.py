@@ -46,6 +46,6 @@ def gated_rms_norm(
     out = torch.empty((t, heads * dim), dtype=dtype, device=x.device)
     _gated_norm_kernel[(t * heads,)](
         x.contiguous(), gate, weight, out, dim, heads, gate.stride(0), eps,
-        BLOCK=triton.next_power_of_2(dim), **launch(x.device, site="gated-norm"),
+        BLOCK=triton.next_power_of_2(dim), **launch(x.device),
     )  # fmt: skip
     return out

@@ -266,14 +266,13 @@ def gemv(
     bias_arg = bias if bias is not None else weight
     tiles = triton.cdiv(n, cfg.bn)
     fold = splits > 1 and arrival.folds(m)
-    site = "gemv-large" if large_one_row(m, n) else "gemv"  # (pdl.HELD)
     _gemv_kernel[(tiles, splits)](
         x.contiguous(), weight, scale if scale is not None else weight, bias_arg, part, y,
         arrival.counters(x.device, tiles) if fold else y, m, n, k, chunk,
         M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(max(m, 1)), BN=cfg.bn, BK=bk, DOT=dot,
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, FOLD=fold, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, PDL, site=site),
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, PDL),
     )  # fmt: skip
     if splits > 1 and not fold:
         block = 256

@@ -615,8 +615,7 @@ def moe_int4_decode(
     pdl = launch(x.device)  # every kernel of the call: the same launch
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     knobs |= {"WORDS": c.words, "STAGES": c.stages, **pdl}
-    gate_up_knobs = {"SETTLED": settled, "MMA": c.mma, "STAGES": c.gate_up_stages or c.stages}
-    gate_up_knobs |= launch(x.device, site="int4-gate-up")  # (pdl.HELD: down launched at its exit)
+    gate_up_knobs = {"SETTLED": settled, "MMA": c.mma, "STAGES": c.gate_up_stages or c.stages, **pdl}
     if c.gate_up_registers:
         gate_up_knobs["maxnreg"] = c.gate_up_registers
     if c.words:  # the codes as int32 words: 16 a group's row

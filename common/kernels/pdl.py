@@ -40,27 +40,23 @@ the next kernel's programs may sit resident, waiting, beside it while it runs. F
 Early is worth 10 %: decode-allfit 186.87 tok/s against 167.42 at the exit, in one process
 (bench/results/decode-allfit-gdn-step-ab.json). One launch may still hold the next (`launch`'s `hold_next`):
 a single wave of large programs, resident early, loses what its shape gains (gemv.FP8_LARGE_ONE_ROW).
-Switch before a pass is recorded."""
-HELD: frozenset[str] = frozenset()
-"""Launch sites (`launch`'s `site`) that hold the next kernel's launch until their exit, as `hold_next` does:
-the benchmark's `hold-after-*` switches (one site a variant), to find the kernels that early residents slow.
-In the all-fit step's profiles (4324405) four ran longer exposed in PDL than serialized: int4 down 10.50 µs
-against 8.86 (after int4 gate_up), the output projection's GEMV 13.17 against 12.37 (after the gated norm or
-the attention merge), conv_step 3.97 against 2.47 (after the large GEMV). Empty by default: unmeasured."""
+Switch before a pass is recorded.
+Holding after the other kernels that ran longer exposed in PDL than serialized (int4 gate_up before down, GDN's
+gated norm and the attention merge before the output projection, the large one-row GEMV before conv_step)
+moved nothing: 187.05-188.02 tok/s against the defaults' 187.60, one site a variant, in one process
+(bench/results/decode-allfit-held-sites-ab.json, 69c75e5)."""
 WAIT_ONLY = 2
 """`GDC`'s value with EARLY_TRIGGER off: wait, no trigger (True: wait, then trigger)."""
 WAIT_ONLY_K = tl.constexpr(WAIT_ONLY)
 
 
-def launch(
-    device: torch.device, take_part: bool = True, hold_next: bool = False, site: str = ""
-) -> dict[str, object]:
+def launch(device: torch.device, take_part: bool = True, hold_next: bool = False) -> dict[str, object]:
     """Keyword arguments of a participating kernel's launch: its `GDC` constexpr, and Triton's `launch_pdl`
     when on (never in the interpreter: griddepcontrol is PTX). `take_part` False: this launch stays out.
-    `hold_next` (or `site` in HELD): this launch lets the next kernel launch only at its programs' exit (as
+    `hold_next`: this launch lets the next kernel launch only at its programs' exit (as
     with EARLY_TRIGGER off, for this launch alone): the next one is a kernel that early residency slows."""
     on = take_part and ENABLED and device.type == "cuda" and _hopper_or_later(device.index)
-    early = EARLY_TRIGGER and not hold_next and site not in HELD
+    early = EARLY_TRIGGER and not hold_next
     return {"GDC": True if early else WAIT_ONLY, "launch_pdl": True} if on else {"GDC": False}
 
 

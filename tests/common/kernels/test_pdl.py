@@ -32,9 +32,6 @@ def test_a_launch_asks_for_the_trigger_it_is_set_to(monkeypatch) -> None:
     gpu = torch.device("cuda", 0)
     assert pdl.launch(gpu) == {"GDC": True, "launch_pdl": True}
     assert pdl.launch(gpu, hold_next=True) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
-    monkeypatch.setattr(pdl, "HELD", frozenset({"int4-gate-up"}))
-    assert pdl.launch(gpu, site="int4-gate-up") == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
-    assert pdl.launch(gpu, site="gemv") == {"GDC": True, "launch_pdl": True}
     monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)
     assert pdl.launch(gpu) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
     assert pdl.launch(gpu, take_part=False) == {"GDC": False}
