@@ -18,7 +18,8 @@ default's.
 
 `--magic`, `--words`, `--stages N`: every shape with those DecodeConfig knobs, beside the defaults. `--down`:
 gate_up's and down's shapes apart. `--registers N`: every shape also with gate_up's registers capped at N.
-`--mma`: gate_up on the tensor cores (`_mma_settings`), beside the all-resident one-token shape. `--chunks N
+`--mma`: gate_up on the tensor cores (`_mma_settings`), beside the all-resident one-token shape; `--native`:
+gate_up by the CUDA C kernel (`_native_settings`), likewise. `--chunks N
 ...`: each shape also with gate_up's inputs cut into N chunks, one program each (DecodeConfig.gate_up_chunks).
 
 `--once`: no timing, three eager calls of the decode defaults per token count (`moe-int4-decode-ncu.txt`:
@@ -86,6 +87,9 @@ def label(setting: dict) -> str:
     text += f" gate_up stages {setting['gate_up_stages']}" if setting.get("gate_up_stages") else ""
     text += f" regs {setting['gate_up_registers']}" if setting.get("gate_up_registers") else ""
     text += f" chunks {setting['gate_up_chunks']}" if setting.get("gate_up_chunks", 1) > 1 else ""
+    text += (
+        f" native {setting['native_rows']}x{setting['native_warps']}" if setting.get("native_rows") else ""
+    )
     return text + (f" stages {setting['stages']}" if setting.get("stages", 1) > 1 else "")
 
 
@@ -172,6 +176,16 @@ def _mma_settings() -> list[dict]:
     ]
 
 
+def _native_settings() -> list[dict]:
+    """gate_up by the CUDA C kernel (DecodeConfig.native_rows) over rows a warp and warps a block, down as
+    RESIDENT_CONFIGS' one-token shape; beside that shape itself (Triton's words gate_up)."""
+    down = {"words": True, "down_block": 16, "down_groups_per_step": 1, "down_warps": 2}
+    resident = {"block": 8, "groups_per_step": 4, "num_warps": 4} | down
+    return [resident] + [
+        resident | {"native_rows": r, "native_warps": w} for r, w in itertools.product((1, 2, 4), (2, 4, 8))
+    ]
+
+
 def _chunked(settings: list[dict], counts: list[int]) -> list[dict]:
     """Each gate_up shape of `settings` with its inputs cut into each of `counts` chunks, where a chunk is
     whole loop steps (DecodeConfig.gate_up_chunks; the tensor cores take a group a step)."""
@@ -201,6 +215,7 @@ def main() -> None:
         "--down", action="store_true", help="gate_up's and down's shapes apart (`_down_settings`)"
     )
     ap.add_argument("--mma", action="store_true", help="gate_up on the tensor cores (`_mma_settings`)")
+    ap.add_argument("--native", action="store_true", help="gate_up by the CUDA C kernel (`_native_settings`)")
     ap.add_argument(
         "--chunks", type=int, nargs="+", default=None,
         help="each shape also with gate_up's inputs in this many chunks (DecodeConfig.gate_up_chunks)",
@@ -228,6 +243,8 @@ def main() -> None:
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
     if args.mma:
         settings = [{}, *_mma_settings()]
+    elif args.native:
+        settings = [{}, *_native_settings()]
     elif args.down:
         settings = [{}, *_down_settings()]
     else:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from common.config import MOE_DOWN_TOKENS
-from common.kernels import arrival
+from common.kernels import arrival, moe_int4_native
 from common.kernels.arrival import arrive, sum_terms
 from common.kernels.pdl import gdc_enter, launch
 
@@ -96,6 +96,12 @@ class DecodeConfig:
     (each chunk would copy the whole rows). Timed on the H200 (moe-int4-decode-chunks.txt, f4c0b4f): the
     best chunked shape, tensor cores at 64 rows, 8 warps, five chunks, 24.27 µs a call against the default's
     24.94 in the same run: within the spread, so one chunk stays."""
+    native_rows: int = 0
+    """gate_up by the CUDA C kernel (common/kernels/moe_int4_native.py) at this many gate rows a warp (1, 2
+    or 4; 0: Triton's), where it takes the call (bf16 x on Hopper, no host reads, one chunk, not `mma` or
+    `split_act`); else Triton's."""
+    native_warps: int = 4
+    """The CUDA gate_up's warps a block."""
 
 
 DECODE_CONFIGS = {
@@ -532,6 +538,16 @@ def _combine_kernel(
     )
 
 
+def _native(c: DecodeConfig, x: torch.Tensor, host: dict | None, inter: int) -> bool:
+    """Whether this call's gate_up runs the CUDA C kernel (DecodeConfig.native_rows)."""
+    plain = host is None and c.gate_up_chunks == 1 and not c.mma and (c.words or not c.split_act)
+    return (
+        bool(c.native_rows)
+        and plain
+        and moe_int4_native.available(x, x.shape[1], inter, c.native_rows, c.native_warps)
+    )
+
+
 def moe_int4_decode(
     x: torch.Tensor,
     rows: torch.Tensor,
@@ -560,6 +576,8 @@ def moe_int4_decode(
     gate_up_chunks: int | None = None,
     configs: dict[int, DecodeConfig] | None = None,
     settled: bool = False,
+    native_rows: int | None = None,
+    native_warps: int | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -574,10 +592,10 @@ def moe_int4_decode(
     `block`), `groups_per_step` (a power of two; `down_groups_per_step`), `num_warps` (`down_warps`) and
     `split_act` (gate_up stores each group of the activations evens first, so that down reads two
     contiguous runs instead of every other entry: down is L1-bound, bench/results/moe-int4-decode-ncu.txt),
-    `magic`, `words`, `stages`, `mma`, `gate_up_*` (DecodeConfig) are tuning knobs (bench/moe_int4_tune.py
-    sweeps them on the GPU); `configs` the shape table (default DECODE_CONFIGS). With `block` None every knob
-    left None takes `decode_config(T, configs)`'s; with a `block`, those left None take DecodeConfig's plain
-    defaults (what the tune labels a setting by).
+    `magic`, `words`, `stages`, `mma`, `gate_up_*`, `native_*` (DecodeConfig) are tuning knobs
+    (bench/moe_int4_tune.py sweeps them on the GPU); `configs` the shape table (default DECODE_CONFIGS).
+    With `block` None every knob left None takes `decode_config(T, configs)`'s; with a `block`, those left
+    None take DecodeConfig's plain defaults (what the tune labels a setting by).
 
     `host` (the layer's host store blocks, by component, [E, ...] as the pool's rows; mapped) and `fills`
     (the step's copy list: expert ids [P] and valid [P] bool), with `row_of`: a program whose pair's expert
@@ -602,6 +620,7 @@ def moe_int4_decode(
     given["mma"] = mma
     given["gate_up_chunks"] = gate_up_chunks
     given["stages"] = stages
+    given |= {"native_rows": native_rows, "native_warps": native_warps}
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
     assert not c.mma or (c.words and c.block >= 16), "mma: codes as words, at least 16 rows a program"
@@ -655,11 +674,17 @@ def moe_int4_decode(
     if n_chunks > 1:
         part = torch.empty((n_chunks, t * k, 2, inter), dtype=torch.float32, device=x.device)
     counts = arrival.counters(x.device, t * k * blocks) if n_chunks > 1 else act
-    _gate_up_kernel[(t * k, blocks, n_chunks)](
-        x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
-        hidden, inter, *reads("gate_up"), part, counts, GROUPS=groups, GPB=gpb, BLOCK=c.block,
-        CHUNKS=n_chunks, **tiles(c.block, groups), **(knobs | gate_up_knobs),
-    )  # fmt: skip
+    if _native(c, x, host, inter):
+        lookup = row_of if knobs["LOOKUP"] else None
+        moe_int4_native.gate_up(
+            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, c.words, pdl, settled
+        )
+    else:
+        _gate_up_kernel[(t * k, blocks, n_chunks)](
+            x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,
+            hidden, inter, *reads("gate_up"), part, counts, GROUPS=groups, GPB=gpb, BLOCK=c.block,
+            CHUNKS=n_chunks, **tiles(c.block, groups), **(knobs | gate_up_knobs),
+        )  # fmt: skip
     if before_down is not None:
         before_down()
     groups, down_block = inter // GROUP, c.down_block or c.block

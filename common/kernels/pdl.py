@@ -40,11 +40,10 @@ the next kernel's programs may sit resident, waiting, beside it while it runs. F
 Early is worth 10 %: decode-allfit 186.87 tok/s against 167.42 at the exit, in one process
 (bench/results/decode-allfit-gdn-step-ab.json). One launch may still hold the next (`launch`'s `hold_next`):
 a single wave of large programs, resident early, loses what its shape gains (gemv.FP8_LARGE_ONE_ROW).
-Switch before a pass is recorded.
-Holding after the other kernels that ran longer exposed in PDL than serialized (int4 gate_up before down, GDN's
-gated norm and the attention merge before the output projection, the large one-row GEMV before conv_step)
-moved nothing: 187.05-188.02 tok/s against the defaults' 187.60, one site a variant, in one process
-(bench/results/decode-allfit-held-sites-ab.json, 69c75e5)."""
+Switch before a pass is recorded. Holding after the other kernels that ran longer exposed in PDL than
+serialized (int4 gate_up before down, GDN's gated norm and the attention merge before the output projection,
+the large one-row GEMV before conv_step) moved nothing: 187.05-188.02 tok/s against the defaults' 187.60,
+one site a variant, in one process (bench/results/decode-allfit-held-sites-ab.json, 69c75e5)."""
 WAIT_ONLY = 2
 """`GDC`'s value with EARLY_TRIGGER off: wait, no trigger (True: wait, then trigger)."""
 WAIT_ONLY_K = tl.constexpr(WAIT_ONLY)

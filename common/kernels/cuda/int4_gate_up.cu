@@ -1,0 +1,211 @@
+// Decode gate/up of int4 (W4A16, group 128, zero points) experts at one token a pair: CUDA C, for the launch
+// shape Triton cannot express (common/kernels/native.py builds and loads it; moe_int4.py calls it).
+//
+// A warp computes R gate rows n..n+R-1 of pair p's expert and their up rows n+I.. over all H inputs. Lane l
+// reads 16-byte chunks l, l+32, ... of each row (a chunk: 32 inputs of one group) and keeps the inputs those
+// chunks multiply (from L1, one chunk at a time) in registers, shared by the warp's 2R rows. Every code costs
+// three instructions: one LOP3 puts the code in place in the mantissa of 2^23 (the float 2^23 + q*16^e,
+// exact), one FADD takes 2^23 away, one FFMA multiplies it by its input, stored divided by 16^e. The zero point costs one multiply
+// a chunk: sum (q - z) x = sum q x - z sum x. The rows' codes are all loaded before any math, and, when the
+// pair's row is settled (not written by the kernel just before), before the programmatic-launch wait.
+//
+// Int4 layout (common/experts/formats.py): codes [R, 2I, H/2] bytes, input 2j in the low nibble of byte j;
+// read as words, input 8m + i sits in bits 4i..4i+3 of word m. Scales bf16 and zeros uint8 [R, 2I, H/128].
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kLanes = 32;
+constexpr float kMagic = 8388608.0f;  // 2^23
+
+__device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int wide) {
+  return wide ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+__device__ __forceinline__ void gdc_wait(int gdc) {
+#if __CUDA_ARCH__ >= 900  // programmatic dependent launch: Hopper on (common/kernels/pdl.py)
+  if (gdc) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (gdc == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The code at nibble i of `word` (i < 5) or of `high` (word >> 20, i >= 5) times its input, divided by its
+// place value beforehand: q * x exactly as two roundings would give it.
+// The mask comes in a register (`masks`, built from a kernel argument): with both constants immediate,
+// ptxas splits the AND-OR into two LOP3s, since a LOP3 takes one immediate.
+__device__ __forceinline__ float code_term(uint32_t word, uint32_t mask, float x_scaled, float dot) {
+  uint32_t bits;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(bits) : "r"(word), "r"(mask), "n"(0x4B000000));
+  return fmaf(__uint_as_float(bits) - kMagic, x_scaled, dot);
+}
+
+__device__ __forceinline__ float word_dot(uint32_t word, const uint32_t* masks, const float* xs, float dot) {
+  const uint32_t high = word >> 20;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dot = code_term(i < 5 ? word : high, masks[i < 5 ? i : i - 5], xs[i], dot);
+  return dot;
+}
+
+// Where act column n goes in down's words layout (moe_int4._words_at), and the factor it is stored with.
+__device__ __forceinline__ int64_t words_at(int n, float* factor) {
+  const int g = n / 128, r = n % 128, i = r % 8, m = r / 8;
+  const int shift = i < 5 ? 4 * i : 4 * (i - 5);
+  *factor = __uint_as_float(static_cast<uint32_t>(127 - shift) << 23);
+  return static_cast<int64_t>(g * 8 + i) * 16 + m;
+}
+
+template <int R, int C>
+__global__ void gate_up_kernel(const __nv_bfloat16* __restrict__ x, const void* __restrict__ rows,
+                               const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
+                               const uint4* __restrict__ codes, const __nv_bfloat16* __restrict__ scales,
+                               const uint8_t* __restrict__ zeros, float* __restrict__ act, int k, int hidden,
+                               int inter, int words_act, int gdc, int settled, uint32_t nibble) {
+  const int p = blockIdx.x;
+  const int lane = threadIdx.x % kLanes;
+  const int first = (blockIdx.y * (blockDim.x / kLanes) + threadIdx.x / kLanes) * R;
+  const int chunks = hidden / 32;  // 16-byte chunks a row
+  const int groups = hidden / 128;
+  uint4 q[2 * R][C];
+  int64_t row = 0;
+  auto load_codes = [&]() {
+    row = load_index(rows, p, wide_rows);
+    if (lookup) row = load_index(row_of, row, wide_row_of);
+    const int64_t base = row * 2 * inter;
+#pragma unroll
+    for (int r = 0; r < 2 * R; ++r) {
+      const int64_t out = base + first + (r % R) + (r / R) * inter;  // gate rows, then up rows
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const int j = c * kLanes + lane;
+        q[r][c] = j < chunks ? __ldg(codes + out * chunks + j) : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  if (settled) load_codes();
+  gdc_wait(gdc);
+  if (!settled) load_codes();
+
+  uint32_t masks[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) masks[i] = nibble << (4 * i);
+  const uint4* xt = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(p / k) * hidden);
+  const int64_t base = row * 2 * inter;
+  float acc[2 * R] = {};
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int j = c * kLanes + lane;
+    if (j >= chunks) break;
+    // The chunk's 32 inputs, each divided by its code's place value, and their plain sum.
+    float xs[32];
+    float x_sum = 0.0f;
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {  // 8 inputs a load
+      const uint4 packed = xt[j * 4 + v];
+      const uint32_t halves[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float value = __uint_as_float(e % 2 ? halves[e / 2] & 0xFFFF0000u : halves[e / 2] << 16);
+        const int shift = e < 5 ? 4 * e : 4 * (e - 5);
+        xs[v * 8 + e] = value * __uint_as_float(static_cast<uint32_t>(127 - shift) << 23);
+        x_sum += value;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2 * R; ++r) {
+      float dot = word_dot(q[r][c].x, masks, &xs[0], 0.0f);
+      dot = word_dot(q[r][c].y, masks, &xs[8], dot);
+      dot = word_dot(q[r][c].z, masks, &xs[16], dot);
+      dot = word_dot(q[r][c].w, masks, &xs[24], dot);
+      const int64_t at = (base + first + (r % R) + (r / R) * inter) * groups + j / 4;
+      const float zero = static_cast<float>(zeros[at]);
+      acc[r] = fmaf(__bfloat162float(scales[at]), dot - zero * x_sum, acc[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2 * R; ++r) {
+#pragma unroll
+    for (int d = kLanes / 2; d > 0; d /= 2) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], d);
+  }
+  if (lane < R) {
+    float gate = acc[0], up = acc[R];
+#pragma unroll
+    for (int r = 1; r < R; ++r) {
+      if (lane == r) {
+        gate = acc[r];
+        up = acc[R + r];
+      }
+    }
+    const int n = first + lane;
+    const float value = gate / (1.0f + __expf(-gate)) * up;
+    float factor = 1.0f;
+    const int64_t at = words_act ? words_at(n, &factor) : n;
+    act[static_cast<int64_t>(p) * inter + at] = value * factor;
+  }
+}
+
+template <int R, int C>
+cudaError_t launch(dim3 grid, dim3 block, cudaStream_t stream, int pdl, const void* x, const void* rows,
+                   const void* row_of, int wide_rows, int wide_row_of, int lookup, const void* codes,
+                   const void* scales, const void* zeros, void* act, int k, int hidden, int inter,
+                   int words_act, int gdc, int settled) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, gate_up_kernel<R, C>, static_cast<const __nv_bfloat16*>(x), rows, row_of,
+                            wide_rows, wide_row_of, lookup, static_cast<const uint4*>(codes),
+                            static_cast<const __nv_bfloat16*>(scales), static_cast<const uint8_t*>(zeros),
+                            static_cast<float*>(act), k, hidden, inter, words_act, gdc, settled, 0xFu);
+}
+
+template <int R>
+cudaError_t launch_rows(int c, dim3 grid, dim3 block, cudaStream_t stream, int pdl, const void* x,
+                        const void* rows, const void* row_of, int wide_rows, int wide_row_of, int lookup,
+                        const void* codes, const void* scales, const void* zeros, void* act, int k, int hidden,
+                        int inter, int words_act, int gdc, int settled) {
+  switch (c) {
+    case 1: return launch<R, 1>(grid, block, stream, pdl, x, rows, row_of, wide_rows, wide_row_of, lookup,
+                                codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+    case 2: return launch<R, 2>(grid, block, stream, pdl, x, rows, row_of, wide_rows, wide_row_of, lookup,
+                                codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+    case 3: return launch<R, 3>(grid, block, stream, pdl, x, rows, row_of, wide_rows, wide_row_of, lookup,
+                                codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+// act [P, I] fp32 <- silu(gate) * up of pair p's expert (pool row row_of[rows[p]], or rows[p] without lookup)
+// against x[p / k]; `words_act`: stored in down's words layout. `chunk_loads`: each lane's 16-byte chunks a
+// row (1 to 3: hidden <= 1024 * chunk_loads). `rows_per_warp` 1, 2 or 4; `warps` a block; I a multiple of
+// rows_per_warp * warps. `pdl`: launched with programmatic stream serialization; `gdc` 0 no wait, 1 wait
+// then let the next kernel launch, 2 wait only. Returns the launch's cudaError_t.
+extern "C" int spillway_int4_gate_up(const void* x, const void* rows, const void* row_of, int wide_rows,
+                                     int wide_row_of, int lookup, const void* codes, const void* scales,
+                                     const void* zeros, void* act, int pairs, int k, int hidden, int inter,
+                                     int rows_per_warp, int warps, int chunk_loads, int words_act, int pdl,
+                                     int gdc, int settled, void* stream) {
+  if (hidden % 128 != 0 || hidden > 1024 * chunk_loads || inter % (rows_per_warp * warps) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(pairs, inter / (rows_per_warp * warps));
+  const dim3 block(warps * kLanes);
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (rows_per_warp) {
+    case 1: return launch_rows<1>(chunk_loads, grid, block, s, pdl, x, rows, row_of, wide_rows, wide_row_of,
+                                  lookup, codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+    case 2: return launch_rows<2>(chunk_loads, grid, block, s, pdl, x, rows, row_of, wide_rows, wide_row_of,
+                                  lookup, codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+    case 4: return launch_rows<4>(chunk_loads, grid, block, s, pdl, x, rows, row_of, wide_rows, wide_row_of,
+                                  lookup, codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+    default: return cudaErrorInvalidValue;
+  }
+}
