@@ -221,6 +221,7 @@ DECODE_SWITCHES = (
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
+    "int4-native", "int4-native-offload",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -268,6 +269,8 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (pdl, "EARLY_TRIGGER", False),
         (Qwen4DecoderLayer, "hold_mixer_launch", True),
         (Qwen4DecoderLayer, "hold_mixer_launch", False),
+        (moe_int4, "RESIDENT_CONFIGS", moe_int4.NATIVE_CONFIGS),
+        (moe_int4, "DECODE_CONFIGS", moe_int4.NATIVE_OFFLOAD_CONFIGS),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -98,8 +98,8 @@ class DecodeConfig:
     24.94 in the same run: within the spread, so one chunk stays."""
     native_rows: int = 0
     """gate_up by the CUDA C kernel (common/kernels/moe_int4_native.py) at this many gate rows a warp (1, 2
-    or 4; 0: Triton's), where it takes the call (bf16 x on Hopper, no host reads, one chunk, not `mma` or
-    `split_act`); else Triton's."""
+    or 4; 0: Triton's), where it takes the call (bf16 x on Hopper, no host reads, one chunk, not `mma`);
+    else Triton's."""
     native_warps: int = 4
     """The CUDA gate_up's warps a block."""
 
@@ -141,6 +141,22 @@ MMA_CONFIGS = {
 4 warps, its loop pipelined three deep, down as RESIDENT_CONFIGS': the tune's best tensor-core shape, 39 %
 slower a call than RESIDENT_CONFIGS' (moe-int4-decode-mma.txt); the switch `int4-mma` of `bench.decode_offload
 --ablate` still runs it in a step."""
+
+
+NATIVE_CONFIGS = {
+    **RESIDENT_CONFIGS,
+    1: replace(RESIDENT_CONFIGS[1], native_rows=2, native_warps=2),
+}
+"""RESIDENT_CONFIGS with one token's gate_up by the CUDA C kernel (DecodeConfig.native_rows), 2 rows a warp, 2
+warps a block: 20.95 µs a call against the words form's 24.93 (`bench.moe_int4_tune --native --tokens 1`,
+bench/results/moe-int4-decode-native.txt); the switch `int4-native` of `bench.decode_offload --ablate`."""
+
+NATIVE_OFFLOAD_CONFIGS = {
+    **DECODE_CONFIGS,
+    1: replace(DECODE_CONFIGS[1], native_rows=2, native_warps=2),
+}
+"""DECODE_CONFIGS (steps that copy misses) with one token's gate_up by the CUDA C kernel, as NATIVE_CONFIGS;
+the switch `int4-native-offload`."""
 
 
 def decode_config(tokens: int, configs: dict[int, DecodeConfig] | None = None) -> DecodeConfig:
@@ -540,7 +556,7 @@ def _combine_kernel(
 
 def _native(c: DecodeConfig, x: torch.Tensor, host: dict | None, inter: int) -> bool:
     """Whether this call's gate_up runs the CUDA C kernel (DecodeConfig.native_rows)."""
-    plain = host is None and c.gate_up_chunks == 1 and not c.mma and (c.words or not c.split_act)
+    plain = host is None and c.gate_up_chunks == 1 and not c.mma
     return (
         bool(c.native_rows)
         and plain
@@ -676,8 +692,9 @@ def moe_int4_decode(
     counts = arrival.counters(x.device, t * k * blocks) if n_chunks > 1 else act
     if _native(c, x, host, inter):
         lookup = row_of if knobs["LOOKUP"] else None
+        layout = 1 if c.words else 2 if c.split_act else 0
         moe_int4_native.gate_up(
-            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, c.words, pdl, settled
+            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled
         )
     else:
         _gate_up_kernel[(t * k, blocks, n_chunks)](

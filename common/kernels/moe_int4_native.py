@@ -46,10 +46,11 @@ def available(x: torch.Tensor, hidden: int, inter: int, rows_per_warp: int, warp
 
 def gate_up(
     x: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, pool: dict[str, torch.Tensor],
-    act: torch.Tensor, k: int, rows_per_warp: int, warps: int, words_act: bool, pdl: dict, settled: bool,
+    act: torch.Tensor, k: int, rows_per_warp: int, warps: int, layout: int, pdl: dict, settled: bool,
 ) -> None:  # fmt: skip
     """act [P, I] fp32 ← silu(gate) · up of each pair p's expert (pool row row_of[rows[p]], or rows[p]) at
-    x[p // k], stored in down's words layout with `words_act`, else in order. `pdl`: the call's
+    x[p // k], stored in down's layout: `layout` 0 in order, 1 words (DecodeConfig.words), 2 split
+    (DecodeConfig.split_act). `pdl`: the call's
     `pdl.launch(...)` keywords; `settled`: the rows are not the kernel just before's outputs, so their codes
     are loaded before the programmatic wait. `available` must hold."""
     hidden, inter = x.shape[1], act.shape[1]
@@ -59,7 +60,7 @@ def gate_up(
         rows.dtype == torch.int64, (row_of if row_of is not None else rows).dtype == torch.int64,
         row_of is not None, pool["gate_up_qweight"].data_ptr(), pool["gate_up_scales"].data_ptr(),
         pool["gate_up_zeros"].data_ptr(), act.data_ptr(), rows.numel(), k, hidden, inter, rows_per_warp,
-        warps, -(-hidden // 1024), words_act, "launch_pdl" in pdl, gdc, settled,
+        warps, -(-hidden // 1024), layout, "launch_pdl" in pdl, gdc, settled,
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     if status != 0:

@@ -73,9 +73,9 @@ def test_int4_decode_tuning_knobs_keep_the_result(block, groups, warps):
     ("hidden", "inter", "tokens", "k"), [(256, 128, 1, 4), (512, 384, 3, 8), (2560, 640, 1, 10)]
 )
 @pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
-@pytest.mark.parametrize("words", [True, False])
-def test_native_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, rows_per_warp, words):
-    """The CUDA C gate_up (DecodeConfig.native_rows), its activations in down's words layout or in order,
+@pytest.mark.parametrize("layout", [{"words": True}, {"split_act": True}, {}])
+def test_native_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, rows_per_warp, layout):
+    """The CUDA C gate_up (DecodeConfig.native_rows), its activations in down's words layout, split or in order,
     the pool rows looked up through row_of; recorded in a CUDA graph (its programmatic launch), replayed."""
     from common.kernels import moe_int4_native
     from common.kernels.moe_int4 import moe_int4_decode
@@ -87,7 +87,7 @@ def test_native_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, 
     row_of = torch.randperm(12, generator=gen).cuda()  # expert id → pool row
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
     assert moe_int4_native.available(x, hidden, inter, rows_per_warp, 4), "the CUDA kernel did not build"
-    knobs = {"block": 8, "words": words, "native_rows": rows_per_warp, "native_warps": 4, "row_of": row_of}
+    knobs = {"block": 8, "native_rows": rows_per_warp, "native_warps": 4, "row_of": row_of, **layout}
     out = moe_int4_decode(x, ids, weights, pool, **knobs)
     want = _reference(x, row_of[ids], weights, pool)
     assert (out.float() - want).norm() <= 1e-2 * want.norm()

@@ -56,12 +56,18 @@ __device__ __forceinline__ int64_t words_at(int n, float* factor) {
   return static_cast<int64_t>(g * 8 + i) * 16 + m;
 }
 
+// Where act column n goes stored split (moe_int4._split_at): per group of 128, the evens then the odds.
+__device__ __forceinline__ int64_t split_at(int n) {
+  const int j = n % 128;
+  return n - j + (j % 2) * 64 + j / 2;
+}
+
 template <int R, int C>
 __global__ void gate_up_kernel(const __nv_bfloat16* __restrict__ x, const void* __restrict__ rows,
                                const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
                                const uint4* __restrict__ codes, const __nv_bfloat16* __restrict__ scales,
                                const uint8_t* __restrict__ zeros, float* __restrict__ act, int k, int hidden,
-                               int inter, int words_act, int gdc, int settled, uint32_t nibble) {
+                               int inter, int act_layout, int gdc, int settled, uint32_t nibble) {
   const int p = blockIdx.x;
   const int lane = threadIdx.x % kLanes;
   const int first = (blockIdx.y * (blockDim.x / kLanes) + threadIdx.x / kLanes) * R;
@@ -140,7 +146,7 @@ __global__ void gate_up_kernel(const __nv_bfloat16* __restrict__ x, const void* 
     const int n = first + lane;
     const float value = gate / (1.0f + __expf(-gate)) * up;
     float factor = 1.0f;
-    const int64_t at = words_act ? words_at(n, &factor) : n;
+    const int64_t at = act_layout == 1 ? words_at(n, &factor) : act_layout == 2 ? split_at(n) : n;
     act[static_cast<int64_t>(p) * inter + at] = value * factor;
   }
 }
@@ -149,7 +155,7 @@ template <int R, int C>
 cudaError_t launch(dim3 grid, dim3 block, cudaStream_t stream, int pdl, const void* x, const void* rows,
                    const void* row_of, int wide_rows, int wide_row_of, int lookup, const void* codes,
                    const void* scales, const void* zeros, void* act, int k, int hidden, int inter,
-                   int words_act, int gdc, int settled) {
+                   int act_layout, int gdc, int settled) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -162,21 +168,21 @@ cudaError_t launch(dim3 grid, dim3 block, cudaStream_t stream, int pdl, const vo
   return cudaLaunchKernelEx(&config, gate_up_kernel<R, C>, static_cast<const __nv_bfloat16*>(x), rows, row_of,
                             wide_rows, wide_row_of, lookup, static_cast<const uint4*>(codes),
                             static_cast<const __nv_bfloat16*>(scales), static_cast<const uint8_t*>(zeros),
-                            static_cast<float*>(act), k, hidden, inter, words_act, gdc, settled, 0xFu);
+                            static_cast<float*>(act), k, hidden, inter, act_layout, gdc, settled, 0xFu);
 }
 
 template <int R>
 cudaError_t launch_rows(int c, dim3 grid, dim3 block, cudaStream_t stream, int pdl, const void* x,
                         const void* rows, const void* row_of, int wide_rows, int wide_row_of, int lookup,
                         const void* codes, const void* scales, const void* zeros, void* act, int k, int hidden,
-                        int inter, int words_act, int gdc, int settled) {
+                        int inter, int act_layout, int gdc, int settled) {
   switch (c) {
     case 1: return launch<R, 1>(grid, block, stream, pdl, x, rows, row_of, wide_rows, wide_row_of, lookup,
-                                codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+                                codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
     case 2: return launch<R, 2>(grid, block, stream, pdl, x, rows, row_of, wide_rows, wide_row_of, lookup,
-                                codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+                                codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
     case 3: return launch<R, 3>(grid, block, stream, pdl, x, rows, row_of, wide_rows, wide_row_of, lookup,
-                                codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+                                codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -184,14 +190,14 @@ cudaError_t launch_rows(int c, dim3 grid, dim3 block, cudaStream_t stream, int p
 }  // namespace
 
 // act [P, I] fp32 <- silu(gate) * up of pair p's expert (pool row row_of[rows[p]], or rows[p] without lookup)
-// against x[p / k]; `words_act`: stored in down's words layout. `chunk_loads`: each lane's 16-byte chunks a
-// row (1 to 3: hidden <= 1024 * chunk_loads). `rows_per_warp` 1, 2 or 4; `warps` a block; I a multiple of
+// against x[p / k]; `act_layout`: 0 in order, 1 down's words layout, 2 split (evens then odds a group).
+// `chunk_loads`: each lane's 16-byte chunks a row (1 to 3: hidden <= 1024 * chunk_loads). `rows_per_warp` 1, 2 or 4; `warps` a block; I a multiple of
 // rows_per_warp * warps. `pdl`: launched with programmatic stream serialization; `gdc` 0 no wait, 1 wait
 // then let the next kernel launch, 2 wait only. Returns the launch's cudaError_t.
 extern "C" int spillway_int4_gate_up(const void* x, const void* rows, const void* row_of, int wide_rows,
                                      int wide_row_of, int lookup, const void* codes, const void* scales,
                                      const void* zeros, void* act, int pairs, int k, int hidden, int inter,
-                                     int rows_per_warp, int warps, int chunk_loads, int words_act, int pdl,
+                                     int rows_per_warp, int warps, int chunk_loads, int act_layout, int pdl,
                                      int gdc, int settled, void* stream) {
   if (hidden % 128 != 0 || hidden > 1024 * chunk_loads || inter % (rows_per_warp * warps) != 0) {
     return cudaErrorInvalidValue;
@@ -201,11 +207,11 @@ extern "C" int spillway_int4_gate_up(const void* x, const void* rows, const void
   const auto s = static_cast<cudaStream_t>(stream);
   switch (rows_per_warp) {
     case 1: return launch_rows<1>(chunk_loads, grid, block, s, pdl, x, rows, row_of, wide_rows, wide_row_of,
-                                  lookup, codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+                                  lookup, codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
     case 2: return launch_rows<2>(chunk_loads, grid, block, s, pdl, x, rows, row_of, wide_rows, wide_row_of,
-                                  lookup, codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+                                  lookup, codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
     case 4: return launch_rows<4>(chunk_loads, grid, block, s, pdl, x, rows, row_of, wide_rows, wide_row_of,
-                                  lookup, codes, scales, zeros, act, k, hidden, inter, words_act, gdc, settled);
+                                  lookup, codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
     default: return cudaErrorInvalidValue;
   }
 }
