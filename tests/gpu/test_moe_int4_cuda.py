@@ -75,8 +75,9 @@ def test_int4_decode_tuning_knobs_keep_the_result(block, groups, warps):
 @pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
 @pytest.mark.parametrize("layout", [{"words": True}, {"split_act": True}, {}])
 def test_native_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, rows_per_warp, layout):
-    """The CUDA C gate_up (DecodeConfig.native_rows), its activations in down's words layout, split or in order,
-    the pool rows looked up through row_of; recorded in a CUDA graph (its programmatic launch), replayed."""
+    """The CUDA C gate_up (DecodeConfig.native_rows), its activations in down's words layout, split or in
+    order, the pool rows looked up through row_of; recorded in a CUDA graph (its programmatic launch) and
+    replayed."""
     from common.kernels import moe_int4_native
     from common.kernels.moe_int4 import moe_int4_decode
 
