@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -221,7 +222,7 @@ DECODE_SWITCHES = (
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
-    "int4-native", "int4-native-offload",
+    "int4-native", "int4-native-gate-up", "int4-native-offload",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -246,6 +247,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     from common.model.qwen4_exp.model import Qwen4DecoderLayer
     from common.model.qwen4_exp.qsa import QSAIndexer
 
+    gate_up_only = replace(moe_int4.NATIVE_CONFIGS[1], native_down_warps=0)
     switches = (
         (QSAIndexer, "select_kernel", False),
         (HyperConnection, "project_kernel", False),
@@ -270,6 +272,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (Qwen4DecoderLayer, "hold_mixer_launch", True),
         (Qwen4DecoderLayer, "hold_mixer_launch", False),
         (moe_int4, "RESIDENT_CONFIGS", moe_int4.NATIVE_CONFIGS),
+        (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.NATIVE_CONFIGS, 1: gate_up_only}),
         (moe_int4, "DECODE_CONFIGS", moe_int4.NATIVE_OFFLOAD_CONFIGS),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))

@@ -102,6 +102,9 @@ class DecodeConfig:
     else Triton's."""
     native_warps: int = 4
     """The CUDA gate_up's warps a block."""
+    native_down_warps: int = 0
+    """down (and the fold of a token's choices) by the CUDA C kernel at this many warps a block, 8 rows a warp
+    (0: Triton's), where it takes the call (`words`, bf16 on Hopper, no host reads); else Triton's."""
 
 
 DECODE_CONFIGS = {
@@ -145,11 +148,12 @@ slower a call than RESIDENT_CONFIGS' (moe-int4-decode-mma.txt); the switch `int4
 
 NATIVE_CONFIGS = {
     **RESIDENT_CONFIGS,
-    1: replace(RESIDENT_CONFIGS[1], native_rows=2, native_warps=2),
+    1: replace(RESIDENT_CONFIGS[1], native_rows=2, native_warps=2, native_down_warps=4),
 }
-"""RESIDENT_CONFIGS with one token's gate_up by the CUDA C kernel (DecodeConfig.native_rows), 2 rows a warp, 2
-warps a block: 20.95 µs a call against the words form's 24.93 (`bench.moe_int4_tune --native --tokens 1`,
-bench/results/moe-int4-decode-native.txt); the switch `int4-native` of `bench.decode_offload --ablate`."""
+"""RESIDENT_CONFIGS with one token's gate_up and down by the CUDA C kernels (DecodeConfig.native_rows,
+native_down_warps): gate_up alone at 2 rows a warp, 2 warps a block, 20.95 µs a call against the words form's
+24.93 (`bench.moe_int4_tune --native --tokens 1`, bench/results/moe-int4-decode-native.txt); the switch
+`int4-native` of `bench.decode_offload --ablate` (`int4-native-gate-up`: gate_up alone)."""
 
 NATIVE_OFFLOAD_CONFIGS = {
     **DECODE_CONFIGS,
@@ -594,6 +598,7 @@ def moe_int4_decode(
     settled: bool = False,
     native_rows: int | None = None,
     native_warps: int | None = None,
+    native_down_warps: int | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -636,7 +641,11 @@ def moe_int4_decode(
     given["mma"] = mma
     given["gate_up_chunks"] = gate_up_chunks
     given["stages"] = stages
-    given |= {"native_rows": native_rows, "native_warps": native_warps}
+    given |= {
+        "native_rows": native_rows,
+        "native_warps": native_warps,
+        "native_down_warps": native_down_warps,
+    }
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
     assert not c.mma or (c.words and c.block >= 16), "mma: codes as words, at least 16 rows a program"
@@ -713,13 +722,23 @@ def moe_int4_decode(
     sums = (shared, shared_gate if gated else partial, out, shared_gate.stride(0) if gated else 0)
     sums_knobs = {"K": k, "SHARED": shared is not partial, "GATED": gated}
     fold = arrival.folds(t)
-    blocks = hidden // down_block
-    _down_kernel[(t * k, blocks)](
-        act, rows, row_of, weights, pool["down_qweight"], pool["down_scales"], pool["down_zeros"], partial,
-        hidden, inter, *reads("down"), arrival.counters(x.device, t * blocks) if fold else partial, *sums,
-        GROUPS=groups, GPB=min(c.down_groups_per_step or c.groups_per_step, triton.next_power_of_2(groups)),
-        BLOCK=down_block, FOLD=fold, **sums_knobs, **tiles(down_block, groups), **knobs,
-    )  # fmt: skip
+    warps = c.native_down_warps
+    if warps and c.words and host is None and moe_int4_native.down_available(x, inter, warps, shared_gate):
+        counts = arrival.counters(x.device, t * hidden // (8 * warps)) if fold else None
+        moe_int4_native.down(
+            act, rows, row_of if knobs["LOOKUP"] else None, weights, pool, partial, out, k, warps, counts,
+            shared if sums_knobs["SHARED"] else None, shared_gate, pdl,
+        )  # fmt: skip
+    else:
+        blocks = hidden // down_block
+        counts = arrival.counters(x.device, t * blocks) if fold else partial
+        gpb = min(c.down_groups_per_step or c.groups_per_step, triton.next_power_of_2(groups))
+        down = (pool["down_qweight"], pool["down_scales"], pool["down_zeros"])
+        _down_kernel[(t * k, blocks)](
+            act, rows, row_of, weights, *down, partial, hidden, inter, *reads("down"), counts, *sums,
+            GROUPS=groups, GPB=gpb, BLOCK=down_block, FOLD=fold, **sums_knobs, **tiles(down_block, groups),
+            **knobs,
+        )  # fmt: skip
     if not fold:
         _combine_kernel[(t, triton.cdiv(hidden, 1024))](
             partial, *sums, hidden, BLOCK=1024, **sums_knobs, **pdl

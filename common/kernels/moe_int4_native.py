@@ -1,7 +1,7 @@
-"""The int4 decode MoE's gate/up as the CUDA C kernel common/kernels/cuda/int4_gate_up.cu (one warp a few
-rows, its inputs in registers, three instructions a code), where moe_int4's Triton gate_up needs ~7
-(`bench.sass_census`). `moe_int4_decode` calls `gate_up` when its DecodeConfig asks (`native_rows`) and the
-kernel can take the call; down and the sum stay Triton's.
+"""The int4 decode MoE's gate/up and down as CUDA C kernels (common/kernels/cuda/int4_decode.cu: a warp a few
+rows, the inputs each lane's codes multiply in registers, three instructions a code, where moe_int4's
+Triton kernels need ~7, `bench.sass_census`). `moe_int4_decode` calls them when its DecodeConfig asks
+(`native_rows`, `native_down_warps`) and they can take the call; else Triton's.
 """
 
 from __future__ import annotations
@@ -14,34 +14,64 @@ from common.kernels import native
 from common.kernels.pdl import WAIT_ONLY
 
 MAX_HIDDEN = 3072
-"""The kernel keeps three 16-byte chunks a lane a row: inputs up to 3 × 32 × 32."""
-_ARGS = (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 3 + (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 11
-_ARGS += (ctypes.c_void_p,)
+"""gate/up keeps three 16-byte chunks a lane a row: inputs up to 3 × 32 × 32."""
+MAX_INTER = 1024
+"""down reads one chunk a group a lane, eight groups at most."""
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "spillway_int4_gate_up": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 11 + (_P,),
+    "spillway_int4_down": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 8 + (_P,),
+}
 
 
-def _function(device: torch.device):
-    lib = native.library("int4_gate_up", native.arch_of(device.index or 0))
+def _function(device: torch.device, name: str):
+    lib = native.library("int4_decode", native.arch_of(device.index or 0))
     if lib is None:
         return None
-    fn = lib.spillway_int4_gate_up
-    fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = _SIGNATURES[name], ctypes.c_int
     return fn
 
 
-def available(x: torch.Tensor, hidden: int, inter: int, rows_per_warp: int, warps: int) -> bool:
-    """Whether the kernel takes this call: bf16 x on a CUDA device of compute capability 9 on (its
-    programmatic launch), hidden a multiple of 128 up to MAX_HIDDEN, inter whole blocks of rows, and the
-    library built."""
+def _hopper_bf16(x: torch.Tensor) -> bool:
     return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device.index)[0] >= 9
+        x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device.index)[0] >= 9
+    )
+
+
+def available(x: torch.Tensor, hidden: int, inter: int, rows_per_warp: int, warps: int) -> bool:
+    """Whether gate/up takes this call: bf16 x on a CUDA device of compute capability 9 on (its programmatic
+    launch), hidden a multiple of 128 up to MAX_HIDDEN, inter whole blocks of rows, and the library built."""
+    return (
+        _hopper_bf16(x)
         and hidden % 128 == 0
         and hidden <= MAX_HIDDEN
         and rows_per_warp in (1, 2, 4)
         and inter % (rows_per_warp * warps) == 0
-        and _function(x.device) is not None
+        and _function(x.device, "spillway_int4_gate_up") is not None
     )
+
+
+def down_available(x: torch.Tensor, inter: int, warps: int, shared_gate: torch.Tensor | None) -> bool:
+    """Whether down takes this call: as `available`'s device and dtype (the shared expert's gate's too),
+    inter a multiple of 128 up to MAX_INTER, hidden whole blocks of 8 × warps rows."""
+    return (
+        _hopper_bf16(x)
+        and (shared_gate is None or shared_gate.dtype == torch.bfloat16)
+        and inter % 128 == 0
+        and inter <= MAX_INTER
+        and x.shape[1] % (8 * warps) == 0
+        and _function(x.device, "spillway_int4_down") is not None
+    )
+
+
+def _gdc(pdl: dict) -> int:
+    return {True: 1, WAIT_ONLY: 2}.get(pdl["GDC"], 0)
+
+
+def _check(status: int, kernel: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"int4 {kernel} CUDA kernel: launch failed with cudaError {status}")
 
 
 def gate_up(
@@ -50,18 +80,41 @@ def gate_up(
 ) -> None:  # fmt: skip
     """act [P, I] fp32 ← silu(gate) · up of each pair p's expert (pool row row_of[rows[p]], or rows[p]) at
     x[p // k], stored in down's layout: `layout` 0 in order, 1 words (DecodeConfig.words), 2 split
-    (DecodeConfig.split_act). `pdl`: the call's
-    `pdl.launch(...)` keywords; `settled`: the rows are not the kernel just before's outputs, so their codes
-    are loaded before the programmatic wait. `available` must hold."""
+    (DecodeConfig.split_act). `pdl`: the call's `pdl.launch(...)` keywords; `settled`: the rows are not the
+    kernel just before's outputs, so their codes are loaded before the programmatic wait. `available` must
+    hold."""
     hidden, inter = x.shape[1], act.shape[1]
-    gdc = {True: 1, WAIT_ONLY: 2}.get(pdl["GDC"], 0)
-    status = _function(x.device)(
-        x.data_ptr(), rows.data_ptr(), (row_of if row_of is not None else rows).data_ptr(),
-        rows.dtype == torch.int64, (row_of if row_of is not None else rows).dtype == torch.int64,
-        row_of is not None, pool["gate_up_qweight"].data_ptr(), pool["gate_up_scales"].data_ptr(),
-        pool["gate_up_zeros"].data_ptr(), act.data_ptr(), rows.numel(), k, hidden, inter, rows_per_warp,
-        warps, -(-hidden // 1024), layout, "launch_pdl" in pdl, gdc, settled,
-        torch.cuda.current_stream(x.device).cuda_stream,
+    lookup = row_of if row_of is not None else rows
+    status = _function(x.device, "spillway_int4_gate_up")(
+        x.data_ptr(), rows.data_ptr(), lookup.data_ptr(), rows.dtype == torch.int64,
+        lookup.dtype == torch.int64, row_of is not None, pool["gate_up_qweight"].data_ptr(),
+        pool["gate_up_scales"].data_ptr(), pool["gate_up_zeros"].data_ptr(), act.data_ptr(), rows.numel(), k,
+        hidden, inter, rows_per_warp, warps, -(-hidden // 1024), layout, "launch_pdl" in pdl, _gdc(pdl),
+        settled, torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"int4 gate_up CUDA kernel: launch failed with cudaError {status}")
+    _check(status, "gate_up")
+
+
+def down(
+    act: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, weights: torch.Tensor,
+    pool: dict[str, torch.Tensor], partial: torch.Tensor, out: torch.Tensor, k: int, warps: int,
+    fold: torch.Tensor | None, shared: torch.Tensor | None, shared_gate: torch.Tensor | None, pdl: dict,
+) -> None:  # fmt: skip
+    """partial [P, H] fp32 ← weights[p] · down of each pair's expert at act[p] (words layout); with `fold`
+    (the stream's arrival counters), out [T, H] ← each token's k partial rows summed in order, plus `shared`
+    (gated by σ(shared_gate[t, 0]) when given), by the last pair of a block of rows to finish. Without, the
+    caller sums them. `down_available` must hold."""
+    hidden, inter = partial.shape[1], act.shape[1]
+    lookup = row_of if row_of is not None else rows
+    gate_stride = shared_gate.stride(0) if shared_gate is not None else 0
+    status = _function(act.device, "spillway_int4_down")(
+        act.data_ptr(), rows.data_ptr(), lookup.data_ptr(), rows.dtype == torch.int64,
+        lookup.dtype == torch.int64, row_of is not None, weights.data_ptr(), weights.dtype == torch.bfloat16,
+        pool["down_qweight"].data_ptr(), pool["down_scales"].data_ptr(), pool["down_zeros"].data_ptr(),
+        partial.data_ptr(), fold.data_ptr() if fold is not None else None,
+        shared.data_ptr() if shared is not None else None,
+        shared_gate.data_ptr() if shared_gate is not None else None, gate_stride, out.data_ptr(),
+        rows.numel(), k, hidden, inter, warps, fold is not None, "launch_pdl" in pdl, _gdc(pdl),
+        torch.cuda.current_stream(act.device).cuda_stream,
+    )  # fmt: skip
+    _check(status, "down")

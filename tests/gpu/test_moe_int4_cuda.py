@@ -99,3 +99,38 @@ def test_native_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, 
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(recorded, out)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "inter", "tokens", "k"), [(256, 128, 1, 4), (512, 384, 3, 8), (2560, 640, 1, 10)]
+)
+@pytest.mark.parametrize("warps", [2, 4])
+@pytest.mark.parametrize("gated", [True, False])
+def test_native_down_matches_dequantised_reference(hidden, inter, tokens, k, warps, gated):
+    """The CUDA C down (DecodeConfig.native_down_warps) after the CUDA gate_up: one token folds its choices
+    and the shared expert (gated or not) in the kernel, three leave them to the combine kernel; recorded in a
+    CUDA graph and replayed, twice (the arrival counters left at zero)."""
+    from common.kernels import moe_int4_native
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    gen = torch.Generator().manual_seed(hidden + warps + gated)
+    pool = _pool(12, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.randint(0, 12, (tokens, k), generator=gen).cuda()
+    weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
+    shared = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+    gate = torch.randn(tokens, 1, generator=gen).to(torch.bfloat16).cuda() if gated else None
+    assert moe_int4_native.down_available(x, inter, warps, gate), "the CUDA kernel did not build"
+    knobs = {"block": 8, "words": True, "native_rows": 1, "native_warps": 4, "native_down_warps": warps}
+    out = moe_int4_decode(x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)
+    scale = torch.sigmoid(gate.float()) if gated else 1.0
+    want = _reference(x, ids, weights, pool) + shared.float() * scale
+    assert (out.float() - want).norm() <= 1e-2 * want.norm()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recorded = moe_int4_decode(x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(recorded, out)

@@ -15,11 +15,11 @@ def test_a_build_is_cached_by_source_and_arch(tmp_path, monkeypatch) -> None:
     if native.nvcc() is None:
         pytest.skip("needs nvcc")
     monkeypatch.setenv("SPILLWAY_CACHE", str(tmp_path))
-    built = native.build("int4_gate_up", "sm_90")
+    built = native.build("int4_decode", "sm_90")
     assert built.parent == tmp_path / "native" and built.name.endswith("-sm_90.so")
     assert hasattr(ctypes.CDLL(str(built)), "spillway_int4_gate_up")
     stamp = built.stat().st_mtime_ns
-    assert native.build("int4_gate_up", "sm_90") == built and built.stat().st_mtime_ns == stamp
+    assert native.build("int4_decode", "sm_90") == built and built.stat().st_mtime_ns == stamp
     assert list((tmp_path / "native").iterdir()) == [built]  # the temporary build folder is gone
 
 
@@ -28,7 +28,7 @@ def test_no_nvcc_means_no_library_and_a_warning(tmp_path, monkeypatch, caplog) -
     monkeypatch.setattr(native, "nvcc", lambda: None)
     native.library.cache_clear()
     with caplog.at_level(logging.WARNING, logger="common.kernels.native"):
-        assert native.library("int4_gate_up", "sm_90") is None
+        assert native.library("int4_decode", "sm_90") is None
     native.library.cache_clear()
     assert "nvcc not found" in caplog.text
 

@@ -1,7 +1,8 @@
-// Decode gate/up of int4 (W4A16, group 128, zero points) experts at one token a pair: CUDA C, for the launch
-// shape Triton cannot express (common/kernels/native.py builds and loads it; moe_int4.py calls it).
+// Decode MoE over int4 (W4A16, group 128, zero points) experts, a token a pair: gate/up and down as CUDA C,
+// for the launch shapes Triton cannot express (common/kernels/native.py builds the library,
+// common/kernels/moe_int4_native.py calls it).
 //
-// A warp computes R gate rows n..n+R-1 of pair p's expert and their up rows n+I.. over all H inputs. Lane l
+// gate/up: a warp computes R gate rows n..n+R-1 of pair p's expert and their up rows n+I.. over all H inputs. Lane l
 // reads 16-byte chunks l, l+32, ... of each row (a chunk: 32 inputs of one group) and keeps the inputs those
 // chunks multiply (from L1, one chunk at a time) in registers, shared by the warp's 2R rows. Every code costs
 // three instructions: one LOP3 puts the code in place in the mantissa of 2^23 (the float 2^23 + q*16^e,
@@ -187,6 +188,105 @@ cudaError_t launch_rows(int c, dim3 grid, dim3 block, cudaStream_t stream, int p
   }
 }
 
+
+// down: a warp computes 8 output rows of pair p's expert, 4 lanes a row; lane l reads chunk l % 4 of every
+// group of its row (I / 128 chunks) and the 32 activations each multiplies, stored by gate/up in the words
+// layout (already divided by their code's place value: one 16-byte load per code position). The zero point
+// is folded into each code position's offset (2^23 + z*16^e), so there is no sum of the activations. With
+// `fold`, the last of a token's k pairs to finish a block of rows sums the k partial rows in order (and the
+// shared expert, gated) into out, as moe_int4's _down_kernel does (common/kernels/arrival.py: the same
+// additions in the same order, whatever the schedule).
+constexpr int kMaxGroups = 8;  // I up to 1024
+
+__device__ __forceinline__ float offset_term(uint32_t word, uint32_t mask, float offset, float a, float dot) {
+  uint32_t bits;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(bits) : "r"(word), "r"(mask), "n"(0x4B000000));
+  return fmaf(__uint_as_float(bits) - offset, a, dot);
+}
+
+__global__ void down_kernel(const float* __restrict__ act, const void* __restrict__ rows,
+                            const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
+                            const void* __restrict__ weights, int bf16_weights, const uint4* __restrict__ codes,
+                            const __nv_bfloat16* __restrict__ scales, const uint8_t* __restrict__ zeros,
+                            float* __restrict__ partial, int* __restrict__ counters,
+                            const __nv_bfloat16* __restrict__ shared, const __nv_bfloat16* __restrict__ gate,
+                            int gate_stride, __nv_bfloat16* __restrict__ out, int k, int hidden, int inter,
+                            int fold, int gdc, uint32_t nibble) {
+  const int p = blockIdx.x;
+  const int lane = threadIdx.x % kLanes;
+  const int n = (blockIdx.y * (blockDim.x / kLanes) + threadIdx.x / kLanes) * 8 + lane / 4;
+  const int part = lane % 4;  // the chunk of each group this lane reads
+  const int groups = inter / 128;
+  const int chunks = inter / 32;
+  // The rows and routing weights are never the kernel before's outputs: codes in flight before the wait.
+  int64_t row = load_index(rows, p, wide_rows);
+  if (lookup) row = load_index(row_of, row, wide_row_of);
+  const int64_t out_row = row * hidden + n;
+  uint4 q[kMaxGroups];
+#pragma unroll
+  for (int g = 0; g < kMaxGroups; ++g) {
+    q[g] = g < groups ? __ldg(codes + out_row * chunks + g * 4 + part) : make_uint4(0, 0, 0, 0);
+  }
+  const float weight = bf16_weights ? __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[p])
+                                    : static_cast<const float*>(weights)[p];
+  gdc_wait(gdc);
+  uint32_t masks[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) masks[i] = nibble << (4 * i);
+  const float4* a4 = reinterpret_cast<const float4*>(act + static_cast<int64_t>(p) * inter);
+  float acc = 0.0f;
+#pragma unroll
+  for (int g = 0; g < kMaxGroups; ++g) {
+    if (g >= groups) break;
+    const float zero = static_cast<float>(zeros[out_row * groups + g]);
+    float dot = 0.0f;
+    const uint32_t words[4] = {q[g].x, q[g].y, q[g].z, q[g].w};
+    uint32_t high[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) high[m] = words[m] >> 20;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int e = i < 5 ? i : i - 5;
+      const float offset = fmaf(zero, static_cast<float>(1 << (4 * e)), kMagic);
+      const float4 a = a4[((g * 8 + i) * 16 + part * 4) / 4];  // words 4*part.. of code position i
+      const uint32_t mask = masks[e];
+      dot = offset_term(i < 5 ? words[0] : high[0], mask, offset, a.x, dot);
+      dot = offset_term(i < 5 ? words[1] : high[1], mask, offset, a.y, dot);
+      dot = offset_term(i < 5 ? words[2] : high[2], mask, offset, a.z, dot);
+      dot = offset_term(i < 5 ? words[3] : high[3], mask, offset, a.w, dot);
+    }
+    acc = fmaf(__bfloat162float(scales[out_row * groups + g]), dot, acc);
+  }
+  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+  acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+  if (part == 0) partial[static_cast<int64_t>(p) * hidden + n] = acc * weight;
+  if (!fold) return;
+  __shared__ int last;
+  __threadfence();  // this thread's partial row before the count
+  __syncthreads();
+  const int t = p / k;
+  if (threadIdx.x == 0) {
+    int* counter = counters + static_cast<int64_t>(t) * gridDim.y + blockIdx.y;
+    last = atomicAdd(counter, 1) == k - 1;
+    if (last) atomicExch(counter, 0);
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int rows_here = blockDim.x / kLanes * 8;
+  for (int r = threadIdx.x; r < rows_here; r += blockDim.x) {
+    const int i = blockIdx.y * rows_here + r;
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) sum += __ldcg(partial + static_cast<int64_t>(t * k + j) * hidden + i);
+    if (shared != nullptr) {
+      float s = __bfloat162float(shared[static_cast<int64_t>(t) * hidden + i]);
+      if (gate != nullptr) s /= 1.0f + __expf(-__bfloat162float(gate[static_cast<int64_t>(t) * gate_stride]));
+      sum += s;
+    }
+    out[static_cast<int64_t>(t) * hidden + i] = __float2bfloat16(sum);
+  }
+}
+
 }  // namespace
 
 // act [P, I] fp32 <- silu(gate) * up of pair p's expert (pool row row_of[rows[p]], or rows[p] without lookup)
@@ -214,4 +314,35 @@ extern "C" int spillway_int4_gate_up(const void* x, const void* rows, const void
                                   lookup, codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
     default: return cudaErrorInvalidValue;
   }
+}
+
+// partial [P, H] fp32 <- weights[p] (fp32, or bf16 with `bf16_weights`) * down of pair p's expert (rows as gate/up's) at act[p] (words layout);
+// with `fold`, also out [T, H] bf16 <- the sum of each token's k partial rows in order, plus `shared` [T, H]
+// (bf16, or null) times sigmoid(gate[t * gate_stride]) (bf16, or null: ungated), by the last pair of a
+// block of rows to finish (`counters`: zero, left zero). 8 rows a warp, `warps` a block: H a multiple of
+// 8 * warps; I a multiple of 128 up to 1024. `pdl`, `gdc` as gate/up's.
+extern "C" int spillway_int4_down(const void* act, const void* rows, const void* row_of, int wide_rows,
+                                  int wide_row_of, int lookup, const void* weights, int bf16_weights,
+                                  const void* codes,
+                                  const void* scales, const void* zeros, void* partial, void* counters,
+                                  const void* shared, const void* gate, int gate_stride, void* out, int pairs,
+                                  int k, int hidden, int inter, int warps, int fold, int pdl, int gdc,
+                                  void* stream) {
+  if (inter % 128 != 0 || inter > 128 * kMaxGroups || hidden % (8 * warps) != 0) return cudaErrorInvalidValue;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(pairs, hidden / (8 * warps));
+  config.blockDim = dim3(warps * kLanes);
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, down_kernel, static_cast<const float*>(act), rows, row_of, wide_rows,
+                            wide_row_of, lookup, weights, bf16_weights,
+                            static_cast<const uint4*>(codes), static_cast<const __nv_bfloat16*>(scales),
+                            static_cast<const uint8_t*>(zeros), static_cast<float*>(partial),
+                            static_cast<int*>(counters), static_cast<const __nv_bfloat16*>(shared),
+                            static_cast<const __nv_bfloat16*>(gate), gate_stride,
+                            static_cast<__nv_bfloat16*>(out), k, hidden, inter, fold, gdc, 0xFu);
 }
