@@ -123,44 +123,38 @@ misses run these; see RESIDENT_CONFIGS for the others."""
 
 RESIDENT_CONFIGS = {
     **DECODE_CONFIGS,
-    1: DecodeConfig(block=8, down_block=16, down_groups_per_step=1, down_warps=2, words=True),
-}
+    1: DecodeConfig(
+        block=8, down_block=16, down_groups_per_step=1, down_warps=2, words=True,
+        native_rows=2, native_warps=2, native_down_warps=4,
+    ),
+}  # fmt: skip
 """The shapes of decode steps with no copies beside them (every expert resident:
-OffloadedExperts.all_resident): DECODE_CONFIGS but at one token, where the codes read as words with down at
-one group a step (flashnext's 5 groups: 4 a step left three idle in the second) measured 24.40 µs a call
-against 29.36 (`bench.moe_int4_tune --down`, bench/results/moe-int4-decode-down.txt) and ran decode-allfit
-at 135.51 tok/s against 131.60 (decode-allfit-int4-ab.json). In decode-1, with the misses' copies beside
-it, the same shape ran 3 % slower (71.25 against 73.53, decode-1-int4-ab.json): offloaded steps keep
-DECODE_CONFIGS. Words alone measured 28.79 a call and ran decode-allfit 3 % slower; software-pipelined,
-28.8-29.6 (moe-int4-decode-words.txt). At eight tokens words measured 120.6 against 134.4 a call, not yet
-measured in a decode step."""
+OffloadedExperts.all_resident): DECODE_CONFIGS but at one token, where gate_up and down run as CUDA C
+(DecodeConfig.native_rows, native_down_warps; Triton's words form below where the kernels cannot be built):
+19.66 µs a call against the words form's 24.83 (`bench.moe_int4_tune --native --tokens 1`,
+bench/results/moe-int4-decode-native.txt; gate_up alone 20.97) and decode-allfit 195.92 tok/s against
+187.00 (+4.8 %; gate_up alone 193.28), in one process (decode-allfit-native-ab.json, 611985c). Before them,
+the codes read as words with down at one group a step (flashnext's 5 groups: 4 a step left three idle in the
+second) measured 24.40 µs a call against 29.36 (`bench.moe_int4_tune --down`,
+bench/results/moe-int4-decode-down.txt) and ran decode-allfit at 135.51 tok/s against 131.60
+(decode-allfit-int4-ab.json). In decode-1, with the misses' copies beside it, the Triton words shape ran 3 %
+slower (71.25 against 73.53, decode-1-int4-ab.json): offloaded steps keep DECODE_CONFIGS. Words alone
+measured 28.79 a call and ran decode-allfit 3 % slower; software-pipelined, 28.8-29.6
+(moe-int4-decode-words.txt). At eight tokens words measured 120.6 against 134.4 a call, not yet measured in
+a decode step."""
 
 
 MMA_CONFIGS = {
     **RESIDENT_CONFIGS,
-    1: replace(RESIDENT_CONFIGS[1], block=32, groups_per_step=1, num_warps=4, gate_up_stages=3, mma=True),
-}
+    1: replace(
+        RESIDENT_CONFIGS[1], block=32, groups_per_step=1, num_warps=4, gate_up_stages=3, mma=True,
+        native_rows=0, native_down_warps=0,
+    ),
+}  # fmt: skip
 """RESIDENT_CONFIGS with one token's gate_up on the tensor cores (DecodeConfig.mma), 32 rows a program at
-4 warps, its loop pipelined three deep, down as RESIDENT_CONFIGS': the tune's best tensor-core shape, 39 %
-slower a call than RESIDENT_CONFIGS' (moe-int4-decode-mma.txt); the switch `int4-mma` of `bench.decode_offload
---ablate` still runs it in a step."""
-
-
-NATIVE_CONFIGS = {
-    **RESIDENT_CONFIGS,
-    1: replace(RESIDENT_CONFIGS[1], native_rows=2, native_warps=2, native_down_warps=4),
-}
-"""RESIDENT_CONFIGS with one token's gate_up and down by the CUDA C kernels (DecodeConfig.native_rows,
-native_down_warps): gate_up alone at 2 rows a warp, 2 warps a block, 20.95 µs a call against the words form's
-24.93 (`bench.moe_int4_tune --native --tokens 1`, bench/results/moe-int4-decode-native.txt); the switch
-`int4-native` of `bench.decode_offload --ablate` (`int4-native-gate-up`: gate_up alone)."""
-
-NATIVE_OFFLOAD_CONFIGS = {
-    **DECODE_CONFIGS,
-    1: replace(DECODE_CONFIGS[1], native_rows=2, native_warps=2),
-}
-"""DECODE_CONFIGS (steps that copy misses) with one token's gate_up by the CUDA C kernel, as NATIVE_CONFIGS;
-the switch `int4-native-offload`."""
+4 warps, its loop pipelined three deep, down as the Triton words form's: the tune's best tensor-core shape,
+39 % slower a call than the words form (moe-int4-decode-mma.txt); the switch `int4-mma` of
+`bench.decode_offload --ablate` still runs it in a step."""
 
 
 def decode_config(tokens: int, configs: dict[int, DecodeConfig] | None = None) -> DecodeConfig:
