@@ -16,7 +16,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-namespace {
+namespace spillway {  // named: profiles show the kernels by name (bench.trace_summary pools anonymous ones)
 
 constexpr int kLanes = 32;
 constexpr float kMagic = 8388608.0f;  // 2^23
@@ -287,7 +287,9 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
   }
 }
 
-}  // namespace
+}  // namespace spillway
+
+using namespace spillway;
 
 // act [P, I] fp32 <- silu(gate) * up of pair p's expert (pool row row_of[rows[p]], or rows[p] without lookup)
 // against x[p / k]; `act_layout`: 0 in order, 1 down's words layout, 2 split (evens then odds a group).
