@@ -7,6 +7,7 @@ Triton kernels need ~7, `bench.sass_census`). `moe_int4_decode` calls them when 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -25,7 +26,14 @@ _SIGNATURES = {
 
 
 def _function(device: torch.device, name: str):
-    lib = native.library("int4_decode", native.arch_of(device.index or 0))
+    """The library's entry point `name` for `device`, typed; None where the library cannot be built."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _typed(index, name)
+
+
+@functools.cache
+def _typed(index: int, name: str):
+    lib = native.library("int4_decode", native.arch_of(index))
     if lib is None:
         return None
     fn = getattr(lib, name)

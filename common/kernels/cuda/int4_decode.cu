@@ -218,7 +218,8 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
   const int part = lane % 4;  // the chunk of each group this lane reads
   const int groups = inter / 128;
   const int chunks = inter / 32;
-  // The rows and routing weights are never the kernel before's outputs: codes in flight before the wait.
+  // The rows and routing weights are never the kernel before's (gate/up's) outputs, and the codes' copies,
+  // if any, are kernels further back or an event this launch waited for: codes in flight before the wait.
   int64_t row = load_index(rows, p, wide_rows);
   if (lookup) row = load_index(row_of, row, wide_row_of);
   const int64_t out_row = row * hidden + n;
