@@ -11,6 +11,9 @@ read once, dequantised in registers and multiplied at once:
    the shared expert) in a fixed order (arrival.py: the result does not depend on scheduling), or (several
    tokens, or arrival.ENABLED False) a third kernel does.
 
+All-resident one-token steps run both as CUDA C instead (moe_int4_native.py, RESIDENT_CONFIGS), where the
+kernels can be built: a warp's rows share the inputs in registers, which Triton's layouts could not express.
+
 Int4 layout (common/experts/formats.py): qweight uint8 [R, out, in/2] (column 2j in the low nibble of byte j,
 2j+1 in the high one), scales bf16 and zeros uint8 [R, out, in/128]; w = (q − zero) · scale. A loop step
 covers GROUPS_PER_STEP groups of 128 inputs; per group Σ_j (q_j − z)·x_j = Σ_j q_j·x_j − z·Σ_j x_j, so the
@@ -140,9 +143,8 @@ bench/results/moe-int4-decode-down.txt) and ran decode-allfit at 135.51 tok/s ag
 (decode-allfit-int4-ab.json). In decode-1, with the misses' copies beside it, the Triton words shape ran 3 %
 slower (71.25 against 73.53, decode-1-int4-ab.json), and with both CUDA C kernels 0.8 % slower (92.53 against
 93.29, decode-1-native-ab.json; the CUDA gate_up alone with split activations, 4.5 % slower): offloaded steps
-keep DECODE_CONFIGS. Words alone
-measured 28.79 a call and ran decode-allfit 3 % slower; software-pipelined, 28.8-29.6
-(moe-int4-decode-words.txt). At eight tokens words measured 120.6 against 134.4 a call, not yet measured in
+keep DECODE_CONFIGS. Words alone measured 28.79 a call and ran decode-allfit 3 % slower; software-pipelined,
+28.8-29.6 (moe-int4-decode-words.txt). At eight tokens words measured 120.6 against 134.4 a call, not yet measured in
 a decode step."""
 
 
