@@ -144,8 +144,8 @@ bench/results/moe-int4-decode-down.txt) and ran decode-allfit at 135.51 tok/s ag
 slower (71.25 against 73.53, decode-1-int4-ab.json), and with both CUDA C kernels 0.8 % slower (92.53 against
 93.29, decode-1-native-ab.json; the CUDA gate_up alone with split activations, 4.5 % slower): offloaded steps
 keep DECODE_CONFIGS. Words alone measured 28.79 a call and ran decode-allfit 3 % slower; software-pipelined,
-28.8-29.6 (moe-int4-decode-words.txt). At eight tokens words measured 120.6 against 134.4 a call, not yet measured in
-a decode step."""
+28.8-29.6 (moe-int4-decode-words.txt). At eight tokens words measured 120.6 against 134.4 a call, not yet
+measured in a decode step."""
 
 
 MMA_CONFIGS = {
