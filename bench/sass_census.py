@@ -22,7 +22,12 @@ once a step.
 
     python -m bench.sass_census [--shape BLOCK GROUPS WARPS] [--down BLOCK GROUPS WARPS] [--words]
         [--registers N]
-    python -m bench.sass_census --hc | --step
+    python -m bench.sass_census --hc | --step | --native
+
+`--native`: the CUDA C int4 kernels (common/kernels/cuda/int4_decode.cu) built by nvcc for sm_90 at
+RESIDENT_CONFIGS' one-token launch: gate_up 2,264 instructions a warp (its 4 rows × 2,560 inputs: ~6.8 a
+weight a lane against the Triton words form's ~7.4), 123 registers; down 1,720 (its "loop" is the fold's
+sum), 69 registers. They are straight-line code, so the issue estimate counts every instruction once.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from common.kernels import arrival, hyper, moe_int4
+from common.kernels import arrival, hyper, moe_int4, native
 from common.kernels.moe_int4 import GROUP, DecodeConfig
 
 HIDDEN, INTER, TOP_K, SMS, CLOCK_GHZ = 2560, 640, 10, 132, 1.75
@@ -90,20 +95,30 @@ def compile_sm90(
 
 
 def census(kernel) -> Census:
-    """The SASS of a compiled kernel (cuobjdump from Triton's wheel), counted, and its resource usage."""
+    """The SASS of a compiled Triton kernel, counted, and its resource usage."""
+    sass, usage = _dump(kernel.asm["cubin"])
+    return _count(sass, usage, kernel.asm["ttgir"].count("convert_layout"))
+
+
+def _dump(cubin: bytes) -> tuple[str, str]:
+    """cuobjdump's (from Triton's wheel) SASS and resource usage of a cubin."""
     tools = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
         dump = lambda flag: (
             subprocess.run(
-                [os.path.join(tools, "cuobjdump"), flag, cubin.name],
+                [os.path.join(tools, "cuobjdump"), flag, file.name],
                 capture_output=True,
                 text=True,
                 check=True,
             ).stdout
         )
-        sass, usage = dump("-sass"), dump("-res-usage")
+        return dump("-sass"), dump("-res-usage")
+
+
+def _count(sass: str, usage: str, conversions: int) -> Census:
+    """One kernel's SASS listing and resource line, counted."""
     registers, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
     found = [m for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
     addresses = [int(m.group(1), 16) for m in found]
@@ -113,8 +128,37 @@ def census(kernel) -> Census:
         if m.group(3).startswith("BRA") and target and int(target.group(1), 16) < addresses[i]:
             loop = i - addresses.index(int(target.group(1), 16)) + 1
     opcodes = Counter(m.group(3).split(".")[0] for m in found)
-    conversions = kernel.asm["ttgir"].count("convert_layout")
     return Census(len(found), loop, conversions, opcodes, registers, local)
+
+
+def native_census() -> dict[str, tuple[Census, float]]:
+    """The CUDA C int4 kernels (common/kernels/cuda/int4_decode.cu, built by nvcc for sm_90) at
+    RESIDENT_CONFIGS[1]'s launch: gate_up's instance for its rows a warp and flashnext's three chunks a lane,
+    and down. Straight-line code: the count includes the two code-loading paths (settled or not) and down's
+    unrolled groups past flashnext's five, so it overstates what a warp issues."""
+    config = moe_int4.RESIDENT_CONFIGS[1]
+    rows, warps, down_warps = config.native_rows, config.native_warps, config.native_down_warps
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "int4_decode.cubin")
+        source = native.SOURCES / "int4_decode.cu"
+        subprocess.run([native.nvcc(), "-O3", "-cubin", "-arch=sm_90", "-o", cubin, str(source)], check=True)
+        with open(cubin, "rb") as file:
+            sass, usage = _dump(file.read())
+    chunks = -(-HIDDEN // 1024)
+    wanted = {"gate_up": f"gate_up_kernelILi{rows}ELi{chunks}E", "down": "down_kernel"}
+    blocks = {
+        "gate_up": (TOP_K * INTER // (rows * warps), warps),
+        "down": (TOP_K * HIDDEN // (8 * down_warps), down_warps),
+    }
+    sass_by = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function :|\Z)", sass, re.S))
+    usage_by = dict(re.findall(r"Function (\S+):\n(.*?)\n", usage))
+    out = {}
+    for name, mangled in wanted.items():
+        symbol = next(s for s in sass_by if mangled in s)
+        c = _count(sass_by[symbol], usage_by[symbol], 0)
+        programs, program_warps = blocks[name]
+        out[name] = (c, _issue_us(programs, program_warps, c.total))
+    return out
 
 
 _COMMON = {"hw_ptr": "*u8", "hs_ptr": "*bf16", "hz_ptr": "*u8", "fill_ptr": "*i64", "valid_ptr": "*i1"}
@@ -281,6 +325,7 @@ def main() -> None:
     ap.add_argument(
         "--step", action="store_true", help="the step's other decode kernels instead (step_census)"
     )
+    ap.add_argument("--native", action="store_true", help="the CUDA C int4 kernels instead (needs nvcc)")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("TRITON_INTERPRET=1 makes the kernels interpreted: nothing to compile")
@@ -305,13 +350,15 @@ def main() -> None:
         configs = {"hyper-connections": None}
     if args.step:
         configs = {"step": None}
+    if args.native:
+        configs = {"native": None}
     report = {}
     for label, config in configs.items():
         report[label] = {}
         if not args.json:
             print(f"{label}: {config}" if config else label)
         if config is None:
-            kernels = step_census() if label == "step" else hc_census()
+            kernels = {"step": step_census, "native": native_census}.get(label, hc_census)()
         else:
             kernels = int4_decode_census(config)
         for name, (c, issue_us) in kernels.items():

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _census(*flags: str) -> dict:
     """`python -m bench.sass_census FLAGS --json` in its own process, outside the interpreter."""
@@ -80,3 +82,20 @@ def test_census_of_gate_up_in_chunks() -> None:
     atomics = [c["opcodes"].get("ATOMG", 0) for c in (whole, chunked)]
     assert atomics[0] == 0 < atomics[1]  # the arrival's count and reset
     assert chunked["registers"] <= whole["registers"] and chunked["local"] == 0
+
+
+def test_census_of_the_cuda_c_kernels() -> None:
+    """`--native`: the CUDA C int4 kernels built by nvcc for sm_90 at RESIDENT_CONFIGS' launch, no register
+    spilled; a code becomes a float through the mantissa of 2²³ (a LOP3 each), so the only int-to-float
+    conversions are the zero points' (one a row and chunk: 12 in gate_up's 4 rows × 3 chunks, 8 in down's
+    unrolled groups) and an index's."""
+    from common.kernels import native
+
+    if native.nvcc() is None:
+        pytest.skip("needs nvcc")
+    kernels = _census("--native")["native"]
+    assert set(kernels) == {"gate_up", "down"}
+    for name, k in kernels.items():
+        assert k["total"] > 0 and k["issue_us"] > 0 and k["registers"] > 0 and k["local"] == 0, name
+        conversions = k["opcodes"].get("I2F", 0) + k["opcodes"].get("I2FP", 0)
+        assert conversions <= 16 and k["opcodes"]["LOP3"] >= 256, (name, conversions)

@@ -2,13 +2,16 @@
 // for the launch shapes Triton cannot express (common/kernels/native.py builds the library,
 // common/kernels/moe_int4_native.py calls it).
 //
-// gate/up: a warp computes R gate rows n..n+R-1 of pair p's expert and their up rows n+I.. over all H inputs. Lane l
-// reads 16-byte chunks l, l+32, ... of each row (a chunk: 32 inputs of one group) and keeps the inputs those
-// chunks multiply (from L1, one chunk at a time) in registers, shared by the warp's 2R rows. Every code costs
-// three instructions: one LOP3 puts the code in place in the mantissa of 2^23 (the float 2^23 + q*16^e,
-// exact), one FADD takes 2^23 away, one FFMA multiplies it by its input, stored divided by 16^e. The zero point costs one multiply
-// a chunk: sum (q - z) x = sum q x - z sum x. The rows' codes are all loaded before any math, and, when the
-// pair's row is settled (not written by the kernel just before), before the programmatic-launch wait.
+// gate/up: a warp computes R gate rows n..n+R-1 of pair p's expert and their up rows n+I.. over all H
+// inputs. Lane l reads 16-byte chunks l, l+32, ... of each row (a chunk: 32 inputs of one group) and keeps
+// the inputs those chunks multiply (from L1, one chunk at a time) in registers, shared by the warp's 2R
+// rows. In the inner dot a code costs three instructions: one LOP3 puts it in place in the mantissa of 2^23
+// (the float 2^23 + q*16^e, exact), one FADD takes 2^23 away, one FFMA multiplies it by its input, stored
+// divided by 16^e. With the inputs' conversion, scales, zeros and addresses it is ~6.8 a code
+// (bench.sass_census --native; Triton's words form ~7.4): the gain is in the loads. The zero point costs
+// one multiply a chunk: sum (q - z) x = sum q x - z sum x. The rows' codes are all loaded before any math,
+// and, when the pair's row is settled (not written by the kernel just before), before the programmatic-launch
+// wait.
 //
 // Int4 layout (common/experts/formats.py): codes [R, 2I, H/2] bytes, input 2j in the low nibble of byte j;
 // read as words, input 8m + i sits in bits 4i..4i+3 of word m. Scales bf16 and zeros uint8 [R, 2I, H/128].
@@ -294,9 +297,10 @@ using namespace spillway;
 
 // act [P, I] fp32 <- silu(gate) * up of pair p's expert (pool row row_of[rows[p]], or rows[p] without lookup)
 // against x[p / k]; `act_layout`: 0 in order, 1 down's words layout, 2 split (evens then odds a group).
-// `chunk_loads`: each lane's 16-byte chunks a row (1 to 3: hidden <= 1024 * chunk_loads). `rows_per_warp` 1, 2 or 4; `warps` a block; I a multiple of
-// rows_per_warp * warps. `pdl`: launched with programmatic stream serialization; `gdc` 0 no wait, 1 wait
-// then let the next kernel launch, 2 wait only. Returns the launch's cudaError_t.
+// `chunk_loads`: each lane's 16-byte chunks a row (1 to 3: hidden <= 1024 * chunk_loads). `rows_per_warp`
+// 1, 2 or 4; `warps` a block; I a multiple of rows_per_warp * warps. `pdl`: launched with programmatic stream
+// serialization; `gdc` 0 no wait, 1 wait then let the next kernel launch, 2 wait only. Returns the launch's
+// cudaError_t.
 extern "C" int spillway_int4_gate_up(const void* x, const void* rows, const void* row_of, int wide_rows,
                                      int wide_row_of, int lookup, const void* codes, const void* scales,
                                      const void* zeros, void* act, int pairs, int k, int hidden, int inter,
@@ -319,11 +323,12 @@ extern "C" int spillway_int4_gate_up(const void* x, const void* rows, const void
   }
 }
 
-// partial [P, H] fp32 <- weights[p] (fp32, or bf16 with `bf16_weights`) * down of pair p's expert (rows as gate/up's) at act[p] (words layout);
-// with `fold`, also out [T, H] bf16 <- the sum of each token's k partial rows in order, plus `shared` [T, H]
-// (bf16, or null) times sigmoid(gate[t * gate_stride]) (bf16, or null: ungated), by the last pair of a
-// block of rows to finish (`counters`: zero, left zero). 8 rows a warp, `warps` a block: H a multiple of
-// 8 * warps; I a multiple of 128 up to 1024. `pdl`, `gdc` as gate/up's.
+// partial [P, H] fp32 <- weights[p] (fp32, or bf16 with `bf16_weights`) * down of pair p's expert (rows as
+// gate/up's) at act[p] (words layout); with `fold`, also out [T, H] bf16 <- the sum of each token's k
+// partial rows in order, plus `shared` [T, H] (bf16, or null) times sigmoid(gate[t * gate_stride]) (bf16, or
+// null: ungated), by the last pair of a block of rows to finish (`counters`: zero, left zero). 8 rows a
+// warp, `warps` a block: H a multiple of 8 * warps; I a multiple of 128 up to 1024. `pdl`, `gdc` as
+// gate/up's.
 extern "C" int spillway_int4_down(const void* act, const void* rows, const void* row_of, int wide_rows,
                                   int wide_row_of, int lookup, const void* weights, int bf16_weights,
                                   const void* codes,
