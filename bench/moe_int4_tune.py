@@ -87,7 +87,9 @@ def label(setting: dict) -> str:
     text += f" gate_up stages {setting['gate_up_stages']}" if setting.get("gate_up_stages") else ""
     text += f" regs {setting['gate_up_registers']}" if setting.get("gate_up_registers") else ""
     text += f" chunks {setting['gate_up_chunks']}" if setting.get("gate_up_chunks", 1) > 1 else ""
-    if setting.get("native_rows"):
+    if setting.get("native_mma"):
+        text += " native mma"
+    elif setting.get("native_rows"):
         text += f" native {setting['native_rows']}x{setting['native_warps']}"
     text += f" native down {setting['native_down_warps']}" if setting.get("native_down_warps") else ""
     return text + (f" stages {setting['stages']}" if setting.get("stages", 1) > 1 else "")
@@ -178,15 +180,17 @@ def _mma_settings() -> list[dict]:
 
 def _native_settings() -> list[dict]:
     """gate_up by the CUDA C kernel (DecodeConfig.native_rows) over rows a warp and warps a block, down as
-    RESIDENT_CONFIGS' one-token shape; then down by its CUDA C kernel too, over warps a block; beside
-    RESIDENT_CONFIGS' shape itself (Triton's words gate_up)."""
+    RESIDENT_CONFIGS' one-token shape; then down by its CUDA C kernel too, over warps a block; then gate_up
+    on the tensor cores (DecodeConfig.native_mma), with Triton's and the CUDA down; beside the Triton words
+    shape (Triton's words gate_up)."""
     down = {"words": True, "down_block": 16, "down_groups_per_step": 1, "down_warps": 2}
     resident = {"block": 8, "groups_per_step": 4, "num_warps": 4} | down
     gate_up = [
         resident | {"native_rows": r, "native_warps": w} for r, w in itertools.product((1, 2, 4), (2, 4, 8))
     ]
     both = [resident | {"native_rows": 2, "native_warps": 2, "native_down_warps": w} for w in (1, 2, 4, 8)]
-    return [resident, *gate_up, *both]
+    mma = [resident | {"native_rows": 2, "native_mma": True, "native_down_warps": w} for w in (0, 4)]
+    return [resident, *gate_up, *both, *mma]
 
 
 def _chunked(settings: list[dict], counts: list[int]) -> list[dict]:

@@ -105,6 +105,10 @@ class DecodeConfig:
     else Triton's."""
     native_warps: int = 4
     """The CUDA gate_up's warps a block."""
+    native_mma: bool = False
+    """With `native_rows`: gate_up by the CUDA C tensor-core kernel instead (moe_int4_native.gate_up_mma;
+    ~3.1 instructions a code against ~6.8, `bench.sass_census --native`), where it takes the call (hidden up
+    to 2,560). Prepared: not yet run on a GPU."""
     native_down_warps: int = 0
     """down (and the fold of a token's choices) by the CUDA C kernel at this many warps a block, 8 rows a warp
     (0: Triton's), where it takes the call (`words`, bf16 on Hopper, no host reads); else Triton's."""
@@ -597,6 +601,7 @@ def moe_int4_decode(
     native_rows: int | None = None,
     native_warps: int | None = None,
     native_down_warps: int | None = None,
+    native_mma: bool | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -643,6 +648,7 @@ def moe_int4_decode(
         "native_rows": native_rows,
         "native_warps": native_warps,
         "native_down_warps": native_down_warps,
+        "native_mma": native_mma,
     }
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
@@ -700,9 +706,12 @@ def moe_int4_decode(
     if _native(c, x, host, inter):
         lookup = row_of if knobs["LOOKUP"] else None
         layout = 1 if c.words else 2 if c.split_act else 0
-        moe_int4_native.gate_up(
-            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled
-        )
+        if c.native_mma and moe_int4_native.mma_available(x, hidden, inter):
+            moe_int4_native.gate_up_mma(x, rows, lookup, pool, act, k, layout, pdl, settled)
+        else:
+            moe_int4_native.gate_up(
+                x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled
+            )
     else:
         _gate_up_kernel[(t * k, blocks, n_chunks)](
             x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,

@@ -22,10 +22,13 @@ MAX_HIDDEN = 3072
 """gate/up keeps three 16-byte chunks a lane a row: inputs up to 3 × 32 × 32."""
 MAX_INTER = 1024
 """down reads one chunk a group a lane, eight groups at most."""
+MMA_MAX_HIDDEN = 2560
+"""The tensor-core gate/up holds five groups of codes a warp, four warps a block: inputs up to 2,560."""
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "spillway_int4_gate_up": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 11 + (_P,),
     "spillway_int4_down": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 8 + (_P,),
+    "spillway_int4_gate_up_mma": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 8 + (_P,),
 }
 
 
@@ -61,6 +64,18 @@ def available(x: torch.Tensor, hidden: int, inter: int, rows_per_warp: int, warp
         and rows_per_warp in (1, 2, 4)
         and inter % (rows_per_warp * warps) == 0
         and _function(x.device, "spillway_int4_gate_up") is not None
+    )
+
+
+def mma_available(x: torch.Tensor, hidden: int, inter: int) -> bool:
+    """Whether the tensor-core gate/up takes this call: as `available`'s device and dtype, hidden a multiple
+    of 128 up to MMA_MAX_HIDDEN, inter a multiple of 16 (a block's rows)."""
+    return (
+        _hopper_bf16(x)
+        and hidden % 128 == 0
+        and hidden <= MMA_MAX_HIDDEN
+        and inter % 16 == 0
+        and _function(x.device, "spillway_int4_gate_up_mma") is not None
     )
 
 
@@ -105,6 +120,24 @@ def gate_up(
         settled, torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     _check(status, "gate_up")
+
+
+def gate_up_mma(
+    x: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, pool: dict[str, torch.Tensor],
+    act: torch.Tensor, k: int, layout: int, pdl: dict, settled: bool,
+) -> None:  # fmt: skip
+    """`gate_up` on the tensor cores (int4_decode.cu's gate_up_mma_kernel: 16 rows a block of 4 warps, each
+    warp a quarter of the groups). `mma_available` must hold. Prepared: not yet run on a GPU."""
+    hidden, inter = x.shape[1], act.shape[1]
+    lookup = row_of if row_of is not None else rows
+    status = _function(x.device, "spillway_int4_gate_up_mma")(
+        x.data_ptr(), rows.data_ptr(), lookup.data_ptr(), rows.dtype == torch.int64,
+        lookup.dtype == torch.int64, row_of is not None, pool["gate_up_qweight"].data_ptr(),
+        pool["gate_up_scales"].data_ptr(), pool["gate_up_zeros"].data_ptr(), act.data_ptr(), rows.numel(), k,
+        hidden, inter, layout, "launch_pdl" in pdl, _gdc(pdl), settled,
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )  # fmt: skip
+    _check(status, "gate_up_mma")
 
 
 def down(

@@ -134,3 +134,33 @@ def test_native_down_matches_dequantised_reference(hidden, inter, tokens, k, war
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(recorded, out)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "inter", "tokens", "k"), [(256, 128, 1, 4), (512, 384, 3, 8), (2560, 640, 1, 10)]
+)
+@pytest.mark.parametrize("layout", [{"words": True}, {"split_act": True}, {}])
+def test_native_mma_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, layout):
+    """The CUDA C tensor-core gate_up (DecodeConfig.native_mma): groups split over a block's four warps
+    (none for some warps at 256 inputs), row_of lookup, every activation layout; recorded and replayed."""
+    from common.kernels import moe_int4_native
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    gen = torch.Generator().manual_seed(hidden + inter)
+    pool = _pool(12, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.randint(0, 12, (tokens, k), generator=gen).cuda()
+    row_of = torch.randperm(12, generator=gen).cuda()
+    weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
+    assert moe_int4_native.mma_available(x, hidden, inter), "the CUDA kernel did not build"
+    knobs = {"block": 8, "native_rows": 2, "native_mma": True, "row_of": row_of, **layout}
+    out = moe_int4_decode(x, ids, weights, pool, **knobs)
+    want = _reference(x, row_of[ids], weights, pool)
+    assert (out.float() - want).norm() <= 1e-2 * want.norm()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recorded = moe_int4_decode(x, ids, weights, pool, **knobs)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(recorded, out)
