@@ -106,7 +106,7 @@ class DecodeConfig:
     native_warps: int = 4
     """The CUDA gate_up's warps a block."""
     native_mma: bool = False
-    """With `native_rows`: gate_up by the CUDA C tensor-core kernel instead (moe_int4_native.gate_up_mma;
+    """With `native_rows`: gate_up by the CUDA C tensor-core kernel instead (moe_int4_native.gate_up's `mma`;
     ~3.1 instructions a code against ~6.8, `bench.sass_census --native`), where it takes the call (hidden up
     to 2,560). Prepared: not yet run on a GPU."""
     native_down_warps: int = 0
@@ -706,12 +706,10 @@ def moe_int4_decode(
     if _native(c, x, host, inter):
         lookup = row_of if knobs["LOOKUP"] else None
         layout = 1 if c.words else 2 if c.split_act else 0
-        if c.native_mma and moe_int4_native.mma_available(x, hidden, inter):
-            moe_int4_native.gate_up_mma(x, rows, lookup, pool, act, k, layout, pdl, settled)
-        else:
-            moe_int4_native.gate_up(
-                x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled
-            )
+        mma = c.native_mma and moe_int4_native.mma_available(x, hidden, inter)
+        moe_int4_native.gate_up(
+            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled, mma
+        )
     else:
         _gate_up_kernel[(t * k, blocks, n_chunks)](
             x, rows, row_of, pool["gate_up_qweight"], pool["gate_up_scales"], pool["gate_up_zeros"], act, k,

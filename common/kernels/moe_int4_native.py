@@ -16,7 +16,7 @@ import functools
 import torch
 
 from common.kernels import native
-from common.kernels.pdl import WAIT_ONLY
+from common.kernels.pdl import WAIT_ONLY, hopper_or_later
 
 MAX_HIDDEN = 3072
 """gate/up keeps three 16-byte chunks a lane a row: inputs up to 3 × 32 × 32."""
@@ -49,9 +49,7 @@ def _typed(index: int, name: str):
 
 
 def _hopper_bf16(x: torch.Tensor) -> bool:
-    return (
-        x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device.index)[0] >= 9
-    )
+    return x.is_cuda and x.dtype == torch.bfloat16 and hopper_or_later(x.device.index)
 
 
 def available(x: torch.Tensor, hidden: int, inter: int, rows_per_warp: int, warps: int) -> bool:
@@ -96,48 +94,45 @@ def _gdc(pdl: dict) -> int:
     return {True: 1, WAIT_ONLY: 2}.get(pdl["GDC"], 0)
 
 
-def _check(status: int, kernel: str) -> None:
+def _check(status: int, entry: str) -> None:
     if status != 0:
-        raise RuntimeError(f"int4 {kernel} CUDA kernel: launch failed with cudaError {status}")
+        raise RuntimeError(f"{entry}: the CUDA kernel's launch failed with cudaError {status}")
+
+
+def _rows(rows: torch.Tensor, row_of: torch.Tensor | None) -> tuple:
+    """The kernels' pair-row arguments: rows, the lookup table (rows again without one), whether each holds
+    int64, and whether to look up."""
+    lookup = row_of if row_of is not None else rows
+    wide = (rows.dtype == torch.int64, lookup.dtype == torch.int64)
+    return rows.data_ptr(), lookup.data_ptr(), *wide, row_of is not None
+
+
+def _matrix(pool: dict[str, torch.Tensor], name: str) -> tuple:
+    """A pool matrix's codes, scales and zeros, as pointers."""
+    return tuple(pool[f"{name}_{part}"].data_ptr() for part in ("qweight", "scales", "zeros"))
 
 
 def gate_up(
     x: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, pool: dict[str, torch.Tensor],
     act: torch.Tensor, k: int, rows_per_warp: int, warps: int, layout: int, pdl: dict, settled: bool,
+    mma: bool = False,
 ) -> None:  # fmt: skip
     """act [P, I] fp32 ← silu(gate) · up of each pair p's expert (pool row row_of[rows[p]], or rows[p]) at
     x[p // k], stored in down's layout: `layout` 0 in order, 1 words (DecodeConfig.words), 2 split
     (DecodeConfig.split_act). `pdl`: the call's `pdl.launch(...)` keywords; `settled`: the rows are not the
     kernel just before's outputs, so their codes are loaded before the programmatic wait. `available` must
-    hold."""
+    hold. `mma`: on the tensor cores instead (int4_decode.cu's gate_up_mma_kernel: 16 rows a block of 4
+    warps, each warp a quarter of the groups; `rows_per_warp` and `warps` unused); `mma_available` must
+    hold. Prepared: not yet run on a GPU."""
     hidden, inter = x.shape[1], act.shape[1]
-    lookup = row_of if row_of is not None else rows
-    status = _function(x.device, "spillway_int4_gate_up")(
-        x.data_ptr(), rows.data_ptr(), lookup.data_ptr(), rows.dtype == torch.int64,
-        lookup.dtype == torch.int64, row_of is not None, pool["gate_up_qweight"].data_ptr(),
-        pool["gate_up_scales"].data_ptr(), pool["gate_up_zeros"].data_ptr(), act.data_ptr(), rows.numel(), k,
-        hidden, inter, rows_per_warp, warps, -(-hidden // 1024), layout, "launch_pdl" in pdl, _gdc(pdl),
-        settled, torch.cuda.current_stream(x.device).cuda_stream,
-    )  # fmt: skip
-    _check(status, "gate_up")
-
-
-def gate_up_mma(
-    x: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, pool: dict[str, torch.Tensor],
-    act: torch.Tensor, k: int, layout: int, pdl: dict, settled: bool,
-) -> None:  # fmt: skip
-    """`gate_up` on the tensor cores (int4_decode.cu's gate_up_mma_kernel: 16 rows a block of 4 warps, each
-    warp a quarter of the groups). `mma_available` must hold. Prepared: not yet run on a GPU."""
-    hidden, inter = x.shape[1], act.shape[1]
-    lookup = row_of if row_of is not None else rows
-    status = _function(x.device, "spillway_int4_gate_up_mma")(
-        x.data_ptr(), rows.data_ptr(), lookup.data_ptr(), rows.dtype == torch.int64,
-        lookup.dtype == torch.int64, row_of is not None, pool["gate_up_qweight"].data_ptr(),
-        pool["gate_up_scales"].data_ptr(), pool["gate_up_zeros"].data_ptr(), act.data_ptr(), rows.numel(), k,
-        hidden, inter, layout, "launch_pdl" in pdl, _gdc(pdl), settled,
+    shape = () if mma else (rows_per_warp, warps, -(-hidden // 1024))
+    name = "spillway_int4_gate_up_mma" if mma else "spillway_int4_gate_up"
+    status = _function(x.device, name)(
+        x.data_ptr(), *_rows(rows, row_of), *_matrix(pool, "gate_up"), act.data_ptr(), rows.numel(), k,
+        hidden, inter, *shape, layout, "launch_pdl" in pdl, _gdc(pdl), settled,
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
-    _check(status, "gate_up_mma")
+    _check(status, name)
 
 
 def down(
@@ -150,16 +145,13 @@ def down(
     (gated by σ(shared_gate[t, 0]) when given), by the last pair of a block of rows to finish. Without, the
     caller sums them. `down_available` must hold."""
     hidden, inter = partial.shape[1], act.shape[1]
-    lookup = row_of if row_of is not None else rows
     gate_stride = shared_gate.stride(0) if shared_gate is not None else 0
     status = _function(act.device, "spillway_int4_down")(
-        act.data_ptr(), rows.data_ptr(), lookup.data_ptr(), rows.dtype == torch.int64,
-        lookup.dtype == torch.int64, row_of is not None, weights.data_ptr(), weights.dtype == torch.bfloat16,
-        pool["down_qweight"].data_ptr(), pool["down_scales"].data_ptr(), pool["down_zeros"].data_ptr(),
-        partial.data_ptr(), fold.data_ptr() if fold is not None else None,
+        act.data_ptr(), *_rows(rows, row_of), weights.data_ptr(), weights.dtype == torch.bfloat16,
+        *_matrix(pool, "down"), partial.data_ptr(), fold.data_ptr() if fold is not None else None,
         shared.data_ptr() if shared is not None else None,
         shared_gate.data_ptr() if shared_gate is not None else None, gate_stride, out.data_ptr(),
         rows.numel(), k, hidden, inter, warps, fold is not None, "launch_pdl" in pdl, _gdc(pdl),
         torch.cuda.current_stream(act.device).cuda_stream,
     )  # fmt: skip
-    _check(status, "down")
+    _check(status, "spillway_int4_down")

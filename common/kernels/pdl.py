@@ -54,13 +54,13 @@ def launch(device: torch.device, take_part: bool = True, hold_next: bool = False
     when on (never in the interpreter: griddepcontrol is PTX). `take_part` False: this launch stays out.
     `hold_next`: this launch lets the next kernel launch only at its programs' exit (as
     with EARLY_TRIGGER off, for this launch alone): the next one is a kernel that early residency slows."""
-    on = take_part and ENABLED and device.type == "cuda" and _hopper_or_later(device.index)
+    on = take_part and ENABLED and device.type == "cuda" and hopper_or_later(device.index)
     early = EARLY_TRIGGER and not hold_next
     return {"GDC": True if early else WAIT_ONLY, "launch_pdl": True} if on else {"GDC": False}
 
 
 @functools.cache
-def _hopper_or_later(index: int | None) -> bool:
+def hopper_or_later(index: int | None) -> bool:
     """Compute capability 9 or more (asked of the driver once a device, not at every launch)."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 

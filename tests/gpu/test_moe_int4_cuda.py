@@ -3,6 +3,8 @@ repeated and ragged expert choices, one and several tokens, the tiny and the fla
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,31 @@ def test_int4_decode_tuning_knobs_keep_the_result(block, groups, warps):
     assert (out.float() - want).norm() <= 1e-2 * want.norm()
 
 
+def _routed(hidden: int, inter: int, tokens: int, k: int, seed: int) -> tuple:
+    """A pool of 12 random experts, x [tokens, H] bf16 and choices [tokens, k] on the GPU, and the generator
+    to draw the rest from."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = _pool(12, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.randint(0, 12, (tokens, k), generator=gen).cuda()
+    return pool, x, ids, gen
+
+
+def _matches_and_replays(call, want: torch.Tensor, replays: int = 1) -> None:
+    """call() is within 1 % of `want`; recorded in a CUDA graph, each of `replays` replays gives the same
+    output bit for bit."""
+    out = call()
+    assert (out.float() - want).norm() <= 1e-2 * want.norm()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recorded = call()
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(recorded, out)
+
+
 @pytest.mark.parametrize(
     ("hidden", "inter", "tokens", "k"), [(256, 128, 1, 4), (512, 384, 3, 8), (2560, 640, 1, 10)]
 )
@@ -81,24 +108,13 @@ def test_native_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, 
     from common.kernels import moe_int4_native
     from common.kernels.moe_int4 import moe_int4_decode
 
-    gen = torch.Generator().manual_seed(hidden + rows_per_warp)
-    pool = _pool(12, hidden, inter, gen)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
-    ids = torch.randint(0, 12, (tokens, k), generator=gen).cuda()
+    pool, x, ids, gen = _routed(hidden, inter, tokens, k, hidden + rows_per_warp)
     row_of = torch.randperm(12, generator=gen).cuda()  # expert id → pool row
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
     assert moe_int4_native.available(x, hidden, inter, rows_per_warp, 4), "the CUDA kernel did not build"
     knobs = {"block": 8, "native_rows": rows_per_warp, "native_warps": 4, "row_of": row_of, **layout}
-    out = moe_int4_decode(x, ids, weights, pool, **knobs)
     want = _reference(x, row_of[ids], weights, pool)
-    assert (out.float() - want).norm() <= 1e-2 * want.norm()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        recorded = moe_int4_decode(x, ids, weights, pool, **knobs)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(recorded, out)
+    _matches_and_replays(partial(moe_int4_decode, x, ids, weights, pool, **knobs), want)
 
 
 @pytest.mark.parametrize(
@@ -113,27 +129,16 @@ def test_native_down_matches_dequantised_reference(hidden, inter, tokens, k, war
     from common.kernels import moe_int4_native
     from common.kernels.moe_int4 import moe_int4_decode
 
-    gen = torch.Generator().manual_seed(hidden + warps + gated)
-    pool = _pool(12, hidden, inter, gen)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
-    ids = torch.randint(0, 12, (tokens, k), generator=gen).cuda()
+    pool, x, ids, gen = _routed(hidden, inter, tokens, k, hidden + warps + gated)
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
     shared = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
     gate = torch.randn(tokens, 1, generator=gen).to(torch.bfloat16).cuda() if gated else None
     assert moe_int4_native.down_available(x, inter, warps, gate), "the CUDA kernel did not build"
     knobs = {"block": 8, "words": True, "native_rows": 1, "native_warps": 4, "native_down_warps": warps}
-    out = moe_int4_decode(x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)
     scale = torch.sigmoid(gate.float()) if gated else 1.0
     want = _reference(x, ids, weights, pool) + shared.float() * scale
-    assert (out.float() - want).norm() <= 1e-2 * want.norm()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        recorded = moe_int4_decode(x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(recorded, out)
+    call = partial(moe_int4_decode, x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)
+    _matches_and_replays(call, want, replays=2)
 
 
 @pytest.mark.parametrize(
@@ -146,21 +151,10 @@ def test_native_mma_gate_up_matches_dequantised_reference(hidden, inter, tokens,
     from common.kernels import moe_int4_native
     from common.kernels.moe_int4 import moe_int4_decode
 
-    gen = torch.Generator().manual_seed(hidden + inter)
-    pool = _pool(12, hidden, inter, gen)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
-    ids = torch.randint(0, 12, (tokens, k), generator=gen).cuda()
+    pool, x, ids, gen = _routed(hidden, inter, tokens, k, hidden + inter)
     row_of = torch.randperm(12, generator=gen).cuda()
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
     assert moe_int4_native.mma_available(x, hidden, inter), "the CUDA kernel did not build"
     knobs = {"block": 8, "native_rows": 2, "native_mma": True, "row_of": row_of, **layout}
-    out = moe_int4_decode(x, ids, weights, pool, **knobs)
     want = _reference(x, row_of[ids], weights, pool)
-    assert (out.float() - want).norm() <= 1e-2 * want.norm()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        recorded = moe_int4_decode(x, ids, weights, pool, **knobs)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(recorded, out)
+    _matches_and_replays(partial(moe_int4_decode, x, ids, weights, pool, **knobs), want)

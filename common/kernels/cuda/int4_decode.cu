@@ -155,42 +155,34 @@ __global__ void gate_up_kernel(const __nv_bfloat16* __restrict__ x, const void* 
   }
 }
 
-template <int R, int C>
-cudaError_t launch(dim3 grid, dim3 block, cudaStream_t stream, int pdl, const void* x, const void* rows,
-                   const void* row_of, int wide_rows, int wide_row_of, int lookup, const void* codes,
-                   const void* scales, const void* zeros, void* act, int k, int hidden, int inter,
-                   int act_layout, int gdc, int settled) {
+// `kernel` launched on `stream`, with programmatic stream serialization when `pdl` (common/kernels/pdl.py),
+// each argument cast to the parameter it fills.
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, void* stream, int pdl, Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
-  config.stream = stream;
+  config.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, gate_up_kernel<R, C>, static_cast<const __nv_bfloat16*>(x), rows, row_of,
-                            wide_rows, wide_row_of, lookup, static_cast<const uint4*>(codes),
-                            static_cast<const __nv_bfloat16*>(scales), static_cast<const uint8_t*>(zeros),
-                            static_cast<float*>(act), k, hidden, inter, act_layout, gdc, settled, 0xFu);
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
 }
 
-template <int R>
-cudaError_t launch_rows(int c, dim3 grid, dim3 block, cudaStream_t stream, int pdl, const void* x,
-                        const void* rows, const void* row_of, int wide_rows, int wide_row_of, int lookup,
-                        const void* codes, const void* scales, const void* zeros, void* act, int k, int hidden,
-                        int inter, int act_layout, int gdc, int settled) {
-  switch (c) {
-    case 1: return launch<R, 1>(grid, block, stream, pdl, x, rows, row_of, wide_rows, wide_row_of, lookup,
-                                codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
-    case 2: return launch<R, 2>(grid, block, stream, pdl, x, rows, row_of, wide_rows, wide_row_of, lookup,
-                                codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
-    case 3: return launch<R, 3>(grid, block, stream, pdl, x, rows, row_of, wide_rows, wide_row_of, lookup,
-                                codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
-    default: return cudaErrorInvalidValue;
-  }
-}
+using GateUpKernel = decltype(&gate_up_kernel<1, 1>);
 
+// gate_up_kernel<R, C> for `rows_per_warp` R (1, 2 or 4) and `chunk_loads` C (1 to 3); null for others.
+GateUpKernel gate_up_instance(int rows_per_warp, int chunk_loads) {
+  constexpr GateUpKernel kTable[3][3] = {
+      {&gate_up_kernel<1, 1>, &gate_up_kernel<1, 2>, &gate_up_kernel<1, 3>},
+      {&gate_up_kernel<2, 1>, &gate_up_kernel<2, 2>, &gate_up_kernel<2, 3>},
+      {&gate_up_kernel<4, 1>, &gate_up_kernel<4, 2>, &gate_up_kernel<4, 3>},
+  };
+  const int r = rows_per_warp == 1 ? 0 : rows_per_warp == 2 ? 1 : rows_per_warp == 4 ? 2 : -1;
+  return r < 0 || chunk_loads < 1 || chunk_loads > 3 ? nullptr : kTable[r][chunk_loads - 1];
+}
 
 // down: a warp computes 8 output rows of pair p's expert, 4 lanes a row; lane l reads chunk l % 4 of every
 // group of its row (I / 128 chunks) and the 32 activations each multiplies, stored by gate/up in the words
@@ -403,9 +395,9 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
         const uint32_t word_lo = (&q[G][2 * half].x)[m], word_hi = (&q[G][2 * half + 1].x)[m];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {  // codes (2j, 2j + 4) in k-slots 2t, 2t+1; (2j+1, 2j+5) in 2t+8, 2t+9
-          const uint32_t a[4] = {code_pair(word_lo, 2 * j, zero_pair[0]), code_pair(word_hi, 2 * j, zero_pair[1]),
-                                 code_pair(word_lo, 2 * j + 1, zero_pair[0]),
-                                 code_pair(word_hi, 2 * j + 1, zero_pair[1])};
+          const uint32_t a[4] = {
+              code_pair(word_lo, 2 * j, zero_pair[0]), code_pair(word_hi, 2 * j, zero_pair[1]),
+              code_pair(word_lo, 2 * j + 1, zero_pair[0]), code_pair(word_hi, 2 * j + 1, zero_pair[1])};
           mma_bf16(c, a, b[m][j]);
         }
       }
@@ -454,18 +446,11 @@ extern "C" int spillway_int4_gate_up(const void* x, const void* rows, const void
   if (hidden % 128 != 0 || hidden > 1024 * chunk_loads || inter % (rows_per_warp * warps) != 0) {
     return cudaErrorInvalidValue;
   }
+  const GateUpKernel kernel = gate_up_instance(rows_per_warp, chunk_loads);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
   const dim3 grid(pairs, inter / (rows_per_warp * warps));
-  const dim3 block(warps * kLanes);
-  const auto s = static_cast<cudaStream_t>(stream);
-  switch (rows_per_warp) {
-    case 1: return launch_rows<1>(chunk_loads, grid, block, s, pdl, x, rows, row_of, wide_rows, wide_row_of,
-                                  lookup, codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
-    case 2: return launch_rows<2>(chunk_loads, grid, block, s, pdl, x, rows, row_of, wide_rows, wide_row_of,
-                                  lookup, codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
-    case 4: return launch_rows<4>(chunk_loads, grid, block, s, pdl, x, rows, row_of, wide_rows, wide_row_of,
-                                  lookup, codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled);
-    default: return cudaErrorInvalidValue;
-  }
+  return launch_pdl(kernel, grid, dim3(warps * kLanes), stream, pdl, x, rows, row_of, wide_rows, wide_row_of,
+                    lookup, codes, scales, zeros, act, k, hidden, inter, act_layout, gdc, settled, 0xFu);
 }
 
 // partial [P, H] fp32 <- weights[p] (fp32, or bf16 with `bf16_weights`) * down of pair p's expert (rows as
@@ -482,22 +467,10 @@ extern "C" int spillway_int4_down(const void* act, const void* rows, const void*
                                   int k, int hidden, int inter, int warps, int fold, int pdl, int gdc,
                                   void* stream) {
   if (inter % 128 != 0 || inter > 128 * kMaxGroups || hidden % (8 * warps) != 0) return cudaErrorInvalidValue;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(pairs, hidden / (8 * warps));
-  config.blockDim = dim3(warps * kLanes);
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, down_kernel, static_cast<const float*>(act), rows, row_of, wide_rows,
-                            wide_row_of, lookup, weights, bf16_weights,
-                            static_cast<const uint4*>(codes), static_cast<const __nv_bfloat16*>(scales),
-                            static_cast<const uint8_t*>(zeros), static_cast<float*>(partial),
-                            static_cast<int*>(counters), static_cast<const __nv_bfloat16*>(shared),
-                            static_cast<const __nv_bfloat16*>(gate), gate_stride,
-                            static_cast<__nv_bfloat16*>(out), k, hidden, inter, fold, gdc, 0xFu);
+  const dim3 grid(pairs, hidden / (8 * warps));
+  return launch_pdl(down_kernel, grid, dim3(warps * kLanes), stream, pdl, act, rows, row_of, wide_rows,
+                    wide_row_of, lookup, weights, bf16_weights, codes, scales, zeros, partial, counters, shared,
+                    gate, gate_stride, out, k, hidden, inter, fold, gdc, 0xFu);
 }
 
 // gate/up on the tensor cores (gate_up_mma_kernel; prepared, not yet run on a GPU): as spillway_int4_gate_up,
@@ -509,17 +482,7 @@ extern "C" int spillway_int4_gate_up_mma(const void* x, const void* rows, const 
   if (hidden % 128 != 0 || hidden > 128 * kMmaWarps * kMmaMaxGroups || inter % 16 != 0) {
     return cudaErrorInvalidValue;
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(pairs, inter / 16);
-  config.blockDim = dim3(kMmaWarps * kLanes);
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, gate_up_mma_kernel, static_cast<const __nv_bfloat16*>(x), rows, row_of,
-                            wide_rows, wide_row_of, lookup, static_cast<const uint4*>(codes),
-                            static_cast<const __nv_bfloat16*>(scales), static_cast<const uint8_t*>(zeros),
-                            static_cast<float*>(act), k, hidden, inter, act_layout, gdc, settled);
+  return launch_pdl(gate_up_mma_kernel, dim3(pairs, inter / 16), dim3(kMmaWarps * kLanes), stream, pdl, x,
+                    rows, row_of, wide_rows, wide_row_of, lookup, codes, scales, zeros, act, k, hidden, inter,
+                    act_layout, gdc, settled);
 }

@@ -41,3 +41,37 @@ def test_a_compile_error_names_the_source(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(native, "SOURCES", tmp_path)
     with pytest.raises(RuntimeError, match=r"broken\.cu"):
         native.build("broken", "sm_90")
+
+
+def test_the_int4_entry_points_get_their_declared_arguments(monkeypatch) -> None:
+    """Each of moe_int4_native's calls passes as many arguments as its ctypes signature declares, and each
+    signature has as many as the extern "C" declaration in int4_decode.cu (no GPU: the calls are recorded)."""
+    import re
+
+    import torch
+
+    from common.kernels import moe_int4_native as m
+
+    source = (native.SOURCES / "int4_decode.cu").read_text()
+    for name, signature in m._SIGNATURES.items():
+        declared = re.search(rf'extern "C" int {name}\((.*?)\)', source, re.S).group(1)
+        assert declared.count(",") + 1 == len(signature), name
+    calls = []
+    monkeypatch.setattr(m, "_function", lambda device, name: lambda *a: calls.append((name, len(a))) or 0)
+    monkeypatch.setattr(m.torch.cuda, "current_stream", lambda device: type("S", (), {"cuda_stream": 0})())
+    pool = {f"{n}_{p}": torch.zeros(2) for n in ("gate_up", "down") for p in ("qweight", "scales", "zeros")}
+    x, rows, act = (
+        torch.zeros(1, 256, dtype=torch.bfloat16),
+        torch.zeros(4, dtype=torch.int64),
+        torch.zeros(4, 128),
+    )
+    pdl = {"GDC": True, "launch_pdl": True}
+    m.gate_up(x, rows, None, pool, act, 4, 2, 2, 1, pdl, False)
+    m.gate_up(x, rows, rows, pool, act, 4, 2, 2, 1, pdl, True, mma=True)
+    m.down(act, rows, None, torch.zeros(4), pool, torch.zeros(4, 256), x, 4, 4, rows, None, None, pdl)
+    assert [(name, n) for name, n in calls] == [(name, len(m._SIGNATURES[name])) for name, _ in calls]
+    assert [name for name, _ in calls] == [
+        "spillway_int4_gate_up",
+        "spillway_int4_gate_up_mma",
+        "spillway_int4_down",
+    ]

@@ -28,7 +28,7 @@ print(json.dumps(found))
 
 
 def test_a_launch_asks_for_the_trigger_it_is_set_to(monkeypatch) -> None:
-    monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: True)
+    monkeypatch.setattr(pdl, "hopper_or_later", lambda index: True)
     gpu = torch.device("cuda", 0)
     assert pdl.launch(gpu) == {"GDC": True, "launch_pdl": True}
     assert pdl.launch(gpu, hold_next=True) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
