@@ -108,7 +108,10 @@ class DecodeConfig:
     native_mma: bool = False
     """With `native_rows`: gate_up by the CUDA C tensor-core kernel instead (moe_int4_native.gate_up's `mma`;
     ~3.1 instructions a code against ~6.8, `bench.sass_census --native`), where it takes the call (hidden up
-    to 2,560). Prepared: not yet run on a GPU."""
+    to 2,560). Each warp loads one group of codes ahead of the one it multiplies: with every group loaded
+    before any math (one wave of 400 blocks at flashnext's shape, loads then MMAs) it measured 20.02 µs a call
+    against the scalar kernel's 19.65; two groups ahead 17.74, one 16.29, none 16.91
+    (`bench.moe_int4_tune --native --tokens 1`, bench/results/moe-int4-decode-native.txt)."""
     native_down_warps: int = 0
     """down (and the fold of a token's choices) by the CUDA C kernel at this many warps a block, 8 rows a warp
     (0: Triton's), where it takes the call (`words`, bf16 on Hopper, no host reads); else Triton's."""
@@ -132,14 +135,16 @@ RESIDENT_CONFIGS = {
     **DECODE_CONFIGS,
     1: DecodeConfig(
         block=8, down_block=16, down_groups_per_step=1, down_warps=2, words=True,
-        native_rows=2, native_warps=2, native_down_warps=4,
+        native_rows=2, native_warps=2, native_down_warps=4, native_mma=True,
     ),
 }  # fmt: skip
 """The shapes of decode steps with no copies beside them (every expert resident:
 OffloadedExperts.all_resident): DECODE_CONFIGS but at one token, where gate_up and down run as CUDA C
-(DecodeConfig.native_rows, native_down_warps; Triton's words form below where the kernels cannot be built):
-19.66 µs a call against the words form's 24.83 (`bench.moe_int4_tune --native --tokens 1`,
-bench/results/moe-int4-decode-native.txt; gate_up alone 20.97) and decode-allfit 195.92 tok/s against
+(DecodeConfig.native_rows, native_down_warps; Triton's words form below where the kernels cannot be built),
+gate_up on the tensor cores (native_mma): 16.29 µs a call against 19.66 with the scalar CUDA gate_up and the
+words form's 24.94 (`bench.moe_int4_tune --native --tokens 1`, bench/results/moe-int4-decode-native.txt),
+decode-allfit 206.01 tok/s against the scalar gate_up's 198.31 (+3.9 %, one process,
+decode-allfit-native-mma-ab.json). The scalar pair first ran decode-allfit 195.92 tok/s against Triton's
 187.00 (+4.8 %; gate_up alone 193.28), in one process (decode-allfit-native-ab.json, 611985c). Before them,
 the codes read as words with down at one group a step (flashnext's 5 groups: 4 a step left three idle in the
 second) measured 24.40 µs a call against 29.36 (`bench.moe_int4_tune --down`,

@@ -122,8 +122,8 @@ def gate_up(
     (DecodeConfig.split_act). `pdl`: the call's `pdl.launch(...)` keywords; `settled`: the rows are not the
     kernel just before's outputs, so their codes are loaded before the programmatic wait. `available` must
     hold. `mma`: on the tensor cores instead (int4_decode.cu's gate_up_mma_kernel: 16 rows a block of 4
-    warps, each warp a quarter of the groups; `rows_per_warp` and `warps` unused); `mma_available` must
-    hold. Prepared: not yet run on a GPU."""
+    warps, each warp a quarter of the groups, one group's codes loaded ahead of the one it multiplies;
+    `rows_per_warp` and `warps` unused); `mma_available` must hold."""
     hidden, inter = x.shape[1], act.shape[1]
     shape = () if mma else (rows_per_warp, warps, -(-hidden // 1024))
     name = "spillway_int4_gate_up_mma" if mma else "spillway_int4_gate_up"

@@ -284,18 +284,21 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
 }
 
 
-// gate/up on the tensor cores (prepared, not yet run on a GPU): a block of 4 warps computes 16 gate rows and
-// their 16 up rows of pair p's expert; warp w takes the groups g = w, w + 4, ... of the inputs and the block
-// sums the 4 partial dots in shared memory. Per group a lane loads one 16-byte chunk (chunk t = lane % 4) of
-// row lane / 4 and of row lane / 4 + 8, for gate and for up: 8 words. One LOP3 turns a word's codes i and
-// i + 4 into the bf16 pair 128 + q (bf16's last place at 128 is 1) and one bf16x2 subtraction into q - z,
-// exact; an m16n8k16 MMA multiplies 16 rows x 16 codes by the inputs, which every lane packs the same way
-// (all 8 columns of B hold x, so every column of C holds the dot), accumulating in fp32; the group's scale
-// multiplies that in fp32. Compiled for sm_90: 1,968 instructions a warp for 32 rows x 640 inputs, ~3.1 a
-// code against the scalar kernel's ~6.8; capped at 128 registers (4 blocks an SM: flashnext's 400 blocks
-// in one wave), ptxas spills 52 bytes.
+// gate/up on the tensor cores: a block of 4 warps computes 16 gate rows and their 16 up rows of pair p's
+// expert; warp w takes the groups g = w, w + 4, ... of the inputs and the block sums the 4 partial dots in
+// shared memory. Per group a lane loads one 16-byte chunk (chunk t = lane % 4) of row lane / 4 and of row
+// lane / 4 + 8, for gate and for up: 8 words. One LOP3 turns a word's codes i and i + 4 into the bf16 pair
+// 128 + q (bf16's last place at 128 is 1) and one bf16x2 subtraction into q - z, exact; an m16n8k16 MMA
+// multiplies 16 rows x 16 codes by the inputs, which every lane packs the same way (all 8 columns of B hold
+// x, so every column of C holds the dot), accumulating in fp32; the group's scale multiplies that in fp32.
+// A warp loads kMmaAhead groups of codes ahead of the one it multiplies. At flashnext's shape the 400 blocks
+// are one wave: with every group loaded before any math, each SM first waited for all its bytes and then
+// only computed (20.02 us a call with down, against the scalar kernel's 19.65); one group ahead, 16.29
+// (bench/results/moe-int4-decode-native.txt). Compiled for sm_90: 2,136 instructions a warp for 32 rows x
+// 640 inputs (~3.3 a code, against the scalar kernel's ~6.8; bench.sass_census --native), 126 registers.
 constexpr int kMmaWarps = 4;
 constexpr int kMmaMaxGroups = 5;  // a warp's groups: inputs up to 4 * 5 * 128 = 2560
+constexpr int kMmaAhead = 1;      // groups whose codes are loaded ahead of the one being multiplied
 
 __device__ __forceinline__ uint32_t code_pair(uint32_t word, int i, uint32_t zero_pair) {
   uint32_t bits;  // codes i and i + 4 of the word as bf16 128 + q (low half: code i)
@@ -318,6 +321,55 @@ __device__ __forceinline__ uint32_t zero_pair_of(uint8_t zero) {
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
+// One group's codes for a lane (chunk t of rows g, g + 8 of gate, then of up) and, for the row t of those
+// four, its scale (bf16 bits) and zero, raw: converted only when the group is multiplied, so that a load in
+// flight never stalls the warp. Lane (g, t)'s row t is handed to the others by shuffles.
+struct MmaGroup {
+  uint4 q[4];
+  uint32_t zero;
+  uint32_t scale;
+};
+
+// acc (rows g, g + 8 of gate, then of up) += one group's dots: its codes `s` against this lane's 32 inputs
+// `xv` (the group's chunk t), each row's scale applied in fp32.
+__device__ __forceinline__ void mma_group(const MmaGroup& s, const uint4* xv, int g, float* acc) {
+  // The inputs as 16 bf16 pairs X[i] = (x[2i], x[2i + 1]), and B's fragments: for word m and pair j,
+  // (x[8m + 2j], x[8m + 2j + 4]) and (x[8m + 2j + 1], x[8m + 2j + 5]), the low and the high halves of
+  // X[4m + j] and X[4m + j + 2] (one PRMT each).
+  uint32_t xw[16];
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    xw[4 * v] = xv[v].x, xw[4 * v + 1] = xv[v].y, xw[4 * v + 2] = xv[v].z, xw[4 * v + 3] = xv[v].w;
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // gate (rows 0, 1 of q), then up (rows 2, 3)
+    uint32_t zero_pair[2];
+    float scale[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // row 2 * half + r's scale and zero, from lane (g, 2 * half + r)
+      const int from = g * 4 + 2 * half + r;
+      zero_pair[r] = zero_pair_of(static_cast<uint8_t>(__shfl_sync(0xffffffffu, s.zero, from)));
+      scale[r] = __uint_as_float(__shfl_sync(0xffffffffu, s.scale, from) << 16);
+    }
+    float c[4] = {};
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {  // the chunk's words: inputs 32t + 8m + 0..7
+      const uint32_t word_lo = (&s.q[2 * half].x)[m], word_hi = (&s.q[2 * half + 1].x)[m];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {  // codes (2j, 2j + 4) in k-slots 2t, 2t+1; (2j+1, 2j+5) in 2t+8, 2t+9
+        const uint32_t a[4] = {
+            code_pair(word_lo, 2 * j, zero_pair[0]), code_pair(word_hi, 2 * j, zero_pair[1]),
+            code_pair(word_lo, 2 * j + 1, zero_pair[0]), code_pair(word_hi, 2 * j + 1, zero_pair[1])};
+        const uint32_t b[2] = {__byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x5410),
+                               __byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x7632)};
+        mma_bf16(c, a, b);
+      }
+    }
+    acc[2 * half] = fmaf(scale[0], c[0], acc[2 * half]);          // row g (every column holds the dot)
+    acc[2 * half + 1] = fmaf(scale[1], c[2], acc[2 * half + 1]);  // row g + 8
+  }
+}
+
 __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528 hold the 400 at once
     gate_up_mma_kernel(const __nv_bfloat16* __restrict__ x, const void* __restrict__ rows,
                        const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
@@ -329,81 +381,46 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
   const int g = lane / 4, t = lane % 4;  // the MMA fragments' group and thread in group
   const int first = blockIdx.y * 16;    // gate rows first..first+15
   const int chunks = hidden / 32, groups = hidden / 128;
-  // q[G][r]: group G's chunk t of rows g, g + 8 (gate), then g, g + 8 (up)
-  uint4 q[kMmaMaxGroups][4];
   int64_t row = 0;
-  auto out_row = [&](int r) -> int64_t {
+  auto out_row = [&](int r) -> int64_t {  // r: 0, 1 gate rows g, g + 8; 2, 3 up rows g, g + 8
     return row * 2 * inter + first + g + (r % 2) * 8 + (r / 2) * inter;
   };
-  auto load_codes = [&]() {
+  auto load_group = [&](int G, MmaGroup& s) {
+    const int group = warp + G * kMmaWarps;
+    if (group >= groups) return;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) s.q[r] = __ldg(codes + out_row(r) * chunks + group * 4 + t);
+    const int64_t at = out_row(t) * groups + group;
+    s.zero = zeros[at];
+    s.scale = reinterpret_cast<const uint16_t*>(scales)[at];
+  };
+  // The codes of kMmaAhead groups are in flight while one is multiplied; a group's inputs one ahead.
+  MmaGroup stage[kMmaAhead + 1];
+  auto load_first = [&]() {
     row = load_index(rows, p, wide_rows);
     if (lookup) row = load_index(row_of, row, wide_row_of);
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const uint4* at = codes + out_row(r) * chunks + warp * 4 + t;  // group `warp`'s chunk t
-#pragma unroll
-      for (int G = 0; G < kMmaMaxGroups; ++G) {
-        const bool live = warp + G * kMmaWarps < groups;
-        q[G][r] = live ? __ldg(at + G * kMmaWarps * 4) : make_uint4(0, 0, 0, 0);
-      }
-    }
+    for (int G = 0; G < kMmaAhead; ++G) load_group(G, stage[G]);
   };
-  if (settled) load_codes();
+  if (settled) load_first();
   gdc_wait(gdc);
-  if (!settled) load_codes();
+  if (!settled) load_first();
 
   const uint4* xt = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(p / k) * hidden);
-  int64_t group_at[4];  // each row's scale and zero of group `warp`
+  auto load_x = [&](int G, uint4* xv) {
+    const int group = warp + G * kMmaWarps;
+    if (group >= groups) return;
 #pragma unroll
-  for (int r = 0; r < 4; ++r) group_at[r] = out_row(r) * groups + warp;
+    for (int v = 0; v < 4; ++v) xv[v] = xt[group * 16 + t * 4 + v];
+  };
+  uint4 xv[2][4];
+  load_x(0, xv[0]);
   float acc[4] = {};  // rows g, g + 8 of gate, then of up
 #pragma unroll
   for (int G = 0; G < kMmaMaxGroups; ++G) {
-    const int group = warp + G * kMmaWarps;
-    if (group >= groups) break;
-    // This lane's 32 inputs (group's chunk t) as 16 bf16 pairs X[i] = (x[2i], x[2i + 1]), and B's
-    // fragments: for word m and pair j, (x[8m + 2j], x[8m + 2j + 4]) and (x[8m + 2j + 1], x[8m + 2j + 5]),
-    // the low and the high halves of X[4m + j] and X[4m + j + 2] (one PRMT each).
-    uint32_t xw[16];
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const uint4 packed = xt[group * 16 + t * 4 + v];
-      xw[4 * v] = packed.x, xw[4 * v + 1] = packed.y, xw[4 * v + 2] = packed.z, xw[4 * v + 3] = packed.w;
-    }
-    uint32_t b[4][2][2];
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        b[m][j][0] = __byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x5410);
-        b[m][j][1] = __byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x7632);
-      }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // gate (rows 0, 1 of q), then up (rows 2, 3)
-      uint32_t zero_pair[2];
-      float scale[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t at = group_at[2 * half + r] + G * kMmaWarps;
-        zero_pair[r] = zero_pair_of(zeros[at]);
-        scale[r] = __bfloat162float(scales[at]);
-      }
-      float c[4] = {};
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {  // the chunk's words: inputs 32t + 8m + 0..7
-        const uint32_t word_lo = (&q[G][2 * half].x)[m], word_hi = (&q[G][2 * half + 1].x)[m];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {  // codes (2j, 2j + 4) in k-slots 2t, 2t+1; (2j+1, 2j+5) in 2t+8, 2t+9
-          const uint32_t a[4] = {
-              code_pair(word_lo, 2 * j, zero_pair[0]), code_pair(word_hi, 2 * j, zero_pair[1]),
-              code_pair(word_lo, 2 * j + 1, zero_pair[0]), code_pair(word_hi, 2 * j + 1, zero_pair[1])};
-          mma_bf16(c, a, b[m][j]);
-        }
-      }
-      acc[2 * half] = fmaf(scale[0], c[0], acc[2 * half]);          // row g (every column holds the dot)
-      acc[2 * half + 1] = fmaf(scale[1], c[2], acc[2 * half + 1]);  // row g + 8
-    }
+    if (G + kMmaAhead < kMmaMaxGroups) load_group(G + kMmaAhead, stage[(G + kMmaAhead) % (kMmaAhead + 1)]);
+    if (G + 1 < kMmaMaxGroups) load_x(G + 1, xv[(G + 1) % 2]);
+    if (warp + G * kMmaWarps < groups) mma_group(stage[G % (kMmaAhead + 1)], xv[G % 2], g, acc);
   }
   __shared__ float partial[kMmaWarps][32];  // a warp's 16 gate then 16 up rows
   if (t == 0) {
@@ -473,7 +490,7 @@ extern "C" int spillway_int4_down(const void* act, const void* rows, const void*
                     gate, gate_stride, out, k, hidden, inter, fold, gdc, 0xFu);
 }
 
-// gate/up on the tensor cores (gate_up_mma_kernel; prepared, not yet run on a GPU): as spillway_int4_gate_up,
+// gate/up on the tensor cores (gate_up_mma_kernel): as spillway_int4_gate_up,
 // 16 rows a block of 4 warps; I a multiple of 16, hidden a multiple of 128 up to 2560.
 extern "C" int spillway_int4_gate_up_mma(const void* x, const void* rows, const void* row_of, int wide_rows,
                                          int wide_row_of, int lookup, const void* codes, const void* scales,
