@@ -91,7 +91,10 @@ def label(setting: dict) -> str:
         text += " native mma"
     elif setting.get("native_rows"):
         text += f" native {setting['native_rows']}x{setting['native_warps']}"
-    text += f" native down {setting['native_down_warps']}" if setting.get("native_down_warps") else ""
+    if setting.get("native_down_mma"):
+        text += " native down mma"
+    elif setting.get("native_down_warps"):
+        text += f" native down {setting['native_down_warps']}"
     return text + (f" stages {setting['stages']}" if setting.get("stages", 1) > 1 else "")
 
 
@@ -181,8 +184,8 @@ def _mma_settings() -> list[dict]:
 def _native_settings() -> list[dict]:
     """gate_up by the CUDA C kernel (DecodeConfig.native_rows) over rows a warp and warps a block, down as
     RESIDENT_CONFIGS' one-token shape; then down by its CUDA C kernel too, over warps a block; then gate_up
-    on the tensor cores (DecodeConfig.native_mma), with Triton's and the CUDA down; beside the Triton words
-    shape (Triton's words gate_up)."""
+    on the tensor cores (DecodeConfig.native_mma), with Triton's and the CUDA down; then down on the tensor
+    cores (DecodeConfig.native_down_mma) after either CUDA gate_up; beside the Triton words shape."""
     down = {"words": True, "down_block": 16, "down_groups_per_step": 1, "down_warps": 2}
     resident = {"block": 8, "groups_per_step": 4, "num_warps": 4} | down
     gate_up = [
@@ -190,7 +193,13 @@ def _native_settings() -> list[dict]:
     ]
     both = [resident | {"native_rows": 2, "native_warps": 2, "native_down_warps": w} for w in (1, 2, 4, 8)]
     mma = [resident | {"native_rows": 2, "native_mma": True, "native_down_warps": w} for w in (0, 4)]
-    return [resident, *gate_up, *both, *mma]
+    down_mma = [
+        resident
+        | {"native_rows": 2, "native_warps": 2, "native_mma": m, "native_down_warps": 4}
+        | {"native_down_mma": True}
+        for m in (False, True)
+    ]
+    return [resident, *gate_up, *both, *mma, *down_mma]
 
 
 def _chunked(settings: list[dict], counts: list[int]) -> list[dict]:

@@ -115,6 +115,10 @@ class DecodeConfig:
     native_down_warps: int = 0
     """down (and the fold of a token's choices) by the CUDA C kernel at this many warps a block, 8 rows a warp
     (0: Triton's), where it takes the call (`words`, bf16 on Hopper, no host reads); else Triton's."""
+    native_down_mma: bool = False
+    """With `native_down_warps`: down on the tensor cores in CUDA C instead (moe_int4_native.down's `mma`),
+    where it and the CUDA gate_up take the call: gate_up hands it the activations in bf16 in order (act
+    layout 3; the other forms keep them in fp32)."""
 
 
 DECODE_CONFIGS = {
@@ -607,6 +611,7 @@ def moe_int4_decode(
     native_warps: int | None = None,
     native_down_warps: int | None = None,
     native_mma: bool | None = None,
+    native_down_mma: bool | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -654,6 +659,7 @@ def moe_int4_decode(
         "native_warps": native_warps,
         "native_down_warps": native_down_warps,
         "native_mma": native_mma,
+        "native_down_mma": native_down_mma,
     }
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
@@ -662,7 +668,15 @@ def moe_int4_decode(
     c = replace(c, words=words, mma=c.mma and words, gate_up_chunks=c.gate_up_chunks if host is None else 1)
     hidden = x.shape[1]
     inter = pool["down_qweight"].shape[2] * 2
-    act = torch.empty((t * k, inter), dtype=torch.float32, device=x.device)
+    native_gate_up = _native(c, x, host, inter)
+    down_mma = (
+        native_gate_up
+        and c.native_down_mma
+        and bool(c.native_down_warps)
+        and moe_int4_native.down_mma_available(x, inter, shared_gate)
+    )
+    act_dtype = torch.bfloat16 if down_mma else torch.float32
+    act = torch.empty((t * k, inter), dtype=act_dtype, device=x.device)
     partial = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     pdl = launch(x.device)  # every kernel of the call: the same launch
@@ -708,9 +722,9 @@ def moe_int4_decode(
     if n_chunks > 1:
         part = torch.empty((n_chunks, t * k, 2, inter), dtype=torch.float32, device=x.device)
     counts = arrival.counters(x.device, t * k * blocks) if n_chunks > 1 else act
-    if _native(c, x, host, inter):
+    if native_gate_up:
         lookup = row_of if knobs["LOOKUP"] else None
-        layout = 1 if c.words else 2 if c.split_act else 0
+        layout = 3 if down_mma else 1 if c.words else 2 if c.split_act else 0
         mma = c.native_mma and moe_int4_native.mma_available(x, hidden, inter)
         moe_int4_native.gate_up(
             x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled, mma
@@ -733,11 +747,14 @@ def moe_int4_decode(
     sums_knobs = {"K": k, "SHARED": shared is not partial, "GATED": gated}
     fold = arrival.folds(t)
     warps = c.native_down_warps
-    if warps and c.words and host is None and moe_int4_native.down_available(x, inter, warps, shared_gate):
-        counts = arrival.counters(x.device, t * hidden // (8 * warps)) if fold else None
+    if down_mma or (
+        warps and c.words and host is None and moe_int4_native.down_available(x, inter, warps, shared_gate)
+    ):
+        rows_a_block = moe_int4_native.MMA_DOWN_ROWS if down_mma else 8 * warps
+        counts = arrival.counters(x.device, t * hidden // rows_a_block) if fold else None
         moe_int4_native.down(
             act, rows, row_of if knobs["LOOKUP"] else None, weights, pool, partial, out, k, warps, counts,
-            shared if sums_knobs["SHARED"] else None, shared_gate, pdl,
+            shared if sums_knobs["SHARED"] else None, shared_gate, pdl, mma=down_mma,
         )  # fmt: skip
     else:
         blocks = hidden // down_block

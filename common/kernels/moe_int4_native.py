@@ -29,7 +29,10 @@ _SIGNATURES = {
     "spillway_int4_gate_up": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 11 + (_P,),
     "spillway_int4_down": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 8 + (_P,),
     "spillway_int4_gate_up_mma": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 8 + (_P,),
+    "spillway_int4_down_mma": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 7 + (_P,),
 }
+MMA_DOWN_ROWS = 64
+"""The tensor-core down's rows a block (16 a warp, 4 warps): hidden a multiple of it."""
 
 
 def _function(device: torch.device, name: str):
@@ -90,6 +93,19 @@ def down_available(x: torch.Tensor, inter: int, warps: int, shared_gate: torch.T
     )
 
 
+def down_mma_available(x: torch.Tensor, inter: int, shared_gate: torch.Tensor | None) -> bool:
+    """Whether the tensor-core down takes this call: as `down_available`'s device, dtypes and inter, hidden
+    whole blocks of MMA_DOWN_ROWS rows."""
+    return (
+        _hopper_bf16(x)
+        and (shared_gate is None or shared_gate.dtype == torch.bfloat16)
+        and inter % 128 == 0
+        and inter <= MAX_INTER
+        and x.shape[1] % MMA_DOWN_ROWS == 0
+        and _function(x.device, "spillway_int4_down_mma") is not None
+    )
+
+
 def _gdc(pdl: dict) -> int:
     return {True: 1, WAIT_ONLY: 2}.get(pdl["GDC"], 0)
 
@@ -139,19 +155,23 @@ def down(
     act: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, weights: torch.Tensor,
     pool: dict[str, torch.Tensor], partial: torch.Tensor, out: torch.Tensor, k: int, warps: int,
     fold: torch.Tensor | None, shared: torch.Tensor | None, shared_gate: torch.Tensor | None, pdl: dict,
+    mma: bool = False,
 ) -> None:  # fmt: skip
     """partial [P, H] fp32 ← weights[p] · down of each pair's expert at act[p] (words layout); with `fold`
     (the stream's arrival counters), out [T, H] ← each token's k partial rows summed in order, plus `shared`
     (gated by σ(shared_gate[t, 0]) when given), by the last pair of a block of rows to finish. Without, the
-    caller sums them. `down_available` must hold."""
+    caller sums them. `down_available` must hold. `mma`: on the tensor cores instead (int4_decode.cu's
+    down_mma_kernel: 16 rows a warp, 4 warps a block, `warps` unused), act bf16 in order (gate/up's
+    layout 3); `down_mma_available` must hold."""
     hidden, inter = partial.shape[1], act.shape[1]
     gate_stride = shared_gate.stride(0) if shared_gate is not None else 0
-    status = _function(act.device, "spillway_int4_down")(
+    name = "spillway_int4_down_mma" if mma else "spillway_int4_down"
+    status = _function(act.device, name)(
         act.data_ptr(), *_rows(rows, row_of), weights.data_ptr(), weights.dtype == torch.bfloat16,
         *_matrix(pool, "down"), partial.data_ptr(), fold.data_ptr() if fold is not None else None,
         shared.data_ptr() if shared is not None else None,
         shared_gate.data_ptr() if shared_gate is not None else None, gate_stride, out.data_ptr(),
-        rows.numel(), k, hidden, inter, warps, fold is not None, "launch_pdl" in pdl, _gdc(pdl),
-        torch.cuda.current_stream(act.device).cuda_stream,
+        rows.numel(), k, hidden, inter, *(() if mma else (warps,)), fold is not None, "launch_pdl" in pdl,
+        _gdc(pdl), torch.cuda.current_stream(act.device).cuda_stream,
     )  # fmt: skip
-    _check(status, "spillway_int4_down")
+    _check(status, name)

@@ -158,3 +158,29 @@ def test_native_mma_gate_up_matches_dequantised_reference(hidden, inter, tokens,
     knobs = {"block": 8, "native_rows": 2, "native_mma": True, "row_of": row_of, **layout}
     want = _reference(x, row_of[ids], weights, pool)
     _matches_and_replays(partial(moe_int4_decode, x, ids, weights, pool, **knobs), want)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "inter", "tokens", "k"), [(256, 128, 1, 4), (512, 384, 3, 8), (2560, 640, 1, 10)]
+)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("gate_up_mma", [True, False])
+def test_native_mma_down_matches_dequantised_reference(hidden, inter, tokens, k, gated, gate_up_mma):
+    """The CUDA C tensor-core down (DecodeConfig.native_down_mma) after either CUDA gate_up, which hands it
+    the activations in bf16: the fold of one token's choices and the shared expert, the combine kernel at
+    three tokens, row_of lookup; recorded and replayed twice (the arrival counters left at zero)."""
+    from common.kernels import moe_int4_native
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    pool, x, ids, gen = _routed(hidden, inter, tokens, k, hidden + inter + gated)
+    row_of = torch.randperm(12, generator=gen).cuda()
+    weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
+    shared = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+    gate = torch.randn(tokens, 1, generator=gen).to(torch.bfloat16).cuda() if gated else None
+    assert moe_int4_native.down_mma_available(x, inter, gate), "the CUDA kernel did not build"
+    knobs = {"block": 8, "words": True, "native_rows": 2, "native_warps": 2, "native_mma": gate_up_mma}
+    knobs |= {"native_down_warps": 4, "native_down_mma": True, "row_of": row_of}
+    scale = torch.sigmoid(gate.float()) if gated else 1.0
+    want = _reference(x, row_of[ids], weights, pool) + shared.float() * scale
+    call = partial(moe_int4_decode, x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)
+    _matches_and_replays(call, want, replays=2)

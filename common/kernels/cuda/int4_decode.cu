@@ -66,6 +66,19 @@ __device__ __forceinline__ int64_t split_at(int n) {
   return n - j + (j % 2) * 64 + j / 2;
 }
 
+// act column n of pair p <- value, in down's layout: 0 fp32 in order, 1 fp32 words (with its factor),
+// 2 fp32 split, 3 bf16 in order (the tensor-core down's).
+__device__ __forceinline__ void store_act(float* act, int p, int inter, int n, int layout, float value) {
+  const int64_t row = static_cast<int64_t>(p) * inter;
+  if (layout == 3) {
+    reinterpret_cast<__nv_bfloat16*>(act)[row + n] = __float2bfloat16(value);
+    return;
+  }
+  float factor = 1.0f;
+  const int64_t at = layout == 1 ? words_at(n, &factor) : layout == 2 ? split_at(n) : n;
+  act[row + at] = value * factor;
+}
+
 template <int R, int C>
 __global__ void gate_up_kernel(const __nv_bfloat16* __restrict__ x, const void* __restrict__ rows,
                                const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
@@ -147,11 +160,7 @@ __global__ void gate_up_kernel(const __nv_bfloat16* __restrict__ x, const void* 
         up = acc[R + r];
       }
     }
-    const int n = first + lane;
-    const float value = gate / (1.0f + __expf(-gate)) * up;
-    float factor = 1.0f;
-    const int64_t at = act_layout == 1 ? words_at(n, &factor) : act_layout == 2 ? split_at(n) : n;
-    act[static_cast<int64_t>(p) * inter + at] = value * factor;
+    store_act(act, p, inter, first + lane, act_layout, gate / (1.0f + __expf(-gate)) * up);
   }
 }
 
@@ -197,6 +206,38 @@ __device__ __forceinline__ float offset_term(uint32_t word, uint32_t mask, float
   uint32_t bits;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(bits) : "r"(word), "r"(mask), "n"(0x4B000000));
   return fmaf(__uint_as_float(bits) - offset, a, dot);
+}
+
+// The fold of a block's `rows_here` rows, called by every thread once its partial rows are written: the last
+// of a token's k pairs to arrive sums their k partial rows in order, plus the shared expert (gated), into out
+// (common/kernels/arrival.py: the same additions in the same order, whatever the schedule; the counter left
+// at zero).
+__device__ void fold_rows(const float* partial, int* counters, const __nv_bfloat16* shared,
+                          const __nv_bfloat16* gate, int gate_stride, __nv_bfloat16* out, int p, int k, int hidden,
+                          int rows_here) {
+  __shared__ int last;
+  __threadfence();  // this thread's partial row before the count
+  __syncthreads();
+  const int t = p / k;
+  if (threadIdx.x == 0) {
+    int* counter = counters + static_cast<int64_t>(t) * gridDim.y + blockIdx.y;
+    last = atomicAdd(counter, 1) == k - 1;
+    if (last) atomicExch(counter, 0);
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int r = threadIdx.x; r < rows_here; r += blockDim.x) {
+    const int i = blockIdx.y * rows_here + r;
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) sum += __ldcg(partial + static_cast<int64_t>(t * k + j) * hidden + i);
+    if (shared != nullptr) {
+      float s = __bfloat162float(shared[static_cast<int64_t>(t) * hidden + i]);
+      if (gate != nullptr) s /= 1.0f + __expf(-__bfloat162float(gate[static_cast<int64_t>(t) * gate_stride]));
+      sum += s;
+    }
+    out[static_cast<int64_t>(t) * hidden + i] = __float2bfloat16(sum);
+  }
 }
 
 __global__ void down_kernel(const float* __restrict__ act, const void* __restrict__ rows,
@@ -256,31 +297,7 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
   acc += __shfl_xor_sync(0xffffffffu, acc, 1);
   acc += __shfl_xor_sync(0xffffffffu, acc, 2);
   if (part == 0) partial[static_cast<int64_t>(p) * hidden + n] = acc * weight;
-  if (!fold) return;
-  __shared__ int last;
-  __threadfence();  // this thread's partial row before the count
-  __syncthreads();
-  const int t = p / k;
-  if (threadIdx.x == 0) {
-    int* counter = counters + static_cast<int64_t>(t) * gridDim.y + blockIdx.y;
-    last = atomicAdd(counter, 1) == k - 1;
-    if (last) atomicExch(counter, 0);
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int rows_here = blockDim.x / kLanes * 8;
-  for (int r = threadIdx.x; r < rows_here; r += blockDim.x) {
-    const int i = blockIdx.y * rows_here + r;
-    float sum = 0.0f;
-    for (int j = 0; j < k; ++j) sum += __ldcg(partial + static_cast<int64_t>(t * k + j) * hidden + i);
-    if (shared != nullptr) {
-      float s = __bfloat162float(shared[static_cast<int64_t>(t) * hidden + i]);
-      if (gate != nullptr) s /= 1.0f + __expf(-__bfloat162float(gate[static_cast<int64_t>(t) * gate_stride]));
-      sum += s;
-    }
-    out[static_cast<int64_t>(t) * hidden + i] = __float2bfloat16(sum);
-  }
+  if (fold) fold_rows(partial, counters, shared, gate, gate_stride, out, p, k, hidden, blockDim.x / kLanes * 8);
 }
 
 
@@ -330,43 +347,57 @@ struct MmaGroup {
   uint32_t scale;
 };
 
-// acc (rows g, g + 8 of gate, then of up) += one group's dots: its codes `s` against this lane's 32 inputs
-// `xv` (the group's chunk t), each row's scale applied in fp32.
-__device__ __forceinline__ void mma_group(const MmaGroup& s, const uint4* xv, int g, float* acc) {
-  // The inputs as 16 bf16 pairs X[i] = (x[2i], x[2i + 1]), and B's fragments: for word m and pair j,
-  // (x[8m + 2j], x[8m + 2j + 4]) and (x[8m + 2j + 1], x[8m + 2j + 5]), the low and the high halves of
-  // X[4m + j] and X[4m + j + 2] (one PRMT each).
-  uint32_t xw[16];
+// The 16 bf16 input pairs X[i] = (x[2i], x[2i + 1]) of this lane's 32 inputs (a chunk: 4 loads).
+__device__ __forceinline__ void input_pairs(const uint4* xv, uint32_t* xw) {
 #pragma unroll
   for (int v = 0; v < 4; ++v) {
     xw[4 * v] = xv[v].x, xw[4 * v + 1] = xv[v].y, xw[4 * v + 2] = xv[v].z, xw[4 * v + 3] = xv[v].w;
   }
+}
+
+// acc[0], acc[1] (rows g, g + 8) += scale * dot of one group: the rows' chunk t of codes (`lo`, `hi`: 4
+// words each), their zero pairs and scales, against this lane's input pairs `xw`. B's fragments: for word m
+// and pair j, (x[8m + 2j], x[8m + 2j + 4]) and (x[8m + 2j + 1], x[8m + 2j + 5]), the low and the high halves
+// of X[4m + j] and X[4m + j + 2] (one PRMT each).
+__device__ __forceinline__ void mma_rows(const uint4& lo, const uint4& hi, const uint32_t* zero_pair,
+                                         const float* scale, const uint32_t* xw, float* acc) {
+  float c[4] = {};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {  // the chunk's words: inputs 32t + 8m + 0..7
+    const uint32_t word_lo = (&lo.x)[m], word_hi = (&hi.x)[m];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // codes (2j, 2j + 4) in k-slots 2t, 2t+1; (2j+1, 2j+5) in 2t+8, 2t+9
+      const uint32_t a[4] = {
+          code_pair(word_lo, 2 * j, zero_pair[0]), code_pair(word_hi, 2 * j, zero_pair[1]),
+          code_pair(word_lo, 2 * j + 1, zero_pair[0]), code_pair(word_hi, 2 * j + 1, zero_pair[1])};
+      const uint32_t b[2] = {__byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x5410),
+                             __byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x7632)};
+      mma_bf16(c, a, b);
+    }
+  }
+  acc[0] = fmaf(scale[0], c[0], acc[0]);  // row g (every column holds the dot)
+  acc[1] = fmaf(scale[1], c[2], acc[1]);  // row g + 8
+}
+
+// Row r's zero pair and scale from lane (g, r), which loaded them (`zero`, `scale`: raw bf16 bits).
+__device__ __forceinline__ void row_scale(uint32_t zero, uint32_t scale, int g, int r, uint32_t* zero_pair,
+                                          float* value) {
+  *zero_pair = zero_pair_of(static_cast<uint8_t>(__shfl_sync(0xffffffffu, zero, g * 4 + r)));
+  *value = __uint_as_float(__shfl_sync(0xffffffffu, scale, g * 4 + r) << 16);
+}
+
+// acc (rows g, g + 8 of gate, then of up) += one group's dots: its codes `s` against this lane's 32 inputs
+// `xv` (the group's chunk t), each row's scale applied in fp32.
+__device__ __forceinline__ void mma_group(const MmaGroup& s, const uint4* xv, int g, float* acc) {
+  uint32_t xw[16];
+  input_pairs(xv, xw);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // gate (rows 0, 1 of q), then up (rows 2, 3)
     uint32_t zero_pair[2];
     float scale[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // row 2 * half + r's scale and zero, from lane (g, 2 * half + r)
-      const int from = g * 4 + 2 * half + r;
-      zero_pair[r] = zero_pair_of(static_cast<uint8_t>(__shfl_sync(0xffffffffu, s.zero, from)));
-      scale[r] = __uint_as_float(__shfl_sync(0xffffffffu, s.scale, from) << 16);
-    }
-    float c[4] = {};
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {  // the chunk's words: inputs 32t + 8m + 0..7
-      const uint32_t word_lo = (&s.q[2 * half].x)[m], word_hi = (&s.q[2 * half + 1].x)[m];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {  // codes (2j, 2j + 4) in k-slots 2t, 2t+1; (2j+1, 2j+5) in 2t+8, 2t+9
-        const uint32_t a[4] = {
-            code_pair(word_lo, 2 * j, zero_pair[0]), code_pair(word_hi, 2 * j, zero_pair[1]),
-            code_pair(word_lo, 2 * j + 1, zero_pair[0]), code_pair(word_hi, 2 * j + 1, zero_pair[1])};
-        const uint32_t b[2] = {__byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x5410),
-                               __byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x7632)};
-        mma_bf16(c, a, b);
-      }
-    }
-    acc[2 * half] = fmaf(scale[0], c[0], acc[2 * half]);          // row g (every column holds the dot)
-    acc[2 * half + 1] = fmaf(scale[1], c[2], acc[2 * half + 1]);  // row g + 8
+    for (int r = 0; r < 2; ++r) row_scale(s.zero, s.scale, g, 2 * half + r, &zero_pair[r], &scale[r]);
+    mma_rows(s.q[2 * half], s.q[2 * half + 1], zero_pair, scale, xw, acc + 2 * half);
   }
 }
 
@@ -438,11 +469,80 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
       gate += partial[w][i];
       up += partial[w][16 + i];
     }
-    const int n = first + i;
-    float factor = 1.0f;
-    const int64_t at = act_layout == 1 ? words_at(n, &factor) : act_layout == 2 ? split_at(n) : n;
-    act[static_cast<int64_t>(p) * inter + at] = gate / (1.0f + __expf(-gate)) * up * factor;
+    store_act(act, p, inter, first + i, act_layout, gate / (1.0f + __expf(-gate)) * up);
   }
+}
+
+// down on the tensor cores: a warp computes 16 output rows of pair p's expert over all I inputs, as one half
+// of gate_up_mma_kernel does (lane (g, t): rows n + g and n + g + 8, chunk t of each group), against the
+// activations gate/up stored in bf16 in order (act layout 3). The rows are settled (as for down_kernel), so
+// all G groups' codes, scales and zeros (lanes t = 0, 1: rows n + g, n + g + 8) are loaded before the
+// programmatic wait; the activations one group ahead after it. Partial rows and the fold as down_kernel's.
+constexpr int kMmaDownRows = 16;  // a warp's rows
+constexpr int kMmaDownWarps = 4;
+
+template <int G>
+__global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
+    down_mma_kernel(const __nv_bfloat16* __restrict__ act, const void* __restrict__ rows,
+                    const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
+                    const void* __restrict__ weights, int bf16_weights, const uint4* __restrict__ codes,
+                    const __nv_bfloat16* __restrict__ scales, const uint8_t* __restrict__ zeros,
+                    float* __restrict__ partial, int* __restrict__ counters, const __nv_bfloat16* __restrict__ shared,
+                    const __nv_bfloat16* __restrict__ gate, int gate_stride, __nv_bfloat16* __restrict__ out, int k,
+                    int hidden, int fold, int gdc) {
+  const int p = blockIdx.x;
+  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  const int g = lane / 4, t = lane % 4;
+  const int n = (blockIdx.y * kMmaDownWarps + warp) * kMmaDownRows + g;  // this lane's rows n, n + 8
+  constexpr int kInter = G * 128, kChunks = G * 4;
+  int64_t row = load_index(rows, p, wide_rows);
+  if (lookup) row = load_index(row_of, row, wide_row_of);
+  const int64_t lo_row = row * hidden + n, hi_row = lo_row + 8, own_row = t % 2 ? hi_row : lo_row;
+  uint4 lo[G], hi[G];
+  uint32_t zero[G], scale[G];  // row own_row's (lane (g, r) holds row r's: row_scale)
+#pragma unroll
+  for (int i = 0; i < G; ++i) {
+    lo[i] = __ldg(codes + lo_row * kChunks + i * 4 + t);
+    hi[i] = __ldg(codes + hi_row * kChunks + i * 4 + t);
+    zero[i] = zeros[own_row * G + i];
+    scale[i] = reinterpret_cast<const uint16_t*>(scales)[own_row * G + i];
+  }
+  const float weight = bf16_weights ? __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[p])
+                                    : static_cast<const float*>(weights)[p];
+  gdc_wait(gdc);
+  const uint4* at = reinterpret_cast<const uint4*>(act + static_cast<int64_t>(p) * kInter);
+  uint4 av[2][4];
+#pragma unroll
+  for (int v = 0; v < 4; ++v) av[0][v] = at[t * 4 + v];
+  float acc[2] = {};
+#pragma unroll
+  for (int i = 0; i < G; ++i) {
+    if (i + 1 < G) {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) av[(i + 1) % 2][v] = at[(i + 1) * 16 + t * 4 + v];
+    }
+    uint32_t xw[16], zero_pair[2];
+    float value[2];
+    input_pairs(av[i % 2], xw);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_scale(zero[i], scale[i], g, r, &zero_pair[r], &value[r]);
+    mma_rows(lo[i], hi[i], zero_pair, value, xw, acc);
+  }
+  if (t == 0) {
+    partial[static_cast<int64_t>(p) * hidden + n] = acc[0] * weight;
+    partial[static_cast<int64_t>(p) * hidden + n + 8] = acc[1] * weight;
+  }
+  if (fold) fold_rows(partial, counters, shared, gate, gate_stride, out, p, k, hidden, kMmaDownWarps * kMmaDownRows);
+}
+
+using DownMmaKernel = decltype(&down_mma_kernel<1>);
+
+// down_mma_kernel<G> for I = 128 G, G 1 to 8; null for others.
+DownMmaKernel down_mma_instance(int groups) {
+  constexpr DownMmaKernel kTable[8] = {&down_mma_kernel<1>, &down_mma_kernel<2>, &down_mma_kernel<3>,
+                                       &down_mma_kernel<4>, &down_mma_kernel<5>, &down_mma_kernel<6>,
+                                       &down_mma_kernel<7>, &down_mma_kernel<8>};
+  return groups < 1 || groups > 8 ? nullptr : kTable[groups - 1];
 }
 
 }  // namespace spillway
@@ -502,4 +602,20 @@ extern "C" int spillway_int4_gate_up_mma(const void* x, const void* rows, const 
   return launch_pdl(gate_up_mma_kernel, dim3(pairs, inter / 16), dim3(kMmaWarps * kLanes), stream, pdl, x,
                     rows, row_of, wide_rows, wide_row_of, lookup, codes, scales, zeros, act, k, hidden, inter,
                     act_layout, gdc, settled);
+}
+
+// down on the tensor cores (down_mma_kernel): as spillway_int4_down, with act [P, I] bf16 in order (gate/up's
+// act layout 3), 16 rows a warp and 4 warps a block: H a multiple of 64, I a multiple of 128 up to 1024.
+extern "C" int spillway_int4_down_mma(const void* act, const void* rows, const void* row_of, int wide_rows,
+                                      int wide_row_of, int lookup, const void* weights, int bf16_weights,
+                                      const void* codes, const void* scales, const void* zeros, void* partial,
+                                      void* counters, const void* shared, const void* gate, int gate_stride,
+                                      void* out, int pairs, int k, int hidden, int inter, int fold, int pdl, int gdc,
+                                      void* stream) {
+  const DownMmaKernel kernel = inter % 128 == 0 ? down_mma_instance(inter / 128) : nullptr;
+  if (kernel == nullptr || hidden % (kMmaDownRows * kMmaDownWarps) != 0) return cudaErrorInvalidValue;
+  const dim3 grid(pairs, hidden / (kMmaDownRows * kMmaDownWarps));
+  return launch_pdl(kernel, grid, dim3(kMmaDownWarps * kLanes), stream, pdl, act, rows, row_of, wide_rows,
+                    wide_row_of, lookup, weights, bf16_weights, codes, scales, zeros, partial, counters, shared,
+                    gate, gate_stride, out, k, hidden, fold, gdc);
 }

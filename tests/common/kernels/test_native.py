@@ -69,5 +69,7 @@ def test_the_int4_entry_points_get_their_declared_arguments(monkeypatch) -> None
     m.gate_up(x, rows, None, pool, act, 4, 2, 2, 1, pdl, False)
     m.gate_up(x, rows, rows, pool, act, 4, 2, 2, 1, pdl, True, mma=True)
     m.down(act, rows, None, torch.zeros(4), pool, torch.zeros(4, 256), x, 4, 4, rows, None, None, pdl)
+    m.down(act, rows, rows, torch.zeros(4), pool, torch.zeros(4, 256), x, 4, 4, None, x, x, pdl, mma=True)
     names = ["spillway_int4_gate_up", "spillway_int4_gate_up_mma", "spillway_int4_down"]
+    names.append("spillway_int4_down_mma")
     assert calls == [(name, len(m._SIGNATURES[name])) for name in names]
