@@ -27,9 +27,10 @@ once a step.
 `--native`: the CUDA C int4 kernels (common/kernels/cuda/int4_decode.cu) built by nvcc for sm_90 at
 RESIDENT_CONFIGS' one-token launch: gate_up 2,264 instructions a warp (its 4 rows × 2,560 inputs: ~6.8 a
 weight a lane against the Triton words form's ~7.4), 123 registers; down 1,720 (its "loop" is the fold's
-sum), 69 registers; the tensor-core gate_up (DecodeConfig.native_mma) 1,968 a warp for 32 rows × 640
-inputs (~3.1 a weight a lane), 128 registers (ptxas spills 52 bytes to the stack). They are straight-line
-code, so the issue estimate counts every instruction once.
+sum), 69 registers; the tensor-core gate_up (DecodeConfig.native_mma) 2,160 a warp for 32 rows × 640
+inputs (~3.4 a weight a lane), 127 registers; the tensor-core down (DecodeConfig.native_down_mma) 1,224 a
+warp for 16 rows × 640 inputs with the fold, 124 registers. They are straight-line code, so the issue
+estimate counts every instruction once.
 """
 
 from __future__ import annotations
@@ -149,10 +150,12 @@ def native_census() -> dict[str, tuple[Census, float]]:
     chunks = -(-HIDDEN // 1024)
     wanted = {"gate_up": f"gate_up_kernelILi{rows}ELi{chunks}E", "down": "down_kernel"}
     wanted["gate_up mma"] = "gate_up_mma_kernel"
+    wanted["down mma"] = f"down_mma_kernelILi{INTER // 128}E"
     blocks = {
         "gate_up": (TOP_K * INTER // (rows * warps), warps),
         "down": (TOP_K * HIDDEN // (8 * down_warps), down_warps),
         "gate_up mma": (TOP_K * INTER // 16, 4),
+        "down mma": (TOP_K * HIDDEN // 64, 4),
     }
     sass_by = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function :|\Z)", sass, re.S))
     usage_by = dict(re.findall(r"Function (\S+):\n(.*?)\n", usage))

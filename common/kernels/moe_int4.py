@@ -107,7 +107,7 @@ class DecodeConfig:
     """The CUDA gate_up's warps a block."""
     native_mma: bool = False
     """With `native_rows`: gate_up by the CUDA C tensor-core kernel instead (moe_int4_native.gate_up's `mma`;
-    ~3.1 instructions a code against ~6.8, `bench.sass_census --native`), where it takes the call (hidden up
+    ~3.4 instructions a code against ~6.8, `bench.sass_census --native`), where it takes the call (hidden up
     to 2,560). Each warp loads one group of codes ahead of the one it multiplies: with every group loaded
     before any math (one wave of 400 blocks at flashnext's shape, loads then MMAs) it measured 20.02 µs a call
     against the scalar kernel's 19.65; two groups ahead 17.74, one 16.29, none 16.91

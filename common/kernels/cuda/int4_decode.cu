@@ -311,8 +311,8 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
 // A warp loads kMmaAhead groups of codes ahead of the one it multiplies. At flashnext's shape the 400 blocks
 // are one wave: with every group loaded before any math, each SM first waited for all its bytes and then
 // only computed (20.02 us a call with down, against the scalar kernel's 19.65); one group ahead, 16.29
-// (bench/results/moe-int4-decode-native.txt). Compiled for sm_90: 2,136 instructions a warp for 32 rows x
-// 640 inputs (~3.3 a code, against the scalar kernel's ~6.8; bench.sass_census --native), 126 registers.
+// (bench/results/moe-int4-decode-native.txt). Compiled for sm_90: 2,160 instructions a warp for 32 rows x
+// 640 inputs (~3.4 a code, against the scalar kernel's ~6.8; bench.sass_census --native), 127 registers.
 constexpr int kMmaWarps = 4;
 constexpr int kMmaMaxGroups = 5;  // a warp's groups: inputs up to 4 * 5 * 128 = 2560
 constexpr int kMmaAhead = 1;      // groups whose codes are loaded ahead of the one being multiplied
@@ -333,9 +333,10 @@ __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ uint32_t zero_pair_of(uint8_t zero) {
-  const __nv_bfloat162 pair = __float2bfloat162_rn(128.0f + static_cast<float>(zero));
-  return *reinterpret_cast<const uint32_t*>(&pair);
+// The bf16 pair (128 + z, 128 + z) for an int4 zero point z (< 16): bf16's 128 + z is 0x4300 | z, exact.
+__device__ __forceinline__ uint32_t zero_pair_of(uint32_t zero) {
+  const uint32_t half = 0x4300u | (zero & 0x7Fu);
+  return half | (half << 16);
 }
 
 // One group's codes for a lane (chunk t of rows g, g + 8 of gate, then of up) and, for the row t of those
@@ -382,7 +383,7 @@ __device__ __forceinline__ void mma_rows(const uint4& lo, const uint4& hi, const
 // Row r's zero pair and scale from lane (g, r), which loaded them (`zero`, `scale`: raw bf16 bits).
 __device__ __forceinline__ void row_scale(uint32_t zero, uint32_t scale, int g, int r, uint32_t* zero_pair,
                                           float* value) {
-  *zero_pair = zero_pair_of(static_cast<uint8_t>(__shfl_sync(0xffffffffu, zero, g * 4 + r)));
+  *zero_pair = zero_pair_of(__shfl_sync(0xffffffffu, zero, g * 4 + r));
   *value = __uint_as_float(__shfl_sync(0xffffffffu, scale, g * 4 + r) << 16);
 }
 
