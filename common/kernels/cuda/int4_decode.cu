@@ -28,6 +28,15 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int wide
   return wide ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }
 
+// Loads of what the kernels before wrote (x, the activations), after gdc_wait: ld.global.cg. Through a
+// const __restrict__ pointer nvcc emits ld.global.nc, which it treats as invariant and may hoist above the
+// wait's asm (it did, in the tensor-core down: its graph replays read the activations before gate/up wrote
+// them).
+template <typename T>
+__device__ __forceinline__ T load_after_wait(const T* p) {
+  return __ldcg(p);
+}
+
 __device__ __forceinline__ void gdc_wait(int gdc) {
 #if __CUDA_ARCH__ >= 900  // programmatic dependent launch: Hopper on (common/kernels/pdl.py)
   if (gdc) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -125,7 +134,7 @@ __global__ void gate_up_kernel(const __nv_bfloat16* __restrict__ x, const void* 
     float x_sum = 0.0f;
 #pragma unroll
     for (int v = 0; v < 4; ++v) {  // 8 inputs a load
-      const uint4 packed = xt[j * 4 + v];
+      const uint4 packed = load_after_wait(xt + j * 4 + v);
       const uint32_t halves[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -285,7 +294,7 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
     for (int i = 0; i < 8; ++i) {
       const int e = i < 5 ? i : i - 5;
       const float offset = fmaf(zero, static_cast<float>(1 << (4 * e)), kMagic);
-      const float4 a = a4[((g * 8 + i) * 16 + part * 4) / 4];  // words 4*part.. of code position i
+      const float4 a = load_after_wait(a4 + ((g * 8 + i) * 16 + part * 4) / 4);  // words 4*part.. of code position i
       const uint32_t mask = masks[e];
       dot = offset_term(i < 5 ? words[0] : high[0], mask, offset, a.x, dot);
       dot = offset_term(i < 5 ? words[1] : high[1], mask, offset, a.y, dot);
@@ -443,7 +452,7 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
     const int group = warp + G * kMmaWarps;
     if (group >= groups) return;
 #pragma unroll
-    for (int v = 0; v < 4; ++v) xv[v] = xt[group * 16 + t * 4 + v];
+    for (int v = 0; v < 4; ++v) xv[v] = load_after_wait(xt + group * 16 + t * 4 + v);
   };
   uint4 xv[2][4];
   load_x(0, xv[0]);
@@ -514,13 +523,13 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
   const uint4* at = reinterpret_cast<const uint4*>(act + static_cast<int64_t>(p) * kInter);
   uint4 av[2][4];
 #pragma unroll
-  for (int v = 0; v < 4; ++v) av[0][v] = at[t * 4 + v];
+  for (int v = 0; v < 4; ++v) av[0][v] = load_after_wait(at + t * 4 + v);
   float acc[2] = {};
 #pragma unroll
   for (int i = 0; i < G; ++i) {
     if (i + 1 < G) {
 #pragma unroll
-      for (int v = 0; v < 4; ++v) av[(i + 1) % 2][v] = at[(i + 1) * 16 + t * 4 + v];
+      for (int v = 0; v < 4; ++v) av[(i + 1) % 2][v] = load_after_wait(at + (i + 1) * 16 + t * 4 + v);
     }
     uint32_t xw[16], zero_pair[2];
     float value[2];
