@@ -134,6 +134,18 @@ def _count(sass: str, usage: str, conversions: int) -> Census:
     return Census(len(found), loop, conversions, opcodes, registers, local)
 
 
+def native_sass() -> tuple[dict[str, str], dict[str, str]]:
+    """int4_decode.cu built by nvcc for sm_90: each kernel's SASS and resource usage, by mangled name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "int4_decode.cubin")
+        source = native.SOURCES / "int4_decode.cu"
+        subprocess.run([native.nvcc(), "-O3", "-cubin", "-arch=sm_90", "-o", cubin, str(source)], check=True)
+        with open(cubin, "rb") as file:
+            sass, usage = _dump(file.read())
+    sass_by = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function :|\Z)", sass, re.S))
+    return sass_by, dict(re.findall(r"Function (\S+):\n(.*?)\n", usage))
+
+
 def native_census() -> dict[str, tuple[Census, float]]:
     """The CUDA C int4 kernels (common/kernels/cuda/int4_decode.cu, built by nvcc for sm_90) at
     RESIDENT_CONFIGS[1]'s launch: gate_up's instance for its rows a warp and flashnext's three chunks a lane,
@@ -141,12 +153,7 @@ def native_census() -> dict[str, tuple[Census, float]]:
     unrolled groups past flashnext's five, so it overstates what a warp issues."""
     config = moe_int4.RESIDENT_CONFIGS[1]
     rows, warps, down_warps = config.native_rows, config.native_warps, config.native_down_warps
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "int4_decode.cubin")
-        source = native.SOURCES / "int4_decode.cu"
-        subprocess.run([native.nvcc(), "-O3", "-cubin", "-arch=sm_90", "-o", cubin, str(source)], check=True)
-        with open(cubin, "rb") as file:
-            sass, usage = _dump(file.read())
+    sass_by, usage_by = native_sass()
     chunks = -(-HIDDEN // 1024)
     wanted = {"gate_up": f"gate_up_kernelILi{rows}ELi{chunks}E", "down": "down_kernel"}
     wanted["gate_up mma"] = "gate_up_mma_kernel"
@@ -157,8 +164,6 @@ def native_census() -> dict[str, tuple[Census, float]]:
         "gate_up mma": (TOP_K * INTER // 16, 4),
         "down mma": (TOP_K * HIDDEN // 64, 4),
     }
-    sass_by = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function :|\Z)", sass, re.S))
-    usage_by = dict(re.findall(r"Function (\S+):\n(.*?)\n", usage))
     out = {}
     for name, mangled in wanted.items():
         symbol = next(s for s in sass_by if mangled in s)

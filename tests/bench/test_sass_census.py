@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -102,3 +103,21 @@ def test_census_of_the_cuda_c_kernels() -> None:
         conversions = k["opcodes"].get("I2F", 0) + k["opcodes"].get("I2FP", 0)
         # a LOP3 a code (a pair on the tensor cores): ≥ 160 a lane in each kernel's rows × inputs
         assert conversions <= 24 and k["opcodes"]["LOP3"] >= 160, (name, conversions)
+
+
+def test_the_cuda_c_kernels_read_what_the_kernel_before_wrote_after_the_wait() -> None:
+    """x (gate/up) and the activations (down) are the kernel before's outputs: each kernel loads them through
+    ld.global.cg (SASS LDG...STRONG.GPU) after griddepcontrol.wait (ACQBULK), never before it. Through a
+    const __restrict__ pointer nvcc emits ld.global.nc, treats it as invariant and may hoist it above the
+    wait: the tensor-core down's graph replays once read the activations before gate/up wrote them."""
+    from bench.sass_census import native_sass
+    from common.kernels import native
+
+    if native.nvcc() is None:
+        pytest.skip("needs nvcc")
+    sass_by, _ = native_sass()
+    for symbol, sass in sass_by.items():
+        before, wait, after = sass.partition("ACQBULK")
+        assert wait, symbol
+        assert "STRONG.GPU" not in before, symbol
+        assert len(re.findall(r"LDG\.E\.128\.STRONG\.GPU", after)) >= 4, symbol
