@@ -222,8 +222,8 @@ __device__ __forceinline__ float offset_term(uint32_t word, uint32_t mask, float
 // (common/kernels/arrival.py: the same additions in the same order, whatever the schedule; the counter left
 // at zero).
 __device__ void fold_rows(const float* partial, int* counters, const __nv_bfloat16* shared,
-                          const __nv_bfloat16* gate, int gate_stride, __nv_bfloat16* out, int p, int k, int hidden,
-                          int rows_here) {
+                          const __nv_bfloat16* gate, int gate_stride, __nv_bfloat16* out, int p, int k,
+                          int hidden, int rows_here) {
   __shared__ int last;
   __threadfence();  // this thread's partial row before the count
   __syncthreads();
@@ -294,7 +294,8 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
     for (int i = 0; i < 8; ++i) {
       const int e = i < 5 ? i : i - 5;
       const float offset = fmaf(zero, static_cast<float>(1 << (4 * e)), kMagic);
-      const float4 a = load_after_wait(a4 + ((g * 8 + i) * 16 + part * 4) / 4);  // words 4*part.. of code position i
+      // words 4 * part.. of code position i
+      const float4 a = load_after_wait(a4 + ((g * 8 + i) * 16 + part * 4) / 4);
       const uint32_t mask = masks[e];
       dot = offset_term(i < 5 ? words[0] : high[0], mask, offset, a.x, dot);
       dot = offset_term(i < 5 ? words[1] : high[1], mask, offset, a.y, dot);
@@ -306,7 +307,9 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
   acc += __shfl_xor_sync(0xffffffffu, acc, 1);
   acc += __shfl_xor_sync(0xffffffffu, acc, 2);
   if (part == 0) partial[static_cast<int64_t>(p) * hidden + n] = acc * weight;
-  if (fold) fold_rows(partial, counters, shared, gate, gate_stride, out, p, k, hidden, blockDim.x / kLanes * 8);
+  if (fold) {
+    fold_rows(partial, counters, shared, gate, gate_stride, out, p, k, hidden, blockDim.x / kLanes * 8);
+  }
 }
 
 
@@ -497,9 +500,9 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
                     const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
                     const void* __restrict__ weights, int bf16_weights, const uint4* __restrict__ codes,
                     const __nv_bfloat16* __restrict__ scales, const uint8_t* __restrict__ zeros,
-                    float* __restrict__ partial, int* __restrict__ counters, const __nv_bfloat16* __restrict__ shared,
-                    const __nv_bfloat16* __restrict__ gate, int gate_stride, __nv_bfloat16* __restrict__ out, int k,
-                    int hidden, int fold, int gdc) {
+                    float* __restrict__ partial, int* __restrict__ counters,
+                    const __nv_bfloat16* __restrict__ shared, const __nv_bfloat16* __restrict__ gate,
+                    int gate_stride, __nv_bfloat16* __restrict__ out, int k, int hidden, int fold, int gdc) {
   const int p = blockIdx.x;
   const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const int g = lane / 4, t = lane % 4;
@@ -542,7 +545,9 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
     partial[static_cast<int64_t>(p) * hidden + n] = acc[0] * weight;
     partial[static_cast<int64_t>(p) * hidden + n + 8] = acc[1] * weight;
   }
-  if (fold) fold_rows(partial, counters, shared, gate, gate_stride, out, p, k, hidden, kMmaDownWarps * kMmaDownRows);
+  if (fold) {
+    fold_rows(partial, counters, shared, gate, gate_stride, out, p, k, hidden, kMmaDownWarps * kMmaDownRows);
+  }
 }
 
 using DownMmaKernel = decltype(&down_mma_kernel<1>);
@@ -620,8 +625,8 @@ extern "C" int spillway_int4_down_mma(const void* act, const void* rows, const v
                                       int wide_row_of, int lookup, const void* weights, int bf16_weights,
                                       const void* codes, const void* scales, const void* zeros, void* partial,
                                       void* counters, const void* shared, const void* gate, int gate_stride,
-                                      void* out, int pairs, int k, int hidden, int inter, int fold, int pdl, int gdc,
-                                      void* stream) {
+                                      void* out, int pairs, int k, int hidden, int inter, int fold, int pdl,
+                                      int gdc, void* stream) {
   const DownMmaKernel kernel = inter % 128 == 0 ? down_mma_instance(inter / 128) : nullptr;
   if (kernel == nullptr || hidden % (kMmaDownRows * kMmaDownWarps) != 0) return cudaErrorInvalidValue;
   const dim3 grid(pairs, hidden / (kMmaDownRows * kMmaDownWarps));
