@@ -28,13 +28,14 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int wide
   return wide ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }
 
-// Loads of what the kernels before wrote (x, the activations), after gdc_wait: ld.global.cg. Through a
+// Loads of what the kernels before wrote (x, the activations), after gdc_wait: ld.global.ca (SASS
+// LDG.STRONG.SM, cached in L1 as .nc is; the wait makes the grid before's writes visible to them). Through a
 // const __restrict__ pointer nvcc emits ld.global.nc, which it treats as invariant and may hoist above the
 // wait's asm (it did, in the tensor-core down: its graph replays read the activations before gate/up wrote
-// them).
+// them). ld.global.cg (L2 only) was correct but cost 3 to 15 µs a call.
 template <typename T>
 __device__ __forceinline__ T load_after_wait(const T* p) {
-  return __ldcg(p);
+  return __ldca(p);
 }
 
 __device__ __forceinline__ void gdc_wait(int gdc) {
