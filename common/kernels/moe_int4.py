@@ -118,10 +118,11 @@ class DecodeConfig:
     native_down_mma: bool = False
     """With `native_down_warps`: down on the tensor cores in CUDA C instead (moe_int4_native.down's `mma`),
     where it and the CUDA gate_up take the call: gate_up hands it the activations in bf16 in order (act
-    layout 3; the other forms keep them in fp32). Off until measured: its first runs on the H200 (14.78 µs
-    a call against 16.69 with the scalar CUDA down; decode-allfit 210.08 tok/s against 205.07) came before
-    int4_decode.cu's load_after_wait, when its graph replays read the activations before gate_up had
-    written them, so they do not count."""
+    layout 3; the other forms keep them in fp32). RESIDENT_CONFIGS' one-token default: 16.92 µs a call
+    against 18.22 with the scalar CUDA down (`bench.moe_int4_tune --native --tokens 1` at 1140ea1);
+    decode-allfit 205.32 tok/s against 200.92 in one process (decode-allfit-native-down-mma-ab.json). Its
+    first runs, before int4_decode.cu's load_after_wait, read the activations before gate_up wrote them in
+    graph replays and do not count."""
 
 
 DECODE_CONFIGS = {
@@ -142,7 +143,7 @@ RESIDENT_CONFIGS = {
     **DECODE_CONFIGS,
     1: DecodeConfig(
         block=8, down_block=16, down_groups_per_step=1, down_warps=2, words=True,
-        native_rows=2, native_warps=2, native_down_warps=4, native_mma=True,
+        native_rows=2, native_warps=2, native_down_warps=4, native_mma=True, native_down_mma=True,
     ),
 }  # fmt: skip
 """The shapes of decode steps with no copies beside them (every expert resident:
