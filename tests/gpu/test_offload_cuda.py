@@ -5,6 +5,7 @@ decode steps that never synchronise; copies on the side stream that are always w
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -231,9 +232,9 @@ def test_one_lane_int4_decode_reads_its_misses_from_the_host(tmp_path: Path) -> 
 
 def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monkeypatch) -> None:
     """Every expert resident, int4, the fused kernels, recorded steps: one-token steps run RESIDENT_CONFIGS'
-    shape (codes as words) and generate the tokens of the byte form's shapes (DECODE_CONFIGS); the same
-    tokens with the int4 kernels launched programmatically (common/kernels/pdl.py, the default) and
-    without."""
+    shape (codes as words); the same tokens with the int4 kernels launched programmatically
+    (common/kernels/pdl.py, the default) and without; with the scalar CUDA down, the tokens of the byte
+    form's shapes (DECODE_CONFIGS)."""
     from common.kernels import moe_int4, pdl, use_fused_kernels
 
     shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
@@ -264,5 +265,11 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
     assert calls and all(c is moe_int4.RESIDENT_CONFIGS for c in calls)
     monkeypatch.setattr(pdl, "ENABLED", False)  # every kernel launched plainly: the same tokens
     assert run() == resident
+    # the tensor-core down takes its activations in bf16 (as the HF reference computes them), the other
+    # forms in fp32: greedy tokens of a random model part after a few steps, so the byte form is compared
+    # with the scalar CUDA down, and the tensor-core down with the dequantised reference in test_moe_int4_cuda
+    scalar_down = replace(moe_int4.RESIDENT_CONFIGS[1], native_down_mma=False)
+    monkeypatch.setattr(moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: scalar_down})
+    fp32_activations = run()
     monkeypatch.setattr(moe_int4, "RESIDENT_CONFIGS", moe_int4.DECODE_CONFIGS)
-    assert run() == resident
+    assert run() == fp32_activations
