@@ -152,9 +152,10 @@ OffloadedExperts.all_resident): DECODE_CONFIGS but at one token, where gate_up a
 both on the tensor cores (native_mma, native_down_mma): 16.92 µs a call at 1140ea1 against 18.22 with the
 scalar CUDA down and 20.16 with both scalar (`bench.moe_int4_tune --native --tokens 1`,
 bench/results/moe-int4-decode-native.txt); decode-allfit 205.32 tok/s against the scalar down's 200.92
-(decode-allfit-native-down-mma-ab.json). The tensor-core gate_up first ran 206.01 against the scalar gate_up's
-198.31 (+3.9 %, one process, decode-allfit-native-mma-ab.json, with x read through ld.global.nc). The scalar pair first ran decode-allfit 195.92 tok/s against Triton's
-187.00 (+4.8 %; gate_up alone 193.28), in one process (decode-allfit-native-ab.json, 611985c). Before them,
+(decode-allfit-native-down-mma-ab.json). The tensor-core gate_up first ran 206.01 against the scalar
+gate_up's 198.31 (+3.9 %, one process, decode-allfit-native-mma-ab.json, x read through ld.global.nc). The
+scalar pair first ran decode-allfit 195.92 tok/s against Triton's 187.00 (+4.8 %; gate_up alone 193.28), in
+one process (decode-allfit-native-ab.json, 611985c). Before them,
 the codes read as words with down at one group a step (flashnext's 5 groups: 4 a step left three idle in the
 second) measured 24.40 µs a call against 29.36 (`bench.moe_int4_tune --down`,
 bench/results/moe-int4-decode-down.txt) and ran decode-allfit at 135.51 tok/s against 131.60
