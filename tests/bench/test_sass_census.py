@@ -107,8 +107,7 @@ def test_census_of_the_cuda_c_kernels() -> None:
 
 def test_the_cuda_c_kernels_read_what_the_kernel_before_wrote_after_the_wait() -> None:
     """x (gate/up) and the activations (down) are the kernel before's outputs: each kernel loads them through
-    a weak ld.global (SASS plain LDG.E.128; the settled codes are .nc, LDG.E.128.CONSTANT) after
-    griddepcontrol.wait (ACQBULK), never before it. Through a
+    ld.global.ca (SASS LDG...STRONG.SM) after griddepcontrol.wait (ACQBULK), never before it. Through a
     const __restrict__ pointer nvcc emits ld.global.nc, treats it as invariant and may hoist it above the
     wait: the tensor-core down's graph replays once read the activations before gate/up wrote them."""
     from bench.sass_census import native_sass
@@ -120,5 +119,5 @@ def test_the_cuda_c_kernels_read_what_the_kernel_before_wrote_after_the_wait() -
     for symbol, sass in sass_by.items():
         before, wait, after = sass.partition("ACQBULK")
         assert wait, symbol
-        assert not re.search(r"LDG\.E\.128 ", before), symbol
-        assert len(re.findall(r"LDG\.E\.128 ", after)) >= 4, symbol
+        assert "STRONG.SM" not in before, symbol
+        assert len(re.findall(r"LDG\.E\.128\.STRONG\.SM", after)) >= 4, symbol

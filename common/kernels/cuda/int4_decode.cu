@@ -28,20 +28,14 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int wide
   return wide ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }
 
-// Loads of what the kernels before wrote (x, the activations), after gdc_wait: a weak ld.global (SASS
-// LDG.E.128, cached in L1 as .nc is; the wait makes the grid before's writes visible to it), written as asm
-// because a dereference of the const __restrict__ parameters becomes ld.global.nc, which nvcc treats as
-// invariant and may hoist above the wait's asm (it did, in the tensor-core down: its graph replays read the
-// activations before gate/up wrote them). ld.global.cg (L2 only) was correct but cost 3 to 15 µs a call;
-// ld.global.ca (SASS LDG.STRONG.SM) ~1.3 µs a call against .nc in the tensor-core gate/up.
+// Loads of what the kernels before wrote (x, the activations), after gdc_wait: ld.global.ca (SASS
+// LDG.STRONG.SM, cached in L1 as .nc is; the wait makes the grid before's writes visible to them). Through a
+// const __restrict__ pointer nvcc emits ld.global.nc, which it treats as invariant and may hoist above the
+// wait's asm (it did, in the tensor-core down: its graph replays read the activations before gate/up wrote
+// them). ld.global.cg (L2 only) was correct but cost 3 to 15 µs a call.
 template <typename T>
 __device__ __forceinline__ T load_after_wait(const T* p) {
-  static_assert(sizeof(T) == 16, "a 16-byte vector");
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return *reinterpret_cast<const T*>(&v);
+  return __ldca(p);
 }
 
 __device__ __forceinline__ void gdc_wait(int gdc) {
