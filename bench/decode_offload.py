@@ -222,7 +222,7 @@ DECODE_SWITCHES = (
     "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
-    "no-int4-native", "int4-native-lanes", "no-int4-native-mma", "no-int4-native-down-mma",
+    "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -250,10 +250,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     triton_resident = replace(moe_int4.RESIDENT_CONFIGS[1], native_rows=0, native_down_warps=0)
     scalar_gate_up = replace(moe_int4.RESIDENT_CONFIGS[1], native_mma=False)
     scalar_down = replace(moe_int4.RESIDENT_CONFIGS[1], native_down_mma=False)
-    native = {"words": True, "split_act": False, "magic": False, "native_rows": 2, "native_warps": 2}
-    native_lanes = {  # steps of two lanes and more (offloaded: decode-8's groups of four) in CUDA C
-        n: replace(c, **native, native_down_warps=4) for n, c in moe_int4.DECODE_CONFIGS.items() if n > 1
-    }
     switches = (
         (QSAIndexer, "select_kernel", False),
         (HyperConnection, "project_kernel", False),
@@ -278,7 +274,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (Qwen4DecoderLayer, "hold_mixer_launch", True),
         (Qwen4DecoderLayer, "hold_mixer_launch", False),
         (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: triton_resident}),
-        (moe_int4, "DECODE_CONFIGS", {**moe_int4.DECODE_CONFIGS, **native_lanes}),
         (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: scalar_gate_up}),
         (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: scalar_down}),
     )

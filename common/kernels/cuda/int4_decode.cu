@@ -32,7 +32,8 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int wide
 // LDG.STRONG.SM, cached in L1 as .nc is; the wait makes the grid before's writes visible to them). Through a
 // const __restrict__ pointer nvcc emits ld.global.nc, which it treats as invariant and may hoist above the
 // wait's asm (it did, in the tensor-core down: its graph replays read the activations before gate/up wrote
-// them). ld.global.cg (L2 only) was correct but cost 3 to 15 µs a call.
+// them). ld.global.cg (L2 only) was correct but cost 3 to 15 µs a call. A weak ld.global (asm; SASS plain
+// LDG.E.128, also kept after the wait) timed the same as .ca: 17.04 µs a call both (bench.moe_int4_tune).
 template <typename T>
 __device__ __forceinline__ T load_after_wait(const T* p) {
   return __ldca(p);
