@@ -118,11 +118,9 @@ class DecodeConfig:
     native_down_mma: bool = False
     """With `native_down_warps`: down on the tensor cores in CUDA C instead (moe_int4_native.down's `mma`),
     where it and the CUDA gate_up take the call: gate_up hands it the activations in bf16 in order (act
-    layout 3; the other forms keep them in fp32). RESIDENT_CONFIGS' one-token default: 16.92 µs a call
-    against 18.22 with the scalar CUDA down (`bench.moe_int4_tune --native --tokens 1` at 1140ea1);
-    decode-allfit 205.32 tok/s against 200.92 in one process (decode-allfit-native-down-mma-ab.json). Its
-    first runs, before int4_decode.cu's load_after_wait, read the activations before gate_up wrote them in
-    graph replays and do not count."""
+    layout 3; the other forms keep them in fp32). RESIDENT_CONFIGS' one-token default (its figures are in
+    RESIDENT_CONFIGS' docstring). Its first runs, before int4_decode.cu's load_after_wait, read the
+    activations before gate_up wrote them in graph replays and do not count."""
 
 
 DECODE_CONFIGS = {
