@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +37,10 @@ class SparseMoeBlock(nn.Module):
     ahead_experts = 0
     """Experts a token the guess names (the next layer's router's top-n on this block's input)."""
 
+    prefetch_next: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    """The two weights the step reads first after this block (qwen4_exp: the next layer's hyper-connection,
+    `Qwen4ExpForCausalLM`), streamed into L2 once the router has run in decode passes (l2_prefetch.py's
+    "hc" site); None: none."""
     lookahead = True
     """With `ahead`: guess (a switch for bench.decode_offload --ablate, which compares a run without)."""
 
@@ -90,12 +96,21 @@ class SparseMoeBlock(nn.Module):
             if self.routing_hook is not None:
                 ids, weights = self.routing_hook(self.layer_idx, ids, weights)
             prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
+        if self.fused_decode and self.prefetch_next is not None:
+            self._prefetch_next(x)
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
         if self.ahead is not None and self.lookahead:  # the next layer's guess: its copies queue behind
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
         shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run
         return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)
+
+    def _prefetch_next(self, x: torch.Tensor) -> None:
+        """The weights `prefetch_next` names into L2, during the routed and shared experts' kernels."""
+        from common.kernels import l2_prefetch  # Triton
+
+        if l2_prefetch.wants("hc", x):
+            l2_prefetch.prefetch(*self.prefetch_next())
 
     def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
         """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""

@@ -223,6 +223,8 @@ class QSAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v, index_qk = project(x, self._inputs(), self.fused_in)
+        if self.fused_decode and ctx.batch.is_decode:
+            self._prefetch_out(x)
         selected = self.indexer(index_qk, ctx)
         q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
         q = _norm_rotate(self.q_norm, q, ctx, self.fused_decode)
@@ -235,3 +237,10 @@ class QSAttention(nn.Module):
             q, k, v, state, plan, scale, selected=selected, gate=gate, stored=store is not None
         )
         return self.o_proj(out.reshape(t, -1))  # gated by the backend (in its merge kernel: decode)
+
+    def _prefetch_out(self, x: torch.Tensor) -> None:
+        """The output projection's weight into L2 during the indexer's and attention's small kernels."""
+        from common.kernels import l2_prefetch  # Triton
+
+        if l2_prefetch.wants("out", x):
+            l2_prefetch.prefetch(l2_prefetch.streamed(self.o_proj))
