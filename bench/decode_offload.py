@@ -223,7 +223,7 @@ DECODE_SWITCHES = (
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "l2-prefetch-out", "l2-prefetch-hc",
-    "l2-prefetch-all", "l2-prefetch-lines",
+    "l2-prefetch-all", "l2-prefetch-lines", "l2-prefetch-inline",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -281,6 +281,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (l2_prefetch, "SITES", frozenset({"hc"})),
         (l2_prefetch, "SITES", l2_prefetch.KNOWN_SITES),
         (l2_prefetch, "BULK", False),
+        (l2_prefetch, "SIDE", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -96,21 +97,22 @@ class SparseMoeBlock(nn.Module):
             if self.routing_hook is not None:
                 ids, weights = self.routing_hook(self.layer_idx, ids, weights)
             prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
-        if self.fused_decode and self.prefetch_next is not None:
-            self._prefetch_next(x)
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
         if self.ahead is not None and self.lookahead:  # the next layer's guess: its copies queue behind
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
-        shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run
-        return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)
+        with self._prefetching_next(x):
+            shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run
+            return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)
 
-    def _prefetch_next(self, x: torch.Tensor) -> None:
-        """The weights `prefetch_next` names into L2, during the routed and shared experts' kernels."""
+    def _prefetching_next(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Decode passes: the weights `prefetch_next` names streamed into L2 beside the shared and routed
+        experts' kernels (l2_prefetch.py's "hc" site)."""
+        if not (self.fused_decode and self.prefetch_next is not None):
+            return contextlib.nullcontext()
         from common.kernels import l2_prefetch  # Triton
 
-        if l2_prefetch.wants("hc", x):
-            l2_prefetch.prefetch(*self.prefetch_next())
+        return l2_prefetch.beside("hc", x, self.prefetch_next)
 
     def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
         """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""

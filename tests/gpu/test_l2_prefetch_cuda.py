@@ -1,6 +1,6 @@
 """L2 prefetches (common/kernels/l2_prefetch.py) on the GPU: the kernel runs, alone and in a recorded graph,
-and changes nothing; a qwen4_exp decode with every site on issues them and yields the tokens it yields
-without."""
+and changes nothing; a qwen4_exp decode with every site on, on the side stream or in the step's, issues
+them and yields the tokens it yields without (recorded graphs: the side stream joins within the step)."""
 
 from __future__ import annotations
 
@@ -56,5 +56,7 @@ def test_decode_with_every_site_prefetches_and_keeps_its_tokens(tmp_path: Path, 
 
     plain_tokens = run(frozenset())
     assert not issued
-    assert run(l2_prefetch.KNOWN_SITES) == plain_tokens
+    assert run(l2_prefetch.KNOWN_SITES) == plain_tokens  # beside the step, on the side stream
+    monkeypatch.setattr(l2_prefetch, "SIDE", False)
+    assert run(l2_prefetch.KNOWN_SITES) == plain_tokens  # in the step's stream
     assert 1 in issued and 2 in issued  # the "out" sites (one weight) and the "hc" sites (two)

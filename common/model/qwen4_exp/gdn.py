@@ -136,10 +136,9 @@ class GatedDeltaNet(nn.Module):
         from common.kernels.causal_conv import conv_step
         from common.kernels.gated_delta import gated_delta_step
 
-        if l2_prefetch.wants("out", x):  # read from L2 after the three small kernels
-            l2_prefetch.prefetch(l2_prefetch.streamed(self.out_proj))
-        qkv = conv_step(qkv, state["conv"], slots, self.conv1d.weight[:, 0], silu=True)
-        core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
+        with l2_prefetch.beside("out", x, lambda: (l2_prefetch.streamed(self.out_proj),)):
+            qkv = conv_step(qkv, state["conv"], slots, self.conv1d.weight[:, 0], silu=True)
+            core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
         return self._out(core, z, x.dtype)
 
     def _out(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
