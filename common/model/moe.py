@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,10 +35,6 @@ class SparseMoeBlock(nn.Module):
     ahead_experts = 0
     """Experts a token the guess names (the next layer's router's top-n on this block's input)."""
 
-    prefetch_next: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
-    """The two weights the step reads first after this block (qwen4_exp: the next layer's hyper-connection,
-    `Qwen4ExpForCausalLM`), streamed into L2 once the router has run in decode passes (l2_prefetch.py's
-    "hc" site); None: none."""
     lookahead = True
     """With `ahead`: guess (a switch for bench.decode_offload --ablate, which compares a run without)."""
 
@@ -101,18 +94,8 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         if self.ahead is not None and self.lookahead:  # the next layer's guess: its copies queue behind
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
-        with self._prefetching_next(x):
-            shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run
-            return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)
-
-    def _prefetching_next(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
-        """Decode passes: the weights `prefetch_next` names streamed into L2 beside the shared and routed
-        experts' kernels (l2_prefetch.py's "hc" site)."""
-        if not (self.fused_decode and self.prefetch_next is not None):
-            return contextlib.nullcontext()
-        from common.kernels import l2_prefetch  # Triton
-
-        return l2_prefetch.beside("hc", x, self.prefetch_next)
+        shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run
+        return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)
 
     def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
         """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""

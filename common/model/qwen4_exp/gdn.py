@@ -132,13 +132,11 @@ class GatedDeltaNet(nn.Module):
         projections; states updated in place in their slots. As one kernel (conv and norm folded in by the
         last program to arrive, d1950bd) the step lost: decode-allfit 184.33 tok/s against 186.87, 9.05 µs a
         call serialized against the three's 7.66 (bench/results/decode-allfit-gdn-step-ab.json)."""
-        from common.kernels import l2_prefetch  # Triton
-        from common.kernels.causal_conv import conv_step
+        from common.kernels.causal_conv import conv_step  # Triton
         from common.kernels.gated_delta import gated_delta_step
 
-        with l2_prefetch.beside("out", x, lambda: (l2_prefetch.streamed(self.out_proj),)):
-            qkv = conv_step(qkv, state["conv"], slots, self.conv1d.weight[:, 0], silu=True)
-            core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
+        qkv = conv_step(qkv, state["conv"], slots, self.conv1d.weight[:, 0], silu=True)
+        core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
         return self._out(core, z, x.dtype)
 
     def _out(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -89,15 +89,6 @@ class HyperConnection(nn.Module):
         self.fused_in = fuse_linears(self._inputs(), copy)
         return self.fused_in is not None
 
-    def decode_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weights a decode pass reads first (`_mix`: the fused mix-down and inject, the mix-up), as
-        l2_prefetch streams them; looked up when asked: the fused weight is made when the fused kernels are
-        switched on."""
-        from common.kernels.l2_prefetch import streamed  # Triton
-
-        down = self.fused_in if self.fused_in is not None else self.input_mix_weight_down
-        return streamed(down), streamed(self.input_mix_weight_up)
-
     def mix(self, streams: Streams) -> torch.Tensor:
         """streams [T, hc·H] → the sublayer input [T, H]."""
         return self._mix(streams)[0]

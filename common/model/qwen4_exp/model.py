@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import nn
 
@@ -119,9 +117,6 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
         self.mtp = Qwen4MTP(cfg, experts) if cfg.mtp_layers else None
         self.tie_weights()
-        layers = self.model.layers
-        for layer, after in itertools.pairwise(layers):  # what a decode step reads next (moe.py)
-            layer.mlp.prefetch_next = after.attn_hyper_connection.decode_weights
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -9,7 +9,6 @@ budget + ratio − 1 tokens it is exactly dense attention, and no selection is c
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -224,16 +223,6 @@ class QSAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v, index_qk = project(x, self._inputs(), self.fused_in)
-        with self._prefetching_out(x, ctx):
-            out = self._attend(x, q, k, v, index_qk, ctx)
-        return self.o_proj(out.reshape(t, -1))  # gated by the backend (in its merge kernel: decode)
-
-    def _attend(
-        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_qk: torch.Tensor,
-        ctx: ForwardContext,
-    ) -> torch.Tensor:  # fmt: skip
-        """The projections' q, k, v and indexer inputs → the gated attention output [T, heads, D]."""
-        t = x.shape[0]
         selected = self.indexer(index_qk, ctx)
         q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
         q = _norm_rotate(self.q_norm, q, ctx, self.fused_decode)
@@ -242,15 +231,7 @@ class QSAttention(nn.Module):
         store = kv_store(state, ctx.batch.slot_mapping, v) if self.fused_decode else None
         k = _norm_rotate(self.k_norm, k.view(t, self.kv_heads, self.head_dim), ctx, self.fused_decode, store)
         plan, scale = ctx.attn_plan, self.head_dim**-0.5
-        return ctx.backend.forward(
+        out = ctx.backend.forward(
             q, k, v, state, plan, scale, selected=selected, gate=gate, stored=store is not None
         )
-
-    def _prefetching_out(self, x: torch.Tensor, ctx: ForwardContext) -> contextlib.AbstractContextManager:
-        """Decode passes: the output projection's weight streamed into L2 beside the indexer's and
-        attention's small kernels (l2_prefetch.py's "out" site)."""
-        if not (self.fused_decode and ctx.batch.is_decode):
-            return contextlib.nullcontext()
-        from common.kernels import l2_prefetch  # Triton
-
-        return l2_prefetch.beside("out", x, lambda: (l2_prefetch.streamed(self.o_proj),))
+        return self.o_proj(out.reshape(t, -1))  # gated by the backend (in its merge kernel: decode)
