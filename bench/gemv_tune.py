@@ -1,7 +1,8 @@
 """A tuning aid for the GEMV kernel (common/kernels/gemv.py) at flashnext's decode projections.
 
 For each projection a decode step runs (N × K from the flashnext config, and how many a step), µs per call
-of cuBLAS (F.linear), of the GEMV as `choose` sets it, and of the GEMV over output rows per program, inputs
+of cuBLAS (F.linear), of the GEMV as `choose` sets it, of the CUDA C one-row GEMV where it takes the shape
+(gemv_native.py, what a decode step runs there), and of the GEMV over output rows per program, inputs
 per loop step, chunks of K, warps and pipelining stages (the fastest six), for one row and for eight, each
 output checked against cuBLAS's, and the share of the HBM rate (measured here) each reaches (lm_head, at
 ~99 % with cuBLAS, is left out). Calls are replayed from a CUDA graph, each on another copy of the weight
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 import triton
 
 from bench.common import measure_hbm_gbps, replay_us
+from common.kernels import gemv_native
 from common.kernels.gemv import CUBLAS_ROWS, SCALE_BLOCK, GemvConfig, choose, chunks, gemv, scale_blocks
 from common.model.fp8_linear import dequantize_fp8, quantize_fp8
 from common.model.hf_config import parse_architecture
@@ -122,6 +124,12 @@ def tune_shape(name: str, n: int, k: int, rows: int, hbm: float, fp8: bool = Fal
     ours = cublas if chosen is None else timed[chosen][0]  # (KeyError: choose's launch does not fit)
     head = f"{name} {n}x{k}, {rows} row(s): HBM floor {floor:.2f} µs"
     print(f"{head}; cuBLAS {cublas:.2f} µs ({floor / cublas:.0%}); choose ({label(chosen)}) {ours:.2f} µs")
+    if not fp8 and gemv_native.takes(x, weights[0]):  # what fused_linear.linear runs instead of `choose`'s
+        err = (gemv_native.gemv_row(x, weights[0]).float() - want).abs().max().item()
+        us = time_calls(gemv_native.gemv_row, weights, x)
+        print(
+            f"  CUDA C gemv_row (gemv_native.py): {us:7.2f} µs ({floor / us:.0%} of HBM), max |err| {err:.1e}"
+        )
     for cfg, (us, err) in sorted(timed.items(), key=lambda t: t[1][0])[:6]:
         print(f"  {label(cfg)}: {us:7.2f} µs ({floor / us:.0%} of HBM), max |err| {err:.1e}")
     del weights

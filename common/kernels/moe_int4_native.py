@@ -16,7 +16,7 @@ import functools
 import torch
 
 from common.kernels import native
-from common.kernels.pdl import WAIT_ONLY, hopper_or_later
+from common.kernels.pdl import hopper_or_later, native_mode
 
 MAX_HIDDEN = 3072
 """gate/up keeps three 16-byte chunks a lane a row: inputs up to 3 × 32 × 32."""
@@ -106,10 +106,6 @@ def down_mma_available(x: torch.Tensor, inter: int, shared_gate: torch.Tensor | 
     )
 
 
-def _gdc(pdl: dict) -> int:
-    return {True: 1, WAIT_ONLY: 2}.get(pdl["GDC"], 0)
-
-
 def _check(status: int, entry: str) -> None:
     if status != 0:
         raise RuntimeError(f"{entry}: the CUDA kernel's launch failed with cudaError {status}")
@@ -145,7 +141,7 @@ def gate_up(
     name = "spillway_int4_gate_up_mma" if mma else "spillway_int4_gate_up"
     status = _function(x.device, name)(
         x.data_ptr(), *_rows(rows, row_of), *_matrix(pool, "gate_up"), act.data_ptr(), rows.numel(), k,
-        hidden, inter, *shape, layout, "launch_pdl" in pdl, _gdc(pdl), settled,
+        hidden, inter, *shape, layout, "launch_pdl" in pdl, native_mode(pdl), settled,
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     _check(status, name)
@@ -172,6 +168,6 @@ def down(
         shared.data_ptr() if shared is not None else None,
         shared_gate.data_ptr() if shared_gate is not None else None, gate_stride, out.data_ptr(),
         rows.numel(), k, hidden, inter, *(() if mma else (warps,)), fold is not None, "launch_pdl" in pdl,
-        _gdc(pdl), torch.cuda.current_stream(act.device).cuda_stream,
+        native_mode(pdl), torch.cuda.current_stream(act.device).cuda_stream,
     )  # fmt: skip
     _check(status, name)

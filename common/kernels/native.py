@@ -39,9 +39,13 @@ def nvcc() -> str | None:
 
 def build(name: str, arch: str) -> Path:
     """common/kernels/cuda/{name}.cu compiled for `arch` (e.g. "sm_90") into a shared library in
-    `cache_dir()`, named by the source's hash: built once, then found. Raises with nvcc's message."""
+    `cache_dir()`, named by the hash of the source and the headers beside it: built once, then found. Raises
+    with nvcc's message."""
     source = SOURCES / f"{name}.cu"
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for part in (source, *sorted(SOURCES.glob("*.cuh"))):
+        digest.update(part.read_bytes())
+    digest = digest.hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}-{arch}.so"
     if target.is_file():
         return target

@@ -59,6 +59,12 @@ def launch(device: torch.device, take_part: bool = True, hold_next: bool = False
     return {"GDC": True if early else WAIT_ONLY, "launch_pdl": True} if on else {"GDC": False}
 
 
+def native_mode(kwargs: dict[str, object]) -> int:
+    """A CUDA C kernel's `gdc` argument (common/kernels/cuda/launch.cuh) for `launch`'s keywords: 0 no wait,
+    1 wait then trigger, 2 wait only."""
+    return {True: 1, WAIT_ONLY: 2}.get(kwargs["GDC"], 0)
+
+
 @functools.cache
 def hopper_or_later(index: int | None) -> bool:
     """Compute capability 9 or more (asked of the driver once a device, not at every launch)."""

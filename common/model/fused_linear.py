@@ -41,12 +41,16 @@ def _padding(rows: int, itemsize: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] · weightᵀ (+ bias): a few rows on CUDA through the Triton GEMV where it beats cuBLAS
-    (common/kernels/gemv.py: `choose`), else F.linear."""
+    """x [..., K] · weightᵀ (+ bias): one bf16 row times a weight of a few thousand rows through the CUDA C
+    GEMV (common/kernels/gemv_native.py: `takes`), a few rows on CUDA through the Triton GEMV where it beats
+    cuBLAS (common/kernels/gemv.py: `choose`), else F.linear."""
     rows = x.numel() // x.shape[-1]
     if GEMV and x.is_cuda and 0 < rows <= GEMV_ROWS and weight.dtype == x.dtype and weight.is_contiguous():
+        from common.kernels import gemv_native
         from common.kernels.gemv import choose, gemv  # Triton
 
+        if gemv_native.takes(x.reshape(rows, -1), weight):
+            return gemv_native.gemv_row(x.reshape(rows, -1), weight, bias).view(*x.shape[:-1], -1)
         config = choose(rows, weight.shape[0], weight.shape[1], x.device)
         if config is not None:
             return gemv(x.reshape(rows, -1), weight, bias, config=config).view(*x.shape[:-1], -1)

@@ -19,31 +19,14 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "launch.cuh"
+
 namespace spillway {  // named: profiles show the kernels by name (bench.trace_summary pools anonymous ones)
 
-constexpr int kLanes = 32;
 constexpr float kMagic = 8388608.0f;  // 2^23
 
 __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, int wide) {
   return wide ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
-}
-
-// Loads of what the kernels before wrote (x, the activations), after gdc_wait: ld.global.ca (SASS
-// LDG.STRONG.SM, cached in L1 as .nc is; the wait makes the grid before's writes visible to them). Through a
-// const __restrict__ pointer nvcc emits ld.global.nc, which it treats as invariant and may hoist above the
-// wait's asm (it did, in the tensor-core down: its graph replays read the activations before gate/up wrote
-// them). ld.global.cg (L2 only) was correct but cost 3 to 15 µs a call. A weak ld.global (asm; SASS plain
-// LDG.E.128, also kept after the wait) timed the same as .ca: 17.04 µs a call both (bench.moe_int4_tune).
-template <typename T>
-__device__ __forceinline__ T load_after_wait(const T* p) {
-  return __ldca(p);
-}
-
-__device__ __forceinline__ void gdc_wait(int gdc) {
-#if __CUDA_ARCH__ >= 900  // programmatic dependent launch: Hopper on (common/kernels/pdl.py)
-  if (gdc) asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (gdc == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 
 // The code at nibble i of `word` (i < 5) or of `high` (word >> 20, i >= 5) times its input, divided by its
@@ -173,22 +156,6 @@ __global__ void gate_up_kernel(const __nv_bfloat16* __restrict__ x, const void* 
     }
     store_act(act, p, inter, first + lane, act_layout, gate / (1.0f + __expf(-gate)) * up);
   }
-}
-
-// `kernel` launched on `stream`, with programmatic stream serialization when `pdl` (common/kernels/pdl.py),
-// each argument cast to the parameter it fills.
-template <typename... Params, typename... Args>
-cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, void* stream, int pdl, Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
 }
 
 using GateUpKernel = decltype(&gate_up_kernel<1, 1>);

@@ -1,0 +1,53 @@
+// What the CUDA C decode kernels share (common/kernels/native.py hashes this header with each source that
+// includes it): programmatic dependent launch (common/kernels/pdl.py) and the loads that follow its wait.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace spillway {
+
+constexpr int kLanes = 32;
+
+// Loads of what the kernels before wrote (x, the activations), after gdc_wait: ld.global.ca (SASS
+// LDG.STRONG.SM, cached in L1 as .nc is; the wait makes the grid before's writes visible to them). Through a
+// const __restrict__ pointer nvcc emits ld.global.nc, which it treats as invariant and may hoist above the
+// wait's asm (it did, in the tensor-core down: its graph replays read the activations before gate/up wrote
+// them). ld.global.cg (L2 only) was correct but cost 3 to 15 µs a call. A weak ld.global (asm; SASS plain
+// LDG.E.128, also kept after the wait) timed the same as .ca: 17.04 µs a call both (bench.moe_int4_tune).
+template <typename T>
+__device__ __forceinline__ T load_after_wait(const T* p) {
+  return __ldca(p);
+}
+
+__device__ __forceinline__ void gdc_wait(int gdc) {
+#if __CUDA_ARCH__ >= 900  // programmatic dependent launch: Hopper on (common/kernels/pdl.py)
+  if (gdc) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (gdc == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// `kernel` launched on `stream` with `smem` bytes of dynamic shared memory, with programmatic stream
+// serialization when `pdl` (common/kernels/pdl.py), each argument cast to the parameter it fills.
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, void* stream, int pdl,
+                            Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
+// launch_pdl_smem without dynamic shared memory.
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, void* stream, int pdl, Args... args) {
+  return launch_pdl_smem(kernel, grid, block, 0, stream, pdl, args...);
+}
+
+}  // namespace spillway

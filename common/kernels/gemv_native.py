@@ -1,0 +1,82 @@
+"""One row of x times a mid-sized bf16 weight as a CUDA C kernel (common/kernels/cuda/gemv_row.cu): a warp a
+row (two below 4,096 inputs), each lane's share of its rows' weights all loaded before the programmatic wait,
+x staged in shared memory after it, the warp's sum through shuffles. For the decode step's projections of
+a few thousand rows, where the Triton GEMV (gemv.py) splits K and folds the chunks: the token mixers' output
+projections (2,560 × 6,144: 12.4 µs a call serialized against a ~7.6 µs HBM floor, 14.5 in the step's
+programmatic launch, decode-allfit-mma-profile.txt) and the MoE input projection (1,800 × 2,560: 7.0 against
+~2.2). `fused_linear.linear` calls it where `takes` holds; the weights of CUBLAS_ROWS rows and more keep the
+Triton GEMV's one-chunk launch, which reads them at ~90 % of HBM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from common.kernels import native
+from common.kernels.gemv import CUBLAS_ROWS, PDL
+from common.kernels.pdl import hopper_or_later, launch, native_mode
+
+ENABLED = True
+"""Run the one-row projections `takes` holds for through this kernel (False: the Triton GEMV, the
+benchmark's `no-gemv-native` switch). Switch before a pass is recorded."""
+MAX_CHUNKS = 32
+"""16-byte chunks a lane a row at most (gemv_row.cu's kMaxChunks): K up to 8,192."""
+TWO_ROWS = 16
+"""Chunks a lane up to which a warp takes two rows (gemv_row.cu's kTwoRowChunks): K up to 4,096."""
+WARPS = 4
+"""Warps a block."""
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURE = (_P,) * 4 + (_I,) * 6 + (_P,)
+
+
+@functools.cache
+def _entry(index: int):
+    lib = native.library("gemv_row", native.arch_of(index))
+    if lib is None:
+        return None
+    fn = lib.spillway_gemv_row
+    fn.argtypes, fn.restype = _SIGNATURE, ctypes.c_int
+    return fn
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [1, K] · weight [N, K]ᵀ runs here: one bf16 row on a CUDA device of compute capability 9 on,
+    a contiguous bf16 weight of fewer than CUBLAS_ROWS rows, K a multiple of 256 up to 256 · MAX_CHUNKS, and
+    the library built."""
+    n, k = weight.shape
+    return (
+        ENABLED
+        and x.is_cuda
+        and x.shape[0] == 1
+        and x.dtype == weight.dtype == torch.bfloat16
+        and weight.is_contiguous()
+        and n < CUBLAS_ROWS
+        and k % 256 == 0
+        and k // 256 <= MAX_CHUNKS
+        and hopper_or_later(x.device.index)
+        and _entry(_index(x.device)) is not None
+    )
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] · weightᵀ (+ bias [N]) → [1, N] bf16, launched in programmatic dependent launch as the
+    Triton GEMV is (gemv.PDL). `takes` must hold."""
+    n, k = weight.shape
+    x = x.contiguous()
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    pdl = launch(x.device, PDL)
+    rows = 2 if k // 256 <= TWO_ROWS else 1
+    status = _entry(_index(x.device))(
+        weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), n, k,
+        rows, WARPS, "launch_pdl" in pdl, native_mode(pdl), torch.cuda.current_stream(x.device).cuda_stream,
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"spillway_gemv_row: the CUDA kernel's launch failed with cudaError {status}")
+    return y
