@@ -121,3 +121,22 @@ def test_the_cuda_c_kernels_read_what_the_kernel_before_wrote_after_the_wait() -
         assert wait, symbol
         assert "STRONG.SM" not in before, symbol
         assert len(re.findall(r"LDG\.E\.128\.STRONG\.SM", after)) >= 4, symbol
+
+
+def test_the_tensor_core_down_loads_all_its_codes_before_the_wait() -> None:
+    """down_mma_kernel's rows are settled: its lane's two rows' codes, G 16-byte chunks each, are loaded as
+    weak loads (launch.cuh's load_settled, SASS LDG.E.NA.128) before griddepcontrol.wait (ACQBULK). As __ldg
+    (ld.global.nc) ptxas sank 8 of the 10 below it at flashnext's G = 5."""
+    from bench.sass_census import native_sass
+    from common.kernels import native
+
+    if native.nvcc() is None:
+        pytest.skip("needs nvcc")
+    sass_by, _ = native_sass()
+    for groups in (2, 5, 8):
+        symbol = next(s for s in sass_by if f"down_mma_kernelILi{groups}E" in s)
+        before, wait, _ = sass_by[symbol].partition("ACQBULK")
+        assert wait and len(re.findall(r"LDG\.E\.NA\.128", before)) == 2 * groups, (
+            groups,
+            before.count("LDG"),
+        )

@@ -19,18 +19,6 @@ namespace spillway {
 constexpr int kMaxChunks = 32;   // K up to 8,192
 constexpr int kTwoRowChunks = 16;  // two rows a warp up to K 4,096 (64 registers of weights a lane a row)
 
-// A weight chunk, loaded before the programmatic wait: a weak ld.global (asm volatile), not __ldg. ptxas
-// treats a non-coherent load (ld.global.nc) as free to move across griddepcontrol.wait, and sank 16 of a
-// lane's 24 below it (all 24, with the wait unconditional); weak loads it keeps above (all 24, checked by
-// tests/common/kernels/test_gemv_native.py). L1::no_allocate: the weights are read once a step.
-__device__ __forceinline__ uint4 load_settled(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // acc + the dot of eight bf16 weights and eight bf16 inputs, in fp32 (a bf16 is the top half of its float).
 __device__ __forceinline__ float dot_chunk(uint4 w, uint4 x, float acc) {
   const uint32_t ws[4] = {w.x, w.y, w.z, w.w};

@@ -484,8 +484,8 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
   uint32_t zero[G], scale[G];  // row own_row's (lane (g, r) holds row r's: row_scale)
 #pragma unroll
   for (int i = 0; i < G; ++i) {
-    lo[i] = __ldg(codes + lo_row * kChunks + i * 4 + t);
-    hi[i] = __ldg(codes + hi_row * kChunks + i * 4 + t);
+    lo[i] = load_settled(codes + lo_row * kChunks + i * 4 + t);
+    hi[i] = load_settled(codes + hi_row * kChunks + i * 4 + t);
     zero[i] = zeros[own_row * G + i];
     scale[i] = reinterpret_cast<const uint16_t*>(scales)[own_row * G + i];
   }
