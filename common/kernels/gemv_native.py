@@ -42,13 +42,14 @@ def _entry(index: int):
     return fn
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x [1, K] · weight [N, K]ᵀ runs here: one bf16 row on a CUDA device of compute capability 9 on,
-    a contiguous bf16 weight of fewer than CUBLAS_ROWS rows, K a multiple of 256 up to 256 · MAX_CHUNKS, and
-    the library built."""
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether x [1, K] · weight [N, K]ᵀ (+ bias) runs here: one bf16 row on a CUDA device of compute
+    capability 9 on, a contiguous bf16 weight of fewer than CUBLAS_ROWS rows (and a contiguous bf16 bias),
+    K a multiple of 256 up to 256 · MAX_CHUNKS, and the library built."""
     n, k = weight.shape
     return (
         ENABLED
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
         and x.is_cuda
         and x.shape[0] == 1
         and x.dtype == weight.dtype == torch.bfloat16

@@ -49,7 +49,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from common.kernels import gemv_native
         from common.kernels.gemv import choose, gemv  # Triton
 
-        if gemv_native.takes(x.reshape(rows, -1), weight):
+        if gemv_native.takes(x.reshape(rows, -1), weight, bias):
             return gemv_native.gemv_row(x.reshape(rows, -1), weight, bias).view(*x.shape[:-1], -1)
         config = choose(rows, weight.shape[0], weight.shape[1], x.device)
         if config is not None:

@@ -22,8 +22,9 @@ __device__ __forceinline__ T load_after_wait(const T* p) {
 // A weight's chunk (no kernel writes it), loaded before the programmatic wait: a weak ld.global (asm
 // volatile), not __ldg. ptxas treats a non-coherent load (ld.global.nc) as free to move across
 // griddepcontrol.wait and sinks most of them below it (16 of a gemv_row lane's 24; 8 of the tensor-core
-// down's 10), so they wait for the kernel before after all; weak loads it keeps above (the SASS tests:
-// tests/common/kernels/test_gemv_native.py, test_moe_int4_sass). L1::no_allocate: read once a step.
+// down's 10), so they wait for the kernel before after all; weak loads it keeps above (the SASS tests in
+// tests/common/kernels/test_gemv_native.py and tests/bench/test_sass_census.py). L1::no_allocate: a
+// weight is read once a step.
 __device__ __forceinline__ uint4 load_settled(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"

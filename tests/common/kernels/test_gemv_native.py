@@ -31,6 +31,8 @@ def test_only_one_bf16_row_of_a_mid_sized_weight_is_taken(monkeypatch) -> None:
     big = torch.zeros(gemv_native.CUBLAS_ROWS, 256, dtype=torch.bfloat16)  # the Triton one-chunk launch's
     assert not gemv_native.takes(x[:, :256], big)
     assert not gemv_native.takes(x, w.t().contiguous().t())  # not contiguous
+    assert gemv_native.takes(x, w, torch.zeros(2560, dtype=torch.bfloat16))
+    assert not gemv_native.takes(x, w, torch.zeros(2560))  # an fp32 bias
     monkeypatch.setattr(gemv_native, "hopper_or_later", lambda index: False)
     assert not gemv_native.takes(x, w)
     monkeypatch.setattr(gemv_native, "hopper_or_later", lambda index: True)
