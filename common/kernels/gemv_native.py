@@ -11,7 +11,6 @@ Triton GEMV's one-chunk launch, which reads them at ~90 % of HBM.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -32,14 +31,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURE = (_P,) * 4 + (_I,) * 6 + (_P,)
 
 
-@functools.cache
-def _entry(index: int):
-    lib = native.library("gemv_row", native.arch_of(index))
-    if lib is None:
-        return None
-    fn = lib.spillway_gemv_row
-    fn.argtypes, fn.restype = _SIGNATURE, ctypes.c_int
-    return fn
+def _entry(device: torch.device):
+    return native.entry(device, "gemv_row", "spillway_gemv_row", _SIGNATURE)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -58,12 +51,8 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         and k % 256 == 0
         and k // 256 <= MAX_CHUNKS
         and hopper_or_later(x.device.index)
-        and _entry(_index(x.device)) is not None
+        and _entry(x.device) is not None
     )
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,10 +63,9 @@ def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     pdl = launch(x.device, PDL)
     rows = 2 if k // 256 <= TWO_ROWS else 1
-    status = _entry(_index(x.device))(
+    status = _entry(x.device)(
         weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), n, k,
         rows, WARPS, "launch_pdl" in pdl, native_mode(pdl), torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"spillway_gemv_row: the CUDA kernel's launch failed with cudaError {status}")
+    native.check(status, "spillway_gemv_row")
     return y

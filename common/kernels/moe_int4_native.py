@@ -11,7 +11,6 @@ dot, the rest converting inputs, scales and zeros, addresses), where Triton's wo
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -37,18 +36,7 @@ MMA_DOWN_ROWS = 64
 
 def _function(device: torch.device, name: str):
     """The library's entry point `name` for `device`, typed; None where the library cannot be built."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _typed(index, name)
-
-
-@functools.cache
-def _typed(index: int, name: str):
-    lib = native.library("int4_decode", native.arch_of(index))
-    if lib is None:
-        return None
-    fn = getattr(lib, name)
-    fn.argtypes, fn.restype = _SIGNATURES[name], ctypes.c_int
-    return fn
+    return native.entry(device, "int4_decode", name, _SIGNATURES[name])
 
 
 def _hopper_bf16(x: torch.Tensor) -> bool:
@@ -106,11 +94,6 @@ def down_mma_available(x: torch.Tensor, inter: int, shared_gate: torch.Tensor | 
     )
 
 
-def _check(status: int, entry: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{entry}: the CUDA kernel's launch failed with cudaError {status}")
-
-
 def _rows(rows: torch.Tensor, row_of: torch.Tensor | None) -> tuple:
     """The kernels' pair-row arguments: rows, the lookup table (rows again without one), whether each holds
     int64, and whether to look up."""
@@ -144,7 +127,7 @@ def gate_up(
         hidden, inter, *shape, layout, "launch_pdl" in pdl, native_mode(pdl), settled,
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
-    _check(status, name)
+    native.check(status, name)
 
 
 def down(
@@ -170,4 +153,4 @@ def down(
         rows.numel(), k, hidden, inter, *(() if mma else (warps,)), fold is not None, "launch_pdl" in pdl,
         native_mode(pdl), torch.cuda.current_stream(act.device).cuda_stream,
     )  # fmt: skip
-    _check(status, name)
+    native.check(status, name)

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 SOURCES = Path(__file__).parent / "cuda"
@@ -89,3 +90,28 @@ def arch_of(index: int) -> str:
 
     major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}"
+
+
+def entry(device, library_name: str, name: str, argtypes: tuple) -> Callable[..., int] | None:
+    """Entry point `name` of library `library_name` built for CUDA `device` (a torch.device), typed with
+    `argtypes` and an int status; None where the library cannot be built."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _typed_entry(index, library_name, name, argtypes)
+
+
+@functools.cache
+def _typed_entry(index: int, library_name: str, name: str, argtypes: tuple) -> Callable[..., int] | None:
+    lib = library(library_name, arch_of(index))
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
+def check(status: int, name: str) -> None:
+    """Raise if entry point `name` returned a CUDA error (its launch failed)."""
+    if status != 0:
+        raise RuntimeError(f"{name}: the CUDA kernel's launch failed with cudaError {status}")

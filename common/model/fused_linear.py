@@ -49,11 +49,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from common.kernels import gemv_native
         from common.kernels.gemv import choose, gemv  # Triton
 
-        if gemv_native.takes(x.reshape(rows, -1), weight, bias):
-            return gemv_native.gemv_row(x.reshape(rows, -1), weight, bias).view(*x.shape[:-1], -1)
+        flat = x.reshape(rows, -1)
+        if gemv_native.takes(flat, weight, bias):
+            return gemv_native.gemv_row(flat, weight, bias).view(*x.shape[:-1], -1)
         config = choose(rows, weight.shape[0], weight.shape[1], x.device)
         if config is not None:
-            return gemv(x.reshape(rows, -1), weight, bias, config=config).view(*x.shape[:-1], -1)
+            return gemv(flat, weight, bias, config=config).view(*x.shape[:-1], -1)
     return F.linear(x, weight, bias)
 
 
