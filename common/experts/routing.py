@@ -25,6 +25,15 @@ class RoutingHook(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The choices to use for these tokens."""
 
+    def device_rows(
+        self, layer: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """For a hook that hands out rows already on the device: (ids [rows, layers, k], weights [rows,
+        layers, k] fp32, cursors [layers] int64, the trace layer of model layer `layer`), which a kernel
+        gathers itself in place of the call (common/kernels/moe_dispatch.py), advancing the cursor as the
+        call would. None (the default): call the hook."""
+        return None
+
 
 class RoutingRecorder(RoutingHook):
     """Keeps every layer's choices; `trace()` stacks them into a RoutingTrace."""
@@ -75,6 +84,11 @@ class RoutingReplayer(RoutingHook):
         rows = (torch.arange(n, device=ids.device) + cursor[i]) % ids_all.shape[0]
         cursor[i].add_(n)
         return ids_all[rows, i].long(), weights_all[rows, i].to(weights.dtype)
+
+    def device_rows(self, layer, device):
+        if not self.fused:
+            return None
+        return (*self._on(device), self.index[layer])
 
     def rewind(self) -> None:
         """Replay from the trace's first row again (in place: recorded steps keep reading the cursors)."""

@@ -26,8 +26,20 @@ def _swiglu_down_kernel(
     gate_ptr, up_ptr, w_ptr, out_ptr, hidden, gate_stride, up_stride,
     INTER: tl.constexpr, BLOCK: tl.constexpr, I_BLOCK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output columns
+    swiglu_down_block(
+        gate_ptr, up_ptr, w_ptr, out_ptr, hidden, gate_stride, up_stride, tl.program_id(0), tl.program_id(1),
+        INTER, BLOCK, I_BLOCK, GDC,
+    )  # fmt: skip
+
+
+@triton.jit
+def swiglu_down_block(
+    gate_ptr, up_ptr, w_ptr, out_ptr, hidden, gate_stride, up_stride, t, block,
+    INTER: tl.constexpr, BLOCK: tl.constexpr, I_BLOCK: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    """Row t's outputs [BLOCK·block, BLOCK·(block+1)); waits (gdc_enter) after its first weight tile's
+    loads."""
+    n = block * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output columns
     live_n = n < hidden
     rows = w_ptr + n[:, None] * INTER
     r = tl.arange(0, I_BLOCK)

@@ -20,9 +20,16 @@ def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, experts, K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr,
     NORMALIZE: tl.constexpr, BF16: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    """One token's softmax and top-k; the weights in fp32, or with BF16 as bf16 bits (weights_ptr int16)."""
     gdc_enter(GDC)
-    t = tl.program_id(0)
+    route_token(logits_ptr, weights_ptr, ids_ptr, experts, tl.program_id(0), K, KB, BLOCK, NORMALIZE, BF16)
+
+
+@triton.jit
+def route_token(
+    logits_ptr, weights_ptr, ids_ptr, experts, t, K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr,
+    NORMALIZE: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Token t's softmax and top-k; the weights in fp32, or with BF16 as bf16 bits (weights_ptr int16)."""
     e = tl.arange(0, BLOCK)
     live = e < experts
     x = tl.load(logits_ptr + t * experts + e, mask=live, other=float("-inf")).to(tl.float32)
@@ -82,12 +89,26 @@ def _replay_kernel(
     GDC: tl.constexpr,
 ):  # fmt: skip
     """Tokens [TB·pid, TB·(pid+1)) of the call (every token with ADVANCE: one program, which then moves the
-    cursor on, as no other program reads it); with BF16 the weights as bf16 bits (`_bf16_bits`)."""
+    cursor on, as no other program reads it)."""
     gdc_enter(GDC)
-    base = tl.load(cursor_ptr + layer)
-    j = tl.arange(0, KB)
     first = tl.program_id(0) * TB
     last = tokens if ADVANCE else first + TB
+    replay_tokens(
+        trace_ids_ptr, trace_w_ptr, cursor_ptr, ids_ptr, weights_ptr, rows, layers, layer, tokens, first,
+        last, K, KB, TB, ADVANCE, BF16,
+    )  # fmt: skip
+
+
+@triton.jit
+def replay_tokens(
+    trace_ids_ptr, trace_w_ptr, cursor_ptr, ids_ptr, weights_ptr, rows, layers, layer, tokens, first, last,
+    K: tl.constexpr, KB: tl.constexpr, TB: tl.constexpr, ADVANCE: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Trace layer `layer`'s rows for tokens [first, last) of the call's `tokens`, from row cursor[layer] on
+    (cycling over `rows`); with ADVANCE (the program that handles every token) the cursor then moves on by
+    `tokens`. With BF16 the weights as bf16 bits (`_bf16_bits`)."""
+    base = tl.load(cursor_ptr + layer)
+    j = tl.arange(0, KB)
     for t0 in range(first, last, TB):
         t = t0 + tl.arange(0, TB)  # [TB]
         live = (t < tokens)[:, None] & (j < K)[None, :]  # [TB, KB]

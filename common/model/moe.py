@@ -79,51 +79,87 @@ class SparseMoeBlock(nn.Module):
             logits, *shared_in = self.fused_in(x)
         else:
             logits, shared_in = self.gate(x), None
-        if self.fused_decode:
-            from common.kernels.routing import route_fused  # Triton
-
-            dtype = torch.float32 if self.weights_fp32 else x.dtype  # rounded in the kernel: no cast after
-            weights, ids = route_fused(logits, self.top_k, self.normalize, dtype)  # [T, k] each
-        else:
-            weights, ids = route(logits, self.top_k, self.normalize)
+        dtype = torch.float32 if self.weights_fp32 else x.dtype  # fused kernels round in the kernel
         with self.experts.turn(self.layer_idx):  # a grouped pass's groups replay and resolve in turn
-            if self.routing_hook is not None:
-                ids, weights = self.routing_hook(self.layer_idx, ids, weights)
+            dispatched = self._dispatch(logits, shared_in, dtype)  # the shared expert too, maybe
+            weights, ids, shared = dispatched or (*self._route(logits, dtype), None)
             prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
         if self.ahead is not None and self.lookahead:  # the next layer's guess: its copies queue behind
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
-        shared, shared_gate = self._shared(x, shared_in)  # computed while the copies run
+        shared, shared_gate = self._shared(x, shared_in, shared)  # computed while the copies run
         return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)
+
+    def _route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' (weights, ids) [T, k]: the router's choice, then the routing hook's."""
+        if self.fused_decode:
+            from common.kernels.routing import route_fused  # Triton
+
+            weights, ids = route_fused(logits, self.top_k, self.normalize, dtype)  # [T, k] each
+        else:
+            weights, ids = route(logits, self.top_k, self.normalize)
+        if self.routing_hook is not None:
+            ids, weights = self.routing_hook(self.layer_idx, ids, weights)
+        return weights, ids
+
+    def _dispatch(
+        self, logits: torch.Tensor, shared_in: list[torch.Tensor] | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(weights, ids, the shared expert or None) from one kernel (common/kernels/moe_dispatch.py): a few
+        rows with the fused kernels, and a replay on the device or a shared expert to run beside the router's
+        choice. None: not this pass (`_route` and `_shared` then)."""
+        from common.kernels import moe_dispatch
+        from common.kernels.gated_mlp import DOWN_ROWS
+
+        if not (self.fused_decode and moe_dispatch.ENABLED) or logits.shape[0] > DOWN_ROWS:
+            return None
+        hook = self.routing_hook
+        replay = None if hook is None else hook.device_rows(self.layer_idx, logits.device)
+        if hook is not None and replay is None:  # a hook to call (a recorder)
+            return None
+        shared = None
+        if self._shared_fits(shared_in):
+            shared = (shared_in[0], shared_in[1], self.shared_expert.down_proj.weight)
+        elif replay is None:  # the router's choice alone: route_fused's kernel
+            return None
+        return moe_dispatch.moe_dispatch(logits, self.top_k, self.normalize, dtype, replay, shared)
 
     def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
         """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""
         return torch.topk(self.ahead.gate(x), self.ahead_experts, dim=-1, sorted=False).indices
 
     def _shared(
-        self, x: torch.Tensor, projected: list[torch.Tensor] | None
+        self, x: torch.Tensor, projected: list[torch.Tensor] | None, done: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The shared expert of x and its gate's logit [T, 1] (None: no shared expert, no gate), given its
-        input projections when they were fused with the router's. The provider adds σ(logit) · shared."""
+        """The shared expert of x (`done`: computed already, by the dispatch) and its gate's logit [T, 1]
+        (None: no shared expert, no gate), given its input projections when they were fused with the
+        router's. The provider adds σ(logit) · shared."""
         if self.shared_expert is None:
             return None, None
         gate, up, *gate_logit = projected if projected is not None else project(x, self._inputs()[1:], None)
-        return self._finish_shared(gate, up), gate_logit[0] if gate_logit else None
+        shared = done if done is not None else self._finish_shared(gate, up)
+        return shared, gate_logit[0] if gate_logit else None
 
     def _finish_shared(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The shared expert from its gate and up outputs: for a few rows with the fused kernels, SiLU, the
         product and the down GEMV in one Triton kernel (torch: three launches a layer)."""
+        if self._shared_fits([gate, up]):
+            from common.kernels.gated_mlp import swiglu_down  # Triton
+
+            return swiglu_down(gate, up, self.shared_expert.down_proj.weight)
+        return self.shared_expert.finish(gate, up)
+
+    def _shared_fits(self, shared_in: list[torch.Tensor] | None) -> bool:
+        """Whether the shared expert's second half runs as one Triton kernel (swiglu_down's, alone or in the
+        dispatch): a few rows with the fused kernels, SiLU, a plain down projection."""
         from common.kernels.gated_mlp import DOWN_ROWS
 
         mlp = self.shared_expert
-        down = mlp.down_proj
-        fits = gate.shape[0] <= DOWN_ROWS and mlp.act is F.silu and plain_linear(down)
-        if self.fused_decode and self.shared_kernel and fits:
-            from common.kernels.gated_mlp import swiglu_down  # Triton
-
-            return swiglu_down(gate, up, down.weight)
-        return mlp.finish(gate, up)
+        if mlp is None or not shared_in or not (self.fused_decode and self.shared_kernel):
+            return False
+        gate = shared_in[0]
+        return gate.shape[0] <= DOWN_ROWS and mlp.act is F.silu and plain_linear(mlp.down_proj)
 
 
 def install_lookahead(model: nn.Module, experts: int, num_layers: int) -> int:
