@@ -589,10 +589,11 @@ class OffloadedExperts(ExpertProvider):
         topk_weights: torch.Tensor,
         shared: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
+        settled: bool = False,
     ) -> torch.Tensor:
         assert isinstance(prepared, Prepared)
         if self.fused_int4 and not self.prefill:  # the int4 decode kernels, which add the shared expert
-            return self._int4_decode(prepared, x, topk_ids, topk_weights, shared, shared_gate)
+            return self._int4_decode(prepared, x, topk_ids, topk_weights, shared, shared_gate, settled)
         return add_shared(self._routed(prepared, x, topk_ids, topk_weights), shared, shared_gate)
 
     def _routed(
@@ -639,6 +640,7 @@ class OffloadedExperts(ExpertProvider):
         topk_weights: torch.Tensor,
         shared: torch.Tensor | None,
         shared_gate: torch.Tensor | None,
+        settled: bool,
     ) -> torch.Tensor:
         """A decode pass through the int4 kernels: the rows read in place once their copies are in (gate_up's
         before down's), or a one-token step's misses from the host store (`Prepared.fills`); the shared expert
@@ -654,7 +656,7 @@ class OffloadedExperts(ExpertProvider):
             before_gate_up=lambda: self.copies.join(prepared.done, stage=0),
             shared=shared if fold else None, shared_gate=shared_gate if fold else None,
             host=prepared.host, fills=prepared.fills,
-            settled=shared is not None,  # the shared expert's kernels ran after the routing's and resolve's
+            settled=settled,
         )  # fmt: skip
         return out if fold else add_shared(out, shared, shared_gate)
 

@@ -86,10 +86,13 @@ class ExpertProvider(ABC):
         topk_weights: torch.Tensor,
         shared: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
+        settled: bool = False,
     ) -> torch.Tensor:
         """`forward`'s result, given `prepare(layer, topk_ids)`'s handle (same topk_ids), plus `shared`
         [T, H] (a shared expert's output) gated by σ(shared_gate [T, 1]) when given: a provider whose kernel
-        sums the choices adds it there."""
+        sums the choices adds it there. `settled`: neither topk_ids nor what `prepare` wrote come from the
+        kernel launched just before this call (the caller's shared expert ran in between), so this call's
+        first kernel may read them before its programmatic wait (common/kernels/pdl.py)."""
         return add_shared(self.forward(layer, x, topk_ids, topk_weights), shared, shared_gate)
 
 

@@ -89,7 +89,8 @@ class SparseMoeBlock(nn.Module):
         if self.ahead is not None and self.lookahead:  # the next layer's guess: its copies queue behind
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
         shared, shared_gate = self._shared(x, shared_in, shared)  # computed while the copies run
-        return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate)
+        settled = dispatched is None and shared is not None  # its kernels came after the routing's
+        return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate, settled)
 
     def _route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' (weights, ids) [T, k]: the router's choice, then the routing hook's."""

@@ -1,6 +1,6 @@
 """The MoE dispatch kernel against the three kernels it puts side by side (route_fused, replay_rows,
-swiglu_down): the same outputs bit for bit, and the same cursors; and a model decoding the same with it as
-without."""
+swiglu_down): the same choices bit for bit, the same cursors, the same shared expert to rounding (its sums
+split over other threads on a GPU); and a model decoding the same with it as without."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_dispatch_equals_the_three_kernels(dtype: torch.dtype, replayed: bool, w
             assert got_w.dtype == want_w.dtype and torch.equal(got_w, want_w)
             assert torch.equal(got_ids, want_ids)
             if with_shared:
-                assert torch.equal(got_shared, swiglu_down(gate, up, down))
+                torch.testing.assert_close(got_shared, swiglu_down(gate, up, down), rtol=1e-5, atol=1e-6)
             else:
                 assert got_shared is None
         (_, _, want_cursor), (_, _, cursor) = plain._on(logits.device), fused._on(logits.device)
@@ -70,7 +70,7 @@ def test_a_recorder_is_called_not_dispatched() -> None:
 def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny qwen4_exp model (shared experts, replayed routing) with the fused kernels: the same logits at
     every step of a prefill and a greedy decode with the dispatch (taken at every pass's MoE layers: none
-    has more than DOWN_ROWS rows) as with the three kernels, bit for bit."""
+    has more than DOWN_ROWS rows) as with the three kernels, to rounding."""
     from common.engine import Engine
     from common.kernels import moe_dispatch
     from common.model.synthetic import make_model
@@ -95,4 +95,4 @@ def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest
     moe_layers = len(engine.config.moe_layers)
     assert len(calls) == 5 * moe_layers  # the 9-token prefill too
     assert all(args[4] is not None and args[5] is not None for args in calls)  # a replay and a shared expert
-    assert torch.equal(logits[0], logits[1])
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
