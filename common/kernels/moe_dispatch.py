@@ -33,9 +33,11 @@ from common.kernels.routing import REPLAY_ONE_PROGRAM, replay_tokens, route_toke
 ENABLED = True
 """Dispatch a few rows' MoE block with this kernel (SparseMoeBlock.dispatch_kernel reads it); False: the
 three kernels (the benchmark's `no-moe-dispatch` switch). Switch before a pass is recorded."""
-WARPS = 1
-"""Warps a program. The router's k + 2 reductions over the experts are warp shuffles alone at one warp
-(routing.ROUTE_WARPS); the shared expert's programs then hold their 8 × I weight tile in 32 threads."""
+WARPS = 4
+"""Warps a program. On the H200 decode-allfit ran 218.04 tok/s at 4 against 216.14 at 1 (where the router's
+reductions are warp shuffles alone, routing.ROUTE_WARPS) and 210.83 with the three kernels, in one process
+(bench/results/decode-allfit-moe-dispatch-ab.json): the shared expert's 8 × I weight tile a program in 128
+threads outweighs the router's reductions crossing shared memory."""
 SHARED_BLOCK = 8
 """Shared-expert output rows a program (swiglu_down's default)."""
 
