@@ -12,8 +12,8 @@ the trace's rows for every token and advances the cursor (routing.replay_tokens;
 wait); the rest are the shared expert's blocks of outputs (gated_mlp.swiglu_down_block), which load their
 weight tiles before they wait for the kernel before (pdl.py). With a replay the router's choice is still
 made, as in serving, and the replay's rows are what the experts use. The bodies are the three kernels' own:
-the choices equal theirs bit for bit, the shared expert to rounding (at WARPS its sums are split over other
-threads than swiglu_down's).
+the same experts and replayed rows bit for bit, the router's weights and the shared expert to rounding (at
+WARPS their sums are split over other threads than route_fused's and swiglu_down's).
 
 The routed experts' first kernel now follows the kernel that wrote their rows: it reads them after its
 programmatic wait (SparseMoeBlock passes `settled` False), where the shared expert's kernel between let it

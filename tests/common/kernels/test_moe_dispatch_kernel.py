@@ -1,6 +1,7 @@
 """The MoE dispatch kernel against the three kernels it puts side by side (route_fused, replay_rows,
-swiglu_down): the same choices bit for bit, the same cursors, the same shared expert to rounding (its sums
-split over other threads on a GPU); and a model decoding the same with it as without."""
+swiglu_down): the same experts and replayed rows bit for bit, the same cursors, the router's weights and the
+shared expert to rounding (on a GPU their sums are split over other threads); and a model decoding the same
+with it as without."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def _shared(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
     fused = torch.randn(rows, 3 + 2 * inter, generator=gen).to(DEVICE)
     down = (torch.randn(hidden, inter, generator=gen) * 0.1).to(DEVICE)
     return fused[:, 3 : 3 + inter], fused[:, 3 + inter :], down
+
+
+_ROUNDING = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 8e-3, "atol": 1e-5}}
+"""A few fp32 ulps; one bf16 ulp (the fp32 weight then rounded to bf16 may cross a rounding boundary)."""
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,8 +49,11 @@ def test_dispatch_equals_the_three_kernels(dtype: torch.dtype, replayed: bool, w
             want_w, want_ids = route_fused(logits, k, True, dtype)
             if replayed:
                 want_ids, want_w = plain(layer, want_ids, want_w)
-            assert got_w.dtype == want_w.dtype and torch.equal(got_w, want_w)
-            assert torch.equal(got_ids, want_ids)
+            assert got_w.dtype == want_w.dtype and torch.equal(got_ids, want_ids)
+            if replayed:  # copied from the trace
+                assert torch.equal(got_w, want_w)
+            else:
+                torch.testing.assert_close(got_w, want_w, **_ROUNDING[dtype])
             if with_shared:
                 torch.testing.assert_close(got_shared, swiglu_down(gate, up, down), rtol=1e-5, atol=1e-6)
             else:
