@@ -61,18 +61,20 @@ def _dispatch_kernel(
     if j == 0:
         gdc_enter(GDC)
         route_token(logits_ptr, weights_ptr, ids_ptr, experts, t, K, KB, E_BLOCK, NORMALIZE, BF16)
-    elif j < 1 + REPLAY:  # the replay's program (REPLAY 0 or 1)
-        gdc_enter(GDC)
-        if t == 0:
-            replay_tokens(
-                trace_ids_ptr, trace_w_ptr, cursor_ptr, replay_ids_ptr, replay_w_ptr, trace_rows,
-                trace_layers, layer, tokens, 0, tokens, K, KB, 16, True, BF16,
+    elif j > REPLAY:  # the shared expert's blocks (REPLAY 0 or 1)
+        if SHARED:
+            swiglu_down_block(
+                gate_ptr, up_ptr, down_ptr, shared_ptr, hidden, gate_stride, up_stride, t, j - 1 - REPLAY,
+                INTER, BLOCK, I_BLOCK, GDC,
             )  # fmt: skip
-    elif SHARED:
-        swiglu_down_block(
-            gate_ptr, up_ptr, down_ptr, shared_ptr, hidden, gate_stride, up_stride, t, j - 1 - REPLAY, INTER,
-            BLOCK, I_BLOCK, GDC,
-        )  # fmt: skip
+    else:  # the replay's programs (none without one: then its code is not even compiled)
+        gdc_enter(GDC)
+        if REPLAY:  # noqa: SIM102  (a static branch around a runtime one)
+            if t == 0:
+                replay_tokens(
+                    trace_ids_ptr, trace_w_ptr, cursor_ptr, replay_ids_ptr, replay_w_ptr, trace_rows,
+                    trace_layers, layer, tokens, 0, tokens, K, KB, 16, True, BF16,
+                )  # fmt: skip
 
 
 def moe_dispatch(
