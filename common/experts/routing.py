@@ -85,8 +85,10 @@ class RoutingReplayer(RoutingHook):
         cursor[i].add_(n)
         return ids_all[rows, i].long(), weights_all[rows, i].to(weights.dtype)
 
-    def device_rows(self, layer, device):
-        if not self.fused:
+    def device_rows(
+        self, layer: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        if not self.fused:  # the torch gather of __call__
             return None
         return (*self._on(device), self.index[layer])
 

@@ -22,7 +22,7 @@ def use_fused_kernels(
     gate (ple.py, decode passes), the hyper-connections' elementwise work (hyper.py, every pass), QSA's
     norm + RoPE of q, k and indexer queries (norm_rope.py, every pass; with the keys' and values' page
     writes), the indexer's decode steps (qsa_indexer.py), the router's softmax + top-k (routing.py, every
-    pass) and, given the runner's attention `backend`, paged decode attention with QSA's output gate
+    pass; a few rows' with the routing replay and the shared expert's down in one grid: moe_dispatch.py) and, given the runner's attention `backend`, paged decode attention with QSA's output gate
     (decode_attention.py). They need CUDA, or Triton's interpreter (tests). Switching on also fuses each
     module's same-input projections into one GEMM (common/model/fused_linear.py; `fuse_copy` False: only
     those whose weights already lie back to back, as in a process that maps another's); switching off

@@ -25,7 +25,8 @@ class SparseMoeBlock(nn.Module):
     """Routed experts (through `experts`) plus, for Qwen2-MoE, a sigmoid-gated shared expert."""
 
     fused_decode = False
-    """Route with one Triton kernel (common/kernels/routing.py). Opt-in: see `use_fused_kernels`."""
+    """Route with one Triton kernel (common/kernels/routing.py; a few rows' with the routing replay and the
+    shared expert's down beside it: moe_dispatch.py). Opt-in: see `use_fused_kernels`."""
 
     fused_in: FusedLinears | None = None
     """The router and the shared expert's gate, up and gate logit as one GEMM (`fuse_projections`)."""
@@ -88,7 +89,7 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         if self.ahead is not None and self.lookahead:  # the next layer's guess: its copies queue behind
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
-        shared, shared_gate = self._shared(x, shared_in, shared)  # computed while the copies run
+        shared, shared_gate = self._shared(x, shared_in, shared)  # (if not dispatched) while the copies run
         settled = dispatched is None and shared is not None  # its kernels came after the routing's
         return self.experts.compute(self.layer_idx, prepared, x, ids, weights, shared, shared_gate, settled)
 
