@@ -5,6 +5,7 @@ with it as without."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -78,15 +79,18 @@ def test_a_recorder_is_called_not_dispatched() -> None:
 def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny qwen4_exp model (shared experts, replayed routing) with the fused kernels: the same logits at
     every step of a prefill and a greedy decode with the dispatch (taken at every pass's MoE layers: none
-    has more than DOWN_ROWS rows) as with the three kernels, to rounding."""
+    has more than DOWN_ROWS rows) as with the three kernels, to rounding; the experts' kernels told their
+    rows are settled (written two kernels back) only when the shared expert's own kernel ran in between."""
     from common.engine import Engine
     from common.kernels import moe_dispatch
+    from common.model.moe import SparseMoeBlock
     from common.model.synthetic import make_model
 
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
     calls = []
     dispatch = moe_dispatch.moe_dispatch
     monkeypatch.setattr(moe_dispatch, "moe_dispatch", lambda *args: calls.append(args) or dispatch(*args))
+    settled = {True: [], False: []}
     prompt = torch.randint(3, 1000, (9,), generator=torch.Generator().manual_seed(0)).tolist()
     logits = []
     for enabled in (True, False):
@@ -95,6 +99,8 @@ def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest
             path, dtype=torch.float32, device=DEVICE, max_seqs=1, cuda_graphs=False,
             replay_routing="synthetic-zipf:seed=5", fused_kernels=True,
         )  # fmt: skip
+        provider = next(m.experts for m in engine.model.modules() if isinstance(m, SparseMoeBlock))
+        monkeypatch.setattr(provider, "compute", _recording_settled(provider.compute, settled[enabled]))
         seq = engine.runner.new_sequence()
         steps = [engine.runner.forward([seq], [prompt])]
         for _ in range(4):
@@ -104,3 +110,9 @@ def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest
     assert len(calls) == 5 * moe_layers  # the 9-token prefill too
     assert all(args[4] is not None and args[5] is not None for args in calls)  # a replay and a shared expert
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert settled[True] == [False] * len(calls) and settled[False] == [True] * len(calls)
+
+
+def _recording_settled(compute: Callable[..., torch.Tensor], seen: list[bool]) -> Callable[..., torch.Tensor]:
+    """`compute` (a provider's bound method, called positionally by the MoE block) noting its `settled`."""
+    return lambda *args: seen.append(args[-1]) or compute(*args)
