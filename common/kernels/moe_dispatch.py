@@ -31,7 +31,7 @@ from common.kernels.pdl import gdc_enter, launch
 from common.kernels.routing import REPLAY_ONE_PROGRAM, replay_tokens, route_token
 
 ENABLED = True
-"""Dispatch a few rows' MoE block with this kernel (SparseMoeBlock.dispatch_kernel reads it); False: the
+"""Dispatch a few rows' MoE block with this kernel (SparseMoeBlock._dispatch reads it); False: the
 three kernels (the benchmark's `no-moe-dispatch` switch). Switch before a pass is recorded."""
 WARPS = 4
 """Warps a program. On the H200 decode-allfit ran 218.04 tok/s at 4 against 216.14 at 1 (where the router's
