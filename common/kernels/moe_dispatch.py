@@ -28,7 +28,7 @@ import triton.language as tl
 
 from common.kernels.gated_mlp import swiglu_down_block
 from common.kernels.pdl import gdc_enter, launch
-from common.kernels.routing import REPLAY_ONE_PROGRAM, replay_tokens, route_token
+from common.kernels.routing import REPLAY_ONE_PROGRAM, as_written, replay_tokens, route_token
 
 ENABLED = True
 """Dispatch a few rows' MoE block with this kernel (SparseMoeBlock._dispatch reads it); False: the
@@ -97,8 +97,8 @@ def moe_dispatch(
         weights = torch.empty((t, top_k), dtype=dtype if bf16 else torch.float32, device=device)
         return weights, torch.empty((t, top_k), dtype=torch.int64, device=device)
 
-    weights, ids = choice()
-    replay_weights, replay_ids = choice() if replay is not None else (weights, ids)
+    weights, ids = choice()  # the router's
+    used_weights, used_ids = choice() if replay is not None else (weights, ids)  # what the experts use
     trace_ids, trace_weights, cursor, layer = replay if replay is not None else (ids, weights, ids, 0)
     gate, up, down = shared if shared is not None else (logits, logits, logits)
     hidden, inter = down.shape if shared is not None else (0, 1)
@@ -106,17 +106,11 @@ def moe_dispatch(
     out = torch.empty((t, hidden), dtype=gate.dtype, device=device) if shared is not None else None
     grid = (t, 1 + int(replay is not None) + triton.cdiv(hidden, SHARED_BLOCK))
     _dispatch_kernel[grid](
-        logits.contiguous(), _bits(weights, bf16), ids, experts, trace_ids, trace_weights, cursor, replay_ids,
-        _bits(replay_weights, bf16), trace_ids.shape[0], trace_ids.shape[1] if replay else 1, layer, t, gate,
-        up, down, logits if out is None else out, hidden, gate.stride(0), up.stride(0), K=top_k,
+        logits.contiguous(), as_written(weights, bf16), ids, experts, trace_ids, trace_weights, cursor,
+        used_ids, as_written(used_weights, bf16), *trace_ids.shape[:2], layer, t, gate, up, down,
+        logits if out is None else out, hidden, gate.stride(0), up.stride(0), K=top_k,
         KB=triton.next_power_of_2(top_k), E_BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize,
         BF16=bf16, REPLAY=int(replay is not None), SHARED=shared is not None, INTER=inter, BLOCK=SHARED_BLOCK,
         I_BLOCK=min(1024, triton.next_power_of_2(inter)), num_warps=WARPS, **launch(device),
     )  # fmt: skip
-    chosen_weights, chosen_ids = (replay_weights, replay_ids) if replay is not None else (weights, ids)
-    return chosen_weights.to(dtype), chosen_ids, out
-
-
-def _bits(weights: torch.Tensor, bf16: bool) -> torch.Tensor:
-    """The weights as the kernel writes them: bf16 ones as their bits (int16)."""
-    return weights.view(torch.int16) if bf16 else weights
+    return used_weights.to(dtype), used_ids, out

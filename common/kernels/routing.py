@@ -75,7 +75,7 @@ def route_fused(
     weights = torch.empty((t, top_k), dtype=dtype if bf16 else torch.float32, device=logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
     _route_kernel[(t,)](
-        logits.contiguous(), weights.view(torch.int16) if bf16 else weights, ids, experts, K=top_k,
+        logits.contiguous(), as_written(weights, bf16), ids, experts, K=top_k,
         KB=triton.next_power_of_2(top_k), BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize,
         BF16=bf16, num_warps=ROUTE_WARPS, **launch(logits.device),
     )  # fmt: skip
@@ -125,6 +125,11 @@ def replay_tokens(
         tl.store(cursor_ptr + layer, base + tokens)
 
 
+def as_written(weights: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """The routing weights as the kernels write them: bf16 ones as their bits (int16, `_bf16_bits`)."""
+    return weights.view(torch.int16) if bf16 else weights
+
+
 REPLAY_ONE_PROGRAM = 256
 """Calls of up to this many tokens (decode passes) run as one program that also advances the cursor: two
 small kernels fewer a MoE layer (the cursor's add and the weights' cast). Longer ones (prefill chunks) run a
@@ -148,7 +153,7 @@ def replay_rows(
     weights = torch.empty((tokens, k), dtype=dtype if bf16 else torch.float32, device=trace_ids.device)
     advance, tb = tokens <= REPLAY_ONE_PROGRAM, 16
     _replay_kernel[(1 if advance else triton.cdiv(tokens, tb),)](
-        trace_ids, trace_weights, cursor, ids, weights.view(torch.int16) if bf16 else weights, rows, layers,
+        trace_ids, trace_weights, cursor, ids, as_written(weights, bf16), rows, layers,
         layer, tokens, K=k, KB=triton.next_power_of_2(k), TB=tb, ADVANCE=advance, BF16=bf16,
         **launch(trace_ids.device),
     )  # fmt: skip
