@@ -101,6 +101,77 @@ def test_project_applies_the_previous_injection(dtype: torch.dtype) -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _handoff_case(hidden: int, rank: int, dtype: torch.dtype, seed: int = 23) -> dict[str, torch.Tensor]:
+    """A decode row's hyper-connection inputs: raw streams, the previous sublayer's output and inject
+    partials, the norm, the fused mix-down + inject weight ([rank + hc, hc·H]) and the mix-up weight."""
+    gen = torch.Generator().manual_seed(seed)
+    hc = 4
+    on = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+    return {
+        "streams": on(1, hc * hidden, scale=3.0), "out": on(1, hidden),
+        "logits": torch.randn(hc, 1, hc, generator=gen).to(DEVICE), "norm": on(hc * hidden, scale=0.2),
+        "weight": on(rank + hc, hc * hidden, scale=0.05), "up": on(hc * hidden, rank, scale=0.1),
+    }  # fmt: skip
+
+
+def _project_mix_up(case: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    from common.kernels.hyper import hc_project_mix_up
+
+    inject = (case["out"], case["logits"])
+    return hc_project_mix_up(
+        case["streams"], case["norm"], 1e-6, case["weight"], case["up"], 4, inject=inject
+    )
+
+
+@pytest.mark.parametrize("hold_next", [False, True])
+def test_mix_up_handed_off_as_after_the_grid(monkeypatch, hold_next: bool) -> None:
+    """hc_project_mix_up with hc_mix_up waiting for hc_project's signals gives what it gives waiting for
+    hc_project's end, bit for bit (the same arithmetic), and leaves the hand-off counter at zero, call after
+    call."""
+    from common.kernels import arrival
+    from common.kernels.hyper import hc_project_mix_up
+
+    case = _handoff_case(hidden=40, rank=20, dtype=torch.float32)
+    args = (case["streams"], case["norm"], 1e-6, case["weight"], case["up"], 4)
+    inject = (case["out"], case["logits"])
+    monkeypatch.setattr(arrival, "HANDOFF", False)
+    want = hc_project_mix_up(*args, inject=inject, hold_next=hold_next)
+    arrival.HANDOFF = True
+    for _ in range(2):
+        got = hc_project_mix_up(*args, inject=inject, hold_next=hold_next)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        assert not arrival.handoff_counter(torch.device(DEVICE)).any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_handoff_in_a_recorded_graph_at_flashnext_shape() -> None:
+    """flashnext's shape (324 projection programs, 320 mix-up programs resident beside them under PDL),
+    recorded once and replayed with new streams: every replay as the grid-wait kernels give, the counter
+    left at zero."""
+    from common.kernels import arrival
+
+    case = _handoff_case(hidden=2560, rank=320, dtype=torch.bfloat16)
+    _project_mix_up(case)  # compiled outside the recording
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = _project_mix_up(case)
+    for seed in range(20):
+        case["streams"].copy_(
+            torch.randn(case["streams"].shape, generator=torch.Generator().manual_seed(seed))
+        )
+        graph.replay()
+        arrival.HANDOFF = False
+        try:
+            want = _project_mix_up(case)
+        finally:
+            arrival.HANDOFF = True
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    assert not arrival.handoff_counter(torch.device(DEVICE)).any()
+
+
 def test_deferred_injections_decode_as_applied_ones(tmp_path: Path, monkeypatch) -> None:
     """qwen4_exp with the fused kernels: one-row decode passes leave each hyper-connection's injection to the
     next one's projection kernel (but before a PLE layer and the final mixer), and give the logits of the
