@@ -223,7 +223,7 @@ DECODE_SWITCHES = (
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
-    "no-moe-dispatch", "no-handoff",
+    "no-moe-dispatch",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -279,7 +279,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: scalar_down}),
         (gemv_native, "ENABLED", False),
         (moe_dispatch, "ENABLED", False),
-        (arrival, "HANDOFF", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

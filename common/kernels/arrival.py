@@ -19,13 +19,6 @@ Counters: one zeroed buffer per device and stream (`counters`). On one stream a 
 only after `gdc_enter`, when the kernel before it has completed: every counter is back at zero. Streams run
 at once (decode groups), so each has its own buffer. `ENABLED` False: the separate kernels (the benchmark's
 `no-fold` switch).
-
-Hand-offs: the same counting tells a kernel launched beside another (PDL) that its input is ready, sooner
-than the grid's completion would (`signal`, `await_signals`): hc_project's programs each signal after their
-writes, and hc_mix_up's programs, resident beside them, spin until all have, instead of waiting for the
-grid's end in `gdc_enter`. The waiter was launched only once every program of the kernel before it had
-passed its own wait (pdl.py's early trigger), so every program it waits for is resident or done: spinning
-cannot starve them. The buffer's last counter (`handoff_counter`) is the hand-off's.
 """
 
 from __future__ import annotations
@@ -34,9 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-HANDOFF = True
-"""hc_mix_up waits for hc_project's programs' signals, not for its grid's end (the benchmark's `no-handoff`
-switch). Switch before a pass is recorded."""
 ENABLED = True
 """Fold the GEMV's chunk sums and the int4 MoE's combine into the kernels before them, at one row (`folds`).
 Switch before a pass is recorded."""
@@ -56,23 +46,13 @@ def counters(device: torch.device, needed: int) -> torch.Tensor:
     """The current stream's counters on `device` ([COUNTERS] int32, zero: every kernel leaves them so). Made
     at a stream's first use: in a recorded pass, zeroed by a memset node at that point of every replay."""
     assert needed <= COUNTERS, f"{needed} output tiles: at most {COUNTERS} counters"
-    return _buffer(device)[:COUNTERS]
-
-
-def handoff_counter(device: torch.device) -> torch.Tensor:
-    """The current stream's hand-off counter on `device` ([1] int32, zero: the last waiter leaves it so)."""
-    return _buffer(device)[COUNTERS:]
-
-
-def _buffer(device: torch.device) -> torch.Tensor:
-    """The current stream's buffer on `device`: the folds' counters, then the hand-off's."""
     stream = None
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         stream = torch.cuda.current_stream(device).cuda_stream
     key = (device, stream)
     if key not in _buffers:
-        _buffers[key] = torch.zeros(COUNTERS + 1, dtype=torch.int32, device=device)
+        _buffers[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return _buffers[key]
 
 
@@ -90,25 +70,6 @@ def arrive(counter_ptr, terms):
     if last:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
     return last
-
-
-@triton.jit
-def signal(counter_ptr):
-    """Count this program in at `counter_ptr` after its writes (release at GPU scope: a waiter that sees the
-    count sees them)."""
-    tl.debug_barrier()  # every thread's writes before the count
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def await_signals(counter_ptr, signals, waiters):
-    """Spin until `signals` programs have signalled at `counter_ptr` (acquire: read their writes with `.cg`);
-    then count this program, one of `waiters`: the last leaves the counter at zero."""
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    while seen < signals:
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    if tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu") == signals + waiters - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

@@ -29,9 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels import arrival
-from common.kernels.arrival import await_signals, signal
-from common.kernels.pdl import gdc_enter, gdc_trigger, launch
+from common.kernels.pdl import gdc_enter, launch
 
 
 @triton.jit
@@ -112,9 +110,8 @@ def hc_mix(up: torch.Tensor, normed: torch.Tensor, hc: int, block: int = 1024) -
 @triton.jit
 def _mix_up_kernel(
     down_ptr, w_ptr, x_ptr, scale_ptr, nw_ptr, out_ptr, hidden, rank, down_stride, part_stride,
-    handoff_ptr, signals,
     HC: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr,
-    HANDOFF: tl.constexpr, GDC: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] hidden columns
@@ -128,21 +125,15 @@ def _mix_up_kernel(
     w = tl.load(w_ptr + at, mask=tile, other=0.0)  # no kernel writes the weights: loaded before the wait
     if NORM:
         nw = tl.load(nw_ptr + rows, mask=live[None, :], other=0.0).to(tl.float32)
-    if HANDOFF:  # hc_project's programs counted in (arrival.py), not its grid's end awaited
-        await_signals(handoff_ptr, signals, tl.num_programs(0) * tl.num_programs(1))
-        gdc_trigger(GDC)
-    else:
-        gdc_enter(GDC)
+    gdc_enter(GDC)
     # Every read of the kernel before's outputs issued at once (one round trip, not one before the gate's
-    # sum and one after it), past L1 (a hand-off's inputs are another SM's writes in flight).
-    x = tl.load(x_ptr + t * HC * hidden + rows, mask=live[None, :], other=0.0, cache_modifier=".cg")
-    x = x.to(tl.float32)
+    # sum and one after it).
+    x = tl.load(x_ptr + t * HC * hidden + rows, mask=live[None, :], other=0.0).to(tl.float32)
     if NORM:  # x is the raw streams: their norm here, from the scales hc_project wrote
-        x = x * tl.load(scale_ptr + t * HC + s, cache_modifier=".cg")[:, None] * (1.0 + nw)
+        x = x * tl.load(scale_ptr + t * HC + s)[:, None] * (1.0 + nw)
     d = tl.zeros((R_PAD,), dtype=tl.float32)
     for p in range(PARTS):  # hc_project's partial products, one a stream
-        at_p = down_ptr + p * part_stride + t * down_stride + r
-        d += tl.load(at_p, mask=live_r, other=0.0, cache_modifier=".cg").to(tl.float32)
+        d += tl.load(down_ptr + p * part_stride + t * down_stride + r, mask=live_r, other=0.0).to(tl.float32)
     d = d / HC
     d = d / (1.0 + tl.exp(-d))  # [R_PAD] silu(down / hc)
     gate = tl.sigmoid(tl.sum(w.to(tl.float32) * d[None, None, :], axis=2))  # [HC, BLOCK] σ(up)
@@ -167,15 +158,12 @@ def hc_mix_up(
     norm_weight: torch.Tensor | None = None,
     num_warps: int = 4,
     hold_next: bool = False,
-    handoff: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """down [T, R] (rows may be strided: a view of a fused projection's output; or [P, T, R], partial
     products summed here), weight_up [hc·H, R], x the normalised streams [T, hc·H] →
     Σ_s σ((W_up · silu(down / hc))_s) · x_s / hc, [T, H] in x's dtype. With `scales` [T, hc] (hc_project's)
     and the norm's `norm_weight` [hc·H], x is the raw streams, normalised here as hc_norm would
-    (x · scale · (1 + w)). `hold_next`: the next kernel launches only at this one's exit (pdl.launch).
-    `handoff` (a counter, the programs that signal at it): wait for those signals, not for the kernel
-    before to end (`hc_project_mix_up`)."""
+    (x · scale · (1 + w)). `hold_next`: the next kernel launches only at this one's exit (pdl.launch)."""
     parts = down if down.dim() == 3 else down[None]  # [P, T, R]
     _, t, rank = parts.shape
     hidden = x.shape[1] // hc
@@ -185,9 +173,8 @@ def hc_mix_up(
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     _mix_up_kernel[(t, triton.cdiv(hidden, block))](
         parts, weight_up, x.contiguous(), scales if norm else x, norm_weight if norm else x, out, hidden,
-        rank, parts.stride(1), parts.stride(0), *(handoff or (out, 0)), HC=hc, BLOCK=block,
-        R_PAD=triton.next_power_of_2(rank), NORM=norm, PARTS=parts.shape[0], HANDOFF=handoff is not None,
-        num_warps=num_warps, **launch(x.device, hold_next=hold_next),
+        rank, parts.stride(1), parts.stride(0), HC=hc, BLOCK=block, R_PAD=triton.next_power_of_2(rank),
+        NORM=norm, PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device, hold_next=hold_next),
     )  # fmt: skip
     return out
 
@@ -195,9 +182,9 @@ def hc_mix_up(
 @triton.jit
 def _project_kernel(
     x_ptr, nw_ptr, w_ptr, out_ptr, scale_ptr, rows, n_out, eps,
-    y_ptr, inject_ptr, new_ptr, inject_stride, part_stride, handoff_ptr,
+    y_ptr, inject_ptr, new_ptr, inject_stride, part_stride,
     HC: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, BN: tl.constexpr, INJECT: tl.constexpr,
-    PARTS: tl.constexpr, HANDOFF: tl.constexpr, GDC: tl.constexpr,
+    PARTS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     t, nb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = nb * BN + tl.arange(0, BN)  # [BN] output columns
@@ -221,8 +208,6 @@ def _project_kernel(
     tl.store(scale_ptr + t * HC + s, scale, mask=nb == 0)
     acc = tl.sum(w.to(tl.float32) * (xs * (1.0 + nw))[None, :], axis=1) * scale  # the norm's scale after
     tl.store(out_ptr + (s * rows + t) * n_out + n, acc, mask=live_n)
-    if HANDOFF:
-        signal(handoff_ptr)
 
 
 @triton.jit
@@ -249,7 +234,6 @@ weight tile (256 elements a thread) is all in flight before the wait."""
 def hc_project(
     streams: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, hc: int,
     block_n: int = 4, num_warps: int = PROJECT_WARPS, inject: tuple[torch.Tensor, torch.Tensor] | None = None,
-    handoff: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A few rows' hyper-connection input projection from the raw streams [T, hc·H]: hc_norm's normalised
     streams (weight (1 + norm_weight)) times weight [N, hc·H]ᵀ → (the product's partial sums over each
@@ -265,13 +249,13 @@ def hc_project(
 
     `inject` (the previous sublayer's output [T, H] and its inject logits, as hc_inject takes them): the
     streams are first `hc_inject(streams, *inject)`, applied as they are read and written by the kernel
-    (the streams returned): one launch fewer a sublayer, and the same values as hc_inject's.
-
-    `handoff` (a counter): each program signals at it after its writes (`hc_project_mix_up`)."""
+    (the streams returned): one launch fewer a sublayer, and the same values as hc_inject's."""
     t, width = streams.shape
     n_out = weight.shape[0]
     assert weight.is_contiguous() and weight.shape[1] == width and width % hc == 0
-    grid, h_pad, block_n = _project_grid(t, n_out, width // hc, hc, block_n)
+    h_pad = triton.next_power_of_2(width // hc)
+    assert h_pad <= PROJECT_TILE, f"streams of {width // hc}: at most {PROJECT_TILE}"
+    block_n = min(block_n, PROJECT_TILE // h_pad)
     out = torch.empty((hc, t, n_out), dtype=torch.float32, device=streams.device)
     scales = torch.empty((t, hc), dtype=torch.float32, device=streams.device)
     streams = streams.contiguous()
@@ -280,47 +264,12 @@ def hc_project(
         new = torch.empty_like(streams)
     else:
         y, parts, new = streams, streams[None], streams  # (unread without INJECT)
-    _project_kernel[grid](
+    _project_kernel[(t, triton.cdiv(n_out, block_n), hc)](
         streams, norm_weight, weight, out, scales, t, n_out, eps, y, parts, new, parts.stride(1),
-        parts.stride(0), out if handoff is None else handoff, HC=hc, H=width // hc, H_PAD=h_pad, BN=block_n,
-        INJECT=inject is not None, PARTS=parts.shape[0], HANDOFF=handoff is not None, num_warps=num_warps,
-        **launch(streams.device),
+        parts.stride(0), HC=hc, H=width // hc, H_PAD=h_pad, BN=block_n, INJECT=inject is not None,
+        PARTS=parts.shape[0], num_warps=num_warps, **launch(streams.device),
     )  # fmt: skip
     return out, scales, new
-
-
-def _project_grid(t: int, n_out: int, hidden: int, hc: int, block_n: int) -> tuple[tuple[int, ...], int, int]:
-    """hc_project's grid for `t` rows, `n_out` columns and streams `hidden` wide, the stream padded to a
-    power of two, and the columns a program (fewer than `block_n` for a stream wider than PROJECT_TILE /
-    block_n)."""
-    h_pad = triton.next_power_of_2(hidden)
-    assert h_pad <= PROJECT_TILE, f"streams of {hidden}: at most {PROJECT_TILE}"
-    block_n = min(block_n, PROJECT_TILE // h_pad)
-    return (t, triton.cdiv(n_out, block_n), hc), h_pad, block_n
-
-
-def hc_project_mix_up(
-    streams: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    weight_up: torch.Tensor, hc: int, inject: tuple[torch.Tensor, torch.Tensor] | None = None,
-    hold_next: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """A decode sublayer's input from the raw streams: `hc_project` (weight [N, hc·H], the mix-down's rank
-    first, as weight_up [hc·H, rank] reads them), then `hc_mix_up` → (the input [T, H], the projection's
-    partial products [hc, T, N], the streams). With arrival.HANDOFF, hc_mix_up's programs start
-    when hc_project's have all signalled, not when its grid has ended (arrival.py: the hand-off)."""
-    handoff = None
-    if arrival.HANDOFF:
-        grid = _project_grid(streams.shape[0], weight.shape[0], streams.shape[1] // hc, hc, 4)[0]
-        handoff = (arrival.handoff_counter(streams.device), grid[0] * grid[1] * grid[2])
-    product, scales, streams = hc_project(
-        streams, norm_weight, eps, weight, hc, inject=inject, handoff=None if handoff is None else handoff[0]
-    )
-    down = product[..., : weight_up.shape[1]]
-    mixed = hc_mix_up(
-        down, weight_up, streams, hc, scales=scales, norm_weight=norm_weight, hold_next=hold_next,
-        handoff=handoff,
-    )  # fmt: skip
-    return mixed, product, streams
 
 
 def _inject_parts(logits: torch.Tensor) -> torch.Tensor:

@@ -77,13 +77,5 @@ def gdc_enter(GDC: tl.constexpr):
     next kernel launch."""
     if GDC:
         tl.extra.cuda.gdc_wait()
-        gdc_trigger(GDC)
-
-
-@triton.jit
-def gdc_trigger(GDC: tl.constexpr):
-    """With GDC True (not WAIT_ONLY): let the next kernel launch. `gdc_enter` calls it after its wait; a
-    kernel that learns its inputs are ready another way (arrival.await_signals) calls it alone."""
-    if GDC:  # noqa: SIM102  (a static branch around a static one)
         if GDC != WAIT_ONLY_K:
             tl.extra.cuda.gdc_launch_dependents()

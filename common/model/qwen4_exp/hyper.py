@@ -103,15 +103,19 @@ class HyperConnection(nn.Module):
         deferred = streams if isinstance(streams, DeferredInject) else None
         rows = streams.streams if deferred is not None else streams
         if self.fused_decode and self._project_fits(rows):  # norm, projection and mix in two kernels
-            from common.kernels.hyper import hc_project_mix_up  # Triton
+            from common.kernels.hyper import hc_mix_up, hc_project  # Triton
 
             norm, fused = self.hc_norm, self.fused_in
             inject = (deferred.out, deferred.logits) if deferred is not None else None
-            mixed, product, streams = hc_project_mix_up(
-                rows, norm.weight, norm.eps, fused.weight, self.input_mix_weight_up.weight, self.hc,
-                inject=inject, hold_next=hold_next,
-            )  # fmt: skip
-            return mixed, fused.split(product)[1], streams
+            product, scales, streams = hc_project(
+                rows, norm.weight, norm.eps, fused.weight, self.hc, inject=inject
+            )
+            down, logits = fused.split(product)
+            up = self.input_mix_weight_up.weight
+            mixed = hc_mix_up(
+                down, up, streams, self.hc, scales=scales, norm_weight=norm.weight, hold_next=hold_next
+            )
+            return mixed, logits, streams
         streams = applied(streams)
         return (*self._mix_normed(streams), streams)
 
