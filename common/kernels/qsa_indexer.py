@@ -9,7 +9,7 @@
 - `select_blocks`: the keys each query attends to, from its scores: the top-k blocks' keys and its own
   incomplete block's. torch's top-k sorts (a radix sort and a gather, ~34 µs a QSA layer on an H200 in the
   all-fit decode profile) and ~8 small kernels expand and mask; here program t finds the k-th largest score
-  by bisection on its bits, all in registers (up to SELECT_MAX_BLOCKS blocks).
+  by a SELECT_WAYS-way search on its bits, all in registers (up to SELECT_MAX_BLOCKS blocks).
 
 And on a prefill pass, `prefill_block_scores`: one sequence's queries against its block keys, tiled (a tile of
 queries × a tile of blocks a program, the heads' products summed in registers), so only the [T, NB] scores
@@ -173,12 +173,17 @@ def prefill_block_scores(q: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,
 
 SELECT_MAX_BLOCKS = 4096
 """Blocks `select_blocks` holds in one program's registers (a 16K context at 4 tokens a block)."""
+SELECT_WAYS = 16
+"""Parts `select_blocks` cuts its threshold's range into a round (a power of two): it counts the keys at or
+above each part's start in one reduction, so it finds the k-th largest of 2³² key values in 32 / log2(WAYS)
+rounds (8), where a bisection took 33 reductions one after the other, each a round trip through shared
+memory (the bisection: 2, the benchmark's `select-bisect` switch)."""
 
 
 @triton.jit
 def _select_kernel(
     scores_ptr, pos_ptr, out_ptr, num_blocks, width, K: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, GDC: tl.constexpr,
+    BK: tl.constexpr, WAYS: tl.constexpr, ROUNDS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     gdc_enter(GDC)
     t = tl.program_id(0)
@@ -191,10 +196,13 @@ def _select_kernel(
     bits = score.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # ordered as the floats
     lo, hi = tl.full([], -(2**31), tl.int64), tl.full([], 2**31 - 1, tl.int64)
-    for _ in tl.static_range(33):  # the largest threshold with K live keys at or above it
-        mid = (lo + hi + 1) // 2
-        enough = tl.sum((live & (key >= mid)).to(tl.int32), axis=0) >= K
-        lo, hi = tl.where(enough, mid, lo), tl.where(enough, hi, mid - 1)
+    j = tl.arange(0, WAYS)[:, None]  # [WAYS, 1] the range's parts
+    for _ in tl.static_range(ROUNDS):  # the largest threshold with K live keys at or above it
+        step = (hi - lo + WAYS) // WAYS  # [lo, hi] in WAYS parts of `step` (≥ 1) from lo
+        counts = tl.sum((live[None, :] & (key[None, :] >= lo + step * j)).to(tl.int32), axis=1)  # [WAYS]
+        part = tl.sum((counts >= K).to(tl.int32), axis=0) - 1  # the highest part starting with ≥ K above
+        part = tl.maximum(part, 0)  # (none: fewer than K live keys, and lo stays below them all)
+        lo, hi = lo + step * part, tl.minimum(hi, lo + step * (part + 1) - 1)
     above = live & (key > lo)
     tie = live & (key == lo)
     room = K - tl.sum(above.to(tl.int32), axis=0)  # ties taken lowest block first
@@ -225,6 +233,6 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, topk: int, rati
     _select_kernel[(t,)](
         scores.contiguous(), positions, out, num_blocks, out.shape[1], K=k, R=ratio,
         BN=triton.next_power_of_2(max(num_blocks, 2)), BK=triton.next_power_of_2(k * ratio),
-        **launch(scores.device),
+        WAYS=SELECT_WAYS, ROUNDS=-(-32 // (SELECT_WAYS.bit_length() - 1)), **launch(scores.device),
     )  # fmt: skip
     return out

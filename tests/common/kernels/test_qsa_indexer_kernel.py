@@ -108,11 +108,16 @@ def test_fused_prefill_selection_matches_torch(tmp_path: Path) -> None:
     assert torch.equal(got.sort(1).values, want.sort(1).values)
 
 
-def test_select_blocks_chooses_top_k_keys() -> None:
+@pytest.mark.parametrize("ways", [2, 4, 16])
+def test_select_blocks_chooses_top_k_keys(monkeypatch: pytest.MonkeyPatch, ways: int) -> None:
     """The select kernel against torch's top-k and expansion (QSAIndexer._select's torch ops): the same keys
     (order aside) for queries that see no block, fewer blocks than k, and many; with ties at the threshold
-    (the lower blocks win) and with k above the block count."""
+    (the lower blocks win) and with k above the block count. Its threshold search cut in `ways` parts a
+    round (2: the bisection)."""
+    from common.kernels import qsa_indexer
     from common.kernels.qsa_indexer import select_blocks
+
+    monkeypatch.setattr(qsa_indexer, "SELECT_WAYS", ways)
 
     gen = torch.Generator().manual_seed(3)
     r, num_blocks = 4, 300
