@@ -223,7 +223,7 @@ DECODE_SWITCHES = (
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
-    "no-moe-dispatch", "select-bisect",
+    "no-moe-dispatch", "select-bisect", "no-qsa-prologue",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -246,7 +246,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.qwen4_exp.model import Qwen4DecoderLayer
-    from common.model.qwen4_exp.qsa import QSAIndexer
+    from common.model.qwen4_exp.qsa import QSAIndexer, QSAttention
 
     triton_resident = replace(moe_int4.RESIDENT_CONFIGS[1], native_rows=0, native_down_warps=0)
     scalar_gate_up = replace(moe_int4.RESIDENT_CONFIGS[1], native_mma=False)
@@ -280,6 +280,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (gemv_native, "ENABLED", False),
         (moe_dispatch, "ENABLED", False),
         (qsa_indexer, "SELECT_WAYS", 2),
+        (QSAttention, "prologue_kernel", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

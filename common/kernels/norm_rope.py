@@ -25,7 +25,21 @@ def _norm_rope_kernel(
     D: tl.constexpr, STORE: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     gdc_enter(GDC)
-    t, h = tl.program_id(0), tl.program_id(1)
+    _norm_rope_head(
+        x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr, stride_t, stride_h, heads, eps, rot, scaling,
+        k_pages_ptr, v_ptr, v_stride_t, v_stride_h, v_pages_ptr, slots_ptr, tl.program_id(0),
+        tl.program_id(1), D, STORE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _norm_rope_head(
+    x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr, stride_t, stride_h, heads, eps, rot, scaling,
+    k_pages_ptr, v_ptr, v_stride_t, v_stride_h, v_pages_ptr, slots_ptr, t, h,
+    D: tl.constexpr, STORE: tl.constexpr,
+):  # fmt: skip
+    """Token t's head h normalised and rotated into out [T, heads, D] (and with STORE, stored as a key with
+    its value): the kernel's program (t, h), and a program of common/kernels/qsa_prologue.py."""
     dtype = out_ptr.dtype.element_ty
     i = tl.arange(0, D)
     half = rot // 2

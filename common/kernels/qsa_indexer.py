@@ -50,7 +50,19 @@ def _compress_kernel(
     eps, scaling, rot, R: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     gdc_enter(GDC)
-    t = tl.program_id(0)
+    _compress_token(
+        raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_width,
+        page_size, eps, scaling, rot, tl.program_id(0), R, D,
+    )  # fmt: skip
+
+
+@triton.jit
+def _compress_token(
+    raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_width, page_size,
+    eps, scaling, rot, t, R: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """Token t's raw key stored and its block's key written: the kernel's program t, and a program of
+    common/kernels/qsa_prologue.py."""
     pos = tl.load(pos_ptr + t)
     start = pos - pos % R
     i = tl.arange(0, D)

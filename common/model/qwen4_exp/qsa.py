@@ -10,6 +10,7 @@ budget + ratio − 1 tokens it is exactly dense attention, and no selection is c
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from common.model.fused_linear import FusedLinears, Linear, fuse_linears, projec
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import OffsetRMSNorm
 from common.model.rope import apply_rotary
+
+if TYPE_CHECKING:
+    from common.kernels.qsa_prologue import HeadNorm, KeyBlocks
 
 
 def _norm_rotate(
@@ -106,6 +110,25 @@ class QSAIndexer(nn.Module):
         q = q.view(-1, self.heads, self.dim)  # [T, Hi, Di]
         q = _norm_rotate(self.q_layernorm, q, ctx, self.fused_decode)
         return self._select(q, batch, blocks)
+
+    def prologue_parts(self, qk: torch.Tensor, ctx: ForwardContext) -> tuple[KeyBlocks, HeadNorm]:
+        """What a decode step's `forward` hands its kernels before the block scores (the key compression's
+        arguments, the queries to normalise and rotate), for qsa_prologue to run beside the attention's."""
+        from common.kernels.qsa_prologue import HeadNorm, KeyBlocks  # Triton
+
+        batch, paged = ctx.batch, ctx.pool.layer(self.layer_idx).paged
+        q, raw_k = torch.split(qk, [self.heads * self.dim, self.dim], dim=-1)
+        norm = self.k_layernorm
+        raw, blocks = paged["index_k"].flatten(0, 1), paged["index_block"].flatten(0, 1)
+        parts = (raw, raw_k, blocks, batch.page_table, batch.page_size, norm.weight, norm.eps, self.ratio)
+        queries = HeadNorm(q.view(-1, self.heads, self.dim), self.q_layernorm.weight, self.q_layernorm.eps)
+        return KeyBlocks(*parts), queries
+
+    def select_after_prologue(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """A decode step's key positions [T, S] from its normalised, rotated queries q [T, Hi, Di], the
+        block keys written (qsa_prologue ran `prologue_parts`)."""
+        blocks = ctx.pool.layer(self.layer_idx).paged["index_block"].flatten(0, 1)
+        return self._select(q, ctx.batch, blocks)
 
     def _compress_completed_blocks(
         self, batch: ForwardBatch, raw: torch.Tensor, blocks: torch.Tensor, ctx
@@ -193,6 +216,11 @@ class QSAttention(nn.Module):
     fused_decode = False
     """Norm and rotate q and k in one Triton kernel each (opt-in: `common.kernels.use_fused_kernels`)."""
 
+    prologue_kernel = True
+    """With `fused_decode`: a decode step's indexer key compression and the indexer's, q's and k's norms and
+    rotations run as programs of one kernel (common/kernels/qsa_prologue.py), not four one after another;
+    a switch for bench.decode_offload --ablate."""
+
     fused_in: FusedLinears | None = None
     """q, k, v and the indexer's qk projections as one GEMM (`fuse_projections`)."""
 
@@ -223,15 +251,37 @@ class QSAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v, index_qk = project(x, self._inputs(), self.fused_in)
-        selected = self.indexer(index_qk, ctx)
         q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
-        q = _norm_rotate(self.q_norm, q, ctx, self.fused_decode)
-        v = v.view(t, self.kv_heads, self.head_dim)
+        k, v = (y.view(t, self.kv_heads, self.head_dim) for y in (k, v))
         state = ctx.pool.layer(self.layer_idx)
         store = kv_store(state, ctx.batch.slot_mapping, v) if self.fused_decode else None
-        k = _norm_rotate(self.k_norm, k.view(t, self.kv_heads, self.head_dim), ctx, self.fused_decode, store)
+        if self._prologue_fits(ctx, store):
+            selected, q, k = self._prologue(index_qk, q, k, store, ctx)
+        else:
+            selected = self.indexer(index_qk, ctx)
+            q = _norm_rotate(self.q_norm, q, ctx, self.fused_decode)
+            k = _norm_rotate(self.k_norm, k, ctx, self.fused_decode, store)
         plan, scale = ctx.attn_plan, self.head_dim**-0.5
         out = ctx.backend.forward(
             q, k, v, state, plan, scale, selected=selected, gate=gate, stored=store is not None
         )
         return self.o_proj(out.reshape(t, -1))  # gated by the backend (in its merge kernel: decode)
+
+    def _prologue_fits(self, ctx: ForwardContext, store: tuple | None) -> bool:
+        """Whether a pass runs its indexer's key compression and the three norms and rotations as one
+        kernel (qsa_prologue): decode with the fused kernels, keys stored by the kernel (`store`)."""
+        fused = self.fused_decode and self.indexer.fused_decode and ctx.batch.is_decode
+        return self.prologue_kernel and fused and store is not None
+
+    def _prologue(
+        self, index_qk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, store: tuple, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The indexer's key positions, q and k normalised and rotated (k and v stored), through
+        qsa_prologue."""
+        from common.kernels.qsa_prologue import HeadNorm, qsa_prologue  # Triton
+
+        blocks, index_q = self.indexer.prologue_parts(index_qk, ctx)
+        q_norm = HeadNorm(q, self.q_norm.weight, self.q_norm.eps)
+        k_norm = HeadNorm(k, self.k_norm.weight, self.k_norm.eps)
+        index_q, q, k = qsa_prologue(blocks, index_q, q_norm, k_norm, store, ctx.batch.positions, ctx.rotary)
+        return self.indexer.select_after_prologue(index_q, ctx), q, k
