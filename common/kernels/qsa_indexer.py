@@ -185,11 +185,13 @@ def prefill_block_scores(q: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,
 
 SELECT_MAX_BLOCKS = 4096
 """Blocks `select_blocks` holds in one program's registers (a 16K context at 4 tokens a block)."""
-SELECT_WAYS = 16
-"""Parts `select_blocks` cuts its threshold's range into a round (a power of two): it counts the keys at or
-above each part's start in one reduction, so it finds the k-th largest of 2³² key values in 32 / log2(WAYS)
-rounds (8), where a bisection took 33 reductions one after the other, each a round trip through shared
-memory (the bisection: 2, the benchmark's `select-bisect` switch)."""
+SELECT_WAYS = 4
+"""Parts `select_blocks` cuts its threshold's range into a round (a power of two): one reduction counts the
+keys at or above each part's start, so it finds the k-th largest of 2³² key values in 32 / log2(WAYS)
+rounds. On the H200 at flashnext's decode (1,024 blocks, k 512; bench/results/qsa-select-ways.txt) a call
+took 9.25 µs at 4 ways against 12.04 for the bisection (2), 10.03 at 8, 12.67 at 16 and 27.18 at 32: past
+4 a round's [WAYS, blocks] comparisons cost more than the rounds they save (the benchmark's `select-bisect`
+switch: 2)."""
 
 
 @triton.jit
