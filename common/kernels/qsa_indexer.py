@@ -22,12 +22,14 @@ Rotary pairs (entry i with i ± rot/2) are computed twice, once per entry, from 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from common.kernels.pdl import gdc_enter, launch
+from common.model.rope import RotaryEmbedding
 
 
 @triton.jit
@@ -111,29 +113,33 @@ def _scores_kernel(
     tl.store(out_ptr + t * num_blocks + n, score, mask=n < num_blocks)
 
 
-def compress_step(
-    raw: torch.Tensor,
-    new: torch.Tensor,
-    blocks: torch.Tensor,
-    page_table: torch.Tensor,
-    positions: torch.Tensor,
-    page_size: int,
-    weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    scaling: float,
-    ratio: int,
-) -> None:
-    """One token per sequence (sequence t's pages in page_table[t]): store each token's raw key `new` [T, D]
-    (its rows may be strided: a view of the fused projection's output) at its position, and write its
-    block's key. raw and blocks are flat paged tensors [slots, D]; inv_freq [rot/2] (the rotary's); weight
-    [D] (the key norm's)."""
+class KeyBlocks(NamedTuple):
+    """A decode pass's indexer keys to store and compress: the flat paged raw keys and block keys [slots, Di],
+    the pass's raw keys new [T, Di] (rows may be strided: a view of the fused projection's output; the last
+    dim contiguous), the page table (sequence t's pages in row t), its page size, the key norm's weight [Di]
+    and eps, tokens a block."""
+
+    raw: torch.Tensor
+    new: torch.Tensor
+    blocks: torch.Tensor
+    page_table: torch.Tensor
+    page_size: int
+    weight: torch.Tensor
+    eps: float
+    ratio: int
+
+
+def compress_step(keys: KeyBlocks, positions: torch.Tensor, rotary: RotaryEmbedding) -> None:
+    """One token per sequence, at `positions` [T]: store each token's raw key at its position, and write its
+    block's key (normalised, rotated by `rotary` at the block's first position)."""
     t = positions.shape[0]
-    dim = raw.shape[1]
+    dim = keys.raw.shape[1]
+    new = keys.new
     assert new.shape == (t, dim) and new.stride(1) == 1, "new: [T, D], its last dim contiguous"
     _compress_kernel[(t,)](
-        raw, new, new.stride(0), blocks, page_table, positions, weight, inv_freq, page_table.shape[1],
-        page_size, eps, scaling, 2 * inv_freq.numel(), R=ratio, D=dim, **launch(raw.device),
+        keys.raw, new, new.stride(0), keys.blocks, keys.page_table, positions, keys.weight, rotary.inv_freq,
+        keys.page_table.shape[1], keys.page_size, keys.eps, rotary.scaling, 2 * rotary.inv_freq.numel(),
+        R=keys.ratio, D=dim, **launch(positions.device),
     )  # fmt: skip
 
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from common.kernels.norm_rope import _norm_rope_head
 from common.kernels.pdl import gdc_enter, launch
-from common.kernels.qsa_indexer import _compress_token
+from common.kernels.qsa_indexer import KeyBlocks, _compress_token
 from common.model.rope import RotaryEmbedding
 
 
@@ -33,20 +33,6 @@ class HeadNorm(NamedTuple):
     x: torch.Tensor
     weight: torch.Tensor
     eps: float
-
-
-class KeyBlocks(NamedTuple):
-    """`compress_step`'s arguments: the flat paged raw keys and block keys [slots, Di], the token's raw key
-    new [T, Di], the page table, its page size, the key norm's weight and eps, tokens a block."""
-
-    raw: torch.Tensor
-    new: torch.Tensor
-    blocks: torch.Tensor
-    page_table: torch.Tensor
-    page_size: int
-    weight: torch.Tensor
-    eps: float
-    ratio: int
 
 
 @triton.jit
@@ -93,26 +79,27 @@ def qsa_prologue(
     positions: torch.Tensor,
     rotary: RotaryEmbedding,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token per sequence: `compress_step(*blocks, …)`, and `norm_rope` of index_q, q and k (k's with
-    `store`: k pages, v, v pages, slot mapping, as kv_store gives them) in one launch → the three rotated
-    tensors (index_q's, q's, k's) [T, H, D] in their inputs' dtypes."""
+    """One token per sequence: `compress_step(blocks, positions, rotary)`, and `norm_rope` of index_q, q
+    and k (k's with `store`: k pages, v, v pages, slot mapping, as kv_store gives them) in one launch → the
+    three rotated tensors (index_q's, q's, k's) [T, H, D] in their inputs' dtypes."""
     t = positions.shape[0]
     iq_heads, di = index_q.x.shape[1:]
     heads, dim = q.x.shape[1:]
     kv_heads = k.x.shape[1]
     k_pages, v, v_pages, slots = store
     assert rotary.rot_dim == 2 * rotary.inv_freq.numel() and blocks.new.stride(1) == 1
+    assert blocks.new.shape == (t, di) and blocks.raw.shape[1] == di
     for head in (index_q, q, k):
         assert head.x.stride(2) == 1 and head.x.shape[0] == t, "x: [T, H, D], its last dim contiguous"
     assert k.x.shape[2] == dim and di & (di - 1) == 0 and dim & (dim - 1) == 0
     assert k_pages.shape[1:] == (kv_heads, dim) and v.shape == k.x.shape and v.stride(2) == 1
     outs = [torch.empty(h.x.shape, dtype=h.x.dtype, device=h.x.device) for h in (index_q, q, k)]
-    strides = [(h.x, h.x.stride(0), h.x.stride(1), h.weight, h.eps) for h in (index_q, q, k)]
+    head_args = [(h.x, h.x.stride(0), h.x.stride(1), h.weight, h.eps) for h in (index_q, q, k)]
     _prologue_kernel[(t, 1 + iq_heads + heads + kv_heads)](
         blocks.raw, blocks.new, blocks.new.stride(0), blocks.blocks, blocks.page_table, positions,
         blocks.weight, rotary.inv_freq, blocks.page_table.shape[1], blocks.page_size, blocks.eps,
         rotary.scaling, rotary.rot_dim,
-        *strides[0], outs[0], iq_heads, *strides[1], outs[1], heads, *strides[2], outs[2], kv_heads,
+        *head_args[0], outs[0], iq_heads, *head_args[1], outs[1], heads, *head_args[2], outs[2], kv_heads,
         k_pages, v, v.stride(0), v.stride(1), v_pages, slots,
         R=blocks.ratio, DI=di, D=dim, **launch(positions.device),
     )  # fmt: skip

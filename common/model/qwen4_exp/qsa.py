@@ -25,7 +25,8 @@ from common.model.qwen4_exp.norms import OffsetRMSNorm
 from common.model.rope import apply_rotary
 
 if TYPE_CHECKING:
-    from common.kernels.qsa_prologue import HeadNorm, KeyBlocks
+    from common.kernels.qsa_indexer import KeyBlocks
+    from common.kernels.qsa_prologue import HeadNorm
 
 
 def _norm_rotate(
@@ -90,45 +91,54 @@ class QSAIndexer(nn.Module):
         """Given `index_qk_proj`'s output qk [T, (Hi + 1)·Di] (the attention projects it with its own
         inputs), store the indexer keys of this pass; return key positions [T, S] per query (−1: none), or
         None."""
-        batch, paged = ctx.batch, ctx.pool.layer(self.layer_idx).paged
-        q, raw_k = torch.split(qk, [self.heads * self.dim, self.dim], dim=-1)
-        raw_store = paged["index_k"].flatten(0, 1)  # [slots, Di]
-        blocks = paged["index_block"].flatten(0, 1)  # [slots, Di]
+        batch = ctx.batch
+        q, raw_k = self._split(qk)
+        raw_store, blocks = self._pages(ctx)
         if self.fused_decode and batch.is_decode:  # the raw keys stored by the kernel
             from common.kernels.qsa_indexer import compress_step  # Triton
 
-            norm, rotary = self.k_layernorm, ctx.rotary
-            compress_step(
-                raw_store, raw_k, blocks, batch.page_table, batch.positions, batch.page_size, norm.weight,
-                norm.eps, rotary.inv_freq, rotary.scaling, self.ratio,
-            )  # fmt: skip
+            compress_step(self._key_blocks(raw_k, ctx), batch.positions, ctx.rotary)
         else:
             raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
             self._compress_completed_blocks(batch, raw_store, blocks, ctx)
         if not batch.is_decode and max(batch.kv_lens) <= self.block_topk * self.ratio + self.ratio - 1:
             return None  # every query sees at most the budget: dense (decode selects: the same keys)
-        q = q.view(-1, self.heads, self.dim)  # [T, Hi, Di]
         q = _norm_rotate(self.q_layernorm, q, ctx, self.fused_decode)
         return self._select(q, batch, blocks)
 
     def prologue_parts(self, qk: torch.Tensor, ctx: ForwardContext) -> tuple[KeyBlocks, HeadNorm]:
         """What a decode step's `forward` hands its kernels before the block scores (the key compression's
         arguments, the queries to normalise and rotate), for qsa_prologue to run beside the attention's."""
-        from common.kernels.qsa_prologue import HeadNorm, KeyBlocks  # Triton
+        from common.kernels.qsa_prologue import HeadNorm  # Triton
 
-        batch, paged = ctx.batch, ctx.pool.layer(self.layer_idx).paged
-        q, raw_k = torch.split(qk, [self.heads * self.dim, self.dim], dim=-1)
-        norm = self.k_layernorm
-        raw, blocks = paged["index_k"].flatten(0, 1), paged["index_block"].flatten(0, 1)
-        parts = (raw, raw_k, blocks, batch.page_table, batch.page_size, norm.weight, norm.eps, self.ratio)
-        queries = HeadNorm(q.view(-1, self.heads, self.dim), self.q_layernorm.weight, self.q_layernorm.eps)
-        return KeyBlocks(*parts), queries
+        q, raw_k = self._split(qk)
+        norm = self.q_layernorm
+        return self._key_blocks(raw_k, ctx), HeadNorm(q, norm.weight, norm.eps)
 
     def select_after_prologue(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """A decode step's key positions [T, S] from its normalised, rotated queries q [T, Hi, Di], the
         block keys written (qsa_prologue ran `prologue_parts`)."""
-        blocks = ctx.pool.layer(self.layer_idx).paged["index_block"].flatten(0, 1)
-        return self._select(q, ctx.batch, blocks)
+        return self._select(q, ctx.batch, self._pages(ctx)[1])
+
+    def _split(self, qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk [T, (Hi + 1)·Di] → (the queries [T, Hi, Di], the raw key [T, Di]), views."""
+        q, raw_k = torch.split(qk, [self.heads * self.dim, self.dim], dim=-1)
+        return q.view(-1, self.heads, self.dim), raw_k
+
+    def _pages(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's raw keys and block keys, flat [slots, Di] each."""
+        paged = ctx.pool.layer(self.layer_idx).paged
+        return paged["index_k"].flatten(0, 1), paged["index_block"].flatten(0, 1)
+
+    def _key_blocks(self, raw_k: torch.Tensor, ctx: ForwardContext) -> KeyBlocks:
+        """compress_step's keys for a decode pass's raw keys raw_k [T, Di]."""
+        from common.kernels.qsa_indexer import KeyBlocks  # Triton
+
+        batch, norm = ctx.batch, self.k_layernorm
+        raw, blocks = self._pages(ctx)
+        return KeyBlocks(
+            raw, raw_k, blocks, batch.page_table, batch.page_size, norm.weight, norm.eps, self.ratio
+        )
 
     def _compress_completed_blocks(
         self, batch: ForwardBatch, raw: torch.Tensor, blocks: torch.Tensor, ctx
