@@ -223,7 +223,7 @@ DECODE_SWITCHES = (
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
-    "no-moe-dispatch", "select-bisect", "no-qsa-prologue",
+    "no-moe-dispatch", "select-bisect", "no-qsa-prologue", "no-conv-epilogue",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -281,6 +281,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (moe_dispatch, "ENABLED", False),
         (qsa_indexer, "SELECT_WAYS", 2),
         (QSAttention, "prologue_kernel", False),
+        (gemv, "CONV_EPILOGUE", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

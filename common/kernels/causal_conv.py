@@ -34,10 +34,22 @@ def _conv_step_kernel(
     live = c < channels
     slot = tl.load(slots_ptr + t).to(tl.int64)
     x = tl.load(x_ptr + t * channels + c, mask=live, other=0.0).to(tl.float32)
+    acc = conv_channels(x, hist_ptr, slot, w_ptr, c, live, channels, width, K, DILATION, BW, SILU)
+    tl.store(out_ptr + t * channels + c, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def conv_channels(
+    x, hist_ptr, slot, w_ptr, c, live, channels, width,
+    K: tl.constexpr, DILATION: tl.constexpr, BW: tl.constexpr, SILU: tl.constexpr,
+):  # fmt: skip
+    """One token's conv over channels c [BC] (`live` of them): x [BC] fp32 its new inputs, as the history
+    stores them (rounded to its dtype) → the conv output [BC] fp32 (SiLU'd with SILU); the slot's history
+    [channels, width] rows shifted by one, x last. Also the epilogue of the GEMV that makes x (gemv.py)."""
     i = tl.arange(0, BW)
     row = hist_ptr + (slot * channels + c[:, None]) * width + i[None, :]  # [BC, BW]
     hist = tl.load(row, mask=live[:, None] & (i[None, :] < width), other=0.0).to(tl.float32)
-    acc = tl.zeros((BC,), dtype=tl.float32)
+    acc = tl.zeros(x.shape, dtype=tl.float32)
     for j in tl.static_range(K):  # tap j reads history entry j·dilation; the last tap, the new input
         if j < K - 1:  # noqa: SIM108  (a static branch: Triton specialises it)
             tap = tl.sum(tl.where(i[None, :] == j * DILATION, hist, 0.0), axis=1)
@@ -46,15 +58,15 @@ def _conv_step_kernel(
         acc += tap * tl.load(w_ptr + c * K + j, mask=live, other=0.0).to(tl.float32)
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + t * channels + c, acc.to(out_ptr.dtype.element_ty), mask=live)
     # history ← its last width−1 entries, then x (entry i takes entry i+1)
     shifted = tl.load(row + 1, mask=live[:, None] & (i[None, :] < width - 1), other=0.0)
     shifted = tl.where(i[None, :] == width - 1, x[:, None].to(shifted.dtype), shifted)
     tl.debug_barrier()  # every program reads its own rows only: the barrier orders the loads before stores
     tl.store(row, shifted.to(hist_ptr.dtype.element_ty), mask=live[:, None] & (i[None, :] < width))
+    return acc
 
 
-def _history_width(history: torch.Tensor, weight: torch.Tensor, dilation: int) -> int:
+def history_width(history: torch.Tensor, weight: torch.Tensor, dilation: int) -> int:
     """W of history [S, C, W], which must be (K − 1)·dilation for weight [C, K]."""
     width, kernel = history.shape[2], weight.shape[1]
     if width != (kernel - 1) * dilation:
@@ -74,7 +86,7 @@ def conv_step(
     """One token per sequence: x [T, C], history [S, C, W] (W = (K−1)·dilation, sequence t's at slots[t],
     shifted in place), weight [C, K] → conv output [T, C] in x's dtype (SiLU'd with `silu`)."""
     t, channels = x.shape
-    kernel, width = weight.shape[1], _history_width(history, weight, dilation)
+    kernel, width = weight.shape[1], history_width(history, weight, dilation)
     out = torch.empty_like(x)
     _conv_step_kernel[(t, triton.cdiv(channels, block))](
         x.contiguous(), history, slots, weight.contiguous(), out, channels, width,
@@ -130,7 +142,7 @@ def conv_prefill(
     (SiLU'd with `silu`). `split`: channel counts; the output as one contiguous [T, n] per group instead
     (GDN's q, k and v, which fla copies to contiguous memory otherwise)."""
     tokens, channels = x.shape
-    kernel, width = weight.shape[1], _history_width(history, weight, dilation)
+    kernel, width = weight.shape[1], history_width(history, weight, dilation)
     assert x.stride(1) == 1 and history.stride(2) == 1 and history.stride(1) == width, "row-major x, history"
     outs, start = [], 0
     for n in split or (channels,):

@@ -28,7 +28,7 @@ Graph-safe (no host sync; shapes alone fix the launch).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -36,6 +36,7 @@ import triton.language as tl
 
 from common.kernels import arrival
 from common.kernels.arrival import arrive, sum_terms
+from common.kernels.causal_conv import conv_channels, history_width
 from common.kernels.pdl import gdc_enter, launch
 from common.model.fused_linear import GEMV_ROWS
 
@@ -97,6 +98,49 @@ process (bench/results/decode-allfit-fp8-hold-ab.json); again at 96422dd 201.34 
 before a pass is recorded."""
 
 
+CONV_EPILOGUE = True
+"""GDN's one-token conv (causal_conv.conv_step) runs in the epilogue of its input projection's GEMV
+(`ConvStep`), one kernel fewer a GDN layer; False: its own kernel after the GEMV (the benchmark's
+`no-conv-epilogue` switch). Switch before a pass is recorded."""
+
+
+@dataclass(frozen=True)
+class ConvStep:
+    """The causal conv (dilation 1, SiLU'd) `gemv` applies to its first C outputs, one token: each output
+    convolved with its history, the history shifted in place with the raw output appended, as
+    causal_conv.conv_step does after the GEMV."""
+
+    history: torch.Tensor
+    """[S, C, K − 1], the token's at slots[0]."""
+    slots: torch.Tensor
+    """[1] the token's slot."""
+    weight: torch.Tensor
+    """[C, K] the conv's taps, the new input's last."""
+
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """The kernel's (history, slots, weight, channels, width)."""
+        width = history_width(self.history, self.weight, 1)
+        return self.history, self.slots, self.weight.contiguous(), self.weight.shape[0], width
+
+
+def takes_conv(x: torch.Tensor, fused: object) -> bool:
+    """Whether `gemv` with a ConvStep computes x [1, K] through `fused`: CONV_EPILOGUE, x on CUDA, `fused`
+    bf16 FusedLinears (no bias, contiguous) of x's dtype whose product the GEMV takes (fused_linear.GEMV:
+    GDN's input projection in a one-token step)."""
+    from common.model import fused_linear
+
+    return (
+        CONV_EPILOGUE
+        and fused_linear.GEMV
+        and isinstance(fused, fused_linear.FusedLinears)
+        and fused.bias is None
+        and x.is_cuda
+        and x.shape[0] == 1
+        and fused.weight.dtype == x.dtype
+        and fused.weight.is_contiguous()
+    )
+
+
 def large_one_row(m: int, n: int) -> bool:
     """Whether x [m, k] · W [n, k]ᵀ is one row of a weight of CUBLAS_ROWS rows and more (the token mixers'
     input projections in a one-lane step): LARGE_ONE_ROW's and FP8_LARGE_ONE_ROW's launches."""
@@ -152,9 +196,10 @@ def _sms(device: torch.device) -> int:
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, y_ptr, count_ptr, m, n, k, k_chunk,
+    hist_ptr, slots_ptr, conv_w_ptr, conv_channels_n, conv_width,
     M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FOLD: tl.constexpr,
-    PRECISION: tl.constexpr, GDC: tl.constexpr,
+    PRECISION: tl.constexpr, CONV_K: tl.constexpr, CONV_BW: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     outs = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] output features
     live_n = outs < n
@@ -181,7 +226,12 @@ def _gemv_kernel(
         )
     out = r[:, None] * n + outs[None, :]  # [M_PAD, BN] flat (row, output) of y
     live = live_m[:, None] & live_n[None, :]
-    if not PARTIAL:
+    if CONV_K:  # one row, one chunk (gemv's `conv`)
+        _finish_conv(
+            acc, r, outs, live_n, y_ptr, hist_ptr, slots_ptr, conv_w_ptr, conv_channels_n, conv_width,
+            BN, CONV_K, CONV_BW,
+        )  # fmt: skip
+    elif not PARTIAL:
         _finish(acc, b_ptr, y_ptr, out, n, live, HAS_BIAS)
     else:  # this chunk's product: [splits, m, n] fp32
         tl.store(part_ptr + tl.program_id(1) * m * n + out, acc, mask=live)
@@ -234,6 +284,25 @@ def _finish(acc, b_ptr, y_ptr, i, n, live, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _finish_conv(
+    acc, r, outs, live_n, y_ptr, hist_ptr, slots_ptr, w_ptr, channels, width,
+    BN: tl.constexpr, K: tl.constexpr, BW: tl.constexpr,
+):  # fmt: skip
+    """y[outs] ← row 0 of acc [M_PAD, BN], its outputs below `channels` through the causal conv of
+    causal_conv.conv_step (SiLU'd; the history takes them as y would hold them)."""
+    y = tl.sum(tl.where(r[:, None] == 0, acc, 0.0), axis=0)  # [BN]
+    y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # as stored: what the history keeps
+    if tl.program_id(0) * BN < channels:
+        slot = tl.load(slots_ptr).to(tl.int64)
+        convolved = outs < channels
+        conv = conv_channels(
+            y, hist_ptr, slot, w_ptr, outs, live_n & convolved, channels, width, K, 1, BW, True
+        )
+        y = tl.where(convolved, conv, y)
+    tl.store(y_ptr + outs, y.to(y_ptr.dtype.element_ty), mask=live_n)
+
+
+@triton.jit
 def _sum_chunks_kernel(
     part_ptr, b_ptr, y_ptr, m, n, splits, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr
 ):  # fmt: skip
@@ -249,14 +318,19 @@ def gemv(
     bias: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    conv: ConvStep | None = None,
 ) -> torch.Tensor:
     """x [M ≤ 16, K] · weightᵀ (+ bias [N]) → [M, N] in x's dtype. weight [N, K] contiguous: x's dtype, or
     e4m3 codes with `scale` [N, ⌈K/128⌉] fp32 (one per row and 128 inputs). `config` None: `choose`'s, or
-    one setting (fp8) when that is cuBLAS."""
+    one setting (fp8) when that is cuBLAS. With `conv` (one row, no bias), the first C outputs come out
+    convolved as `ConvStep` says, in one chunk a program."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= GEMV_ROWS, f"{m} rows: at most {GEMV_ROWS} (larger batches run a GEMM)"
     cfg = config or choose(m, n, k, x.device, scale is not None) or GemvConfig()
+    if conv is not None:
+        assert m == 1 and bias is None and conv.weight.shape[0] <= n, (m, bias is None, conv.weight.shape, n)
+        cfg = replace(cfg, splits=1)  # the epilogue needs each row's whole sum
     bk = cfg.bk
     dot = m >= cfg.dot_rows
     assert scale is None or scale_blocks(cfg), f"an fp8 weight's BK is whole scale blocks, not {bk}"
@@ -266,12 +340,15 @@ def gemv(
     bias_arg = bias if bias is not None else weight
     tiles = triton.cdiv(n, cfg.bn)
     fold = splits > 1 and arrival.folds(m)
+    hist, slots, conv_w, channels, width = (y, y, y, 0, 1) if conv is None else conv.args()
     _gemv_kernel[(tiles, splits)](
         x.contiguous(), weight, scale if scale is not None else weight, bias_arg, part, y,
         arrival.counters(x.device, tiles) if fold else y, m, n, k, chunk,
+        hist, slots, conv_w, channels, width,
         M_PAD=GEMV_ROWS if dot else triton.next_power_of_2(max(m, 1)), BN=cfg.bn, BK=bk, DOT=dot,
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, FOLD=fold, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        CONV_K=0 if conv is None else conv.weight.shape[1], CONV_BW=triton.next_power_of_2(width),
         num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, PDL),
     )  # fmt: skip
     if splits > 1 and not fold:

@@ -95,6 +95,24 @@ def test_cuda_greedy_matches_transformers(tmp_path: Path) -> None:
         assert result.token_ids == ref[0, len(prompt) :].tolist()
 
 
+@torch.inference_mode()
+def test_conv_epilogue_matches_the_conv_kernel(tmp_path: Path, monkeypatch) -> None:
+    """One sequence's decode steps (one row: GDN's conv in its input GEMV's epilogue, gemv.ConvStep) give the
+    logits of the conv's own kernel after the GEMV, in fp32, and the epilogue did run."""
+    from common.kernels import gemv
+
+    model_dir = make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp", overrides=OVERRIDES)
+    engine = Engine(model_dir, dtype=torch.float32, device="cuda", max_seqs=1, max_context=96)
+    prompts = _prompts(engine.config.vocab_size)[:1]
+    calls, plain = [], gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(kw.get("conv")) or plain(*a, **kw))
+    fused = _logits(engine, prompts)
+    assert sum(conv is not None for conv in calls) >= 8  # a GDN layer's every decode step
+    monkeypatch.setattr(gemv, "CONV_EPILOGUE", False)
+    for ours, ref in zip(fused, _logits(engine, prompts), strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
 def test_gather_rows_from_mapped_host_memory() -> None:
     from common.hostmem import register_mapped, unregister
     from common.kernels.gather import gather_rows

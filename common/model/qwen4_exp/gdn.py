@@ -96,9 +96,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         state = ctx.pool.layer(self.layer_idx).slots
         slots = ctx.batch.slot_ids
-        qkv, z, b, a = project(x, self._inputs(), self.fused_in)  # [T, conv_dim], [T, Hv·Dv], [T, Hv] × 2
         if self.fused_decode and max(ctx.batch.query_lens) == 1:  # one token a sequence: no padding
-            return self._fused_step(x, qkv, z, b, a, state, slots)
+            return self._fused_step(x, state, slots)
+        qkv, z, b, a = project(x, self._inputs(), self.fused_in)  # [T, conv_dim], [T, Hv·Dv], [T, Hv] × 2
         t, split = x.shape[0], [self.key_dim, self.key_dim, self.value_dim]
         pad = Padding.of(ctx.batch)
         if self.fused_decode:  # q, k, v each contiguous, as fla wants them; qkv read in place
@@ -119,25 +119,32 @@ class GatedDeltaNet(nn.Module):
         return self._out(core, z, x.dtype)
 
     def _fused_step(
-        self,
-        x: torch.Tensor,
-        qkv: torch.Tensor,
-        z: torch.Tensor,
-        b: torch.Tensor,
-        a: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        slots: torch.Tensor,
+        self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor
     ) -> torch.Tensor:
-        """A decode step in three Triton kernels (conv + SiLU, recurrence + gates, gated norm) after the
-        projections; states updated in place in their slots. As one kernel (conv and norm folded in by the
-        last program to arrive, d1950bd) the step lost: decode-allfit 184.33 tok/s against 186.87, 9.05 µs a
-        call serialized against the three's 7.66 (bench/results/decode-allfit-gdn-step-ab.json)."""
-        from common.kernels.causal_conv import conv_step  # Triton
-        from common.kernels.gated_delta import gated_delta_step
+        """A decode step in Triton kernels (projections with conv + SiLU, recurrence + gates, gated norm);
+        states updated in place in their slots. As one kernel (conv and norm folded in by the last program to
+        arrive, d1950bd) the step lost: decode-allfit 184.33 tok/s against 186.87, 9.05 µs a call serialized
+        against the three's 7.66 (bench/results/decode-allfit-gdn-step-ab.json)."""
+        from common.kernels.gated_delta import gated_delta_step  # Triton
 
-        qkv = conv_step(qkv, state["conv"], slots, self.conv1d.weight[:, 0], silu=True)
+        qkv, z, b, a = self._project_step(x, state["conv"], slots)
         core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
         return self._out(core, z, x.dtype)
+
+    def _project_step(
+        self, x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """One token a sequence: the input projections, qkv convolved and SiLU'd (its history shifted). At
+        one row the conv is the projection GEMV's epilogue (gemv.ConvStep), where the Triton GEMV takes it."""
+        from common.kernels import gemv  # Triton
+        from common.kernels.causal_conv import conv_step
+
+        weight = self.conv1d.weight[:, 0]  # [conv_dim, K]
+        if gemv.takes_conv(x, self.fused_in):
+            out = gemv.gemv(x, self.fused_in.weight, conv=gemv.ConvStep(history, slots, weight))
+            return self.fused_in.split(out)
+        qkv, z, b, a = project(x, self._inputs(), self.fused_in)
+        return conv_step(qkv, history, slots, weight, silu=True), z, b, a
 
     def _out(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm (gate z [T, Hv·Dv]) and out projection of the recurrence's output core [T, Hv, Dv]

@@ -107,3 +107,33 @@ def test_choose_leaves_large_weights_to_cublas_from_two_rows_and_fills_the_sms(m
 
 def test_fused_fp8_projections_keep_the_model_close(tmp_path: Path) -> None:
     assert_fp8_close(make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp"), fused=True, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("bn", [16, 32])
+def test_conv_epilogue_matches_gemv_then_conv_step(bn: int, dtype: torch.dtype) -> None:
+    """The first 120 of 200 outputs convolved in the GEMV's epilogue (a row tile across the boundary at
+    bn 16 and 32), the rest raw: as the plain GEMV followed by conv_step, the slot's history shifted the
+    same and the other slots untouched."""
+    from common.kernels.causal_conv import conv_step
+    from common.kernels.gemv import ConvStep
+
+    x, w, _ = _inputs(1, False, dtype)
+    w = w.to(DEVICE, dtype)
+    gen = torch.Generator().manual_seed(7)
+    channels, taps = 120, 4
+    history = torch.randn(3, channels, taps - 1, generator=gen).to(DEVICE, dtype)
+    conv_w = torch.randn(channels, taps, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([2], device=DEVICE)
+    cfg = GemvConfig(bn=bn, bk=128)
+
+    before, want_history = history.clone(), history.clone()
+    raw = gemv(x, w, config=cfg)
+    want = torch.cat(
+        [conv_step(raw[:, :channels], want_history, slots, conv_w, silu=True), raw[:, channels:]], 1
+    )
+    got = gemv(x, w, config=cfg, conv=ConvStep(history, slots, conv_w))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(history, want_history)
+    assert torch.equal(history[:2], before[:2]) and torch.equal(history[2, :, :-1], before[2, :, 1:])
+    assert torch.equal(history[2, :, -1], raw[0, :channels])  # the raw outputs appended
