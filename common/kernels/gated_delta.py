@@ -97,21 +97,26 @@ def gated_delta_step(
     slots: torch.Tensor,
     heads_k: int,
     block_v: int = 32,
+    gates_settled: bool = True,
 ) -> torch.Tensor:
     """One token per sequence: qkv [T, 2·Hk·Dk + Hv·Dv] (the convolved, activated projections: q, k, v
     heads back to back), a, b [T, Hv] (the gate projections, before softplus / sigmoid; rows may be strided),
     a_log, dt_bias [Hv],
-    state [S, Hv, Dk, Dv] fp32 (sequence t's at slots[t], updated in place) → o [T, Hv, Dv] fp32."""
+    state [S, Hv, Dk, Dv] fp32 (sequence t's at slots[t], updated in place) → o [T, Hv, Dv] fp32.
+    `gates_settled`: a and b are not the output of the kernel just before (in programmatic launch they may be
+    read before the wait); False where that kernel wrote them (the projection with the conv in its epilogue,
+    gemv.ConvStep)."""
     t = qkv.shape[0]
     qkv = qkv.contiguous()  # a conv's output may come transposed
     heads_v, dk, dv = state_dims(state)
     block_v = min(block_v, dv)
     out = torch.empty((t, heads_v, dv), dtype=torch.float32, device=qkv.device)
-    early = a.stride(1) == 1 and b.stride(1) == 1  # rows of a fused projection: read in place, no copy
-    a, b = (a, b) if early else (a.contiguous(), b.contiguous())
+    in_place = a.stride(1) == 1 and b.stride(1) == 1  # rows of a fused projection: read in place, no copy
+    a, b = (a, b) if in_place else (a.contiguous(), b.contiguous())
     grid = (t, heads_v, dv // block_v)
     _gated_delta_step_kernel[grid](
         qkv, a, b, a_log, dt_bias, state, slots, out, qkv.stride(0), a.stride(0), b.stride(0), heads_v,
-        heads_v // heads_k, heads_k * dk, DK=dk, DV=dv, BV=block_v, EARLY_GATES=early, **launch(qkv.device),
+        heads_v // heads_k, heads_k * dk, DK=dk, DV=dv, BV=block_v, EARLY_GATES=in_place and gates_settled,
+        **launch(qkv.device),
     )  # fmt: skip
     return out

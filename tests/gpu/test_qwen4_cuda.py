@@ -98,7 +98,8 @@ def test_cuda_greedy_matches_transformers(tmp_path: Path) -> None:
 @torch.inference_mode()
 def test_conv_epilogue_matches_the_conv_kernel(tmp_path: Path, monkeypatch) -> None:
     """One sequence's decode steps (one row: GDN's conv in its input GEMV's epilogue, gemv.ConvStep) give the
-    logits of the conv's own kernel after the GEMV, in fp32, and the epilogue did run."""
+    logits of the conv's own kernel after the GEMV, in fp32, and the epilogue did run. (Its first form let
+    the recurrence read the gates before its programmatic wait, a step stale: 0.19 off transformers.)"""
     from common.kernels import gemv
 
     model_dir = make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp", overrides=OVERRIDES)
@@ -107,7 +108,7 @@ def test_conv_epilogue_matches_the_conv_kernel(tmp_path: Path, monkeypatch) -> N
     calls, plain = [], gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(kw.get("conv")) or plain(*a, **kw))
     fused = _logits(engine, prompts)
-    assert sum(conv is not None for conv in calls) >= 8  # a GDN layer's every decode step
+    assert any(conv is not None for conv in calls)  # (recorded in the decode graphs: called at capture)
     monkeypatch.setattr(gemv, "CONV_EPILOGUE", False)
     for ours, ref in zip(fused, _logits(engine, prompts), strict=True):
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())

@@ -125,22 +125,35 @@ class GatedDeltaNet(nn.Module):
         states updated in place in their slots. As one kernel (conv and norm folded in by the last program to
         arrive, d1950bd) the step lost: decode-allfit 184.33 tok/s against 186.87, 9.05 µs a call serialized
         against the three's 7.66 (bench/results/decode-allfit-gdn-step-ab.json)."""
-        from common.kernels.gated_delta import gated_delta_step  # Triton
+        from common.kernels import gemv  # Triton
+        from common.kernels.gated_delta import gated_delta_step
 
-        qkv, z, b, a = self._project_step(x, state["conv"], slots)
-        core = gated_delta_step(qkv, a, b, self.A_log, self.dt_bias, state["recurrent"], slots, self.hk)
+        epilogue = gemv.takes_conv(x, self.fused_in)
+        qkv, z, b, a = self._project_step(x, state["conv"], slots, epilogue)
+        core = gated_delta_step(
+            qkv,
+            a,
+            b,
+            self.A_log,
+            self.dt_bias,
+            state["recurrent"],
+            slots,
+            self.hk,
+            gates_settled=not epilogue,
+        )  # with the epilogue, the kernel just before wrote the gates: read after the programmatic wait
         return self._out(core, z, x.dtype)
 
     def _project_step(
-        self, x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor
+        self, x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, epilogue: bool
     ) -> tuple[torch.Tensor, ...]:
-        """One token a sequence: the input projections, qkv convolved and SiLU'd (its history shifted). At
-        one row the conv is the projection GEMV's epilogue (gemv.ConvStep), where the Triton GEMV takes it."""
+        """One token a sequence: the input projections, qkv convolved and SiLU'd (its history shifted). With
+        `epilogue` (gemv.takes_conv) the conv is the projection GEMV's epilogue (gemv.ConvStep), else its own
+        kernel after the projections."""
         from common.kernels import gemv  # Triton
         from common.kernels.causal_conv import conv_step
 
         weight = self.conv1d.weight[:, 0]  # [conv_dim, K]
-        if gemv.takes_conv(x, self.fused_in):
+        if epilogue:
             out = gemv.gemv(x, self.fused_in.weight, conv=gemv.ConvStep(history, slots, weight))
             return self.fused_in.split(out)
         qkv, z, b, a = project(x, self._inputs(), self.fused_in)
