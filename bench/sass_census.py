@@ -269,15 +269,19 @@ def hc_census() -> dict[str, tuple[Census, float]]:
 def step_census() -> dict[str, tuple[Census, float]]:
     """The rest of a decode step's Triton kernels at flashnext's shapes and default launches, one row, each
     with its estimated issue time (µs): the GEMV on the MoE input projection (1,800 × 2,560) as `choose`
-    launches it and in its CUDA-core form (16 rows a program, 512 inputs a step, x unpadded), its chunks'
-    sum, the router (512 experts, top-10), the shared expert's SwiGLU + down (640 → 2,560) and the Gated
-    DeltaNet step (48 value heads of 128 × 128)."""
+    launches it and in its CUDA-core form (16 rows a program, 512 inputs a step, x unpadded), on GDN's input
+    projection (16,480 × 2,560) with the conv in its epilogue (gemv.ConvStep), its chunks' sum, the router
+    (512 experts, top-10), the shared expert's SwiGLU + down (640 → 2,560) and the Gated DeltaNet step (48
+    value heads of 128 × 128)."""
     from common.kernels import gated_delta, gated_mlp, gemv, routing
 
     gdc = {"GDC": True}
     product = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "part_ptr": "*fp32"}
     product |= {"y_ptr": "*bf16", "count_ptr": "*i32", "m": "i32", "n": "i32", "k": "i32", "k_chunk": "i32"}
+    product |= {"hist_ptr": "*bf16", "slots_ptr": "*i64", "conv_w_ptr": "*bf16"}
+    product |= {"conv_channels_n": "i32", "conv_width": "i32"}
     plain = {"EVEN_K": True, "HAS_SCALE": False, "HAS_BIAS": False, "PARTIAL": True, "PRECISION": "tf32"}
+    plain |= {"CONV_K": 0, "CONV_BW": 1}
     plain["FOLD"] = arrival.folds(1)  # the chunks summed by the last to finish
     moe_in = 1800
     chosen = gemv.choose(1, moe_in, HIDDEN, torch.device("cpu"))
@@ -286,12 +290,14 @@ def step_census() -> dict[str, tuple[Census, float]]:
     fp8_shape = plain | {"HAS_SCALE": True}
     gdn_in = 16480  # fp8 (--resident-dtype fp8): GDN's input projection as `choose` launches it (wide,
     narrow = gemv.GemvConfig(bn=32, bk=gemv.FP8_BK, splits=2)  # gemv.FP8_LARGE_ONE_ROW), and one block a step
+    conv = plain | {"CONV_K": 4, "CONV_BW": 4}  # bf16: GDN's input projection with the conv (gemv.ConvStep)
     kernels, gemv_launch = {}, {}  # the GEMVs' stages and loop steps a program
     for name, cfg, n, signature, base in (
         ("gemv", chosen, moe_in, product, plain),
         ("gemv cuda cores", cuda_cores, moe_in, product, plain),
         ("gemv fp8", gemv.choose(1, gdn_in, HIDDEN, torch.device("cpu"), fp8=True), gdn_in, fp8, fp8_shape),
         ("gemv fp8 one block", narrow, gdn_in, fp8, fp8_shape),
+        ("gemv conv", gemv.choose(1, gdn_in, HIDDEN, torch.device("cpu")), gdn_in, product, conv),
     ):
         dot = cfg.dot_rows <= 1
         shape = base | {"M_PAD": 16 if dot else 1, "BN": cfg.bn, "BK": cfg.bk, "DOT": dot} | gdc

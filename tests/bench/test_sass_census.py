@@ -43,11 +43,12 @@ def test_census_of_the_hyper_connection_kernels() -> None:
 
 def test_census_of_the_steps_other_kernels() -> None:
     """`--step`: the GEMV (as `choose` launches one row, and its CUDA-core form; on an fp8 weight at one and
-    two scale blocks a step) and its chunks' sum, the router, the shared expert's down and the Gated
-    DeltaNet step compile for sm_90 at flashnext's shapes, none spilling a register."""
+    two scale blocks a step; with GDN's conv in its epilogue) and its chunks' sum, the router, the shared
+    expert's down and the Gated DeltaNet step compile for sm_90 at flashnext's shapes, none spilling a
+    register."""
     report = _census("--step")
     kernels = report["step"]
-    gemvs = {"gemv", "gemv cuda cores", "gemv fp8", "gemv fp8 one block"}
+    gemvs = {"gemv", "gemv cuda cores", "gemv fp8", "gemv fp8 one block", "gemv conv"}
     assert set(kernels) == gemvs | {"gemv sum", "route", "swiglu_down", "gated_delta"}
     assert all(k["total"] > 0 and k["registers"] > 0 and k["local"] == 0 for k in kernels.values())
     assert (
