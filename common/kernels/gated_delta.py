@@ -29,8 +29,9 @@ def _gated_delta_step_kernel(
 ):  # fmt: skip
     t, h = tl.program_id(0), tl.program_id(1)
     # Read before the wait (pdl.py: only the kernel just before may still run): the slots, the state (this
-    # kernel's own, a step ago) and, with EARLY_GATES, the gate projections (the input projection's, from
-    # before the conv; without, copies of them may be the kernels just before).
+    # kernel's own, a step ago) and, with EARLY_GATES, the gate projections (the input projection's, with
+    # conv_step between; without, the kernel just before wrote them: copies, or the GEMV whose epilogue ran
+    # the conv).
     at, s, cols = state_block(state_ptr, slots_ptr, heads_v, DK, DV, BV)
     if EARLY_GATES:
         g, beta = gates(a_ptr + t * a_stride + h, b_ptr + t * b_stride + h, a_log_ptr + h, dt_bias_ptr + h)
