@@ -133,11 +133,10 @@ def takes_conv(x: torch.Tensor, fused: object) -> bool:
         CONV_EPILOGUE
         and fused_linear.GEMV
         and isinstance(fused, fused_linear.FusedLinears)
-        and fused.bias is None
+        and fused_linear.plain_linear(fused)
         and x.is_cuda
         and x.shape[0] == 1
         and fused.weight.dtype == x.dtype
-        and fused.weight.is_contiguous()
     )
 
 

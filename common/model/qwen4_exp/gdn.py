@@ -130,17 +130,11 @@ class GatedDeltaNet(nn.Module):
 
         epilogue = gemv.takes_conv(x, self.fused_in)
         qkv, z, b, a = self._project_step(x, state["conv"], slots, epilogue)
+        recurrent = state["recurrent"]
+        # with the epilogue the kernel just before wrote the gates: read after the programmatic wait
         core = gated_delta_step(
-            qkv,
-            a,
-            b,
-            self.A_log,
-            self.dt_bias,
-            state["recurrent"],
-            slots,
-            self.hk,
-            gates_settled=not epilogue,
-        )  # with the epilogue, the kernel just before wrote the gates: read after the programmatic wait
+            qkv, a, b, self.A_log, self.dt_bias, recurrent, slots, self.hk, gates_settled=not epilogue
+        )
         return self._out(core, z, x.dtype)
 
     def _project_step(
