@@ -223,7 +223,8 @@ DECODE_SWITCHES = (
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
-    "no-moe-dispatch", "select-bisect", "no-qsa-prologue", "no-conv-epilogue",
+    "no-moe-dispatch", "select-search", "select-bisect", "no-qsa-prologue", "no-conv-epilogue",
+    "qsa-splits-16", "qsa-splits-32", "qsa-splits-64",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -241,7 +242,16 @@ def variant(name: str) -> str:
 def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
     from common.graphs import DecodeGraphs
-    from common.kernels import arrival, gemv, gemv_native, moe_dispatch, moe_int4, pdl, qsa_indexer
+    from common.kernels import (
+        arrival,
+        decode_attention,
+        gemv,
+        gemv_native,
+        moe_dispatch,
+        moe_int4,
+        pdl,
+        qsa_indexer,
+    )
     from common.model import fused_linear
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.hyper import HyperConnection
@@ -279,9 +289,13 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: scalar_down}),
         (gemv_native, "ENABLED", False),
         (moe_dispatch, "ENABLED", False),
+        (qsa_indexer, "SELECT_RANK", False),
         (qsa_indexer, "SELECT_WAYS", 2),
         (QSAttention, "prologue_kernel", False),
         (gemv, "CONV_EPILOGUE", False),
+        (decode_attention, "TARGET_PROGRAMS", 32),
+        (decode_attention, "TARGET_PROGRAMS", 64),
+        (decode_attention, "TARGET_PROGRAMS", 128),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

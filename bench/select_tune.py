@@ -1,12 +1,15 @@
 """A tuning aid for QSA's decode selection (common/kernels/qsa_indexer.py `select_blocks`): µs a call of the
-threshold search at each number of ways a round (qsa_indexer.SELECT_WAYS; 2 is the bisection), one query
-over flashnext's blocks at a few contexts (k = 512 blocks, the indexer's budget of 2,048 tokens in blocks of
-4), 50 calls a CUDA graph replay. Every setting's keys are checked against the bisection's.
+ranks (qsa_indexer.SELECT_RANK, the default) and of the threshold search at each number of ways a round
+(qsa_indexer.SELECT_WAYS; 2 is the bisection) and warps a program (qsa_indexer.SELECT_WARPS), one query over
+flashnext's blocks at a few contexts (k = 512 blocks, the indexer's budget of 2,048 tokens in blocks of 4),
+50 calls a CUDA graph replay. Every setting's keys are checked against the ranks'.
 
     python -m bench.select_tune
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -22,19 +25,21 @@ def _calls(scores: torch.Tensor, positions: torch.Tensor):
 
 
 def main() -> None:
-    default = qsa_indexer.SELECT_WAYS
-    for blocks in (576, 1024, 4096):
+    default = qsa_indexer.SELECT_RANK, qsa_indexer.SELECT_WAYS, qsa_indexer.SELECT_WARPS
+    settings = [(True, 4, 4), *((False, ways, warps) for ways, warps in itertools.product((2, 4, 8), (4, 8)))]
+    for blocks in (1024, 576, 4096):
         scores = torch.rand(1, blocks, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3
         positions = torch.tensor([blocks * RATIO - 1], device="cuda")
         want = None
-        for ways in (2, 4, 8, 16, 32):
-            qsa_indexer.SELECT_WAYS = ways
+        for rank, ways, warps in settings:
+            qsa_indexer.SELECT_RANK, qsa_indexer.SELECT_WAYS, qsa_indexer.SELECT_WARPS = rank, ways, warps
             got = select_blocks(scores, positions, TOPK, RATIO)
             want = got if want is None else want
-            assert torch.equal(got, want), f"{ways} ways: keys differ from the bisection's"
+            assert torch.equal(got, want), f"{ways} ways, {warps} warps: keys differ from the ranks'"
             us = replay_us(_calls(scores, positions))
-            print(f"blocks {blocks:5d} k {TOPK} ways {ways:2d}: {us / CALLS:6.2f} us a call")
-    qsa_indexer.SELECT_WAYS = default
+            name = "ranks" if rank else f"search, ways {ways:2d} warps {warps}"
+            print(f"blocks {blocks:5d} k {TOPK} {name}: {us / CALLS:6.2f} us a call", flush=True)
+    qsa_indexer.SELECT_RANK, qsa_indexer.SELECT_WAYS, qsa_indexer.SELECT_WARPS = default
 
 
 if __name__ == "__main__":

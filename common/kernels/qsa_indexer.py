@@ -8,8 +8,10 @@
   the blocks it does not see (torch: gather [T, NB, D] keys, einsum, relu, sum, mask: ~12 kernels).
 - `select_blocks`: the keys each query attends to, from its scores: the top-k blocks' keys and its own
   incomplete block's. torch's top-k sorts (a radix sort and a gather, ~34 µs a QSA layer on an H200 in the
-  all-fit decode profile) and ~8 small kernels expand and mask; here program t finds the k-th largest score
-  by a SELECT_WAYS-way search on its bits, all in registers (up to SELECT_MAX_BLOCKS blocks).
+  all-fit decode profile) and ~8 small kernels expand and mask; here each block's rank among the query's is
+  counted by a program of a few blocks (those ranked below k are chosen), and the last program to arrive
+  writes the chosen blocks' keys (or, `SELECT_RANK` off, one program a query finds the k-th largest score
+  by a SELECT_WAYS-way search on its bits, all in registers; up to SELECT_MAX_BLOCKS blocks).
 
 And on a prefill pass, `prefill_block_scores`: one sequence's queries against its block keys, tiled (a tile of
 queries × a tile of blocks a program, the heads' products summed in registers), so only the [T, NB] scores
@@ -28,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels import arrival
+from common.kernels.arrival import arrive
 from common.kernels.pdl import gdc_enter, launch
 from common.model.rope import RotaryEmbedding
 
@@ -191,13 +195,75 @@ def prefill_block_scores(q: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,
 
 SELECT_MAX_BLOCKS = 4096
 """Blocks `select_blocks` holds in one program's registers (a 16K context at 4 tokens a block)."""
+SELECT_RANK = True
+"""`select_blocks` ranks every block against all the query's, a few blocks a program (RANK_TILE), and the
+last program to arrive writes the keys. False: one program a query searches the bits of the k-th largest
+score, SELECT_WAYS parts a round (the benchmark's `select-search` switch): 16 dependent rounds of a
+reduction across the program, ~0.55 µs each on an H200 (17.7 µs a call in the decode step at b005150, 14.2
+of it exposed), where the ranks are one comparison tile a program, all at once."""
+RANK_TILE = 16384
+"""Comparisons a rank program makes: it ranks RANK_TILE / blocks of its query's blocks (16 of 1,024)."""
 SELECT_WAYS = 4
-"""Parts `select_blocks` cuts its threshold's range into a round (a power of two): one reduction counts the
+"""Parts the search cuts its threshold's range into a round (a power of two): one reduction counts the
 keys at or above each part's start, so it finds the k-th largest of 2³² key values in 32 / log2(WAYS)
 rounds. On the H200 at flashnext's decode (1,024 blocks, k 512; bench/results/qsa-select-ways.txt) a call
 took 9.25 µs at 4 ways against 12.04 for the bisection (2), 10.03 at 8, 12.67 at 16 and 27.18 at 32: past
 4 a round's [WAYS, blocks] comparisons cost more than the rounds they save (the benchmark's `select-bisect`
 switch: 2)."""
+SELECT_WARPS = 4
+"""Warps of a search program: 9.21 µs a call at 4 against 37.72 at 1, 18.68 at 2 and 9.08 at 8 (1,024 blocks,
+4 ways; bench.select_tune at b005150)."""
+
+
+@triton.jit
+def _ordered_keys(row_ptr, n, num_blocks, visible):
+    """Blocks n's scores as int32 keys ordered as the floats (row_ptr: the query's scores), and which are
+    live (seen, above −inf)."""
+    seen = (n < num_blocks) & (n < visible)
+    score = tl.load(row_ptr + n, mask=seen, other=float("-inf"))
+    bits = score.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), score > float("-inf")
+
+
+@triton.jit
+def _write_keys(chosen, i, pos, visible, row, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    """The query's selection row ← the keys of the blocks `chosen` [BN] (at i), in block order, −1 up to
+    K·R, then those of its incomplete block up to the query."""
+    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [BN] each chosen block's place in the output
+    r = tl.arange(0, R)
+    keys = ((i * R)[:, None] + r[None, :]).to(tl.int64)  # [BN, R] each block's key positions
+    tl.store(row + (slot * R)[:, None] + r[None, :], keys, mask=chosen[:, None])
+    count = tl.sum(chosen.to(tl.int32), axis=0)
+    j = tl.arange(0, BK)
+    tl.store(row + j, tl.full((BK,), -1, tl.int64), mask=(j >= count * R) & (j < K * R))
+    own = visible * R + r  # the query's incomplete block: its keys up to the query
+    tl.store(row + K * R + r, tl.where(own <= pos, own, -1), mask=r < R - 1)
+
+
+@triton.jit
+def _rank_kernel(
+    scores_ptr, pos_ptr, chosen_ptr, count_ptr, out_ptr, num_blocks, width,
+    K: tl.constexpr, R: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GDC: tl.constexpr,
+):  # fmt: skip
+    gdc_enter(GDC)
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    visible = (pos + 1) // R
+    row = scores_ptr + t * num_blocks
+    j = tl.arange(0, BN)  # every block of the query
+    key_j, live_j = _ordered_keys(row, j, num_blocks, visible)
+    i = tl.program_id(1) * BI + tl.arange(0, BI)  # [BI] the blocks this program ranks
+    key_i, live_i = _ordered_keys(row, i, num_blocks, visible)
+    # rank: the live blocks ahead of it, a higher score or the same one at a lower block (ties: lower first)
+    ahead = (key_j[None, :] > key_i[:, None]) | (
+        (key_j[None, :] == key_i[:, None]) & (j[None, :] < i[:, None])
+    )
+    rank = tl.sum((ahead & live_j[None, :]).to(tl.int32), axis=1)  # [BI]
+    tl.store(chosen_ptr + t * BN + i, (live_i & (rank < K)).to(tl.int8))
+    if arrive(count_ptr + t, tl.num_programs(1)):  # the last program writes the keys, in block order
+        chosen = tl.load(chosen_ptr + t * BN + j, cache_modifier=".cg") != 0
+        _write_keys(chosen, j, pos, visible, out_ptr + t * width, K, R, BK)
 
 
 @triton.jit
@@ -210,11 +276,8 @@ def _select_kernel(
     i = tl.arange(0, BN)
     pos = tl.load(pos_ptr + t)
     visible = (pos + 1) // R
-    seen = (i < num_blocks) & (i < visible)
-    score = tl.load(scores_ptr + t * num_blocks + i, mask=seen, other=float("-inf"))
-    live = score > float("-inf")
-    bits = score.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # ordered as the floats
+    key, live = _ordered_keys(scores_ptr + t * num_blocks, i, num_blocks, visible)
+    key = key.to(tl.int64)
     lo, hi = tl.full([], -(2**31), tl.int64), tl.full([], 2**31 - 1, tl.int64)
     j = tl.arange(0, WAYS)[:, None]  # [WAYS, 1] the range's parts
     for _ in tl.static_range(ROUNDS):  # the largest threshold with K live keys at or above it
@@ -227,16 +290,7 @@ def _select_kernel(
     tie = live & (key == lo)
     room = K - tl.sum(above.to(tl.int32), axis=0)  # ties taken lowest block first
     chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= room))
-    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [BN] each chosen block's place in the output
-    r = tl.arange(0, R)
-    row = out_ptr + t * width
-    keys = ((i * R)[:, None] + r[None, :]).to(tl.int64)  # [BN, R] each block's key positions
-    tl.store(row + (slot * R)[:, None] + r[None, :], keys, mask=chosen[:, None])
-    count = tl.sum(chosen.to(tl.int32), axis=0)
-    j = tl.arange(0, BK)
-    tl.store(row + j, tl.full((BK,), -1, tl.int64), mask=(j >= count * R) & (j < K * R))
-    own = visible * R + r  # the query's incomplete block: its keys up to the query
-    tl.store(row + K * R + r, tl.where(own <= pos, own, -1), mask=r < R - 1)
+    _write_keys(chosen, i, pos, visible, out_ptr + t * width, K, R, BK)
 
 
 def select_blocks(scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio: int) -> torch.Tensor:
@@ -250,9 +304,18 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, topk: int, rati
     assert ratio & (ratio - 1) == 0, f"ratio {ratio}: a power of two"
     k = min(topk, num_blocks)
     out = torch.empty((t, k * ratio + ratio - 1), dtype=torch.int64, device=scores.device)
+    scores = scores.contiguous()
+    bn, bk = triton.next_power_of_2(max(num_blocks, 2)), triton.next_power_of_2(k * ratio)
+    if SELECT_RANK:
+        ranked = min(bn, max(1, RANK_TILE // bn))
+        chosen = torch.empty((t, bn), dtype=torch.int8, device=scores.device)
+        _rank_kernel[(t, bn // ranked)](
+            scores, positions, chosen, arrival.counters(scores.device, t), out, num_blocks, out.shape[1],
+            K=k, R=ratio, BI=ranked, BN=bn, BK=bk, **launch(scores.device),
+        )  # fmt: skip
+        return out
     _select_kernel[(t,)](
-        scores.contiguous(), positions, out, num_blocks, out.shape[1], K=k, R=ratio,
-        BN=triton.next_power_of_2(max(num_blocks, 2)), BK=triton.next_power_of_2(k * ratio),
-        WAYS=SELECT_WAYS, ROUNDS=-(-32 // (SELECT_WAYS.bit_length() - 1)), **launch(scores.device),
+        scores, positions, out, num_blocks, out.shape[1], K=k, R=ratio, BN=bn, BK=bk, WAYS=SELECT_WAYS,
+        ROUNDS=-(-32 // (SELECT_WAYS.bit_length() - 1)), num_warps=SELECT_WARPS, **launch(scores.device),
     )  # fmt: skip
     return out

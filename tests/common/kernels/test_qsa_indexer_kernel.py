@@ -108,16 +108,19 @@ def test_fused_prefill_selection_matches_torch(tmp_path: Path) -> None:
     assert torch.equal(got.sort(1).values, want.sort(1).values)
 
 
-@pytest.mark.parametrize("ways", [2, 4, 16])
+@pytest.mark.parametrize("ways", [0, 2, 4, 16])
 def test_select_blocks_chooses_top_k_keys(monkeypatch: pytest.MonkeyPatch, ways: int) -> None:
-    """The select kernel against torch's top-k and expansion (QSAIndexer._select's torch ops): the same keys
+    """The select kernels against torch's top-k and expansion (QSAIndexer._select's torch ops): the same keys
     (order aside) for queries that see no block, fewer blocks than k, and many; with ties at the threshold
-    (the lower blocks win) and with k above the block count. Its threshold search cut in `ways` parts a
-    round (2: the bisection)."""
+    (the lower blocks win) and with k above the block count. `ways` 0: the ranks (the default, programs of
+    32 blocks here: several a query, the last to arrive writing); else the threshold search cut in `ways`
+    parts a round (2: the bisection)."""
     from common.kernels import qsa_indexer
     from common.kernels.qsa_indexer import select_blocks
 
-    monkeypatch.setattr(qsa_indexer, "SELECT_WAYS", ways)
+    monkeypatch.setattr(qsa_indexer, "SELECT_RANK", ways == 0)
+    monkeypatch.setattr(qsa_indexer, "SELECT_WAYS", ways or 4)
+    monkeypatch.setattr(qsa_indexer, "RANK_TILE", 32 * 512)
 
     gen = torch.Generator().manual_seed(3)
     r, num_blocks = 4, 300
