@@ -44,24 +44,41 @@ Switch before a pass is recorded. Holding after the other kernels that ran longe
 serialized (int4 gate_up before down, GDN's gated norm and the attention merge before the output projection,
 the large one-row GEMV before conv_step) moved nothing: 187.05-188.02 tok/s against the defaults' 187.60,
 one site a variant, in one process (bench/results/decode-allfit-held-sites-ab.json, 69c75e5)."""
+START_TRIGGER = False
+"""The launches made with `trigger_first` (GDN's recurrence and gated norm, the decode attention's split and
+merge kernels) let the next kernel launch as their programs start, before their own wait, so it may launch
+while the kernel before them still runs: two kernels ahead, not one, sit resident with their weights in
+flight (the output projection's during the recurrence, not only during the norm). Safe only where the
+next kernel reads nothing but weights before its wait: so at those sites, whose next kernels are the gated
+norm, the merge (no read before the wait) and the output projection (its weights). The benchmark's
+`tail-trigger-first` switch; off until measured. Switch before a pass is recorded."""
 WAIT_ONLY = 2
 """`GDC`'s value with EARLY_TRIGGER off: wait, no trigger (True: wait, then trigger)."""
+TRIGGER_FIRST = 3
+"""`GDC`'s value of a `trigger_first` launch under START_TRIGGER: trigger, then wait."""
 WAIT_ONLY_K = tl.constexpr(WAIT_ONLY)
+TRIGGER_FIRST_K = tl.constexpr(TRIGGER_FIRST)
 
 
-def launch(device: torch.device, take_part: bool = True, hold_next: bool = False) -> dict[str, object]:
+def launch(
+    device: torch.device, take_part: bool = True, hold_next: bool = False, trigger_first: bool = False
+) -> dict[str, object]:
     """Keyword arguments of a participating kernel's launch: its `GDC` constexpr, and Triton's `launch_pdl`
     when on (never in the interpreter: griddepcontrol is PTX). `take_part` False: this launch stays out.
     `hold_next`: this launch lets the next kernel launch only at its programs' exit (as
-    with EARLY_TRIGGER off, for this launch alone): the next one is a kernel that early residency slows."""
+    with EARLY_TRIGGER off, for this launch alone): the next one is a kernel that early residency slows.
+    `trigger_first`: under START_TRIGGER, the next kernel may launch as this one's programs start (that
+    kernel must read only weights before its wait)."""
     on = take_part and ENABLED and device.type == "cuda" and hopper_or_later(device.index)
     early = EARLY_TRIGGER and not hold_next
-    return {"GDC": True if early else WAIT_ONLY, "launch_pdl": True} if on else {"GDC": False}
+    gdc = (TRIGGER_FIRST if trigger_first and START_TRIGGER else True) if early else WAIT_ONLY
+    return {"GDC": gdc, "launch_pdl": True} if on else {"GDC": False}
 
 
 def native_mode(kwargs: dict[str, object]) -> int:
     """A CUDA C kernel's `gdc` argument (common/kernels/cuda/launch.cuh) for `launch`'s keywords: 0 no wait,
-    1 wait then trigger, 2 wait only."""
+    1 wait then trigger, 2 wait only (no CUDA C kernel is launched `trigger_first`)."""
+    assert kwargs["GDC"] != TRIGGER_FIRST, "trigger_first: Triton kernels only"
     return {True: 1, WAIT_ONLY: 2}.get(kwargs["GDC"], 0)
 
 
@@ -74,8 +91,11 @@ def hopper_or_later(index: int | None) -> bool:
 @triton.jit
 def gdc_enter(GDC: tl.constexpr):
     """With GDC: wait for the earlier kernels (their writes visible), then (GDC True, not WAIT_ONLY) let the
-    next kernel launch."""
-    if GDC:
+    next kernel launch; TRIGGER_FIRST: let it launch, then wait."""
+    if GDC == TRIGGER_FIRST_K:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif GDC:
         tl.extra.cuda.gdc_wait()
         if GDC != WAIT_ONLY_K:
             tl.extra.cuda.gdc_launch_dependents()

@@ -109,7 +109,8 @@ def test_forgotten_recordings_record_again(tmp_path: Path) -> None:
 def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, monkeypatch) -> None:
     """The decode kernels launched with programmatic dependent launch (the default) in recorded steps
     (qwen4_exp, fused kernels): each waits for the kernels before it, so the tokens and the cache counters
-    are those of the same recorded steps without it, exactly. (The int4 kernels:
+    are those of the same recorded steps without it, exactly; so with the trigger at the kernels' exit, and
+    with the tails' kernels triggering as they start (pdl.START_TRIGGER). (The int4 kernels:
     tests/gpu/test_offload_cuda.py.)"""
     from common.kernels import pdl
 
@@ -118,9 +119,13 @@ def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, m
     plain, reference = _run(path, True, "0.25", fused=True)
     monkeypatch.setattr(pdl, "ENABLED", True)
     launched, engine = _run(path, True, "0.25", fused=True)
+    monkeypatch.setattr(pdl, "START_TRIGGER", True)  # the GDN and attention tails trigger as they start
+    first, first_engine = _run(path, True, "0.25", fused=True)
+    monkeypatch.setattr(pdl, "START_TRIGGER", False)
     monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)  # each kernel lets the next launch at its exit
     at_exit, exit_engine = _run(path, True, "0.25", fused=True)
-    assert launched == plain and at_exit == plain
+    assert launched == plain and at_exit == plain and first == plain
     for name, counts in engine.offload.tables.counters.items():
         assert torch.equal(counts, reference.offload.tables.counters[name]), name
         assert torch.equal(exit_engine.offload.tables.counters[name], counts), name
+        assert torch.equal(first_engine.offload.tables.counters[name], counts), name

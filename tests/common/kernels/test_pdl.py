@@ -1,6 +1,6 @@
 """Programmatic dependent launch's switches (common/kernels/pdl.py): what a launch asks for, and what a
 taking-part kernel compiles to for sm_90 (in a process of its own, outside this directory's interpreter):
-wait and trigger, wait only (`EARLY_TRIGGER` off), or neither."""
+wait and trigger, wait only (`EARLY_TRIGGER` off), trigger then wait (`START_TRIGGER`), or neither."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from common.kernels import pdl, routing
 signature = {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "experts": "i32"}
 shape = {"K": 10, "KB": 16, "BLOCK": 512, "NORMALIZE": True, "BF16": False}
 found = {}
-for gdc in (True, pdl.WAIT_ONLY, False):
+for gdc in (True, pdl.WAIT_ONLY, pdl.TRIGGER_FIRST, False):
     ptx = compile_sm90(routing._route_kernel, signature, shape | {"GDC": gdc}, 1, ()).asm["ptx"]
-    found[str(gdc)] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx]
+    wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    found[str(gdc)] = [wait >= 0, trigger >= 0, 0 <= trigger < wait]
 print(json.dumps(found))
 """
 
@@ -32,6 +33,10 @@ def test_a_launch_asks_for_the_trigger_it_is_set_to(monkeypatch) -> None:
     gpu = torch.device("cuda", 0)
     assert pdl.launch(gpu) == {"GDC": True, "launch_pdl": True}
     assert pdl.launch(gpu, hold_next=True) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
+    assert pdl.launch(gpu, trigger_first=True) == {"GDC": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "START_TRIGGER", True)
+    assert pdl.launch(gpu, trigger_first=True) == {"GDC": pdl.TRIGGER_FIRST, "launch_pdl": True}
+    assert pdl.launch(gpu) == {"GDC": True, "launch_pdl": True}
     monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)
     assert pdl.launch(gpu) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
     assert pdl.launch(gpu, take_part=False) == {"GDC": False}
@@ -44,4 +49,9 @@ def test_wait_only_compiles_without_the_trigger() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _PTX], capture_output=True, text=True, env=env, check=True)
     found = json.loads(run.stdout)
-    assert found == {"True": [True, True], str(pdl.WAIT_ONLY): [True, False], "False": [False, False]}
+    assert found == {
+        "True": [True, True, False],
+        str(pdl.WAIT_ONLY): [True, False, False],
+        str(pdl.TRIGGER_FIRST): [True, True, True],
+        "False": [False, False, False],
+    }
