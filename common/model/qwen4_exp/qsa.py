@@ -66,7 +66,7 @@ class QSAIndexer(nn.Module):
     prefill; opt-in: `common.kernels.use_fused_kernels`)."""
 
     select_kernel = True
-    """With `fused_decode`: a decode step's top-k and key expansion in one Triton kernel (`select_blocks`);
+    """With `fused_decode`: a decode step's top-k and key expansion in one Triton launch (`select_blocks`);
     a switch for bench.decode_offload --ablate."""
 
     score_bytes = 256 << 20
