@@ -223,7 +223,7 @@ DECODE_SWITCHES = (
     "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
-    "no-moe-dispatch", "select-search", "select-bisect", "no-qsa-prologue", "no-conv-epilogue",
+    "no-moe-dispatch", "select-search", "no-qsa-prologue", "no-conv-epilogue",
     "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "tail-trigger-first",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
@@ -290,7 +290,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (gemv_native, "ENABLED", False),
         (moe_dispatch, "ENABLED", False),
         (qsa_indexer, "SELECT_RANK", False),
-        (qsa_indexer, "SELECT_WAYS", 2),
         (QSAttention, "prologue_kernel", False),
         (gemv, "CONV_EPILOGUE", False),
         (decode_attention, "TARGET_PROGRAMS", 32),

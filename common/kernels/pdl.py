@@ -47,11 +47,11 @@ one site a variant, in one process (bench/results/decode-allfit-held-sites-ab.js
 START_TRIGGER = False
 """The launches made with `trigger_first` (GDN's recurrence and gated norm, the decode attention's split and
 merge kernels) let the next kernel launch as their programs start, before their own wait, so it may launch
-while the kernel before them still runs: two kernels ahead, not one, sit resident with their weights in
-flight (the output projection's during the recurrence, not only during the norm). Safe only where the
-next kernel reads nothing but weights before its wait: so at those sites, whose next kernels are the gated
-norm, the merge (no read before the wait) and the output projection (its weights). The benchmark's
-`tail-trigger-first` switch; off until measured. Switch before a pass is recorded."""
+while the kernel before them still runs: the output projection's programs may sit resident, their weights
+in flight, from the recurrence (or the split) on, or earlier, not only during the norm (the merge). Safe
+only where the next kernel reads nothing but weights before its wait: so at those sites, whose next kernels
+are the gated norm, the merge (no read before the wait) and the output projection (its weights). The
+benchmark's `tail-trigger-first` switch; off until measured. Switch before a pass is recorded."""
 WAIT_ONLY = 2
 """`GDC`'s value with EARLY_TRIGGER off: wait, no trigger (True: wait, then trigger)."""
 TRIGGER_FIRST = 3

@@ -208,8 +208,8 @@ SELECT_WAYS = 4
 keys at or above each part's start, so it finds the k-th largest of 2³² key values in 32 / log2(WAYS)
 rounds. On the H200 at flashnext's decode (1,024 blocks, k 512; bench/results/qsa-select-ways.txt) a call
 took 9.25 µs at 4 ways against 12.04 for the bisection (2), 10.03 at 8, 12.67 at 16 and 27.18 at 32: past
-4 a round's [WAYS, blocks] comparisons cost more than the rounds they save (the benchmark's `select-bisect`
-switch: 2)."""
+4 a round's [WAYS, blocks] comparisons cost more than the rounds they save (bench.select_tune times
+them)."""
 SELECT_WARPS = 4
 """Warps of a search program: 9.21 µs a call at 4 against 37.72 at 1, 18.68 at 2 and 9.08 at 8 (1,024 blocks,
 4 ways; bench.select_tune at b005150)."""

@@ -112,15 +112,15 @@ def test_fused_prefill_selection_matches_torch(tmp_path: Path) -> None:
 def test_select_blocks_chooses_top_k_keys(monkeypatch: pytest.MonkeyPatch, ways: int) -> None:
     """The select kernels against torch's top-k and expansion (QSAIndexer._select's torch ops): the same keys
     (order aside) for queries that see no block, fewer blocks than k, and many; with ties at the threshold
-    (the lower blocks win) and with k above the block count. `ways` 0: the ranks (the default, programs of
-    32 blocks here: several a query, the last to arrive writing); else the threshold search cut in `ways`
-    parts a round (2: the bisection)."""
+    (the lower blocks win) and with k above the block count, the chosen keys in block order. `ways` 0: the
+    ranks (the default; programs of 8 blocks here, 64 a query, the last to arrive writing); else the
+    threshold search cut in `ways` parts a round (2: the bisection)."""
     from common.kernels import qsa_indexer
     from common.kernels.qsa_indexer import select_blocks
 
     monkeypatch.setattr(qsa_indexer, "SELECT_RANK", ways == 0)
     monkeypatch.setattr(qsa_indexer, "SELECT_WAYS", ways or 4)
-    monkeypatch.setattr(qsa_indexer, "RANK_TILE", 32 * 512)
+    monkeypatch.setattr(qsa_indexer, "RANK_TILE", 8 * 512)  # 300 blocks: ranked against 512
 
     gen = torch.Generator().manual_seed(3)
     r, num_blocks = 4, 300
@@ -142,6 +142,9 @@ def test_select_blocks_chooses_top_k_keys(monkeypatch: pytest.MonkeyPatch, ways:
         got = select_blocks(scores.to(DEVICE), positions.to(DEVICE), topk, r).cpu()
         assert got.shape == want.shape
         assert torch.equal(got.sort(1).values, want.sort(1).values), topk
+        for row in got[:, : k * r]:  # the chosen blocks' keys, in block order, then −1
+            keys = row[row >= 0]
+            assert torch.equal(row[: keys.numel()], keys) and bool((keys.diff() > 0).all())
 
 
 def test_fused_decode_selection_before_the_first_block(tmp_path: Path) -> None:
