@@ -18,7 +18,8 @@ threads read the terms after its acquire, and they read them past L1 (`.cg`), wh
 Counters: one zeroed buffer per device and stream (`counters`). On one stream a kernel touches its counters
 only after `gdc_enter`, when the kernel before it has completed: every counter is back at zero. Streams run
 at once (decode groups), so each has its own buffer. `ENABLED` False: the separate kernels (the benchmark's
-`no-fold` switch).
+`no-fold` switch). QSA's decode selection (qsa_indexer's rank kernel) also counts arrivals here, the last
+program writing the keys from every program's ranks: not a sum, so `ENABLED` leaves it be.
 """
 
 from __future__ import annotations

@@ -70,9 +70,11 @@ def launch(
     `trigger_first`: under START_TRIGGER, the next kernel may launch as this one's programs start (that
     kernel must read only weights before its wait)."""
     on = take_part and ENABLED and device.type == "cuda" and hopper_or_later(device.index)
-    early = EARLY_TRIGGER and not hold_next
-    gdc = (TRIGGER_FIRST if trigger_first and START_TRIGGER else True) if early else WAIT_ONLY
-    return {"GDC": gdc, "launch_pdl": True} if on else {"GDC": False}
+    if not on:
+        return {"GDC": False}
+    if not EARLY_TRIGGER or hold_next:
+        return {"GDC": WAIT_ONLY, "launch_pdl": True}
+    return {"GDC": TRIGGER_FIRST if trigger_first and START_TRIGGER else True, "launch_pdl": True}
 
 
 def native_mode(kwargs: dict[str, object]) -> int:
