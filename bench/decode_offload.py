@@ -224,7 +224,8 @@ DECODE_SWITCHES = (
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
     "no-moe-dispatch", "select-search", "no-qsa-prologue", "no-conv-epilogue",
-    "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "tail-trigger-first",
+    "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "no-tail-trigger-first", "hc-trigger-first",
+    "down-trigger-first",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -295,7 +296,9 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (decode_attention, "TARGET_PROGRAMS", 32),
         (decode_attention, "TARGET_PROGRAMS", 64),
         (decode_attention, "TARGET_PROGRAMS", 128),
-        (pdl, "START_TRIGGER", True),
+        (pdl, "TRIGGER_FIRST_AT", pdl.TRIGGER_FIRST_AT - {"tail"}),
+        (pdl, "TRIGGER_FIRST_AT", pdl.TRIGGER_FIRST_AT | {"hc"}),
+        (pdl, "TRIGGER_FIRST_AT", pdl.TRIGGER_FIRST_AT | {"moe-down"}),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

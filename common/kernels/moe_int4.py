@@ -756,9 +756,12 @@ def moe_int4_decode(
     ):
         rows_a_block = moe_int4_native.MMA_DOWN_ROWS if down_mma else 8 * warps
         counts = arrival.counters(x.device, t * hidden // rows_a_block) if fold else None
+        # trigger_first: the next kernel is the next hyper-connection's projection (its weights before its
+        # wait) or hc_inject (nothing before it) in qwen4_exp; other families' are torch's (no wait)
         moe_int4_native.down(
             act, rows, row_of if knobs["LOOKUP"] else None, weights, pool, partial, out, k, warps, counts,
-            shared if sums_knobs["SHARED"] else None, shared_gate, pdl, mma=down_mma,
+            shared if sums_knobs["SHARED"] else None, shared_gate, launch(x.device, trigger_first="moe-down"),
+            mma=down_mma,
         )  # fmt: skip
     else:
         blocks = hidden // down_block

@@ -537,7 +537,8 @@ using namespace spillway;
 // against x[p / k]; `act_layout`: 0 in order, 1 down's words layout, 2 split (evens then odds a group).
 // `chunk_loads`: each lane's 16-byte chunks a row (1 to 3: hidden <= 1024 * chunk_loads). `rows_per_warp`
 // 1, 2 or 4; `warps` a block; I a multiple of rows_per_warp * warps. `pdl`: launched with programmatic stream
-// serialization; `gdc` 0 no wait, 1 wait then let the next kernel launch, 2 wait only. Returns the launch's
+// serialization; `gdc` 0 no wait, 1 wait then let the next kernel launch, 2 wait only, 3 let it launch then
+// wait (common/kernels/pdl.py's TRIGGER_FIRST). Returns the launch's
 // cudaError_t.
 extern "C" int spillway_int4_gate_up(const void* x, const void* rows, const void* row_of, int wide_rows,
                                      int wide_row_of, int lookup, const void* codes, const void* scales,
