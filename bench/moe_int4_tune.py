@@ -24,7 +24,8 @@ gate_up by the CUDA C kernel (`_native_settings`), likewise. `--chunks N
 
 `--once`: no timing, three eager calls of the decode defaults per token count (`moe-int4-decode-ncu.txt`:
 `ncu --kernel-name regex:"_gate_up_kernel|_down_kernel" --launch-skip 4 --launch-count 4 --section ...
-python -m bench.moe_int4_tune --once --rows 2048`, the third one-token call and the first eight-token one).
+python -m bench.moe_int4_tune --once --rows 2048`, the third one-token call and the first eight-token one);
+`--once --native`: the all-resident shapes' calls (RESIDENT_CONFIGS), as `moe-int4-native-ncu.txt` profiles.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from common.kernels.moe_int4 import (
     GROUP,
     GROUPED,
     GROUPS_PER_STEP,
+    RESIDENT_CONFIGS,
     GroupedConfig,
     moe_int4_decode,
     moe_int4_grouped,
@@ -248,10 +250,11 @@ def main() -> None:
         ap.error(f"--rows must be at least one layer's {EXPERTS} experts")
     store = random_int4_store(1, args.rows, HIDDEN, INTER)  # args.rows // EXPERTS layers' experts
     pool = {name: block.cuda() for name, block in store.parts[0].items()}  # [rows, ...] each
-    if args.once:
+    if args.once:  # with --native, the all-resident shapes (RESIDENT_CONFIGS: the CUDA C kernels)
+        configs = RESIDENT_CONFIGS if args.native else None
         for tokens in args.tokens or [1, 8]:
             for call in decode_calls(pool, tokens)[:3]:
-                moe_int4_decode(*call, pool)
+                moe_int4_decode(*call, pool, configs=configs)
         torch.cuda.synchronize()
         return
     hbm = measure_hbm_gbps()
