@@ -225,7 +225,7 @@ DECODE_SWITCHES = (
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
     "no-moe-dispatch", "select-search", "no-qsa-prologue", "no-conv-epilogue",
     "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "no-tail-trigger-first", "hc-trigger-first",
-    "down-trigger-first",
+    "down-trigger-first", "int4-native-async",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -262,6 +262,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     triton_resident = replace(moe_int4.RESIDENT_CONFIGS[1], native_rows=0, native_down_warps=0)
     scalar_gate_up = replace(moe_int4.RESIDENT_CONFIGS[1], native_mma=False)
     scalar_down = replace(moe_int4.RESIDENT_CONFIGS[1], native_down_mma=False)
+    async_gate_up = replace(moe_int4.RESIDENT_CONFIGS[1], native_async=True)
     switches = (
         (QSAIndexer, "select_kernel", False),
         (HyperConnection, "project_kernel", False),
@@ -299,6 +300,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (pdl, "TRIGGER_FIRST_AT", pdl.TRIGGER_FIRST_AT - {"tail"}),
         (pdl, "TRIGGER_FIRST_AT", pdl.TRIGGER_FIRST_AT | {"hc"}),
         (pdl, "TRIGGER_FIRST_AT", pdl.TRIGGER_FIRST_AT | {"moe-down"}),
+        (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: async_gate_up}),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 
