@@ -227,7 +227,7 @@ def paged_decode_attention(
     # tf32 (the default, which 16-bit inputs ignore) would miss the fp32 reference by ~1e-3.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     rows = table_rows if table_rows is not None else kv_lens  # unread without table_rows
-    # trigger_first (pdl.TRIGGER_FIRST_AT): the next kernels, the merge and the output projection, read only
+    # trigger_first (pdl.START_TRIGGER): the next kernels, the merge and the output projection, read only
     # weights before their wait
     _split_kernel[(t, kv_heads, splits)](
         q.contiguous(), k_pages, v_pages, page_table, rows, kv_lens, sel, scales, scales[1:] if fp8 else m,
@@ -236,7 +236,7 @@ def paged_decode_attention(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, SPLITS=splits,
         ITERS=iters, SPARSE=selected is not None, FP8=fp8, WINDOW=window is not None,
         PRECISION=precision, ROWS=table_rows is not None, TRIP=pipelined, STAGES=num_stages,
-        num_warps=num_warps, **launch(q.device, trigger_first="tail"),
+        num_warps=num_warps, **launch(q.device, trigger_first=True),
     )  # fmt: skip
     if splits == 1:
         return out if gate is None else out * torch.sigmoid(gate)
@@ -247,6 +247,6 @@ def paged_decode_attention(
     _merge_kernel[(t * heads, dim // block_d)](
         m, denom, acc, out, gates, heads, gates.stride(0), gates.stride(1),
         D=dim, SPLITS=splits, BLOCK_D=block_d, GATE=gate is not None,
-        **launch(q.device, trigger_first="tail"),
+        **launch(q.device, trigger_first=True),
     )  # fmt: skip
     return out

@@ -118,6 +118,6 @@ def gated_delta_step(
     _gated_delta_step_kernel[grid](
         qkv, a, b, a_log, dt_bias, state, slots, out, qkv.stride(0), a.stride(0), b.stride(0), heads_v,
         heads_v // heads_k, heads_k * dk, DK=dk, DV=dv, BV=block_v, EARLY_GATES=in_place and gates_settled,
-        **launch(qkv.device, trigger_first="tail"),  # the next kernel: the gated norm
+        **launch(qkv.device, trigger_first=True),  # the next kernel: the gated norm
     )  # fmt: skip
     return out

@@ -44,9 +44,9 @@ def gated_rms_norm(
     if gate.stride(1) != 1:
         gate = gate.contiguous()
     out = torch.empty((t, heads * dim), dtype=dtype, device=x.device)
-    # trigger_first (pdl.TRIGGER_FIRST_AT): the next kernel is the output projection
+    # trigger_first (pdl.START_TRIGGER): the next kernel is the output projection
     _gated_norm_kernel[(t * heads,)](
         x.contiguous(), gate, weight, out, dim, heads, gate.stride(0), eps,
-        BLOCK=triton.next_power_of_2(dim), **launch(x.device, trigger_first="tail"),
+        BLOCK=triton.next_power_of_2(dim), **launch(x.device, trigger_first=True),
     )  # fmt: skip
     return out

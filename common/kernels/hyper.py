@@ -174,8 +174,7 @@ def hc_mix_up(
     _mix_up_kernel[(t, triton.cdiv(hidden, block))](
         parts, weight_up, x.contiguous(), scales if norm else x, norm_weight if norm else x, out, hidden,
         rank, parts.stride(1), parts.stride(0), HC=hc, BLOCK=block, R_PAD=triton.next_power_of_2(rank),
-        NORM=norm, PARTS=parts.shape[0], num_warps=num_warps,
-        **launch(x.device, hold_next=hold_next, trigger_first="hc"),  # next: a GEMV (weights pre-wait)
+        NORM=norm, PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device, hold_next=hold_next),
     )  # fmt: skip
     return out
 
@@ -268,8 +267,7 @@ def hc_project(
     _project_kernel[(t, triton.cdiv(n_out, block_n), hc)](
         streams, norm_weight, weight, out, scales, t, n_out, eps, y, parts, new, parts.stride(1),
         parts.stride(0), HC=hc, H=width // hc, H_PAD=h_pad, BN=block_n, INJECT=inject is not None,
-        PARTS=parts.shape[0], num_warps=num_warps,
-        **launch(streams.device, trigger_first="hc"),  # next: hc_mix_up (its weights pre-wait)
+        PARTS=parts.shape[0], num_warps=num_warps, **launch(streams.device),
     )  # fmt: skip
     return out, scales, new
 

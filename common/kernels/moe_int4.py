@@ -111,14 +111,11 @@ class DecodeConfig:
     to 2,560). Each warp loads one group of codes ahead of the one it multiplies: with every group loaded
     before any math (one wave of 400 blocks at flashnext's shape, loads then MMAs) it measured 20.02 µs a call
     against the scalar kernel's 19.65; two groups ahead 17.74, one 16.29, none 16.91
-    (`bench.moe_int4_tune --native --tokens 1`, bench/results/moe-int4-decode-native.txt)."""
-    native_async: bool = False
-    """With `native_mma`: every group's codes copied to shared memory at once (cp.async, one commit group a
-    group, 40 KB a block) and each group multiplied as its copies land, instead of one group ahead in
-    registers. Copies hold no register or scoreboard in flight: the block's whole tile is requested as soon
-    as its rows are known (Nsight Compute at 6784dae, bench/results/moe-int4-native-ncu.txt: the registers'
-    form reads the HBM at 24 % of its peak, an issue every 2.6 cycles a scheduler, 40 % of its stalls on
-    L1TEX scoreboards)."""
+    (`bench.moe_int4_tune --native --tokens 1`, bench/results/moe-int4-decode-native.txt). Every group
+    copied to shared memory at once instead (cp.async, a commit group a group, each multiplied as it
+    landed): 19.23 µs against 16.39, decode-allfit 212.16 tok/s against 227.56 (b934b6c,
+    decode-allfit-native-async-ab.json; the first group lands no earlier than the rest). Nsight Compute of
+    this kernel: bench/results/moe-int4-native-ncu.txt."""
     native_down_warps: int = 0
     """down (and the fold of a token's choices) by the CUDA C kernel at this many warps a block, 8 rows a warp
     (0: Triton's), where it takes the call (`words`, bf16 on Hopper, no host reads); else Triton's."""
@@ -622,7 +619,6 @@ def moe_int4_decode(
     native_warps: int | None = None,
     native_down_warps: int | None = None,
     native_mma: bool | None = None,
-    native_async: bool | None = None,
     native_down_mma: bool | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
@@ -671,7 +667,6 @@ def moe_int4_decode(
         "native_warps": native_warps,
         "native_down_warps": native_down_warps,
         "native_mma": native_mma,
-        "native_async": native_async,
         "native_down_mma": native_down_mma,
     }
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
@@ -740,19 +735,7 @@ def moe_int4_decode(
         layout = 3 if down_mma else 1 if c.words else 2 if c.split_act else 0
         mma = c.native_mma and moe_int4_native.mma_available(x, hidden, inter)
         moe_int4_native.gate_up(
-            x,
-            rows,
-            lookup,
-            pool,
-            act,
-            k,
-            c.native_rows,
-            c.native_warps,
-            layout,
-            pdl,
-            settled,
-            mma,
-            async_copy=mma and c.native_async,
+            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled, mma
         )
     else:
         _gate_up_kernel[(t * k, blocks, n_chunks)](
@@ -777,12 +760,9 @@ def moe_int4_decode(
     ):
         rows_a_block = moe_int4_native.MMA_DOWN_ROWS if down_mma else 8 * warps
         counts = arrival.counters(x.device, t * hidden // rows_a_block) if fold else None
-        # trigger_first: the next kernel is the next hyper-connection's projection (its weights before its
-        # wait) or hc_inject (nothing before it) in qwen4_exp; other families' are torch's (no wait)
         moe_int4_native.down(
             act, rows, row_of if knobs["LOOKUP"] else None, weights, pool, partial, out, k, warps, counts,
-            shared if sums_knobs["SHARED"] else None, shared_gate, launch(x.device, trigger_first="moe-down"),
-            mma=down_mma,
+            shared if sums_knobs["SHARED"] else None, shared_gate, pdl, mma=down_mma,
         )  # fmt: skip
     else:
         blocks = hidden // down_block

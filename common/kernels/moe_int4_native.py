@@ -27,7 +27,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "spillway_int4_gate_up": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 11 + (_P,),
     "spillway_int4_down": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 8 + (_P,),
-    "spillway_int4_gate_up_mma": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 9 + (_P,),
+    "spillway_int4_gate_up_mma": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 8 + (_P,),
     "spillway_int4_down_mma": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 7 + (_P,),
 }
 MMA_DOWN_ROWS = 64
@@ -110,7 +110,7 @@ def _matrix(pool: dict[str, torch.Tensor], name: str) -> tuple:
 def gate_up(
     x: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, pool: dict[str, torch.Tensor],
     act: torch.Tensor, k: int, rows_per_warp: int, warps: int, layout: int, pdl: dict, settled: bool,
-    mma: bool = False, async_copy: bool = False,
+    mma: bool = False,
 ) -> None:  # fmt: skip
     """act [P, I] fp32 ← silu(gate) · up of each pair p's expert (pool row row_of[rows[p]], or rows[p]) at
     x[p // k], stored in down's layout: `layout` 0 in order, 1 words (DecodeConfig.words), 2 split
@@ -118,15 +118,14 @@ def gate_up(
     kernel just before's outputs, so their codes are loaded before the programmatic wait. `available` must
     hold. `mma`: on the tensor cores instead (int4_decode.cu's gate_up_mma_kernel: 16 rows a block of 4
     warps, each warp a quarter of the groups, one group's codes loaded ahead of the one it multiplies;
-    `rows_per_warp` and `warps` unused); `mma_available` must hold. `async_copy` (with `mma`): every group's
-    codes copied to shared memory at once, each group multiplied as it lands (DecodeConfig.native_async)."""
+    `rows_per_warp` and `warps` unused); `mma_available` must hold."""
     hidden, inter = x.shape[1], act.shape[1]
     shape = () if mma else (rows_per_warp, warps, -(-hidden // 1024))
     name = "spillway_int4_gate_up_mma" if mma else "spillway_int4_gate_up"
-    launch = (layout, "launch_pdl" in pdl, native_mode(pdl), settled, *((async_copy,) if mma else ()))
     status = _function(x.device, name)(
         x.data_ptr(), *_rows(rows, row_of), *_matrix(pool, "gate_up"), act.data_ptr(), rows.numel(), k,
-        hidden, inter, *shape, *launch, torch.cuda.current_stream(x.device).cuda_stream,
+        hidden, inter, *shape, layout, "launch_pdl" in pdl, native_mode(pdl), settled,
+        torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     native.check(status, name)
 

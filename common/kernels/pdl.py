@@ -44,54 +44,50 @@ Switch before a pass is recorded. Holding after the other kernels that ran longe
 serialized (int4 gate_up before down, GDN's gated norm and the attention merge before the output projection,
 the large one-row GEMV before conv_step) moved nothing: 187.05-188.02 tok/s against the defaults' 187.60,
 one site a variant, in one process (bench/results/decode-allfit-held-sites-ab.json, 69c75e5)."""
-TRIGGER_FIRST_AT = frozenset({"tail"})
-"""The groups of launch sites made with `trigger_first` that let the next kernel launch as their programs
-start, before their own wait, so that it may launch while the kernel before them still runs: its programs
-sit resident, their weights in flight, a kernel earlier. Safe only where the next kernel reads nothing but
-weights before its wait (what it reads after the wait is the whole chain's: each wait returns once the
-kernel before completed, and that one waited for its own). The groups:
-
-- "tail": GDN's recurrence and gated norm, the decode attention's split and merge kernels; their next kernels
-  are the gated norm, the merge (no read before the wait) and the output projection (its weights). The
-  output projection's programs may be resident from the recurrence (or the split) on, not only during the
-  norm (the merge): decode-allfit 226.76 tok/s against 224.33 without (+1.1 %, one process,
-  bench/results/decode-allfit-tail-trigger-first-ab.json; the benchmark's `no-tail-trigger-first`).
-- "hc": the hyper-connection's projection and mix-up kernels (hc_project, hc_mix_up); their next kernels are
-  the mix-up (its weights) and the sublayer's input projection (its weights: a GEMV's first tile; a GEMV
-  launched with `hold_next` behind the mix-up is held all the same). The benchmark's `hc-trigger-first`.
-- "moe-down": the int4 MoE's CUDA C down kernel; its next kernel is the next hyper-connection's projection
-  (its weights) or hc_inject (nothing before the wait). The benchmark's `down-trigger-first`.
-
-Switch before a pass is recorded."""
+START_TRIGGER = True
+"""The launches made with `trigger_first` (GDN's recurrence and gated norm, the decode attention's split and
+merge kernels) let the next kernel launch as their programs start, before their own wait, so it may launch
+while the kernel before them still runs: the output projection's programs sit resident, their weights in
+flight, from the recurrence (or the split) on, not only during the norm (the merge). Safe only where the
+next kernel reads nothing but weights before its wait (what it reads after the wait is the whole chain's:
+each wait returns once the kernel before completed, and that one waited for its own): so at those sites,
+whose next kernels are the gated norm, the merge (no read before the wait) and the output projection (its
+weights). decode-allfit 226.76 tok/s against 224.33 without (+1.1 %, one process,
+bench/results/decode-allfit-tail-trigger-first-ab.json; the benchmark's `no-tail-trigger-first`).
+The same at the hyper-connection's projection and mix-up kernels (next: the mix-up, the sublayer's input
+projection) and at the int4 MoE's CUDA C down (next: the next hyper-connection's projection) moved nothing:
+228.34 tok/s with both and 227.62 with the hyper-connection's alone against 228.25 over 1,024 tokens
+(decode-allfit-trigger-first-sites-ab.json), so they stay plain. Switch before a pass is recorded."""
 WAIT_ONLY = 2
 """`GDC`'s value with EARLY_TRIGGER off: wait, no trigger (True: wait, then trigger)."""
 TRIGGER_FIRST = 3
-"""`GDC`'s value of a `trigger_first` launch whose group is in TRIGGER_FIRST_AT: trigger, then wait."""
+"""`GDC`'s value of a `trigger_first` launch under START_TRIGGER: trigger, then wait."""
 WAIT_ONLY_K = tl.constexpr(WAIT_ONLY)
 TRIGGER_FIRST_K = tl.constexpr(TRIGGER_FIRST)
 
 
 def launch(
-    device: torch.device, take_part: bool = True, hold_next: bool = False, trigger_first: str | None = None
+    device: torch.device, take_part: bool = True, hold_next: bool = False, trigger_first: bool = False
 ) -> dict[str, object]:
     """Keyword arguments of a participating kernel's launch: its `GDC` constexpr, and Triton's `launch_pdl`
     when on (never in the interpreter: griddepcontrol is PTX). `take_part` False: this launch stays out.
     `hold_next`: this launch lets the next kernel launch only at its programs' exit (as
     with EARLY_TRIGGER off, for this launch alone): the next one is a kernel that early residency slows.
-    `trigger_first`: the launch site's group; when TRIGGER_FIRST_AT holds it, the next kernel may launch as
-    this one's programs start (that kernel must read only weights before its wait)."""
+    `trigger_first`: under START_TRIGGER, the next kernel may launch as this one's programs start (that
+    kernel must read only weights before its wait)."""
     on = take_part and ENABLED and device.type == "cuda" and hopper_or_later(device.index)
     if not on:
         return {"GDC": False}
     if not EARLY_TRIGGER or hold_next:
         return {"GDC": WAIT_ONLY, "launch_pdl": True}
-    return {"GDC": TRIGGER_FIRST if trigger_first in TRIGGER_FIRST_AT else True, "launch_pdl": True}
+    return {"GDC": TRIGGER_FIRST if trigger_first and START_TRIGGER else True, "launch_pdl": True}
 
 
 def native_mode(kwargs: dict[str, object]) -> int:
     """A CUDA C kernel's `gdc` argument (common/kernels/cuda/launch.cuh) for `launch`'s keywords: 0 no wait,
-    1 wait then trigger, 2 wait only, 3 trigger then wait."""
-    return {True: 1, WAIT_ONLY: 2, TRIGGER_FIRST: 3}.get(kwargs["GDC"], 0)
+    1 wait then trigger, 2 wait only (no CUDA C kernel is launched `trigger_first`)."""
+    assert kwargs["GDC"] != TRIGGER_FIRST, "trigger_first: Triton kernels only"
+    return {True: 1, WAIT_ONLY: 2}.get(kwargs["GDC"], 0)
 
 
 @functools.cache

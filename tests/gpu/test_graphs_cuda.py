@@ -109,9 +109,9 @@ def test_forgotten_recordings_record_again(tmp_path: Path) -> None:
 def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, monkeypatch) -> None:
     """The decode kernels launched with programmatic dependent launch (the default) in recorded steps
     (qwen4_exp, fused kernels): each waits for the kernels before it, so the tokens and the cache counters
-    are those of the same recorded steps without it, exactly; so with every `trigger_first` site's kernels
-    triggering as they start (pdl.TRIGGER_FIRST_AT), and with the trigger at every kernel's exit. (The int4
-    kernels: tests/gpu/test_offload_cuda.py.)"""
+    are those of the same recorded steps without it, exactly; so with the tails' kernels triggering as they
+    start (pdl.START_TRIGGER, the default) and without, and with the trigger at every kernel's exit. (The
+    int4 kernels: tests/gpu/test_offload_cuda.py.)"""
     from common.kernels import pdl
 
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=ARCHS["qwen4_exp"])
@@ -119,13 +119,12 @@ def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, m
     plain, reference = _run(path, True, "0.25", fused=True)
     monkeypatch.setattr(pdl, "ENABLED", True)
     launched, engine = _run(path, True, "0.25", fused=True)
-    monkeypatch.setattr(pdl, "TRIGGER_FIRST_AT", frozenset({"tail", "hc", "moe-down"}))
-    first, first_engine = _run(path, True, "0.25", fused=True)
-    monkeypatch.setattr(pdl, "TRIGGER_FIRST_AT", frozenset())
+    monkeypatch.setattr(pdl, "START_TRIGGER", False)  # the tails' kernels trigger after their wait
+    late, late_engine = _run(path, True, "0.25", fused=True)
     monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)  # each kernel lets the next launch at its exit
     at_exit, exit_engine = _run(path, True, "0.25", fused=True)
-    assert launched == plain and at_exit == plain and first == plain
+    assert launched == plain and at_exit == plain and late == plain
     for name, counts in engine.offload.tables.counters.items():
         assert torch.equal(counts, reference.offload.tables.counters[name]), name
         assert torch.equal(exit_engine.offload.tables.counters[name], counts), name
-        assert torch.equal(first_engine.offload.tables.counters[name], counts), name
+        assert torch.equal(late_engine.offload.tables.counters[name], counts), name

@@ -145,14 +145,9 @@ def test_native_down_matches_dequantised_reference(hidden, inter, tokens, k, war
     ("hidden", "inter", "tokens", "k"), [(256, 128, 1, 4), (512, 384, 3, 8), (2560, 640, 1, 10)]
 )
 @pytest.mark.parametrize("layout", [{"words": True}, {"split_act": True}, {}])
-@pytest.mark.parametrize(("native_async", "settled"), [(False, False), (True, False), (True, True)])
-def test_native_mma_gate_up_matches_dequantised_reference(
-    hidden, inter, tokens, k, layout, native_async, settled
-):
+def test_native_mma_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, layout):
     """The CUDA C tensor-core gate_up (DecodeConfig.native_mma): groups split over a block's four warps
-    (none for some warps at 256 inputs), row_of lookup, every activation layout, the codes in registers or
-    copied through shared memory (native_async), issued before the programmatic wait or after (settled);
-    recorded and replayed."""
+    (none for some warps at 256 inputs), row_of lookup, every activation layout; recorded and replayed."""
     from common.kernels import moe_int4_native
     from common.kernels.moe_int4 import moe_int4_decode
 
@@ -160,8 +155,7 @@ def test_native_mma_gate_up_matches_dequantised_reference(
     row_of = torch.randperm(12, generator=gen).cuda()
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
     assert moe_int4_native.mma_available(x, hidden, inter), "the CUDA kernel did not build"
-    knobs = {"block": 8, "native_rows": 2, "native_mma": True, "native_async": native_async, "row_of": row_of}
-    knobs |= layout | {"settled": settled}
+    knobs = {"block": 8, "native_rows": 2, "native_mma": True, "row_of": row_of, **layout}
     want = _reference(x, row_of[ids], weights, pool)
     _matches_and_replays(partial(moe_int4_decode, x, ids, weights, pool, **knobs), want)
 

@@ -233,8 +233,7 @@ def test_one_lane_int4_decode_reads_its_misses_from_the_host(tmp_path: Path) -> 
 def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monkeypatch) -> None:
     """Every expert resident, int4, the fused kernels, recorded steps: one-token steps run RESIDENT_CONFIGS'
     shape (codes as words); the same tokens with the int4 kernels launched programmatically
-    (common/kernels/pdl.py, the default), with the down kernel letting the next launch as it starts, and
-    without; with the scalar CUDA down, the tokens of the byte
+    (common/kernels/pdl.py, the default) and without; with the scalar CUDA down, the tokens of the byte
     form's shapes (DECODE_CONFIGS)."""
     from common.kernels import moe_int4, pdl, use_fused_kernels
 
@@ -264,8 +263,6 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
     monkeypatch.setattr(pdl, "ENABLED", True)
     resident = run()
     assert calls and all(c is moe_int4.RESIDENT_CONFIGS for c in calls)
-    monkeypatch.setattr(pdl, "TRIGGER_FIRST_AT", frozenset({"moe-down"}))  # down lets the next launch first
-    assert run() == resident
     monkeypatch.setattr(pdl, "ENABLED", False)  # every kernel launched plainly: the same tokens
     assert run() == resident
     # the tensor-core down takes its activations in bf16 (as the HF reference computes them), the other

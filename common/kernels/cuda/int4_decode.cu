@@ -383,33 +383,6 @@ __device__ __forceinline__ void mma_group(const MmaGroup& s, const uint4* xv, in
   }
 }
 
-// A 16-byte copy global -> shared that does not hold a register or a scoreboard while in flight
-// (cp.async, L2 only: a weight is read once a step), and its group's commit and in-order wait.
-__device__ __forceinline__ void copy_async(uint4* to, const uint4* from) {
-  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(to));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(from) : "memory");
-}
-
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Wait until at most `pending` of this thread's committed copy groups are still in flight (a constant once
-// the caller's loop is unrolled: the instruction takes an immediate).
-__device__ __forceinline__ void copy_wait(int pending) {
-  switch (pending) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
-  }
-}
-
-// kAsync: every group's codes are copied to shared memory at once (cp.async, a commit group a group, 40 KB a
-// block), then each group is multiplied as its copies land (the groups complete in order). In registers, a
-// warp keeps kMmaAhead groups in flight, and more ahead was slower (every load of the warp shares a few
-// scoreboards, so the first group's math waited for all of them); copies hold neither, so a block's whole
-// tile is requested as soon as its rows are known, and the HBM is busy from the start of the call.
-template <bool kAsync>
 __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528 hold the 400 at once
     gate_up_mma_kernel(const __nv_bfloat16* __restrict__ x, const void* __restrict__ rows,
                        const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
@@ -425,41 +398,22 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
   auto out_row = [&](int r) -> int64_t {  // r: 0, 1 gate rows g, g + 8; 2, 3 up rows g, g + 8
     return row * 2 * inter + first + g + (r % 2) * 8 + (r / 2) * inter;
   };
-  constexpr int kStaged = kAsync ? kMmaMaxGroups * kMmaWarps * 4 * kLanes : 1;
-  __shared__ uint4 staged[kStaged];  // [group G][warp][row r][lane] (kAsync)
-  auto staged_at = [&](int G, int r) { return ((G * kMmaWarps + warp) * 4 + r) * kLanes + lane; };
   auto load_group = [&](int G, MmaGroup& s) {
     const int group = warp + G * kMmaWarps;
     if (group >= groups) return;
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const uint4* from = codes + out_row(r) * chunks + group * 4 + t;
-      if constexpr (kAsync) {
-        copy_async(&staged[staged_at(G, r)], from);
-      } else {
-        s.q[r] = __ldg(from);
-      }
-    }
+    for (int r = 0; r < 4; ++r) s.q[r] = __ldg(codes + out_row(r) * chunks + group * 4 + t);
     const int64_t at = out_row(t) * groups + group;
     s.zero = zeros[at];
     s.scale = reinterpret_cast<const uint16_t*>(scales)[at];
   };
-  // In registers, the codes of kMmaAhead groups are in flight while one is multiplied; with kAsync, every
-  // group's (their scales and zeros in registers). A group's inputs one ahead.
-  constexpr int kStages = kAsync ? kMmaMaxGroups : kMmaAhead + 1;
-  MmaGroup stage[kStages];
+  // The codes of kMmaAhead groups are in flight while one is multiplied; a group's inputs one ahead.
+  MmaGroup stage[kMmaAhead + 1];
   auto load_first = [&]() {
     row = load_index(rows, p, wide_rows);
     if (lookup) row = load_index(row_of, row, wide_row_of);
 #pragma unroll
-    for (int G = 0; G < kStages - 1; ++G) {
-      load_group(G, stage[G]);
-      if constexpr (kAsync) copy_commit();
-    }
-    if constexpr (kAsync) {  // the last group too: all of them
-      load_group(kStages - 1, stage[kStages - 1]);
-      copy_commit();
-    }
+    for (int G = 0; G < kMmaAhead; ++G) load_group(G, stage[G]);
   };
   if (settled) load_first();
   gdc_wait(gdc);
@@ -477,17 +431,9 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
   float acc[4] = {};  // rows g, g + 8 of gate, then of up
 #pragma unroll
   for (int G = 0; G < kMmaMaxGroups; ++G) {
-    if constexpr (!kAsync) {
-      if (G + kMmaAhead < kMmaMaxGroups) load_group(G + kMmaAhead, stage[(G + kMmaAhead) % kStages]);
-    }
+    if (G + kMmaAhead < kMmaMaxGroups) load_group(G + kMmaAhead, stage[(G + kMmaAhead) % (kMmaAhead + 1)]);
     if (G + 1 < kMmaMaxGroups) load_x(G + 1, xv[(G + 1) % 2]);
-    MmaGroup& s = stage[G % kStages];
-    if constexpr (kAsync) {
-      copy_wait(kMmaMaxGroups - 1 - G);  // group G's copies have landed (this thread's own)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) s.q[r] = staged[staged_at(G, r)];
-    }
-    if (warp + G * kMmaWarps < groups) mma_group(s, xv[G % 2], g, acc);
+    if (warp + G * kMmaWarps < groups) mma_group(stage[G % (kMmaAhead + 1)], xv[G % 2], g, acc);
   }
   __shared__ float partial[kMmaWarps][32];  // a warp's 16 gate then 16 up rows
   if (t == 0) {
@@ -591,8 +537,7 @@ using namespace spillway;
 // against x[p / k]; `act_layout`: 0 in order, 1 down's words layout, 2 split (evens then odds a group).
 // `chunk_loads`: each lane's 16-byte chunks a row (1 to 3: hidden <= 1024 * chunk_loads). `rows_per_warp`
 // 1, 2 or 4; `warps` a block; I a multiple of rows_per_warp * warps. `pdl`: launched with programmatic stream
-// serialization; `gdc` 0 no wait, 1 wait then let the next kernel launch, 2 wait only, 3 let it launch then
-// wait (common/kernels/pdl.py's TRIGGER_FIRST). Returns the launch's
+// serialization; `gdc` 0 no wait, 1 wait then let the next kernel launch, 2 wait only. Returns the launch's
 // cudaError_t.
 extern "C" int spillway_int4_gate_up(const void* x, const void* rows, const void* row_of, int wide_rows,
                                      int wide_row_of, int lookup, const void* codes, const void* scales,
@@ -630,18 +575,15 @@ extern "C" int spillway_int4_down(const void* act, const void* rows, const void*
 }
 
 // gate/up on the tensor cores (gate_up_mma_kernel): as spillway_int4_gate_up,
-// 16 rows a block of 4 warps; I a multiple of 16, hidden a multiple of 128 up to 2560. `async_copy`: the
-// codes through shared memory, all groups' copies in flight at once (the kernel's kAsync).
+// 16 rows a block of 4 warps; I a multiple of 16, hidden a multiple of 128 up to 2560.
 extern "C" int spillway_int4_gate_up_mma(const void* x, const void* rows, const void* row_of, int wide_rows,
                                          int wide_row_of, int lookup, const void* codes, const void* scales,
                                          const void* zeros, void* act, int pairs, int k, int hidden, int inter,
-                                         int act_layout, int pdl, int gdc, int settled, int async_copy,
-                                         void* stream) {
+                                         int act_layout, int pdl, int gdc, int settled, void* stream) {
   if (hidden % 128 != 0 || hidden > 128 * kMmaWarps * kMmaMaxGroups || inter % 16 != 0) {
     return cudaErrorInvalidValue;
   }
-  const auto kernel = async_copy ? gate_up_mma_kernel<true> : gate_up_mma_kernel<false>;
-  return launch_pdl(kernel, dim3(pairs, inter / 16), dim3(kMmaWarps * kLanes), stream, pdl, x,
+  return launch_pdl(gate_up_mma_kernel, dim3(pairs, inter / 16), dim3(kMmaWarps * kLanes), stream, pdl, x,
                     rows, row_of, wide_rows, wide_row_of, lookup, codes, scales, zeros, act, k, hidden, inter,
                     act_layout, gdc, settled);
 }

@@ -35,7 +35,6 @@ __device__ __forceinline__ uint4 load_settled(const uint4* p) {
 
 __device__ __forceinline__ void gdc_wait(int gdc) {
 #if __CUDA_ARCH__ >= 900  // programmatic dependent launch: Hopper on (common/kernels/pdl.py)
-  if (gdc == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // trigger first
   if (gdc) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (gdc == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif

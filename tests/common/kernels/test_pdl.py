@@ -1,7 +1,7 @@
 """Programmatic dependent launch's switches (common/kernels/pdl.py): what a launch asks for, and what a
 taking-part kernel compiles to for sm_90 (in a process of its own, outside this directory's interpreter):
-wait and trigger, wait only (`EARLY_TRIGGER` off), trigger then wait (a `trigger_first` site whose group is in
-`TRIGGER_FIRST_AT`), or neither."""
+wait and trigger, wait only (`EARLY_TRIGGER` off), trigger then wait (a `trigger_first` launch under
+`START_TRIGGER`), or neither."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from common.kernels import pdl
@@ -34,11 +35,12 @@ def test_a_launch_asks_for_the_trigger_it_is_set_to(monkeypatch) -> None:
     gpu = torch.device("cuda", 0)
     assert pdl.launch(gpu) == {"GDC": True, "launch_pdl": True}
     assert pdl.launch(gpu, hold_next=True) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
-    monkeypatch.setattr(pdl, "TRIGGER_FIRST_AT", frozenset({"tail"}))
-    assert pdl.launch(gpu, trigger_first="hc") == {"GDC": True, "launch_pdl": True}
-    assert pdl.launch(gpu, trigger_first="tail") == {"GDC": pdl.TRIGGER_FIRST, "launch_pdl": True}
-    assert pdl.launch(gpu, trigger_first="tail", hold_next=True) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "START_TRIGGER", True)
+    assert pdl.launch(gpu, trigger_first=True) == {"GDC": pdl.TRIGGER_FIRST, "launch_pdl": True}
+    assert pdl.launch(gpu, trigger_first=True, hold_next=True) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
     assert pdl.launch(gpu) == {"GDC": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "START_TRIGGER", False)
+    assert pdl.launch(gpu, trigger_first=True) == {"GDC": True, "launch_pdl": True}
     monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)
     assert pdl.launch(gpu) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
     assert pdl.launch(gpu, take_part=False) == {"GDC": False}
@@ -60,11 +62,13 @@ def test_wait_only_compiles_without_the_trigger() -> None:
 
 
 def test_a_cuda_c_kernel_gets_the_mode_of_its_launch(monkeypatch) -> None:
-    """launch.cuh's gdc_wait modes: 0 none, 1 wait then trigger, 2 wait only, 3 trigger then wait."""
+    """launch.cuh's gdc_wait modes: 0 none, 1 wait then trigger, 2 wait only; no CUDA C kernel triggers
+    first."""
     monkeypatch.setattr(pdl, "hopper_or_later", lambda index: True)
-    monkeypatch.setattr(pdl, "TRIGGER_FIRST_AT", frozenset({"moe-down"}))
+    monkeypatch.setattr(pdl, "START_TRIGGER", True)
     gpu = torch.device("cuda", 0)
     assert pdl.native_mode(pdl.launch(gpu)) == 1
     assert pdl.native_mode(pdl.launch(gpu, hold_next=True)) == 2
-    assert pdl.native_mode(pdl.launch(gpu, trigger_first="moe-down")) == 3
     assert pdl.native_mode(pdl.launch(gpu, take_part=False)) == 0
+    with pytest.raises(AssertionError, match="Triton kernels only"):
+        pdl.native_mode(pdl.launch(gpu, trigger_first=True))
