@@ -224,8 +224,7 @@ DECODE_SWITCHES = (
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
     "no-moe-dispatch", "select-search", "no-qsa-prologue", "no-conv-epilogue",
-    "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "no-tail-trigger-first", "int4-fold-zero",
-    "int4-fold-zero-gate-up",
+    "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "no-tail-trigger-first",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -262,8 +261,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     triton_resident = replace(moe_int4.RESIDENT_CONFIGS[1], native_rows=0, native_down_warps=0)
     scalar_gate_up = replace(moe_int4.RESIDENT_CONFIGS[1], native_mma=False)
     scalar_down = replace(moe_int4.RESIDENT_CONFIGS[1], native_down_mma=False)
-    fold_gate_up = replace(moe_int4.RESIDENT_CONFIGS[1], native_fold_zero=True)
-    fold_both = replace(fold_gate_up, native_down_fold_zero=True)
     switches = (
         (QSAIndexer, "select_kernel", False),
         (HyperConnection, "project_kernel", False),
@@ -299,8 +296,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (decode_attention, "TARGET_PROGRAMS", 64),
         (decode_attention, "TARGET_PROGRAMS", 128),
         (pdl, "START_TRIGGER", False),
-        (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: fold_both}),
-        (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: fold_gate_up}),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

@@ -90,11 +90,11 @@ def label(setting: dict) -> str:
     text += f" regs {setting['gate_up_registers']}" if setting.get("gate_up_registers") else ""
     text += f" chunks {setting['gate_up_chunks']}" if setting.get("gate_up_chunks", 1) > 1 else ""
     if setting.get("native_mma"):
-        text += " native mma" + (" fold" if setting.get("native_fold_zero") else "")
+        text += " native mma"
     elif setting.get("native_rows"):
         text += f" native {setting['native_rows']}x{setting['native_warps']}"
     if setting.get("native_down_mma"):
-        text += " native down mma" + (" fold" if setting.get("native_down_fold_zero") else "")
+        text += " native down mma"
     elif setting.get("native_down_warps"):
         text += f" native down {setting['native_down_warps']}"
     return text + (f" stages {setting['stages']}" if setting.get("stages", 1) > 1 else "")
@@ -187,8 +187,7 @@ def _native_settings() -> list[dict]:
     """gate_up by the CUDA C kernel (DecodeConfig.native_rows) over rows a warp and warps a block, down as
     RESIDENT_CONFIGS' one-token shape; then down by its CUDA C kernel too, over warps a block; then gate_up
     on the tensor cores (DecodeConfig.native_mma), with Triton's and the CUDA down; then down on the tensor
-    cores (DecodeConfig.native_down_mma) after either CUDA gate_up; then the zero points folded in after the
-    MMAs (DecodeConfig.native_fold_zero), in gate_up and in both; beside the Triton words shape."""
+    cores (DecodeConfig.native_down_mma) after either CUDA gate_up; beside the Triton words shape."""
     down = {"words": True, "down_block": 16, "down_groups_per_step": 1, "down_warps": 2}
     resident = {"block": 8, "groups_per_step": 4, "num_warps": 4} | down
     gate_up = [
@@ -202,11 +201,7 @@ def _native_settings() -> list[dict]:
         | {"native_down_mma": True}
         for m in (False, True)
     ]
-    folded = [
-        down_mma[1] | {"native_fold_zero": True},
-        down_mma[1] | {"native_fold_zero": True, "native_down_fold_zero": True},
-    ]
-    return [resident, *gate_up, *both, *mma, *down_mma, *folded]
+    return [resident, *gate_up, *both, *mma, *down_mma]
 
 
 def _chunked(settings: list[dict], counts: list[int]) -> list[dict]:

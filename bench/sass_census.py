@@ -156,8 +156,8 @@ def native_census() -> dict[str, tuple[Census, float]]:
     sass_by, usage_by = native_sass()
     chunks = -(-HIDDEN // 1024)
     wanted = {"gate_up": f"gate_up_kernelILi{rows}ELi{chunks}E", "down": "down_kernel"}
-    wanted["gate_up mma"] = f"gate_up_mma_kernelILb{int(config.native_fold_zero)}E"
-    wanted["down mma"] = f"down_mma_kernelILi{INTER // 128}ELb{int(config.native_down_fold_zero)}E"
+    wanted["gate_up mma"] = "gate_up_mma_kernel"
+    wanted["down mma"] = f"down_mma_kernelILi{INTER // 128}E"
     blocks = {
         "gate_up": (TOP_K * INTER // (rows * warps), warps),
         "down": (TOP_K * HIDDEN // (8 * down_warps), down_warps),

@@ -115,16 +115,10 @@ class DecodeConfig:
     copied to shared memory at once instead (cp.async, a commit group a group, each multiplied as it
     landed): 19.23 µs against 16.39, decode-allfit 212.16 tok/s against 227.56 (b934b6c,
     decode-allfit-native-async-ab.json; the first group lands no earlier than the rest). Nsight Compute of
-    this kernel: bench/results/moe-int4-native-ncu.txt."""
-    native_fold_zero: bool = False
-    """With `native_mma`: the codes enter the MMAs as 128 + q and (128 + z) · Σx is taken from each row's dot
-    after them (Σx by the same MMAs with A all ones, one a fragment), instead of the zero pair subtracted from
-    each pair of codes before: 1,744 instructions a warp against 2,168 compiled for sm_90 (no HADD2; eight
-    more HMMAs a group), for a kernel that Nsight Compute finds issuing an instruction every 2.6 cycles a
-    scheduler, its time after the wait mostly computing (moe-int4-native-ncu.txt)."""
-    native_down_fold_zero: bool = False
-    """With `native_down_mma`: as `native_fold_zero`, in down (1,160 instructions a warp against 1,224 at
-    I 640: half its MMAs are the sums)."""
+    this kernel: bench/results/moe-int4-native-ncu.txt. The zero points folded in after the MMAs instead
+    (codes as 128 + q, (128 + z) · Σx taken from each dot, Σx by an all-ones MMA: 1,744 instructions a warp
+    against 2,168) ran 17.23 µs against 16.69 and 224.63 tok/s against 226.88 (f115b2d,
+    decode-allfit-int4-fold-zero-ab.json): the kernel waits on its dependent chains, not on issue."""
     native_down_warps: int = 0
     """down (and the fold of a token's choices) by the CUDA C kernel at this many warps a block, 8 rows a warp
     (0: Triton's), where it takes the call (`words`, bf16 on Hopper, no host reads); else Triton's."""
@@ -629,8 +623,6 @@ def moe_int4_decode(
     native_down_warps: int | None = None,
     native_mma: bool | None = None,
     native_down_mma: bool | None = None,
-    native_fold_zero: bool | None = None,
-    native_down_fold_zero: bool | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -679,8 +671,6 @@ def moe_int4_decode(
         "native_down_warps": native_down_warps,
         "native_mma": native_mma,
         "native_down_mma": native_down_mma,
-        "native_fold_zero": native_fold_zero,
-        "native_down_fold_zero": native_down_fold_zero,
     }
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
@@ -748,19 +738,7 @@ def moe_int4_decode(
         layout = 3 if down_mma else 1 if c.words else 2 if c.split_act else 0
         mma = c.native_mma and moe_int4_native.mma_available(x, hidden, inter)
         moe_int4_native.gate_up(
-            x,
-            rows,
-            lookup,
-            pool,
-            act,
-            k,
-            c.native_rows,
-            c.native_warps,
-            layout,
-            pdl,
-            settled,
-            mma,
-            fold_zero=c.native_fold_zero,
+            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled, mma
         )
     else:
         _gate_up_kernel[(t * k, blocks, n_chunks)](
@@ -788,7 +766,6 @@ def moe_int4_decode(
         moe_int4_native.down(
             act, rows, row_of if knobs["LOOKUP"] else None, weights, pool, partial, out, k, warps, counts,
             shared if sums_knobs["SHARED"] else None, shared_gate, pdl, mma=down_mma,
-            fold_zero=c.native_down_fold_zero,
         )  # fmt: skip
     else:
         blocks = hidden // down_block

@@ -27,8 +27,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "spillway_int4_gate_up": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 11 + (_P,),
     "spillway_int4_down": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 8 + (_P,),
-    "spillway_int4_gate_up_mma": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 9 + (_P,),
-    "spillway_int4_down_mma": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 8 + (_P,),
+    "spillway_int4_gate_up_mma": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 8 + (_P,),
+    "spillway_int4_down_mma": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 7 + (_P,),
 }
 MMA_DOWN_ROWS = 64
 """The tensor-core down's rows a block (16 a warp, 4 warps): hidden a multiple of it."""
@@ -110,7 +110,7 @@ def _matrix(pool: dict[str, torch.Tensor], name: str) -> tuple:
 def gate_up(
     x: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, pool: dict[str, torch.Tensor],
     act: torch.Tensor, k: int, rows_per_warp: int, warps: int, layout: int, pdl: dict, settled: bool,
-    mma: bool = False, fold_zero: bool = False,
+    mma: bool = False,
 ) -> None:  # fmt: skip
     """act [P, I] fp32 ← silu(gate) · up of each pair p's expert (pool row row_of[rows[p]], or rows[p]) at
     x[p // k], stored in down's layout: `layout` 0 in order, 1 words (DecodeConfig.words), 2 split
@@ -118,15 +118,14 @@ def gate_up(
     kernel just before's outputs, so their codes are loaded before the programmatic wait. `available` must
     hold. `mma`: on the tensor cores instead (int4_decode.cu's gate_up_mma_kernel: 16 rows a block of 4
     warps, each warp a quarter of the groups, one group's codes loaded ahead of the one it multiplies;
-    `rows_per_warp` and `warps` unused); `mma_available` must hold. `fold_zero` (with `mma`): the zero points
-    taken from the dots after the MMAs, not from each code before them (DecodeConfig.native_fold_zero)."""
+    `rows_per_warp` and `warps` unused); `mma_available` must hold."""
     hidden, inter = x.shape[1], act.shape[1]
     shape = () if mma else (rows_per_warp, warps, -(-hidden // 1024))
     name = "spillway_int4_gate_up_mma" if mma else "spillway_int4_gate_up"
-    flags = (layout, "launch_pdl" in pdl, native_mode(pdl), settled, *((fold_zero,) if mma else ()))
     status = _function(x.device, name)(
         x.data_ptr(), *_rows(rows, row_of), *_matrix(pool, "gate_up"), act.data_ptr(), rows.numel(), k,
-        hidden, inter, *shape, *flags, torch.cuda.current_stream(x.device).cuda_stream,
+        hidden, inter, *shape, layout, "launch_pdl" in pdl, native_mode(pdl), settled,
+        torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     native.check(status, name)
 
@@ -135,15 +134,14 @@ def down(
     act: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, weights: torch.Tensor,
     pool: dict[str, torch.Tensor], partial: torch.Tensor, out: torch.Tensor, k: int, warps: int,
     fold: torch.Tensor | None, shared: torch.Tensor | None, shared_gate: torch.Tensor | None, pdl: dict,
-    mma: bool = False, fold_zero: bool = False,
+    mma: bool = False,
 ) -> None:  # fmt: skip
     """partial [P, H] fp32 ← weights[p] · down of each pair's expert at act[p] (words layout); with `fold`
     (the stream's arrival counters), out [T, H] ← each token's k partial rows summed in order, plus `shared`
     (gated by σ(shared_gate[t, 0]) when given), by the last pair of a block of rows to finish. Without, the
     caller sums them. `down_available` must hold. `mma`: on the tensor cores instead (int4_decode.cu's
     down_mma_kernel: 16 rows a warp, 4 warps a block, `warps` unused), act bf16 in order (gate/up's
-    layout 3); `down_mma_available` must hold. `fold_zero` (with `mma`): as gate_up's
-    (DecodeConfig.native_down_fold_zero)."""
+    layout 3); `down_mma_available` must hold."""
     hidden, inter = partial.shape[1], act.shape[1]
     gate_stride = shared_gate.stride(0) if shared_gate is not None else 0
     name = "spillway_int4_down_mma" if mma else "spillway_int4_down"
@@ -153,6 +151,6 @@ def down(
         shared.data_ptr() if shared is not None else None,
         shared_gate.data_ptr() if shared_gate is not None else None, gate_stride, out.data_ptr(),
         rows.numel(), k, hidden, inter, *(() if mma else (warps,)), fold is not None, "launch_pdl" in pdl,
-        native_mode(pdl), *((fold_zero,) if mma else ()), torch.cuda.current_stream(act.device).cuda_stream,
+        native_mode(pdl), torch.cuda.current_stream(act.device).cuda_stream,
     )  # fmt: skip
     native.check(status, name)

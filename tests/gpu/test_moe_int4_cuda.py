@@ -145,11 +145,9 @@ def test_native_down_matches_dequantised_reference(hidden, inter, tokens, k, war
     ("hidden", "inter", "tokens", "k"), [(256, 128, 1, 4), (512, 384, 3, 8), (2560, 640, 1, 10)]
 )
 @pytest.mark.parametrize("layout", [{"words": True}, {"split_act": True}, {}])
-@pytest.mark.parametrize("fold_zero", [False, True])
-def test_native_mma_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, layout, fold_zero):
+def test_native_mma_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, layout):
     """The CUDA C tensor-core gate_up (DecodeConfig.native_mma): groups split over a block's four warps
-    (none for some warps at 256 inputs), row_of lookup, every activation layout, the zero points taken from
-    the codes or from the dots (native_fold_zero); recorded and replayed."""
+    (none for some warps at 256 inputs), row_of lookup, every activation layout; recorded and replayed."""
     from common.kernels import moe_int4_native
     from common.kernels.moe_int4 import moe_int4_decode
 
@@ -157,14 +155,7 @@ def test_native_mma_gate_up_matches_dequantised_reference(hidden, inter, tokens,
     row_of = torch.randperm(12, generator=gen).cuda()
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
     assert moe_int4_native.mma_available(x, hidden, inter), "the CUDA kernel did not build"
-    knobs = {
-        "block": 8,
-        "native_rows": 2,
-        "native_mma": True,
-        "native_fold_zero": fold_zero,
-        "row_of": row_of,
-    }
-    knobs |= layout
+    knobs = {"block": 8, "native_rows": 2, "native_mma": True, "row_of": row_of, **layout}
     want = _reference(x, row_of[ids], weights, pool)
     _matches_and_replays(partial(moe_int4_decode, x, ids, weights, pool, **knobs), want)
 
@@ -174,14 +165,10 @@ def test_native_mma_gate_up_matches_dequantised_reference(hidden, inter, tokens,
 )
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("gate_up_mma", [True, False])
-@pytest.mark.parametrize("fold_zero", [False, True])
-def test_native_mma_down_matches_dequantised_reference(
-    hidden, inter, tokens, k, gated, gate_up_mma, fold_zero
-):
+def test_native_mma_down_matches_dequantised_reference(hidden, inter, tokens, k, gated, gate_up_mma):
     """The CUDA C tensor-core down (DecodeConfig.native_down_mma) after either CUDA gate_up, which hands it
     the activations in bf16: the fold of one token's choices and the shared expert, the combine kernel at
-    three tokens, row_of lookup, the zero points taken from the codes or from the dots (both kernels'
-    native_fold_zero); recorded and replayed twice (the arrival counters left at zero)."""
+    three tokens, row_of lookup; recorded and replayed twice (the arrival counters left at zero)."""
     from common.kernels import moe_int4_native
     from common.kernels.moe_int4 import moe_int4_decode
 
@@ -193,7 +180,6 @@ def test_native_mma_down_matches_dequantised_reference(
     assert moe_int4_native.down_mma_available(x, inter, gate), "the CUDA kernel did not build"
     knobs = {"block": 8, "words": True, "native_rows": 2, "native_warps": 2, "native_mma": gate_up_mma}
     knobs |= {"native_down_warps": 4, "native_down_mma": True, "row_of": row_of}
-    knobs |= {"native_fold_zero": fold_zero, "native_down_fold_zero": fold_zero}
     scale = torch.sigmoid(gate.float()) if gated else 1.0
     want = _reference(x, row_of[ids], weights, pool) + shared.float() * scale
     call = partial(moe_int4_decode, x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)

@@ -298,16 +298,9 @@ constexpr int kMmaWarps = 4;
 constexpr int kMmaMaxGroups = 5;  // a warp's groups: inputs up to 4 * 5 * 128 = 2560
 constexpr int kMmaAhead = 1;      // groups whose codes are loaded ahead of the one being multiplied
 
-// Codes i and i + 4 of `word` as the bf16 pair (128 + q_i, 128 + q_{i+4}) (low half: code i), exact.
-__device__ __forceinline__ uint32_t code_bits(uint32_t word, int i) {
-  uint32_t bits;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(bits) : "r"(word >> (4 * i)), "r"(0x000F000Fu), "n"(0x43004300));
-  return bits;
-}
-
-// code_bits less the zero pair (128 + z, 128 + z): the codes less their zero point, in bf16, exact.
 __device__ __forceinline__ uint32_t code_pair(uint32_t word, int i, uint32_t zero_pair) {
-  uint32_t bits = code_bits(word, i);
+  uint32_t bits;  // codes i and i + 4 of the word as bf16 128 + q (low half: code i)
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(bits) : "r"(word >> (4 * i)), "r"(0x000F000Fu), "n"(0x43004300));
   const __nv_bfloat162 q = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&bits),
                                    *reinterpret_cast<const __nv_bfloat162*>(&zero_pair));
   return *reinterpret_cast<const uint32_t*>(&q);
@@ -344,97 +337,52 @@ __device__ __forceinline__ void input_pairs(const uint4* xv, uint32_t* xw) {
   }
 }
 
-// A row's zero point and scale for one group, from the lane that loaded them (row_scale).
-struct RowQuant {
-  uint32_t zero_pair;  // (128 + z, 128 + z) in bf16: taken from each code before the dot (not kFold)
-  float zero;          // 128 + z: its product with the inputs' sum taken from the dot after it (kFold)
-  float scale;
-};
-
-// B's fragments for word m, pair j of this lane's input pairs `xw`: (x[8m + 2j], x[8m + 2j + 4]) and
-// (x[8m + 2j + 1], x[8m + 2j + 5]), the low and the high halves of X[4m + j] and X[4m + j + 2] (one PRMT each).
-__device__ __forceinline__ void input_fragment(const uint32_t* xw, int m, int j, uint32_t* b) {
-  b[0] = __byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x5410);
-  b[1] = __byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x7632);
-}
-
-// The sum of a group's 128 inputs as the MMAs see them (the fragments of the four lanes of a row group): the
-// same MMAs with A all ones (every row of C holds the sum). kFold's correction: sum (q - z) x =
-// sum (128 + q) x - (128 + z) sum x, one MMA an input fragment instead of a subtraction a code pair.
-__device__ __forceinline__ float input_sum(const uint32_t* xw) {
-  const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16 (1, 1)
-  float c[4] = {};
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      uint32_t b[2];
-      input_fragment(xw, m, j, b);
-      mma_bf16(c, ones, b);
-    }
-  }
-  return c[0];
-}
-
 // acc[0], acc[1] (rows g, g + 8) += scale * dot of one group: the rows' chunk t of codes (`lo`, `hi`: 4
-// words each) less their zero points, against this lane's input pairs `xw`. kFold: the codes enter the MMAs
-// as 128 + q and (128 + z) * `sum_x` (input_sum) is taken from each dot after them.
-template <bool kFold>
-__device__ __forceinline__ void mma_rows(const uint4& lo, const uint4& hi, const RowQuant* quant,
-                                         const uint32_t* xw, float sum_x, float* acc) {
+// words each), their zero pairs and scales, against this lane's input pairs `xw`. B's fragments: for word m
+// and pair j, (x[8m + 2j], x[8m + 2j + 4]) and (x[8m + 2j + 1], x[8m + 2j + 5]), the low and the high halves
+// of X[4m + j] and X[4m + j + 2] (one PRMT each).
+__device__ __forceinline__ void mma_rows(const uint4& lo, const uint4& hi, const uint32_t* zero_pair,
+                                         const float* scale, const uint32_t* xw, float* acc) {
   float c[4] = {};
 #pragma unroll
   for (int m = 0; m < 4; ++m) {  // the chunk's words: inputs 32t + 8m + 0..7
     const uint32_t word_lo = (&lo.x)[m], word_hi = (&hi.x)[m];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {  // codes (2j, 2j + 4) in k-slots 2t, 2t+1; (2j+1, 2j+5) in 2t+8, 2t+9
-      uint32_t a[4];
-      if constexpr (kFold) {
-        a[0] = code_bits(word_lo, 2 * j), a[1] = code_bits(word_hi, 2 * j);
-        a[2] = code_bits(word_lo, 2 * j + 1), a[3] = code_bits(word_hi, 2 * j + 1);
-      } else {
-        a[0] = code_pair(word_lo, 2 * j, quant[0].zero_pair), a[1] = code_pair(word_hi, 2 * j, quant[1].zero_pair);
-        a[2] = code_pair(word_lo, 2 * j + 1, quant[0].zero_pair);
-        a[3] = code_pair(word_hi, 2 * j + 1, quant[1].zero_pair);
-      }
-      uint32_t b[2];
-      input_fragment(xw, m, j, b);
+      const uint32_t a[4] = {
+          code_pair(word_lo, 2 * j, zero_pair[0]), code_pair(word_hi, 2 * j, zero_pair[1]),
+          code_pair(word_lo, 2 * j + 1, zero_pair[0]), code_pair(word_hi, 2 * j + 1, zero_pair[1])};
+      const uint32_t b[2] = {__byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x5410),
+                             __byte_perm(xw[4 * m + j], xw[4 * m + j + 2], 0x7632)};
       mma_bf16(c, a, b);
     }
   }
-  if constexpr (kFold) {
-    c[0] = fmaf(-quant[0].zero, sum_x, c[0]);
-    c[2] = fmaf(-quant[1].zero, sum_x, c[2]);
-  }
-  acc[0] = fmaf(quant[0].scale, c[0], acc[0]);  // row g (every column holds the dot)
-  acc[1] = fmaf(quant[1].scale, c[2], acc[1]);  // row g + 8
+  acc[0] = fmaf(scale[0], c[0], acc[0]);  // row g (every column holds the dot)
+  acc[1] = fmaf(scale[1], c[2], acc[1]);  // row g + 8
 }
 
-// Row r's zero point and scale from lane (g, r), which loaded them (`zero`, `scale`: raw bf16 bits).
-__device__ __forceinline__ RowQuant row_scale(uint32_t zero, uint32_t scale, int g, int r) {
-  const uint32_t z = __shfl_sync(0xffffffffu, zero, g * 4 + r) & 0x7Fu;
-  return {zero_pair_of(z), 128.0f + static_cast<float>(z),
-          __uint_as_float(__shfl_sync(0xffffffffu, scale, g * 4 + r) << 16)};
+// Row r's zero pair and scale from lane (g, r), which loaded them (`zero`, `scale`: raw bf16 bits).
+__device__ __forceinline__ void row_scale(uint32_t zero, uint32_t scale, int g, int r, uint32_t* zero_pair,
+                                          float* value) {
+  *zero_pair = zero_pair_of(__shfl_sync(0xffffffffu, zero, g * 4 + r));
+  *value = __uint_as_float(__shfl_sync(0xffffffffu, scale, g * 4 + r) << 16);
 }
 
 // acc (rows g, g + 8 of gate, then of up) += one group's dots: its codes `s` against this lane's 32 inputs
 // `xv` (the group's chunk t), each row's scale applied in fp32.
-template <bool kFold>
 __device__ __forceinline__ void mma_group(const MmaGroup& s, const uint4* xv, int g, float* acc) {
   uint32_t xw[16];
   input_pairs(xv, xw);
-  const float sum_x = kFold ? input_sum(xw) : 0.0f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // gate (rows 0, 1 of q), then up (rows 2, 3)
-    RowQuant quant[2];
+    uint32_t zero_pair[2];
+    float scale[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) quant[r] = row_scale(s.zero, s.scale, g, 2 * half + r);
-    mma_rows<kFold>(s.q[2 * half], s.q[2 * half + 1], quant, xw, sum_x, acc + 2 * half);
+    for (int r = 0; r < 2; ++r) row_scale(s.zero, s.scale, g, 2 * half + r, &zero_pair[r], &scale[r]);
+    mma_rows(s.q[2 * half], s.q[2 * half + 1], zero_pair, scale, xw, acc + 2 * half);
   }
 }
 
-// kFold: the zero points folded in after the MMAs (mma_rows), not taken from each code pair before.
-template <bool kFold>
 __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528 hold the 400 at once
     gate_up_mma_kernel(const __nv_bfloat16* __restrict__ x, const void* __restrict__ rows,
                        const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
@@ -485,7 +433,7 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
   for (int G = 0; G < kMmaMaxGroups; ++G) {
     if (G + kMmaAhead < kMmaMaxGroups) load_group(G + kMmaAhead, stage[(G + kMmaAhead) % (kMmaAhead + 1)]);
     if (G + 1 < kMmaMaxGroups) load_x(G + 1, xv[(G + 1) % 2]);
-    if (warp + G * kMmaWarps < groups) mma_group<kFold>(stage[G % (kMmaAhead + 1)], xv[G % 2], g, acc);
+    if (warp + G * kMmaWarps < groups) mma_group(stage[G % (kMmaAhead + 1)], xv[G % 2], g, acc);
   }
   __shared__ float partial[kMmaWarps][32];  // a warp's 16 gate then 16 up rows
   if (t == 0) {
@@ -515,7 +463,7 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
 constexpr int kMmaDownRows = 16;  // a warp's rows
 constexpr int kMmaDownWarps = 4;
 
-template <int G, bool kFold>
+template <int G>
 __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
     down_mma_kernel(const __nv_bfloat16* __restrict__ act, const void* __restrict__ rows,
                     const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
@@ -555,10 +503,12 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
 #pragma unroll
       for (int v = 0; v < 4; ++v) av[(i + 1) % 2][v] = load_after_wait(at + (i + 1) * 16 + t * 4 + v);
     }
-    uint32_t xw[16];
+    uint32_t xw[16], zero_pair[2];
+    float value[2];
     input_pairs(av[i % 2], xw);
-    const RowQuant quant[2] = {row_scale(zero[i], scale[i], g, 0), row_scale(zero[i], scale[i], g, 1)};
-    mma_rows<kFold>(lo[i], hi[i], quant, xw, kFold ? input_sum(xw) : 0.0f, acc);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_scale(zero[i], scale[i], g, r, &zero_pair[r], &value[r]);
+    mma_rows(lo[i], hi[i], zero_pair, value, xw, acc);
   }
   if (t == 0) {
     partial[static_cast<int64_t>(p) * hidden + n] = acc[0] * weight;
@@ -569,15 +519,13 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
   }
 }
 
-using DownMmaKernel = decltype(&down_mma_kernel<1, false>);
+using DownMmaKernel = decltype(&down_mma_kernel<1>);
 
-// down_mma_kernel<G, kFold> for I = 128 G, G 1 to 8; null for others.
-template <bool kFold>
+// down_mma_kernel<G> for I = 128 G, G 1 to 8; null for others.
 DownMmaKernel down_mma_instance(int groups) {
-  constexpr DownMmaKernel kTable[8] = {
-      &down_mma_kernel<1, kFold>, &down_mma_kernel<2, kFold>, &down_mma_kernel<3, kFold>,
-      &down_mma_kernel<4, kFold>, &down_mma_kernel<5, kFold>, &down_mma_kernel<6, kFold>,
-      &down_mma_kernel<7, kFold>, &down_mma_kernel<8, kFold>};
+  constexpr DownMmaKernel kTable[8] = {&down_mma_kernel<1>, &down_mma_kernel<2>, &down_mma_kernel<3>,
+                                       &down_mma_kernel<4>, &down_mma_kernel<5>, &down_mma_kernel<6>,
+                                       &down_mma_kernel<7>, &down_mma_kernel<8>};
   return groups < 1 || groups > 8 ? nullptr : kTable[groups - 1];
 }
 
@@ -627,33 +575,28 @@ extern "C" int spillway_int4_down(const void* act, const void* rows, const void*
 }
 
 // gate/up on the tensor cores (gate_up_mma_kernel): as spillway_int4_gate_up,
-// 16 rows a block of 4 warps; I a multiple of 16, hidden a multiple of 128 up to 2560. `fold_zero`: the zero
-// points taken from the dots after the MMAs (kFold), not from each code pair before them.
+// 16 rows a block of 4 warps; I a multiple of 16, hidden a multiple of 128 up to 2560.
 extern "C" int spillway_int4_gate_up_mma(const void* x, const void* rows, const void* row_of, int wide_rows,
                                          int wide_row_of, int lookup, const void* codes, const void* scales,
                                          const void* zeros, void* act, int pairs, int k, int hidden, int inter,
-                                         int act_layout, int pdl, int gdc, int settled, int fold_zero,
-                                         void* stream) {
+                                         int act_layout, int pdl, int gdc, int settled, void* stream) {
   if (hidden % 128 != 0 || hidden > 128 * kMmaWarps * kMmaMaxGroups || inter % 16 != 0) {
     return cudaErrorInvalidValue;
   }
-  const auto kernel = fold_zero ? gate_up_mma_kernel<true> : gate_up_mma_kernel<false>;
-  return launch_pdl(kernel, dim3(pairs, inter / 16), dim3(kMmaWarps * kLanes), stream, pdl, x,
+  return launch_pdl(gate_up_mma_kernel, dim3(pairs, inter / 16), dim3(kMmaWarps * kLanes), stream, pdl, x,
                     rows, row_of, wide_rows, wide_row_of, lookup, codes, scales, zeros, act, k, hidden, inter,
                     act_layout, gdc, settled);
 }
 
 // down on the tensor cores (down_mma_kernel): as spillway_int4_down, with act [P, I] bf16 in order (gate/up's
 // act layout 3), 16 rows a warp and 4 warps a block: H a multiple of 64, I a multiple of 128 up to 1024.
-// `fold_zero` as spillway_int4_gate_up_mma's.
 extern "C" int spillway_int4_down_mma(const void* act, const void* rows, const void* row_of, int wide_rows,
                                       int wide_row_of, int lookup, const void* weights, int bf16_weights,
                                       const void* codes, const void* scales, const void* zeros, void* partial,
                                       void* counters, const void* shared, const void* gate, int gate_stride,
                                       void* out, int pairs, int k, int hidden, int inter, int fold, int pdl,
-                                      int gdc, int fold_zero, void* stream) {
-  const int groups = inter % 128 == 0 ? inter / 128 : 0;
-  const DownMmaKernel kernel = fold_zero ? down_mma_instance<true>(groups) : down_mma_instance<false>(groups);
+                                      int gdc, void* stream) {
+  const DownMmaKernel kernel = inter % 128 == 0 ? down_mma_instance(inter / 128) : nullptr;
   if (kernel == nullptr || hidden % (kMmaDownRows * kMmaDownWarps) != 0) return cudaErrorInvalidValue;
   const dim3 grid(pairs, hidden / (kMmaDownRows * kMmaDownWarps));
   return launch_pdl(kernel, grid, dim3(kMmaDownWarps * kLanes), stream, pdl, act, rows, row_of, wide_rows,
