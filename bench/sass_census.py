@@ -235,7 +235,8 @@ def _issue_us(programs: int, warps: int, instructions: int) -> float:
 
 def hc_census() -> dict[str, tuple[Census, float]]:
     """hc_project's and hc_mix_up's census for one row at their default launch shapes (project: 4 columns,
-    the whole stream, PROJECT_WARPS; mix-up: 8 columns, 4 warps), each with its estimated issue time (µs)."""
+    the whole stream, PROJECT_WARPS; mix-up: 8 columns, 4 warps, its rank in one padded tile and in two,
+    hyper.MIX_UP_SPLIT_RANK), each with its estimated issue time (µs)."""
     n_out = RANK + HC  # the fused mix-down and inject projection
     project = {
         "x_ptr": "*bf16",
@@ -260,9 +261,12 @@ def hc_census() -> dict[str, tuple[Census, float]]:
         "nw_ptr": "*bf16",
     }
     mix_up |= {"out_ptr": "*bf16", "hidden": "i32", "rank": "i32", "down_stride": "i32", "part_stride": "i32"}
-    constants = {"HC": HC, "BLOCK": 8, "R_PAD": triton.next_power_of_2(RANK), "NORM": True, "PARTS": HC}
-    c = census(compile_sm90(hyper._mix_up_kernel, mix_up, constants | {"GDC": False}, 4, ("hidden", "rank")))
-    out["hc_mix_up"] = (c, _issue_us(HIDDEN // 8, 4, c.total))
+    constants = {"HC": HC, "BLOCK": 8, "NORM": True, "PARTS": HC, "GDC": False}
+    for split, name in ((False, "hc_mix_up"), (True, "hc_mix_up split")):  # the rank in one tile, or two
+        head, tail = hyper.pow2_tiles(RANK, split)
+        tiles = {"R_PAD": head, "R_TAIL": tail}
+        c = census(compile_sm90(hyper._mix_up_kernel, mix_up, constants | tiles, 4, ("hidden", "rank")))
+        out[name] = (c, _issue_us(HIDDEN // 8, 4, c.total))
     return out
 
 

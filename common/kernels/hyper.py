@@ -110,19 +110,19 @@ def hc_mix(up: torch.Tensor, normed: torch.Tensor, hc: int, block: int = 1024) -
 @triton.jit
 def _mix_up_kernel(
     down_ptr, w_ptr, x_ptr, scale_ptr, nw_ptr, out_ptr, hidden, rank, down_stride, part_stride,
-    HC: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr,
-    GDC: tl.constexpr,
+    HC: tl.constexpr, BLOCK: tl.constexpr, R_PAD: tl.constexpr, R_TAIL: tl.constexpr, NORM: tl.constexpr,
+    PARTS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] hidden columns
     live = i < hidden
-    r = tl.arange(0, R_PAD)
-    live_r = r < rank
+    r = tl.arange(0, R_PAD)  # the rank's first R_PAD, then (R_TAIL) the rest in a tile of its own
     s = tl.arange(0, HC)  # every stream's rows in one tile: all of a program's weight loads in flight at once
     rows = s[:, None] * hidden + i[None, :]  # [HC, BLOCK]
-    tile = live[None, :, None] & live_r[None, None, :]
-    at = rows[:, :, None] * rank + r[None, None, :]  # [HC, BLOCK, R_PAD]
-    w = tl.load(w_ptr + at, mask=tile, other=0.0)  # no kernel writes the weights: loaded before the wait
+    w = _up_tile(w_ptr, rows, live, r, rank)  # [HC, BLOCK, R_PAD]; no kernel writes the weights: loaded
+    if R_TAIL:  # before the wait
+        r_tail = R_PAD + tl.arange(0, R_TAIL)
+        w_tail = _up_tile(w_ptr, rows, live, r_tail, rank)  # [HC, BLOCK, R_TAIL]
     if NORM:
         nw = tl.load(nw_ptr + rows, mask=live[None, :], other=0.0).to(tl.float32)
     gdc_enter(GDC)
@@ -131,14 +131,50 @@ def _mix_up_kernel(
     x = tl.load(x_ptr + t * HC * hidden + rows, mask=live[None, :], other=0.0).to(tl.float32)
     if NORM:  # x is the raw streams: their norm here, from the scales hc_project wrote
         x = x * tl.load(scale_ptr + t * HC + s)[:, None] * (1.0 + nw)
-    d = tl.zeros((R_PAD,), dtype=tl.float32)
-    for p in range(PARTS):  # hc_project's partial products, one a stream
-        d += tl.load(down_ptr + p * part_stride + t * down_stride + r, mask=live_r, other=0.0).to(tl.float32)
-    d = d / HC
-    d = d / (1.0 + tl.exp(-d))  # [R_PAD] silu(down / hc)
-    gate = tl.sigmoid(tl.sum(w.to(tl.float32) * d[None, None, :], axis=2))  # [HC, BLOCK] σ(up)
+    d = _silu_down(down_ptr + t * down_stride, part_stride, r, rank, HC, PARTS)  # [R_PAD]
+    up = tl.sum(w.to(tl.float32) * d[None, None, :], axis=2)  # [HC, BLOCK]
+    if R_TAIL:
+        d_tail = _silu_down(down_ptr + t * down_stride, part_stride, r_tail, rank, HC, PARTS)
+        up += tl.sum(w_tail.to(tl.float32) * d_tail[None, None, :], axis=2)
+    gate = tl.sigmoid(up)  # σ(up)
     acc = tl.sum(gate * x, axis=0)
     tl.store(out_ptr + t * hidden + i, (acc / HC).to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _up_tile(w_ptr, rows, live, r, rank):
+    """The mix-up weight's rows `rows` [HC, BLOCK] (live columns `live`) at rank indices r: [HC, BLOCK, R]."""
+    at = rows[:, :, None] * rank + r[None, None, :]
+    return tl.load(w_ptr + at, mask=live[None, :, None] & (r < rank)[None, None, :], other=0.0)
+
+
+@triton.jit
+def _silu_down(down_row, part_stride, r, rank, HC: tl.constexpr, PARTS: tl.constexpr):
+    """silu(down / hc) at rank indices r, down the sum of hc_project's PARTS partial products."""
+    d = tl.zeros(r.shape, dtype=tl.float32)
+    for p in range(PARTS):  # hc_project's partial products, one a stream
+        d += tl.load(down_row + p * part_stride + r, mask=r < rank, other=0.0).to(tl.float32)
+    d = d / HC
+    return d / (1.0 + tl.exp(-d))
+
+
+MIX_UP_SPLIT_RANK = False
+"""hc_mix_up multiplies the rank in two tiles, its largest power of two and the rest padded to one (320:
+256 + 64), instead of one tile padded to the next power of two (512: 37.5 % of its products on padding).
+Compiled for sm_90 at flashnext's shape (`bench.sass_census --hc`): 688 instructions a warp against 1,120,
+4 layout conversions against 7, 64 registers against 96 (the rank is a runtime argument: its padding is
+computed; hc_project's constexpr stream width lets the compiler drop its padding, and the same split there
+compiled to as many instructions, 1,360 against 1,328). The benchmark's `hc-split-rank` switch; off until
+measured in a step. Switch before a pass is recorded."""
+
+
+def pow2_tiles(n: int, split: bool) -> tuple[int, int]:
+    """The tiles a kernel covers n elements with: (n's next power of two, 0), or with `split` n's largest
+    power of two and the rest's next power of two (0 when nothing is left)."""
+    if not split:
+        return triton.next_power_of_2(n), 0
+    head = 1 << (n.bit_length() - 1)
+    return head, triton.next_power_of_2(n - head) if n > head else 0
 
 
 MIX_UP_ROWS = 1
@@ -170,11 +206,12 @@ def hc_mix_up(
     assert parts.stride(2) == 1 and weight_up.is_contiguous() and weight_up.shape == (hc * hidden, rank)
     assert hc & (hc - 1) == 0  # the streams are one tile's rows
     norm = scales is not None
+    head, tail = pow2_tiles(rank, MIX_UP_SPLIT_RANK)
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     _mix_up_kernel[(t, triton.cdiv(hidden, block))](
         parts, weight_up, x.contiguous(), scales if norm else x, norm_weight if norm else x, out, hidden,
-        rank, parts.stride(1), parts.stride(0), HC=hc, BLOCK=block, R_PAD=triton.next_power_of_2(rank),
-        NORM=norm, PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device, hold_next=hold_next),
+        rank, parts.stride(1), parts.stride(0), HC=hc, BLOCK=block, R_PAD=head, R_TAIL=tail, NORM=norm,
+        PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device, hold_next=hold_next),
     )  # fmt: skip
     return out
 

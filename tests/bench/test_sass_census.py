@@ -33,10 +33,12 @@ def test_census_tells_the_words_form_from_the_byte_form() -> None:
 
 
 def test_census_of_the_hyper_connection_kernels() -> None:
-    """`--hc`: the projection and mix-up kernels at flashnext's shape compile, each with an issue estimate."""
+    """`--hc`: the projection and mix-up kernels at flashnext's shape compile, each with an issue estimate;
+    the mix-up with its rank in two tiles (MIX_UP_SPLIT_RANK) issues fewer instructions than in one."""
     report = _census("--hc")
     kernels = report["hyper-connections"]
-    assert set(kernels) == {"hc_project", "hc_mix_up"}
+    assert set(kernels) == {"hc_project", "hc_mix_up", "hc_mix_up split"}
+    assert kernels["hc_mix_up split"]["total"] < kernels["hc_mix_up"]["total"]
     assert all(k["total"] > 0 and k["issue_us"] > 0 for k in kernels.values())
     assert all(k["local"] == 0 for k in kernels.values())  # no register spilled
 

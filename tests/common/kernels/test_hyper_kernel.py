@@ -12,13 +12,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_mix_up_matches_gemv_then_mix(rows: int) -> None:
+@pytest.mark.parametrize(("rank", "split"), [(20, False), (20, True), (16, True)])
+def test_mix_up_matches_gemv_then_mix(rows: int, rank: int, split: bool, monkeypatch) -> None:
     """hc_mix_up (the mix-up GEMV inside the mix) against silu(down / hc) → Linear → hc_mix's torch form,
-    down read as a strided view (a fused projection's first columns), rank and hidden not powers of two."""
+    down read as a strided view (a fused projection's first columns), hidden and a rank not powers of two,
+    the rank in one padded tile or in two (MIX_UP_SPLIT_RANK: 20 as 16 + 4; 16 as one)."""
+    from common.kernels import hyper
     from common.kernels.hyper import hc_mix_up
 
+    monkeypatch.setattr(hyper, "MIX_UP_SPLIT_RANK", split)
     gen = torch.Generator().manual_seed(rows)
-    hc, hidden, rank = 4, 40, 20  # 40 columns: a masked tail of 16-column blocks
+    hc, hidden = 4, 40  # 40 columns: a masked tail of 16-column blocks
     fused = torch.randn(rows, rank + 4, generator=gen)
     down = fused[:, :rank]
     weight = torch.randn(hc * hidden, rank, generator=gen) * 0.3
@@ -30,14 +34,26 @@ def test_mix_up_matches_gemv_then_mix(rows: int) -> None:
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_pow2_tiles() -> None:
+    """A kernel's tiles over n: one padded tile, or (split) n's largest power of two and the rest's."""
+    from common.kernels.hyper import pow2_tiles
+
+    assert pow2_tiles(320, False) == (512, 0)
+    tiles = {n: pow2_tiles(n, True) for n in (2560, 320, 300, 256, 20, 1)}
+    assert tiles == {2560: (2048, 512), 320: (256, 64), 300: (256, 64), 256: (256, 0), 20: (16, 4), 1: (1, 0)}
+
+
 @pytest.mark.parametrize("rows", [1, 3])
-def test_project_and_mix_up_from_raw_streams(rows: int) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_project_and_mix_up_from_raw_streams(rows: int, split: bool, monkeypatch) -> None:
     """hc_project (the norm applied as the streams are read, then the GEMV) against hc_norm's torch form and
     a Linear; hc_mix_up normalising the raw streams with its scales against the same on the normalised
-    streams. Widths not multiples of the blocks."""
+    streams. Widths not multiples of the blocks; the rank in one tile or two (MIX_UP_SPLIT_RANK)."""
+    from common.kernels import hyper
     from common.kernels.hyper import hc_mix_up, hc_project
     from common.model.qwen4_exp.norms import OffsetRMSNorm
 
+    monkeypatch.setattr(hyper, "MIX_UP_SPLIT_RANK", split)
     gen = torch.Generator().manual_seed(5 + rows)
     hc, hidden, rank, n_out = 4, 40, 20, 27
     norm = OffsetRMSNorm(hc * hidden, 1e-6, group=hidden)
