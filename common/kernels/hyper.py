@@ -119,8 +119,9 @@ def _mix_up_kernel(
     r = tl.arange(0, R_PAD)  # the rank's first R_PAD, then (R_TAIL) the rest in a tile of its own
     s = tl.arange(0, HC)  # every stream's rows in one tile: all of a program's weight loads in flight at once
     rows = s[:, None] * hidden + i[None, :]  # [HC, BLOCK]
-    w = _up_tile(w_ptr, rows, live, r, rank)  # [HC, BLOCK, R_PAD]; no kernel writes the weights: loaded
-    if R_TAIL:  # before the wait
+    # No kernel writes the weights: loaded before the wait.
+    w = _up_tile(w_ptr, rows, live, r, rank)  # [HC, BLOCK, R_PAD]
+    if R_TAIL:
         r_tail = R_PAD + tl.arange(0, R_TAIL)
         w_tail = _up_tile(w_ptr, rows, live, r_tail, rank)  # [HC, BLOCK, R_TAIL]
     if NORM:
