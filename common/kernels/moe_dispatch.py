@@ -37,7 +37,11 @@ WARPS = 4
 """Warps a program. On the H200 decode-allfit ran 218.04 tok/s at 4 against 216.14 at 1 (where the router's
 reductions are warp shuffles alone, routing.ROUTE_WARPS) and 210.83 with the three kernels, in one process
 (bench/results/decode-allfit-moe-dispatch-ab.json): the shared expert's 8 × I weight tile a program in 128
-threads outweighs the router's reductions crossing shared memory."""
+threads outweighs the router's reductions crossing shared memory. Compiled for sm_90 at flashnext's shape
+(replay, shared expert, I 640), the router's k rounds cross the warps behind 3 barriers a round at 4 warps,
+none at 1; at 1 warp a program's 8 rows take 139 registers, 4 rows 80, 2 rows 64 (SHARED_BLOCK): the
+benchmark's `dispatch-one-warp`, `dispatch-shared-4` and `dispatch-shared-2` switches (joined by '+') try
+those shapes; not yet measured."""
 SHARED_BLOCK = 8
 """Shared-expert output rows a program (swiglu_down's default)."""
 

@@ -29,11 +29,19 @@ _ROUNDING = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("replayed", "with_shared"), [(True, True), (True, False), (False, True)])
-def test_dispatch_equals_the_three_kernels(dtype: torch.dtype, replayed: bool, with_shared: bool) -> None:
+@pytest.mark.parametrize(("warps", "shared_block"), [(4, 8), (1, 2)])
+def test_dispatch_equals_the_three_kernels(
+    dtype: torch.dtype, replayed: bool, with_shared: bool, warps: int, shared_block: int, monkeypatch
+) -> None:
+    """At the default shape and at one warp with 2 shared-expert rows a program (the benchmark's switches)."""
     from common.experts.routing import replayer_for
+    from common.kernels import moe_dispatch as dispatch
     from common.kernels.gated_mlp import swiglu_down
     from common.kernels.moe_dispatch import moe_dispatch
     from common.kernels.routing import route_fused
+
+    monkeypatch.setattr(dispatch, "WARPS", warps)
+    monkeypatch.setattr(dispatch, "SHARED_BLOCK", shared_block)
 
     gen = torch.Generator().manual_seed(3)
     layers, experts, k = [0, 2], 60, 4
