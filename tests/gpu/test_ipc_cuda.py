@@ -3,80 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import msgspec
 import pytest
 import torch
-from torch import nn
 
 from common import ipc
+from tests.common.test_ipc import DTYPES, TINY_SRC, _run_child, _tiny_class, _views
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-ROOT = Path(__file__).resolve().parents[2]
-
-CHILD_PREAMBLE = """
-import json, sys
-import msgspec, torch
-from torch import nn
-from common import ipc
-from common.protocol import SharedTensor
-"""
-
-TINY_SRC = """
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.proj = nn.Linear(8, 8)
-        self.norm = nn.LayerNorm(8)
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("scale", torch.tensor(0.5))
-        self.register_buffer("steps", torch.zeros(3, dtype=torch.int64), persistent=False)
-
-    def forward(self, ids):
-        h = self.norm(self.proj(self.embed(ids))) * self.scale
-        return self.head(h) + self.steps.sum()
-"""
-
-
-def _tiny_class() -> type[nn.Module]:
-    namespace: dict = {"nn": nn, "torch": torch}
-    exec(TINY_SRC, namespace)
-    return namespace["Tiny"]
-
-
-def _run_child(body: str, payload: bytes) -> subprocess.CompletedProcess:
-    """Run `body` in a fresh interpreter (its own CUDA context) with `payload` (msgpack bytes) on stdin."""
-    code = CHILD_PREAMBLE + textwrap.dedent(body)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", code], input=payload, capture_output=True, cwd=ROOT, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stderr.decode()
-    return result
-
-
-DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float8_e4m3fn, torch.bool]
-
-
-def _views(base: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {
-        "full": base,
-        "offset": base[2:],
-        "transposed": base.t(),
-        "strided": base[1::2, ::3],
-        "row": base[3, 1:],
-    }
 
 
 def test_cuda_round_trip_in_another_process_shares_memory() -> None:
