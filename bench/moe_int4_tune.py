@@ -38,15 +38,8 @@ import torch
 
 from bench.common import measure_hbm_gbps, measure_tflops, median_ms, replay_us
 from bench.flashnext import random_int4_store
-from common.kernels.moe_int4 import (
-    GROUP,
-    GROUPED,
-    GROUPS_PER_STEP,
-    RESIDENT_CONFIGS,
-    GroupedConfig,
-    moe_int4_decode,
-    moe_int4_grouped,
-)
+from common.kernels.moe_int4 import GROUP, GROUPS_PER_STEP, RESIDENT_CONFIGS, moe_int4_decode
+from common.kernels.moe_int4_grouped import GROUPED, GroupedConfig, moe_int4_grouped
 
 HIDDEN, INTER, TOP_K, CALLS, EXPERTS = 2560, 640, 10, 48, 512
 

@@ -315,7 +315,7 @@ class OffloadedExperts(ExpertProvider):
         self.int4_kernels = fmt.name == "int4" and act is F.silu and shared_cache is None
         self.fused_int4 = self.int4_kernels and self.device.type == "cuda"
         self.fused_int4_prefill = False
-        """Prefill passes through the grouped int4 kernels (moe_int4.py); opt-in until measured."""
+        """Prefill passes through the grouped int4 kernels (moe_int4_grouped.py); opt-in until measured."""
         self.fused_resolve = False
         """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
         decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
@@ -601,7 +601,7 @@ class OffloadedExperts(ExpertProvider):
     ) -> torch.Tensor:
         """The routed experts' weighted sum, on every path but the int4 decode kernel's."""
         if self.prefill and self.fused_int4_prefill:
-            from common.kernels.moe_int4 import moe_int4_grouped  # Triton
+            from common.kernels.moe_int4_grouped import moe_int4_grouped  # Triton
 
             self.copies.join(prepared.done)
             return moe_int4_grouped(x, topk_ids, topk_weights, prepared.rows, self.pool)

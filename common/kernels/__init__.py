@@ -16,18 +16,18 @@ def use_fused_kernels(
 ) -> None:
     """Switch the fused kernels on or off for `model` (on by default on CUDA: Engine, WorkerConfig): the
     one-program cache resolution (resolve.py, decode passes of an offloaded provider), merged expert copies
-    (expert_copy.py), the grouped int4 expert GEMMs of prefill passes (moe_int4.py, an offloaded int4 provider
-    that owns its cache), the Gated DeltaNet step (gated_delta.py, decode passes), the causal convs of Gated
-    DeltaNet and PLE (causal_conv.py, every pass), PLE's n-gram hashing (ngram.py) and gate (ple.py, decode
-    passes), the hyper-connections' elementwise work (hyper.py, every pass), QSA's norm + RoPE of q, k and
-    indexer queries (norm_rope.py, every pass; with the keys' and values' page writes), the indexer's decode
-    steps (qsa_indexer.py), the router's softmax + top-k (routing.py, every pass; a few rows' with the routing
-    replay and the shared expert's down in one grid: moe_dispatch.py) and, given the runner's attention
-    `backend`, paged decode attention with QSA's output gate (decode_attention.py). They need CUDA, or
-    Triton's interpreter (tests). Switching on also fuses each module's same-input projections into one GEMM
-    (common/model/fused_linear.py; `fuse_copy` False: only those whose weights already lie back to back, as in
-    a process that maps another's); switching off leaves projections fused (the same products). Switch before
-    the first decode pass: a recorded pass (common/graphs.py) keeps the path it was recorded with."""
+    (expert_copy.py), the grouped int4 expert GEMMs of prefill passes (moe_int4_grouped.py, an offloaded int4
+    provider that owns its cache), the Gated DeltaNet step (gated_delta.py, decode passes), the causal convs
+    of Gated DeltaNet and PLE (causal_conv.py, every pass), PLE's n-gram hashing (ngram.py) and gate (ple.py,
+    decode passes), the hyper-connections' elementwise work (hyper.py, every pass), QSA's norm + RoPE of q, k
+    and indexer queries (norm_rope.py, every pass; with the keys' and values' page writes), the indexer's
+    decode steps (qsa_indexer.py), the router's softmax + top-k (routing.py, every pass; a few rows' with the
+    routing replay and the shared expert's down in one grid: moe_dispatch.py) and, given the runner's
+    attention `backend`, paged decode attention with QSA's output gate (decode_attention.py). They need CUDA,
+    or Triton's interpreter (tests). Switching on also fuses each module's same-input projections into one
+    GEMM (common/model/fused_linear.py; `fuse_copy` False: only those whose weights already lie back to back,
+    as in a process that maps another's); switching off leaves projections fused (the same products). Switch
+    before the first decode pass: a recorded pass (common/graphs.py) keeps the path it was recorded with."""
     from common.model.fused_linear import fuse_projections
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.gdn import GatedDeltaNet

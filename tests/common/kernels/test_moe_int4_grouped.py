@@ -40,7 +40,7 @@ def _assert_matches_dequantised(out, x, ids, weights, rows, pool) -> None:
 
 
 def test_grouped_pairs_cover_every_pair_once() -> None:
-    from common.kernels.moe_int4 import group_pairs
+    from common.kernels.moe_int4_grouped import group_pairs
 
     ids = torch.tensor([[3, 0], [3, 1], [3, 0], [2, 3]])
     pairs, block_expert = group_pairs(ids, num_experts=5, block=2)
@@ -68,7 +68,7 @@ def test_grouped_int4_matches_dequantised_reference(
 ) -> None:
     """Blocks of 16 pairs, (the tuning sweep's larger end) 64 pairs × 128 columns, 8 warps, 3 stages, and
     down in slices of at most 8 tokens (8, 8, 8, 8, 5) or 16 (equal ones: 13, 13, 11)."""
-    from common.kernels.moe_int4 import GroupedConfig, moe_int4_grouped
+    from common.kernels.moe_int4_grouped import GroupedConfig, moe_int4_grouped
 
     gen = torch.Generator().manual_seed(tokens)
     experts = 9
