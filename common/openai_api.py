@@ -3,8 +3,9 @@
 Requests are parsed from the raw body with pydantic in strict JSON mode, so `"temperature": "1"` is an
 error as it is for OpenAI, and every problem — malformed JSON included — becomes an `ApiError` with the
 OpenAI error object (`{"error": {"message", "type", "param", "code"}}`). Unknown fields are ignored, as
-OpenAI ignores them; known fields whose feature Spillway lacks (logprobs, penalties, n > 1, echo) are
-refused rather than silently ignored, because ignoring them would change what the client gets.
+OpenAI ignores them; known fields whose feature Spillway lacks (logprobs, penalties, n > 1, echo, tools,
+structured output, vLLM's min_p and min_tokens) are refused when set to anything but their neutral value,
+rather than silently ignored, because ignoring them would change what the client gets.
 
 Length rule: a prompt that leaves no room for one generated token is refused (400, naming both numbers);
 a `max_tokens` that would overflow the context is clamped to what is left, and the finish reason `length`
@@ -28,7 +29,20 @@ MAX_STOP_STRINGS = 4
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # Template variables a client may not set: the conversation itself, and the template source (a client must
 # not run a template of its own on the server).
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "chat_template"})
+# `self` is the renderer's own first parameter.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "tokenize", "chat_template", "self"}
+)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""Chat roles a message may have (OpenAI's, without the deprecated `function`)."""
+NEUTRAL_VALUES = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+}
+"""Sampling fields Spillway does not implement, and the value that means "off" (accepted, like absence)."""
 
 
 class ApiError(Exception):
@@ -77,8 +91,8 @@ class _GenerationRequest(_Schema):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    """Extension; 0 or -1 keeps every token."""
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    """Extension; 0 or -1 keeps every token (as does any k past the vocabulary)."""
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: JsonValue = None
     n: int | None = None
@@ -87,10 +101,14 @@ class _GenerationRequest(_Schema):
     ignore_eos: bool = False
     """Extension: keep generating past end-of-sequence tokens."""
     stop_token_ids: list[int] | None = None
-    """Extension: extra token ids that end generation."""
+    """Extension: extra token ids that end generation (each in the vocabulary)."""
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, JsonValue] | None = None
 
 
 class ContentPart(_Schema):
@@ -113,7 +131,11 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, JsonValue] | None = None
-    """Extension: extra variables for the chat template (e.g. `enable_thinking`)."""
+    """Extension: extra variables for the chat template (e.g. `enable_thinking`, `tools`)."""
+    tools: list[JsonValue] | None = None
+    tool_choice: JsonValue = None
+    functions: list[JsonValue] | None = None
+    function_call: JsonValue = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -215,11 +237,21 @@ def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> lis
         raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from None
     except ValueError as exc:  # no chat template
         raise bad_request(str(exc), param="messages") from None
+    except (
+        Exception
+    ) as exc:  # the template tripping over what the client sent (a list where it wants a string)
+        message = f"The chat template could not render the messages: {type(exc).__name__}: {exc}"
+        raise bad_request(message, param="messages") from None
     assert isinstance(ids, list)
     return ids
 
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    if message.role not in ROLES:
+        roles = ", ".join(ROLES)
+        raise bad_request(
+            f"Unknown role '{message.role}': expected one of {roles}.", f"messages[{index}].role"
+        )
     out = message.model_dump(exclude_none=True)
     # Chat templates predate OpenAI's `developer` role; it means what `system` means to them.
     if out["role"] == "developer":
@@ -231,6 +263,9 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
                 raise bad_request("Image inputs are not supported by this server.", param, "unsupported")
             if part.type != "text" or part.text is None:
                 raise bad_request(f"Unsupported content part of type '{part.type}'.", param, "unsupported")
+        # Text parts as one string, as Qwen's templates join them: a template that expects a string would
+        # otherwise render the list as nothing (or fail).
+        out["content"] = "".join(part.text or "" for part in message.content)
     return out
 
 
@@ -256,36 +291,58 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> l
     return ids
 
 
-def chat_spec(request: ChatCompletionRequest, prompt_ids: list[int], max_context: int) -> GenerationSpec:
-    """Check a chat request's parameters and build its internal form."""
+def chat_spec(
+    request: ChatCompletionRequest, prompt_ids: list[int], max_context: int, vocab: int
+) -> GenerationSpec:
+    """Check a chat request's parameters and build its internal form (`vocab`: the tokenizer's size)."""
     if request.logprobs or request.top_logprobs:
         raise bad_request("logprobs are not supported.", "logprobs", "unsupported")
-    return _spec(request, prompt_ids, max_context, request.max_completion_tokens or request.max_tokens)
+    if request.tools or request.functions:
+        param = "tools" if request.tools else "functions"
+        raise bad_request(
+            "Tool calls are not supported (the output is not parsed for them); tool definitions can reach "
+            "the chat template through chat_template_kwargs.",
+            param,
+            "unsupported",
+        )
+    for name in ("tool_choice", "function_call"):
+        if getattr(request, name) not in (None, "none"):
+            raise bad_request(f"{name} is not supported.", name, "unsupported")
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    return _spec(request, prompt_ids, max_context, vocab, max_tokens)
 
 
-def completion_spec(request: CompletionRequest, prompt_ids: list[int], max_context: int) -> GenerationSpec:
-    """Check a completion request's parameters and build its internal form."""
+def completion_spec(
+    request: CompletionRequest, prompt_ids: list[int], max_context: int, vocab: int
+) -> GenerationSpec:
+    """Check a completion request's parameters and build its internal form (`vocab`: the tokenizer's size)."""
     if request.echo:
         raise bad_request("echo is not supported.", "echo", "unsupported")
     if request.best_of not in (None, 1):
         raise bad_request("best_of must be 1.", "best_of", "unsupported")
     if request.suffix:
         raise bad_request("suffix is not supported.", "suffix", "unsupported")
-    if request.logprobs:
+    if request.logprobs is not None:  # 0 asks for the sampled token's logprob
         raise bad_request("logprobs are not supported.", "logprobs", "unsupported")
-    return _spec(request, prompt_ids, max_context, request.max_tokens)
+    return _spec(request, prompt_ids, max_context, vocab, request.max_tokens)
 
 
 def _spec(
-    request: _GenerationRequest, prompt_ids: list[int], max_context: int, max_tokens: int | None
+    request: _GenerationRequest, prompt_ids: list[int], max_context: int, vocab: int, max_tokens: int | None
 ) -> GenerationSpec:
     if request.n not in (None, 1):
         raise bad_request("Only n=1 is supported.", "n", "unsupported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name):
+    for name, neutral in NEUTRAL_VALUES.items():
+        if getattr(request, name) not in (None, neutral):
             raise bad_request(f"{name} is not supported.", name, "unsupported")
     if request.logit_bias:
         raise bad_request("logit_bias is not supported.", "logit_bias", "unsupported")
+    if request.response_format not in (None, {"type": "text"}):
+        kind = request.response_format.get("type") if request.response_format else None
+        raise bad_request(f"response_format {kind!r} is not supported.", "response_format", "unsupported")
+    bad = next((t for t in request.stop_token_ids or () if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"Stop token id {bad} is outside the vocabulary [0, {vocab}).", "stop_token_ids")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
     room = max_context - len(prompt_ids)

@@ -92,7 +92,7 @@ class Router:
         body = api.parse_chat_request(await request.body())
         api.check_model(body.model, self.config.model_name)
         prompt_ids = await asyncio.to_thread(api.chat_prompt_ids, body, self.tokenizer)
-        spec = api.chat_spec(body, prompt_ids, self.max_context)
+        spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
         return await self._serve(request, spec, chat=True, received=received)
 
     async def completions(self, request: Request) -> Response:
@@ -101,7 +101,7 @@ class Router:
         body = api.parse_completion_request(await request.body())
         api.check_model(body.model, self.config.model_name)
         prompt_ids = await asyncio.to_thread(api.completion_prompt_ids, body, self.tokenizer)
-        spec = api.completion_spec(body, prompt_ids, self.max_context)
+        spec = api.completion_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
         return await self._serve(request, spec, chat=False, received=received)
 
     def models(self, request: Request) -> dict[str, Any]:

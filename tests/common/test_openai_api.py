@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+import tokenizers
 
 from common import openai_api as api
 from common.model.defaults import default_model_dir
@@ -24,12 +25,12 @@ def tok() -> Tokenizer:
 
 def chat(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
     request = api.parse_chat_request(json.dumps({"model": "m", "messages": USER, **body}).encode())
-    return api.chat_spec(request, api.chat_prompt_ids(request, tok), CONTEXT)
+    return api.chat_spec(request, api.chat_prompt_ids(request, tok), CONTEXT, tok.vocab_size)
 
 
 def completion(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
     request = api.parse_completion_request(json.dumps({"model": "m", **body}).encode())
-    return api.completion_spec(request, api.completion_prompt_ids(request, tok), CONTEXT)
+    return api.completion_spec(request, api.completion_prompt_ids(request, tok), CONTEXT, tok.vocab_size)
 
 
 def refused(fn: Any, *args: Any, **kwargs: Any) -> ApiError:
@@ -101,8 +102,21 @@ def test_prompt_longer_than_context_names_both_numbers(tok: Tokenizer) -> None:
         ({"messages": [{"content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs"),
+        ({"top_k": 1 << 63}, "top_k"),
+        ({"stop_token_ids": [1 << 63]}, "stop_token_ids"),
+        ({"stop_token_ids": [5, 1 << 20]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"min_tokens": 4}, "min_tokens"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
     ],
 )
 def test_chat_refusals(tok: Tokenizer, body: dict[str, Any], param: str | None) -> None:
@@ -140,6 +154,31 @@ def test_text_parts_and_developer_role(tok: Tokenizer) -> None:
     assert spec.prompt_ids == tok.apply_chat_template(want, tokenize=True)
 
 
+def test_neutral_values_of_unsupported_fields_are_accepted(tok: Tokenizer) -> None:
+    neutral = {**api.NEUTRAL_VALUES, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
+    assert chat(tok, **neutral).sampling == chat(tok).sampling
+    assert chat(tok, top_k=(1 << 63) - 1).sampling.top_k == (1 << 63) - 1  # keeps every token
+
+
+def plain_template(source: str) -> Tokenizer:
+    """The tiny model's tokenizer with the chat template `source`."""
+    backend = tokenizers.Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    return Tokenizer(backend, chat_template=source)
+
+
+def test_text_parts_reach_a_string_template_as_one_string() -> None:
+    tok = plain_template("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    assert chat(tok, messages=[{"role": "user", "content": parts}]).prompt_ids == tok.encode("[Hi there]")
+
+
+def test_a_template_error_of_any_kind_is_a_400() -> None:
+    """A template may trip over a client's values with any exception (here jinja's TypeError on `tools`)."""
+    source = "{% for t in tools %}{{ t }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    err = refused(chat, plain_template(source), chat_template_kwargs={"tools": 5})
+    assert err.param == "messages" and "TypeError" in err.message
+
+
 def test_completion_prompt_forms(tok: Tokenizer) -> None:
     ids = tok.encode("Once upon a time")
     assert completion(tok, prompt="Once upon a time").prompt_ids == ids
@@ -161,6 +200,8 @@ def test_completion_prompt_forms(tok: Tokenizer) -> None:
         ("x", {"best_of": 2}),
         ("x", {"suffix": "y"}),
         ("x", {"logprobs": 1}),
+        ("x", {"logprobs": 0}),
+        ("x", {"min_p": 0.5}),
     ],
 )
 def test_completion_refusals(tok: Tokenizer, prompt: Any, extra: dict[str, Any]) -> None:
