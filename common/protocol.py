@@ -145,6 +145,9 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
     pid: int
     capacity: int
     metrics_url: str = ""
+    max_context: int = 0
+    """The longest prompt + completion it holds (the model's limit may be below the one asked for); 0:
+    none of its own."""
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

@@ -218,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_running=cfg.max_running,
         max_context=cfg.max_context,
         threads=args.threads,
+        stall_timeout_s=args.stall_timeout,
     )
     return Launcher(opts).run()
 
@@ -279,6 +280,13 @@ def _add_serve(sub) -> None:
     srv.add_argument("--served-model-name", default="", help="the model's name in the API")
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (then 429)")
+    srv.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a worker may go without a heartbeat before it is taken as hung: its requests fail "
+        "and it is restarted (0: never; default %(default)s)",
+    )
     srv.set_defaults(func=_serve)
 
 

@@ -2,18 +2,21 @@
 
 It creates a private run directory for the ipc:// sockets, starts decode, prefill and the router, waits until
 the router's /health says every worker is Ready, restarts a worker that dies (the router ends the requests it
-held with an error event), and on SIGINT/SIGTERM stops everything: children get SIGTERM, then SIGKILL after a
-grace period; the run directory and any shared-memory segment a dead child left are removed.
+held with an error event) or that the router has not heard from for the stall timeout (a hung process: it is
+killed first), and on SIGINT/SIGTERM stops everything: children get SIGTERM, then SIGKILL after a grace
+period; the run directory and any shared-memory segment a dead child left are removed.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,12 +46,20 @@ class ServeOptions:
     max_running: int = 8
     max_context: int = 4096
     threads: int = 0
+    stall_timeout_s: float = 120.0
+    """A worker the router has not heard from this long is hung: the router fails its requests, the
+    launcher kills it (STALL_KILL_GRACE_S later) and restarts it (0: never)."""
 
 
 QUICK_EXIT_S = 60.0
 """A child that exits sooner than this after its start failed at start-up (config, checkpoint, memory)."""
 MAX_QUICK_EXITS = 4
 """Start-up failures in a row after which the launcher gives up instead of restarting forever."""
+STALL_CHECK_S = 1.0
+"""How often the launcher reads the router's /health for silent workers."""
+STALL_KILL_GRACE_S = 2.0
+"""Silence past the stall timeout before the kill: the router's watchdog fails the requests first, with
+the reason (hung), rather than the exit's."""
 
 
 @dataclass
@@ -92,7 +103,7 @@ def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
     ]
     router += ["--inbox", addr["router"], "--prefill", addr["prefill"], "--decode", addr["decode"]]
     router += ["--max-running", str(opts.max_running), "--max-queue", str(opts.max_queue)]
-    router += ["--max-context", str(opts.max_context)]
+    router += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
     for svc, port in metrics.items():
         if port:
             (router if svc == "router" else decode if svc == "decode" else prefill).extend(
@@ -139,6 +150,31 @@ class Launcher:
             time.sleep(0.2)
         return False
 
+    def health(self) -> dict | None:
+        """The router's /health body (200 or 503 alike), or None while it does not answer."""
+        try:
+            with urllib.request.urlopen(self.health_url(), timeout=2) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:  # 503: some worker is not up; the body says which
+            with exc:
+                return json.loads(exc.read())
+        except (OSError, ValueError):
+            return None
+
+    def kill_stalled(self) -> None:
+        """Kill each worker the router has not heard from for the stall timeout (hung: no exit to see);
+        `supervise` then restarts it as it would a crashed one."""
+        services = (self.health() or {}).get("services", {})
+        for child in self.children:
+            svc = services.get(child.name)
+            if child.proc is None or child.proc.poll() is not None or not svc or svc["pid"] != child.proc.pid:
+                continue
+            silent = svc.get("last_seen_s")
+            if silent is not None and silent > self.opts.stall_timeout_s + STALL_KILL_GRACE_S:
+                log.error("%s (pid %d) silent for %.0f s: killing it", child.name, child.proc.pid, silent)
+                child.proc.kill()
+                child.proc.wait()
+
     def supervise(self) -> None:
         """Restart any child that exited (and sweep the shared memory it leaves); give up on one that keeps
         failing at start-up (the launcher then stops, with `failed` set)."""
@@ -167,8 +203,12 @@ class Launcher:
         try:
             if self.wait_ready():
                 log.info("serving on http://%s:%d/v1", self.opts.host, self.opts.port)
+            last_check = time.monotonic()
             while not self.stopping:
                 self.supervise()
+                if self.opts.stall_timeout_s > 0 and time.monotonic() - last_check >= STALL_CHECK_S:
+                    self.kill_stalled()
+                    last_check = time.monotonic()
                 time.sleep(0.2)
         finally:
             self.stop()

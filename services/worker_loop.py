@@ -63,8 +63,8 @@ class WorkerShell:
             group = old.metrics if old is not None else metrics.ExpertCacheMetrics.create(self.registry)
             self.expert_metrics = CacheMetricsExporter(provider, group)
 
-    def ready(self, capacity: int) -> None:
-        self.send("router", Ready(self.service, self.pid, capacity, self.metrics_url))
+    def ready(self, capacity: int, max_context: int) -> None:
+        self.send("router", Ready(self.service, self.pid, capacity, self.metrics_url, max_context))
 
     def heartbeat_due(self) -> bool:
         """True once a second: time to send a heartbeat and refresh the gauges."""

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     report_plan(core, shell)
     shell.watch_experts(core.engine.model.experts)
     shell.send("prefill", exports)
-    shell.ready(core.cfg.max_running)
+    shell.ready(core.cfg.max_running, core.runner.max_context)
     log.info("ready: %d lanes, %d pages", core.cfg.max_running, core.pool.num_pages)
     while not shell.stopping:
         for msg in shell.receive(busy=core.busy):

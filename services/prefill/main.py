@@ -36,7 +36,7 @@ class PrefillWorker:
         self.core, self.epoch = PrefillCore(cfg, model, pools, eos), exports.epoch
         self.shell.watch_experts(model.experts)
         if first:
-            self.shell.ready(self.cfg.max_running)
+            self.shell.ready(self.cfg.max_running, exports.max_context)
             log.info("ready: mapped %d tensors from decode", len(exports.tensors))
         for gen in self.early:
             out += self.core.submit(gen)

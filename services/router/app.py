@@ -67,11 +67,16 @@ class Router:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, max_context: int) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.max_context = max_context
+        self.configured_context = max_context
         self.registry = new_registry()
         self.metrics = RouterMetrics.create(self.registry)
         self.core = RouterCore(config, self.metrics)
         self.created = int(time.time())
+
+    @property
+    def max_context(self) -> int:
+        """The configured context, or the workers' where they hold less (what a request may use)."""
+        return self.core.context_limit(self.configured_context)
 
     def authorize(self, request: Request) -> None:
         """401 unless the request carries the configured Bearer key (when one is configured)."""

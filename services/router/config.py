@@ -44,6 +44,10 @@ class RouterConfig:
     own, which wins)."""
     heartbeat_timeout_s: float = 5.0
     """A worker whose last `Ready`/`Heartbeat` is older than this is down (503 until it is heard again)."""
+    stall_timeout_s: float = 120.0
+    """A worker silent this long is hung: the requests in flight end with an error event (the launcher also
+    kills it, and restarts it). Far above the longest step (a prefill chunk, ~1 s on the H200), below any
+    client's patience; 0 = never."""
     expected_services: tuple[str, ...] = ("prefill", "decode")
     """Workers that must have sent `Ready` (and keep heartbeating) before the router admits requests."""
 
@@ -57,6 +61,8 @@ class RouterConfig:
             raise ValueError(f"max_context must be at least 2, got {self.max_context}")
         if self.heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s must be positive")
+        if self.stall_timeout_s < 0:
+            raise ValueError("stall_timeout_s must not be negative")
 
     @property
     def model_name(self) -> str:

@@ -3,7 +3,8 @@
 It is library code with no HTTP in it (the FastAPI app in `app.py` is a thin shell around it), so it can be
 driven directly. One asyncio task reads the router's inbox: `Tokens` go to the request they name (in order
 of `Tokens.index`, because prefill's first token and decode's later ones travel on different connections),
-`Ready` and `Heartbeat` update the health of their service.
+`Ready` and `Heartbeat` update the health of their service. A watchdog task ends the requests in flight
+when a worker falls silent for `stall_timeout_s` (hung, not dead: no exit for the launcher to report).
 
 Admission: at most `max_running` requests are in flight to the workers; up to `max_queue` more wait in a
 FIFO here (their clients see nothing until a slot frees); beyond that, 429. Every request that ends before
@@ -50,12 +51,17 @@ class ServiceHealth:
     running: int = 0
     waiting: int = 0
     restarts: int = 0
+    max_context: int = 0
+    """The context it announced in `Ready` (0: none of its own)."""
     exited: bool = False
     """The launcher reported the process `pid` dead; cleared by a `Ready` from its successor."""
+    stalled: bool = False
+    """Silent past the stall timeout (its requests were failed); cleared when it is heard again."""
 
     def state(self, now: float, timeout_s: float) -> str:
-        """ "starting" (never heard), "up", or "down" (exited, or silent for longer than `timeout_s`)."""
-        if self.exited:
+        """ "starting" (never heard), "up", or "down" (exited, stalled, or silent for longer than
+        `timeout_s`)."""
+        if self.exited or self.stalled:
             return "down"
         if self.last_seen is None:
             return "starting"
@@ -102,6 +108,7 @@ class RouterCore:
         self._prefill: AsyncOutbox | None = None
         self._decode: AsyncOutbox | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     # Lifecycle.
 
@@ -112,13 +119,16 @@ class RouterCore:
         self._prefill = AsyncOutbox(self.config.prefill, self._ctx)
         self._decode = AsyncOutbox(self.config.decode, self._ctx)
         self._reader = asyncio.create_task(self._read_inbox(), name="router-inbox")
+        if self.config.stall_timeout_s > 0:
+            self._watchdog = asyncio.create_task(self._watch_stalls(), name="router-watchdog")
 
     async def close(self) -> None:
         """Abort everything in flight at the workers, then close the sockets."""
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for rid in list(self._flights):
             self._spawn(self._send_abort(rid))
         if self._tasks:
@@ -165,6 +175,28 @@ class RouterCore:
             },
         }
 
+    def context_limit(self, configured: int) -> int:
+        """The longest prompt + completion to admit: `configured`, or less where a worker announced less."""
+        announced = (self.services[name].max_context for name in self.config.expected_services)
+        return min([configured, *(c for c in announced if c > 0)])
+
+    def check_stalls(self) -> None:
+        """Fail the requests in flight once for each worker silent past the stall timeout (the watchdog's
+        tick; public so that tests can step it)."""
+        now = time.monotonic()
+        for svc in self.services.values():
+            silent = None if svc.last_seen is None else now - svc.last_seen
+            if svc.exited or svc.stalled or silent is None or silent <= self.config.stall_timeout_s:
+                continue
+            svc.stalled = True
+            log.error("%s (pid %s) has been silent for %.0f s: taken as hung", svc.name, svc.pid, silent)
+            self._fail_all(f"the {svc.name} worker stopped responding ({silent:.0f} s without a heartbeat)")
+
+    async def _watch_stalls(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.stall_timeout_s / 4))
+            self.check_stalls()
+
     def max_running(self) -> int:
         """The admission limit: configured, else the smallest announced worker capacity."""
         if self.config.max_running > 0:
@@ -180,13 +212,16 @@ class RouterCore:
         `received` is the request's arrival, time.monotonic(). Cancelling the caller while it waits
         gives its place up; cancelling it after admission aborts the request at the workers.
         """
-        if not self.ready():
-            raise ApiError(503, "The model workers are not ready.", type="server_error", code="not_ready")
+        self._refuse_unless_ready()
         queued = time.monotonic()
         if self._running < self.max_running() and not self._waiters:
             self._running += 1
         else:
             await self._wait_for_slot()
+            if not self.ready():  # a worker went down while this request waited: the slot passes on
+                self._free_slot()
+                self._update_gauges()
+                self._refuse_unless_ready()
         self.metrics.queue_time.observe(time.monotonic() - queued)
         self._update_gauges()
         flight = Flight(uuid.uuid4().hex, prompt_ids, sampling, received)
@@ -200,6 +235,10 @@ class RouterCore:
             raise
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return flight
+
+    def _refuse_unless_ready(self) -> None:
+        if not self.ready():
+            raise ApiError(503, "The model workers are not ready.", type="server_error", code="not_ready")
 
     async def _wait_for_slot(self) -> None:
         if len(self._waiters) >= self.config.max_queue:
@@ -301,13 +340,16 @@ class RouterCore:
         if svc.exited and (svc.pid == msg.pid or isinstance(msg, Heartbeat)):
             return  # a late message of the dead process, or a successor not Ready yet
         svc.exited = False
+        if svc.stalled:
+            svc.stalled = False
+            log.warning("%s (pid %d) is heard again after a stall", msg.service, msg.pid)
         if svc.pid is not None and svc.pid != msg.pid:
             svc.restarts += 1
             self._fail_all(f"the {msg.service} worker restarted (pid {svc.pid} → {msg.pid})")
         svc.pid = msg.pid
         svc.last_seen = time.monotonic()
         if isinstance(msg, Ready):
-            svc.capacity = msg.capacity
+            svc.capacity, svc.max_context = msg.capacity, msg.max_context
             svc.metrics_url = msg.metrics_url or svc.metrics_url
             log.info("%s is ready (pid %d, capacity %d)", msg.service, msg.pid, msg.capacity)
             self._admit_waiters()

@@ -43,6 +43,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is down"
     )
     p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=120.0,
+        help="seconds of silence after which a worker's requests fail (0: never; default %(default)s)",
+    )
+    p.add_argument(
         "--services",
         default="prefill,decode",
         help="workers that must be ready, comma-separated (%(default)s)",
@@ -80,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         metrics_port=args.metrics_port,
         metrics_urls=urls,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        stall_timeout_s=args.stall_timeout,
         expected_services=tuple(s for s in args.services.split(",") if s),
     )
 

@@ -5,7 +5,8 @@ offloaded experts (decode's cache, prefill's arena).
 Greedy outputs equal `spillway generate`'s; seeded sampling does not depend on what else runs; admission
 answers 429 beyond the queue and loses nothing; a client that disconnects frees its state; bad requests get
 their error; a decode worker killed mid-request turns /health to 503, errors that request, and is restarted;
-SIGTERM leaves no process and no shared memory behind.
+one that hangs (SIGSTOP) does the same after the stall timeout; SIGTERM leaves no process and no shared memory
+behind.
 """
 
 from __future__ import annotations
@@ -246,6 +247,28 @@ def test_killed_prefill_worker_is_restarted_and_maps_decode_again(stack):
     assert saw_503
     assert wait_healthy(server.port)["services"]["prefill"]["pid"] != old
     assert ask().choices[0].text == before
+
+
+def test_a_hung_decode_worker_fails_its_request_and_is_restarted(start_server, tmp_path):
+    """SIGSTOP: no exit for the launcher to see, only silence; past --stall-timeout the stream errors, the
+    launcher kills the process and starts another, and the server answers again."""
+    server = start_server("--threads", "1", "--stall-timeout", "3", env={"SPILLWAY_CACHE": str(tmp_path)})
+    old = health(server.port)[1]["services"]["decode"]["pid"]
+    client = server.client()
+    stream = client.completions.create(
+        model="tiny-qwen3_moe", prompt="go", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+    )
+    started = None
+    with pytest.raises(openai.APIError, match="stopped responding"):
+        for i, _ in enumerate(stream):
+            if i == 2:
+                os.kill(old, signal.SIGSTOP)
+                started = time.monotonic()
+    assert started is not None and time.monotonic() - started < 30
+    assert wait_healthy(server.port)["services"]["decode"]["pid"] != old
+    assert not Path(f"/proc/{old}").exists() or Path(f"/proc/{old}/stat").read_text().split()[2] == "Z"
+    r = client.completions.create(model="tiny-qwen3_moe", prompt="again", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
 
 
 def test_resident_experts_serve_the_same_tokens(start_server, tmp_path):

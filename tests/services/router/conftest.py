@@ -62,12 +62,13 @@ class Peer:
 
     # Test-thread API (sockets stay on the peer thread).
 
-    def announce(self, service: str, pid: int | None = None) -> None:
-        """Send `Ready` for `service` (as process `pid`: a new one is a restart) and keep heartbeating."""
+    def announce(self, service: str, pid: int | None = None, max_context: int = 0) -> None:
+        """Send `Ready` for `service` (as process `pid`: a new one is a restart; holding `max_context`
+        tokens, 0: no limit of its own) and keep heartbeating."""
 
         def command() -> None:
             self.pids[service] = pid or self.pids[service]
-            self.router.send(Ready(service, self.pids[service], capacity=8))
+            self.router.send(Ready(service, self.pids[service], capacity=8, max_context=max_context))
             self.heartbeating[service] = True
 
         self._commands.put(command)

@@ -127,6 +127,33 @@ def test_worker_restart_fails_requests_in_flight(serve_router: Any, wait_until: 
         assert health(served)[1]["services"]["decode"]["restarts"] == 1
 
 
+def test_a_silent_worker_fails_requests_in_flight_and_recovers(serve_router: Any, wait_until: Any) -> None:
+    """Hung, not dead (no exit to report): past the stall timeout the stream ends with an error event."""
+    with serve_router(heartbeat_timeout_s=0.3, stall_timeout_s=0.6) as served:
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=SLOW, timeout=10) as response:
+            lines = response.iter_lines()
+            next(lines)
+            served.peer.silence("decode")
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert "stopped responding" in events[-1]["error"]["message"]
+        assert health(served)[0] == 503
+        served.peer.announce("decode")  # heard again (the same process): serving again
+        wait_until(lambda: health(served)[0] == 200)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+        assert httpx.post(f"{served.url}/v1/completions", json=body, timeout=10).status_code == 200
+
+
+def test_the_workers_context_caps_the_routers(serve_router: Any, wait_until: Any) -> None:
+    """A worker holding less than the configured context (the model's limit) sets what a request may use."""
+    with serve_router(max_context=256) as served:
+        served.peer.announce("decode", max_context=40)
+        models = lambda: httpx.get(f"{served.url}/v1/models").json()["data"][0]["max_model_len"]
+        wait_until(lambda: models() == 40)
+        body = {"model": "tiny", "prompt": list(range(3, 53)), "max_tokens": 2}
+        response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=10)
+        assert "40" in assert_error(response, 400, "context_length_exceeded")["message"]
+
+
 def test_api_key(serve_router: Any) -> None:
     with serve_router(api_key="sekrit") as served:
         body = {"model": "tiny", "prompt": "x", "max_tokens": 2}

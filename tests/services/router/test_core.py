@@ -13,7 +13,7 @@ from typing import Any
 from common.metrics import RouterMetrics, new_registry
 from common.model.defaults import default_model_dir
 from common.openai_api import ApiError
-from common.protocol import Ready, SamplingParams, Tokens
+from common.protocol import Heartbeat, Ready, SamplingParams, ServiceDown, Tokens
 from common.transport import ipc_address, make_run_dir
 from services.router import RouterConfig, RouterCore
 
@@ -122,5 +122,62 @@ def test_errors_overtake_tokens_and_restarts_fail_flights() -> None:
         assert core.health()["services"]["prefill"]["restarts"] == 1
         core.release(a, None)
         core.release(b, None)
+
+    run_core(test)
+
+
+def test_a_stall_fails_flights_once_until_heard_again() -> None:
+    async def test(core: RouterCore) -> None:
+        flight = await core.submit([1], SAMPLING, time.monotonic())
+        core.check_stalls()
+        assert flight.events.empty(), "heard within the timeout"
+        core.services["decode"].last_seen = time.monotonic() - 61
+        core.check_stalls()
+        core.check_stalls()  # once a stall, not once a tick
+        event = await flight.next_event()
+        assert event.finish_reason == "error" and "stopped responding" in event.error
+        assert flight.events.empty() and core.health()["services"]["decode"]["state"] == "down"
+        core.release(flight, None)
+        core.on_message(Heartbeat("decode", os.getpid()))
+        assert core.ready() and not core.services["decode"].stalled
+
+    run_core(test, stall_timeout_s=60)
+
+
+def test_the_watchdog_fails_flights_of_a_silent_worker() -> None:
+    async def test(core: RouterCore) -> None:
+        flight = await core.submit([1], SAMPLING, time.monotonic())  # no heartbeat follows the Ready
+        event = await asyncio.wait_for(flight.next_event(), 5)
+        assert event.finish_reason == "error" and "stopped responding" in event.error
+        core.release(flight, None)
+
+    run_core(test, stall_timeout_s=0.3)
+
+
+def test_a_request_queued_behind_a_dead_worker_is_refused() -> None:
+    """The worker's death frees the slots: the requests that waited for them get 503, not the dead worker."""
+
+    async def test(core: RouterCore) -> None:
+        first = await core.submit([1], SAMPLING, time.monotonic())
+        waiter = asyncio.create_task(core.submit([2], SAMPLING, time.monotonic()))
+        await settle()
+        core.on_message(ServiceDown("decode", os.getpid(), -9))
+        assert (await first.next_event()).finish_reason == "error"
+        core.release(first, None)
+        try:
+            await asyncio.wait_for(waiter, 5)
+            raise AssertionError("a request must not start while a worker is down")
+        except ApiError as exc:
+            assert exc.status == 503 and exc.code == "not_ready"
+        assert core.health()["router"]["running"] == 0 and core.health()["router"]["waiting"] == 0
+
+    run_core(test, max_running=1)
+
+
+def test_the_context_limit_is_the_smallest_announced() -> None:
+    async def test(core: RouterCore) -> None:
+        assert core.context_limit(256) == 256, "Ready without a context of its own"
+        core.on_message(Ready("decode", os.getpid(), capacity=2, max_context=100))
+        assert core.context_limit(256) == 100 and core.context_limit(64) == 64
 
     run_core(test)
