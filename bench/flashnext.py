@@ -25,7 +25,8 @@ from common.model.hf_config import parse_architecture
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import build_model
 from common.model.moe import install_lookahead
-from common.model.synthetic import model_config, synthetic_tensors
+from common.model.synthetic import synthetic_tensors
+from common.model.synthetic_config import model_config
 from common.runner import ModelRunner, state_layout
 
 PAGE_SIZE = 16

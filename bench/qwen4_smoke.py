@@ -17,7 +17,8 @@ import torch
 from bench.common import write_result
 from common.model.hf_config import parse_architecture
 from common.model.loader import build_model
-from common.model.synthetic import model_config, synthetic_tensors
+from common.model.synthetic import synthetic_tensors
+from common.model.synthetic_config import model_config
 from common.runner import ModelRunner
 
 

@@ -24,7 +24,8 @@ GENERATE_LANES, GENERATE_CONTEXT = 8, 4096
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from common.model.synthetic import make_model, parse_overrides
+    from common.model.synthetic import make_model
+    from common.model.synthetic_config import parse_overrides
 
     out = make_model(
         args.out, preset=args.preset, arch=args.arch, overrides=parse_overrides(args.set), seed=args.seed
@@ -182,7 +183,7 @@ def _plan(args: argparse.Namespace) -> int:
         plan = plan_for_dir(args.model, expert_format=args.expert_format, **settings)
     else:
         from common.model.hf_config import parse_architecture
-        from common.model.synthetic import model_config, parse_overrides
+        from common.model.synthetic_config import model_config, parse_overrides
 
         hf = model_config(args.preset, args.arch, parse_overrides(args.set))
         arch, cfg = parse_architecture(hf, Path(f"<preset {args.preset}>/config.json"))

@@ -28,7 +28,9 @@ from common.memory_plan import (
 )
 from common.model.hf_config import parse_architecture
 from common.model.loader import load_model
-from common.model.synthetic import ARCHS, make_model, model_config
+from common.model.synthetic import make_model
+from common.model.synthetic_config import model_config
+from common.model.synthetic_presets import ARCHS
 from common.runner import ModelRunner
 from common.workers.decode import DecodeCore
 

@@ -11,14 +11,10 @@ import torch
 from safetensors import safe_open
 
 from common.model import synthetic
-from common.model.synthetic import (
-    FLAT_ARCHS,
-    make_model,
-    model_config,
-    parse_overrides,
-    plan_shards,
-    synthetic_tensors,
-)
+from common.model.synthetic import make_model, synthetic_tensors
+from common.model.synthetic_config import model_config, parse_overrides
+from common.model.synthetic_plan import plan_shards, plan_tensors
+from common.model.synthetic_presets import EOS_TOKEN_ID, FLAT_ARCHS, PAD_TOKEN_ID, PRESETS
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,8 +88,8 @@ def test_tiny_files_and_index(tiny: dict[str, Path], arch: str) -> None:
 def test_token_ids_match_tokenizer() -> None:
     from common.model import synthetic_tokenizer as tok
 
-    assert synthetic.EOS_TOKEN_ID == tok.IM_END_ID
-    assert synthetic.PAD_TOKEN_ID == tok.ENDOFTEXT_ID
+    assert EOS_TOKEN_ID == tok.IM_END_ID
+    assert PAD_TOKEN_ID == tok.ENDOFTEXT_ID
 
 
 @pytest.mark.parametrize("arch", FLAT_ARCHS)
@@ -265,7 +261,7 @@ def test_synthetic_tensors_equal_the_written_checkpoint(tiny: dict[str, Path], a
     for key, tensor in synthetic_tensors(cfg, seed=0):
         keys.append(key)
         assert tensor.dtype == written[key].dtype and torch.equal(tensor, written[key]), key
-    assert keys == [t.key for t in synthetic.plan_tensors(cfg)]
+    assert keys == [t.key for t in plan_tensors(cfg)]
     assert set(keys) == set(written)
 
 
@@ -391,7 +387,7 @@ def test_qwen3_30b_config() -> None:
 
 def test_qwen3_30b_shard_plan() -> None:
     cfg = model_config("qwen3-30b", None, None)
-    limit = synthetic.PRESETS["qwen3-30b"].shard_bytes
+    limit = PRESETS["qwen3-30b"].shard_bytes
     shards = plan_shards(cfg, limit)
     params = sum(t.numel for s in shards for t in s.tensors)
     assert 30.3e9 < params < 30.7e9  # "30.5B"

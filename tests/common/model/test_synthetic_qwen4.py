@@ -11,15 +11,11 @@ import torch
 from safetensors import safe_open
 
 from common.model import synthetic
-from common.model.ngram import NGramSpec
-from common.model.synthetic import (
-    make_model,
-    model_config,
-    ngram_shard_rows,
-    plan_shards,
-    plan_tensors,
-    synthetic_tensors,
-)
+from common.model.ngram import NGramSpec, ngram_shard_rows
+from common.model.synthetic import make_model, synthetic_tensors
+from common.model.synthetic_config import model_config
+from common.model.synthetic_plan import plan_shards, plan_tensors
+from common.model.synthetic_presets import PRESETS
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen4_exp")
@@ -462,7 +458,7 @@ def test_flashnext_config() -> None:
 
 def test_flashnext_plan() -> None:
     cfg = model_config("flashnext", None, None)
-    limit = synthetic.PRESETS["flashnext"].shard_bytes
+    limit = PRESETS["flashnext"].shard_bytes
     shards = plan_shards(cfg, limit)
     specs = [t for s in shards for t in s.tensors]
     table = [t for t in specs if ".ngram_embedding.shard_" in t.key]
