@@ -15,6 +15,8 @@ from services.worker_args import (
     add_lookahead_arg,
     add_placement_args,
     add_prefill_args,
+    device_arg,
+    int_at_least,
     size_arg,
 )
 
@@ -44,6 +46,8 @@ def _generate(args: argparse.Namespace) -> int:
     from common.sampling import SamplingParams
 
     model_dir = Path(args.model) if args.model else default_model_dir()
+    if args.record_routing and not Path(args.record_routing).absolute().parent.is_dir():
+        raise ValueError(f"--record-routing {args.record_routing}: its directory does not exist")
     expert_cache = args.expert_cache
     if args.vram_budget is not None:
         use_expandable_segments()  # before CUDA starts: the budget is a cap (cap_allocator's docstring)
@@ -86,8 +90,6 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = engine.generate([prompt_ids], params)[0]
     elapsed = time.perf_counter() - start
-    if args.record_routing:
-        engine.routing_recorder.trace().save(args.record_routing)
     text = tok.decode(result.token_ids)
     if args.json:
         print(
@@ -109,6 +111,8 @@ def _generate(args: argparse.Namespace) -> int:
             f"finish: {result.finish_reason}, model: {model_dir}]",
             file=sys.stderr,
         )
+    if args.record_routing:  # after the text: a failure to write it loses nothing else
+        engine.routing_recorder.trace().save(args.record_routing)
     return 0
 
 
@@ -203,8 +207,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(levelname)s %(message)s")
     model_dir = str(args.model or default_model_dir())
-    load_architecture(model_dir)  # a bad config fails here, with its file named, before any process starts
+    _, model = load_architecture(model_dir)  # a bad config fails here, with its file named, before any start
     cfg = worker_config(args, model_dir)
+    _check_before_start(args, cfg, model)
     if cfg.vram_budget is not None:
         _check_serve_plan(cfg)
     opts = ServeOptions(
@@ -222,6 +227,19 @@ def _serve(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
     )
     return Launcher(opts).run()
+
+
+def _check_before_start(args: argparse.Namespace, cfg, model) -> None:
+    """ValueError for what the workers would refuse only once started (each of their restarts failing
+    alike): the expert cache's size, the tokenizer, the stall timeout."""
+    from common.experts.offload import parse_capacity
+    from common.tokenizer import Tokenizer
+
+    if args.stall_timeout < 0:
+        raise ValueError(f"--stall-timeout {args.stall_timeout} is below 0")
+    if cfg.expert_cache is not None:
+        parse_capacity(cfg.expert_cache, len(model.moe_layers), model.num_experts)
+    Tokenizer.from_dir(cfg.model_dir)
 
 
 def _check_serve_plan(cfg) -> None:
@@ -274,13 +292,18 @@ def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (router, prefill, decode processes)")
     add_config_args(srv, model_required=False)
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int_at_least(1), default=8000)
     srv.add_argument(
-        "--metrics-port", type=int, default=0, help="router, prefill, decode, encoder metrics on M..M+3"
+        "--metrics-port",
+        type=int_at_least(0),
+        default=0,
+        help="router, prefill, decode, encoder metrics on M..M+3",
     )
     srv.add_argument("--served-model-name", default="", help="the model's name in the API")
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
-    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those (then 429)")
+    srv.add_argument(
+        "--max-queue", type=int_at_least(0), default=64, help="requests waiting beyond those (then 429)"
+    )
     srv.add_argument(
         "--stall-timeout",
         type=float,
@@ -318,20 +341,22 @@ def build_parser() -> argparse.ArgumentParser:
     what = gen.add_mutually_exclusive_group()
     what.add_argument("--prompt", default=None, help="raw prompt text")
     what.add_argument("--chat", default=None, help="a user message, wrapped in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int_at_least(1), default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-k", type=int_at_least(0), default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
-    gen.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    gen.add_argument("--device", type=device_arg, default="cpu", help="cpu | cuda | cuda:N")
     gen.add_argument(
         "--speculative",
         choices=["mtp"],
         default=None,
         help="draft with the model's MTP head, verify with the trunk (greedy requests)",
     )
-    gen.add_argument("--num-draft", type=int, default=2, help="tokens drafted per step with --speculative")
+    gen.add_argument(
+        "--num-draft", type=int_at_least(1), default=2, help="tokens drafted per step with --speculative"
+    )
     gen.add_argument(
         "--expert-cache",
         default=None,
@@ -413,8 +438,8 @@ def _add_plan(sub) -> None:
     plan.add_argument(
         "--vram-budget", type=size_arg, required=True, metavar="SIZE", help="32GiB, 500MiB, bytes"
     )
-    plan.add_argument("--max-context", type=int, default=4096)
-    plan.add_argument("--max-running", type=int, default=8)
+    plan.add_argument("--max-context", type=int_at_least(2), default=4096)
+    plan.add_argument("--max-running", type=int_at_least(1), default=8)
     plan.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
     plan.add_argument("--dtype", choices=DTYPES, default="float32")
     add_prefill_args(plan)

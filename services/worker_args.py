@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from common.config import (
     DEFAULT_LOOKAHEAD,
@@ -23,10 +24,14 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         parser.add_argument(
             "--model", default=None, help="model directory (default: the embedded tiny model)"
         )
-    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--max-running", type=int, default=8, help="requests decoded together (lanes)")
-    parser.add_argument("--max-context", type=int, default=4096, help="most tokens of one request")
+    parser.add_argument(
+        "--max-running", type=int_at_least(1), default=8, help="requests decoded together (lanes)"
+    )
+    parser.add_argument(
+        "--max-context", type=int_at_least(2), default=4096, help="most tokens of one request"
+    )
     parser.add_argument("--expert-cache", default=None, metavar="SLOTS|FRACTION|all")
     parser.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=POLICIES)
     parser.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
@@ -56,7 +61,9 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         help="hold prefill's arena in decode's expert pool, lent to the cache as 2E+1 slots between prefills",
     )
     add_lookahead_arg(parser)
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=int_at_least(0), default=0, help="CPU threads per worker (0: torch's default)"
+    )
 
 
 def add_lookahead_arg(parser: argparse.ArgumentParser) -> None:
@@ -75,11 +82,14 @@ def add_lookahead_arg(parser: argparse.ArgumentParser) -> None:
 def add_prefill_args(parser: argparse.ArgumentParser) -> None:
     """How a prompt is cut into passes, for serve, its workers, generate and plan alike."""
     parser.add_argument(
-        "--prefill-chunk", type=int, default=PREFILL_CHUNK, help="most prompt tokens per prefill pass"
+        "--prefill-chunk",
+        type=int_at_least(1),
+        default=PREFILL_CHUNK,
+        help="most prompt tokens per prefill pass",
     )
     parser.add_argument(
         "--layer-major-tokens",
-        type=int,
+        type=int_at_least(0),
         default=LAYER_MAJOR_TOKENS,
         help="most prompt tokens whose chunks go through each layer together (each layer's experts "
         "streamed once for them; their residual streams held meanwhile); at most --prefill-chunk: chunk "
@@ -123,7 +133,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inbox", required=True, help="this worker's PULL address")
     parser.add_argument("--router", required=True, help="the router's inbox address")
     parser.add_argument("--peer", required=True, help="the other worker's inbox address")
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: none)")
+    parser.add_argument("--metrics-port", type=int_at_least(0), default=0, help="Prometheus port (0: none)")
 
 
 def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> WorkerConfig:
@@ -185,6 +195,43 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
         if value is not None:
             argv += [flag, value]
     return argv
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """argparse type of an integer that is at least `low` (a count, a length)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+
+    return parse
+
+
+def device_arg(text: str) -> str:
+    """argparse type of a device this machine has: `cpu`, `cuda` or `cuda:N`."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return text
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r}: the devices are cpu, cuda and cuda:N")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is available here")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: there are {count} CUDA devices (cuda:0 to cuda:{count - 1})"
+        )
+    return text
 
 
 def size_arg(text: str) -> int:

@@ -168,6 +168,27 @@ def test_serve_refuses_lending_that_cannot_hold(tmp_path: Path, flags: list[str]
     assert result.returncode == 2 and message in result.stderr and "started" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["serve", "--port", "1", "--max-running", "0"], "--max-running: 0 is below 1"),
+        (["serve", "--port", "1", "--device", "gpu"], "'gpu' is not a device"),
+        (["serve", "--port", "1", "--expert-cache", "abc"], "--expert-cache must be"),
+        (["serve", "--port", "1", "--stall-timeout", "-1"], "below 0"),
+        (["generate", "--max-tokens", "0"], "--max-tokens: 0 is below 1"),
+        (["generate", "--prefill-chunk", "0"], "--prefill-chunk: 0 is below 1"),
+        (["generate", "--record-routing", "/nonexistent/x.json"], "does not exist"),
+        (["plan", "--preset", "tiny", "--vram-budget", "8GiB", "--max-context", "-5"], "-5 is below 2"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_starts(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = _run(args, tmp_path)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "started" not in result.stderr
+
+
 def test_serve_refuses_a_small_budget_before_starting(tmp_path: Path) -> None:
     result = _run(["serve", "--vram-budget", "100MiB", "--port", "1"], tmp_path)
     assert result.returncode == 2 and "too small" in result.stderr and "Traceback" not in result.stderr

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+import torch
+
 from common.config import WorkerConfig
 from services.worker_args import add_config_args, config_argv, worker_config
 
@@ -14,7 +17,8 @@ def _roundtrip(cfg: WorkerConfig) -> WorkerConfig:
     return worker_config(parser.parse_args(config_argv(cfg)))
 
 
-def test_config_argv_gives_the_config_back():
+def test_config_argv_gives_the_config_back(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --device cuda is checked as parsed
     assert _roundtrip(WorkerConfig(model_dir="/m")) == WorkerConfig(model_dir="/m")
     cfg = WorkerConfig(
         model_dir="/m",
@@ -33,3 +37,15 @@ def test_config_argv_gives_the_config_back():
         resident_dtype="fp8",
     )
     assert _roundtrip(cfg) == cfg
+
+
+def test_device_must_exist_here() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    for bad in ("gpu", "cuda:x", "mps"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--model", "/m", "--device", bad])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--model", "/m", "--device", "cuda"])
+    assert parser.parse_args(["--model", "/m", "--device", "cpu"]).device == "cpu"
