@@ -67,6 +67,7 @@ class _ExpertCollector:
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
         self.parts: dict[int, dict[tuple[int | None, str], torch.Tensor]] = defaultdict(dict)
+        self.files: dict[tuple[int, int | None, str], Path] = {}  # where each part came from
 
     def add(self, ek: ExpertKey, tensor: torch.Tensor, path: Path, key: str) -> None:
         cfg = self.cfg
@@ -76,6 +77,11 @@ class _ExpertCollector:
         expected = {"gate": (i, h), "up": (i, h), "down": (h, i), "gate_up": (e, 2 * i, h)}
         shape = expected[ek.part] if ek.expert is not None or ek.part == "gate_up" else (e, h, i)
         _check_shape(tensor, shape, path, key)
+        first = self.files.setdefault((ek.layer, ek.expert, ek.part), path)
+        if (ek.expert, ek.part) in self.parts[ek.layer]:
+            raise CheckpointError(
+                f"tensor appears twice in the checkpoint (first in {first.name})", path, key
+            )
         self.parts[ek.layer][(ek.expert, ek.part)] = tensor
 
     def finish(self, where: Path) -> dict[int, ExpertWeights]:
@@ -122,6 +128,8 @@ class _TableCollector:
             scales[tk.shard] = tensor.float().reshape(-1)[0]
             return
         _check_shape(tensor, (sizes[tk.shard], dim), path, key)
+        if tk.shard in self.seen[tk.owner]:
+            raise CheckpointError("tensor appears twice in the checkpoint (again here)", path, key)
         table = self.rows.setdefault(tk.owner, torch.empty((rows, dim), dtype=tensor.dtype))
         start = sizes[0] * tk.shard  # every shard but the last has sizes[0] rows
         table[start : start + sizes[tk.shard]] = tensor
@@ -144,6 +152,14 @@ class _TableCollector:
                 raise CheckpointError("fp8 table without weight_scale_inv", where, self.example_key[name])
             shard_rows = ngram_shard_rows(owner.table_shape()[0], owner.table_parts)[0]
             owner.attach_table(HostRows(self.rows[name], scales, shard_rows))
+
+
+def _check_weight(tensor: torch.Tensor, path: Path, key: str) -> None:
+    """A weight is a floating-point tensor: integers or booleans cast into the model's dtype would load
+    without a word and compute garbage."""
+    if not tensor.is_floating_point():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        raise CheckpointError(f"tensor has dtype {dtype}, expected a floating-point weight", path, key)
 
 
 def _check_shape(tensor: torch.Tensor, shape: tuple[int, ...], path: Path, key: str) -> None:
@@ -382,7 +398,7 @@ def build_model(
     experts = ResidentExperts({}, activation(cfg.hidden_act))
     model = empty_model(arch, cfg, experts, dtype, device, fuse)
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
-    loaded: set[str] = set()
+    loaded: dict[str, Path] = {}  # target → the file it came from
     collector = _ExpertCollector(cfg)
     tables = _TableCollector(model)
     unexpected: list[str] = []
@@ -400,15 +416,20 @@ def build_model(
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
         if isinstance(target, ExpertKey):
+            _check_weight(tensor, path, key)
             collector.add(target, tensor.to(device=expert_device or device, dtype=dtype), path, key)
         elif isinstance(target, HostTableKey):
             tables.add(target, tensor, path, key)  # stays in host memory, in its stored dtype
         else:
+            _check_weight(tensor, path, key)
             _check_shape(tensor, tuple(params[target].shape), path, key)
+            if target in loaded:
+                first = loaded[target].name
+                raise CheckpointError(f"tensor appears twice in the checkpoint (first in {first})", path, key)
             with torch.no_grad():
                 params[target].copy_(tensor)
-            loaded.add(target)
-    missing = sorted(set(params) - loaded)
+            loaded[target] = path
+    missing = sorted(set(params) - loaded.keys())
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor{more}", where, missing[0])

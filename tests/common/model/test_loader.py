@@ -114,6 +114,32 @@ def test_misshapen_tensor(ckpt: Path, key: str) -> None:
     assert err.value.path == shard and err.value.key == key
 
 
+@pytest.mark.parametrize(
+    "key", ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.1.down_proj.weight"]
+)
+def test_integer_weights_are_refused(ckpt: Path, key: str) -> None:
+    shard = _shard_of(ckpt, key)
+    _rewrite(shard, lambda t: t.__setitem__(key, (t[key] * 1000).to(torch.int32)))
+    with pytest.raises(CheckpointError, match="dtype int32") as err:
+        load_model(ckpt)
+    assert err.value.path == shard and err.value.key == key
+
+
+@pytest.mark.parametrize(
+    "key", ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.1.down_proj.weight"]
+)
+def test_a_tensor_in_two_shards_is_refused(ckpt: Path, key: str) -> None:
+    """The index assigns a key to one shard; a second copy elsewhere would win or lose by file order."""
+    home = _shard_of(ckpt, key)
+    other = next(p for p in sorted(ckpt.glob("*.safetensors")) if p != home)
+    value = load_file(home)[key]
+    _rewrite(other, lambda t: t.__setitem__(key, torch.zeros_like(value)))
+    with pytest.raises(CheckpointError, match="twice") as err:
+        load_model(ckpt)
+    first = home if err.value.path == other else other  # read in file order: either copy may come first
+    assert err.value.key == key and err.value.path in (home, other) and first.name in str(err.value)
+
+
 def test_truncated_shard(ckpt: Path) -> None:
     shard = _shard_of(ckpt, "model.embed_tokens.weight")
     shard.write_bytes(shard.read_bytes()[:100])
