@@ -48,7 +48,6 @@ from common.config import (
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import ExpertFormat, get_format
 from common.experts.offload import TRAFFIC_ROWS, parse_capacity, prefill_arena_rows
-from common.experts.resident import ResidentExperts
 from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
 from common.kv.lending import STAGES
@@ -57,8 +56,7 @@ from common.model.fp8_linear import Fp8Linear, largest_dequantized, to_resident_
 from common.model.fused_linear import GEMV_ROWS
 from common.model.hf_config import load_architecture, read_json
 from common.model.host_embedding import embeddings_to_host
-from common.model.layers import activation
-from common.model.loader import ARTIFACT_META, empty_model
+from common.model.loader import ARTIFACT_META, meta_model
 from common.model.registry import Architecture, get_architecture
 from common.runner import state_layout
 
@@ -93,12 +91,6 @@ def min_cache_slots(cfg: ModelConfig) -> int:
     much of their experts and misses beyond the cache are served from host memory (bypass), so this does not
     grow with the lanes."""
     return len(cfg.moe_layers) * min(cfg.num_experts, 2 * cfg.top_k)
-
-
-@functools.lru_cache(maxsize=8)
-def _meta_model(arch: Architecture, cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
-    """The model on the meta device, as the loader builds it (float32 buffers in a bf16 model included)."""
-    return empty_model(arch, cfg, ResidentExperts({}, activation(cfg.hidden_act)), dtype, "meta")
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -355,7 +347,7 @@ def plan_memory(
         raise ValueError("the model has no MoE layer: there are no experts to plan a cache for")
     arch = arch or get_architecture(cfg.model_type)
     fmt = get_format(expert_format)
-    model = _meta_model(arch, cfg, dtype)
+    model = meta_model(arch, cfg, dtype)
     if embeddings_on_host:
         embeddings_to_host(model)  # as the engine does: the plan's model is the served model
     if resident_dtype is not None:

@@ -4,6 +4,11 @@
 (in safetensors shards, keys unchanged), and `experts.bin`: the host expert store's exact bytes in the chosen
 format, described by `experts.json`. Loading an artifact maps `experts.bin` in place (and registers it on a
 CUDA machine) instead of re-quantising anything.
+
+DST must not exist yet (or be empty): the artifact is written beside it and renamed into place when whole,
+so a conversion that fails (a tensor of the wrong shape, a format the sizes cannot take) leaves nothing
+behind, and one never overwrites a checkpoint. Tensors are checked as the loader checks them, naming the
+source's file and key.
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ from common.model.hf_config import load_architecture, read_json
 from common.model.loader import (
     ARTIFACT_META,
     INDEX_FILE,
+    check_shape,
+    check_weight,
     dequantized_fp8_source,
+    expert_shape,
     fp8_block_size,
+    meta_model,
     safetensors_source,
 )
 from common.model.registry import ExpertKey, HostTableKey
@@ -48,14 +57,38 @@ def convert(src: str | Path, dst: str | Path, fmt_name: str, log: Callable[[str]
     src, dst = Path(src), Path(dst)
     arch, cfg = load_architecture(src)
     fmt = get_format(fmt_name)
-    dst.mkdir(parents=True, exist_ok=True)
+    components = fmt.components(cfg.hidden_size, cfg.moe_intermediate_size)  # a format the sizes cannot take
+    _check_destination(src, dst)
+    work = dst.with_name(f".{dst.name}.converting")
+    shutil.rmtree(work, ignore_errors=True)  # a conversion that was killed
+    work.mkdir(parents=True)
+    try:
+        meta = _convert_into(arch, cfg, fmt, components, src, work, log)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    if dst.exists():
+        dst.rmdir()  # empty (checked)
+    work.rename(dst)
+    return meta
+
+
+def _check_destination(src: Path, dst: Path) -> None:
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"convert: the destination {dst} is the source checkpoint")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(
+            f"convert: {dst} exists and is not empty (an artifact is written as a new directory)"
+        )
+
+
+def _convert_into(arch, cfg, fmt, components: dict, src: Path, dst: Path, log: Callable[[str], None]) -> dict:
     for f in src.iterdir():  # config, generation config, tokenizer, chat template
         if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and f.name != INDEX_FILE:
             shutil.copy(f, dst / f.name)
     experts: dict[int, dict] = defaultdict(dict)
     resident_keys = _write_resident(arch, cfg, src, dst, experts)
     layers = sorted(cfg.moe_layers)
-    components = fmt.components(cfg.hidden_size, cfg.moe_intermediate_size)
     store = HostExpertStore(
         len(layers),
         cfg.num_experts,
@@ -66,7 +99,7 @@ def convert(src: str | Path, dst: str | Path, fmt_name: str, log: Callable[[str]
     )
     err = {"gate_up": [0.0, 0.0], "down": [0.0, 0.0]}
     for i, layer in enumerate(layers):
-        packed = [_pack_expert(fmt, experts[layer], layer, e, err, src) for e in range(cfg.num_experts)]
+        packed = [_pack_expert(fmt, cfg, experts[layer], layer, e, err, src) for e in range(cfg.num_experts)]
         store.fill(i, packed)
         experts.pop(layer)
         log(f"layer {layer}: {cfg.num_experts} experts packed as {fmt.name}")
@@ -104,14 +137,18 @@ def _write_resident(arch, cfg, src: Path, dst: Path, experts: dict) -> int:
             shard.clear()
 
     size = total = 0
+    shapes = {name: p.shape for name, p in meta_model(arch, cfg, torch.float32).named_parameters()}
     # FP8 checkpoints: block-scaled weights arrive dequantized (float32), their scales dropped
     keep = lambda key: isinstance(arch.map_key(key, cfg), HostTableKey)  # the n-gram table stays fp8
-    for _path, key, read in dequantized_fp8_source(safetensors_source(src), fp8_block_size(src), keep):
+    for path, key, read in dequantized_fp8_source(safetensors_source(src), fp8_block_size(src), keep):
         target = arch.map_key(key, cfg)
         if isinstance(target, ExpertKey):  # read later, a layer at a time
-            experts[target.layer][(target.expert, target.part)] = read
+            experts[target.layer][(target.expert, target.part)] = (path, key, target, read)
             continue
         tensor = read()
+        if isinstance(target, str) and target in shapes:  # as the loader will check it, naming the source
+            check_weight(tensor, path, key)
+            check_shape(tensor, tuple(shapes[target]), path, key)
         shard[key] = tensor
         size += tensor.numel() * tensor.element_size()
         total += tensor.numel() * tensor.element_size()
@@ -124,24 +161,32 @@ def _write_resident(arch, cfg, src: Path, dst: Path, experts: dict) -> int:
     return len(weight_map)
 
 
-def _pack_expert(fmt, parts: dict, layer: int, e: int, err: dict, src: Path) -> dict:
-    """Read one expert (per-expert or fused keys), pack it, and add its round-trip error to `err`."""
+def _pack_expert(fmt, cfg, parts: dict, layer: int, e: int, err: dict, src: Path) -> dict:
+    """Read one expert (per-expert or fused keys), check it, pack it, and add its round-trip error to `err`.
+    `parts[(expert, part)]` is (file, key, ExpertKey, read) as `_write_resident` found it."""
     if (None, "gate_up") in parts:
-        gate_up, down = (parts[(None, p)]()[e] for p in ("gate_up", "down"))
+        gate_up, down = (_read_expert(cfg, *parts[(None, p)])[e] for p in ("gate_up", "down"))
     else:
-        try:
-            gate_up = torch.cat([parts[(e, "gate")](), parts[(e, "up")]()])
-            down = parts[(e, "down")]()
-        except KeyError as exc:
-            raise CheckpointError(
-                "missing tensor", src, f"layer {layer} expert {e} {exc.args[0][1]}"
-            ) from exc
+        for part in ("gate", "up", "down"):
+            if (e, part) not in parts:  # named as the loader names a missing expert tensor
+                raise CheckpointError(
+                    "missing tensor", src, f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"
+                )
+        gate_up = torch.cat([_read_expert(cfg, *parts[(e, "gate")]), _read_expert(cfg, *parts[(e, "up")])])
+        down = _read_expert(cfg, *parts[(e, "down")])
     packed = fmt.pack(gate_up, down)
     got_gu, got_d = fmt.unpack(packed, torch.float32)
     for name, ref, got in (("gate_up", gate_up.float(), got_gu), ("down", down.float(), got_d)):
         err[name][0] += float((got - ref).pow(2).sum())
         err[name][1] += float(ref.pow(2).sum())
     return packed
+
+
+def _read_expert(cfg, path: Path, key: str, ek: ExpertKey, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+    tensor = read()
+    check_weight(tensor, path, key)
+    check_shape(tensor, expert_shape(cfg, ek), path, key)
+    return tensor
 
 
 def open_store(model_dir: str | Path) -> tuple[HostExpertStore, dict]:

@@ -73,10 +73,7 @@ class _ExpertCollector:
         cfg = self.cfg
         if ek.layer not in cfg.moe_layers or (ek.expert is not None and ek.expert >= cfg.num_experts):
             raise CheckpointError("expert weight for a layer or expert the config does not have", path, key)
-        h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-        expected = {"gate": (i, h), "up": (i, h), "down": (h, i), "gate_up": (e, 2 * i, h)}
-        shape = expected[ek.part] if ek.expert is not None or ek.part == "gate_up" else (e, h, i)
-        _check_shape(tensor, shape, path, key)
+        check_shape(tensor, expert_shape(cfg, ek), path, key)
         first = self.files.setdefault((ek.layer, ek.expert, ek.part), path)
         if (ek.expert, ek.part) in self.parts[ek.layer]:
             raise CheckpointError(
@@ -107,6 +104,13 @@ class _ExpertCollector:
         return out
 
 
+def expert_shape(cfg: ModelConfig, ek: ExpertKey) -> tuple[int, ...]:
+    """The shape of a routed expert's tensor in a checkpoint: one expert's part, or a layer's fused one."""
+    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    expected = {"gate": (i, h), "up": (i, h), "down": (h, i), "gate_up": (e, 2 * i, h)}
+    return expected[ek.part] if ek.expert is not None or ek.part == "gate_up" else (e, h, i)
+
+
 class _TableCollector:
     """Fills each host table (e.g. PLE's n-gram table) shard by shard, without holding a second copy."""
 
@@ -127,7 +131,7 @@ class _TableCollector:
             scales = self.scales.setdefault(tk.owner, torch.ones(len(sizes)))
             scales[tk.shard] = tensor.float().reshape(-1)[0]
             return
-        _check_shape(tensor, (sizes[tk.shard], dim), path, key)
+        check_shape(tensor, (sizes[tk.shard], dim), path, key)
         if tk.shard in self.seen[tk.owner]:
             raise CheckpointError("tensor appears twice in the checkpoint (again here)", path, key)
         table = self.rows.setdefault(tk.owner, torch.empty((rows, dim), dtype=tensor.dtype))
@@ -154,7 +158,7 @@ class _TableCollector:
             owner.attach_table(HostRows(self.rows[name], scales, shard_rows))
 
 
-def _check_weight(tensor: torch.Tensor, path: Path, key: str) -> None:
+def check_weight(tensor: torch.Tensor, path: Path, key: str) -> None:
     """A weight is a floating-point tensor: integers or booleans cast into the model's dtype would load
     without a word and compute garbage."""
     if not tensor.is_floating_point():
@@ -162,7 +166,7 @@ def _check_weight(tensor: torch.Tensor, path: Path, key: str) -> None:
         raise CheckpointError(f"tensor has dtype {dtype}, expected a floating-point weight", path, key)
 
 
-def _check_shape(tensor: torch.Tensor, shape: tuple[int, ...], path: Path, key: str) -> None:
+def check_shape(tensor: torch.Tensor, shape: tuple[int, ...], path: Path, key: str) -> None:
     if tuple(tensor.shape) != tuple(shape):
         raise CheckpointError(f"tensor has shape {list(tensor.shape)}, expected {list(shape)}", path, key)
 
@@ -356,6 +360,13 @@ def empty_model(
     return model
 
 
+@functools.lru_cache(maxsize=8)
+def meta_model(arch: Architecture, cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
+    """The model on the meta device, as `build_model` builds it (float32 buffers in a bf16 model included):
+    its parameters' shapes and sizes, no memory."""
+    return empty_model(arch, cfg, ResidentExperts({}, activation(cfg.hidden_act)), dtype, "meta")
+
+
 def _materialize(model: nn.Module, device: torch.device) -> None:
     """Give `model`'s meta parameters and buffers uninitialised memory on `device`, one allocation per meta
     storage: parameters that are views of one tensor (fused projections) stay views of one tensor."""
@@ -416,13 +427,13 @@ def build_model(
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
         if isinstance(target, ExpertKey):
-            _check_weight(tensor, path, key)
+            check_weight(tensor, path, key)
             collector.add(target, tensor.to(device=expert_device or device, dtype=dtype), path, key)
         elif isinstance(target, HostTableKey):
             tables.add(target, tensor, path, key)  # stays in host memory, in its stored dtype
         else:
-            _check_weight(tensor, path, key)
-            _check_shape(tensor, tuple(params[target].shape), path, key)
+            check_weight(tensor, path, key)
+            check_shape(tensor, tuple(params[target].shape), path, key)
             if target in loaded:
                 first = loaded[target].name
                 raise CheckpointError(f"tensor appears twice in the checkpoint (first in {first})", path, key)

@@ -66,3 +66,48 @@ def test_convert_qwen4_exp(tmp_path):
     meta = convert(src, tmp_path / "out", "bf16", log=lambda _: None)
     assert meta["moe_layers"] == [0, 1, 2, 3]
     assert json.loads((tmp_path / "out" / META_FILE).read_text())["format"] == "bf16"
+
+
+def _shard_of(model_dir: Path, key: str) -> Path:
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    return model_dir / index["weight_map"][key]
+
+
+def test_convert_never_overwrites(source, tmp_path):
+    victim = make_model(tmp_path / "victim", preset="tiny", arch="qwen3_moe", overrides=WIDE)
+    before = {p.name: p.read_bytes() for p in victim.iterdir()}
+    with pytest.raises(ValueError, match="not empty"):
+        convert(source, victim, "bf16", log=lambda _: None)
+    with pytest.raises(ValueError, match="is the source"):
+        convert(source, source, "bf16", log=lambda _: None)
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
+    (tmp_path / "empty").mkdir()
+    convert(source, tmp_path / "empty", "bf16", log=lambda _: None)  # an empty directory is taken
+    assert (tmp_path / "empty" / META_FILE).is_file()
+
+
+@pytest.mark.parametrize(
+    "key", ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight"]
+)
+def test_a_bad_tensor_fails_the_conversion_and_leaves_nothing(source, tmp_path, key):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in source.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    shard = _shard_of(src, key)
+    tensors = load_file(shard)
+    tensors[key] = tensors[key][:-1].clone()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="shape") as err:
+        convert(src, tmp_path / "out", "bf16", log=lambda _: None)
+    assert err.value.path == shard and err.value.key == key  # the source's file and key
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no artifact, no partial one
+
+
+def test_a_format_the_sizes_cannot_take_is_refused_before_writing(tmp_path):
+    narrow = make_model(tmp_path / "narrow", preset="tiny", arch="qwen3_moe")  # 64 wide: int4 needs 128
+    with pytest.raises(ValueError, match="128"):
+        convert(narrow, tmp_path / "out", "int4", log=lambda _: None)
+    assert not (tmp_path / "out").exists()
