@@ -75,8 +75,10 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load the tokenizer of the model directory `path`.
 
-        Raises `FileNotFoundError` when `path/tokenizer.json` does not exist. `tokenizer_config.json`,
-        `chat_template.jinja`, `special_tokens_map.json` and `generation_config.json` are optional.
+        Raises `FileNotFoundError` when `path/tokenizer.json` does not exist, and `ValueError` naming the
+        file for one that cannot be read (a corrupt tokenizer or JSON file, a chat template that does not
+        compile). `tokenizer_config.json`, `chat_template.jinja`, `special_tokens_map.json` and
+        `generation_config.json` are optional.
         """
         model_dir = Path(path)
         tokenizer_file = model_dir / TOKENIZER_FILE
@@ -84,7 +86,10 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"No {TOKENIZER_FILE} in model directory {model_dir}: {tokenizer_file} not found"
             )
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the tokenizers library raises its own untyped errors
+            raise ValueError(f"{tokenizer_file}: not a readable tokenizer: {exc}") from None
         config = _read_json(model_dir / TOKENIZER_CONFIG_FILE)
         special_tokens = _special_tokens(config, model_dir / SPECIAL_TOKENS_MAP_FILE)
         _register_special_tokens(backend, [*special_tokens.values(), *_extra_special_tokens(config)])
@@ -219,8 +224,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     """Contents of the JSON object file `path`, or an empty dict if there is no such file."""
     if not path.is_file():
         return {}
-    with path.open(encoding="utf-8") as handle:
-        data = json.load(handle)
+    try:
+        data = json.loads(_read_text(path))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not contain a JSON object")
     return data
@@ -290,17 +297,40 @@ def _load_chat_template(model_dir: Path, config: Mapping[str, Any]) -> ChatTempl
     templates: dict[str, str] = {}
     default_file = model_dir / CHAT_TEMPLATE_FILE
     if default_file.is_file():
-        templates["default"] = default_file.read_text(encoding="utf-8")
+        templates["default"] = _checked_template(_read_text(default_file), default_file)
     template_dir = model_dir / CHAT_TEMPLATE_DIR
     if template_dir.is_dir():
         for template_file in sorted(template_dir.glob("*.jinja")):
-            templates[template_file.name.removesuffix(".jinja")] = template_file.read_text(encoding="utf-8")
+            name = template_file.name.removesuffix(".jinja")
+            templates[name] = _checked_template(_read_text(template_file), template_file)
     if templates:
         return templates["default"] if list(templates) == ["default"] else templates
     template = config.get("chat_template")
+    where = model_dir / TOKENIZER_CONFIG_FILE
     if isinstance(template, list):
-        return {entry["name"]: entry["template"] for entry in template}
-    return template
+        if not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in template):
+            raise ValueError(f"{where}: chat_template must be a string or a list of {{name, template}}")
+        return {e["name"]: _checked_template(e.get("template"), where) for e in template}
+    return None if template is None else _checked_template(template, where)
+
+
+def _checked_template(source: Any, where: Path) -> str:
+    """`source` if it is a chat template that compiles; else ValueError naming `where` (and the line)."""
+    if not isinstance(source, str):
+        raise ValueError(f"{where}: a chat template must be a string, got {type(source).__name__}")
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"{where}: chat template line {exc.lineno}: {exc.message}") from None
+    return source
+
+
+def _read_text(path: Path) -> str:
+    """A text file's contents; ValueError naming it if it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text: {exc}") from None
 
 
 def _eos_token_ids(model_dir: Path, backend: tokenizers.Tokenizer, eos_token: str | None) -> list[int]:

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import jinja2
+
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
 from services.worker_args import (
     add_config_args,
@@ -465,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
         print(f"spillway: error: {exc}", file=sys.stderr)
+        return 2
+    except jinja2.TemplateError as exc:  # the chat template failed on this conversation (raise_exception)
+        print(f"spillway: error: the chat template: {exc}", file=sys.stderr)
         return 2
 
 

@@ -328,6 +328,40 @@ def test_missing_tokenizer_json(tmp_path: Path) -> None:
     assert str(tmp_path / "tokenizer.json") in str(error.value)
 
 
+def _corrupt(directory: Path, name: str, content: bytes) -> Path:
+    (directory / name).write_bytes(content)
+    return directory / name
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("tokenizer.json", b'{"model": 5}', "not a readable tokenizer"),
+        ("tokenizer.json", b"{not json", "not a readable tokenizer"),
+        ("tokenizer_config.json", b"{not json", "not valid JSON"),
+        ("chat_template.jinja", b"\xff\xfe{{", "not UTF-8"),
+        ("chat_template.jinja", b"line one\n{% for m in messages %}{{ m }", "line 2"),
+    ],
+)
+def test_unreadable_tokenizer_files_are_named(
+    fresh_dir: Path, name: str, content: bytes, message: str
+) -> None:
+    path = _corrupt(fresh_dir, name, content)
+    with pytest.raises(ValueError, match=message) as error:
+        Tokenizer.from_dir(fresh_dir)
+    assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "template", [5, [{"nm": "default", "template": "x"}], [{"name": "default", "template": 5}]]
+)
+def test_a_malformed_config_template_names_the_config(fresh_dir: Path, template: Any) -> None:
+    _edit_config(fresh_dir, chat_template=template)
+    with pytest.raises(ValueError, match=r"chat_template|chat template") as error:
+        Tokenizer.from_dir(fresh_dir)
+    assert "tokenizer_config.json" in str(error.value)
+
+
 @pytest.mark.parametrize(
     ("generation_config", "expected"),
     [

@@ -75,6 +75,29 @@ def test_config_missing_required_field(ckpt: Path) -> None:
     assert err.value.key == "hidden_size"
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("hidden_size", "64"),
+        ("hidden_size", -64),
+        ("num_hidden_layers", "4"),
+        ("vocab_size", None),
+        ("num_experts_per_tok", 16),
+        ("rms_norm_eps", "x"),
+        ("mlp_only_layers", "1"),
+        ("model_type", ["qwen3_moe"]),
+    ],
+)
+def test_config_field_of_the_wrong_type_or_value(ckpt: Path, field: str, value: object) -> None:
+    """Named by file and key before torch meets it as a shape (a traceback, or garbage routing)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg[field] = value
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as err:
+        load_model(ckpt)
+    assert err.value.path == ckpt / "config.json" and err.value.key == field, str(err.value)
+
+
 def test_missing_shard(ckpt: Path) -> None:
     shard = _shard_of(ckpt, "model.norm.weight")
     shard.unlink()
