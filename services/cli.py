@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         args.chat = "Tell me about experts."
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
+    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError; a path that cannot be written
         print(f"spillway: error: {exc}", file=sys.stderr)
         return 2
     except jinja2.TemplateError as exc:  # the chat template failed on this conversation (raise_exception)

@@ -192,8 +192,19 @@ def _read_expert(cfg, path: Path, key: str, ek: ExpertKey, read: Callable[[], to
 def open_store(model_dir: str | Path) -> tuple[HostExpertStore, dict]:
     """Map an artifact's experts.bin (registered for the GPU where there is one) and return its metadata."""
     model_dir = Path(model_dir)
-    meta = read_json(model_dir / META_FILE)
-    components = {n: (tuple(s), _DTYPES[d]) for n, (s, d) in meta["components"].items()}
+    path = model_dir / META_FILE
+    meta = read_json(path)
+    for key in ("components", "moe_layers", "num_experts", "nbytes"):
+        if key not in meta:
+            raise CheckpointError("required field missing", path, key)
+    try:
+        components = {n: (tuple(s), _DTYPES[d]) for n, (s, d) in meta["components"].items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"components must map names to [shape, dtype] ({exc})", path, "components"
+        ) from None
+    if not (model_dir / EXPERTS_FILE).is_file():
+        raise CheckpointError("file not found", model_dir / EXPERTS_FILE)
     store = HostExpertStore(
         len(meta["moe_layers"]), meta["num_experts"], components, backing=model_dir / EXPERTS_FILE
     )

@@ -50,6 +50,8 @@ def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
             raise CheckpointError("index has no weight_map", index_path, "weight_map")
         files: dict[Path, list[str]] = defaultdict(list)
         for key, name in weight_map.items():
+            if not isinstance(name, str):
+                raise CheckpointError(f"weight_map names a file {name!r}, not a file name", index_path, key)
             files[root / name].append(key)
         for path, keys in files.items():
             if not path.is_file():

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from common.model.hf_config import parse_architecture
 from common.model.synthetic_presets import (
     ARCHITECTURES,
     ARCHS,
@@ -88,6 +90,7 @@ def model_config(preset: str, arch: str | None, overrides: Mapping[str, Any] | N
         raise ValueError(
             f"torch_dtype {cfg['torch_dtype']!r} not supported; choose one of {list(STORAGE_DTYPES)}"
         )
+    parse_architecture(cfg, Path("config.json"))  # the overrides checked as the loader will check them
     return cfg
 
 

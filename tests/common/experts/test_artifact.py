@@ -111,3 +111,29 @@ def test_a_format_the_sizes_cannot_take_is_refused_before_writing(tmp_path):
     with pytest.raises(ValueError, match="128"):
         convert(narrow, tmp_path / "out", "int4", log=lambda _: None)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda meta: meta.pop("components"), "components"),
+        (lambda meta: meta["components"]["gate_up"].__setitem__(1, "float64"), "components"),
+    ],
+)
+def test_a_malformed_artifact_names_its_metadata(source, tmp_path, edit, message):
+    convert(source, tmp_path / "a", "bf16", log=lambda _: None)
+    path = tmp_path / "a" / META_FILE
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=message) as err:
+        Engine(tmp_path / "a", dtype=torch.float32)
+    assert err.value.path == path
+
+
+def test_a_missing_expert_file_is_named(source, tmp_path):
+    convert(source, tmp_path / "a", "bf16", log=lambda _: None)
+    (tmp_path / "a" / EXPERTS_FILE).unlink()
+    with pytest.raises(CheckpointError, match="not found") as err:
+        Engine(tmp_path / "a", dtype=torch.float32)
+    assert err.value.path == tmp_path / "a" / EXPERTS_FILE
