@@ -88,6 +88,11 @@ class StopStrings:
         """The stop string that ended the text, once one has."""
 
     @property
+    def active(self) -> bool:
+        """There are stop strings to look for."""
+        return bool(self._stops)
+
+    @property
     def held(self) -> str:
         """Text held back because it could be the start of a stop string."""
         return self._held

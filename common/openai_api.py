@@ -81,7 +81,7 @@ class _Schema(BaseModel):
 
 
 class StreamOptions(_Schema):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _GenerationRequest(_Schema):
@@ -90,15 +90,17 @@ class _GenerationRequest(_Schema):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    """0 keeps only the most likely token (the sampler always keeps it)."""
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     """Extension; 0 or -1 keeps every token (as does any k past the vocabulary)."""
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: JsonValue = None
     n: int | None = None
-    stream: bool = False
+    stream: bool | None = False
+    """null is false, as OpenAI reads it (so for every flag here)."""
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     """Extension: keep generating past end-of-sequence tokens."""
     stop_token_ids: list[int] | None = None
     """Extension: extra token ids that end generation (each in the vocabulary)."""
@@ -359,14 +361,14 @@ def _spec(
         top_k=max(request.top_k or 0, 0),
         seed=request.seed,
         max_tokens=min(max_tokens or room, room),
-        ignore_eos=request.ignore_eos,
+        ignore_eos=bool(request.ignore_eos),
         stop_token_ids=tuple(request.stop_token_ids or ()),
     )
     return GenerationSpec(
         prompt_ids=prompt_ids,
         sampling=sampling,
         stop=parse_stop(request.stop),
-        stream=request.stream,
+        stream=bool(request.stream),
         include_usage=bool(
             request.stream and request.stream_options and request.stream_options.include_usage
         ),

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -41,6 +42,34 @@ _REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 429: "que
 
 class ClientGone(Exception):
     """The client disconnected before its response was ready."""
+
+
+REQUEST_ID = "spillway.request_id"
+"""The ASGI scope key of a request's id: the `X-Request-Id` of every response, errors included, and the id
+its generation has at the workers."""
+
+
+class RequestIds:
+    """ASGI middleware: gives each HTTP request an id and every response the `X-Request-Id` header."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = scope[REQUEST_ID] = uuid.uuid4().hex
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())],
+                }
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _Stream(StreamingResponse):
@@ -111,14 +140,22 @@ class Router:
 
     def models(self, request: Request) -> dict[str, Any]:
         self.authorize(request)
-        model = {
+        return {"object": "list", "data": [self._model()]}
+
+    def model(self, request: Request, model: str) -> dict[str, Any]:
+        """`GET /v1/models/{model}`: the served model, or 404."""
+        self.authorize(request)
+        api.check_model(model, self.config.model_name)
+        return self._model()
+
+    def _model(self) -> dict[str, Any]:
+        return {
             "id": self.config.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "spillway",
             "max_model_len": self.max_context,
         }
-        return {"object": "list", "data": [model]}
 
     async def _serve(self, request: Request, spec: GenerationSpec, chat: bool, received: float) -> Response:
         try:
@@ -129,9 +166,13 @@ class Router:
             self.metrics.request_errors.labels(reason="client_disconnect").inc()
             return Response(status_code=CLIENT_CLOSED)
 
-    async def _start(self, spec: GenerationSpec, received: float) -> tuple[TextGeneration, Delta]:
+    async def _start(
+        self, request: Request, spec: GenerationSpec, received: float
+    ) -> tuple[TextGeneration, Delta]:
         """Admit the request and wait for its first delta (so that early errors get a proper status)."""
-        flight = await self.core.submit(spec.prompt_ids, spec.sampling, received)
+        flight = await self.core.submit(
+            spec.prompt_ids, spec.sampling, received, request.scope.get(REQUEST_ID)
+        )
         gen = TextGeneration(flight, self.tokenizer, spec.stop)
         try:
             return gen, await gen.next()
@@ -143,7 +184,7 @@ class Router:
         self, request: Request, spec: GenerationSpec, chat: bool, received: float
     ) -> Response:
         async def run() -> TextGeneration:
-            gen, _ = await self._start(spec, received)
+            gen, _ = await self._start(request, spec, received)
             try:
                 while gen.finish_reason is None:
                     await gen.next()
@@ -153,16 +194,15 @@ class Router:
 
         gen = await unless_disconnected(request, run())
         assert gen.finish_reason is not None
-        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name)
+        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, created=_wall_clock(received))
         body = builder.full(gen.text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens)
-        return JSONResponse(body, headers={"X-Request-Id": gen.flight.rid})
+        return JSONResponse(body)
 
     async def _stream(self, request: Request, spec: GenerationSpec, chat: bool, received: float) -> Response:
-        gen, first = await unless_disconnected(request, self._start(spec, received))
-        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, spec.include_usage)
-        response = _Stream(self._events(gen, builder, first), lambda: self.core.release(gen.flight, None))
-        response.headers["X-Request-Id"] = gen.flight.rid
-        return response
+        gen, first = await unless_disconnected(request, self._start(request, spec, received))
+        created = _wall_clock(received)
+        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, spec.include_usage, created)
+        return _Stream(self._events(gen, builder, first), lambda: self.core.release(gen.flight, None))
 
     async def _events(
         self, gen: TextGeneration, builder: ResponseBuilder, delta: Delta
@@ -188,10 +228,23 @@ class Router:
             self.count_error(exc)
             yield sse(exc.body())
             yield DONE
+        except Exception:  # a bug, after the 200 went out: the client still gets an error event, not a cut
+            failed = True
+            log.exception("streaming %s failed", gen.flight.rid)
+            self.metrics.request_errors.labels(reason="internal").inc()
+            yield sse(
+                ApiError(500, "Internal server error.", type="server_error", code="internal_error").body()
+            )
+            yield DONE
         finally:
             if finish is None and not failed:
                 self.metrics.request_errors.labels(reason="client_disconnect").inc()
             self.core.release(gen.flight, finish)
+
+
+def _wall_clock(monotonic: float) -> int:
+    """time.monotonic() `monotonic` as Unix seconds (a response's `created`: when its request arrived)."""
+    return int(time.time() - (time.monotonic() - monotonic))
 
 
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
@@ -236,11 +289,13 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="Spillway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
+    app.add_middleware(RequestIds)
     _add_error_handlers(app, router)
 
     app.add_api_route("/v1/chat/completions", router.chat, methods=["POST"])
     app.add_api_route("/v1/completions", router.completions, methods=["POST"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", router.model, methods=["GET"])
 
     @app.get("/health")
     def health() -> JSONResponse:

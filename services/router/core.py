@@ -206,11 +206,14 @@ class RouterCore:
 
     # Admission.
 
-    async def submit(self, prompt_ids: list[int], sampling: SamplingParams, received: float) -> Flight:
+    async def submit(
+        self, prompt_ids: list[int], sampling: SamplingParams, received: float, rid: str | None = None
+    ) -> Flight:
         """Admit a request (waiting for a slot) and send it to prefill; raises ApiError 503 / 429.
 
-        `received` is the request's arrival, time.monotonic(). Cancelling the caller while it waits
-        gives its place up; cancelling it after admission aborts the request at the workers.
+        `received` is the request's arrival, time.monotonic(); `rid` its id (default: a new one).
+        Cancelling the caller while it waits gives its place up; cancelling it after admission aborts the
+        request at the workers.
         """
         self._refuse_unless_ready()
         queued = time.monotonic()
@@ -224,7 +227,7 @@ class RouterCore:
                 self._refuse_unless_ready()
         self.metrics.queue_time.observe(time.monotonic() - queued)
         self._update_gauges()
-        flight = Flight(uuid.uuid4().hex, prompt_ids, sampling, received)
+        flight = Flight(rid or uuid.uuid4().hex, prompt_ids, sampling, received)
         self._flights[flight.rid] = flight
         arrival = time.time() - (time.monotonic() - received)
         try:

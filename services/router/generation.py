@@ -68,10 +68,14 @@ class TextGeneration:
         if len(ids) >= room and finish is None:
             finish = "length"  # the worker overran (or will say so next); the router ends it here
         ids = ids[:room]
-        self.completion_tokens += len(ids)
-        text = self._stops.push(self._detok.push(ids))
-        if self._stops.matched is not None:
-            return Delta(text, "stop")
+        text = ""
+        # With stop strings, token by token: the tokens after the one that completes a stop string are
+        # not part of the completion (nor of its usage).
+        for chunk in [[i] for i in ids] if self._stops.active else [ids]:
+            self.completion_tokens += len(chunk)
+            text += self._stops.push(self._detok.push(chunk))
+            if self._stops.matched is not None:
+                return Delta(text, "stop")
         if finish is None:
             return Delta(text)
         text += self._stops.push(self._detok.flush())

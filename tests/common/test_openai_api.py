@@ -69,6 +69,12 @@ def test_chat_parameters(tok: Tokenizer) -> None:
     assert spec.stop == ("END",) and spec.stream and spec.include_usage
 
 
+def test_nulls_read_as_openai_reads_them(tok: Tokenizer) -> None:
+    spec = chat(tok, stream=None, ignore_eos=None, top_p=0)
+    assert not spec.stream and not spec.sampling.ignore_eos and spec.sampling.top_p == 0.0
+    assert chat(tok, stream=True, stream_options={"include_usage": None}).include_usage is False
+
+
 def test_max_completion_tokens_wins_and_overflow_is_clamped(tok: Tokenizer) -> None:
     assert chat(tok, max_tokens=3, max_completion_tokens=5).sampling.max_tokens == 5
     spec = chat(tok, max_tokens=10_000)
@@ -88,7 +94,7 @@ def test_prompt_longer_than_context_names_both_numbers(tok: Tokenizer) -> None:
     [
         ({"temperature": "1"}, "temperature"),
         ({"temperature": 2.5}, "temperature"),
-        ({"top_p": 0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),

@@ -103,3 +103,17 @@ def test_noise_changes_with_seed_and_step() -> None:
     assert not torch.equal(base, uniform_noise(torch.tensor([2]), torch.tensor([0]), 1000))
     assert not torch.equal(base, uniform_noise(torch.tensor([1]), torch.tensor([1]), 1000))
     assert abs(base.mean().item() - 0.5) < 0.05
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token() -> None:
+    logits = torch.tensor([[0.1, 2.0, 1.9, -1.0]] * 64)
+    rows = torch.arange(64)
+    picked = sample(
+        logits,
+        torch.ones(64),
+        torch.zeros(64),
+        torch.zeros(64, dtype=torch.int64),
+        rows,  # 64 seeds: a sampler that kept more than the top token would pick another somewhere
+        torch.zeros(64, dtype=torch.int64),
+    )
+    assert picked.tolist() == [1] * 64

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -126,6 +127,18 @@ def test_stop_string(served: Any, reply: str, stream: bool) -> None:
     assert rid in {g.rid for g in served.peer.generates()}
 
 
+@pytest.mark.parametrize("stop", ["Hello", "Spillway", "é,"])
+def test_usage_counts_the_tokens_up_to_the_stop_string(
+    served: Any, tok: Tokenizer, reply: str, stop: str
+) -> None:
+    """The tokens after the one that completed the stop string are not part of the completion."""
+    out = client(served).completions.create(model="tiny", prompt="x", stop=stop)
+    ids = tok.encode(reply)
+    upto = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n]))
+    assert out.choices[0].text == reply[: reply.index(stop)] and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == upto
+
+
 def test_stop_string_aborts_the_workers(served: Any, wait_until: Any) -> None:
     out = client(served).completions.create(model="tiny", prompt="[slow]", stop="日本", max_tokens=200)
     assert out.choices[0].text.endswith("café, ") and out.choices[0].finish_reason == "stop"
@@ -172,6 +185,26 @@ def test_worker_error_mid_stream(served: Any, reply: str) -> None:
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
 
 
+def test_an_unexpected_error_mid_stream_is_an_error_event(served: Any, monkeypatch: Any) -> None:
+    """A bug after the 200 went out still ends the stream with an error event and [DONE], not a cut."""
+    from services.router.generation import TextGeneration
+
+    original, calls = TextGeneration._apply, []
+
+    def failing(self: TextGeneration, event: Any) -> Any:
+        calls.append(event)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return original(self, event)
+
+    monkeypatch.setattr(TextGeneration, "_apply", failing)
+    body = {"model": "tiny", "prompt": "x", "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=10) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"
+
+
 def test_worker_abort_is_not_a_finish_reason(served: Any) -> None:
     body = {"model": "tiny", "prompt": "[abort]", "stream": True}
     with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=10) as response:
@@ -183,6 +216,31 @@ def test_worker_abort_is_not_a_finish_reason(served: Any) -> None:
 def test_models(served: Any) -> None:
     models = client(served).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert client(served).models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as info:
+        client(served).models.retrieve("gpt-9")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_every_response_has_a_request_id(served: Any) -> None:
+    """Errors included: the id a client quotes is the one the logs and the workers know the request by."""
+    ok = httpx.post(f"{served.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    rid = ok.headers["x-request-id"]
+    assert ok.json()["id"] == f"cmpl-{rid}" and rid in {g.rid for g in served.peer.generates()}
+    for response in (
+        httpx.post(
+            f"{served.url}/v1/completions", content=b"{", headers={"content-type": "application/json"}
+        ),
+        httpx.post(f"{served.url}/v1/completions", json={"model": "tiny", "prompt": "[error]"}),
+        httpx.get(f"{served.url}/v1/nothing"),
+    ):
+        assert len(response.headers["x-request-id"]) == 32 and response.headers["x-request-id"] != rid
+
+
+def test_created_is_when_the_request_arrived(served: Any) -> None:
+    before = int(time.time())
+    out = client(served).completions.create(model="tiny", prompt="[slow]", max_tokens=60)  # ~1.2 s of tokens
+    assert before <= out.created <= before + 1 and int(time.time()) >= out.created
 
 
 def test_metrics(served: Any) -> None:
