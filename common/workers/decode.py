@@ -26,6 +26,9 @@ from common.protocol import AllocState, PrefillDone, StateGranted, Tokens
 from common.requests import Request, append_token, ends_by_length, sample_on_device
 from common.runner import warm_up_on_cuda
 
+GONE_RIDS = 4096
+"""Aborted requests decode remembers without having seen them (their asks may still come)."""
+
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,6 +111,9 @@ class DecodeCore:
         self.pending: deque[AllocState] = deque()  # asks that wait for a free lane or pages
         self.freezes: set[str] = set()
         self.aborted: set[str] = set()  # granted, then aborted: the pages wait for prefill to give them back
+        self.gone: deque[str] = deque(maxlen=GONE_RIDS)
+        """Requests aborted before their ask arrived (the router's Abort and prefill's AllocState travel
+        apart): an ask for one is refused, not granted to run unseen until max_tokens."""
         self.stalled = False
         """The last step ran no lane: each waits for a page only a thaw can give (the loop may sleep)."""
         self.pipeline = DecodePipeline(self.runner)
@@ -124,9 +130,22 @@ class DecodeCore:
     # -- requests from prefill ------------------------------------------------------------------------------
 
     def alloc_state(self, msg: AllocState) -> list[StateGranted]:
-        """Grant `msg` (and any earlier ask still waiting) what the pools can give now."""
-        if msg.num_tokens > self.runner.max_context:
-            return [StateGranted(msg.rid, -1, [], f"prompt of {msg.num_tokens} tokens exceeds the context")]
+        """Grant `msg` (and any earlier ask still waiting) what the pools can give now; refuse an ask for a
+        prompt that leaves no room for a token, for a request already aborted, or for one that already holds
+        or awaits state (a duplicate would take a second lane and lose the first's)."""
+        refusal = None
+        if msg.num_tokens >= self.runner.max_context:
+            refusal = (
+                f"prompt of {msg.num_tokens} tokens leaves no room in a context of {self.runner.max_context}"
+            )
+        elif msg.rid in self.gone:
+            refusal = "aborted"
+        elif (
+            msg.rid in self.running or msg.rid in self.granted or any(a.rid == msg.rid for a in self.pending)
+        ):
+            refusal = "a request with this id already holds state"
+        if refusal is not None:
+            return [StateGranted(msg.rid, -1, [], refusal)]
         self.pending.append(msg)
         return self.grant_pending()
 
@@ -137,7 +156,10 @@ class DecodeCore:
             self._settle()  # a freed state may come back; a launched step's copies end before the freeze
         while self.pending and len(self.running) + len(self.granted) < self.cfg.max_running:
             ask = self.pending[0]
-            seq = self.pool.new_sequence()
+            try:
+                seq = self.pool.new_sequence()
+            except PoolExhausted:  # no slot (one may still be retiring)
+                break
             try:
                 self.pool.reserve(seq, ask.num_tokens)
             except PoolExhausted:
@@ -168,14 +190,20 @@ class DecodeCore:
         self.running[msg.rid] = req
         self.pipeline.seed([seq], [msg.first_token])  # its first step reads it on the device
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str) -> list[StateGranted]:
         """The router's abort. A request prefill holds keeps its pages (and prefill its freeze) until
         prefill, which may be writing them in this moment, gives them back (`ReleaseState`, `PrefillDone`):
-        freed now, they could be granted again, or lent to the expert cache, under its writes."""
+        freed now, they could be granted again, or lent to the expert cache, under its writes. An ask still
+        waiting is answered (refused), so that prefill stops waiting for it; a request not seen yet is
+        remembered, so that its ask, when it comes, is refused."""
         if rid in self.granted:
             self.aborted.add(rid)
-        else:
-            self.release(rid)
+            return []
+        waiting = any(a.rid == rid for a in self.pending)
+        if not waiting and rid not in self.running:
+            self.gone.append(rid)
+        self.release(rid)
+        return [StateGranted(rid, -1, [], "aborted")] if waiting else []
 
     def release(self, rid: str) -> None:
         """Forget `rid` wherever it is (abort, or prefill finished it) and free its state: now, or once the

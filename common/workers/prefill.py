@@ -10,6 +10,7 @@ back. One request is prefilled at a time, in arrival order.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from common.runner import ModelRunner, warm_up_on_cuda
 
 Outgoing = list[tuple[str, Message]]
 """Messages to send, each with its destination service (`router` or `decode`)."""
+
+log = logging.getLogger(__name__)
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -87,8 +90,17 @@ class PrefillCore:
         return self.job is not None
 
     def submit(self, gen: Generate) -> Outgoing:
+        if any(
+            g.rid == gen.rid for g in self._held()
+        ):  # the router's ids are unique: a resent or forged message
+            log.warning("ignoring a second Generate for %s", gen.rid)
+            return []
         self.queue.append(gen)
         return self._ask()
+
+    def _held(self) -> list[Generate]:
+        """Every request this core holds: queued, asked for, prefilling."""
+        return [*self.queue, *([self.asked] if self.asked else []), *([self.job.gen] if self.job else [])]
 
     def _ask(self) -> Outgoing:
         if self.asked is not None or self.job is not None or not self.queue:
@@ -134,7 +146,7 @@ class PrefillCore:
 
     def fail_all(self, error: str) -> Outgoing:
         """Every request this worker holds ends with an error (decode restarted: their state is gone)."""
-        gens = [*self.queue, *([self.asked] if self.asked else []), *([self.job.gen] if self.job else [])]
+        gens = self._held()
         self.queue.clear()
         self.asked = self.job = None
         self.dropped.clear()

@@ -34,7 +34,8 @@ def handle(core: DecodeCore, shell: WorkerShell, msg: Message, exports) -> None:
         core.prefill_done(msg)
         send_grants(core, shell)
     elif isinstance(msg, Abort):
-        core.abort(msg.rid)
+        for refusal in core.abort(msg.rid):
+            shell.send("prefill", refusal)
         send_grants(core, shell)
     elif isinstance(msg, ReleaseState):
         core.release(msg.rid)
@@ -110,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("ready: %d lanes, %d pages", core.cfg.max_running, core.pool.num_pages)
     while not shell.stopping:
         for msg in shell.receive(busy=core.busy):
-            handle(core, shell, msg, exports)
+            try:
+                handle(core, shell, msg, exports)
+            except Exception:  # one bad message is logged, not the end of every running request
+                log.exception("failed to handle %s", type(msg).__name__)
         step(core, shell)
         stats = core.stats()  # host-side counts: cheap enough to publish every step
         shell.metrics.kv_pages_used.set(stats.pages_used)

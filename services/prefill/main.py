@@ -83,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     while not shell.stopping:
         busy = worker.core is not None and worker.core.busy
         for msg in shell.receive(busy):
-            for dest, out in worker.handle(msg):
+            try:
+                outgoing = worker.handle(msg)
+            except Exception:  # one bad message is logged, not the end of the worker
+                log.exception("failed to handle %s", type(msg).__name__)
+                continue
+            for dest, out in outgoing:
                 shell.send(dest, out)
         for dest, out in worker.step():
             shell.send(dest, out)

@@ -118,7 +118,7 @@ def _run(dec: DecodeCore, pre: PrefillCore, box, abort_after: dict[str, int] | N
                 box += [("prefill", g) for g in dec.grant_pending()]
         for rid, n in (abort_after or {}).items():
             if sum(len(e.token_ids) for e in seen.get(rid, [])) >= n:
-                dec.abort(rid)
+                box += [("prefill", g) for g in dec.abort(rid)]
                 box += pre.abort(rid) + [("prefill", g) for g in dec.grant_pending()]
         if (
             not box
@@ -198,12 +198,75 @@ def test_a_granted_state_freezes_the_cache_until_prefill_is_done(cores):
     assert not dec.engine.offload.tables.frozen and not dec.freezes
 
 
-def test_prompt_longer_than_context_is_an_error_event(cores):
+@pytest.mark.parametrize("length", [300, 256])
+def test_prompt_that_leaves_no_room_is_an_error_event(cores, length):
+    """Longer than the context (256), or as long: no room for the token a request must generate."""
     _, dec, pre = cores
-    box = pre.submit(Generate("long", [7] * 300, SamplingParams(), 0.0))
+    box = pre.submit(Generate("long", [7] * length, SamplingParams(), 0.0))
     seen = _run(dec, pre, box)
     (event,) = seen["long"]
-    assert event.finish_reason == "error" and "300" in event.error
+    assert event.finish_reason == "error" and str(length) in event.error
+    assert dec.pool.pages.num_free == dec.pool.num_pages
+
+
+def _clean(cfg: WorkerConfig, dec: DecodeCore, pre: PrefillCore) -> bool:
+    """Nothing held by either core: every page and slot free, no freeze, no ask remembered."""
+    return (
+        dec.pool.pages.num_free == dec.pool.num_pages
+        and dec.pool.slots.num_free == cfg.max_running
+        and not (dec.running or dec.granted or dec.pending or dec.freezes or dec.aborted)
+        and not (pre.queue or pre.asked or pre.job or pre.dropped)
+    )
+
+
+def test_a_second_generate_with_the_same_id_takes_nothing(cores):
+    """Ids are the router's and unique: a resent Generate, or an ask for an id that holds state, is refused
+    (a second lane for one id lost the first's state for good, then exhausted the slots)."""
+    cfg, dec, pre = cores
+    if not cfg.lend_arena:
+        pytest.skip("one case is enough: the path is the same for every config")
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    box = pre.submit(Generate("twice", PROMPTS[0], sampling, 0.0))
+    assert pre.submit(Generate("twice", PROMPTS[1], sampling, 0.0)) == []
+    seen = _run(dec, pre, box)
+    assert sum(len(e.token_ids) for e in seen["twice"]) == 4 and _clean(cfg, dec, pre)
+    (grant,) = dec.alloc_state(AllocState("held", 5))
+    (refusal,) = dec.alloc_state(AllocState("held", 5))
+    assert grant.slot >= 0 and refusal.slot < 0 and "already" in refusal.error
+    dec.release("held")
+    assert _clean(cfg, dec, pre)
+
+
+def test_an_abort_that_overtakes_the_ask_refuses_it(cores):
+    """The router's Abort reaches decode before prefill's AllocState: the ask, when it comes, is refused
+    (granted, the request ran unseen until max_tokens)."""
+    cfg, dec, pre = cores
+    if not cfg.lend_arena:
+        pytest.skip("one case is enough: the path is the same for every config")
+    assert dec.abort("early") == []
+    box = pre.submit(Generate("early", PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True), 0.0))
+    seen = _run(dec, pre, box)
+    (event,) = seen["early"]
+    assert event.finish_reason == "error" and event.error == "aborted" and _clean(cfg, dec, pre)
+
+
+def test_an_abort_of_a_waiting_ask_answers_it(cores):
+    """Lanes full, prefill's ask waits at decode; both get the abort: decode refuses the waiting ask, so
+    prefill forgets it (it waited for that answer for good)."""
+    cfg, dec, pre = cores
+    if not cfg.lend_arena:
+        pytest.skip("one case is enough: the path is the same for every config")
+    held = [dec.alloc_state(AllocState(f"lane{i}", 5))[0] for i in range(cfg.max_running)]
+    (ask,) = pre.submit(Generate("wait", PROMPTS[1], SamplingParams(), 0.0))
+    assert dec.alloc_state(decode(encode(ask[1]))) == [] and dec.pending
+    box = pre.abort("wait")
+    assert pre.dropped == {"wait"}
+    (refusal,) = dec.abort("wait")
+    assert pre.granted(decode(encode(refusal))) == [] and not pre.dropped
+    for grant in held:
+        dec.release(grant.rid)
+    _run(dec, pre, box)
+    assert _clean(cfg, dec, pre)
 
 
 def test_decode_counts_the_prompts_routing_from_prefill(cores):
