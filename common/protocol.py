@@ -151,12 +151,15 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
-    """worker → router, every second: alive, with its load."""
+    """worker → router, every second: alive, with its load, and what its `Ready` said (so that a restarted
+    router knows a worker's capacity and context without a `Ready` of its own)."""
 
     service: str
     pid: int
     running: int = 0
     waiting: int = 0
+    capacity: int = 0
+    max_context: int = 0
 
 
 class ServiceDown(msgspec.Struct, frozen=True, tag=True):

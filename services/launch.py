@@ -128,6 +128,8 @@ class Launcher:
         self.children = _children(opts, self.run_dir)
         self.router = Outbox(ipc_address(self.run_dir, "router"))
         self.stopping = self.failed = False
+        self.router_answered = 0.0
+        """time.monotonic() of the router's last /health answer."""
 
     def health_url(self) -> str:
         return f"http://{self.opts.host}:{self.opts.port}/health"
@@ -162,15 +164,28 @@ class Launcher:
             return None
 
     def kill_stalled(self) -> None:
-        """Kill each worker the router has not heard from for the stall timeout (hung: no exit to see);
-        `supervise` then restarts it as it would a crashed one."""
-        services = (self.health() or {}).get("services", {})
+        """Kill each worker the router has not heard from for the stall timeout (hung: no exit to see), and
+        the router if its /health has not answered for as long; `supervise` then restarts it as it would a
+        crashed one."""
+        health, now = self.health(), time.monotonic()
+        limit = self.opts.stall_timeout_s + STALL_KILL_GRACE_S
+        router = next(c for c in self.children if c.name == "router")
+        if health is not None:
+            self.router_answered = now
+        elif router.proc is not None and router.proc.poll() is None:
+            silent = now - max(self.router_answered, router.started)
+            if silent > limit:
+                log.error("router (pid %d) has not answered for %.0f s: killing it", router.proc.pid, silent)
+                router.proc.kill()
+                router.proc.wait()
+            return
+        services = (health or {}).get("services", {})
         for child in self.children:
             svc = services.get(child.name)
             if child.proc is None or child.proc.poll() is not None or not svc or svc["pid"] != child.proc.pid:
                 continue
             silent = svc.get("last_seen_s")
-            if silent is not None and silent > self.opts.stall_timeout_s + STALL_KILL_GRACE_S:
+            if silent is not None and silent > limit:
                 log.error("%s (pid %d) silent for %.0f s: killing it", child.name, child.proc.pid, silent)
                 child.proc.kill()
                 child.proc.wait()

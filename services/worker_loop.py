@@ -30,6 +30,8 @@ class WorkerShell:
         self.out = {name: Outbox(address) for name, address in outboxes.items()}
         self.stopping = False
         self._last_beat = 0.0
+        self.limits = (0, 0)
+        """(capacity, max_context) as `ready` announced them, repeated in every heartbeat."""
         self._dropped_seen = 0
         self.expert_metrics = None
         self.registry = metrics.new_registry()
@@ -64,6 +66,7 @@ class WorkerShell:
             self.expert_metrics = CacheMetricsExporter(provider, group)
 
     def ready(self, capacity: int, max_context: int) -> None:
+        self.limits = (capacity, max_context)
         self.send("router", Ready(self.service, self.pid, capacity, self.metrics_url, max_context))
 
     def heartbeat_due(self) -> bool:
@@ -81,7 +84,7 @@ class WorkerShell:
             self.expert_metrics.update()
         self.metrics.requests_running.set(running)
         self.metrics.requests_waiting.set(waiting)
-        self.send("router", Heartbeat(self.service, self.pid, running, waiting))
+        self.send("router", Heartbeat(self.service, self.pid, running, waiting, *self.limits))
 
     def close(self) -> None:
         if self._stop_metrics is not None:

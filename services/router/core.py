@@ -358,6 +358,9 @@ class RouterCore:
             self._admit_waiters()
         else:
             svc.running, svc.waiting = msg.running, msg.waiting
+            if msg.capacity and not svc.capacity:  # a router restarted after the worker's Ready
+                svc.capacity, svc.max_context = msg.capacity, msg.max_context
+                self._admit_waiters()
 
     def _fail_all(self, reason: str) -> None:
         """Requests in flight died with a worker: end each with an error event."""

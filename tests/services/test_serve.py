@@ -271,6 +271,24 @@ def test_a_hung_decode_worker_fails_its_request_and_is_restarted(start_server, t
     assert r.usage.completion_tokens == 4
 
 
+def test_a_hung_router_is_restarted(start_server, tmp_path):
+    """SIGSTOP on the router: /health stops answering; past --stall-timeout the launcher kills it and starts
+    another, which serves."""
+    server = start_server("--threads", "1", "--stall-timeout", "2", env={"SPILLWAY_CACHE": str(tmp_path)})
+    children = lambda: {int(p) for p in subprocess.run(
+        ["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()}  # fmt: skip
+    workers = {health(server.port)[1]["services"][s]["pid"] for s in ("prefill", "decode")}
+    (old,) = children() - workers
+    os.kill(old, signal.SIGSTOP)
+    body = wait_healthy(server.port, timeout_s=120)
+    assert {body["services"][s]["pid"] for s in ("prefill", "decode")} == workers, "the workers kept running"
+    assert old not in children() and len(children() - workers) == 1
+    r = server.client().completions.create(
+        model="tiny-qwen3_moe", prompt="again", max_tokens=4, temperature=0
+    )
+    assert r.usage.completion_tokens == 4
+
+
 def test_resident_experts_serve_the_same_tokens(start_server, tmp_path):
     env = {"SPILLWAY_CACHE": str(tmp_path)}
     server = start_server("--threads", "1", "--max-context", "512", env=env)

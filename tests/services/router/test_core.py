@@ -20,7 +20,7 @@ from services.router import RouterConfig, RouterCore
 SAMPLING = SamplingParams(max_tokens=8)
 
 
-def run_core(test: Callable[[RouterCore], Awaitable[None]], **overrides: Any) -> None:
+def run_core(test: Callable[[RouterCore], Awaitable[None]], announce: bool = True, **overrides: Any) -> None:
     run_dir = make_run_dir()
     config = RouterConfig(
         model_dir=default_model_dir(),
@@ -34,7 +34,7 @@ def run_core(test: Callable[[RouterCore], Awaitable[None]], **overrides: Any) ->
         core = RouterCore(config, RouterMetrics.create(new_registry()))
         await core.start()
         try:
-            for service in config.expected_services:
+            for service in config.expected_services if announce else ():
                 core.on_message(Ready(service, os.getpid(), capacity=2))
             await test(core)
         finally:
@@ -181,3 +181,14 @@ def test_the_context_limit_is_the_smallest_announced() -> None:
         assert core.context_limit(256) == 100 and core.context_limit(64) == 64
 
     run_core(test)
+
+
+def test_a_restarted_router_learns_the_limits_from_heartbeats() -> None:
+    """A router restarted after the workers' Ready: their heartbeats carry what Ready said."""
+
+    async def test(core: RouterCore) -> None:
+        assert core.context_limit(256) == 256
+        core.on_message(Heartbeat("decode", os.getpid(), capacity=5, max_context=100))
+        assert core.services["decode"].capacity == 5 and core.context_limit(256) == 100
+
+    run_core(test, announce=False)
