@@ -139,18 +139,21 @@ class Launcher:
             child.start()
 
     def wait_ready(self, timeout_s: float = 300.0) -> bool:
-        """Poll the router's /health until it answers 200 (every worker Ready)."""
+        """Watch the services until the router's /health says every worker is Ready."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self.stopping:
-            self.supervise()
-            try:
-                with urllib.request.urlopen(self.health_url(), timeout=2) as resp:
-                    if resp.status == 200:
-                        return True
-            except OSError:
-                pass
+            if (self.watch() or {}).get("status") == "ok":
+                return True
             time.sleep(0.2)
         return False
+
+    def watch(self) -> dict | None:
+        """Restart what exited, kill what hangs (`kill_stalled`); the router's /health body, or None."""
+        self.supervise()
+        health = self.health()
+        if self.opts.stall_timeout_s > 0 and not self.stopping:
+            self.kill_stalled(health)
+        return health
 
     def health(self) -> dict | None:
         """The router's /health body (200 or 503 alike), or None while it does not answer."""
@@ -163,17 +166,17 @@ class Launcher:
         except (OSError, ValueError):
             return None
 
-    def kill_stalled(self) -> None:
-        """Kill each worker the router has not heard from for the stall timeout (hung: no exit to see), and
-        the router if its /health has not answered for as long; `supervise` then restarts it as it would a
-        crashed one."""
-        health, now = self.health(), time.monotonic()
+    def kill_stalled(self, health: dict | None) -> None:
+        """Kill each worker the router (its /health body `health`) has not heard from for the stall timeout
+        (hung: no exit to see), and the router if it stopped answering for as long (once it has answered
+        since its start: its start-up is not timed); `supervise` then restarts it as a crashed one."""
+        now = time.monotonic()
         limit = self.opts.stall_timeout_s + STALL_KILL_GRACE_S
         router = next(c for c in self.children if c.name == "router")
         if health is not None:
             self.router_answered = now
-        elif router.proc is not None and router.proc.poll() is None:
-            silent = now - max(self.router_answered, router.started)
+        elif router.proc is not None and router.proc.poll() is None and self.router_answered > router.started:
+            silent = now - self.router_answered
             if silent > limit:
                 log.error("router (pid %d) has not answered for %.0f s: killing it", router.proc.pid, silent)
                 router.proc.kill()
@@ -221,8 +224,8 @@ class Launcher:
             last_check = time.monotonic()
             while not self.stopping:
                 self.supervise()
-                if self.opts.stall_timeout_s > 0 and time.monotonic() - last_check >= STALL_CHECK_S:
-                    self.kill_stalled()
+                if time.monotonic() - last_check >= STALL_CHECK_S:
+                    self.watch()
                     last_check = time.monotonic()
                 time.sleep(0.2)
         finally:
