@@ -119,6 +119,14 @@ def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
     return [Child("decode", decode), Child("prefill", prefill), Child("router", router)]
 
 
+def _kill(child: Child, why: str) -> None:
+    """SIGKILL a hung child and reap it (`Launcher.supervise` restarts it)."""
+    assert child.proc is not None
+    log.error("%s (pid %d) %s: killing it", child.name, child.proc.pid, why)
+    child.proc.kill()
+    child.proc.wait()
+
+
 class Launcher:
     """Starts, watches and stops the services."""
 
@@ -176,11 +184,8 @@ class Launcher:
         if health is not None:
             self.router_answered = now
         elif router.proc is not None and router.proc.poll() is None and self.router_answered > router.started:
-            silent = now - self.router_answered
-            if silent > limit:
-                log.error("router (pid %d) has not answered for %.0f s: killing it", router.proc.pid, silent)
-                router.proc.kill()
-                router.proc.wait()
+            if now - self.router_answered > limit:
+                _kill(router, f"has not answered for {now - self.router_answered:.0f} s")
             return
         services = (health or {}).get("services", {})
         for child in self.children:
@@ -189,9 +194,7 @@ class Launcher:
                 continue
             silent = svc.get("last_seen_s")
             if silent is not None and silent > limit:
-                log.error("%s (pid %d) silent for %.0f s: killing it", child.name, child.proc.pid, silent)
-                child.proc.kill()
-                child.proc.wait()
+                _kill(child, f"silent for {silent:.0f} s")
 
     def supervise(self) -> None:
         """Restart any child that exited (and sweep the shared memory it leaves); give up on one that keeps
