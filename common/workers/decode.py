@@ -277,7 +277,9 @@ class DecodeCore:
     def fail(self, error: str) -> list[Tokens]:
         """After a failed step: every running request ends with an error event, and its state is freed (the
         launched steps are forgotten, their tokens lost with the requests, once the device is done with them:
-        their pages may be granted again right after)."""
+        their pages may be granted again right after). Not a retry of each lane alone to find the one at
+        fault: the failed step may have advanced recurrent states (Gated DeltaNet's, the convs') in place, so
+        a retried step would compute from corrupted state; the API bounds every per-request value instead."""
         self.pipeline.abandon()
         errors = [Tokens(rid, [], "error", error=error) for rid in list(self.running)]
         for event in errors:
