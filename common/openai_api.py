@@ -239,9 +239,8 @@ def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> lis
         raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from None
     except ValueError as exc:  # no chat template
         raise bad_request(str(exc), param="messages") from None
-    except (
-        Exception
-    ) as exc:  # the template tripping over what the client sent (a list where it wants a string)
+    # Any other error is the template tripping over what the client sent (a list where it wants a string).
+    except Exception as exc:
         message = f"The chat template could not render the messages: {type(exc).__name__}: {exc}"
         raise bad_request(message, param="messages") from None
     assert isinstance(ids, list)

@@ -76,11 +76,7 @@ class _ExpertCollector:
         if ek.layer not in cfg.moe_layers or (ek.expert is not None and ek.expert >= cfg.num_experts):
             raise CheckpointError("expert weight for a layer or expert the config does not have", path, key)
         check_shape(tensor, expert_shape(cfg, ek), path, key)
-        first = self.files.setdefault((ek.layer, ek.expert, ek.part), path)
-        if (ek.expert, ek.part) in self.parts[ek.layer]:
-            raise CheckpointError(
-                f"tensor appears twice in the checkpoint (first in {first.name})", path, key
-            )
+        _once(self.files, (ek.layer, ek.expert, ek.part), path, key)
         self.parts[ek.layer][(ek.expert, ek.part)] = tensor
 
     def finish(self, where: Path) -> dict[int, ExpertWeights]:
@@ -120,7 +116,7 @@ class _TableCollector:
         self.owners = {name: m for name, m in model.named_modules() if hasattr(m, "attach_table")}
         self.rows: dict[str, torch.Tensor] = {}
         self.scales: dict[str, torch.Tensor] = {}
-        self.seen: dict[str, set[int]] = defaultdict(set)
+        self.seen: dict[str, dict[int, Path]] = defaultdict(dict)  # each table's shards, and their files
         self.example_key: dict[str, str] = {}
 
     def add(self, tk: HostTableKey, tensor: torch.Tensor, path: Path, key: str) -> None:
@@ -134,12 +130,10 @@ class _TableCollector:
             scales[tk.shard] = tensor.float().reshape(-1)[0]
             return
         check_shape(tensor, (sizes[tk.shard], dim), path, key)
-        if tk.shard in self.seen[tk.owner]:
-            raise CheckpointError("tensor appears twice in the checkpoint (again here)", path, key)
+        _once(self.seen[tk.owner], tk.shard, path, key)
         table = self.rows.setdefault(tk.owner, torch.empty((rows, dim), dtype=tensor.dtype))
         start = sizes[0] * tk.shard  # every shard but the last has sizes[0] rows
         table[start : start + sizes[tk.shard]] = tensor
-        self.seen[tk.owner].add(tk.shard)
         self.example_key[tk.owner] = key
 
     def finish(self, where: Path) -> None:
@@ -147,7 +141,7 @@ class _TableCollector:
 
         for name, owner in self.owners.items():
             shards = len(ngram_shard_rows(owner.table_shape()[0], owner.table_parts))
-            missing = sorted(set(range(shards)) - self.seen[name])
+            missing = sorted(set(range(shards)) - self.seen[name].keys())
             if missing:
                 example = self.example_key.get(name, f"{name}.ple_embedding.ngram_embedding.shard_0.weight")
                 raise CheckpointError(
@@ -158,6 +152,16 @@ class _TableCollector:
                 raise CheckpointError("fp8 table without weight_scale_inv", where, self.example_key[name])
             shard_rows = ngram_shard_rows(owner.table_shape()[0], owner.table_parts)[0]
             owner.attach_table(HostRows(self.rows[name], scales, shard_rows))
+
+
+def _once(seen: dict, target: object, path: Path, key: str) -> None:
+    """Record that `target` came from `path`; CheckpointError naming both files if it came before (the later
+    copy would win or lose by file order, whatever the index says)."""
+    if target in seen:
+        raise CheckpointError(
+            f"tensor appears twice in the checkpoint (first in {seen[target].name})", path, key
+        )
+    seen[target] = path
 
 
 def check_weight(tensor: torch.Tensor, path: Path, key: str) -> None:
@@ -436,12 +440,9 @@ def build_model(
         else:
             check_weight(tensor, path, key)
             check_shape(tensor, tuple(params[target].shape), path, key)
-            if target in loaded:
-                first = loaded[target].name
-                raise CheckpointError(f"tensor appears twice in the checkpoint (first in {first})", path, key)
+            _once(loaded, target, path, key)
             with torch.no_grad():
                 params[target].copy_(tensor)
-            loaded[target] = path
     missing = sorted(set(params) - loaded.keys())
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

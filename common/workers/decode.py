@@ -140,9 +140,7 @@ class DecodeCore:
             )
         elif msg.rid in self.gone:
             refusal = "aborted"
-        elif (
-            msg.rid in self.running or msg.rid in self.granted or any(a.rid == msg.rid for a in self.pending)
-        ):
+        elif msg.rid in self.running or msg.rid in self.granted or self._waiting(msg.rid):
             refusal = "a request with this id already holds state"
         if refusal is not None:
             return [StateGranted(msg.rid, -1, [], refusal)]
@@ -199,11 +197,15 @@ class DecodeCore:
         if rid in self.granted:
             self.aborted.add(rid)
             return []
-        waiting = any(a.rid == rid for a in self.pending)
+        waiting = self._waiting(rid)
         if not waiting and rid not in self.running:
             self.gone.append(rid)
         self.release(rid)
         return [StateGranted(rid, -1, [], "aborted")] if waiting else []
+
+    def _waiting(self, rid: str) -> bool:
+        """`rid`'s ask waits for a lane or pages."""
+        return any(a.rid == rid for a in self.pending)
 
     def release(self, rid: str) -> None:
         """Forget `rid` wherever it is (abort, or prefill finished it) and free its state: now, or once the

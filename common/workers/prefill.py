@@ -90,9 +90,8 @@ class PrefillCore:
         return self.job is not None
 
     def submit(self, gen: Generate) -> Outgoing:
-        if any(
-            g.rid == gen.rid for g in self._held()
-        ):  # the router's ids are unique: a resent or forged message
+        # The router's ids are unique: a second Generate for one is a resent message.
+        if any(g.rid == gen.rid for g in self._held()):
             log.warning("ignoring a second Generate for %s", gen.rid)
             return []
         self.queue.append(gen)

@@ -194,14 +194,14 @@ class Router:
 
         gen = await unless_disconnected(request, run())
         assert gen.finish_reason is not None
-        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, created=_wall_clock(received))
+        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, int(gen.flight.arrival))
         body = builder.full(gen.text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens)
         return JSONResponse(body)
 
     async def _stream(self, request: Request, spec: GenerationSpec, chat: bool, received: float) -> Response:
         gen, first = await unless_disconnected(request, self._start(request, spec, received))
-        created = _wall_clock(received)
-        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, spec.include_usage, created)
+        created = int(gen.flight.arrival)
+        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, created, spec.include_usage)
         return _Stream(self._events(gen, builder, first), lambda: self.core.release(gen.flight, None))
 
     async def _events(
@@ -240,11 +240,6 @@ class Router:
             if finish is None and not failed:
                 self.metrics.request_errors.labels(reason="client_disconnect").inc()
             self.core.release(gen.flight, finish)
-
-
-def _wall_clock(monotonic: float) -> int:
-    """time.monotonic() `monotonic` as Unix seconds (a response's `created`: when its request arrived)."""
-    return int(time.time() - (time.monotonic() - monotonic))
 
 
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:

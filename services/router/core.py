@@ -86,6 +86,11 @@ class Flight:
     last_token_at: float | None = None
     released: bool = False
 
+    @property
+    def arrival(self) -> float:
+        """When the HTTP request arrived, in Unix seconds (`received` on the wall clock)."""
+        return time.time() - (time.monotonic() - self.received)
+
     async def next_event(self) -> Tokens:
         """The next event in generation order (an error or abort may overtake tokens)."""
         return await self.events.get()
@@ -229,10 +234,9 @@ class RouterCore:
         self._update_gauges()
         flight = Flight(rid or uuid.uuid4().hex, prompt_ids, sampling, received)
         self._flights[flight.rid] = flight
-        arrival = time.time() - (time.monotonic() - received)
         try:
             assert self._prefill is not None, "RouterCore.start() was not called"
-            await self._prefill.send(Generate(flight.rid, prompt_ids, sampling, arrival=arrival))
+            await self._prefill.send(Generate(flight.rid, prompt_ids, sampling, arrival=flight.arrival))
         except BaseException:
             self.release(flight, None)
             raise

@@ -8,8 +8,7 @@ the last the finish reason) and `text_completion` for both forms of the legacy e
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 DONE = b"data: [DONE]\n\n"
@@ -35,8 +34,9 @@ class ResponseBuilder:
     chat: bool
     rid: str
     model: str
+    created: int
+    """Unix seconds when the request arrived (OpenAI's `created`)."""
     include_usage: bool = False
-    created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def id(self) -> str:
