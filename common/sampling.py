@@ -82,7 +82,8 @@ def sample(
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= keep_k[:, None], float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the better-ranked tokens
-    probs = probs.masked_fill((before >= top_p[:, None]) & (rank[None, :] > 0), 0.0)  # the top token stays
+    # The top token stays, at any top_p (its `before` is exactly 0; a [B] clamp, not a [B, V] mask).
+    probs = probs.masked_fill(before >= top_p.clamp_min(1e-12)[:, None], 0.0)
     noise = uniform_noise(seeds, steps, vocab).gather(1, sorted_ids)  # keyed by token id, not rank
     # Exponential race: argmax p / Exp(1) draws from p (the Gumbel-max trick in another form).
     choice = torch.argmax(probs / -torch.log(noise), dim=-1, keepdim=True)
