@@ -148,6 +148,9 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
     max_context: int = 0
     """The longest prompt + completion it holds (the model's limit may be below the one asked for); 0:
     none of its own."""
+    instance: str = ""
+    """A random id of this process's start: with `pid`, tells a restarted worker from the one before it where
+    pids repeat (each container starts its process with the same pid; two hosts may share one)."""
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -160,6 +163,8 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     waiting: int = 0
     capacity: int = 0
     max_context: int = 0
+    instance: str = ""
+    """As in `Ready`."""
 
 
 class ServiceDown(msgspec.Struct, frozen=True, tag=True):

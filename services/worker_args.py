@@ -134,6 +134,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", required=True, help="the router's inbox address")
     parser.add_argument("--peer", required=True, help="the other worker's inbox address")
     parser.add_argument("--metrics-port", type=int_at_least(0), default=0, help="Prometheus port (0: none)")
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="interface the metrics port binds (0.0.0.0 in a container, for Prometheus; default %(default)s)",
+    )
 
 
 def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> WorkerConfig:

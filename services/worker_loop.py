@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
+import socket
 import time
 
 import torch
@@ -16,16 +18,28 @@ from common.transport import Inbox, Outbox
 HEARTBEAT_S = 1.0
 
 
+def reachable(host: str) -> str:
+    """The name others reach a server bound to `host` by: the machine's (a container's: its service's) for
+    a wildcard address."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
 class WorkerShell:
     """A worker's inbox, its outboxes by destination service, and its lifecycle."""
 
     def __init__(
-        self, service: str, inbox: str, outboxes: dict[str, str], threads: int = 0, metrics_port: int = 0
+        self,
+        service: str,
+        inbox: str,
+        outboxes: dict[str, str],
+        threads: int = 0,
+        metrics_port: int = 0,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {service} %(levelname)s %(message)s")
         if threads:
             torch.set_num_threads(threads)
-        self.service, self.pid = service, os.getpid()
+        self.service, self.pid, self.instance = service, os.getpid(), secrets.token_hex(8)
         self.inbox = Inbox(inbox)
         self.out = {name: Outbox(address) for name, address in outboxes.items()}
         self.stopping = False
@@ -36,8 +50,10 @@ class WorkerShell:
         self.expert_metrics = None
         self.registry = metrics.new_registry()
         self.metrics = metrics.WorkerMetrics.create(self.registry)
-        self._stop_metrics = metrics.serve(self.registry, metrics_port) if metrics_port else None
-        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else ""
+        self._stop_metrics = (
+            metrics.serve(self.registry, metrics_port, metrics_host) if metrics_port else None
+        )
+        self.metrics_url = f"http://{reachable(metrics_host)}:{metrics_port}/metrics" if metrics_port else ""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
 
@@ -67,7 +83,9 @@ class WorkerShell:
 
     def ready(self, capacity: int, max_context: int) -> None:
         self.limits = (capacity, max_context)
-        self.send("router", Ready(self.service, self.pid, capacity, self.metrics_url, max_context))
+        self.send(
+            "router", Ready(self.service, self.pid, capacity, self.metrics_url, max_context, self.instance)
+        )
 
     def heartbeat_due(self) -> bool:
         """True once a second: time to send a heartbeat and refresh the gauges."""
@@ -84,7 +102,7 @@ class WorkerShell:
             self.expert_metrics.update()
         self.metrics.requests_running.set(running)
         self.metrics.requests_waiting.set(waiting)
-        self.send("router", Heartbeat(self.service, self.pid, running, waiting, *self.limits))
+        self.send("router", Heartbeat(self.service, self.pid, running, waiting, *self.limits, self.instance))
 
     def close(self) -> None:
         if self._stop_metrics is not None:

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = parsed_config(parser, args)
     outboxes = {"router": args.router, "prefill": args.peer}
-    shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port)
+    shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port, args.metrics_host)
     try:
         plan = cap_worker(cfg, "decode")  # the budget is a hard cap: decode's part of it
         core = DecodeCore(cfg, shared_allocator, host_allocator)

@@ -44,6 +44,8 @@ class ServiceHealth:
 
     name: str
     pid: int | None = None
+    instance: str = ""
+    """The process's start id (`Ready.instance`): pids alone repeat across containers and hosts."""
     capacity: int = 0
     metrics_url: str = ""
     last_seen: float | None = None
@@ -344,16 +346,17 @@ class RouterCore:
 
     def _on_alive(self, msg: Ready | Heartbeat) -> None:
         svc = self.services.setdefault(msg.service, ServiceHealth(msg.service))
-        if svc.exited and (svc.pid == msg.pid or isinstance(msg, Heartbeat)):
+        same = (svc.pid, svc.instance) == (msg.pid, msg.instance)
+        if svc.exited and (same or isinstance(msg, Heartbeat)):
             return  # a late message of the dead process, or a successor not Ready yet
         svc.exited = False
         if svc.stalled:
             svc.stalled = False
             log.warning("%s (pid %d) is heard again after a stall", msg.service, msg.pid)
-        if svc.pid is not None and svc.pid != msg.pid:
+        if svc.pid is not None and not same:
             svc.restarts += 1
             self._fail_all(f"the {msg.service} worker restarted (pid {svc.pid} → {msg.pid})")
-        svc.pid = msg.pid
+        svc.pid, svc.instance = msg.pid, msg.instance
         svc.last_seen = time.monotonic()
         if isinstance(msg, Ready):
             svc.capacity, svc.max_context = msg.capacity, msg.max_context

@@ -126,6 +126,30 @@ def test_errors_overtake_tokens_and_restarts_fail_flights() -> None:
     run_core(test)
 
 
+def test_a_restart_under_the_same_pid_is_told_by_its_instance() -> None:
+    """In a container every start of a worker gets the same pid: the start id tells them apart."""
+
+    async def test(core: RouterCore) -> None:
+        pid = os.getpid()
+        core.on_message(Ready("decode", pid, capacity=2, instance="a"))
+        restarts = core.health()["services"]["decode"]["restarts"]
+        flight = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Heartbeat("decode", pid, instance="a"))
+        assert flight.events.empty(), "the same process"
+        core.on_message(Ready("decode", pid, capacity=2, instance="b"))
+        event = await flight.next_event()
+        assert event.finish_reason == "error" and "restarted" in event.error
+        assert core.health()["services"]["decode"]["restarts"] == restarts + 1
+        core.release(flight, None)
+        core.on_message(ServiceDown("decode", pid, -9))
+        core.on_message(Heartbeat("decode", pid, instance="b"))  # late, from the dead one
+        assert core.health()["services"]["decode"]["state"] == "down"
+        core.on_message(Ready("decode", pid, capacity=2, instance="c"))  # its successor, same pid
+        assert core.health()["services"]["decode"]["state"] == "up"
+
+    run_core(test)
+
+
 def test_a_stall_fails_flights_once_until_heard_again() -> None:
     async def test(core: RouterCore) -> None:
         flight = await core.submit([1], SAMPLING, time.monotonic())
