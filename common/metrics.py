@@ -9,8 +9,10 @@ separate metrics port).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,7 +21,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
 )
 
 PREFIX = "spillway:"
@@ -45,9 +46,31 @@ def render(registry: CollectorRegistry) -> tuple[bytes, str]:
 def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> Callable[[], None]:
     """Serve `registry` on http://host:port/metrics from a daemon thread (for workers without an HTTP app).
 
+    Always in the text format, as the router's `/metrics` is: prometheus_client's own server answers
+    Prometheus's preferred OpenMetrics with the names' colons turned into underscores in the samples (not in
+    HELP or TYPE), so Prometheus stored a worker's `spillway:kv_pages_free` as `spillway_kv_pages_free`.
     Returns the function that stops the server (tests start and stop several in one process).
     """
-    server, thread = start_http_server(port, addr=host, registry=registry)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body, content_type = render(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:  # a scrape every few seconds is not news
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name=f"metrics:{port}", daemon=True)
+    thread.start()
 
     def stop() -> None:
         server.shutdown()
