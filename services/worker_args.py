@@ -141,6 +141,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def worker_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A worker's command line (`python -m services.decode`, `... services.prefill`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_worker_args(parser)
+    return parser
+
+
 def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> WorkerConfig:
     """The WorkerConfig the flags of add_config_args give (`model_dir` in place of a missing --model);
     ValueError for lending flags that cannot hold."""

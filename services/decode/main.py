@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 import torch
@@ -20,7 +19,7 @@ from common.protocol import (
 )
 from common.workers.decode import DecodeCore
 from common.workers.sharing import decode_exports, host_allocator, shared_allocator
-from services.worker_args import add_worker_args, parsed_config
+from services.worker_args import parsed_config, worker_parser
 from services.worker_loop import WorkerShell
 
 log = logging.getLogger("decode")
@@ -87,8 +86,7 @@ def report_plan(core: DecodeCore, shell: WorkerShell) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="spillway-decode", description=__doc__)
-    add_worker_args(parser)
+    parser = worker_parser("spillway-decode", __doc__)
     args = parser.parse_args(argv)
     cfg = parsed_config(parser, args)
     outboxes = {"router": args.router, "prefill": args.peer}

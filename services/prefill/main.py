@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 
@@ -10,7 +9,7 @@ from common.memory_plan import cap_worker
 from common.protocol import Abort, Exports, Generate, Message, StateGranted, Tokens, WantExports
 from common.workers.prefill import Outgoing, PrefillCore
 from common.workers.sharing import prefill_model
-from services.worker_args import add_worker_args, parsed_config
+from services.worker_args import parsed_config, worker_parser
 from services.worker_loop import WorkerShell
 
 log = logging.getLogger("prefill")
@@ -71,8 +70,7 @@ class PrefillWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="spillway-prefill", description=__doc__)
-    add_worker_args(parser)
+    parser = worker_parser("spillway-prefill", __doc__)
     args = parser.parse_args(argv)
     cfg = parsed_config(parser, args)
     outboxes = {"router": args.router, "decode": args.peer}

@@ -1,0 +1,87 @@
+"""What deploy/ says, read as the tests need it: the compose services' command lines (with compose's
+`${VAR:-default}` interpolation, no variables set), Prometheus's scrape targets, the dashboard's queries."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import promql_parser
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+WORKERS = ("prefill", "decode")
+SERVICES = ("router", *WORKERS)
+RATE_INTERVAL = "1m"
+"""What the dashboard's `$__rate_interval` stands for when a query is parsed or run outside Grafana."""
+
+
+def interpolate(text: str, env: dict[str, str] | None = None) -> str:
+    """Compose's variable substitution: `${VAR}`, `${VAR:-default}`, `$$` for a dollar."""
+    env = env or {}
+
+    def one(match: re.Match) -> str:
+        name, default = match.group(1), match.group(3)
+        return env.get(name) or (default or "")
+
+    text = re.sub(r"\$\{(\w+)(:-([^}]*))?\}", one, text)
+    return text.replace("$$", "$")
+
+
+def compose(env: dict[str, str] | None = None) -> dict:
+    """deploy/docker-compose.yml, its variables substituted."""
+    return yaml.safe_load(interpolate((DEPLOY / "docker-compose.yml").read_text(), env))
+
+
+def command(service: str, env: dict[str, str] | None = None) -> list[str]:
+    """The argv compose runs for `service` (a string command is split as a shell would)."""
+    cmd = compose(env)["services"][service]["command"]
+    return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+
+
+def scrape_targets() -> dict[str, str]:
+    """Prometheus's job → its one target (host:port), from deploy/prometheus.yml."""
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    out = {}
+    for job in config["scrape_configs"]:
+        (static,) = job["static_configs"]
+        (out[job["job_name"]],) = static["targets"]
+    return out
+
+
+def dashboard() -> dict:
+    return json.loads((DEPLOY / "grafana" / "dashboards" / "spillway.json").read_text())
+
+
+def queries() -> list[str]:
+    """Every panel's PromQL, as Prometheus would get it."""
+    exprs = [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
+    return [e.replace("$__rate_interval", RATE_INTERVAL) for e in exprs]
+
+
+def selectors(expr: str) -> list[tuple[str, str | None]]:
+    """(metric name, the job it selects or None) for every series selector in `expr`; ValueError when
+    Prometheus's grammar refuses it."""
+    found: list[tuple[str, str | None]] = []
+
+    def walk(node: object) -> None:
+        kind = type(node).__name__
+        if kind == "VectorSelector":
+            jobs = [m.value for m in node.matchers.matchers if m.name == "job"]
+            for job in jobs[0].split("|") if jobs else [None]:
+                found.append((node.name, job))
+        elif kind == "MatrixSelector":
+            walk(node.vector_selector)
+        elif kind == "BinaryExpr":
+            walk(node.lhs)
+            walk(node.rhs)
+        elif kind == "Call":
+            for arg in node.args:
+                walk(arg)
+        elif kind in ("AggregateExpr", "ParenExpr", "UnaryExpr", "SubqueryExpr"):
+            walk(node.expr)
+
+    walk(promql_parser.parse(expr))
+    return found

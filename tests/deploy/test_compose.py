@@ -1,0 +1,206 @@
+"""deploy/docker-compose.yml runs the services as `spillway serve` does: flags each service accepts, addresses
+that meet, the targets Prometheus scrapes. The slow test runs its three command lines as they are (hosts
+mapped to loopback, ports to free ones) and serves a chat completion through them: no Docker here, so what is
+checked is everything but the containers themselves."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.model.synthetic import make_model
+from services.router.main import parse_args as router_args
+from services.worker_args import worker_parser
+from tests.conftest import Server, free_port, wait_healthy
+from tests.deploy.deployment import (
+    DEPLOY,
+    SERVICES,
+    WORKERS,
+    command,
+    compose,
+    queries,
+    scrape_targets,
+    selectors,
+)
+
+ADDRESS_FLAGS = ("--inbox", "--router", "--peer", "--metrics-port", "--metrics-host")
+
+
+def parsed(service: str, env: dict[str, str] | None = None):
+    argv = command(service, env)
+    assert argv[:3] == ["python", "-m", f"services.{service}"], argv
+    return router_args(argv[3:]) if service == "router" else worker_parser(service).parse_args(argv[3:])
+
+
+def port(address: str) -> int:
+    return urlparse(address).port
+
+
+def host(address: str) -> str:
+    return urlparse(address).hostname
+
+
+def test_every_service_command_parses_and_the_addresses_meet() -> None:
+    router, prefill, decode = (parsed(s) for s in SERVICES)
+    assert host(router.inbox) == host(prefill.inbox) == host(decode.inbox) == "0.0.0.0"
+    assert (host(prefill.router), port(prefill.router)) == ("router", port(router.inbox))
+    assert (host(decode.router), port(decode.router)) == ("router", port(router.inbox))
+    assert (host(router.prefill), port(router.prefill)) == ("prefill", port(prefill.inbox))
+    assert (host(router.decode), port(router.decode)) == ("decode", port(decode.inbox))
+    assert (host(prefill.peer), port(prefill.peer)) == ("decode", port(decode.inbox))
+    assert (host(decode.peer), port(decode.peer)) == ("prefill", port(prefill.inbox))
+    assert router.host == prefill.metrics_host == decode.metrics_host == "0.0.0.0"
+    assert router.model == prefill.model == decode.model
+
+
+def test_both_workers_get_the_same_flags_as_serve_gives_them() -> None:
+    def flags(service: str) -> list[str]:
+        argv, out = command(service, {"SPILLWAY_WORKER_FLAGS": "--lend-kv --max-running 2"})[3:], []
+        while argv:
+            flag, *argv = argv
+            if flag in ADDRESS_FLAGS:
+                argv = argv[1:]
+            else:
+                out.append(flag)
+        return out
+
+    assert flags("prefill") == flags("decode")
+    assert flags("decode")[-3:] == ["--lend-kv", "--max-running", "2"]
+
+
+def test_prometheus_scrapes_each_service_where_it_serves_metrics() -> None:
+    router, prefill, decode = (parsed(s) for s in SERVICES)
+    assert scrape_targets() == {
+        "router": f"router:{router.port}",
+        "prefill": f"prefill:{prefill.metrics_port}",
+        "decode": f"decode:{decode.metrics_port}",
+    }
+    assert dict(s.split("=", 1) for s in router.metrics_url) == {
+        name: f"http://{name}:{parsed(name).metrics_port}/metrics" for name in WORKERS
+    }
+
+
+def test_the_model_service_writes_the_model_the_others_read() -> None:
+    services = compose()["services"]
+    assert parsed("router").model + "/config.json" in services["model"]["command"]
+    for name in SERVICES:
+        assert services[name]["depends_on"] == ["decode"] or "model" in services[name]["depends_on"]
+    prefill = services["prefill"]
+    assert prefill["ipc"] == prefill["pid"] == "service:decode", "prefill maps decode's memory"
+    assert services["decode"]["ipc"] == "shareable"
+
+
+def test_the_files_compose_mounts_and_the_image_copies_exist() -> None:
+    for spec in compose()["services"].values():
+        for volume in spec.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), volume
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    ignored = (DEPLOY.parent / ".dockerignore").read_text()
+    for source in re.findall(r"^COPY (\S+(?: \S+)*) \S+$", dockerfile, re.M):
+        for path in source.split():
+            assert (DEPLOY.parent / path).exists(), path
+            assert f"!{path}" in ignored or f"!{path}/" in ignored, f".dockerignore leaves {path} out"
+
+
+def test_the_gpu_file_gives_both_workers_a_device() -> None:
+    gpu = yaml.safe_load((DEPLOY / "docker-compose.gpu.yml").read_text())["services"]
+    for name in WORKERS:
+        (device,) = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"]
+    argv = command("decode", {"SPILLWAY_DEVICE": "cuda"})
+    assert argv[argv.index("--device") + 1] == "cuda"
+    assert gpu["model"]["build"]["args"]["EXTRAS"] == "[gpu]"
+
+
+# -- the three command lines as processes ---------------------------------------------------------------
+
+
+def _on_loopback(argv: list[str], ports: dict[int, int], model: Path) -> list[str]:
+    """`argv` with every service host and wildcard on 127.0.0.1, every port mapped, the model replaced."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in ("--port", "--metrics-port"):
+            arg = str(ports[int(arg)])
+        arg = re.sub(
+            r"(tcp|http)://(router|prefill|decode|0\.0\.0\.0):(\d+)",
+            lambda m: f"{m[1]}://127.0.0.1:{ports[int(m[3])]}",
+            arg,
+        )
+        out.append({"0.0.0.0": "127.0.0.1", "/models/tiny": str(model)}.get(arg, arg))
+    return [sys.executable, *out[1:]]
+
+
+def _exposition(url: str) -> dict[str, int]:
+    """Series name → samples, for each family `url` serves (a family without samples is still listed)."""
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    names: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for suffix in ("", "_total", "_bucket", "_sum", "_count"):
+            names.setdefault(family.name + suffix, 0)
+        for sample in family.samples:
+            names[sample.name] = names.get(sample.name, 0) + 1
+    return names
+
+
+@pytest.mark.slow
+def test_the_compose_commands_serve_and_export_every_metric_the_dashboard_reads(tmp_path) -> None:
+    model = make_model(tmp_path / "tiny", preset="tiny", arch="qwen3_moe")
+    argvs = {s: command(s) for s in SERVICES}
+    router, prefill, decode = (parsed(s) for s in SERVICES)
+    numbers = [router.port, prefill.metrics_port, decode.metrics_port]
+    numbers += [port(a) for a in (router.inbox, prefill.inbox, decode.inbox)]
+    ports = {n: free_port() for n in numbers}
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    procs = {}
+    try:
+        for name in ("decode", "prefill", "router"):  # compose's order; every process may start first
+            argv = _on_loopback(argvs[name], ports, model) + ([] if name == "router" else ["--threads", "1"])
+            procs[name] = subprocess.Popen(argv, env=env)
+        server = Server(procs["router"], ports[router.port])
+        body = wait_healthy(server.port)
+        assert (
+            body["services"]["decode"]["metrics_url"]
+            == f"http://127.0.0.1:{ports[decode.metrics_port]}/metrics"
+        )
+        reply = server.client().chat.completions.create(
+            model=model.name, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0
+        )
+        assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
+        urls = {
+            job: f"http://127.0.0.1:{ports[int(t.rsplit(':', 1)[1])]}/metrics"
+            for job, t in scrape_targets().items()
+        }
+        deadline = time.monotonic() + 20  # the cache's counters are published with the next heartbeat
+        while (
+            _exposition(urls["decode"])["spillway:expert_cache_misses_total"] == 0
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        exported = {job: _exposition(url) for job, url in urls.items()}
+        for expr in queries():
+            for name, job in selectors(expr):
+                jobs = [job] if job else list(SERVICES)
+                assert name == "up" or any(name in exported[j] for j in jobs), f"{name} ({jobs}) in {expr}"
+        assert exported["decode"]["spillway:expert_cache_misses_total"] > 0, "per-layer counters with samples"
+        assert exported["router"]["spillway:generation_tokens_total"] == 1
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()

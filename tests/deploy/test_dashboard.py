@@ -1,0 +1,73 @@
+"""The Grafana dashboard and Prometheus config agree with what the services export (deploy/grafana/)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from common import metrics
+from tests.deploy.deployment import DEPLOY, SERVICES, dashboard, queries, scrape_targets, selectors
+
+
+def _registry(job: str) -> CollectorRegistry:
+    """The metric groups `job` builds (the router: RouterMetrics; a worker: WorkerMetrics, the cache's)."""
+    registry = metrics.new_registry()
+    if job == "router":
+        metrics.RouterMetrics.create(registry)
+    else:
+        metrics.WorkerMetrics.create(registry)
+        metrics.ExpertCacheMetrics.create(registry)
+    return registry
+
+
+def series_names(registry: CollectorRegistry) -> set[str]:
+    """Every series name the registry's families can expose (a counter's `_total`, a histogram's parts)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {f.name + s for f in registry.collect() for s in suffixes[f.type]}
+
+
+EXPORTED = {job: series_names(_registry(job)) | {"up"} for job in SERVICES}
+
+
+def test_the_dashboard_is_what_its_generator_writes() -> None:
+    spec = importlib.util.spec_from_file_location("make_dashboard", DEPLOY / "grafana" / "make_dashboard.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.OUT.read_text() == module.render(), "run python deploy/grafana/make_dashboard.py"
+
+
+@pytest.mark.parametrize("expr", queries())
+def test_a_query_parses_and_reads_what_its_job_exports(expr: str) -> None:
+    found = selectors(expr)
+    assert found, f"no series in {expr}"
+    for name, job in found:
+        jobs = [job] if job else list(SERVICES)
+        assert all(j in scrape_targets() for j in jobs), f"{expr}: job {job} is not scraped"
+        assert any(name in EXPORTED[j] for j in jobs), f"{expr}: {name} is not exported by {jobs}"
+
+
+def test_the_checks_refuse_a_misspelled_or_misplaced_metric() -> None:
+    with pytest.raises(ValueError):
+        selectors("sum(rate(spillway:expert_cache_hits_total[1m])")  # unbalanced
+    name, job = selectors('spillway:expert_cache_hit_rate{job="router"}')[0]
+    assert name not in EXPORTED[job], "the router has no expert cache"
+    assert "spillway:expert_cache_hit_total" not in EXPORTED["decode"]
+
+
+def test_panels_fit_the_grid_and_use_the_provisioned_datasource() -> None:
+    provisioned = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (source,) = provisioned["datasources"]
+    panels = dashboard()["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for p in panels:
+        pos = p["gridPos"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, p["title"]
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == source["uid"] and p["targets"], p["title"]
+    assert any(p["type"] == "heatmap" and "layer" in p["title"] for p in panels), (
+        "DESIGN §7: per-layer heatmap"
+    )
