@@ -111,10 +111,12 @@ class SparseMoeBlock(nn.Module):
         """(weights, ids, the shared expert or None) from one kernel (common/kernels/moe_dispatch.py): a few
         rows with the fused kernels, and a replay on the device or a shared expert to run beside the router's
         choice. None: not this pass (`_route` and `_shared` then)."""
+        if not self.fused_decode:  # before the imports: the kernels' modules import Triton
+            return None
         from common.kernels import moe_dispatch
         from common.kernels.gated_mlp import DOWN_ROWS
 
-        if not (self.fused_decode and moe_dispatch.ENABLED) or logits.shape[0] > DOWN_ROWS:
+        if not moe_dispatch.ENABLED or logits.shape[0] > DOWN_ROWS:
             return None
         hook = self.routing_hook
         replay = None if hook is None else hook.device_rows(self.layer_idx, logits.device)
@@ -155,11 +157,11 @@ class SparseMoeBlock(nn.Module):
     def _shared_fits(self, shared_in: list[torch.Tensor] | None) -> bool:
         """Whether the shared expert's second half runs as one Triton kernel (swiglu_down's, alone or in the
         dispatch): a few rows with the fused kernels, SiLU, a plain down projection."""
-        from common.kernels.gated_mlp import DOWN_ROWS
-
         mlp = self.shared_expert
         if mlp is None or not shared_in or not (self.fused_decode and self.shared_kernel):
             return False
+        from common.kernels.gated_mlp import DOWN_ROWS  # Triton: only past the check above
+
         gate = shared_in[0]
         return gate.shape[0] <= DOWN_ROWS and mlp.act is F.silu and plain_linear(mlp.down_proj)
 
