@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from common.protocol import Message, decode, encode
 
@@ -115,17 +116,29 @@ class AsyncInbox(_Decoding):
 
 
 class AsyncOutbox:
-    """A connected PUSH socket for asyncio code."""
+    """A connected PUSH socket for asyncio code; with `monitor`, it also reports its connection's state."""
 
-    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, monitor: bool = False) -> None:
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+        self._monitor = self.sock.get_monitor_socket(events) if monitor else None
         self.sock.connect(address)
         self.address = address
 
     async def send(self, msg: Message) -> None:
         await self.sock.send(encode(msg))
 
+    async def link_changed(self) -> bool:
+        """Wait for the connection to the bound peer to open (True) or close (False): a peer process's exit
+        closes it at once (ipc:// and tcp:// alike); ZeroMQ reconnects to its successor by itself."""
+        assert self._monitor is not None, "AsyncOutbox(monitor=True) reports its connection"
+        event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+        return event == zmq.EVENT_CONNECTED
+
     def close(self) -> None:
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(0)
         self.sock.close(0)

@@ -59,11 +59,15 @@ class ServiceHealth:
     """The launcher reported the process `pid` dead; cleared by a `Ready` from its successor."""
     stalled: bool = False
     """Silent past the stall timeout (its requests were failed); cleared when it is heard again."""
+    linked: bool | None = None
+    """Whether the router's connection to its inbox is open (None: not yet). An exit closes it at once: the
+    requests in flight fail then, where no launcher reports the exit (one container a service); the
+    service is down, then starting, until the process behind the new connection speaks."""
 
     def state(self, now: float, timeout_s: float) -> str:
-        """ "starting" (never heard), "up", or "down" (exited, stalled, or silent for longer than
-        `timeout_s`)."""
-        if self.exited or self.stalled:
+        """ "starting" (never heard), "up", or "down" (exited, stalled, its connection closed, or silent for
+        longer than `timeout_s`)."""
+        if self.exited or self.stalled or self.linked is False:
             return "down"
         if self.last_seen is None:
             return "starting"
@@ -116,6 +120,7 @@ class RouterCore:
         self._decode: AsyncOutbox | None = None
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._links: list[asyncio.Task[None]] = []
 
     # Lifecycle.
 
@@ -123,15 +128,19 @@ class RouterCore:
         """Bind the inbox, connect to the workers, start reading (inside the serving event loop)."""
         self._ctx = zmq.asyncio.Context()
         self._inbox = AsyncInbox(self.config.inbox, self._ctx)
-        self._prefill = AsyncOutbox(self.config.prefill, self._ctx)
-        self._decode = AsyncOutbox(self.config.decode, self._ctx)
+        self._prefill = AsyncOutbox(self.config.prefill, self._ctx, monitor=True)
+        self._decode = AsyncOutbox(self.config.decode, self._ctx, monitor=True)
         self._reader = asyncio.create_task(self._read_inbox(), name="router-inbox")
+        self._links = [
+            asyncio.create_task(self._watch_link(name, box), name=f"router-link-{name}")
+            for name, box in (("prefill", self._prefill), ("decode", self._decode))
+        ]
         if self.config.stall_timeout_s > 0:
             self._watchdog = asyncio.create_task(self._watch_stalls(), name="router-watchdog")
 
     async def close(self) -> None:
         """Abort everything in flight at the workers, then close the sockets."""
-        for task in (self._reader, self._watchdog):
+        for task in (self._reader, self._watchdog, *self._links):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -198,6 +207,22 @@ class RouterCore:
             svc.stalled = True
             log.error("%s (pid %s) has been silent for %.0f s: taken as hung", svc.name, svc.pid, silent)
             self._fail_all(f"the {svc.name} worker stopped responding ({silent:.0f} s without a heartbeat)")
+
+    def on_link(self, service: str, up: bool) -> None:
+        """The router's connection to `service`'s inbox opened (`up`) or closed. Closed after being open: the
+        worker exited (or its host is gone), so the requests in flight fail now, as on the launcher's
+        `ServiceDown`, not after the stall timeout (public so that tests can step it)."""
+        svc = self.services.setdefault(service, ServiceHealth(service))
+        was, svc.linked = svc.linked, up
+        if up or not was or svc.exited:
+            return
+        svc.last_seen = None  # "starting" once the connection is back, until the process behind it speaks
+        log.error("%s (pid %s): its connection closed", service, svc.pid)
+        self._fail_all(f"the {service} worker's connection closed (it exited)")
+
+    async def _watch_link(self, service: str, outbox: AsyncOutbox) -> None:
+        while True:
+            self.on_link(service, await outbox.link_changed())
 
     async def _watch_stalls(self) -> None:
         while True:

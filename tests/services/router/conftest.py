@@ -46,7 +46,9 @@ class Peer:
         self.tok = tokenizer
         self.reply_ids = tokenizer.encode(REPLY)
         self.ctx = zmq.Context()
-        self.inboxes = {s: Inbox(ipc_address(run_dir, s), self.ctx) for s in ("prefill", "decode")}
+        self._addresses = {s: ipc_address(run_dir, s) for s in ("prefill", "decode")}
+        self.inboxes = {s: Inbox(address, self.ctx) for s, address in self._addresses.items()}
+        self._poller = zmq.Poller()
         self.router = Outbox(ipc_address(run_dir, "router"), self.ctx)
         self.received: list[tuple[str, Message]] = []
         self.heartbeating = {"prefill": ready, "decode": ready}
@@ -76,6 +78,28 @@ class Peer:
     def silence(self, service: str) -> None:
         self._commands.put(lambda: self.heartbeating.__setitem__(service, False))
 
+    def exit(self, service: str) -> None:
+        """As if `service`'s process died: its inbox closes, its heartbeats and events stop."""
+
+        def command() -> None:
+            self.heartbeating[service] = False
+            self._plans.clear()
+            inbox = self.inboxes.pop(service)
+            self._poller.unregister(inbox.sock)
+            inbox.close()
+
+        self._commands.put(command)
+
+    def restart(self, service: str, pid: int) -> None:
+        """`service`'s successor, process `pid`: binds the inbox again and announces itself."""
+
+        def command() -> None:
+            self.inboxes[service] = Inbox(self._addresses[service], self.ctx)
+            self._poller.register(self.inboxes[service].sock, zmq.POLLIN)
+
+        self._commands.put(command)
+        self.announce(service, pid)
+
     def generates(self) -> list[Generate]:
         return [m for _, m in self.received if isinstance(m, Generate)]
 
@@ -90,9 +114,8 @@ class Peer:
     # Peer thread.
 
     def _run(self) -> None:
-        poller = zmq.Poller()
         for inbox in self.inboxes.values():
-            poller.register(inbox.sock, zmq.POLLIN)
+            self._poller.register(inbox.sock, zmq.POLLIN)
         next_beat = 0.0
         while not self._stop.is_set():
             while not self._commands.empty():
@@ -108,7 +131,7 @@ class Peer:
                         self.router.send(Heartbeat(service, self.pids[service]))
                 next_beat = now + 0.1
             self._emit_due(now)
-            poller.poll(2)
+            self._poller.poll(2)
 
     def _on_message(self, msg: Message) -> None:
         if isinstance(msg, Generate):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -125,6 +127,26 @@ def test_worker_restart_fails_requests_in_flight(serve_router: Any, wait_until: 
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert "restarted" in events[-1]["error"]["message"]
         assert health(served)[1]["services"]["decode"]["restarts"] == 1
+
+
+def test_a_worker_that_exits_fails_requests_in_flight_at_once(serve_router: Any, wait_until: Any) -> None:
+    """No launcher to report the exit (one container a service): the router's connection to the worker's
+    inbox closes, and the stream ends with an error event then, not after the 120 s stall timeout."""
+    with serve_router() as served:
+        wait_until(lambda: all(s.linked for s in served.app.state.router.core.services.values()))
+        start = time.monotonic()
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=SLOW, timeout=30) as response:
+            lines = response.iter_lines()
+            next(lines)
+            served.peer.exit("decode")
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert "connection closed" in events[-1]["error"]["message"]
+        assert time.monotonic() - start < 10
+        assert health(served)[0] == 503
+        served.peer.restart("decode", pid=os.getpid())  # the same pid, as in a container: a new start id
+        wait_until(lambda: health(served)[0] == 200)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+        assert httpx.post(f"{served.url}/v1/completions", json=body, timeout=10).status_code == 200
 
 
 def test_a_silent_worker_fails_requests_in_flight_and_recovers(serve_router: Any, wait_until: Any) -> None:
