@@ -29,7 +29,8 @@ Lifetime. A mapping lives as long as any tensor on it (each storage holds the mm
 cannot be unmapped under a live tensor). The creating process (owner) unlinks a segment when its last tensor
 dies, in `release_all` (registered with atexit) or at exit; the memory itself stays until every process has
 unmapped it, so importers keep working. Importers never unlink. Segments of a process that died without
-cleaning up (SIGKILL) are removed by `unlink_stale(pid)`, which the launcher calls when a worker dies.
+cleaning up (SIGKILL) are removed by `unlink_stale(pid)`, which the launcher calls when a worker dies, and by
+decode's sweep at its start (`unlink_stale()`: where no launcher runs, as in a container).
 The importer must number CUDA devices as the exporter does (same CUDA_VISIBLE_DEVICES).
 """
 
@@ -252,22 +253,32 @@ def unlink_stale(pid: int | None = None) -> list[str]:
 
     Returns the names removed. Call it once the process is known dead (the launcher, when a worker exits):
     with an explicit pid, liveness is not checked, so a zombie's segments are removed too. The sweep (None)
-    judges liveness in this pid namespace: do not use it where another namespace shares /dev/shm.
+    judges liveness in this pid namespace: do not use it where another namespace shares /dev/shm. It also
+    removes the segments named with this process's own pid that it did not create: a container starts its
+    worker under the same pid every time, so they are its crashed predecessor's (decode sweeps at its start).
     """
     if pid == os.getpid():
         raise ValueError("unlink_stale is for other, dead processes; this one uses release_all")
+    own = {seg.name for seg in _segments.values()}
     removed = []
     for entry in os.scandir(SHM_DIR):
         match = _NAME_RE.fullmatch(entry.name)
         if match is None:
             continue
         owner = int(match.group(1))
-        if owner == os.getpid() or (pid is not None and owner != pid) or (pid is None and _alive(owner)):
+        if _kept(entry.name, owner, pid, own):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.path)
             removed.append(entry.name)
     return removed
+
+
+def _kept(name: str, owner: int, pid: int | None, own: set[str]) -> bool:
+    """Whether unlink_stale(pid) leaves segment `name` of process `owner` (`own`: this process's names)."""
+    if pid is not None:
+        return owner != pid
+    return name in own if owner == os.getpid() else _alive(owner)
 
 
 def _alive(pid: int) -> bool:

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from common import ipc
 from common.config import format_bytes
 from common.memory_plan import cap_allocator, cap_worker, format_plan
 from common.protocol import (
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parsed_config(parser, args)
     outboxes = {"router": args.router, "prefill": args.peer}
     shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port, args.metrics_host)
+    # Shared memory a crashed predecessor left (in a container it had this pid; no launcher swept after it).
+    ipc.unlink_stale()
     try:
         plan = cap_worker(cfg, "decode")  # the budget is a hard cap: decode's part of it
         core = DecodeCore(cfg, shared_allocator, host_allocator)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -268,3 +269,20 @@ def test_segments_of_a_dead_process() -> None:
     assert _segments(pid) == []
     with pytest.raises(ValueError):
         ipc.unlink_stale(os.getpid())
+
+
+def test_the_sweep_removes_a_predecessor_under_this_pid_and_keeps_this_process_own() -> None:
+    """In a container every start of decode has the same pid: the segments it finds under that pid at its
+    start are its crashed predecessor's."""
+    mine = ipc.shared_empty((8,))
+    stray = os.path.join(ipc.SHM_DIR, f"{ipc.SEGMENT_PREFIX}{os.getpid()}-{10**9}")
+    os.close(os.open(stray, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    try:
+        removed = ipc.unlink_stale()
+        assert os.path.basename(stray) in removed and not os.path.exists(stray)
+        assert len(_segments(os.getpid())) >= 1, "this process's own segment stays"
+        mine.fill_(1.0)
+        assert ipc.import_tensor(ipc.export_tensor(mine)).sum().item() == 8
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stray)
