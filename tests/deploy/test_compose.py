@@ -88,6 +88,8 @@ def test_prometheus_scrapes_each_service_where_it_serves_metrics() -> None:
     assert dict(s.split("=", 1) for s in router.metrics_url) == {
         name: f"http://{name}:{parsed(name).metrics_port}/metrics" for name in WORKERS
     }
+    for name in WORKERS:  # the host in the metrics URL a worker announces (services.worker_loop.reachable)
+        assert compose()["services"][name]["hostname"] == name
 
 
 def test_the_model_service_writes_the_model_the_others_read() -> None:
