@@ -97,9 +97,11 @@ def test_the_model_service_writes_the_model_the_others_read() -> None:
     assert parsed("router").model + "/config.json" in services["model"]["command"]
     for name in SERVICES:
         assert services[name]["depends_on"] == ["decode"] or "model" in services[name]["depends_on"]
-    prefill = services["prefill"]
-    assert prefill["ipc"] == prefill["pid"] == "service:decode", "prefill maps decode's memory"
-    assert services["decode"]["ipc"] == "shareable"
+    for name in WORKERS:  # prefill maps decode's memory: one IPC and pid namespace, held by neither
+        worker = services[name]
+        assert worker["ipc"] == worker["pid"] == "service:workers" and not worker["init"], name
+        assert "workers" in worker["depends_on"] or worker["depends_on"] == ["decode"]
+    assert services["workers"]["ipc"] == "shareable" and services["workers"]["init"]
 
 
 def test_the_files_compose_mounts_and_the_image_copies_exist() -> None:
