@@ -18,6 +18,7 @@ from services.worker_args import (
     add_placement_args,
     add_prefill_args,
     device_arg,
+    float_at_least,
     int_at_least,
     size_arg,
 )
@@ -233,12 +234,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_before_start(args: argparse.Namespace, cfg, model) -> None:
     """ValueError for what the workers would refuse only once started (each of their restarts failing
-    alike): the expert cache's size, the tokenizer, the stall timeout."""
+    alike): the expert cache's size, the tokenizer."""
     from common.experts.offload import parse_capacity
     from common.tokenizer import Tokenizer
 
-    if args.stall_timeout < 0:
-        raise ValueError(f"--stall-timeout {args.stall_timeout} is below 0")
     if cfg.expert_cache is not None:
         parse_capacity(cfg.expert_cache, len(model.moe_layers), model.num_experts)
     Tokenizer.from_dir(cfg.model_dir)
@@ -308,7 +307,7 @@ def _add_serve(sub) -> None:
     )
     srv.add_argument(
         "--stall-timeout",
-        type=float,
+        type=float_at_least(0.0),
         default=120.0,
         help="seconds a worker may go without a heartbeat before it is taken as hung: its requests fail "
         "and it is restarted (0: never; default %(default)s)",

@@ -88,6 +88,7 @@ def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
         for i, s in enumerate(("router", "prefill", "decode"))
     }
     common = ["--router", addr["router"], "--threads", str(opts.threads), *opts.worker_args]
+    common += ["--stall-timeout", str(opts.stall_timeout_s)]
     py = [sys.executable, "-m"]
     decode = [*py, "services.decode", *common, "--inbox", addr["decode"], "--peer", addr["prefill"]]
     prefill = [*py, "services.prefill", *common, "--inbox", addr["prefill"], "--peer", addr["decode"]]

@@ -135,6 +135,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", required=True, help="the other worker's inbox address")
     parser.add_argument("--metrics-port", type=int_at_least(0), default=0, help="Prometheus port (0: none)")
     parser.add_argument(
+        "--stall-timeout",
+        type=float_at_least(0.0),
+        default=120.0,
+        help="seconds the worker's loop may stall once ready before the process takes itself as hung and "
+        "exits, to be restarted (0: never; default %(default)s)",
+    )
+    parser.add_argument(
         "--metrics-host",
         default="127.0.0.1",
         help="interface the metrics port binds (0.0.0.0 in a container, for Prometheus; default %(default)s)",
@@ -211,13 +218,21 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """argparse type of an integer that is at least `low` (a count, a length)."""
+    return _at_least(low, int, "an integer")
 
-    def parse(text: str) -> int:
+
+def float_at_least(low: float) -> Callable[[str], float]:
+    """argparse type of a number that is at least `low` (a duration)."""
+    return _at_least(low, float, "a number")
+
+
+def _at_least(low, convert, what: str):
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value >= low:  # (NaN too)
             raise argparse.ArgumentTypeError(f"{value} is below {low}")
         return value
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import secrets
@@ -35,6 +36,7 @@ class WorkerShell:
         threads: int = 0,
         metrics_port: int = 0,
         metrics_host: str = "127.0.0.1",
+        stall_timeout_s: float = 0.0,
     ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {service} %(levelname)s %(message)s")
         if threads:
@@ -54,6 +56,9 @@ class WorkerShell:
             metrics.serve(self.registry, metrics_port, metrics_host) if metrics_port else None
         )
         self.metrics_url = f"http://{reachable(metrics_host)}:{metrics_port}/metrics" if metrics_port else ""
+        self.stall_timeout_s = stall_timeout_s
+        """Once Ready: a loop that has not come round for this long (no heartbeat) is hung: the process dumps
+        every thread's stack and exits, to be restarted (0: never). Start-up is not timed."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
 
@@ -86,6 +91,7 @@ class WorkerShell:
         self.send(
             "router", Ready(self.service, self.pid, capacity, self.metrics_url, max_context, self.instance)
         )
+        self._rearm()
 
     def heartbeat_due(self) -> bool:
         """True once a second: time to send a heartbeat and refresh the gauges."""
@@ -103,8 +109,17 @@ class WorkerShell:
         self.metrics.requests_running.set(running)
         self.metrics.requests_waiting.set(waiting)
         self.send("router", Heartbeat(self.service, self.pid, running, waiting, *self.limits, self.instance))
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """Push the hang deadline out by the stall timeout. faulthandler's timer is a C thread: it fires even
+        where the loop holds the GIL, and a launcher is not needed to end the process (one container a
+        service: its restart policy starts it again)."""
+        if self.stall_timeout_s > 0:
+            faulthandler.dump_traceback_later(self.stall_timeout_s, exit=True)
 
     def close(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
         if self._stop_metrics is not None:
             self._stop_metrics()
         self.inbox.close()

@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = parsed_config(parser, args)
     outboxes = {"router": args.router, "prefill": args.peer}
-    shell = WorkerShell("decode", args.inbox, outboxes, args.threads, args.metrics_port, args.metrics_host)
+    shell = WorkerShell(
+        "decode", args.inbox, outboxes, args.threads, args.metrics_port, args.metrics_host, args.stall_timeout
+    )
     # Shared memory a crashed predecessor left (in a container it had this pid; no launcher swept after it).
     ipc.unlink_stale()
     try:

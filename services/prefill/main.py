@@ -74,7 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = parsed_config(parser, args)
     outboxes = {"router": args.router, "decode": args.peer}
-    shell = WorkerShell("prefill", args.inbox, outboxes, args.threads, args.metrics_port, args.metrics_host)
+    shell = WorkerShell(
+        "prefill",
+        args.inbox,
+        outboxes,
+        args.threads,
+        args.metrics_port,
+        args.metrics_host,
+        args.stall_timeout,
+    )
     cap_worker(cfg, "prefill")  # before CUDA starts: expandable segments, then prefill's part of the budget
     worker = PrefillWorker(shell, cfg)
     shell.send("decode", WantExports(shell.pid))
