@@ -30,7 +30,7 @@ cannot be unmapped under a live tensor). The creating process (owner) unlinks a 
 dies, in `release_all` (registered with atexit) or at exit; the memory itself stays until every process has
 unmapped it, so importers keep working. Importers never unlink. Segments of a process that died without
 cleaning up (SIGKILL) are removed by `unlink_stale(pid)`, which the launcher calls when a worker dies, and by
-decode's sweep at its start (`unlink_stale()`: where no launcher runs, as in a container).
+decode's sweep at its start (`unlink_stale()`, for where no launcher runs, as in a container).
 The importer must number CUDA devices as the exporter does (same CUDA_VISIBLE_DEVICES).
 """
 
@@ -254,8 +254,8 @@ def unlink_stale(pid: int | None = None) -> list[str]:
     Returns the names removed. Call it once the process is known dead (the launcher, when a worker exits):
     with an explicit pid, liveness is not checked, so a zombie's segments are removed too. The sweep (None)
     judges liveness in this pid namespace: do not use it where another namespace shares /dev/shm. It also
-    removes the segments named with this process's own pid that it did not create: a container starts its
-    worker under the same pid every time, so they are its crashed predecessor's (decode sweeps at its start).
+    removes the segments named with this process's own pid that it did not create: a predecessor's (a
+    container whose worker is PID 1 of its own namespace starts it under the same pid every time).
     """
     if pid == os.getpid():
         raise ValueError("unlink_stale is for other, dead processes; this one uses release_all")

@@ -9,6 +9,7 @@ separate metrics port).
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,8 +68,11 @@ def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> Ca
         def log_message(self, *args: object) -> None:  # a scrape every few seconds is not news
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        daemon_threads = True
+
+    server = Server((host, port), Handler)
     thread = threading.Thread(target=server.serve_forever, name=f"metrics:{port}", daemon=True)
     thread.start()
 

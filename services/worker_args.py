@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 from common.config import (
@@ -234,6 +235,8 @@ def _at_least(low, convert, what: str):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
         if not value >= low:  # (NaN too)
             raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        if not math.isfinite(value):  # 0 says "never" where a flag allows it
+            raise argparse.ArgumentTypeError(f"{value} is not finite")
         return value
 
     return parse

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -9,6 +10,7 @@ import secrets
 import signal
 import socket
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -17,6 +19,10 @@ from common.protocol import Heartbeat, Message, Ready
 from common.transport import Inbox, Outbox
 
 HEARTBEAT_S = 1.0
+HANG_EXIT_GRACE_S = 4.0
+"""A hung worker ends itself this long after the stall timeout: after the router has failed its requests
+(at the timeout, with the reason) and after a launcher's kill (2 s past it), so it matters only where no
+launcher runs."""
 
 
 def reachable(host: str) -> str:
@@ -58,7 +64,10 @@ class WorkerShell:
         self.metrics_url = f"http://{reachable(metrics_host)}:{metrics_port}/metrics" if metrics_port else ""
         self.stall_timeout_s = stall_timeout_s
         """Once Ready: a loop that has not come round for this long (no heartbeat) is hung: the process dumps
-        every thread's stack and exits, to be restarted (0: never). Start-up is not timed."""
+        every thread's stack and exits HANG_EXIT_GRACE_S later, to be restarted (0: never). Start-up is not
+        timed, nor is what runs `untimed`. A send blocked on a router gone for as long (ZeroMQ's queue
+        full) counts as hung too."""
+        self._armed = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
 
@@ -91,6 +100,7 @@ class WorkerShell:
         self.send(
             "router", Ready(self.service, self.pid, capacity, self.metrics_url, max_context, self.instance)
         )
+        self._armed = True
         self._rearm()
 
     def heartbeat_due(self) -> bool:
@@ -112,11 +122,22 @@ class WorkerShell:
         self._rearm()
 
     def _rearm(self) -> None:
-        """Push the hang deadline out by the stall timeout. faulthandler's timer is a C thread: it fires even
-        where the loop holds the GIL, and a launcher is not needed to end the process (one container a
-        service: its restart policy starts it again)."""
-        if self.stall_timeout_s > 0:
-            faulthandler.dump_traceback_later(self.stall_timeout_s, exit=True)
+        """Push the hang deadline out. faulthandler's timer is a C thread: it fires even where the loop holds
+        the GIL, and no launcher is needed to end the process (one container a service: its restart policy
+        starts it again)."""
+        if self.stall_timeout_s > 0 and self._armed:
+            faulthandler.dump_traceback_later(self.stall_timeout_s + HANG_EXIT_GRACE_S, exit=True)
+
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Work that may outlast the stall timeout and is no hang (mapping a restarted peer's memory)."""
+        faulthandler.cancel_dump_traceback_later()
+        armed, self._armed = self._armed, False
+        try:
+            yield
+        finally:
+            self._armed = armed
+            self._rearm()
 
     def close(self) -> None:
         faulthandler.cancel_dump_traceback_later()

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     shell = WorkerShell(
         "decode", args.inbox, outboxes, args.threads, args.metrics_port, args.metrics_host, args.stall_timeout
     )
-    # Shared memory a crashed predecessor left (in a container it had this pid; no launcher swept after it).
+    # Shared memory a crashed predecessor left where no launcher swept after it (one container a service).
     ipc.unlink_stale()
     try:
         plan = cap_worker(cfg, "decode")  # the budget is a hard cap: decode's part of it

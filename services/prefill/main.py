@@ -31,7 +31,8 @@ class PrefillWorker:
         out = [] if first else self.core.fail_all("decode worker restarted")
         # decode's pools decide the context and page size (it may cap --max-context at the model's)
         cfg = dataclasses.replace(self.cfg, max_context=exports.max_context, page_size=exports.page_size)
-        model, pools, eos = prefill_model(cfg, exports)
+        with self.shell.untimed():  # mapping a restarted decode's memory is start-up work, however long
+            model, pools, eos = prefill_model(cfg, exports)
         self.core, self.epoch = PrefillCore(cfg, model, pools, eos), exports.epoch
         self.shell.watch_experts(model.experts)
         if first:

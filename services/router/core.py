@@ -221,8 +221,11 @@ class RouterCore:
         self._fail_all(f"the {service} worker's connection closed (it exited)")
 
     async def _watch_link(self, service: str, outbox: AsyncOutbox) -> None:
-        while True:
-            self.on_link(service, await outbox.link_changed())
+        try:
+            while True:
+                self.on_link(service, await outbox.link_changed())
+        except zmq.ZMQError:  # the context is going (close): nothing left to watch
+            log.debug("%s: connection monitor ended", service, exc_info=True)
 
     async def _watch_stalls(self) -> None:
         while True:
@@ -374,6 +377,8 @@ class RouterCore:
         same = (svc.pid, svc.instance) == (msg.pid, msg.instance)
         if svc.exited and (same or isinstance(msg, Heartbeat)):
             return  # a late message of the dead process, or a successor not Ready yet
+        if svc.linked is False and isinstance(msg, Heartbeat):
+            return  # sent before its connection closed: it must not make the successor look up
         svc.exited = False
         if svc.stalled:
             svc.stalled = False

@@ -19,14 +19,17 @@ RATE_INTERVAL = "1m"
 
 
 def interpolate(text: str, env: dict[str, str] | None = None) -> str:
-    """Compose's variable substitution: `${VAR}`, `${VAR:-default}`, `$$` for a dollar."""
+    """Compose's variable substitution: `${VAR}`, `${VAR:-default}` (unset or empty), `${VAR-default}`
+    (unset), `$$` for a dollar."""
     env = env or {}
 
     def one(match: re.Match) -> str:
-        name, default = match.group(1), match.group(3)
-        return env.get(name) or (default or "")
+        name, dash, default = match.group(1), match.group(2), match.group(3) or ""
+        if dash == ":-":
+            return env.get(name) or default
+        return env.get(name, default if dash else "")
 
-    text = re.sub(r"\$\{(\w+)(:-([^}]*))?\}", one, text)
+    text = re.sub(r"(?<!\$)\$\{(\w+)(:?-)?([^}]*)\}", one, text)
     return text.replace("$$", "$")
 
 

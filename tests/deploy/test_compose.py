@@ -76,6 +76,9 @@ def test_both_workers_get_the_same_flags_as_serve_gives_them() -> None:
 
     assert flags("prefill") == flags("decode")
     assert flags("decode")[-3:] == ["--lend-kv", "--max-running", "2"]
+    assert "--expert-cache" in command("decode") and "--expert-cache" not in command(
+        "decode", {"SPILLWAY_WORKER_FLAGS": ""}
+    ), "set but empty, the flags replace the defaults"
 
 
 def test_prometheus_scrapes_each_service_where_it_serves_metrics() -> None:
@@ -94,13 +97,13 @@ def test_prometheus_scrapes_each_service_where_it_serves_metrics() -> None:
 
 def test_the_model_service_writes_the_model_the_others_read() -> None:
     services = compose()["services"]
-    assert parsed("router").model + "/config.json" in services["model"]["command"]
-    for name in SERVICES:
-        assert services[name]["depends_on"] == ["decode"] or "model" in services[name]["depends_on"]
+    assert services["model"]["environment"]["SPILLWAY_MODEL"] == parsed("router").model
+    assert '"$SPILLWAY_MODEL/config.json"' in services["model"]["command"]
+    assert set(services["decode"]["depends_on"]) == {"workers", "model"}
+    assert services["prefill"]["depends_on"] == ["decode"] and "model" in services["router"]["depends_on"]
     for name in WORKERS:  # prefill maps decode's memory: one IPC and pid namespace, held by neither
         worker = services[name]
         assert worker["ipc"] == worker["pid"] == "service:workers" and not worker["init"], name
-        assert "workers" in worker["depends_on"] or worker["depends_on"] == ["decode"]
     assert services["workers"]["ipc"] == "shareable" and services["workers"]["init"]
 
 

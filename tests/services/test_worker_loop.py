@@ -5,13 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SCRIPT = """
 import sys, time
-from common.transport import ipc_address, make_run_dir
-from services.worker_loop import WorkerShell
+from common.transport import ipc_address
+from services.worker_loop import HANG_EXIT_GRACE_S, WorkerShell
 
-run = make_run_dir()
+run = sys.argv[1]
 shell = WorkerShell("decode", ipc_address(run, "decode"), {{"router": ipc_address(run, "router")}},
                     stall_timeout_s=1.0)
 time.sleep(1.5)  # start-up is not timed
@@ -25,19 +26,20 @@ print("alive", flush=True)
 """
 
 
-def _run(beats: int, then: str) -> subprocess.CompletedProcess:
+def _run(beats: int, then: str, run_dir: Path) -> subprocess.CompletedProcess:
     code = SCRIPT.format(beats=beats, then=then)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    argv = [sys.executable, "-c", code, str(run_dir)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
 
-def test_a_loop_stuck_past_the_stall_timeout_ends_the_process_with_its_stacks() -> None:
+def test_a_loop_stuck_past_the_stall_timeout_ends_the_process_with_its_stacks(tmp_path: Path) -> None:
     start = time.monotonic()
-    run = _run(beats=3, then="time.sleep(30)  # a step that never returns")
+    run = _run(beats=3, then="time.sleep(30)  # a step that never returns", run_dir=tmp_path)
     assert run.returncode != 0 and "alive" not in run.stdout
     assert "Timeout" in run.stderr and 'File "<string>"' in run.stderr, "the stuck thread's stack, dumped"
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 25  # 1 s + HANG_EXIT_GRACE_S after the last beat
 
 
-def test_heartbeats_keep_it_alive_and_close_disarms_it() -> None:
-    run = _run(beats=6, then="shell.close(); time.sleep(1.5)")
+def test_heartbeats_keep_it_alive_and_close_disarms_it(tmp_path: Path) -> None:
+    run = _run(beats=14, then="shell.close(); time.sleep(1 + HANG_EXIT_GRACE_S + 1)", run_dir=tmp_path)
     assert run.returncode == 0 and "alive" in run.stdout, run.stderr

@@ -53,6 +53,7 @@ class Peer:
         self.received: list[tuple[str, Message]] = []
         self.heartbeating = {"prefill": ready, "decode": ready}
         self.pids = {"prefill": os.getpid(), "decode": os.getpid()}
+        self.instances = {"prefill": "", "decode": ""}
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._plans: dict[str, tuple[float, Plan]] = {}
         self._stop = threading.Event()
@@ -64,13 +65,18 @@ class Peer:
 
     # Test-thread API (sockets stay on the peer thread).
 
-    def announce(self, service: str, pid: int | None = None, max_context: int = 0) -> None:
-        """Send `Ready` for `service` (as process `pid`: a new one is a restart; holding `max_context`
-        tokens, 0: no limit of its own) and keep heartbeating."""
+    def announce(
+        self, service: str, pid: int | None = None, max_context: int = 0, instance: str | None = None
+    ) -> None:
+        """Send `Ready` for `service` (as process `pid` and start `instance`: a new one is a restart;
+        holding `max_context` tokens, 0: no limit of its own) and keep heartbeating."""
 
         def command() -> None:
             self.pids[service] = pid or self.pids[service]
-            self.router.send(Ready(service, self.pids[service], capacity=8, max_context=max_context))
+            self.instances[service] = self.instances[service] if instance is None else instance
+            ready = Ready(service, self.pids[service], capacity=8, max_context=max_context,
+                          instance=self.instances[service])  # fmt: skip
+            self.router.send(ready)
             self.heartbeating[service] = True
 
         self._commands.put(command)
@@ -90,15 +96,16 @@ class Peer:
 
         self._commands.put(command)
 
-    def restart(self, service: str, pid: int) -> None:
-        """`service`'s successor, process `pid`: binds the inbox again and announces itself."""
+    def restart(self, service: str, pid: int, instance: str) -> None:
+        """`service`'s successor, process `pid` of start `instance`: binds the inbox again and announces
+        itself."""
 
         def command() -> None:
             self.inboxes[service] = Inbox(self._addresses[service], self.ctx)
             self._poller.register(self.inboxes[service].sock, zmq.POLLIN)
 
         self._commands.put(command)
-        self.announce(service, pid)
+        self.announce(service, pid, instance=instance)
 
     def generates(self) -> list[Generate]:
         return [m for _, m in self.received if isinstance(m, Generate)]
@@ -128,7 +135,8 @@ class Peer:
             if now >= next_beat:
                 for service, on in self.heartbeating.items():
                     if on:
-                        self.router.send(Heartbeat(service, self.pids[service]))
+                        beat = Heartbeat(service, self.pids[service], instance=self.instances[service])
+                        self.router.send(beat)
                 next_beat = now + 0.1
             self._emit_due(now)
             self._poller.poll(2)

@@ -143,8 +143,9 @@ def test_a_worker_that_exits_fails_requests_in_flight_at_once(serve_router: Any,
         assert "connection closed" in events[-1]["error"]["message"]
         assert time.monotonic() - start < 10
         assert health(served)[0] == 503
-        served.peer.restart("decode", pid=os.getpid())  # the same pid, as in a container: a new start id
+        served.peer.restart("decode", pid=os.getpid(), instance="b")  # the same pid: a new start id
         wait_until(lambda: health(served)[0] == 200)
+        assert health(served)[1]["services"]["decode"]["restarts"] == 1
         body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
         assert httpx.post(f"{served.url}/v1/completions", json=body, timeout=10).status_code == 200
 

@@ -153,7 +153,6 @@ def test_a_restart_under_the_same_pid_is_told_by_its_instance() -> None:
 def test_a_closed_connection_fails_flights_and_the_service_waits_to_be_heard() -> None:
     async def test(core: RouterCore) -> None:
         state = lambda: core.health()["services"]["decode"]["state"]
-        core.on_link("decode", False)  # not yet connected: nothing to fail
         core.on_link("decode", True)
         flight = await core.submit([1], SAMPLING, time.monotonic())
         core.on_link("decode", False)
@@ -161,6 +160,7 @@ def test_a_closed_connection_fails_flights_and_the_service_waits_to_be_heard() -
         assert event.finish_reason == "error" and "connection closed" in event.error
         core.release(flight, None)
         assert state() == "down"
+        core.on_message(Heartbeat("decode", os.getpid()))  # sent before the connection closed
         core.on_link("decode", True)
         assert state() == "starting", "nothing heard from the process behind the new connection"
         core.on_message(Heartbeat("decode", os.getpid()))
