@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.error
 import urllib.request
 
@@ -34,5 +35,22 @@ def test_a_worker_serves_its_names_with_the_colon_whatever_the_scraper_accepts()
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=5)
         assert err.value.code == 404
+    finally:
+        stop()
+
+
+def test_a_worker_serves_its_metrics_over_ipv6_too() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    registry = metrics.new_registry()
+    metrics.WorkerMetrics.create(registry).kv_pages_used.set(3)
+    port = free_port()
+    try:
+        stop = metrics.serve(registry, port, "::1")
+    except OSError as exc:  # IPv6 compiled in, not configured
+        pytest.skip(f"no IPv6 loopback: {exc}")
+    try:
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5) as resp:
+            assert "\nspillway:kv_pages_used 3.0\n" in resp.read().decode()
     finally:
         stop()
