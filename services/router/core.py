@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_RUNNING = 64
 """The admission limit when `max_running` is 0 and no worker has announced a capacity."""
 TERMINAL_ERRORS = ("error", "abort")
+ORPHANS_REMEMBERED = 4096
+"""Requests aborted for orphaned tokens that the router remembers, so that each is aborted once."""
 
 
 @dataclass
@@ -121,6 +123,8 @@ class RouterCore:
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._links: list[asyncio.Task[None]] = []
+        self._orphans: dict[str, None] = {}
+        """Requests aborted for tokens nobody waits for (insertion-ordered: the oldest go first)."""
 
     # Lifecycle.
 
@@ -407,7 +411,8 @@ class RouterCore:
     def _on_tokens(self, event: Tokens) -> None:
         flight = self._flights.get(event.rid)
         if flight is None:
-            return  # a late event of a request that already ended (e.g. aborted)
+            self._abort_orphan(event)
+            return
         if event.finish_reason in TERMINAL_ERRORS:
             flight.events.put_nowait(event)
             return
@@ -437,6 +442,17 @@ class RouterCore:
         flight.events.put_nowait(event)
 
     # Aborts.
+
+    def _abort_orphan(self, event: Tokens) -> None:
+        """Tokens of a request this router does not hold: a late event of one it ended, or one its
+        predecessor sent before a router restart, which would hold a lane and its pages to max_tokens for
+        nobody. Abort it at the workers, once per request."""
+        if event.finish_reason is not None or event.rid in self._orphans:
+            return
+        self._orphans[event.rid] = None
+        while len(self._orphans) > ORPHANS_REMEMBERED:
+            del self._orphans[next(iter(self._orphans))]
+        self._spawn(self._send_abort(event.rid))
 
     async def _send_abort(self, rid: str) -> None:
         for outbox in (self._prefill, self._decode):

@@ -84,6 +84,10 @@ class Peer:
     def silence(self, service: str) -> None:
         self._commands.put(lambda: self.heartbeating.__setitem__(service, False))
 
+    def emit(self, event: Tokens) -> None:
+        """Send `event` to the router as a worker would."""
+        self._commands.put(lambda: self.router.send(event))
+
     def exit(self, service: str) -> None:
         """As if `service`'s process died: its inbox closes, its heartbeats and events stop."""
 

@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from common.protocol import Abort, Tokens
+
 SLOW = {"model": "tiny", "prompt": "[slow]", "max_tokens": 200, "stream": True}
 
 
@@ -148,6 +150,18 @@ def test_a_worker_that_exits_fails_requests_in_flight_at_once(serve_router: Any,
         assert health(served)[1]["services"]["decode"]["restarts"] == 1
         body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
         assert httpx.post(f"{served.url}/v1/completions", json=body, timeout=10).status_code == 200
+
+
+def test_tokens_nobody_waits_for_are_aborted_once(served: Any, wait_until: Any) -> None:
+    """A router restarted while requests ran gets their tokens: each is aborted at both workers, once, so
+    that it stops holding a lane; a finished request's last event asks for nothing."""
+    for index in range(3):
+        served.peer.emit(Tokens("orphan-1", [5], index=index))
+    served.peer.emit(Tokens("orphan-2", [5], "length", index=0))
+    wait_until(lambda: served.peer.aborted_by("orphan-1") == {"prefill", "decode"})
+    time.sleep(0.3)
+    aborts = [m.rid for _, m in served.peer.received if isinstance(m, Abort)]
+    assert aborts.count("orphan-1") == 2 and "orphan-2" not in aborts
 
 
 def test_a_silent_worker_fails_requests_in_flight_and_recovers(serve_router: Any, wait_until: Any) -> None:
