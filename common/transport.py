@@ -90,6 +90,15 @@ class Outbox:
     def send(self, msg: Message) -> None:
         self.sock.send(encode(msg))
 
+    def try_send(self, msg: Message) -> bool:
+        """Send without waiting: False (`msg` dropped) when the HWM's worth already waits for a peer that
+        does not read."""
+        try:
+            self.sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
     def close(self) -> None:
         self.sock.close(0)
 

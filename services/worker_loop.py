@@ -18,6 +18,7 @@ from common import metrics
 from common.protocol import Heartbeat, Message, Ready
 from common.transport import Inbox, Outbox
 
+log = logging.getLogger("worker")
 HEARTBEAT_S = 1.0
 HANG_EXIT_GRACE_S = 4.0
 """A hung worker ends itself this long after the stall timeout: after the router has failed its requests
@@ -55,6 +56,8 @@ class WorkerShell:
         self.limits = (0, 0)
         """(capacity, max_context) as `ready` announced them, repeated in every heartbeat."""
         self._dropped_seen = 0
+        self.router_dropped = 0
+        """Messages to the router dropped because it did not read (`send`)."""
         self.expert_metrics = None
         self.registry = metrics.new_registry()
         self.metrics = metrics.WorkerMetrics.create(self.registry)
@@ -65,8 +68,8 @@ class WorkerShell:
         self.stall_timeout_s = stall_timeout_s
         """Once Ready: a loop that has not come round for this long (no heartbeat) is hung: the process dumps
         every thread's stack and exits HANG_EXIT_GRACE_S later, to be restarted (0: never). Start-up is not
-        timed, nor is what runs `untimed`. A send blocked on a router gone for as long (ZeroMQ's queue
-        full) counts as hung too."""
+        timed, nor is what runs `untimed`. A send blocked as long on the peer worker (its queue full: it
+        does not read) counts as hung too; sends to the router never block (`send`)."""
         self._armed = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
@@ -75,7 +78,16 @@ class WorkerShell:
         self.stopping = True
 
     def send(self, dest: str, msg: Message) -> None:
-        self.out[dest].send(msg)
+        """To the peer worker: waits while its queue is full. To the router: never waits. Events for a
+        router that does not read (hung, restarting) are dropped once its queue is full: it would not know
+        their requests when back (it aborts them then), and the loop must go on for the other peer and its
+        heartbeats."""
+        if dest != "router":
+            self.out[dest].send(msg)
+        elif not self.out[dest].try_send(msg):
+            self.router_dropped += 1
+            if self.router_dropped in (1, 10, 100) or self.router_dropped % 1000 == 0:
+                log.warning("the router does not read: %d messages to it dropped", self.router_dropped)
 
     def receive(self, busy: bool) -> list[Message]:
         """Everything queued; when idle, wait up to 100 ms for the first message."""

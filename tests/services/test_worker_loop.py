@@ -1,4 +1,5 @@
-"""services/worker_loop.py: the hang watchdog of a worker (no launcher needed to end a hung worker)."""
+"""services/worker_loop.py: the hang watchdog of a worker (no launcher needed to end a hung worker), and
+sends to a router that does not read."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common.protocol import Tokens
+from common.transport import ipc_address
+from services.worker_loop import WorkerShell
 
 SCRIPT = """
 import sys, time
@@ -43,3 +48,19 @@ def test_a_loop_stuck_past_the_stall_timeout_ends_the_process_with_its_stacks(tm
 def test_heartbeats_keep_it_alive_and_close_disarms_it(tmp_path: Path) -> None:
     run = _run(beats=14, then="shell.close(); time.sleep(1 + HANG_EXIT_GRACE_S + 1)", run_dir=tmp_path)
     assert run.returncode == 0 and "alive" in run.stdout, run.stderr
+
+
+def test_a_router_that_does_not_read_never_blocks_the_loop(tmp_path: Path) -> None:
+    """Nobody reads the router's inbox (hung, or restarting): past ZeroMQ's queue the events are dropped
+    and counted, and the worker's loop goes on (a blocked send would stall every lane and the heartbeats)."""
+    shell = WorkerShell(
+        "decode", ipc_address(tmp_path, "decode"), {"router": ipc_address(tmp_path, "router")}
+    )
+    try:
+        start = time.monotonic()
+        for i in range(5000):
+            shell.send("router", Tokens(f"r{i}", [1, 2, 3], index=0))
+        assert time.monotonic() - start < 10
+        assert 0 < shell.router_dropped < 5000, "the queue holds some, the rest are dropped"
+    finally:
+        shell.close()
