@@ -273,16 +273,31 @@ def test_a_hung_decode_worker_fails_its_request_and_is_restarted(start_server, t
 
 def test_a_hung_router_is_restarted(start_server, tmp_path):
     """SIGSTOP on the router: /health stops answering; past --stall-timeout the launcher kills it and starts
-    another, which serves."""
+    another, which serves, and aborts the request its predecessor left running (its tokens reach nobody)."""
     server = start_server("--threads", "1", "--stall-timeout", "2", env={"SPILLWAY_CACHE": str(tmp_path)})
     children = lambda: {int(p) for p in subprocess.run(
         ["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()}  # fmt: skip
     workers = {health(server.port)[1]["services"][s]["pid"] for s in ("prefill", "decode")}
     (old,) = children() - workers
-    os.kill(old, signal.SIGSTOP)
+    long = {
+        "model": "tiny-qwen3_moe",
+        "prompt": "on",
+        "max_tokens": 16000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"http://127.0.0.1:{server.port}/v1/completions", json=long, timeout=30
+    ) as resp:
+        next(resp.iter_lines())  # it runs
+        os.kill(old, signal.SIGSTOP)
     body = wait_healthy(server.port, timeout_s=120)
     assert {body["services"][s]["pid"] for s in ("prefill", "decode")} == workers, "the workers kept running"
     assert old not in children() and len(children() - workers) == 1
+    deadline = time.monotonic() + 5  # aborted at its first event the new router gets
+    while health(server.port)[1]["services"]["decode"]["running"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert health(server.port)[1]["services"]["decode"]["running"] == 0, "the orphan was aborted"
     r = server.client().completions.create(
         model="tiny-qwen3_moe", prompt="again", max_tokens=4, temperature=0
     )
