@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int_at_least(0), default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
-    gen.add_argument("--device", type=device_arg, default="cpu", help="cpu | cuda | cuda:N")
+    gen.add_argument("--device", type=device_arg, default="cpu", help="cpu | cuda | cuda:N | auto")
     gen.add_argument(
         "--speculative",
         choices=["mtp"],

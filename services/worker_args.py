@@ -25,7 +25,7 @@ def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True
         parser.add_argument(
             "--model", default=None, help="model directory (default: the embedded tiny model)"
         )
-    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu | cuda | cuda:N | auto")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
         "--max-running", type=int_at_least(1), default=8, help="requests decoded together (lanes)"
@@ -243,9 +243,12 @@ def _at_least(low, convert, what: str):
 
 
 def device_arg(text: str) -> str:
-    """argparse type of a device this machine has: `cpu`, `cuda` or `cuda:N`."""
+    """argparse type of a device this machine has: `cpu`, `cuda` or `cuda:N`, or `auto`: `cuda` where one is
+    available, else `cpu` (a container image that runs with or without a GPU)."""
     import torch
 
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(text)
     except RuntimeError:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.config import WorkerConfig
-from services.worker_args import add_config_args, config_argv, worker_config
+from services.worker_args import add_config_args, config_argv, device_arg, worker_config
 
 
 def _roundtrip(cfg: WorkerConfig) -> WorkerConfig:
@@ -49,3 +49,8 @@ def test_device_must_exist_here() -> None:
         with pytest.raises(SystemExit):
             parser.parse_args(["--model", "/m", "--device", "cuda"])
     assert parser.parse_args(["--model", "/m", "--device", "cpu"]).device == "cpu"
+
+
+def test_device_auto_is_the_gpu_where_there_is_one_else_the_cpu() -> None:
+    assert device_arg("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert device_arg("cpu") == "cpu"
