@@ -1,11 +1,12 @@
 """End-to-end check of the compose deployment, for a machine with Docker (or podman behind its Docker API):
 
-    python deploy/smoke.py [--no-build] [--keep]
+    python deploy/smoke.py [--gpu] [--no-build] [--keep]
 
 Starts the stack, asks for a greedy chat completion, checks that Prometheus scrapes all three services,
 kills decode's process (a crash, not a stop: the restart policy applies), checks that the stream in flight
 ends with an error at once and that the restarted stack gives the same completion, then takes the stack
-down (`--keep`: leaves it up). `COMPOSE="docker-compose"` picks another compose command. Stdlib only.
+down (`--keep`: leaves it up; `--gpu`: with docker-compose.gpu.yml). `COMPOSE="docker-compose"` picks
+another compose command. Stdlib only.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ KILL_DECODE = (
 )
 
 
+FILES = ["docker-compose.yml"]
+
+
 def compose(*args: str, check: bool = True) -> int:
-    command = [
-        *shlex.split(os.environ.get("COMPOSE", "docker compose")),
-        "-f",
-        f"{DEPLOY}/docker-compose.yml",
-    ]
+    command = shlex.split(os.environ.get("COMPOSE", "docker compose"))
+    for name in FILES:
+        command += ["-f", f"{DEPLOY}/{name}"]
     return subprocess.run([*command, *args], check=check).returncode
 
 
@@ -93,7 +95,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-build", action="store_true", help="use the spillway:latest image as it is")
     parser.add_argument("--keep", action="store_true", help="leave the stack up")
+    parser.add_argument("--gpu", action="store_true", help="the workers on a GPU (docker-compose.gpu.yml)")
     args = parser.parse_args()
+    if args.gpu:
+        FILES.append("docker-compose.gpu.yml")
     compose("up", "-d", *(["--no-build"] if args.no_build else ["--build"]))
     try:
         wait("/health is 200", lambda: get(f"{API}/health")[0] == 200)
