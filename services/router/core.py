@@ -123,8 +123,8 @@ class RouterCore:
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._links: list[asyncio.Task[None]] = []
-        self._orphans: dict[str, None] = {}
-        """Requests aborted for tokens nobody waits for (insertion-ordered: the oldest go first)."""
+        self._orphans: deque[str] = deque(maxlen=ORPHANS_REMEMBERED)
+        """Requests aborted for tokens nobody waits for (the latest; as decode's `gone`)."""
 
     # Lifecycle.
 
@@ -449,9 +449,7 @@ class RouterCore:
         nobody. Abort it at the workers, once per request."""
         if event.finish_reason is not None or event.rid in self._orphans:
             return
-        self._orphans[event.rid] = None
-        while len(self._orphans) > ORPHANS_REMEMBERED:
-            del self._orphans[next(iter(self._orphans))]
+        self._orphans.append(event.rid)
         self._spawn(self._send_abort(event.rid))
 
     async def _send_abort(self, rid: str) -> None:
