@@ -36,6 +36,13 @@ def ipc_address(run_dir: str | Path, service: str) -> str:
     return f"ipc://{Path(run_dir) / service}.sock"
 
 
+def pair_names(pair: int) -> tuple[str, str]:
+    """The service names of the prefill and decode workers of pair `pair` (the router serves several pairs):
+    `prefill` and `decode` for the first, `prefill-N` and `decode-N` for the others."""
+    suffix = f"-{pair}" if pair else ""
+    return f"prefill{suffix}", f"decode{suffix}"
+
+
 class _Decoding:
     dropped = 0
 

@@ -205,7 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from common.model.defaults import default_model_dir
     from common.model.hf_config import load_architecture
-    from services.launch import Launcher, ServeOptions
+    from services.launch import Launcher, ServeOptions, pair_gpus
     from services.worker_args import config_argv, worker_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(levelname)s %(message)s")
@@ -215,6 +215,7 @@ def _serve(args: argparse.Namespace) -> int:
     _check_before_start(args, cfg, model)
     if cfg.vram_budget is not None:
         _check_serve_plan(cfg)
+    gpus = pair_gpus(args.pairs, cfg.device)
     opts = ServeOptions(
         model_dir=model_dir,
         host=args.host,
@@ -224,10 +225,10 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_queue=args.max_queue,
         worker_args=config_argv(cfg),
-        max_running=cfg.max_running,
         max_context=cfg.max_context,
         threads=args.threads,
         stall_timeout_s=args.stall_timeout,
+        pair_gpus=gpus,
     )
     return Launcher(opts).run()
 
@@ -298,7 +299,14 @@ def _add_serve(sub) -> None:
         "--metrics-port",
         type=int_at_least(0),
         default=0,
-        help="router, prefill, decode, encoder metrics on M..M+3",
+        help="metrics ports: the router's M, then each pair's prefill and decode on the next two",
+    )
+    srv.add_argument(
+        "--pairs",
+        type=int_at_least(1),
+        default=1,
+        help="prefill/decode worker pairs the router spreads requests over (on CUDA: a GPU each; "
+        "default %(default)s)",
     )
     srv.add_argument("--served-model-name", default="", help="the model's name in the API")
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")

@@ -1,16 +1,18 @@
 """The local launcher (`spillway serve`): every service as its own OS process, supervised.
 
-It creates a private run directory for the ipc:// sockets, starts decode, prefill and the router, waits until
-the router's /health says every worker is Ready, restarts a worker that dies (the router ends the requests it
-held with an error event) or that the router has not heard from for the stall timeout (a hung process: it is
-killed first), and on SIGINT/SIGTERM stops everything: children get SIGTERM, then SIGKILL after a grace
-period; the run directory and any shared-memory segment a dead child left are removed.
+It creates a private run directory for the ipc:// sockets, starts each prefill/decode pair (`--pairs N`: a
+GPU each, or N on the CPU) and the router over them, waits until the router's /health says every worker is
+Ready, restarts a worker that dies (the router ends the requests its pair held with an error event) or that
+the router has not heard from for the stall timeout (a hung process: it is killed first), and on
+SIGINT/SIGTERM stops everything: children get SIGTERM, then SIGKILL after a grace period; the run directory
+and any shared-memory segment a dead child left are removed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from common import ipc
 from common.protocol import ServiceDown
-from common.transport import Outbox, ipc_address, make_run_dir
+from common.transport import Outbox, ipc_address, make_run_dir, pair_names
 
 log = logging.getLogger("launch")
 GRACE_S = 10.0
@@ -37,18 +39,20 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     metrics_port: int = 0
-    """Router, prefill, decode, encoder get metrics_port + 0..3 (0: no metrics ports)."""
+    """The router gets metrics_port, pair i's prefill and decode metrics_port + 1 + 2i and + 2 + 2i (0: no
+    metrics ports)."""
     served_name: str = ""
     api_key: str | None = None
     max_queue: int = 64
     worker_args: list[str] = field(default_factory=list)
     """Flags passed to both workers: WorkerConfig's, from `services.worker_args.config_argv`."""
-    max_running: int = 8
     max_context: int = 4096
     threads: int = 0
     stall_timeout_s: float = 120.0
     """A worker the router has not heard from this long is hung: the router fails its requests, the
     launcher kills it (STALL_KILL_GRACE_S later) and restarts it (0: never)."""
+    pair_gpus: list[str | None] = field(default_factory=lambda: [None])
+    """One entry a prefill/decode pair: the CUDA_VISIBLE_DEVICES of its two workers (None: the launcher's)."""
 
 
 QUICK_EXIT_S = 60.0
@@ -62,17 +66,43 @@ STALL_KILL_GRACE_S = 2.0
 the reason (hung), rather than the exit's."""
 
 
+def pair_gpus(pairs: int, device: str) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES of each of `pairs` pairs whose workers run on `device`: one GPU a pair
+    (the decode worker owns its GPU's memory), taken in order from those this process sees; None each on
+    the CPU. ValueError where the GPUs are fewer than the pairs, or one is named for all."""
+    if pairs < 1:
+        raise ValueError(f"--pairs must be at least 1, got {pairs}")
+    if pairs == 1 or not device.startswith("cuda"):
+        return [None] * pairs
+    if device != "cuda":
+        raise ValueError(f"--pairs {pairs} gives each pair a GPU of its own: use --device cuda, not {device}")
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = (
+        [g for g in visible.split(",") if g]
+        if visible
+        else [str(i) for i in range(torch.cuda.device_count())]
+    )
+    if len(gpus) < pairs:
+        raise ValueError(f"--pairs {pairs} needs a GPU a pair; this machine shows {len(gpus)}")
+    return gpus[:pairs]
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
+    gpu: str | None = None
+    """Its CUDA_VISIBLE_DEVICES (None: the launcher's)."""
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started: float = 0.0
     quick_exits: int = 0
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv)
+        env = None if self.gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpu}
+        self.proc = subprocess.Popen(self.argv, env=env)
         self.started = time.monotonic()
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
@@ -82,19 +112,12 @@ class Child:
 
 
 def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
-    addr = {s: ipc_address(run_dir, s) for s in ("router", "prefill", "decode")}
-    metrics = {
-        s: (opts.metrics_port + i if opts.metrics_port else 0)
-        for i, s in enumerate(("router", "prefill", "decode"))
-    }
-    common = ["--router", addr["router"], "--threads", str(opts.threads), *opts.worker_args]
+    """Each pair's decode and prefill, then the router over them."""
+    router_inbox = ipc_address(run_dir, "router")
+    common = ["--router", router_inbox, "--threads", str(opts.threads), *opts.worker_args]
     common += ["--stall-timeout", str(opts.stall_timeout_s)]
-    py = [sys.executable, "-m"]
-    decode = [*py, "services.decode", *common, "--inbox", addr["decode"], "--peer", addr["prefill"]]
-    prefill = [*py, "services.prefill", *common, "--inbox", addr["prefill"], "--peer", addr["decode"]]
     router = [
-        *py,
-        "services.router",
+        *_module("router"),
         "--model",
         opts.model_dir,
         "--host",
@@ -102,22 +125,35 @@ def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
         "--port",
         str(opts.port),
     ]
-    router += ["--inbox", addr["router"], "--prefill", addr["prefill"], "--decode", addr["decode"]]
-    router += ["--max-running", str(opts.max_running), "--max-queue", str(opts.max_queue)]
+    router += ["--inbox", router_inbox, "--max-running", "0", "--max-queue", str(opts.max_queue)]
     router += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
-    for svc, port in metrics.items():
-        if port:
-            (router if svc == "router" else decode if svc == "decode" else prefill).extend(
-                ["--metrics-port", str(port)]
-            )
     if opts.metrics_port:
-        router += ["--worker-metrics", f"prefill=http://127.0.0.1:{metrics['prefill']}/metrics"]
-        router += ["--worker-metrics", f"decode=http://127.0.0.1:{metrics['decode']}/metrics"]
+        router += ["--metrics-port", str(opts.metrics_port)]
+    children = []
+    for i, gpu in enumerate(opts.pair_gpus):
+        prefill_name, decode_name = pair_names(i)
+        inbox = {"prefill": ipc_address(run_dir, prefill_name), "decode": ipc_address(run_dir, decode_name)}
+        router += ["--prefill", inbox["prefill"], "--decode", inbox["decode"]]
+        # decode first: it owns the memory prefill maps (either order works: prefill asks for it)
+        for role, name, peer, port in (
+            ("decode", decode_name, "prefill", 2),
+            ("prefill", prefill_name, "decode", 1),
+        ):
+            argv = [*_module(role), *common, "--name", name, "--inbox", inbox[role], "--peer", inbox[peer]]
+            if opts.metrics_port:
+                port += opts.metrics_port + 2 * i
+                argv += ["--metrics-port", str(port)]
+                router += ["--worker-metrics", f"{name}=http://127.0.0.1:{port}/metrics"]
+            children.append(Child(name, argv, gpu))
     if opts.served_name:
         router += ["--served-model-name", opts.served_name]
     if opts.api_key:
         router += ["--api-key", opts.api_key]
-    return [Child("decode", decode), Child("prefill", prefill), Child("router", router)]
+    return [*children, Child("router", router)]
+
+
+def _module(service: str) -> list[str]:
+    return [sys.executable, "-m", f"services.{service}"]
 
 
 def _kill(child: Child, why: str) -> None:

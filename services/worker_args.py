@@ -134,6 +134,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inbox", required=True, help="this worker's PULL address")
     parser.add_argument("--router", required=True, help="the router's inbox address")
     parser.add_argument("--peer", required=True, help="the other worker's inbox address")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="the service name it announces to the router (default: its role; the router's pairs after the "
+        "first: prefill-N, decode-N)",
+    )
     parser.add_argument("--metrics-port", type=int_at_least(0), default=0, help="Prometheus port (0: none)")
     parser.add_argument(
         "--stall-timeout",

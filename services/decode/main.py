@@ -92,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parsed_config(parser, args)
     outboxes = {"router": args.router, "prefill": args.peer}
     shell = WorkerShell(
-        "decode", args.inbox, outboxes, args.threads, args.metrics_port, args.metrics_host, args.stall_timeout
+        args.name or "decode",
+        args.inbox,
+        outboxes,
+        args.threads,
+        args.metrics_port,
+        args.metrics_host,
+        args.stall_timeout,
     )
     # Shared memory a crashed predecessor left where no launcher swept after it (one container a service).
     ipc.unlink_stale()

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parsed_config(parser, args)
     outboxes = {"router": args.router, "decode": args.peer}
     shell = WorkerShell(
-        "prefill",
+        args.name or "prefill",
         args.inbox,
         outboxes,
         args.threads,

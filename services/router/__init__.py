@@ -4,8 +4,8 @@
 """
 
 from services.router.app import create_app
-from services.router.config import RouterConfig
+from services.router.config import RouterConfig, WorkerPair
 from services.router.core import RouterCore
 from services.router.main import main
 
-__all__ = ["RouterConfig", "RouterCore", "create_app", "main"]
+__all__ = ["RouterConfig", "RouterCore", "WorkerPair", "create_app", "main"]

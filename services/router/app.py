@@ -295,7 +295,8 @@ def create_app(config: RouterConfig) -> FastAPI:
     @app.get("/health")
     def health() -> JSONResponse:
         report = router.core.health()
-        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+        # Degraded (some pair down) still serves: 200, so that a load balancer keeps sending.
+        return JSONResponse(report, status_code=503 if report["status"] == "unavailable" else 200)
 
     @app.get("/metrics")
     def metrics() -> Response:

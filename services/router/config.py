@@ -10,6 +10,17 @@ from types import MappingProxyType
 
 
 @dataclass(frozen=True)
+class WorkerPair:
+    """The inboxes of one prefill worker and the decode worker it hands its requests to (its service names:
+    `common.transport.pair_names` of its place in `RouterConfig.pairs`)."""
+
+    prefill: str
+    """The prefill worker's inbox (`Generate`, `Abort`)."""
+    decode: str
+    """The decode worker's inbox (`Abort`)."""
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router needs; addresses are ZeroMQ endpoints (`ipc://...` or `tcp://host:port`)."""
 
@@ -17,10 +28,9 @@ class RouterConfig:
     """Local HF model directory: its tokenizer, chat template and config.json (for the context length)."""
     inbox: str
     """Address the router binds its PULL inbox on; workers push `Tokens`, `Ready` and `Heartbeat` there."""
-    prefill: str
-    """The prefill worker's inbox (`Generate`, `Abort`)."""
-    decode: str
-    """The decode worker's inbox (`Abort`)."""
+    pairs: tuple[WorkerPair, ...]
+    """The prefill/decode pairs requests are spread over (one a GPU, or a machine): each request runs on
+    one pair, and a pair's failure fails only its requests. The router serves while one pair is up."""
     served_model_name: str | None = None
     """The model id clients name; None = the model directory's name."""
     host: str = "127.0.0.1"
@@ -28,7 +38,8 @@ class RouterConfig:
     port: int = 8000
     """HTTP port of the API (and of `/metrics`)."""
     max_running: int = 0
-    """Most requests in flight to the workers; 0 = the smallest capacity the workers announce in `Ready`."""
+    """Most requests in flight to the workers; 0 = the capacity the pairs that are up announced in `Ready`
+    (a pair's: the smaller of its two workers')."""
     max_queue: int = 256
     """Most requests waiting in the router's FIFO behind the running ones; beyond it requests get 429."""
     max_context: int | None = None
@@ -48,13 +59,13 @@ class RouterConfig:
     """A worker silent this long is hung: the requests in flight end with an error event (the launcher also
     kills it, and restarts it). Far above the longest step (a prefill chunk, ~1 s on the H200), below any
     client's patience; 0 = never."""
-    expected_services: tuple[str, ...] = ("prefill", "decode")
-    """Workers that must have sent `Ready` (and keep heartbeating) before the router admits requests."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
         object.__setattr__(self, "metrics_urls", MappingProxyType(dict(self.metrics_urls)))
-        object.__setattr__(self, "expected_services", tuple(self.expected_services))
+        object.__setattr__(self, "pairs", tuple(self.pairs))
+        if not self.pairs:
+            raise ValueError("the router needs at least one prefill/decode pair")
         if self.max_running < 0 or self.max_queue < 0:
             raise ValueError("max_running and max_queue must not be negative")
         if self.max_context is not None and self.max_context < 2:

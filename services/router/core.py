@@ -6,9 +6,13 @@ of `Tokens.index`, because prefill's first token and decode's later ones travel 
 `Ready` and `Heartbeat` update the health of their service. A watchdog task ends the requests in flight
 when a worker falls silent for `stall_timeout_s` (hung, not dead: no exit for the launcher to report).
 
+The workers come in prefill/decode pairs (`RouterConfig.pairs`, one a GPU or a machine). Each admitted
+request goes to the up pair with the smallest share of its capacity in use; a worker's exit, stall, restart
+or closed connection fails the requests of its pair only. The router serves while any pair is up.
+
 Admission: at most `max_running` requests are in flight to the workers; up to `max_queue` more wait in a
 FIFO here (their clients see nothing until a slot frees); beyond that, 429. Every request that ends before
-the workers finished it (client gone, stop string, error, router shutdown) is aborted at every worker.
+the workers finished it (client gone, stop string, error, router shutdown) is aborted at its pair's workers.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import zmq.asyncio
 from common.metrics import RouterMetrics
 from common.openai_api import ApiError
 from common.protocol import Abort, Generate, Heartbeat, Message, Ready, SamplingParams, ServiceDown, Tokens
-from common.transport import AsyncInbox, AsyncOutbox
+from common.transport import AsyncInbox, AsyncOutbox, pair_names
 from services.router.config import RouterConfig
+from services.router.pairs import Pair, ServiceHealth
 
 log = logging.getLogger(__name__)
 
@@ -38,42 +43,6 @@ DEFAULT_MAX_RUNNING = 64
 TERMINAL_ERRORS = ("error", "abort")
 ORPHANS_REMEMBERED = 4096
 """Requests aborted for orphaned tokens that the router remembers, so that each is aborted once."""
-
-
-@dataclass
-class ServiceHealth:
-    """What the router knows of one worker, from its `Ready` and `Heartbeat` messages."""
-
-    name: str
-    pid: int | None = None
-    instance: str = ""
-    """The process's start id (`Ready.instance`): pids alone repeat across containers and hosts."""
-    capacity: int = 0
-    metrics_url: str = ""
-    last_seen: float | None = None
-    """time.monotonic() of its last message; None = never heard (still starting)."""
-    running: int = 0
-    waiting: int = 0
-    restarts: int = 0
-    max_context: int = 0
-    """The context it announced in `Ready` (0: none of its own)."""
-    exited: bool = False
-    """The launcher reported the process `pid` dead; cleared by a `Ready` from its successor."""
-    stalled: bool = False
-    """Silent past the stall timeout (its requests were failed); cleared when it is heard again."""
-    linked: bool | None = None
-    """Whether the router's connection to its inbox is open (None: not yet). An exit closes it at once: the
-    requests in flight fail then, where no launcher reports the exit (one container a service); the
-    service is down, then starting, until the process behind the new connection speaks."""
-
-    def state(self, now: float, timeout_s: float) -> str:
-        """ "starting" (never heard), "up", or "down" (exited, stalled, its connection closed, or silent for
-        longer than `timeout_s`)."""
-        if self.exited or self.stalled or self.linked is False:
-            return "down"
-        if self.last_seen is None:
-            return "starting"
-        return "up" if now - self.last_seen <= timeout_s else "down"
 
 
 @dataclass
@@ -93,6 +62,8 @@ class Flight:
     """Events that arrived ahead of their turn, by `Tokens.index`."""
     last_token_at: float | None = None
     released: bool = False
+    pair: int = -1
+    """The index of the pair running it (`RouterConfig.pairs`)."""
 
     @property
     def arrival(self) -> float:
@@ -110,7 +81,13 @@ class RouterCore:
     def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.services = {name: ServiceHealth(name) for name in config.expected_services}
+        self.pairs = [
+            Pair(i, *(ServiceHealth(name) for name in pair_names(i))) for i in range(len(config.pairs))
+        ]
+        self.services = {w.name: w for pair in self.pairs for w in pair.workers}
+        self._pair_of = {w.name: pair for pair in self.pairs for w in pair.workers}
+        self._unknown: set[str] = set()
+        """Service names heard that no pair has (warned about once each)."""
         self._flights: dict[str, Flight] = {}
         self._running = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -118,8 +95,6 @@ class RouterCore:
         self._dropped_seen = 0
         self._ctx: zmq.asyncio.Context | None = None
         self._inbox: AsyncInbox | None = None
-        self._prefill: AsyncOutbox | None = None
-        self._decode: AsyncOutbox | None = None
         self._reader: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._links: list[asyncio.Task[None]] = []
@@ -132,13 +107,14 @@ class RouterCore:
         """Bind the inbox, connect to the workers, start reading (inside the serving event loop)."""
         self._ctx = zmq.asyncio.Context()
         self._inbox = AsyncInbox(self.config.inbox, self._ctx)
-        self._prefill = AsyncOutbox(self.config.prefill, self._ctx, monitor=True)
-        self._decode = AsyncOutbox(self.config.decode, self._ctx, monitor=True)
+        for pair, addrs in zip(self.pairs, self.config.pairs, strict=True):
+            pair.prefill_box = AsyncOutbox(addrs.prefill, self._ctx, monitor=True)
+            pair.decode_box = AsyncOutbox(addrs.decode, self._ctx, monitor=True)
+            self._links += [
+                asyncio.create_task(self._watch_link(w.name, box), name=f"router-link-{w.name}")
+                for w, box in ((pair.prefill, pair.prefill_box), (pair.decode, pair.decode_box))
+            ]
         self._reader = asyncio.create_task(self._read_inbox(), name="router-inbox")
-        self._links = [
-            asyncio.create_task(self._watch_link(name, box), name=f"router-link-{name}")
-            for name, box in (("prefill", self._prefill), ("decode", self._decode))
-        ]
         if self.config.stall_timeout_s > 0:
             self._watchdog = asyncio.create_task(self._watch_stalls(), name="router-watchdog")
 
@@ -149,11 +125,12 @@ class RouterCore:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        for rid in list(self._flights):
-            self._spawn(self._send_abort(rid))
+        for flight in list(self._flights.values()):
+            self._spawn(self._send_abort(flight.rid, self.pairs[flight.pair]))
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
-        for sock in (self._inbox, self._prefill, self._decode):
+        boxes = [box for pair in self.pairs for box in (pair.prefill_box, pair.decode_box)]
+        for sock in (self._inbox, *boxes):
             if sock is not None:
                 sock.close()
         if self._ctx is not None:
@@ -161,21 +138,29 @@ class RouterCore:
 
     # Health.
 
-    def ready(self) -> bool:
-        """Every expected worker is up (announced itself and heartbeats in time)."""
+    def up_pairs(self) -> list[Pair]:
+        """The pairs whose two workers are up (announced themselves and heartbeat in time)."""
         now = time.monotonic()
-        return all(
-            self.services[name].state(now, self.config.heartbeat_timeout_s) == "up"
-            for name in self.config.expected_services
-        )
+        return [p for p in self.pairs if p.state(now, self.config.heartbeat_timeout_s) == "up"]
+
+    def ready(self) -> bool:
+        """Some pair is up: requests can be served."""
+        return bool(self.up_pairs())
+
+    def status(self) -> str:
+        """ "ok" (every pair up), "degraded" (some: serving with less capacity) or "unavailable"."""
+        up = len(self.up_pairs())
+        return "ok" if up == len(self.pairs) else "degraded" if up else "unavailable"
 
     def health(self) -> dict[str, Any]:
-        """The `/health` body: each service's state and metrics URL, and the router's own load."""
+        """The `/health` body: each service's state and metrics URL, each pair's state and load, and the
+        router's own load."""
         now = time.monotonic()
+        timeout = self.config.heartbeat_timeout_s
         services = {}
         for name, svc in self.services.items():
             services[name] = {
-                "state": svc.state(now, self.config.heartbeat_timeout_s),
+                "state": svc.state(now, timeout),
                 "pid": svc.pid,
                 "capacity": svc.capacity,
                 "running": svc.running,
@@ -184,9 +169,20 @@ class RouterCore:
                 "last_seen_s": None if svc.last_seen is None else round(now - svc.last_seen, 3),
                 "metrics_url": svc.metrics_url or self.config.metrics_urls.get(name, ""),
             }
+        pairs = [
+            {
+                "prefill": p.prefill.name,
+                "decode": p.decode.name,
+                "state": p.state(now, timeout),
+                "running": p.running,
+                "capacity": p.capacity(),
+            }
+            for p in self.pairs
+        ]
         return {
-            "status": "ok" if self.ready() else "unavailable",
+            "status": self.status(),
             "services": services,
+            "pairs": pairs,
             "router": {
                 "running": self._running,
                 "waiting": len(self._waiters),
@@ -197,7 +193,7 @@ class RouterCore:
 
     def context_limit(self, configured: int) -> int:
         """The longest prompt + completion to admit: `configured`, or less where a worker announced less."""
-        announced = (self.services[name].max_context for name in self.config.expected_services)
+        announced = (svc.max_context for svc in self.services.values())
         return min([configured, *(c for c in announced if c > 0)])
 
     def check_stalls(self) -> None:
@@ -210,19 +206,20 @@ class RouterCore:
                 continue
             svc.stalled = True
             log.error("%s (pid %s) has been silent for %.0f s: taken as hung", svc.name, svc.pid, silent)
-            self._fail_all(f"the {svc.name} worker stopped responding ({silent:.0f} s without a heartbeat)")
+            reason = f"the {svc.name} worker stopped responding ({silent:.0f} s without a heartbeat)"
+            self._fail_pair(self._pair_of[svc.name], reason)
 
     def on_link(self, service: str, up: bool) -> None:
         """The router's connection to `service`'s inbox opened (`up`) or closed. Closed after being open: the
         worker exited (or its host is gone), so the requests in flight fail now, as on the launcher's
         `ServiceDown`, not after the stall timeout (public so that tests can step it)."""
-        svc = self.services.setdefault(service, ServiceHealth(service))
+        svc = self.services[service]
         was, svc.linked = svc.linked, up
         if up or not was or svc.exited:
             return
         svc.last_seen = None  # "starting" once the connection is back, until the process behind it speaks
         log.error("%s (pid %s): its connection closed", service, svc.pid)
-        self._fail_all(f"the {service} worker's connection closed (it exited)")
+        self._fail_pair(self._pair_of[service], f"the {service} worker's connection closed (it exited)")
 
     async def _watch_link(self, service: str, outbox: AsyncOutbox) -> None:
         try:
@@ -237,11 +234,11 @@ class RouterCore:
             self.check_stalls()
 
     def max_running(self) -> int:
-        """The admission limit: configured, else the smallest announced worker capacity."""
+        """The admission limit: configured, else the capacity of the pairs that are up (each announced by the
+        smaller of its two workers)."""
         if self.config.max_running > 0:
             return self.config.max_running
-        known = [self.services[name].capacity for name in self.config.expected_services]
-        return min((c for c in known if c > 0), default=DEFAULT_MAX_RUNNING)
+        return sum(p.capacity() for p in self.up_pairs()) or DEFAULT_MAX_RUNNING
 
     # Admission.
 
@@ -260,17 +257,21 @@ class RouterCore:
             self._running += 1
         else:
             await self._wait_for_slot()
-            if not self.ready():  # a worker went down while this request waited: the slot passes on
-                self._free_slot()
-                self._update_gauges()
-                self._refuse_unless_ready()
+        up = self.up_pairs()
+        if not up:  # every pair went down while this request waited: the slot passes on
+            self._free_slot()
+            self._update_gauges()
+            raise _not_ready()
         self.metrics.queue_time.observe(time.monotonic() - queued)
+        pair = min(up, key=Pair.load)
+        pair.running += 1
+        pair.sent += 1
         self._update_gauges()
-        flight = Flight(rid or uuid.uuid4().hex, prompt_ids, sampling, received)
+        flight = Flight(rid or uuid.uuid4().hex, prompt_ids, sampling, received, pair=pair.index)
         self._flights[flight.rid] = flight
         try:
-            assert self._prefill is not None, "RouterCore.start() was not called"
-            await self._prefill.send(Generate(flight.rid, prompt_ids, sampling, arrival=flight.arrival))
+            assert pair.prefill_box is not None, "RouterCore.start() was not called"
+            await pair.prefill_box.send(Generate(flight.rid, prompt_ids, sampling, arrival=flight.arrival))
         except BaseException:
             self.release(flight, None)
             raise
@@ -279,7 +280,7 @@ class RouterCore:
 
     def _refuse_unless_ready(self) -> None:
         if not self.ready():
-            raise ApiError(503, "The model workers are not ready.", type="server_error", code="not_ready")
+            raise _not_ready()
 
     async def _wait_for_slot(self) -> None:
         if len(self._waiters) >= self.config.max_queue:
@@ -312,8 +313,10 @@ class RouterCore:
             return
         flight.released = True
         self._flights.pop(flight.rid, None)
+        pair = self.pairs[flight.pair]
+        pair.running -= 1
         if not flight.worker_done:
-            self._spawn(self._send_abort(flight.rid))
+            self._spawn(self._send_abort(flight.rid, pair))
         if finish_reason is not None:
             self.metrics.requests_finished.labels(finish_reason=finish_reason).inc()
             self.metrics.e2e_request_latency.observe(time.monotonic() - flight.received)
@@ -369,15 +372,28 @@ class RouterCore:
         else:
             log.warning("router ignores %s messages", type(msg).__name__)
 
+    def _service(self, name: str) -> ServiceHealth | None:
+        """The worker `name` names, or None (warned about once) for a name no pair has: a worker started
+        with another router's pairs must not fail this router's requests."""
+        svc = self.services.get(name)
+        if svc is None and name not in self._unknown:
+            self._unknown.add(name)
+            log.warning("ignoring messages of %r: no pair of this router has a worker of that name", name)
+        return svc
+
     def _on_down(self, msg: ServiceDown) -> None:
-        svc = self.services.setdefault(msg.service, ServiceHealth(msg.service))
-        if svc.pid == msg.pid and not svc.exited:
+        svc = self._service(msg.service)
+        if svc is not None and svc.pid == msg.pid and not svc.exited:
             svc.exited = True
             log.error("%s (pid %d) exited with %d", msg.service, msg.pid, msg.exit_code)
-            self._fail_all(f"the {msg.service} worker exited (code {msg.exit_code})")
+            self._fail_pair(
+                self._pair_of[svc.name], f"the {msg.service} worker exited (code {msg.exit_code})"
+            )
 
     def _on_alive(self, msg: Ready | Heartbeat) -> None:
-        svc = self.services.setdefault(msg.service, ServiceHealth(msg.service))
+        svc = self._service(msg.service)
+        if svc is None:
+            return
         same = (svc.pid, svc.instance) == (msg.pid, msg.instance)
         if svc.exited and (same or isinstance(msg, Heartbeat)):
             return  # a late message of the dead process, or a successor not Ready yet
@@ -389,7 +405,9 @@ class RouterCore:
             log.warning("%s (pid %d) is heard again after a stall", msg.service, msg.pid)
         if svc.pid is not None and not same:
             svc.restarts += 1
-            self._fail_all(f"the {msg.service} worker restarted (pid {svc.pid} → {msg.pid})")
+            self._fail_pair(
+                self._pair_of[svc.name], f"the {msg.service} worker restarted (pid {svc.pid} → {msg.pid})"
+            )
         svc.pid, svc.instance = msg.pid, msg.instance
         svc.last_seen = time.monotonic()
         if isinstance(msg, Ready):
@@ -403,10 +421,11 @@ class RouterCore:
                 svc.capacity, svc.max_context = msg.capacity, msg.max_context
                 self._admit_waiters()
 
-    def _fail_all(self, reason: str) -> None:
-        """Requests in flight died with a worker: end each with an error event."""
+    def _fail_pair(self, pair: Pair, reason: str) -> None:
+        """The requests `pair` runs died with one of its workers: end each with an error event."""
         for flight in self._flights.values():
-            flight.events.put_nowait(Tokens(flight.rid, [], "error", error=reason))
+            if flight.pair == pair.index:
+                flight.events.put_nowait(Tokens(flight.rid, [], "error", error=reason))
 
     def _on_tokens(self, event: Tokens) -> None:
         flight = self._flights.get(event.rid)
@@ -450,10 +469,11 @@ class RouterCore:
         if event.finish_reason is not None or event.rid in self._orphans:
             return
         self._orphans.append(event.rid)
-        self._spawn(self._send_abort(event.rid))
+        for pair in self.pairs:  # which pair sent it is not known
+            self._spawn(self._send_abort(event.rid, pair))
 
-    async def _send_abort(self, rid: str) -> None:
-        for outbox in (self._prefill, self._decode):
+    async def _send_abort(self, rid: str, pair: Pair) -> None:
+        for outbox in (pair.prefill_box, pair.decode_box):
             if outbox is not None:
                 try:
                     await outbox.send(Abort(rid))
@@ -465,3 +485,7 @@ class RouterCore:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _not_ready() -> ApiError:
+    return ApiError(503, "The model workers are not ready.", type="server_error", code="not_ready")

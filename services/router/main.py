@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.router.config import RouterConfig
+from services.router.config import RouterConfig, WorkerPair
 
 API_KEY_ENV = "SPILLWAY_API_KEY"
 SHUTDOWN_GRACE_S = 5.0
@@ -23,8 +23,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--inbox", required=True, help="ZeroMQ address the router binds (ipc://... or tcp://...)")
-    p.add_argument("--prefill", required=True, help="the prefill worker's inbox address")
-    p.add_argument("--decode", required=True, help="the decode worker's inbox address")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        help="a prefill worker's inbox address (repeat for each pair of workers, in the order of --decode)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        help="the inbox of the decode worker of that pair (the nth --decode pairs with the nth --prefill)",
+    )
     p.add_argument("--max-running", type=int, default=0, help="requests in flight (0: the workers' capacity)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those (then 429)")
     p.add_argument("--max-context", type=int, help="prompt + completion tokens (default: the model's)")
@@ -48,11 +58,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=120.0,
         help="seconds of silence after which a worker's requests fail (0: never; default %(default)s)",
     )
-    p.add_argument(
-        "--services",
-        default="prefill,decode",
-        help="workers that must be ready, comma-separated (%(default)s)",
-    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -65,6 +70,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         if not sep or not service or not url:
             raise SystemExit(f"--metrics-url expects SERVICE=URL, got {item!r}")
         urls[service] = url
+    if len(args.prefill) != len(args.decode):
+        raise SystemExit(
+            f"--prefill and --decode pair up: {len(args.prefill)} prefill and {len(args.decode)} decode "
+            "addresses"
+        )
     if args.model:
         model_dir = Path(args.model)
     else:
@@ -75,8 +85,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         model_dir=model_dir,
         served_model_name=args.served_model_name,
         inbox=args.inbox,
-        prefill=args.prefill,
-        decode=args.decode,
+        pairs=tuple(WorkerPair(p, d) for p, d in zip(args.prefill, args.decode, strict=True)),
         host=args.host,
         port=args.port,
         max_running=args.max_running,
@@ -87,7 +96,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         metrics_urls=urls,
         heartbeat_timeout_s=args.heartbeat_timeout,
         stall_timeout_s=args.stall_timeout,
-        expected_services=tuple(s for s in args.services.split(",") if s),
     )
 
 

@@ -30,7 +30,7 @@ from common.model.defaults import default_model_dir
 from common.protocol import Abort, Generate, Heartbeat, Message, Ready, Tokens
 from common.tokenizer import Tokenizer
 from common.transport import Inbox, Outbox, ipc_address, make_run_dir
-from services.router import RouterConfig, create_app
+from services.router import RouterConfig, WorkerPair, create_app
 
 REPLY = "Hello from Spillway: café, 日本語 and 🙂 — done."
 EOS = 2
@@ -216,8 +216,7 @@ def serve_router(peer_ready: bool = True, **overrides: Any) -> Iterator[Served]:
         model_dir=default_model_dir(),
         served_model_name="tiny",
         inbox=ipc_address(run_dir, "router"),
-        prefill=ipc_address(run_dir, "prefill"),
-        decode=ipc_address(run_dir, "decode"),
+        pairs=[WorkerPair(ipc_address(run_dir, "prefill"), ipc_address(run_dir, "decode"))],
         port=free_port(),
         max_running=8,
         max_context=256,

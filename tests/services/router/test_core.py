@@ -10,23 +10,28 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import zmq.asyncio
+
 from common.metrics import RouterMetrics, new_registry
 from common.model.defaults import default_model_dir
 from common.openai_api import ApiError
-from common.protocol import Heartbeat, Ready, SamplingParams, ServiceDown, Tokens
-from common.transport import ipc_address, make_run_dir
-from services.router import RouterConfig, RouterCore
+from common.protocol import Abort, Generate, Heartbeat, Ready, SamplingParams, ServiceDown, Tokens
+from common.transport import AsyncInbox, ipc_address, make_run_dir, pair_names
+from services.router import RouterConfig, RouterCore, WorkerPair
 
 SAMPLING = SamplingParams(max_tokens=8)
 
 
-def run_core(test: Callable[[RouterCore], Awaitable[None]], announce: bool = True, **overrides: Any) -> None:
+def run_core(
+    test: Callable[[RouterCore], Awaitable[None]], announce: bool = True, pairs: int = 1, **overrides: Any
+) -> None:
+    """Run `test` against a started core whose pairs' inboxes (ipc://RUN_DIR/NAME.sock) nobody binds."""
     run_dir = make_run_dir()
+    addresses = [[ipc_address(run_dir, name) for name in pair_names(i)] for i in range(pairs)]
     config = RouterConfig(
         model_dir=default_model_dir(),
         inbox=ipc_address(run_dir, "router"),
-        prefill=ipc_address(run_dir, "prefill"),
-        decode=ipc_address(run_dir, "decode"),
+        pairs=[WorkerPair(*pair) for pair in addresses],
     )
     config = dataclasses.replace(config, **overrides)
 
@@ -34,7 +39,7 @@ def run_core(test: Callable[[RouterCore], Awaitable[None]], announce: bool = Tru
         core = RouterCore(config, RouterMetrics.create(new_registry()))
         await core.start()
         try:
-            for service in config.expected_services if announce else ():
+            for service in core.services if announce else ():
                 core.on_message(Ready(service, os.getpid(), capacity=2))
             await test(core)
         finally:
@@ -235,3 +240,89 @@ def test_a_restarted_router_learns_the_limits_from_heartbeats() -> None:
         assert core.services["decode"].capacity == 5 and core.context_limit(256) == 100
 
     run_core(test, announce=False)
+
+
+def test_requests_go_to_the_least_loaded_pair() -> None:
+    async def test(core: RouterCore) -> None:
+        for name in ("prefill-1", "decode-1"):
+            core.on_message(Ready(name, os.getpid(), capacity=4))
+        assert core.max_running() == 6 and core.status() == "ok"
+        flights = [await core.submit([1], SAMPLING, time.monotonic()) for _ in range(6)]
+        assert sorted(f.pair for f in flights) == [0, 0, 1, 1, 1, 1], "each pair to its capacity"
+        assert [(p["state"], p["running"], p["capacity"]) for p in core.health()["pairs"]] == [
+            ("up", 2, 2),
+            ("up", 4, 4),
+        ]
+        for flight in flights:
+            core.release(flight, None)
+        assert [p.running for p in core.pairs] == [0, 0]
+
+    run_core(test, pairs=2, max_running=0)
+
+
+def test_a_pair_going_down_fails_its_requests_only_and_the_others_serve() -> None:
+    async def test(core: RouterCore) -> None:
+        a, b = [await core.submit([1], SAMPLING, time.monotonic()) for _ in range(2)]
+        assert (a.pair, b.pair) == (0, 1)
+        core.on_message(ServiceDown("decode-1", os.getpid(), -9))
+        event = await b.next_event()
+        assert event.finish_reason == "error" and "decode-1 worker exited" in event.error
+        core.release(b, None)
+        assert a.events.empty(), "the other pair's request runs on"
+        assert core.status() == "degraded" and core.ready() and core.max_running() == 2
+        c = await core.submit([1], SAMPLING, time.monotonic())
+        assert c.pair == 0, "only the pair that is up takes requests"
+        core.on_link("prefill", True)
+        core.on_link("prefill", False)
+        assert (await a.next_event()).finish_reason == "error" and (
+            await c.next_event()
+        ).finish_reason == "error"
+        assert core.status() == "unavailable"
+        core.release(a, None)
+        core.release(c, None)
+        core.on_message(Ready("decode-1", os.getpid() + 1, capacity=2))
+        assert core.status() == "degraded" and core.up_pairs() == [core.pairs[1]]
+
+    run_core(test, pairs=2, max_running=0)
+
+
+def test_a_worker_of_no_pair_is_ignored() -> None:
+    """A worker started with another router's names must not count as up here, nor fail requests."""
+
+    async def test(core: RouterCore) -> None:
+        flight = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Ready("decode-3", os.getpid() + 1, capacity=9))
+        core.on_message(ServiceDown("decode-3", os.getpid() + 1, -9))
+        assert flight.events.empty() and "decode-3" not in core.health()["services"]
+        assert core.max_running() == 2
+        core.release(flight, None)
+
+    run_core(test, max_running=0)
+
+
+def test_each_request_and_its_abort_go_to_its_own_pair() -> None:
+    """Over real sockets: each pair's workers get the Generate and the Abort of their requests only."""
+
+    async def test(core: RouterCore) -> None:
+        ctx = zmq.asyncio.Context()
+        inboxes = [[AsyncInbox(address, ctx) for address in (p.prefill, p.decode)] for p in core.config.pairs]
+        try:
+            flights = [await core.submit([i], SAMPLING, time.monotonic()) for i in range(2)]
+            for flight in flights:
+                core.release(flight, None)  # not finished by the workers: aborted at its pair
+            for flight, (prefill, decode) in zip(flights, inboxes, strict=True):
+                generate, abort = [await asyncio.wait_for(prefill.recv(), 5) for _ in range(2)]
+                assert isinstance(generate, Generate) and (generate.rid, generate.prompt_ids) == (
+                    flight.rid,
+                    flight.prompt_ids,
+                )
+                assert abort == Abort(flight.rid)
+                assert await asyncio.wait_for(decode.recv(), 5) == Abort(flight.rid)
+            for box in (box for pair in inboxes for box in pair):
+                assert await box.sock.poll(timeout=100) == 0, "nothing else"
+        finally:
+            for box in (box for pair in inboxes for box in pair):
+                box.close()
+            ctx.destroy(linger=0)
+
+    run_core(test, pairs=2, max_running=0)

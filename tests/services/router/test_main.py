@@ -11,9 +11,11 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from common.model.defaults import default_model_dir
 from common.transport import ipc_address
+from services.router import WorkerPair
 from services.router.main import config_from_args, parse_args
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -27,21 +29,39 @@ def test_arguments_make_a_config() -> None:
             "--max-running", "4", "--max-queue", "2", "--max-context", "1024", "--api-key", "k",
             "--metrics-port", "9100", "--metrics-url", "prefill=http://h:1/metrics",
             "--worker-metrics", "decode=http://h:2/metrics",
-            "--heartbeat-timeout", "2.5", "--services", "encoder,prefill,decode",
+            "--heartbeat-timeout", "2.5", "--prefill", "tcp://h:6", "--decode", "tcp://h:7",
         ]
     )  # fmt: skip
     config = config_from_args(args)
     assert config.model_dir == Path("/models/m") and config.model_name == "m"
     assert (config.host, config.port, config.metrics_port) == ("127.0.0.1", 9000, 9100)
-    assert (config.inbox, config.prefill, config.decode) == (
-        "ipc:///r/router.sock",
-        "ipc:///r/prefill.sock",
-        "tcp://h:5",
+    assert config.inbox == "ipc:///r/router.sock"
+    assert config.pairs == (
+        WorkerPair("ipc:///r/prefill.sock", "tcp://h:5"),
+        WorkerPair("tcp://h:6", "tcp://h:7"),
     )
     assert (config.max_running, config.max_queue, config.max_context, config.api_key) == (4, 2, 1024, "k")
     assert dict(config.metrics_urls) == {"prefill": "http://h:1/metrics", "decode": "http://h:2/metrics"}
     assert config.heartbeat_timeout_s == 2.5
-    assert config.expected_services == ("encoder", "prefill", "decode")
+
+
+def test_prefill_and_decode_addresses_must_pair_up() -> None:
+    args = parse_args(
+        [
+            "--model",
+            "m",
+            "--inbox",
+            "ipc://a",
+            "--prefill",
+            "ipc://b",
+            "--decode",
+            "ipc://c",
+            "--prefill",
+            "ipc://d",
+        ]
+    )
+    with pytest.raises(SystemExit, match="2 prefill and 1 decode"):
+        config_from_args(args)
 
 
 def test_defaults_bind_loopback_and_read_the_key_from_the_environment(monkeypatch: Any) -> None:
@@ -50,7 +70,7 @@ def test_defaults_bind_loopback_and_read_the_key_from_the_environment(monkeypatc
     config = config_from_args(args)
     assert config.metrics_urls == {}
     assert config.host == "127.0.0.1" and config.api_key == "from-env" and config.max_running == 0
-    assert config.expected_services == ("prefill", "decode") and config.model_name == "m"
+    assert config.pairs == (WorkerPair("ipc://b", "ipc://c"),) and config.model_name == "m"
 
 
 def test_python_m_services_router(run_dir: Path, make_peer: Any, free_port: Any, wait_until: Any) -> None:

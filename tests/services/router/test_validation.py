@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from common.model.defaults import default_model_dir
 from common.transport import ipc_address, make_run_dir
-from services.router import RouterConfig, create_app
+from services.router import RouterConfig, WorkerPair, create_app
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
 Call = Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]
@@ -26,8 +26,7 @@ def app() -> Iterator[FastAPI]:
         model_dir=default_model_dir(),
         served_model_name="tiny",
         inbox=ipc_address(run_dir, "router"),
-        prefill=ipc_address(run_dir, "prefill"),
-        decode=ipc_address(run_dir, "decode"),
+        pairs=[WorkerPair(ipc_address(run_dir, "prefill"), ipc_address(run_dir, "decode"))],
         max_context=256,
     )
     app = create_app(config)
