@@ -15,20 +15,16 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import ipc
-from common.protocol import ServiceDown
 from common.transport import Outbox, ipc_address, make_run_dir, pair_names
+from services.children import Child, module_argv, restart_exited, stop_children, worker_argv
 
 log = logging.getLogger("launch")
-GRACE_S = 10.0
 
 
 @dataclass
@@ -55,10 +51,6 @@ class ServeOptions:
     """One entry a prefill/decode pair: the CUDA_VISIBLE_DEVICES of its two workers (None: the launcher's)."""
 
 
-QUICK_EXIT_S = 60.0
-"""A child that exits sooner than this after its start failed at start-up (config, checkpoint, memory)."""
-MAX_QUICK_EXITS = 4
-"""Start-up failures in a row after which the launcher gives up instead of restarting forever."""
 STALL_CHECK_S = 1.0
 """How often the launcher reads the router's /health for silent workers."""
 STALL_KILL_GRACE_S = 2.0
@@ -89,35 +81,12 @@ def pair_gpus(pairs: int, device: str) -> list[str | None]:
     return gpus[:pairs]
 
 
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    gpu: str | None = None
-    """Its CUDA_VISIBLE_DEVICES (None: the launcher's)."""
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    started: float = 0.0
-    quick_exits: int = 0
-
-    def start(self) -> None:
-        env = None if self.gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpu}
-        self.proc = subprocess.Popen(self.argv, env=env)
-        self.started = time.monotonic()
-        log.info("started %s (pid %d)", self.name, self.proc.pid)
-
-    def count_exit(self) -> None:
-        quick = time.monotonic() - self.started < QUICK_EXIT_S
-        self.quick_exits = self.quick_exits + 1 if quick else 0
-
-
 def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
     """Each pair's decode and prefill, then the router over them."""
     router_inbox = ipc_address(run_dir, "router")
-    common = ["--router", router_inbox, "--threads", str(opts.threads), *opts.worker_args]
-    common += ["--stall-timeout", str(opts.stall_timeout_s)]
+    flags = [*opts.worker_args, "--threads", str(opts.threads), "--stall-timeout", str(opts.stall_timeout_s)]
     router = [
-        *_module("router"),
+        *module_argv("router"),
         "--model",
         opts.model_dir,
         "--host",
@@ -139,7 +108,7 @@ def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
             ("decode", decode_name, "prefill", 2),
             ("prefill", prefill_name, "decode", 1),
         ):
-            argv = [*_module(role), *common, "--name", name, "--inbox", inbox[role], "--peer", inbox[peer]]
+            argv = worker_argv(role, name, inbox[role], inbox[peer], router_inbox, flags)
             if opts.metrics_port:
                 port += opts.metrics_port + 2 * i
                 argv += ["--metrics-port", str(port)]
@@ -150,18 +119,6 @@ def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
     if opts.api_key:
         router += ["--api-key", opts.api_key]
     return [*children, Child("router", router)]
-
-
-def _module(service: str) -> list[str]:
-    return [sys.executable, "-m", f"services.{service}"]
-
-
-def _kill(child: Child, why: str) -> None:
-    """SIGKILL a hung child and reap it (`Launcher.supervise` restarts it)."""
-    assert child.proc is not None
-    log.error("%s (pid %d) %s: killing it", child.name, child.proc.pid, why)
-    child.proc.kill()
-    child.proc.wait()
 
 
 class Launcher:
@@ -222,7 +179,7 @@ class Launcher:
             self.router_answered = now
         elif router.proc is not None and router.proc.poll() is None and self.router_answered > router.started:
             if now - self.router_answered > limit:
-                _kill(router, f"has not answered for {now - self.router_answered:.0f} s")
+                router.kill(f"has not answered for {now - self.router_answered:.0f} s")
             return
         services = (health or {}).get("services", {})
         for child in self.children:
@@ -231,27 +188,13 @@ class Launcher:
                 continue
             silent = svc.get("last_seen_s")
             if silent is not None and silent > limit:
-                _kill(child, f"silent for {silent:.0f} s")
+                child.kill(f"silent for {silent:.0f} s")
 
     def supervise(self) -> None:
         """Restart any child that exited (and sweep the shared memory it leaves); give up on one that keeps
         failing at start-up (the launcher then stops, with `failed` set)."""
-        for child in self.children:
-            if child.proc is None or child.proc.poll() is None or self.stopping:
-                continue
-            code = child.proc.returncode
-            if child.name != "router":
-                self.router.send(ServiceDown(child.name, child.proc.pid, code))
-            ipc.unlink_stale(child.proc.pid)
-            child.count_exit()
-            if child.quick_exits >= MAX_QUICK_EXITS:
-                log.error("%s failed %d times at start-up (last exit %s): giving up", child.name,
-                          child.quick_exits, code)  # fmt: skip
-                self.failed = self.stopping = True
-                return
-            log.error("%s exited with %s; restarting", child.name, code)
-            child.restarts += 1
-            child.start()
+        if not self.stopping and restart_exited(self.children, self.router) is not None:
+            self.failed = self.stopping = True
 
     def run(self) -> int:
         """Serve until SIGINT/SIGTERM."""
@@ -274,18 +217,6 @@ class Launcher:
 
     def stop(self) -> None:
         self.stopping = True
-        live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
-        for proc in live:
-            proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for proc in live:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for child in self.children:
-            if child.proc is not None:
-                ipc.unlink_stale(child.proc.pid)
+        stop_children(self.children)
         self.router.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)

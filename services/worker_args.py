@@ -149,6 +149,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         "exits, to be restarted (0: never; default %(default)s)",
     )
     parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop once the process that started this one is gone (a supervisor that cannot stop its "
+        "children when it dies: the Ray launcher's pair hosts)",
+    )
+    parser.add_argument(
         "--metrics-host",
         default="127.0.0.1",
         help="interface the metrics port binds (0.0.0.0 in a container, for Prometheus; default %(default)s)",

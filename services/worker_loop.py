@@ -44,6 +44,7 @@ class WorkerShell:
         metrics_port: int = 0,
         metrics_host: str = "127.0.0.1",
         stall_timeout_s: float = 0.0,
+        exit_with_parent: bool = False,
     ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {service} %(levelname)s %(message)s")
         if threads:
@@ -71,6 +72,9 @@ class WorkerShell:
         timed, nor is what runs `untimed`. A send blocked as long on the peer worker (its queue full: it
         does not read) counts as hung too; sends to the router never block (`send`)."""
         self._armed = False
+        self.parent = os.getppid() if exit_with_parent else 0
+        """With `exit_with_parent`: the process that started this one; the loop stops once it is gone (a
+        supervisor killed with no chance to stop its children: a Ray actor), checked once a second."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
 
@@ -121,6 +125,9 @@ class WorkerShell:
         if now - self._last_beat < HEARTBEAT_S:
             return False
         self._last_beat = now
+        if self.parent and os.getppid() != self.parent:
+            log.error("the process that started this one (pid %d) is gone: stopping", self.parent)
+            self.stopping = True
         self.metrics.dropped_frames.inc(self.inbox.dropped - self._dropped_seen)
         self._dropped_seen = self.inbox.dropped
         return True

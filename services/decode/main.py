@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         args.metrics_port,
         args.metrics_host,
         args.stall_timeout,
+        exit_with_parent=args.exit_with_parent,
     )
     # Shared memory a crashed predecessor left where no launcher swept after it (one container a service).
     ipc.unlink_stale()

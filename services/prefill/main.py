@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         args.metrics_port,
         args.metrics_host,
         args.stall_timeout,
+        exit_with_parent=args.exit_with_parent,
     )
     cap_worker(cfg, "prefill")  # before CUDA starts: expandable segments, then prefill's part of the budget
     worker = PrefillWorker(shell, cfg)

@@ -64,3 +64,42 @@ def test_a_router_that_does_not_read_never_blocks_the_loop(tmp_path: Path) -> No
         assert 0 < shell.router_dropped < 5000, "the queue holds some, the rest are dropped"
     finally:
         shell.close()
+
+
+ORPHAN = """
+import os, sys, time
+from common.transport import ipc_address
+from services.worker_loop import WorkerShell
+
+run = sys.argv[1]
+shell = WorkerShell("decode", ipc_address(run, "decode"), {}, exit_with_parent=True)
+print(os.getpid(), flush=True)
+start = time.monotonic()
+while not shell.stopping and time.monotonic() - start < 30:
+    shell.heartbeat_due()
+    time.sleep(0.05)
+shell.close()
+print("stopped" if shell.stopping else "still running", flush=True)
+"""
+
+
+def test_a_worker_started_to_exit_with_its_parent_stops_when_the_parent_is_killed(tmp_path: Path) -> None:
+    """A supervisor SIGKILLed (a Ray actor) cannot stop its children: they notice it gone and stop."""
+    out = tmp_path / "out.txt"
+    parent = (
+        "import subprocess, sys, time\n"
+        f"argv = [sys.executable, '-c', {ORPHAN!r}, {str(tmp_path)!r}]\n"
+        f"subprocess.Popen(argv, stdout=open({str(out)!r}, 'w'))\n"
+        "time.sleep(60)\n"
+    )
+    printed = lambda: out.read_text() if out.exists() else ""
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 30
+    while not printed().strip() and time.monotonic() < deadline:  # the worker is up
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while "stopped" not in printed() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert printed().split()[-1:] == ["stopped"], printed()

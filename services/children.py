@@ -1,0 +1,110 @@
+"""Worker processes under supervision: start, restart on exit (telling the router), stop.
+
+Shared by the local launcher (`services/launch.py`: every service on this machine) and the Ray launcher
+(`services/ray_launch.py`: each prefill/decode pair on a node of a Ray cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common import ipc
+from common.protocol import ServiceDown
+from common.transport import Outbox
+
+log = logging.getLogger("launch")
+GRACE_S = 10.0
+"""How long a child has between SIGTERM and SIGKILL."""
+QUICK_EXIT_S = 60.0
+"""A child that exits sooner than this after its start failed at start-up (config, checkpoint, memory)."""
+MAX_QUICK_EXITS = 4
+"""Start-up failures in a row after which the launcher gives up instead of restarting forever."""
+
+
+@dataclass
+class Child:
+    """One supervised process: its name (a service's), its command line, its CUDA_VISIBLE_DEVICES."""
+
+    name: str
+    argv: list[str]
+    gpu: str | None = None
+    """Its CUDA_VISIBLE_DEVICES (None: the launcher's)."""
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started: float = 0.0
+    quick_exits: int = 0
+
+    def start(self) -> None:
+        env = None if self.gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpu}
+        self.proc = subprocess.Popen(self.argv, env=env)
+        self.started = time.monotonic()
+        log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def count_exit(self) -> None:
+        quick = time.monotonic() - self.started < QUICK_EXIT_S
+        self.quick_exits = self.quick_exits + 1 if quick else 0
+
+    def kill(self, why: str) -> None:
+        """SIGKILL a hung child and reap it (`restart_exited` then restarts it)."""
+        assert self.proc is not None
+        log.error("%s (pid %d) %s: killing it", self.name, self.proc.pid, why)
+        self.proc.kill()
+        self.proc.wait()
+
+
+def module_argv(service: str) -> list[str]:
+    """The command that runs `services.<service>` with this interpreter."""
+    return [sys.executable, "-m", f"services.{service}"]
+
+
+def worker_argv(role: str, name: str, inbox: str, peer: str, router: str, flags: Sequence[str]) -> list[str]:
+    """The command of worker `name` (a `role`, prefill or decode, of a pair): its inbox, its peer's, the
+    router's, then `flags` (both workers of a pair take the same)."""
+    addresses = ["--name", name, "--inbox", inbox, "--peer", peer, "--router", router]
+    return [*module_argv(role), *addresses, *flags]
+
+
+def restart_exited(children: Sequence[Child], router: Outbox | None) -> Child | None:
+    """Restart each child that exited, after telling the router (`ServiceDown`: its requests fail now) and
+    sweeping the shared memory it leaves. Returns the child that keeps failing at start-up (then nothing
+    more is restarted: the caller gives up), else None."""
+    for child in children:
+        if child.proc is None or child.proc.poll() is None:
+            continue
+        code = child.proc.returncode
+        if router is not None and child.name != "router":
+            router.send(ServiceDown(child.name, child.proc.pid, code))
+        ipc.unlink_stale(child.proc.pid)
+        child.count_exit()
+        if child.quick_exits >= MAX_QUICK_EXITS:
+            log.error("%s failed %d times at start-up (last exit %s): giving up", child.name,
+                      child.quick_exits, code)  # fmt: skip
+            return child
+        log.error("%s exited with %s; restarting", child.name, code)
+        child.restarts += 1
+        child.start()
+    return None
+
+
+def stop_children(children: Sequence[Child]) -> None:
+    """SIGTERM every live child, SIGKILL those still alive GRACE_S later; sweep their shared memory."""
+    live = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
+    for proc in live:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for proc in live:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for child in children:
+        if child.proc is not None:
+            ipc.unlink_stale(child.proc.pid)
