@@ -224,8 +224,7 @@ DECODE_SWITCHES = (
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
     "no-moe-dispatch", "select-search", "no-qsa-prologue", "no-conv-epilogue",
-    "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "no-tail-trigger-first", "hc-split-rank",
-    "dispatch-one-warp", "dispatch-shared-4", "dispatch-shared-2",
+    "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "no-tail-trigger-first", "no-hc-split-rank",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -298,10 +297,7 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (decode_attention, "TARGET_PROGRAMS", 64),
         (decode_attention, "TARGET_PROGRAMS", 128),
         (pdl, "START_TRIGGER", False),
-        (hyper, "MIX_UP_SPLIT_RANK", True),
-        (moe_dispatch, "WARPS", 1),
-        (moe_dispatch, "SHARED_BLOCK", 4),
-        (moe_dispatch, "SHARED_BLOCK", 2),
+        (hyper, "MIX_UP_SPLIT_RANK", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

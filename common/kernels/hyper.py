@@ -159,14 +159,16 @@ def _silu_down(down_row, part_stride, r, rank, HC: tl.constexpr, PARTS: tl.const
     return d / (1.0 + tl.exp(-d))
 
 
-MIX_UP_SPLIT_RANK = False
+MIX_UP_SPLIT_RANK = True
 """hc_mix_up multiplies the rank in two tiles, its largest power of two and the rest padded to one (320:
 256 + 64), instead of one tile padded to the next power of two (512: 37.5 % of its products on padding).
 Compiled for sm_90 at flashnext's shape (`bench.sass_census --hc`): 688 instructions a warp against 1,120,
 4 layout conversions against 7, 64 registers against 96 (the rank is a runtime argument: its padding is
 computed; hc_project's constexpr stream width lets the compiler drop its padding, and the same split there
-compiled to as many instructions, 1,360 against 1,328). The benchmark's `hc-split-rank` switch; off until
-measured in a step. Switch before a pass is recorded."""
+compiled to as many instructions, 1,360 against 1,328). On the H200, decode-allfit over 1,024 tokens:
+228.76 and 229.33 tok/s against the one tile's 227.61 and 228.51 in two processes (+0.5 %, +0.4 %:
+bench/results/decode-allfit-dispatch-ab.json, decode-allfit-hc-split-rank-ab.json). The benchmark's
+`no-hc-split-rank` switch (one tile). Switch before a pass is recorded."""
 
 
 def pow2_tiles(n: int, split: bool) -> tuple[int, int]:
