@@ -206,16 +206,21 @@ def _serve(args: argparse.Namespace) -> int:
     from common.model.defaults import default_model_dir
     from common.model.hf_config import load_architecture
     from services.launch import Launcher, ServeOptions, pair_gpus
-    from services.worker_args import config_argv, worker_config
+    from services.worker_args import config_argv, device_arg, worker_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(levelname)s %(message)s")
+    if args.ray is None:  # the workers run here: a device this machine has
+        try:
+            args.device = device_arg(args.device)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--device: {exc}") from None
     model_dir = str(args.model or default_model_dir())
     _, model = load_architecture(model_dir)  # a bad config fails here, with its file named, before any start
     cfg = worker_config(args, model_dir)
     _check_before_start(args, cfg, model)
     if cfg.vram_budget is not None:
         _check_serve_plan(cfg)
-    gpus = pair_gpus(args.pairs, cfg.device)
+    gpus = pair_gpus(args.pairs, cfg.device) if args.ray is None else [None] * args.pairs
     opts = ServeOptions(
         model_dir=model_dir,
         host=args.host,
@@ -230,6 +235,10 @@ def _serve(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
         pair_gpus=gpus,
     )
+    if args.ray is not None:
+        from services.ray_launch import RayLauncher
+
+        return RayLauncher(opts, args.ray, args.pairs, cfg.device).run()
     return Launcher(opts).run()
 
 
@@ -292,7 +301,7 @@ def _add_bench(sub) -> None:
 
 def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (router, prefill, decode processes)")
-    add_config_args(srv, model_required=False)
+    add_config_args(srv, model_required=False, device_here=False)  # checked in _serve, unless --ray
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int_at_least(1), default=8000)
     srv.add_argument(
@@ -307,6 +316,13 @@ def _add_serve(sub) -> None:
         default=1,
         help="prefill/decode worker pairs the router spreads requests over (on CUDA: a GPU each; "
         "default %(default)s)",
+    )
+    srv.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="place the pairs on the nodes of this Ray cluster (`auto`: the one `ray start` joined this "
+        "machine to; `local`: one of this machine alone), the router here (needs the `ray` extra)",
     )
     srv.add_argument("--served-model-name", default="", help="the model's name in the API")
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 
 from common.config import (
@@ -17,15 +18,25 @@ from common.config import (
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
 
 
-def add_config_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
-    """The model and memory flags (WorkerConfig's), shared by the workers and `spillway serve`."""
+def add_config_args(
+    parser: argparse.ArgumentParser, model_required: bool = True, device_here: bool = True
+) -> None:
+    """The model and memory flags (WorkerConfig's), shared by the workers and `spillway serve`.
+
+    `device_here=False`: --device is checked for its form only (`device_name`), not against this machine's
+    devices (`device_arg`): `serve --ray` places the workers on other machines."""
     if model_required:
         parser.add_argument("--model", required=True, help="model directory or converted artifact")
     else:
         parser.add_argument(
             "--model", default=None, help="model directory (default: the embedded tiny model)"
         )
-    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu | cuda | cuda:N | auto")
+    parser.add_argument(
+        "--device",
+        type=device_arg if device_here else device_name,
+        default="cpu",
+        help="cpu | cuda | cuda:N | auto",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
         "--max-running", type=int_at_least(1), default=8, help="requests decoded together (lanes)"
@@ -252,6 +263,13 @@ def _at_least(low, convert, what: str):
         return value
 
     return parse
+
+
+def device_name(text: str) -> str:
+    """argparse type of a device's name (`cpu`, `cuda`, `cuda:N`, `auto`), whatever this machine has."""
+    if text in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu, cuda, cuda:N or auto")
 
 
 def device_arg(text: str) -> str:

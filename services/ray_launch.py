@@ -1,0 +1,191 @@
+"""`spillway serve --ray ADDRESS`: the router on this machine, each prefill/decode pair on a node of a Ray
+cluster (a GPU each on CUDA), over tcp:// on the nodes' addresses.
+
+Each pair runs under a `PairHost`, a Ray actor that starts its two workers as processes on its node (ports
+chosen there), restarts one that exits (telling the router, whose requests on that pair then fail) and stops
+both with itself; the workers also stop once the actor's process is gone (`--exit-with-parent`). This
+process starts the actors, then the router over every pair's addresses, and supervises them: a pair host
+that dies (its node lost) is started again, and the router with it, since the pair's addresses changed.
+
+Only strings and integers cross Ray's calls; the services speak msgspec over ZeroMQ as everywhere else.
+Every node needs Spillway installed and the model at the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+from common.transport import Outbox, pair_names
+from services.children import Child, module_argv, restart_exited, stop_children, worker_argv
+from services.launch import ServeOptions
+
+log = logging.getLogger("launch")
+SUPERVISE_S = 1.0
+"""How often the pair hosts and the router are checked."""
+CALL_TIMEOUT_S = 30.0
+"""A pair host that does not answer a check this long is taken as lost."""
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the service binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class PairHost:
+    """One prefill/decode pair's two workers on this node (a Ray actor: `ray.remote(PairHost)`)."""
+
+    def __init__(self, index: int, flags: list[str], router_inbox: str, metrics: bool) -> None:
+        import ray
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s pair %(levelname)s %(message)s")
+        self.host = ray.util.get_node_ip_address()
+        names = dict(zip(("prefill", "decode"), pair_names(index), strict=True))
+        self.inboxes = {role: f"tcp://{self.host}:{free_port(self.host)}" for role in names}
+        self.metrics_urls: dict[str, str] = {}
+        peer = {"prefill": "decode", "decode": "prefill"}
+        self.children = []
+        for role in ("decode", "prefill"):
+            argv = worker_argv(
+                role, names[role], self.inboxes[role], self.inboxes[peer[role]], router_inbox, flags
+            )
+            argv += ["--exit-with-parent"]
+            if metrics:
+                port = free_port(self.host)
+                argv += ["--metrics-port", str(port), "--metrics-host", self.host]
+                self.metrics_urls[names[role]] = f"http://{self.host}:{port}/metrics"
+            self.children.append(Child(names[role], argv))
+        self.router = Outbox(router_inbox)
+        for child in self.children:
+            child.start()
+
+    def addresses(self) -> tuple[str, str, dict[str, str]]:
+        """The prefill and decode inboxes, and the workers' metrics URLs by name."""
+        return self.inboxes["prefill"], self.inboxes["decode"], self.metrics_urls
+
+    def supervise(self) -> str:
+        """Restart the workers that exited; the name of one that keeps failing at start-up, else ""."""
+        failed = restart_exited(self.children, self.router)
+        return failed.name if failed is not None else ""
+
+    def stop(self) -> None:
+        stop_children(self.children)
+        self.router.close()
+
+
+@dataclass
+class RayLauncher:
+    """Starts the pair hosts on the cluster at `address` ("local": a cluster of this machine alone), then
+    the router here; supervises both until SIGINT/SIGTERM."""
+
+    opts: ServeOptions
+    address: str
+    pairs: int
+    device: str
+    stopping: bool = False
+    failed: bool = False
+    gpu: bool = False
+    """Whether each pair takes a GPU (`device` cuda, or auto on a cluster that has GPUs)."""
+
+    def run(self) -> int:
+        import signal
+
+        import ray
+
+        if self.device.startswith("cuda:"):
+            raise ValueError(
+                f"with --ray each pair takes one GPU of its node: --device cuda or auto, not {self.device}"
+            )
+        ray.init(address=None if self.address == "local" else self.address, include_dashboard=False)
+        self.gpu = self.device == "cuda" or (
+            self.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1
+        )
+        for sig in (signal.SIGTERM, signal.SIGINT):  # (after ray.init, which installs its own)
+            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+        self.host = ray.util.get_node_ip_address()
+        self.router_inbox = f"tcp://{self.host}:{free_port(self.host)}"
+        self.actors = [self._start_pair(i) for i in range(self.pairs)]
+        self.router = self._router()
+        self.router.start()
+        try:
+            while not self.stopping:
+                time.sleep(SUPERVISE_S)
+                self._supervise()
+        finally:
+            self._stop()
+            ray.shutdown()
+        return 1 if self.failed else 0
+
+    def _start_pair(self, index: int):
+        import ray
+
+        resources = {"num_gpus": 1} if self.gpu else {"num_cpus": 0}
+        actor = ray.remote(**resources)(PairHost).options(scheduling_strategy="SPREAD")
+        flags = [*self.opts.worker_args, "--threads", str(self.opts.threads)]
+        flags += ["--stall-timeout", str(self.opts.stall_timeout_s)]
+        # on a GPU: the actor's one (Ray sets its CUDA_VISIBLE_DEVICES, which the workers inherit)
+        flags += ["--device", "cuda" if self.gpu else "cpu"]
+        return actor.remote(index, flags, self.router_inbox, bool(self.opts.metrics_port))
+
+    def _router(self) -> Child:
+        import ray
+
+        opts = self.opts
+        argv = [
+            *module_argv("router"),
+            "--model",
+            opts.model_dir,
+            "--host",
+            opts.host,
+            "--port",
+            str(opts.port),
+        ]
+        argv += ["--inbox", self.router_inbox, "--max-running", "0", "--max-queue", str(opts.max_queue)]
+        argv += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
+        for prefill, decode, urls in ray.get([a.addresses.remote() for a in self.actors]):
+            argv += ["--prefill", prefill, "--decode", decode]
+            argv += [arg for name, url in urls.items() for arg in ("--worker-metrics", f"{name}={url}")]
+        if opts.metrics_port:
+            argv += ["--metrics-port", str(opts.metrics_port)]
+        if opts.served_name:
+            argv += ["--served-model-name", opts.served_name]
+        if opts.api_key:
+            argv += ["--api-key", opts.api_key]
+        return Child("router", argv)
+
+    def _supervise(self) -> None:
+        import ray
+
+        if restart_exited([self.router], None) is not None:
+            self.failed = self.stopping = True
+            return
+        lost = False
+        for i, actor in enumerate(self.actors):
+            try:
+                failed = ray.get(actor.supervise.remote(), timeout=CALL_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                log.error("the host of pair %d is lost (%s): starting it again", i, type(exc).__name__)
+                ray.kill(actor)
+                self.actors[i], lost = self._start_pair(i), True
+                continue
+            if failed:
+                log.error("%s keeps failing at start-up: giving up", failed)
+                self.failed = self.stopping = True
+        if lost:  # a new host has new addresses: the router is started again over them
+            stop_children([self.router])
+            self.router = self._router()
+            self.router.start()
+
+    def _stop(self) -> None:
+        import ray
+
+        stop_children([self.router])
+        for actor in self.actors:
+            try:
+                ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                log.warning("a pair host did not stop its workers (they stop with it)")

@@ -1,0 +1,88 @@
+"""`spillway serve --ray local --pairs 2`: the pairs under Ray actors on a local Ray cluster, the router here,
+all over tcp:// on the node's address; a killed worker is restarted by its pair's host; SIGTERM stops every
+process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import Server, free_port, free_ports, health
+from tests.services.test_serve_pairs import MODEL, wait_status
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_pairs_on_ray_serve_restart_and_stop(tmp_path) -> None:
+    port, metrics = free_port(), free_ports(1)
+    argv = [sys.executable, "-m", "services.cli", "serve", "--ray", "local", "--pairs", "2"]
+    argv += ["--port", str(port), "--metrics-port", str(metrics), "--threads", "1", "--max-running", "2"]
+    argv += ["--max-context", "1024", "--expert-cache", "0.5"]
+    env = {**os.environ, "SPILLWAY_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
+    server = Server(subprocess.Popen(argv, env=env), port)
+    try:
+        body = wait_status(server, "ok", timeout_s=300)
+        workers = {name: body["services"][name] for name in ("prefill", "decode", "prefill-1", "decode-1")}
+        for svc in workers.values():  # served over the node's address, not loopback
+            assert svc["metrics_url"].startswith("http://") and "127.0.0.1" not in svc["metrics_url"]
+        client = server.client()
+        replies = {
+            client.completions.create(model=MODEL, prompt="On Ray.", max_tokens=8, temperature=0)
+            .choices[0]
+            .text
+            for _ in range(4)
+        }
+        assert len(replies) == 1 and [p["capacity"] for p in health(port)[1]["pairs"]] == [2, 2]
+        victim = workers["decode-1"]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        body = wait_status(server, "degraded", timeout_s=15)
+        body = wait_status(server, "ok", timeout_s=120)
+        assert body["services"]["decode-1"]["pid"] != victim, "restarted by its pair's host"
+        again = client.completions.create(model=MODEL, prompt="On Ray.", max_tokens=8, temperature=0)
+        assert again.choices[0].text in replies
+        # The pair's host (the Ray actor, the workers' parent) lost: its workers stop with it, a new host
+        # starts them elsewhere (new addresses), and the router is started again over them.
+        lost = {name: body["services"][name]["pid"] for name in ("prefill-1", "decode-1")}
+        host = _parent(lost["decode-1"])
+        os.kill(host, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in lost.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in lost.values()), "the workers stop with their host"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the new router, over the new host's workers
+            body = health(port)[1]
+            pids = {name: body.get("services", {}).get(name, {}).get("pid") for name in lost}
+            if body.get("status") == "ok" and not set(pids.values()) & set(lost.values()):
+                break
+            time.sleep(0.2)
+        assert body.get("status") == "ok" and not set(pids.values()) & set(lost.values()), body
+        again = client.completions.create(model=MODEL, prompt="On Ray.", max_tokens=8, temperature=0)
+        assert again.choices[0].text in replies
+        pids = [svc["pid"] for svc in body["services"].values()]
+    finally:
+        code = server.stop()
+    assert code == 0
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], "every worker stopped"
