@@ -81,44 +81,52 @@ def pair_gpus(pairs: int, device: str) -> list[str | None]:
     return gpus[:pairs]
 
 
+def router_argv(
+    opts: ServeOptions, inbox: str, pairs: list[tuple[str, str]], metrics: dict[str, str]
+) -> list[str]:
+    """The router's command: its inbox, each pair's (prefill, decode) inboxes, the workers' metrics URLs by
+    service name; the rest from `opts` (its admission limit: what the pairs announce)."""
+    argv = [*module_argv("router"), "--model", opts.model_dir, "--host", opts.host, "--port", str(opts.port)]
+    argv += ["--inbox", inbox, "--max-running", "0", "--max-queue", str(opts.max_queue)]
+    argv += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
+    for prefill, decode in pairs:
+        argv += ["--prefill", prefill, "--decode", decode]
+    for name, url in metrics.items():
+        argv += ["--worker-metrics", f"{name}={url}"]
+    if opts.metrics_port:
+        argv += ["--metrics-port", str(opts.metrics_port)]
+    if opts.served_name:
+        argv += ["--served-model-name", opts.served_name]
+    if opts.api_key:
+        argv += ["--api-key", opts.api_key]
+    return argv
+
+
+def worker_flags(opts: ServeOptions) -> list[str]:
+    """The flags both workers of every pair take."""
+    return [*opts.worker_args, "--threads", str(opts.threads), "--stall-timeout", str(opts.stall_timeout_s)]
+
+
 def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
     """Each pair's decode and prefill, then the router over them."""
     router_inbox = ipc_address(run_dir, "router")
-    flags = [*opts.worker_args, "--threads", str(opts.threads), "--stall-timeout", str(opts.stall_timeout_s)]
-    router = [
-        *module_argv("router"),
-        "--model",
-        opts.model_dir,
-        "--host",
-        opts.host,
-        "--port",
-        str(opts.port),
-    ]
-    router += ["--inbox", router_inbox, "--max-running", "0", "--max-queue", str(opts.max_queue)]
-    router += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
-    if opts.metrics_port:
-        router += ["--metrics-port", str(opts.metrics_port)]
-    children = []
+    pairs, metrics, children = [], {}, []
     for i, gpu in enumerate(opts.pair_gpus):
         prefill_name, decode_name = pair_names(i)
         inbox = {"prefill": ipc_address(run_dir, prefill_name), "decode": ipc_address(run_dir, decode_name)}
-        router += ["--prefill", inbox["prefill"], "--decode", inbox["decode"]]
+        pairs.append((inbox["prefill"], inbox["decode"]))
         # decode first: it owns the memory prefill maps (either order works: prefill asks for it)
         for role, name, peer, port in (
             ("decode", decode_name, "prefill", 2),
             ("prefill", prefill_name, "decode", 1),
         ):
-            argv = worker_argv(role, name, inbox[role], inbox[peer], router_inbox, flags)
+            argv = worker_argv(role, name, inbox[role], inbox[peer], router_inbox, worker_flags(opts))
             if opts.metrics_port:
                 port += opts.metrics_port + 2 * i
                 argv += ["--metrics-port", str(port)]
-                router += ["--worker-metrics", f"{name}=http://127.0.0.1:{port}/metrics"]
+                metrics[name] = f"http://127.0.0.1:{port}/metrics"
             children.append(Child(name, argv, gpu))
-    if opts.served_name:
-        router += ["--served-model-name", opts.served_name]
-    if opts.api_key:
-        router += ["--api-key", opts.api_key]
-    return [*children, Child("router", router)]
+    return [*children, Child("router", router_argv(opts, router_inbox, pairs, metrics))]
 
 
 class Launcher:

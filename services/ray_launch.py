@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 
 from common.transport import Outbox, pair_names
-from services.children import Child, module_argv, restart_exited, stop_children, worker_argv
-from services.launch import ServeOptions
+from services.children import Child, restart_exited, stop_children, worker_argv
+from services.launch import ServeOptions, router_argv, worker_flags
 
 log = logging.getLogger("launch")
 SUPERVISE_S = 1.0
@@ -125,8 +125,7 @@ class RayLauncher:
 
         resources = {"num_gpus": 1} if self.gpu else {"num_cpus": 0}
         actor = ray.remote(**resources)(PairHost).options(scheduling_strategy="SPREAD")
-        flags = [*self.opts.worker_args, "--threads", str(self.opts.threads)]
-        flags += ["--stall-timeout", str(self.opts.stall_timeout_s)]
+        flags = worker_flags(self.opts)
         # on a GPU: the actor's one (Ray sets its CUDA_VISIBLE_DEVICES, which the workers inherit)
         flags += ["--device", "cuda" if self.gpu else "cpu"]
         return actor.remote(index, flags, self.router_inbox, bool(self.opts.metrics_port))
@@ -134,28 +133,11 @@ class RayLauncher:
     def _router(self) -> Child:
         import ray
 
-        opts = self.opts
-        argv = [
-            *module_argv("router"),
-            "--model",
-            opts.model_dir,
-            "--host",
-            opts.host,
-            "--port",
-            str(opts.port),
-        ]
-        argv += ["--inbox", self.router_inbox, "--max-running", "0", "--max-queue", str(opts.max_queue)]
-        argv += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
+        pairs, metrics = [], {}
         for prefill, decode, urls in ray.get([a.addresses.remote() for a in self.actors]):
-            argv += ["--prefill", prefill, "--decode", decode]
-            argv += [arg for name, url in urls.items() for arg in ("--worker-metrics", f"{name}={url}")]
-        if opts.metrics_port:
-            argv += ["--metrics-port", str(opts.metrics_port)]
-        if opts.served_name:
-            argv += ["--served-model-name", opts.served_name]
-        if opts.api_key:
-            argv += ["--api-key", opts.api_key]
-        return Child("router", argv)
+            pairs.append((prefill, decode))
+            metrics.update(urls)
+        return Child("router", router_argv(self.opts, self.router_inbox, pairs, metrics))
 
     def _supervise(self) -> None:
         import ray

@@ -72,6 +72,18 @@ def wait_healthy(port: int, timeout_s: float = 300) -> dict:
     raise AssertionError(f"not healthy after {timeout_s} s: {body}")
 
 
+def wait_status(server: Server, status: str, timeout_s: float = 60) -> dict:
+    """The /health body once its status is `status` (fails at once if the launcher exits)."""
+    deadline, body = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        assert server.proc.poll() is None, f"spillway serve exited with {server.proc.returncode}"
+        body = health(server.port)[1]
+        if body.get("status") == status:
+            return body
+        time.sleep(0.2)
+    raise AssertionError(f"not {status} after {timeout_s} s: {body}")
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.conftest import Server, free_port, free_ports, health
-from tests.services.test_serve_pairs import MODEL, wait_status
+from tests.conftest import Server, free_port, free_ports, health, wait_status
+from tests.services.test_serve_pairs import MODEL
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow

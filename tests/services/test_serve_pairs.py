@@ -19,22 +19,10 @@ import urllib.request
 import openai
 import pytest
 
-from tests.conftest import Server, free_port, free_ports, health
+from tests.conftest import Server, free_port, free_ports, health, wait_status
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-qwen3_moe"
-
-
-def wait_status(server: Server, status: str, timeout_s: float = 60) -> dict:
-    """The /health body once its status is `status` (fails at once if the launcher exits)."""
-    deadline, body = time.monotonic() + timeout_s, {}
-    while time.monotonic() < deadline:
-        assert server.proc.poll() is None, f"spillway serve exited with {server.proc.returncode}"
-        body = health(server.port)[1]
-        if body.get("status") == status:
-            return body
-        time.sleep(0.2)
-    raise AssertionError(f"not {status} after {timeout_s} s: {body}")
 
 
 @pytest.fixture(scope="module")
