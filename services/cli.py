@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -214,12 +215,12 @@ def _serve(args: argparse.Namespace) -> int:
             args.device = device_arg(args.device)
         except argparse.ArgumentTypeError as exc:
             raise ValueError(f"--device: {exc}") from None
-    model_dir = str(args.model or default_model_dir())
+    model_dir = str(Path(args.model or default_model_dir()).absolute())  # (the same path on every node)
     _, model = load_architecture(model_dir)  # a bad config fails here, with its file named, before any start
     cfg = worker_config(args, model_dir)
     _check_before_start(args, cfg, model)
-    if cfg.vram_budget is not None:
-        _check_serve_plan(cfg)
+    if cfg.vram_budget is not None:  # (a budget is for a GPU: `auto` under --ray is one of the nodes')
+        _check_serve_plan(dataclasses.replace(cfg, device="cuda") if cfg.device == "auto" else cfg)
     gpus = pair_gpus(args.pairs, cfg.device) if args.ray is None else [None] * args.pairs
     opts = ServeOptions(
         model_dir=model_dir,

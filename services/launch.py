@@ -103,8 +103,9 @@ def router_argv(
 
 
 def worker_flags(opts: ServeOptions) -> list[str]:
-    """The flags both workers of every pair take."""
-    return [*opts.worker_args, "--threads", str(opts.threads), "--stall-timeout", str(opts.stall_timeout_s)]
+    """The flags both workers of every pair take (they stop with their launcher, even a SIGKILLed one)."""
+    flags = [*opts.worker_args, "--threads", str(opts.threads), "--stall-timeout", str(opts.stall_timeout_s)]
+    return [*flags, "--exit-with-parent"]
 
 
 def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:

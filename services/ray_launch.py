@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.transport import Outbox, pair_names
 from services.children import Child, restart_exited, stop_children, worker_argv
@@ -53,7 +53,6 @@ class PairHost:
             argv = worker_argv(
                 role, names[role], self.inboxes[role], self.inboxes[peer[role]], router_inbox, flags
             )
-            argv += ["--exit-with-parent"]
             if metrics:
                 port = free_port(self.host)
                 argv += ["--metrics-port", str(port), "--metrics-host", self.host]
@@ -90,6 +89,10 @@ class RayLauncher:
     failed: bool = False
     gpu: bool = False
     """Whether each pair takes a GPU (`device` cuda, or auto on a cluster that has GPUs)."""
+    addresses: dict = field(default_factory=dict)
+    """Each pair's (prefill inbox, decode inbox, metrics URLs by worker name), as its host answered."""
+    placing: dict = field(default_factory=dict)
+    """The pairs whose (new) host has not answered with its addresses yet: index → the pending answer."""
 
     def run(self) -> int:
         import signal
@@ -100,18 +103,13 @@ class RayLauncher:
             raise ValueError(
                 f"with --ray each pair takes one GPU of its node: --device cuda or auto, not {self.device}"
             )
-        ray.init(address=None if self.address == "local" else self.address, include_dashboard=False)
-        self.gpu = self.device == "cuda" or (
-            self.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1
-        )
+        ray.init(address=self.address, include_dashboard=False)  # "local": always a new cluster
         for sig in (signal.SIGTERM, signal.SIGINT):  # (after ray.init, which installs its own)
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
-        self.host = ray.util.get_node_ip_address()
-        self.router_inbox = f"tcp://{self.host}:{free_port(self.host)}"
-        self.actors = [self._start_pair(i) for i in range(self.pairs)]
-        self.router = self._router()
-        self.router.start()
+        self.router = None
+        self.actors: list = []
         try:
+            self._start()
             while not self.stopping:
                 time.sleep(SUPERVISE_S)
                 self._supervise()
@@ -119,6 +117,21 @@ class RayLauncher:
             self._stop()
             ray.shutdown()
         return 1 if self.failed else 0
+
+    def _start(self) -> None:
+        """The pair hosts, then (once every one is placed and has its addresses) the router over them."""
+        import ray
+
+        gpus = ray.cluster_resources().get("GPU", 0)
+        self.gpu = self.device == "cuda" or (self.device == "auto" and gpus >= 1)
+        if self.gpu and gpus < self.pairs:
+            raise ValueError(f"--pairs {self.pairs} needs a GPU a pair; the Ray cluster has {gpus:g}")
+        self.host = ray.util.get_node_ip_address()
+        self.router_inbox = f"tcp://{self.host}:{free_port(self.host)}"
+        self.actors = [self._start_pair(i) for i in range(self.pairs)]
+        self.placing = {i: self.actors[i].addresses.remote() for i in range(self.pairs)}
+        while not self.stopping and self.placing:
+            self._place(timeout_s=SUPERVISE_S)
 
     def _start_pair(self, index: int):
         import ray
@@ -130,14 +143,23 @@ class RayLauncher:
         flags += ["--device", "cuda" if self.gpu else "cpu"]
         return actor.remote(index, flags, self.router_inbox, bool(self.opts.metrics_port))
 
-    def _router(self) -> Child:
+    def _place(self, timeout_s: float) -> None:
+        """Collect the addresses of the pair hosts being placed; once every one has answered, (re)start the
+        router over all of them. Until then the router (if any) goes on over the addresses it has."""
         import ray
 
-        pairs, metrics = [], {}
-        for prefill, decode, urls in ray.get([a.addresses.remote() for a in self.actors]):
-            pairs.append((prefill, decode))
-            metrics.update(urls)
-        return Child("router", router_argv(self.opts, self.router_inbox, pairs, metrics))
+        ready, _ = ray.wait(list(self.placing.values()), num_returns=len(self.placing), timeout=timeout_s)
+        if len(ready) < len(self.placing):
+            return
+        for i, ref in self.placing.items():
+            self.addresses[i] = ray.get(ref)
+        self.placing = {}
+        pairs = [(prefill, decode) for prefill, decode, _ in self.addresses.values()]
+        metrics = {name: url for _, _, urls in self.addresses.values() for name, url in urls.items()}
+        if self.router is not None:  # the new host's addresses are not the lost one's
+            stop_children([self.router])
+        self.router = Child("router", router_argv(self.opts, self.router_inbox, pairs, metrics))
+        self.router.start()
 
     def _supervise(self) -> None:
         import ray
@@ -145,27 +167,31 @@ class RayLauncher:
         if restart_exited([self.router], None) is not None:
             self.failed = self.stopping = True
             return
-        lost = False
         for i, actor in enumerate(self.actors):
+            if i in self.placing:
+                continue
             try:
                 failed = ray.get(actor.supervise.remote(), timeout=CALL_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 log.error("the host of pair %d is lost (%s): starting it again", i, type(exc).__name__)
                 ray.kill(actor)
-                self.actors[i], lost = self._start_pair(i), True
+                self.actors[i] = self._start_pair(i)
+                self.placing[i] = self.actors[i].addresses.remote()
+                continue
+            except ray.exceptions.RayTaskError:  # its check failed (not the host): try again next time
+                log.exception("checking the workers of pair %d failed", i)
                 continue
             if failed:
                 log.error("%s keeps failing at start-up: giving up", failed)
                 self.failed = self.stopping = True
-        if lost:  # a new host has new addresses: the router is started again over them
-            stop_children([self.router])
-            self.router = self._router()
-            self.router.start()
+        if self.placing:
+            self._place(timeout_s=0)
 
     def _stop(self) -> None:
         import ray
 
-        stop_children([self.router])
+        if self.router is not None:
+            stop_children([self.router])
         for actor in self.actors:
             try:
                 ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)

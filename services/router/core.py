@@ -235,10 +235,14 @@ class RouterCore:
 
     def max_running(self) -> int:
         """The admission limit: configured, else the capacity of the pairs that are up (each announced by the
-        smaller of its two workers)."""
+        smaller of its two workers), plus the requests the others still hold."""
         if self.config.max_running > 0:
             return self.config.max_running
-        return sum(p.capacity() for p in self.up_pairs()) or DEFAULT_MAX_RUNNING
+        up = self.up_pairs()
+        # The requests of a pair that is down but not failed yet (silent, not past the stall timeout) keep
+        # their slots, so that they do not take the pairs that are up below their capacity.
+        held = sum(p.running for p in self.pairs if p not in up)
+        return sum(p.capacity() for p in up) + held or DEFAULT_MAX_RUNNING
 
     # Admission.
 
@@ -414,12 +418,12 @@ class RouterCore:
             svc.capacity, svc.max_context = msg.capacity, msg.max_context
             svc.metrics_url = msg.metrics_url or svc.metrics_url
             log.info("%s is ready (pid %d, capacity %d)", msg.service, msg.pid, msg.capacity)
-            self._admit_waiters()
         else:
             svc.running, svc.waiting = msg.running, msg.waiting
             if msg.capacity and not svc.capacity:  # a router restarted after the worker's Ready
                 svc.capacity, svc.max_context = msg.capacity, msg.max_context
-                self._admit_waiters()
+        # Its pair may be up again (Ready, heard after a stall or a reopened connection): the limit rose.
+        self._admit_waiters()
 
     def _fail_pair(self, pair: Pair, reason: str) -> None:
         """The requests `pair` runs died with one of its workers: end each with an error event."""

@@ -175,6 +175,10 @@ def test_serve_refuses_lending_that_cannot_hold(tmp_path: Path, flags: list[str]
         (["serve", "--port", "1", "--device", "gpu"], "'gpu' is not a device"),
         (["serve", "--port", "1", "--device", "cuda:7"], "no CUDA device is available here"),
         (["serve", "--port", "1", "--ray", "local", "--device", "cuda:1"], "one GPU of its node"),
+        (
+            ["serve", "--port", "1", "--ray", "local", "--vram-budget", "100MiB", "--device", "auto"],
+            "too small",
+        ),
         (["serve", "--port", "1", "--expert-cache", "abc"], "--expert-cache must be"),
         (["serve", "--port", "1", "--stall-timeout", "-1"], "below 0"),
         (["generate", "--max-tokens", "0"], "--max-tokens: 0 is below 1"),

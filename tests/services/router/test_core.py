@@ -326,3 +326,41 @@ def test_each_request_and_its_abort_go_to_its_own_pair() -> None:
             ctx.destroy(linger=0)
 
     run_core(test, pairs=2, max_running=0)
+
+
+def test_a_pair_back_up_takes_the_waiting_requests() -> None:
+    """A pair heard again after a stall raises the limit: the requests waiting start on it."""
+
+    async def test(core: RouterCore) -> None:
+        flights = [await core.submit([1], SAMPLING, time.monotonic()) for _ in range(2)]
+        assert sorted(f.pair for f in flights) == [0, 1]
+        core.services["decode-1"].last_seen = time.monotonic() - 61
+        core.check_stalls()  # pair 1's request fails; pair 0 keeps its own
+        (stalled,) = [f for f in flights if f.pair == 1]
+        assert (await stalled.next_event()).finish_reason == "error"
+        core.release(stalled, None)
+        more = [asyncio.create_task(core.submit([2], SAMPLING, time.monotonic())) for _ in range(3)]
+        await settle()
+        assert core.max_running() == 2 and sum(t.done() for t in more) == 1, "pair 0's second slot only"
+        core.on_message(Heartbeat("decode-1", os.getpid()))  # heard again: pair 1 is up
+        started = [await asyncio.wait_for(t, 5) for t in more]
+        assert sorted(f.pair for f in started) == [0, 1, 1]
+        for flight in [*flights[:1], *started]:
+            core.release(flight, None)
+
+    run_core(test, pairs=2, max_running=0, stall_timeout_s=60)
+
+
+def test_requests_of_a_silent_pair_keep_their_slots() -> None:
+    """A pair down by missed heartbeats (not failed yet) holds its requests' slots beside the up pairs'."""
+
+    async def test(core: RouterCore) -> None:
+        a, b = [await core.submit([1], SAMPLING, time.monotonic()) for _ in range(2)]
+        core.services["decode-1"].last_seen = time.monotonic() - 10  # past the heartbeat timeout
+        assert core.status() == "degraded" and core.max_running() == 2 + 1
+        c = await asyncio.wait_for(core.submit([1], SAMPLING, time.monotonic()), 5)
+        assert (a.pair, b.pair, c.pair) == (0, 1, 0), "pair 0's free slot is used"
+        for flight in (a, b, c):
+            core.release(flight, None)
+
+    run_core(test, pairs=2, max_running=0)
