@@ -89,6 +89,7 @@ def router_argv(
     argv = [*module_argv("router"), "--model", opts.model_dir, "--host", opts.host, "--port", str(opts.port)]
     argv += ["--inbox", inbox, "--max-running", "0", "--max-queue", str(opts.max_queue)]
     argv += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
+    argv += ["--exit-with-parent"]
     for prefill, decode in pairs:
         argv += ["--prefill", prefill, "--decode", decode]
     for name, url in metrics.items():

@@ -9,7 +9,6 @@ import os
 import secrets
 import signal
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
@@ -18,11 +17,10 @@ import torch
 from common import metrics
 from common.protocol import Heartbeat, Message, Ready
 from common.transport import Inbox, Outbox
+from services.parent_watch import stop_with_parent
 
 log = logging.getLogger("worker")
 HEARTBEAT_S = 1.0
-PARENT_GONE_GRACE_S = 10.0
-"""With exit_with_parent: how long the loop has to stop on its own once the parent is gone."""
 HANG_EXIT_GRACE_S = 4.0
 """A hung worker ends itself this long after the stall timeout: after the router has failed its requests
 (at the timeout, with the reason) and after a launcher's kill (2 s past it), so it matters only where no
@@ -75,23 +73,13 @@ class WorkerShell:
         timed, nor is what runs `untimed`. A send blocked as long on the peer worker (its queue full: it
         does not read) counts as hung too; sends to the router never block (`send`)."""
         self._armed = False
-        if exit_with_parent:  # a supervisor killed with no chance to stop its children (a Ray actor)
-            threading.Thread(target=self._exit_with, args=(os.getppid(),), daemon=True).start()
+        if exit_with_parent:
+            stop_with_parent(self._stop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
-
-    def _exit_with(self, parent: int) -> None:
-        """Once `parent` is gone: stop the loop, and end the process PARENT_GONE_GRACE_S later if it is still
-        running (still loading the model, or waiting for a peer that will not come)."""
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        log.error("the process that started this one (pid %d) is gone: stopping", parent)
-        self.stopping = True
-        time.sleep(PARENT_GONE_GRACE_S)
-        os._exit(1)
 
     def send(self, dest: str, msg: Message) -> None:
         """To the peer worker: waits while its queue is full. To the router: never waits. Events for a

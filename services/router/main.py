@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.parent_watch import stop_with_parent
 from services.router.config import RouterConfig, WorkerPair
 
 API_KEY_ENV = "SPILLWAY_API_KEY"
@@ -57,6 +59,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=120.0,
         help="seconds of silence after which a worker's requests fail (0: never; default %(default)s)",
+    )
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="shut down once the process that started this one is gone (its launcher, SIGKILLed)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -110,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s router %(name)s: %(message)s"
     )
     config = config_from_args(args)
+    if args.exit_with_parent:  # SIGTERM: uvicorn's own graceful shutdown
+        stop_with_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))
     app = create_app(config)
     uvicorn.run(
         app,

@@ -329,6 +329,22 @@ def test_sigterm_stops_everything_and_frees_shared_memory(start_server, tmp_path
     assert health(server.port)[0] == 0
 
 
+def test_a_killed_launcher_takes_every_service_with_it(start_server, tmp_path):
+    """SIGKILL leaves the launcher no chance to stop its children: each sees its parent gone and stops (the
+    router through its own graceful shutdown), so nothing holds the port or the memory."""
+    server = start_server("--threads", "1", env={"SPILLWAY_CACHE": str(tmp_path)})
+    out = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 3
+    server.proc.kill()
+    server.proc.wait()
+    deadline = time.monotonic() + 20
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert health(server.port)[0] == 0
+
+
 def test_a_worker_that_cannot_start_stops_the_launcher(tmp_path):
     """A checkpoint the workers cannot load: the launcher gives up after a few restarts (exit 1), no hang."""
     model = make_model(tmp_path / "broken", preset="tiny", arch="qwen3_moe")

@@ -12,7 +12,8 @@ import pytest
 
 from common.protocol import Tokens
 from common.transport import ipc_address
-from services.worker_loop import PARENT_GONE_GRACE_S, WorkerShell
+from services.parent_watch import PARENT_GONE_GRACE_S
+from services.worker_loop import WorkerShell
 
 SCRIPT = """
 import sys, time
