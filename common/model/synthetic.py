@@ -7,7 +7,8 @@ Four families are supported: ``qwen3_moe``, ``qwen2_moe`` and ``mixtral`` (one f
 under ``model.``), and ``qwen4_exp`` (Qwen3.8-Flash-Next: a nested multimodal config.json with
 ``text_config`` and ``vision_config``, text weights under ``model.language_model.``; hybrid Gated DeltaNet /
 QSA-indexed attention layers, hyper-connections, and a hashed n-gram per-layer embedding (PLE) whose table
-is stored as ``split_ngram_parts`` row shards). qwen4_exp checkpoints have no vision-tower or MTP weights yet.
+is stored as ``split_ngram_parts`` row shards). qwen4_exp checkpoints also carry the vision tower
+(``model.visual.``) and the MTP head (``mtp.``).
 
 The families and their presets are in synthetic_presets.py, the config files written from them in
 synthetic_config.py, the tensors each family holds in synthetic_plan.py; this module draws the values and

@@ -298,6 +298,38 @@ def _mtp(t: Mapping[str, Any], i: int) -> list[TensorSpec]:
     return specs
 
 
+def _vision_tower(v: Mapping[str, Any], p: str = "model.visual") -> list[TensorSpec]:
+    """The ViT (transformers' Qwen4ExpVisionModel): patch embedding, position table, blocks, merger."""
+    d, inner, c = v["hidden_size"], v["intermediate_size"], v.get("in_channels", 3)
+    t, ps, m = v["temporal_patch_size"], v["patch_size"], v["spatial_merge_size"]
+    patch_in = c * t * ps * ps
+    merged = d * m * m
+    specs = [
+        TensorSpec(f"{p}.patch_embed.proj.weight", (d, c, t, ps, ps), 0.0, patch_in**-0.5),
+        _bias(f"{p}.patch_embed.proj.bias", d),
+        TensorSpec(f"{p}.pos_embed.weight", (v["num_position_embeddings"], d), 0.0, 0.5),
+    ]
+    for i in range(v["depth"]):
+        b = f"{p}.blocks.{i}"
+        specs += [_norm(f"{b}.norm1.weight", d), _bias(f"{b}.norm1.bias", d)]
+        specs += [_linear(f"{b}.attn.qkv.weight", 3 * d, d), _bias(f"{b}.attn.qkv.bias", 3 * d)]
+        specs += [_linear(f"{b}.attn.proj.weight", d, d), _bias(f"{b}.attn.proj.bias", d)]
+        specs += [_norm(f"{b}.norm2.weight", d), _bias(f"{b}.norm2.bias", d)]
+        specs += [_linear(f"{b}.mlp.linear_fc1.weight", inner, d), _bias(f"{b}.mlp.linear_fc1.bias", inner)]
+        specs += [_linear(f"{b}.mlp.linear_fc2.weight", d, inner), _bias(f"{b}.mlp.linear_fc2.bias", d)]
+    specs += [_norm(f"{p}.merger.norm.weight", d), _bias(f"{p}.merger.norm.bias", d)]
+    specs += [
+        _linear(f"{p}.merger.linear_fc1.weight", merged, merged),
+        _bias(f"{p}.merger.linear_fc1.bias", merged),
+    ]
+    out = v["out_hidden_size"]
+    specs += [
+        _linear(f"{p}.merger.linear_fc2.weight", out, merged),
+        _bias(f"{p}.merger.linear_fc2.bias", out),
+    ]
+    return specs
+
+
 def _plan_qwen4(cfg: Mapping[str, Any]) -> list[TensorSpec]:
     t = cfg["text_config"]
     h, v = t["hidden_size"], t["vocab_size"]
@@ -320,7 +352,7 @@ def _plan_qwen4(cfg: Mapping[str, Any]) -> list[TensorSpec]:
         specs += _mtp(t, i)
     if not cfg.get("tie_word_embeddings", False):
         specs.append(_linear("lm_head.weight", v, h, scale=2.0))
-    return specs
+    return _vision_tower(cfg["vision_config"]) + specs  # module order: the tower comes first
 
 
 def plan_tensors(cfg: Mapping[str, Any]) -> list[TensorSpec]:
