@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import base64
-import json
 import io
+import json
 
 import numpy as np
 import pytest
