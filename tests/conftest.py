@@ -84,6 +84,24 @@ def wait_status(server: Server, status: str, timeout_s: float = 60) -> dict:
     raise AssertionError(f"not {status} after {timeout_s} s: {body}")
 
 
+@contextlib.contextmanager
+def class_patched(owner: type, **attrs: object):
+    """Set `attrs` on class `owner` for the block, then put the class back as it was: an attribute it only
+    inherited is deleted, not set to the inherited value (pytest's monkeypatch sets it, and a slot such as
+    torch.Tensor.__getitem__ defined on the subclass changes how CPython and torch treat every tensor)."""
+    own = {name: owner.__dict__[name] for name in attrs if name in owner.__dict__}
+    for name, value in attrs.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name in attrs:
+            if name in own:
+                setattr(owner, name, own[name])
+            else:
+                delattr(owner, name)
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen

@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from common.engine import Engine
 from common.experts.cache_tables import CacheTables
@@ -298,43 +299,52 @@ def test_decode_identical_for_every_capacity(store, policy):
             assert stats["bypasses"] > 0  # bypassed experts were read from their staging rows
 
 
-def test_decode_step_never_syncs(store, monkeypatch):
-    """Structurally: no host read of a tensor's values, no data-dependent shape, no boolean-mask indexing and
-    no assignment of Python scalars anywhere in a decode forward (fills, bypasses, evictions included)."""
+class RefuseSyncs(TorchFunctionMode):
+    """Every tensor op of the block, checked: no host read of a tensor's values, no data-dependent shape, no
+    boolean-mask indexing, no assignment of a Python scalar (on CUDA, each a host synchronization). A mode,
+    not patched methods: a `__getitem__` set on torch.Tensor stays a sequence slot for the whole process (it
+    made every later `torch.tensor([0-d tensor])` fail)."""
+
+    REFUSED = frozenset(
+        [getattr(torch.Tensor, n) for n in ("tolist", "item", "nonzero", "unique", "argwhere")]
+        + [getattr(torch.Tensor, n) for n in ("__bool__", "__int__", "__float__")]
+        + [torch.nonzero, torch.unique, torch.bincount, torch.argwhere, torch.masked_select]
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.REFUSED:
+            raise AssertionError(f"host sync in a decode step: {func.__name__}")
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+                raise AssertionError("boolean-mask indexing (a nonzero) in a decode step")
+            if func is torch.Tensor.__setitem__ and not isinstance(args[2], torch.Tensor):
+                raise AssertionError("assignment of a Python scalar (a sync on CUDA) in a decode step")
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_step_never_syncs(store):
+    """Structurally: nothing in a decode forward (fills, bypasses, evictions, lookahead included) syncs."""
     provider = _provider(store, 2, "lru")
     steps = _routing(steps=3, tokens=4, seed=5)
     provider.begin_pass(True)
     provider.forward(0, *steps[0])  # fill the cache first, so the checked steps evict
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("host sync in a decode step")
-
-    for name in ("tolist", "item", "nonzero", "unique", "__bool__", "__int__", "__float__", "argwhere"):
-        monkeypatch.setattr(torch.Tensor, name, refuse)
-    for name in ("nonzero", "unique", "bincount", "argwhere", "masked_select"):
-        monkeypatch.setattr(torch, name, refuse)
-    getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
-
-    def no_mask(index) -> None:
-        for i in index if isinstance(index, tuple) else (index,):
-            if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
-                raise AssertionError("boolean-mask indexing (a nonzero) in a decode step")
-
-    def no_scalar(value) -> None:  # on CUDA, t[i] = 1 copies the scalar to the device: a sync
-        if not isinstance(value, torch.Tensor):
-            raise AssertionError("assignment of a Python scalar (a sync on CUDA) in a decode step")
-
-    monkeypatch.setattr(torch.Tensor, "__getitem__", lambda t, i: (no_mask(i), getitem(t, i))[1])
-    monkeypatch.setattr(
-        torch.Tensor, "__setitem__", lambda t, i, v: (no_mask(i), no_scalar(v), setitem(t, i, v))[1]
-    )
-    for x, ids, weights in steps[1:]:
-        provider.begin_pass(True)
-        for layer in range(LAYERS):
-            provider.forward(layer, x, ids, weights)
-            if layer + 1 < LAYERS:  # a lookahead's guess (the next layer's own choices, shifted)
-                provider.lookahead(layer + 1, x, lambda x, ids=ids: (ids + 1) % E)
-    monkeypatch.undo()
+    t = torch.zeros(4)
+    with RefuseSyncs():
+        for sync in (
+            lambda: t.sum().item(),
+            lambda: t[t > 0],
+            lambda: t.__setitem__(0, 1.0),
+            lambda: bool(t[0]),
+        ):
+            with pytest.raises(AssertionError, match="decode step"):  # the check sees each kind
+                sync()
+        for x, ids, weights in steps[1:]:
+            provider.begin_pass(True)
+            for layer in range(LAYERS):
+                provider.forward(layer, x, ids, weights)
+                if layer + 1 < LAYERS:  # a lookahead's guess (the next layer's own choices, shifted)
+                    provider.lookahead(layer + 1, x, lambda x, ids=ids: (ids + 1) % E)
     counters = provider.tables.counters
     assert int(counters["evictions"].sum()) > 0 and int(counters["misses"].sum()) > 0
     assert int(counters["prefetches"].sum()) > 0

@@ -15,29 +15,30 @@ import torch
 
 from bench.sass_census import _dump
 from common.kernels import gemv_native, native
+from tests.conftest import class_patched
 
 
 def test_only_one_bf16_row_of_a_mid_sized_weight_is_taken(monkeypatch) -> None:
     x, w = torch.zeros(1, 6144, dtype=torch.bfloat16), torch.zeros(2560, 6144, dtype=torch.bfloat16)
     assert not gemv_native.takes(x, w)  # not CUDA
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(gemv_native, "hopper_or_later", lambda index: True)
     monkeypatch.setattr(gemv_native, "_entry", lambda device: object())
-    assert gemv_native.takes(x, w)
-    assert not gemv_native.takes(torch.zeros(2, 6144, dtype=torch.bfloat16), w)  # two rows
-    assert not gemv_native.takes(x.float(), w.float())
-    assert not gemv_native.takes(x[:, :6000], w[:, :6000].contiguous())  # K not whole 256s
-    assert not gemv_native.takes(torch.zeros(1, 256 * 33, dtype=torch.bfloat16), torch.zeros(8, 256 * 33))
-    big = torch.zeros(gemv_native.CUBLAS_ROWS, 256, dtype=torch.bfloat16)  # the Triton one-chunk launch's
-    assert not gemv_native.takes(x[:, :256], big)
-    assert not gemv_native.takes(x, w.t().contiguous().t())  # not contiguous
-    assert gemv_native.takes(x, w, torch.zeros(2560, dtype=torch.bfloat16))
-    assert not gemv_native.takes(x, w, torch.zeros(2560))  # an fp32 bias
-    monkeypatch.setattr(gemv_native, "hopper_or_later", lambda index: False)
-    assert not gemv_native.takes(x, w)
-    monkeypatch.setattr(gemv_native, "hopper_or_later", lambda index: True)
-    monkeypatch.setattr(gemv_native, "ENABLED", False)
-    assert not gemv_native.takes(x, w)
+    with class_patched(torch.Tensor, is_cuda=property(lambda self: True)):
+        assert gemv_native.takes(x, w)
+        assert not gemv_native.takes(torch.zeros(2, 6144, dtype=torch.bfloat16), w)  # two rows
+        assert not gemv_native.takes(x.float(), w.float())
+        assert not gemv_native.takes(x[:, :6000], w[:, :6000].contiguous())  # K not whole 256s
+        assert not gemv_native.takes(torch.zeros(1, 256 * 33, dtype=torch.bfloat16), torch.zeros(8, 256 * 33))
+        big = torch.zeros(gemv_native.CUBLAS_ROWS, 256, dtype=torch.bfloat16)  # the Triton one-chunk launch's
+        assert not gemv_native.takes(x[:, :256], big)
+        assert not gemv_native.takes(x, w.t().contiguous().t())  # not contiguous
+        assert gemv_native.takes(x, w, torch.zeros(2560, dtype=torch.bfloat16))
+        assert not gemv_native.takes(x, w, torch.zeros(2560))  # an fp32 bias
+        monkeypatch.setattr(gemv_native, "hopper_or_later", lambda index: False)
+        assert not gemv_native.takes(x, w)
+        monkeypatch.setattr(gemv_native, "hopper_or_later", lambda index: True)
+        monkeypatch.setattr(gemv_native, "ENABLED", False)
+        assert not gemv_native.takes(x, w)
 
 
 def test_the_entry_point_gets_its_declared_arguments() -> None:
