@@ -78,6 +78,22 @@ class WorkerShell:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
 
+    @classmethod
+    def from_args(cls, args, role: str, peer_role: str) -> WorkerShell:
+        """The shell a worker's parsed flags (`services.worker_args.add_worker_args`) describe: named `--name`
+        or its role, its inbox, outboxes to the router and to its peer (`peer_role`)."""
+        outboxes = {"router": args.router, peer_role: args.peer}
+        return cls(
+            args.name or role,
+            args.inbox,
+            outboxes,
+            args.threads,
+            args.metrics_port,
+            args.metrics_host,
+            args.stall_timeout,
+            exit_with_parent=args.exit_with_parent,
+        )
+
     def _stop(self, *_: object) -> None:
         self.stopping = True
 

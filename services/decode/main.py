@@ -90,17 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = worker_parser("spillway-decode", __doc__)
     args = parser.parse_args(argv)
     cfg = parsed_config(parser, args)
-    outboxes = {"router": args.router, "prefill": args.peer}
-    shell = WorkerShell(
-        args.name or "decode",
-        args.inbox,
-        outboxes,
-        args.threads,
-        args.metrics_port,
-        args.metrics_host,
-        args.stall_timeout,
-        exit_with_parent=args.exit_with_parent,
-    )
+    shell = WorkerShell.from_args(args, "decode", "prefill")
     # Shared memory a crashed predecessor left where no launcher swept after it (one container a service).
     ipc.unlink_stale()
     try:

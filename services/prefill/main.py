@@ -74,17 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = worker_parser("spillway-prefill", __doc__)
     args = parser.parse_args(argv)
     cfg = parsed_config(parser, args)
-    outboxes = {"router": args.router, "decode": args.peer}
-    shell = WorkerShell(
-        args.name or "prefill",
-        args.inbox,
-        outboxes,
-        args.threads,
-        args.metrics_port,
-        args.metrics_host,
-        args.stall_timeout,
-        exit_with_parent=args.exit_with_parent,
-    )
+    shell = WorkerShell.from_args(args, "prefill", "decode")
     cap_worker(cfg, "prefill")  # before CUDA starts: expandable segments, then prefill's part of the budget
     worker = PrefillWorker(shell, cfg)
     shell.send("decode", WantExports(shell.pid))
