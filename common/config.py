@@ -39,6 +39,11 @@ class RopeConfig:
     """Llama3: wavelength boundary factor for high frequencies."""
     partial_rotary_factor: float = 1.0
     """Fraction of head_dim that is rotated (the rest passes through)."""
+    mrope_section: tuple[int, ...] = ()
+    """Multimodal RoPE (qwen4_exp, interleaved): frequencies per axis (temporal, height, width); frequency
+    i takes the height's position where i % 3 == 1 and i < 3 · section[1], the width's where i % 3 == 2 and
+    i < 3 · section[2], the temporal one elsewhere. Empty: one position a token. Text positions are equal on
+    the three axes, so the sections change nothing until a prompt has images."""
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ class _Recorded:
 
         self.batch = ForwardBatch(
             input_ids=zeros(lanes),
-            positions=zeros(lanes),
+            position_pair=zeros(2, lanes),
             seq_index=torch.arange(lanes, device=device),
             query_lens=[1] * lanes,
             cache_lens=[1] * lanes,
@@ -49,7 +49,7 @@ class _Recorded:
         """Copy a step's batch into the static inputs (page-table columns past its width keep old page ids:
         they are only read for keys a query may not see)."""
         static = self.batch
-        for name in ("input_ids", "positions", "slot_ids", "slot_mapping"):
+        for name in ("input_ids", "position_pair", "slot_ids", "slot_mapping"):
             getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
         static.page_table[:, : batch.page_table.shape[1]].copy_(batch.page_table, non_blocking=True)
 

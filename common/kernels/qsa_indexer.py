@@ -52,25 +52,27 @@ def _pooled(raw_ptr, new, table_ptr, seq, start, pos, cols, table_width, page_si
 
 @triton.jit
 def _compress_kernel(
-    raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_width, page_size,
-    eps, scaling, rot, R: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
+    raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, rope_ptr, w_ptr, inv_freq_ptr, table_width,
+    page_size, eps, scaling, rot, R: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     gdc_enter(GDC)
     _compress_token(
-        raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_width,
-        page_size, eps, scaling, rot, tl.program_id(0), R, D,
+        raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, rope_ptr, w_ptr, inv_freq_ptr,
+        table_width, page_size, eps, scaling, rot, tl.program_id(0), R, D,
     )  # fmt: skip
 
 
 @triton.jit
 def _compress_token(
-    raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, w_ptr, inv_freq_ptr, table_width, page_size,
-    eps, scaling, rot, t, R: tl.constexpr, D: tl.constexpr,
+    raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, rope_ptr, w_ptr, inv_freq_ptr, table_width,
+    page_size, eps, scaling, rot, t, R: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    """Token t's raw key stored and its block's key written: the kernel's program t, and a program of
+    """Token t's raw key stored and its block's key written (rotated at the block's first rotary position:
+    the token's, rope_ptr[t], less its offset in the block): the kernel's program t, and a program of
     common/kernels/qsa_prologue.py."""
     pos = tl.load(pos_ptr + t)
     start = pos - pos % R
+    rope_start = tl.load(rope_ptr + t) - pos % R
     i = tl.arange(0, D)
     half = rot // 2
     partner = tl.where(i < half, i + half, i - half)
@@ -86,7 +88,8 @@ def _compress_token(
     factor = tl.math.rsqrt(tl.sum(pooled * pooled, axis=0) / D + eps)
     normed = pooled * factor * (1.0 + tl.load(w_ptr + i).to(tl.float32))
     other = other * factor * (1.0 + tl.load(w_ptr + partner).to(tl.float32))
-    freq = start.to(tl.float32) * tl.load(inv_freq_ptr + i % tl.maximum(half, 1), mask=rotated, other=0.0)
+    inv_freq = tl.load(inv_freq_ptr + i % tl.maximum(half, 1), mask=rotated, other=0.0)
+    freq = rope_start.to(tl.float32) * inv_freq
     cos = tl.where(rotated, tl.cos(freq) * scaling, 1.0)
     sin = tl.where(rotated, tl.sin(freq) * scaling, 0.0)
     out = normed * cos + tl.where(i < half, -other, other) * sin
@@ -133,16 +136,20 @@ class KeyBlocks(NamedTuple):
     ratio: int
 
 
-def compress_step(keys: KeyBlocks, positions: torch.Tensor, rotary: RotaryEmbedding) -> None:
-    """One token per sequence, at `positions` [T]: store each token's raw key at its position, and write its
-    block's key (normalised, rotated by `rotary` at the block's first position)."""
+def compress_step(
+    keys: KeyBlocks, positions: torch.Tensor, rope_positions: torch.Tensor, rotary: RotaryEmbedding
+) -> None:
+    """One token per sequence, at `positions` [T] (rotated at `rope_positions` [T]): store each token's raw
+    key at its position, and write its block's key (normalised, rotated by `rotary` at the block's first
+    rotary position)."""
     t = positions.shape[0]
     dim = keys.raw.shape[1]
     new = keys.new
     assert new.shape == (t, dim) and new.stride(1) == 1, "new: [T, D], its last dim contiguous"
     _compress_kernel[(t,)](
-        keys.raw, new, new.stride(0), keys.blocks, keys.page_table, positions, keys.weight, rotary.inv_freq,
-        keys.page_table.shape[1], keys.page_size, keys.eps, rotary.scaling, 2 * rotary.inv_freq.numel(),
+        keys.raw, new, new.stride(0), keys.blocks, keys.page_table, positions, rope_positions, keys.weight,
+        rotary.inv_freq, keys.page_table.shape[1], keys.page_size, keys.eps, rotary.scaling,
+        2 * rotary.inv_freq.numel(),
         R=keys.ratio, D=dim, **launch(positions.device),
     )  # fmt: skip
 

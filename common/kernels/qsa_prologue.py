@@ -37,8 +37,8 @@ class HeadNorm(NamedTuple):
 
 @triton.jit
 def _prologue_kernel(
-    raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, bw_ptr, inv_freq_ptr, table_width,
-    page_size, b_eps, scaling, rot,
+    raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, rope_ptr, bw_ptr, inv_freq_ptr,
+    table_width, page_size, b_eps, scaling, rot,
     iq_ptr, iq_stride_t, iq_stride_h, iq_w_ptr, iq_eps, iq_out_ptr, index_heads,
     q_ptr, q_stride_t, q_stride_h, q_w_ptr, q_eps, q_out_ptr, heads,
     k_ptr, k_stride_t, k_stride_h, k_w_ptr, k_eps, k_out_ptr, kv_heads,
@@ -49,22 +49,22 @@ def _prologue_kernel(
     t, p = tl.program_id(0), tl.program_id(1)
     if p == 0:
         _compress_token(
-            raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, bw_ptr, inv_freq_ptr, table_width,
-            page_size, b_eps, scaling, rot, t, R, DI,
+            raw_ptr, new_ptr, new_stride, blocks_ptr, table_ptr, pos_ptr, rope_ptr, bw_ptr, inv_freq_ptr,
+            table_width, page_size, b_eps, scaling, rot, t, R, DI,
         )  # fmt: skip
     elif p <= index_heads:
         _norm_rope_head(
-            iq_ptr, iq_w_ptr, pos_ptr, inv_freq_ptr, iq_out_ptr, iq_stride_t, iq_stride_h, index_heads,
+            iq_ptr, iq_w_ptr, rope_ptr, inv_freq_ptr, iq_out_ptr, iq_stride_t, iq_stride_h, index_heads,
             iq_eps, rot, scaling, iq_out_ptr, iq_out_ptr, 0, 0, iq_out_ptr, pos_ptr, t, p - 1, DI, False,
         )  # fmt: skip
     elif p <= index_heads + heads:
         _norm_rope_head(
-            q_ptr, q_w_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, q_stride_t, q_stride_h, heads, q_eps, rot,
+            q_ptr, q_w_ptr, rope_ptr, inv_freq_ptr, q_out_ptr, q_stride_t, q_stride_h, heads, q_eps, rot,
             scaling, q_out_ptr, q_out_ptr, 0, 0, q_out_ptr, pos_ptr, t, p - 1 - index_heads, D, False,
         )  # fmt: skip
     else:
         _norm_rope_head(
-            k_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, k_out_ptr, k_stride_t, k_stride_h, kv_heads, k_eps, rot,
+            k_ptr, k_w_ptr, rope_ptr, inv_freq_ptr, k_out_ptr, k_stride_t, k_stride_h, kv_heads, k_eps, rot,
             scaling, k_pages_ptr, v_ptr, v_stride_t, v_stride_h, v_pages_ptr, slots_ptr, t,
             p - 1 - index_heads - heads, D, True,
         )  # fmt: skip
@@ -77,11 +77,13 @@ def qsa_prologue(
     k: HeadNorm,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
+    rope_positions: torch.Tensor,
     rotary: RotaryEmbedding,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token per sequence: `compress_step(blocks, positions, rotary)`, and `norm_rope` of index_q, q
-    and k (k's with `store`: k pages, v, v pages, slot mapping, as kv_store gives them) in one launch → the
-    three rotated tensors (index_q's, q's, k's) [T, H, D] in their inputs' dtypes."""
+    """One token per sequence: `compress_step(blocks, positions, rope_positions, rotary)`, and `norm_rope`
+    of index_q, q and k at `rope_positions` (k's with `store`: k pages, v, v pages, slot mapping, as
+    kv_store gives them) in one launch → the three rotated tensors (index_q's, q's, k's) [T, H, D] in their
+    inputs' dtypes."""
     t = positions.shape[0]
     iq_heads, di = index_q.x.shape[1:]
     heads, dim = q.x.shape[1:]
@@ -97,8 +99,8 @@ def qsa_prologue(
     head_args = [(h.x, h.x.stride(0), h.x.stride(1), h.weight, h.eps) for h in (index_q, q, k)]
     _prologue_kernel[(t, 1 + iq_heads + heads + kv_heads)](
         blocks.raw, blocks.new, blocks.new.stride(0), blocks.blocks, blocks.page_table, positions,
-        blocks.weight, rotary.inv_freq, blocks.page_table.shape[1], blocks.page_size, blocks.eps,
-        rotary.scaling, rotary.rot_dim,
+        rope_positions, blocks.weight, rotary.inv_freq, blocks.page_table.shape[1], blocks.page_size,
+        blocks.eps, rotary.scaling, rotary.rot_dim,
         *head_args[0], outs[0], iq_heads, *head_args[1], outs[1], heads, *head_args[2], outs[2], kv_heads,
         k_pages, v, v.stride(0), v.stride(1), v_pages, slots,
         R=blocks.ratio, DI=di, D=dim, **launch(positions.device),

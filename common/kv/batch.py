@@ -24,8 +24,9 @@ class ForwardBatch:
 
     input_ids: torch.Tensor
     """[T] token ids."""
-    positions: torch.Tensor
-    """[T] absolute position of each token in its sequence."""
+    position_pair: torch.Tensor
+    """[2, T]: `positions` and `rope_positions`, rows of one tensor (a recorded pass's replay copies both at
+    once)."""
     seq_index: torch.Tensor
     """[T] which sequence of the batch each token belongs to."""
     query_lens: list[int]
@@ -50,6 +51,36 @@ class ForwardBatch:
     any chunk of the prompt will see. Buffers that grow with the keys (QSA's indexer scores, 1 GiB a chunk
     at 128K) are allocated at this size and used in part, so that every chunk reuses the caching
     allocator's blocks instead of leaving a larger set behind at each chunk."""
+
+    mrope: torch.Tensor | None = None
+    """[3, T] the tokens' multimodal rotary positions (temporal, height, width), where a sequence of the pass
+    has a prompt's images (`SequenceState.images`); None: `rope_positions` on all three axes."""
+    mrope_table: torch.Tensor | None = None
+    """With `mrope`: [3, P] the rotary positions of every token of the pass's one sequence's prompt (a block
+    of keys compressed in this pass may start in an earlier pass)."""
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows [N], embeddings [N, H]): the pass's image tokens, by index into [T], and the embeddings they
+    take instead of their token's."""
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] absolute position of each token in its sequence (its KV slot, what it sees)."""
+        return self.position_pair[0]
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """[T] the position each token is rotated at: `positions` plus its sequence's `rope_delta` (a
+        prompt's images take fewer positions than tokens; see common/model/qwen4_exp/positions.py)."""
+        return self.position_pair[1]
+
+    def rope_at(self, pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The rotary positions of sequence positions `pos` [M] (where blocks of keys start), given for each
+        a token `rows` [M] of the pass after it in its sequence: [3, M] from the
+        prompt's table where the pass has one, else [M] (the row's rotary offset applied: a block that ends
+        after a prompt with images starts after its last image: `PromptImages.build` checks)."""
+        if self.mrope_table is not None:
+            return self.mrope_table[:, pos]
+        return pos + (self.rope_positions[rows] - self.positions[rows])
 
     @property
     def num_seqs(self) -> int:
@@ -82,7 +113,7 @@ class ForwardBatch:
         n = stop - start
         return ForwardBatch(
             input_ids=self.input_ids[start:stop],
-            positions=self.positions[start:stop],
+            position_pair=self.position_pair[:, start:stop],
             seq_index=torch.arange(n, device=self.input_ids.device),
             query_lens=self.query_lens[start:stop],
             cache_lens=self.cache_lens[start:stop],
@@ -112,6 +143,7 @@ class ForwardBatch:
         query_lens = [len(t) for t in tokens]
         cache_lens = [s.num_cached for s in seqs]
         positions = [p for c, q in zip(cache_lens, query_lens, strict=True) for p in range(c, c + q)]
+        deltas = [s.rope_delta for s, q in zip(seqs, query_lens, strict=True) for _ in range(q)]
         seq_index = [b for b, q in enumerate(query_lens) for _ in range(q)]
         max_pages = max(len(s.pages) for s in seqs)
         table = [p for s in seqs for p in s.pages + [0] * (max_pages - len(s.pages))]
@@ -122,7 +154,7 @@ class ForwardBatch:
         ]
         parts = [
             [t for ts in tokens for t in ts],
-            positions,
+            positions + [p + d for p, d in zip(positions, deltas, strict=True)],
             seq_index,
             table,
             [s.slot for s in seqs],
@@ -130,9 +162,9 @@ class ForwardBatch:
         ]
         packed = host_list_to([v for part in parts for v in part], device)
         ids, pos, seq, pages, slots, mapping = packed.split([len(part) for part in parts])
-        return cls(
+        batch = cls(
             input_ids=ids,
-            positions=pos,
+            position_pair=pos.view(2, -1),
             seq_index=seq,
             query_lens=query_lens,
             cache_lens=cache_lens,
@@ -141,6 +173,24 @@ class ForwardBatch:
             page_size=page_size,
             slot_mapping=mapping,
         )
+        if any(s.images is not None for s in seqs):
+            batch._place_images(seqs)
+        return batch
+
+    def _place_images(self, seqs: Sequence[SequenceState]) -> None:
+        """Set `mrope`, `mrope_table` and `image_rows` from the one sequence's prompt images."""
+        if len(seqs) != 1:
+            raise ValueError("a pass over a prompt with images holds that prompt only")
+        images, start, n = seqs[0].images, self.cache_lens[0], self.query_lens[0]
+        table = images.mrope.to(self.input_ids.device)  # [3, P]
+        if start + n > table.shape[1]:
+            raise ValueError("a pass with a prompt's images runs within that prompt")
+        self.mrope, self.mrope_table = table[:, start : start + n], table
+        index = images.token_index  # [N] prompt positions of the image tokens, ascending
+        lo, hi = (int(torch.searchsorted(index, v)) for v in (start, start + n))
+        if hi > lo:
+            rows = (index[lo:hi] - start).to(self.input_ids.device)
+            self.image_rows = rows, images.embeds[lo:hi].to(self.input_ids.device)
 
     def slots_of(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Flat paged-state index of position `pos` of batch sequence `seq` (broadcasting)."""

@@ -104,6 +104,24 @@ class SequenceState:
     """Pages of every PagedSpec tensor, in token order."""
     num_cached: int = 0
     """Tokens whose state is already written."""
+    rope_delta: int = 0
+    """What the rotary position of a token after the prompt's last image adds to its position (≤ 0: an
+    image's tokens take fewer positions than tokens; common/model/qwen4_exp/positions.py)."""
+    images: PromptImages | None = None
+    """The prompt's images, while the prompt is prefilled (decode needs only `rope_delta`)."""
+
+
+@dataclass
+class PromptImages:
+    """What a prompt's images change in its forward passes: its image tokens' embeddings (the vision
+    encoder's, taken instead of the token's) and every prompt token's multimodal rotary position."""
+
+    token_index: torch.Tensor
+    """[N] int64 (host) prompt position of each image token, ascending."""
+    embeds: torch.Tensor
+    """[N, H] their embeddings, in that order."""
+    mrope: torch.Tensor
+    """[3, P] int64 (temporal, height, width) rotary position of each prompt token."""
 
 
 @dataclass

@@ -29,8 +29,8 @@ class ForwardContext:
 
     @property
     def cos(self) -> torch.Tensor:
-        """[T, rot_dim] at the batch's positions, computed on first use (a recorded decode step whose kernels
-        compute their own never launches the ~9 small kernels)."""
+        """[T, rot_dim] at the batch's rotary positions, computed on first use (a recorded decode step whose
+        kernels compute their own never launches the ~9 small kernels)."""
         return self._rotation[0]
 
     @property
@@ -40,4 +40,6 @@ class ForwardContext:
 
     @cached_property
     def _rotation(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary.cos_sin(self.batch.positions, self.rotary_dtype)
+        batch = self.batch
+        positions = batch.mrope if batch.mrope is not None else batch.rope_positions
+        return self.rotary.cos_sin(positions, self.rotary_dtype)

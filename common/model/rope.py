@@ -81,10 +81,27 @@ class RotaryEmbedding(torch.nn.Module):
         self.inv_freq = inv_freq.to(self.inv_freq.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, rot_dim] for positions [T], in `dtype` (HF casts them to the activation dtype)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, rot_dim/2]
+        """cos and sin [T, rot_dim] for positions [T], or [3, T] (temporal, height, width: multimodal RoPE,
+        `RopeConfig.mrope_section`), in `dtype` (HF casts them to the activation dtype)."""
+        if positions.dim() == 2:
+            freqs = self._mrope_freqs(positions)
+        else:
+            freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, rot_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def _mrope_freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """Angles [T, rot_dim/2] for positions [3, T]: each frequency takes its axis's position (interleaved
+        sections, as transformers' qwen4_exp recomposes them)."""
+        section = self.rope.mrope_section
+        if not section:
+            raise ValueError("positions [3, T] need a multimodal rotary (rope_parameters.mrope_section)")
+        i = torch.arange(self.inv_freq.numel(), device=positions.device)
+        axis = torch.zeros_like(i)
+        for a in (1, 2):
+            axis[(i % 3 == a) & (i < 3 * section[a])] = a
+        chosen = positions.gather(0, axis[:, None].expand(-1, positions.shape[1]))  # [rot_dim/2, T]
+        return chosen.t().float() * self.inv_freq[None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -43,4 +43,5 @@ def parse_rope(hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig
         low_freq_factor=float(get("low_freq_factor", 1.0)),
         high_freq_factor=float(get("high_freq_factor", 4.0)),
         partial_rotary_factor=float(partial),
+        mrope_section=tuple(int(n) for n in params.get("mrope_section") or ()),
     )

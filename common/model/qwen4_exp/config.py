@@ -6,10 +6,11 @@ config (`model_type` `qwen4_exp_text`) has them at the top level. Defaults are t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import ModelConfig
+from common.config import ModelConfig, RopeConfig
 from common.model.rope_config import parse_rope
 
 
@@ -108,7 +109,7 @@ def parse_qwen4_exp(hf: dict[str, Any]) -> Qwen4ExpConfig:
         head_dim=t.get("head_dim", 256),
         rms_norm_eps=t.get("rms_norm_eps", 1e-6),
         max_position=t.get("max_position_embeddings", 32768),
-        rope=parse_rope(t),
+        rope=_with_mrope_default(parse_rope(t)),
         layer_types=tuple(types),
         mlp_types=("moe",) * n,
         intermediate_size=0,
@@ -149,3 +150,8 @@ def parse_qwen4_exp(hf: dict[str, Any]) -> Qwen4ExpConfig:
         indexer_compress_ratio=t.get("indexer_compress_ratio") or 4,
         checkpoint_mtp_layers=t.get("mtp_num_hidden_layers", 0),
     )
+
+
+def _with_mrope_default(rope: RopeConfig) -> RopeConfig:
+    """transformers' qwen4_exp rotates images with sections (11, 11, 10) where the config names none."""
+    return rope if rope.mrope_section else dataclasses.replace(rope, mrope_section=(11, 11, 10))

@@ -151,8 +151,12 @@ class Qwen4ExpForCausalLM(nn.Module):
         return self.mix(torch.cat(streams))
 
     def _embed(self, ctx: ForwardContext) -> torch.Tensor:
-        """The batch's embeddings copied into the streams [T, hc·H]; the rotary cos/sin set on ctx."""
+        """The batch's embeddings copied into the streams [T, hc·H] (a prompt's image tokens take the vision
+        encoder's); the rotary cos/sin set on ctx."""
         x = self.model.embed_tokens(ctx.batch.input_ids)  # [T, H]
+        if ctx.batch.image_rows is not None:
+            rows, embeds = ctx.batch.image_rows  # [N], [N, H]
+            x[rows] = embeds.to(x.dtype)
         self._set_rotary(ctx, x.dtype)
         return x.repeat(1, self.config.hc_count)
 

@@ -37,8 +37,14 @@ def _norm_rotate(
     if fused:
         from common.kernels.norm_rope import norm_rope  # Triton
 
-        return norm_rope(x, norm.weight, norm.eps, ctx.batch.positions, ctx.rotary, store)
+        return norm_rope(x, norm.weight, norm.eps, ctx.batch.rope_positions, ctx.rotary, store)
     return apply_rotary(norm(x), ctx.cos, ctx.sin)
+
+
+def _rotates_fused(fused: bool, ctx: ForwardContext) -> bool:
+    """Whether a pass's norms and rotations may run as norm_rope kernels: they rotate each token at one
+    position; a prompt's image tokens have three (`ForwardBatch.mrope`)."""
+    return fused and ctx.batch.mrope is None
 
 
 def _block_ends(batch: ForwardBatch, r: int, device: torch.device) -> torch.Tensor | None:
@@ -97,13 +103,13 @@ class QSAIndexer(nn.Module):
         if self.fused_decode and batch.is_decode:  # the raw keys stored by the kernel
             from common.kernels.qsa_indexer import compress_step  # Triton
 
-            compress_step(self._key_blocks(raw_k, ctx), batch.positions, ctx.rotary)
+            compress_step(self._key_blocks(raw_k, ctx), batch.positions, batch.rope_positions, ctx.rotary)
         else:
             raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
             self._compress_completed_blocks(batch, raw_store, blocks, ctx)
         if not batch.is_decode and max(batch.kv_lens) <= self.block_topk * self.ratio + self.ratio - 1:
             return None  # every query sees at most the budget: dense (decode selects: the same keys)
-        q = _norm_rotate(self.q_layernorm, q, ctx, self.fused_decode)
+        q = _norm_rotate(self.q_layernorm, q, ctx, _rotates_fused(self.fused_decode, ctx))
         return self._select(q, batch, blocks)
 
     def prologue_parts(self, qk: torch.Tensor, ctx: ForwardContext) -> tuple[KeyBlocks, HeadNorm]:
@@ -154,6 +160,7 @@ class QSAIndexer(nn.Module):
             seq, pos = batch.seq_index, batch.positions
             starts = pos - pos % r  # [T]
             members = torch.minimum(starts[:, None] + torch.arange(r, device=pos.device), pos[:, None])
+            rope_starts = batch.rope_positions - pos % r  # [T]
         else:
             ends = _block_ends(batch, r, batch.positions.device)  # [M] token indices
             if ends is None:
@@ -161,9 +168,10 @@ class QSAIndexer(nn.Module):
             seq = batch.seq_index[ends]
             starts = batch.positions[ends] - (r - 1)  # [M]
             members = starts[:, None] + torch.arange(r, device=starts.device)  # [M, r]
+            rope_starts = batch.rope_at(starts, ends)  # [M] or [3, M]
         keys = raw[batch.slots_of(seq[:, None], members)]  # [M, r, Di]
         pooled = self.k_layernorm(keys.float().mean(dim=1).to(keys.dtype))
-        cos, sin = ctx.rotary.cos_sin(starts, pooled.dtype)
+        cos, sin = ctx.rotary.cos_sin(rope_starts, pooled.dtype)
         blocks[batch.slots_of(seq, starts)] = apply_rotary(pooled[:, None], cos, sin)[:, 0].to(blocks.dtype)
 
     def _scores(self, q: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, rows: int) -> None:
@@ -264,13 +272,14 @@ class QSAttention(nn.Module):
         q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
         k, v = (y.view(t, self.kv_heads, self.head_dim) for y in (k, v))
         state = ctx.pool.layer(self.layer_idx)
-        store = kv_store(state, ctx.batch.slot_mapping, v) if self.fused_decode else None
+        fused = _rotates_fused(self.fused_decode, ctx)
+        store = kv_store(state, ctx.batch.slot_mapping, v) if fused else None
         if self._prologue_fits(ctx, store):
             selected, q, k = self._prologue(index_qk, q, k, store, ctx)
         else:
             selected = self.indexer(index_qk, ctx)
-            q = _norm_rotate(self.q_norm, q, ctx, self.fused_decode)
-            k = _norm_rotate(self.k_norm, k, ctx, self.fused_decode, store)
+            q = _norm_rotate(self.q_norm, q, ctx, fused)
+            k = _norm_rotate(self.k_norm, k, ctx, fused, store)
         plan, scale = ctx.attn_plan, self.head_dim**-0.5
         out = ctx.backend.forward(
             q, k, v, state, plan, scale, selected=selected, gate=gate, stored=store is not None
@@ -293,5 +302,8 @@ class QSAttention(nn.Module):
         blocks, index_q = self.indexer.prologue_parts(index_qk, ctx)
         q_norm = HeadNorm(q, self.q_norm.weight, self.q_norm.eps)
         k_norm = HeadNorm(k, self.k_norm.weight, self.k_norm.eps)
-        index_q, q, k = qsa_prologue(blocks, index_q, q_norm, k_norm, store, ctx.batch.positions, ctx.rotary)
+        batch = ctx.batch
+        index_q, q, k = qsa_prologue(
+            blocks, index_q, q_norm, k_norm, store, batch.positions, batch.rope_positions, ctx.rotary
+        )
         return self.indexer.select_after_prologue(index_q, ctx), q, k

@@ -51,3 +51,35 @@ def test_prologue_decodes_as_the_four_kernels(tmp_path: Path, monkeypatch: pytes
     assert not launches
     for got, want in zip([*fused[0], *fused[1]], [*apart[0], *apart[1]], strict=True):
         assert torch.equal(got, want)
+
+
+def test_decode_after_images_rotates_at_the_delta(tmp_path: Path) -> None:
+    """After a prompt with an image, the kernels rotate decode's queries, keys and block keys at position +
+    delta (`ForwardBatch.rope_positions`), as the torch path does; a prompt pass with image tokens takes the
+    torch rotation (three positions a token)."""
+    from common.kv.state import PromptImages
+    from common.model.qwen4_exp.positions import mrope_positions
+
+    sparse = {"indexer_budget": 8, "indexer_compress_ratio": 4}
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=sparse)
+    g = torch.Generator().manual_seed(4)
+    image = 1022  # the tiny config's image token
+    prompt = [*torch.randint(3, 1000, (5,), generator=g).tolist(), *[image] * 12]
+    prompt += torch.randint(3, 1000, (6,), generator=g).tolist()
+    mrope, delta = mrope_positions(prompt, image, [(1, 4, 12)], 2)
+    embeds = torch.randn(12, 64, generator=g)
+
+    def decode(fused: bool, rope_delta: int) -> torch.Tensor:
+        engine = Engine(path, dtype=torch.float32, device=DEVICE, max_seqs=1, fused_kernels=fused)
+        seq = engine.runner.new_sequence()
+        seq.images = PromptImages(torch.arange(5, 17), embeds.to(DEVICE), mrope)
+        seq.rope_delta = rope_delta
+        steps = [engine.runner.forward([seq], [prompt])]
+        seq.images = None
+        for _ in range(5):
+            steps.append(engine.runner.forward([seq], [[int(steps[-1][-1].argmax())]]))
+        return torch.cat(steps)
+
+    want = decode(False, delta)
+    torch.testing.assert_close(decode(True, delta), want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(decode(True, 0)[1:], want[1:], rtol=1e-3, atol=1e-3)
