@@ -2,6 +2,8 @@
 
 Topology (DESIGN §2, §6): each service binds one PULL inbox and the others PUSH to it.
 - router  → prefill: `Generate`, `Abort`            router → decode: `Abort`
+- router  → encoder: `Encode`, `Abort`             encoder → prefill: `ImagesEncoded`
+- prefill → encoder: `ImagesTaken`
 - prefill → decode:  `AllocState`, `PrefillDone`, `Thaw`, `ReleaseState`
 - prefill → decode:  `WantExports` (at prefill's start)
 - decode  → prefill: `StateGranted`, `Exports` (at decode's start and on `WantExports`)
@@ -24,6 +26,25 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     sampling: SamplingParams
     arrival: float
     """time.time() when the router accepted it (TTFT is measured from here)."""
+    images: int = 0
+    """Images in the prompt (each a run of the model's image token): prefill runs it only once their
+    embeddings came (`ImagesEncoded`)."""
+
+
+class Encode(msgspec.Struct, frozen=True, tag=True):
+    """router → encoder: the images of `rid`'s prompt, in the prompt's order; their embeddings go to the
+    prefill worker named `prefill` (the request's pair)."""
+
+    rid: str
+    images: list[bytes]
+    """Each image's file (PNG, JPEG, WebP or GIF), as its data URL carried it."""
+    prefill: str
+
+
+class ImagesTaken(msgspec.Struct, frozen=True, tag=True):
+    """prefill → encoder: `rid`'s embedding rows are copied, or no longer wanted: the encoder reuses them."""
+
+    rid: str
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -113,6 +134,20 @@ class SharedTensor(msgspec.Struct, frozen=True):
     allocations come from the fd server whose socket path is `handle`; common/aliased.py)."""
 
 
+class ImagesEncoded(msgspec.Struct, frozen=True, tag=True):
+    """encoder → prefill: rows [start, start + rows) of `buffer` ([capacity, text hidden], exported once by
+    the encoder) hold the embeddings of `rid`'s image tokens, the images' in order; `grids` are the images'
+    patch grids (t, h, w). The rows are lent until prefill sends `ImagesTaken`. A non-empty `error`: the
+    images could not be encoded (no rows)."""
+
+    rid: str
+    buffer: SharedTensor | None
+    start: int
+    rows: int
+    grids: list[list[int]]
+    error: str = ""
+
+
 class Exports(msgspec.Struct, frozen=True, tag=True):
     """decode → prefill: everything decode owns that prefill maps instead of copying."""
 
@@ -178,6 +213,9 @@ class ServiceDown(msgspec.Struct, frozen=True, tag=True):
 
 Message = (
     Generate
+    | Encode
+    | ImagesEncoded
+    | ImagesTaken
     | Abort
     | AllocState
     | StateGranted
