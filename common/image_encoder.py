@@ -39,8 +39,7 @@ class ImageEncoder:
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """The image tokens an image of patch grid `grid` takes in the prompt."""
-        t, h, w = grid
-        return t * h * w // self.processing.merge_size**2
+        return self.processing.tokens(grid)
 
     @torch.inference_mode()
     def encode(self, images: list) -> list[EncodedImage]:

@@ -1,9 +1,10 @@
 """Images into vision-tower patches, as the Qwen2-VL image processor makes them (qwen4_exp's processor).
 
 `decode_data_url` reads an OpenAI `image_url` part's `data:` URL (PNG, JPEG, WebP, GIF: its first frame)
-into an RGB image; `image_patches` resizes it so that each side is a multiple of patch × merge and its area
-within [min_pixels, max_pixels] (the aspect ratio kept as closely as that allows: `smart_resize`), scales
-and normalizes its values, and cuts it into the rows the tower takes (common/model/qwen4_exp/vision.py).
+into an RGB image (`decode_image`: the same from the file's bytes, as the encoder gets them);
+`image_patches` resizes it so that each side is a multiple of patch × merge and its area within
+[min_pixels, max_pixels] (the aspect ratio kept as closely as that allows: `smart_resize`), scales and
+normalizes its values, and cuts it into the rows the tower takes (common/model/qwen4_exp/vision.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class ImageProcessing:
         """From preprocessor_config.json where there is one, else the vision_config's patch and merge sizes
         with the Qwen2-VL processor's defaults."""
         root = Path(model_dir)
-        vision = json.loads((root / "config.json").read_text()).get("vision_config") or {}
+        vision = vision_config(root) or {}
         fields = {
             "patch_size": vision.get("patch_size", cls.patch_size),
             "temporal_patch_size": vision.get("temporal_patch_size", cls.temporal_patch_size),
@@ -60,23 +61,45 @@ class ImageProcessing:
             fields |= {k: tuple(pre[k]) for k in ("image_mean", "image_std") if k in pre}
         return cls(**fields)
 
+    def tokens(self, grid: tuple[int, int, int]) -> int:
+        """The prompt tokens an image of patch grid `grid` (t, h, w) takes: one a merged block."""
+        t, h, w = grid
+        return t * h * w // self.merge_size**2
+
+
+def vision_config(model_dir: str | Path) -> dict | None:
+    """The `vision_config` of a model directory's config.json; None for a text-only model (no images)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config.get("vision_config") or None
+
 
 def decode_data_url(url: str):
     """The RGB image of a `data:image/...;base64,...` URL; ValueError saying what is wrong with it."""
-    from PIL import Image, UnidentifiedImageError
+    return decode_image(data_url_bytes(url))
 
+
+def data_url_bytes(url: str) -> bytes:
+    """The file a `data:...;base64,...` URL holds; ValueError where it is not one."""
     head, sep, payload = url.partition(",")
     if not url.startswith("data:") or not sep or not head.endswith(";base64"):
         raise ValueError("an image must be a data URL: data:image/png;base64,...")
     try:
-        raw = base64.b64decode(payload, validate=True)
-        image = Image.open(io.BytesIO(raw))
-        image.load()
+        return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"the image's base64 does not decode: {exc}") from None
-    except (UnidentifiedImageError, OSError) as exc:
+
+
+def decode_image(raw: bytes):
+    """The RGB image of an image file's bytes (PNG, JPEG, WebP, GIF: its first frame); ValueError saying
+    why it cannot be read. The one decoder of both the router's data URLs and the encoder's bytes."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+        return image.convert("RGB")
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
         raise ValueError(f"the image cannot be read (PNG, JPEG, WebP or GIF): {exc}") from None
-    return image.convert("RGB")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -97,15 +120,23 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
+def image_grid(image, proc: ImageProcessing) -> tuple[int, int, int]:
+    """The patch grid (1, gh, gw) `image_patches` cuts an RGB PIL image into, without cutting it: the rows a
+    request's embeddings take are known before the tower runs. ValueError as `smart_resize` raises it."""
+    p = proc.patch_size
+    h, w = smart_resize(image.height, image.width, p * proc.merge_size, proc.min_pixels, proc.max_pixels)
+    return 1, h // p, w // p
+
+
 def image_patches(image, proc: ImageProcessing) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """An RGB PIL image → its patches [gh·gw, 3·T·P²] in merge-block order, and its grid (1, gh, gw)."""
     from PIL import Image
 
     p, m, t = proc.patch_size, proc.merge_size, proc.temporal_patch_size
-    h, w = smart_resize(image.height, image.width, p * m, proc.min_pixels, proc.max_pixels)
+    _, gh, gw = image_grid(image, proc)
+    h, w = gh * p, gw * p
     pixels = np.asarray(image.resize((w, h), Image.BICUBIC), dtype=np.float32) / 255.0  # [h, w, 3]
     pixels = (pixels - np.asarray(proc.image_mean, np.float32)) / np.asarray(proc.image_std, np.float32)
-    gh, gw = h // p, w // p
     blocks = pixels.transpose(2, 0, 1).reshape(3, gh // m, m, p, gw // m, m, p)
     blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, 3, p, p]: merge-block order
     frames = np.broadcast_to(

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
+from common.chat_images import ChatImage, ImagePrompting
 from common.protocol import SamplingParams
 from common.tokenizer import Tokenizer
 
@@ -113,9 +114,15 @@ class _GenerationRequest(_Schema):
     response_format: dict[str, JsonValue] | None = None
 
 
+class ImageUrl(_Schema):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(_Schema):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class ChatMessage(BaseModel):
@@ -213,6 +220,8 @@ class GenerationSpec:
     stream: bool
     include_usage: bool
     """Streaming only: send a usage chunk before [DONE]."""
+    images: tuple[bytes, ...] = ()
+    """The prompt's images (their files), in its order: the encoder's."""
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -226,9 +235,14 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """The chat template applied to the messages, tokenized (with a generation prompt)."""
-    messages = [_template_message(i, m) for i, m in enumerate(request.messages)]
+def chat_prompt_ids(
+    request: ChatCompletionRequest, tokenizer: Tokenizer, prompting: ImagePrompting | None = None
+) -> tuple[list[int], list[ChatImage]]:
+    """The chat template applied to the messages, tokenized (with a generation prompt), and the images of
+    their `image_url` parts, each image's tokens in the prompt (`prompting`: how the model takes images;
+    None: a 400 for any image)."""
+    images: list[ChatImage] = []
+    messages = [_template_message(i, m, prompting, images) for i, m in enumerate(request.messages)]
     kwargs = dict(request.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
@@ -244,10 +258,17 @@ def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> lis
         message = f"The chat template could not render the messages: {type(exc).__name__}: {exc}"
         raise bad_request(message, param="messages") from None
     assert isinstance(ids, list)
-    return ids
+    if not images:
+        return ids, images
+    try:
+        return prompting.expand(ids, images), images
+    except ValueError as exc:
+        raise bad_request(f"The images do not fit the prompt: {exc}", param="messages") from None
 
 
-def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+def _template_message(
+    index: int, message: ChatMessage, prompting: ImagePrompting | None, images: list[ChatImage]
+) -> dict[str, Any]:
     if message.role not in ROLES:
         roles = ", ".join(ROLES)
         raise bad_request(
@@ -258,16 +279,34 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     if out["role"] == "developer":
         out["role"] = "system"
     if isinstance(message.content, list):
+        # Parts as one string, as Qwen's templates join them: a template that expects a string would
+        # otherwise render the list as nothing (or fail). An image is its placeholder text there.
+        texts = []
         for j, part in enumerate(message.content):
             param = f"messages[{index}].content[{j}]"
             if part.type == "image_url":
-                raise bad_request("Image inputs are not supported by this server.", param, "unsupported")
-            if part.type != "text" or part.text is None:
+                texts.append(_image_part(part, prompting, images, param))
+            elif part.type == "text" and part.text is not None:
+                texts.append(part.text)
+            else:
                 raise bad_request(f"Unsupported content part of type '{part.type}'.", param, "unsupported")
-        # Text parts as one string, as Qwen's templates join them: a template that expects a string would
-        # otherwise render the list as nothing (or fail).
-        out["content"] = "".join(part.text or "" for part in message.content)
+        out["content"] = "".join(texts)
     return out
+
+
+def _image_part(
+    part: ContentPart, prompting: ImagePrompting | None, images: list[ChatImage], param: str
+) -> str:
+    """An `image_url` part read into `images` → the text it becomes in the message."""
+    if prompting is None:
+        raise bad_request("This server takes no images (no vision encoder runs).", param, "unsupported")
+    if part.image_url is None:
+        raise bad_request("An image_url part needs its 'image_url': {'url': 'data:...'}.", param)
+    try:
+        images.append(prompting.read(part.image_url.url))
+    except ValueError as exc:
+        raise bad_request(f"Invalid image: {exc}", f"{param}.image_url.url") from None
+    return prompting.placeholder
 
 
 def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:

@@ -85,6 +85,9 @@ class PrefillDone(msgspec.Struct, frozen=True, tag=True):
     routing: bytes = b""
     """The prompt's routing as expert-cache request statistics (`CacheTables.statistics()`, fp32 [L, 2E + 2],
     raw bytes), for decode to add to its own; empty for a model without offloaded experts."""
+    rope_delta: int = 0
+    """What the rotary positions of the tokens after the prompt add to their positions (a prompt with images:
+    `SequenceState.rope_delta`)."""
 
 
 class ReleaseState(msgspec.Struct, frozen=True, tag=True):

@@ -115,6 +115,10 @@ class Tokenizer:
         """
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token string of `token_id`, or None if the vocabulary has no such id."""
+        return self._backend.id_to_token(token_id)
+
     def token_to_id(self, token: str) -> int | None:
         """Id of the token string `token`, or None if it is not in the vocabulary."""
         return self._backend.token_to_id(token)

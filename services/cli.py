@@ -19,6 +19,7 @@ from services.worker_args import (
     add_placement_args,
     add_prefill_args,
     device_arg,
+    device_name,
     float_at_least,
     int_at_least,
     size_arg,
@@ -235,12 +236,39 @@ def _serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         stall_timeout_s=args.stall_timeout,
         pair_gpus=gpus,
+        encoder_device=_encoder_device(args, model_dir),
+        encoder_dtype=cfg.dtype,
     )
     if args.ray is not None:
         from services.ray_launch import RayLauncher
 
         return RayLauncher(opts, args.ray, args.pairs, cfg.device).run()
     return Launcher(opts).run()
+
+
+def _encoder_device(args: argparse.Namespace, model_dir: str) -> str | None:
+    """Where `serve` runs the vision encoder: --encoder-device for a model with a vision tower, else (a
+    text-only model, --no-encoder, --ray: its pair hosts run no encoder) None; ValueError for a device this
+    machine lacks, or a GPU that the pairs' workers, each shown only its own GPU, could not map."""
+    import logging
+
+    from services.launch import has_vision
+
+    if args.no_encoder or not has_vision(model_dir):
+        return None
+    if args.ray is not None:
+        logging.getLogger("launch").warning("serve --ray starts no vision encoder: requests with images fail")
+        return None
+    try:
+        device = device_arg(args.encoder_device)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--encoder-device: {exc}") from None
+    if args.pairs > 1 and device.startswith("cuda"):
+        raise ValueError(
+            f"--encoder-device {device} with --pairs {args.pairs}: each pair's workers see only their own "
+            "GPU and could not map the encoder's; use --encoder-device cpu"
+        )
+    return device
 
 
 def _check_before_start(args: argparse.Namespace, cfg, model) -> None:
@@ -309,7 +337,8 @@ def _add_serve(sub) -> None:
         "--metrics-port",
         type=int_at_least(0),
         default=0,
-        help="metrics ports: the router's M, then each pair's prefill and decode on the next two",
+        help="metrics ports: the router's M, then each pair's prefill and decode on the next two, then the "
+        "vision encoder's",
     )
     srv.add_argument(
         "--pairs",
@@ -324,6 +353,18 @@ def _add_serve(sub) -> None:
         default=None,
         help="place the pairs on the nodes of this Ray cluster (`auto`: the one `ray start` joined this "
         "machine to; `local`: one of this machine alone), the router here (needs the `ray` extra)",
+    )
+    srv.add_argument(
+        "--encoder-device",
+        type=device_name,
+        default="cpu",
+        help="where the vision encoder runs (a model with a vision tower; default %(default)s; cuda:N: a GPU "
+        "of its own)",
+    )
+    srv.add_argument(
+        "--no-encoder",
+        action="store_true",
+        help="start no vision encoder, even for a model that reads images",
     )
     srv.add_argument("--served-model-name", default="", help="the model's name in the API")
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")

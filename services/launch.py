@@ -1,7 +1,8 @@
 """The local launcher (`spillway serve`): every service as its own OS process, supervised.
 
-It creates a private run directory for the ipc:// sockets, starts each prefill/decode pair (`--pairs N`: a
-GPU each, or N on the CPU) and the router over them, waits until the router's /health says every worker is
+It creates a private run directory for the ipc:// sockets, starts the vision encoder (a model with a vision
+tower; on the CPU unless `--encoder-device` says otherwise), each prefill/decode pair (`--pairs N`: a GPU
+each, or N on the CPU) and the router over them, waits until the router's /health says every worker is
 Ready, restarts a worker that dies (the router ends the requests its pair held with an error event) or that
 the router has not heard from for the stall timeout (a hung process: it is killed first), and on
 SIGINT/SIGTERM stops everything: children get SIGTERM, then SIGKILL after a grace period; the run directory
@@ -21,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.images import vision_config
 from common.transport import Outbox, ipc_address, make_run_dir, pair_names
 from services.children import Child, module_argv, restart_exited, stop_children, worker_argv
 
@@ -35,8 +37,8 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     metrics_port: int = 0
-    """The router gets metrics_port, pair i's prefill and decode metrics_port + 1 + 2i and + 2 + 2i (0: no
-    metrics ports)."""
+    """The router gets metrics_port, pair i's prefill and decode metrics_port + 1 + 2i and + 2 + 2i, the
+    encoder the port after the last pair's (0: no metrics ports)."""
     served_name: str = ""
     api_key: str | None = None
     max_queue: int = 64
@@ -49,6 +51,10 @@ class ServeOptions:
     launcher kills it (STALL_KILL_GRACE_S later) and restarts it (0: never)."""
     pair_gpus: list[str | None] = field(default_factory=lambda: [None])
     """One entry a prefill/decode pair: the CUDA_VISIBLE_DEVICES of its two workers (None: the launcher's)."""
+    encoder_device: str | None = None
+    """Where the vision encoder runs (cpu, cuda:N: numbered as the launcher sees the GPUs); None: no encoder
+    (a text-only model, or --no-encoder)."""
+    encoder_dtype: str = "float32"
 
 
 STALL_CHECK_S = 1.0
@@ -81,17 +87,29 @@ def pair_gpus(pairs: int, device: str) -> list[str | None]:
     return gpus[:pairs]
 
 
+def has_vision(model_dir: str | Path) -> bool:
+    """Whether the model reads images (its config.json has a vision_config): serve then starts an encoder."""
+    return vision_config(model_dir) is not None
+
+
 def router_argv(
-    opts: ServeOptions, inbox: str, pairs: list[tuple[str, str]], metrics: dict[str, str]
+    opts: ServeOptions,
+    inbox: str,
+    pairs: list[tuple[str, str]],
+    metrics: dict[str, str],
+    encoder: str | None = None,
 ) -> list[str]:
-    """The router's command: its inbox, each pair's (prefill, decode) inboxes, the workers' metrics URLs by
-    service name; the rest from `opts` (its admission limit: what the pairs announce)."""
+    """The router's command: its inbox, each pair's (prefill, decode) inboxes, the encoder's inbox (where one
+    runs), the workers' metrics URLs by service name; the rest from `opts` (its admission limit: what the
+    pairs announce)."""
     argv = [*module_argv("router"), "--model", opts.model_dir, "--host", opts.host, "--port", str(opts.port)]
     argv += ["--inbox", inbox, "--max-running", "0", "--max-queue", str(opts.max_queue)]
     argv += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
     argv += ["--exit-with-parent"]
     for prefill, decode in pairs:
         argv += ["--prefill", prefill, "--decode", decode]
+    if encoder is not None:
+        argv += ["--encoder", encoder]
     for name, url in metrics.items():
         argv += ["--worker-metrics", f"{name}={url}"]
     if opts.metrics_port:
@@ -109,26 +127,57 @@ def worker_flags(opts: ServeOptions) -> list[str]:
     return [*flags, "--exit-with-parent"]
 
 
-def _children(opts: ServeOptions, run_dir: Path) -> list[Child]:
-    """Each pair's decode and prefill, then the router over them."""
+def encoder_argv(opts: ServeOptions, inbox: str, router: str, prefills: dict[str, str]) -> list[str]:
+    """The encoder's command: its inbox, the router's, each pair's prefill inbox by service name (where its
+    results go); device and dtype from `opts` (it stops with its launcher, as the workers do)."""
+    assert opts.encoder_device is not None, "no encoder is asked for"
+    argv = [*module_argv("encoder"), "--model", opts.model_dir, "--name", "encoder"]
+    argv += ["--inbox", inbox, "--router", router]
+    for name, address in prefills.items():
+        argv += ["--prefill", f"{name}={address}"]
+    argv += ["--device", opts.encoder_device, "--dtype", opts.encoder_dtype, "--threads", str(opts.threads)]
+    return [*argv, "--stall-timeout", str(opts.stall_timeout_s), "--exit-with-parent"]
+
+
+def service_children(opts: ServeOptions, run_dir: Path) -> list[Child]:
+    """The encoder (where `opts` asks for one), each pair's decode and prefill, then the router over them."""
     router_inbox = ipc_address(run_dir, "router")
-    pairs, metrics, children = [], {}, []
+    encoder = ipc_address(run_dir, "encoder") if opts.encoder_device is not None else None
+    pairs, metrics, children, prefills = [], {}, [], {}
     for i, gpu in enumerate(opts.pair_gpus):
         prefill_name, decode_name = pair_names(i)
         inbox = {"prefill": ipc_address(run_dir, prefill_name), "decode": ipc_address(run_dir, decode_name)}
         pairs.append((inbox["prefill"], inbox["decode"]))
+        prefills[prefill_name] = inbox["prefill"]
         # decode first: it owns the memory prefill maps (either order works: prefill asks for it)
         for role, name, peer, port in (
             ("decode", decode_name, "prefill", 2),
             ("prefill", prefill_name, "decode", 1),
         ):
             argv = worker_argv(role, name, inbox[role], inbox[peer], router_inbox, worker_flags(opts))
+            if role == "prefill" and encoder is not None:
+                argv += ["--encoder", encoder]
             if opts.metrics_port:
                 port += opts.metrics_port + 2 * i
                 argv += ["--metrics-port", str(port)]
                 metrics[name] = f"http://127.0.0.1:{port}/metrics"
             children.append(Child(name, argv, gpu))
-    return [*children, Child("router", router_argv(opts, router_inbox, pairs, metrics))]
+    if encoder is not None:
+        children.insert(0, _encoder_child(opts, encoder, router_inbox, prefills, metrics))
+    return [*children, Child("router", router_argv(opts, router_inbox, pairs, metrics, encoder))]
+
+
+def _encoder_child(
+    opts: ServeOptions, inbox: str, router: str, prefills: dict[str, str], metrics: dict[str, str]
+) -> Child:
+    """The encoder (on the launcher's GPUs: --encoder-device names one of them); its metrics port is the one
+    after the last pair's, its URL added to `metrics`."""
+    argv = encoder_argv(opts, inbox, router, prefills)
+    if opts.metrics_port:
+        port = opts.metrics_port + 1 + 2 * len(opts.pair_gpus)
+        argv += ["--metrics-port", str(port)]
+        metrics["encoder"] = f"http://127.0.0.1:{port}/metrics"
+    return Child("encoder", argv)
 
 
 class Launcher:
@@ -137,7 +186,7 @@ class Launcher:
     def __init__(self, opts: ServeOptions) -> None:
         self.opts = opts
         self.run_dir = make_run_dir()
-        self.children = _children(opts, self.run_dir)
+        self.children = service_children(opts, self.run_dir)
         self.router = Outbox(ipc_address(self.run_dir, "router"))
         self.stopping = self.failed = False
         self.router_answered = 0.0

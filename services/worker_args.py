@@ -146,6 +146,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", required=True, help="the router's inbox address")
     parser.add_argument("--peer", required=True, help="the other worker's inbox address")
     parser.add_argument(
+        "--encoder",
+        default="",
+        help="the vision encoder's inbox address (prefill: where it gives the encoder's rows back; none: the "
+        "model's prompts carry no images)",
+    )
+    parser.add_argument(
         "--name",
         default=None,
         help="the service name it announces to the router (default: its role; the router's pairs after the "

@@ -1,4 +1,5 @@
-"""The shell both workers share: sockets, a stop flag set by SIGTERM/SIGINT, heartbeats."""
+"""The shell every worker shares (prefill, decode, the encoder): sockets, a stop flag set by SIGTERM/SIGINT,
+heartbeats."""
 
 from __future__ import annotations
 
@@ -79,10 +80,17 @@ class WorkerShell:
             signal.signal(sig, self._stop)
 
     @classmethod
-    def from_args(cls, args, role: str, peer_role: str) -> WorkerShell:
-        """The shell a worker's parsed flags (`services.worker_args.add_worker_args`) describe: named `--name`
-        or its role, its inbox, outboxes to the router and to its peer (`peer_role`)."""
-        outboxes = {"router": args.router, peer_role: args.peer}
+    def from_args(
+        cls, args, role: str, peer_role: str | None = None, outboxes: dict[str, str] | None = None
+    ) -> WorkerShell:
+        """The shell a worker's parsed flags (`services.worker_args.add_worker_args`, or the encoder's alike)
+        describe: named `--name` or its role, its inbox, outboxes to the router, to its peer (`peer_role`:
+        `--peer`) and to the services of `outboxes` (name → address: the encoder's prefill workers)."""
+        outboxes = {
+            "router": args.router,
+            **({peer_role: args.peer} if peer_role else {}),
+            **(outboxes or {}),
+        }
         return cls(
             args.name or role,
             args.inbox,

@@ -276,7 +276,7 @@ def make_model(
     head and routers as float8_e4m3fn with a float32 ``weight_scale_inv`` per 128×128 block (edge blocks
     partial), and config.json's ``quantization_config``; the shards keep the unquantized plan's grouping.
     """
-    from common.model.synthetic_tokenizer import tokenizer_vocab_size, write_tokenizer
+    from common.model.synthetic_tokenizer import check_vision_token_ids, tokenizer_vocab_size, write_tokenizer
 
     p, arch = resolve_preset(preset, arch)
     if quantize not in (None, "fp8") or (quantize and arch not in FLAT_ARCHS):
@@ -289,9 +289,14 @@ def make_model(
     out.mkdir(parents=True, exist_ok=True)
 
     vocab = text_config(cfg)["vocab_size"]
-    write_tokenizer(out, vocab_size=min(vocab, TOKENIZER_VOCAB))
+    vision = "vision_config" in cfg
+    write_tokenizer(out, vocab_size=min(vocab, TOKENIZER_VOCAB), vision=vision)
     if tokenizer_vocab_size(out) > vocab:
         raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {tokenizer_vocab_size(out)}")
+    if vision:
+        # The vision tokens are the tokenizer's top five ids. Only a vocabulary larger than the tokenizer's
+        # (flashnext keeps the release's ids, past the synthetic tokenizer) may disagree: logged, not raised.
+        check_vision_token_ids(out, cfg, strict=vocab <= TOKENIZER_VOCAB)
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", generation_config(cfg))
 

@@ -168,8 +168,8 @@ _TINY_QWEN4: dict[str, Any] = {
         "num_position_embeddings": 64,
     },
     "tie_word_embeddings": False,
-    # The synthetic tokenizer has no vision tokens: the top of its vocab, laid out as in the release
-    # (start, end, pad, image, video).
+    # The synthetic tokenizer's vision tokens (make_model checks that they agree): the top of its vocab, laid
+    # out as in the release (start, end, pad, image, video).
     "vision_start_token_id": TOKENIZER_VOCAB - 5,
     "vision_end_token_id": TOKENIZER_VOCAB - 4,
     "image_token_id": TOKENIZER_VOCAB - 2,

@@ -8,11 +8,20 @@ The pipeline in `tokenizer.json` (NFC normalizer, Qwen's pre-tokenization regex,
 is the one `transformers`' `Qwen2Tokenizer` rebuilds for itself: in transformers 5 that class takes only
 the vocabulary and merges from `tokenizer.json` and sets its own normalizer and pre-tokenizer, so the
 file has to agree with it for the `tokenizers` library and transformers to produce the same ids.
+
+`write_tokenizer(..., vision=True)` (what `make_model` writes for a model with a `vision_config`) adds the
+five vision special tokens at the top five ids of the vocabulary, in the order of the Qwen2-VL/Qwen3-VL
+release (`<|vision_start|>`, `<|vision_end|>`, `<|vision_pad|>`, `<|image_pad|>`, `<|video_pad|>`), names
+them in `tokenizer_config.json` (`image_token`, `video_token`, `vision_start_token`, `vision_end_token`)
+and uses a chat template that renders an image content part as `<|vision_start|><|image_pad|><|vision_end|>`.
+Text-only tokenizers (the default) do not change.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +32,24 @@ ENDOFTEXT_ID = 0
 IM_START_ID = 1
 IM_END_ID = 2
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# The vision special tokens of a vision tokenizer, which take its top five ids in this order (as in the
+# Qwen2-VL/Qwen3-VL release: start, end, pad, image, video).
+VISION_START_TOKEN = "<|vision_start|>"
+VISION_END_TOKEN = "<|vision_end|>"
+VISION_PAD_TOKEN = "<|vision_pad|>"
+IMAGE_TOKEN = "<|image_pad|>"
+VIDEO_TOKEN = "<|video_pad|>"
+VISION_TOKENS = (VISION_START_TOKEN, VISION_END_TOKEN, VISION_PAD_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN)
+# config.json's token id fields of a Qwen VL model and the tokens they name.
+VISION_TOKEN_ID_KEYS = {
+    "vision_start_token_id": VISION_START_TOKEN,
+    "vision_end_token_id": VISION_END_TOKEN,
+    "image_token_id": IMAGE_TOKEN,
+    "video_token_id": VIDEO_TOKEN,
+}
+
+log = logging.getLogger(__name__)
 
 DEFAULT_VOCAB_SIZE = 1024
 DEFAULT_MODEL_MAX_LENGTH = 32768
@@ -57,6 +84,22 @@ CHAT_TEMPLATE = """\
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
+
+# The same for vision tokenizers, except that an `image` or `image_url` content part is rendered as
+# `<|vision_start|><|image_pad|><|vision_end|>` in its place, as in Qwen2-VL/Qwen3-VL's templates.
+_TEXT_PART = """\
+            {%- if part['type'] == 'text' %}
+                {{- part['text'] }}
+"""
+VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    _TEXT_PART,
+    _TEXT_PART
+    + """\
+            {%- elif part['type'] in ['image', 'image_url'] %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+""",
+)
+assert VISION_CHAT_TEMPLATE != CHAT_TEMPLATE
 
 # Our own training text: prose, dialogue, lists, numbers, code, JSON and a little non-ASCII. It is big enough
 # for the trainer to reach 1024 tokens.
@@ -196,11 +239,15 @@ def _with_qwen_decoder_settings(tokenizer: Tokenizer) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(data))
 
 
-def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
-    """Train the byte-level BPE tokenizer on `CORPUS`; the special tokens get ids 0, 1 and 2."""
+def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, *, vision: bool = False) -> Tokenizer:
+    """Train the byte-level BPE tokenizer on `CORPUS`; the special tokens get ids 0, 1 and 2.
+
+    With `vision`, the BPE is trained to `vocab_size - 5` and the `VISION_TOKENS` are added after it as
+    special tokens, so that they take ids `vocab_size - 5` .. `vocab_size - 1`.
+    """
     tokenizer = _build_tokenizer()
     trainer = BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(VISION_TOKENS) if vision else vocab_size,
         min_frequency=0,
         show_progress=False,
         special_tokens=[AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS],
@@ -212,7 +259,23 @@ def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
             raise RuntimeError(
                 f"special token {token!r} got id {tokenizer.token_to_id(token)}, not {token_id}"
             )
+    if vision:
+        tokenizer.add_special_tokens(
+            [AddedToken(token, special=True, normalized=False) for token in VISION_TOKENS]
+        )
+        for token_id, token in _vision_token_ids(vocab_size).items():
+            if tokenizer.token_to_id(token) != token_id:
+                raise RuntimeError(
+                    f"vision token {token!r} got id {tokenizer.token_to_id(token)}, not {token_id} (the "
+                    f"BPE has {tokenizer.get_vocab_size(with_added_tokens=False)} tokens, not "
+                    f"{vocab_size - len(VISION_TOKENS) - len(SPECIAL_TOKENS)})"
+                )
     return _with_qwen_decoder_settings(tokenizer)
+
+
+def _vision_token_ids(vocab_size: int) -> dict[int, str]:
+    """The ids of the vision tokens in a vision tokenizer of `vocab_size` tokens: the top five."""
+    return {vocab_size - len(VISION_TOKENS) + i: token for i, token in enumerate(VISION_TOKENS)}
 
 
 def _added_token_entry(token: str) -> dict[str, Any]:
@@ -227,17 +290,33 @@ def _added_token_entry(token: str) -> dict[str, Any]:
     }
 
 
-def tokenizer_config(model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> dict[str, Any]:
-    """The `tokenizer_config.json` contents, as a Qwen2.5/Qwen3 checkpoint ships it."""
-    return {
+def _additional_special_tokens(vision: bool) -> list[str]:
+    return [*SPECIAL_TOKENS[1:], *(VISION_TOKENS if vision else ())]
+
+
+def tokenizer_config(
+    model_max_length: int = DEFAULT_MODEL_MAX_LENGTH, *, vocab_size: int | None = None, vision: bool = False
+) -> dict[str, Any]:
+    """The `tokenizer_config.json` contents, as a Qwen2.5/Qwen3 (with `vision`: Qwen3-VL) checkpoint ships it.
+
+    A vision config (which needs the tokenizer's `vocab_size`) also lists the vision tokens, names them
+    (`image_token`, `video_token`, `vision_start_token`, `vision_end_token`) and has the vision chat
+    template.
+    """
+    added_tokens = dict(enumerate(SPECIAL_TOKENS))
+    if vision:
+        if vocab_size is None:
+            raise ValueError("a vision tokenizer config needs the tokenizer's vocab_size")
+        added_tokens.update(_vision_token_ids(vocab_size))
+    config: dict[str, Any] = {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
-            str(token_id): _added_token_entry(token) for token_id, token in enumerate(SPECIAL_TOKENS)
+            str(token_id): _added_token_entry(token) for token_id, token in added_tokens.items()
         },
-        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "additional_special_tokens": _additional_special_tokens(vision),
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "eos_token": SPECIAL_TOKENS[IM_END_ID],
         "errors": "replace",
@@ -247,16 +326,24 @@ def tokenizer_config(model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> dict[s
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
+    if vision:
+        config.update(
+            image_token=IMAGE_TOKEN,
+            video_token=VIDEO_TOKEN,
+            vision_end_token=VISION_END_TOKEN,
+            vision_start_token=VISION_START_TOKEN,
+        )
+    return dict(sorted(config.items()))
 
 
-def special_tokens_map() -> dict[str, Any]:
+def special_tokens_map(*, vision: bool = False) -> dict[str, Any]:
     """The `special_tokens_map.json` contents."""
 
     def entry(token: str) -> dict[str, Any]:
         return {key: value for key, value in _added_token_entry(token).items() if key != "special"}
 
     return {
-        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "additional_special_tokens": _additional_special_tokens(vision),
         "eos_token": entry(SPECIAL_TOKENS[IM_END_ID]),
         "pad_token": entry(SPECIAL_TOKENS[ENDOFTEXT_ID]),
     }
@@ -267,21 +354,58 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_tokenizer(
-    out_dir: Path, vocab_size: int = DEFAULT_VOCAB_SIZE, *, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH
+    out_dir: Path,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    *,
+    model_max_length: int = DEFAULT_MODEL_MAX_LENGTH,
+    vision: bool = False,
 ) -> None:
     """Train the tokenizer and write `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json`.
 
     Deterministic: the same arguments give byte-identical files. The vocabulary has exactly `vocab_size`
-    entries for any size from 259 (3 special tokens + 256 bytes) up to what `CORPUS` allows (well above
-    1024); use `tokenizer_vocab_size` to read the true size back.
+    entries for any size from 259 (3 special tokens + 256 bytes; 264 with `vision`) up to what `CORPUS`
+    allows (well above 1024); use `tokenizer_vocab_size` to read the true size back. With `vision` the
+    top five ids are the `VISION_TOKENS` (see `train_tokenizer`).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(vocab_size).save(str(out_dir / "tokenizer.json"), pretty=True)
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(model_max_length))
-    _write_json(out_dir / "special_tokens_map.json", special_tokens_map())
+    train_tokenizer(vocab_size, vision=vision).save(str(out_dir / "tokenizer.json"), pretty=True)
+    config = tokenizer_config(model_max_length, vocab_size=vocab_size, vision=vision)
+    _write_json(out_dir / "tokenizer_config.json", config)
+    _write_json(out_dir / "special_tokens_map.json", special_tokens_map(vision=vision))
 
 
 def tokenizer_vocab_size(out_dir: Path) -> int:
     """Number of token ids in `out_dir/tokenizer.json`, added tokens included (ids are 0..size-1)."""
     return Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+
+
+def vision_token_mismatches(out_dir: Path, config: Mapping[str, Any]) -> list[str]:
+    """How a model config's vision token ids (`VISION_TOKEN_ID_KEYS`) disagree with `out_dir/tokenizer.json`.
+
+    One line per disagreeing (or missing) id; empty when the config and the tokenizer agree.
+    """
+    tokenizer = Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json"))
+    mismatches = []
+    for key, token in VISION_TOKEN_ID_KEYS.items():
+        expected = tokenizer.token_to_id(token)
+        if expected is None:
+            mismatches.append(f"{key} is {config.get(key)}, but the tokenizer has no {token}")
+        elif config.get(key) != expected:
+            mismatches.append(f"{key} is {config.get(key)}, but the tokenizer has {token} at id {expected}")
+    return mismatches
+
+
+def check_vision_token_ids(out_dir: Path, config: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Raise ValueError unless the config's vision token ids are those of the tokenizer in `out_dir`.
+
+    Without `strict` a disagreement is only logged: for a model whose vocabulary is larger than the
+    synthetic tokenizer's, which may keep a release's ids that the tokenizer cannot hold.
+    """
+    mismatches = vision_token_mismatches(out_dir, config)
+    if not mismatches:
+        return
+    message = f"config vision token ids do not match the tokenizer in {out_dir}: {'; '.join(mismatches)}"
+    if strict:
+        raise ValueError(message)
+    log.warning("%s", message)

@@ -179,7 +179,7 @@ class DecodeCore:
         if seq is None:  # aborted meanwhile
             log.info("PrefillDone for %s, which holds no state (aborted?)", msg.rid)
             return
-        seq.num_cached = msg.num_cached
+        seq.num_cached, seq.rope_delta = msg.num_cached, msg.rope_delta
         offload = getattr(self.engine, "offload", None)
         if msg.routing and offload is not None:  # the prompt's routing: the cache's rates count it
             stats = torch.frombuffer(bytearray(msg.routing), dtype=torch.float32)

@@ -5,7 +5,8 @@ copied), one pass per `step()` (a chunk, or a layer-major group of chunks) so an
 pass. Per request: ask decode for state (`AllocState`; granting it also freezes decode's expert cache, which
 prefill reads in place), run the passes, sample the first token, send it to the router and hand the request
 to decode (`PrefillDone`, which ends the freeze) — or, when the first token already ends it, give the state
-back. One request is prefilled at a time, in arrival order.
+back. One request is prefilled at a time, in arrival order; a request whose prompt has images joins the queue
+once the encoder's embeddings of them came (common/workers/image_waits.py).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from common.config import WorkerConfig
 from common.experts.cache_tables import CacheTables
 from common.kernels import fused_by_default, use_fused_kernels
 from common.kv.state import SequenceState
+from common.model.qwen4_exp.positions import ImageTokens
 from common.protocol import (
     AllocState,
     Generate,
+    ImagesEncoded,
     Message,
     PrefillDone,
     ReleaseState,
@@ -33,9 +36,10 @@ from common.protocol import (
 )
 from common.requests import Request, append_token, sample_next
 from common.runner import ModelRunner, warm_up_on_cuda
+from common.workers.image_waits import ImageWaits
 
 Outgoing = list[tuple[str, Message]]
-"""Messages to send, each with its destination service (`router` or `decode`)."""
+"""Messages to send, each with its destination service (`router`, `decode` or `encoder`)."""
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +63,14 @@ class PrefillCore:
     """Chunked prefill into state that decode owns."""
 
     def __init__(
-        self, cfg: WorkerConfig, model: torch.nn.Module, pool_tensors: dict[str, torch.Tensor], eos_ids
+        self,
+        cfg: WorkerConfig,
+        model: torch.nn.Module,
+        pool_tensors: dict[str, torch.Tensor],
+        eos_ids,
+        image_tokens: ImageTokens | None = None,
     ) -> None:
+        """`image_tokens`: how the model's prompts carry images (None: it takes none)."""
         self.cfg = cfg
         self.runner = ModelRunner(
             model,
@@ -84,6 +94,8 @@ class PrefillCore:
         self.asked: Generate | None = None  # waiting for decode's StateGranted
         self.dropped: set[str] = set()  # aborted while asked: give the grant back
         self.job: PrefillJob | None = None
+        dtype = next(model.parameters()).dtype
+        self.images = ImageWaits(image_tokens, self.runner.device, dtype)
 
     @property
     def busy(self) -> bool:
@@ -94,12 +106,28 @@ class PrefillCore:
         if any(g.rid == gen.rid for g in self._held()):
             log.warning("ignoring a second Generate for %s", gen.rid)
             return []
-        self.queue.append(gen)
+        if gen.images:
+            ready, out = self.images.request(gen)
+            return out + self._enqueue(ready)
+        return self._enqueue([gen])
+
+    def images_encoded(self, msg: ImagesEncoded) -> Outgoing:
+        """The encoder's embeddings of a request's images (copied here; their rows go back at once)."""
+        ready, out = self.images.images(msg)
+        return out + self._enqueue(ready)
+
+    def _enqueue(self, gens: list[Generate]) -> Outgoing:
+        self.queue.extend(gens)
         return self._ask()
 
     def _held(self) -> list[Generate]:
-        """Every request this core holds: queued, asked for, prefilling."""
-        return [*self.queue, *([self.asked] if self.asked else []), *([self.job.gen] if self.job else [])]
+        """Every request this core holds: waiting for its images, queued, asked for, prefilling."""
+        return [
+            *self.images.held(),
+            *self.queue,
+            *([self.asked] if self.asked else []),
+            *([self.job.gen] if self.job else []),
+        ]
 
     def _ask(self) -> Outgoing:
         if self.asked is not None or self.job is not None or not self.queue:
@@ -116,14 +144,20 @@ class PrefillCore:
             return [("decode", ReleaseState(msg.rid))] if msg.slot >= 0 else []
         gen, self.asked = self.asked, None
         if msg.slot < 0:
+            self.images.forget(gen.rid)
             return [("router", Tokens(gen.rid, [], "error", error=msg.error)), *self._ask()]
         seed = gen.sampling.seed if gen.sampling.seed is not None else random.getrandbits(62)
-        self.job = PrefillJob(gen, SequenceState(msg.slot, list(msg.pages)), seed)
+        seq = SequenceState(msg.slot, list(msg.pages))
+        images = self.images.take(gen.rid)
+        if images is not None:
+            seq.images, seq.rope_delta = images
+        self.job = PrefillJob(gen, seq, seed)
         if self.tables is not None:  # this prompt's routing only (PrefillDone.routing)
             self.tables.clear_statistics()
         return []
 
     def abort(self, rid: str) -> Outgoing:
+        self.images.forget(rid)
         self.queue = deque(g for g in self.queue if g.rid != rid)
         if self.asked is not None and self.asked.rid == rid:
             self.asked = None
@@ -146,6 +180,7 @@ class PrefillCore:
     def fail_all(self, error: str) -> Outgoing:
         """Every request this worker holds ends with an error (decode restarted: their state is gone)."""
         gens = self._held()
+        self.images.clear()
         self.queue.clear()
         self.asked = self.job = None
         self.dropped.clear()
@@ -180,6 +215,7 @@ class PrefillCore:
         (first,) = sample_next(logits, [req])
         finished = append_token(req, first, self.eos_ids, self.runner.max_context)
         n = len(gen.prompt_ids)
+        job.seq.images = None  # decode takes the rotary delta only
         out: Outgoing = [
             ("decode", Thaw(gen.rid)),
             ("router", Tokens(gen.rid, [first], req.finish_reason, prompt_tokens=n, index=0)),
@@ -189,6 +225,6 @@ class PrefillCore:
         else:
             routing = b"" if self.tables is None else self.tables.statistics().cpu().numpy().tobytes()
             done = PrefillDone(gen.rid, n, job.seq.num_cached, first, gen.sampling, job.seed, gen.arrival,
-                               job.seq.slot, job.seq.pages, routing)  # fmt: skip
+                               job.seq.slot, job.seq.pages, routing, job.seq.rope_delta)  # fmt: skip
             out.append(("decode", done))
         return out + self._ask()

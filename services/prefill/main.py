@@ -6,7 +6,17 @@ import dataclasses
 import logging
 
 from common.memory_plan import cap_worker
-from common.protocol import Abort, Exports, Generate, Message, StateGranted, Tokens, WantExports
+from common.model.qwen4_exp.positions import ImageTokens
+from common.protocol import (
+    Abort,
+    Exports,
+    Generate,
+    ImagesEncoded,
+    Message,
+    StateGranted,
+    Tokens,
+    WantExports,
+)
 from common.workers.prefill import Outgoing, PrefillCore
 from common.workers.sharing import prefill_model
 from services.worker_args import parsed_config, worker_parser
@@ -22,7 +32,7 @@ class PrefillWorker:
         self.shell, self.cfg = shell, cfg
         self.core: PrefillCore | None = None
         self.epoch: int | None = None
-        self.early: list[Generate] = []  # requests that came before the exports
+        self.early: list[Generate | ImagesEncoded] = []  # what came before the exports
 
     def attach(self, exports: Exports) -> Outgoing:
         if exports.epoch == self.epoch:
@@ -33,26 +43,29 @@ class PrefillWorker:
         cfg = dataclasses.replace(self.cfg, max_context=exports.max_context, page_size=exports.page_size)
         with self.shell.untimed():  # mapping a restarted decode's memory is start-up work, however long
             model, pools, eos = prefill_model(cfg, exports)
-        self.core, self.epoch = PrefillCore(cfg, model, pools, eos), exports.epoch
+        image_tokens = ImageTokens.from_model_dir(cfg.model_dir)
+        self.core, self.epoch = PrefillCore(cfg, model, pools, eos, image_tokens), exports.epoch
         self.shell.watch_experts(model.experts)
         if first:
             self.shell.ready(self.cfg.max_running, exports.max_context)
             log.info("ready: mapped %d tensors from decode", len(exports.tensors))
-        for gen in self.early:
-            out += self.core.submit(gen)
+        for msg in self.early:
+            out += self.handle(msg)
         self.early.clear()
         return out
 
     def handle(self, msg: Message) -> Outgoing:
         if isinstance(msg, Exports):
             return self.attach(msg)
+        if isinstance(msg, Generate | ImagesEncoded) and self.core is None:
+            self.early.append(msg)
+            return []
         if isinstance(msg, Generate):
-            if self.core is None:
-                self.early.append(msg)
-                return []
             return self.core.submit(msg)
+        if isinstance(msg, ImagesEncoded):
+            return self.core.images_encoded(msg)
         if isinstance(msg, Abort):
-            self.early = [g for g in self.early if g.rid != msg.rid]
+            self.early = [m for m in self.early if m.rid != msg.rid]
             return self.core.abort(msg.rid) if self.core else []
         if isinstance(msg, StateGranted) and self.core is not None:
             return self.core.granted(msg)
@@ -74,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = worker_parser("spillway-prefill", __doc__)
     args = parser.parse_args(argv)
     cfg = parsed_config(parser, args)
-    shell = WorkerShell.from_args(args, "prefill", "decode")
+    encoder = {"encoder": args.encoder} if args.encoder else None
+    shell = WorkerShell.from_args(args, "prefill", "decode", encoder)
     cap_worker(cfg, "prefill")  # before CUDA starts: expandable segments, then prefill's part of the budget
     worker = PrefillWorker(shell, cfg)
     shell.send("decode", WantExports(shell.pid))

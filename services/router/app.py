@@ -9,6 +9,7 @@ or mid-stream — is aborted at the workers at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from common import openai_api as api
+from common.chat_images import ImagePrompting
 from common.metrics import RouterMetrics, new_registry, render, serve
 from common.openai_api import ApiError, GenerationSpec
 from common.tokenizer import Tokenizer
@@ -101,6 +103,9 @@ class Router:
         self.metrics = RouterMetrics.create(self.registry)
         self.core = RouterCore(config, self.metrics)
         self.created = int(time.time())
+        encoder = self.core.encoder is not None
+        self.prompting = ImagePrompting.from_model_dir(config.model_dir, tokenizer) if encoder else None
+        """How chats' images become prompt tokens (None: no encoder runs; an image is a 400)."""
 
     @property
     def max_context(self) -> int:
@@ -125,8 +130,11 @@ class Router:
         self.authorize(request)
         body = api.parse_chat_request(await request.body())
         api.check_model(body.model, self.config.model_name)
-        prompt_ids = await asyncio.to_thread(api.chat_prompt_ids, body, self.tokenizer)
+        prompt_ids, images = await asyncio.to_thread(
+            api.chat_prompt_ids, body, self.tokenizer, self.prompting
+        )
         spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
+        spec = dataclasses.replace(spec, images=tuple(image.raw for image in images))
         return await self._serve(request, spec, chat=True, received=received)
 
     async def completions(self, request: Request) -> Response:
@@ -171,7 +179,7 @@ class Router:
     ) -> tuple[TextGeneration, Delta]:
         """Admit the request and wait for its first delta (so that early errors get a proper status)."""
         flight = await self.core.submit(
-            spec.prompt_ids, spec.sampling, received, request.scope.get(REQUEST_ID)
+            spec.prompt_ids, spec.sampling, received, request.scope.get(REQUEST_ID), spec.images
         )
         gen = TextGeneration(flight, self.tokenizer, spec.stop)
         try:

@@ -33,6 +33,9 @@ class RouterConfig:
     one pair, and a pair's failure fails only its requests. The router serves while one pair is up."""
     served_model_name: str | None = None
     """The model id clients name; None = the model directory's name."""
+    encoder: str = ""
+    """The vision encoder's inbox (`Encode`, `Abort`): chats may carry images (a model with a vision tower);
+    empty: none (an image is a 400)."""
     host: str = "127.0.0.1"
     """Interface the HTTP server binds (loopback unless told otherwise, DESIGN §7)."""
     port: int = 8000

@@ -23,15 +23,26 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq.asyncio
 
+from common.images import vision_config
 from common.metrics import RouterMetrics
 from common.openai_api import ApiError
-from common.protocol import Abort, Generate, Heartbeat, Message, Ready, SamplingParams, ServiceDown, Tokens
+from common.protocol import (
+    Abort,
+    Encode,
+    Generate,
+    Heartbeat,
+    Message,
+    Ready,
+    SamplingParams,
+    ServiceDown,
+    Tokens,
+)
 from common.transport import AsyncInbox, AsyncOutbox, pair_names
 from services.router.config import RouterConfig
 from services.router.pairs import Pair, ServiceHealth
@@ -64,6 +75,8 @@ class Flight:
     released: bool = False
     pair: int = -1
     """The index of the pair running it (`RouterConfig.pairs`)."""
+    images: int = 0
+    """Images in its prompt (the encoder holds them until prefill has their embeddings)."""
 
     @property
     def arrival(self) -> float:
@@ -86,6 +99,13 @@ class RouterCore:
         ]
         self.services = {w.name: w for pair in self.pairs for w in pair.workers}
         self._pair_of = {w.name: pair for pair in self.pairs for w in pair.workers}
+        vision = config.encoder and vision_config(config.model_dir) is not None
+        self.encoder = ServiceHealth("encoder") if vision else None
+        """The vision encoder (a model with a vision tower, `RouterConfig.encoder` given), shared by the pairs
+        (a text-only model's encoder, as one docker-compose starts for any model, exits at once)."""
+        self.encoder_box: AsyncOutbox | None = None
+        if self.encoder is not None:
+            self.services[self.encoder.name] = self.encoder
         self._unknown: set[str] = set()
         """Service names heard that no pair has (warned about once each)."""
         self._flights: dict[str, Flight] = {}
@@ -114,6 +134,11 @@ class RouterCore:
                 asyncio.create_task(self._watch_link(w.name, box), name=f"router-link-{w.name}")
                 for w, box in ((pair.prefill, pair.prefill_box), (pair.decode, pair.decode_box))
             ]
+        if self.encoder is not None:
+            self.encoder_box = AsyncOutbox(self.config.encoder, self._ctx, monitor=True)
+            self._links.append(
+                asyncio.create_task(self._watch_link("encoder", self.encoder_box), name="router-link-encoder")
+            )
         self._reader = asyncio.create_task(self._read_inbox(), name="router-inbox")
         if self.config.stall_timeout_s > 0:
             self._watchdog = asyncio.create_task(self._watch_stalls(), name="router-watchdog")
@@ -126,10 +151,11 @@ class RouterCore:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         for flight in list(self._flights.values()):
-            self._spawn(self._send_abort(flight.rid, self.pairs[flight.pair]))
+            self._spawn(self._send_abort(flight.rid, self.pairs[flight.pair], flight.images > 0))
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
         boxes = [box for pair in self.pairs for box in (pair.prefill_box, pair.decode_box)]
+        boxes.append(self.encoder_box)
         for sock in (self._inbox, *boxes):
             if sock is not None:
                 sock.close()
@@ -148,9 +174,17 @@ class RouterCore:
         return bool(self.up_pairs())
 
     def status(self) -> str:
-        """ "ok" (every pair up), "degraded" (some: serving with less capacity) or "unavailable"."""
+        """ "ok" (every pair up, and the encoder where there is one), "degraded" (some pair up: serving with
+        less capacity, or without images) or "unavailable"."""
         up = len(self.up_pairs())
-        return "ok" if up == len(self.pairs) else "degraded" if up else "unavailable"
+        if not up:
+            return "unavailable"
+        return "ok" if up == len(self.pairs) and self.encoder_up() else "degraded"
+
+    def encoder_up(self) -> bool:
+        """The encoder is up (or there is none: nothing waits for it)."""
+        enc = self.encoder
+        return enc is None or enc.state(time.monotonic(), self.config.heartbeat_timeout_s) == "up"
 
     def health(self) -> dict[str, Any]:
         """The `/health` body: each service's state and metrics URL, each pair's state and load, and the
@@ -207,7 +241,7 @@ class RouterCore:
             svc.stalled = True
             log.error("%s (pid %s) has been silent for %.0f s: taken as hung", svc.name, svc.pid, silent)
             reason = f"the {svc.name} worker stopped responding ({silent:.0f} s without a heartbeat)"
-            self._fail_pair(self._pair_of[svc.name], reason)
+            self._fail_service(svc, reason)
 
     def on_link(self, service: str, up: bool) -> None:
         """The router's connection to `service`'s inbox opened (`up`) or closed. Closed after being open: the
@@ -219,7 +253,7 @@ class RouterCore:
             return
         svc.last_seen = None  # "starting" once the connection is back, until the process behind it speaks
         log.error("%s (pid %s): its connection closed", service, svc.pid)
-        self._fail_pair(self._pair_of[service], f"the {service} worker's connection closed (it exited)")
+        self._fail_service(svc, f"the {service} worker's connection closed (it exited)")
 
     async def _watch_link(self, service: str, outbox: AsyncOutbox) -> None:
         try:
@@ -247,15 +281,23 @@ class RouterCore:
     # Admission.
 
     async def submit(
-        self, prompt_ids: list[int], sampling: SamplingParams, received: float, rid: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        received: float,
+        rid: str | None = None,
+        images: Sequence[bytes] = (),
     ) -> Flight:
-        """Admit a request (waiting for a slot) and send it to prefill; raises ApiError 503 / 429.
+        """Admit a request (waiting for a slot) and send it to prefill, its `images` (files, in the prompt's
+        order) to the encoder; raises ApiError 503 / 429.
 
         `received` is the request's arrival, time.monotonic(); `rid` its id (default: a new one).
         Cancelling the caller while it waits gives its place up; cancelling it after admission aborts the
         request at the workers.
         """
         self._refuse_unless_ready()
+        if images and not self.encoder_up():
+            raise ApiError(503, "The vision encoder is not ready.", type="server_error", code="not_ready")
         queued = time.monotonic()
         if self._running < self.max_running() and not self._waiters:
             self._running += 1
@@ -271,11 +313,17 @@ class RouterCore:
         pair.running += 1
         pair.sent += 1
         self._update_gauges()
-        flight = Flight(rid or uuid.uuid4().hex, prompt_ids, sampling, received, pair=pair.index)
+        flight = Flight(
+            rid or uuid.uuid4().hex, prompt_ids, sampling, received, pair=pair.index, images=len(images)
+        )
         self._flights[flight.rid] = flight
         try:
             assert pair.prefill_box is not None, "RouterCore.start() was not called"
-            await pair.prefill_box.send(Generate(flight.rid, prompt_ids, sampling, arrival=flight.arrival))
+            if images:
+                assert self.encoder_box is not None
+                await self.encoder_box.send(Encode(flight.rid, list(images), pair.prefill.name))
+            gen = Generate(flight.rid, prompt_ids, sampling, arrival=flight.arrival, images=len(images))
+            await pair.prefill_box.send(gen)
         except BaseException:
             self.release(flight, None)
             raise
@@ -320,7 +368,7 @@ class RouterCore:
         pair = self.pairs[flight.pair]
         pair.running -= 1
         if not flight.worker_done:
-            self._spawn(self._send_abort(flight.rid, pair))
+            self._spawn(self._send_abort(flight.rid, pair, to_encoder=flight.images > 0))
         if finish_reason is not None:
             self.metrics.requests_finished.labels(finish_reason=finish_reason).inc()
             self.metrics.e2e_request_latency.observe(time.monotonic() - flight.received)
@@ -390,9 +438,7 @@ class RouterCore:
         if svc is not None and svc.pid == msg.pid and not svc.exited:
             svc.exited = True
             log.error("%s (pid %d) exited with %d", msg.service, msg.pid, msg.exit_code)
-            self._fail_pair(
-                self._pair_of[svc.name], f"the {msg.service} worker exited (code {msg.exit_code})"
-            )
+            self._fail_service(svc, f"the {msg.service} worker exited (code {msg.exit_code})")
 
     def _on_alive(self, msg: Ready | Heartbeat) -> None:
         svc = self._service(msg.service)
@@ -409,9 +455,7 @@ class RouterCore:
             log.warning("%s (pid %d) is heard again after a stall", msg.service, msg.pid)
         if svc.pid is not None and not same:
             svc.restarts += 1
-            self._fail_pair(
-                self._pair_of[svc.name], f"the {msg.service} worker restarted (pid {svc.pid} → {msg.pid})"
-            )
+            self._fail_service(svc, f"the {msg.service} worker restarted (pid {svc.pid} → {msg.pid})")
         svc.pid, svc.instance = msg.pid, msg.instance
         svc.last_seen = time.monotonic()
         if isinstance(msg, Ready):
@@ -424,6 +468,17 @@ class RouterCore:
                 svc.capacity, svc.max_context = msg.capacity, msg.max_context
         # Its pair may be up again (Ready, heard after a stall or a reopened connection): the limit rose.
         self._admit_waiters()
+
+    def _fail_service(self, svc: ServiceHealth, reason: str) -> None:
+        """`svc` died (exited, restarted, hung): fail what it held. A pair's worker: the pair's requests. The
+        encoder: the requests whose images it may have held (those without a first token yet; prefill
+        would wait for their embeddings for good)."""
+        if svc is not self.encoder:
+            self._fail_pair(self._pair_of[svc.name], reason)
+            return
+        for flight in self._flights.values():
+            if flight.images and flight.next_index == 0:
+                flight.events.put_nowait(Tokens(flight.rid, [], "error", error=reason))
 
     def _fail_pair(self, pair: Pair, reason: str) -> None:
         """The requests `pair` runs died with one of its workers: end each with an error event."""
@@ -476,8 +531,9 @@ class RouterCore:
         for pair in self.pairs:  # which pair sent it is not known
             self._spawn(self._send_abort(event.rid, pair))
 
-    async def _send_abort(self, rid: str, pair: Pair) -> None:
-        for outbox in (pair.prefill_box, pair.decode_box):
+    async def _send_abort(self, rid: str, pair: Pair, to_encoder: bool = False) -> None:
+        boxes = [pair.prefill_box, pair.decode_box, *([self.encoder_box] if to_encoder else [])]
+        for outbox in boxes:
             if outbox is not None:
                 try:
                     await outbox.send(Abort(rid))

@@ -37,6 +37,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         required=True,
         help="the inbox of the decode worker of that pair (the nth --decode pairs with the nth --prefill)",
     )
+    p.add_argument(
+        "--encoder",
+        default="",
+        help="the vision encoder's inbox address (none: requests with images get a 400)",
+    )
     p.add_argument("--max-running", type=int, default=0, help="requests in flight (0: the workers' capacity)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those (then 429)")
     p.add_argument("--max-context", type=int, help="prompt + completion tokens (default: the model's)")
@@ -91,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         model_dir=model_dir,
         served_model_name=args.served_model_name,
+        encoder=args.encoder,
         inbox=args.inbox,
         pairs=tuple(WorkerPair(p, d) for p, d in zip(args.prefill, args.decode, strict=True)),
         host=args.host,

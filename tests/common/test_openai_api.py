@@ -25,7 +25,7 @@ def tok() -> Tokenizer:
 
 def chat(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
     request = api.parse_chat_request(json.dumps({"model": "m", "messages": USER, **body}).encode())
-    return api.chat_spec(request, api.chat_prompt_ids(request, tok), CONTEXT, tok.vocab_size)
+    return api.chat_spec(request, api.chat_prompt_ids(request, tok)[0], CONTEXT, tok.vocab_size)
 
 
 def completion(tok: Tokenizer, **body: Any) -> api.GenerationSpec:

@@ -14,6 +14,9 @@ import yaml
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 WORKERS = ("prefill", "decode")
 SERVICES = ("router", *WORKERS)
+ENCODER = "encoder"
+"""The vision encoder: in compose beside the others, but running only for a model with a vision tower (the
+default tiny model has none), so not among the SERVICES that serve and export metrics."""
 RATE_INTERVAL = "1m"
 """What the dashboard's `$__rate_interval` stands for when a query is parsed or run outside Grafana."""
 

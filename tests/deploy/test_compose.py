@@ -19,11 +19,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.model.synthetic import make_model
+from services.encoder.main import encoder_parser
 from services.router.main import parse_args as router_args
 from services.worker_args import worker_parser
 from tests.conftest import Server, free_port, wait_healthy
 from tests.deploy.deployment import (
     DEPLOY,
+    ENCODER,
     SERVICES,
     WORKERS,
     command,
@@ -33,12 +35,14 @@ from tests.deploy.deployment import (
     selectors,
 )
 
-ADDRESS_FLAGS = ("--inbox", "--router", "--peer", "--metrics-port", "--metrics-host")
+ADDRESS_FLAGS = ("--inbox", "--router", "--peer", "--encoder", "--metrics-port", "--metrics-host")
 
 
 def parsed(service: str, env: dict[str, str] | None = None):
     argv = command(service, env)
     assert argv[:3] == ["python", "-m", f"services.{service}"], argv
+    if service == ENCODER:
+        return encoder_parser().parse_args(argv[3:])
     return router_args(argv[3:]) if service == "router" else worker_parser(service).parse_args(argv[3:])
 
 
@@ -61,6 +65,19 @@ def test_every_service_command_parses_and_the_addresses_meet() -> None:
     assert (host(decode.peer), port(decode.peer)) == ("prefill", port(prefill.inbox))
     assert router.host == prefill.metrics_host == decode.metrics_host == "0.0.0.0"
     assert router.model == prefill.model == decode.model
+
+
+def test_the_encoder_meets_the_router_and_prefill() -> None:
+    router, prefill, encoder = parsed("router"), parsed("prefill"), parsed(ENCODER)
+    assert host(encoder.inbox) == "0.0.0.0" and encoder.metrics_host == "0.0.0.0"
+    assert (host(encoder.router), port(encoder.router)) == ("router", port(router.inbox))
+    assert [(name, host(a), port(a)) for name, a in encoder.prefill] == [
+        ("prefill", "prefill", port(prefill.inbox))
+    ]
+    assert (host(router.encoder), port(router.encoder)) == ("encoder", port(encoder.inbox))
+    assert (host(prefill.encoder), port(prefill.encoder)) == ("encoder", port(encoder.inbox))
+    assert encoder.model == router.model and encoder.if_vision, "a text-only model: it exits 0, stays stopped"
+    assert compose()["services"][ENCODER]["restart"] == "on-failure"
 
 
 def test_both_workers_get_the_same_flags_as_serve_gives_them() -> None:
@@ -89,9 +106,9 @@ def test_prometheus_scrapes_each_service_where_it_serves_metrics() -> None:
         "decode": f"decode:{decode.metrics_port}",
     }
     assert dict(s.split("=", 1) for s in router.metrics_url) == {
-        name: f"http://{name}:{parsed(name).metrics_port}/metrics" for name in WORKERS
+        name: f"http://{name}:{parsed(name).metrics_port}/metrics" for name in (*WORKERS, ENCODER)
     }
-    for name in WORKERS:  # the host in the metrics URL a worker announces (services.worker_loop.reachable)
+    for name in (*WORKERS, ENCODER):  # the host in the metrics URL a worker announces (worker_loop.reachable)
         assert compose()["services"][name]["hostname"] == name
 
 
@@ -101,8 +118,9 @@ def test_the_model_service_writes_the_model_the_others_read() -> None:
     assert '"$SPILLWAY_MODEL/config.json"' in services["model"]["command"]
     assert set(services["decode"]["depends_on"]) == {"workers", "model"}
     assert services["prefill"]["depends_on"] == ["decode"] and "model" in services["router"]["depends_on"]
-    for name in WORKERS:  # prefill maps decode's memory: one IPC and pid namespace, held by neither
-        worker = services[name]
+    assert set(services[ENCODER]["depends_on"]) == {"workers", "model"}
+    for name in (*WORKERS, ENCODER):  # prefill maps decode's and the encoder's memory: one IPC and pid
+        worker = services[name]  # namespace, held by none of them
         assert worker["ipc"] == worker["pid"] == "service:workers" and not worker["init"], name
     assert services["workers"]["ipc"] == "shareable" and services["workers"]["init"]
 
@@ -141,7 +159,7 @@ def _on_loopback(argv: list[str], ports: dict[int, int], model: Path) -> list[st
         if out and out[-1] in ("--port", "--metrics-port"):
             arg = str(ports[int(arg)])
         arg = re.sub(
-            r"(tcp|http)://(router|prefill|decode|0\.0\.0\.0):(\d+)",
+            r"(tcp|http)://(router|prefill|decode|encoder|0\.0\.0\.0):(\d+)",
             lambda m: f"{m[1]}://127.0.0.1:{ports[int(m[3])]}",
             arg,
         )
@@ -165,17 +183,19 @@ def _exposition(url: str) -> dict[str, int]:
 @pytest.mark.slow
 def test_the_compose_commands_serve_and_export_every_metric_the_dashboard_reads(tmp_path) -> None:
     model = make_model(tmp_path / "tiny", preset="tiny", arch="qwen3_moe")
-    argvs = {s: command(s) for s in SERVICES}
+    argvs = {s: command(s) for s in (*SERVICES, ENCODER)}
     router, prefill, decode = (parsed(s) for s in SERVICES)
-    numbers = [router.port, prefill.metrics_port, decode.metrics_port]
-    numbers += [port(a) for a in (router.inbox, prefill.inbox, decode.inbox)]
+    encoder = parsed(ENCODER)
+    numbers = [router.port, prefill.metrics_port, decode.metrics_port, encoder.metrics_port]
+    numbers += [port(a) for a in (router.inbox, prefill.inbox, decode.inbox, encoder.inbox)]
     ports = {n: free_port() for n in numbers}
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     procs = {}
     try:
-        for name in ("decode", "prefill", "router"):  # compose's order; every process may start first
+        for name in ("decode", "prefill", ENCODER, "router"):  # compose's order; any may start first
             argv = _on_loopback(argvs[name], ports, model) + ([] if name == "router" else ["--threads", "1"])
             procs[name] = subprocess.Popen(argv, env=env)
+        assert procs[ENCODER].wait(timeout=60) == 0, "the tiny model has no vision tower: nothing to encode"
         server = Server(procs["router"], ports[router.port])
         body = wait_healthy(server.port)
         assert (

@@ -1,10 +1,17 @@
-"""The launcher's placement of prefill/decode pairs: a GPU each on CUDA, none on the CPU."""
+"""The launcher's placement of prefill/decode pairs (a GPU each on CUDA, none on the CPU) and of the vision
+encoder (for a model with a vision tower: its inbox given to the router and every prefill worker)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from services.launch import pair_gpus
+from common.transport import ipc_address
+from services.cli import _encoder_device, build_parser
+from services.encoder.main import encoder_parser
+from services.launch import ServeOptions, has_vision, pair_gpus, router_argv, service_children
 
 
 def test_pairs_on_the_cpu_need_no_gpu() -> None:
@@ -25,3 +32,81 @@ def test_one_gpu_named_for_every_pair_is_refused() -> None:
         pair_gpus(2, "cuda:1")
     with pytest.raises(ValueError, match="at least 1"):
         pair_gpus(0, "cpu")
+
+
+# -- the vision encoder among the children ------------------------------------------------------------------
+
+
+def _flag(argv: list[str], flag: str) -> list[str]:
+    """Every value `flag` takes in `argv`."""
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == flag]
+
+
+def _model_dir(tmp_path: Path, vision: bool) -> Path:
+    root = tmp_path / ("vision" if vision else "text")
+    root.mkdir()
+    config = {"model_type": "qwen4_exp", "vision_config": {"depth": 1}} if vision else {"model_type": "x"}
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def test_an_encoder_runs_beside_the_pairs_and_both_router_and_prefill_reach_it(tmp_path: Path) -> None:
+    opts = ServeOptions("/m", metrics_port=9000, pair_gpus=[None, None], encoder_device="cpu")
+    opts.encoder_dtype, opts.threads = "bfloat16", 2
+    children = {c.name: c for c in service_children(opts, tmp_path)}
+    assert list(children) == ["encoder", "decode", "prefill", "decode-1", "prefill-1", "router"]
+    encoder = children["encoder"]
+    inbox = ipc_address(tmp_path, "encoder")
+    assert encoder.argv[1:3] == ["-m", "services.encoder"] and encoder.gpu is None
+    assert _flag(encoder.argv, "--inbox") == [inbox]
+    assert _flag(encoder.argv, "--router") == [ipc_address(tmp_path, "router")]
+    assert _flag(encoder.argv, "--prefill") == [
+        f"prefill={ipc_address(tmp_path, 'prefill')}",
+        f"prefill-1={ipc_address(tmp_path, 'prefill-1')}",
+    ]
+    assert _flag(encoder.argv, "--device") == ["cpu"] and _flag(encoder.argv, "--dtype") == ["bfloat16"]
+    assert _flag(encoder.argv, "--threads") == ["2"] and "--exit-with-parent" in encoder.argv
+    assert _flag(encoder.argv, "--metrics-port") == ["9005"], "M+1+2·pairs: after the last pair's"
+    for name in ("prefill", "prefill-1", "router"):
+        assert _flag(children[name].argv, "--encoder") == [inbox], name
+    for name in ("decode", "decode-1"):
+        assert "--encoder" not in children[name].argv
+    metrics = _flag(children["router"].argv, "--worker-metrics")
+    assert "encoder=http://127.0.0.1:9005/metrics" in metrics and len(metrics) == 5
+    encoder_parser().parse_args(encoder.argv[3:])  # the encoder's own parser takes it
+
+
+def test_one_pair_puts_the_encoder_metrics_on_m_plus_3(tmp_path: Path) -> None:
+    opts = ServeOptions("/m", metrics_port=9000, encoder_device="cpu")
+    (encoder, *_) = service_children(opts, tmp_path)
+    assert _flag(encoder.argv, "--metrics-port") == ["9003"]
+    opts.metrics_port = 0
+    (encoder, *_) = service_children(opts, tmp_path)
+    assert "--metrics-port" not in encoder.argv
+
+
+def test_without_an_encoder_nothing_names_one(tmp_path: Path) -> None:
+    children = service_children(ServeOptions("/m"), tmp_path)
+    assert [c.name for c in children] == ["decode", "prefill", "router"]
+    assert not any("--encoder" in c.argv for c in children)
+    # the Ray launcher's router: built without an encoder address, whatever the options say
+    argv = router_argv(
+        ServeOptions("/m", encoder_device="cpu"), "tcp://h:1", [("tcp://p:2", "tcp://d:3")], {}
+    )
+    assert "--encoder" not in argv
+
+
+def test_serve_starts_an_encoder_for_a_vision_model_only(tmp_path: Path) -> None:
+    vision, text = _model_dir(tmp_path, True), _model_dir(tmp_path, False)
+    assert has_vision(vision) and not has_vision(text)
+
+    def device(*flags: str, model: Path = vision) -> str | None:
+        return _encoder_device(build_parser().parse_args(["serve", *flags]), str(model))
+
+    assert device() == "cpu" and device(model=text) is None
+    assert device("--no-encoder") is None
+    assert device("--ray", "auto") is None, "the Ray launcher starts no encoder"
+    with pytest.raises(ValueError, match="--encoder-device"):
+        device("--encoder-device", "cuda:99")
+    with pytest.raises(SystemExit):
+        device("--encoder-device", "tpu")

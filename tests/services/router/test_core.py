@@ -14,8 +14,9 @@ import zmq.asyncio
 
 from common.metrics import RouterMetrics, new_registry
 from common.model.defaults import default_model_dir
+from common.model.synthetic import make_model
 from common.openai_api import ApiError
-from common.protocol import Abort, Generate, Heartbeat, Ready, SamplingParams, ServiceDown, Tokens
+from common.protocol import Abort, Encode, Generate, Heartbeat, Ready, SamplingParams, ServiceDown, Tokens
 from common.transport import AsyncInbox, ipc_address, make_run_dir, pair_names
 from services.router import RouterConfig, RouterCore, WorkerPair
 
@@ -364,3 +365,57 @@ def test_requests_of_a_silent_pair_keep_their_slots() -> None:
             core.release(flight, None)
 
     run_core(test, pairs=2, max_running=0)
+
+
+def test_images_go_to_the_encoder_and_its_failure_fails_only_their_requests() -> None:
+    """A request with images: `Encode` to the encoder (naming the pair's prefill), `Generate` with their
+    count to prefill, `Abort` to all three; an encoder that exits fails the requests still waiting for their
+    embeddings (not those past their first token, nor those without images) and refuses new images with a
+    503 while text is served, `degraded`. A text-only model's router waits for no encoder."""
+    run_dir = make_run_dir()
+
+    async def test(core: RouterCore) -> None:
+        ctx = zmq.asyncio.Context()
+        prefill, encoder = (AsyncInbox(a, ctx) for a in (core.config.pairs[0].prefill, core.config.encoder))
+        try:
+            assert core.health()["services"]["encoder"]["state"] == "up" and core.status() == "ok"
+            flight = await core.submit([1, 2], SAMPLING, time.monotonic(), images=[b"png-1", b"png-2"])
+            assert await asyncio.wait_for(encoder.recv(), 5) == Encode(
+                flight.rid, [b"png-1", b"png-2"], "prefill"
+            )
+            generate = await asyncio.wait_for(prefill.recv(), 5)
+            assert isinstance(generate, Generate) and generate.images == 2
+            core.release(flight, None)
+            assert await asyncio.wait_for(encoder.recv(), 5) == Abort(flight.rid)
+
+            waiting = await core.submit([1], SAMPLING, time.monotonic(), images=[b"png"])
+            started = await core.submit([1], SAMPLING, time.monotonic(), images=[b"png"])
+            text = await core.submit([1], SAMPLING, time.monotonic())
+            core.on_message(Tokens(started.rid, [9], index=0))
+            core.on_message(ServiceDown("encoder", os.getpid(), -9))
+            event = await asyncio.wait_for(waiting.next_event(), 5)
+            assert event.finish_reason == "error" and "encoder" in event.error
+            assert (await started.next_event()).token_ids == [9] and started.events.empty()
+            assert text.events.empty()
+            assert core.status() == "degraded"
+            try:
+                await core.submit([1], SAMPLING, time.monotonic(), images=[b"png"])
+                raise AssertionError("images without an encoder must be refused")
+            except ApiError as exc:
+                assert exc.status == 503 and "encoder" in exc.message
+            await core.submit([1], SAMPLING, time.monotonic())  # text still served
+        finally:
+            for box in (prefill, encoder):
+                box.close()
+            ctx.destroy(linger=0)
+
+    run_core(lambda core: _no_encoder(core), encoder=ipc_address(run_dir, "encoder"))
+    try:
+        model_dir = make_model(run_dir / "q4", "tiny", "qwen4_exp")  # a vision tower: the encoder counts
+        run_core(test, model_dir=model_dir, encoder=ipc_address(run_dir, "encoder"), max_running=8)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def _no_encoder(core: RouterCore) -> None:
+    assert core.encoder is None and core.status() == "ok"
