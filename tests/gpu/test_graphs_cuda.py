@@ -128,3 +128,40 @@ def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, m
         assert torch.equal(counts, reference.offload.tables.counters[name]), name
         assert torch.equal(exit_engine.offload.tables.counters[name], counts), name
         assert torch.equal(late_engine.offload.tables.counters[name], counts), name
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_recorded_decode_after_images_matches_eager(tmp_path: Path, fused: bool) -> None:
+    """Two lanes, one after a prompt with an image (its tokens rotate at position + delta: the recording's
+    static `position_pair` carries both rows), one after text: recorded steps give the eager steps' tokens."""
+    from common.kv.state import PromptImages
+    from common.model.qwen4_exp.positions import mrope_positions
+
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=ARCHS["qwen4_exp"])
+    g = torch.Generator().manual_seed(1)
+    image = 1022  # the tiny config's image token
+    with_image = [*torch.randint(3, 1000, (5,), generator=g).tolist(), *[image] * 12]
+    with_image += torch.randint(3, 1000, (6,), generator=g).tolist()
+    text = torch.randint(3, 1000, (9,), generator=g).tolist()
+    mrope, delta = mrope_positions(with_image, image, [(1, 4, 12)], 2)
+    embeds = torch.randn(12, 64, generator=g)
+
+    def decode(graphs: bool) -> list[list[int]]:
+        engine = Engine(path, dtype=torch.float32, device="cuda", max_seqs=2, cuda_graphs=graphs)
+        use_fused_kernels(engine.model, fused, engine.runner.backend)
+        runner = engine.runner
+        seqs = [runner.new_sequence(), runner.new_sequence()]
+        seqs[0].images = PromptImages(torch.arange(5, 17), embeds.cuda(), mrope)
+        seqs[0].rope_delta = delta
+        first = [
+            int(runner.forward([s], [p])[-1].argmax()) for s, p in zip(seqs, (with_image, text), strict=True)
+        ]
+        seqs[0].images = None
+        tokens = [[t] for t in first]
+        for _ in range(12):
+            logits = runner.forward(seqs, [[t[-1]] for t in tokens])
+            for t, row in zip(tokens, logits, strict=True):
+                t.append(int(row.argmax()))
+        return tokens
+
+    assert decode(True) == decode(False)
