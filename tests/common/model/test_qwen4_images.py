@@ -113,6 +113,12 @@ def test_prompt_with_images_matches_transformers(model_dir) -> None:
     ours = torch.cat(
         [runner.forward([seq], [prompt[a : a + 7]], all_logits=True) for a in range(0, len(prompt), 7)]
     )
+    layer_major = runner.new_sequence()  # the chunks layer by layer (long prompts): the same last logits
+    layer_major.images, layer_major.rope_delta = attached, delta
+    torch.testing.assert_close(
+        runner.prefill_layer_major(layer_major, prompt, 6)[0], ours[-1], rtol=1e-4, atol=1e-4
+    )
+    runner.release(layer_major)
     seq.images = None  # decode knows the delta only
     steps = [ours[-1]]
     while len(steps) < NEW_TOKENS:
