@@ -3,8 +3,8 @@
 Every metric is named `spillway:...` and lives in a per-service `CollectorRegistry` (never the global
 default), so several services, or several instances of one in a test process, can each build their metrics
 without name collisions. A service builds the groups it exports (`RouterMetrics`, `WorkerMetrics`,
-`ExpertCacheMetrics`) on its registry and serves it with `render` (inside its own HTTP app) or `serve` (a
-separate metrics port).
+`ExpertCacheMetrics`, `EncoderMetrics`) on its registry and serves it with `render` (inside its own HTTP app)
+or `serve` (a separate metrics port).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 # Whole requests: up to many minutes for long generations.
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
+# One request's vision tower pass: ~1 ms for a small image on a GPU, seconds for many large ones on the CPU.
+ENCODE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def new_registry() -> CollectorRegistry:
@@ -247,5 +249,55 @@ class ExpertCacheMetrics:
                 f"{PREFIX}expert_cache_lent_bytes",
                 "Idle memory lent to the expert cache.",
                 registry=registry,
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class EncoderMetrics:
+    """The vision encoder: images in, embedding rows out, and the rows of its one buffer lent to prefill
+    (moved from EncoderCore's plain counters by `common.workers.encoder_metrics.EncoderMetricsExporter`)."""
+
+    images_encoded: Counter
+    """Images whose embeddings were written (a refused request's images are not counted)."""
+    image_tokens: Counter
+    """Embedding rows written: the image tokens prefill gets (images × tokens: the encoder's real load)."""
+    encode_seconds: Histogram
+    """One request's tower pass over all its images, with the copy into the buffer (on a GPU, synchronised):
+    what an image prompt waits before its prefill can start."""
+    requests_refused: Counter
+    """Requests answered with an error, by reason: `decode` (an image does not decode), `too_large` (more rows
+    than the whole buffer: its --rows) or `failed` (the tower pass raised)."""
+    rows_lent: Gauge
+    """Buffer rows lent to prefill now (sent, not yet taken): near capacity, image requests queue for rows."""
+    rows_capacity: Gauge
+    """The buffer's rows (--rows): the bound `rows_lent` is read against."""
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> EncoderMetrics:
+        return cls(
+            images_encoded=Counter(
+                f"{PREFIX}images_encoded_total", "Images whose embeddings were written.", registry=registry
+            ),
+            image_tokens=Counter(
+                f"{PREFIX}image_tokens_total", "Embedding rows (image tokens) written.", registry=registry
+            ),
+            encode_seconds=Histogram(
+                f"{PREFIX}image_encode_seconds",
+                "Time of one request's vision tower pass over its images, with the copy into the buffer.",
+                buckets=ENCODE_BUCKETS,
+                registry=registry,
+            ),
+            requests_refused=Counter(
+                f"{PREFIX}image_requests_refused_total",
+                "Image requests answered with an error, by reason (decode, too_large, failed).",
+                ["reason"],
+                registry=registry,
+            ),
+            rows_lent=Gauge(
+                f"{PREFIX}encoder_rows_lent", "Buffer rows lent to prefill, not yet taken.", registry=registry
+            ),
+            rows_capacity=Gauge(
+                f"{PREFIX}encoder_rows_capacity", "Rows of the encoder's output buffer.", registry=registry
             ),
         )

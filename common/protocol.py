@@ -149,6 +149,10 @@ class ImagesEncoded(msgspec.Struct, frozen=True, tag=True):
     rows: int
     grids: list[list[int]]
     error: str = ""
+    data: bytes = b""
+    """The rows themselves ([rows, text hidden] in `dtype`, raw bytes) instead of `buffer`'s: an encoder on
+    another machine than the prefill worker (`--inline`); nothing to give back."""
+    dtype: str = ""
 
 
 class Exports(msgspec.Struct, frozen=True, tag=True):

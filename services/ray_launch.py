@@ -4,8 +4,10 @@ cluster (a GPU each on CUDA), over tcp:// on the nodes' addresses.
 Each pair runs under a `PairHost`, a Ray actor that starts its two workers as processes on its node (ports
 chosen there), restarts one that exits (telling the router, whose requests on that pair then fail) and stops
 both with itself; the workers also stop once the actor's process is gone (`--exit-with-parent`). This
-process starts the actors, then the router over every pair's addresses, and supervises them: a pair host
-that dies (its node lost) is started again, and the router with it, since the pair's addresses changed.
+process starts the actors, then the router (and, for a model with a vision tower, the encoder, which sends
+the embeddings in its messages: the prefill workers cannot map this machine's memory) over every pair's
+addresses, and supervises them: a pair host that dies (its node lost) is started again, and the router and
+encoder with it, since the pair's addresses changed.
 
 Only strings and integers cross Ray's calls; the services speak msgspec over ZeroMQ as everywhere else.
 Every node needs Spillway installed and the model at the same path.
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 from common.transport import Outbox, pair_names
 from services.children import Child, restart_exited, stop_children, worker_argv
-from services.launch import ServeOptions, router_argv, worker_flags
+from services.launch import ServeOptions, encoder_argv, router_argv, worker_flags
 
 log = logging.getLogger("launch")
 SUPERVISE_S = 1.0
@@ -106,7 +108,7 @@ class RayLauncher:
         ray.init(address=self.address, include_dashboard=False)  # "local": always a new cluster
         for sig in (signal.SIGTERM, signal.SIGINT):  # (after ray.init, which installs its own)
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
-        self.router = None
+        self.router = self.encoder = None
         self.actors: list = []
         try:
             self._start()
@@ -128,6 +130,8 @@ class RayLauncher:
             raise ValueError(f"--pairs {self.pairs} needs a GPU a pair; the Ray cluster has {gpus:g}")
         self.host = ray.util.get_node_ip_address()
         self.router_inbox = f"tcp://{self.host}:{free_port(self.host)}"
+        has_encoder = self.opts.encoder_device is not None
+        self.encoder_inbox = f"tcp://{self.host}:{free_port(self.host)}" if has_encoder else None
         self.actors = [self._start_pair(i) for i in range(self.pairs)]
         self.placing = {i: self.actors[i].addresses.remote() for i in range(self.pairs)}
         while not self.stopping and self.placing:
@@ -156,15 +160,29 @@ class RayLauncher:
         self.placing = {}
         pairs = [(prefill, decode) for prefill, decode, _ in self.addresses.values()]
         metrics = {name: url for _, _, urls in self.addresses.values() for name, url in urls.items()}
-        if self.router is not None:  # the new host's addresses are not the lost one's
-            stop_children([self.router])
-        self.router = Child("router", router_argv(self.opts, self.router_inbox, pairs, metrics))
+        stop_children([c for c in (self.router, self.encoder) if c is not None])  # over the lost addresses
+        if self.encoder_inbox is not None:
+            prefills = {pair_names(i)[0]: pairs[i][0] for i in range(len(pairs))}
+            self.encoder = Child("encoder", self._encoder_argv(prefills, metrics))
+            self.encoder.start()
+        argv = router_argv(self.opts, self.router_inbox, pairs, metrics, self.encoder_inbox)
+        self.router = Child("router", argv)
         self.router.start()
+
+    def _encoder_argv(self, prefills: dict[str, str], metrics: dict[str, str]) -> list[str]:
+        """The encoder's command: on this machine, its embeddings in the messages (`--inline`)."""
+        argv = [*encoder_argv(self.opts, self.encoder_inbox, self.router_inbox, prefills), "--inline"]
+        if self.opts.metrics_port:
+            port = free_port(self.host)
+            argv += ["--metrics-port", str(port), "--metrics-host", self.host]
+            metrics["encoder"] = f"http://{self.host}:{port}/metrics"
+        return argv
 
     def _supervise(self) -> None:
         import ray
 
-        if restart_exited([self.router], None) is not None:
+        local = [c for c in (self.router, self.encoder) if c is not None]
+        if restart_exited(local, None) is not None:
             self.failed = self.stopping = True
             return
         for i, actor in enumerate(self.actors):
@@ -190,8 +208,7 @@ class RayLauncher:
     def _stop(self) -> None:
         import ray
 
-        if self.router is not None:
-            stop_children([self.router])
+        stop_children([c for c in (self.router, self.encoder) if c is not None])
         for actor in self.actors:
             try:
                 ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)

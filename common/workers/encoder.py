@@ -4,7 +4,8 @@ The encoder turns a request's images into the embeddings its image tokens take (
 them to the request's prefill worker in place: every result is written into one output buffer
 [capacity rows, text hidden], allocated and exported once at start (CUDA IPC never recycles an exported
 block, so a buffer per request would leak; common/ipc.py), and `ImagesEncoded` names a range of its rows.
-The rows stay lent until prefill says `ImagesTaken` (it copied them) or the router says `Abort`.
+The rows stay lent until prefill says `ImagesTaken` (it copied them) or the router says `Abort`. Where
+prefill cannot map the buffer (another machine: `inline`), the rows travel in the message itself.
 
 Requests are served one at a time in arrival order: the head's rows are counted before its tower pass (from
 the images' sizes), and while the buffer has no contiguous range that large the head waits, and the queue with
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,12 @@ Outgoing = list[tuple[str, Message]]
 """Messages to send, each with its destination service (the prefill worker an `Encode` named)."""
 
 log = logging.getLogger(__name__)
+
+REFUSALS = ("decode", "too_large", "failed")
+"""Why a request gets an error and no rows: an image that does not decode, more rows than the whole buffer,
+a tower pass that raised (`EncoderStats.refused`'s keys)."""
+RECENT_PASSES = 256
+"""Tower passes whose seconds `EncoderStats.pass_seconds` keeps: far more than one heartbeat's worth."""
 
 
 class RowRanges:
@@ -95,6 +103,25 @@ class Queued:
     """The image tokens of all its images: rows of the buffer it takes."""
 
 
+@dataclass
+class EncoderStats:
+    """What a core has done since it started, as plain numbers that only grow: the service moves them into
+    Prometheus (common/workers/encoder_metrics.py) by difference, so the core knows nothing of metrics and is
+    stepped bare in tests."""
+
+    images: int = 0
+    """Images whose embeddings were written."""
+    rows: int = 0
+    """Embedding rows written (the image tokens of those images)."""
+    passes: int = 0
+    """Tower passes that wrote their rows: one a request with images that was not refused."""
+    pass_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_PASSES))
+    """Seconds of the latest passes (the tower and the copy of its rows), oldest first: a reader takes the
+    `passes - seen` newest as its new ones, so it must read more often than every RECENT_PASSES passes."""
+    refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSALS, 0))
+    """Requests answered with an error, by reason (REFUSALS)."""
+
+
 class EncoderCore:
     """Images to embedding rows in one exported buffer, lent to prefill workers until they are taken.
 
@@ -106,20 +133,31 @@ class EncoderCore:
     rows are written (synchronised) before `step` returns, so the message may be sent at once.
     """
 
-    def __init__(self, encoder: ImageEncoder, capacity_rows: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        encoder: ImageEncoder,
+        capacity_rows: int,
+        dtype: torch.dtype | None = None,
+        inline: bool = False,
+    ) -> None:
+        """`inline`: send the rows in each `ImagesEncoded` (prefill on other machines); no buffer is kept,
+        and `capacity_rows` only bounds a request."""
         if capacity_rows < 1:
             raise ValueError(f"the encoder's buffer needs at least 1 row, not {capacity_rows}")
-        self.encoder = encoder
+        self.encoder, self.inline = encoder, inline
+        self.dtype = dtype or encoder.dtype
         hidden = encoder.tower.cfg.out_hidden_size
-        self.buffer = ipc.shared_empty(
-            (capacity_rows, hidden), dtype or encoder.dtype, encoder.device
-        )  # [capacity, H]: shared memory on the CPU, a CUDA block on a GPU
-        self.shared = ipc.export_tensor(self.buffer)
+        self.buffer = (
+            None if inline else ipc.shared_empty((capacity_rows, hidden), self.dtype, encoder.device)
+        )
+        """[capacity, H]: shared memory on the CPU, a CUDA block on a GPU (None: `inline`)."""
+        self.shared = None if inline else ipc.export_tensor(self.buffer)
         """The buffer's one export, in every `ImagesEncoded` (importers map it once)."""
         self.ranges = RowRanges(capacity_rows)
         self.queue: deque[Queued] = deque()
         self.lent: dict[str, tuple[int, int]] = {}
         """rid → (start, rows) of rows sent and not yet taken."""
+        self.stats = EncoderStats()
 
     @classmethod
     def from_model_dir(
@@ -128,9 +166,10 @@ class EncoderCore:
         capacity_rows: int,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        inline: bool = False,
     ) -> EncoderCore:
         """The core over a model directory's vision tower (ValueError/OSError for a model without one)."""
-        return cls(ImageEncoder(model_dir, dtype, device), capacity_rows)
+        return cls(ImageEncoder(model_dir, dtype, device), capacity_rows, inline=inline)
 
     @property
     def capacity(self) -> int:
@@ -152,6 +191,11 @@ class EncoderCore:
     @property
     def waiting(self) -> int:
         return len(self.queue)
+
+    @property
+    def rows_lent(self) -> int:
+        """Buffer rows held by the requests whose rows are lent (the rows the queue's head may wait for)."""
+        return sum(rows for _, rows in self.lent.values())
 
     def submit(self, msg: Encode) -> None:
         """Queue `msg` behind the others; nothing is sent until `step` serves it."""
@@ -184,54 +228,90 @@ class EncoderCore:
             return []
         head = self.queue[0]
         if head.images is None:
-            error = self._prepare(head)
-            if error:
+            refused = self._prepare(head)
+            if refused:
                 self.queue.popleft()
-                return [self._refusal(head.msg, error)]
+                return [self._refusal(head.msg, refused[1], reason=refused[0])]
+        if self.inline:
+            self.queue.popleft()
+            return [self._inline(head)]
         start = self.ranges.allocate(head.rows)
         if start is None:
             return []
         self.queue.popleft()
+        began = time.perf_counter()
         try:
             self._write(start, head.rows, self.encoder.encode(head.images))
         except Exception as exc:  # a bad request fails alone, not the worker
             log.exception("encoding the images of %s failed", head.msg.rid)
             self.ranges.release(start, head.rows)
             return [self._refusal(head.msg, f"encoding the images failed: {exc}")]
+        self._count(head, began)
         self.lent[head.msg.rid] = (start, head.rows)
         grids = [list(g) for g in head.grids]
         return [(head.msg.prefill, ImagesEncoded(head.msg.rid, self.shared, start, head.rows, grids))]
 
-    def _prepare(self, queued: Queued) -> str:
-        """Decode the images of the head and count its rows; the error that refuses it, or ""."""
+    def _inline(self, head: Queued) -> tuple[str, Message]:
+        """`head`'s embeddings in the message itself."""
+        msg, began = head.msg, time.perf_counter()
+        try:
+            rows = self._embeddings(self.encoder.encode(head.images)).to(self.dtype)  # [N, H]
+        except Exception as exc:  # a bad request fails alone, not the worker
+            log.exception("encoding the images of %s failed", msg.rid)
+            return self._refusal(msg, f"encoding the images failed: {exc}")
+        data = rows.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        self._count(head, began)
+        grids = [list(g) for g in head.grids]
+        encoded = ImagesEncoded(
+            msg.rid, None, 0, head.rows, grids, data=data, dtype=ipc.dtype_name(self.dtype)
+        )
+        return msg.prefill, encoded
+
+    def _embeddings(self, encoded: list[EncodedImage]) -> torch.Tensor:
+        """A request's images' embeddings as one [N, H] (none: [0, H])."""
+        if not encoded:
+            return torch.empty(0, self.encoder.tower.cfg.out_hidden_size, dtype=self.dtype)
+        return torch.cat([e.embeddings for e in encoded])
+
+    def _prepare(self, queued: Queued) -> tuple[str, str] | None:
+        """Decode the images of the head and count its rows; the reason (REFUSALS) and the error that refuse
+        it, or None."""
         images, count = [], len(queued.msg.images)
         for i, raw in enumerate(queued.msg.images):
             try:
                 images.append(decode_image(raw))
                 queued.grids.append(image_grid(images[-1], self.encoder.processing))
             except Exception as exc:  # whatever fails in a request's own images refuses that request
-                return f"image {i + 1} of {count}: {exc}"
+                return "decode", f"image {i + 1} of {count}: {exc}"
         queued.images = images
         queued.rows = sum(self.encoder.tokens(g) for g in queued.grids)
         if queued.rows > self.capacity:
-            return (
+            return "too_large", (
                 f"the images need {queued.rows} embedding rows, more than the encoder's whole buffer holds "
                 f"({self.capacity} rows: its --rows)"
             )
-        return ""
+        return None
+
+    def _count(self, served: Queued, began: float) -> None:
+        """Add a request whose rows were written, its pass begun at `began` (perf_counter), to the stats; one
+        without images made no tower pass to time."""
+        self.stats.images += len(served.images)
+        self.stats.rows += served.rows
+        if served.images:
+            self.stats.passes += 1
+            self.stats.pass_seconds.append(time.perf_counter() - began)
 
     def _write(self, start: int, rows: int, encoded: list[EncodedImage]) -> None:
         """Copy a request's embeddings into rows [start, start + rows), cast to the buffer's dtype."""
-        if not encoded:
-            return
-        embeddings = torch.cat([e.embeddings for e in encoded])  # [rows, H]
+        embeddings = self._embeddings(encoded)  # [rows, H]
         if embeddings.shape[0] != rows:
             raise ValueError(f"the tower gave {embeddings.shape[0]} rows for {rows} image tokens")
         self.buffer[start : start + rows].copy_(embeddings)
         if self.buffer.is_cuda:  # the importer reads once the message is there: the copy must be done
             torch.cuda.synchronize(self.buffer.device)
 
-    @staticmethod
-    def _refusal(msg: Encode, error: str) -> tuple[str, Message]:
+    def _refusal(self, msg: Encode, error: str, reason: str = "failed") -> tuple[str, Message]:
+        """The error reply to `msg`, counted under `reason` (REFUSALS; by default: a tower pass raised)."""
         log.warning("refusing the images of %s: %s", msg.rid, error)
+        self.stats.refused[reason] += 1
         return msg.prefill, ImagesEncoded(msg.rid, None, 0, 0, [], error=error)

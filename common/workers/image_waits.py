@@ -70,6 +70,10 @@ class ImageWaits:
             rows = self._buffer(msg)[msg.start : msg.start + msg.rows]  # [N, H]
             encoded.embeds = rows.to(self.device, self.dtype, copy=True)
             out.append(("encoder", ImagesTaken(msg.rid)))
+        elif msg.data:  # an encoder on another machine: the rows came in the message
+            raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
+            rows = raw.view(ipc.dtype_from_name(msg.dtype)).view(msg.rows, -1)  # [N, H]
+            encoded.embeds = rows.to(self.device, self.dtype)
         if msg.rid in self._forgotten:
             return [], out
         gen = self.waiting.pop(msg.rid, None)

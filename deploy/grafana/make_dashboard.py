@@ -4,8 +4,10 @@ The panels are listed here, as data, because Grafana's JSON is long and repetiti
 `python deploy/grafana/make_dashboard.py` (tests/deploy/test_dashboard.py checks that the two agree, that
 every query parses and that every metric it reads is one the services export, under the right job).
 
-Jobs are Prometheus's (deploy/prometheus.yml): `router`, `prefill`, `decode`; the workers export metrics of
-the same names as the router (requests_running, ...), so every query names its job.
+Jobs are Prometheus's (deploy/prometheus.yml): `router`, `prefill`, `decode`, `encoder`; the workers export
+metrics of the same names as the router (requests_running, ...), so every query names its job. The encoder
+runs only for a model with a vision tower: for a text-only one its target is down, the Images row has no
+data and "Services up" shows it "off" (OFF_WHEN_DOWN), not as an outage.
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ from pathlib import Path
 DATASOURCE = {"type": "prometheus", "uid": "spillway-prometheus"}
 RATE = "$__rate_interval"
 OUT = Path(__file__).parent / "dashboards" / "spillway.json"
+OFF_WHEN_DOWN = ("encoder",)
+"""Jobs whose target is down by design in some deployments (the encoder, for a text-only model): "Services
+up" shows their 0 as a neutral "off", not a red "down"."""
+DESCRIPTIONS = {
+    "Services up": "encoder: off for a text-only model (it has nothing to encode and exits at start); with a "
+    "vision model, off means it is not running.",
+    "Encoder rows lent to prefill": "Rows of the encoder's output buffer holding embeddings prefill has not "
+    "taken yet: near capacity, image requests wait for rows. Both 0 with --inline (no buffer).",
+}
+"""Panel descriptions (Grafana's ⓘ), by title, where a reading needs one."""
 
 
 def rate(metric: str, job: str, by: str = "") -> str:
@@ -24,8 +36,13 @@ def rate(metric: str, job: str, by: str = "") -> str:
     return f'sum{group} (rate(spillway:{metric}{{job="{job}"}}[{RATE}]))'
 
 
-def quantile(q: float, histogram: str) -> str:
-    return f"histogram_quantile({q}, {rate(histogram + '_bucket', 'router', 'le')})"
+def quantile(q: float, histogram: str, job: str = "router") -> str:
+    return f"histogram_quantile({q}, {rate(histogram + '_bucket', job, 'le')})"
+
+
+def quantiles(histogram: str, job: str = "router") -> list[tuple[str, str]]:
+    """p50, p95 and p99 of a histogram, each with its legend."""
+    return [(quantile(q, histogram, job), f"p{round(q * 100)}") for q in (0.5, 0.95, 0.99)]
 
 
 def hit_rate(by: str = "") -> str:
@@ -107,20 +124,8 @@ PANELS: list[tuple] = [
         "timeseries",
         8,
     ),
-    (
-        "Time to first token",
-        "s",
-        [(quantile(q, "time_to_first_token_seconds"), f"p{round(q * 100)}") for q in (0.5, 0.95, 0.99)],
-        "timeseries",
-        8,
-    ),
-    (
-        "Inter-token latency",
-        "s",
-        [(quantile(q, "inter_token_latency_seconds"), f"p{round(q * 100)}") for q in (0.5, 0.95, 0.99)],
-        "timeseries",
-        8,
-    ),
+    ("Time to first token", "s", quantiles("time_to_first_token_seconds"), "timeseries", 8),
+    ("Inter-token latency", "s", quantiles("inter_token_latency_seconds"), "timeseries", 8),
     (
         "Running and waiting",
         "none",
@@ -153,6 +158,41 @@ PANELS: list[tuple] = [
         "timeseries",
         8,
     ),
+    ("Images", None, None, None, None),
+    (
+        "Images encoded and refused",
+        "short",
+        [
+            (rate("images_encoded_total", "encoder"), "images/s"),
+            (rate("image_requests_refused_total", "encoder", "reason"), "refused requests/s: {{reason}}"),
+        ],
+        "timeseries",
+        6,
+    ),
+    (
+        "Image tokens per second (embedding rows written)",
+        "short",
+        [(rate("image_tokens_total", "encoder"), "image tokens/s")],
+        "timeseries",
+        6,
+    ),
+    (
+        "Encode latency (a request's tower pass)",
+        "s",
+        quantiles("image_encode_seconds", "encoder"),
+        "timeseries",
+        6,
+    ),
+    (
+        "Encoder rows lent to prefill",
+        "none",
+        [
+            ('spillway:encoder_rows_lent{job="encoder"}', "lent"),
+            ('spillway:encoder_rows_capacity{job="encoder"}', "capacity"),
+        ],
+        "timeseries",
+        6,
+    ),
     ("Memory and health", None, None, None, None),
     (
         "Device memory by pool (decode)",
@@ -178,7 +218,7 @@ PANELS: list[tuple] = [
         "timeseries",
         8,
     ),
-    ("Services up", "none", [('up{job=~"router|prefill|decode"}', "{{job}}")], "stat", 12),
+    ("Services up", "none", [('up{job=~"router|prefill|decode|encoder"}', "{{job}}")], "stat", 12),
     (
         "Dropped frames",
         "short",
@@ -203,19 +243,31 @@ def panel(pid: int, title: str, unit: str, targets: list[tuple[str, str]], kind:
         ],
         "options": {},
     }
+    if title in DESCRIPTIONS:
+        out["description"] = DESCRIPTIONS[title]
     if kind == "heatmap":
         # Each layer's series is one row of cells (already rates: nothing to bucket), joined on time.
         out["options"] = {"calculate": False, "yAxis": {"axisPlacement": "left"}, "cellGap": 1}
         out["transformations"] = [{"id": "joinByField", "options": {"byField": "Time", "mode": "outer"}}]
         out["fieldConfig"]["defaults"].update({"min": 0, "max": 1})
     if kind == "stat":
-        out["fieldConfig"]["defaults"]["mappings"] = [
-            {
-                "type": "value",
-                "options": {"0": {"text": "down", "color": "red"}, "1": {"text": "up", "color": "green"}},
-            }
-        ]
+        out["fieldConfig"]["defaults"]["mappings"] = up_mappings("down", "red")
+        out["fieldConfig"]["overrides"] = [
+            {"matcher": {"id": "byName", "options": job}, "properties": [
+                {"id": "mappings", "value": up_mappings("off", "text")}]}
+            for job in OFF_WHEN_DOWN if any(job in expr for expr, _ in targets)
+        ]  # fmt: skip
     return out
+
+
+def up_mappings(down: str, color: str) -> list[dict]:
+    """`up`'s 1 as a green "up", its 0 as `down` in `color`."""
+    return [
+        {
+            "type": "value",
+            "options": {"0": {"text": down, "color": color}, "1": {"text": "up", "color": "green"}},
+        }
+    ]
 
 
 def dashboard() -> dict:

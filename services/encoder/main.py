@@ -10,8 +10,10 @@ import torch
 
 from common import ipc
 from common.images import vision_config
+from common.metrics import EncoderMetrics
 from common.protocol import Abort, Encode, ImagesTaken, Message
 from common.workers.encoder import EncoderCore
+from common.workers.encoder_metrics import EncoderMetricsExporter
 from services.worker_args import device_arg, float_at_least, int_at_least
 from services.worker_loop import WorkerShell
 
@@ -77,6 +79,12 @@ def encoder_parser() -> argparse.ArgumentParser:
         help="exit 0 (not 2) for a model without a vision tower: a deployment that starts the encoder "
         "whatever the model (docker-compose)",
     )
+    p.add_argument(
+        "--inline",
+        action="store_true",
+        help="send the embeddings in the messages, not in shared memory (prefill workers on other machines: "
+        "serve --ray); --rows then only bounds a request",
+    )
     return p
 
 
@@ -115,7 +123,8 @@ def start_core(args: argparse.Namespace) -> EncoderCore | int:
                 return 0
             log.error("cannot start: %s/config.json has no vision_config (a text-only model)", args.model)
             return 2
-        return EncoderCore.from_model_dir(args.model, args.rows, getattr(torch, args.dtype), args.device)
+        dtype = getattr(torch, args.dtype)
+        return EncoderCore.from_model_dir(args.model, args.rows, dtype, args.device, inline=args.inline)
     except (ValueError, OSError) as exc:  # a bad checkpoint, /dev/shm too small: say why (no restart helps)
         log.error("cannot start: %s", exc)
         return 2
@@ -131,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(core, int):
         shell.close()
         return core
+    exporter = EncoderMetricsExporter(core, EncoderMetrics.create(shell.registry))  # on the shell's port
     shell.ready(CAPACITY, 0)
-    log.info("ready: %d rows of %d on %s", core.capacity, core.buffer.shape[1], core.buffer.device)
+    where = "in the messages" if core.inline else f"rows of {core.buffer.shape[1]} on {core.buffer.device}"
+    log.info("ready: %d rows a request at most, %s", core.capacity, where)
     while not shell.stopping:
         for msg in shell.receive(busy=core.busy):
             try:
@@ -142,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         for dest, out in core.step():
             shell.send(dest, out)
         if shell.heartbeat_due():
+            exporter.update()
             shell.heartbeat(core.running, core.waiting)
     shell.close()
     return 0

@@ -15,8 +15,9 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 WORKERS = ("prefill", "decode")
 SERVICES = ("router", *WORKERS)
 ENCODER = "encoder"
-"""The vision encoder: in compose beside the others, but running only for a model with a vision tower (the
-default tiny model has none), so not among the SERVICES that serve and export metrics."""
+"""The vision encoder: in compose beside the others and scraped (job `encoder`), but running only for a model
+with a vision tower (the default tiny model has none), so not among the SERVICES that always serve and export
+metrics: a query without a job is checked against those."""
 RATE_INTERVAL = "1m"
 """What the dashboard's `$__rate_interval` stands for when a query is parsed or run outside Grafana."""
 

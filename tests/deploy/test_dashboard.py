@@ -9,14 +9,18 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from common import metrics
-from tests.deploy.deployment import DEPLOY, SERVICES, dashboard, queries, scrape_targets, selectors
+from tests.deploy.deployment import DEPLOY, ENCODER, SERVICES, dashboard, queries, scrape_targets, selectors
 
 
 def _registry(job: str) -> CollectorRegistry:
-    """The metric groups `job` builds (the router: RouterMetrics; a worker: WorkerMetrics, the cache's)."""
+    """The metric groups `job` builds (the router: RouterMetrics; the encoder: the worker shell's
+    WorkerMetrics and EncoderMetrics; prefill and decode: WorkerMetrics, the cache's)."""
     registry = metrics.new_registry()
     if job == "router":
         metrics.RouterMetrics.create(registry)
+    elif job == ENCODER:
+        metrics.WorkerMetrics.create(registry)
+        metrics.EncoderMetrics.create(registry)
     else:
         metrics.WorkerMetrics.create(registry)
         metrics.ExpertCacheMetrics.create(registry)
@@ -29,7 +33,7 @@ def series_names(registry: CollectorRegistry) -> set[str]:
     return {f.name + s for f in registry.collect() for s in suffixes[f.type]}
 
 
-EXPORTED = {job: series_names(_registry(job)) | {"up"} for job in SERVICES}
+EXPORTED = {job: series_names(_registry(job)) | {"up"} for job in (*SERVICES, ENCODER)}
 
 
 def test_the_dashboard_is_what_its_generator_writes() -> None:
@@ -56,6 +60,23 @@ def test_the_checks_refuse_a_misspelled_or_misplaced_metric() -> None:
     name, job = selectors('spillway:expert_cache_hit_rate{job="router"}')[0]
     assert name not in EXPORTED[job], "the router has no expert cache"
     assert "spillway:expert_cache_hit_total" not in EXPORTED["decode"]
+    name, job = selectors('spillway:encoder_rows_lent{job="decode"}')[0]
+    assert name not in EXPORTED[job] and name in EXPORTED[ENCODER], "only the encoder lends rows"
+
+
+def test_the_encoder_is_scraped_and_its_images_are_on_the_dashboard() -> None:
+    """Its target is down for a text-only model (the default): "Services up" says "off" for it, not down."""
+    assert scrape_targets()[ENCODER] == "encoder:9403"
+    read = {name for expr in queries() for name, job in selectors(expr) if job == ENCODER}
+    assert {n for n in EXPORTED[ENCODER] if "image" in n or "encoder_rows" in n} <= read | {
+        "spillway:image_encode_seconds_sum",
+        "spillway:image_encode_seconds_count",
+    }, "every encoder metric has a panel"
+    (services_up,) = [p for p in dashboard()["panels"] if p["title"] == "Services up"]
+    assert ENCODER in services_up["targets"][0]["expr"]
+    (override,) = services_up["fieldConfig"]["overrides"]
+    assert override["matcher"] == {"id": "byName", "options": ENCODER}
+    assert override["properties"][0]["value"][0]["options"]["0"]["text"] == "off"
 
 
 def test_panels_fit_the_grid_and_use_the_provisioned_datasource() -> None:

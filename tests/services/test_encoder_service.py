@@ -1,6 +1,7 @@
 """`python -m services.encoder` as a real process over real ZeroMQ sockets: it says Ready to the router,
 encodes a request's images into its shared buffer and tells the request's prefill worker where, gives the rows
-back on ImagesTaken, and stops on SIGTERM; a text-only model stops it at start, saying why."""
+back on ImagesTaken, counts all of it on its metrics port (every encoder metric the dashboard reads), and
+stops on SIGTERM; a text-only model stops it at start, saying why."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from common import ipc
 from common.image_encoder import ImageEncoder
@@ -22,6 +26,11 @@ from common.model.synthetic import make_model
 from common.protocol import Encode, Heartbeat, ImagesEncoded, ImagesTaken, Ready
 from common.transport import Inbox, Outbox, ipc_address
 from services.encoder.main import CAPACITY
+from tests.conftest import free_port
+from tests.deploy.deployment import ENCODER, queries, selectors
+
+Samples = dict[tuple[str, frozenset], float]
+"""(sample name, its labels) → value, as one scrape of a metrics port gives them."""
 
 Image = pytest.importorskip("PIL.Image")
 
@@ -50,11 +59,37 @@ def receive(inbox: Inbox, kind: type, timeout_s: float = 60.0):
     raise AssertionError(f"no {kind.__name__} in {timeout_s} s")
 
 
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def scraped(url: str, until: Callable[[Samples], bool], timeout_s: float = 20.0) -> Samples:
+    """The first scrape that satisfies `until` (the counters move with the encoder's next heartbeat)."""
+    deadline = time.monotonic() + timeout_s
+    while not until(samples := scrape(url)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} never got there: {samples}")
+        time.sleep(0.1)
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((f"spillway:{name}", frozenset(labels.items())), 0.0)
+
+
 def test_the_encoder_process_lends_the_images_rows_to_prefill(tmp_path: Path) -> None:
     model = make_model(tmp_path / "q4", "tiny", "qwen4_exp", {"torch_dtype": "float32"})
     router, prefill = Inbox(ipc_address(tmp_path, "router")), Inbox(ipc_address(tmp_path, "prefill"))
     to_encoder = Outbox(ipc_address(tmp_path, "encoder"))
-    proc = start(model, tmp_path, "--rows", "100")
+    port = free_port()
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    proc = start(model, tmp_path, "--rows", "100", "--metrics-port", str(port))
     try:
         ready = receive(router, Ready)
         assert (ready.service, ready.pid, ready.capacity) == ("encoder", proc.pid, CAPACITY)
@@ -73,6 +108,15 @@ def test_the_encoder_process_lends_the_images_rows_to_prefill(tmp_path: Path) ->
         assert rows.shape == (100, 64)
         # (float32 tolerances: the process runs one thread, this one more)
         torch.testing.assert_close(rows[0:10], torch.cat([e.embeddings for e in want]))
+        counted = scraped(metrics_url, lambda s: value(s, "images_encoded_total") > 0)
+        assert (value(counted, "images_encoded_total"), value(counted, "image_tokens_total")) == (2, 10)
+        assert (
+            value(counted, "image_encode_seconds_count") == 1
+            and value(counted, "image_encode_seconds_sum") > 0
+        )
+        assert (value(counted, "encoder_rows_lent"), value(counted, "encoder_rows_capacity")) == (10, 100)
+        dashboard = {name for expr in queries() for name, job in selectors(expr) if job == ENCODER}
+        assert dashboard <= {name for name, _ in counted} | {"up"}, "every encoder series the dashboard reads"
 
         to_encoder.send(Encode("r2", [b"\x89PNG broken"], "prefill"))
         bad = receive(prefill, ImagesEncoded)
@@ -82,6 +126,16 @@ def test_the_encoder_process_lends_the_images_rows_to_prefill(tmp_path: Path) ->
         to_encoder.send(ImagesTaken("r1"))  # (one socket: the encoder reads it before r3)
         to_encoder.send(Encode("r3", [png(64, 64, 3)], "prefill"))
         assert (receive(prefill, ImagesEncoded).start, proc.poll()) == (0, None), "r1's rows, reused"
+        to_encoder.send(ImagesTaken("r3"))
+        counted = scraped(
+            metrics_url,
+            lambda s: value(s, "image_encode_seconds_count") == 2 and value(s, "encoder_rows_lent") == 0,
+        )
+        assert (value(counted, "images_encoded_total"), value(counted, "image_tokens_total")) == (3, 14)
+        refused = {
+            r: value(counted, "image_requests_refused_total", reason=r) for r in ("decode", "too_large")
+        }
+        assert refused == {"decode": 1, "too_large": 0}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:

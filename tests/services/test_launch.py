@@ -89,11 +89,10 @@ def test_without_an_encoder_nothing_names_one(tmp_path: Path) -> None:
     children = service_children(ServeOptions("/m"), tmp_path)
     assert [c.name for c in children] == ["decode", "prefill", "router"]
     assert not any("--encoder" in c.argv for c in children)
-    # the Ray launcher's router: built without an encoder address, whatever the options say
     argv = router_argv(
         ServeOptions("/m", encoder_device="cpu"), "tcp://h:1", [("tcp://p:2", "tcp://d:3")], {}
     )
-    assert "--encoder" not in argv
+    assert "--encoder" not in argv, "an encoder address is the caller's to give"
 
 
 def test_serve_starts_an_encoder_for_a_vision_model_only(tmp_path: Path) -> None:
@@ -105,7 +104,8 @@ def test_serve_starts_an_encoder_for_a_vision_model_only(tmp_path: Path) -> None
 
     assert device() == "cpu" and device(model=text) is None
     assert device("--no-encoder") is None
-    assert device("--ray", "auto") is None, "the Ray launcher starts no encoder"
+    assert device("--ray", "auto") == "cpu", "the Ray launcher's encoder runs here, beside the router"
+    assert device("--ray", "auto", "--pairs", "2", "--encoder-device", "cpu") == "cpu"
     with pytest.raises(ValueError, match="--encoder-device"):
         device("--encoder-device", "cuda:99")
     with pytest.raises(SystemExit):

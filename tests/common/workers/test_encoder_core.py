@@ -147,3 +147,29 @@ def test_row_ranges_are_first_fit_and_coalesce() -> None:
         ranges.release(2, 3)
     with pytest.raises(ValueError, match="outside"):
         ranges.release(8, 3)
+
+
+def test_the_stats_count_images_rows_passes_and_refusals_by_reason(
+    encoder: ImageEncoder, monkeypatch
+) -> None:
+    core = EncoderCore(encoder, capacity_rows=8)
+    core.submit(Encode("a", [png(SQUARE, 1), png(SQUARE, 2)], "prefill"))  # 8 rows: all of them
+    core.submit(Encode("junk", [b"not an image"], "prefill"))
+    core.submit(Encode("big", [png(WIDE), png(SQUARE)], "prefill"))  # 10 rows of 8
+    core.submit(Encode("none", [], "prefill"))  # written (no rows), but no tower pass to time
+    assert [m.error == "" for _ in range(4) for _, m in served(core)] == [True, False, False, True]
+    stats = core.stats
+    assert (stats.images, stats.rows, stats.passes, len(stats.pass_seconds)) == (2, 8, 1, 1)
+    assert 0 < stats.pass_seconds[0] < 60
+    assert stats.refused == {"decode": 1, "too_large": 1, "failed": 0}
+    assert (core.rows_lent, core.running) == (8, 2)
+    core.taken("a")
+    assert core.rows_lent == 0
+
+    def fail(images):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(encoder, "encode", fail)
+    core.submit(Encode("b", [png(SQUARE)], "prefill"))
+    served(core)
+    assert stats.refused["failed"] == 1 and (stats.images, stats.rows, stats.passes) == (2, 8, 1)
