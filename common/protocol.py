@@ -193,6 +193,8 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
     instance: str = ""
     """A random id of this process's start: with `pid`, tells a restarted worker from the one before it where
     pids repeat (each container starts its process with the same pid; two hosts may share one)."""
+    image_tokens: int = 0
+    """The encoder: the most image tokens one request's images may take (what its buffer holds); 0: none."""
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -206,6 +208,8 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     capacity: int = 0
     max_context: int = 0
     instance: str = ""
+    """As in `Ready`."""
+    image_tokens: int = 0
     """As in `Ready`."""
 
 

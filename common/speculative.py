@@ -91,7 +91,9 @@ class MTPSpeculator:
         streams: torch.Tensor,
     ) -> None:
         """MTP rows starts[b]... from trunk streams (one row per token of nexts[b]); then chain the drafts."""
-        views = [SequenceState(s.slot, s.pages, start) for s, start in zip(seqs, starts, strict=True)]
+        views = [
+            SequenceState(s.slot, s.pages, start, s.rope_delta) for s, start in zip(seqs, starts, strict=True)
+        ]
         logits, mtp_streams = self.runner.draft(views, nexts, streams)
         ends = torch.tensor([len(n) for n in nexts]).cumsum(0).to(logits.device) - 1
         tokens = logits[ends].argmax(dim=-1).tolist()
@@ -103,7 +105,12 @@ class MTPSpeculator:
             if not live:
                 break
             views = [
-                SequenceState(seqs[b].slot, seqs[b].pages, self.drafts[seqs[b].slot].mtp_cached + step - 1)
+                SequenceState(
+                    seqs[b].slot,
+                    seqs[b].pages,
+                    self.drafts[seqs[b].slot].mtp_cached + step - 1,
+                    seqs[b].rope_delta,
+                )
                 for b in live
             ]
             last = [[self.drafts[seqs[b].slot].tokens[-1]] for b in live]

@@ -10,6 +10,7 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -56,8 +57,8 @@ class WorkerShell:
         self.out = {name: Outbox(address) for name, address in outboxes.items()}
         self.stopping = False
         self._last_beat = 0.0
-        self.limits = (0, 0)
-        """(capacity, max_context) as `ready` announced them, repeated in every heartbeat."""
+        self.limits = (0, 0, 0)
+        """(capacity, max_context, image_tokens) as `ready` announced them, repeated in every heartbeat."""
         self._dropped_seen = 0
         self.router_dropped = 0
         """Messages to the router dropped because it did not read (`send`)."""
@@ -135,11 +136,12 @@ class WorkerShell:
             group = old.metrics if old is not None else metrics.ExpertCacheMetrics.create(self.registry)
             self.expert_metrics = CacheMetricsExporter(provider, group)
 
-    def ready(self, capacity: int, max_context: int) -> None:
-        self.limits = (capacity, max_context)
-        self.send(
-            "router", Ready(self.service, self.pid, capacity, self.metrics_url, max_context, self.instance)
+    def ready(self, capacity: int, max_context: int, image_tokens: int = 0) -> None:
+        self.limits = (capacity, max_context, image_tokens)
+        ready = Ready(
+            self.service, self.pid, capacity, self.metrics_url, max_context, self.instance, image_tokens
         )
+        self.send("router", ready)
         self._armed = True
         self._rearm()
 
@@ -158,8 +160,38 @@ class WorkerShell:
             self.expert_metrics.update()
         self.metrics.requests_running.set(running)
         self.metrics.requests_waiting.set(waiting)
-        self.send("router", Heartbeat(self.service, self.pid, running, waiting, *self.limits, self.instance))
+        self.send("router", self._beat(running, waiting))
         self._rearm()
+
+    def _beat(self, running: int, waiting: int) -> Heartbeat:
+        capacity, max_context, image_tokens = self.limits
+        return Heartbeat(
+            self.service, self.pid, running, waiting, capacity, max_context, self.instance, image_tokens
+        )
+
+    @contextlib.contextmanager
+    def working(self, running: int, waiting: int) -> Iterator[None]:
+        """One long piece of work that is no hang (the encoder's tower pass over a large image: minutes on a
+        CPU): untimed, and heartbeats go on from a thread of their own (its own socket: ZeroMQ sockets are
+        not shared between threads), so that the router does not take the worker as down meanwhile."""
+        done = threading.Event()
+
+        def beat() -> None:
+            box = Outbox(self.out["router"].address)
+            try:
+                while not done.wait(HEARTBEAT_S):
+                    box.try_send(self._beat(running, waiting))
+            finally:
+                box.close()
+
+        thread = threading.Thread(target=beat, name=f"{self.service}-heartbeats", daemon=True)
+        with self.untimed():
+            thread.start()
+            try:
+                yield
+            finally:
+                done.set()
+                thread.join()
 
     def _rearm(self) -> None:
         """Push the hang deadline out. faulthandler's timer is a C thread: it fires even where the loop holds

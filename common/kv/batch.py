@@ -88,9 +88,12 @@ class ForwardBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence adds exactly one token to a non-empty cache."""
+        """Every sequence adds exactly one token to a non-empty cache (and none is a prompt's with images: its
+        one token may need the prompt's three-axis rotary positions, which decode's paths do not read)."""
         if self.static_kv is not None:
             return True
+        if self.mrope is not None:
+            return False
         return all(q == 1 for q in self.query_lens) and all(c > 0 for c in self.cache_lens)
 
     @property

@@ -266,7 +266,7 @@ class StatePool:
                 tensor[dst.to(tensor.device)] = tensor[src.to(tensor.device)]
             for tensor in layer.slots.values():
                 tensor[twin.slot].copy_(tensor[seq.slot])
-        twin.num_cached = seq.num_cached
+        twin.num_cached, twin.rope_delta = seq.num_cached, seq.rope_delta
         return twin
 
     def release(self, seq: SequenceState) -> None:

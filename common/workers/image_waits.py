@@ -63,20 +63,20 @@ class ImageWaits:
         return self._join(gen, encoded)
 
     def images(self, msg: ImagesEncoded) -> tuple[list[Generate], list[tuple[str, Message]]]:
-        """An encoder's answer came: its rows copied (and given back), its request handed on if it came."""
-        out: list[tuple[str, Message]] = []
+        """An encoder's answer came: its rows copied (and given back, whatever happens here), its request
+        handed on if it came (or failed, where the rows could not be read)."""
+        gen = None if msg.rid in self._forgotten else self.waiting.pop(msg.rid, None)
+        # Rows for a request not come yet wait in host memory (it may never come: a restarted prefill's).
+        device = self.device if gen is not None else torch.device("cpu")
         encoded = _Encoded(None, [tuple(g) for g in msg.grids], msg.error)
-        if msg.buffer is not None:
-            rows = self._buffer(msg)[msg.start : msg.start + msg.rows]  # [N, H]
-            encoded.embeds = rows.to(self.device, self.dtype, copy=True)
-            out.append(("encoder", ImagesTaken(msg.rid)))
-        elif msg.data:  # an encoder on another machine: the rows came in the message
-            raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
-            rows = raw.view(ipc.dtype_from_name(msg.dtype)).view(msg.rows, -1)  # [N, H]
-            encoded.embeds = rows.to(self.device, self.dtype)
+        try:
+            encoded.embeds = self._rows(msg, device)
+        except Exception as exc:  # an unmappable buffer, no memory: this request fails, not the worker
+            log.exception("reading the image rows of %s failed", msg.rid)
+            encoded.error = f"reading the images' embeddings failed: {exc}"
+        out: list[tuple[str, Message]] = [("encoder", ImagesTaken(msg.rid))] if msg.buffer is not None else []
         if msg.rid in self._forgotten:
             return [], out
-        gen = self.waiting.pop(msg.rid, None)
         if gen is None:
             self.encoded[msg.rid] = encoded
             while len(self.encoded) > EARLY_KEPT:
@@ -85,6 +85,21 @@ class ImageWaits:
             return [], out
         ready, sent = self._join(gen, encoded)
         return ready, out + sent
+
+    def _rows(self, msg: ImagesEncoded, device: torch.device) -> torch.Tensor | None:
+        """A copy of the message's rows [N, H] on `device`, complete when this returns (the encoder may write
+        its lent rows again once it hears they are taken)."""
+        if msg.buffer is not None:
+            rows = self._buffer(msg)[msg.start : msg.start + msg.rows]
+        elif msg.data:  # an encoder on another machine: the rows came in the message
+            raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
+            rows = raw.view(ipc.dtype_from_name(msg.dtype)).view(msg.rows, -1)
+        else:
+            return None
+        copy = rows.to(device, self.dtype, copy=True)
+        if rows.is_cuda:  # a copy from the encoder's GPU is queued behind this worker's work: wait for it
+            torch.cuda.current_stream(copy.device if copy.is_cuda else rows.device).synchronize()
+        return copy
 
     def _buffer(self, msg: ImagesEncoded) -> torch.Tensor:
         key = msg.buffer.handle
@@ -97,11 +112,14 @@ class ImageWaits:
             return [], [("router", Tokens(gen.rid, [], "error", error=encoded.error))]
         t = self.tokens
         try:
-            self.ready[gen.rid] = prompt_images(
-                gen.prompt_ids, t.image_token_id, encoded.embeds, encoded.grids, t.merge, t.block
+            embeds = encoded.embeds.to(self.device) if encoded.embeds is not None else torch.empty(0)
+            images, delta = prompt_images(
+                gen.prompt_ids, t.image_token_id, embeds, encoded.grids, t.merge, t.block
             )
         except ValueError as exc:
             return [], [("router", Tokens(gen.rid, [], "error", error=f"the prompt's images: {exc}"))]
+        images.mrope = images.mrope.to(self.device)  # once, not at each of its passes
+        self.ready[gen.rid] = images, delta
         return [gen], []
 
     def take(self, rid: str) -> tuple[PromptImages, int] | None:

@@ -11,7 +11,7 @@ import torch
 from common import ipc
 from common.images import vision_config
 from common.metrics import EncoderMetrics
-from common.protocol import Abort, Encode, ImagesTaken, Message
+from common.protocol import Abort, Encode, ImagesTaken, Message, Tokens
 from common.workers.encoder import EncoderCore
 from common.workers.encoder_metrics import EncoderMetricsExporter
 from services.worker_args import device_arg, float_at_least, int_at_least
@@ -101,8 +101,9 @@ def prefill_outboxes(parser: argparse.ArgumentParser, pairs: list[tuple[str, str
 def handle(core: EncoderCore, shell: WorkerShell, msg: Message) -> None:
     if isinstance(msg, Encode):
         if msg.prefill not in shell.out or msg.prefill == "router":
-            log.error("Encode for %s names prefill worker %r, which this encoder does not know", msg.rid,
-                      msg.prefill)  # fmt: skip
+            error = f"the encoder knows no prefill worker {msg.prefill!r} (its --prefill)"
+            log.error("Encode for %s: %s", msg.rid, error)
+            shell.send("router", Tokens(msg.rid, [], "error", error=error))  # else prefill waits for good
             return
         core.submit(msg)
     elif isinstance(msg, ImagesTaken):
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         shell.close()
         return core
     exporter = EncoderMetricsExporter(core, EncoderMetrics.create(shell.registry))  # on the shell's port
-    shell.ready(CAPACITY, 0)
+    shell.ready(CAPACITY, 0, core.capacity)
     where = "in the messages" if core.inline else f"rows of {core.buffer.shape[1]} on {core.buffer.device}"
     log.info("ready: %d rows a request at most, %s", core.capacity, where)
     while not shell.stopping:
@@ -150,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                 handle(core, shell, msg)
             except Exception:  # one bad message is logged, not the end of the worker
                 log.exception("failed to handle %s", type(msg).__name__)
-        for dest, out in core.step():
+        sent = []
+        if core.busy:  # a tower pass, which may outlast the router's heartbeat timeout
+            with shell.working(core.running, core.waiting):
+                sent = core.step()
+        for dest, out in sent:
             shell.send(dest, out)
         if shell.heartbeat_due():
             exporter.update()

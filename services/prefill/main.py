@@ -32,7 +32,7 @@ class PrefillWorker:
         self.shell, self.cfg = shell, cfg
         self.core: PrefillCore | None = None
         self.epoch: int | None = None
-        self.early: list[Generate | ImagesEncoded] = []  # what came before the exports
+        self.early: list[Generate | ImagesEncoded | Abort] = []  # what came before the exports
 
     def attach(self, exports: Exports) -> Outgoing:
         if exports.epoch == self.epoch:
@@ -57,16 +57,15 @@ class PrefillWorker:
     def handle(self, msg: Message) -> Outgoing:
         if isinstance(msg, Exports):
             return self.attach(msg)
-        if isinstance(msg, Generate | ImagesEncoded) and self.core is None:
-            self.early.append(msg)
+        if isinstance(msg, Generate | ImagesEncoded | Abort) and self.core is None:
+            self.early.append(msg)  # (an abort too: the embeddings of its request may come after it)
             return []
         if isinstance(msg, Generate):
             return self.core.submit(msg)
         if isinstance(msg, ImagesEncoded):
             return self.core.images_encoded(msg)
         if isinstance(msg, Abort):
-            self.early = [m for m in self.early if m.rid != msg.rid]
-            return self.core.abort(msg.rid) if self.core else []
+            return self.core.abort(msg.rid)
         if isinstance(msg, StateGranted) and self.core is not None:
             return self.core.granted(msg)
         return []

@@ -134,6 +134,7 @@ class Router:
             api.chat_prompt_ids, body, self.tokenizer, self.prompting
         )
         spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
+        self.core.check_images(sum(image.tokens for image in images))
         spec = dataclasses.replace(spec, images=tuple(image.raw for image in images))
         return await self._serve(request, spec, chat=True, received=received)
 

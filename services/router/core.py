@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from common.images import vision_config
 from common.metrics import RouterMetrics
-from common.openai_api import ApiError
+from common.openai_api import ApiError, bad_request
 from common.protocol import (
     Abort,
     Encode,
@@ -180,6 +180,13 @@ class RouterCore:
         if not up:
             return "unavailable"
         return "ok" if up == len(self.pairs) and self.encoder_up() else "degraded"
+
+    def check_images(self, tokens: int) -> None:
+        """ApiError 400 for images that take more tokens than the encoder takes in one request."""
+        limit = self.encoder.image_tokens if self.encoder is not None else 0
+        if limit and tokens > limit:
+            message = f"The images take {tokens} tokens; this server encodes at most {limit} for one request."
+            raise bad_request(message, "messages", "too_many_image_tokens")
 
     def encoder_up(self) -> bool:
         """The encoder is up (or there is none: nothing waits for it)."""
@@ -458,6 +465,7 @@ class RouterCore:
             self._fail_service(svc, f"the {msg.service} worker restarted (pid {svc.pid} → {msg.pid})")
         svc.pid, svc.instance = msg.pid, msg.instance
         svc.last_seen = time.monotonic()
+        svc.image_tokens = msg.image_tokens or svc.image_tokens
         if isinstance(msg, Ready):
             svc.capacity, svc.max_context = msg.capacity, msg.max_context
             svc.metrics_url = msg.metrics_url or svc.metrics_url

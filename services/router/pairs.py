@@ -25,6 +25,8 @@ class ServiceHealth:
     restarts: int = 0
     max_context: int = 0
     """The context it announced in `Ready` (0: none of its own)."""
+    image_tokens: int = 0
+    """The encoder's bound on one request's image tokens, as it announced it (0: not known)."""
     exited: bool = False
     """The launcher reported the process `pid` dead; cleared by a `Ready` from its successor."""
     stalled: bool = False

@@ -130,10 +130,16 @@ def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, m
         assert torch.equal(late_engine.offload.tables.counters[name], counts), name
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-group", "two-groups"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_recorded_decode_after_images_matches_eager(tmp_path: Path, fused: bool) -> None:
+def test_recorded_decode_after_images_matches_eager(
+    tmp_path: Path, fused: bool, split: bool, monkeypatch
+) -> None:
     """Two lanes, one after a prompt with an image (its tokens rotate at position + delta: the recording's
-    static `position_pair` carries both rows), one after text: recorded steps give the eager steps' tokens."""
+    static `position_pair` carries both rows; with `split`, each lane a group of its own, whose batch views
+    columns of it), one after text: recorded steps give the eager steps' tokens."""
+    if split:
+        monkeypatch.setattr(DecodeGraphs, "split_lanes", 2)
     from common.kv.state import PromptImages
     from common.model.qwen4_exp.positions import mrope_positions
 

@@ -40,20 +40,23 @@ def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server, extra):
     assert server.stop() == 0
 
 
-def test_images_on_cuda_answer_as_transformers(tmp_path, start_server):
-    """A vision model on the GPU (its encoder on the CPU, the embeddings through shared memory; decode's
-    recorded steps rotate at position + delta): a two-image chat answers what transformers answers."""
+@pytest.mark.parametrize("encoder", ["cpu", "cuda"])
+def test_images_on_cuda_answer_as_transformers(tmp_path, start_server, encoder):
+    """A vision model on the GPU (decode's recorded steps rotate at position + delta), its encoder on the CPU
+    (the embeddings through shared memory) or the GPU (CUDA IPC; prefill's copy must be done before it gives
+    the rows back): a two-image chat answers what transformers answers, twice (the second reuses rows)."""
     from tests.services.test_serve_images import MAX_TOKENS, _chat, _data_url, _images, _reference
 
     model = make_model(tmp_path / "q4v", "tiny", "qwen4_exp", {"torch_dtype": "float32"})
-    server = start_server("--model", str(model), "--device", "cuda", "--dtype", "float32")
-    images, texts = _images(), ["Compare", " with", " and say which is brighter."]
-    reply = server.client().chat.completions.create(
-        model="q4v",
-        messages=_chat(texts, [_data_url(i) for i in images]),
-        max_tokens=MAX_TOKENS,
-        temperature=0,
+    server = start_server(
+        "--model", str(model), "--device", "cuda", "--dtype", "float32", "--encoder-device", encoder
     )
+    images, texts = _images(), ["Compare", " with", " and say which is brighter."]
     prompt_len, want = _reference(model, images, texts)
-    assert reply.usage.prompt_tokens == prompt_len and reply.choices[0].message.content == want
+    for _ in range(2):
+        reply = server.client().chat.completions.create(
+            model="q4v", messages=_chat(texts, [_data_url(i) for i in images]), max_tokens=MAX_TOKENS,
+            temperature=0,
+        )  # fmt: skip
+        assert reply.usage.prompt_tokens == prompt_len and reply.choices[0].message.content == want
     assert server.stop() == 0

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from common.protocol import Tokens
-from common.transport import ipc_address
+from common.protocol import Heartbeat, Tokens
+from common.transport import Inbox, ipc_address
 from services.parent_watch import PARENT_GONE_GRACE_S
-from services.worker_loop import WorkerShell
+from services.worker_loop import HEARTBEAT_S, WorkerShell
 
 SCRIPT = """
 import sys, time
@@ -72,7 +72,7 @@ def test_a_router_that_does_not_read_never_blocks_the_loop(tmp_path: Path) -> No
 ORPHAN = """
 import os, sys, time
 from common.transport import ipc_address
-from services.worker_loop import WorkerShell
+from services.worker_loop import HEARTBEAT_S, WorkerShell
 
 run = sys.argv[1]
 shell = WorkerShell("decode", ipc_address(run, "decode"), {}, exit_with_parent=True)
@@ -87,7 +87,7 @@ print("stopped" if shell.stopping else "still running", flush=True)
 LOADING = """
 import os, sys, time
 from common.transport import ipc_address
-from services.worker_loop import WorkerShell
+from services.worker_loop import HEARTBEAT_S, WorkerShell
 
 shell = WorkerShell("decode", ipc_address(sys.argv[1], "decode"), {}, exit_with_parent=True)
 print(os.getpid(), flush=True)
@@ -130,3 +130,20 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_long_work_goes_on_heartbeating(tmp_path) -> None:
+    """`working`: heartbeats from a thread of their own while the loop is busy with one long piece of work."""
+    router = Inbox(ipc_address(tmp_path, "router"))
+    shell = WorkerShell("encoder", ipc_address(tmp_path, "encoder"), {"router": router.address})
+    try:
+        shell.ready(64, 0, 100)
+        assert router.recv(timeout_ms=2000).image_tokens == 100
+        with shell.working(running=1, waiting=2):
+            time.sleep(2.5 * HEARTBEAT_S)
+        beats = router.drain()
+        assert len(beats) >= 2 and all(isinstance(b, Heartbeat) for b in beats)
+        assert (beats[0].running, beats[0].waiting, beats[0].image_tokens) == (1, 2, 100)
+    finally:
+        shell.close()
+        router.close()

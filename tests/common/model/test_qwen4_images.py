@@ -142,3 +142,39 @@ def test_prompt_images_refuses_what_does_not_match() -> None:
         prompt_images(ids[:-2], 7, embeds, [(1, 4, 6)], 2, 4)
     with pytest.raises(ValueError, match="does not match"):
         prompt_images(ids, 7, embeds, [(1, 4, 4)], 2, 4)
+
+
+@torch.inference_mode()
+def test_a_one_token_pass_after_an_image_rotates_its_block_from_the_prompt(model_dir) -> None:
+    """A prompt whose last pass is one token (chunks of 15 + 1) that completes an indexer block starting on
+    an image token: the block is rotated at that token's three-axis position, as in one pass."""
+    tokens = ImageTokens.from_model_dir(model_dir)
+    encoded = ImageEncoder(model_dir).encode(_images()[:1])  # 6 image tokens
+    g = torch.Generator().manual_seed(3)
+    prompt = [*torch.randint(3, 1000, (6,), generator=g).tolist(), 1019, *[tokens.image_token_id] * 6, 1020]
+    prompt += torch.randint(3, 1000, (2,), generator=g).tolist()  # 16 tokens: the last image token at 16 − 4
+    attached, delta = prompt_images(
+        prompt, tokens.image_token_id, encoded[0].embeddings, [encoded[0].grid], tokens.merge, tokens.block
+    )
+    runner = Engine(model_dir, dtype=torch.float32, max_seqs=2, max_context=64).runner
+
+    def blocks_and_steps(chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The QSA layers' compressed block keys of the prompt, and the logits of its first decode steps."""
+        seq = runner.new_sequence()
+        seq.images, seq.rope_delta = attached, delta
+        at, out = 0, []
+        for n in chunks:
+            out = runner.forward([seq], [prompt[at : at + n]])
+            at += n
+        page_size = runner.pool.page_size
+        slots = torch.tensor([seq.pages[p // page_size] * page_size + p % page_size for p in range(0, 16, 4)])
+        layers = [i for i, layer in enumerate(runner.model.model.layers) if hasattr(layer, "self_attn")]
+        blocks = torch.stack([runner.pool.layer(i).paged["index_block"].flatten(0, 1)[slots] for i in layers])
+        seq.images, logits = None, [out[-1]]
+        for _ in range(6):
+            logits.append(runner.forward([seq], [[int(logits[-1].argmax())]])[0])
+        runner.release(seq)
+        return blocks, torch.stack(logits)
+
+    for got, want in zip(blocks_and_steps([15, 1]), blocks_and_steps([16]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -3,6 +3,7 @@ order, rows copied out of the encoder's shared buffer and given back at once, er
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from common import ipc
@@ -80,3 +81,13 @@ def test_aborted_requests_leave_nothing() -> None:
     for i in range(EARLY_KEPT + 3):  # embeddings of requests that never come: the oldest dropped
         waits.images(_encoded(buffer, f"early-{i}"))
     assert len(waits.encoded) == EARLY_KEPT and "early-0" not in waits.encoded
+
+
+def test_rows_that_cannot_be_read_fail_the_request_and_still_go_back() -> None:
+    buffer, waits = _buffer(), _waits()
+    gone = msgspec.structs.replace(ipc.export_tensor(buffer), handle=b"spillway-no-such-segment")
+    waits.request(_gen("a"))
+    ready, out = waits.images(ImagesEncoded("a", gone, 2, 6, [[1, 4, 6]]))
+    assert ready == [] and out[0] == ("encoder", ImagesTaken("a"))
+    assert out[1][1].finish_reason == "error" and "embeddings failed" in out[1][1].error
+    assert waits.held() == []

@@ -379,6 +379,14 @@ def test_images_go_to_the_encoder_and_its_failure_fails_only_their_requests() ->
         prefill, encoder = (AsyncInbox(a, ctx) for a in (core.config.pairs[0].prefill, core.config.encoder))
         try:
             assert core.health()["services"]["encoder"]["state"] == "up" and core.status() == "ok"
+            core.check_images(10**6)  # no bound announced: the encoder refuses what it cannot hold
+            core.on_message(Ready("encoder", os.getpid(), capacity=64, image_tokens=10))
+            core.check_images(10)
+            try:
+                core.check_images(11)
+                raise AssertionError("images past the encoder's rows must be refused")
+            except ApiError as exc:
+                assert exc.status == 400 and "at most 10" in exc.message
             flight = await core.submit([1, 2], SAMPLING, time.monotonic(), images=[b"png-1", b"png-2"])
             assert await asyncio.wait_for(encoder.recv(), 5) == Encode(
                 flight.rid, [b"png-1", b"png-2"], "prefill"
