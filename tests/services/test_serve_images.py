@@ -7,12 +7,15 @@ encoder killed is restarted and images are served again."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import openai
@@ -20,7 +23,7 @@ import pytest
 import torch
 
 from common.model.synthetic import make_model
-from tests.conftest import Server, free_port, health, wait_healthy
+from tests.conftest import Server, free_port, free_ports, health, wait_healthy
 
 Image = pytest.importorskip("PIL.Image")
 transformers = pytest.importorskip("transformers")
@@ -38,13 +41,13 @@ def stack(tmp_path_factory):
     model = make_model(
         tmp_path_factory.mktemp("q4") / "tiny-q4v", "tiny", "qwen4_exp", {"torch_dtype": "float32"}
     )
-    port = free_port()
+    port, metrics = free_port(), free_ports(4)
     args = ["--model", str(model), "--port", str(port), "--threads", "1", "--dtype", "float32"]
-    args += ["--expert-cache", "0.5", "--max-context", "1024"]
+    args += ["--expert-cache", "0.5", "--max-context", "1024", "--metrics-port", str(metrics)]
     server = Server(subprocess.Popen([sys.executable, "-m", "services.cli", "serve", *args]), port)
     try:
         wait_healthy(port)
-        yield server, model
+        yield server, model, metrics + 3  # the encoder's metrics (one pair)
     finally:
         server.stop()
 
@@ -99,7 +102,7 @@ def _chat(texts: list[str], urls: list[str]) -> list[dict]:
 
 
 def test_a_chat_with_images_answers_as_transformers(stack) -> None:
-    server, model = stack
+    server, model, _ = stack
     client = server.client()
     images, texts = _images(), ["Compare", " with", " and say which is brighter."]
     messages = _chat(texts, [_data_url(i) for i in images])
@@ -117,7 +120,7 @@ def test_a_chat_with_images_answers_as_transformers(stack) -> None:
 
 
 def test_bad_images_are_400s(stack) -> None:
-    server, model = stack
+    server, model, _ = stack
     client = server.client()
     for url, says in (("data:image/png;base64,!!!", "base64"), ("https://example.com/a.png", "data URL")):
         with pytest.raises(openai.BadRequestError) as err:
@@ -133,7 +136,7 @@ def test_bad_images_are_400s(stack) -> None:
 
 
 def test_a_killed_encoder_is_restarted_and_serves_again(stack) -> None:
-    server, model = stack
+    server, model, _ = stack
     client = server.client()
     pid = health(server.port)[1]["services"]["encoder"]["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -151,3 +154,37 @@ def test_a_killed_encoder_is_restarted_and_serves_again(stack) -> None:
         temperature=0,
     )  # fmt: skip
     assert reply.usage.completion_tokens >= 1
+
+
+def _gauge(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return float(re.search(rf"^spillway:{name} (\S+)$", text, re.M).group(1))
+
+
+def _rows_lent(port: int) -> float:
+    return _gauge(port, "encoder_rows_lent")
+
+
+def test_requests_that_end_early_give_their_rows_back(stack) -> None:
+    """A client that leaves after the first token, and many requests at once: the encoder's rows all come
+    back (prefill takes them, or the abort frees them)."""
+    server, model, encoder_metrics = stack
+    client = server.client()
+    messages = _chat(["look", " here"], [_data_url(_images()[1])])
+    stream = client.chat.completions.create(model=model.name, messages=messages, max_tokens=50, stream=True)
+    next(iter(stream))
+    stream.close()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(
+            lambda _: client.chat.completions.create(model=model.name, messages=messages, max_tokens=3),
+            range(6),
+        ))  # fmt: skip
+    assert all(r.usage.completion_tokens >= 1 for r in replies)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the metrics follow the heartbeat
+        encoded, lent = _gauge(encoder_metrics, "images_encoded_total"), _rows_lent(encoder_metrics)
+        if encoded >= 7 and not lent:  # every request's image went through rows, and they came back
+            break
+        time.sleep(0.3)
+    assert (encoded, lent) >= (7, 0) and lent == 0
