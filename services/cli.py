@@ -249,8 +249,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _encoder_device(args: argparse.Namespace, model_dir: str) -> str | None:
     """Where `serve` runs the vision encoder (on this machine, with --ray too): --encoder-device for a model
     with a vision tower, else (a text-only model, --no-encoder) None; ValueError for a device this machine
-    lacks, or a GPU that the pairs' workers, each shown only its own GPU, could not map (under --ray the
-    embeddings travel in the messages: any device)."""
+    lacks (its rows are in host shared memory: any GPU of this machine serves every pair)."""
     from services.launch import has_vision
 
     if args.no_encoder or not has_vision(model_dir):
@@ -259,11 +258,6 @@ def _encoder_device(args: argparse.Namespace, model_dir: str) -> str | None:
         device = device_arg(args.encoder_device)
     except argparse.ArgumentTypeError as exc:
         raise ValueError(f"--encoder-device: {exc}") from None
-    if args.ray is None and args.pairs > 1 and device.startswith("cuda"):
-        raise ValueError(
-            f"--encoder-device {device} with --pairs {args.pairs}: each pair's workers see only their own "
-            "GPU and could not map the encoder's; use --encoder-device cpu"
-        )
     return device
 
 

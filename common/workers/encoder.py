@@ -2,8 +2,11 @@
 
 The encoder turns a request's images into the embeddings its image tokens take (`ImageEncoder`) and lends
 them to the request's prefill worker in place: every result is written into one output buffer
-[capacity rows, text hidden], allocated and exported once at start (CUDA IPC never recycles an exported
-block, so a buffer per request would leak; common/ipc.py), and `ImagesEncoded` names a range of its rows.
+[capacity rows, text hidden], allocated and exported once at start, and `ImagesEncoded` names a range of its
+rows. The buffer is host shared memory wherever the tower runs: a prefill worker maps it whichever GPU it
+sees (an encoder on a second GPU would need prefill to number the GPUs as it does, and a CUDA IPC export
+is never recycled), and its copy to its own GPU reads it once; the rows are a few MB a request, small
+beside the link's bandwidth.
 The rows stay lent until prefill says `ImagesTaken` (it copied them) or the router says `Abort`. Where
 prefill cannot map the buffer (another machine: `inline`), the rows travel in the message itself.
 
@@ -147,10 +150,8 @@ class EncoderCore:
         self.encoder, self.inline = encoder, inline
         self.dtype = dtype or encoder.dtype
         hidden = encoder.tower.cfg.out_hidden_size
-        self.buffer = (
-            None if inline else ipc.shared_empty((capacity_rows, hidden), self.dtype, encoder.device)
-        )
-        """[capacity, H]: shared memory on the CPU, a CUDA block on a GPU (None: `inline`)."""
+        self.buffer = None if inline else ipc.shared_empty((capacity_rows, hidden), self.dtype)
+        """[capacity, H] in host shared memory (None: `inline`)."""
         self.shared = None if inline else ipc.export_tensor(self.buffer)
         """The buffer's one export, in every `ImagesEncoded` (importers map it once)."""
         self.ranges = RowRanges(capacity_rows)
@@ -306,9 +307,7 @@ class EncoderCore:
         embeddings = self._embeddings(encoded)  # [rows, H]
         if embeddings.shape[0] != rows:
             raise ValueError(f"the tower gave {embeddings.shape[0]} rows for {rows} image tokens")
-        self.buffer[start : start + rows].copy_(embeddings)
-        if self.buffer.is_cuda:  # the importer reads once the message is there: the copy must be done
-            torch.cuda.synchronize(self.buffer.device)
+        self.buffer[start : start + rows].copy_(embeddings)  # (from a GPU: done when copy_ returns)
 
     def _refusal(self, msg: Encode, error: str, reason: str = "failed") -> tuple[str, Message]:
         """The error reply to `msg`, counted under `reason` (REFUSALS; by default: a tower pass raised)."""

@@ -87,8 +87,9 @@ class ImageWaits:
         return ready, out + sent
 
     def _rows(self, msg: ImagesEncoded, device: torch.device) -> torch.Tensor | None:
-        """A copy of the message's rows [N, H] on `device`, complete when this returns (the encoder may write
-        its lent rows again once it hears they are taken)."""
+        """A copy of the message's rows [N, H] on `device`, read when this returns (the encoder may write its
+        lent rows again once it hears they are taken): they are in host memory, which a copy to a GPU has
+        staged when `to` returns."""
         if msg.buffer is not None:
             rows = self._buffer(msg)[msg.start : msg.start + msg.rows]
         elif msg.data:  # an encoder on another machine: the rows came in the message
@@ -96,10 +97,7 @@ class ImageWaits:
             rows = raw.view(ipc.dtype_from_name(msg.dtype)).view(msg.rows, -1)
         else:
             return None
-        copy = rows.to(device, self.dtype, copy=True)
-        if rows.is_cuda:  # a copy from the encoder's GPU is queued behind this worker's work: wait for it
-            torch.cuda.current_stream(copy.device if copy.is_cuda else rows.device).synchronize()
-        return copy
+        return rows.to(device, self.dtype, copy=True)
 
     def _buffer(self, msg: ImagesEncoded) -> torch.Tensor:
         key = msg.buffer.handle

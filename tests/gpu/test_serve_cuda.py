@@ -43,8 +43,8 @@ def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server, extra):
 @pytest.mark.parametrize("encoder", ["cpu", "cuda"])
 def test_images_on_cuda_answer_as_transformers(tmp_path, start_server, encoder):
     """A vision model on the GPU (decode's recorded steps rotate at position + delta), its encoder on the CPU
-    (the embeddings through shared memory) or the GPU (CUDA IPC; prefill's copy must be done before it gives
-    the rows back): a two-image chat answers what transformers answers, twice (the second reuses rows)."""
+    or the GPU (its rows in host shared memory either way): a two-image chat answers what transformers
+    answers, twice (the second reuses the rows the first gave back)."""
     from tests.services.test_serve_images import MAX_TOKENS, _chat, _data_url, _images, _reference
 
     model = make_model(tmp_path / "q4v", "tiny", "qwen4_exp", {"torch_dtype": "float32"})
