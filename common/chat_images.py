@@ -52,7 +52,10 @@ class ImagePrompting:
     def read(self, url: str) -> ChatImage:
         """An `image_url` part's `data:` URL → the image and its token count; ValueError saying what is
         wrong with it."""
-        raw = data_url_bytes(url)
+        return self.read_file(data_url_bytes(url))
+
+    def read_file(self, raw: bytes) -> ChatImage:
+        """An image file's bytes → the image and its token count; ValueError where it cannot be read."""
         return ChatImage(raw, self.processing.tokens(image_grid(decode_image(raw), self.processing)))
 
     def expand(self, ids: list[int], images: list[ChatImage]) -> list[int]:

@@ -16,7 +16,7 @@ from common.experts.offload import offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
 from common.kernels import fused_by_default, use_fused_kernels
 from common.kv.lending import KvLending
-from common.kv.state import Allocator, SequenceState
+from common.kv.state import Allocator, PromptImages, SequenceState
 from common.model.fp8_linear import to_resident_dtype
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
@@ -155,12 +155,19 @@ class Engine:
             use_fused_kernels(self.model, True, self.runner.backend)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        images: Sequence[tuple[PromptImages, int] | None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt; at most `max_seqs` run at once, the rest wait for a free lane."""
+        """Generate for every prompt; at most `max_seqs` run at once, the rest wait for a free lane.
+        `images[i]`: prompt i's images and rotary delta (`common.model.qwen4_exp.positions.prompt_images`)."""
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if self.speculator is not None and any(p.temperature > 0 for p in all_params):
             raise ValueError("speculative decoding serves greedy requests (temperature 0) only")
+        images = list(images) if images is not None else [None] * len(prompts)
+        if self.speculator is not None and any(images):
+            raise ValueError("speculative decoding takes prompts without images")
         waiting = list(zip(range(len(prompts)), prompts, all_params, strict=True))
         results: dict[int, GenerationResult] = {}
         running: dict[int, Request] = {}
@@ -170,6 +177,8 @@ class Engine:
                 index, prompt, p = waiting.pop(0)
                 seed = p.seed if p.seed is not None else random.getrandbits(62)
                 admitted[index] = Request(list(prompt), p, seed, self.runner.new_sequence())
+                if images[index] is not None:
+                    admitted[index].state.images, admitted[index].state.rope_delta = images[index]
             if admitted:  # the running lanes take a decode step between its passes (a decode share)
                 between = (lambda: self._decode_unfinished(running)) if running else None
                 self._prefill(list(admitted.values()), between)
@@ -185,12 +194,20 @@ class Engine:
         return [results[i] for i in range(len(prompts))]
 
     def _prefill(self, reqs: list[Request], between: Callable[[], None] | None = None) -> None:
-        """Prefill `reqs` and sample their first tokens; `between` runs between two chunk passes."""
+        """Prefill `reqs` and sample their first tokens; `between` runs between two chunk passes. A prompt
+        with images is prefilled alone (its passes carry its images' positions and embeddings)."""
         if self.speculator is not None:
             first = self.speculator.prefill([r.state for r in reqs], [r.prompt_ids for r in reqs])
             self._emit(reqs, [[t] for t in first])
-        else:
-            self._sample_step(reqs, [r.prompt_ids for r in reqs], between)
+            return
+        groups = (
+            [r for r in reqs if r.state.images is None],
+            *([r] for r in reqs if r.state.images is not None),
+        )
+        for group in filter(None, groups):
+            self._sample_step(group, [r.prompt_ids for r in group], between)
+            for req in group:
+                req.state.images = None  # decode takes the rotary delta only
 
     def _decode_unfinished(self, running: dict[int, Request]) -> None:
         """A decode step of the running requests that have not finished (a long prefill's decode share)."""

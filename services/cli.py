@@ -81,7 +81,10 @@ def _generate(args: argparse.Namespace) -> int:
         lookahead=args.lookahead,
     )
     tok = engine.tokenizer
-    if args.chat is not None:
+    images = None
+    if args.image:
+        prompt_ids, images = _image_chat(args, engine, model_dir)
+    elif args.chat is not None:
         prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.chat}], tokenize=True)
     else:
         prompt_ids = tok.encode(args.prompt)
@@ -93,7 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
     )
     start = time.perf_counter()
-    result = engine.generate([prompt_ids], params)[0]
+    result = engine.generate([prompt_ids], params, [images])[0]
     elapsed = time.perf_counter() - start
     text = tok.decode(result.token_ids)
     if args.json:
@@ -119,6 +122,33 @@ def _generate(args: argparse.Namespace) -> int:
     if args.record_routing:  # after the text: a failure to write it loses nothing else
         engine.routing_recorder.trace().save(args.record_routing)
     return 0
+
+
+def _image_chat(args: argparse.Namespace, engine, model_dir: Path) -> tuple[list[int], tuple]:
+    """`--chat` with `--image` files before its text: the prompt (each image its run of image tokens, as the
+    router makes it) and what its images change in its passes (the vision tower run here)."""
+    import torch
+
+    from common.chat_images import ImagePrompting
+    from common.image_encoder import ImageEncoder
+    from common.images import decode_image
+    from common.model.qwen4_exp.positions import ImageTokens, prompt_images
+
+    tok = engine.tokenizer
+    prompting, tokens = ImagePrompting.from_model_dir(model_dir, tok), ImageTokens.from_model_dir(model_dir)
+    if args.chat is None or prompting is None or tokens is None:
+        raise ValueError(f"--image needs --chat and a model with a vision tower ({model_dir} has none)")
+    files = [Path(path).read_bytes() for path in args.image]
+    chat = [prompting.read_file(raw) for raw in files]
+    content = prompting.placeholder * len(files) + args.chat
+    ids = prompting.expand(
+        tok.apply_chat_template([{"role": "user", "content": content}], tokenize=True), chat
+    )
+    encoder = ImageEncoder(model_dir, getattr(torch, args.dtype), args.device)
+    encoded = encoder.encode([decode_image(raw) for raw in files])
+    embeds = torch.cat([e.embeddings for e in encoded])
+    grids = [e.grid for e in encoded]
+    return ids, prompt_images(ids, tokens.image_token_id, embeds, grids, tokens.merge, tokens.block)
 
 
 def _generate_cache(args: argparse.Namespace, model_dir: Path) -> str:
@@ -398,6 +428,14 @@ def build_parser() -> argparse.ArgumentParser:
     what = gen.add_mutually_exclusive_group()
     what.add_argument("--prompt", default=None, help="raw prompt text")
     what.add_argument("--chat", default=None, help="a user message, wrapped in the chat template")
+    gen.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image (PNG, JPEG, WebP, GIF) before --chat's text (repeat for several; a model with a "
+        "vision tower)",
+    )
     gen.add_argument("--max-tokens", type=int_at_least(1), default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import json
 import os
 import re
 import signal
@@ -188,3 +189,33 @@ def test_requests_that_end_early_give_their_rows_back(stack) -> None:
             break
         time.sleep(0.3)
     assert (encoded, lent) >= (7, 0) and lent == 0
+
+
+def test_spillway_generate_with_images_answers_as_transformers(stack, tmp_path) -> None:
+    """The offline path (`spillway generate --image`): the same prompt and answer as transformers."""
+    _, model, _ = stack
+    images = _images()
+    paths = []
+    for i, image in enumerate(images):
+        paths += ["--image", str(tmp_path / f"{i}.png")]
+        image.save(paths[-1])
+    cli = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "generate",
+        "--model",
+        str(model),
+        "--chat",
+        "Describe them.",
+    ]
+    out = subprocess.run(
+        [*cli, *paths, "--max-tokens", str(MAX_TOKENS), "--json"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    prompt_len, want = _reference(model, images, ["", "", "Describe them."])
+    assert (len(got["prompt_ids"]), got["text"]) == (prompt_len, want)
+    text_only = make_model(tmp_path / "text", "tiny", "qwen3_moe")
+    refused = subprocess.run([*cli[:5], str(text_only), "--image", paths[1]], capture_output=True, text=True)
+    assert refused.returncode == 2 and "vision tower" in refused.stderr
