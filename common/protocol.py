@@ -7,7 +7,7 @@ Topology (DESIGN §2, §6): each service binds one PULL inbox and the others PUS
 - prefill → decode:  `AllocState`, `PrefillDone`, `Thaw`, `ReleaseState`
 - prefill → decode:  `WantExports` (at prefill's start)
 - decode  → prefill: `StateGranted`, `Exports` (at decode's start and on `WantExports`)
-- prefill, decode → router: `Tokens`, `Ready`, `Heartbeat`; launcher → router: `ServiceDown`
+- prefill, decode, encoder → router: `Tokens`, `Ready`, `Heartbeat`; launcher → router: `ServiceDown`
 Every request is named by the router's `rid`; a `Tokens` event with `finish_reason` set is its last.
 """
 
