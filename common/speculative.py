@@ -10,6 +10,7 @@ the trunk's true hidden states (row p pairs trunk streams h_p with token p+1) an
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -91,9 +92,7 @@ class MTPSpeculator:
         streams: torch.Tensor,
     ) -> None:
         """MTP rows starts[b]... from trunk streams (one row per token of nexts[b]); then chain the drafts."""
-        views = [
-            SequenceState(s.slot, s.pages, start, s.rope_delta) for s, start in zip(seqs, starts, strict=True)
-        ]
+        views = [dataclasses.replace(s, num_cached=start) for s, start in zip(seqs, starts, strict=True)]
         logits, mtp_streams = self.runner.draft(views, nexts, streams)
         ends = torch.tensor([len(n) for n in nexts]).cumsum(0).to(logits.device) - 1
         tokens = logits[ends].argmax(dim=-1).tolist()
@@ -105,12 +104,7 @@ class MTPSpeculator:
             if not live:
                 break
             views = [
-                SequenceState(
-                    seqs[b].slot,
-                    seqs[b].pages,
-                    self.drafts[seqs[b].slot].mtp_cached + step - 1,
-                    seqs[b].rope_delta,
-                )
+                dataclasses.replace(seqs[b], num_cached=self.drafts[seqs[b].slot].mtp_cached + step - 1)
                 for b in live
             ]
             last = [[self.drafts[seqs[b].slot].tokens[-1]] for b in live]

@@ -185,7 +185,8 @@ class ForwardBatch:
         if len(seqs) != 1:
             raise ValueError("a pass over a prompt with images holds that prompt only")
         images, start, n = seqs[0].images, self.cache_lens[0], self.query_lens[0]
-        table = images.mrope.to(self.input_ids.device)  # [3, P]
+        images.mrope = images.mrope.to(self.input_ids.device)  # [3, P], moved once for all its passes
+        table = images.mrope
         if start + n > table.shape[1]:
             raise ValueError("a pass with a prompt's images runs within that prompt")
         self.mrope, self.mrope_table = table[:, start : start + n], table

@@ -233,40 +233,34 @@ class EncoderCore:
             if refused:
                 self.queue.popleft()
                 return [self._refusal(head.msg, refused[1], reason=refused[0])]
-        if self.inline:
-            self.queue.popleft()
-            return [self._inline(head)]
-        start = self.ranges.allocate(head.rows)
-        if start is None:
+        start = None if self.inline else self.ranges.allocate(head.rows)
+        if start is None and not self.inline:
             return []
         self.queue.popleft()
-        began = time.perf_counter()
-        try:
-            self._write(start, head.rows, self.encoder.encode(head.images))
-        except Exception as exc:  # a bad request fails alone, not the worker
-            log.exception("encoding the images of %s failed", head.msg.rid)
-            self.ranges.release(start, head.rows)
-            return [self._refusal(head.msg, f"encoding the images failed: {exc}")]
-        self._count(head, began)
-        self.lent[head.msg.rid] = (start, head.rows)
-        grids = [list(g) for g in head.grids]
-        return [(head.msg.prefill, ImagesEncoded(head.msg.rid, self.shared, start, head.rows, grids))]
+        return [self._serve(head, start)]
 
-    def _inline(self, head: Queued) -> tuple[str, Message]:
-        """`head`'s embeddings in the message itself."""
+    def _serve(self, head: Queued, start: int | None) -> tuple[str, Message]:
+        """`head`'s tower pass, its rows written at `start` and lent, or (None: `inline`) in the message."""
         msg, began = head.msg, time.perf_counter()
         try:
             rows = self._embeddings(self.encoder.encode(head.images)).to(self.dtype)  # [N, H]
+            if rows.shape[0] != head.rows:
+                raise ValueError(f"the tower gave {rows.shape[0]} rows for {head.rows} image tokens")
         except Exception as exc:  # a bad request fails alone, not the worker
             log.exception("encoding the images of %s failed", msg.rid)
+            if start is not None:
+                self.ranges.release(start, head.rows)
             return self._refusal(msg, f"encoding the images failed: {exc}")
-        data = rows.cpu().contiguous().view(torch.uint8).numpy().tobytes()
-        self._count(head, began)
         grids = [list(g) for g in head.grids]
-        encoded = ImagesEncoded(
-            msg.rid, None, 0, head.rows, grids, data=data, dtype=ipc.dtype_name(self.dtype)
-        )
-        return msg.prefill, encoded
+        if start is None:
+            data = rows.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+            self._count(head, began)
+            dtype = ipc.dtype_name(self.dtype)
+            return msg.prefill, ImagesEncoded(msg.rid, None, 0, head.rows, grids, data=data, dtype=dtype)
+        self.buffer[start : start + head.rows].copy_(rows)  # (from a GPU: done when copy_ returns)
+        self._count(head, began)
+        self.lent[msg.rid] = (start, head.rows)
+        return msg.prefill, ImagesEncoded(msg.rid, self.shared, start, head.rows, grids)
 
     def _embeddings(self, encoded: list[EncodedImage]) -> torch.Tensor:
         """A request's images' embeddings as one [N, H] (none: [0, H])."""
@@ -301,13 +295,6 @@ class EncoderCore:
         if served.images:
             self.stats.passes += 1
             self.stats.pass_seconds.append(time.perf_counter() - began)
-
-    def _write(self, start: int, rows: int, encoded: list[EncodedImage]) -> None:
-        """Copy a request's embeddings into rows [start, start + rows), cast to the buffer's dtype."""
-        embeddings = self._embeddings(encoded)  # [rows, H]
-        if embeddings.shape[0] != rows:
-            raise ValueError(f"the tower gave {embeddings.shape[0]} rows for {rows} image tokens")
-        self.buffer[start : start + rows].copy_(embeddings)  # (from a GPU: done when copy_ returns)
 
     def _refusal(self, msg: Encode, error: str, reason: str = "failed") -> tuple[str, Message]:
         """The error reply to `msg`, counted under `reason` (REFUSALS; by default: a tower pass raised)."""

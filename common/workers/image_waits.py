@@ -111,13 +111,11 @@ class ImageWaits:
         t = self.tokens
         try:
             embeds = encoded.embeds.to(self.device) if encoded.embeds is not None else torch.empty(0)
-            images, delta = prompt_images(
+            self.ready[gen.rid] = prompt_images(
                 gen.prompt_ids, t.image_token_id, embeds, encoded.grids, t.merge, t.block
             )
         except ValueError as exc:
             return [], [("router", Tokens(gen.rid, [], "error", error=f"the prompt's images: {exc}"))]
-        images.mrope = images.mrope.to(self.device)  # once, not at each of its passes
-        self.ready[gen.rid] = images, delta
         return [gen], []
 
     def take(self, rid: str) -> tuple[PromptImages, int] | None:
