@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TypeVar
 
 import torch
@@ -62,12 +63,12 @@ class ForwardBatch:
     """(rows [N], embeddings [N, H]): the pass's image tokens, by index into [T], and the embeddings they
     take instead of their token's."""
 
-    @property
+    @cached_property  # a view made once: the layers read it many times a pass
     def positions(self) -> torch.Tensor:
         """[T] absolute position of each token in its sequence (its KV slot, what it sees)."""
         return self.position_pair[0]
 
-    @property
+    @cached_property
     def rope_positions(self) -> torch.Tensor:
         """[T] the position each token is rotated at: `positions` plus its sequence's `rope_delta` (a
         prompt's images take fewer positions than tokens; see common/model/qwen4_exp/positions.py)."""
