@@ -18,12 +18,14 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from common.hostmem import host_list_to
 from common.kv.state import SequenceState
 from common.runner import ModelRunner
+from common.sampling import MAX_TOP_LOGPROBS, logprobs_of
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,16 @@ class Launched:
     tokens: torch.Tensor
     """[max_seqs] int64, pinned on CUDA: the first len(lanes) are the pass's tokens once `done` is."""
     done: torch.cuda.Event | None
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """With `launch`'s `top`: the lanes' `logprobs_of` rows ([B], [B, top], [B, top]) in host buffers."""
+
+
+class Landed(NamedTuple):
+    """A landed pass: its lanes, their tokens, and their `logprobs_of` rows when the launch asked for them."""
+
+    lanes: list
+    tokens: list[int]
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
 class DecodePipeline:
@@ -64,6 +76,9 @@ class DecodePipeline:
         # a pinned buffer and an event for each pass that may be launched at once, reused turn by turn
         self._buffers = [torch.zeros(lanes, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._logprob_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Per turn: [max_seqs, 1 + MAX_TOP_LOGPROBS] float32 (chosen, then the top) and [max_seqs,
+        MAX_TOP_LOGPROBS] int64, made at the first pass that asks for log-probabilities."""
         self._turn = 0
         self.launched: deque[Launched] = deque()
 
@@ -72,27 +87,54 @@ class DecodePipeline:
         device = self.newest.device
         self.newest[host_list_to([s.slot for s in states], device)] = host_list_to(list(tokens), device)
 
-    def launch(self, lanes: list, states: Sequence[SequenceState], pick: Pick) -> None:
-        """A decode pass of one token for each state, its lane's newest, and `pick`'s choice of the next."""
+    def launch(
+        self, lanes: list, states: Sequence[SequenceState], pick: Pick, top: int | None = None
+    ) -> None:
+        """A decode pass of one token for each state, its lane's newest, and `pick`'s choice of the next;
+        with `top` (0..MAX_TOP_LOGPROBS), the chosen tokens' log-probabilities and the `top` best."""
         assert len(self.launched) < self.depth, "land the oldest pass first"
         logits, slots = self.runner.decode(states, self.newest)  # [B, V], [B]
         tokens = pick(logits)  # [B]
         self.newest[slots] = tokens
-        host, done = self._buffers[self._turn], self._events[self._turn]
-        self._turn = (self._turn + 1) % len(self._buffers)
-        host[: len(states)].copy_(tokens, non_blocking=True)
+        turn, b = self._turn, len(states)
+        host, done = self._buffers[turn], self._events[turn]
+        self._turn = (turn + 1) % len(self._buffers)
+        host[:b].copy_(tokens, non_blocking=True)
+        logprobs = None if top is None else self._copy_logprobs(turn, logprobs_of(logits, tokens, top))
         if done is not None:
             done.record()
-        self.launched.append(Launched(list(lanes), list(states), host, done))
+        self.launched.append(Launched(list(lanes), list(states), host, done, logprobs))
 
-    def land(self) -> tuple[list, list[int]] | None:
-        """The oldest launched pass's lanes and tokens (waiting for it), or None when none is launched."""
+    def _copy_logprobs(
+        self, turn: int, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`rows` copied behind the pass into turn `turn`'s host buffers; views of those buffers."""
+        if not self._logprob_buffers:
+            lanes, pin = self.newest.shape[0], self.newest.device.type == "cuda"
+            self._logprob_buffers = [
+                (
+                    torch.zeros(lanes, 1 + MAX_TOP_LOGPROBS, dtype=torch.float32, pin_memory=pin),
+                    torch.zeros(lanes, MAX_TOP_LOGPROBS, dtype=torch.int64, pin_memory=pin),
+                )
+                for _ in self._buffers
+            ]
+        chosen, values, ids = rows  # [B], [B, top], [B, top]
+        b, top = values.shape
+        floats, longs = self._logprob_buffers[turn]
+        floats[:b, 0].copy_(chosen, non_blocking=True)
+        floats[:b, 1 : 1 + top].copy_(values, non_blocking=True)
+        longs[:b, :top].copy_(ids, non_blocking=True)
+        return floats[:b, 0], floats[:b, 1 : 1 + top], longs[:b, :top]
+
+    def land(self) -> Landed | None:
+        """The oldest launched pass's lanes, tokens and log-probabilities (waiting for it), or None when none
+        is launched."""
         if not self.launched:
             return None
         oldest = self.launched.popleft()
         if oldest.done is not None:
             oldest.done.synchronize()
-        return oldest.lanes, oldest.tokens[: len(oldest.lanes)].tolist()
+        return Landed(oldest.lanes, oldest.tokens[: len(oldest.lanes)].tolist(), oldest.logprobs)
 
     def ahead(self, lane: object) -> bool:
         """Whether `lane` is in a launched pass that has not landed (its newest token is on the device)."""

@@ -3,7 +3,7 @@
 Requests are parsed from the raw body with pydantic in strict JSON mode, so `"temperature": "1"` is an
 error as it is for OpenAI, and every problem — malformed JSON included — becomes an `ApiError` with the
 OpenAI error object (`{"error": {"message", "type", "param", "code"}}`). Unknown fields are ignored, as
-OpenAI ignores them; known fields whose feature Spillway lacks (logprobs, penalties, n > 1, echo, tools,
+OpenAI ignores them; known fields whose feature Spillway lacks (penalties, n > 1, echo, tools,
 structured output, vLLM's min_p and min_tokens) are refused when set to anything but their neutral value,
 rather than silently ignored, because ignoring them would change what the client gets.
 
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from common.chat_images import ChatImage, ImagePrompting
 from common.protocol import SamplingParams
+from common.sampling import MAX_TOP_LOGPROBS
 from common.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
@@ -112,6 +113,8 @@ class _GenerationRequest(_Schema):
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, JsonValue] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's extension: log-probabilities name tokens `token_id:N` (exact where text is ambiguous)."""
 
 
 class ImageUrl(_Schema):
@@ -138,7 +141,7 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, JsonValue] | None = None
     """Extension: extra variables for the chat template (e.g. `enable_thinking`, `tools`)."""
     tools: list[JsonValue] | None = None
@@ -152,7 +155,8 @@ class CompletionRequest(_GenerationRequest):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """The sampled token's logprob and this many alternatives' (OpenAI allows 5; as vLLM, up to 20)."""
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
@@ -222,6 +226,8 @@ class GenerationSpec:
     """Streaming only: send a usage chunk before [DONE]."""
     images: tuple[bytes, ...] = ()
     """The prompt's images (their files), in its order: the encoder's."""
+    tokens_as_ids: bool = False
+    """Log-probabilities name tokens `token_id:N` instead of by their text (vLLM's extension)."""
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -335,8 +341,8 @@ def chat_spec(
     request: ChatCompletionRequest, prompt_ids: list[int], max_context: int, vocab: int
 ) -> GenerationSpec:
     """Check a chat request's parameters and build its internal form (`vocab`: the tokenizer's size)."""
-    if request.logprobs or request.top_logprobs:
-        raise bad_request("logprobs are not supported.", "logprobs", "unsupported")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     if request.tools or request.functions:
         param = "tools" if request.tools else "functions"
         raise bad_request(
@@ -349,7 +355,8 @@ def chat_spec(
         if getattr(request, name) not in (None, "none"):
             raise bad_request(f"{name} is not supported.", name, "unsupported")
     max_tokens = request.max_completion_tokens or request.max_tokens
-    return _spec(request, prompt_ids, max_context, vocab, max_tokens)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return _spec(request, prompt_ids, max_context, vocab, max_tokens, logprobs)
 
 
 def completion_spec(
@@ -362,13 +369,16 @@ def completion_spec(
         raise bad_request("best_of must be 1.", "best_of", "unsupported")
     if request.suffix:
         raise bad_request("suffix is not supported.", "suffix", "unsupported")
-    if request.logprobs is not None:  # 0 asks for the sampled token's logprob
-        raise bad_request("logprobs are not supported.", "logprobs", "unsupported")
-    return _spec(request, prompt_ids, max_context, vocab, request.max_tokens)
+    return _spec(request, prompt_ids, max_context, vocab, request.max_tokens, request.logprobs)
 
 
 def _spec(
-    request: _GenerationRequest, prompt_ids: list[int], max_context: int, vocab: int, max_tokens: int | None
+    request: _GenerationRequest,
+    prompt_ids: list[int],
+    max_context: int,
+    vocab: int,
+    max_tokens: int | None,
+    logprobs: int | None,
 ) -> GenerationSpec:
     if request.n not in (None, 1):
         raise bad_request("Only n=1 is supported.", "n", "unsupported")
@@ -401,6 +411,7 @@ def _spec(
         max_tokens=min(max_tokens or room, room),
         ignore_eos=bool(request.ignore_eos),
         stop_token_ids=tuple(request.stop_token_ids or ()),
+        logprobs=logprobs,
     )
     return GenerationSpec(
         prompt_ids=prompt_ids,
@@ -410,6 +421,7 @@ def _spec(
         include_usage=bool(
             request.stream and request.stream_options and request.stream_options.include_usage
         ),
+        tokens_as_ids=bool(request.return_tokens_as_token_ids),
     )
 
 

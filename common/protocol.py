@@ -103,6 +103,15 @@ class Thaw(msgspec.Struct, frozen=True, tag=True):
     holder: str
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's log-probability under the model, and the most likely tokens' at its position
+    (`SamplingParams.logprobs` of them, best first; common.sampling.logprobs_of)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class Tokens(msgspec.Struct, frozen=True, tag=True):
     """worker → router: new token ids of `rid`; `finish_reason` (stop | length | abort | error) ends it."""
 
@@ -114,6 +123,8 @@ class Tokens(msgspec.Struct, frozen=True, tag=True):
     index: int = 0
     """Position of token_ids[0] among the request's generated tokens (prefill sends the first, decode the
     rest; they travel on different connections, so the router orders them by this)."""
+    logprobs: list[TokenLogprobs] = []
+    """One for each of token_ids when the request asked for them (`SamplingParams.logprobs`), else none."""
 
 
 class SharedTensor(msgspec.Struct, frozen=True):

@@ -10,7 +10,8 @@ import torch
 
 from common.hostmem import host_list_to
 from common.kv.state import SequenceState
-from common.sampling import SamplingParams, sample
+from common.protocol import TokenLogprobs
+from common.sampling import SamplingParams, logprobs_of, sample
 
 
 @dataclass
@@ -30,6 +31,35 @@ class Request:
 def sample_next(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
     """Each request's next token from its row of logits [B, V] (its sampling step = tokens so far)."""
     return sample_on_device(logits, reqs).tolist()
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor, reqs: Sequence[Request]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """`sample_next`, and each request's log-probabilities of its token when it asked for them."""
+    tokens = sample_on_device(logits, reqs)
+    top = top_logprobs(reqs)
+    rows = [None] * len(reqs) if top is None else host_logprobs(*logprobs_of(logits, tokens, top), reqs)
+    return tokens.tolist(), rows
+
+
+def top_logprobs(reqs: Sequence[Request]) -> int | None:
+    """The most alternatives any of `reqs` asks log-probabilities of; None when none asks for any."""
+    asks = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+    return max(asks) if asks else None
+
+
+def host_logprobs(
+    chosen: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, reqs: Sequence[Request]
+) -> list[TokenLogprobs | None]:
+    """Each request's `TokenLogprobs` (its own number of alternatives) from a batch's `logprobs_of` rows
+    ([B], [B, top], [B, top]; read to the host here), None for a request that asked for none."""
+    chosen_, values_, ids_ = chosen.tolist(), values.tolist(), ids.tolist()
+    rows: list[TokenLogprobs | None] = []
+    for b, req in enumerate(reqs):
+        k = req.params.logprobs
+        rows.append(None if k is None else TokenLogprobs(chosen_[b], ids_[b][:k], values_[b][:k]))
+    return rows
 
 
 def sample_on_device(

@@ -1,4 +1,5 @@
-"""Sampling on device tensors: greedy, temperature, top-k, top-p, reproducible per-request seeds.
+"""Sampling on device tensors: greedy, temperature, top-k, top-p, reproducible per-request seeds; the
+log-probabilities a request may ask for beside its tokens.
 
 Randomness is counter-based: the noise for (seed, step, token id) is a hash, not a generator's state, so a
 request's samples depend only on its own seed and step — never on which other requests share the batch —
@@ -28,6 +29,13 @@ class SamplingParams(msgspec.Struct, frozen=True):
     """Keep generating past end-of-sequence tokens."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra tokens that end the request."""
+    logprobs: int | None = None
+    """None: no log-probabilities. k (0..MAX_TOP_LOGPROBS): each generated token's, and those of the k most
+    likely tokens at its position (`logprobs_of`)."""
+
+
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask log-probabilities of (OpenAI's top_logprobs bound)."""
 
 
 def _i64(c: int) -> int:
@@ -89,3 +97,16 @@ def sample(
     choice = torch.argmax(probs / -torch.log(noise), dim=-1, keepdim=True)
     sampled = sorted_ids.gather(1, choice).squeeze(1)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def logprobs_of(
+    logits: torch.Tensor, tokens: torch.Tensor, top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's log-probabilities of each row's chosen token [B], and the `top` most likely tokens' values
+    [B, top] and ids [B, top], best first, from logits [B, V] and tokens [B]. They are the model's own
+    distribution, before temperature, top-k and top-p (what OpenAI reports, and vLLM by default): a greedy
+    and a sampled request read the same numbers."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    chosen = logp.gather(1, tokens.view(-1, 1)).squeeze(1)  # [B]
+    values, ids = logp.topk(top, dim=-1)  # [B, top]
+    return chosen, values, ids

@@ -9,9 +9,10 @@ token ids match `AutoTokenizer.apply_chat_template`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from functools import cache, lru_cache
+from functools import cache, cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,24 @@ NAMED_SPECIAL_TOKENS = (
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 ChatTemplate = str | dict[str, str]
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2 byte-level BPE's character for each byte, inverted: printable bytes stand for themselves, the
+    others for the characters from U+0100 up, in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+_UNICODE_TO_BYTE = _byte_level_table()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class Tokenizer:
@@ -122,6 +141,37 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """Id of the token string `token`, or None if it is not in the vocabulary."""
         return self._backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for on its own (empty for an id outside the vocabulary). Exact for
+        byte-level BPE, where a token may hold part of a multi-byte character (its own bytes, where its
+        decoded text would be U+FFFD), and for SentencePiece's pieces and byte fallbacks (`▁the`, `<0xE2>`);
+        an added token's is its content, and any other's its decoded text."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        form = self._piece_form
+        if token_id not in self._added_ids and form == "byte_level":
+            if all(c in _UNICODE_TO_BYTE for c in piece):
+                return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        elif token_id not in self._added_ids and form == "sentencepiece":
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            return bytes([int(fallback[1], 16)]) if fallback else piece.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._backend.get_added_tokens_decoder())
+
+    @cached_property
+    def _piece_form(self) -> str:
+        """How the vocabulary's pieces spell bytes: "byte_level" (GPT-2's byte-to-character table),
+        "sentencepiece" (▁ for a space, `<0x..>` byte fallbacks) or "text" (pieces decode to themselves)."""
+        decoder = self._backend.decoder
+        state = decoder.__getstate__().decode() if decoder is not None else ""
+        if '"ByteLevel"' in state:
+            return "byte_level"
+        return "sentencepiece" if '"ByteFallback"' in state or '"Metaspace"' in state else "text"
 
     @property
     def backend(self) -> tokenizers.Tokenizer:

@@ -23,7 +23,14 @@ from common.engine import Engine
 from common.kv.state import Allocator, PoolExhausted, SequenceState
 from common.memory_plan import worker_plan
 from common.protocol import AllocState, PrefillDone, StateGranted, Tokens
-from common.requests import Request, append_token, ends_by_length, sample_on_device
+from common.requests import (
+    Request,
+    append_token,
+    ends_by_length,
+    host_logprobs,
+    sample_on_device,
+    top_logprobs,
+)
 from common.runner import warm_up_on_cuda
 
 GONE_RIDS = 4096
@@ -263,7 +270,11 @@ class DecodeCore:
         self.stalled = bool(self.running) and not reqs and not self.pipeline.launched
         if reqs:
             ahead = [int(self.pipeline.ahead(r)) for r in reqs]
-            self.pipeline.launch(reqs, [r.state for r in reqs], lambda x: sample_on_device(x, reqs, ahead))
+
+            def pick(logits: torch.Tensor) -> torch.Tensor:
+                return sample_on_device(logits, reqs, ahead)
+
+            self.pipeline.launch(reqs, [r.state for r in reqs], pick, top_logprobs(reqs))
         launched = len(self.pipeline.launched)
         if launched >= self.pipeline.depth or (launched and not reqs):
             self._land()
@@ -300,13 +311,16 @@ class DecodeCore:
     def _land(self) -> None:
         """Land the oldest launched step: its tokens become events (in `landed`, for the next `step` to
         return); a request it finishes is forgotten (its state freed once no launched step uses it)."""
-        lanes, tokens = self.pipeline.land()
-        for req, token in zip(lanes, tokens, strict=True):
+        lanes, tokens, rows = self.pipeline.land()
+        logprobs = [None] * len(lanes) if rows is None else host_logprobs(*rows, lanes)
+        for req, token, lp in zip(lanes, tokens, logprobs, strict=True):
             if req.finish_reason or self.running.get(req.rid) is not req:
                 continue  # finished by the step before, or aborted: a token no one asked for
             ahead = int(self.pipeline.ahead(req))
             done = append_token(req, token, self.eos_ids, self.runner.max_context, ahead)
-            self.landed.append(Tokens(req.rid, [token], req.finish_reason, index=len(req.token_ids) - 1))
+            listed = [] if lp is None else [lp]
+            index = len(req.token_ids) - 1
+            self.landed.append(Tokens(req.rid, [token], req.finish_reason, index=index, logprobs=listed))
             if done:
                 self.release(req.rid)
         self._free_landed()

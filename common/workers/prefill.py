@@ -34,7 +34,7 @@ from common.protocol import (
     Thaw,
     Tokens,
 )
-from common.requests import Request, append_token, sample_next
+from common.requests import Request, append_token, sample_with_logprobs
 from common.runner import ModelRunner, warm_up_on_cuda
 from common.workers.image_waits import ImageWaits
 
@@ -212,13 +212,14 @@ class PrefillCore:
     def _finish(self, job: PrefillJob, logits: torch.Tensor) -> Outgoing:
         gen = job.gen
         req = Request(gen.prompt_ids, gen.sampling, job.seed, job.seq, rid=gen.rid)
-        (first,) = sample_next(logits, [req])
+        (first,), (logprobs,) = sample_with_logprobs(logits, [req])
         finished = append_token(req, first, self.eos_ids, self.runner.max_context)
         n = len(gen.prompt_ids)
         job.seq.images = None  # decode takes the rotary delta only
+        listed = [] if logprobs is None else [logprobs]
         out: Outgoing = [
             ("decode", Thaw(gen.rid)),
-            ("router", Tokens(gen.rid, [first], req.finish_reason, prompt_tokens=n, index=0)),
+            ("router", Tokens(gen.rid, [first], req.finish_reason, prompt_tokens=n, logprobs=listed)),
         ]
         if finished:
             out.append(("decode", ReleaseState(gen.rid)))

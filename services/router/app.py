@@ -32,6 +32,7 @@ from common.tokenizer import Tokenizer
 from services.router.config import RouterConfig, model_max_context
 from services.router.core import RouterCore
 from services.router.generation import Delta, TextGeneration
+from services.router.logprobs import LogprobText
 from services.router.responses import DONE, ResponseBuilder, sse
 
 log = logging.getLogger(__name__)
@@ -204,17 +205,26 @@ class Router:
         gen = await unless_disconnected(request, run())
         assert gen.finish_reason is not None
         builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, int(gen.flight.arrival))
-        body = builder.full(gen.text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens)
+        logprobs = self._logprobs(spec, chat)
+        rendered = None if logprobs is None else logprobs.render(gen.logprobs)
+        body = builder.full(gen.text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens, rendered)
         return JSONResponse(body)
+
+    def _logprobs(self, spec: GenerationSpec, chat: bool) -> LogprobText | None:
+        """The renderer of a request's log-probabilities, None when it asked for none."""
+        if spec.sampling.logprobs is None:
+            return None
+        return LogprobText(self.tokenizer, chat, spec.tokens_as_ids)
 
     async def _stream(self, request: Request, spec: GenerationSpec, chat: bool, received: float) -> Response:
         gen, first = await unless_disconnected(request, self._start(request, spec, received))
         created = int(gen.flight.arrival)
         builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, created, spec.include_usage)
-        return _Stream(self._events(gen, builder, first), lambda: self.core.release(gen.flight, None))
+        events = self._events(gen, builder, first, self._logprobs(spec, chat))
+        return _Stream(events, lambda: self.core.release(gen.flight, None))
 
     async def _events(
-        self, gen: TextGeneration, builder: ResponseBuilder, delta: Delta
+        self, gen: TextGeneration, builder: ResponseBuilder, delta: Delta, logprobs: LogprobText | None
     ) -> AsyncGenerator[bytes, None]:
         finish: str | None = None
         failed = False
@@ -222,8 +232,8 @@ class Router:
             if builder.chat:
                 yield builder.role_chunk()
             while True:
-                if delta.text:
-                    yield builder.text_chunk(delta.text)
+                if delta.text or (logprobs is not None and delta.logprobs):
+                    yield builder.text_chunk(delta.text, logprobs and logprobs.render(delta.logprobs))
                 if delta.finish_reason is not None:
                     yield builder.finish_chunk(delta.finish_reason)
                     break

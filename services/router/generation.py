@@ -15,6 +15,7 @@ from common.openai_api import ApiError
 from common.protocol import Tokens
 from common.tokenizer import Tokenizer
 from services.router.core import Flight
+from services.router.logprobs import TokenChoice
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class Delta:
 
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[TokenChoice, ...] = ()
+    """The log-probabilities of the tokens this delta counts (those the request asked for)."""
 
 
 class TextGeneration:
@@ -36,6 +39,8 @@ class TextGeneration:
         self.finish_reason: str | None = None
         self.text = ""
         """Everything returned so far."""
+        self.logprobs: list[TokenChoice] = []
+        """The log-probabilities of every counted token so far (when the request asked for them)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -56,29 +61,35 @@ class TextGeneration:
             raise ApiError(
                 503, "The request was aborted by a worker.", type="server_error", code="worker_abort"
             )
-        delta = self._apply(event)
-        self.text += delta.text
-        self.finish_reason = delta.finish_reason
-        return delta
+        text, finish, counted = self._apply(event)
+        choices = tuple(zip(event.token_ids[:counted], event.logprobs[:counted], strict=False))
+        self.text += text
+        self.logprobs += choices
+        self.finish_reason = finish
+        return Delta(text, finish, choices)
 
-    def _apply(self, event: Tokens) -> Delta:
+    def _apply(self, event: Tokens) -> tuple[str, str | None, int]:
+        """The event's new text, the finish reason, and how many of its tokens the completion counts."""
         ids = event.token_ids
         finish = event.finish_reason
         room = self.flight.sampling.max_tokens - self.completion_tokens
         if len(ids) >= room and finish is None:
             finish = "length"  # the worker overran (or will say so next); the router ends it here
         ids = ids[:room]
-        text = ""
+        text, counted = "", 0
         # With stop strings, token by token: the tokens after the one that completes a stop string are
         # not part of the completion (nor of its usage).
         for chunk in [[i] for i in ids] if self._stops.active else [ids]:
-            self.completion_tokens += len(chunk)
+            counted += len(chunk)
             text += self._stops.push(self._detok.push(chunk))
             if self._stops.matched is not None:
-                return Delta(text, "stop")
+                break
+        self.completion_tokens += counted
+        if self._stops.matched is not None:
+            return text, "stop", counted
         if finish is None:
-            return Delta(text)
+            return text, None, counted
         text += self._stops.push(self._detok.flush())
         if self._stops.matched is not None:
-            return Delta(text, "stop")
-        return Delta(text + self._stops.flush(), finish)
+            return text, "stop", counted
+        return text + self._stops.flush(), finish, counted

@@ -43,14 +43,19 @@ class ResponseBuilder:
         return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.rid}"
 
     def full(
-        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+        self,
+        text: str,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response."""
+        """The non-streaming response (`logprobs`: the choice's, services/router/logprobs.py)."""
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
-        choice.update(finish_reason=finish_reason, logprobs=None)
+        choice.update(finish_reason=finish_reason, logprobs=logprobs)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -64,8 +69,8 @@ class ResponseBuilder:
         """The first chat chunk: the assistant role, no content yet."""
         return self._chunk({"role": "assistant", "content": ""}, None)
 
-    def text_chunk(self, text: str) -> bytes:
-        return self._chunk({"content": text} if self.chat else text, None)
+    def text_chunk(self, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        return self._chunk({"content": text} if self.chat else text, None, logprobs)
 
     def finish_chunk(self, finish_reason: str) -> bytes:
         return self._chunk({} if self.chat else "", finish_reason)
@@ -75,12 +80,14 @@ class ResponseBuilder:
         body.update(choices=[], usage=usage(prompt_tokens, completion_tokens))
         return sse(body)
 
-    def _chunk(self, delta: dict[str, str] | str, finish_reason: str | None) -> bytes:
+    def _chunk(
+        self, delta: dict[str, str] | str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+    ) -> bytes:
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": delta}
-        choice.update(finish_reason=finish_reason, logprobs=None)
+        choice.update(finish_reason=finish_reason, logprobs=logprobs)
         body = self._envelope()
         body["choices"] = [choice]
         if self.include_usage:

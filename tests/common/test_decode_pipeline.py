@@ -50,14 +50,14 @@ def test_pipelined_steps_decode_what_alternating_steps_do(engine: Engine) -> Non
     got = [[t] for t in firsts]
     for _ in range(6):
         if len(pipe.launched) == pipe.depth:
-            lanes, tokens = pipe.land()
+            lanes, tokens, _ = pipe.land()
             for lane, t in zip(lanes, tokens, strict=True):
                 got[lane].append(t)
         pipe.launch([0, 1, 2], seqs, greedy)
         assert all(pipe.uses(s) for s in seqs) and pipe.ahead(1)
     assert len(pipe.launched) == 2  # the host is a step behind
     while pipe.launched:
-        lanes, tokens = pipe.land()
+        lanes, tokens, _ = pipe.land()
         for lane, t in zip(lanes, tokens, strict=True):
             got[lane].append(t)
     assert got == want
@@ -81,12 +81,36 @@ def test_lanes_join_and_leave_between_launches(engine: Engine) -> None:
         if step == 2:
             pipe.seed([seqs[2]], [firsts[2]])
         if len(pipe.launched) == pipe.depth:
-            for lane, t in zip(*pipe.land(), strict=True):
+            for lane, t in zip(*pipe.land()[:2], strict=True):
                 got[lane].append(t)
         pipe.launch(lanes, [seqs[i] for i in lanes], greedy)
     while pipe.launched:
-        for lane, t in zip(*pipe.land(), strict=True):
+        for lane, t in zip(*pipe.land()[:2], strict=True):
             got[lane].append(t)
     assert got[0] == want[0][:5] and got[1] == want[1][:7] and got[2] == want[2][:7]
+    for s in seqs:
+        engine.runner.release(s)
+
+
+def test_a_pass_asked_for_logprobs_lands_the_models_log_softmax(engine: Engine) -> None:
+    """`top`: the chosen tokens' log-probabilities and the `top` best, as the same pass's logits give them;
+    a pass that asks for none lands none."""
+    seqs, firsts = _prefilled(engine, PROMPTS)
+    want = torch.log_softmax(engine.runner.forward(seqs, [[t] for t in firsts]).float(), dim=-1)  # [3, V]
+    for s in seqs:
+        engine.runner.release(s)
+    seqs, firsts = _prefilled(engine, PROMPTS)
+    pipe = DecodePipeline(engine.runner)
+    pipe.seed(seqs, firsts)
+    pipe.launch([0, 1, 2], seqs, greedy, top=3)
+    pipe.launch([0, 1, 2], seqs, greedy)
+    lanes, tokens, (chosen, values, ids) = pipe.land()
+    assert lanes == [0, 1, 2]
+    best, best_ids = want.topk(3, dim=-1)
+    assert tokens == best_ids[:, 0].tolist()
+    torch.testing.assert_close(chosen, want.gather(1, torch.tensor(tokens)[:, None]).squeeze(1))
+    torch.testing.assert_close(values, best)
+    assert torch.equal(ids, best_ids)
+    assert pipe.land().logprobs is None
     for s in seqs:
         engine.runner.release(s)

@@ -69,6 +69,15 @@ def test_chat_parameters(tok: Tokenizer) -> None:
     assert spec.stop == ("END",) and spec.stream and spec.include_usage
 
 
+def test_logprobs_ask_for_the_token_and_its_alternatives(tok: Tokenizer) -> None:
+    assert chat(tok, logprobs=True).sampling.logprobs == 0
+    assert chat(tok, logprobs=True, top_logprobs=20).sampling.logprobs == 20
+    assert chat(tok, logprobs=False).sampling.logprobs is None
+    assert completion(tok, prompt="x", logprobs=0).sampling.logprobs == 0
+    assert completion(tok, prompt="x", logprobs=5).sampling.logprobs == 5
+    assert completion(tok, prompt="x").sampling.logprobs is None
+
+
 def test_nulls_read_as_openai_reads_them(tok: Tokenizer) -> None:
     spec = chat(tok, stream=None, ignore_eos=None, top_p=0)
     assert not spec.stream and not spec.sampling.ignore_eos and spec.sampling.top_p == 0.0
@@ -101,7 +110,9 @@ def test_prompt_longer_than_context_names_both_numbers(tok: Tokenizer) -> None:
         ({"stop": 5}, "stop"),
         ({"seed": 1 << 64}, "seed"),
         ({"stream": "yes"}, "stream"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": []}, "messages"),
@@ -205,8 +216,8 @@ def test_completion_prompt_forms(tok: Tokenizer) -> None:
         ("x", {"echo": True}),
         ("x", {"best_of": 2}),
         ("x", {"suffix": "y"}),
-        ("x", {"logprobs": 1}),
-        ("x", {"logprobs": 0}),
+        ("x", {"logprobs": 21}),
+        ("x", {"logprobs": -1}),
         ("x", {"min_p": 0.5}),
     ],
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.sampling import sample, splitmix64, uniform_noise
+from common.sampling import logprobs_of, sample, splitmix64, uniform_noise
 
 
 def _params(batch: int, temperature=1.0, top_p=1.0, top_k=0, seed=0, step=0):
@@ -117,3 +117,14 @@ def test_top_p_zero_keeps_only_the_most_likely_token() -> None:
         torch.zeros(64, dtype=torch.int64),
     )
     assert picked.tolist() == [1] * 64
+
+
+def test_logprobs_are_the_models_log_softmax_before_temperature() -> None:
+    logits = torch.randn(3, 50, dtype=torch.bfloat16)
+    tokens = torch.tensor([4, 0, 49])
+    chosen, values, ids = logprobs_of(logits, tokens, 5)
+    want = torch.log_softmax(logits.float(), dim=-1)
+    torch.testing.assert_close(chosen, want[torch.arange(3), tokens])
+    torch.testing.assert_close(values, want.sort(dim=-1, descending=True).values[:, :5])
+    assert torch.equal(want.gather(1, ids), values) and chosen.dtype == torch.float32
+    assert logprobs_of(logits, tokens, 0)[1].shape == (3, 0)

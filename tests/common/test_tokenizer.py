@@ -417,3 +417,26 @@ def test_training_is_deterministic(tmp_path: Path) -> None:
 def test_vocab_size_is_exact(tmp_path: Path, vocab_size: int) -> None:
     write_tokenizer(tmp_path, vocab_size)
     assert tokenizer_vocab_size(tmp_path) == Tokenizer.from_dir(tmp_path).vocab_size == vocab_size
+
+
+def test_token_bytes_spell_the_text_a_token_at_a_time(tokenizer: Tokenizer) -> None:
+    """Byte-level BPE: a token's own bytes, a piece of a multi-byte character included."""
+    for text in TEXTS:
+        assert b"".join(tokenizer.token_bytes(i) for i in tokenizer.encode(text)) == text.encode()
+    assert tokenizer.token_bytes(IM_END_ID) == b"<|im_end|>"
+    assert tokenizer.token_bytes(10**9) == b""
+
+
+def test_token_bytes_of_sentencepiece_pieces_and_byte_fallbacks() -> None:
+    """▁ is a space even where decoding a lone token would strip it; `<0xE2>` is that byte."""
+    import tokenizers
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": b + 1 for b in range(256)}, "▁the": 257, "a": 258}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok = Tokenizer(backend)
+    assert tok.decode([257]) == "the"
+    assert [tok.token_bytes(i) for i in (257, 258, 0xE2 + 1)] == [b" the", b"a", b"\xe2"]

@@ -1,6 +1,7 @@
 """Recorded decode passes launched a pass ahead of the host (common/decode_pipeline.py), on the GPU: the
 tokens of the engine's steps (the host reading each one's tokens before the next), and no launch after the
-recordings waits for the device — torch's sync debug mode raises on any host wait inside one."""
+recordings waits for the device — torch's sync debug mode raises on any host wait inside one —, the
+log-probabilities asked of every pass included."""
 
 from __future__ import annotations
 
@@ -50,18 +51,24 @@ def test_pipelined_recorded_steps_run_ahead_of_the_host(tmp_path: Path, cache: s
     pipe = DecodePipeline(engine.runner)
     pipe.seed(seqs, firsts)
     got = [[t] for t in firsts]
+
+    def land() -> None:
+        lanes, tokens, (chosen, values, ids) = pipe.land()
+        for lane, t in zip(lanes, tokens, strict=True):
+            got[lane].append(t)
+        assert ids[:, 0].tolist() == tokens and torch.equal(chosen, values[:, 0])  # greedy: the best
+        assert (values[:, :1] >= values[:, 1:]).all() and (values <= 0).all()
+
     for step in range(STEPS):
         if len(pipe.launched) == pipe.depth:
-            for lane, t in zip(*pipe.land(), strict=True):
-                got[lane].append(t)
+            land()
         torch.cuda.set_sync_debug_mode("error" if step else "default")  # the first pass records its graph
         try:
-            pipe.launch([0, 1], seqs, lambda logits: logits.argmax(dim=-1))
+            pipe.launch([0, 1], seqs, lambda logits: logits.argmax(dim=-1), top=2)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     while pipe.launched:
-        for lane, t in zip(*pipe.land(), strict=True):
-            got[lane].append(t)
+        land()
     assert got == want
     assert set(engine.runner.graphs.recorded) == {2}
     if cache is not None:

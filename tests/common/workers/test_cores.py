@@ -175,6 +175,35 @@ def test_sampled_and_stopped_requests_equal_offline_engine(cores):
     assert dec.pool.pages.num_free == dec.pool.num_pages and dec.pool.slots.num_free == cfg.max_running
 
 
+def test_logprobs_come_with_the_tokens_of_the_requests_that_ask(cores):
+    """Prefill's first token and decode's pipelined ones carry log-probabilities when their request asked
+    (each with its own number of alternatives, in one batch), and the tokens are those asked without."""
+    cfg, dec, pre = cores
+    if not cfg.lend_arena:
+        pytest.skip("one case is enough: the path is the same for every config")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    asks = [None, 0, 3]
+    box = [
+        out
+        for i, (p, k) in enumerate(zip(PROMPTS, asks, strict=True))
+        for out in pre.submit(Generate(f"l{i}", p, msgspec.structs.replace(greedy, logprobs=k), 0.0))
+    ]
+    seen = _run(dec, pre, box)
+    reference = [r.token_ids for r in load_engine(cfg).generate(PROMPTS, greedy)]
+    for i, k in enumerate(asks):
+        events = seen[f"l{i}"]
+        assert [t for e in events for t in e.token_ids] == reference[i]
+        rows = [row for e in events for row in e.logprobs]
+        if k is None:
+            assert rows == []
+            continue
+        assert len(rows) == 6 and all(len(r.top_ids) == len(r.top_logprobs) == k for r in rows)
+        assert all(r.logprob <= 0 for r in rows)
+        if k:  # greedy: the chosen token is the best alternative
+            assert [r.top_ids[0] for r in rows] == reference[i]
+            assert all(r.logprob == r.top_logprobs[0] for r in rows)
+
+
 def test_aborts_free_every_page_and_slot(cores):
     cfg, dec, pre = cores
     sampling = SamplingParams(temperature=0.8, max_tokens=50, ignore_eos=True, seed=3)

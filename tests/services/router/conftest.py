@@ -3,7 +3,8 @@ prefill and decode workers, which binds their inboxes and answers `Generate` wit
 
 The peer picks its behaviour from a tag in the prompt: `[slow]` streams until aborted, `[error]` fails at
 once, `[error-mid]` fails after a few tokens, `[abort]` is aborted by the worker, `[shuffle]` sends decode's
-events before prefill's first token; anything else gets `REPLY` (tokens of the real tokenizer) then EOS.
+events before prefill's first token; anything else gets `REPLY` (tokens of the real tokenizer) then EOS,
+with `peer_logprobs` when the request asks for log-probabilities.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import uvicorn
 import zmq
 
 from common.model.defaults import default_model_dir
-from common.protocol import Abort, Generate, Heartbeat, Message, Ready, Tokens
+from common.protocol import Abort, Generate, Heartbeat, Message, Ready, TokenLogprobs, Tokens
 from common.tokenizer import Tokenizer
 from common.transport import Inbox, Outbox, ipc_address, make_run_dir
 from services.router import RouterConfig, WorkerPair, create_app
@@ -37,6 +38,13 @@ EOS = 2
 
 Plan = Iterator[tuple[float, str, Tokens]]
 """(delay before sending, service that sends, event)."""
+
+
+def peer_logprobs(position: int, token: int, top: int) -> TokenLogprobs:
+    """The peer's log-probabilities of the generated token number `position` (`token`): -(position + 1) / 4,
+    the token itself the best of `top` alternatives, then the ids after it, each 1 lower."""
+    value = -(position + 1) / 4
+    return TokenLogprobs(value, [token + i for i in range(top)], [value - i for i in range(top)])
 
 
 class Peer:
@@ -173,11 +181,17 @@ class Peer:
             return self._slow(rid, n_prompt, limit)
         ids = [*self.reply_ids, EOS][:limit]
         finish = "stop" if len(ids) == len(self.reply_ids) + 1 else "length"
-        first = Tokens(rid, ids[:1], finish if len(ids) == 1 else None, prompt_tokens=n_prompt, index=0)
+        top = gen.sampling.logprobs
+        rows = [] if top is None else [peer_logprobs(i, t, top) for i, t in enumerate(ids)]
+        first = Tokens(
+            rid, ids[:1], finish if len(ids) == 1 else None, prompt_tokens=n_prompt, logprobs=rows[:1]
+        )
         rest = []
         for i in range(1, len(ids), 3):  # decode sends 3 tokens per event
             last = i + 3 >= len(ids)
-            rest.append(Tokens(rid, ids[i : i + 3], finish if last else None, index=i))
+            rest.append(
+                Tokens(rid, ids[i : i + 3], finish if last else None, index=i, logprobs=rows[i : i + 3])
+            )
         if "[error-mid]" in prompt:
             rest = [*rest[:1], Tokens(rid, [], "error", error="decode crashed", index=4)]
         if "[abort]" in prompt:
