@@ -17,6 +17,7 @@ from common.experts.routing import RoutingRecorder, install_routing_hook, replay
 from common.kernels import fused_by_default, use_fused_kernels
 from common.kv.lending import KvLending
 from common.kv.state import Allocator, PromptImages, SequenceState
+from common.logit_processors import LogitProcessors
 from common.model.fp8_linear import to_resident_dtype
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
@@ -151,6 +152,7 @@ class Engine:
         )
         self.device = self.runner.device
         self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None
+        self.processors = LogitProcessors.for_runner(self.runner, self.config.eos_token_ids)
         if fused_kernels:  # before the first decode pass is recorded (the projections were fused at load)
             use_fused_kernels(self.model, True, self.runner.backend)
 
@@ -163,8 +165,11 @@ class Engine:
         """Generate for every prompt; at most `max_seqs` run at once, the rest wait for a free lane.
         `images[i]`: prompt i's images and rotary delta (`common.model.qwen4_exp.positions.prompt_images`)."""
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if self.speculator is not None and any(p.temperature > 0 for p in all_params):
-            raise ValueError("speculative decoding serves greedy requests (temperature 0) only")
+        if self.speculator is not None and any(p.temperature > 0 or _processed(p) for p in all_params):
+            raise ValueError(
+                "speculative decoding serves greedy requests (temperature 0) without penalties, logit biases "
+                "or min_tokens only"
+            )
         images = list(images) if images is not None else [None] * len(prompts)
         if self.speculator is not None and any(images):
             raise ValueError("speculative decoding takes prompts without images")
@@ -177,6 +182,7 @@ class Engine:
                 index, prompt, p = waiting.pop(0)
                 seed = p.seed if p.seed is not None else random.getrandbits(62)
                 admitted[index] = Request(list(prompt), p, seed, self.runner.new_sequence())
+                self.processors.admit(admitted[index])
                 if images[index] is not None:
                     admitted[index].state.images, admitted[index].state.rope_delta = images[index]
             if admitted:  # the running lanes take a decode step between its passes (a decode share)
@@ -225,7 +231,7 @@ class Engine:
         self, reqs: list[Request], tokens: list[list[int]], between: Callable[[], None] | None = None
     ) -> None:
         logits = self._forward_chunked([r.state for r in reqs], tokens, between)  # [B, V]
-        self._emit(reqs, [[t] for t in sample_next(logits, reqs)])
+        self._emit(reqs, [[t] for t in sample_next(logits, reqs, self.processors)])
 
     def _forward_chunked(
         self,
@@ -258,3 +264,8 @@ class Engine:
             for token in tokens:
                 if append_token(req, token, self.config.eos_token_ids, self.runner.max_context):
                     break
+
+
+def _processed(params: SamplingParams) -> bool:
+    """Whether a request's logits go through common/logit_processors.py (which MTP's drafts do not)."""
+    return params.penalized or bool(params.logit_bias) or params.min_tokens > 0

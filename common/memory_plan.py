@@ -52,6 +52,7 @@ from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
 from common.kv.lending import STAGES
 from common.kv.state import StatePool
+from common.logit_processors import table_bytes as penalty_table_bytes
 from common.model.fp8_linear import Fp8Linear, largest_dequantized, to_resident_dtype
 from common.model.fused_linear import GEMV_ROWS
 from common.model.hf_config import load_architecture, read_json
@@ -257,7 +258,8 @@ def scratch_terms(
     (`_held_bytes`) and its MoE over the whole group (common/model/layer_major.py: its input and output
     [T, H], the expert MLP's buffers); a decode step of every lane (`_pass_bytes`, the expert MLPs and, for
     qwen4_exp, the linear-attention and indexer terms). One process needs the larger, two (each with its
-    own allocator cache) the sum. `fused_kernels`: decode's int4 experts go
+    own allocator cache) the sum. Each also holds the penalties' per-lane token counts
+    (common/logit_processors.py), once a penalized request comes. `fused_kernels`: decode's int4 experts go
     through the int4 kernels (nothing dequantised: eight lanes of flashnext's reference path would hold
     4.4 GB of dequantised experts).
 
@@ -276,6 +278,7 @@ def scratch_terms(
         + _indexer_bytes(cfg, chunk, max_context)
         + _held_bytes(cfg, group - chunk, dtype)
         + (2 * group * cfg.hidden_size * dtype.itemsize if group > chunk else 0)  # the MoE's input, output
+        + penalty_table_bytes(max_running, cfg.vocab_size)
     )
     decode = (
         (dequantized if max_running > GEMV_ROWS else 0)
@@ -283,6 +286,7 @@ def scratch_terms(
         + _expert_mlp_bytes(cfg, fmt, max_running, dtype, decode=True, kernels=fused_kernels)
         + _linear_attention_bytes(cfg, max_running, dtype)
         + _indexer_bytes(cfg, max_running, max_context)
+        + penalty_table_bytes(max_running, cfg.vocab_size)
     )
     return prefill, decode
 

@@ -3,9 +3,9 @@
 Requests are parsed from the raw body with pydantic in strict JSON mode, so `"temperature": "1"` is an
 error as it is for OpenAI, and every problem — malformed JSON included — becomes an `ApiError` with the
 OpenAI error object (`{"error": {"message", "type", "param", "code"}}`). Unknown fields are ignored, as
-OpenAI ignores them; known fields whose feature Spillway lacks (penalties, n > 1, echo, tools,
-structured output, vLLM's min_p and min_tokens) are refused when set to anything but their neutral value,
-rather than silently ignored, because ignoring them would change what the client gets.
+OpenAI ignores them; known fields whose feature Spillway lacks (n > 1, echo, tools, structured output) are
+refused when set to anything but their neutral value, rather than silently ignored, because ignoring them
+would change what the client gets.
 
 Length rule: a prompt that leaves no room for one generated token is refused (400, naming both numbers);
 a `max_tokens` that would overflow the context is clamped to what is left, and the finish reason `length`
@@ -37,14 +37,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Chat roles a message may have (OpenAI's, without the deprecated `function`)."""
-NEUTRAL_VALUES = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "min_tokens": 0,
-}
-"""Sampling fields Spillway does not implement, and the value that means "off" (accepted, like absence)."""
+MAX_LOGIT_BIAS = 1024
+"""The most tokens one request may bias (each costs a little in every step)."""
 
 
 class ApiError(Exception):
@@ -106,12 +100,16 @@ class _GenerationRequest(_Schema):
     """Extension: keep generating past end-of-sequence tokens."""
     stop_token_ids: list[int] | None = None
     """Extension: extra token ids that end generation (each in the vocabulary)."""
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    """Extension (HF transformers', vLLM's): 1 is off."""
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    """Extension (vLLM's)."""
+    min_tokens: int | None = Field(None, ge=0)
+    """Extension (vLLM's): no end-of-sequence or stop token before this many tokens."""
     logit_bias: dict[str, float] | None = None
+    """Token id (as a string) → bias in [-100, 100], at most MAX_LOGIT_BIAS of them."""
     response_format: dict[str, JsonValue] | None = None
     return_tokens_as_token_ids: bool | None = None
     """vLLM's extension: log-probabilities name tokens `token_id:N` (exact where text is ambiguous)."""
@@ -382,11 +380,6 @@ def _spec(
 ) -> GenerationSpec:
     if request.n not in (None, 1):
         raise bad_request("Only n=1 is supported.", "n", "unsupported")
-    for name, neutral in NEUTRAL_VALUES.items():
-        if getattr(request, name) not in (None, neutral):
-            raise bad_request(f"{name} is not supported.", name, "unsupported")
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported.", "logit_bias", "unsupported")
     if request.response_format not in (None, {"type": "text"}):
         kind = request.response_format.get("type") if request.response_format else None
         raise bad_request(f"response_format {kind!r} is not supported.", "response_format", "unsupported")
@@ -403,15 +396,28 @@ def _spec(
             "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
             "context_length_exceeded",
         )
+    max_tokens = min(max_tokens or room, room)
+    if (request.min_tokens or 0) > max_tokens:
+        raise bad_request(
+            f"min_tokens ({request.min_tokens}) is more than the {max_tokens} tokens this request may "
+            "generate.",
+            "min_tokens",
+        )
     sampling = SamplingParams(
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=max(request.top_k or 0, 0),
         seed=request.seed,
-        max_tokens=min(max_tokens or room, room),
+        max_tokens=max_tokens,
         ignore_eos=bool(request.ignore_eos),
         stop_token_ids=tuple(request.stop_token_ids or ()),
         logprobs=logprobs,
+        min_p=request.min_p or 0.0,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        min_tokens=request.min_tokens or 0,
+        logit_bias=_logit_bias(request.logit_bias, vocab),
     )
     return GenerationSpec(
         prompt_ids=prompt_ids,
@@ -423,6 +429,24 @@ def _spec(
         ),
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs, each id in the vocabulary and each bias in [-100, 100]."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}.", "logit_bias"
+        )
+    pairs = []
+    for key, value in bias.items():
+        if not re.fullmatch(r"\d+", key) or int(key) >= vocab:
+            raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {vocab}).", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"logit_bias of token {key} is {value}, outside [-100, 100].", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def parse_stop(stop: JsonValue) -> tuple[str, ...]:

@@ -88,6 +88,9 @@ class PrefillDone(msgspec.Struct, frozen=True, tag=True):
     rope_delta: int = 0
     """What the rotary positions of the tokens after the prompt add to their positions (a prompt with images:
     `SequenceState.rope_delta`)."""
+    prompt_ids: list[int] = []
+    """The prompt, for a request whose repetition penalty reads it (`SamplingParams.repetition_penalty`);
+    empty otherwise."""
 
 
 class ReleaseState(msgspec.Struct, frozen=True, tag=True):

@@ -10,6 +10,7 @@ import torch
 
 from common.hostmem import host_list_to
 from common.kv.state import SequenceState
+from common.logit_processors import LogitProcessors
 from common.protocol import TokenLogprobs
 from common.sampling import SamplingParams, logprobs_of, sample
 
@@ -28,16 +29,16 @@ class Request:
     """The router's id (serving); empty offline."""
 
 
-def sample_next(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
+def sample_next(logits: torch.Tensor, reqs: Sequence[Request], processors: LogitProcessors) -> list[int]:
     """Each request's next token from its row of logits [B, V] (its sampling step = tokens so far)."""
-    return sample_on_device(logits, reqs).tolist()
+    return sample_on_device(logits, reqs, processors).tolist()
 
 
 def sample_with_logprobs(
-    logits: torch.Tensor, reqs: Sequence[Request]
+    logits: torch.Tensor, reqs: Sequence[Request], processors: LogitProcessors
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """`sample_next`, and each request's log-probabilities of its token when it asked for them."""
-    tokens = sample_on_device(logits, reqs)
+    tokens = sample_on_device(logits, reqs, processors)
     top = top_logprobs(reqs)
     rows = [None] * len(reqs) if top is None else host_logprobs(*logprobs_of(logits, tokens, top), reqs)
     return tokens.tolist(), rows
@@ -63,19 +64,29 @@ def host_logprobs(
 
 
 def sample_on_device(
-    logits: torch.Tensor, reqs: Sequence[Request], ahead: Sequence[int] = ()
+    logits: torch.Tensor, reqs: Sequence[Request], processors: LogitProcessors, ahead: Sequence[int] = ()
 ) -> torch.Tensor:
-    """Each request's next token [B] from its row of logits [B, V], left on the device. Its sampling step
-    is the tokens it has so far, `ahead[b]` of them sampled but not yet on the host (a pipelined decode's).
-    A batch of greedy requests only takes the argmax (what `sample` gives them, without its sort)."""
-    if all(r.params.temperature <= 0 for r in reqs):
-        return logits.argmax(dim=-1)
-    device = logits.device
+    """Each request's next token [B] from its row of logits [B, V] as `processors` leave it, left on the
+    device (and counted there for the penalties). Its sampling step is the tokens it has so far, `ahead[b]`
+    of them sampled but not yet on the host (a pipelined decode's). A batch of greedy requests only takes
+    the argmax (what `sample` gives them, without its sort)."""
     ahead = ahead or [0] * len(reqs)
+    logits = processors.apply(logits, reqs, ahead)
+    if all(r.params.temperature <= 0 for r in reqs):
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = _sample(logits, reqs, ahead)
+    processors.count(reqs, tokens)
+    return tokens
+
+
+def _sample(logits: torch.Tensor, reqs: Sequence[Request], ahead: Sequence[int]) -> torch.Tensor:
+    device = logits.device
 
     def t(values: list, dtype: torch.dtype) -> torch.Tensor:
         return host_list_to(values, device, dtype)
 
+    min_p = [r.params.min_p for r in reqs]
     return sample(
         logits,
         t([r.params.temperature for r in reqs], torch.float32),
@@ -83,6 +94,7 @@ def sample_on_device(
         t([r.params.top_k for r in reqs], torch.int64),
         t([r.seed for r in reqs], torch.int64),
         t([len(r.token_ids) + a for r, a in zip(reqs, ahead, strict=True)], torch.int64),
+        t(min_p, torch.float32) if any(min_p) else None,
     )
 
 

@@ -1,5 +1,6 @@
-"""Sampling on device tensors: greedy, temperature, top-k, top-p, reproducible per-request seeds; the
-log-probabilities a request may ask for beside its tokens.
+"""Sampling on device tensors: greedy, temperature, top-k, top-p, min-p, reproducible per-request seeds;
+the log-probabilities a request may ask for beside its tokens. What a request's penalties, biases and
+min_tokens do to its logits before this is common/logit_processors.py's.
 
 Randomness is counter-based: the noise for (seed, step, token id) is a hash, not a generator's state, so a
 request's samples depend only on its own seed and step — never on which other requests share the batch —
@@ -32,6 +33,24 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logprobs: int | None = None
     """None: no log-probabilities. k (0..MAX_TOP_LOGPROBS): each generated token's, and those of the k most
     likely tokens at its position (`logprobs_of`)."""
+    min_p: float = 0.0
+    """Drop the tokens less likely than min_p times the most likely one (after temperature); 0 = off."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the request has generated (OpenAI's, -2..2)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for each time the request has generated it (OpenAI's, -2..2)."""
+    repetition_penalty: float = 1.0
+    """Divides the positive logits, and multiplies the negative ones, of the tokens in the prompt or
+    generated (HF transformers' and vLLM's); 1 = off."""
+    min_tokens: int = 0
+    """The end-of-sequence and stop tokens cannot be sampled before the request has this many tokens."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits (OpenAI's, -100..100: ±100 bans or forces a token)."""
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the request's logits depend on the tokens it has seen (its row of counts)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 MAX_TOP_LOGPROBS = 20
@@ -79,8 +98,10 @@ def sample(
     top_k: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next token [B] from logits [B, V]; per row: temperature, top_p (fp32), top_k, seed, step (int64)."""
+    """Next token [B] from logits [B, V]; per row: temperature, top_p (fp32), top_k, seed, step (int64), and
+    min_p (fp32) when any row has one."""
     greedy = temperature <= 0
     vocab = logits.shape[-1]
     scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
@@ -91,7 +112,10 @@ def sample(
     probs = torch.softmax(sorted_logits, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the better-ranked tokens
     # The top token stays, at any top_p (its `before` is exactly 0; a [B] clamp, not a [B, V] mask).
-    probs = probs.masked_fill(before >= top_p.clamp_min(1e-12)[:, None], 0.0)
+    drop = before >= top_p.clamp_min(1e-12)[:, None]
+    if min_p is not None:  # against the best token's probability (column 0): the top token stays too
+        drop |= probs < (min_p * probs[:, 0])[:, None]
+    probs = probs.masked_fill(drop, 0.0)
     noise = uniform_noise(seeds, steps, vocab).gather(1, sorted_ids)  # keyed by token id, not rank
     # Exponential race: argmax p / Exp(1) draws from p (the Gumbel-max trick in another form).
     choice = torch.argmax(probs / -torch.log(noise), dim=-1, keepdim=True)

@@ -113,6 +113,7 @@ class DecodeCore:
         warm_up_on_cuda(self.runner)  # compile now, not on the first request's steps
         self.pool = self.runner.pool
         self.eos_ids = self.engine.config.eos_token_ids
+        self.processors = self.engine.processors
         self.running: dict[str, Request] = {}
         self.granted: dict[str, SequenceState] = {}  # state handed to prefill, not yet running
         self.pending: deque[AllocState] = deque()  # asks that wait for a free lane or pages
@@ -191,7 +192,8 @@ class DecodeCore:
         if msg.routing and offload is not None:  # the prompt's routing: the cache's rates count it
             stats = torch.frombuffer(bytearray(msg.routing), dtype=torch.float32)
             offload.tables.add_statistics(stats.view(offload.tables.num_layers, -1))
-        req = Request([], msg.sampling, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
+        req = Request(msg.prompt_ids, msg.sampling, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
+        self.processors.admit(req)
         self.running[msg.rid] = req
         self.pipeline.seed([seq], [msg.first_token])  # its first step reads it on the device
 
@@ -272,7 +274,7 @@ class DecodeCore:
             ahead = [int(self.pipeline.ahead(r)) for r in reqs]
 
             def pick(logits: torch.Tensor) -> torch.Tensor:
-                return sample_on_device(logits, reqs, ahead)
+                return sample_on_device(logits, reqs, self.processors, ahead)
 
             self.pipeline.launch(reqs, [r.state for r in reqs], pick, top_logprobs(reqs))
         launched = len(self.pipeline.launched)

@@ -22,6 +22,7 @@ from common.config import WorkerConfig
 from common.experts.cache_tables import CacheTables
 from common.kernels import fused_by_default, use_fused_kernels
 from common.kv.state import SequenceState
+from common.logit_processors import LogitProcessors
 from common.model.qwen4_exp.positions import ImageTokens
 from common.protocol import (
     AllocState,
@@ -87,6 +88,7 @@ class PrefillCore:
             use_fused_kernels(model, True, self.runner.backend, fuse_copy=False)
         warm_up_on_cuda(self.runner)  # compile now, not in the first request's TTFT
         self.eos_ids = eos_ids
+        self.processors = LogitProcessors.for_runner(self.runner, eos_ids)
         self.tables: CacheTables | None = getattr(model.experts, "tables", None)
         """This worker's own expert-cache tables (no slots: decode's cache is read in place), which observe
         each prompt's routing for decode."""
@@ -212,7 +214,8 @@ class PrefillCore:
     def _finish(self, job: PrefillJob, logits: torch.Tensor) -> Outgoing:
         gen = job.gen
         req = Request(gen.prompt_ids, gen.sampling, job.seed, job.seq, rid=gen.rid)
-        (first,), (logprobs,) = sample_with_logprobs(logits, [req])
+        self.processors.admit(req)
+        (first,), (logprobs,) = sample_with_logprobs(logits, [req], self.processors)
         finished = append_token(req, first, self.eos_ids, self.runner.max_context)
         n = len(gen.prompt_ids)
         job.seq.images = None  # decode takes the rotary delta only
@@ -225,7 +228,8 @@ class PrefillCore:
             out.append(("decode", ReleaseState(gen.rid)))
         else:
             routing = b"" if self.tables is None else self.tables.statistics().cpu().numpy().tobytes()
+            prompt = gen.prompt_ids if gen.sampling.repetition_penalty != 1.0 else []
             done = PrefillDone(gen.rid, n, job.seq.num_cached, first, gen.sampling, job.seed, gen.arrival,
-                               job.seq.slot, job.seq.pages, routing, job.seq.rope_delta)  # fmt: skip
+                               job.seq.slot, job.seq.pages, routing, job.seq.rope_delta, prompt)  # fmt: skip
             out.append(("decode", done))
         return out + self._ask()

@@ -113,7 +113,8 @@ def test_prompt_longer_than_context_names_both_numbers(tok: Tokenizer) -> None:
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logprobs": "yes"}, "logprobs"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "x"}]}, "messages[0].role"),
@@ -126,9 +127,15 @@ def test_prompt_longer_than_context_names_both_numbers(tok: Tokenizer) -> None:
         ({"stop_token_ids": [1 << 63]}, "stop_token_ids"),
         ({"stop_token_ids": [5, 1 << 20]}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
-        ({"min_p": 0.1}, "min_p"),
-        ({"min_tokens": 4}, "min_tokens"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {str(1 << 20): 1}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -172,9 +179,26 @@ def test_text_parts_and_developer_role(tok: Tokenizer) -> None:
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(tok: Tokenizer) -> None:
-    neutral = {**api.NEUTRAL_VALUES, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
+    neutral = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "n": 1}
     assert chat(tok, **neutral).sampling == chat(tok).sampling
     assert chat(tok, top_k=(1 << 63) - 1).sampling.top_k == (1 << 63) - 1  # keeps every token
+
+
+def test_penalties_biases_and_min_tokens_reach_the_sampling(tok: Tokenizer) -> None:
+    spec = chat(
+        tok,
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.3,
+        min_p=0.05,
+        min_tokens=3,
+        max_tokens=3,
+        logit_bias={"7": -100, "12": 2.5},
+    )
+    s = spec.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -1.0, 1.3, 0.05)
+    assert s.min_tokens == 3 and s.logit_bias == ((7, -100.0), (12, 2.5)) and s.penalized
+    assert not chat(tok, presence_penalty=0, repetition_penalty=1).sampling.penalized
 
 
 def plain_template(source: str) -> Tokenizer:
@@ -218,7 +242,7 @@ def test_completion_prompt_forms(tok: Tokenizer) -> None:
         ("x", {"suffix": "y"}),
         ("x", {"logprobs": 21}),
         ("x", {"logprobs": -1}),
-        ("x", {"min_p": 0.5}),
+        ("x", {"min_p": -0.5}),
     ],
 )
 def test_completion_refusals(tok: Tokenizer, prompt: Any, extra: dict[str, Any]) -> None:

@@ -204,6 +204,29 @@ def test_logprobs_come_with_the_tokens_of_the_requests_that_ask(cores):
             assert all(r.logprob == r.top_logprobs[0] for r in rows)
 
 
+def test_penalized_biased_and_held_requests_equal_offline_engine(cores):
+    """Repetition (over the prompt, which decode gets in PrefillDone), frequency and presence penalties
+    counted on decode's device row while its steps run ahead of the host, a logit bias, min_tokens: the
+    tokens the offline engine samples (one step at a time) for the same requests."""
+    cfg, dec, pre = cores
+    if cfg.expert_cache or cfg.dtype != "float32":
+        pytest.skip("one resident case an architecture is enough: the path is the same")
+    base = SamplingParams(temperature=0.0, max_tokens=12)
+    params = [
+        msgspec.structs.replace(base, repetition_penalty=1.8, frequency_penalty=0.5),
+        msgspec.structs.replace(base, temperature=0.9, seed=4, presence_penalty=1.5, min_p=0.02),
+        msgspec.structs.replace(base, min_tokens=12, logit_bias=((7, 4.0),)),
+    ]
+    reference = load_engine(cfg).generate(PROMPTS, params)
+    box = [out for i, p in enumerate(PROMPTS) for out in pre.submit(Generate(f"p{i}", p, params[i], 0.0))]
+    seen = _run(dec, pre, box)
+    for i, ref in enumerate(reference):
+        assert [t for e in seen[f"p{i}"] for t in e.token_ids] == ref.token_ids
+    plain = load_engine(cfg).generate(PROMPTS[:1], base)[0].token_ids
+    assert plain != reference[0].token_ids, "the penalties changed what greedy decoding picks"
+    assert dec.pool.pages.num_free == dec.pool.num_pages
+
+
 def test_aborts_free_every_page_and_slot(cores):
     cfg, dec, pre = cores
     sampling = SamplingParams(temperature=0.8, max_tokens=50, ignore_eos=True, seed=3)

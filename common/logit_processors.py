@@ -1,0 +1,124 @@
+"""What a request's sampling parameters do to its logits before it samples: `logit_bias`, `min_tokens`, and
+the repetition, frequency and presence penalties (common/sampling.py samples what they leave).
+
+The penalties read the tokens a request has generated, and in a pipelined decode its newest token is on the
+device only (common/decode_pipeline.py). So a penalized request keeps a row of token counts on the device,
+the row of its state slot: `admit` fills it from what the host knows (the prompt, the tokens so far), and
+`count` adds each sampled token there, on the device, in stream order, without a host round trip. A batch
+whose requests use none of these leaves its logits as they are, untouched and uncopied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.hostmem import host_list_to
+
+if TYPE_CHECKING:
+    from common.requests import Request
+    from common.runner import ModelRunner
+
+
+def table_bytes(rows: int, vocab: int) -> int:
+    """Device bytes of the penalties' tables: int32 counts and a prompt mask, [rows, V] each."""
+    return rows * vocab * 5
+
+
+class LogitProcessors:
+    """Applies the requests' biases, min_tokens and penalties to a batch's logits; keeps the penalties'
+    counts. Rows are state slots (`SequenceState.slot`, below `rows`)."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device, end_ids: Sequence[int]) -> None:
+        self.rows, self.vocab, self.device = rows, vocab, device
+        self.end_ids = tuple(end_ids)
+        """The end-of-sequence tokens that `min_tokens` holds back (with each request's stop tokens)."""
+        self._counts: torch.Tensor | None = None
+        """[rows, V] int32: how often each token has been generated; made at the first penalized request."""
+        self._prompt: torch.Tensor | None = None
+        """[rows, V] bool: the tokens of the prompt (the repetition penalty's)."""
+
+    @classmethod
+    def for_runner(cls, runner: ModelRunner, end_ids: Sequence[int]) -> LogitProcessors:
+        """A row for each of the runner's state slots, as wide as its model's logits."""
+        return cls(runner.pool.max_seqs, runner.model.config.vocab_size, runner.device, end_ids)
+
+    def admit(self, req: Request) -> None:
+        """Start `req`'s row: its prompt and the tokens it has so far (nothing for an unpenalized one)."""
+        if not req.params.penalized:
+            return
+        if self._counts is None:
+            self._counts = torch.zeros(self.rows, self.vocab, dtype=torch.int32, device=self.device)
+            self._prompt = torch.zeros(self.rows, self.vocab, dtype=torch.bool, device=self.device)
+        assert self._prompt is not None
+        row = req.state.slot
+        self._counts[row].zero_()
+        self._prompt[row].zero_()
+        if req.token_ids:
+            ids = host_list_to(req.token_ids, self.device)
+            self._counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        if req.params.repetition_penalty != 1.0 and req.prompt_ids:
+            self._prompt[row, host_list_to(req.prompt_ids, self.device)] = True
+
+    def apply(self, logits: torch.Tensor, reqs: Sequence[Request], ahead: Sequence[int]) -> torch.Tensor:
+        """The logits [B, V] each request samples from (fp32, a copy), or `logits` itself when no request
+        has a bias, a min_tokens still to reach or a penalty. `ahead[b]`: request b's tokens sampled on the
+        device and not yet on the host."""
+        biased = [b for b, r in enumerate(reqs) if r.params.logit_bias]
+        held = [b for b, r in enumerate(reqs) if len(r.token_ids) + ahead[b] < r.params.min_tokens]
+        penalized = [b for b, r in enumerate(reqs) if r.params.penalized]
+        if not (biased or held or penalized):
+            return logits
+        out = logits.to(torch.float32, copy=True)
+        if penalized:
+            self._penalize(out, [reqs[b] for b in penalized], penalized)
+        if biased:
+            pairs = [(b, token, bias) for b in biased for token, bias in reqs[b].params.logit_bias]
+            self._put(out, pairs, accumulate=True)
+        if held:
+            pairs = [(b, token, float("-inf")) for b in held for token in self._ends(reqs[b])]
+            self._put(out, pairs, accumulate=False)
+        return out
+
+    def count(self, reqs: Sequence[Request], tokens: torch.Tensor) -> None:
+        """Count each penalized request's sampled token (tokens [B], on the device) in its row."""
+        penalized = [b for b, r in enumerate(reqs) if r.params.penalized]
+        if not penalized:
+            return
+        assert self._counts is not None, "a penalized request counted before its admission"
+        rows = host_list_to([reqs[b].state.slot for b in penalized], self.device)
+        sampled = tokens[host_list_to(penalized, tokens.device)]
+        self._counts.index_put_((rows, sampled), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
+
+    def _penalize(self, out: torch.Tensor, reqs: list[Request], batch_rows: list[int]) -> None:
+        """Repetition (over the prompt and the generated tokens), then frequency and presence (over the
+        generated), in place on those rows of `out`, as vLLM orders them."""
+        assert self._counts is not None and self._prompt is not None, "a penalized request not admitted"
+        rows = host_list_to([r.state.slot for r in reqs], self.device)
+        idx = host_list_to(batch_rows, self.device)
+
+        def column(name: str) -> torch.Tensor:  # [P, 1] fp32
+            return host_list_to([getattr(r.params, name) for r in reqs], self.device, torch.float32)[:, None]
+
+        counts = self._counts[rows].float()  # [P, V]
+        logits = out[idx]  # [P, V]
+        seen = (counts > 0) | self._prompt[rows]
+        repetition = column("repetition_penalty")
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+        logits -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0)
+        out[idx] = logits
+
+    def _ends(self, req: Request) -> list[int]:
+        """The tokens that would end `req`: its stop tokens, and end-of-sequence unless it ignores them."""
+        ends = () if req.params.ignore_eos else self.end_ids
+        return list(dict.fromkeys([*ends, *req.params.stop_token_ids]))
+
+    def _put(self, out: torch.Tensor, pairs: list[tuple[int, int, float]], accumulate: bool) -> None:
+        """out[b, token] += value (or = value) for each (b, token, value)."""
+        if not pairs:
+            return
+        rows, cols, values = zip(*pairs, strict=True)
+        index = (host_list_to(list(rows), out.device), host_list_to(list(cols), out.device))
+        out.index_put_(index, host_list_to(list(values), out.device, torch.float32), accumulate=accumulate)

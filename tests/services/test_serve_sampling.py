@@ -1,0 +1,126 @@
+"""Sampling options end to end, `spillway serve` (router, prefill and decode as separate processes) asked
+through the official `openai` client.
+
+Log-probabilities: for each generated token, what transformers' forward pass over the same tokens gives (the
+chosen token's log-softmax and the best alternatives'), the first token's from prefill and the rest from
+decode's pipelined steps, for a greedy and a sampled request alike (the model's own distribution, before
+temperature). Penalties, logit biases, min_p and min_tokens: the tokens `Engine.generate` samples offline.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+import torch
+
+from common.engine import Engine
+from common.model.synthetic import make_model
+from common.sampling import SamplingParams
+from tests.conftest import Server, free_port, wait_healthy
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 17, 300, 42, 9, 77, 120, 3]
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("q3") / "tiny", "tiny", "qwen3_moe", {"torch_dtype": "float32"})
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    port = free_port()
+    args = ["--model", str(model), "--dtype", "float32", "--threads", "1", "--max-context", "512"]
+    served = Server(
+        subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(port), *args]), port
+    )
+    try:
+        wait_healthy(port)
+        yield served
+    finally:
+        served.stop()
+
+
+def _reference(model, ids: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities [len(ids) - len(PROMPT), V] at each generated position."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + ids])).logits[0].float()  # [T, V]
+    return torch.log_softmax(logits[len(PROMPT) - 1 : -1], dim=-1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_served_logprobs_are_transformers_log_softmax(server, model, temperature: float) -> None:
+    out = server.client().completions.create(
+        model=model.name, prompt=PROMPT, max_tokens=TOKENS, logprobs=3, temperature=temperature, seed=11,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == TOKENS == out.usage.completion_tokens
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    want = _reference(model, ids)  # [TOKENS, V]
+    got = torch.tensor(lp.token_logprobs)
+    torch.testing.assert_close(got, want[torch.arange(TOKENS), torch.tensor(ids)], atol=2e-4, rtol=0)
+    best, best_ids = want.topk(3, dim=-1)
+    for top, values, alternatives, token in zip(lp.top_logprobs, best, best_ids, lp.tokens, strict=True):
+        want_top = {f"token_id:{i}": float(v) for i, v in zip(alternatives.tolist(), values, strict=True)}
+        assert set(top) == set(want_top) | {token}
+        for piece, value in want_top.items():
+            assert abs(top[piece] - value) < 2e-4
+    if temperature == 0:
+        assert ids == best_ids[:, 0].tolist()
+    stream = server.client().chat.completions.create(
+        model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=TOKENS, stream=True,
+        logprobs=True, top_logprobs=2, temperature=temperature, seed=11,
+    )  # fmt: skip
+    entries = [
+        e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert 1 <= len(entries) <= TOKENS and all(len(e.top_logprobs) == 2 for e in entries)
+    assert all(e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in entries)
+
+
+LONG = 16
+"""Tokens of the penalty cases: the tiny model's greedy answer to PROMPT repeats itself at the 14th."""
+CASES = [
+    (
+        {"temperature": 0.0, "frequency_penalty": 2.0, "presence_penalty": 2.0},
+        {},
+        SamplingParams(temperature=0.0, frequency_penalty=2.0, presence_penalty=2.0),
+    ),
+    (
+        {"temperature": 0.0},
+        {"repetition_penalty": 3.0},
+        SamplingParams(temperature=0.0, repetition_penalty=3.0),
+    ),
+    (
+        {"temperature": 0.8, "seed": 5, "logit_bias": {"1015": -100}},
+        {"min_p": 0.05, "min_tokens": LONG},
+        SamplingParams(temperature=0.8, seed=5, min_p=0.05, min_tokens=LONG, logit_bias=((1015, -100.0),)),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "extensions", "params"), CASES, ids=["presence-frequency", "repetition", "bias-min"]
+)
+def test_penalties_biases_and_min_tokens_sample_what_the_engine_samples(
+    server, model, fields: dict, extensions: dict, params: SamplingParams
+) -> None:
+    """The served tokens are the engine's for the same options, and not those it samples without them."""
+    out = server.client().completions.create(
+        model=model.name, prompt=PROMPT, max_tokens=LONG, logprobs=0,
+        extra_body={**extensions, "return_tokens_as_token_ids": True}, **fields,
+    )  # fmt: skip
+    ids = [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+    engine = Engine(model, dtype=torch.float32, max_seqs=1)
+    want = engine.generate([PROMPT], msgspec.structs.replace(params, max_tokens=LONG))[0].token_ids
+    plain = SamplingParams(temperature=params.temperature, seed=params.seed, max_tokens=LONG)
+    assert ids == want and want != engine.generate([PROMPT], plain)[0].token_ids
