@@ -37,7 +37,7 @@ def greedy_steps(pipe: DecodePipeline, seqs: list, tokens: list[int], steps: int
             pipe.land()
         pipe.launch(seqs, seqs, lambda logits: logits.argmax(dim=-1))
     while pipe.launched:
-        _, tokens = pipe.land()
+        tokens = pipe.land().tokens
     return tokens
 
 
