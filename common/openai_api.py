@@ -3,7 +3,7 @@
 Requests are parsed from the raw body with pydantic in strict JSON mode, so `"temperature": "1"` is an
 error as it is for OpenAI, and every problem — malformed JSON included — becomes an `ApiError` with the
 OpenAI error object (`{"error": {"message", "type", "param", "code"}}`). Unknown fields are ignored, as
-OpenAI ignores them; known fields whose feature Spillway lacks (n > 1, echo, tools, structured output) are
+OpenAI ignores them; known fields whose feature Spillway lacks (echo, best_of, tools, structured output) are
 refused when set to anything but their neutral value, rather than silently ignored, because ignoring them
 would change what the client gets.
 
@@ -37,6 +37,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Chat roles a message may have (OpenAI's, without the deprecated `function`)."""
+MAX_CHOICES = 16
+"""The most choices (`n`) one request may ask for: each takes a slot of its own."""
 MAX_LOGIT_BIAS = 1024
 """The most tokens one request may bias (each costs a little in every step)."""
 
@@ -92,7 +94,8 @@ class _GenerationRequest(_Schema):
     """Extension; 0 or -1 keeps every token (as does any k past the vocabulary)."""
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: JsonValue = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    """Choices to generate (each a request of its own to the workers: services/router/choices.py)."""
     stream: bool | None = False
     """null is false, as OpenAI reads it (so for every flag here)."""
     stream_options: StreamOptions | None = None
@@ -226,6 +229,8 @@ class GenerationSpec:
     """The prompt's images (their files), in its order: the encoder's."""
     tokens_as_ids: bool = False
     """Log-probabilities name tokens `token_id:N` instead of by their text (vLLM's extension)."""
+    n: int = 1
+    """Choices to generate."""
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -378,8 +383,6 @@ def _spec(
     max_tokens: int | None,
     logprobs: int | None,
 ) -> GenerationSpec:
-    if request.n not in (None, 1):
-        raise bad_request("Only n=1 is supported.", "n", "unsupported")
     if request.response_format not in (None, {"type": "text"}):
         kind = request.response_format.get("type") if request.response_format else None
         raise bad_request(f"response_format {kind!r} is not supported.", "response_format", "unsupported")
@@ -428,6 +431,7 @@ def _spec(
             request.stream and request.stream_options and request.stream_options.include_usage
         ),
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
+        n=request.n or 1,
     )
 
 

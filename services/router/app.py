@@ -29,10 +29,9 @@ from common.chat_images import ImagePrompting
 from common.metrics import RouterMetrics, new_registry, render, serve
 from common.openai_api import ApiError, GenerationSpec
 from common.tokenizer import Tokenizer
+from services.router.choices import Choices
 from services.router.config import RouterConfig, model_max_context
 from services.router.core import RouterCore
-from services.router.generation import Delta, TextGeneration
-from services.router.logprobs import LogprobText
 from services.router.responses import DONE, ResponseBuilder, sse
 
 log = logging.getLogger(__name__)
@@ -176,71 +175,47 @@ class Router:
             self.metrics.request_errors.labels(reason="client_disconnect").inc()
             return Response(status_code=CLIENT_CLOSED)
 
-    async def _start(
-        self, request: Request, spec: GenerationSpec, received: float
-    ) -> tuple[TextGeneration, Delta]:
-        """Admit the request and wait for its first delta (so that early errors get a proper status)."""
-        flight = await self.core.submit(
-            spec.prompt_ids, spec.sampling, received, request.scope.get(REQUEST_ID), spec.images
-        )
-        gen = TextGeneration(flight, self.tokenizer, spec.stop)
-        try:
-            return gen, await gen.next()
-        except BaseException:
-            self.core.release(flight, None)
-            raise
-
     async def _complete(
         self, request: Request, spec: GenerationSpec, chat: bool, received: float
     ) -> Response:
-        async def run() -> TextGeneration:
-            gen, _ = await self._start(request, spec, received)
-            try:
-                while gen.finish_reason is None:
-                    await gen.next()
-            finally:
-                self.core.release(gen.flight, gen.finish_reason)
-            return gen
+        rid = request.scope.get(REQUEST_ID) or uuid.uuid4().hex
 
-        gen = await unless_disconnected(request, run())
-        assert gen.finish_reason is not None
-        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, int(gen.flight.arrival))
-        logprobs = self._logprobs(spec, chat)
-        rendered = None if logprobs is None else logprobs.render(gen.logprobs)
-        body = builder.full(gen.text, gen.finish_reason, gen.prompt_tokens, gen.completion_tokens, rendered)
+        async def run() -> Choices:
+            choices = Choices(self.core, self.tokenizer, spec, chat)
+            await choices.start(rid, received)
+            try:
+                await choices.finish()
+            finally:
+                choices.close()
+            return choices
+
+        choices = await unless_disconnected(request, run())
+        builder = ResponseBuilder(chat, rid, self.config.model_name, int(choices.arrival))
+        body = builder.full(choices.results(), choices.prompt_tokens, choices.completion_tokens)
         return JSONResponse(body)
 
-    def _logprobs(self, spec: GenerationSpec, chat: bool) -> LogprobText | None:
-        """The renderer of a request's log-probabilities, None when it asked for none."""
-        if spec.sampling.logprobs is None:
-            return None
-        return LogprobText(self.tokenizer, chat, spec.tokens_as_ids)
-
     async def _stream(self, request: Request, spec: GenerationSpec, chat: bool, received: float) -> Response:
-        gen, first = await unless_disconnected(request, self._start(request, spec, received))
-        created = int(gen.flight.arrival)
-        builder = ResponseBuilder(chat, gen.flight.rid, self.config.model_name, created, spec.include_usage)
-        events = self._events(gen, builder, first, self._logprobs(spec, chat))
-        return _Stream(events, lambda: self.core.release(gen.flight, None))
+        rid = request.scope.get(REQUEST_ID) or uuid.uuid4().hex
+        choices = Choices(self.core, self.tokenizer, spec, chat)
+        await unless_disconnected(request, choices.start(rid, received))
+        created = int(choices.arrival)
+        builder = ResponseBuilder(chat, rid, self.config.model_name, created, spec.include_usage)
+        return _Stream(self._events(choices, builder), choices.close)
 
-    async def _events(
-        self, gen: TextGeneration, builder: ResponseBuilder, delta: Delta, logprobs: LogprobText | None
-    ) -> AsyncGenerator[bytes, None]:
-        finish: str | None = None
-        failed = False
+    async def _events(self, choices: Choices, builder: ResponseBuilder) -> AsyncGenerator[bytes, None]:
+        finished = failed = False
         try:
             if builder.chat:
-                yield builder.role_chunk()
-            while True:
-                if delta.text or (logprobs is not None and delta.logprobs):
-                    yield builder.text_chunk(delta.text, logprobs and logprobs.render(delta.logprobs))
+                for choice in choices.items:
+                    yield builder.role_chunk(choice.index)
+            async for choice, delta in choices.deltas():
+                if delta.text or (choice.logprobs is not None and delta.logprobs):
+                    yield builder.text_chunk(delta.text, choice.rendered(delta), choice.index)
                 if delta.finish_reason is not None:
-                    yield builder.finish_chunk(delta.finish_reason)
-                    break
-                delta = await gen.next()
+                    yield builder.finish_chunk(delta.finish_reason, choice.index)
             if builder.include_usage:
-                yield builder.usage_chunk(gen.prompt_tokens, gen.completion_tokens)
-            finish = gen.finish_reason
+                yield builder.usage_chunk(choices.prompt_tokens, choices.completion_tokens)
+            finished = True
             yield DONE
         except ApiError as exc:
             failed = True
@@ -249,16 +224,16 @@ class Router:
             yield DONE
         except Exception:  # a bug, after the 200 went out: the client still gets an error event, not a cut
             failed = True
-            log.exception("streaming %s failed", gen.flight.rid)
+            log.exception("streaming %s failed", builder.rid)
             self.metrics.request_errors.labels(reason="internal").inc()
             yield sse(
                 ApiError(500, "Internal server error.", type="server_error", code="internal_error").body()
             )
             yield DONE
         finally:
-            if finish is None and not failed:
+            if not finished and not failed:
                 self.metrics.request_errors.labels(reason="client_disconnect").inc()
-            self.core.release(gen.flight, finish)
+            choices.close()
 
 
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:

@@ -8,6 +8,7 @@ the last the finish reason) and `text_completion` for both forms of the legacy e
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,36 +45,38 @@ class ResponseBuilder:
 
     def full(
         self,
-        text: str,
-        finish_reason: str,
+        choices: Sequence[tuple[str, str | None, dict[str, Any] | None]],
         prompt_tokens: int,
         completion_tokens: int,
-        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response (`logprobs`: the choice's, services/router/logprobs.py)."""
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(finish_reason=finish_reason, logprobs=logprobs)
+        """The non-streaming response: each choice's (text, finish reason, logprobs
+        (services/router/logprobs.py)), in index order."""
+        body = []
+        for index, (text, finish_reason, logprobs) in enumerate(choices):
+            if self.chat:
+                choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": index, "text": text}
+            choice.update(finish_reason=finish_reason, logprobs=logprobs)
+            body.append(choice)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": body,
             "usage": usage(prompt_tokens, completion_tokens),
         }
 
-    def role_chunk(self) -> bytes:
-        """The first chat chunk: the assistant role, no content yet."""
-        return self._chunk({"role": "assistant", "content": ""}, None)
+    def role_chunk(self, index: int = 0) -> bytes:
+        """A chat choice's first chunk: the assistant role, no content yet."""
+        return self._chunk(index, {"role": "assistant", "content": ""}, None)
 
-    def text_chunk(self, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
-        return self._chunk({"content": text} if self.chat else text, None, logprobs)
+    def text_chunk(self, text: str, logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
+        return self._chunk(index, {"content": text} if self.chat else text, None, logprobs)
 
-    def finish_chunk(self, finish_reason: str) -> bytes:
-        return self._chunk({} if self.chat else "", finish_reason)
+    def finish_chunk(self, finish_reason: str, index: int = 0) -> bytes:
+        return self._chunk(index, {} if self.chat else "", finish_reason)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         body = self._envelope()
@@ -81,12 +84,16 @@ class ResponseBuilder:
         return sse(body)
 
     def _chunk(
-        self, delta: dict[str, str] | str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+        self,
+        index: int,
+        delta: dict[str, str] | str,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": delta}
+            choice = {"index": index, "text": delta}
         choice.update(finish_reason=finish_reason, logprobs=logprobs)
         body = self._envelope()
         body["choices"] = [choice]

@@ -124,3 +124,18 @@ def test_penalties_biases_and_min_tokens_sample_what_the_engine_samples(
     want = engine.generate([PROMPT], msgspec.structs.replace(params, max_tokens=LONG))[0].token_ids
     plain = SamplingParams(temperature=params.temperature, seed=params.seed, max_tokens=LONG)
     assert ids == want and want != engine.generate([PROMPT], plain)[0].token_ids
+
+
+def test_seeded_choices_are_the_engines_with_seeds_in_turn(server, model) -> None:
+    """n = 3 at seed 21: choice i is what the engine samples at seed 21 + i."""
+    out = server.client().completions.create(
+        model=model.name, prompt=PROMPT, max_tokens=TOKENS, n=3, temperature=1.0, seed=21, logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    got = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in out.choices]
+    engine = Engine(model, dtype=torch.float32, max_seqs=3)
+    params = [
+        SamplingParams(temperature=1.0, seed=21 + i, max_tokens=TOKENS, ignore_eos=True) for i in range(3)
+    ]
+    assert got == [r.token_ids for r in engine.generate([PROMPT] * 3, params)]
+    assert len({tuple(g) for g in got}) == 3

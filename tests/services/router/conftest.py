@@ -2,9 +2,10 @@
 prefill and decode workers, which binds their inboxes and answers `Generate` with `Tokens` events.
 
 The peer picks its behaviour from a tag in the prompt: `[slow]` streams until aborted, `[error]` fails at
-once, `[error-mid]` fails after a few tokens, `[abort]` is aborted by the worker, `[shuffle]` sends decode's
-events before prefill's first token; anything else gets `REPLY` (tokens of the real tokenizer) then EOS,
-with `peer_logprobs` when the request asks for log-probabilities.
+once, `[error-second]` fails the second of a request's choices at once, `[error-mid]` fails after a few
+tokens, `[abort]` is aborted by the worker, `[shuffle]` sends decode's events before prefill's first token;
+anything else gets `REPLY` (tokens of the real tokenizer) then EOS, with `peer_logprobs` when the request
+asks for log-probabilities.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ class Peer:
     def _plan(self, gen: Generate) -> Plan:
         prompt = self.tok.decode(gen.prompt_ids)
         rid, n_prompt, limit = gen.rid, len(gen.prompt_ids), gen.sampling.max_tokens
-        if "[error]" in prompt:
+        if "[error]" in prompt or ("[error-second]" in prompt and rid.endswith("-1")):
             return iter([(0.0, "prefill", Tokens(rid, [], "error", error="out of KV pages"))])
         if "[slow]" in prompt:
             return self._slow(rid, n_prompt, limit)

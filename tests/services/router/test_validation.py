@@ -62,7 +62,7 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
     ("body", "param"),
     [
         ({**CHAT, "temperature": "hot"}, "temperature"),
-        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "n": 17}, "n"),
         ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({**CHAT, "messages": "hello"}, "messages"),
         ({"model": "tiny"}, "messages"),

@@ -1,0 +1,149 @@
+"""A request's `n` choices: a generation each (its own flight at the workers), started together and read as
+one.
+
+Each choice is a request of its own to the workers: admitted in its own slot, prefilled and decoded on its
+own (the workers share no prompt state between requests). Choice i samples with the request's seed + i, so
+that seeded choices differ from each other and each is reproducible; without a seed each draws its own.
+Either every choice starts or none stays: a choice refused at admission (429, 503) or failed before its
+first token closes the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from common.openai_api import INT64_MIN, GenerationSpec
+from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
+from services.router.core import RouterCore
+from services.router.generation import Delta, TextGeneration
+from services.router.logprobs import LogprobText
+
+
+@dataclass
+class Choice:
+    """One of a request's choices: its generation (once admitted), its first delta, its logprob renderer."""
+
+    index: int
+    logprobs: LogprobText | None
+    first: asyncio.Future[Delta] = field(default_factory=asyncio.Future)
+    gen: TextGeneration | None = None
+
+    def rendered(self, delta: Delta) -> dict[str, Any] | None:
+        """`delta`'s log-probabilities as a chunk carries them, None when the request asked for none."""
+        return None if self.logprobs is None else self.logprobs.render(delta.logprobs)
+
+
+class Choices:
+    """Starts, reads and releases the choices of one request (`spec.n` of them).
+
+    Each choice runs in a task of its own from admission to its last token, which frees its slot at once:
+    a request whose choices outnumber the free slots does not wait on itself."""
+
+    def __init__(self, core: RouterCore, tokenizer: Tokenizer, spec: GenerationSpec, chat: bool) -> None:
+        self.core, self.tokenizer, self.spec, self.chat = core, tokenizer, spec, chat
+        renderer = spec.sampling.logprobs is not None
+        self.items = [
+            Choice(i, LogprobText(tokenizer, chat, spec.tokens_as_ids) if renderer else None)
+            for i in range(spec.n)
+        ]
+        self._later: asyncio.Queue[tuple[Choice, Delta | Exception]] = asyncio.Queue()
+        """Every choice's deltas after its first, as they come (or the error that ended it)."""
+        self._tasks: list[asyncio.Future[None]] = []
+
+    async def start(self, rid: str, received: float) -> None:
+        """Admit every choice and wait for each one's first delta (so that early errors get a proper
+        status); on any failure, or cancellation, close them all and raise."""
+        self._tasks = [asyncio.ensure_future(self._run(c, rid, received)) for c in self.items]
+        try:
+            for choice in self.items:
+                await asyncio.shield(choice.first)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _run(self, choice: Choice, rid: str, received: float) -> None:
+        spec = self.spec
+        name = rid if spec.n == 1 else f"{rid}-{choice.index}"
+        try:
+            flight = await self.core.submit(
+                spec.prompt_ids, self._sampling(choice.index), received, name, spec.images
+            )
+            choice.gen = gen = TextGeneration(flight, self.tokenizer, spec.stop)
+            delta = await gen.next()
+            choice.first.set_result(delta)
+            while delta.finish_reason is None:
+                delta = await gen.next()
+                self._later.put_nowait((choice, delta))
+            self.core.release(gen.flight, gen.finish_reason)
+        except Exception as exc:  # the reader raises it
+            if choice.first.done():
+                self._later.put_nowait((choice, exc))
+            else:
+                choice.first.set_exception(exc)
+
+    def _sampling(self, index: int) -> SamplingParams:
+        sampling = self.spec.sampling
+        if sampling.seed is None or index == 0:
+            return sampling
+        seed = (sampling.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN  # wraps within int64
+        return msgspec.structs.replace(sampling, seed=seed)
+
+    async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
+        """Every choice's deltas: the first ones in index order, then the rest as they come, until each has
+        finished; raises the first error of any (ApiError for a failed generation)."""
+        firsts = [(c, c.first.result()) for c in self.items]
+        for choice, delta in firsts:
+            yield choice, delta
+        open_ = sum(delta.finish_reason is None for _, delta in firsts)
+        while open_:
+            choice, item = await self._later.get()
+            if isinstance(item, Exception):
+                raise item
+            yield choice, item
+            open_ -= item.finish_reason is not None
+
+    async def finish(self) -> None:
+        """Read every choice to its end."""
+        async for _ in self.deltas():
+            pass
+
+    def close(self) -> None:
+        """Every choice is over for the router (idempotent): its task stopped, its slot freed, aborted at
+        the workers unless they finished it."""
+        for task in self._tasks:
+            task.cancel()
+        for choice in self.items:
+            if choice.gen is not None:
+                self.core.release(choice.gen.flight, choice.gen.finish_reason)
+            if choice.first.done() and not choice.first.cancelled():
+                choice.first.exception()  # retrieved: a failure past the first is the reader's to report
+            else:
+                choice.first.cancel()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.spec.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.gen.completion_tokens for c in self.items if c.gen is not None)
+
+    @property
+    def arrival(self) -> float:
+        gen = self.items[0].gen
+        assert gen is not None, "the choices have not started"
+        return gen.flight.arrival
+
+    def results(self) -> Sequence[tuple[str, str | None, dict[str, Any] | None]]:
+        """Each choice's text, finish reason and log-probabilities, once all have finished."""
+        done = [(c, c.gen) for c in self.items if c.gen is not None]
+        return [
+            (g.text, g.finish_reason, None if c.logprobs is None else c.logprobs.render(g.logprobs))
+            for c, g in done
+        ]

@@ -1,0 +1,95 @@
+"""`n` choices: a request of its own to the workers each (their ids `<request id>-i`, seeds the request's
++ i), read as one response, streamed and not; a choice that fails fails the request and aborts the others;
+one refused at admission gives the others' slots back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from common.tokenizer import Tokenizer
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def client(served: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def test_three_choices_three_requests(served: Any, tok: Tokenizer, reply: str) -> None:
+    response = httpx.post(f"{served.url}/v1/chat/completions", json={**CHAT, "n": 3, "seed": 7}, timeout=10)
+    body = response.json()
+    rid = response.headers["x-request-id"]
+    assert body["id"] == f"chatcmpl-{rid}"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == reply and c["finish_reason"] == "stop" for c in body["choices"])
+    each = len(tok.encode(reply)) + 1
+    assert body["usage"]["completion_tokens"] == 3 * each
+    assert body["usage"]["prompt_tokens"] == len(tok.apply_chat_template(CHAT["messages"], tokenize=True))
+    gens = {g.rid: g for g in served.peer.generates() if g.rid.startswith(rid)}
+    assert sorted(gens) == [f"{rid}-{i}" for i in range(3)]
+    assert [gens[f"{rid}-{i}"].sampling.seed for i in range(3)] == [7, 8, 9]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_streamed_choices_carry_their_index(served: Any, reply: str, chat: bool) -> None:
+    if chat:
+        stream = client(served).chat.completions.create(
+            **CHAT, n=2, stream=True, stream_options={"include_usage": True}, logprobs=True
+        )
+    else:
+        stream = client(served).completions.create(
+            model="tiny", prompt="x", n=2, stream=True, stream_options={"include_usage": True}, logprobs=0
+        )
+    chunks = list(stream)
+    texts, finishes, logprobs = {0: "", 1: ""}, {}, {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += (choice.delta.content or "") if chat else choice.text
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+        if choice.logprobs:
+            logprobs[choice.index] += len(choice.logprobs.content if chat else choice.logprobs.tokens)
+    assert texts == {0: reply, 1: reply} and finishes == {0: "stop", 1: "stop"}
+    assert logprobs[0] == logprobs[1] == chunks[-1].usage.completion_tokens // 2
+
+
+def test_a_failed_choice_fails_the_request_and_aborts_the_others(served: Any, wait_until: Any) -> None:
+    before = len(served.peer.generates())
+    with pytest.raises(openai.InternalServerError):
+        client(served).completions.create(model="tiny", prompt="[error-second] [slow]", n=3, max_tokens=200)
+    rids = [g.rid for g in served.peer.generates()[before:]]
+    assert len(rids) == 3
+    for rid in (rids[0], rids[2]):
+        wait_until(lambda rid=rid: served.peer.aborted_by(rid) == {"prefill", "decode"})
+    wait_until(lambda: httpx.get(f"{served.url}/health", timeout=5).json()["router"]["running"] == 0)
+
+
+def test_choices_past_the_queue_give_their_slots_back(serve_router: Any, wait_until: Any) -> None:
+    with serve_router(max_running=1, max_queue=1) as served:
+        response = httpx.post(f"{served.url}/v1/completions", json={"model": "tiny", "prompt": "x", "n": 3})
+        assert response.status_code == 429, response.text
+        wait_until(lambda: httpx.get(f"{served.url}/health", timeout=5).json()["router"]["running"] == 0)
+        ok = httpx.post(
+            f"{served.url}/v1/completions", json={"model": "tiny", "prompt": "x", "n": 1}, timeout=10
+        )
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_one_choice_keeps_the_request_id(served: Any) -> None:
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=CHAT, timeout=10)
+    rid = response.headers["x-request-id"]
+    assert any(g.rid == rid for g in served.peer.generates())
+    assert [c["index"] for c in response.json()["choices"]] == [0]
+
+
+def test_more_choices_than_slots_run_in_turn(serve_router: Any, reply: str) -> None:
+    """Each choice frees its slot as it finishes, so the next one is admitted: no wait on itself."""
+    with serve_router(max_running=1, max_queue=4) as served:
+        body = {"model": "tiny", "prompt": "x", "n": 3, "stream": True}
+        chunks = list(client(served).completions.create(**body))
+        texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
+        assert texts == [reply] * 3
