@@ -115,7 +115,7 @@ class StopStrings:
             self.matched = first[2]
             self._held = ""
             return buffer[: first[1]]
-        keep = self._partial_suffix(buffer)
+        keep = partial_suffix(buffer, self._stops)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
 
@@ -124,12 +124,14 @@ class StopStrings:
         out, self._held = ("" if self.matched is not None else self._held), ""
         return out
 
-    def _partial_suffix(self, buffer: str) -> int:
-        """Length of the longest suffix of `buffer` that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stops:
-            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if buffer.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
+
+def partial_suffix(text: str, strings: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `strings` (text that may
+    still become one of them)."""
+    longest = 0
+    for string in strings:
+        for size in range(min(len(string) - 1, len(text)), longest, -1):
+            if text.endswith(string[:size]):
+                longest = size
+                break
+    return longest

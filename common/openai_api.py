@@ -3,9 +3,9 @@
 Requests are parsed from the raw body with pydantic in strict JSON mode, so `"temperature": "1"` is an
 error as it is for OpenAI, and every problem — malformed JSON included — becomes an `ApiError` with the
 OpenAI error object (`{"error": {"message", "type", "param", "code"}}`). Unknown fields are ignored, as
-OpenAI ignores them; known fields whose feature Spillway lacks (echo, best_of, tools, structured output) are
-refused when set to anything but their neutral value, rather than silently ignored, because ignoring them
-would change what the client gets.
+OpenAI ignores them; known fields whose feature Spillway lacks (echo, best_of, tool_choice "required",
+structured output) are refused when set to anything but their neutral value, rather than silently ignored,
+because ignoring them would change what the client gets.
 
 Length rule: a prompt that leaves no room for one generated token is refused (400, naming both numbers);
 a `max_tokens` that would overflow the context is clamped to what is left, and the finish reason `length`
@@ -229,6 +229,8 @@ class GenerationSpec:
     """The prompt's images (their files), in its order: the encoder's."""
     tokens_as_ids: bool = False
     """Log-probabilities name tokens `token_id:N` instead of by their text (vLLM's extension)."""
+    tool_tags: tuple[str, str] | None = None
+    """The tags of the function calls to read out of a chat's text (common/tool_calls.py); None: none."""
     n: int = 1
     """Choices to generate."""
 
@@ -244,18 +246,53 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
+def chat_tools(request: ChatCompletionRequest, tags: tuple[str, str] | None) -> list[JsonValue] | None:
+    """The tools the chat template lists for the model (None: none, or `tool_choice` "none"); `tags`: how
+    the model's calls are read from its text (common/tool_calls.py), None where its template has no form
+    for them. "required" and a named function are refused: only constrained decoding could force them."""
+    if request.tool_choice not in (None, "auto", "none"):
+        raise bad_request(
+            "tool_choice must be 'auto' or 'none': forcing a call needs constrained decoding, which Spillway "
+            "does not do.",
+            "tool_choice",
+            "unsupported",
+        )
+    if not request.tools or request.tool_choice == "none":
+        return None
+    if tags is None:
+        raise bad_request(
+            "This model's chat template has no form of function call that Spillway reads (<tool_call> "
+            "blocks); tool definitions can still reach it through chat_template_kwargs.",
+            "tools",
+            "unsupported",
+        )
+    for i, tool in enumerate(request.tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        named = isinstance(function, dict) and isinstance(function.get("name"), str)
+        if not (named and tool.get("type") == "function"):
+            raise bad_request(
+                'A tool is {"type": "function", "function": {"name": ..., ...}}.', f"tools[{i}]"
+            )
+    return list(request.tools)
+
+
 def chat_prompt_ids(
-    request: ChatCompletionRequest, tokenizer: Tokenizer, prompting: ImagePrompting | None = None
+    request: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    prompting: ImagePrompting | None = None,
+    tools: list[JsonValue] | None = None,
 ) -> tuple[list[int], list[ChatImage]]:
-    """The chat template applied to the messages, tokenized (with a generation prompt), and the images of
-    their `image_url` parts, each image's tokens in the prompt (`prompting`: how the model takes images;
-    None: a 400 for any image)."""
+    """The chat template applied to the messages (and `tools`, from `chat_tools`), tokenized (with a
+    generation prompt), and the images of their `image_url` parts, each image's tokens in the prompt
+    (`prompting`: how the model takes images; None: a 400 for any image)."""
     images: list[ChatImage] = []
     messages = [_template_message(i, m, prompting, images) for i, m in enumerate(request.messages)]
     kwargs = dict(request.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}.", "chat_template_kwargs")
+    if tools is not None:
+        kwargs["tools"] = tools
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     except jinja2.TemplateError as exc:
@@ -346,17 +383,10 @@ def chat_spec(
     """Check a chat request's parameters and build its internal form (`vocab`: the tokenizer's size)."""
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    if request.tools or request.functions:
-        param = "tools" if request.tools else "functions"
-        raise bad_request(
-            "Tool calls are not supported (the output is not parsed for them); tool definitions can reach "
-            "the chat template through chat_template_kwargs.",
-            param,
-            "unsupported",
-        )
-    for name in ("tool_choice", "function_call"):
-        if getattr(request, name) not in (None, "none"):
-            raise bad_request(f"{name} is not supported.", name, "unsupported")
+    if request.functions:
+        raise bad_request("functions is deprecated: give tools.", "functions", "unsupported")
+    if request.function_call not in (None, "none"):
+        raise bad_request("function_call is deprecated: give tool_choice.", "function_call", "unsupported")
     max_tokens = request.max_completion_tokens or request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return _spec(request, prompt_ids, max_context, vocab, max_tokens, logprobs)

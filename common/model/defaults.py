@@ -8,6 +8,10 @@ import tempfile
 from pathlib import Path
 
 DEFAULT_ARCH = "qwen3_moe"
+REVISION = "2"
+"""The embedded model's revision: a cached one of another is written again (2: the chat template lists
+tools and reads and writes tool calls)."""
+REVISION_FILE = ".spillway-revision"
 
 
 def cache_dir() -> Path:
@@ -18,9 +22,10 @@ def cache_dir() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The tiny model's directory, written on first use (atomically: a crash leaves no half model)."""
+    """The tiny model's directory, written on first use and again when the cached one is of an older
+    revision (atomically: a crash leaves no half model)."""
     target = cache_dir() / "models" / f"tiny-{DEFAULT_ARCH}"
-    if (target / "config.json").is_file():
+    if _current(target):
         return target
     from common.model.synthetic import make_model
 
@@ -28,10 +33,21 @@ def default_model_dir() -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
         make_model(staging, preset="tiny", arch=DEFAULT_ARCH)
+        (staging / REVISION_FILE).write_text(REVISION)
+        if target.exists():  # an older revision: moved aside, then removed
+            shutil.move(target, Path(tempfile.mkdtemp(prefix=".old-", dir=target.parent)) / "model")
         staging.rename(target)
     except OSError:
-        if not (target / "config.json").is_file():  # lost a race to another process: theirs is complete
+        if not _current(target):  # lost a race to another process: theirs is complete
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        for old in target.parent.glob(".old-*"):
+            shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _current(model_dir: Path) -> bool:
+    """Whether `model_dir` holds a complete default model of this revision."""
+    revision = model_dir / REVISION_FILE
+    return (model_dir / "config.json").is_file() and revision.is_file() and revision.read_text() == REVISION

@@ -62,12 +62,33 @@ PRETOKENIZE_REGEX = (
 )
 
 # ChatML, as Qwen-style checkpoints use it. Content may be a string or a list of {"type": "text"} parts;
-# parts of other types are skipped. Roles other than system/user/assistant are rejected.
+# parts of other types are skipped. Roles other than system/user/assistant/tool are rejected. With `tools`,
+# a system turn lists their schemas and asks for each call as a <tool_call> block holding a JSON object (the
+# Hermes/Qwen convention); an assistant's `tool_calls` are rendered so, a tool's answer as a user turn.
 CHAT_TEMPLATE = """\
-{%- for message in messages %}
-    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
-        {{- raise_exception("Unsupported role '" ~ message['role'] ~ "': use system, user or assistant") }}
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' and messages[0]['content'] is string %}
+        {{- messages[0]['content'] + '\\n\\n' }}
     {%- endif %}
+    {{- 'You can call these functions (JSON schemas, one a line):\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\\n</tools>\\nTo call one, answer with a block <tool_call>\\n' }}
+    {{- '{\\"name\\": ..., \\"arguments\\": {...}}\\n' }}
+    {{- '</tool_call> for each call.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}
+        {{- raise_exception("Unsupported role '" ~ message['role']
+                            ~ "': use system, user, assistant or tool") }}
+    {%- endif %}
+    {%- if tools and loop.first and message['role'] == 'system' and message['content'] is string %}
+    {%- elif message['role'] == 'tool' %}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] }}
+        {{- '\\n</tool_response><|im_end|>\\n' }}
+    {%- else %}
     {{- '<|im_start|>' + message['role'] + '\\n' }}
     {%- if message['content'] is string %}
         {{- message['content'] }}
@@ -78,12 +99,22 @@ CHAT_TEMPLATE = """\
             {%- endif %}
         {%- endfor %}
     {%- endif %}
+    {%- for call in message['tool_calls'] or [] %}
+        {%- set function = call['function'] if call['function'] is defined else call %}
+        {%- set arguments = function['arguments'] %}
+        {%- set arguments = arguments if arguments is string else arguments | tojson %}
+        {{- '\\n<tool_call>\\n{\\"name\\": \\"' + function['name'] + '\\", \\"arguments\\": ' }}
+        {{- arguments + '}\\n</tool_call>' }}
+    {%- endfor %}
     {{- '<|im_end|>\\n' }}
+    {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+"""How the synthetic template asks a model to call a function (Hermes' and Qwen's convention)."""
 
 # The same for vision tokenizers, except that an `image` or `image_url` content part is rendered as
 # `<|vision_start|><|image_pad|><|vision_end|>` in its place, as in Qwen2-VL/Qwen3-VL's templates.

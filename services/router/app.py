@@ -29,6 +29,7 @@ from common.chat_images import ImagePrompting
 from common.metrics import RouterMetrics, new_registry, render, serve
 from common.openai_api import ApiError, GenerationSpec
 from common.tokenizer import Tokenizer
+from common.tool_calls import tool_call_tags
 from services.router.choices import Choices
 from services.router.config import RouterConfig, model_max_context
 from services.router.core import RouterCore
@@ -106,6 +107,8 @@ class Router:
         encoder = self.core.encoder is not None
         self.prompting = ImagePrompting.from_model_dir(config.model_dir, tokenizer) if encoder else None
         """How chats' images become prompt tokens (None: no encoder runs; an image is a 400)."""
+        self.tool_tags = tool_call_tags(tokenizer)
+        """How the model's function calls are read from its text (None: its template asks for none)."""
 
     @property
     def max_context(self) -> int:
@@ -130,12 +133,14 @@ class Router:
         self.authorize(request)
         body = api.parse_chat_request(await request.body())
         api.check_model(body.model, self.config.model_name)
+        tools = api.chat_tools(body, self.tool_tags)
         prompt_ids, images = await asyncio.to_thread(
-            api.chat_prompt_ids, body, self.tokenizer, self.prompting
+            api.chat_prompt_ids, body, self.tokenizer, self.prompting, tools
         )
         spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
         self.core.check_images(sum(image.tokens for image in images))
-        spec = dataclasses.replace(spec, images=tuple(image.raw for image in images))
+        tags = None if tools is None else self.tool_tags
+        spec = dataclasses.replace(spec, images=tuple(image.raw for image in images), tool_tags=tags)
         return await self._serve(request, spec, chat=True, received=received)
 
     async def completions(self, request: Request) -> Response:
@@ -209,10 +214,14 @@ class Router:
                 for choice in choices.items:
                     yield builder.role_chunk(choice.index)
             async for choice, delta in choices.deltas():
-                if delta.text or (choice.logprobs is not None and delta.logprobs):
-                    yield builder.text_chunk(delta.text, choice.rendered(delta), choice.index)
-                if delta.finish_reason is not None:
-                    yield builder.finish_chunk(delta.finish_reason, choice.index)
+                content, calls, finish = choice.streamed(delta)
+                if content or (choice.logprobs is not None and delta.logprobs):
+                    yield builder.text_chunk(content, choice.rendered(delta), choice.index)
+                for k, call in enumerate(calls):  # numbered within the choice
+                    number = choice.calls.calls - len(calls) + k
+                    yield builder.tool_call_chunk(call.as_openai(), number, choice.index)
+                if finish is not None:
+                    yield builder.finish_chunk(finish, choice.index)
             if builder.include_usage:
                 yield builder.usage_chunk(choices.prompt_tokens, choices.completion_tokens)
             finished = True

@@ -11,7 +11,7 @@ first token closes the others.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,23 +20,55 @@ import msgspec
 from common.openai_api import INT64_MIN, GenerationSpec
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
+from common.tool_calls import ToolCall, ToolCallStream, split_tool_calls
 from services.router.core import RouterCore
 from services.router.generation import Delta, TextGeneration
 from services.router.logprobs import LogprobText
+from services.router.responses import ChoiceResult
 
 
 @dataclass
 class Choice:
-    """One of a request's choices: its generation (once admitted), its first delta, its logprob renderer."""
+    """One of a request's choices: its generation (once admitted), its first delta, its logprob renderer
+    and the reader of its function calls (None: the request gave no tools)."""
 
     index: int
     logprobs: LogprobText | None
+    calls: ToolCallStream | None
     first: asyncio.Future[Delta] = field(default_factory=asyncio.Future)
     gen: TextGeneration | None = None
 
     def rendered(self, delta: Delta) -> dict[str, Any] | None:
         """`delta`'s log-probabilities as a chunk carries them, None when the request asked for none."""
         return None if self.logprobs is None else self.logprobs.render(delta.logprobs)
+
+    def streamed(self, delta: Delta) -> tuple[str, list[ToolCall], str | None]:
+        """`delta` as a stream shows it: its content (less any function calls), the calls it completes,
+        and its finish reason ("tool_calls" for a choice that called any and stopped)."""
+        if self.calls is None:
+            return delta.text, [], delta.finish_reason
+        content, calls = self.calls.push(delta.text)
+        if delta.finish_reason is None:
+            return content, calls, None
+        content += self.calls.flush()
+        return content, calls, _finish(delta.finish_reason, self.calls.calls)
+
+    def result(self) -> ChoiceResult:
+        """The finished choice's text (less its calls), finish reason, log-probabilities and calls."""
+        gen = self.gen
+        assert gen is not None and gen.finish_reason is not None, "the choice has not finished"
+        logprobs = None if self.logprobs is None else self.logprobs.render(gen.logprobs)
+        if self.calls is None:
+            return ChoiceResult(gen.text, gen.finish_reason, logprobs)
+        content, calls = split_tool_calls(gen.text, (self.calls.start, self.calls.end))
+        text = content if content.strip() or not calls else None
+        listed = [call.as_openai() for call in calls] or None
+        return ChoiceResult(text, _finish(gen.finish_reason, len(calls)), logprobs, listed)
+
+
+def _finish(reason: str, calls: int) -> str:
+    """A chat's finish reason: "tool_calls" where it called functions and stopped."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 class Choices:
@@ -49,7 +81,11 @@ class Choices:
         self.core, self.tokenizer, self.spec, self.chat = core, tokenizer, spec, chat
         renderer = spec.sampling.logprobs is not None
         self.items = [
-            Choice(i, LogprobText(tokenizer, chat, spec.tokens_as_ids) if renderer else None)
+            Choice(
+                i,
+                LogprobText(tokenizer, chat, spec.tokens_as_ids) if renderer else None,
+                None if spec.tool_tags is None else ToolCallStream(spec.tool_tags),
+            )
             for i in range(spec.n)
         ]
         self._later: asyncio.Queue[tuple[Choice, Delta | Exception]] = asyncio.Queue()
@@ -140,10 +176,6 @@ class Choices:
         assert gen is not None, "the choices have not started"
         return gen.flight.arrival
 
-    def results(self) -> Sequence[tuple[str, str | None, dict[str, Any] | None]]:
-        """Each choice's text, finish reason and log-probabilities, once all have finished."""
-        done = [(c, c.gen) for c in self.items if c.gen is not None]
-        return [
-            (g.text, g.finish_reason, None if c.logprobs is None else c.logprobs.render(g.logprobs))
-            for c, g in done
-        ]
+    def results(self) -> list[ChoiceResult]:
+        """Each choice's result, once all have finished."""
+        return [c.result() for c in self.items]

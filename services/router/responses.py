@@ -29,6 +29,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
+class ChoiceResult:
+    """What a finished choice says: its text (None: a chat message of calls alone), finish reason,
+    log-probabilities (services/router/logprobs.py) and function calls (OpenAI's `tool_calls` entries)."""
+
+    text: str | None
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
 class ResponseBuilder:
     """Builds the bodies of one request's response (chat or text completion)."""
 
@@ -44,20 +55,19 @@ class ResponseBuilder:
         return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.rid}"
 
     def full(
-        self,
-        choices: Sequence[tuple[str, str | None, dict[str, Any] | None]],
-        prompt_tokens: int,
-        completion_tokens: int,
+        self, choices: Sequence[ChoiceResult], prompt_tokens: int, completion_tokens: int
     ) -> dict[str, Any]:
-        """The non-streaming response: each choice's (text, finish reason, logprobs
-        (services/router/logprobs.py)), in index order."""
+        """The non-streaming response, its choices in index order."""
         body = []
-        for index, (text, finish_reason, logprobs) in enumerate(choices):
+        for index, result in enumerate(choices):
             if self.chat:
-                choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
+                message: dict[str, Any] = {"role": "assistant", "content": result.text}
+                if result.tool_calls:
+                    message["tool_calls"] = result.tool_calls
+                choice: dict[str, Any] = {"index": index, "message": message}
             else:
-                choice = {"index": index, "text": text}
-            choice.update(finish_reason=finish_reason, logprobs=logprobs)
+                choice = {"index": index, "text": result.text}
+            choice.update(finish_reason=result.finish_reason, logprobs=result.logprobs)
             body.append(choice)
         return {
             "id": self.id,
@@ -75,6 +85,10 @@ class ResponseBuilder:
     def text_chunk(self, text: str, logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
         return self._chunk(index, {"content": text} if self.chat else text, None, logprobs)
 
+    def tool_call_chunk(self, call: dict[str, Any], call_index: int, index: int = 0) -> bytes:
+        """A chat choice's function call, whole in one chunk (`call`: an OpenAI `tool_calls` entry)."""
+        return self._chunk(index, {"tool_calls": [{"index": call_index, **call}]}, None)
+
     def finish_chunk(self, finish_reason: str, index: int = 0) -> bytes:
         return self._chunk(index, {} if self.chat else "", finish_reason)
 
@@ -86,7 +100,7 @@ class ResponseBuilder:
     def _chunk(
         self,
         index: int,
-        delta: dict[str, str] | str,
+        delta: dict[str, Any] | str,
         finish_reason: str | None,
         logprobs: dict[str, Any] | None = None,
     ) -> bytes:

@@ -13,6 +13,7 @@ from common.model.defaults import default_model_dir
 from common.openai_api import ApiError
 from common.protocol import SamplingParams
 from common.tokenizer import Tokenizer
+from common.tool_calls import tool_call_tags
 
 CONTEXT = 64
 USER = [{"role": "user", "content": "Hi there"}]
@@ -24,8 +25,10 @@ def tok() -> Tokenizer:
 
 
 def chat(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
+    """As the router reads a chat: its tools, its prompt, its spec."""
     request = api.parse_chat_request(json.dumps({"model": "m", "messages": USER, **body}).encode())
-    return api.chat_spec(request, api.chat_prompt_ids(request, tok)[0], CONTEXT, tok.vocab_size)
+    tools = api.chat_tools(request, tool_call_tags(tok))
+    return api.chat_spec(request, api.chat_prompt_ids(request, tok, None, tools)[0], CONTEXT, tok.vocab_size)
 
 
 def completion(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
@@ -138,7 +141,7 @@ def test_prompt_longer_than_context_names_both_numbers(tok: Tokenizer) -> None:
         ({"logit_bias": {str(1 << 20): 1}}, "logit_bias"),
         ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0]"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
@@ -262,3 +265,14 @@ def test_unknown_model_is_404() -> None:
     api.check_model("tiny", "tiny")
     err = refused(api.check_model, "gpt-4", "tiny")
     assert err.status == 404 and err.param == "model" and "gpt-4" in err.message
+
+
+def test_tools_need_a_template_with_a_form_of_call(tok: Tokenizer) -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    request = api.parse_chat_request(json.dumps({"messages": USER, "tools": tools}).encode())
+    with pytest.raises(ApiError) as info:
+        api.chat_tools(request, None)
+    assert info.value.status == 400 and info.value.body()["error"]["param"] == "tools"
+    assert api.chat_tools(request, tool_call_tags(tok)) == tools
+    prompt = api.chat_prompt_ids(request, tok, None, api.chat_tools(request, tool_call_tags(tok)))[0]
+    assert tok.decode(prompt).count("<tool_call>") == 1  # the template asks for calls

@@ -233,8 +233,8 @@ def test_chat_template_format(tokenizer: Tokenizer) -> None:
 
 
 def test_synthetic_template_rejects_unknown_roles(tokenizer: Tokenizer) -> None:
-    with pytest.raises(jinja2.TemplateError, match="Unsupported role 'tool'"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "42"}])
+    with pytest.raises(jinja2.TemplateError, match="Unsupported role 'function'"):
+        tokenizer.apply_chat_template([{"role": "function", "content": "42"}])
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
@@ -440,3 +440,41 @@ def test_token_bytes_of_sentencepiece_pieces_and_byte_fallbacks() -> None:
     tok = Tokenizer(backend)
     assert tok.decode([257]) == "the"
     assert [tok.token_bytes(i) for i in (257, 258, 0xE2 + 1)] == [b" the", b"a", b"\xe2"]
+
+
+TOOL_CHAT = [
+    {"role": "system", "content": "Be useful."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "P"}'},
+            },
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "CET"}}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "18 C, clear"},
+]
+
+
+def test_synthetic_template_with_tools_matches_transformers(tokenizer: Tokenizer, hf_tokenizer: Any) -> None:
+    """The tools listed in a system turn, an assistant's calls as <tool_call> blocks (arguments given as
+    JSON text or as an object), a tool's answer as a user turn."""
+    text = tokenizer.apply_chat_template(TOOL_CHAT, tools=TOOLS)
+    hf = hf_tokenizer.apply_chat_template(TOOL_CHAT, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text == hf
+    assert text == (
+        "<|im_start|>system\nBe useful.\n\n"
+        "You can call these functions (JSON schemas, one a line):\n<tools>\n"
+        + json.dumps(TOOLS[0])
+        + '\n</tools>\nTo call one, answer with a block <tool_call>\n{"name": ..., "arguments": {...}}\n'
+        "</tool_call> for each call.<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n18 C, clear\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )

@@ -4,8 +4,8 @@ prefill and decode workers, which binds their inboxes and answers `Generate` wit
 The peer picks its behaviour from a tag in the prompt: `[slow]` streams until aborted, `[error]` fails at
 once, `[error-second]` fails the second of a request's choices at once, `[error-mid]` fails after a few
 tokens, `[abort]` is aborted by the worker, `[shuffle]` sends decode's events before prefill's first token;
-anything else gets `REPLY` (tokens of the real tokenizer) then EOS, with `peer_logprobs` when the request
-asks for log-probabilities.
+`[tool]` gets `TOOL_REPLY`, which calls a function; anything else gets `REPLY` (tokens of the real
+tokenizer) then EOS, with `peer_logprobs` when the request asks for log-probabilities.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ from common.transport import Inbox, Outbox, ipc_address, make_run_dir
 from services.router import RouterConfig, WorkerPair, create_app
 
 REPLY = "Hello from Spillway: café, 日本語 and 🙂 — done."
+TOOL_REPLY = (
+    'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
+)
 EOS = 2
 
 Plan = Iterator[tuple[float, str, Tokens]]
@@ -180,8 +184,9 @@ class Peer:
             return iter([(0.0, "prefill", Tokens(rid, [], "error", error="out of KV pages"))])
         if "[slow]" in prompt:
             return self._slow(rid, n_prompt, limit)
-        ids = [*self.reply_ids, EOS][:limit]
-        finish = "stop" if len(ids) == len(self.reply_ids) + 1 else "length"
+        reply = self.tok.encode(TOOL_REPLY) if "[tool]" in prompt else self.reply_ids
+        ids = [*reply, EOS][:limit]
+        finish = "stop" if len(ids) == len(reply) + 1 else "length"
         top = gen.sampling.logprobs
         rows = [] if top is None else [peer_logprobs(i, t, top) for i, t in enumerate(ids)]
         first = Tokens(
@@ -234,7 +239,7 @@ def serve_router(peer_ready: bool = True, **overrides: Any) -> Iterator[Served]:
         pairs=[WorkerPair(ipc_address(run_dir, "prefill"), ipc_address(run_dir, "decode"))],
         port=free_port(),
         max_running=8,
-        max_context=256,
+        max_context=512,
     )
     config = RouterConfig(**{**fields, **overrides})
     app = create_app(config)

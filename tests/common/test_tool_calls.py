@@ -1,0 +1,72 @@
+"""Reading function calls out of generated text: <tool_call> blocks become calls, everything else stays
+content (but the whitespace between a call and the next block), and streaming the text a character at a
+time reads what the whole text reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.tokenizer import Tokenizer
+from common.tool_calls import HERMES_TAGS, ToolCallStream, split_tool_calls, tool_call_tags
+
+TEXT = (
+    "Checking.\n<tool_call>\n"
+    '{"name": "weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n'
+    '<tool_call>{"name": "clock", "arguments": "{\\"zone\\": \\"CET\\"}"}</tool_call>'
+    '<tool_call>{"name": "nameless" </tool_call>'
+    '<tool_call>["not", "an", "object"]</tool_call> and <tool_'
+)
+CONTENT = (
+    "Checking.\n"
+    '<tool_call>{"name": "nameless" </tool_call><tool_call>["not", "an", "object"]</tool_call> and <tool_'
+)
+
+
+def test_blocks_become_calls_and_the_rest_stays() -> None:
+    content, calls = split_tool_calls(TEXT)
+    assert content == CONTENT
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("weather", {"city": "Zürich"}),
+        ("clock", {"zone": "CET"}),
+    ]
+    assert "Zürich" in calls[0].arguments  # as written, not \\u-escaped
+    assert len({c.id for c in calls}) == 2
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7])
+def test_streamed_a_piece_at_a_time_reads_the_same(piece: int) -> None:
+    stream, content, calls = ToolCallStream(), "", []
+    for at in range(0, len(TEXT), piece):
+        text, new = stream.push(TEXT[at : at + piece])
+        content += text
+        calls += new
+    content += stream.flush()
+    assert content == CONTENT and [c.name for c in calls] == ["weather", "clock"] and stream.calls == 2
+
+
+def test_an_unclosed_block_is_content_and_content_waits_only_for_a_possible_tag() -> None:
+    stream = ToolCallStream()
+    assert stream.push("Hi <tool") == ("Hi ", [])
+    assert stream.push('_call>{"name": "f", "argum') == ("", [])
+    assert stream.flush() == '<tool_call>{"name": "f", "argum'
+    assert ToolCallStream().push("a < b") == ("a < b", [])
+
+
+def test_the_tags_come_from_the_template(tmp_path) -> None:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    backend = Backend(models.WordLevel({"a": 0}, unk_token="a"))
+    assert tool_call_tags(Tokenizer(backend, chat_template="{{ messages }}")) is None
+    with_tools = Tokenizer(backend, chat_template={"default": "x", "tool_use": "<tool_call>{{ tools }}"})
+    assert tool_call_tags(with_tools) == HERMES_TAGS
+
+
+def test_whitespace_after_a_call_goes_unless_text_follows() -> None:
+    call = '<tool_call>{"name": "a"}</tool_call>'
+    assert split_tool_calls(call + "\n\n")[0] == ""
+    assert split_tool_calls(call + "\n" + call)[0] == ""
+    assert split_tool_calls(call + "\nDone.")[0] == "\nDone."
+    assert [c.arguments for c in split_tool_calls(call)[1]] == ["{}"]

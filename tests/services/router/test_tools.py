@@ -1,0 +1,109 @@
+"""Function calls through the router: the tools reach the chat template, the model's <tool_call> blocks
+come back as OpenAI `tool_calls` (streamed and not) with finish reason "tool_calls", a conversation that
+carries calls and their results is rendered as the template renders it, and what cannot be honoured is a
+400."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from common.tokenizer import Tokenizer
+from tests.services.router.conftest import TOOL_REPLY
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+ASK = [{"role": "user", "content": "[tool] Weather in Paris?"}]
+
+
+def client(served: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def test_a_call_comes_back_as_tool_calls(served: Any, tok: Tokenizer) -> None:
+    out = client(served).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == TOOL_REPLY[: TOOL_REPLY.index("<tool_call>")]
+    paris, lyon = choice.message.tool_calls
+    assert paris.type == "function" and paris.id.startswith("call_") and paris.id != lyon.id
+    assert paris.function.name == "get_weather" and json.loads(paris.function.arguments) == {"city": "Paris"}
+    assert json.loads(lyon.function.arguments) == {"city": "Lyon"}
+    gen = next(g for g in served.peer.generates() if f"chatcmpl-{g.rid}" == out.id)
+    assert gen.prompt_ids == tok.apply_chat_template(ASK, tools=TOOLS, tokenize=True)
+
+
+def test_streamed_calls_arrive_whole_and_numbered(served: Any) -> None:
+    chunks = list(
+        client(served).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, stream=True)
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert content == TOOL_REPLY[: TOOL_REPLY.index("<tool_call>")]
+    calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in calls] == [
+        (0, "get_weather", {"city": "Paris"}),
+        (1, "get_weather", {"city": "Lyon"}),
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_without_tools_the_text_is_the_text(served: Any) -> None:
+    out = client(served).chat.completions.create(model="tiny", messages=ASK)
+    assert out.choices[0].message.content == TOOL_REPLY and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].message.tool_calls is None
+    none = client(served).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none")
+    assert none.choices[0].message.content == TOOL_REPLY
+
+
+def test_a_conversation_with_calls_and_results_renders_as_the_template(served: Any, tok: Tokenizer) -> None:
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and clear"},
+    ]
+    out = client(served).chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    gen = next(g for g in served.peer.generates() if f"chatcmpl-{g.rid}" == out.id)
+    want = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    assert gen.prompt_ids == tok.apply_chat_template(want, tools=TOOLS, tokenize=True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            "tool_choice",
+        ),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0]"),
+        ({"tools": ["get_weather"]}, "tools[0]"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
+def test_what_cannot_be_honoured_is_a_400(served: Any, extra: dict, param: str) -> None:
+    response = httpx.post(
+        f"{served.url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **extra}, timeout=10
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
