@@ -152,7 +152,7 @@ class Engine:
         )
         self.device = self.runner.device
         self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None
-        self.processors = LogitProcessors.for_runner(self.runner, self.config.eos_token_ids)
+        self.processors = LogitProcessors.for_runner(self.runner, self.config.eos_token_ids, self.tokenizer)
         if fused_kernels:  # before the first decode pass is recorded (the projections were fused at load)
             use_fused_kernels(self.model, True, self.runner.backend)
 
@@ -167,8 +167,8 @@ class Engine:
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if self.speculator is not None and any(p.temperature > 0 or _processed(p) for p in all_params):
             raise ValueError(
-                "speculative decoding serves greedy requests (temperature 0) without penalties, logit biases "
-                "or min_tokens only"
+                "speculative decoding serves greedy requests (temperature 0) only, without penalties, "
+                "logit biases, min_tokens or structured output"
             )
         images = list(images) if images is not None else [None] * len(prompts)
         if self.speculator is not None and any(images):
@@ -268,4 +268,4 @@ class Engine:
 
 def _processed(params: SamplingParams) -> bool:
     """Whether a request's logits go through common/logit_processors.py (which MTP's drafts do not)."""
-    return params.penalized or bool(params.logit_bias) or params.min_tokens > 0
+    return params.penalized or bool(params.logit_bias or params.structure) or params.min_tokens > 0

@@ -1,17 +1,20 @@
-"""What a request's sampling parameters do to its logits before it samples: `logit_bias`, `min_tokens`, and
-the repetition, frequency and presence penalties (common/sampling.py samples what they leave).
+"""What a request's sampling parameters do to its logits before it samples: `logit_bias`, `min_tokens`, the
+repetition, frequency and presence penalties, and a structured output's grammar (common/structured.py);
+common/sampling.py samples what they leave.
 
 The penalties read the tokens a request has generated, and in a pipelined decode its newest token is on the
 device only (common/decode_pipeline.py). So a penalized request keeps a row of token counts on the device,
 the row of its state slot: `admit` fills it from what the host knows (the prompt, the tokens so far), and
-`count` adds each sampled token there, on the device, in stream order, without a host round trip. A batch
-whose requests use none of these leaves its logits as they are, untouched and uncopied.
+`count` adds each sampled token there, on the device, in stream order, without a host round trip. A
+grammar's matcher, on the other hand, reads each token on the host (`accept`) before it can mask the next
+step: a structured request takes no step ahead of the host. A batch whose requests use none of these leaves
+its logits as they are, untouched and uncopied.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +23,8 @@ from common.hostmem import host_list_to
 if TYPE_CHECKING:
     from common.requests import Request
     from common.runner import ModelRunner
+    from common.structured import Grammars
+    from common.tokenizer import Tokenizer
 
 
 def table_bytes(rows: int, vocab: int) -> int:
@@ -31,9 +36,21 @@ class LogitProcessors:
     """Applies the requests' biases, min_tokens and penalties to a batch's logits; keeps the penalties'
     counts. Rows are state slots (`SequenceState.slot`, below `rows`)."""
 
-    def __init__(self, rows: int, vocab: int, device: torch.device, end_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        rows: int,
+        vocab: int,
+        device: torch.device,
+        end_ids: Sequence[int],
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        """`tokenizer`: the vocabulary's bytes, for structured requests' grammars (None: none served)."""
         self.rows, self.vocab, self.device = rows, vocab, device
         self.end_ids = tuple(end_ids)
+        self._tokenizer = tokenizer
+        self._grammars: Grammars | None = None
+        self._matchers: dict[int, Any] = {}
+        """Each structured request's grammar matcher (xgrammar), by its row."""
         """The end-of-sequence tokens that `min_tokens` holds back (with each request's stop tokens)."""
         self._counts: torch.Tensor | None = None
         """[rows, V] int32: how often each token has been generated; made at the first penalized request."""
@@ -41,12 +58,19 @@ class LogitProcessors:
         """[rows, V] bool: the tokens of the prompt (the repetition penalty's)."""
 
     @classmethod
-    def for_runner(cls, runner: ModelRunner, end_ids: Sequence[int]) -> LogitProcessors:
+    def for_runner(
+        cls, runner: ModelRunner, end_ids: Sequence[int], tokenizer: Tokenizer | None = None
+    ) -> LogitProcessors:
         """A row for each of the runner's state slots, as wide as its model's logits."""
-        return cls(runner.pool.max_seqs, runner.model.config.vocab_size, runner.device, end_ids)
+        return cls(runner.pool.max_seqs, runner.model.config.vocab_size, runner.device, end_ids, tokenizer)
 
     def admit(self, req: Request) -> None:
-        """Start `req`'s row: its prompt and the tokens it has so far (nothing for an unpenalized one)."""
+        """Start `req`'s row: its prompt and the tokens it has so far (its counts, its grammar's state)."""
+        if req.params.structure:
+            matcher = self._grammar_set().matcher(req.params.structure)
+            for token in req.token_ids:
+                matcher.accept_token(token)
+            self._matchers[req.state.slot] = matcher
         if not req.params.penalized:
             return
         if self._counts is None:
@@ -69,7 +93,8 @@ class LogitProcessors:
         biased = [b for b, r in enumerate(reqs) if r.params.logit_bias]
         held = [b for b, r in enumerate(reqs) if len(r.token_ids) + ahead[b] < r.params.min_tokens]
         penalized = [b for b, r in enumerate(reqs) if r.params.penalized]
-        if not (biased or held or penalized):
+        structured = [b for b, r in enumerate(reqs) if r.params.structure]
+        if not (biased or held or penalized or structured):
             return logits
         out = logits.to(torch.float32, copy=True)
         if penalized:
@@ -80,7 +105,33 @@ class LogitProcessors:
         if held:
             pairs = [(b, token, float("-inf")) for b in held for token in self._ends(reqs[b])]
             self._put(out, pairs, accumulate=False)
+        if structured:
+            self._mask(out, reqs, structured, ahead)
         return out
+
+    def accept(self, req: Request, token: int) -> None:
+        """`req` has sampled `token` (on the host now): its grammar reads it."""
+        if req.params.structure and not self._matchers[req.state.slot].accept_token(token):
+            raise RuntimeError(f"token {token} breaks the grammar it was sampled under")
+
+    def _mask(
+        self, out: torch.Tensor, reqs: Sequence[Request], rows: list[int], ahead: Sequence[int]
+    ) -> None:
+        """Mask, in `out`'s `rows`, every token their grammars cannot take next."""
+        assert not any(ahead[b] for b in rows), "a structured request ran ahead of its grammar"
+        grammars = self._grammar_set()
+        bitmask = grammars.bitmask(len(reqs))
+        for b in rows:
+            self._matchers[reqs[b].state.slot].fill_next_token_bitmask(bitmask, b)
+        grammars.apply(out, bitmask.to(out.device), rows)
+
+    def _grammar_set(self) -> Grammars:
+        if self._grammars is None:
+            from common.structured import Grammars  # xgrammar: the optional extra
+
+            assert self._tokenizer is not None, "structured requests need the processors' tokenizer"
+            self._grammars = Grammars(self._tokenizer, self.vocab, self.end_ids)
+        return self._grammars
 
     def count(self, reqs: Sequence[Request], tokens: torch.Tensor) -> None:
         """Count each penalized request's sampled token (tokens [B], on the device) in its row."""

@@ -3,8 +3,8 @@
 Requests are parsed from the raw body with pydantic in strict JSON mode, so `"temperature": "1"` is an
 error as it is for OpenAI, and every problem — malformed JSON included — becomes an `ApiError` with the
 OpenAI error object (`{"error": {"message", "type", "param", "code"}}`). Unknown fields are ignored, as
-OpenAI ignores them; known fields whose feature Spillway lacks (echo, best_of, tool_choice "required",
-structured output) are refused when set to anything but their neutral value, rather than silently ignored,
+OpenAI ignores them; known fields whose feature Spillway lacks (echo, best_of, tool_choice "required") are
+refused when set to anything but their neutral value, rather than silently ignored,
 because ignoring them would change what the client gets.
 
 Length rule: a prompt that leaves no room for one generated token is refused (400, naming both numbers);
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 from common.chat_images import ChatImage, ImagePrompting
 from common.protocol import SamplingParams
 from common.sampling import MAX_TOP_LOGPROBS
+from common.structured import Unavailable, structure_of
 from common.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
@@ -114,6 +115,7 @@ class _GenerationRequest(_Schema):
     logit_bias: dict[str, float] | None = None
     """Token id (as a string) → bias in [-100, 100], at most MAX_LOGIT_BIAS of them."""
     response_format: dict[str, JsonValue] | None = None
+    """{"type": "text" | "json_object" | "json_schema", ...}: OpenAI's structured output."""
     return_tokens_as_token_ids: bool | None = None
     """vLLM's extension: log-probabilities name tokens `token_id:N` (exact where text is ambiguous)."""
 
@@ -413,9 +415,7 @@ def _spec(
     max_tokens: int | None,
     logprobs: int | None,
 ) -> GenerationSpec:
-    if request.response_format not in (None, {"type": "text"}):
-        kind = request.response_format.get("type") if request.response_format else None
-        raise bad_request(f"response_format {kind!r} is not supported.", "response_format", "unsupported")
+    structure = _structure(request)
     bad = next((t for t in request.stop_token_ids or () if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(f"Stop token id {bad} is outside the vocabulary [0, {vocab}).", "stop_token_ids")
@@ -451,6 +451,7 @@ def _spec(
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         min_tokens=request.min_tokens or 0,
         logit_bias=_logit_bias(request.logit_bias, vocab),
+        structure=structure,
     )
     return GenerationSpec(
         prompt_ids=prompt_ids,
@@ -463,6 +464,21 @@ def _spec(
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
         n=request.n or 1,
     )
+
+
+def _structure(request: _GenerationRequest) -> str:
+    """`response_format` as `SamplingParams.structure` (common/structured.py), checked: a 400 for a format
+    or schema that cannot be followed, or where xgrammar is not installed."""
+    try:
+        structure = structure_of(request.response_format)
+    except Unavailable as exc:
+        raise bad_request(str(exc), "response_format", "unsupported") from None
+    except ValueError as exc:
+        raise bad_request(str(exc), "response_format") from None
+    for name in ("ignore_eos", "min_tokens"):
+        if structure and getattr(request, name):
+            raise bad_request(f"{name} cannot hold a structured output past its end.", name)
+    return structure
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:

@@ -30,8 +30,9 @@ class Request:
 
 
 def sample_next(logits: torch.Tensor, reqs: Sequence[Request], processors: LogitProcessors) -> list[int]:
-    """Each request's next token from its row of logits [B, V] (its sampling step = tokens so far)."""
-    return sample_on_device(logits, reqs, processors).tolist()
+    """Each request's next token from its row of logits [B, V] (its sampling step = tokens so far), read
+    to the host (and by the requests' grammars)."""
+    return sample_with_logprobs(logits, reqs, processors)[0]
 
 
 def sample_with_logprobs(
@@ -41,7 +42,10 @@ def sample_with_logprobs(
     tokens = sample_on_device(logits, reqs, processors)
     top = top_logprobs(reqs)
     rows = [None] * len(reqs) if top is None else host_logprobs(*logprobs_of(logits, tokens, top), reqs)
-    return tokens.tolist(), rows
+    listed = tokens.tolist()
+    for req, token in zip(reqs, listed, strict=True):
+        processors.accept(req, token)
+    return listed, rows
 
 
 def top_logprobs(reqs: Sequence[Request]) -> int | None:

@@ -46,6 +46,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     """The end-of-sequence and stop tokens cannot be sampled before the request has this many tokens."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits (OpenAI's, -100..100: ±100 bans or forces a token)."""
+    structure: str = ""
+    """The JSON schema the text must follow, as JSON text (common/structured.py); empty: free text."""
 
     @property
     def penalized(self) -> bool:

@@ -304,9 +304,12 @@ class DecodeCore:
 
     def _takes_step(self, req: Request) -> bool:
         """Whether `req` gets a token from a step launched now: not when its token in flight (if any) ends
-        it by length — known on the host, so no step is launched for nothing."""
+        it by length — known on the host, so no step is launched for nothing —, nor while a structured
+        request's grammar has not read that token (common/logit_processors.py)."""
         if not self.pipeline.ahead(req):
             return True
+        if req.params.structure:
+            return False
         cached = req.state.num_cached
         return not ends_by_length(req, self.runner.max_context, len(req.token_ids) + 1, cached)
 
@@ -319,6 +322,7 @@ class DecodeCore:
             if req.finish_reason or self.running.get(req.rid) is not req:
                 continue  # finished by the step before, or aborted: a token no one asked for
             ahead = int(self.pipeline.ahead(req))
+            self.processors.accept(req, token)
             done = append_token(req, token, self.eos_ids, self.runner.max_context, ahead)
             listed = [] if lp is None else [lp]
             index = len(req.token_ids) - 1

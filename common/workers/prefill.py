@@ -37,6 +37,7 @@ from common.protocol import (
 )
 from common.requests import Request, append_token, sample_with_logprobs
 from common.runner import ModelRunner, warm_up_on_cuda
+from common.tokenizer import Tokenizer
 from common.workers.image_waits import ImageWaits
 
 Outgoing = list[tuple[str, Message]]
@@ -88,7 +89,7 @@ class PrefillCore:
             use_fused_kernels(model, True, self.runner.backend, fuse_copy=False)
         warm_up_on_cuda(self.runner)  # compile now, not in the first request's TTFT
         self.eos_ids = eos_ids
-        self.processors = LogitProcessors.for_runner(self.runner, eos_ids)
+        self.processors = LogitProcessors.for_runner(self.runner, eos_ids, Tokenizer.from_dir(cfg.model_dir))
         self.tables: CacheTables | None = getattr(model.experts, "tables", None)
         """This worker's own expert-cache tables (no slots: decode's cache is read in place), which observe
         each prompt's routing for decode."""

@@ -140,7 +140,12 @@ def test_prompt_longer_than_context_names_both_numbers(tok: Tokenizer) -> None:
         ({"logit_bias": {"-1": 1}}, "logit_bias"),
         ({"logit_bias": {str(1 << 20): 1}}, "logit_bias"),
         ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
         ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0]"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
@@ -186,6 +191,14 @@ def test_neutral_values_of_unsupported_fields_are_accepted(tok: Tokenizer) -> No
     neutral = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "n": 1}
     assert chat(tok, **neutral).sampling == chat(tok).sampling
     assert chat(tok, top_k=(1 << 63) - 1).sampling.top_k == (1 << 63) - 1  # keeps every token
+
+
+def test_a_response_format_is_a_schema_to_follow(tok: Tokenizer) -> None:
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = chat(tok, response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    assert json.loads(spec.sampling.structure) == schema
+    assert chat(tok, response_format={"type": "text"}).sampling.structure == ""
 
 
 def test_penalties_biases_and_min_tokens_reach_the_sampling(tok: Tokenizer) -> None:

@@ -9,6 +9,7 @@ temperature). Penalties, logit biases, min_p and min_tokens: the tokens `Engine.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ import torch
 from common.engine import Engine
 from common.model.synthetic import make_model
 from common.sampling import SamplingParams
+from common.structured import structure_of
 from tests.conftest import Server, free_port, wait_healthy
 
 transformers = pytest.importorskip("transformers")
@@ -139,3 +141,27 @@ def test_seeded_choices_are_the_engines_with_seeds_in_turn(server, model) -> Non
     ]
     assert got == [r.token_ids for r in engine.generate([PROMPT] * 3, params)]
     assert len({tuple(g) for g in got}) == 3
+
+
+def test_a_json_schema_is_followed(server, model) -> None:
+    """response_format json_schema: the served text is the engine's under the same grammar, a JSON object
+    of the schema, ended by the model's end-of-sequence token."""
+    schema = {
+        "type": "object",
+        "properties": {"size": {"enum": ["S", "M", "L"]}, "count": {"enum": [1, 2, 3]}},
+        "required": ["size", "count"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": schema}}
+    out = server.client().chat.completions.create(
+        model=model.name, messages=[{"role": "user", "content": "Order?"}], response_format=fmt,
+        temperature=0.7, seed=3, max_tokens=40,
+    )  # fmt: skip
+    value = json.loads(out.choices[0].message.content)
+    assert out.choices[0].finish_reason == "stop" and value["size"] in "SML" and value["count"] in (1, 2, 3)
+    engine = Engine(model, dtype=torch.float32, max_seqs=1)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Order?"}], tokenize=True)
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=40, structure=structure_of(fmt))
+    assert out.choices[0].message.content == engine.tokenizer.decode(
+        engine.generate([prompt], params)[0].token_ids
+    )

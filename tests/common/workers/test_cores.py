@@ -227,6 +227,34 @@ def test_penalized_biased_and_held_requests_equal_offline_engine(cores):
     assert dec.pool.pages.num_free == dec.pool.num_pages
 
 
+def test_structured_requests_equal_offline_engine(cores):
+    """A request under a JSON schema's grammar takes no step ahead of the host (its matcher reads each
+    token before the next is masked) while the one beside it runs ahead: both get the engine's tokens, and
+    the structured text is the schema's."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from common.structured import structure_of
+
+    cfg, dec, pre = cores
+    if cfg.expert_cache or cfg.dtype != "float32":
+        pytest.skip("one resident case an architecture is enough: the path is the same")
+    schema = {"type": "object", "properties": {"pick": {"enum": ["a", "b", "c"]}}, "required": ["pick"]}
+    structure = structure_of({"type": "json_schema", "json_schema": {"schema": schema}})
+    params = [
+        SamplingParams(temperature=0.9, seed=2, max_tokens=30, structure=structure),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
+    engine = load_engine(cfg)
+    reference = engine.generate(PROMPTS[:2], params)
+    box = [out for i, p in enumerate(PROMPTS[:2]) for out in pre.submit(Generate(f"j{i}", p, params[i], 0.0))]
+    seen = _run(dec, pre, box)
+    for i, ref in enumerate(reference):
+        assert [t for e in seen[f"j{i}"] for t in e.token_ids] == ref.token_ids
+    assert json.loads(engine.tokenizer.decode(reference[0].token_ids))["pick"] in "abc"
+    assert reference[0].finish_reason == "stop"
+
+
 def test_aborts_free_every_page_and_slot(cores):
     cfg, dec, pre = cores
     sampling = SamplingParams(temperature=0.8, max_tokens=50, ignore_eos=True, seed=3)

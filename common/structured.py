@@ -1,0 +1,90 @@
+"""Structured output: a request's `response_format` (a JSON object, or one that follows a JSON schema) as a
+grammar that masks, step by step, the tokens that cannot continue it (xgrammar, the optional `structured`
+extra).
+
+A request carries its form as text (`SamplingParams.structure`, `structure_of`); each worker that samples
+for it compiles that once for its vocabulary (`Grammars`, cached) and keeps a matcher per request, which
+reads every token the request generates, on the host. The JSON has no free whitespace: a model may
+otherwise pad it without end.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from common.tokenizer import Tokenizer
+
+EXTRA = "spillway[structured]"
+
+
+class Unavailable(RuntimeError):
+    """xgrammar is not installed."""
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise Unavailable(f"structured output needs xgrammar: pip install '{EXTRA}'") from None
+    return xgrammar
+
+
+def structure_of(response_format: dict[str, Any] | None) -> str:
+    """The form an OpenAI `response_format` asks for, as `SamplingParams.structure` carries it: "" for
+    text, else a JSON schema's text. Raises ValueError (the message for a 400) for a format that is not
+    one of OpenAI's or a schema that is not valid, Unavailable without xgrammar."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema") if response_format else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object.")
+    else:
+        raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema.")
+    text = json.dumps(schema, sort_keys=True)
+    try:
+        _xgrammar().Grammar.from_json_schema(text, any_whitespace=False)
+    except Unavailable:
+        raise
+    except Exception as exc:  # xgrammar's own error types, whatever the schema trips
+        reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip())  # less its log prefix
+        raise ValueError(f"The JSON schema cannot be followed: {reason}") from None
+    return text
+
+
+class Grammars:
+    """One vocabulary's compiled forms (cached by their text) and the matchers made from them."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, end_ids: Sequence[int]) -> None:
+        xgr = _xgrammar()
+        vocab = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        info = xgr.TokenizerInfo(
+            vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(end_ids)
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.vocab_size = vocab_size
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (one instance a worker, for its lifetime)
+    def _compiled(self, structure: str) -> Any:
+        return self._compiler.compile_json_schema(structure, any_whitespace=False)
+
+    def matcher(self, structure: str) -> Any:
+        """A fresh matcher of `structure` (xgrammar.GrammarMatcher), at the start of the text."""
+        return _xgrammar().GrammarMatcher(self._compiled(structure))
+
+    def bitmask(self, rows: int) -> Any:
+        """[rows, ceil(V / 32)] int32 on the host: allowed-token bits, all set."""
+        return _xgrammar().allocate_token_bitmask(rows, self.vocab_size)
+
+    @staticmethod
+    def apply(logits: Any, bitmask: Any, rows: list[int]) -> None:
+        """Mask `logits`' rows `rows` in place (-inf where the bit is clear); `bitmask` on logits' device."""
+        _xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=rows)
