@@ -3,8 +3,8 @@
 Requests are parsed from the raw body with pydantic in strict JSON mode, so `"temperature": "1"` is an
 error as it is for OpenAI, and every problem — malformed JSON included — becomes an `ApiError` with the
 OpenAI error object (`{"error": {"message", "type", "param", "code"}}`). Unknown fields are ignored, as
-OpenAI ignores them; known fields whose feature Spillway lacks (echo, best_of, tool_choice "required") are
-refused when set to anything but their neutral value, rather than silently ignored,
+OpenAI ignores them; known fields whose feature Spillway lacks (best_of, suffix, tool_choice "required")
+are refused when set to anything but their neutral value, rather than silently ignored,
 because ignoring them would change what the client gets.
 
 Length rule: a prompt that leaves no room for one generated token is refused (400, naming both numbers);
@@ -14,12 +14,14 @@ tells the client it was cut. No `max_tokens` means "until the context is full".
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import jinja2
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from common.chat_images import ChatImage, ImagePrompting
@@ -235,6 +237,8 @@ class GenerationSpec:
     """The tags of the function calls to read out of a chat's text (common/tool_calls.py); None: none."""
     n: int = 1
     """Choices to generate."""
+    echo: str | None = None
+    """Text completions' echo: the prompt's text, which the response puts before each completion."""
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -395,16 +399,24 @@ def chat_spec(
 
 
 def completion_spec(
-    request: CompletionRequest, prompt_ids: list[int], max_context: int, vocab: int
+    request: CompletionRequest, prompt_ids: list[int], max_context: int, tokenizer: Tokenizer
 ) -> GenerationSpec:
-    """Check a completion request's parameters and build its internal form (`vocab`: the tokenizer's size)."""
-    if request.echo:
-        raise bad_request("echo is not supported.", "echo", "unsupported")
+    """Check a completion request's parameters and build its internal form; with `echo`, the prompt's text
+    (as given, or decoded from its ids) and, with `logprobs`, the prompt tokens' too."""
+    vocab = tokenizer.vocab_size
     if request.best_of not in (None, 1):
         raise bad_request("best_of must be 1.", "best_of", "unsupported")
     if request.suffix:
         raise bad_request("suffix is not supported.", "suffix", "unsupported")
-    return _spec(request, prompt_ids, max_context, vocab, request.max_tokens, request.logprobs)
+    spec = _spec(request, prompt_ids, max_context, vocab, request.max_tokens, request.logprobs)
+    if not request.echo:
+        return spec
+    prompt = (
+        request.prompt[0] if isinstance(request.prompt, list) and len(request.prompt) == 1 else request.prompt
+    )
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+    sampling = msgspec.structs.replace(spec.sampling, prompt_logprobs=request.logprobs)
+    return dataclasses.replace(spec, echo=text, sampling=sampling)
 
 
 def _spec(

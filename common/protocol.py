@@ -128,6 +128,9 @@ class Tokens(msgspec.Struct, frozen=True, tag=True):
     rest; they travel on different connections, so the router orders them by this)."""
     logprobs: list[TokenLogprobs] = []
     """One for each of token_ids when the request asked for them (`SamplingParams.logprobs`), else none."""
+    prompt_logprobs: list[TokenLogprobs] = []
+    """In prefill's event, when the request asked (`SamplingParams.prompt_logprobs`): one for each prompt
+    token after the first."""
 
 
 class SharedTensor(msgspec.Struct, frozen=True):

@@ -154,6 +154,15 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
+    def forward_hidden(self, seq: SequenceState, tokens: Sequence[int]) -> torch.Tensor:
+        """Append a prompt's `tokens` to `seq` (eager); the last layer's hidden states [T, H] of every token,
+        whose logits `self.model.compute_logits` gives a slice at a time (a prompt's logprobs)."""
+        batch = self._batch([seq], [tokens], prompt=True)
+        hidden = self.model(self._context_of(batch))  # [T, H]
+        self._advance([seq], [tokens])
+        return hidden
+
+    @torch.inference_mode()
     def decode(
         self, seqs: Sequence[SequenceState], newest: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,10 +33,12 @@ from common.protocol import (
     ReleaseState,
     StateGranted,
     Thaw,
+    TokenLogprobs,
     Tokens,
 )
 from common.requests import Request, append_token, sample_with_logprobs
 from common.runner import ModelRunner, warm_up_on_cuda
+from common.sampling import logprobs_of
 from common.tokenizer import Tokenizer
 from common.workers.image_waits import ImageWaits
 
@@ -44,6 +46,9 @@ Outgoing = list[tuple[str, Message]]
 """Messages to send, each with its destination service (`router`, `decode` or `encoder`)."""
 
 log = logging.getLogger(__name__)
+
+PROMPT_LOGPROB_ROWS = 256
+"""Prompt positions whose logits are made at once for their log-probabilities ([rows, V] fp32 each)."""
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -59,6 +64,8 @@ class PrefillJob:
     seed: int
     done: int = 0
     """Prompt tokens already run."""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Those of the prompt's tokens after the first so far (`SamplingParams.prompt_logprobs`)."""
 
 
 class PrefillCore:
@@ -191,13 +198,21 @@ class PrefillCore:
 
     def step(self) -> Outgoing:
         """Run the next pass of the current request — a chunk, or a layer-major group of chunks (see
-        LAYER_MAJOR_TOKENS); after its last, hand it on."""
+        LAYER_MAJOR_TOKENS; a prompt whose log-probabilities are asked for goes a chunk at a time); after
+        its last, hand it on."""
         job = self.job
         if job is None:
             return []
         prompt, chunk = job.gen.prompt_ids, self.cfg.prefill_chunk
-        piece = prompt[job.done : job.done + max(chunk, self.cfg.layer_major_tokens)]
-        if len(piece) > chunk:
+        top = job.gen.sampling.prompt_logprobs
+        group = chunk if top is not None else max(chunk, self.cfg.layer_major_tokens)
+        piece = prompt[job.done : job.done + group]
+        if top is not None:  # every token's logits, a slice at a time
+            hidden = self.runner.forward_hidden(job.seq, piece)  # [T, H]
+            targets = prompt[job.done + 1 : job.done + len(piece) + 1]
+            job.prompt_logprobs += self._scored(hidden[: len(targets)], targets, top)
+            logits = self.runner.model.compute_logits(hidden[-1:])  # [1, V]
+        elif len(piece) > chunk:
             bound = job.seq.num_cached - job.done + len(prompt)  # the whole prompt's keys
             logits = self.runner.prefill_layer_major(job.seq, piece, chunk, bound)  # [1, V]
         else:
@@ -212,6 +227,17 @@ class PrefillCore:
             self.job = job  # the worker's failure path aborts it: its freeze and pages go back
             raise
 
+    def _scored(self, hidden: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprobs]:
+        """The log-probabilities of `targets` (the next prompt tokens) under hidden states [N, H], and the
+        `top` best alternatives', PROMPT_LOGPROB_ROWS rows of logits at a time."""
+        out = []
+        for at in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            logits = self.runner.model.compute_logits(hidden[at : at + PROMPT_LOGPROB_ROWS])  # [n, V]
+            wanted = torch.tensor(targets[at : at + PROMPT_LOGPROB_ROWS], device=logits.device)
+            chosen, values, ids = (t.tolist() for t in logprobs_of(logits, wanted, top))
+            out += [TokenLogprobs(c, i, v) for c, i, v in zip(chosen, ids, values, strict=True)]
+        return out
+
     def _finish(self, job: PrefillJob, logits: torch.Tensor) -> Outgoing:
         gen = job.gen
         req = Request(gen.prompt_ids, gen.sampling, job.seed, job.seq, rid=gen.rid)
@@ -221,10 +247,9 @@ class PrefillCore:
         n = len(gen.prompt_ids)
         job.seq.images = None  # decode takes the rotary delta only
         listed = [] if logprobs is None else [logprobs]
-        out: Outgoing = [
-            ("decode", Thaw(gen.rid)),
-            ("router", Tokens(gen.rid, [first], req.finish_reason, prompt_tokens=n, logprobs=listed)),
-        ]
+        event = Tokens(gen.rid, [first], req.finish_reason, prompt_tokens=n, logprobs=listed,
+                       prompt_logprobs=job.prompt_logprobs)  # fmt: skip
+        out: Outgoing = [("decode", Thaw(gen.rid)), ("router", event)]
         if finished:
             out.append(("decode", ReleaseState(gen.rid)))
         else:

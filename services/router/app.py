@@ -149,7 +149,7 @@ class Router:
         body = api.parse_completion_request(await request.body())
         api.check_model(body.model, self.config.model_name)
         prompt_ids = await asyncio.to_thread(api.completion_prompt_ids, body, self.tokenizer)
-        spec = api.completion_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
+        spec = api.completion_spec(body, prompt_ids, self.max_context, self.tokenizer)
         return await self._serve(request, spec, chat=False, received=received)
 
     def models(self, request: Request) -> dict[str, Any]:
@@ -210,9 +210,11 @@ class Router:
     async def _events(self, choices: Choices, builder: ResponseBuilder) -> AsyncGenerator[bytes, None]:
         finished = failed = False
         try:
-            if builder.chat:
-                for choice in choices.items:
+            for choice in choices.items:
+                if builder.chat:
                     yield builder.role_chunk(choice.index)
+                if choice.echo is not None:
+                    yield builder.text_chunk(*choice.echoed(), choice.index)
             async for choice, delta in choices.deltas():
                 content, calls, finish = choice.streamed(delta)
                 if content or (choice.logprobs is not None and delta.logprobs):

@@ -35,8 +35,18 @@ class Choice:
     index: int
     logprobs: LogprobText | None
     calls: ToolCallStream | None
+    echo: str | None = None
+    """A text completion's prompt, echoed before its text."""
     first: asyncio.Future[Delta] = field(default_factory=asyncio.Future)
     gen: TextGeneration | None = None
+
+    def echoed(self) -> tuple[str, dict[str, Any] | None]:
+        """The echo as a stream opens with it: the prompt's text and (asked for) its log-probabilities."""
+        gen = self.gen
+        assert self.echo is not None and gen is not None, "no echo, or not started"
+        if self.logprobs is None:
+            return self.echo, None
+        return self.echo, self.logprobs.render_prompt(gen.flight.prompt_ids, gen.prompt_logprobs)
 
     def rendered(self, delta: Delta) -> dict[str, Any] | None:
         """`delta`'s log-probabilities as a chunk carries them, None when the request asked for none."""
@@ -57,6 +67,14 @@ class Choice:
         """The finished choice's text (less its calls), finish reason, log-probabilities and calls."""
         gen = self.gen
         assert gen is not None and gen.finish_reason is not None, "the choice has not finished"
+        if self.echo is not None:  # a text completion's: nothing else applies
+            text, echoed = self.echoed()
+            if echoed is None:
+                return ChoiceResult(text + gen.text, gen.finish_reason)
+            generated = self.logprobs.render(gen.logprobs)
+            return ChoiceResult(
+                text + gen.text, gen.finish_reason, {k: v + generated[k] for k, v in echoed.items()}
+            )
         logprobs = None if self.logprobs is None else self.logprobs.render(gen.logprobs)
         if self.calls is None:
             return ChoiceResult(gen.text, gen.finish_reason, logprobs)
@@ -85,6 +103,7 @@ class Choices:
                 i,
                 LogprobText(tokenizer, chat, spec.tokens_as_ids) if renderer else None,
                 None if spec.tool_tags is None else ToolCallStream(spec.tool_tags),
+                spec.echo,
             )
             for i in range(spec.n)
         ]

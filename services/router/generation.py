@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from common.detokenize import IncrementalDetokenizer, StopStrings
 from common.openai_api import ApiError
-from common.protocol import Tokens
+from common.protocol import TokenLogprobs, Tokens
 from common.tokenizer import Tokenizer
 from services.router.core import Flight
 from services.router.logprobs import TokenChoice
@@ -41,6 +41,8 @@ class TextGeneration:
         """Everything returned so far."""
         self.logprobs: list[TokenChoice] = []
         """The log-probabilities of every counted token so far (when the request asked for them)."""
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        """Those of the prompt's tokens after the first (an echo that asked for them: prefill's event)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -61,6 +63,7 @@ class TextGeneration:
             raise ApiError(
                 503, "The request was aborted by a worker.", type="server_error", code="worker_abort"
             )
+        self.prompt_logprobs += event.prompt_logprobs
         text, finish, counted = self._apply(event)
         choices = tuple(zip(event.token_ids[:counted], event.logprobs[:counted], strict=False))
         self.text += text

@@ -19,6 +19,8 @@ from common.tokenizer import Tokenizer
 
 TokenChoice = tuple[int, TokenLogprobs]
 """A generated token's id and its log-probabilities."""
+PromptToken = tuple[int, TokenLogprobs | None]
+"""An echoed prompt token's id and its log-probabilities (None for the first, which has none)."""
 
 FLOOR = -9999.0
 """What a log-probability of -inf is reported as (JSON has no infinities)."""
@@ -40,6 +42,11 @@ class LogprobText:
         """The `logprobs` object of a response or chunk holding `choices`."""
         return self._chat_shape(choices) if self._chat else self._completion_shape(choices)
 
+    def render_prompt(self, prompt_ids: Sequence[int], rows: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """The `logprobs` object of an echoed prompt (text completions), before the completion's: its first
+        token with none, the others with `rows` (prefill's, one each)."""
+        return self._completion_shape([(prompt_ids[0], None), *zip(prompt_ids[1:], rows, strict=True)])
+
     def _piece(self, token_id: int) -> tuple[str, bytes]:
         raw = self._tokenizer.token_bytes(token_id)
         text = f"token_id:{token_id}" if self._as_ids else raw.decode("utf-8", errors="backslashreplace")
@@ -59,14 +66,21 @@ class LogprobText:
         text, raw = self._piece(token_id)
         return {"token": text, "logprob": max(logprob, FLOOR), "bytes": list(raw)}
 
-    def _completion_shape(self, choices: Sequence[TokenChoice]) -> dict[str, Any]:
-        tokens, logprobs, tops, offsets = [], [], [], []
+    def _completion_shape(self, choices: Sequence[PromptToken]) -> dict[str, Any]:
+        tokens: list[str] = []
+        logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for token_id, lp in choices:
             text, raw = self._piece(token_id)
             tokens.append(text)
-            logprobs.append(max(lp.logprob, FLOOR))
-            top = {self._piece(i)[0]: max(v, FLOOR) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
-            tops.append(top | {text: logprobs[-1]})
+            if lp is None:  # an echoed prompt's first token
+                logprobs.append(None)
+                tops.append(None)
+            else:
+                logprobs.append(max(lp.logprob, FLOOR))
+                pairs = zip(lp.top_ids, lp.top_logprobs, strict=True)
+                tops.append({self._piece(i)[0]: max(v, FLOOR) for i, v in pairs} | {text: logprobs[-1]})
             offsets.append(self._offset)
             self._offset += len(self._utf8.decode(raw))
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -33,7 +33,7 @@ def chat(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
 
 def completion(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
     request = api.parse_completion_request(json.dumps({"model": "m", **body}).encode())
-    return api.completion_spec(request, api.completion_prompt_ids(request, tok), CONTEXT, tok.vocab_size)
+    return api.completion_spec(request, api.completion_prompt_ids(request, tok), CONTEXT, tok)
 
 
 def refused(fn: Any, *args: Any, **kwargs: Any) -> ApiError:
@@ -70,6 +70,14 @@ def test_chat_parameters(tok: Tokenizer) -> None:
     )
     assert spec.sampling == SamplingParams(0.0, 0.5, 0, 7, 3, True, (5,))
     assert spec.stop == ("END",) and spec.stream and spec.include_usage
+
+
+def test_echo_asks_for_the_prompts_logprobs_too(tok: Tokenizer) -> None:
+    spec = completion(tok, prompt="Hello there", echo=True, logprobs=2)
+    assert spec.echo == "Hello there" and spec.sampling.prompt_logprobs == spec.sampling.logprobs == 2
+    assert completion(tok, prompt=[[300, 301]], echo=True).echo == tok.decode([300, 301])
+    assert completion(tok, prompt="x", echo=True).sampling.prompt_logprobs is None
+    assert completion(tok, prompt="x").echo is None
 
 
 def test_logprobs_ask_for_the_token_and_its_alternatives(tok: Tokenizer) -> None:
@@ -254,7 +262,6 @@ def test_completion_prompt_forms(tok: Tokenizer) -> None:
         ("", {}),
         ([], {}),
         (5, {}),
-        ("x", {"echo": True}),
         ("x", {"best_of": 2}),
         ("x", {"suffix": "y"}),
         ("x", {"logprobs": 21}),

@@ -165,3 +165,19 @@ def test_a_json_schema_is_followed(server, model) -> None:
     assert out.choices[0].message.content == engine.tokenizer.decode(
         engine.generate([prompt], params)[0].token_ids
     )
+
+
+def test_an_echoed_prompt_has_transformers_logprobs(server, model) -> None:
+    out = server.client().completions.create(
+        model=model.name, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert lp.tokens[: len(PROMPT)] == [f"token_id:{t}" for t in PROMPT] and lp.token_logprobs[0] is None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1)  # [T, V]
+    got = torch.tensor(lp.token_logprobs[1 : len(PROMPT)])
+    torch.testing.assert_close(
+        got, want[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])], atol=2e-4, rtol=0
+    )

@@ -227,6 +227,32 @@ def test_penalized_biased_and_held_requests_equal_offline_engine(cores):
     assert dec.pool.pages.num_free == dec.pool.num_pages
 
 
+def test_prompt_logprobs_span_the_chunks(cores):
+    """A prompt's log-probabilities (an echo's), made chunk by chunk (5 tokens a chunk here): each token's
+    after the ones before it, what one pass over the whole prompt gives."""
+    cfg, dec, pre = cores
+    if cfg.expert_cache or cfg.dtype != "float32":
+        pytest.skip("one resident case an architecture is enough: the path is the same")
+    prompt = PROMPTS[2] + PROMPTS[0]  # 21 tokens: chunks of 5, 5, 5, 5, 1
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    seen = _run(dec, pre, pre.submit(Generate("e", prompt, params, 0.0)))
+    rows = seen["e"][0].prompt_logprobs
+    engine = load_engine(cfg)
+    seq = engine.runner.new_sequence()
+    want = torch.log_softmax(
+        engine.runner.forward([seq], [prompt], all_logits=True).float(), dim=-1
+    )  # [T, V]
+    assert len(rows) == len(prompt) - 1
+    got = torch.tensor([r.logprob for r in rows])
+    torch.testing.assert_close(
+        got, want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4, rtol=0
+    )
+    best, best_ids = want[:-1].topk(3, dim=-1)
+    assert [r.top_ids for r in rows] == best_ids.tolist()
+    torch.testing.assert_close(torch.tensor([r.top_logprobs for r in rows]), best, atol=1e-4, rtol=0)
+    assert all(e.prompt_logprobs == [] for e in seen["e"][1:])
+
+
 def test_structured_requests_equal_offline_engine(cores):
     """A request under a JSON schema's grammar takes no step ahead of the host (its matcher reads each
     token before the next is masked) while the one beside it runs ahead: both get the engine's tokens, and

@@ -5,7 +5,8 @@ The peer picks its behaviour from a tag in the prompt: `[slow]` streams until ab
 once, `[error-second]` fails the second of a request's choices at once, `[error-mid]` fails after a few
 tokens, `[abort]` is aborted by the worker, `[shuffle]` sends decode's events before prefill's first token;
 `[tool]` gets `TOOL_REPLY`, which calls a function; anything else gets `REPLY` (tokens of the real
-tokenizer) then EOS, with `peer_logprobs` when the request asks for log-probabilities.
+tokenizer) then EOS, with `peer_logprobs` when the request asks for log-probabilities (its prompt's
+tokens' at positions 100 and on).
 """
 
 from __future__ import annotations
@@ -187,11 +188,17 @@ class Peer:
         reply = self.tok.encode(TOOL_REPLY) if "[tool]" in prompt else self.reply_ids
         ids = [*reply, EOS][:limit]
         finish = "stop" if len(ids) == len(reply) + 1 else "length"
-        top = gen.sampling.logprobs
+        top, echo = gen.sampling.logprobs, gen.sampling.prompt_logprobs
         rows = [] if top is None else [peer_logprobs(i, t, top) for i, t in enumerate(ids)]
-        first = Tokens(
-            rid, ids[:1], finish if len(ids) == 1 else None, prompt_tokens=n_prompt, logprobs=rows[:1]
+        scored = (
+            []
+            if echo is None
+            else [peer_logprobs(100 + i, t, echo) for i, t in enumerate(gen.prompt_ids[1:])]
         )
+        first = Tokens(
+            rid, ids[:1], finish if len(ids) == 1 else None, prompt_tokens=n_prompt, logprobs=rows[:1],
+            prompt_logprobs=scored,
+        )  # fmt: skip
         rest = []
         for i in range(1, len(ids), 3):  # decode sends 3 tokens per event
             last = i + 3 >= len(ids)

@@ -101,3 +101,37 @@ def test_the_legacy_shape_adds_the_chosen_token_to_its_alternatives(tok: Tokeniz
     assert shape["top_logprobs"] == [{piece[9]: -0.25, piece[10]: -1.25, piece[7]: -0.25}, {piece[8]: -0.5}]
     assert shape["text_offset"] == [0, len(piece[7])]
     assert text.render([(9, peer_logprobs(2, 9, 0))])["text_offset"] == [len(piece[7]) + len(piece[8])]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_and_its_logprobs_first(
+    served: Any, tok: Tokenizer, reply: str, stream: bool
+) -> None:
+    """echo: the prompt's text before the completion's; with logprobs, its tokens' (prefill's) before the
+    completion's, the first with none, the offsets running on through both."""
+    prompt = "Once upon a time"
+    out = client(served).completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, echo=True, logprobs=2, stream=stream
+    )
+    chunks = list(out) if stream else [out]
+    text = "".join(c.choices[0].text for c in chunks)
+    ids = tok.encode(prompt, add_special_tokens=True)
+    assert text == prompt + tok.decode(tok.encode(reply)[:3])
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    tokens = [t for p in parts for t in p.tokens]
+    values = [v for p in parts for v in p.token_logprobs]
+    assert tokens == [tok.token_bytes(i).decode() for i in ids + tok.encode(reply)[:3]]
+    want = [None] + [peer_logprobs(100 + i, 0, 0).logprob for i in range(len(ids) - 1)]
+    assert values == want + [peer_logprobs(i, 0, 0).logprob for i in range(3)]
+    tops = [t for p in parts for t in p.top_logprobs]
+    assert tops[0] is None and all(len(t) <= 3 for t in tops[1:])
+    offsets = [o for p in parts for o in p.text_offset]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    if stream:
+        assert chunks[0].choices[0].text == prompt
+
+
+def test_echo_of_token_ids_is_their_text(served: Any, tok: Tokenizer, reply: str) -> None:
+    out = client(served).completions.create(model="tiny", prompt=[300, 301, 302], max_tokens=2, echo=True)
+    assert out.choices[0].logprobs is None
+    assert out.choices[0].text == tok.decode([300, 301, 302]) + tok.decode(tok.encode(reply)[:2])
