@@ -42,6 +42,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 """Chat roles a message may have (OpenAI's, without the deprecated `function`)."""
 MAX_CHOICES = 16
 """The most choices (`n`) one request may ask for: each takes a slot of its own."""
+MAX_PROMPTS = 64
+"""The most prompts one text completion may batch (each with its `n` choices)."""
 MAX_LOGIT_BIAS = 1024
 """The most tokens one request may bias (each costs a little in every step)."""
 
@@ -361,13 +363,26 @@ def _image_part(
     return prompting.placeholder
 
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """The prompt's ids: a string is encoded (with the tokenizer's special tokens), ids are checked."""
+def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """Each prompt's ids (a batch: a list of strings or of id lists, at most MAX_PROMPTS): a string is
+    encoded (with the tokenizer's special tokens), ids are checked."""
+    given = _given_prompts(request)
+    if len(given) > MAX_PROMPTS:
+        raise bad_request(f"At most {MAX_PROMPTS} prompts a request, got {len(given)}.", "prompt")
+    if given is request.prompt:  # a batch
+        return [_prompt_ids(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(given)]
+    return [_prompt_ids(given[0], tokenizer, "prompt")]
+
+
+def _given_prompts(request: CompletionRequest) -> list[JsonValue]:
+    """The prompts as the request gives them: a batch (a list of strings or id lists), or one."""
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        if len(prompt) != 1:
-            raise bad_request("Only one prompt per request is supported.", "prompt", "unsupported")
-        prompt = prompt[0]
+        return prompt
+    return [prompt]
+
+
+def _prompt_ids(prompt: JsonValue, tokenizer: Tokenizer, param: str) -> list[int]:
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt, add_special_tokens=True)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -375,11 +390,11 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> l
         vocab = tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise bad_request(f"Token id {bad} is outside the vocabulary [0, {vocab}).", "prompt")
+            raise bad_request(f"Token id {bad} is outside the vocabulary [0, {vocab}).", param)
     else:
-        raise bad_request("'prompt' must be a string or a list of token ids.", "prompt")
+        raise bad_request("'prompt' must be a string or a list of token ids, or a list of either.", param)
     if not ids:
-        raise bad_request("The prompt is empty.", "prompt")
+        raise bad_request("The prompt is empty.", param)
     return ids
 
 
@@ -398,25 +413,24 @@ def chat_spec(
     return _spec(request, prompt_ids, max_context, vocab, max_tokens, logprobs)
 
 
-def completion_spec(
-    request: CompletionRequest, prompt_ids: list[int], max_context: int, tokenizer: Tokenizer
-) -> GenerationSpec:
-    """Check a completion request's parameters and build its internal form; with `echo`, the prompt's text
-    (as given, or decoded from its ids) and, with `logprobs`, the prompt tokens' too."""
-    vocab = tokenizer.vocab_size
+def completion_specs(
+    request: CompletionRequest, prompts: list[list[int]], max_context: int, tokenizer: Tokenizer
+) -> list[GenerationSpec]:
+    """Check a completion request's parameters and build the internal form of each of its prompts; with
+    `echo`, the prompt's text (as given, or decoded from its ids) and, with `logprobs`, its tokens' too."""
     if request.best_of not in (None, 1):
         raise bad_request("best_of must be 1.", "best_of", "unsupported")
     if request.suffix:
         raise bad_request("suffix is not supported.", "suffix", "unsupported")
-    spec = _spec(request, prompt_ids, max_context, vocab, request.max_tokens, request.logprobs)
-    if not request.echo:
-        return spec
-    prompt = (
-        request.prompt[0] if isinstance(request.prompt, list) and len(request.prompt) == 1 else request.prompt
-    )
-    text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
-    sampling = msgspec.structs.replace(spec.sampling, prompt_logprobs=request.logprobs)
-    return dataclasses.replace(spec, echo=text, sampling=sampling)
+    specs = []
+    for ids, text in zip(prompts, _given_prompts(request), strict=True):
+        spec = _spec(request, ids, max_context, tokenizer.vocab_size, request.max_tokens, request.logprobs)
+        if request.echo:
+            sampling = msgspec.structs.replace(spec.sampling, prompt_logprobs=request.logprobs)
+            echo = text if isinstance(text, str) else tokenizer.decode(ids)
+            spec = dataclasses.replace(spec, echo=echo, sampling=sampling)
+        specs.append(spec)
+    return specs
 
 
 def _spec(

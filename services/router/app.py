@@ -141,16 +141,16 @@ class Router:
         self.core.check_images(sum(image.tokens for image in images))
         tags = None if tools is None else self.tool_tags
         spec = dataclasses.replace(spec, images=tuple(image.raw for image in images), tool_tags=tags)
-        return await self._serve(request, spec, chat=True, received=received)
+        return await self._serve(request, [spec], chat=True, received=received)
 
     async def completions(self, request: Request) -> Response:
         received = time.monotonic()
         self.authorize(request)
         body = api.parse_completion_request(await request.body())
         api.check_model(body.model, self.config.model_name)
-        prompt_ids = await asyncio.to_thread(api.completion_prompt_ids, body, self.tokenizer)
-        spec = api.completion_spec(body, prompt_ids, self.max_context, self.tokenizer)
-        return await self._serve(request, spec, chat=False, received=received)
+        prompts = await asyncio.to_thread(api.completion_prompts, body, self.tokenizer)
+        specs = api.completion_specs(body, prompts, self.max_context, self.tokenizer)
+        return await self._serve(request, specs, chat=False, received=received)
 
     def models(self, request: Request) -> dict[str, Any]:
         self.authorize(request)
@@ -171,22 +171,25 @@ class Router:
             "max_model_len": self.max_context,
         }
 
-    async def _serve(self, request: Request, spec: GenerationSpec, chat: bool, received: float) -> Response:
+    async def _serve(
+        self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
+    ) -> Response:
+        """Generate every spec's choices (a batched completion has a spec a prompt; they stream alike)."""
         try:
-            if spec.stream:
-                return await self._stream(request, spec, chat, received)
-            return await self._complete(request, spec, chat, received)
+            if specs[0].stream:
+                return await self._stream(request, specs, chat, received)
+            return await self._complete(request, specs, chat, received)
         except ClientGone:
             self.metrics.request_errors.labels(reason="client_disconnect").inc()
             return Response(status_code=CLIENT_CLOSED)
 
     async def _complete(
-        self, request: Request, spec: GenerationSpec, chat: bool, received: float
+        self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
     ) -> Response:
         rid = request.scope.get(REQUEST_ID) or uuid.uuid4().hex
 
         async def run() -> Choices:
-            choices = Choices(self.core, self.tokenizer, spec, chat)
+            choices = Choices(self.core, self.tokenizer, specs, chat)
             await choices.start(rid, received)
             try:
                 await choices.finish()
@@ -199,12 +202,14 @@ class Router:
         body = builder.full(choices.results(), choices.prompt_tokens, choices.completion_tokens)
         return JSONResponse(body)
 
-    async def _stream(self, request: Request, spec: GenerationSpec, chat: bool, received: float) -> Response:
+    async def _stream(
+        self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
+    ) -> Response:
         rid = request.scope.get(REQUEST_ID) or uuid.uuid4().hex
-        choices = Choices(self.core, self.tokenizer, spec, chat)
+        choices = Choices(self.core, self.tokenizer, specs, chat)
         await unless_disconnected(request, choices.start(rid, received))
         created = int(choices.arrival)
-        builder = ResponseBuilder(chat, rid, self.config.model_name, created, spec.include_usage)
+        builder = ResponseBuilder(chat, rid, self.config.model_name, created, specs[0].include_usage)
         return _Stream(self._events(choices, builder), choices.close)
 
     async def _events(self, choices: Choices, builder: ResponseBuilder) -> AsyncGenerator[bytes, None]:

@@ -33,6 +33,10 @@ class Choice:
     and the reader of its function calls (None: the request gave no tools)."""
 
     index: int
+    spec: GenerationSpec
+    """Its prompt's request (a batched completion has one a prompt)."""
+    draw: int
+    """Its number among its prompt's `n` choices: it samples at the seed + draw."""
     logprobs: LogprobText | None
     calls: ToolCallStream | None
     echo: str | None = None
@@ -84,29 +88,39 @@ class Choice:
         return ChoiceResult(text, _finish(gen.finish_reason, len(calls)), logprobs, listed)
 
 
+def _sampling(choice: Choice) -> SamplingParams:
+    """A choice's sampling: its prompt's, at the seed + its draw (wrapping within int64)."""
+    sampling = choice.spec.sampling
+    if sampling.seed is None or choice.draw == 0:
+        return sampling
+    seed = (sampling.seed + choice.draw - INT64_MIN) % (1 << 64) + INT64_MIN
+    return msgspec.structs.replace(sampling, seed=seed)
+
+
 def _finish(reason: str, calls: int) -> str:
     """A chat's finish reason: "tool_calls" where it called functions and stopped."""
     return "tool_calls" if calls and reason == "stop" else reason
 
 
 class Choices:
-    """Starts, reads and releases the choices of one request (`spec.n` of them).
+    """Starts, reads and releases the choices of one request: `spec.n` of them for each of its specs (a
+    batched text completion has one a prompt), numbered in that order.
 
     Each choice runs in a task of its own from admission to its last token, which frees its slot at once:
     a request whose choices outnumber the free slots does not wait on itself."""
 
-    def __init__(self, core: RouterCore, tokenizer: Tokenizer, spec: GenerationSpec, chat: bool) -> None:
-        self.core, self.tokenizer, self.spec, self.chat = core, tokenizer, spec, chat
-        renderer = spec.sampling.logprobs is not None
-        self.items = [
-            Choice(
-                i,
-                LogprobText(tokenizer, chat, spec.tokens_as_ids) if renderer else None,
-                None if spec.tool_tags is None else ToolCallStream(spec.tool_tags),
-                spec.echo,
-            )
-            for i in range(spec.n)
-        ]
+    def __init__(
+        self, core: RouterCore, tokenizer: Tokenizer, specs: list[GenerationSpec], chat: bool
+    ) -> None:
+        self.core, self.tokenizer, self.specs, self.chat = core, tokenizer, specs, chat
+        self.items: list[Choice] = []
+        for spec in specs:
+            for draw in range(spec.n):
+                renderer = None
+                if spec.sampling.logprobs is not None:
+                    renderer = LogprobText(tokenizer, chat, spec.tokens_as_ids)
+                calls = None if spec.tool_tags is None else ToolCallStream(spec.tool_tags)
+                self.items.append(Choice(len(self.items), spec, draw, renderer, calls, spec.echo))
         self._later: asyncio.Queue[tuple[Choice, Delta | Exception]] = asyncio.Queue()
         """Every choice's deltas after its first, as they come (or the error that ended it)."""
         self._tasks: list[asyncio.Future[None]] = []
@@ -123,12 +137,10 @@ class Choices:
             raise
 
     async def _run(self, choice: Choice, rid: str, received: float) -> None:
-        spec = self.spec
-        name = rid if spec.n == 1 else f"{rid}-{choice.index}"
+        spec = choice.spec
+        name = rid if len(self.items) == 1 else f"{rid}-{choice.index}"
         try:
-            flight = await self.core.submit(
-                spec.prompt_ids, self._sampling(choice.index), received, name, spec.images
-            )
+            flight = await self.core.submit(spec.prompt_ids, _sampling(choice), received, name, spec.images)
             choice.gen = gen = TextGeneration(flight, self.tokenizer, spec.stop)
             delta = await gen.next()
             choice.first.set_result(delta)
@@ -141,13 +153,6 @@ class Choices:
                 self._later.put_nowait((choice, exc))
             else:
                 choice.first.set_exception(exc)
-
-    def _sampling(self, index: int) -> SamplingParams:
-        sampling = self.spec.sampling
-        if sampling.seed is None or index == 0:
-            return sampling
-        seed = (sampling.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN  # wraps within int64
-        return msgspec.structs.replace(sampling, seed=seed)
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
         """Every choice's deltas: the first ones in index order, then the rest as they come, until each has
@@ -183,7 +188,8 @@ class Choices:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.spec.prompt_ids)
+        """Each prompt's tokens, once (OpenAI's count), whatever its number of choices."""
+        return sum(len(spec.prompt_ids) for spec in self.specs)
 
     @property
     def completion_tokens(self) -> int:

@@ -31,9 +31,15 @@ def chat(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
     return api.chat_spec(request, api.chat_prompt_ids(request, tok, None, tools)[0], CONTEXT, tok.vocab_size)
 
 
-def completion(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
+def completions(tok: Tokenizer, **body: Any) -> list[api.GenerationSpec]:
+    """As the router reads a text completion: a spec for each of its prompts."""
     request = api.parse_completion_request(json.dumps({"model": "m", **body}).encode())
-    return api.completion_spec(request, api.completion_prompt_ids(request, tok), CONTEXT, tok)
+    return api.completion_specs(request, api.completion_prompts(request, tok), CONTEXT, tok)
+
+
+def completion(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
+    (spec,) = completions(tok, **body)
+    return spec
 
 
 def refused(fn: Any, *args: Any, **kwargs: Any) -> ApiError:
@@ -70,6 +76,14 @@ def test_chat_parameters(tok: Tokenizer) -> None:
     )
     assert spec.sampling == SamplingParams(0.0, 0.5, 0, 7, 3, True, (5,))
     assert spec.stop == ("END",) and spec.stream and spec.include_usage
+
+
+def test_a_batch_of_prompts_is_a_spec_each(tok: Tokenizer) -> None:
+    specs = completions(tok, prompt=["Hello", [300, 301]], echo=True, n=2)
+    assert [s.prompt_ids for s in specs] == [tok.encode("Hello", add_special_tokens=True), [300, 301]]
+    assert [s.echo for s in specs] == ["Hello", tok.decode([300, 301])] and all(s.n == 2 for s in specs)
+    err = refused(completions, tok, prompt=["fine", [1 << 20]])
+    assert err.body()["error"]["param"] == "prompt[1]"
 
 
 def test_echo_asks_for_the_prompts_logprobs_too(tok: Tokenizer) -> None:
@@ -256,7 +270,8 @@ def test_completion_prompt_forms(tok: Tokenizer) -> None:
 @pytest.mark.parametrize(
     ("prompt", "extra"),
     [
-        (["a", "b"], {}),
+        ([[]], {}),
+        (["x"] * 65, {}),
         ([1, 1 << 20], {}),
         ([-1], {}),
         ("", {}),

@@ -93,3 +93,29 @@ def test_more_choices_than_slots_run_in_turn(serve_router: Any, reply: str) -> N
         chunks = list(client(served).completions.create(**body))
         texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
         assert texts == [reply] * 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_numbers_its_choices_prompt_by_prompt(
+    served: Any, tok: Tokenizer, reply: str, stream: bool
+) -> None:
+    """Two prompts, two choices each: choices 0 and 1 answer the first, 2 and 3 the second; each prompt's
+    tokens count once."""
+    from tests.services.router.conftest import TOOL_REPLY
+
+    prompts = ["x", "[tool] y"]
+    body = {"model": "tiny", "prompt": prompts, "n": 2, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    out = client(served).completions.create(**body)
+    if stream:
+        chunks = list(out)
+        texts = [
+            "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+            for i in range(4)
+        ]
+        usage = chunks[-1].usage
+    else:
+        texts, usage = [c.text for c in sorted(out.choices, key=lambda c: c.index)], out.usage
+    assert texts == [reply, reply, TOOL_REPLY, TOOL_REPLY]
+    assert usage.prompt_tokens == sum(len(tok.encode(p, add_special_tokens=True)) for p in prompts)
