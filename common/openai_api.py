@@ -20,11 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import jinja2
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
-from common.chat_images import ChatImage, ImagePrompting
 from common.protocol import SamplingParams
 from common.sampling import MAX_TOP_LOGPROBS
 from common.structured import Unavailable, structure_of
@@ -32,18 +30,8 @@ from common.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-# Template variables a client may not set: the conversation itself, and the template source (a client must
-# not run a template of its own on the server).
-# `self` is the renderer's own first parameter.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "add_generation_prompt", "tokenize", "chat_template", "self"}
-)
-ROLES = ("system", "developer", "user", "assistant", "tool")
-"""Chat roles a message may have (OpenAI's, without the deprecated `function`)."""
 MAX_CHOICES = 16
 """The most choices (`n`) one request may ask for: each takes a slot of its own."""
-MAX_PROMPTS = 64
-"""The most prompts one text completion may batch (each with its `n` choices)."""
 MAX_LOGIT_BIAS = 1024
 """The most tokens one request may bias (each costs a little in every step)."""
 
@@ -254,148 +242,12 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
-def chat_tools(request: ChatCompletionRequest, tags: tuple[str, str] | None) -> list[JsonValue] | None:
-    """The tools the chat template lists for the model (None: none, or `tool_choice` "none"); `tags`: how
-    the model's calls are read from its text (common/tool_calls.py), None where its template has no form
-    for them. "required" and a named function are refused: only constrained decoding could force them."""
-    if request.tool_choice not in (None, "auto", "none"):
-        raise bad_request(
-            "tool_choice must be 'auto' or 'none': forcing a call needs constrained decoding, which Spillway "
-            "does not do.",
-            "tool_choice",
-            "unsupported",
-        )
-    if not request.tools or request.tool_choice == "none":
-        return None
-    if tags is None:
-        raise bad_request(
-            "This model's chat template has no form of function call that Spillway reads (<tool_call> "
-            "blocks); tool definitions can still reach it through chat_template_kwargs.",
-            "tools",
-            "unsupported",
-        )
-    for i, tool in enumerate(request.tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        named = isinstance(function, dict) and isinstance(function.get("name"), str)
-        if not (named and tool.get("type") == "function"):
-            raise bad_request(
-                'A tool is {"type": "function", "function": {"name": ..., ...}}.', f"tools[{i}]"
-            )
-    return list(request.tools)
-
-
-def chat_prompt_ids(
-    request: ChatCompletionRequest,
-    tokenizer: Tokenizer,
-    prompting: ImagePrompting | None = None,
-    tools: list[JsonValue] | None = None,
-) -> tuple[list[int], list[ChatImage]]:
-    """The chat template applied to the messages (and `tools`, from `chat_tools`), tokenized (with a
-    generation prompt), and the images of their `image_url` parts, each image's tokens in the prompt
-    (`prompting`: how the model takes images; None: a 400 for any image)."""
-    images: list[ChatImage] = []
-    messages = [_template_message(i, m, prompting, images) for i, m in enumerate(request.messages)]
-    kwargs = dict(request.chat_template_kwargs or {})
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}.", "chat_template_kwargs")
-    if tools is not None:
-        kwargs["tools"] = tools
-    try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-    except jinja2.TemplateError as exc:
-        raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from None
-    except ValueError as exc:  # no chat template
-        raise bad_request(str(exc), param="messages") from None
-    # Any other error is the template tripping over what the client sent (a list where it wants a string).
-    except Exception as exc:
-        message = f"The chat template could not render the messages: {type(exc).__name__}: {exc}"
-        raise bad_request(message, param="messages") from None
-    assert isinstance(ids, list)
-    if not images:
-        return ids, images
-    try:
-        return prompting.expand(ids, images), images
-    except ValueError as exc:
-        raise bad_request(f"The images do not fit the prompt: {exc}", param="messages") from None
-
-
-def _template_message(
-    index: int, message: ChatMessage, prompting: ImagePrompting | None, images: list[ChatImage]
-) -> dict[str, Any]:
-    if message.role not in ROLES:
-        roles = ", ".join(ROLES)
-        raise bad_request(
-            f"Unknown role '{message.role}': expected one of {roles}.", f"messages[{index}].role"
-        )
-    out = message.model_dump(exclude_none=True)
-    # Chat templates predate OpenAI's `developer` role; it means what `system` means to them.
-    if out["role"] == "developer":
-        out["role"] = "system"
-    if isinstance(message.content, list):
-        # Parts as one string, as Qwen's templates join them: a template that expects a string would
-        # otherwise render the list as nothing (or fail). An image is its placeholder text there.
-        texts = []
-        for j, part in enumerate(message.content):
-            param = f"messages[{index}].content[{j}]"
-            if part.type == "image_url":
-                texts.append(_image_part(part, prompting, images, param))
-            elif part.type == "text" and part.text is not None:
-                texts.append(part.text)
-            else:
-                raise bad_request(f"Unsupported content part of type '{part.type}'.", param, "unsupported")
-        out["content"] = "".join(texts)
-    return out
-
-
-def _image_part(
-    part: ContentPart, prompting: ImagePrompting | None, images: list[ChatImage], param: str
-) -> str:
-    """An `image_url` part read into `images` → the text it becomes in the message."""
-    if prompting is None:
-        raise bad_request("This server takes no images (no vision encoder runs).", param, "unsupported")
-    if part.image_url is None:
-        raise bad_request("An image_url part needs its 'image_url': {'url': 'data:...'}.", param)
-    try:
-        images.append(prompting.read(part.image_url.url))
-    except ValueError as exc:
-        raise bad_request(f"Invalid image: {exc}", f"{param}.image_url.url") from None
-    return prompting.placeholder
-
-
-def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
-    """Each prompt's ids (a batch: a list of strings or of id lists, at most MAX_PROMPTS): a string is
-    encoded (with the tokenizer's special tokens), ids are checked."""
-    given = _given_prompts(request)
-    if len(given) > MAX_PROMPTS:
-        raise bad_request(f"At most {MAX_PROMPTS} prompts a request, got {len(given)}.", "prompt")
-    if given is request.prompt:  # a batch
-        return [_prompt_ids(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(given)]
-    return [_prompt_ids(given[0], tokenizer, "prompt")]
-
-
-def _given_prompts(request: CompletionRequest) -> list[JsonValue]:
+def given_prompts(request: CompletionRequest) -> list[JsonValue]:
     """The prompts as the request gives them: a batch (a list of strings or id lists), or one."""
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         return prompt
     return [prompt]
-
-
-def _prompt_ids(prompt: JsonValue, tokenizer: Tokenizer, param: str) -> list[int]:
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, add_special_tokens=True)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)  # type: ignore[arg-type]
-        vocab = tokenizer.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"Token id {bad} is outside the vocabulary [0, {vocab}).", param)
-    else:
-        raise bad_request("'prompt' must be a string or a list of token ids, or a list of either.", param)
-    if not ids:
-        raise bad_request("The prompt is empty.", param)
-    return ids
 
 
 def chat_spec(
@@ -423,7 +275,7 @@ def completion_specs(
     if request.suffix:
         raise bad_request("suffix is not supported.", "suffix", "unsupported")
     specs = []
-    for ids, text in zip(prompts, _given_prompts(request), strict=True):
+    for ids, text in zip(prompts, given_prompts(request), strict=True):
         spec = _spec(request, ids, max_context, tokenizer.vocab_size, request.max_tokens, request.logprobs)
         if request.echo:
             sampling = msgspec.structs.replace(spec.sampling, prompt_logprobs=request.logprobs)

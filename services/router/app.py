@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from common import openai_api as api
+from common import openai_prompts
 from common.chat_images import ImagePrompting
 from common.metrics import RouterMetrics, new_registry, render, serve
 from common.openai_api import ApiError, GenerationSpec
@@ -133,9 +134,9 @@ class Router:
         self.authorize(request)
         body = api.parse_chat_request(await request.body())
         api.check_model(body.model, self.config.model_name)
-        tools = api.chat_tools(body, self.tool_tags)
+        tools = openai_prompts.chat_tools(body, self.tool_tags)
         prompt_ids, images = await asyncio.to_thread(
-            api.chat_prompt_ids, body, self.tokenizer, self.prompting, tools
+            openai_prompts.chat_prompt_ids, body, self.tokenizer, self.prompting, tools
         )
         spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
         self.core.check_images(sum(image.tokens for image in images))
@@ -148,7 +149,7 @@ class Router:
         self.authorize(request)
         body = api.parse_completion_request(await request.body())
         api.check_model(body.model, self.config.model_name)
-        prompts = await asyncio.to_thread(api.completion_prompts, body, self.tokenizer)
+        prompts = await asyncio.to_thread(openai_prompts.completion_prompts, body, self.tokenizer)
         specs = api.completion_specs(body, prompts, self.max_context, self.tokenizer)
         return await self._serve(request, specs, chat=False, received=received)
 

@@ -9,6 +9,7 @@ import pytest
 import tokenizers
 
 from common import openai_api as api
+from common import openai_prompts
 from common.model.defaults import default_model_dir
 from common.openai_api import ApiError
 from common.protocol import SamplingParams
@@ -27,14 +28,16 @@ def tok() -> Tokenizer:
 def chat(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
     """As the router reads a chat: its tools, its prompt, its spec."""
     request = api.parse_chat_request(json.dumps({"model": "m", "messages": USER, **body}).encode())
-    tools = api.chat_tools(request, tool_call_tags(tok))
-    return api.chat_spec(request, api.chat_prompt_ids(request, tok, None, tools)[0], CONTEXT, tok.vocab_size)
+    tools = openai_prompts.chat_tools(request, tool_call_tags(tok))
+    return api.chat_spec(
+        request, openai_prompts.chat_prompt_ids(request, tok, None, tools)[0], CONTEXT, tok.vocab_size
+    )
 
 
 def completions(tok: Tokenizer, **body: Any) -> list[api.GenerationSpec]:
     """As the router reads a text completion: a spec for each of its prompts."""
     request = api.parse_completion_request(json.dumps({"model": "m", **body}).encode())
-    return api.completion_specs(request, api.completion_prompts(request, tok), CONTEXT, tok)
+    return api.completion_specs(request, openai_prompts.completion_prompts(request, tok), CONTEXT, tok)
 
 
 def completion(tok: Tokenizer, **body: Any) -> api.GenerationSpec:
@@ -306,8 +309,10 @@ def test_tools_need_a_template_with_a_form_of_call(tok: Tokenizer) -> None:
     tools = [{"type": "function", "function": {"name": "f"}}]
     request = api.parse_chat_request(json.dumps({"messages": USER, "tools": tools}).encode())
     with pytest.raises(ApiError) as info:
-        api.chat_tools(request, None)
+        openai_prompts.chat_tools(request, None)
     assert info.value.status == 400 and info.value.body()["error"]["param"] == "tools"
-    assert api.chat_tools(request, tool_call_tags(tok)) == tools
-    prompt = api.chat_prompt_ids(request, tok, None, api.chat_tools(request, tool_call_tags(tok)))[0]
+    assert openai_prompts.chat_tools(request, tool_call_tags(tok)) == tools
+    prompt = openai_prompts.chat_prompt_ids(
+        request, tok, None, openai_prompts.chat_tools(request, tool_call_tags(tok))
+    )[0]
     assert tok.decode(prompt).count("<tool_call>") == 1  # the template asks for calls
