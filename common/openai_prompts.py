@@ -18,6 +18,7 @@ from common.openai_api import (
     bad_request,
     given_prompts,
 )
+from common.structured import Unavailable, call_structure
 from common.tokenizer import Tokenizer
 
 # Template variables a client may not set: the conversation itself, and the template source (a client must
@@ -35,15 +36,17 @@ MAX_PROMPTS = 64
 def chat_tools(request: ChatCompletionRequest, tags: tuple[str, str] | None) -> list[JsonValue] | None:
     """The tools the chat template lists for the model (None: none, or `tool_choice` "none"); `tags`: how
     the model's calls are read from its text (common/tool_calls.py), None where its template has no form
-    for them. "required" and a named function are refused: only constrained decoding could force them."""
-    if request.tool_choice not in (None, "auto", "none"):
+    for them. A forced call ("required", or a named function) is `forced_call`'s."""
+    choice = request.tool_choice
+    named = isinstance(choice, dict) and choice.get("type") == "function"
+    if choice not in (None, "auto", "none", "required") and not named:
         raise bad_request(
-            "tool_choice must be 'auto' or 'none': forcing a call needs constrained decoding, which Spillway "
-            "does not do.",
+            'tool_choice is "auto", "none", "required" or {"type": "function", "function": {"name": ...}}.',
             "tool_choice",
-            "unsupported",
         )
-    if not request.tools or request.tool_choice == "none":
+    if not request.tools or choice == "none":
+        if choice == "required" or named:
+            raise bad_request("tool_choice forces a call, but no tools are given.", "tool_choice")
         return None
     if tags is None:
         raise bad_request(
@@ -60,6 +63,34 @@ def chat_tools(request: ChatCompletionRequest, tags: tuple[str, str] | None) -> 
                 'A tool is {"type": "function", "function": {"name": ..., ...}}.', f"tools[{i}]"
             )
     return list(request.tools)
+
+
+def forced_call(request: ChatCompletionRequest, tools: list[JsonValue] | None, tags: tuple[str, str]) -> str:
+    """The form (`SamplingParams.structure`, common/structured.py) that holds the answer to one call block
+    where `tool_choice` forces a call ("required": of any tool; named: of that one); "" where it does not.
+    A 400 for a name no tool has, or without xgrammar."""
+    choice = request.tool_choice
+    if tools is None or choice in (None, "auto"):
+        return ""
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise bad_request(
+                'A named tool_choice is {"type": "function", "function": {"name": ...}}.', "tool_choice"
+            )
+    if request.response_format not in (None, {"type": "text"}):
+        raise bad_request("A forced call and a response_format cannot both hold the answer.", "tool_choice")
+    for field in ("ignore_eos", "min_tokens"):
+        if getattr(request, field):
+            raise bad_request(f"{field} cannot hold a forced call past its end.", field)
+    try:
+        return call_structure(tools, name, tags)  # type: ignore[arg-type]
+    except Unavailable as exc:
+        raise bad_request(str(exc), "tool_choice", "unsupported") from None
+    except ValueError as exc:
+        raise bad_request(str(exc), "tool_choice") from None
 
 
 def chat_prompt_ids(

@@ -2,10 +2,11 @@
 grammar that masks, step by step, the tokens that cannot continue it (xgrammar, the optional `structured`
 extra).
 
-A request carries its form as text (`SamplingParams.structure`, `structure_of`); each worker that samples
-for it compiles that once for its vocabulary (`Grammars`, cached) and keeps a matcher per request, which
-reads every token the request generates, on the host. The JSON has no free whitespace: a model may
-otherwise pad it without end.
+A request carries its form as JSON text (`SamplingParams.structure`): `{"schema": S}`, and for a forced
+function call (`call_structure`) the call's tags around it, `{"schema": S, "before": ..., "after": ...}`.
+Each worker that samples for it compiles that once for its vocabulary (`Grammars`, cached) and keeps a
+matcher per request, which reads every token the request generates, on the host. The JSON has no free
+whitespace: a model may otherwise pad it without end.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _xgrammar() -> Any:
 
 def structure_of(response_format: dict[str, Any] | None) -> str:
     """The form an OpenAI `response_format` asks for, as `SamplingParams.structure` carries it: "" for
-    text, else a JSON schema's text. Raises ValueError (the message for a 400) for a format that is not
+    text, else its JSON schema's form. Raises ValueError (the message for a 400) for a format that is not
     one of OpenAI's or a schema that is not valid, Unavailable without xgrammar."""
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
@@ -49,15 +50,54 @@ def structure_of(response_format: dict[str, Any] | None) -> str:
             raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object.")
     else:
         raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema.")
-    text = json.dumps(schema, sort_keys=True)
+    return _checked({"schema": schema})
+
+
+def call_structure(tools: list[dict[str, Any]], name: str | None, tags: tuple[str, str]) -> str:
+    """A forced function call (tool_choice "required", or the function `name`) as a form: one call block
+    in `tags` holding {"name": ..., "arguments": ...}, the arguments of the named function's (or any
+    listed function's) parameter schema. ValueError for a name that no tool has."""
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not functions:
+        raise ValueError(f"tool_choice names {name!r}, which is not among the tools.")
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return _checked({"schema": schema, "before": tags[0] + "\n", "after": "\n" + tags[1]})
+
+
+def _checked(form: dict[str, Any]) -> str:
+    """`form` as `SamplingParams.structure` carries it, once its grammar is known to build."""
+    text = json.dumps(form)  # in order: a schema's properties are written in the order it lists them
     try:
-        _xgrammar().Grammar.from_json_schema(text, any_whitespace=False)
+        _grammar(text)
     except Unavailable:
         raise
     except Exception as exc:  # xgrammar's own error types, whatever the schema trips
         reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip())  # less its log prefix
         raise ValueError(f"The JSON schema cannot be followed: {reason}") from None
     return text
+
+
+def _grammar(structure: str) -> Any:
+    """The grammar (xgrammar.Grammar) of a form: its schema's JSON, between its literal tags if any."""
+    xgr = _xgrammar()
+    form = json.loads(structure)
+    body = xgr.Grammar.from_json_schema(json.dumps(form["schema"]), any_whitespace=False)
+    if "before" not in form:
+        return body
+    literal = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(form[k])}") for k in ("before", "after")]
+    return xgr.Grammar.concat(literal[0], body, literal[1])
 
 
 class Grammars:
@@ -74,7 +114,7 @@ class Grammars:
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 (one instance a worker, for its lifetime)
     def _compiled(self, structure: str) -> Any:
-        return self._compiler.compile_json_schema(structure, any_whitespace=False)
+        return self._compiler.compile_grammar(_grammar(structure))
 
     def matcher(self, structure: str) -> Any:
         """A fresh matcher of `structure` (xgrammar.GrammarMatcher), at the start of the text."""

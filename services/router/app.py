@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -141,7 +142,10 @@ class Router:
         spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
         self.core.check_images(sum(image.tokens for image in images))
         tags = None if tools is None else self.tool_tags
-        spec = dataclasses.replace(spec, images=tuple(image.raw for image in images), tool_tags=tags)
+        forced = "" if tags is None else openai_prompts.forced_call(body, tools, tags)
+        sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
+        raw = tuple(image.raw for image in images)
+        spec = dataclasses.replace(spec, images=raw, tool_tags=tags, sampling=sampling)
         return await self._serve(request, [spec], chat=True, received=received)
 
     async def completions(self, request: Request) -> Response:

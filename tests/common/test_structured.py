@@ -30,8 +30,8 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHE
 
 def test_formats_become_schemas_and_bad_ones_are_named() -> None:
     assert structure_of(None) == structure_of({"type": "text"}) == ""
-    assert json.loads(structure_of({"type": "json_object"})) == {"type": "object"}
-    assert json.loads(structure_of(FORMAT)) == SCHEMA
+    assert json.loads(structure_of({"type": "json_object"})) == {"schema": {"type": "object"}}
+    assert json.loads(structure_of(FORMAT)) == {"schema": SCHEMA}
     for bad, words in [
         ({"type": "yaml"}, "not one of"),
         ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema"),
@@ -67,3 +67,41 @@ def test_the_mask_leaves_only_what_the_grammar_takes() -> None:
     procs.accept(req, allowed[0])
     with pytest.raises(RuntimeError, match="breaks the grammar"):
         procs.accept(req, tok.encode("zzz")[0])
+
+
+def test_a_forced_call_is_one_call_block_of_a_listed_function() -> None:
+    """call_structure: the answer is one <tool_call> block naming a listed function with arguments of its
+    schema (any of them for "required", the named one otherwise), then the end of the sequence."""
+    from common.structured import call_structure
+    from common.tool_calls import HERMES_TAGS, split_tool_calls
+
+    pick = {"type": "object", "properties": {"size": {"enum": ["S", "M"]}}, "required": ["size"]}
+    pick["additionalProperties"] = False
+    tools = [
+        {"type": "function", "function": {"name": "pick", "parameters": pick}},
+        {
+            "type": "function",
+            "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}},
+        },
+    ]
+    engine = Engine(default_model_dir(), dtype=torch.float32, max_seqs=4)
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=s, max_tokens=60, structure=call_structure(tools, name, HERMES_TAGS)
+        )
+        for s, name in enumerate([None, None, "pick", "noop"])
+    ]
+    names = []
+    for result in engine.generate([[5, 6, 7]] * 4, params):
+        content, (call,) = split_tool_calls(engine.tokenizer.decode(result.token_ids))
+        assert content == "" and result.finish_reason == "stop"
+        arguments = json.loads(call.arguments)
+        assert (
+            arguments in ({"size": "S"}, {"size": "M"})
+            if call.name == "pick"
+            else isinstance(arguments, dict)
+        )
+        names.append(call.name)
+    assert names[2:] == ["pick", "noop"] and set(names[:2]) <= {"pick", "noop"}
+    with pytest.raises(ValueError, match="not among the tools"):
+        call_structure(tools, "other", HERMES_TAGS)

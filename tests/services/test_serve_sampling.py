@@ -181,3 +181,24 @@ def test_an_echoed_prompt_has_transformers_logprobs(server, model) -> None:
     torch.testing.assert_close(
         got, want[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])], atol=2e-4, rtol=0
     )
+
+
+def test_a_named_tool_choice_answers_with_that_call(server, model) -> None:
+    """tool_choice naming a function: the served model's answer is one call of it (arguments of its
+    schema), whatever the random weights would have said, with finish reason tool_calls."""
+    params = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"]}
+    tools = [
+        {"type": "function", "function": {"name": "weather", "parameters": params}},
+        {
+            "type": "function",
+            "function": {"name": "time", "parameters": {"type": "object", "properties": {}}},
+        },
+    ]
+    out = server.client().chat.completions.create(
+        model=model.name, messages=[{"role": "user", "content": "Weather?"}], tools=tools, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "weather"}}, temperature=1.0, seed=1,
+    )  # fmt: skip
+    choice = out.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "weather" and json.loads(call.function.arguments)["unit"] in ("C", "F")
+    assert choice.finish_reason == "tool_calls" and not choice.message.content

@@ -89,14 +89,35 @@ def test_a_conversation_with_calls_and_results_renders_as_the_template(served: A
     assert gen.prompt_ids == tok.apply_chat_template(want, tools=TOOLS, tokenize=True)
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_holds_the_answer_to_a_call_block(served: Any, choice: Any) -> None:
+    """tool_choice "required" or named: the workers get the form of one <tool_call> block of the function's
+    arguments (common/structured.py); "auto" leaves the answer free."""
+    pytest.importorskip("xgrammar")
+    out = client(served).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice)
+    gen = next(g for g in served.peer.generates() if f"chatcmpl-{g.rid}" == out.id)
+    form = json.loads(gen.sampling.structure)
+    assert form["before"] == "<tool_call>\n" and form["after"] == "\n</tool_call>"
+    assert form["schema"]["properties"]["name"] == {"const": "get_weather"}
+    assert form["schema"]["properties"]["arguments"] == TOOLS[0]["function"]["parameters"]
+    auto = client(served).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="auto")
+    assert next(g for g in served.peer.generates() if f"chatcmpl-{g.rid}" == auto.id).sampling.structure == ""
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
         (
-            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
             "tool_choice",
         ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        ({"tools": TOOLS, "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
         ({"tools": [{"type": "function", "function": {}}]}, "tools[0]"),
         ({"tools": ["get_weather"]}, "tools[0]"),
         ({"functions": [{"name": "f"}]}, "functions"),
