@@ -38,12 +38,14 @@ def _steps(device: str, steps: int = 6) -> list[list[int]]:
         procs.admit(r)
     out = []
     for step, row in enumerate(logits):
-        if step == 1 and device == "cuda":
-            torch.cuda.set_sync_debug_mode("error")  # the counts exist: no host wait from here on
+        watched = device == "cuda" and step > 0  # the counts exist: no host wait from here on
+        if watched:
+            torch.cuda.set_sync_debug_mode("error")
         try:
             tokens = sample_on_device(row, reqs, procs)
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            if watched:
+                torch.cuda.set_sync_debug_mode("default")
         out.append(tokens.tolist())
         for r, t in zip(reqs, out[-1], strict=True):
             r.token_ids.append(t)
