@@ -77,8 +77,8 @@ class DecodePipeline:
         self._buffers = [torch.zeros(lanes, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._logprob_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """Per turn: [max_seqs, 1 + MAX_TOP_LOGPROBS] float32 (chosen, then the top) and [max_seqs,
-        MAX_TOP_LOGPROBS] int64, made at the first pass that asks for log-probabilities."""
+        """Per turn, pinned and flat: room for [max_seqs, 1 + MAX_TOP_LOGPROBS] float32 (chosen, then the
+        top) and [max_seqs, MAX_TOP_LOGPROBS] int64, made at the first pass that asks for logprobs."""
         self._turn = 0
         self.launched: deque[Launched] = deque()
 
@@ -108,23 +108,26 @@ class DecodePipeline:
     def _copy_logprobs(
         self, turn: int, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`rows` copied behind the pass into turn `turn`'s host buffers; views of those buffers."""
+        """`rows` copied behind the pass into turn `turn`'s host buffers; views of those buffers. Each copy's
+        destination is a contiguous block of pinned memory: a strided one would go through a pageable
+        temporary, a copy the host waits for."""
         if not self._logprob_buffers:
             lanes, pin = self.newest.shape[0], self.newest.device.type == "cuda"
             self._logprob_buffers = [
                 (
-                    torch.zeros(lanes, 1 + MAX_TOP_LOGPROBS, dtype=torch.float32, pin_memory=pin),
-                    torch.zeros(lanes, MAX_TOP_LOGPROBS, dtype=torch.int64, pin_memory=pin),
+                    torch.zeros(lanes * (1 + MAX_TOP_LOGPROBS), dtype=torch.float32, pin_memory=pin),
+                    torch.zeros(lanes * MAX_TOP_LOGPROBS, dtype=torch.int64, pin_memory=pin),
                 )
                 for _ in self._buffers
             ]
         chosen, values, ids = rows  # [B], [B, top], [B, top]
         b, top = values.shape
         floats, longs = self._logprob_buffers[turn]
-        floats[:b, 0].copy_(chosen, non_blocking=True)
-        floats[:b, 1 : 1 + top].copy_(values, non_blocking=True)
-        longs[:b, :top].copy_(ids, non_blocking=True)
-        return floats[:b, 0], floats[:b, 1 : 1 + top], longs[:b, :top]
+        host_values = floats[: b * (1 + top)].view(b, 1 + top)  # chosen, then the top
+        host_values.copy_(torch.cat([chosen[:, None], values], dim=1), non_blocking=True)
+        host_ids = longs[: b * top].view(b, top)
+        host_ids.copy_(ids.contiguous(), non_blocking=True)
+        return host_values[:, 0], host_values[:, 1:], host_ids
 
     def land(self) -> Landed | None:
         """The oldest launched pass's lanes, tokens and log-probabilities (waiting for it), or None when none

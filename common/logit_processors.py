@@ -123,7 +123,9 @@ class LogitProcessors:
         bitmask = grammars.bitmask(len(reqs))
         for b in rows:
             self._matchers[reqs[b].state.slot].fill_next_token_bitmask(bitmask, b)
-        grammars.apply(out, bitmask.to(out.device), rows)
+        if out.device.type == "cuda":  # pinned, asynchronous: a pageable copy would wait for the stream
+            bitmask = bitmask.pin_memory().to(out.device, non_blocking=True)
+        grammars.apply(out, bitmask, rows)
 
     def _grammar_set(self) -> Grammars:
         if self._grammars is None:

@@ -193,8 +193,14 @@ class DecodeCore:
             stats = torch.frombuffer(bytearray(msg.routing), dtype=torch.float32)
             offload.tables.add_statistics(stats.view(offload.tables.num_layers, -1))
         req = Request(msg.prompt_ids, msg.sampling, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
-        self.processors.admit(req)
         self.running[msg.rid] = req
+        try:
+            self.processors.admit(req)  # its counts' rows (made at the first), its grammar
+        except Exception as exc:  # out of memory for the tables, a grammar that does not compile here
+            log.exception("admitting %s failed", msg.rid)
+            self.landed.append(Tokens(msg.rid, [], "error", error=f"its sampling could not start: {exc}"))
+            self.release(msg.rid)
+            return
         self.pipeline.seed([seq], [msg.first_token])  # its first step reads it on the device
 
     def abort(self, rid: str) -> list[StateGranted]:
@@ -268,6 +274,8 @@ class DecodeCore:
         """Launch a decode step for every running request that takes one, then land the step before it: its
         events (and those of a step landed meanwhile), a finished request's last. A step's tokens reach the
         host while the next step runs (common/decode_pipeline.py)."""
+        while any(r.params.structure and self.pipeline.ahead(r) for r in self.running.values()):
+            self._land()  # a grammar reads its lane's token before the next mask: land now, not a step later
         reqs = [r for r in self.running.values() if self._takes_step(r) and self._next_page(r)]
         self.stalled = bool(self.running) and not reqs and not self.pipeline.launched
         if reqs:
@@ -304,12 +312,10 @@ class DecodeCore:
 
     def _takes_step(self, req: Request) -> bool:
         """Whether `req` gets a token from a step launched now: not when its token in flight (if any) ends
-        it by length — known on the host, so no step is launched for nothing —, nor while a structured
-        request's grammar has not read that token (common/logit_processors.py)."""
+        it by length — known on the host, so no step is launched for nothing. (A structured request is
+        never in flight here: `step` lands its pass first, for its grammar to read the token.)"""
         if not self.pipeline.ahead(req):
             return True
-        if req.params.structure:
-            return False
         cached = req.state.num_cached
         return not ends_by_length(req, self.runner.max_context, len(req.token_ids) + 1, cached)
 

@@ -5,6 +5,7 @@ log-probabilities asked of every pass included."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,24 @@ def test_pipelined_recorded_steps_run_ahead_of_the_host(tmp_path: Path, cache: s
     assert set(engine.runner.graphs.recorded) == {2}
     if cache is not None:
         engine.offload.tables.check()
+
+
+def test_a_pass_asked_for_logprobs_returns_before_the_device_is_done(tmp_path: Path) -> None:
+    """With ~0.1 s of device work queued ahead of it, a launch that asks for logprobs returns at once and its
+    pass is not done yet: nothing in it waits for the stream (a strided pinned destination would)."""
+    path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
+    engine = _engine(path, None)
+    seqs, firsts = _prefilled(engine)
+    pipe = DecodePipeline(engine.runner)
+    pipe.seed(seqs, firsts)
+    greedy = lambda logits: logits.argmax(dim=-1)
+    pipe.launch([0, 1], seqs, greedy, top=3)  # records the graph, makes the buffers
+    pipe.land()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of a busy device
+    started = time.perf_counter()
+    pipe.launch([0, 1], seqs, greedy, top=3)
+    took = time.perf_counter() - started
+    assert took < 0.05 and not pipe.launched[-1].done.query()
+    _, tokens, (chosen, values, ids) = pipe.land()
+    assert ids[:, 0].tolist() == tokens and torch.equal(chosen, values[:, 0])
