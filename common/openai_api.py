@@ -98,7 +98,7 @@ class _GenerationRequest(_Schema):
     """Extension: extra token ids that end generation (each in the vocabulary)."""
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     """Extension (HF transformers', vLLM's): 1 is off."""
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     """Extension (vLLM's)."""
@@ -141,6 +141,8 @@ class ChatCompletionRequest(_GenerationRequest):
     """Extension: extra variables for the chat template (e.g. `enable_thinking`, `tools`)."""
     tools: list[JsonValue] | None = None
     tool_choice: JsonValue = None
+    parallel_tool_calls: bool | None = None
+    """False (at most one call) holds only where tool_choice forces one; otherwise it is refused."""
     functions: list[JsonValue] | None = None
     function_call: JsonValue = None
 
@@ -369,7 +371,7 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, f
         )
     pairs = []
     for key, value in bias.items():
-        if not re.fullmatch(r"\d+", key) or int(key) >= vocab:
+        if not re.fullmatch(r"0|[1-9]\d*", key) or int(key) >= vocab:  # one spelling a token
             raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {vocab}).", "logit_bias")
         if not -100.0 <= value <= 100.0:
             raise bad_request(f"logit_bias of token {key} is {value}, outside [-100, 100].", "logit_bias")

@@ -130,8 +130,10 @@ class Choices:
         status); on any failure, or cancellation, close them all and raise."""
         self._tasks = [asyncio.ensure_future(self._run(c, rid, received)) for c in self.items]
         try:
-            for choice in self.items:
-                await asyncio.shield(choice.first)
+            firsts = {asyncio.shield(c.first) for c in self.items}
+            done, _ = await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
+            for future in done:  # the first failure, as soon as it comes (a 429 need not wait for the rest)
+                future.result()
         except BaseException:
             self.close()
             raise

@@ -4,6 +4,8 @@ one refused at admission gives the others' slots back."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -119,3 +121,23 @@ def test_a_batch_of_prompts_numbers_its_choices_prompt_by_prompt(
         texts, usage = [c.text for c in sorted(out.choices, key=lambda c: c.index)], out.usage
     assert texts == [reply, reply, TOOL_REPLY, TOOL_REPLY]
     assert usage.prompt_tokens == sum(len(tok.encode(p, add_special_tokens=True)) for p in prompts)
+
+
+def test_a_refused_choice_fails_the_request_at_once(serve_router: Any) -> None:
+    """One slot, held by a request for ~3 s; a queue of one: of three choices the first waits for the slot
+    and the others are refused, and the 429 comes while the holder still runs, not after the first's wait."""
+    slow = {"model": "tiny", "prompt": "[slow]", "max_tokens": 150}
+    with serve_router(max_running=1, max_queue=1) as served:
+        url = f"{served.url}/v1/completions"
+        holder = threading.Thread(target=lambda: httpx.post(url, json=slow, timeout=20))
+        holder.start()
+        try:
+            wait_running = time.monotonic() + 5
+            while httpx.get(f"{served.url}/health", timeout=5).json()["router"]["running"] < 1:
+                assert time.monotonic() < wait_running
+                time.sleep(0.01)
+            response = httpx.post(url, json={"model": "tiny", "prompt": "x", "n": 3}, timeout=10)
+            assert response.status_code == 429, response.text
+            assert holder.is_alive(), "the 429 waited for the slot"
+        finally:
+            holder.join()

@@ -121,6 +121,7 @@ def test_a_forced_call_holds_the_answer_to_a_call_block(served: Any, choice: Any
         ({"tools": [{"type": "function", "function": {}}]}, "tools[0]"),
         ({"tools": ["get_weather"]}, "tools[0]"),
         ({"functions": [{"name": "f"}]}, "functions"),
+        ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
     ],
 )
 def test_what_cannot_be_honoured_is_a_400(served: Any, extra: dict, param: str) -> None:
