@@ -47,11 +47,12 @@ class LogitProcessors:
         """`tokenizer`: the vocabulary's bytes, for structured requests' grammars (None: none served)."""
         self.rows, self.vocab, self.device = rows, vocab, device
         self.end_ids = tuple(end_ids)
+        """The end-of-sequence tokens that `min_tokens` holds back (with each request's stop tokens)."""
         self._tokenizer = tokenizer
         self._grammars: Grammars | None = None
         self._matchers: dict[int, Any] = {}
-        """Each structured request's grammar matcher (xgrammar), by its row."""
-        """The end-of-sequence tokens that `min_tokens` holds back (with each request's stop tokens)."""
+        """Each structured request's grammar matcher (xgrammar), by its row (a row's next request's
+        replaces it)."""
         self._counts: torch.Tensor | None = None
         """[rows, V] int32: how often each token has been generated; made at the first penalized request."""
         self._prompt: torch.Tensor | None = None

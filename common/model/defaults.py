@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -27,9 +28,15 @@ def default_model_dir() -> Path:
     target = cache_dir() / "models" / f"tiny-{DEFAULT_ARCH}"
     if _current(target):
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time: another may be writing it as we came
+        return target if _current(target) else _write(target)
+
+
+def _write(target: Path) -> Path:
     from common.model.synthetic import make_model
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
         make_model(staging, preset="tiny", arch=DEFAULT_ARCH)

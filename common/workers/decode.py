@@ -328,7 +328,13 @@ class DecodeCore:
             if req.finish_reason or self.running.get(req.rid) is not req:
                 continue  # finished by the step before, or aborted: a token no one asked for
             ahead = int(self.pipeline.ahead(req))
-            self.processors.accept(req, token)
+            try:
+                self.processors.accept(req, token)
+            except RuntimeError as exc:  # its grammar refused the token: this request ends, the others go on
+                log.error("%s: %s", req.rid, exc)
+                self.landed.append(Tokens(req.rid, [], "error", error=str(exc), index=len(req.token_ids)))
+                self.release(req.rid)
+                continue
             done = append_token(req, token, self.eos_ids, self.runner.max_context, ahead)
             listed = [] if lp is None else [lp]
             index = len(req.token_ids) - 1
