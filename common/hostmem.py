@@ -37,8 +37,13 @@ def host_list_to(values: list, device: torch.device | str, dtype: torch.dtype = 
     recording each copy's event, and its power-of-two rounding (why the stores are registered with
     `register_mapped` instead) costs nothing at this size. Not in graph capture, where the copy would be
     recorded from a pinned block that the replay finds reused (the pageable copy raised there)."""
-    host = torch.tensor(values, dtype=dtype)
+    return host_tensor_to(torch.tensor(values, dtype=dtype), device)
+
+
+def host_tensor_to(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor on `device`, as `host_list_to` moves a list: through a recycled pinned block
+    and an asynchronous copy to a GPU."""
     if torch.device(device).type != "cuda":
         return host.to(device)
-    assert not torch.cuda.is_current_stream_capturing(), "a host list copied in graph capture"
+    assert not torch.cuda.is_current_stream_capturing(), "a host tensor copied in graph capture"
     return host.pin_memory().to(device, non_blocking=True)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.hostmem import host_list_to
+from common.hostmem import host_list_to, host_tensor_to
 
 if TYPE_CHECKING:
     from common.requests import Request
@@ -124,9 +124,7 @@ class LogitProcessors:
         bitmask = grammars.bitmask(len(reqs))
         for b in rows:
             self._matchers[reqs[b].state.slot].fill_next_token_bitmask(bitmask, b)
-        if out.device.type == "cuda":  # pinned, asynchronous: a pageable copy would wait for the stream
-            bitmask = bitmask.pin_memory().to(out.device, non_blocking=True)
-        grammars.apply(out, bitmask, rows)
+        grammars.apply(out, host_tensor_to(bitmask, out.device), rows)  # [B, V / 32] int32: small
 
     def _grammar_set(self) -> Grammars:
         if self._grammars is None:

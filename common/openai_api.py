@@ -355,10 +355,17 @@ def _structure(request: _GenerationRequest) -> str:
         raise bad_request(str(exc), "response_format", "unsupported") from None
     except ValueError as exc:
         raise bad_request(str(exc), "response_format") from None
-    for name in ("ignore_eos", "min_tokens"):
-        if structure and getattr(request, name):
-            raise bad_request(f"{name} cannot hold a structured output past its end.", name)
+    if structure:
+        check_grammar_ends(request, "a structured output")
     return structure
+
+
+def check_grammar_ends(request: _GenerationRequest, what: str) -> None:
+    """A 400 where `what` (an answer a grammar holds, which ends with its end-of-sequence token) would be
+    held past its end: ignore_eos, min_tokens."""
+    for name in ("ignore_eos", "min_tokens"):
+        if getattr(request, name):
+            raise bad_request(f"{name} cannot hold {what} past its end.", name)
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:

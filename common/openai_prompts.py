@@ -16,6 +16,7 @@ from common.openai_api import (
     CompletionRequest,
     ContentPart,
     bad_request,
+    check_grammar_ends,
     given_prompts,
 )
 from common.structured import Unavailable, call_structure
@@ -88,9 +89,7 @@ def forced_call(request: ChatCompletionRequest, tools: list[JsonValue] | None, t
             )
     if request.response_format not in (None, {"type": "text"}):
         raise bad_request("A forced call and a response_format cannot both hold the answer.", "tool_choice")
-    for field in ("ignore_eos", "min_tokens"):
-        if getattr(request, field):
-            raise bad_request(f"{field} cannot hold a forced call past its end.", field)
+    check_grammar_ends(request, "a forced call")
     try:
         return call_structure(tools, name, tags)  # type: ignore[arg-type]
     except Unavailable as exc:

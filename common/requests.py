@@ -41,7 +41,8 @@ def sample_with_logprobs(
     """`sample_next`, and each request's log-probabilities of its token when it asked for them."""
     tokens = sample_on_device(logits, reqs, processors)
     top = top_logprobs(reqs)
-    rows = [None] * len(reqs) if top is None else host_logprobs(*logprobs_of(logits, tokens, top), reqs)
+    asked = [r.params.logprobs for r in reqs]
+    rows = [None] * len(reqs) if top is None else host_logprobs(*logprobs_of(logits, tokens, top), asked)
     listed = tokens.tolist()
     for req, token in zip(reqs, listed, strict=True):
         processors.accept(req, token)
@@ -55,14 +56,13 @@ def top_logprobs(reqs: Sequence[Request]) -> int | None:
 
 
 def host_logprobs(
-    chosen: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, reqs: Sequence[Request]
+    chosen: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, asked: Sequence[int | None]
 ) -> list[TokenLogprobs | None]:
-    """Each request's `TokenLogprobs` (its own number of alternatives) from a batch's `logprobs_of` rows
-    ([B], [B, top], [B, top]; read to the host here), None for a request that asked for none."""
+    """Each row's `TokenLogprobs` from a batch's `logprobs_of` rows ([B], [B, top], [B, top]; read to the
+    host here), with `asked[b]` alternatives (a request's own number), None where it is None."""
     chosen_, values_, ids_ = chosen.tolist(), values.tolist(), ids.tolist()
     rows: list[TokenLogprobs | None] = []
-    for b, req in enumerate(reqs):
-        k = req.params.logprobs
+    for b, k in enumerate(asked):
         rows.append(None if k is None else TokenLogprobs(chosen_[b], ids_[b][:k], values_[b][:k]))
     return rows
 

@@ -323,7 +323,8 @@ class DecodeCore:
         """Land the oldest launched step: its tokens become events (in `landed`, for the next `step` to
         return); a request it finishes is forgotten (its state freed once no launched step uses it)."""
         lanes, tokens, rows = self.pipeline.land()
-        logprobs = [None] * len(lanes) if rows is None else host_logprobs(*rows, lanes)
+        asked = [req.params.logprobs for req in lanes]
+        logprobs = [None] * len(lanes) if rows is None else host_logprobs(*rows, asked)
         for req, token, lp in zip(lanes, tokens, logprobs, strict=True):
             if req.finish_reason or self.running.get(req.rid) is not req:
                 continue  # finished by the step before, or aborted: a token no one asked for

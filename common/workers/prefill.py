@@ -20,6 +20,7 @@ import torch
 
 from common.config import WorkerConfig
 from common.experts.cache_tables import CacheTables
+from common.hostmem import host_list_to
 from common.kernels import fused_by_default, use_fused_kernels
 from common.kv.state import SequenceState
 from common.logit_processors import LogitProcessors
@@ -36,7 +37,7 @@ from common.protocol import (
     TokenLogprobs,
     Tokens,
 )
-from common.requests import Request, append_token, sample_with_logprobs
+from common.requests import Request, append_token, host_logprobs, sample_with_logprobs
 from common.runner import ModelRunner, warm_up_on_cuda
 from common.sampling import logprobs_of
 from common.tokenizer import Tokenizer
@@ -230,12 +231,11 @@ class PrefillCore:
     def _scored(self, hidden: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprobs]:
         """The log-probabilities of `targets` (the next prompt tokens) under hidden states [N, H], and the
         `top` best alternatives', PROMPT_LOGPROB_ROWS rows of logits at a time."""
-        out = []
+        out: list[TokenLogprobs] = []
         for at in range(0, len(targets), PROMPT_LOGPROB_ROWS):
             logits = self.runner.model.compute_logits(hidden[at : at + PROMPT_LOGPROB_ROWS])  # [n, V]
-            wanted = torch.tensor(targets[at : at + PROMPT_LOGPROB_ROWS], device=logits.device)
-            chosen, values, ids = (t.tolist() for t in logprobs_of(logits, wanted, top))
-            out += [TokenLogprobs(c, i, v) for c, i, v in zip(chosen, ids, values, strict=True)]
+            wanted = host_list_to(targets[at : at + PROMPT_LOGPROB_ROWS], logits.device)
+            out += host_logprobs(*logprobs_of(logits, wanted, top), [top] * len(wanted))  # none is None
         return out
 
     def _finish(self, job: PrefillJob, logits: torch.Tensor) -> Outgoing:

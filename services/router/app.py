@@ -191,7 +191,7 @@ class Router:
     async def _complete(
         self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
     ) -> Response:
-        rid = request.scope.get(REQUEST_ID) or uuid.uuid4().hex
+        rid = _request_id(request)
 
         async def run() -> Choices:
             choices = Choices(self.core, self.tokenizer, specs, chat)
@@ -210,7 +210,7 @@ class Router:
     async def _stream(
         self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
     ) -> Response:
-        rid = request.scope.get(REQUEST_ID) or uuid.uuid4().hex
+        rid = _request_id(request)
         choices = Choices(self.core, self.tokenizer, specs, chat)
         await unless_disconnected(request, choices.start(rid, received))
         created = int(choices.arrival)
@@ -255,6 +255,11 @@ class Router:
             if not finished and not failed:
                 self.metrics.request_errors.labels(reason="client_disconnect").inc()
             choices.close()
+
+
+def _request_id(request: Request) -> str:
+    """The request's id (RequestIds'), or a new one where the middleware did not run."""
+    return request.scope.get(REQUEST_ID) or uuid.uuid4().hex
 
 
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:

@@ -112,7 +112,7 @@ class Choices:
     def __init__(
         self, core: RouterCore, tokenizer: Tokenizer, specs: list[GenerationSpec], chat: bool
     ) -> None:
-        self.core, self.tokenizer, self.specs, self.chat = core, tokenizer, specs, chat
+        self.core, self.tokenizer, self.specs = core, tokenizer, specs
         self.items: list[Choice] = []
         for spec in specs:
             for draw in range(spec.n):
