@@ -52,7 +52,7 @@ def test_images_on_cuda_answer_as_transformers(tmp_path, start_server, encoder):
         "--model", str(model), "--device", "cuda", "--dtype", "float32", "--encoder-device", encoder
     )
     images, texts = _images(), ["Compare", " with", " and say which is brighter."]
-    prompt_len, want = _reference(model, images, texts)
+    prompt_len, want = _reference(model, images, texts, device="cuda")
     for _ in range(2):
         reply = server.client().chat.completions.create(
             model="q4v", messages=_chat(texts, [_data_url(i) for i in images]), max_tokens=MAX_TOKENS,

@@ -64,12 +64,13 @@ def _data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _reference(model, images: list, texts: list[str]) -> tuple[int, str]:
-    """transformers' prompt length and greedy answer for the chat [text, image, text, image, text]."""
+def _reference(model, images: list, texts: list[str], device: str = "cpu") -> tuple[int, str]:
+    """transformers' prompt length and greedy answer for the chat [text, image, text, image, text], run on
+    `device` (where fla-core is installed transformers calls its kernels, which take CUDA tensors only)."""
     tok = transformers.AutoTokenizer.from_pretrained(model)
     hf = modeling.Qwen4ExpForConditionalGeneration.from_pretrained(
         model, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    ).to(device).eval()
     vision = hf.config.vision_config
     proc = hf_pil.Qwen2VLImageProcessorPil(
         patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
@@ -85,10 +86,11 @@ def _reference(model, images: list, texts: list[str]) -> tuple[int, str]:
     ids = tok.encode(text, add_special_tokens=False)
     counts = iter(int(g.prod()) // vision.spatial_merge_size**2 for g in pixels["image_grid_thw"])
     expanded = [t for i in ids for t in ([i] * next(counts) if i == hf.config.image_token_id else [i])]
-    input_ids = torch.tensor([expanded])
+    input_ids = torch.tensor([expanded], device=device)
     with torch.no_grad():
         out = hf.generate(
-            input_ids=input_ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+            input_ids=input_ids, pixel_values=pixels["pixel_values"].to(device),
+            image_grid_thw=pixels["image_grid_thw"].to(device),
             mm_token_type_ids=(input_ids == hf.config.image_token_id).int(), max_new_tokens=MAX_TOKENS,
             do_sample=False,
         )  # fmt: skip
