@@ -13,17 +13,19 @@ its logits as they are, untouched and uncopied.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.hostmem import host_list_to, host_tensor_to
+from common.structured import Grammars, Unavailable
 
 if TYPE_CHECKING:
     from common.requests import Request
     from common.runner import ModelRunner
-    from common.structured import Grammars
+    from common.sampling import SamplingParams
     from common.tokenizer import Tokenizer
 
 
@@ -65,8 +67,27 @@ class LogitProcessors:
         """A row for each of the runner's state slots, as wide as its model's logits."""
         return cls(runner.pool.max_seqs, runner.model.config.vocab_size, runner.device, end_ids, tokenizer)
 
+    def start_grammars(self) -> None:
+        """Build the vocabulary's grammar table now, on the grammars' thread (a worker, at its start), where
+        xgrammar is installed: a first structured request then waits for its own form's compile only."""
+        if self._tokenizer is not None:
+            with contextlib.suppress(Unavailable):
+                self._grammar_set()
+
+    def prepare(self, params: SamplingParams) -> bool:
+        """Start compiling the grammar of a request with `params`, if it has one, on the grammars' thread;
+        whether `admit` can take the request now, without waiting for it. (Where grammars cannot be made at
+        all, True: `admit` raises why.)"""
+        if not params.structure:
+            return True
+        try:
+            return self._grammar_set().prepare(params.structure).done()
+        except Unavailable:
+            return True
+
     def admit(self, req: Request) -> None:
-        """Start `req`'s row: its prompt and the tokens it has so far (its counts, its grammar's state)."""
+        """Start `req`'s row: its prompt and the tokens it has so far (its counts, its grammar's state).
+        Waits for its grammar's compile (`prepare` says whether it would)."""
         if req.params.structure:
             matcher = self._grammar_set().matcher(req.params.structure)
             for token in req.token_ids:
@@ -128,8 +149,6 @@ class LogitProcessors:
 
     def _grammar_set(self) -> Grammars:
         if self._grammars is None:
-            from common.structured import Grammars  # xgrammar: the optional extra
-
             assert self._tokenizer is not None, "structured requests need the processors' tokenizer"
             self._grammars = Grammars(self._tokenizer, self.vocab, self.end_ids)
         return self._grammars

@@ -118,12 +118,12 @@ class WorkerShell:
             if self.router_dropped in (1, 10, 100) or self.router_dropped % 1000 == 0:
                 log.warning("the router does not read: %d messages to it dropped", self.router_dropped)
 
-    def receive(self, busy: bool) -> list[Message]:
-        """Everything queued; when idle, wait up to 100 ms for the first message."""
+    def receive(self, busy: bool, wait_ms: int = 100) -> list[Message]:
+        """Everything queued; when idle, wait up to `wait_ms` for the first message."""
         msgs = self.inbox.drain()
         if msgs or busy:
             return msgs
-        first = self.inbox.recv(timeout_ms=100)
+        first = self.inbox.recv(timeout_ms=wait_ms)
         return [first, *self.inbox.drain()] if first is not None else []
 
     def watch_experts(self, provider: object) -> None:

@@ -114,7 +114,11 @@ class DecodeCore:
         self.pool = self.runner.pool
         self.eos_ids = self.engine.config.eos_token_ids
         self.processors = self.engine.processors
+        self.processors.start_grammars()  # the vocabulary's table, beside the warm-up and the first requests
         self.running: dict[str, Request] = {}
+        self.admitting: dict[str, Request] = {}
+        """Running requests whose sampling has not started: each waits for its grammar's compile (on the
+        grammars' thread, while the lanes step)."""
         self.granted: dict[str, SequenceState] = {}  # state handed to prefill, not yet running
         self.pending: deque[AllocState] = deque()  # asks that wait for a free lane or pages
         self.freezes: set[str] = set()
@@ -194,14 +198,30 @@ class DecodeCore:
             offload.tables.add_statistics(stats.view(offload.tables.num_layers, -1))
         req = Request(msg.prompt_ids, msg.sampling, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
         self.running[msg.rid] = req
-        try:
-            self.processors.admit(req)  # its counts' rows (made at the first), its grammar
-        except Exception as exc:  # out of memory for the tables, a grammar that does not compile here
-            log.exception("admitting %s failed", msg.rid)
-            self.landed.append(Tokens(msg.rid, [], "error", error=f"its sampling could not start: {exc}"))
-            self.release(msg.rid)
-            return
-        self.pipeline.seed([seq], [msg.first_token])  # its first step reads it on the device
+        self.admitting[msg.rid] = req
+        self._admit_ready()
+
+    def _admit_ready(self) -> None:
+        """Start sampling for the admitted requests that can start without waiting: their penalties' rows,
+        their grammars (once compiled) and their first tokens on the device. One that cannot start at all
+        (out of memory for the tables, a grammar that does not compile here) ends with an error event."""
+        for rid, req in list(self.admitting.items()):
+            try:
+                if not self.processors.prepare(req.params):
+                    continue
+                self.processors.admit(req)
+            except Exception as exc:
+                log.exception("admitting %s failed", rid)
+                self.landed.append(Tokens(rid, [], "error", error=f"its sampling could not start: {exc}"))
+                self.release(rid)
+                continue
+            del self.admitting[rid]
+            self.pipeline.seed([req.state], [req.token_ids[-1]])  # its first step reads it on the device
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a request waits for its grammar's compile (the loop then waits briefly for messages)."""
+        return bool(self.admitting)
 
     def abort(self, rid: str) -> list[StateGranted]:
         """The router's abort. A request prefill holds keeps its pages (and prefill its freeze) until
@@ -229,6 +249,7 @@ class DecodeCore:
         self.pending = deque(a for a in self.pending if a.rid != rid)
         seq = self.granted.pop(rid, None)
         req = self.running.pop(rid, None)
+        self.admitting.pop(rid, None)
         self.set_freeze(rid, False)
         self.retiring += [state for state in (seq, req.state if req else None) if state is not None]
         self._free_landed()
@@ -274,6 +295,7 @@ class DecodeCore:
         """Launch a decode step for every running request that takes one, then land the step before it: its
         events (and those of a step landed meanwhile), a finished request's last. A step's tokens reach the
         host while the next step runs (common/decode_pipeline.py)."""
+        self._admit_ready()
         while any(r.params.structure and self.pipeline.ahead(r) for r in self.running.values()):
             self._land()  # a grammar reads its lane's token before the next mask: land now, not a step later
         reqs = [r for r in self.running.values() if self._takes_step(r) and self._next_page(r)]
@@ -313,7 +335,10 @@ class DecodeCore:
     def _takes_step(self, req: Request) -> bool:
         """Whether `req` gets a token from a step launched now: not when its token in flight (if any) ends
         it by length — known on the host, so no step is launched for nothing. (A structured request is
-        never in flight here: `step` lands its pass first, for its grammar to read the token.)"""
+        never in flight here: `step` lands its pass first, for its grammar to read the token.) Not while its
+        sampling has not started."""
+        if req.rid in self.admitting:
+            return False
         if not self.pipeline.ahead(req):
             return True
         cached = req.state.num_cached

@@ -98,6 +98,7 @@ class PrefillCore:
         warm_up_on_cuda(self.runner)  # compile now, not in the first request's TTFT
         self.eos_ids = eos_ids
         self.processors = LogitProcessors.for_runner(self.runner, eos_ids, Tokenizer.from_dir(cfg.model_dir))
+        self.processors.start_grammars()
         self.tables: CacheTables | None = getattr(model.experts, "tables", None)
         """This worker's own expert-cache tables (no slots: decode's cache is read in place), which observe
         each prompt's routing for decode."""
@@ -128,6 +129,8 @@ class PrefillCore:
         return out + self._enqueue(ready)
 
     def _enqueue(self, gens: list[Generate]) -> Outgoing:
+        for gen in gens:  # its grammar compiles (on the grammars' thread) during the prefills before its own
+            self.processors.prepare(gen.sampling)
         self.queue.extend(gens)
         return self._ask()
 

@@ -24,6 +24,9 @@ from services.worker_args import parsed_config, worker_parser
 from services.worker_loop import WorkerShell
 
 log = logging.getLogger("decode")
+GRAMMAR_POLL_MS = 5
+"""While a request waits for its grammar's compile and no lane steps: how long the loop waits for a message
+before it looks again (the compile's end is no message)."""
 
 
 def handle(core: DecodeCore, shell: WorkerShell, msg: Message, exports) -> None:
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     shell.ready(core.cfg.max_running, core.runner.max_context)
     log.info("ready: %d lanes, %d pages", core.cfg.max_running, core.pool.num_pages)
     while not shell.stopping:
-        for msg in shell.receive(busy=core.busy):
+        for msg in shell.receive(busy=core.busy, wait_ms=GRAMMAR_POLL_MS if core.compiling else 100):
             try:
                 handle(core, shell, msg, exports)
             except Exception:  # one bad message is logged, not the end of every running request

@@ -68,9 +68,13 @@ def _reference(model, images: list, texts: list[str], device: str = "cpu") -> tu
     """transformers' prompt length and greedy answer for the chat [text, image, text, image, text], run on
     `device` (where fla-core is installed transformers calls its kernels, which take CUDA tensors only)."""
     tok = transformers.AutoTokenizer.from_pretrained(model)
-    hf = modeling.Qwen4ExpForConditionalGeneration.from_pretrained(
-        model, dtype=torch.float32, attn_implementation="eager"
-    ).to(device).eval()
+    hf = (
+        modeling.Qwen4ExpForConditionalGeneration.from_pretrained(
+            model, dtype=torch.float32, attn_implementation="eager"
+        )
+        .to(device)
+        .eval()
+    )
     vision = hf.config.vision_config
     proc = hf_pil.Qwen2VLImageProcessorPil(
         patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,

@@ -281,6 +281,48 @@ def test_structured_requests_equal_offline_engine(cores):
     assert reference[0].finish_reason == "stop"
 
 
+def test_decode_steps_while_a_grammar_compiles(cores):
+    """A structured request's grammar compiles on the grammars' thread: while it does, the request waits
+    unadmitted and the lane beside it keeps taking steps; once it has compiled, both get the engine's
+    tokens."""
+    pytest.importorskip("xgrammar")
+    import threading
+
+    from common.structured import structure_of
+
+    cfg, dec, pre = cores
+    if cfg.expert_cache or cfg.dtype != "float32":
+        pytest.skip("one resident case an architecture is enough: the path is the same")
+    schema = {"type": "object", "properties": {"held": {"enum": ["x", "y"]}}, "required": ["held"]}
+    structure = structure_of({"type": "json_schema", "json_schema": {"schema": schema}})
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=30, structure=structure),
+    ]
+    gate = threading.Event()
+    dec.processors._grammar_set()._thread.submit(gate.wait, 30)  # decode's compiles queue behind this
+    box = [out for i, p in enumerate(PROMPTS[:2]) for out in pre.submit(Generate(f"g{i}", p, params[i], 0.0))]
+    seen: dict[str, list[Tokens]] = {}
+    try:
+        for _ in range(200):
+            box = _deliver(dec, pre, box, seen) + pre.step()
+            for event in dec.step():
+                seen.setdefault(event.rid, []).append(event)
+            waited = "g1" in dec.admitting and len(seen["g0"]) >= 8
+            if waited:
+                break
+        assert waited, "the plain lane took no steps while the grammar compiled"
+        assert [len(e.token_ids) for e in seen["g1"]] == [1]  # prefill's first token only
+    finally:
+        gate.set()
+    for rid, events in _run(dec, pre, box).items():
+        seen.setdefault(rid, []).extend(events)
+    reference = load_engine(cfg).generate(PROMPTS[:2], params)
+    for i, ref in enumerate(reference):
+        assert [t for e in seen[f"g{i}"] for t in e.token_ids] == ref.token_ids
+    assert not dec.admitting and dec.pool.slots.num_free == cfg.max_running
+
+
 def test_aborts_free_every_page_and_slot(cores):
     cfg, dec, pre = cores
     sampling = SamplingParams(temperature=0.8, max_tokens=50, ignore_eos=True, seed=3)
