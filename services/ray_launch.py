@@ -16,9 +16,11 @@ Every node needs Spillway installed and the model at the same path.
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from common.transport import Outbox, pair_names
 from services.children import Child, restart_exited, stop_children, worker_argv
@@ -27,15 +29,36 @@ from services.launch import ServeOptions, encoder_argv, router_argv, worker_flag
 log = logging.getLogger("launch")
 SUPERVISE_S = 1.0
 """How often the pair hosts and the router are checked."""
+PORTS_FROM = 20000
+"""The lowest port a service inbox takes (below it: well-known and registered services' usual ports)."""
+PORT_TRIES = 100
 CALL_TIMEOUT_S = 30.0
 """A pair host that does not answer a check this long is taken as lost."""
 
 
 def free_port(host: str) -> int:
-    """A TCP port free on `host` now (the service binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A TCP port free on `host` now (the service binds it a moment later), below the kernel's ephemeral
+    range: a port the kernel handed out (bind to 0) could meanwhile become the source port of an outgoing
+    connection (this process's own, or Ray's), which then holds it for good."""
+    low = _ephemeral_low()
+    top = low if low > PORTS_FROM + 1024 else 65536  # (an ephemeral range that starts low: any port)
+    for _ in range(PORT_TRIES):
+        port = random.randrange(PORTS_FROM, top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:  # taken: another
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port on {host} in [{PORTS_FROM}, {top}) after {PORT_TRIES} tries")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux; else IANA's 49152)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 class PairHost:
