@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,22 +75,22 @@ class LogitProcessors:
             with contextlib.suppress(Unavailable):
                 self._grammar_set()
 
-    def prepare(self, params: SamplingParams) -> bool:
-        """Start compiling the grammar of a request with `params`, if it has one, on the grammars' thread;
-        whether `admit` can take the request now, without waiting for it. (Where grammars cannot be made at
-        all, True: `admit` raises why.)"""
+    def prepare(self, params: SamplingParams) -> Future | None:
+        """Start compiling the grammar of a request with `params`, if it has one, on the grammars' thread:
+        its compile, for `admit` (which waits for it), or None where there is none to wait for (no grammar,
+        or none can be made: `admit` raises why)."""
         if not params.structure:
-            return True
+            return None
         try:
-            return self._grammar_set().prepare(params.structure).done()
+            return self._grammar_set().prepare(params.structure)
         except Unavailable:
-            return True
+            return None
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request, form: Future | None = None) -> None:
         """Start `req`'s row: its prompt and the tokens it has so far (its counts, its grammar's state).
-        Waits for its grammar's compile (`prepare` says whether it would)."""
+        Waits for its grammar's compile (`form`, `prepare`'s; default: looked up)."""
         if req.params.structure:
-            matcher = self._grammar_set().matcher(req.params.structure)
+            matcher = self._grammar_set().matcher(req.params.structure, form)
             for token in req.token_ids:
                 matcher.accept_token(token)
             self._matchers[req.state.slot] = matcher

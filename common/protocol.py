@@ -18,6 +18,14 @@ import msgspec
 from common.sampling import SamplingParams
 
 
+class Sibling(msgspec.Struct, frozen=True, array_like=True):
+    """A further choice of a prompt (`Generate.siblings`): its request id and its sampling seed."""
+
+    rid: str
+    seed: int | None
+    """None: prefill draws one."""
+
+
 class Generate(msgspec.Struct, frozen=True, tag=True):
     """router → prefill: run this prompt, then hand it to decode."""
 
@@ -29,6 +37,10 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     images: int = 0
     """Images in the prompt (each a run of the model's image token): prefill runs it only once their
     embeddings came (`ImagesEncoded`)."""
+    siblings: list[Sibling] = []
+    """Further choices of this prompt (a request's `n`), each a request of its own from its first token on,
+    which differ from this one in their seeds only: the prompt is prefilled once, each samples its first
+    token from its logits, and decode copies the prompt's state to each."""
 
 
 class Encode(msgspec.Struct, frozen=True, tag=True):
@@ -58,6 +70,18 @@ class AllocState(msgspec.Struct, frozen=True, tag=True):
 
     rid: str
     num_tokens: int
+    siblings: list[str] = []
+    """`Generate.siblings`' request ids: each takes a copy of `rid`'s state once it is prefilled, so decode
+    grants them together with it, a lane and `num_tokens` of pages each (kept by decode: prefill writes
+    `rid`'s state only)."""
+
+
+class SiblingStart(msgspec.Struct, frozen=True, array_like=True):
+    """A sibling that goes on from its first token (`PrefillDone.siblings`)."""
+
+    rid: str
+    first_token: int
+    seed: int
 
 
 class StateGranted(msgspec.Struct, frozen=True, tag=True):
@@ -91,6 +115,11 @@ class PrefillDone(msgspec.Struct, frozen=True, tag=True):
     prompt_ids: list[int] = []
     """The prompt, for a request whose repetition penalty reads it (`SamplingParams.repetition_penalty`);
     empty otherwise."""
+    siblings: list[SiblingStart] = []
+    """`rid`'s siblings that go on from their first token: decode copies the prompt's state to each (those
+    not listed ended at their first token or were aborted: their states are freed)."""
+    finished: bool = False
+    """`rid` itself ended at its first token: its state is only its siblings' source, freed once copied."""
 
 
 class ReleaseState(msgspec.Struct, frozen=True, tag=True):

@@ -128,10 +128,10 @@ class Grammars:
             self._forms.popitem(last=False)
         return form
 
-    def matcher(self, structure: str) -> Any:
-        """A fresh matcher of `structure` (xgrammar.GrammarMatcher), at the start of the text; waits for
-        its compile, and raises what the compile raised."""
-        return _xgrammar().GrammarMatcher(self.prepare(structure).result())
+    def matcher(self, structure: str, form: Future | None = None) -> Any:
+        """A fresh matcher of `structure` (xgrammar.GrammarMatcher), at the start of the text, from its
+        compile `form` (`prepare`'s; default: looked up); waits for it, and raises what it raised."""
+        return _xgrammar().GrammarMatcher((form or self.prepare(structure)).result())
 
     def bitmask(self, rows: int) -> Any:
         """[rows, ceil(V / 32)] int32 on the host: allowed-token bits, all set."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.hostmem import host_list_to
+
 
 @dataclass(frozen=True)
 class PagedSpec:
@@ -43,6 +45,11 @@ Allocator = Callable[[tuple[int, ...], torch.dtype, torch.device | str], torch.T
 
 class PoolExhausted(RuntimeError):
     """The pool has no free pages or slots left for the request."""
+
+
+COPY_PAGES = 256
+"""Pages a state copy (`StatePool.copy`) gathers at once into a temporary (bounded, whatever the prompt's
+length: a 128K-token prompt has thousands of pages)."""
 
 
 class IndexAllocator:
@@ -258,16 +265,26 @@ class StatePool:
         and slot (the fixed-size state copied). For many requests that share a prompt (benchmarks)."""
         twin = SequenceState(slot=self.slots.alloc(1)[0])
         self.reserve(twin, seq.num_cached)
-        used = -(-seq.num_cached // self.page_size)
-        src = torch.tensor(seq.pages[:used], dtype=torch.int64)
-        dst = torch.tensor(twin.pages[:used], dtype=torch.int64)
-        for layer in self.layers:
-            for tensor in layer.paged.values():
-                tensor[dst.to(tensor.device)] = tensor[src.to(tensor.device)]
-            for tensor in layer.slots.values():
-                tensor[twin.slot].copy_(tensor[seq.slot])
-        twin.num_cached, twin.rope_delta = seq.num_cached, seq.rope_delta
+        self.copy(seq, twin)
         return twin
+
+    def copy(self, src: SequenceState, dst: SequenceState) -> None:
+        """Make `dst` (its own slot, pages reserved for `src`'s tokens) a copy of `src`: the cached tokens'
+        pages, COPY_PAGES at a time (a gather's temporary stays small, whatever the prompt), the fixed-size
+        state and the length. Queued on the device, no host wait."""
+        used = -(-src.num_cached // self.page_size)
+        assert len(dst.pages) >= used, "the copy's pages are not reserved"
+        for at in range(0, used, COPY_PAGES):
+            pages = (src.pages[at : at + COPY_PAGES], dst.pages[at : at + COPY_PAGES])
+            index: dict[torch.device, list[torch.Tensor]] = {}  # (src, dst) pages on each device
+            for tensor in (t for layer in self.layers for t in layer.paged.values()):
+                if tensor.device not in index:
+                    index[tensor.device] = [host_list_to(p, tensor.device) for p in pages]
+                src_pages, dst_pages = index[tensor.device]
+                tensor[dst_pages] = tensor[src_pages]
+        for tensor in (t for layer in self.layers for t in layer.slots.values()):
+            tensor[dst.slot].copy_(tensor[src.slot])
+        dst.num_cached, dst.rope_delta = src.num_cached, src.rope_delta
 
     def release(self, seq: SequenceState) -> None:
         """Return a finished sequence's pages and slot."""

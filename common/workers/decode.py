@@ -13,6 +13,7 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -116,10 +117,15 @@ class DecodeCore:
         self.processors = self.engine.processors
         self.processors.start_grammars()  # the vocabulary's table, beside the warm-up and the first requests
         self.running: dict[str, Request] = {}
-        self.admitting: dict[str, Request] = {}
-        """Running requests whose sampling has not started: each waits for its grammar's compile (on the
-        grammars' thread, while the lanes step)."""
+        self.admitting: dict[str, tuple[Request, Future | None]] = {}
+        """Running requests whose sampling has not started, with their grammars' compiles: each waits for
+        its own (on the grammars' thread, while the lanes step)."""
         self.granted: dict[str, SequenceState] = {}  # state handed to prefill, not yet running
+        self.reserved: dict[str, tuple[str, SequenceState]] = {}
+        """Siblings' states (`AllocState.siblings`), granted with the request whose prompt they share: by the
+        sibling's id, that request's id and the state, until its PrefillDone copies the prompt's into it."""
+        self.copies_done: torch.cuda.Event | None = None
+        """The end of the latest copies of a prompt's state to its siblings (CUDA): a grant waits for it."""
         self.pending: deque[AllocState] = deque()  # asks that wait for a free lane or pages
         self.freezes: set[str] = set()
         self.aborted: set[str] = set()  # granted, then aborted: the pages wait for prefill to give them back
@@ -143,8 +149,9 @@ class DecodeCore:
 
     def alloc_state(self, msg: AllocState) -> list[StateGranted]:
         """Grant `msg` (and any earlier ask still waiting) what the pools can give now; refuse an ask for a
-        prompt that leaves no room for a token, for a request already aborted, or for one that already holds
-        or awaits state (a duplicate would take a second lane and lose the first's)."""
+        prompt that leaves no room for a token, for a request already aborted, for one that already holds
+        or awaits state (a duplicate would take a second lane and lose the first's), or for more siblings
+        than lanes."""
         refusal = None
         if msg.num_tokens >= self.runner.max_context:
             refusal = (
@@ -152,64 +159,126 @@ class DecodeCore:
             )
         elif msg.rid in self.gone:
             refusal = "aborted"
-        elif msg.rid in self.running or msg.rid in self.granted or self._waiting(msg.rid):
+        elif any(self._holds(rid) or self._asked(rid) for rid in [msg.rid, *msg.siblings]):
             refusal = "a request with this id already holds state"
+        elif _lanes(msg) > self.cfg.max_running:
+            refusal = (
+                f"{_lanes(msg)} choices of one prompt need as many lanes; decode has {self.cfg.max_running}"
+            )
         if refusal is not None:
             return [StateGranted(msg.rid, -1, [], refusal)]
         self.pending.append(msg)
         return self.grant_pending()
 
     def grant_pending(self) -> list[StateGranted]:
-        """Grant the waiting asks, in order, while lanes and pages last (each grant freezes the cache)."""
+        """Grant the waiting asks, in order, while lanes and pages last (each grant freezes the cache); an
+        ask with siblings takes their lanes and pages too, all or none."""
         grants = []
-        if self.pending and len(self.running) + len(self.granted) < self.cfg.max_running:
+        if self.pending and self._lanes_used() + _lanes(self.pending[0]) <= self.cfg.max_running:
             self._settle()  # a freed state may come back; a launched step's copies end before the freeze
-        while self.pending and len(self.running) + len(self.granted) < self.cfg.max_running:
+        while self.pending and self._lanes_used() + _lanes(self.pending[0]) <= self.cfg.max_running:
             ask = self.pending[0]
-            try:
-                seq = self.pool.new_sequence()
-            except PoolExhausted:  # no slot (one may still be retiring)
-                break
-            try:
-                self.pool.reserve(seq, ask.num_tokens)
-            except PoolExhausted:
-                self.pool.release(seq)
+            siblings = [rid for rid in ask.siblings if rid not in self.gone]  # not aborted already
+            states = self._new_states(1 + len(siblings), ask.num_tokens)
+            if states is None:
                 break
             self.pending.popleft()
+            seq, *copies = states
             self.granted[ask.rid] = seq
+            self.reserved.update({rid: (ask.rid, state) for rid, state in zip(siblings, copies, strict=True)})
             self.set_freeze(ask.rid, True)  # the grant is the freeze's acknowledgement
             grants.append(StateGranted(ask.rid, seq.slot, list(seq.pages)))
         return grants
 
+    def _new_states(self, count: int, num_tokens: int) -> list[SequenceState] | None:
+        """`count` new states with pages for `num_tokens` each, or None (and nothing taken) when the pools
+        cannot give them all now (a slot may still be retiring)."""
+        states: list[SequenceState] = []
+        try:
+            for _ in range(count):
+                states.append(self.pool.new_sequence())
+                self.pool.reserve(states[-1], num_tokens)
+        except PoolExhausted:
+            for state in states:
+                self.pool.release(state)
+            return None
+        return states
+
+    def _lanes_used(self) -> int:
+        return len(self.running) + len(self.granted) + len(self.reserved)
+
+    def _holds(self, rid: str) -> bool:
+        """`rid` runs, or holds a granted or reserved state."""
+        return rid in self.running or rid in self.granted or rid in self.reserved
+
+    def _asked(self, rid: str) -> bool:
+        """A waiting ask names `rid`, as its request or a sibling."""
+        return any(a.rid == rid or rid in a.siblings for a in self.pending)
+
     def prefill_done(self, msg: PrefillDone) -> None:
-        """Start decoding a request whose prompt state prefill has written."""
-        if msg.rid in self.aborted:
-            self.release(msg.rid)
-            return
-        seq = self.granted.pop(msg.rid, None)
-        self.set_freeze(msg.rid, False)
+        """Start decoding a request whose prompt state prefill has written, and its siblings, each from a
+        copy of that state."""
+        seq = self.granted.get(msg.rid)
         if seq is None:  # aborted meanwhile
             log.info("PrefillDone for %s, which holds no state (aborted?)", msg.rid)
+            self.set_freeze(msg.rid, False)
             return
         seq.num_cached, seq.rope_delta = msg.num_cached, msg.rope_delta
         offload = getattr(self.engine, "offload", None)
         if msg.routing and offload is not None:  # the prompt's routing: the cache's rates count it
             stats = torch.frombuffer(bytearray(msg.routing), dtype=torch.float32)
             offload.tables.add_statistics(stats.view(offload.tables.num_layers, -1))
-        req = Request(msg.prompt_ids, msg.sampling, msg.seed, seq, token_ids=[msg.first_token], rid=msg.rid)
-        self.running[msg.rid] = req
-        self.admitting[msg.rid] = req
+        try:
+            self._start_siblings(msg, seq)
+        except Exception as exc:  # out of memory for a copy's temporaries: the prompt's choices end here
+            log.exception("copying %s's state to its siblings failed", msg.rid)
+            error = f"its state could not be copied: {exc}"
+            for rid in [msg.rid, *(start.rid for start in msg.siblings if self._holds(start.rid))]:
+                self.landed.append(Tokens(rid, [], "error", error=error))
+                self.release(rid)
+            return
+        if msg.rid in self.aborted or msg.finished:  # the siblings' source only
+            self.release(msg.rid)
+        else:
+            del self.granted[msg.rid]
+            self.set_freeze(msg.rid, False)
+            self._start(msg, msg.rid, seq, msg.first_token, msg.seed)
         self._admit_ready()
+
+    def _start_siblings(self, msg: PrefillDone, seq: SequenceState) -> None:
+        """Copy `seq` (the prompt's state) into each sibling that goes on, and free the others' states. The
+        copies are queued on decode's stream, before any step or expert copy that could reuse their source or
+        destinations once freed; prefill, which writes from another process, is granted a state only after
+        them (`_settle`)."""
+        try:
+            for start in msg.siblings:
+                if start.rid in self.reserved:  # (else aborted meanwhile)
+                    state = self.reserved[start.rid][1]
+                    self.pool.copy(seq, state)  # queued before any step of either
+                    del self.reserved[start.rid]
+                    self._start(msg, start.rid, state, start.first_token, start.seed)
+        finally:
+            if msg.siblings and self.runner.device.type == "cuda":
+                self.copies_done = torch.cuda.Event()
+                self.copies_done.record()
+        for rid in [rid for rid, (owner, _) in self.reserved.items() if owner == msg.rid]:
+            self.pool.release(self.reserved.pop(rid)[1])  # finished at their first token
+
+    def _start(self, msg: PrefillDone, rid: str, seq: SequenceState, first_token: int, seed: int) -> None:
+        """`rid` runs from its first token, once its sampling can start (`_admit_ready`)."""
+        req = Request(msg.prompt_ids, msg.sampling, seed, seq, token_ids=[first_token], rid=rid)
+        self.running[rid] = req
+        self.admitting[rid] = (req, self.processors.prepare(req.params))
 
     def _admit_ready(self) -> None:
         """Start sampling for the admitted requests that can start without waiting: their penalties' rows,
         their grammars (once compiled) and their first tokens on the device. One that cannot start at all
         (out of memory for the tables, a grammar that does not compile here) ends with an error event."""
-        for rid, req in list(self.admitting.items()):
+        for rid, (req, form) in list(self.admitting.items()):
+            if form is not None and not form.done():
+                continue
             try:
-                if not self.processors.prepare(req.params):
-                    continue
-                self.processors.admit(req)
+                self.processors.admit(req, form)
             except Exception as exc:
                 log.exception("admitting %s failed", rid)
                 self.landed.append(Tokens(rid, [], "error", error=f"its sampling could not start: {exc}"))
@@ -228,7 +297,11 @@ class DecodeCore:
         prefill, which may be writing them in this moment, gives them back (`ReleaseState`, `PrefillDone`):
         freed now, they could be granted again, or lent to the expert cache, under its writes. An ask still
         waiting is answered (refused), so that prefill stops waiting for it; a request not seen yet is
-        remembered, so that its ask, when it comes, is refused."""
+        remembered, so that its ask, when it comes, is refused. A sibling's reserved state is freed at once
+        (prefill does not write it)."""
+        if rid in self.reserved:
+            self.release(rid)
+            return []
         if rid in self.granted:
             self.aborted.add(rid)
             return []
@@ -250,6 +323,8 @@ class DecodeCore:
         seq = self.granted.pop(rid, None)
         req = self.running.pop(rid, None)
         self.admitting.pop(rid, None)
+        for sibling in [s for s, (owner, _) in self.reserved.items() if rid in (s, owner)]:  # never started
+            self.pool.release(self.reserved.pop(sibling)[1])
         self.set_freeze(rid, False)
         self.retiring += [state for state in (seq, req.state if req else None) if state is not None]
         self._free_landed()
@@ -370,10 +445,14 @@ class DecodeCore:
         self._free_landed()
 
     def _settle(self) -> None:
-        """Land every launched step: before a message changes what the lanes hold or the cache may do (a
-        grant's freeze must find the steps' copies done; a freed state no step in flight still writes)."""
+        """Land every launched step, and wait for the state copies to siblings: before a message changes what
+        the lanes hold or the cache may do (a grant's freeze must find the steps' copies done; a freed state
+        no step in flight still writes, and no copy still reads or writes)."""
         while self.pipeline.launched:
             self._land()
+        if self.copies_done is not None:
+            self.copies_done.synchronize()
+            self.copies_done = None
 
     def _free_landed(self) -> None:
         """Free the states of forgotten requests that no launched step uses any more."""
@@ -394,3 +473,8 @@ class DecodeCore:
     def stats(self) -> LaneStats:
         free = self.pool.pages.num_free
         return LaneStats(len(self.running), len(self.pending), self.pool.num_pages - free, free)
+
+
+def _lanes(ask: AllocState) -> int:
+    """Lanes an ask takes: its request's and its siblings'."""
+    return 1 + len(ask.siblings)

@@ -32,6 +32,7 @@ from common.protocol import (
     Message,
     PrefillDone,
     ReleaseState,
+    SiblingStart,
     StateGranted,
     Thaw,
     TokenLogprobs,
@@ -67,6 +68,8 @@ class PrefillJob:
     """Prompt tokens already run."""
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Those of the prompt's tokens after the first so far (`SamplingParams.prompt_logprobs`)."""
+    siblings: list[tuple[str, int]] = field(default_factory=list)
+    """`gen.siblings` with the seeds they sample at (drawn for those that named none)."""
 
 
 class PrefillCore:
@@ -105,6 +108,8 @@ class PrefillCore:
         self.queue: deque[Generate] = deque()
         self.asked: Generate | None = None  # waiting for decode's StateGranted
         self.dropped: set[str] = set()  # aborted while asked: give the grant back
+        self.cut: set[str] = set()
+        """Siblings aborted while their prompt is held here: they sample no first token."""
         self.job: PrefillJob | None = None
         dtype = next(model.parameters()).dtype
         self.images = ImageWaits(image_tokens, self.runner.device, dtype)
@@ -147,7 +152,8 @@ class PrefillCore:
         if self.asked is not None or self.job is not None or not self.queue:
             return []
         self.asked = self.queue.popleft()
-        return [("decode", AllocState(self.asked.rid, len(self.asked.prompt_ids)))]
+        siblings = [s.rid for s in self.asked.siblings if s.rid not in self.cut]  # a lane each
+        return [("decode", AllocState(self.asked.rid, len(self.asked.prompt_ids), siblings))]
 
     def granted(self, msg: StateGranted) -> Outgoing:
         if msg.rid in self.dropped:
@@ -159,29 +165,45 @@ class PrefillCore:
         gen, self.asked = self.asked, None
         if msg.slot < 0:
             self.images.forget(gen.rid)
-            return [("router", Tokens(gen.rid, [], "error", error=msg.error)), *self._ask()]
-        seed = gen.sampling.seed if gen.sampling.seed is not None else random.getrandbits(62)
+            return [*self._errors(gen, msg.error), *self._ask()]
         seq = SequenceState(msg.slot, list(msg.pages))
         images = self.images.take(gen.rid)
         if images is not None:
             seq.images, seq.rope_delta = images
-        self.job = PrefillJob(gen, seq, seed)
+        siblings = [(s.rid, _seed(s.seed)) for s in gen.siblings]
+        self.job = PrefillJob(gen, seq, _seed(gen.sampling.seed), siblings=siblings)
         if self.tables is not None:  # this prompt's routing only (PrefillDone.routing)
             self.tables.clear_statistics()
         return []
 
     def abort(self, rid: str) -> Outgoing:
+        """Forget `rid`. A sibling is cut from its prompt; the siblings of a request aborted here end with an
+        error (the router aborts a request's choices together: theirs are for nobody, but never hang)."""
+        if any(rid in (s.rid for s in gen.siblings) for gen in self._held()):
+            self.cut.add(rid)
+            return []
+        held = [g for g in self._held() if g.rid == rid]
+        errors = (
+            self._errors(held[0], "aborted with the choice it shares its prompt with", rid) if held else []
+        )
         self.images.forget(rid)
         self.queue = deque(g for g in self.queue if g.rid != rid)
         if self.asked is not None and self.asked.rid == rid:
             self.asked = None
             self.dropped.add(rid)
-            return self._ask()
+            return errors + self._ask()
         if self.job is not None and self.job.gen.rid == rid:
             self.job = None
             self._settle()
-            return [("decode", Thaw(rid)), ("decode", ReleaseState(rid)), *self._ask()]
-        return []
+            return [*errors, ("decode", Thaw(rid)), ("decode", ReleaseState(rid)), *self._ask()]
+        return errors
+
+    def _errors(self, gen: Generate, error: str, but: str = "") -> Outgoing:
+        """An error event for `gen` and each of its siblings (less any cut, and `but`), which this core
+        drops: its cut siblings are forgotten."""
+        rids = [gen.rid, *(s.rid for s in gen.siblings if s.rid not in self.cut)]
+        self.cut.difference_update(s.rid for s in gen.siblings)
+        return [("router", Tokens(rid, [], "error", error=error)) for rid in rids if rid != but]
 
     def _settle(self) -> None:
         """Wait for this worker's queued GPU work before a Thaw or a release: decode may then lend the arena's
@@ -193,12 +215,13 @@ class PrefillCore:
 
     def fail_all(self, error: str) -> Outgoing:
         """Every request this worker holds ends with an error (decode restarted: their state is gone)."""
-        gens = self._held()
+        out = [event for gen in self._held() for event in self._errors(gen, error)]
         self.images.clear()
         self.queue.clear()
         self.asked = self.job = None
         self.dropped.clear()
-        return [("router", Tokens(g.rid, [], "error", error=error)) for g in gens]
+        self.cut.clear()
+        return out
 
     def step(self) -> Outgoing:
         """Run the next pass of the current request — a chunk, or a layer-major group of chunks (see
@@ -242,23 +265,36 @@ class PrefillCore:
         return out
 
     def _finish(self, job: PrefillJob, logits: torch.Tensor) -> Outgoing:
+        """Sample the first token of the request and of each of its siblings (their own seeds, one prompt's
+        logits), send them to the router, and hand the state to decode: to decode from, or to copy for the
+        siblings that go on, or back when every one has ended."""
         gen = job.gen
-        req = Request(gen.prompt_ids, gen.sampling, job.seed, job.seq, rid=gen.rid)
-        self.processors.admit(req)
-        (first,), (logprobs,) = sample_with_logprobs(logits, [req], self.processors)
-        finished = append_token(req, first, self.eos_ids, self.runner.max_context)
         n = len(gen.prompt_ids)
         job.seq.images = None  # decode takes the rotary delta only
-        listed = [] if logprobs is None else [logprobs]
-        event = Tokens(gen.rid, [first], req.finish_reason, prompt_tokens=n, logprobs=listed,
-                       prompt_logprobs=job.prompt_logprobs)  # fmt: skip
-        out: Outgoing = [("decode", Thaw(gen.rid)), ("router", event)]
-        if finished:
-            out.append(("decode", ReleaseState(gen.rid)))
-        else:
-            routing = b"" if self.tables is None else self.tables.statistics().cpu().numpy().tobytes()
-            prompt = gen.prompt_ids if gen.sampling.repetition_penalty != 1.0 else []
-            done = PrefillDone(gen.rid, n, job.seq.num_cached, first, gen.sampling, job.seed, gen.arrival,
-                               job.seq.slot, job.seq.pages, routing, job.seq.rope_delta, prompt)  # fmt: skip
-            out.append(("decode", done))
-        return out + self._ask()
+        out: Outgoing = [("decode", Thaw(gen.rid))]
+        firsts: list[tuple[SiblingStart, bool]] = []  # each choice's first token, and whether it ended there
+        for rid, seed in [(gen.rid, job.seed), *((r, s) for r, s in job.siblings if r not in self.cut)]:
+            req = Request(gen.prompt_ids, gen.sampling, seed, job.seq, rid=rid)
+            self.processors.admit(req)  # (the same row for each, in turn)
+            (first,), (logprobs,) = sample_with_logprobs(logits, [req], self.processors)
+            finished = append_token(req, first, self.eos_ids, self.runner.max_context)
+            listed = [] if logprobs is None else [logprobs]
+            event = Tokens(rid, [first], req.finish_reason, prompt_tokens=n, logprobs=listed,
+                           prompt_logprobs=job.prompt_logprobs)  # fmt: skip
+            out.append(("router", event))
+            firsts.append((SiblingStart(rid, first, seed), finished))
+        self.cut.difference_update(rid for rid, _ in job.siblings)
+        (own, finished), going = firsts[0], [start for start, ended in firsts[1:] if not ended]
+        if finished and not going:
+            return [*out, ("decode", ReleaseState(gen.rid)), *self._ask()]
+        routing = b"" if self.tables is None else self.tables.statistics().cpu().numpy().tobytes()
+        prompt = gen.prompt_ids if gen.sampling.repetition_penalty != 1.0 else []
+        seq = job.seq
+        done = PrefillDone(gen.rid, n, seq.num_cached, own.first_token, gen.sampling, job.seed, gen.arrival,
+                           seq.slot, seq.pages, routing, seq.rope_delta, prompt, going, finished)  # fmt: skip
+        return [*out, ("decode", done), *self._ask()]
+
+
+def _seed(seed: int | None) -> int:
+    """A request's sampling seed: its own, or one drawn for it."""
+    return seed if seed is not None else random.getrandbits(62)

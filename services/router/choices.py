@@ -1,11 +1,13 @@
 """A request's `n` choices: a generation each (its own flight at the workers), started together and read as
 one.
 
-Each choice is a request of its own to the workers: admitted in its own slot, prefilled and decoded on its
-own (the workers share no prompt state between requests). Choice i samples with the request's seed + i, so
-that seeded choices differ from each other and each is reproducible; without a seed each draws its own.
-Either every choice starts or none stays: a choice refused at admission (429, 503) or failed before its
-first token closes the others.
+Each choice is a request of its own to the workers, in its own admission slot. A prompt's choices share
+its prefill where they can (`RouterCore.max_group`: decode grants their lanes together): they are admitted
+together, prefill runs the prompt once and samples each one's first token, decode copies the prompt's
+state to each. Past that, each choice is admitted, prefilled and decoded on its own. Choice i samples with
+the request's seed + i, so that seeded choices differ from each other and each is reproducible; without a
+seed each draws its own. Either every choice starts or none stays: a choice refused at admission (429, 503)
+or failed before its first token closes the others.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class Choices:
     async def start(self, rid: str, received: float) -> None:
         """Admit every choice and wait for each one's first delta (so that early errors get a proper
         status); on any failure, or cancellation, close them all and raise."""
-        self._tasks = [asyncio.ensure_future(self._run(c, rid, received)) for c in self.items]
+        self._tasks = [asyncio.ensure_future(self._run(group, rid, received)) for group in self._groups()]
         try:
             firsts = {asyncio.shield(c.first) for c in self.items}
             done, _ = await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
@@ -138,12 +140,35 @@ class Choices:
             self.close()
             raise
 
-    async def _run(self, choice: Choice, rid: str, received: float) -> None:
-        spec = choice.spec
-        name = rid if len(self.items) == 1 else f"{rid}-{choice.index}"
+    def _groups(self) -> list[list[Choice]]:
+        """The choices admitted and prefilled together: a prompt's (all of them where they fit one group,
+        else each alone, so that a request whose choices outnumber the slots does not wait on itself)."""
+        groups: list[list[Choice]] = []
+        for spec in self.specs:
+            mine = [c for c in self.items if c.spec is spec]
+            groups += [mine] if len(mine) <= self.core.max_group() else [[c] for c in mine]
+        return groups
+
+    async def _run(self, group: list[Choice], rid: str, received: float) -> None:
+        """Admit a group of one prompt's choices, then read each to its end."""
+        spec = group[0].spec
+        names = [rid if len(self.items) == 1 else f"{rid}-{c.index}" for c in group]
         try:
-            flight = await self.core.submit(spec.prompt_ids, _sampling(choice), received, name, spec.images)
-            choice.gen = gen = TextGeneration(flight, self.tokenizer, spec.stop)
+            samplings = [_sampling(c) for c in group]
+            flights = await self.core.submit_group(spec.prompt_ids, samplings, received, names, spec.images)
+        except Exception as exc:  # refused: the first delta of each raises it
+            for choice in group:
+                choice.first.set_exception(exc)
+            return
+        for choice, flight in zip(group, flights, strict=True):  # now, for `close` to release each
+            choice.gen = TextGeneration(flight, self.tokenizer, choice.spec.stop)
+        await asyncio.gather(*(self._read(c) for c in group))
+
+    async def _read(self, choice: Choice) -> None:
+        """Read `choice`'s generation to its last token, then free its slot."""
+        gen = choice.gen
+        assert gen is not None, "not admitted"
+        try:
             delta = await gen.next()
             choice.first.set_result(delta)
             while delta.finish_reason is None:

@@ -41,6 +41,7 @@ from common.protocol import (
     Ready,
     SamplingParams,
     ServiceDown,
+    Sibling,
     Tokens,
 )
 from common.transport import AsyncInbox, AsyncOutbox, pair_names
@@ -110,7 +111,8 @@ class RouterCore:
         """Service names heard that no pair has (warned about once each)."""
         self._flights: dict[str, Flight] = {}
         self._running = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[tuple[asyncio.Future[None], int]] = deque()
+        """Admissions waiting, in arrival order: each for its number of slots (a group's, taken at once)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._dropped_seen = 0
         self._ctx: zmq.asyncio.Context | None = None
@@ -302,46 +304,75 @@ class RouterCore:
         Cancelling the caller while it waits gives its place up; cancelling it after admission aborts the
         request at the workers.
         """
+        (flight,) = await self.submit_group(
+            prompt_ids, [sampling], received, [rid or uuid.uuid4().hex], images
+        )
+        return flight
+
+    async def submit_group(
+        self,
+        prompt_ids: list[int],
+        samplings: list[SamplingParams],
+        received: float,
+        rids: list[str],
+        images: Sequence[bytes] = (),
+    ) -> list[Flight]:
+        """`submit` for choices of one prompt that differ in their seeds only, prefilled once (each in a slot
+        of its own, admitted together: at most `max_group()`): a flight each, in order."""
         self._refuse_unless_ready()
         if images and not self.encoder_up():
             raise ApiError(503, "The vision encoder is not ready.", type="server_error", code="not_ready")
         queued = time.monotonic()
-        if self._running < self.max_running() and not self._waiters:
-            self._running += 1
-        else:
-            await self._wait_for_slot()
-        up = self.up_pairs()
-        if not up:  # every pair went down while this request waited: the slot passes on
-            self._free_slot()
-            self._update_gauges()
+        await self._take_slots(len(rids))
+        up = [p for p in self.up_pairs() if len(rids) == 1 or p.capacity() >= len(rids)]
+        if not up:  # every pair went down while this request waited: the slots pass on
+            self._free_slots(len(rids))
             raise _not_ready()
         self.metrics.queue_time.observe(time.monotonic() - queued)
         pair = min(up, key=Pair.load)
-        pair.running += 1
+        pair.running += len(rids)
         pair.sent += 1
         self._update_gauges()
-        flight = Flight(
-            rid or uuid.uuid4().hex, prompt_ids, sampling, received, pair=pair.index, images=len(images)
-        )
-        self._flights[flight.rid] = flight
+        flights = [
+            Flight(rid, prompt_ids, sampling, received, pair=pair.index, images=len(images) if i == 0 else 0)
+            for i, (rid, sampling) in enumerate(zip(rids, samplings, strict=True))
+        ]
+        self._flights.update((f.rid, f) for f in flights)
+        primary = flights[0]
         try:
             assert pair.prefill_box is not None, "RouterCore.start() was not called"
             if images:
                 assert self.encoder_box is not None
-                await self.encoder_box.send(Encode(flight.rid, list(images), pair.prefill.name))
-            gen = Generate(flight.rid, prompt_ids, sampling, arrival=flight.arrival, images=len(images))
+                await self.encoder_box.send(Encode(primary.rid, list(images), pair.prefill.name))
+            siblings = [Sibling(f.rid, f.sampling.seed) for f in flights[1:]]
+            gen = Generate(primary.rid, prompt_ids, primary.sampling, arrival=primary.arrival,
+                           images=len(images), siblings=siblings)  # fmt: skip
             await pair.prefill_box.send(gen)
         except BaseException:
-            self.release(flight, None)
+            for flight in flights:
+                self.release(flight, None)
             raise
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return flight
+        return flights
+
+    def max_group(self) -> int:
+        """The most choices of one prompt that can share its prefill: decode grants their lanes together, so
+        no more than the smallest pair up runs (and the admission limit lets in at once)."""
+        lanes = [p.capacity() for p in self.up_pairs() if p.capacity() > 0]
+        return max(1, min([self.max_running(), *lanes]))
 
     def _refuse_unless_ready(self) -> None:
         if not self.ready():
             raise _not_ready()
 
-    async def _wait_for_slot(self) -> None:
+    async def _take_slots(self, count: int) -> None:
+        """Take `count` admission slots at once, waiting in arrival order (one waiter for a group: no group
+        holds some slots while it waits for the rest, which two groups could do to each other for good);
+        raises ApiError 429 when the queue is full. Cancelled, it takes none."""
+        if not self._waiters and self._running + count <= self.max_running():
+            self._running += count
+            self._update_gauges()
+            return
         if len(self._waiters) >= self.config.max_queue:
             raise ApiError(
                 429,
@@ -349,17 +380,17 @@ class RouterCore:
                 type="rate_limit_error",
                 code="queue_full",
             )
-        slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(slot)
+        waiter = (asyncio.get_running_loop().create_future(), count)
+        self._waiters.append(waiter)
         self._update_gauges()
         try:
-            await slot
+            await waiter[0]
         except asyncio.CancelledError:
-            if slot.done() and not slot.cancelled():
-                self._free_slot()  # handed to us as we were cancelled: pass it on
+            if waiter[0].done() and not waiter[0].cancelled():
+                self._free_slots(count)  # handed to us as we were cancelled: pass them on
             else:
-                self._waiters.remove(slot)
-            self._update_gauges()
+                self._waiters.remove(waiter)
+                self._admit_waiters()  # the next may fit where this one did not
             raise
 
     def release(self, flight: Flight, finish_reason: str | None) -> None:
@@ -379,29 +410,38 @@ class RouterCore:
         if finish_reason is not None:
             self.metrics.requests_finished.labels(finish_reason=finish_reason).inc()
             self.metrics.e2e_request_latency.observe(time.monotonic() - flight.received)
-        self._free_slot()
-        self._update_gauges()
+        self._free_slots(1)
 
-    def _free_slot(self) -> None:
-        while self._waiters and self._running <= self.max_running():
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes straight to the first waiter
-                return
-        self._running -= 1
+    def _free_slots(self, count: int) -> None:
+        """Give back `count` slots: they pass to the waiters at the head that fit."""
+        self._running -= count
+        self._admit_waiters()
 
     def _admit_waiters(self) -> None:
-        """Start waiters while the limit allows (it can rise when workers announce their capacity)."""
-        while self._waiters and self._running < self.max_running():
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self._running += 1
-                waiter.set_result(None)
+        """Start waiters in arrival order while the limit allows (it also rises when workers announce their
+        capacity). A group larger than the limit (which fell since it was admitted to wait) is refused."""
+        while self._waiters:
+            slot, count = self._waiters[0]
+            limit = self.max_running()
+            if slot.done():  # cancelled
+                self._waiters.popleft()
+            elif count > limit:
+                self._waiters.popleft()
+                slot.set_exception(
+                    ApiError(503, f"{count} choices cannot run together now (at most {limit}).",
+                             type="server_error", code="not_ready")
+                )  # fmt: skip
+            elif self._running + count <= limit:
+                self._waiters.popleft()
+                self._running += count
+                slot.set_result(None)
+            else:
+                break
         self._update_gauges()
 
     def _update_gauges(self) -> None:
         self.metrics.requests_running.set(self._running)
-        self.metrics.requests_waiting.set(len(self._waiters))
+        self.metrics.requests_waiting.set(sum(count for _, count in self._waiters))
 
     def sync_dropped_frames(self) -> None:
         """Carry the inbox's count of undecodable frames into the metrics (called before a scrape)."""

@@ -37,6 +37,14 @@ def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server, extra):
         prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
         (ref,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
         assert reply.choices[0].message.content == engine.tokenizer.decode(ref.token_ids)
+    prompt = [5, 17, 300, 42, 9, 77, 120, 3]  # three choices of one prefill: decode copies its state
+    out = client.completions.create(
+        model="m", prompt=prompt, max_tokens=12, n=3, temperature=1.0, seed=21, logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    got = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in out.choices]
+    params = [SamplingParams(temperature=1.0, seed=21 + i, max_tokens=12, ignore_eos=True) for i in range(3)]
+    assert got == [r.token_ids for r in engine.generate([prompt] * 3, params)]
     assert server.stop() == 0
 
 

@@ -71,7 +71,10 @@ def test_batch_layout() -> None:
     assert batch.page_table.shape == (2, 2)
 
 
-def test_a_forked_sequence_continues_like_its_source(tmp_path) -> None:
+@pytest.mark.parametrize("chunk", [256, 1])
+def test_a_forked_sequence_continues_like_its_source(tmp_path, monkeypatch, chunk: int) -> None:
+    """Its copy a page at a time too (StatePool.copy's chunks)."""
+    from common.kv import state
     from common.model.loader import load_model
     from common.model.synthetic import make_model
     from common.runner import ModelRunner
@@ -80,6 +83,7 @@ def test_a_forked_sequence_continues_like_its_source(tmp_path) -> None:
     runner = ModelRunner(model, max_seqs=3, max_context=64)
     source = runner.new_sequence()
     token = int(runner.forward([source], [list(range(3, 40))]).argmax(-1))  # pages, conv, recurrent, n-gram
+    monkeypatch.setattr(state, "COPY_PAGES", chunk)
     twin = runner.pool.fork(source)
     assert twin.slot != source.slot and not set(twin.pages) & set(source.pages)
     for _ in range(4):  # both decode side by side, as one batch: the same logits (to batched rounding)

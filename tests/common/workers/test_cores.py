@@ -15,14 +15,14 @@ from common.protocol import (
     Generate,
     PrefillDone,
     ReleaseState,
-    StateGranted,
-    Thaw,
+    Sibling,
     Tokens,
     decode,
     encode,
 )
 from common.sampling import SamplingParams
 from common.workers.decode import DecodeCore, load_engine
+from common.workers.local import deliver
 from common.workers.prefill import PrefillCore
 from common.workers.sharing import decode_exports, host_allocator, prefill_model, shared_allocator
 
@@ -88,24 +88,7 @@ def cores(request, tmp_path_factory):
 
 
 def _deliver(dec: DecodeCore, pre: PrefillCore, box, seen: dict[str, list[Tokens]]):
-    nxt = []
-    for dest, msg in box:
-        msg = decode(encode(msg))
-        if dest == "router":
-            seen.setdefault(msg.rid, []).append(msg)
-        elif isinstance(msg, StateGranted):
-            nxt += pre.granted(msg)
-        elif isinstance(msg, AllocState):
-            nxt += [("prefill", g) for g in dec.alloc_state(msg)]
-        elif isinstance(msg, PrefillDone):
-            dec.prefill_done(msg)
-        elif isinstance(msg, ReleaseState):
-            dec.release(msg.rid)
-        elif isinstance(msg, Thaw):
-            dec.set_freeze(msg.holder, False)
-        if isinstance(msg, PrefillDone | ReleaseState | Thaw):  # as the decode worker does
-            nxt += [("prefill", g) for g in dec.grant_pending()]
-    return nxt
+    return deliver(dec, pre, box, lambda event: seen.setdefault(event.rid, []).append(event))
 
 
 def _run(dec: DecodeCore, pre: PrefillCore, box, abort_after: dict[str, int] | None = None):
@@ -321,6 +304,78 @@ def test_decode_steps_while_a_grammar_compiles(cores):
     for i, ref in enumerate(reference):
         assert [t for e in seen[f"g{i}"] for t in e.token_ids] == ref.token_ids
     assert not dec.admitting and dec.pool.slots.num_free == cfg.max_running
+
+
+def test_siblings_share_one_prefill_and_sample_their_own(cores, monkeypatch):
+    """A prompt with a sibling is prefilled once: each samples its first token at its own seed, decode copies
+    the prompt's state to the sibling, and each decodes what the engine gives at its seed alone."""
+    cfg, dec, pre = cores
+    if cfg.dtype != "float32" or cfg.lend_kv:
+        pytest.skip("the copy is the same for every dtype")
+    done: list[PrefillDone] = []
+    start = dec.prefill_done
+    monkeypatch.setattr(dec, "prefill_done", lambda msg: (done.append(msg), start(msg)))
+    sampling = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    gen = Generate("s", PROMPTS[2], sampling, 0.0, siblings=[Sibling("s-1", 8)])
+    seen = _run(dec, pre, pre.submit(gen))
+    assert [(m.rid, [s.rid for s in m.siblings]) for m in done] == [("s", ["s-1"])]
+    engine = load_engine(cfg)
+    for rid, seed in [("s", 7), ("s-1", 8)]:
+        params = msgspec.structs.replace(sampling, seed=seed)
+        (ref,) = engine.generate([PROMPTS[2]], params)
+        assert [t for e in seen[rid] for t in e.token_ids] == ref.token_ids
+        assert seen[rid][0].prompt_tokens == len(PROMPTS[2])
+    assert [e.token_ids for e in seen["s"]] != [e.token_ids for e in seen["s-1"]]  # their own samples
+    assert dec.pool.pages.num_free == dec.pool.num_pages and dec.pool.slots.num_free == cfg.max_running
+
+
+def test_siblings_outlive_an_aborted_source_and_an_aborted_sibling_frees_its_lane(cores, monkeypatch):
+    """Decode aborts the prompt's own request while prefill holds it: its sibling still starts from a copy.
+    A sibling aborted before its prompt is done samples nothing and its reserved lane is freed at once; one
+    whose prompt's request prefill aborts ends with an error, and so do both where decode cannot copy the
+    state. More siblings than lanes are refused."""
+    cfg, dec, pre = cores
+    if cfg.dtype != "float32" or cfg.expert_cache:
+        pytest.skip("decode's bookkeeping: one model is enough")
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    box = pre.submit(Generate("a", PROMPTS[0], sampling, 0.0, siblings=[Sibling("a-1", None)]))
+    box = _deliver(dec, pre, box, {})  # AllocState → grant: "a" granted, "a-1" reserved
+    assert "a" in dec.granted and "a-1" in dec.reserved
+    dec.abort("a")  # the router's abort reaches decode first
+    seen = _run(dec, pre, box)
+    assert [len(e.token_ids) for e in seen["a"]] == [1]  # prefill's first token only
+    (ref,) = load_engine(cfg).generate([PROMPTS[0]], sampling)
+    assert [t for e in seen["a-1"] for t in e.token_ids] == ref.token_ids
+
+    box = pre.submit(Generate("b", PROMPTS[1], sampling, 0.0, siblings=[Sibling("b-1", 3)]))
+    box = _deliver(dec, pre, box, {})
+    box += pre.abort("b-1") + [("prefill", g) for g in dec.abort("b-1")]
+    assert "b-1" not in dec.reserved
+    seen = _run(dec, pre, box)
+    assert "b-1" not in seen and seen["b"][-1].finish_reason == "length"
+    assert dec.pool.pages.num_free == dec.pool.num_pages and dec.pool.slots.num_free == cfg.max_running
+
+    box = pre.submit(Generate("d", PROMPTS[2], sampling, 0.0, siblings=[Sibling("d-1", None)]))
+    box = _deliver(dec, pre, box, {}) + pre.step()  # granted; prefill's first pass
+    out = pre.abort("d")  # the prompt's request aborted at prefill: its sibling ends too, never hangs
+    assert [(m.rid, m.finish_reason) for dest, m in out if dest == "router"] == [("d-1", "error")]
+    _run(dec, pre, box + out)  # its ReleaseState frees the sibling's reserved state with its own
+    assert not dec.reserved and dec.pool.slots.num_free == cfg.max_running
+
+    def fail(src, dst) -> None:
+        raise torch.OutOfMemoryError("no room for the copy's temporaries")
+
+    monkeypatch.setattr(dec.pool, "copy", fail)  # decode cannot copy: both choices end with an error
+    seen = _run(dec, pre, pre.submit(Generate("e", PROMPTS[1], sampling, 0.0, siblings=[Sibling("e-1", 2)])))
+    assert [seen[rid][-1].finish_reason for rid in ("e", "e-1")] == ["error", "error"]
+    monkeypatch.undo()
+    assert not dec.reserved and not dec.granted and not pre.cut
+    assert dec.pool.pages.num_free == dec.pool.num_pages and dec.pool.slots.num_free == cfg.max_running
+
+    many = [Sibling(f"c-{i}", i) for i in range(1, cfg.max_running + 1)]
+    seen = _run(dec, pre, pre.submit(Generate("c", PROMPTS[1], sampling, 0.0, siblings=many)))
+    assert seen["c"][0].finish_reason == "error" and "need as many lanes" in seen["c"][0].error
+    assert all(seen[s.rid][0].finish_reason == "error" for s in many)
 
 
 def test_aborts_free_every_page_and_slot(cores):

@@ -128,6 +128,14 @@ class Peer:
     def generates(self) -> list[Generate]:
         return [m for _, m in self.received if isinstance(m, Generate)]
 
+    def choices(self) -> list[tuple[str, int | None]]:
+        """Every request the Generates named, their siblings after each: (id, seed)."""
+        return [
+            (rid, seed)
+            for g in self.generates()
+            for rid, seed in [(g.rid, g.sampling.seed), *((s.rid, s.seed) for s in g.siblings)]
+        ]
+
     def aborted_by(self, rid: str) -> set[str]:
         return {s for s, m in self.received if isinstance(m, Abort) and m.rid == rid}
 
@@ -160,9 +168,9 @@ class Peer:
             self._poller.poll(2)
 
     def _on_message(self, msg: Message) -> None:
-        if isinstance(msg, Generate):
-            plan = self._plan(msg)
-            self._plans[msg.rid] = (time.monotonic(), plan)
+        if isinstance(msg, Generate):  # and each of its siblings: the same plan, under its own id
+            for rid in [msg.rid, *(s.rid for s in msg.siblings)]:
+                self._plans[rid] = (time.monotonic(), self._plan(msg, rid))
         elif isinstance(msg, Abort):
             self._plans.pop(msg.rid, None)
 
@@ -178,9 +186,9 @@ class Peer:
                 due = now + delay
                 self._plans[rid] = (due, plan)
 
-    def _plan(self, gen: Generate) -> Plan:
+    def _plan(self, gen: Generate, rid: str) -> Plan:
         prompt = self.tok.decode(gen.prompt_ids)
-        rid, n_prompt, limit = gen.rid, len(gen.prompt_ids), gen.sampling.max_tokens
+        n_prompt, limit = len(gen.prompt_ids), gen.sampling.max_tokens
         if "[error]" in prompt or ("[error-second]" in prompt and rid.endswith("-1")):
             return iter([(0.0, "prefill", Tokens(rid, [], "error", error="out of KV pages"))])
         if "[slow]" in prompt:
