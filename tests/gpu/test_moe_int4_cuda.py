@@ -184,3 +184,56 @@ def test_native_mma_down_matches_dequantised_reference(hidden, inter, tokens, k,
     want = _reference(x, row_of[ids], weights, pool) + shared.float() * scale
     call = partial(moe_int4_decode, x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)
     _matches_and_replays(call, want, replays=2)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "inter", "k"), [(256, 128, 4), (512, 384, 8), (2048, 128, 4), (2560, 640, 10)]
+)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize(("settled", "early"), [(True, True), (False, True), (False, False)])
+def test_fused_gate_up_down_equals_the_two_kernels(monkeypatch, hidden, inter, k, gated, settled, early):
+    """gate/up and down in one grid (DecodeConfig.native_fused; more gate/up blocks than down blocks a pair,
+    fewer, as many; down's rows staged before or after gate/up's work): the two tensor-core kernels' output
+    bit for bit, the shared expert folded in; three calls recorded in one graph and replayed twice (each
+    call's pair counters left at zero for the next)."""
+    from common.kernels import moe_int4_native
+    from common.kernels.moe_int4 import moe_int4_decode
+
+    monkeypatch.setattr(moe_int4_native, "FUSED_STAGE_EARLY", early)
+
+    pool, x, ids, gen = _routed(hidden, inter, 1, k, hidden + inter + k)
+    ids[0, :2] = 3  # one expert twice in the token
+    row_of = torch.randperm(12, generator=gen).cuda()
+    weights = torch.softmax(torch.randn(1, k, generator=gen), -1).cuda()
+    shared = torch.randn(1, hidden, generator=gen).to(torch.bfloat16).cuda()
+    gate = torch.randn(1, 1, generator=gen).to(torch.bfloat16).cuda() if gated else None
+    assert moe_int4_native.fused_available(x, inter, k, gate, pool), "the fused kernel cannot take the call"
+    knobs = {"block": 8, "words": True, "native_rows": 2, "native_warps": 2, "native_mma": True}
+    knobs |= {"native_down_warps": 4, "native_down_mma": True, "row_of": row_of, "settled": settled}
+
+    def three(fused: bool) -> list[torch.Tensor]:  # three layers' worth on one stream, inputs differing
+        outs, y = [], x
+        for layer in range(3):
+            rows = ids.roll(layer, 1)
+            y = moe_int4_decode(
+                y, rows, weights, pool, shared=shared, shared_gate=gate, native_fused=fused, **knobs
+            )
+            outs.append(y)
+        return outs
+
+    want = three(False)
+    got = three(True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    scale = torch.sigmoid(gate.float()) if gated else 1.0
+    first = _reference(x, row_of[ids], weights, pool) + shared.float() * scale
+    assert (got[0].float() - first).norm() <= 1e-2 * first.norm()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recorded = three(True)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(recorded, want, strict=True):
+            assert torch.equal(a, b)
