@@ -225,7 +225,6 @@ DECODE_SWITCHES = (
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
     "no-moe-dispatch", "select-search", "no-qsa-prologue", "no-conv-epilogue",
     "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "no-tail-trigger-first", "no-hc-split-rank",
-    "no-int4-fused", "int4-fused-late",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -251,7 +250,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         hyper,
         moe_dispatch,
         moe_int4,
-        moe_int4_native,
         pdl,
         qsa_indexer,
     )
@@ -264,7 +262,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     triton_resident = replace(moe_int4.RESIDENT_CONFIGS[1], native_rows=0, native_down_warps=0)
     scalar_gate_up = replace(moe_int4.RESIDENT_CONFIGS[1], native_mma=False)
     scalar_down = replace(moe_int4.RESIDENT_CONFIGS[1], native_down_mma=False)
-    two_kernels = replace(moe_int4.RESIDENT_CONFIGS[1], native_fused=False)
     switches = (
         (QSAIndexer, "select_kernel", False),
         (HyperConnection, "project_kernel", False),
@@ -301,8 +298,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (decode_attention, "TARGET_PROGRAMS", 128),
         (pdl, "START_TRIGGER", False),
         (hyper, "MIX_UP_SPLIT_RANK", False),
-        (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: two_kernels}),
-        (moe_int4_native, "FUSED_STAGE_EARLY", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

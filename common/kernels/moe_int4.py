@@ -127,11 +127,6 @@ class DecodeConfig:
     layout 3; the other forms keep them in fp32). RESIDENT_CONFIGS' one-token default (its figures are in
     RESIDENT_CONFIGS' docstring). Its first runs, before int4_decode.cu's load_after_wait, read the
     activations before gate_up wrote them in graph replays and do not count."""
-    native_fused: bool = False
-    """With `native_down_mma` and the tensor-core gate_up: both in one grid (moe_int4_native.gate_up_down:
-    each block computes its gate/up rows, waits for the rest of its pair's, then its down rows, with down's
-    codes staged in shared memory beside gate/up's), where it takes the call: one token with the fold, the
-    grid resident at once (a block waits for blocks of its own grid)."""
 
 
 DECODE_CONFIGS = {
@@ -153,7 +148,6 @@ RESIDENT_CONFIGS = {
     1: DecodeConfig(
         block=8, down_block=16, down_groups_per_step=1, down_warps=2, words=True,
         native_rows=2, native_warps=2, native_down_warps=4, native_mma=True, native_down_mma=True,
-        native_fused=True,
     ),
 }  # fmt: skip
 """The shapes of decode steps with no copies beside them (every expert resident:
@@ -628,7 +622,6 @@ def moe_int4_decode(
     native_down_warps: int | None = None,
     native_mma: bool | None = None,
     native_down_mma: bool | None = None,
-    native_fused: bool | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -677,7 +670,6 @@ def moe_int4_decode(
         "native_down_warps": native_down_warps,
         "native_mma": native_mma,
         "native_down_mma": native_down_mma,
-        "native_fused": native_fused,
     }
     base = decode_config(t, configs) if block is None else DecodeConfig()  # a shape given: the rest plain
     c = replace(base, **{name: v for name, v in given.items() if v is not None})
@@ -698,22 +690,6 @@ def moe_int4_decode(
     partial = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     pdl = launch(x.device)  # every kernel of the call: the same launch
-    gate_up_mma = native_gate_up and c.native_mma and moe_int4_native.mma_available(x, hidden, inter)
-    if (
-        down_mma
-        and gate_up_mma
-        and c.native_fused
-        and arrival.folds(t)
-        and moe_int4_native.fused_available(x, inter, t * k, shared_gate, pool)
-    ):
-        for wait in (before_gate_up, before_down):
-            if wait is not None:
-                wait()
-        out = torch.empty_like(x)
-        moe_int4_native.gate_up_down(
-            x, rows, row_of, pool, act, weights, partial, out, k, shared, shared_gate, pdl, settled
-        )
-        return out
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     knobs |= {"WORDS": c.words, "STAGES": c.stages, **pdl}
     gate_up_knobs = {"SETTLED": settled, "MMA": c.mma, "STAGES": c.gate_up_stages or c.stages, **pdl}
@@ -759,8 +735,9 @@ def moe_int4_decode(
     if native_gate_up:
         lookup = row_of if knobs["LOOKUP"] else None
         layout = 3 if down_mma else 1 if c.words else 2 if c.split_act else 0
+        mma = c.native_mma and moe_int4_native.mma_available(x, hidden, inter)
         moe_int4_native.gate_up(
-            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled, gate_up_mma
+            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled, mma
         )
     else:
         _gate_up_kernel[(t * k, blocks, n_chunks)](

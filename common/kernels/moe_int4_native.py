@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from common.kernels import arrival, native
+from common.kernels import native
 from common.kernels.pdl import hopper_or_later, native_mode
 
 MAX_HIDDEN = 3072
@@ -29,22 +29,7 @@ _SIGNATURES = {
     "spillway_int4_down": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 8 + (_P,),
     "spillway_int4_gate_up_mma": (_P,) * 3 + (_I,) * 3 + (_P,) * 4 + (_I,) * 8 + (_P,),
     "spillway_int4_down_mma": (_P,) * 3 + (_I,) * 3 + (_P, _I) + (_P,) * 7 + (_I, _P) + (_I,) * 7 + (_P,),
-    "spillway_int4_gate_up_down_mma": (_P,) * 3
-    + (_I,) * 3
-    + (_P,) * 5
-    + (_I,)
-    + (_P,) * 8
-    + (_I, _P)
-    + (_I,) * 8
-    + (_P,),
-    "spillway_int4_gate_up_down_capacity": (_I,),
 }
-FUSED_MAX_INTER = 1024
-"""The fused grid's down stages a block's 64 rows of every group (8 at most) in shared memory."""
-FUSED_STAGE_EARLY = True
-"""The fused grid's blocks copy their down rows to shared memory before their gate/up rows' work (in flight
-beside gate/up's codes), not after it (in flight while the block waits for the pair's other gate/up blocks;
-the benchmark's `int4-fused-late` switch). Switch before a pass is recorded."""
 MMA_DOWN_ROWS = 64
 """The tensor-core down's rows a block (16 a warp, 4 warps): hidden a multiple of it."""
 
@@ -167,67 +152,5 @@ def down(
         shared_gate.data_ptr() if shared_gate is not None else None, gate_stride, out.data_ptr(),
         rows.numel(), k, hidden, inter, *(() if mma else (warps,)), fold is not None, "launch_pdl" in pdl,
         native_mode(pdl), torch.cuda.current_stream(act.device).cuda_stream,
-    )  # fmt: skip
-    native.check(status, name)
-
-
-_capacity: dict[tuple[int, int], int] = {}
-
-
-def _fused_capacity(device: torch.device, inter: int) -> int:
-    """Blocks of the fused grid for I = inter the device holds at once (0: none, or no library)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if (index, inter) not in _capacity:
-        entry = _function(device, "spillway_int4_gate_up_down_capacity")
-        with torch.cuda.device(index):
-            _capacity[index, inter] = entry(inter) if entry is not None else 0
-    return _capacity[index, inter]
-
-
-def fused_blocks(hidden: int, inter: int) -> int:
-    """The fused grid's blocks a pair: I / 16 gate/up blocks and H / 64 down blocks, a block one of each."""
-    return max(inter // 16, hidden // MMA_DOWN_ROWS)
-
-
-def fused_available(
-    x: torch.Tensor, inter: int, pairs: int, shared_gate: torch.Tensor | None, pool: dict[str, torch.Tensor]
-) -> bool:
-    """Whether gate_up_down takes this call: as `mma_available` and `down_mma_available`, I up to
-    FUSED_MAX_INTER, down's codes, scales and zeros 16-byte aligned (a block copies them in 16-byte pieces),
-    and the grid (pairs × fused_blocks) resident at once on the device: its blocks wait for one another."""
-    hidden = x.shape[1]
-    aligned = all(pool[f"down_{part}"].data_ptr() % 16 == 0 for part in ("qweight", "scales", "zeros"))
-    return (
-        mma_available(x, hidden, inter)
-        and down_mma_available(x, inter, shared_gate)
-        and inter <= FUSED_MAX_INTER
-        and aligned
-        and _function(x.device, "spillway_int4_gate_up_down_mma") is not None
-        and pairs * fused_blocks(hidden, inter) <= _fused_capacity(x.device, inter)
-    )
-
-
-def gate_up_down(
-    x: torch.Tensor, rows: torch.Tensor, row_of: torch.Tensor | None, pool: dict[str, torch.Tensor],
-    act: torch.Tensor, weights: torch.Tensor, partial: torch.Tensor, out: torch.Tensor, k: int,
-    shared: torch.Tensor | None, shared_gate: torch.Tensor | None, pdl: dict, settled: bool,
-) -> None:  # fmt: skip
-    """out [T, H] ← Σ_j weights[p] · down(silu(gate) · up) of each pair p's expert, plus `shared` (gated by
-    σ(shared_gate[t, 0]) when given), in one grid (int4_decode.cu's gate_up_down_mma_kernel): gate/up and
-    down as `gate_up`'s and `down`'s tensor-core kernels compute them, act [P, I] bf16 and partial [P, H] fp32
-    their scratch, the fold's sums as `down`'s. The stream's arrival counters (common/kernels/arrival.py)
-    hold the fold's counters first and the pairs' counters last. `fused_available` must hold."""
-    hidden, inter, pairs = x.shape[1], act.shape[1], rows.numel()
-    counters = arrival.counters(x.device, x.shape[0] * fused_blocks(hidden, inter) + 2 * pairs)
-    sync = counters[counters.numel() - 2 * pairs :]
-    gate_stride = shared_gate.stride(0) if shared_gate is not None else 0
-    name = "spillway_int4_gate_up_down_mma"
-    status = _function(x.device, name)(
-        x.data_ptr(), *_rows(rows, row_of), *_matrix(pool, "gate_up"), act.data_ptr(), weights.data_ptr(),
-        weights.dtype == torch.bfloat16, *_matrix(pool, "down"), partial.data_ptr(), counters.data_ptr(),
-        sync.data_ptr(), shared.data_ptr() if shared is not None else None,
-        shared_gate.data_ptr() if shared_gate is not None else None, gate_stride, out.data_ptr(), pairs, k,
-        hidden, inter, "launch_pdl" in pdl, native_mode(pdl), settled, FUSED_STAGE_EARLY,
-        torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     native.check(status, name)

@@ -383,66 +383,64 @@ __device__ __forceinline__ void mma_group(const MmaGroup& s, const uint4* xv, in
   }
 }
 
-__device__ __forceinline__ int64_t pair_row(const void* rows, const void* row_of, int wide_rows,
-                                            int wide_row_of, int lookup, int p) {
-  const int64_t row = load_index(rows, p, wide_rows);
-  return lookup ? load_index(row_of, row, wide_row_of) : row;
-}
-
-// A tensor-core gate/up block's codes: lane (g, t) of warp `warp` reads, for rows first + g and first + g + 8
-// of gate and of up (r 0, 1 and 2, 3), chunk t of the groups warp, warp + 4, ...
-struct GateUpMma {
-  const uint4* codes;
-  const __nv_bfloat16* scales;
-  const uint8_t* zeros;
-  int64_t row;  // the pair's pool row
-  int inter, hidden, first, warp, g, t;
-
-  __device__ __forceinline__ int64_t out_row(int r) const {
+__global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528 hold the 400 at once
+    gate_up_mma_kernel(const __nv_bfloat16* __restrict__ x, const void* __restrict__ rows,
+                       const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
+                       const uint4* __restrict__ codes, const __nv_bfloat16* __restrict__ scales,
+                       const uint8_t* __restrict__ zeros, float* __restrict__ act, int k, int hidden, int inter,
+                       int act_layout, int gdc, int settled) {
+  const int p = blockIdx.x;
+  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
+  const int g = lane / 4, t = lane % 4;  // the MMA fragments' group and thread in group
+  const int first = blockIdx.y * 16;    // gate rows first..first+15
+  const int chunks = hidden / 32, groups = hidden / 128;
+  int64_t row = 0;
+  auto out_row = [&](int r) -> int64_t {  // r: 0, 1 gate rows g, g + 8; 2, 3 up rows g, g + 8
     return row * 2 * inter + first + g + (r % 2) * 8 + (r / 2) * inter;
-  }
-
-  // The warp's G-th group's codes, and row t's scale and zero (nothing past the inputs' groups).
-  __device__ __forceinline__ void load(int G, MmaGroup& s) const {
-    const int group = warp + G * kMmaWarps, chunks = hidden / 32, groups = hidden / 128;
+  };
+  auto load_group = [&](int G, MmaGroup& s) {
+    const int group = warp + G * kMmaWarps;
     if (group >= groups) return;
 #pragma unroll
     for (int r = 0; r < 4; ++r) s.q[r] = __ldg(codes + out_row(r) * chunks + group * 4 + t);
     const int64_t at = out_row(t) * groups + group;
     s.zero = zeros[at];
     s.scale = reinterpret_cast<const uint16_t*>(scales)[at];
-  }
-};
+  };
+  // The codes of kMmaAhead groups are in flight while one is multiplied; a group's inputs one ahead.
+  MmaGroup stage[kMmaAhead + 1];
+  auto load_first = [&]() {
+    row = load_index(rows, p, wide_rows);
+    if (lookup) row = load_index(row_of, row, wide_row_of);
+#pragma unroll
+    for (int G = 0; G < kMmaAhead; ++G) load_group(G, stage[G]);
+  };
+  if (settled) load_first();
+  gdc_wait(gdc);
+  if (!settled) load_first();
 
-// The rest of a tensor-core gate/up block once `stage` holds its first kMmaAhead groups: the inputs (read
-// after the programmatic wait), the MMAs, the warps' partial dots summed in warp order and the block's 16
-// activations stored (threads 0..15) in `act_layout`.
-__device__ __forceinline__ void gate_up_mma_rest(const GateUpMma& m, MmaGroup* stage,
-                                                 const __nv_bfloat16* __restrict__ x, float* __restrict__ act,
-                                                 int p, int k, int act_layout) {
-  const int groups = m.hidden / 128;
-  const uint4* xt = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(p / k) * m.hidden);
+  const uint4* xt = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(p / k) * hidden);
   auto load_x = [&](int G, uint4* xv) {
-    const int group = m.warp + G * kMmaWarps;
+    const int group = warp + G * kMmaWarps;
     if (group >= groups) return;
 #pragma unroll
-    for (int v = 0; v < 4; ++v) xv[v] = load_after_wait(xt + group * 16 + m.t * 4 + v);
+    for (int v = 0; v < 4; ++v) xv[v] = load_after_wait(xt + group * 16 + t * 4 + v);
   };
   uint4 xv[2][4];
   load_x(0, xv[0]);
   float acc[4] = {};  // rows g, g + 8 of gate, then of up
 #pragma unroll
   for (int G = 0; G < kMmaMaxGroups; ++G) {
-    if (G + kMmaAhead < kMmaMaxGroups) m.load(G + kMmaAhead, stage[(G + kMmaAhead) % (kMmaAhead + 1)]);
+    if (G + kMmaAhead < kMmaMaxGroups) load_group(G + kMmaAhead, stage[(G + kMmaAhead) % (kMmaAhead + 1)]);
     if (G + 1 < kMmaMaxGroups) load_x(G + 1, xv[(G + 1) % 2]);
-    if (m.warp + G * kMmaWarps < groups) mma_group(stage[G % (kMmaAhead + 1)], xv[G % 2], m.g, acc);
+    if (warp + G * kMmaWarps < groups) mma_group(stage[G % (kMmaAhead + 1)], xv[G % 2], g, acc);
   }
   __shared__ float partial[kMmaWarps][32];  // a warp's 16 gate then 16 up rows
-  if (m.t == 0) {
-    partial[m.warp][m.g] = acc[0];
-    partial[m.warp][m.g + 8] = acc[1];
-    partial[m.warp][16 + m.g] = acc[2];
-    partial[m.warp][16 + m.g + 8] = acc[3];
+  if (t == 0) {
+    partial[warp][g] = acc[0];
+    partial[warp][g + 8] = acc[1];
+    partial[warp][16 + g] = acc[2];
+    partial[warp][16 + g + 8] = acc[3];
   }
   __syncthreads();
   if (threadIdx.x < 16) {
@@ -453,30 +451,8 @@ __device__ __forceinline__ void gate_up_mma_rest(const GateUpMma& m, MmaGroup* s
       gate += partial[w][i];
       up += partial[w][16 + i];
     }
-    store_act(act, p, m.inter, m.first + i, act_layout, gate / (1.0f + __expf(-gate)) * up);
+    store_act(act, p, inter, first + i, act_layout, gate / (1.0f + __expf(-gate)) * up);
   }
-}
-
-__global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528 hold the 400 at once
-    gate_up_mma_kernel(const __nv_bfloat16* __restrict__ x, const void* __restrict__ rows,
-                       const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
-                       const uint4* __restrict__ codes, const __nv_bfloat16* __restrict__ scales,
-                       const uint8_t* __restrict__ zeros, float* __restrict__ act, int k, int hidden, int inter,
-                       int act_layout, int gdc, int settled) {
-  const int p = blockIdx.x;
-  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-  GateUpMma m{codes, scales, zeros, 0, inter, hidden, static_cast<int>(blockIdx.y) * 16, warp, lane / 4, lane % 4};
-  // The codes of kMmaAhead groups are in flight while one is multiplied; a group's inputs one ahead.
-  MmaGroup stage[kMmaAhead + 1];
-  auto load_first = [&]() {
-    m.row = pair_row(rows, row_of, wide_rows, wide_row_of, lookup, p);
-#pragma unroll
-    for (int G = 0; G < kMmaAhead; ++G) m.load(G, stage[G]);
-  };
-  if (settled) load_first();
-  gdc_wait(gdc);
-  if (!settled) load_first();
-  gate_up_mma_rest(m, stage, x, act, p, k, act_layout);
 }
 
 // down on the tensor cores: a warp computes 16 output rows of pair p's expert over all I inputs, as one half
@@ -486,37 +462,6 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
 // programmatic wait; the activations one group ahead after it. Partial rows and the fold as down_kernel's.
 constexpr int kMmaDownRows = 16;  // a warp's rows
 constexpr int kMmaDownWarps = 4;
-
-// acc[0], acc[1] (rows n + g, n + g + 8) += a down warp's dots over the G groups: the rows' codes `lo`, `hi`
-// (chunk t of each group), row own's zeros and scales (lane (g, r) holds row r's: row_scale), against the
-// pair's activations `at` (bf16 in order), read one group ahead; with kL2, past L1 (another block of the
-// same grid wrote them).
-template <int G, bool kL2>
-__device__ __forceinline__ void down_mma_dots(const uint4* lo, const uint4* hi, const uint32_t* zero,
-                                              const uint32_t* scale, const uint4* at, int g, int t, float* acc) {
-  auto load_act = [&](const uint4* p) { return kL2 ? __ldcg(p) : load_after_wait(p); };
-  uint4 av[2][4];
-#pragma unroll
-  for (int v = 0; v < 4; ++v) av[0][v] = load_act(at + t * 4 + v);
-#pragma unroll
-  for (int i = 0; i < G; ++i) {
-    if (i + 1 < G) {
-#pragma unroll
-      for (int v = 0; v < 4; ++v) av[(i + 1) % 2][v] = load_act(at + (i + 1) * 16 + t * 4 + v);
-    }
-    uint32_t xw[16], zero_pair[2];
-    float value[2];
-    input_pairs(av[i % 2], xw);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) row_scale(zero[i], scale[i], g, r, &zero_pair[r], &value[r]);
-    mma_rows(lo[i], hi[i], zero_pair, value, xw, acc);
-  }
-}
-
-__device__ __forceinline__ float routing_weight(const void* weights, int bf16_weights, int p) {
-  return bf16_weights ? __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[p])
-                      : static_cast<const float*>(weights)[p];
-}
 
 template <int G>
 __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
@@ -532,7 +477,8 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
   const int g = lane / 4, t = lane % 4;
   const int n = (blockIdx.y * kMmaDownWarps + warp) * kMmaDownRows + g;  // this lane's rows n, n + 8
   constexpr int kInter = G * 128, kChunks = G * 4;
-  const int64_t row = pair_row(rows, row_of, wide_rows, wide_row_of, lookup, p);
+  int64_t row = load_index(rows, p, wide_rows);
+  if (lookup) row = load_index(row_of, row, wide_row_of);
   const int64_t lo_row = row * hidden + n, hi_row = lo_row + 8, own_row = t % 2 ? hi_row : lo_row;
   uint4 lo[G], hi[G];
   uint32_t zero[G], scale[G];  // row own_row's (lane (g, r) holds row r's: row_scale)
@@ -543,11 +489,27 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
     zero[i] = zeros[own_row * G + i];
     scale[i] = reinterpret_cast<const uint16_t*>(scales)[own_row * G + i];
   }
-  const float weight = routing_weight(weights, bf16_weights, p);
+  const float weight = bf16_weights ? __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[p])
+                                    : static_cast<const float*>(weights)[p];
   gdc_wait(gdc);
+  const uint4* at = reinterpret_cast<const uint4*>(act + static_cast<int64_t>(p) * kInter);
+  uint4 av[2][4];
+#pragma unroll
+  for (int v = 0; v < 4; ++v) av[0][v] = load_after_wait(at + t * 4 + v);
   float acc[2] = {};
-  down_mma_dots<G, false>(lo, hi, zero, scale, reinterpret_cast<const uint4*>(act + static_cast<int64_t>(p) * kInter),
-                          g, t, acc);
+#pragma unroll
+  for (int i = 0; i < G; ++i) {
+    if (i + 1 < G) {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) av[(i + 1) % 2][v] = load_after_wait(at + (i + 1) * 16 + t * 4 + v);
+    }
+    uint32_t xw[16], zero_pair[2];
+    float value[2];
+    input_pairs(av[i % 2], xw);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_scale(zero[i], scale[i], g, r, &zero_pair[r], &value[r]);
+    mma_rows(lo[i], hi[i], zero_pair, value, xw, acc);
+  }
   if (t == 0) {
     partial[static_cast<int64_t>(p) * hidden + n] = acc[0] * weight;
     partial[static_cast<int64_t>(p) * hidden + n + 8] = acc[1] * weight;
@@ -555,140 +517,6 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
   if (fold) {
     fold_rows(partial, counters, shared, gate, gate_stride, out, p, k, hidden, kMmaDownWarps * kMmaDownRows);
   }
-}
-
-// gate/up and down in one grid (one token's pairs, all-resident decode): block (p, j) computes gate/up's 16
-// rows j of pair p (act, bf16 in order), counts its arrival at pair p's counter, then computes down's 64
-// rows j of pair p once all of the pair's gate/up blocks have arrived, and folds as down_mma_kernel does.
-// Why: as two kernels, down's blocks could not be resident beside gate/up's (registers: 4 blocks an SM each),
-// so down's codes were requested only as gate/up's blocks left, and its launch, ramp and codes' round trip
-// came after gate/up's on every MoE layer's critical path. Here a block's down codes, zeros and scales are
-// copied into shared memory (cp.async), before its gate/up work (`stage_early`: in flight beside gate/up's
-// codes) or after it (in flight while the block waits for the pair's other gate/up blocks).
-// Blocks wait for blocks of the same grid, so the grid must be resident at once (the caller checks
-// spillway_int4_gate_up_down_capacity): a block lets the next kernel launch (gdc 1) only after its
-// programmatic wait, so no later kernel takes an SM before every block of this one has one.
-// `sync`: 2P counters, zero (left zero): the pairs' arrivals, then the down blocks past their wait.
-constexpr int kFusedDownRows = kMmaDownRows * kMmaDownWarps;  // a block's down rows
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* global) {
-  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(global) : "memory");
-}
-
-// This block's down rows first.. first + 63 (a run of the pool's rows): codes, zeros and scales into shared
-// memory, in flight until cp_async_wait.
-template <int G>
-__device__ __forceinline__ void stage_down(uint4* codes_s, uint4* zeros_s, uint4* scales_s,
-                                           const uint4* codes, const __nv_bfloat16* scales,
-                                           const uint8_t* zeros, int64_t first) {
-  constexpr int kCodes = kFusedDownRows * G * 4, kZeros = kFusedDownRows * G / 16;
-  constexpr int kScales = kFusedDownRows * G * 2 / 16;
-  const uint4* c = codes + first * G * 4;
-  const uint4* z = reinterpret_cast<const uint4*>(zeros + first * G);
-  const uint4* s = reinterpret_cast<const uint4*>(scales + first * G);
-  for (int i = threadIdx.x; i < kCodes; i += blockDim.x) cp_async16(codes_s + i, c + i);
-  for (int i = threadIdx.x; i < kZeros; i += blockDim.x) cp_async16(zeros_s + i, z + i);
-  for (int i = threadIdx.x; i < kScales; i += blockDim.x) cp_async16(scales_s + i, s + i);
-}
-
-__device__ __forceinline__ int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-template <int G>
-__global__ void __launch_bounds__(kMmaWarps * kLanes, 4)
-    gate_up_down_mma_kernel(const __nv_bfloat16* __restrict__ x, const void* __restrict__ rows,
-                            const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
-                            const uint4* __restrict__ gu_codes, const __nv_bfloat16* __restrict__ gu_scales,
-                            const uint8_t* __restrict__ gu_zeros, __nv_bfloat16* act,
-                            const void* __restrict__ weights, int bf16_weights,
-                            const uint4* __restrict__ codes, const __nv_bfloat16* __restrict__ scales,
-                            const uint8_t* __restrict__ zeros, float* __restrict__ partial,
-                            int* __restrict__ counters, int* sync, const __nv_bfloat16* __restrict__ shared,
-                            const __nv_bfloat16* __restrict__ gate, int gate_stride,
-                            __nv_bfloat16* __restrict__ out, int k, int hidden, int gdc, int settled,
-                            int stage_early) {
-  constexpr int kInter = G * 128, kChunks = G * 4, kGateBlocks = kInter / 16;
-  __shared__ uint4 codes_s[kFusedDownRows * kChunks];
-  __shared__ uint4 zeros_s[kFusedDownRows * G / 16];
-  __shared__ uint4 scales_s[kFusedDownRows * G * 2 / 16];
-  const int p = blockIdx.x, j = blockIdx.y;
-  const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-  const int g = lane / 4, t = lane % 4;
-  const int down_blocks = hidden / kFusedDownRows;
-  GateUpMma m{gu_codes, gu_scales, gu_zeros, 0, kInter, hidden, j * 16, warp, g, t};
-  MmaGroup ahead[kMmaAhead + 1];
-  auto stage = [&]() {
-    stage_down<G>(codes_s, zeros_s, scales_s, codes, scales, zeros, m.row * hidden + j * kFusedDownRows);
-  };
-  auto prologue = [&]() {
-    m.row = pair_row(rows, row_of, wide_rows, wide_row_of, lookup, p);
-    if (stage_early && j < down_blocks) stage();
-    if (j < kGateBlocks) {
-#pragma unroll
-      for (int i = 0; i < kMmaAhead; ++i) m.load(i, ahead[i]);
-    }
-  };
-  if (settled) prologue();
-  gdc_wait(gdc);
-  if (!settled) prologue();
-  int* arrived = sync + p;
-  int* passed = sync + gridDim.x + p;
-  if (j < kGateBlocks) {
-    gate_up_mma_rest(m, ahead, x, reinterpret_cast<float*>(act), p, k, 3);
-    __threadfence();  // this block's activations before its arrival
-    __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(arrived, 1);
-  }
-  if (j >= down_blocks) return;
-  if (!stage_early) stage();
-  const float weight = routing_weight(weights, bf16_weights, p);
-  if (threadIdx.x == 0) {
-    while (load_acquire(arrived) < kGateBlocks) __nanosleep(32);
-    // The last down block past the wait sets both counters back to zero: every arrival is in by then.
-    if (atomicAdd(passed, 1) == down_blocks - 1) {
-      *arrived = 0;
-      *passed = 0;
-    }
-  }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();  // the pair's activations (thread 0's acquire) and this block's staged rows, for all
-  const int r = warp * kMmaDownRows + g;  // this lane's rows r, r + 8 of the block's
-  const int own = t % 2 ? r + 8 : r;
-  uint4 lo[G], hi[G];
-  uint32_t zero[G], scale[G];
-  const uint8_t* zs = reinterpret_cast<const uint8_t*>(zeros_s);
-  const uint16_t* ss = reinterpret_cast<const uint16_t*>(scales_s);
-#pragma unroll
-  for (int i = 0; i < G; ++i) {
-    lo[i] = codes_s[r * kChunks + i * 4 + t];
-    hi[i] = codes_s[(r + 8) * kChunks + i * 4 + t];
-    zero[i] = zs[own * G + i];
-    scale[i] = ss[own * G + i];
-  }
-  float acc[2] = {};
-  down_mma_dots<G, true>(lo, hi, zero, scale, reinterpret_cast<const uint4*>(act + static_cast<int64_t>(p) * kInter),
-                         g, t, acc);
-  const int n = j * kFusedDownRows + r;
-  if (t == 0) {
-    partial[static_cast<int64_t>(p) * hidden + n] = acc[0] * weight;
-    partial[static_cast<int64_t>(p) * hidden + n + 8] = acc[1] * weight;
-  }
-  fold_rows(partial, counters, shared, gate, gate_stride, out, p, k, hidden, kFusedDownRows);
-}
-
-using FusedKernel = decltype(&gate_up_down_mma_kernel<1>);
-
-// gate_up_down_mma_kernel<G> for I = 128 G, G 1 to 8; null for others.
-FusedKernel fused_instance(int groups) {
-  constexpr FusedKernel kTable[8] = {
-      &gate_up_down_mma_kernel<1>, &gate_up_down_mma_kernel<2>, &gate_up_down_mma_kernel<3>,
-      &gate_up_down_mma_kernel<4>, &gate_up_down_mma_kernel<5>, &gate_up_down_mma_kernel<6>,
-      &gate_up_down_mma_kernel<7>, &gate_up_down_mma_kernel<8>};
-  return groups < 1 || groups > 8 ? nullptr : kTable[groups - 1];
 }
 
 using DownMmaKernel = decltype(&down_mma_kernel<1>);
@@ -774,41 +602,4 @@ extern "C" int spillway_int4_down_mma(const void* act, const void* rows, const v
   return launch_pdl(kernel, grid, dim3(kMmaDownWarps * kLanes), stream, pdl, act, rows, row_of, wide_rows,
                     wide_row_of, lookup, weights, bf16_weights, codes, scales, zeros, partial, counters, shared,
                     gate, gate_stride, out, k, hidden, fold, gdc);
-}
-
-// gate/up and down in one grid (gate_up_down_mma_kernel): act [P, I] bf16 scratch; partial, counters,
-// shared, gate, out as spillway_int4_down_mma's with the fold; `sync` 2P int counters, zero (left zero).
-// I a multiple of 128 up to 1024, H a multiple of 64 up to 2560; the grid (P, max(I / 16, H / 64)) must be
-// resident at once (spillway_int4_gate_up_down_capacity). `pdl`, `gdc` and `settled` as gate/up's;
-// `stage_early`: a block copies its down rows to shared memory before its gate/up rows, else after.
-extern "C" int spillway_int4_gate_up_down_mma(const void* x, const void* rows, const void* row_of, int wide_rows,
-                                              int wide_row_of, int lookup, const void* gu_codes,
-                                              const void* gu_scales, const void* gu_zeros, void* act,
-                                              const void* weights, int bf16_weights, const void* codes,
-                                              const void* scales, const void* zeros, void* partial, void* counters,
-                                              void* sync, const void* shared, const void* gate, int gate_stride,
-                                              void* out, int pairs, int k, int hidden, int inter, int pdl, int gdc,
-                                              int settled, int stage_early, void* stream) {
-  const FusedKernel kernel = inter % 128 == 0 ? fused_instance(inter / 128) : nullptr;
-  if (kernel == nullptr || hidden % kFusedDownRows != 0 || hidden > 128 * kMmaWarps * kMmaMaxGroups) {
-    return cudaErrorInvalidValue;
-  }
-  const int blocks = inter / 16 > hidden / kFusedDownRows ? inter / 16 : hidden / kFusedDownRows;
-  return launch_pdl(kernel, dim3(pairs, blocks), dim3(kMmaWarps * kLanes), stream, pdl, x, rows, row_of,
-                    wide_rows, wide_row_of, lookup, gu_codes, gu_scales, gu_zeros, act, weights, bf16_weights,
-                    codes, scales, zeros, partial, counters, sync, shared, gate, gate_stride, out, k, hidden, gdc,
-                    settled, stage_early);
-}
-
-// Blocks of gate_up_down_mma_kernel for I = `inter` the current device holds at once (blocks an SM times its
-// SMs); 0 for an I it has no instance for, or an error.
-extern "C" int spillway_int4_gate_up_down_capacity(int inter) {
-  const FusedKernel kernel = inter % 128 == 0 ? fused_instance(inter / 128) : nullptr;
-  int device = 0, sms = 0, per_sm = 0;
-  if (kernel == nullptr || cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaWarps * kLanes, 0) != cudaSuccess) {
-    return 0;
-  }
-  return per_sm * sms;
 }
