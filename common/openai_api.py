@@ -27,6 +27,7 @@ from common.protocol import SamplingParams
 from common.sampling import MAX_TOP_LOGPROBS
 from common.structured import Unavailable, structure_of
 from common.tokenizer import Tokenizer
+from common.tool_calls import CallForm
 
 MAX_STOP_STRINGS = 4
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -225,8 +226,8 @@ class GenerationSpec:
     """The prompt's images (their files), in its order: the encoder's."""
     tokens_as_ids: bool = False
     """Log-probabilities name tokens `token_id:N` instead of by their text (vLLM's extension)."""
-    tool_tags: tuple[str, str] | None = None
-    """The tags of the function calls to read out of a chat's text (common/tool_calls.py); None: none."""
+    tool_form: CallForm | None = None
+    """How the function calls are read out of a chat's text (common/tool_calls.py); None: none are."""
     n: int = 1
     """Choices to generate."""
     echo: str | None = None

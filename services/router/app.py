@@ -31,7 +31,7 @@ from common.chat_images import ImagePrompting
 from common.metrics import RouterMetrics, new_registry, render, serve
 from common.openai_api import ApiError, GenerationSpec
 from common.tokenizer import Tokenizer
-from common.tool_calls import tool_call_tags
+from common.tool_calls import call_form, tool_call_tags
 from services.router.choices import Choices
 from services.router.config import RouterConfig, model_max_context
 from services.router.core import RouterCore
@@ -145,7 +145,8 @@ class Router:
         forced = "" if tags is None else openai_prompts.forced_call(body, tools, tags)
         sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
         raw = tuple(image.raw for image in images)
-        spec = dataclasses.replace(spec, images=raw, tool_tags=tags, sampling=sampling)
+        form = None if tags is None or tools is None else call_form(tags, tools)
+        spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling)
         return await self._serve(request, [spec], chat=True, received=received)
 
     async def completions(self, request: Request) -> Response:

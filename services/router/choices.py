@@ -84,7 +84,7 @@ class Choice:
         logprobs = None if self.logprobs is None else self.logprobs.render(gen.logprobs)
         if self.calls is None:
             return ChoiceResult(gen.text, gen.finish_reason, logprobs)
-        content, calls = split_tool_calls(gen.text, (self.calls.start, self.calls.end))
+        content, calls = split_tool_calls(gen.text, self.calls.form)
         text = content if content.strip() or not calls else None
         listed = [call.as_openai() for call in calls] or None
         return ChoiceResult(text, _finish(gen.finish_reason, len(calls)), logprobs, listed)
@@ -121,7 +121,7 @@ class Choices:
                 renderer = None
                 if spec.sampling.logprobs is not None:
                     renderer = LogprobText(tokenizer, chat, spec.tokens_as_ids)
-                calls = None if spec.tool_tags is None else ToolCallStream(spec.tool_tags)
+                calls = None if spec.tool_form is None else ToolCallStream(spec.tool_form)
                 self.items.append(Choice(len(self.items), spec, draw, renderer, calls, spec.echo))
         self._later: asyncio.Queue[tuple[Choice, Delta | Exception]] = asyncio.Queue()
         """Every choice's deltas after its first, as they come (or the error that ended it)."""

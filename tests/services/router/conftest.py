@@ -4,7 +4,8 @@ prefill and decode workers, which binds their inboxes and answers `Generate` wit
 The peer picks its behaviour from a tag in the prompt: `[slow]` streams until aborted, `[error]` fails at
 once, `[error-second]` fails the second of a request's choices at once, `[error-mid]` fails after a few
 tokens, `[abort]` is aborted by the worker, `[shuffle]` sends decode's events before prefill's first token;
-`[tool]` gets `TOOL_REPLY`, which calls a function; anything else gets `REPLY` (tokens of the real
+`[tool]` gets `TOOL_REPLY`, which calls a function (`[tool-xml]`: `TOOL_REPLY_XML`, a call in Qwen3-Coder's
+XML form); anything else gets `REPLY` (tokens of the real
 tokenizer) then EOS, with `peer_logprobs` when the request asks for log-probabilities (its prompt's
 tokens' at positions 100 and on).
 """
@@ -39,6 +40,10 @@ REPLY = "Hello from Spillway: café, 日本語 and 🙂 — done."
 TOOL_REPLY = (
     'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
+)
+TOOL_REPLY_XML = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
 )
 EOS = 2
 
@@ -193,7 +198,8 @@ class Peer:
             return iter([(0.0, "prefill", Tokens(rid, [], "error", error="out of KV pages"))])
         if "[slow]" in prompt:
             return self._slow(rid, n_prompt, limit)
-        reply = self.tok.encode(TOOL_REPLY) if "[tool]" in prompt else self.reply_ids
+        tool = TOOL_REPLY_XML if "[tool-xml]" in prompt else TOOL_REPLY if "[tool]" in prompt else None
+        reply = self.reply_ids if tool is None else self.tok.encode(tool)
         ids = [*reply, EOS][:limit]
         finish = "stop" if len(ids) == len(reply) + 1 else "length"
         top, echo = gen.sampling.logprobs, gen.sampling.prompt_logprobs

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from common.tokenizer import Tokenizer
-from tests.services.router.conftest import TOOL_REPLY
+from tests.services.router.conftest import TOOL_REPLY, TOOL_REPLY_XML
 
 TOOLS = [
     {
@@ -57,6 +57,38 @@ def test_streamed_calls_arrive_whole_and_numbered(served: Any) -> None:
         (1, "get_weather", {"city": "Lyon"}),
     ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_in_xml_comes_back_with_its_arguments_typed(served: Any, stream: bool) -> None:
+    """Qwen3-Coder's form (Qwen3.5's templates): the values are bare text, typed by the tool's schema."""
+    properties = {"city": {"type": "string"}, "days": {"type": "integer"}}
+    function = {**TOOLS[0]["function"], "parameters": {"type": "object", "properties": properties}}
+    tools = [{"type": "function", "function": function}]
+    ask = [{"role": "user", "content": "[tool-xml] Weather in Paris?"}]
+    made = client(served).chat.completions.create(model="tiny", messages=ask, tools=tools, stream=stream)
+    if stream:
+        chunks = list(made)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+        calls = [d.function for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        assert made.choices[0].message.content is None
+        calls, finish = (
+            [c.function for c in made.choices[0].message.tool_calls],
+            made.choices[0].finish_reason,
+        )
+    assert [(f.name, json.loads(f.arguments)) for f in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})
+    ]
+    assert finish == "tool_calls"
+    untyped = client(served).chat.completions.create(model="tiny", messages=ask, tools=TOOLS)
+    assert json.loads(untyped.choices[0].message.tool_calls[0].function.arguments) == {
+        "city": "Paris",
+        "days": "3",
+    }
+    plain = client(served).chat.completions.create(model="tiny", messages=ask)
+    assert plain.choices[0].message.content == TOOL_REPLY_XML
 
 
 def test_without_tools_the_text_is_the_text(served: Any) -> None:
