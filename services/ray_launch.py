@@ -16,12 +16,10 @@ Every node needs Spillway installed and the model at the same path.
 from __future__ import annotations
 
 import logging
-import random
-import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from common.ports import free_ports
 from common.transport import Outbox, pair_names
 from services.children import Child, restart_exited, stop_children, worker_argv
 from services.launch import ServeOptions, encoder_argv, router_argv, worker_flags
@@ -29,36 +27,8 @@ from services.launch import ServeOptions, encoder_argv, router_argv, worker_flag
 log = logging.getLogger("launch")
 SUPERVISE_S = 1.0
 """How often the pair hosts and the router are checked."""
-PORTS_FROM = 20000
-"""The lowest port a service inbox takes (below it: well-known and registered services' usual ports)."""
-PORT_TRIES = 100
 CALL_TIMEOUT_S = 30.0
 """A pair host that does not answer a check this long is taken as lost."""
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` now (the service binds it a moment later), below the kernel's ephemeral
-    range: a port the kernel handed out (bind to 0) could meanwhile become the source port of an outgoing
-    connection (this process's own, or Ray's), which then holds it for good."""
-    low = _ephemeral_low()
-    top = low if low > PORTS_FROM + 1024 else 65536  # (an ephemeral range that starts low: any port)
-    for _ in range(PORT_TRIES):
-        port = random.randrange(PORTS_FROM, top)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:  # taken: another
-                continue
-            return port
-    raise RuntimeError(f"no free TCP port on {host} in [{PORTS_FROM}, {top}) after {PORT_TRIES} tries")
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's range for outgoing connections (Linux; else IANA's 49152)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 49152
 
 
 class PairHost:
@@ -70,7 +40,7 @@ class PairHost:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s pair %(levelname)s %(message)s")
         self.host = ray.util.get_node_ip_address()
         names = dict(zip(("prefill", "decode"), pair_names(index), strict=True))
-        self.inboxes = {role: f"tcp://{self.host}:{free_port(self.host)}" for role in names}
+        self.inboxes = {role: f"tcp://{self.host}:{free_ports(1, self.host)}" for role in names}
         self.metrics_urls: dict[str, str] = {}
         peer = {"prefill": "decode", "decode": "prefill"}
         self.children = []
@@ -79,7 +49,7 @@ class PairHost:
                 role, names[role], self.inboxes[role], self.inboxes[peer[role]], router_inbox, flags
             )
             if metrics:
-                port = free_port(self.host)
+                port = free_ports(1, self.host)
                 argv += ["--metrics-port", str(port), "--metrics-host", self.host]
                 self.metrics_urls[names[role]] = f"http://{self.host}:{port}/metrics"
             self.children.append(Child(names[role], argv))
@@ -152,9 +122,9 @@ class RayLauncher:
         if self.gpu and gpus < self.pairs:
             raise ValueError(f"--pairs {self.pairs} needs a GPU a pair; the Ray cluster has {gpus:g}")
         self.host = ray.util.get_node_ip_address()
-        self.router_inbox = f"tcp://{self.host}:{free_port(self.host)}"
+        self.router_inbox = f"tcp://{self.host}:{free_ports(1, self.host)}"
         has_encoder = self.opts.encoder_device is not None
-        self.encoder_inbox = f"tcp://{self.host}:{free_port(self.host)}" if has_encoder else None
+        self.encoder_inbox = f"tcp://{self.host}:{free_ports(1, self.host)}" if has_encoder else None
         self.actors = [self._start_pair(i) for i in range(self.pairs)]
         self.placing = {i: self.actors[i].addresses.remote() for i in range(self.pairs)}
         while not self.stopping and self.placing:
@@ -196,7 +166,7 @@ class RayLauncher:
         """The encoder's command: on this machine, its embeddings in the messages (`--inline`)."""
         argv = [*encoder_argv(self.opts, self.encoder_inbox, self.router_inbox, prefills), "--inline"]
         if self.opts.metrics_port:
-            port = free_port(self.host)
+            port = free_ports(1, self.host)
             argv += ["--metrics-port", str(port), "--metrics-host", self.host]
             metrics["encoder"] = f"http://{self.host}:{port}/metrics"
         return argv

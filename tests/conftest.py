@@ -13,42 +13,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import contextlib
 import json
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from common.ports import free_ports
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports (`serve --metrics-port M` takes M..M+3), below the
-    kernel's ephemeral range: a later free_port() or a worker's outgoing connection cannot land on them."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(100):
-        base = rng.randrange(10_000, low - count)
-        try:
-            with contextlib.ExitStack() as held:
-                for port in range(base, base + count):
-                    s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports below {low}")
+    return free_ports(1)
 
 
 def health(port: int) -> tuple[int, dict]:

@@ -16,7 +16,6 @@ import itertools
 import os
 import queue
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +34,7 @@ from common.protocol import Abort, Generate, Heartbeat, Message, Ready, TokenLog
 from common.tokenizer import Tokenizer
 from common.transport import Inbox, Outbox, ipc_address, make_run_dir
 from services.router import RouterConfig, WorkerPair, create_app
+from tests.conftest import free_port
 
 REPLY = "Hello from Spillway: café, 日本語 and 🙂 — done."
 TOOL_REPLY = (
@@ -231,12 +231,6 @@ class Peer:
         for i, token in zip(range(limit), itertools.cycle(self.reply_ids), strict=False):
             finish = "length" if i + 1 == limit else None
             yield 0.02, "decode", Tokens(rid, [token], finish, prompt_tokens=n_prompt, index=i)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
