@@ -7,6 +7,7 @@ time, exposed time (what it adds to the step: `exposed`) and count, largest firs
 pooled as `aten`).
 
     python -m bench.trace_summary FILE.trace.json[.gz] [--head 512x8] [--rows 30] [--by-grid]
+    python -m bench.trace_summary FILE.trace.json[.gz] --between   # what runs between two steps
 """
 
 from __future__ import annotations
@@ -94,14 +95,41 @@ def summary(events: list[dict], head: str = "512x8", rows: int = 30, by_grid: bo
     return "\n".join(lines)
 
 
+def between(events: list[dict], head: str = "512x8") -> str:
+    """What lies between each LM head and the next whole step's first kernel (the kernels outside the
+    recorded step: sampling; and the idle gap before the next step), as text: per kernel its start after the
+    head's end, the idle time before it and its duration, µs, and its name (torch's not pooled)."""
+    cut = steps(events, head)
+    if not cut:
+        return f"no two kernels named like {head!r}: no whole step"
+    heads = [i for i, e in enumerate(events) if head in e["name"]]
+    lines = []
+    for n, (a, step) in enumerate(zip(heads, cut, strict=False)):
+        end = start = events[a]["ts"] + events[a]["dur"]
+        lines.append(f"after LM head {n}: the next step starts {step[0]['ts'] - start:.1f} us after its end")
+        for e in events[a + 1 : events.index(step[0]) + 1]:
+            lines.append(
+                f"  at +{e['ts'] - start:8.1f} idle {max(0.0, e['ts'] - end):7.1f} dur {e['dur']:7.1f}  "
+                f"{e['name'][:60]}" + ("  (the step's first)" if e is step[0] else "")
+            )
+            end = max(end, e["ts"] + e["dur"])
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace", type=Path)
     ap.add_argument("--head", default="512x8", help="a substring of the LM head GEMM's kernel name")
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--by-grid", action="store_true", help="a row per kernel and launch grid")
+    ap.add_argument(
+        "--between",
+        action="store_true",
+        help="instead: the kernels and idle time between a step and the next",
+    )
     args = ap.parse_args()
-    print(summary(kernels(args.trace), args.head, args.rows, args.by_grid))
+    events = kernels(args.trace)
+    print(between(events, args.head) if args.between else summary(events, args.head, args.rows, args.by_grid))
 
 
 if __name__ == "__main__":

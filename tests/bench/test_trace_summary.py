@@ -2,7 +2,7 @@ import gzip
 import json
 from pathlib import Path
 
-from bench.trace_summary import exposed, kernels, summary
+from bench.trace_summary import between, exposed, kernels, summary
 
 
 def _trace(path: Path) -> Path:
@@ -68,3 +68,11 @@ def test_by_grid_parts_one_kernel_by_its_launches() -> None:
     ]
     assert set(exposed(events, by_grid=True)[0]) == {"_gemv_kernel [515, 1, 1]", "_gemv_kernel [80, 7, 1]"}
     assert exposed(events)[0] == {"_gemv_kernel": 14.0}
+
+
+def test_between_steps_lists_the_kernels_after_the_head_and_the_idle_gap(tmp_path: Path) -> None:
+    text = between(kernels(_trace(tmp_path / "t.trace.json.gz"))).splitlines()
+    assert len(text) == 4  # two steps, each: the head's line and the step's first kernel (nothing between)
+    assert text[0] == "after LM head 0: the next step starts 5000.0 us after its end"
+    first = "void at::native::vectorized_elementwise_kernel<4>  (the step's first)"
+    assert text[1] == f"  at +  5000.0 idle  5000.0 dur     2.0  {first}"
