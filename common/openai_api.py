@@ -24,6 +24,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from common.protocol import SamplingParams
+from common.reasoning import ReasoningForm
 from common.sampling import MAX_TOP_LOGPROBS
 from common.structured import Unavailable, structure_of
 from common.tokenizer import Tokenizer
@@ -228,6 +229,8 @@ class GenerationSpec:
     """Log-probabilities name tokens `token_id:N` instead of by their text (vLLM's extension)."""
     tool_form: CallForm | None = None
     """How the function calls are read out of a chat's text (common/tool_calls.py); None: none are."""
+    reasoning: ReasoningForm | None = None
+    """How a chat's reasoning is read apart from its content (common/reasoning.py); None: it is not."""
     n: int = 1
     """Choices to generate."""
     echo: str | None = None

@@ -30,6 +30,7 @@ from common import openai_prompts
 from common.chat_images import ImagePrompting
 from common.metrics import RouterMetrics, new_registry, render, serve
 from common.openai_api import ApiError, GenerationSpec
+from common.reasoning import reasoning_form, reasoning_tags
 from common.tokenizer import Tokenizer
 from common.tool_calls import call_form, tool_call_tags
 from services.router.choices import Choices
@@ -110,6 +111,7 @@ class Router:
         self.prompting = ImagePrompting.from_model_dir(config.model_dir, tokenizer) if encoder else None
         """How chats' images become prompt tokens (None: no encoder runs; an image is a 400)."""
         self.tool_tags = tool_call_tags(tokenizer)
+        self.reasoning_tags = reasoning_tags(tokenizer)
         """How the model's function calls are read from its text (None: its template asks for none)."""
 
     @property
@@ -146,7 +148,9 @@ class Router:
         sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
         raw = tuple(image.raw for image in images)
         form = None if tags is None or tools is None else call_form(tags, tools)
-        spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling)
+        thinks = self.reasoning_tags
+        reasoning = None if thinks is None else reasoning_form(thinks, self.tokenizer, prompt_ids)
+        spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
         return await self._serve(request, [spec], chat=True, received=received)
 
     async def completions(self, request: Request) -> Response:
@@ -227,7 +231,9 @@ class Router:
                 if choice.echo is not None:
                     yield builder.text_chunk(*choice.echoed(), choice.index)
             async for choice, delta in choices.deltas():
-                content, calls, finish = choice.streamed(delta)
+                reasoning, content, calls, finish = choice.streamed(delta)
+                if reasoning:
+                    yield builder.reasoning_chunk(reasoning, choice.index)
                 if content or (choice.logprobs is not None and delta.logprobs):
                     yield builder.text_chunk(content, choice.rendered(delta), choice.index)
                 for k, call in enumerate(calls):  # numbered within the choice

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from common.openai_api import INT64_MIN, GenerationSpec
+from common.reasoning import ReasoningStream, split_reasoning
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from common.tool_calls import ToolCall, ToolCallStream, split_tool_calls
@@ -43,6 +44,8 @@ class Choice:
     calls: ToolCallStream | None
     echo: str | None = None
     """A text completion's prompt, echoed before its text."""
+    reasoning: ReasoningStream | None = None
+    """The reader of its reasoning (None: the model's template has none)."""
     first: asyncio.Future[Delta] = field(default_factory=asyncio.Future)
     gen: TextGeneration | None = None
 
@@ -58,16 +61,22 @@ class Choice:
         """`delta`'s log-probabilities as a chunk carries them, None when the request asked for none."""
         return None if self.logprobs is None else self.logprobs.render(delta.logprobs)
 
-    def streamed(self, delta: Delta) -> tuple[str, list[ToolCall], str | None]:
-        """`delta` as a stream shows it: its content (less any function calls), the calls it completes,
-        and its finish reason ("tool_calls" for a choice that called any and stopped)."""
+    def streamed(self, delta: Delta) -> tuple[str, str, list[ToolCall], str | None]:
+        """`delta` as a stream shows it: its reasoning, its content (less any function calls), the calls it
+        completes, and its finish reason ("tool_calls" for a choice that called any and stopped)."""
+        reasoning, text, done = "", delta.text, delta.finish_reason is not None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.push(text)
+            if done:
+                more, rest = self.reasoning.flush()
+                reasoning, text = reasoning + more, text + rest
         if self.calls is None:
-            return delta.text, [], delta.finish_reason
-        content, calls = self.calls.push(delta.text)
-        if delta.finish_reason is None:
-            return content, calls, None
+            return reasoning, text, [], delta.finish_reason
+        content, calls = self.calls.push(text)
+        if not done:
+            return reasoning, content, calls, None
         content += self.calls.flush()
-        return content, calls, _finish(delta.finish_reason, self.calls.calls)
+        return reasoning, content, calls, _finish(delta.finish_reason, self.calls.calls)
 
     def result(self) -> ChoiceResult:
         """The finished choice's text (less its calls), finish reason, log-probabilities and calls."""
@@ -82,12 +91,16 @@ class Choice:
                 text + gen.text, gen.finish_reason, {k: v + generated[k] for k, v in echoed.items()}
             )
         logprobs = None if self.logprobs is None else self.logprobs.render(gen.logprobs)
+        reasoning, text = None, gen.text
+        if self.reasoning is not None:
+            reasoning, text = split_reasoning(text, self.reasoning.form)
         if self.calls is None:
-            return ChoiceResult(gen.text, gen.finish_reason, logprobs)
-        content, calls = split_tool_calls(gen.text, self.calls.form)
-        text = content if content.strip() or not calls else None
+            return ChoiceResult(text, gen.finish_reason, logprobs, reasoning=reasoning)
+        content, calls = split_tool_calls(text, self.calls.form)
+        message = content if content.strip() or not calls else None
         listed = [call.as_openai() for call in calls] or None
-        return ChoiceResult(text, _finish(gen.finish_reason, len(calls)), logprobs, listed)
+        finish = _finish(gen.finish_reason, len(calls))
+        return ChoiceResult(message, finish, logprobs, listed, reasoning)
 
 
 def _sampling(choice: Choice) -> SamplingParams:
@@ -122,7 +135,8 @@ class Choices:
                 if spec.sampling.logprobs is not None:
                     renderer = LogprobText(tokenizer, chat, spec.tokens_as_ids)
                 calls = None if spec.tool_form is None else ToolCallStream(spec.tool_form)
-                self.items.append(Choice(len(self.items), spec, draw, renderer, calls, spec.echo))
+                reasoning = None if spec.reasoning is None else ReasoningStream(spec.reasoning)
+                self.items.append(Choice(len(self.items), spec, draw, renderer, calls, spec.echo, reasoning))
         self._later: asyncio.Queue[tuple[Choice, Delta | Exception]] = asyncio.Queue()
         """Every choice's deltas after its first, as they come (or the error that ended it)."""
         self._tasks: list[asyncio.Future[None]] = []

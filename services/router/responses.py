@@ -31,12 +31,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 @dataclass(frozen=True)
 class ChoiceResult:
     """What a finished choice says: its text (None: a chat message of calls alone), finish reason,
-    log-probabilities (services/router/logprobs.py) and function calls (OpenAI's `tool_calls` entries)."""
+    log-probabilities (services/router/logprobs.py), function calls (OpenAI's `tool_calls` entries) and
+    reasoning (a chat message's `reasoning_content`; None: it has none)."""
 
     text: str | None
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class ResponseBuilder:
         for index, result in enumerate(choices):
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": result.text}
+                if result.reasoning is not None:
+                    message["reasoning_content"] = result.reasoning
                 if result.tool_calls:
                     message["tool_calls"] = result.tool_calls
                 choice: dict[str, Any] = {"index": index, "message": message}
@@ -84,6 +88,10 @@ class ResponseBuilder:
 
     def text_chunk(self, text: str, logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
         return self._chunk(index, {"content": text} if self.chat else text, None, logprobs)
+
+    def reasoning_chunk(self, text: str, index: int = 0) -> bytes:
+        """A chat choice's reasoning (`reasoning_content`), as it streams."""
+        return self._chunk(index, {"reasoning_content": text}, None)
 
     def tool_call_chunk(self, call: dict[str, Any], call_index: int, index: int = 0) -> bytes:
         """A chat choice's function call, whole in one chunk (`call`: an OpenAI `tool_calls` entry)."""

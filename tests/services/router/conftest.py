@@ -5,7 +5,8 @@ The peer picks its behaviour from a tag in the prompt: `[slow]` streams until ab
 once, `[error-second]` fails the second of a request's choices at once, `[error-mid]` fails after a few
 tokens, `[abort]` is aborted by the worker, `[shuffle]` sends decode's events before prefill's first token;
 `[tool]` gets `TOOL_REPLY`, which calls a function (`[tool-xml]`: `TOOL_REPLY_XML`, a call in Qwen3-Coder's
-XML form); anything else gets `REPLY` (tokens of the real
+XML form; `[think]` `THINK_REPLY` and `[think-tool]` `THINK_TOOL_REPLY`, the end of a reasoning block the
+prompt opened, then an answer or a call); anything else gets `REPLY` (tokens of the real
 tokenizer) then EOS, with `peer_logprobs` when the request asks for log-probabilities (its prompt's
 tokens' at positions 100 and on).
 """
@@ -40,6 +41,11 @@ REPLY = "Hello from Spillway: café, 日本語 and 🙂 — done."
 TOOL_REPLY = (
     'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
+)
+THINK_REPLY = "Two and two make four.\n</think>\n\nIt is 4."
+THINK_TOOL_REPLY = (
+    "A call, then.</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 )
 TOOL_REPLY_XML = (
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
@@ -198,8 +204,10 @@ class Peer:
             return iter([(0.0, "prefill", Tokens(rid, [], "error", error="out of KV pages"))])
         if "[slow]" in prompt:
             return self._slow(rid, n_prompt, limit)
-        tool = TOOL_REPLY_XML if "[tool-xml]" in prompt else TOOL_REPLY if "[tool]" in prompt else None
-        reply = self.reply_ids if tool is None else self.tok.encode(tool)
+        scripted = {"[tool-xml]": TOOL_REPLY_XML, "[tool]": TOOL_REPLY, "[think-tool]": THINK_TOOL_REPLY}
+        scripted["[think]"] = THINK_REPLY
+        text = next((reply for mark, reply in scripted.items() if mark in prompt), None)
+        reply = self.reply_ids if text is None else self.tok.encode(text)
         ids = [*reply, EOS][:limit]
         finish = "stop" if len(ids) == len(reply) + 1 else "length"
         top, echo = gen.sampling.logprobs, gen.sampling.prompt_logprobs

@@ -1,0 +1,105 @@
+"""A reasoning model's thinking through the router: where the chat template has a <think> block, the
+answer's reasoning comes back as `reasoning_content` (streamed as deltas of it), apart from the content and
+any function calls; with `enable_thinking` false the template closes the block in the prompt and the text is
+all content."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from common.model.defaults import default_model_dir
+from common.model.synthetic_tokenizer import CHAT_TEMPLATE
+from tests.services.router.conftest import THINK_REPLY, serve_router
+
+GENERATION_PROMPT = "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n"
+# Qwen3's way: the generation prompt opens the block, or with enable_thinking false holds it empty.
+THINKING = (
+    "{%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "    {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "{%- else %}\n"
+    "    {{- '<think>\\n' }}\n"
+    "{%- endif %}\n"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A router serving the tiny model with a template that has a reasoning block."""
+    assert GENERATION_PROMPT in CHAT_TEMPLATE
+    model = tmp_path_factory.mktemp("thinking")
+    for file in default_model_dir().iterdir():
+        if file.name != "tokenizer_config.json":
+            (model / file.name).symlink_to(file)
+    config = json.loads((default_model_dir() / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE.replace(GENERATION_PROMPT, GENERATION_PROMPT + THINKING)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with serve_router(model_dir=model) as served:
+        yield served
+    shutil.rmtree(model, ignore_errors=True)
+
+
+def _client(served: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def _ask(mark: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{mark} What is 2 + 2?"}]
+
+
+def test_the_reasoning_comes_apart_from_the_answer(thinking: Any) -> None:
+    out = _client(thinking).chat.completions.create(model="tiny", messages=_ask("[think]"))
+    message = out.choices[0].message
+    assert message.content == "It is 4." and out.choices[0].finish_reason == "stop"
+    assert message.model_extra["reasoning_content"] == "Two and two make four.\n"
+
+
+def test_streamed_reasoning_comes_as_its_own_deltas(thinking: Any) -> None:
+    chunks = list(
+        _client(thinking).chat.completions.create(model="tiny", messages=_ask("[think]"), stream=True)
+    )
+    deltas = [c.choices[0].delta for c in chunks]
+    assert (
+        "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+        == "Two and two make four.\n"
+    )
+    assert "".join(d.content or "" for d in deltas) == "It is 4."
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_without_thinking_the_text_is_the_content(thinking: Any) -> None:
+    out = _client(thinking).chat.completions.create(
+        model="tiny",
+        messages=_ask("[think]"),
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert out.choices[0].message.content == THINK_REPLY
+    assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_after_the_reasoning_is_a_call(thinking: Any, stream: bool) -> None:
+    made = _client(thinking).chat.completions.create(
+        model="tiny", messages=_ask("[think-tool]"), tools=TOOLS, stream=stream
+    )
+    if stream:
+        deltas = [c.choices[0].delta for c in made]
+        reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+        calls = [t.function for d in deltas for t in d.tool_calls or []]
+        content = "".join(d.content or "" for d in deltas) or None
+    else:
+        message = made.choices[0].message
+        reasoning, calls, content = (
+            message.model_extra["reasoning_content"],
+            message.tool_calls,
+            message.content,
+        )
+        calls = [c.function for c in calls]
+    assert reasoning == "A call, then." and content is None
+    assert [(f.name, json.loads(f.arguments)) for f in calls] == [("get_weather", {"city": "Oslo"})]
