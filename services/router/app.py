@@ -148,8 +148,11 @@ class Router:
         sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
         raw = tuple(image.raw for image in images)
         form = None if tags is None or tools is None else call_form(tags, tools)
-        thinks = self.reasoning_tags
-        reasoning = None if thinks is None else reasoning_form(thinks, self.tokenizer, prompt_ids)
+        thinks = self.reasoning_tags  # a structured answer's grammar holds from its first token: no reasoning
+        structured = bool(sampling.structure)
+        reasoning = (
+            None if thinks is None or structured else reasoning_form(thinks, self.tokenizer, prompt_ids)
+        )
         spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
         return await self._serve(request, [spec], chat=True, received=received)
 

@@ -103,3 +103,12 @@ def test_a_call_after_the_reasoning_is_a_call(thinking: Any, stream: bool) -> No
         calls = [c.function for c in calls]
     assert reasoning == "A call, then." and content is None
     assert [(f.name, json.loads(f.arguments)) for f in calls] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_a_structured_answer_is_all_content(thinking: Any) -> None:
+    """A grammar holds the answer from its first token (here a forced call's): no reasoning is read."""
+    out = _client(thinking).chat.completions.create(
+        model="tiny", messages=_ask("[think]"), tools=TOOLS, tool_choice="required"
+    )
+    assert out.choices[0].message.content == THINK_REPLY
+    assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
