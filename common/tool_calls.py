@@ -81,8 +81,32 @@ def tool_call_tags(tokenizer: Tokenizer) -> tuple[str, str] | None:
     return HERMES_TAGS if any(HERMES_TAGS[0] in source for source in sources) else None
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call, as OpenAI's `tool_calls` delta entry: the first names the call (`id`,
+    `name`), the rest carry more of its arguments' text."""
+
+    index: int
+    """The call's number in its choice."""
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+    def as_openai(self) -> dict:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"index": self.index, "id": self.id, "type": "function", "function": function}
+
+
 class ToolCallStream:
-    """Splits streamed text into content and calls (`push` each piece, `flush` at the end)."""
+    """Splits streamed text into content and calls (`push` each piece, `flush` at the end).
+
+    A call streams as it is written where its form allows: its name as soon as a block opens with it (the
+    JSON form's `{"name": ..., "arguments": {` or the XML form's `<function=NAME>`), then its arguments'
+    text (the JSON form's as written, up to the object's end; the XML form's a parameter at a time). Such a
+    call is a call even if the rest of its block turns out malformed (what was sent cannot be taken back;
+    its arguments are what was written); any other block is read whole once it closes."""
 
     def __init__(self, form: CallForm | None = None) -> None:
         self.form = form or CallForm()
@@ -92,31 +116,35 @@ class ToolCallStream:
         self._open = False
         self._after_call = False
         """A call just closed: whitespace is held until text that is not a block follows."""
-        self.calls = 0
-        """Calls returned so far."""
+        self._live: _LiveCall | None = None
+        """The open block's call, once its name is known."""
+        self._tried = False
+        """The open block's beginning was read and names no call to stream: it is read whole at its end."""
+        self.calls: list[ToolCall] = []
+        """The calls so far."""
 
-    def push(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Add `text`; the content and the calls that became final."""
-        buffer, content, calls = self._held + text, "", []
+    def push(self, text: str) -> tuple[str, list[CallDelta]]:
+        """Add `text`; the content and the pieces of calls now known."""
+        buffer, content, deltas = self._held + text, "", []
         while True:
             if self._open:
                 at = buffer.find(self.end)
                 if at < 0:
                     self._held = buffer
-                    return content, calls
+                    deltas += self._stream(buffer[: len(buffer) - partial_suffix(buffer, [self.end])])
+                    return content, deltas
                 block, buffer = buffer[:at], buffer[at + len(self.end) :]
-                call = self._parse(block)
-                if call is None:
+                deltas += self._stream(block)
+                made = self._close(block, deltas)
+                if not made:
                     content += self.start + block + self.end
-                else:
-                    calls.append(call)
-                self._open, self._after_call = False, call is not None
+                self._open, self._after_call = False, made
                 continue
             if self._after_call:
                 rest = buffer.lstrip()
                 if not rest or self.start.startswith(rest):  # only whitespace yet, or a tag's beginning
                     self._held = buffer
-                    return content, calls
+                    return content, deltas
                 self._after_call = False
                 if rest.startswith(self.start):
                     buffer = rest
@@ -124,33 +152,195 @@ class ToolCallStream:
             if at < 0:
                 keep = partial_suffix(buffer, [self.start])
                 self._held = buffer[len(buffer) - keep :]
-                return content + buffer[: len(buffer) - keep], calls
+                return content + buffer[: len(buffer) - keep], deltas
             content += buffer[:at]
             buffer = buffer[at + len(self.start) :]
-            self._open = True
+            self._open, self._tried = True, False
 
-    def flush(self) -> str:
-        """At the end of the text: what is still held, as content (an unclosed block as written)."""
+    def flush(self) -> tuple[str, list[CallDelta]]:
+        """At the end of the text: what is still held, as content (an unclosed block as written, unless its
+        call was streamed: that call ends there), and the last pieces of calls."""
         held, self._held = self._held, ""
-        if self._open:
-            self._open = False
-            return self.start + held
-        return held.lstrip() if self._after_call else held
+        if not self._open:
+            return (held.lstrip() if self._after_call else held), []
+        self._open, deltas = False, self._stream(held)
+        if self._live is not None:
+            self._close(held, deltas)
+            return "", deltas
+        return self.start + held, []
 
-    def _parse(self, block: str) -> ToolCall | None:
+    def _stream(self, block: str) -> list[CallDelta]:
+        """The pieces the open block's text so far (`block`, a prefix of the whole) adds to its call."""
+        deltas = []
+        if self._live is None and not self._tried:
+            self._live, self._tried = _LiveCall.start(block, len(self.calls), self.form.types)
+            if self._live is not None:
+                live = self._live
+                deltas.append(CallDelta(live.index, "", live.id, live.name))
+        if self._live is not None:
+            more = self._live.read(block)
+            if more:
+                deltas.append(CallDelta(self._live.index, more))
+        return deltas
+
+    def _close(self, block: str, deltas: list[CallDelta]) -> bool:
+        """End the open block (its whole text `block`): its call, if it makes one, with the pieces that
+        complete it added to `deltas`."""
+        live, self._live = self._live, None
+        if live is not None:
+            rest = live.ending()
+            if rest:
+                deltas.append(CallDelta(live.index, rest))
+            self.calls.append(ToolCall(live.name, live.sent, live.id))
+            return True
         read = _json_call(block) or _xml_call(block, self.form.types)
         if read is None:
-            return None
-        self.calls += 1
-        name, arguments = read
-        return ToolCall(name, arguments, f"call_{uuid.uuid4().hex[:24]}")
+            return False
+        call = ToolCall(*read, _call_id())
+        deltas.append(CallDelta(len(self.calls), call.arguments, call.id, call.name))
+        self.calls.append(call)
+        return True
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+_JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_XML_HEAD = re.compile(r"\s*<function=([^>\n]+)>")
+
+
+@dataclass
+class _LiveCall:
+    """A call streamed as its block is written: its arguments' text read from each longer prefix of the
+    block (`read`), what has been sent of it (`sent`)."""
+
+    index: int
+    id: str
+    name: str
+    begin: int
+    """Where the arguments start in the block."""
+    xml: bool
+    types: Mapping[str, tuple[str, ...]]
+    sent: str = ""
+    at: int = 0
+    """JSON: how far the object's scan has read; its depth, and whether inside a string or an escape."""
+    depth: int = 0
+    quoted: bool = False
+    escaped: bool = False
+    closed: bool = False
+    """JSON: the object ended; XML: the function's closing tag came."""
+
+    @staticmethod
+    def start(block: str, index: int, types: Mapping) -> tuple[_LiveCall | None, bool]:
+        """The call a block's beginning names, if it streams (None: not yet, or never), and whether that is
+        settled (a beginning that cannot grow into a call's head never will)."""
+        head = _XML_HEAD.match(block)
+        if head is not None and head.group(1).strip():
+            name = head.group(1).strip()
+            return _LiveCall(index, _call_id(), name, head.end(), True, types.get(name, {})), True
+        head = _JSON_HEAD.match(block)
+        if head is None or len(block) == head.end():  # no head yet, or its arguments' first character
+            return None, not (_json_head_possible(block) or _xml_head_possible(block))
+        if block[head.end()] != "{":  # arguments as a JSON string (or not an object): read whole at the end
+            return None, True
+        name = json.loads(f'"{head.group(1)}"')
+        return _LiveCall(index, _call_id(), name, head.end(), False, {}, at=head.end()), True
+
+    def read(self, block: str) -> str:
+        """More of the arguments' text, from the block's text so far (nothing once they are closed)."""
+        if self.closed:
+            return ""
+        text = self._xml_text(block) if self.xml else self._json_text(block)
+        more, self.sent = text[len(self.sent) :], text
+        return more
+
+    def ending(self) -> str:
+        """The text that completes the arguments at the block's end (an XML object's closing brace)."""
+        if not self.xml or self.closed:
+            return ""
+        more = "}" if self.sent else "{}"
+        self.sent += more
+        return more
+
+    def _json_text(self, block: str) -> str:
+        for i in range(self.at, len(block)):
+            if self.closed:
+                break
+            c = block[i]
+            if self.escaped:
+                self.escaped = False
+            elif self.quoted:
+                self.escaped, self.quoted = c == "\\", c != '"'
+            elif c == '"':
+                self.quoted = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                self.closed = self.depth == 0
+            self.at = i + 1
+        return block[self.begin : self.at]
+
+    def _xml_text(self, block: str) -> str:
+        body = block[self.begin :]
+        params = [
+            json.dumps(m.group(1).strip(), ensure_ascii=False)
+            + ": "
+            + json.dumps(
+                _typed(_bare(m.group(2)), self.types.get(m.group(1).strip(), ())), ensure_ascii=False
+            )
+            for m in _PARAMETER.finditer(body)
+        ]
+        self.closed = "</function>" in body
+        text = "{" + ", ".join(params) if params else ""
+        if self.closed:
+            text = text + "}" if params else "{}"
+        return text
+
+
+def _json_head_possible(block: str) -> bool:
+    """Whether more text could still make `block` open as `{"name": "...", "arguments": `."""
+    rest = block.lstrip()
+    for part in ("{", '"name"', ":"):
+        if len(rest) < len(part):
+            return part.startswith(rest)
+        if not rest.startswith(part):
+            return False
+        rest = rest[len(part) :].lstrip()
+    name = re.match(r'"(?:[^"\\]|\\.)*("?)', rest)
+    if name is None:
+        return not rest
+    if not name.group(1):  # the name still open
+        return True
+    rest = rest[name.end() :].lstrip()
+    if not rest or not rest.startswith(","):
+        return not rest
+    rest = rest[1:].lstrip()
+    for key in ('"arguments"', '"parameters"'):
+        if len(rest) < len(key) and key.startswith(rest):
+            return True
+        if rest.startswith(key):
+            after = rest[len(key) :].lstrip()
+            return not after or after.startswith(":")
+    return False
+
+
+def _xml_head_possible(block: str) -> bool:
+    """Whether more text could still make `block` open as `<function=NAME>`."""
+    rest = block.lstrip()
+    tag = "<function="
+    if len(rest) <= len(tag):
+        return tag.startswith(rest)
+    return rest.startswith(tag) and ">" not in rest and "\n" not in rest
 
 
 def split_tool_calls(text: str, form: CallForm | None = None) -> tuple[str, list[ToolCall]]:
     """A whole text's content and calls."""
     stream = ToolCallStream(form)
-    content, calls = stream.push(text)
-    return content + stream.flush(), calls
+    content, _ = stream.push(text)
+    rest, _ = stream.flush()
+    return content + rest, stream.calls
 
 
 def _json_call(block: str) -> tuple[str, str] | None:

@@ -239,9 +239,8 @@ class Router:
                     yield builder.reasoning_chunk(reasoning, choice.index)
                 if content or (choice.logprobs is not None and delta.logprobs):
                     yield builder.text_chunk(content, choice.rendered(delta), choice.index)
-                for k, call in enumerate(calls):  # numbered within the choice
-                    number = choice.calls.calls - len(calls) + k
-                    yield builder.tool_call_chunk(call.as_openai(), number, choice.index)
+                for piece in calls:
+                    yield builder.tool_call_chunk(piece.as_openai(), choice.index)
                 if finish is not None:
                     yield builder.finish_chunk(finish, choice.index)
             if builder.include_usage:

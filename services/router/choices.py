@@ -23,7 +23,7 @@ from common.openai_api import INT64_MIN, GenerationSpec
 from common.reasoning import ReasoningStream, split_reasoning
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from common.tool_calls import ToolCall, ToolCallStream, split_tool_calls
+from common.tool_calls import CallDelta, ToolCallStream, split_tool_calls
 from services.router.core import RouterCore
 from services.router.generation import Delta, TextGeneration
 from services.router.logprobs import LogprobText
@@ -61,9 +61,9 @@ class Choice:
         """`delta`'s log-probabilities as a chunk carries them, None when the request asked for none."""
         return None if self.logprobs is None else self.logprobs.render(delta.logprobs)
 
-    def streamed(self, delta: Delta) -> tuple[str, str, list[ToolCall], str | None]:
-        """`delta` as a stream shows it: its reasoning, its content (less any function calls), the calls it
-        completes, and its finish reason ("tool_calls" for a choice that called any and stopped)."""
+    def streamed(self, delta: Delta) -> tuple[str, str, list[CallDelta], str | None]:
+        """`delta` as a stream shows it: its reasoning, its content (less any function calls), the pieces of
+        calls it writes, and its finish reason ("tool_calls" for a choice that called any and stopped)."""
         reasoning, text, done = "", delta.text, delta.finish_reason is not None
         if self.reasoning is not None:
             reasoning, text = self.reasoning.push(text)
@@ -72,11 +72,11 @@ class Choice:
                 reasoning, text = reasoning + more, text + rest
         if self.calls is None:
             return reasoning, text, [], delta.finish_reason
-        content, calls = self.calls.push(text)
+        content, pieces = self.calls.push(text)
         if not done:
-            return reasoning, content, calls, None
-        content += self.calls.flush()
-        return reasoning, content, calls, _finish(delta.finish_reason, self.calls.calls)
+            return reasoning, content, pieces, None
+        rest, last = self.calls.flush()
+        return reasoning, content + rest, pieces + last, _finish(delta.finish_reason, len(self.calls.calls))
 
     def result(self) -> ChoiceResult:
         """The finished choice's text (less its calls), finish reason, log-probabilities and calls."""

@@ -93,9 +93,10 @@ class ResponseBuilder:
         """A chat choice's reasoning (`reasoning_content`), as it streams."""
         return self._chunk(index, {"reasoning_content": text}, None)
 
-    def tool_call_chunk(self, call: dict[str, Any], call_index: int, index: int = 0) -> bytes:
-        """A chat choice's function call, whole in one chunk (`call`: an OpenAI `tool_calls` entry)."""
-        return self._chunk(index, {"tool_calls": [{"index": call_index, **call}]}, None)
+    def tool_call_chunk(self, piece: dict[str, Any], index: int = 0) -> bytes:
+        """A piece of a chat choice's function call (`piece`: an OpenAI `tool_calls` delta entry, its
+        `index` the call's number in the choice)."""
+        return self._chunk(index, {"tool_calls": [piece]}, None)
 
     def finish_chunk(self, finish_reason: str, index: int = 0) -> bytes:
         return self._chunk(index, {} if self.chat else "", finish_reason)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -283,6 +284,23 @@ def serve_router(peer_ready: bool = True, **overrides: Any) -> Iterator[Served]:
         thread.join(timeout=10)
         peer.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def streamed_calls(chunks: list[Any]) -> list[SimpleNamespace]:
+    """The function calls a stream's chunks (the openai client's) write, assembled from their pieces: each
+    call's first piece names it (id, name), the rest add to its arguments; in the order they are numbered."""
+    calls: list[SimpleNamespace] = []
+    for chunk in chunks:
+        for piece in chunk.choices[0].delta.tool_calls or []:
+            if piece.id is not None:
+                assert piece.index == len(calls) and piece.function.name
+                calls.append(
+                    SimpleNamespace(id=piece.id, index=piece.index, name=piece.function.name, arguments="")
+                )
+            else:
+                assert piece.function.name is None and piece.index == len(calls) - 1
+            calls[piece.index].arguments += piece.function.arguments or ""
+    return calls
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 5.0) -> Any:

@@ -15,7 +15,7 @@ import pytest
 
 from common.model.defaults import default_model_dir
 from common.model.synthetic_tokenizer import CHAT_TEMPLATE
-from tests.services.router.conftest import THINK_REPLY, serve_router
+from tests.services.router.conftest import THINK_REPLY, serve_router, streamed_calls
 
 GENERATION_PROMPT = "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n"
 # Qwen3's way: the generation prompt opens the block, or with enable_thinking false holds it empty.
@@ -89,9 +89,10 @@ def test_a_call_after_the_reasoning_is_a_call(thinking: Any, stream: bool) -> No
         model="tiny", messages=_ask("[think-tool]"), tools=TOOLS, stream=stream
     )
     if stream:
-        deltas = [c.choices[0].delta for c in made]
+        chunks = list(made)
+        deltas = [c.choices[0].delta for c in chunks]
         reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
-        calls = [t.function for d in deltas for t in d.tool_calls or []]
+        calls = streamed_calls(chunks)
         content = "".join(d.content or "" for d in deltas) or None
     else:
         message = made.choices[0].message
