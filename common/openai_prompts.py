@@ -108,6 +108,45 @@ def chat_prompt_ids(
     generation prompt), and the images of their `image_url` parts, each image's tokens in the prompt
     (`prompting`: how the model takes images; None: a 400 for any image)."""
     images: list[ChatImage] = []
+    ids = _render(request, tokenizer, prompting, tools, images, generation_prompt=True, tokenize=True)
+    assert isinstance(ids, list)
+    if not images:
+        return ids, images
+    try:
+        return prompting.expand(ids, images), images
+    except ValueError as exc:
+        raise bad_request(f"The images do not fit the prompt: {exc}", param="messages") from None
+
+
+def generation_prompt(
+    request: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    prompting: ImagePrompting | None = None,
+    tools: list[JsonValue] | None = None,
+) -> str:
+    """The text the chat template's generation prompt adds after the messages (e.g. Qwen3's
+    `<|im_start|>assistant\n<think>\n`): the prompt rendered with it less the prompt rendered without it
+    ("" where the one does not start with the other). Only that text says how the answer starts: a tag in
+    the messages is the conversation's."""
+    full, bare = (
+        _render(request, tokenizer, prompting, tools, [], generation_prompt=flag, tokenize=False)
+        for flag in (True, False)
+    )
+    assert isinstance(full, str) and isinstance(bare, str)
+    return full[len(bare) :] if full.startswith(bare) else ""
+
+
+def _render(
+    request: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    prompting: ImagePrompting | None,
+    tools: list[JsonValue] | None,
+    images: list[ChatImage],
+    generation_prompt: bool,
+    tokenize: bool,
+) -> str | list[int]:
+    """The chat template applied to the request's messages (its images' parts collected in `images`); a
+    400 for what the template cannot render."""
     messages = [_template_message(i, m, prompting, images) for i, m in enumerate(request.messages)]
     kwargs = dict(request.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
@@ -116,7 +155,9 @@ def chat_prompt_ids(
     if tools is not None:
         kwargs["tools"] = tools
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=tokenize, **kwargs
+        )
     except jinja2.TemplateError as exc:
         raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from None
     except ValueError as exc:  # no chat template
@@ -125,13 +166,6 @@ def chat_prompt_ids(
     except Exception as exc:
         message = f"The chat template could not render the messages: {type(exc).__name__}: {exc}"
         raise bad_request(message, param="messages") from None
-    assert isinstance(ids, list)
-    if not images:
-        return ids, images
-    try:
-        return prompting.expand(ids, images), images
-    except ValueError as exc:
-        raise bad_request(f"The images do not fit the prompt: {exc}", param="messages") from None
 
 
 def _template_message(

@@ -17,25 +17,41 @@ PORTS_FROM = 20000
 """The lowest port picked (below it: well-known and registered services' usual ports)."""
 TRIES = 100
 _RANDOM = random.SystemRandom()  # not the global generator, which a test or a library may seed
+_GIVEN: set[int] = set()
 
 
 def free_ports(count: int = 1, host: str = "127.0.0.1") -> int:
     """The first of `count` consecutive TCP ports free on `host` now, below the kernel's ephemeral range
-    (anywhere from PORTS_FROM where that range starts too low to leave room)."""
-    low = ephemeral_low()
-    top = low if low > PORTS_FROM + 1024 else 65536
+    (anywhere from PORTS_FROM where that range starts too low to leave room), none of them handed out
+    before by this process (its callers bind them later, so a later pick must not reuse them)."""
+    if count < 1:
+        raise ValueError(f"count {count}: at least one port")
+    top = port_top()
+    if top - count < PORTS_FROM:
+        raise RuntimeError(f"no room for {count} ports in [{PORTS_FROM}, {top})")
     for _ in range(TRIES):
         base = _RANDOM.randrange(PORTS_FROM, top - count + 1)
+        run = range(base, base + count)
+        if _GIVEN.intersection(run):
+            continue
         try:
             with contextlib.ExitStack() as held:
-                for port in range(base, base + count):
+                for port in run:
                     held.enter_context(socket.socket()).bind((host, port))
-            return base
         except OSError:  # one taken: another run
             continue
+        _GIVEN.update(run)
+        return base
     raise RuntimeError(
         f"no {count} consecutive free TCP ports on {host} in [{PORTS_FROM}, {top}) in {TRIES} tries"
     )
+
+
+def port_top() -> int:
+    """The end of the range ports are picked from: the ephemeral range's start, or 65536 where that
+    leaves less than 1024 ports above PORTS_FROM."""
+    low = ephemeral_low()
+    return low if low > PORTS_FROM + 1024 else 65536
 
 
 def ephemeral_low() -> int:

@@ -4,7 +4,8 @@ message's content.
 
 The split is on where the chat template asks for it (its text mentions `</think>`). A template may open the
 block itself, its generation prompt ending in `<think>` (Qwen3.5 and QwQ do; with `enable_thinking` false
-Qwen3's closes it there too): then the answer starts inside the reasoning. Otherwise reasoning is only a
+Qwen3's closes it there too): then the answer starts inside the reasoning. Only the generation prompt's text
+says so: a tag in the messages is the conversation's. Otherwise reasoning is only a
 block that opens the answer. A block never closed (the answer cut at max_tokens) is all reasoning; the
 whitespace between `</think>` and the content is no one's.
 
@@ -20,8 +21,6 @@ from common.detokenize import partial_suffix
 from common.tokenizer import Tokenizer
 
 THINK_TAGS = ("<think>", "</think>")
-PROMPT_TAIL_TOKENS = 16
-"""The prompt's last tokens read for a tag it ends inside (the generation prompt after it is a few)."""
 
 
 @dataclass(frozen=True)
@@ -40,10 +39,10 @@ def reasoning_tags(tokenizer: Tokenizer) -> tuple[str, str] | None:
     return THINK_TAGS if any(THINK_TAGS[1] in source for source in sources) else None
 
 
-def reasoning_form(tags: tuple[str, str], tokenizer: Tokenizer, prompt_ids: list[int]) -> ReasoningForm:
-    """The form for a prompt: inside the block where the prompt's last tag is the opening one."""
-    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    return ReasoningForm(tags, tail.rfind(tags[0]) > tail.rfind(tags[1]))
+def reasoning_form(tags: tuple[str, str], generation_prompt: str) -> ReasoningForm:
+    """The form for a request whose chat template's generation prompt is `generation_prompt`
+    (openai_prompts.generation_prompt): inside the block where that text's last tag is the opening one."""
+    return ReasoningForm(tags, generation_prompt.rfind(tags[0]) > generation_prompt.rfind(tags[1]))
 
 
 class ReasoningStream:
@@ -90,7 +89,7 @@ class ReasoningStream:
         held, self._held = self._held, ""
         if self._state == "inside":
             return held, ""
-        return "", "" if self._state == "after" else held
+        return "", ("" if self._state == "after" else held)
 
 
 def split_reasoning(text: str, form: ReasoningForm | None = None) -> tuple[str | None, str]:

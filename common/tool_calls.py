@@ -16,6 +16,7 @@ next block, or the end, is no one's content.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Mapping
@@ -68,9 +69,37 @@ def call_form(tags: tuple[str, str], tools: list[Any]) -> CallForm:
 
 
 def _schema_types(schema: Any) -> tuple[str, ...]:
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
-    return tuple(k for k in kinds if isinstance(k, str))
+    """The JSON types a parameter's schema allows: its `type` (a name or a list), its `anyOf` / `oneOf`
+    members' (pydantic's Optional[int] is anyOf integer, null), or its `enum` / `const` values'."""
+    if not isinstance(schema, dict):
+        return ()
+    kind = schema.get("type")
+    kinds = [kind] if isinstance(kind, str) else _strings(kind)
+    for key in ("anyOf", "oneOf"):
+        members = schema.get(key)
+        for member in members if isinstance(members, list) else []:
+            kinds += _schema_types(member)
+    values = schema.get("enum")
+    values = list(values) if isinstance(values, list) else []
+    if "const" in schema:
+        values.append(schema["const"])
+    kinds += [_json_type(v) for v in values]
+    return tuple(dict.fromkeys(kinds))
+
+
+def _strings(items: Any) -> list[str]:
+    return [k for k in items if isinstance(k, str)] if isinstance(items, list) else []
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a value from a schema (an enum's, a const's)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {str: "string", type(None): "null", list: "array", dict: "object"}.get(type(value), "string")
 
 
 def tool_call_tags(tokenizer: Tokenizer) -> tuple[str, str] | None:
@@ -345,10 +374,7 @@ def split_tool_calls(text: str, form: CallForm | None = None) -> tuple[str, list
 
 def _json_call(block: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a block in the JSON form; None for any other block."""
-    try:
-        value = json.loads(block)
-    except json.JSONDecodeError:
-        return None
+    value = _json_value(block)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -396,19 +422,35 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _typed(text: str, kinds: tuple[str, ...]) -> Any:
-    """`text` as the first of `kinds` (JSON types) it reads as; else the string itself."""
+    """`text` as a value of one of `kinds` (JSON types), the others before a string's (order-free: a text
+    that reads as one of them is one); else the string itself."""
+    value = _json_value(text)
     for kind in kinds:
-        if kind == "string":
-            return text
         if kind == "boolean" and text.strip() in ("True", "False"):  # Python's spelling
             return text.strip() == "True"
-        if kind not in _JSON_TYPES:
-            continue
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            continue
+        if kind == "integer" and isinstance(value, float) and value.is_integer():  # 3.0, 1e3
+            return int(value)
         # bool is an int in Python: an integer or number parameter does not take true/false
-        if isinstance(value, _JSON_TYPES[kind]) and not (isinstance(value, bool) and kind != "boolean"):
+        fits = isinstance(value, _JSON_TYPES.get(kind, ())) and not (
+            isinstance(value, bool) and kind != "boolean"
+        )
+        if fits and value is not _NOT_JSON:
             return value
     return text
+
+
+_NOT_JSON = object()
+
+
+def _json_value(text: str) -> Any:
+    """`text` as JSON, _NOT_JSON where it is not (or holds NaN or an infinity, which JSON has not, or is
+    too large or deep to read)."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(constant)
+
+    try:
+        value = json.loads(text, parse_constant=refuse)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+    return value if not isinstance(value, float) or math.isfinite(value) else _NOT_JSON

@@ -111,8 +111,9 @@ class Router:
         self.prompting = ImagePrompting.from_model_dir(config.model_dir, tokenizer) if encoder else None
         """How chats' images become prompt tokens (None: no encoder runs; an image is a 400)."""
         self.tool_tags = tool_call_tags(tokenizer)
-        self.reasoning_tags = reasoning_tags(tokenizer)
         """How the model's function calls are read from its text (None: its template asks for none)."""
+        self.reasoning_tags = reasoning_tags(tokenizer)
+        """How the model's reasoning is read apart from its answer (None: its template has none)."""
 
     @property
     def max_context(self) -> int:
@@ -148,11 +149,12 @@ class Router:
         sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
         raw = tuple(image.raw for image in images)
         form = None if tags is None or tools is None else call_form(tags, tools)
-        thinks = self.reasoning_tags  # a structured answer's grammar holds from its first token: no reasoning
-        structured = bool(sampling.structure)
-        reasoning = (
-            None if thinks is None or structured else reasoning_form(thinks, self.tokenizer, prompt_ids)
-        )
+        reasoning = None
+        if self.reasoning_tags is not None and not sampling.structure:  # a grammar holds from the first token
+            opening = await asyncio.to_thread(
+                openai_prompts.generation_prompt, body, self.tokenizer, self.prompting, tools
+            )
+            reasoning = reasoning_form(self.reasoning_tags, opening)
         spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
         return await self._serve(request, [spec], chat=True, received=received)
 

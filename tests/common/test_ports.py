@@ -1,5 +1,5 @@
-"""Ports for services to bind: consecutive, free, below the kernel's range for outgoing connections, and a
-taken one skipped."""
+"""Ports for services to bind: consecutive, free, below the kernel's range for outgoing connections, a taken
+one skipped and none handed out twice."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from common import ports
 
 def test_consecutive_free_ports_below_the_ephemeral_range() -> None:
     base = ports.free_ports(4)
-    assert base >= ports.PORTS_FROM and base + 4 <= max(ports.ephemeral_low(), ports.PORTS_FROM + 1024)
+    assert base >= ports.PORTS_FROM and base + 4 <= ports.port_top()
+    assert ports.free_ports(1) not in range(base, base + 4)  # handed out once
     held = [socket.socket() for _ in range(4)]
     try:
         for offset, sock in enumerate(held):
@@ -26,6 +27,9 @@ def test_a_run_with_a_taken_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", ports.free_ports(1)))
         busy = taken.getsockname()[1]
-        picks = iter([busy - 1, busy + 5])  # the first run of two holds the taken port
+        ports._GIVEN.discard(busy)  # as if another process had taken it
+        before = busy - 10
+        ports._GIVEN.add(before)
+        picks = iter([busy - 1, before, busy - 20])  # holds the taken port; handed out before; free
         monkeypatch.setattr(ports._RANDOM, "randrange", lambda *_: next(picks))
-        assert ports.free_ports(2) == busy + 5
+        assert ports.free_ports(2) == busy - 20

@@ -4,6 +4,8 @@ same; a block never closed is all reasoning, and an answer that opens none has n
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import models
@@ -38,17 +40,34 @@ def test_reasoning_and_content_streamed_or_whole(form, answer, reasoning, conten
 
 
 def _tokenizer(template: str) -> Tokenizer:
-    vocab = {w: i for i, w in enumerate(["x", "<think>", "</think>", "\n"])}
-    backend = Backend(models.WordLevel(vocab, unk_token="x"))
+    backend = Backend(models.WordLevel({"x": 0}, unk_token="x"))
     return Tokenizer(backend, chat_template=template)
 
 
-def test_the_tags_come_from_the_template_and_the_prompt_says_where_the_answer_starts() -> None:
-    assert reasoning_tags(_tokenizer("{{ messages }}")) is None
-    tok = _tokenizer("{{ messages }}{% if enable_thinking is false %}<think></think>{% endif %}")
+OPENING = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif think_open is not defined or think_open %}<think>\n{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text", "inside"),
+    [
+        ({}, "What is 2 + 2?", True),  # the generation prompt opens the block
+        ({"enable_thinking": False}, "What is 2 + 2?", False),  # ... or holds it empty
+        ({"think_open": False}, "Reply with the literal text <think>", False),  # a tag in the messages
+    ],
+)
+def test_only_the_generation_prompt_says_the_answer_starts_inside(kwargs, text, inside) -> None:
+    from common.openai_api import parse_chat_request
+    from common.openai_prompts import generation_prompt
+
+    tok = _tokenizer(OPENING)
     tags = reasoning_tags(tok)
-    assert tags == ("<think>", "</think>")
-    opened, closed, plain = [1, 3], [1, 3, 3, 2, 3, 3], [0, 0]  # "<think>\n", "<think>\n\n</think>\n\n", "xx"
-    assert reasoning_form(tags, tok, opened).inside
-    assert not reasoning_form(tags, tok, closed).inside
-    assert not reasoning_form(tags, tok, plain).inside
+    assert tags == ("<think>", "</think>") and reasoning_tags(_tokenizer("{{ messages }}")) is None
+    body = {"messages": [{"role": "user", "content": text}], "chat_template_kwargs": kwargs}
+    opening = generation_prompt(parse_chat_request(json.dumps(body).encode()), tok)
+    assert opening.startswith("<|im_start|>assistant\n")
+    assert reasoning_form(tags, opening).inside == inside
