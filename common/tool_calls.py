@@ -222,7 +222,7 @@ class ToolCallStream:
                 deltas.append(CallDelta(live.index, rest))
             self.calls.append(ToolCall(live.name, live.sent, live.id))
             return True
-        read = _json_call(block) or _xml_call(block, self.form.types)
+        read = _json_call(block)
         if read is None:
             return False
         call = ToolCall(*read, _call_id())
@@ -259,6 +259,10 @@ class _LiveCall:
     escaped: bool = False
     closed: bool = False
     """JSON: the object ended; XML: the function's closing tag came."""
+    params: list[str] = field(default_factory=list)
+    """XML: the parameters read, as `"key": value` JSON text."""
+    seen: int = 0
+    """XML: how much of the block the last read searched."""
 
     @staticmethod
     def start(block: str, index: int, types: Mapping) -> tuple[_LiveCall | None, bool]:
@@ -267,7 +271,9 @@ class _LiveCall:
         head = _XML_HEAD.match(block)
         if head is not None and head.group(1).strip():
             name = head.group(1).strip()
-            return _LiveCall(index, _call_id(), name, head.end(), True, types.get(name, {})), True
+            return _LiveCall(
+                index, _call_id(), name, head.end(), True, types.get(name, {}), at=head.end()
+            ), True
         head = _JSON_HEAD.match(block)
         if head is None or len(block) == head.end():  # no head yet, or its arguments' first character
             return None, not (_json_head_possible(block) or _xml_head_possible(block))
@@ -312,19 +318,27 @@ class _LiveCall:
         return block[self.begin : self.at]
 
     def _xml_text(self, block: str) -> str:
-        body = block[self.begin :]
-        params = [
-            json.dumps(m.group(1).strip(), ensure_ascii=False)
-            + ": "
-            + json.dumps(
-                _typed(_bare(m.group(2)), self.types.get(m.group(1).strip(), ())), ensure_ascii=False
-            )
-            for m in _PARAMETER.finditer(body)
-        ]
-        self.closed = "</function>" in body
-        text = "{" + ", ".join(params) if params else ""
+        # From where the last parameter ended, and past what earlier reads searched (a tag may straddle).
+        while not self.closed:
+            start = max(self.at, self.seen - len(_PARAM_END))
+            end, function_end = block.find(_PARAM_END, start), block.find("</function>", start)
+            if function_end >= 0 and (end < 0 or function_end < end):
+                self.closed = True
+            elif end >= 0:
+                param = _PARAMETER.search(block, self.at, end + len(_PARAM_END))
+                if param is not None:
+                    key = param.group(1).strip()
+                    value = _typed(_bare(param.group(2)), self.types.get(key, ()))
+                    self.params.append(
+                        f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+                    )
+                self.at = end + len(_PARAM_END)
+                continue
+            break
+        self.seen = len(block)
+        text = "{" + ", ".join(self.params) if self.params else ""
         if self.closed:
-            text = text + "}" if params else "{}"
+            text = text + "}" if self.params else "{}"
         return text
 
 
@@ -382,27 +396,8 @@ def _json_call(block: str) -> tuple[str, str] | None:
     return value["name"], text
 
 
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-
-
-def _xml_call(block: str, types: Mapping[str, Mapping[str, tuple[str, ...]]]) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of a block in the XML form, each value typed by the function's schema;
-    None for any other block (text outside the parameters but whitespace included)."""
-    function = _FUNCTION.fullmatch(block)
-    if function is None:
-        return None
-    name, body = function.group(1).strip(), function.group(2)
-    params = list(_PARAMETER.finditer(body))
-    outside = _PARAMETER.sub("", body)
-    if not name or outside.strip():
-        return None
-    kinds = types.get(name, {})
-    arguments = {}
-    for param in params:
-        key = param.group(1).strip()
-        arguments[key] = _typed(_bare(param.group(2)), kinds.get(key, ()))
-    return name, json.dumps(arguments, ensure_ascii=False)
+_PARAM_END = "</parameter>"
 
 
 def _bare(value: str) -> str:
