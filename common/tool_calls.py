@@ -317,21 +317,23 @@ class _LiveCall:
             self.at = i + 1
         return block[self.begin : self.at]
 
+    def _param(self, found: re.Match[str] | None) -> None:
+        """Add a parameter read from the block (its name, then its value's text)."""
+        if found is not None:
+            key = found.group(1).strip()
+            value = json.dumps(_typed(_bare(found.group(2)), self.types.get(key, ())), ensure_ascii=False)
+            self.params.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
+
     def _xml_text(self, block: str) -> str:
         # From where the last parameter ended, and past what earlier reads searched (a tag may straddle).
         while not self.closed:
             start = max(self.at, self.seen - len(_PARAM_END))
             end, function_end = block.find(_PARAM_END, start), block.find("</function>", start)
             if function_end >= 0 and (end < 0 or function_end < end):
+                self._param(_OPEN_PARAMETER.search(block, self.at, function_end))  # one left open: ends here
                 self.closed = True
             elif end >= 0:
-                param = _PARAMETER.search(block, self.at, end + len(_PARAM_END))
-                if param is not None:
-                    key = param.group(1).strip()
-                    value = _typed(_bare(param.group(2)), self.types.get(key, ()))
-                    self.params.append(
-                        f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
-                    )
+                self._param(_PARAMETER.search(block, self.at, end + len(_PARAM_END)))
                 self.at = end + len(_PARAM_END)
                 continue
             break
@@ -398,6 +400,7 @@ def _json_call(block: str) -> tuple[str, str] | None:
 
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 _PARAM_END = "</parameter>"
+_OPEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*)", re.DOTALL)  # one the model left open
 
 
 def _bare(value: str) -> str:

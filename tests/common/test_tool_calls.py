@@ -196,6 +196,7 @@ def test_xml_calls_of_unknown_functions_keep_strings_and_a_block_without_a_name_
     for block in [
         "<tool_call>\n<function=book>\nstray<parameter=city>\nBern\n</parameter>\n</function>\n</tool_call>",
         "<tool_call>\n<function=book>\n<parameter=city>\nBern\n</parameter>\n</tool_call>",
+        "<tool_call>\n<function=book>\n<parameter=city>\nBern\n</function>\n</tool_call>",  # left open
         "<tool_call>\n<function=book>\n<parameter=city>\nBern\n</parameter>\n</function>\n<parameter=x>\n</tool_call>",
     ]:
         content, calls = split_tool_calls(block, form)
