@@ -53,6 +53,8 @@ class LogitProcessors:
         """The end-of-sequence tokens that `min_tokens` holds back (with each request's stop tokens)."""
         self._tokenizer = tokenizer
         self._grammars: Grammars | None = None
+        self._waiting: set[int] = set()
+        """Rows of structured requests whose grammar has not started (`SamplingParams.structure_after`)."""
         self._matchers: dict[int, Any] = {}
         """Each structured request's grammar matcher (xgrammar), by its row (a row's next request's
         replaces it)."""
@@ -90,10 +92,13 @@ class LogitProcessors:
         """Start `req`'s row: its prompt and the tokens it has so far (its counts, its grammar's state).
         Waits for its grammar's compile (`form`, `prepare`'s; default: looked up)."""
         if req.params.structure:
-            matcher = self._grammar_set().matcher(req.params.structure, form)
+            row = req.state.slot
+            self._matchers[row] = self._grammar_set().matcher(req.params.structure, form)
+            self._waiting.discard(row)
+            if req.params.structure_after >= 0:
+                self._waiting.add(row)
             for token in req.token_ids:
-                matcher.accept_token(token)
-            self._matchers[req.state.slot] = matcher
+                self.accept(req, token)
         if not req.params.penalized:
             return
         if self._counts is None:
@@ -116,7 +121,9 @@ class LogitProcessors:
         biased = [b for b, r in enumerate(reqs) if r.params.logit_bias]
         held = [b for b, r in enumerate(reqs) if len(r.token_ids) + ahead[b] < r.params.min_tokens]
         penalized = [b for b, r in enumerate(reqs) if r.params.penalized]
-        structured = [b for b, r in enumerate(reqs) if r.params.structure]
+        structured = [
+            b for b, r in enumerate(reqs) if r.params.structure and r.state.slot not in self._waiting
+        ]
         if not (biased or held or penalized or structured):
             return logits
         out = logits.to(torch.float32, copy=True)
@@ -133,8 +140,16 @@ class LogitProcessors:
         return out
 
     def accept(self, req: Request, token: int) -> None:
-        """`req` has sampled `token` (on the host now): its grammar reads it."""
-        if req.params.structure and not self._matchers[req.state.slot].accept_token(token):
+        """`req` has sampled `token` (on the host now): its grammar reads it (or, before the grammar starts,
+        looks for the token it starts after)."""
+        if not req.params.structure:
+            return
+        row = req.state.slot
+        if row in self._waiting:
+            if token == req.params.structure_after:
+                self._waiting.discard(row)
+            return
+        if not self._matchers[row].accept_token(token):
             raise RuntimeError(f"token {token} breaks the grammar it was sampled under")
 
     def _mask(

@@ -48,6 +48,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     """(token id, bias) pairs added to the logits (OpenAI's, -100..100: ±100 bans or forces a token)."""
     structure: str = ""
     """The JSON schema the text must follow, as JSON text (common/structured.py); empty: free text."""
+    structure_after: int = -1
+    """The token after which `structure` holds (the end of a reasoning block the chat template opened:
+    the model thinks freely first); -1: from the first token."""
     prompt_logprobs: int | None = None
     """None: none. k (0..MAX_TOP_LOGPROBS): each prompt token's log-probability after the tokens before it
     (the first has none), and the k most likely tokens' at its position."""

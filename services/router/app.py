@@ -30,7 +30,8 @@ from common import openai_prompts
 from common.chat_images import ImagePrompting
 from common.metrics import RouterMetrics, new_registry, render, serve
 from common.openai_api import ApiError, GenerationSpec
-from common.reasoning import reasoning_form, reasoning_tags
+from common.reasoning import ReasoningForm, reasoning_form, reasoning_tags
+from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from common.tool_calls import call_form, tool_call_tags
 from services.router.choices import Choices
@@ -149,14 +150,28 @@ class Router:
         sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
         raw = tuple(image.raw for image in images)
         form = None if tags is None or tools is None else call_form(tags, tools)
-        reasoning = None
-        if self.reasoning_tags is not None and not sampling.structure:  # a grammar holds from the first token
-            opening = await asyncio.to_thread(
-                openai_prompts.generation_prompt, body, self.tokenizer, self.prompting, tools
-            )
-            reasoning = reasoning_form(self.reasoning_tags, opening)
+        reasoning, sampling = await self._reasoning(body, tools, sampling)
         spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
         return await self._serve(request, [spec], chat=True, received=received)
+
+    async def _reasoning(
+        self, body: api.ChatCompletionRequest, tools: list[Any] | None, sampling: SamplingParams
+    ) -> tuple[ReasoningForm | None, SamplingParams]:
+        """How a chat's reasoning is read (None: it has none), and its sampling: a structured answer whose
+        generation prompt opens the reasoning block holds to its grammar from the block's end token on (the
+        model thinks first); one that does not is held from its first token, and is all content."""
+        if self.reasoning_tags is None:
+            return None, sampling
+        opening = await asyncio.to_thread(
+            openai_prompts.generation_prompt, body, self.tokenizer, self.prompting, tools
+        )
+        form = reasoning_form(self.reasoning_tags, opening)
+        if not sampling.structure:
+            return form, sampling
+        end = self.tokenizer.token_to_id(self.reasoning_tags[1])
+        if not form.inside or end is None:
+            return None, sampling
+        return form, msgspec.structs.replace(sampling, structure_after=end)
 
     async def completions(self, request: Request) -> Response:
         received = time.monotonic()

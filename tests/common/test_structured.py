@@ -105,3 +105,33 @@ def test_a_forced_call_is_one_call_block_of_a_listed_function() -> None:
     assert names[2:] == ["pick", "noop"] and set(names[:2]) <= {"pick", "noop"}
     with pytest.raises(ValueError, match="not among the tools"):
         call_structure(tools, "other", HERMES_TAGS)
+
+
+def test_a_grammar_that_starts_after_a_token_leaves_what_comes_before_free() -> None:
+    """`structure_after`: no mask until the request samples that token (the end of its reasoning); then the
+    grammar's, from its start. In a generation: a token forced first (a +100 bias), then the object."""
+    tok = Tokenizer.from_dir(default_model_dir())
+    gate, other = tok.encode("zzz")[0], tok.encode("q")[0]
+    params = SamplingParams(structure=structure_of(FORMAT), structure_after=gate)
+    procs = LogitProcessors(2, 1024, torch.device("cpu"), tok.eos_token_ids, tok)
+    req = Request([1], params, 0, SequenceState(1))
+    procs.admit(req)
+    assert torch.isfinite(procs.apply(torch.zeros(1, 1024), [req], [0])).all()
+    procs.accept(req, other)  # not the grammar's: before it starts, anything goes
+    procs.accept(req, gate)
+    allowed = torch.isfinite(procs.apply(torch.zeros(1, 1024), [req], [0])[0]).nonzero().flatten().tolist()
+    assert allowed and all(tok.token_bytes(t).startswith(b"{") for t in allowed)
+    later = Request([1], params, 0, SequenceState(1))
+    later.token_ids = [other, gate, allowed[0]]  # admitted with tokens: the same state
+    procs.admit(later)
+    with pytest.raises(RuntimeError, match="breaks the grammar"):
+        procs.accept(later, other)
+
+    engine = Engine(default_model_dir(), dtype=torch.float32, max_seqs=2)
+    forced = SamplingParams(
+        max_tokens=40, structure=structure_of(FORMAT), structure_after=gate, logit_bias=((gate, 100.0),)
+    )
+    (result,) = engine.generate([[5, 6, 7]], [forced])
+    assert result.token_ids[0] == gate and result.finish_reason == "stop"
+    value = json.loads(engine.tokenizer.decode(result.token_ids[1:]))
+    assert set(value) == {"size", "ok"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -29,20 +30,35 @@ THINKING = (
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
-@pytest.fixture(scope="module")
-def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A router serving the tiny model with a template that has a reasoning block."""
+def _thinking_model(root: Path, tags_as_tokens: bool) -> Path:
+    """The tiny model with a template that has a reasoning block (and, `tags_as_tokens`, <think> and
+    </think> as tokens of their own, as Qwen3's vocabulary has them)."""
     assert GENERATION_PROMPT in CHAT_TEMPLATE
-    model = tmp_path_factory.mktemp("thinking")
+    model = root / ("thinking-tokens" if tags_as_tokens else "thinking")
+    model.mkdir()
     for file in default_model_dir().iterdir():
-        if file.name != "tokenizer_config.json":
+        if file.name not in ("tokenizer_config.json", "tokenizer.json"):
             (model / file.name).symlink_to(file)
     config = json.loads((default_model_dir() / "tokenizer_config.json").read_text())
     config["chat_template"] = CHAT_TEMPLATE.replace(GENERATION_PROMPT, GENERATION_PROMPT + THINKING)
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    with serve_router(model_dir=model) as served:
+    vocabulary = json.loads((default_model_dir() / "tokenizer.json").read_text())
+    if tags_as_tokens:
+        first = len(vocabulary["model"]["vocab"])
+        for i, tag in enumerate(("<think>", "</think>")):
+            added = {"id": first + i, "content": tag, "single_word": False, "lstrip": False, "rstrip": False}
+            vocabulary["added_tokens"].append({**added, "normalized": False, "special": False})
+    (model / "tokenizer.json").write_text(json.dumps(vocabulary))
+    return model
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A router serving the tiny model with a template that has a reasoning block."""
+    root = tmp_path_factory.mktemp("models")
+    with serve_router(model_dir=_thinking_model(root, tags_as_tokens=False)) as served:
         yield served
-    shutil.rmtree(model, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _client(served: Any) -> openai.OpenAI:
@@ -107,9 +123,26 @@ def test_a_call_after_the_reasoning_is_a_call(thinking: Any, stream: bool) -> No
 
 
 def test_a_structured_answer_is_all_content(thinking: Any) -> None:
-    """A grammar holds the answer from its first token (here a forced call's): no reasoning is read."""
+    """Where </think> is no token of its own, a grammar holds the answer (here a forced call's) from its
+    first token: no reasoning is read."""
     out = _client(thinking).chat.completions.create(
         model="tiny", messages=_ask("[think]"), tools=TOOLS, tool_choice="required"
     )
     assert out.choices[0].message.content == THINK_REPLY
     assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
+
+
+def test_a_structured_answer_holds_to_its_grammar_after_the_reasoning(tmp_path: Path) -> None:
+    """Where </think> is a token, the grammar starts after it (`structure_after`): the model thinks first,
+    and the reasoning comes back apart from the structured content."""
+    model = _thinking_model(tmp_path, tags_as_tokens=True)
+    with serve_router(model_dir=model) as served:
+        out = _client(served).chat.completions.create(
+            model="tiny", messages=_ask("[think]"), response_format={"type": "json_object"}
+        )
+        (gen,) = served.peer.generates()
+    end = json.loads((model / "tokenizer.json").read_text())["added_tokens"][-1]
+    assert end["content"] == "</think>" and gen.sampling.structure_after == end["id"]
+    assert gen.sampling.structure
+    assert out.choices[0].message.model_extra["reasoning_content"] == "Two and two make four.\n"
+    assert out.choices[0].message.content == "It is 4."  # (the protocol peer writes no JSON)
