@@ -4,7 +4,7 @@ Every problem is a 400 naming the part at fault."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 from pydantic import JsonValue
@@ -98,42 +98,40 @@ def forced_call(request: ChatCompletionRequest, tools: list[JsonValue] | None, t
         raise bad_request(str(exc), "tool_choice") from None
 
 
+class ChatPrompt(NamedTuple):
+    """A chat's prompt: its ids, its images and (asked for) the text its generation prompt adds."""
+
+    ids: list[int]
+    images: list[ChatImage]
+    opening: str = ""
+
+
 def chat_prompt_ids(
     request: ChatCompletionRequest,
     tokenizer: Tokenizer,
     prompting: ImagePrompting | None = None,
     tools: list[JsonValue] | None = None,
-) -> tuple[list[int], list[ChatImage]]:
+    opening: bool = False,
+) -> ChatPrompt:
     """The chat template applied to the messages (and `tools`, from `chat_tools`), tokenized (with a
     generation prompt), and the images of their `image_url` parts, each image's tokens in the prompt
-    (`prompting`: how the model takes images; None: a 400 for any image)."""
+    (`prompting`: how the model takes images; None: a 400 for any image). With `opening`, also the text the
+    template's generation prompt adds after the messages (e.g. Qwen3's `<|im_start|>assistant\n<think>\n`):
+    the prompt less the messages rendered without it ("" where the one does not start with the other).
+    Only that text says how the answer starts: a tag in the messages is the conversation's."""
     images: list[ChatImage] = []
-    ids = _render(request, tokenizer, prompting, tools, images, generation_prompt=True, tokenize=True)
-    assert isinstance(ids, list)
+    text = _render(request, tokenizer, prompting, tools, images, generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)  # as apply_chat_template(tokenize=True)
+    added = ""
+    if opening:
+        bare = _render(request, tokenizer, prompting, tools, [], generation_prompt=False)
+        added = text[len(bare) :] if text.startswith(bare) else ""
     if not images:
-        return ids, images
+        return ChatPrompt(ids, images, added)
     try:
-        return prompting.expand(ids, images), images
+        return ChatPrompt(prompting.expand(ids, images), images, added)
     except ValueError as exc:
         raise bad_request(f"The images do not fit the prompt: {exc}", param="messages") from None
-
-
-def generation_prompt(
-    request: ChatCompletionRequest,
-    tokenizer: Tokenizer,
-    prompting: ImagePrompting | None = None,
-    tools: list[JsonValue] | None = None,
-) -> str:
-    """The text the chat template's generation prompt adds after the messages (e.g. Qwen3's
-    `<|im_start|>assistant\n<think>\n`): the prompt rendered with it less the prompt rendered without it
-    ("" where the one does not start with the other). Only that text says how the answer starts: a tag in
-    the messages is the conversation's."""
-    full, bare = (
-        _render(request, tokenizer, prompting, tools, [], generation_prompt=flag, tokenize=False)
-        for flag in (True, False)
-    )
-    assert isinstance(full, str) and isinstance(bare, str)
-    return full[len(bare) :] if full.startswith(bare) else ""
 
 
 def _render(
@@ -143,10 +141,9 @@ def _render(
     tools: list[JsonValue] | None,
     images: list[ChatImage],
     generation_prompt: bool,
-    tokenize: bool,
-) -> str | list[int]:
-    """The chat template applied to the request's messages (its images' parts collected in `images`); a
-    400 for what the template cannot render."""
+) -> str:
+    """The chat template applied to the request's messages, as text (its images' parts collected in
+    `images`); a 400 for what the template cannot render."""
     messages = [_template_message(i, m, prompting, images) for i, m in enumerate(request.messages)]
     kwargs = dict(request.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
@@ -155,9 +152,7 @@ def _render(
     if tools is not None:
         kwargs["tools"] = tools
     try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=tokenize, **kwargs
-        )
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, **kwargs)
     except jinja2.TemplateError as exc:
         raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from None
     except ValueError as exc:  # no chat template
@@ -166,6 +161,8 @@ def _render(
     except Exception as exc:
         message = f"The chat template could not render the messages: {type(exc).__name__}: {exc}"
         raise bad_request(message, param="messages") from None
+    assert isinstance(text, str)
+    return text
 
 
 def _template_message(

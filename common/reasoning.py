@@ -34,9 +34,7 @@ class ReasoningForm:
 
 def reasoning_tags(tokenizer: Tokenizer) -> tuple[str, str] | None:
     """The tags of a model's reasoning, None where its chat template has none (never mentions `</think>`)."""
-    templates = tokenizer.chat_template
-    sources = templates.values() if isinstance(templates, dict) else [templates or ""]
-    return THINK_TAGS if any(THINK_TAGS[1] in source for source in sources) else None
+    return THINK_TAGS if tokenizer.chat_template_mentions(THINK_TAGS[1]) else None
 
 
 def reasoning_form(tags: tuple[str, str], generation_prompt: str) -> ReasoningForm:

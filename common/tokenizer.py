@@ -217,6 +217,12 @@ class Tokenizer:
         """The chat template source, or a dict of named templates, or None if the model has none."""
         return self._chat_template
 
+    def chat_template_mentions(self, text: str) -> bool:
+        """Whether any of the model's chat templates holds `text` (a tag it asks the model to write)."""
+        templates = self._chat_template
+        sources = templates.values() if isinstance(templates, dict) else [templates or ""]
+        return any(text in source for source in sources)
+
     def apply_chat_template(
         self,
         messages: list[dict],

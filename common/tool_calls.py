@@ -8,9 +8,10 @@ content. A block holds the call in one of two forms, both read wherever the temp
   (a string parameter, one the schema does not type, or text that is not of its type).
 
 `ToolCallStream` reads the text as it streams: content comes out as soon as it cannot be the start of a
-block, a call once its block is closed. A block in neither form stays in the content as written (the model
-did not make a call), and so does one still open when the text ends. The whitespace between a call and the
-next block, or the end, is no one's content.
+block; a call as it is written, from the moment its block names it (its name, then its arguments a piece at
+a time), or whole at its block's end where its form allows no earlier reading. A block that never names a
+call stays in the content as written (the model did not make a call), and so does one still open when the
+text ends. The whitespace between a call and the next block, or the end, is no one's content.
 """
 
 from __future__ import annotations
@@ -105,9 +106,7 @@ def _json_type(value: Any) -> str:
 def tool_call_tags(tokenizer: Tokenizer) -> tuple[str, str] | None:
     """The tags a model's chat template asks it to wrap calls in, None when it asks for none this module
     reads (its template never mentions `<tool_call>`)."""
-    templates = tokenizer.chat_template
-    sources = templates.values() if isinstance(templates, dict) else [templates or ""]
-    return HERMES_TAGS if any(HERMES_TAGS[0] in source for source in sources) else None
+    return HERMES_TAGS if tokenizer.chat_template_mentions(HERMES_TAGS[0]) else None
 
 
 @dataclass(frozen=True)
@@ -432,7 +431,7 @@ def _typed(text: str, kinds: tuple[str, ...]) -> Any:
         fits = isinstance(value, _JSON_TYPES.get(kind, ())) and not (
             isinstance(value, bool) and kind != "boolean"
         )
-        if fits and value is not _NOT_JSON:
+        if fits:
             return value
     return text
 

@@ -140,8 +140,9 @@ class Router:
         body = api.parse_chat_request(await request.body())
         api.check_model(body.model, self.config.model_name)
         tools = openai_prompts.chat_tools(body, self.tool_tags)
-        prompt_ids, images = await asyncio.to_thread(
-            openai_prompts.chat_prompt_ids, body, self.tokenizer, self.prompting, tools
+        thinks = self.reasoning_tags is not None
+        prompt_ids, images, opening = await asyncio.to_thread(
+            openai_prompts.chat_prompt_ids, body, self.tokenizer, self.prompting, tools, thinks
         )
         spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
         self.core.check_images(sum(image.tokens for image in images))
@@ -150,21 +151,19 @@ class Router:
         sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
         raw = tuple(image.raw for image in images)
         form = None if tags is None or tools is None else call_form(tags, tools)
-        reasoning, sampling = await self._reasoning(body, tools, sampling)
+        reasoning, sampling = self._reasoning(opening, sampling)
         spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
         return await self._serve(request, [spec], chat=True, received=received)
 
-    async def _reasoning(
-        self, body: api.ChatCompletionRequest, tools: list[Any] | None, sampling: SamplingParams
+    def _reasoning(
+        self, opening: str, sampling: SamplingParams
     ) -> tuple[ReasoningForm | None, SamplingParams]:
-        """How a chat's reasoning is read (None: it has none), and its sampling: a structured answer whose
-        generation prompt opens the reasoning block holds to its grammar from the block's end token on (the
-        model thinks first); one that does not is held from its first token, and is all content."""
+        """How a chat's reasoning is read (None: it has none), and its sampling, from the text its generation
+        prompt adds (`opening`): a structured answer whose generation prompt opens the reasoning block holds
+        to its grammar from the block's end token on (the model thinks first); one that does not is held from
+        its first token, and is all content."""
         if self.reasoning_tags is None:
             return None, sampling
-        opening = await asyncio.to_thread(
-            openai_prompts.generation_prompt, body, self.tokenizer, self.prompting, tools
-        )
         form = reasoning_form(self.reasoning_tags, opening)
         if not sampling.structure:
             return form, sampling

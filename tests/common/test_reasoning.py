@@ -62,12 +62,12 @@ OPENING = (
 )
 def test_only_the_generation_prompt_says_the_answer_starts_inside(kwargs, text, inside) -> None:
     from common.openai_api import parse_chat_request
-    from common.openai_prompts import generation_prompt
+    from common.openai_prompts import chat_prompt_ids
 
     tok = _tokenizer(OPENING)
     tags = reasoning_tags(tok)
     assert tags == ("<think>", "</think>") and reasoning_tags(_tokenizer("{{ messages }}")) is None
     body = {"messages": [{"role": "user", "content": text}], "chat_template_kwargs": kwargs}
-    opening = generation_prompt(parse_chat_request(json.dumps(body).encode()), tok)
+    opening = chat_prompt_ids(parse_chat_request(json.dumps(body).encode()), tok, opening=True).opening
     assert opening.startswith("<|im_start|>assistant\n")
     assert reasoning_form(tags, opening).inside == inside
