@@ -184,3 +184,84 @@ def test_native_mma_down_matches_dequantised_reference(hidden, inter, tokens, k,
     want = _reference(x, row_of[ids], weights, pool) + shared.float() * scale
     call = partial(moe_int4_decode, x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)
     _matches_and_replays(call, want, replays=2)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "inter", "tokens", "k", "experts"),
+    [(256, 128, 1, 4, 12), (512, 384, 3, 8, 40), (2560, 640, 1, 10, 512)],
+)
+@pytest.mark.parametrize("replay", [False, True])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("logits_dtype", [torch.bfloat16, torch.float32])
+def test_kernels_routing_themselves_match_the_router(
+    hidden, inter, tokens, k, experts, replay, normalize, logits_dtype
+):
+    """Both tensor-core kernels picking each pair's expert from the router's logits (a strided view) or from
+    a replay's rows (moe_int4_native.Route): gate/up writes route_fused's choice; the output is the kernels'
+    given route_fused's (or the replay's) ids and weights, bit for bit with a replay, to rounding without
+    (the softmax's sums run in another order); a replay's cursor moves on by the call's tokens, in recorded
+    replays too, and the arrival counters are left at zero."""
+    from common.kernels import arrival, moe_int4_native
+    from common.kernels.moe_int4 import RESIDENT_CONFIGS, moe_int4_decode
+    from common.kernels.routing import route_fused
+
+    pool, x, _, gen = _routed(hidden, inter, tokens, k, hidden + experts + 2 * replay + normalize)
+    row_of = torch.randint(0, 12, (experts,), generator=gen).cuda()  # many experts, 12 pool rows
+    logits = torch.randn(tokens, experts + 7, generator=gen).to(logits_dtype).cuda()[:, :experts]
+    shared = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+    gate = torch.randn(tokens, 1, generator=gen).to(torch.bfloat16).cuda()
+    trace = None
+    if replay:
+        rows = 5
+        trace_ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(rows * 3)])
+        trace_weights = torch.rand(rows * 3, k, generator=gen)
+        cursors = torch.zeros(3, dtype=torch.int64, device="cuda")
+        trace = (
+            trace_ids.view(rows, 3, k).to(torch.int32).cuda(),
+            trace_weights.view(rows, 3, k).cuda(),
+            cursors,
+            1,
+        )
+    assert moe_int4_native.mma_available(x, hidden, inter), "the CUDA kernel did not build"
+    want_ids, want_weights = route_fused(logits, k, normalize, torch.bfloat16)
+
+    def expected(at: int) -> torch.Tensor:
+        ids, weights = want_ids, want_weights
+        if trace is not None:
+            rows_at = (at + torch.arange(tokens, device="cuda")) % trace[0].shape[0]
+            ids, weights = trace[0][rows_at, 1].long(), trace[1][rows_at, 1].to(torch.bfloat16)
+        return moe_int4_decode(
+            x, ids, weights, pool, row_of=row_of, configs=RESIDENT_CONFIGS, shared=shared, shared_gate=gate
+        )
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        router_ids = torch.empty(tokens, k, dtype=torch.int64, device="cuda")
+        finished = arrival.counters(x.device, arrival.COUNTERS)[-1:]
+        route = moe_int4_native.Route(logits, k, normalize, True, trace, router_ids.view(-1), finished)
+        out = moe_int4_decode(
+            x, router_ids, None, pool, row_of=row_of, configs=RESIDENT_CONFIGS, shared=shared,
+            shared_gate=gate, settled=replay, route=route,
+        )  # fmt: skip
+        return out, router_ids
+
+    out, router_ids = call()
+    assert torch.equal(router_ids, want_ids)
+    want = expected(0)
+    if replay:
+        assert torch.equal(out, want)
+        assert trace[2].tolist() == [0, tokens, 0]
+    else:
+        assert (out.float() - want.float()).norm() <= 1e-3 * want.float().norm()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recorded, _ = call()
+    for i in range(1, 3):
+        graph.replay()
+        torch.cuda.synchronize()
+        if replay:
+            assert torch.equal(recorded, expected(i * tokens)), i
+            assert trace[2].tolist() == [0, (i + 1) * tokens, 0]
+        else:
+            assert torch.equal(recorded, out)
+    assert not arrival.counters(x.device, arrival.COUNTERS).any()

@@ -273,3 +273,45 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
     fp32_activations = run()
     monkeypatch.setattr(moe_int4, "RESIDENT_CONFIGS", moe_int4.DECODE_CONFIGS)
     assert run() == fp32_activations
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_all_resident_int4_decode_routes_in_the_expert_kernels(
+    tmp_path: Path, monkeypatch, arch: str
+) -> None:
+    """Every expert resident, int4, a routing replay, recorded steps: the expert kernels pick their experts
+    themselves (SparseMoeBlock.route_in_experts), with Qwen2-MoE's gated shared expert between the router and
+    them and without one. The tokens and the replay's cursors are those of the router's own kernels
+    (route_fused, replay_rows, swiglu_down: the same shared expert's kernel), bit for bit."""
+    from common.kernels import moe_dispatch, use_fused_kernels
+    from common.model.moe import SparseMoeBlock
+
+    shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
+    path = make_model(tmp_path / "m", preset="tiny", arch=arch, overrides=shape)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23)]
+    routed_calls = []
+
+    def run(route_in_experts: bool) -> tuple[list[list[int]], list[list[int]]]:
+        monkeypatch.setattr(SparseMoeBlock, "route_in_experts", route_in_experts)
+        monkeypatch.setattr(moe_dispatch, "ENABLED", False)
+        engine = Engine(
+            path, dtype=torch.bfloat16, device="cuda", max_seqs=1, expert_cache="all", expert_format="int4",
+            cuda_graphs=True, replay_routing="synthetic-zipf:seed=5",
+        )  # fmt: skip
+        engine.offload.load_all(release_host=False)
+        use_fused_kernels(engine.model, True, engine.runner.backend)
+        plain = engine.offload.compute_routed
+        monkeypatch.setattr(
+            engine.offload, "compute_routed", lambda *a, **kw: routed_calls.append(1) or plain(*a, **kw)
+        )
+        tokens = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+        hook = next(m.routing_hook for m in engine.model.modules() if isinstance(m, SparseMoeBlock))
+        cursors = [c.tolist() for _, _, c in hook._device.values()]
+        return tokens, cursors
+
+    routed = run(True)
+    assert routed_calls, "the expert kernels did not route"
+    calls = len(routed_calls)
+    assert run(False) == routed
+    assert len(routed_calls) == calls

@@ -282,6 +282,116 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
 }
 
 
+// The router's choice made by the expert kernels themselves, where every expert is resident (nothing to
+// resolve between the router and the experts): each block of gate/up and of down picks its own pair's expert
+// from the router's logits, so no kernel runs between the router's GEMV and gate/up (common/kernels/
+// moe_int4_native.py, `Route`). With a routing replay, the trace's rows are what the experts use, and the
+// router's choice is still made (gate/up writes it), as in serving. Logits, trace and cursor are never the
+// kernel just before's outputs, so down picks before its programmatic wait, and gate/up does where `settled`.
+struct Route {
+  const void* logits;  // [T, E] bf16 or fp32 router logits; null: the pairs' rows are given
+  int logits_bf16;
+  int logits_stride;  // elements from one token's logits to the next's
+  int experts;  // E, at most kRouteMaxExperts
+  int normalize;  // the top k's weights renormalised to sum to one
+  int bf16_weights;  // the weights rounded to bf16, as the router's kernel writes them for bf16 activations
+  const void* trace_ids;  // a routing replay's rows [rows, layers, k] (int32, or int64 with trace_wide); null: none
+  int trace_wide;
+  const float* trace_weights;  // [rows, layers, k]
+  int64_t* cursor;  // the layer's: token t reads row (*cursor + t) % trace_rows; down moves it on by tokens
+  int trace_rows, trace_layers, layer, tokens;
+  int64_t* router_ids;  // [T * k] the router's choice, written by gate/up's first block of rows
+  int* finished;  // down's blocks finished (zero, left zero): the last one moves the cursor
+};
+
+constexpr int kRouteMaxExperts = 512;
+constexpr int kRoutePerLane = kRouteMaxExperts / kLanes;
+
+struct Choice {
+  int64_t router;  // the router's expert at the pair's rank
+  int64_t expert;  // the expert the pair computes (the replay's where there is one)
+  float weight;  // its weight (only with `weigh`)
+};
+
+__device__ __forceinline__ float route_logit(const Route& route, int64_t at) {
+  return route.logits_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(route.logits)[at])
+                           : static_cast<const float*>(route.logits)[at];
+}
+
+// Pair (t, r)'s choice, computed by each warp alone (no barrier): softmax over the E logits in fp32, then
+// rounds of the largest probability, ties to the lower id, as routing.route_token does; r + 1 rounds, or k
+// where the weight is renormalised over the top k. Lane l holds experts l, l + 32, ...
+__device__ Choice route_choice(const Route& route, int t, int k, int r, bool weigh) {
+  const int lane = threadIdx.x % kLanes;
+  const int64_t row = static_cast<int64_t>(t) * route.logits_stride;
+  float prob[kRoutePerLane];
+  float top = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) {
+    const int e = lane + j * kLanes;
+    prob[j] = e < route.experts ? route_logit(route, row + e) : -INFINITY;
+    top = fmaxf(top, prob[j]);
+  }
+#pragma unroll
+  for (int d = kLanes / 2; d > 0; d /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, d));
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) {
+    prob[j] = lane + j * kLanes < route.experts ? __expf(prob[j] - top) : 0.0f;
+    sum += prob[j];
+  }
+#pragma unroll
+  for (int d = kLanes / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) prob[j] = lane + j * kLanes < route.experts ? prob[j] / sum : -1.0f;
+  Choice choice = {0, 0, 0.0f};
+  float chosen = 0.0f, total = 0.0f;
+  const int rounds = weigh && route.normalize ? k : r + 1;
+  for (int round = 0; round < rounds; ++round) {
+    float best = -2.0f;
+    int best_e = kRouteMaxExperts;
+#pragma unroll
+    for (int j = 0; j < kRoutePerLane; ++j) {
+      if (prob[j] > best) best = prob[j], best_e = lane + j * kLanes;  // the lower id first on a tie
+    }
+#pragma unroll
+    for (int d = kLanes / 2; d > 0; d /= 2) {
+      const float other = __shfl_xor_sync(0xffffffffu, best, d);
+      const int other_e = __shfl_xor_sync(0xffffffffu, best_e, d);
+      if (other > best || (other == best && other_e < best_e)) best = other, best_e = other_e;
+    }
+#pragma unroll
+    for (int j = 0; j < kRoutePerLane; ++j) {
+      if (lane + j * kLanes == best_e) prob[j] = -1.0f;
+    }
+    if (round == r) choice.router = best_e, chosen = best;
+    total += best;
+  }
+  choice.expert = choice.router;
+  choice.weight = weigh && route.normalize ? chosen / total : chosen;
+  if (route.trace_ids != nullptr) {
+    const int64_t at = (((*route.cursor + t) % route.trace_rows) * route.trace_layers + route.layer) * k + r;
+    choice.expert = load_index(route.trace_ids, at, route.trace_wide);
+    choice.weight = route.trace_weights[at];
+  }
+  if (route.bf16_weights) choice.weight = __bfloat162float(__float2bfloat16(choice.weight));
+  return choice;
+}
+
+// With a replay, the last of down's blocks to finish moves the cursor on by the call's tokens: every block of
+// down read it as it started, and gate/up's blocks completed before any of down's passed its wait.
+__device__ void advance_cursor(const Route& route) {
+  if (route.logits == nullptr || route.trace_ids == nullptr) return;
+  __syncthreads();  // every warp of this block has read the cursor
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(route.finished, 1) == static_cast<int>(gridDim.x * gridDim.y) - 1) {
+      route.cursor[0] += route.tokens;
+      atomicExch(route.finished, 0);
+    }
+  }
+}
+
 // gate/up on the tensor cores: a block of 4 warps computes 16 gate rows and their 16 up rows of pair p's
 // expert; warp w takes the groups g = w, w + 4, ... of the inputs and the block sums the 4 partial dots in
 // shared memory. Per group a lane loads one 16-byte chunk (chunk t = lane % 4) of row lane / 4 and of row
@@ -388,13 +498,13 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
                        const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
                        const uint4* __restrict__ codes, const __nv_bfloat16* __restrict__ scales,
                        const uint8_t* __restrict__ zeros, float* __restrict__ act, int k, int hidden, int inter,
-                       int act_layout, int gdc, int settled) {
+                       int act_layout, int gdc, int settled, Route route) {
   const int p = blockIdx.x;
   const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const int g = lane / 4, t = lane % 4;  // the MMA fragments' group and thread in group
   const int first = blockIdx.y * 16;    // gate rows first..first+15
   const int chunks = hidden / 32, groups = hidden / 128;
-  int64_t row = 0;
+  int64_t row = 0, router = 0;
   auto out_row = [&](int r) -> int64_t {  // r: 0, 1 gate rows g, g + 8; 2, 3 up rows g, g + 8
     return row * 2 * inter + first + g + (r % 2) * 8 + (r / 2) * inter;
   };
@@ -410,7 +520,13 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
   // The codes of kMmaAhead groups are in flight while one is multiplied; a group's inputs one ahead.
   MmaGroup stage[kMmaAhead + 1];
   auto load_first = [&]() {
-    row = load_index(rows, p, wide_rows);
+    if (route.logits != nullptr) {
+      const Choice choice = route_choice(route, p / k, k, p % k, false);
+      router = choice.router;
+      row = choice.expert;
+    } else {
+      row = load_index(rows, p, wide_rows);
+    }
     if (lookup) row = load_index(row_of, row, wide_row_of);
 #pragma unroll
     for (int G = 0; G < kMmaAhead; ++G) load_group(G, stage[G]);
@@ -418,6 +534,8 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
   if (settled) load_first();
   gdc_wait(gdc);
   if (!settled) load_first();
+  // written after the wait: the buffer's memory may be what a kernel before read last
+  if (route.logits != nullptr && blockIdx.y == 0 && threadIdx.x == 0) route.router_ids[p] = router;
 
   const uint4* xt = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(p / k) * hidden);
   auto load_x = [&](int G, uint4* xv) {
@@ -471,13 +589,16 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
                     const __nv_bfloat16* __restrict__ scales, const uint8_t* __restrict__ zeros,
                     float* __restrict__ partial, int* __restrict__ counters,
                     const __nv_bfloat16* __restrict__ shared, const __nv_bfloat16* __restrict__ gate,
-                    int gate_stride, __nv_bfloat16* __restrict__ out, int k, int hidden, int fold, int gdc) {
+                    int gate_stride, __nv_bfloat16* __restrict__ out, int k, int hidden, int fold, int gdc,
+                    Route route) {
   const int p = blockIdx.x;
   const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const int g = lane / 4, t = lane % 4;
   const int n = (blockIdx.y * kMmaDownWarps + warp) * kMmaDownRows + g;  // this lane's rows n, n + 8
   constexpr int kInter = G * 128, kChunks = G * 4;
-  int64_t row = load_index(rows, p, wide_rows);
+  Choice choice = {0, 0, 0.0f};
+  if (route.logits != nullptr) choice = route_choice(route, p / k, k, p % k, true);
+  int64_t row = route.logits != nullptr ? choice.expert : load_index(rows, p, wide_rows);
   if (lookup) row = load_index(row_of, row, wide_row_of);
   const int64_t lo_row = row * hidden + n, hi_row = lo_row + 8, own_row = t % 2 ? hi_row : lo_row;
   uint4 lo[G], hi[G];
@@ -489,8 +610,9 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
     zero[i] = zeros[own_row * G + i];
     scale[i] = reinterpret_cast<const uint16_t*>(scales)[own_row * G + i];
   }
-  const float weight = bf16_weights ? __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[p])
-                                    : static_cast<const float*>(weights)[p];
+  const float weight = route.logits != nullptr ? choice.weight
+                       : bf16_weights ? __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[p])
+                                      : static_cast<const float*>(weights)[p];
   gdc_wait(gdc);
   const uint4* at = reinterpret_cast<const uint4*>(act + static_cast<int64_t>(p) * kInter);
   uint4 av[2][4];
@@ -514,6 +636,7 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
     partial[static_cast<int64_t>(p) * hidden + n] = acc[0] * weight;
     partial[static_cast<int64_t>(p) * hidden + n + 8] = acc[1] * weight;
   }
+  advance_cursor(route);
   if (fold) {
     fold_rows(partial, counters, shared, gate, gate_stride, out, p, k, hidden, kMmaDownWarps * kMmaDownRows);
   }
@@ -532,6 +655,9 @@ DownMmaKernel down_mma_instance(int groups) {
 }  // namespace spillway
 
 using namespace spillway;
+
+// `route`'s copy for a kernel argument; without one, a Route whose null logits say the rows are given.
+static Route route_or_none(const Route* route) { return route != nullptr ? *route : Route{}; }
 
 // act [P, I] fp32 <- silu(gate) * up of pair p's expert (pool row row_of[rows[p]], or rows[p] without lookup)
 // against x[p / k]; `act_layout`: 0 in order, 1 down's words layout, 2 split (evens then odds a group).
@@ -575,31 +701,34 @@ extern "C" int spillway_int4_down(const void* act, const void* rows, const void*
 }
 
 // gate/up on the tensor cores (gate_up_mma_kernel): as spillway_int4_gate_up,
-// 16 rows a block of 4 warps; I a multiple of 16, hidden a multiple of 128 up to 2560.
+// 16 rows a block of 4 warps; I a multiple of 16, hidden a multiple of 128 up to 2560. With `route` (null:
+// none), each block picks its pair's expert from the router's logits (Route) and `rows` is unread.
 extern "C" int spillway_int4_gate_up_mma(const void* x, const void* rows, const void* row_of, int wide_rows,
                                          int wide_row_of, int lookup, const void* codes, const void* scales,
                                          const void* zeros, void* act, int pairs, int k, int hidden, int inter,
-                                         int act_layout, int pdl, int gdc, int settled, void* stream) {
+                                         int act_layout, int pdl, int gdc, int settled, const Route* route,
+                                         void* stream) {
   if (hidden % 128 != 0 || hidden > 128 * kMmaWarps * kMmaMaxGroups || inter % 16 != 0) {
     return cudaErrorInvalidValue;
   }
   return launch_pdl(gate_up_mma_kernel, dim3(pairs, inter / 16), dim3(kMmaWarps * kLanes), stream, pdl, x,
                     rows, row_of, wide_rows, wide_row_of, lookup, codes, scales, zeros, act, k, hidden, inter,
-                    act_layout, gdc, settled);
+                    act_layout, gdc, settled, route_or_none(route));
 }
 
 // down on the tensor cores (down_mma_kernel): as spillway_int4_down, with act [P, I] bf16 in order (gate/up's
-// act layout 3), 16 rows a warp and 4 warps a block: H a multiple of 64, I a multiple of 128 up to 1024.
+// act layout 3), 16 rows a warp and 4 warps a block: H a multiple of 64, I a multiple of 128 up to 1024. With
+// `route`, as gate/up's, and `rows` and `weights` unread.
 extern "C" int spillway_int4_down_mma(const void* act, const void* rows, const void* row_of, int wide_rows,
                                       int wide_row_of, int lookup, const void* weights, int bf16_weights,
                                       const void* codes, const void* scales, const void* zeros, void* partial,
                                       void* counters, const void* shared, const void* gate, int gate_stride,
                                       void* out, int pairs, int k, int hidden, int inter, int fold, int pdl,
-                                      int gdc, void* stream) {
+                                      int gdc, const Route* route, void* stream) {
   const DownMmaKernel kernel = inter % 128 == 0 ? down_mma_instance(inter / 128) : nullptr;
   if (kernel == nullptr || hidden % (kMmaDownRows * kMmaDownWarps) != 0) return cudaErrorInvalidValue;
   const dim3 grid(pairs, hidden / (kMmaDownRows * kMmaDownWarps));
   return launch_pdl(kernel, grid, dim3(kMmaDownWarps * kLanes), stream, pdl, act, rows, row_of, wide_rows,
                     wide_row_of, lookup, weights, bf16_weights, codes, scales, zeros, partial, counters, shared,
-                    gate, gate_stride, out, k, hidden, fold, gdc);
+                    gate, gate_stride, out, k, hidden, fold, gdc, route_or_none(route));
 }
