@@ -31,7 +31,7 @@ class RouterChoice(NamedTuple):
     itself: moe.route's arguments, and a routing replay's rows on the device."""
 
     logits: torch.Tensor
-    """[T, E] the router's logits (a view of its GEMV's output: unit column stride)."""
+    """[T, E] the router's logits, bf16 (a view of its GEMV's output: unit column stride)."""
     top_k: int
     normalize: bool
     """The top k's weights renormalised to sum to one."""

@@ -40,7 +40,7 @@ class _Route(ctypes.Structure):
     """int4_decode.cu's `Route`, field for field."""
 
     _fields_ = [
-        ("logits", _P), ("logits_bf16", _I), ("logits_stride", _I), ("experts", _I), ("normalize", _I),
+        ("logits", _P), ("logits_stride", _I), ("experts", _I), ("normalize", _I),
         ("bf16_weights", _I), ("trace_ids", _P), ("trace_wide", _I), ("trace_weights", _P), ("cursor", _P),
         ("trace_rows", _I), ("trace_layers", _I), ("layer", _I), ("tokens", _I), ("router_ids", _P),
         ("finished", _P),
@@ -55,7 +55,7 @@ class Route:
     is still made, as in serving) and down's last block moves the cursor on."""
 
     logits: torch.Tensor
-    """[T, E] router logits, bf16 or fp32, unit column stride; E at most ROUTE_MAX_EXPERTS."""
+    """[T, E] router logits, bf16, unit column stride; E at most ROUTE_MAX_EXPERTS."""
     top_k: int
     normalize: bool
     """The top k's weights renormalised to sum to one."""
@@ -71,10 +71,12 @@ class Route:
 
     def as_struct(self) -> _Route:
         logits, replay = self.logits, self.replay
-        assert logits.stride(1) == 1 and logits.shape[1] <= ROUTE_MAX_EXPERTS
+        assert (
+            logits.dtype == torch.bfloat16 and logits.stride(1) == 1 and logits.shape[1] <= ROUTE_MAX_EXPERTS
+        )
         trace_ids, trace_weights, cursors, layer = replay if replay is not None else (None, None, None, 0)
         return _Route(
-            logits.data_ptr(), logits.dtype == torch.bfloat16, logits.stride(0), logits.shape[1],
+            logits.data_ptr(), logits.stride(0), logits.shape[1],
             self.normalize, self.bf16_weights, trace_ids.data_ptr() if replay else None,
             trace_ids.dtype == torch.int64 if replay else 0, trace_weights.data_ptr() if replay else None,
             cursors[layer].data_ptr() if replay else None, *(trace_ids.shape[:2] if replay else (0, 0)),

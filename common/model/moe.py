@@ -144,7 +144,7 @@ class SparseMoeBlock(nn.Module):
         """The block's output where the expert kernels route (`route_in_experts`): the shared expert first,
         so that the logits are not the kernel just before's outputs and the experts' first kernel picks
         its experts before its programmatic wait. None: not this pass."""
-        if not (self.fused_decode and self.route_in_experts):
+        if not (self.fused_decode and self.route_in_experts and logits.dtype == torch.bfloat16):
             return None
         if not self.experts.routes_in_kernels(x, logits.shape[1]):
             return None

@@ -192,11 +192,8 @@ def test_native_mma_down_matches_dequantised_reference(hidden, inter, tokens, k,
 )
 @pytest.mark.parametrize("replay", [False, True])
 @pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("logits_dtype", [torch.bfloat16, torch.float32])
-def test_kernels_routing_themselves_match_the_router(
-    hidden, inter, tokens, k, experts, replay, normalize, logits_dtype
-):
-    """Both tensor-core kernels picking each pair's expert from the router's logits (a strided view) or from
+def test_kernels_routing_themselves_match_the_router(hidden, inter, tokens, k, experts, replay, normalize):
+    """Both tensor-core kernels picking each pair's expert from the router's bf16 logits (a strided view) or
     a replay's rows (moe_int4_native.Route): gate/up writes route_fused's choice; the output is the kernels'
     given route_fused's (or the replay's) ids and weights, bit for bit with a replay, to rounding without
     (the softmax's sums run in another order); a replay's cursor moves on by the call's tokens, in recorded
@@ -207,7 +204,7 @@ def test_kernels_routing_themselves_match_the_router(
 
     pool, x, _, gen = _routed(hidden, inter, tokens, k, hidden + experts + 2 * replay + normalize)
     row_of = torch.randint(0, 12, (experts,), generator=gen).cuda()  # many experts, 12 pool rows
-    logits = torch.randn(tokens, experts + 7, generator=gen).to(logits_dtype).cuda()[:, :experts]
+    logits = torch.randn(tokens, experts + 7, generator=gen).to(torch.bfloat16).cuda()[:, :experts]
     shared = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
     gate = torch.randn(tokens, 1, generator=gen).to(torch.bfloat16).cuda()
     trace = None
@@ -223,7 +220,7 @@ def test_kernels_routing_themselves_match_the_router(
             1,
         )
     assert moe_int4_native.mma_available(x, hidden, inter), "the CUDA kernel did not build"
-    want_ids, want_weights = route_fused(logits, k, normalize, torch.bfloat16)
+    want_weights, want_ids = route_fused(logits, k, normalize, torch.bfloat16)
 
     def expected(at: int) -> torch.Tensor:
         ids, weights = want_ids, want_weights

@@ -289,8 +289,7 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
 // router's choice is still made (gate/up writes it), as in serving. Logits, trace and cursor are never the
 // kernel just before's outputs, so down picks before its programmatic wait, and gate/up does where `settled`.
 struct Route {
-  const void* logits;  // [T, E] bf16 or fp32 router logits; null: the pairs' rows are given
-  int logits_bf16;
+  const __nv_bfloat16* logits;  // [T, E] router logits; null: the pairs' rows are given
   int logits_stride;  // elements from one token's logits to the next's
   int experts;  // E, at most kRouteMaxExperts
   int normalize;  // the top k's weights renormalised to sum to one
@@ -313,59 +312,57 @@ struct Choice {
   float weight;  // its weight (only with `weigh`)
 };
 
-__device__ __forceinline__ float route_logit(const Route& route, int64_t at) {
-  return route.logits_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(route.logits)[at])
-                           : static_cast<const float*>(route.logits)[at];
+// A logit and its expert as one 32-bit key whose unsigned order is the logits' order, ties to the lower id:
+// the bf16 bits made order-preserving in the high half, 0xFFFF - e in the low half. 0: no expert.
+__device__ __forceinline__ uint32_t route_key(uint16_t bits, int e) {
+  const uint32_t ordered = bits & 0x8000u ? bits ^ 0xFFFFu : bits ^ 0x8000u;
+  return ordered << 16 | (0xFFFFu - e);
 }
 
-// Pair (t, r)'s choice, computed by each warp alone (no barrier): softmax over the E logits in fp32, then
-// rounds of the largest probability, ties to the lower id, as routing.route_token does; r + 1 rounds, or k
-// where the weight is renormalised over the top k. Lane l holds experts l, l + 32, ...
+__device__ __forceinline__ float key_logit(uint32_t key) {
+  const uint32_t ordered = key >> 16;
+  return __uint_as_float((ordered & 0x8000u ? ordered ^ 0x8000u : ordered ^ 0xFFFFu) << 16);
+}
+
+// Pair (t, r)'s choice, computed by each warp alone (no barrier): r + 1 rounds of the largest logit, ties to
+// the lower id, each one redux.sync over the lanes' packed keys (lane l holds experts l, l + 32, ...); k
+// rounds where the weight is renormalised over the top k. The order of the logits is the order of the
+// softmax's probabilities that routing.route_token ranks (bf16 logits: distinct ones stay distinct through
+// exp in fp32); the weight is that probability, softmax in fp32 (its sums in another order).
 __device__ Choice route_choice(const Route& route, int t, int k, int r, bool weigh) {
   const int lane = threadIdx.x % kLanes;
-  const int64_t row = static_cast<int64_t>(t) * route.logits_stride;
-  float prob[kRoutePerLane];
-  float top = -INFINITY;
+  const uint16_t* row = reinterpret_cast<const uint16_t*>(route.logits) + static_cast<int64_t>(t) * route.logits_stride;
+  uint32_t key[kRoutePerLane];
 #pragma unroll
   for (int j = 0; j < kRoutePerLane; ++j) {
     const int e = lane + j * kLanes;
-    prob[j] = e < route.experts ? route_logit(route, row + e) : -INFINITY;
-    top = fmaxf(top, prob[j]);
+    key[j] = e < route.experts ? route_key(row[e], e) : 0u;
   }
+  float top = 0.0f, sum = 1.0f;
+  if (weigh) {  // the softmax's max and sum
+    uint32_t best = 0u;
 #pragma unroll
-  for (int d = kLanes / 2; d > 0; d /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, d));
-  float sum = 0.0f;
+    for (int j = 0; j < kRoutePerLane; ++j) best = max(best, key[j]);
+    top = key_logit(__reduce_max_sync(0xffffffffu, best));
+    sum = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) {
-    prob[j] = lane + j * kLanes < route.experts ? __expf(prob[j] - top) : 0.0f;
-    sum += prob[j];
+    for (int j = 0; j < kRoutePerLane; ++j) sum += key[j] ? __expf(key_logit(key[j]) - top) : 0.0f;
+#pragma unroll
+    for (int d = kLanes / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
   }
-#pragma unroll
-  for (int d = kLanes / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-#pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) prob[j] = lane + j * kLanes < route.experts ? prob[j] / sum : -1.0f;
   Choice choice = {0, 0, 0.0f};
   float chosen = 0.0f, total = 0.0f;
   const int rounds = weigh && route.normalize ? k : r + 1;
   for (int round = 0; round < rounds; ++round) {
-    float best = -2.0f;
-    int best_e = kRouteMaxExperts;
+    uint32_t best = 0u;
 #pragma unroll
-    for (int j = 0; j < kRoutePerLane; ++j) {
-      if (prob[j] > best) best = prob[j], best_e = lane + j * kLanes;  // the lower id first on a tie
-    }
+    for (int j = 0; j < kRoutePerLane; ++j) best = max(best, key[j]);
+    best = __reduce_max_sync(0xffffffffu, best);
 #pragma unroll
-    for (int d = kLanes / 2; d > 0; d /= 2) {
-      const float other = __shfl_xor_sync(0xffffffffu, best, d);
-      const int other_e = __shfl_xor_sync(0xffffffffu, best_e, d);
-      if (other > best || (other == best && other_e < best_e)) best = other, best_e = other_e;
-    }
-#pragma unroll
-    for (int j = 0; j < kRoutePerLane; ++j) {
-      if (lane + j * kLanes == best_e) prob[j] = -1.0f;
-    }
-    if (round == r) choice.router = best_e, chosen = best;
-    total += best;
+    for (int j = 0; j < kRoutePerLane; ++j) key[j] = key[j] == best ? 0u : key[j];
+    const float prob = weigh ? __expf(key_logit(best) - top) / sum : 0.0f;
+    if (round == r) choice.router = 0xFFFFu - (best & 0xFFFFu), chosen = prob;
+    total += prob;
   }
   choice.expert = choice.router;
   choice.weight = weigh && route.normalize ? chosen / total : chosen;
