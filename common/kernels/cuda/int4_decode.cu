@@ -306,12 +306,6 @@ struct Route {
 constexpr int kRouteMaxExperts = 512;
 constexpr int kRoutePerLane = kRouteMaxExperts / kLanes;
 
-struct Choice {
-  int64_t router;  // the router's expert at the pair's rank
-  int64_t expert;  // the expert the pair computes (the replay's where there is one)
-  float weight;  // its weight (only with `weigh`)
-};
-
 // A logit and its expert as one 32-bit key whose unsigned order is the logits' order, ties to the lower id:
 // the bf16 bits made order-preserving in the high half, 0xFFFF - e in the low half. 0: no expert.
 __device__ __forceinline__ uint32_t route_key(uint16_t bits, int e) {
@@ -324,68 +318,94 @@ __device__ __forceinline__ float key_logit(uint32_t key) {
   return __uint_as_float((ordered & 0x8000u ? ordered ^ 0x8000u : ordered ^ 0xFFFFu) << 16);
 }
 
-// Pair (t, r)'s choice, computed by each warp alone (no barrier): r + 1 rounds of the largest logit, ties to
-// the lower id, each one redux.sync over the lanes' packed keys (lane l holds experts l, l + 32, ...); k
-// rounds where the weight is renormalised over the top k. The order of the logits is the order of the
-// softmax's probabilities that routing.route_token ranks (bf16 logits: distinct ones stay distinct through
-// exp in fp32); the weight is that probability, softmax in fp32 (its sums in another order).
-__device__ Choice route_choice(const Route& route, int t, int k, int r, bool weigh) {
+// Token t's keys in this lane: experts lane, lane + 32, ...
+__device__ __forceinline__ void route_keys(const Route& route, int t, uint32_t* key) {
   const int lane = threadIdx.x % kLanes;
-  const uint16_t* row = reinterpret_cast<const uint16_t*>(route.logits) + static_cast<int64_t>(t) * route.logits_stride;
-  uint32_t key[kRoutePerLane];
+  const uint16_t* row =
+      reinterpret_cast<const uint16_t*>(route.logits) + static_cast<int64_t>(t) * route.logits_stride;
 #pragma unroll
   for (int j = 0; j < kRoutePerLane; ++j) {
     const int e = lane + j * kLanes;
     key[j] = e < route.experts ? route_key(row[e], e) : 0u;
   }
-  float top = 0.0f, sum = 1.0f;
-  if (weigh) {  // the softmax's max and sum
-    uint32_t best = 0u;
-#pragma unroll
-    for (int j = 0; j < kRoutePerLane; ++j) best = max(best, key[j]);
-    top = key_logit(__reduce_max_sync(0xffffffffu, best));
-    sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kRoutePerLane; ++j) sum += key[j] ? __expf(key_logit(key[j]) - top) : 0.0f;
-#pragma unroll
-    for (int d = kLanes / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-  }
-  Choice choice = {0, 0, 0.0f};
-  float chosen = 0.0f, total = 0.0f;
-  const int rounds = weigh && route.normalize ? k : r + 1;
-  for (int round = 0; round < rounds; ++round) {
-    uint32_t best = 0u;
-#pragma unroll
-    for (int j = 0; j < kRoutePerLane; ++j) best = max(best, key[j]);
-    best = __reduce_max_sync(0xffffffffu, best);
-#pragma unroll
-    for (int j = 0; j < kRoutePerLane; ++j) key[j] = key[j] == best ? 0u : key[j];
-    const float prob = weigh ? __expf(key_logit(best) - top) / sum : 0.0f;
-    if (round == r) choice.router = 0xFFFFu - (best & 0xFFFFu), chosen = prob;
-    total += prob;
-  }
-  choice.expert = choice.router;
-  choice.weight = weigh && route.normalize ? chosen / total : chosen;
-  if (route.trace_ids != nullptr) {
-    const int64_t at = (((*route.cursor + t) % route.trace_rows) * route.trace_layers + route.layer) * k + r;
-    choice.expert = load_index(route.trace_ids, at, route.trace_wide);
-    choice.weight = route.trace_weights[at];
-  }
-  if (route.bf16_weights) choice.weight = __bfloat162float(__float2bfloat16(choice.weight));
-  return choice;
 }
 
-// With a replay, the last of down's blocks to finish moves the cursor on by the call's tokens: every block of
-// down read it as it started, and gate/up's blocks completed before any of down's passed its wait.
-__device__ void advance_cursor(const Route& route) {
-  if (route.logits == nullptr || route.trace_ids == nullptr) return;
-  __syncthreads();  // every warp of this block has read the cursor
+// The largest key left (every lane gets it), taken out of the lanes' keys: one redux.sync.
+__device__ __forceinline__ uint32_t take_top(uint32_t* key) {
+  uint32_t best = 0u;
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) best = max(best, key[j]);
+  best = __reduce_max_sync(0xffffffffu, best);
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) key[j] = key[j] == best ? 0u : key[j];
+  return best;
+}
+
+// The router's expert of rank r for token t, computed by each warp alone (no barrier): r + 1 rounds of the
+// largest logit, ties to the lower id. The logits' order is the order of the softmax's probabilities that
+// routing.route_token ranks (distinct bf16 logits stay distinct through exp in fp32).
+__device__ int64_t route_rank(const Route& route, int t, int r) {
+  uint32_t key[kRoutePerLane];
+  route_keys(route, t, key);
+  uint32_t best = 0u;
+  for (int round = 0; round <= r; ++round) best = take_top(key);
+  return 0xFFFFu - (best & 0xFFFFu);
+}
+
+// The router's weight of rank r for token t: its softmax probability in fp32 (the sums in another order than
+// route_token's), renormalised over the top k with `normalize`, rounded to bf16 with `bf16_weights`.
+__device__ float route_weight(const Route& route, int t, int k, int r) {
+  uint32_t key[kRoutePerLane];
+  route_keys(route, t, key);
+  uint32_t best = 0u;
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) best = max(best, key[j]);
+  const float top = key_logit(__reduce_max_sync(0xffffffffu, best));
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kRoutePerLane; ++j) sum += key[j] ? __expf(key_logit(key[j]) - top) : 0.0f;
+#pragma unroll
+  for (int d = kLanes / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+  float chosen = 0.0f, total = 0.0f;
+  const int rounds = route.normalize ? k : r + 1;
+  for (int round = 0; round < rounds; ++round) {
+    const float prob = __expf(key_logit(take_top(key)) - top) / sum;
+    chosen = round == r ? prob : chosen;
+    total += prob;
+  }
+  return route.normalize ? chosen / total : chosen;
+}
+
+// A replay's row index of pair (t, r) from the layer's cursor value `base`.
+__device__ __forceinline__ int64_t trace_at(const Route& route, int64_t base, int t, int k, int r) {
+  return (((base + t) % route.trace_rows) * route.trace_layers + route.layer) * k + r;
+}
+
+__device__ __forceinline__ float as_weight(const Route& route, float weight) {
+  return route.bf16_weights ? __bfloat162float(__float2bfloat16(weight)) : weight;
+}
+
+// Down's read of a replay's cursor: thread 0 reads it for the block (every thread, before any other barrier,
+// gets it), then counts the block among its readers (`ticket`: its place; thread 0's alone).
+__device__ int64_t read_cursor(const Route& route, int* ticket) {
+  __shared__ int64_t base;
+  if (threadIdx.x == 0) base = *route.cursor;
+  __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(route.finished, 1) == static_cast<int>(gridDim.x * gridDim.y) - 1) {
-      route.cursor[0] += route.tokens;
-      atomicExch(route.finished, 0);
-    }
+    __threadfence();  // the read before the count
+    *ticket = atomicAdd(route.finished, 1);
+  }
+  return base;
+}
+
+// The last block of down to read the cursor moves it on by the call's tokens: by then every other block of
+// down has read it, and so has every block of gate/up (down launched only once each of gate/up's blocks had
+// passed its read: gate/up triggers after it). Apart from read_cursor, so that the count's round trip
+// overlaps the block's loads.
+__device__ __forceinline__ void advance_cursor(const Route& route, int ticket, int64_t base) {
+  if (threadIdx.x == 0 && ticket == static_cast<int>(gridDim.x * gridDim.y) - 1) {
+    *route.cursor = base + route.tokens;
+    atomicExch(route.finished, 0);
   }
 }
 
@@ -517,10 +537,11 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
   // The codes of kMmaAhead groups are in flight while one is multiplied; a group's inputs one ahead.
   MmaGroup stage[kMmaAhead + 1];
   auto load_first = [&]() {
-    if (route.logits != nullptr) {
-      const Choice choice = route_choice(route, p / k, k, p % k, false);
-      router = choice.router;
-      row = choice.expert;
+    if (route.logits != nullptr) {  // the router's choice is made with a replay too, as in serving
+      router = route_rank(route, p / k, p % k);
+      row = route.trace_ids == nullptr
+                ? router
+                : load_index(route.trace_ids, trace_at(route, *route.cursor, p / k, k, p % k), route.trace_wide);
     } else {
       row = load_index(rows, p, wide_rows);
     }
@@ -528,9 +549,16 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
 #pragma unroll
     for (int G = 0; G < kMmaAhead; ++G) load_group(G, stage[G]);
   };
-  if (settled) load_first();
-  gdc_wait(gdc);
-  if (!settled) load_first();
+  if (settled) {
+    load_first();
+    gdc_wait(gdc);
+  } else {  // the next kernel (down) may read a replay's cursor once this block has: trigger after load_first
+    gdc_wait(gdc == 1 ? 2 : gdc);
+    load_first();
+#if __CUDA_ARCH__ >= 900
+    if (gdc == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  }
   // written after the wait: the buffer's memory may be what a kernel before read last
   if (route.logits != nullptr && blockIdx.y == 0 && threadIdx.x == 0) route.router_ids[p] = router;
 
@@ -593,9 +621,13 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
   const int g = lane / 4, t = lane % 4;
   const int n = (blockIdx.y * kMmaDownWarps + warp) * kMmaDownRows + g;  // this lane's rows n, n + 8
   constexpr int kInter = G * 128, kChunks = G * 4;
-  Choice choice = {0, 0, 0.0f};
-  if (route.logits != nullptr) choice = route_choice(route, p / k, k, p % k, true);
-  int64_t row = route.logits != nullptr ? choice.expert : load_index(rows, p, wide_rows);
+  const bool replay = route.logits != nullptr && route.trace_ids != nullptr;
+  int ticket = 0;
+  const int64_t base = replay ? read_cursor(route, &ticket) : 0;
+  const int64_t trace = replay ? trace_at(route, base, p / k, k, p % k) : 0;
+  int64_t row = route.logits == nullptr ? load_index(rows, p, wide_rows)
+                : replay                ? load_index(route.trace_ids, trace, route.trace_wide)
+                                        : route_rank(route, p / k, p % k);
   if (lookup) row = load_index(row_of, row, wide_row_of);
   const int64_t lo_row = row * hidden + n, hi_row = lo_row + 8, own_row = t % 2 ? hi_row : lo_row;
   uint4 lo[G], hi[G];
@@ -607,9 +639,12 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
     zero[i] = zeros[own_row * G + i];
     scale[i] = reinterpret_cast<const uint16_t*>(scales)[own_row * G + i];
   }
-  const float weight = route.logits != nullptr ? choice.weight
-                       : bf16_weights ? __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[p])
-                                      : static_cast<const float*>(weights)[p];
+  // a routed weight is computed while the codes are in flight
+  const float weight = route.logits == nullptr ? bf16_weights
+                                                   ? __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[p])
+                                                   : static_cast<const float*>(weights)[p]
+                       : as_weight(route, replay ? route.trace_weights[trace] : route_weight(route, p / k, k, p % k));
+  if (replay) advance_cursor(route, ticket, base);
   gdc_wait(gdc);
   const uint4* at = reinterpret_cast<const uint4*>(act + static_cast<int64_t>(p) * kInter);
   uint4 av[2][4];
@@ -633,7 +668,6 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
     partial[static_cast<int64_t>(p) * hidden + n] = acc[0] * weight;
     partial[static_cast<int64_t>(p) * hidden + n + 8] = acc[1] * weight;
   }
-  advance_cursor(route);
   if (fold) {
     fold_rows(partial, counters, shared, gate, gate_stride, out, p, k, hidden, kMmaDownWarps * kMmaDownRows);
   }
