@@ -199,7 +199,7 @@ def test_kernels_routing_themselves_match_the_router(hidden, inter, tokens, k, e
     (the softmax's sums run in another order); a replay's cursor moves on by the call's tokens, in recorded
     replays too, and the arrival counters are left at zero."""
     from common.kernels import arrival, moe_int4_native
-    from common.kernels.moe_int4 import RESIDENT_CONFIGS, moe_int4_decode
+    from common.kernels.moe_int4 import moe_int4_decode
     from common.kernels.routing import route_fused
 
     pool, x, _, gen = _routed(hidden, inter, tokens, k, hidden + experts + 2 * replay + normalize)
@@ -220,6 +220,8 @@ def test_kernels_routing_themselves_match_the_router(hidden, inter, tokens, k, e
             1,
         )
     assert moe_int4_native.mma_available(x, hidden, inter), "the CUDA kernel did not build"
+    knobs = {"block": 8, "words": True, "native_rows": 2, "native_warps": 2, "native_mma": True}
+    knobs |= {"native_down_warps": 4, "native_down_mma": True, "row_of": row_of}
     want_weights, want_ids = route_fused(logits, k, normalize, torch.bfloat16)
 
     def expected(at: int) -> torch.Tensor:
@@ -227,17 +229,14 @@ def test_kernels_routing_themselves_match_the_router(hidden, inter, tokens, k, e
         if trace is not None:
             rows_at = (at + torch.arange(tokens, device="cuda")) % trace[0].shape[0]
             ids, weights = trace[0][rows_at, 1].long(), trace[1][rows_at, 1].to(torch.bfloat16)
-        return moe_int4_decode(
-            x, ids, weights, pool, row_of=row_of, configs=RESIDENT_CONFIGS, shared=shared, shared_gate=gate
-        )
+        return moe_int4_decode(x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)
 
     def call() -> tuple[torch.Tensor, torch.Tensor]:
         router_ids = torch.empty(tokens, k, dtype=torch.int64, device="cuda")
         finished = arrival.counters(x.device, arrival.COUNTERS)[-1:]
         route = moe_int4_native.Route(logits, k, normalize, True, trace, router_ids.view(-1), finished)
         out = moe_int4_decode(
-            x, router_ids, None, pool, row_of=row_of, configs=RESIDENT_CONFIGS, shared=shared,
-            shared_gate=gate, settled=replay, route=route,
+            x, router_ids, None, pool, shared=shared, shared_gate=gate, settled=replay, route=route, **knobs,
         )  # fmt: skip
         return out, router_ids
 
