@@ -225,7 +225,6 @@ DECODE_SWITCHES = (
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
     "no-moe-dispatch", "select-search", "no-qsa-prologue", "no-conv-epilogue",
     "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "no-tail-trigger-first", "no-hc-split-rank",
-    "no-route-in-experts",
 )  # fmt: skip
 """The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
 
@@ -299,7 +298,6 @@ def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
         (decode_attention, "TARGET_PROGRAMS", 128),
         (pdl, "START_TRIGGER", False),
         (hyper, "MIX_UP_SPLIT_RANK", False),
-        (SparseMoeBlock, "route_in_experts", False),
     )
     return dict(zip(DECODE_SWITCHES, switches, strict=True))
 

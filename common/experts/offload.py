@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from common.experts.cache_tables import DECODE_GROUPS, DEFAULT_POLICY, CacheTables
 from common.experts.formats import ExpertFormat, get_format
-from common.experts.provider import ExpertProvider, RouterChoice, add_shared, install_provider
+from common.experts.provider import ExpertProvider, add_shared, install_provider
 from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
 from common.experts.store import HostExpertStore
 from common.kv.lending import KvLending
@@ -631,41 +631,6 @@ class OffloadedExperts(ExpertProvider):
         gate_up, down = self.fmt.unpack_many(parts, self.dtype)  # [T*k, 2I, H], [T*k, H, I]
         gate_up, down = gate_up.view(t, k, *gate_up.shape[1:]), down.view(t, k, *down.shape[1:])
         return batched_expert_mlp(x, gate_up, down, topk_ids, topk_weights, self.act)
-
-    def routes_in_kernels(self, x: torch.Tensor, experts: int) -> bool:
-        """An all-resident one-group decode pass whose int4 kernels run on the tensor cores in CUDA C and sum
-        the shared expert (moe_int4.routes_in_kernels): nothing to resolve or copy between the router and the
-        experts."""
-        if not (self.all_resident and self.fused_int4 and not self.prefill and self.groups == 1):
-            return False
-        if not self.combine_shared or x.device.type != "cuda":
-            return False
-        from common.kernels import moe_int4  # Triton: CUDA
-
-        return moe_int4.routes_in_kernels(x, self.pool, experts, moe_int4.RESIDENT_CONFIGS)
-
-    def compute_routed(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        choice: RouterChoice,
-        shared: torch.Tensor | None,
-        shared_gate: torch.Tensor | None,
-        settled: bool,
-    ) -> torch.Tensor:
-        from common.kernels import arrival, moe_int4  # Triton: CUDA
-        from common.kernels.moe_int4_native import Route
-
-        t, k = x.shape[0], choice.top_k
-        router_ids = torch.empty((t, k), dtype=torch.int64, device=x.device)
-        finished = arrival.counters(x.device, arrival.COUNTERS)[-1:]  # (the fold's counters start at 0)
-        route = Route(*choice, router_ids.view(-1), finished)
-        row_of = self.tables.slot_of[self.index[layer], : self.store.num_experts]  # (prepare's rows)
-        return moe_int4.moe_int4_decode(
-            x, router_ids, None, self.pool, row_of=row_of,
-            configs=moe_int4.RESIDENT_CONFIGS, shared=shared, shared_gate=shared_gate, settled=settled,
-            route=route,
-        )  # fmt: skip
 
     def _int4_decode(
         self,

@@ -11,7 +11,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -24,22 +23,6 @@ class ExpertWeights:
     """[E, 2I, H]: gate rows first, then up rows."""
     down: torch.Tensor
     """[E, H, I]."""
-
-
-class RouterChoice(NamedTuple):
-    """What a provider whose kernels route (`ExpertProvider.compute_routed`) needs to make the router's choice
-    itself: moe.route's arguments, and a routing replay's rows on the device."""
-
-    logits: torch.Tensor
-    """[T, E] the router's logits, bf16 (a view of its GEMV's output: unit column stride)."""
-    top_k: int
-    normalize: bool
-    """The top k's weights renormalised to sum to one."""
-    bf16_weights: bool
-    """The weights rounded to bf16, as the router's own kernel writes them for a bf16 model."""
-    replay: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None
-    """RoutingReplayer.device_rows' (ids, weights, cursors, trace layer), whose rows the experts use (the
-    cursor moved on by T); None: the router's choice."""
 
 
 class ExpertProvider(ABC):
@@ -93,25 +76,6 @@ class ExpertProvider(ABC):
     ) -> None:
         """A guess at `layer`'s experts (`predict(x)` → ids [T, n], called only if wanted), made while earlier
         layers compute: a provider that copies experts in may start on them. Default: ignored."""
-
-    def routes_in_kernels(self, x: torch.Tensor, experts: int) -> bool:
-        """Whether `compute_routed` takes this pass's layer input x [T, H] with a router over `experts`.
-        Default: no."""
-        return False
-
-    def compute_routed(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        choice: RouterChoice,
-        shared: torch.Tensor | None,
-        shared_gate: torch.Tensor | None,
-        settled: bool,
-    ) -> torch.Tensor:
-        """`compute`'s result where the provider's kernels make the router's choice themselves (only where
-        `routes_in_kernels` holds): nothing runs between the router's GEMV and them. `settled`: the logits are
-        not the outputs of the kernel launched just before this call."""
-        raise NotImplementedError(f"{type(self).__name__} does not route in its kernels")
 
     def compute(
         self,

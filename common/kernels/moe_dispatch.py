@@ -18,6 +18,12 @@ WARPS their sums are split over other threads than route_fused's and swiglu_down
 The routed experts' first kernel now follows the kernel that wrote their rows: it reads them after its
 programmatic wait (SparseMoeBlock passes `settled` False), where the shared expert's kernel between let it
 read them before.
+Routing in the experts' kernels instead (every block of the all-resident int4 gate/up and down picking its
+pair's expert from the logits, the shared expert's kernel before them, no kernel of its own) was correct and
+slower: on an H100 its best form ran 194.39 tok/s against this kernel's 196.52
+(bench/results/decode-allfit-route-in-experts-ab.json). Its profile's step was as long: gate/up's exposed time
+grew by what this kernel's shrank, the router's rounds now before gate/up's codes. What the boundary between
+two kernels costs is mostly the work on either side of it, which moves with the work.
 """
 
 from __future__ import annotations

@@ -589,33 +589,10 @@ def _native(c: DecodeConfig, x: torch.Tensor, host: dict | None, inter: int) -> 
     )
 
 
-def routes_in_kernels(
-    x: torch.Tensor,
-    pool: dict[str, torch.Tensor],
-    experts: int,
-    configs: dict[int, DecodeConfig] | None = None,
-) -> bool:
-    """Whether `moe_int4_decode` can take a `route` for x [T, H] (no host reads): the call's config runs
-    gate_up and down on the tensor cores in CUDA C, they can take the shape, and the router chooses among at
-    most moe_int4_native.ROUTE_MAX_EXPERTS experts."""
-    c = decode_config(x.shape[0], configs)
-    inter = pool["down_qweight"].shape[2] * 2
-    return (
-        c.words
-        and c.native_mma
-        and c.native_down_mma
-        and bool(c.native_down_warps)
-        and experts <= moe_int4_native.ROUTE_MAX_EXPERTS
-        and _native(c, x, None, inter)
-        and moe_int4_native.mma_available(x, x.shape[1], inter)
-        and moe_int4_native.down_mma_available(x, inter, None)
-    )
-
-
 def moe_int4_decode(
     x: torch.Tensor,
     rows: torch.Tensor,
-    weights: torch.Tensor | None,
+    weights: torch.Tensor,
     pool: dict[str, torch.Tensor],
     block: int | None = None,
     before_down: Callable[[], None] | None = None,
@@ -645,7 +622,6 @@ def moe_int4_decode(
     native_down_warps: int | None = None,
     native_mma: bool | None = None,
     native_down_mma: bool | None = None,
-    route: moe_int4_native.Route | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
@@ -678,10 +654,6 @@ def moe_int4_decode(
     Down reads its rows (and `row_of`) and routing weights before it waits for gate_up, which never writes
     them. `settled`: rows and `row_of` are not the outputs of the kernel launched just before this call (a
     shared expert's kernels came between: the caller knows), so gate_up reads them before its wait too.
-
-    `route` (where `routes_in_kernels` holds): the kernels pick each pair's expert from the router's logits
-    themselves (moe_int4_native.Route); `rows` [T, k] int64 is then where gate_up writes the router's choice,
-    `weights` is unread (None), and `settled` says whether the logits are the kernel just before's outputs.
     """
     t, k = rows.shape
     given = {"block": block, "groups_per_step": groups_per_step, "num_warps": num_warps}
@@ -716,8 +688,6 @@ def moe_int4_decode(
     act_dtype = torch.bfloat16 if down_mma else torch.float32
     act = torch.empty((t * k, inter), dtype=act_dtype, device=x.device)
     partial = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)
-    assert route is None or (native_gate_up and down_mma), "routing in the kernels: both on the tensor cores"
-    weights = rows if weights is None else weights  # (unread with a route)
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     pdl = launch(x.device)  # every kernel of the call: the same launch
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
@@ -766,9 +736,8 @@ def moe_int4_decode(
         lookup = row_of if knobs["LOOKUP"] else None
         layout = 3 if down_mma else 1 if c.words else 2 if c.split_act else 0
         mma = c.native_mma and moe_int4_native.mma_available(x, hidden, inter)
-        assert route is None or mma, "routing in the kernels: gate/up on the tensor cores"
         moe_int4_native.gate_up(
-            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled, mma, route
+            x, rows, lookup, pool, act, k, c.native_rows, c.native_warps, layout, pdl, settled, mma
         )
     else:
         _gate_up_kernel[(t * k, blocks, n_chunks)](
@@ -795,7 +764,7 @@ def moe_int4_decode(
         counts = arrival.counters(x.device, t * hidden // rows_a_block) if fold else None
         moe_int4_native.down(
             act, rows, row_of if knobs["LOOKUP"] else None, weights, pool, partial, out, k, warps, counts,
-            shared if sums_knobs["SHARED"] else None, shared_gate, pdl, mma=down_mma, route=route,
+            shared if sums_knobs["SHARED"] else None, shared_gate, pdl, mma=down_mma,
         )  # fmt: skip
     else:
         blocks = hidden // down_block

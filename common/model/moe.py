@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig
-from common.experts.provider import ExpertProvider, RouterChoice
+from common.experts.provider import ExpertProvider
 from common.model.fused_linear import FusedLinears, Linear, fuse_linears, plain_linear, project
 from common.model.layers import GatedMLP
 
@@ -38,12 +38,6 @@ class SparseMoeBlock(nn.Module):
 
     lookahead = True
     """With `ahead`: guess (a switch for bench.decode_offload --ablate, which compares a run without)."""
-
-    route_in_experts = True
-    """With `fused_decode`: where the provider's expert kernels can pick the experts themselves (an
-    all-resident int4 decode: `ExpertProvider.routes_in_kernels`), the router's logits go to them and no
-    routing kernel runs between the router's GEMV and the experts: the shared expert's kernel, then the
-    experts'. A switch for bench.decode_offload --ablate (`no-route-in-experts`)."""
 
     shared_kernel = True
     """With `fused_decode`: a few rows' shared expert after its input projections in one Triton kernel
@@ -87,9 +81,6 @@ class SparseMoeBlock(nn.Module):
         else:
             logits, shared_in = self.gate(x), None
         dtype = torch.float32 if self.weights_fp32 else x.dtype  # fused kernels round in the kernel
-        routed = self._route_in_experts(x, logits, shared_in, dtype)
-        if routed is not None:
-            return routed
         with self.experts.turn(self.layer_idx):  # a grouped pass's groups replay and resolve in turn
             dispatched = self._dispatch(logits, shared_in, dtype)  # the shared expert too, maybe
             weights, ids, shared = dispatched or (*self._route(logits, dtype), None)
@@ -137,25 +128,6 @@ class SparseMoeBlock(nn.Module):
         elif replay is None:  # the router's choice alone: route_fused's kernel
             return None
         return moe_dispatch.moe_dispatch(logits, self.top_k, self.normalize, dtype, replay, shared)
-
-    def _route_in_experts(
-        self, x: torch.Tensor, logits: torch.Tensor, shared_in: list[torch.Tensor] | None, dtype: torch.dtype
-    ) -> torch.Tensor | None:
-        """The block's output where the expert kernels route (`route_in_experts`): the shared expert first,
-        so that the logits are not the kernel just before's outputs and the experts' first kernel picks
-        its experts before its programmatic wait. None: not this pass."""
-        if not (self.fused_decode and self.route_in_experts and logits.dtype == torch.bfloat16):
-            return None
-        if not self.experts.routes_in_kernels(x, logits.shape[1]):
-            return None
-        hook = self.routing_hook
-        replay = None if hook is None else hook.device_rows(self.layer_idx, logits.device)
-        if hook is not None and replay is None:  # a hook to call (a recorder)
-            return None
-        shared, shared_gate = self._shared(x, shared_in)
-        choice = RouterChoice(logits, self.top_k, self.normalize, dtype == torch.bfloat16, replay)
-        settled = shared is not None  # the shared expert's kernels came after the router's GEMV
-        return self.experts.compute_routed(self.layer_idx, x, choice, shared, shared_gate, settled)
 
     def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
         """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""

@@ -282,133 +282,6 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
 }
 
 
-// The router's choice made by the expert kernels themselves, where every expert is resident (nothing to
-// resolve between the router and the experts): each block of gate/up and of down picks its own pair's expert
-// from the router's logits, so no kernel runs between the router's GEMV and gate/up (common/kernels/
-// moe_int4_native.py, `Route`). With a routing replay, the trace's rows are what the experts use, and the
-// router's choice is still made (gate/up writes it), as in serving. Logits, trace and cursor are never the
-// kernel just before's outputs, so down picks before its programmatic wait, and gate/up does where `settled`.
-struct Route {
-  const __nv_bfloat16* logits;  // [T, E] router logits; null: the pairs' rows are given
-  int logits_stride;  // elements from one token's logits to the next's
-  int experts;  // E, at most kRouteMaxExperts
-  int normalize;  // the top k's weights renormalised to sum to one
-  int bf16_weights;  // the weights rounded to bf16, as the router's kernel writes them for bf16 activations
-  const void* trace_ids;  // a routing replay's rows [rows, layers, k] (int32, or int64 with trace_wide); null: none
-  int trace_wide;
-  const float* trace_weights;  // [rows, layers, k]
-  int64_t* cursor;  // the layer's: token t reads row (*cursor + t) % trace_rows; down moves it on by tokens
-  int trace_rows, trace_layers, layer, tokens;
-  int64_t* router_ids;  // [T * k] the router's choice, written by gate/up's first block of rows
-  int* finished;  // down's blocks finished (zero, left zero): the last one moves the cursor
-};
-
-constexpr int kRouteMaxExperts = 512;
-constexpr int kRoutePerLane = kRouteMaxExperts / kLanes;
-
-// A logit and its expert as one 32-bit key whose unsigned order is the logits' order, ties to the lower id:
-// the bf16 bits made order-preserving in the high half, 0xFFFF - e in the low half. 0: no expert.
-__device__ __forceinline__ uint32_t route_key(uint16_t bits, int e) {
-  const uint32_t ordered = bits & 0x8000u ? bits ^ 0xFFFFu : bits ^ 0x8000u;
-  return ordered << 16 | (0xFFFFu - e);
-}
-
-__device__ __forceinline__ float key_logit(uint32_t key) {
-  const uint32_t ordered = key >> 16;
-  return __uint_as_float((ordered & 0x8000u ? ordered ^ 0x8000u : ordered ^ 0xFFFFu) << 16);
-}
-
-// Token t's keys in this lane: experts lane, lane + 32, ...
-__device__ __forceinline__ void route_keys(const Route& route, int t, uint32_t* key) {
-  const int lane = threadIdx.x % kLanes;
-  const uint16_t* row =
-      reinterpret_cast<const uint16_t*>(route.logits) + static_cast<int64_t>(t) * route.logits_stride;
-#pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) {
-    const int e = lane + j * kLanes;
-    key[j] = e < route.experts ? route_key(row[e], e) : 0u;
-  }
-}
-
-// The largest key left (every lane gets it), taken out of the lanes' keys: one redux.sync.
-__device__ __forceinline__ uint32_t take_top(uint32_t* key) {
-  uint32_t best = 0u;
-#pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) best = max(best, key[j]);
-  best = __reduce_max_sync(0xffffffffu, best);
-#pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) key[j] = key[j] == best ? 0u : key[j];
-  return best;
-}
-
-// The router's expert of rank r for token t, computed by each warp alone (no barrier): r + 1 rounds of the
-// largest logit, ties to the lower id. The logits' order is the order of the softmax's probabilities that
-// routing.route_token ranks (distinct bf16 logits stay distinct through exp in fp32).
-__device__ int64_t route_rank(const Route& route, int t, int r) {
-  uint32_t key[kRoutePerLane];
-  route_keys(route, t, key);
-  uint32_t best = 0u;
-  for (int round = 0; round <= r; ++round) best = take_top(key);
-  return 0xFFFFu - (best & 0xFFFFu);
-}
-
-// The router's weight of rank r for token t: its softmax probability in fp32 (the sums in another order than
-// route_token's), renormalised over the top k with `normalize`, rounded to bf16 with `bf16_weights`.
-__device__ float route_weight(const Route& route, int t, int k, int r) {
-  uint32_t key[kRoutePerLane];
-  route_keys(route, t, key);
-  uint32_t best = 0u;
-#pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) best = max(best, key[j]);
-  const float top = key_logit(__reduce_max_sync(0xffffffffu, best));
-  float sum = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kRoutePerLane; ++j) sum += key[j] ? __expf(key_logit(key[j]) - top) : 0.0f;
-#pragma unroll
-  for (int d = kLanes / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-  float chosen = 0.0f, total = 0.0f;
-  const int rounds = route.normalize ? k : r + 1;
-  for (int round = 0; round < rounds; ++round) {
-    const float prob = __expf(key_logit(take_top(key)) - top) / sum;
-    chosen = round == r ? prob : chosen;
-    total += prob;
-  }
-  return route.normalize ? chosen / total : chosen;
-}
-
-// A replay's row index of pair (t, r) from the layer's cursor value `base`.
-__device__ __forceinline__ int64_t trace_at(const Route& route, int64_t base, int t, int k, int r) {
-  return (((base + t) % route.trace_rows) * route.trace_layers + route.layer) * k + r;
-}
-
-__device__ __forceinline__ float as_weight(const Route& route, float weight) {
-  return route.bf16_weights ? __bfloat162float(__float2bfloat16(weight)) : weight;
-}
-
-// Down's read of a replay's cursor: thread 0 reads it for the block (every thread, before any other barrier,
-// gets it), then counts the block among its readers (`ticket`: its place; thread 0's alone).
-__device__ int64_t read_cursor(const Route& route, int* ticket) {
-  __shared__ int64_t base;
-  if (threadIdx.x == 0) base = *route.cursor;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();  // the read before the count
-    *ticket = atomicAdd(route.finished, 1);
-  }
-  return base;
-}
-
-// The last block of down to read the cursor moves it on by the call's tokens: by then every other block of
-// down has read it, and so has every block of gate/up (down launched only once each of gate/up's blocks had
-// passed its read: gate/up triggers after it). Apart from read_cursor, so that the count's round trip
-// overlaps the block's loads.
-__device__ __forceinline__ void advance_cursor(const Route& route, int ticket, int64_t base) {
-  if (threadIdx.x == 0 && ticket == static_cast<int>(gridDim.x * gridDim.y) - 1) {
-    *route.cursor = base + route.tokens;
-    atomicExch(route.finished, 0);
-  }
-}
-
 // gate/up on the tensor cores: a block of 4 warps computes 16 gate rows and their 16 up rows of pair p's
 // expert; warp w takes the groups g = w, w + 4, ... of the inputs and the block sums the 4 partial dots in
 // shared memory. Per group a lane loads one 16-byte chunk (chunk t = lane % 4) of row lane / 4 and of row
@@ -515,13 +388,13 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
                        const void* __restrict__ row_of, int wide_rows, int wide_row_of, int lookup,
                        const uint4* __restrict__ codes, const __nv_bfloat16* __restrict__ scales,
                        const uint8_t* __restrict__ zeros, float* __restrict__ act, int k, int hidden, int inter,
-                       int act_layout, int gdc, int settled, Route route) {
+                       int act_layout, int gdc, int settled) {
   const int p = blockIdx.x;
   const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const int g = lane / 4, t = lane % 4;  // the MMA fragments' group and thread in group
   const int first = blockIdx.y * 16;    // gate rows first..first+15
   const int chunks = hidden / 32, groups = hidden / 128;
-  int64_t row = 0, router = 0;
+  int64_t row = 0;
   auto out_row = [&](int r) -> int64_t {  // r: 0, 1 gate rows g, g + 8; 2, 3 up rows g, g + 8
     return row * 2 * inter + first + g + (r % 2) * 8 + (r / 2) * inter;
   };
@@ -537,30 +410,14 @@ __global__ void __launch_bounds__(kMmaWarps * kLanes, 4)  // 4 blocks an SM: 528
   // The codes of kMmaAhead groups are in flight while one is multiplied; a group's inputs one ahead.
   MmaGroup stage[kMmaAhead + 1];
   auto load_first = [&]() {
-    if (route.logits != nullptr) {  // the router's choice is made with a replay too, as in serving
-      router = route_rank(route, p / k, p % k);
-      row = route.trace_ids == nullptr
-                ? router
-                : load_index(route.trace_ids, trace_at(route, *route.cursor, p / k, k, p % k), route.trace_wide);
-    } else {
-      row = load_index(rows, p, wide_rows);
-    }
+    row = load_index(rows, p, wide_rows);
     if (lookup) row = load_index(row_of, row, wide_row_of);
 #pragma unroll
     for (int G = 0; G < kMmaAhead; ++G) load_group(G, stage[G]);
   };
-  if (settled) {
-    load_first();
-    gdc_wait(gdc);
-  } else {  // the next kernel (down) may read a replay's cursor once this block has: trigger after load_first
-    gdc_wait(gdc == 1 ? 2 : gdc);
-    load_first();
-#if __CUDA_ARCH__ >= 900
-    if (gdc == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  }
-  // written after the wait: the buffer's memory may be what a kernel before read last
-  if (route.logits != nullptr && blockIdx.y == 0 && threadIdx.x == 0) route.router_ids[p] = router;
+  if (settled) load_first();
+  gdc_wait(gdc);
+  if (!settled) load_first();
 
   const uint4* xt = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(p / k) * hidden);
   auto load_x = [&](int G, uint4* xv) {
@@ -614,20 +471,13 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
                     const __nv_bfloat16* __restrict__ scales, const uint8_t* __restrict__ zeros,
                     float* __restrict__ partial, int* __restrict__ counters,
                     const __nv_bfloat16* __restrict__ shared, const __nv_bfloat16* __restrict__ gate,
-                    int gate_stride, __nv_bfloat16* __restrict__ out, int k, int hidden, int fold, int gdc,
-                    Route route) {
+                    int gate_stride, __nv_bfloat16* __restrict__ out, int k, int hidden, int fold, int gdc) {
   const int p = blockIdx.x;
   const int warp = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const int g = lane / 4, t = lane % 4;
   const int n = (blockIdx.y * kMmaDownWarps + warp) * kMmaDownRows + g;  // this lane's rows n, n + 8
   constexpr int kInter = G * 128, kChunks = G * 4;
-  const bool replay = route.logits != nullptr && route.trace_ids != nullptr;
-  int ticket = 0;
-  const int64_t base = replay ? read_cursor(route, &ticket) : 0;
-  const int64_t trace = replay ? trace_at(route, base, p / k, k, p % k) : 0;
-  int64_t row = route.logits == nullptr ? load_index(rows, p, wide_rows)
-                : replay                ? load_index(route.trace_ids, trace, route.trace_wide)
-                                        : route_rank(route, p / k, p % k);
+  int64_t row = load_index(rows, p, wide_rows);
   if (lookup) row = load_index(row_of, row, wide_row_of);
   const int64_t lo_row = row * hidden + n, hi_row = lo_row + 8, own_row = t % 2 ? hi_row : lo_row;
   uint4 lo[G], hi[G];
@@ -639,12 +489,8 @@ __global__ void __launch_bounds__(kMmaDownWarps * kLanes, 4)
     zero[i] = zeros[own_row * G + i];
     scale[i] = reinterpret_cast<const uint16_t*>(scales)[own_row * G + i];
   }
-  // a routed weight is computed while the codes are in flight
-  const float weight = route.logits == nullptr ? bf16_weights
-                                                   ? __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[p])
-                                                   : static_cast<const float*>(weights)[p]
-                       : as_weight(route, replay ? route.trace_weights[trace] : route_weight(route, p / k, k, p % k));
-  if (replay) advance_cursor(route, ticket, base);
+  const float weight = bf16_weights ? __bfloat162float(static_cast<const __nv_bfloat16*>(weights)[p])
+                                    : static_cast<const float*>(weights)[p];
   gdc_wait(gdc);
   const uint4* at = reinterpret_cast<const uint4*>(act + static_cast<int64_t>(p) * kInter);
   uint4 av[2][4];
@@ -686,9 +532,6 @@ DownMmaKernel down_mma_instance(int groups) {
 }  // namespace spillway
 
 using namespace spillway;
-
-// `route`'s copy for a kernel argument; without one, a Route whose null logits say the rows are given.
-static Route route_or_none(const Route* route) { return route != nullptr ? *route : Route{}; }
 
 // act [P, I] fp32 <- silu(gate) * up of pair p's expert (pool row row_of[rows[p]], or rows[p] without lookup)
 // against x[p / k]; `act_layout`: 0 in order, 1 down's words layout, 2 split (evens then odds a group).
@@ -732,34 +575,31 @@ extern "C" int spillway_int4_down(const void* act, const void* rows, const void*
 }
 
 // gate/up on the tensor cores (gate_up_mma_kernel): as spillway_int4_gate_up,
-// 16 rows a block of 4 warps; I a multiple of 16, hidden a multiple of 128 up to 2560. With `route` (null:
-// none), each block picks its pair's expert from the router's logits (Route) and `rows` is unread.
+// 16 rows a block of 4 warps; I a multiple of 16, hidden a multiple of 128 up to 2560.
 extern "C" int spillway_int4_gate_up_mma(const void* x, const void* rows, const void* row_of, int wide_rows,
                                          int wide_row_of, int lookup, const void* codes, const void* scales,
                                          const void* zeros, void* act, int pairs, int k, int hidden, int inter,
-                                         int act_layout, int pdl, int gdc, int settled, const Route* route,
-                                         void* stream) {
+                                         int act_layout, int pdl, int gdc, int settled, void* stream) {
   if (hidden % 128 != 0 || hidden > 128 * kMmaWarps * kMmaMaxGroups || inter % 16 != 0) {
     return cudaErrorInvalidValue;
   }
   return launch_pdl(gate_up_mma_kernel, dim3(pairs, inter / 16), dim3(kMmaWarps * kLanes), stream, pdl, x,
                     rows, row_of, wide_rows, wide_row_of, lookup, codes, scales, zeros, act, k, hidden, inter,
-                    act_layout, gdc, settled, route_or_none(route));
+                    act_layout, gdc, settled);
 }
 
 // down on the tensor cores (down_mma_kernel): as spillway_int4_down, with act [P, I] bf16 in order (gate/up's
-// act layout 3), 16 rows a warp and 4 warps a block: H a multiple of 64, I a multiple of 128 up to 1024. With
-// `route`, as gate/up's, and `rows` and `weights` unread.
+// act layout 3), 16 rows a warp and 4 warps a block: H a multiple of 64, I a multiple of 128 up to 1024.
 extern "C" int spillway_int4_down_mma(const void* act, const void* rows, const void* row_of, int wide_rows,
                                       int wide_row_of, int lookup, const void* weights, int bf16_weights,
                                       const void* codes, const void* scales, const void* zeros, void* partial,
                                       void* counters, const void* shared, const void* gate, int gate_stride,
                                       void* out, int pairs, int k, int hidden, int inter, int fold, int pdl,
-                                      int gdc, const Route* route, void* stream) {
+                                      int gdc, void* stream) {
   const DownMmaKernel kernel = inter % 128 == 0 ? down_mma_instance(inter / 128) : nullptr;
   if (kernel == nullptr || hidden % (kMmaDownRows * kMmaDownWarps) != 0) return cudaErrorInvalidValue;
   const dim3 grid(pairs, hidden / (kMmaDownRows * kMmaDownWarps));
   return launch_pdl(kernel, grid, dim3(kMmaDownWarps * kLanes), stream, pdl, act, rows, row_of, wide_rows,
                     wide_row_of, lookup, weights, bf16_weights, codes, scales, zeros, partial, counters, shared,
-                    gate, gate_stride, out, k, hidden, fold, gdc, route_or_none(route));
+                    gate, gate_stride, out, k, hidden, fold, gdc);
 }
