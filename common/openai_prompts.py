@@ -72,10 +72,12 @@ def chat_tools(request: ChatCompletionRequest, tags: tuple[str, str] | None) -> 
     return list(request.tools)
 
 
-def forced_call(request: ChatCompletionRequest, tools: list[JsonValue] | None, tags: tuple[str, str]) -> str:
+def forced_call(
+    request: ChatCompletionRequest, tools: list[JsonValue] | None, tags: tuple[str, str], xml: bool = False
+) -> str:
     """The form (`SamplingParams.structure`, common/structured.py) that holds the answer to one call block
-    where `tool_choice` forces a call ("required": of any tool; named: of that one); "" where it does not.
-    A 400 for a name no tool has, or without xgrammar."""
+    where `tool_choice` forces a call ("required": of any tool; named: of that one), in the XML form with
+    `xml` (the template's); "" where it does not. A 400 for a name no tool has, or without xgrammar."""
     choice = request.tool_choice
     if tools is None or choice in (None, "auto"):
         return ""
@@ -91,7 +93,7 @@ def forced_call(request: ChatCompletionRequest, tools: list[JsonValue] | None, t
         raise bad_request("A forced call and a response_format cannot both hold the answer.", "tool_choice")
     check_grammar_ends(request, "a forced call")
     try:
-        return call_structure(tools, name, tags)  # type: ignore[arg-type]
+        return call_structure(tools, name, tags, xml)  # type: ignore[arg-type]
     except Unavailable as exc:
         raise bad_request(str(exc), "tool_choice", "unsupported") from None
     except ValueError as exc:

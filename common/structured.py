@@ -3,7 +3,9 @@ grammar that masks, step by step, the tokens that cannot continue it (xgrammar, 
 extra).
 
 A request carries its form as JSON text (`SamplingParams.structure`): `{"schema": S}`, and for a forced
-function call (`call_structure`) the call's tags around it, `{"schema": S, "before": ..., "after": ...}`.
+function call (`call_structure`) the call's tags around it, `{"schema": S, "before": ..., "after": ...}`, or,
+where the chat template asks for calls in Qwen3-Coder's XML form, `{"xml_calls": [{"name": ..., "parameters":
+P}, ...], "tags": [open, close]}`.
 Each worker that samples for it compiles that once for its vocabulary (`Grammars`, cached), on a thread
 beside its loop, and keeps a matcher per request, which reads every token the request generates, on the
 host. The JSON has no free
@@ -57,13 +59,27 @@ def structure_of(response_format: dict[str, Any] | None) -> str:
     return _checked({"schema": schema})
 
 
-def call_structure(tools: list[dict[str, Any]], name: str | None, tags: tuple[str, str]) -> str:
+XML_WHITESPACE = 1
+"""Whitespace characters an XML call may hold between its tags (its values' text is free): one, the line
+break of the template's layout, which is what the reader takes away (tool_calls._bare)."""
+
+
+def call_structure(
+    tools: list[dict[str, Any]], name: str | None, tags: tuple[str, str], xml: bool = False
+) -> str:
     """A forced function call (tool_choice "required", or the function `name`) as a form: one call block
     in `tags` holding {"name": ..., "arguments": ...}, the arguments of the named function's (or any
-    listed function's) parameter schema. ValueError for a name that no tool has."""
+    listed function's) parameter schema; with `xml`, the block in the XML form instead (<function=NAME>,
+    then each argument as <parameter=KEY>VALUE</parameter>, in the schema's order). ValueError for a name
+    that no tool has."""
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not functions:
         raise ValueError(f"tool_choice names {name!r}, which is not among the tools.")
+    if xml:
+        calls = [
+            {"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in functions
+        ]
+        return _checked({"xml_calls": calls, "tags": list(tags)})
     calls = [
         {
             "type": "object",
@@ -94,14 +110,38 @@ def _checked(form: dict[str, Any]) -> str:
 
 
 def _grammar(structure: str) -> Any:
-    """The grammar (xgrammar.Grammar) of a form: its schema's JSON, between its literal tags if any."""
+    """The grammar (xgrammar.Grammar) of a form: its schema's JSON, between its literal tags if any, or one
+    of its XML calls."""
     xgr = _xgrammar()
     form = json.loads(structure)
+    if "xml_calls" in form:
+        return xgr.Grammar.from_structural_tag(json.dumps(_xml_calls_tag(form["xml_calls"], form["tags"])))
     body = xgr.Grammar.from_json_schema(json.dumps(form["schema"]), any_whitespace=False)
     if "before" not in form:
         return body
     literal = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(form[k])}") for k in ("before", "after")]
     return xgr.Grammar.concat(literal[0], body, literal[1])
+
+
+def _xml_calls_tag(calls: list[dict[str, Any]], tags: list[str]) -> dict[str, Any]:
+    """xgrammar's structural tag of one call block in the XML form, of any of `calls`: the block as
+    Qwen3-Coder's chat template writes it, each argument's value held to its schema (xgrammar's qwen_xml
+    style: a string's text bare, up to its </parameter>)."""
+    blocks = [
+        {
+            "type": "tag",
+            "begin": f"{tags[0]}\n<function={call['name']}>\n",
+            "content": {
+                "type": "json_schema",
+                "json_schema": call["parameters"],
+                "style": "qwen_xml",
+                "max_whitespace_cnt": XML_WHITESPACE,
+            },
+            "end": f"\n</function>\n{tags[1]}",
+        }
+        for call in calls
+    ]
+    return {"type": "structural_tag", "format": {"type": "or", "elements": blocks}}
 
 
 class Grammars:

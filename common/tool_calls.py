@@ -28,6 +28,8 @@ from common.detokenize import partial_suffix
 from common.tokenizer import Tokenizer
 
 HERMES_TAGS = ("<tool_call>", "</tool_call>")
+XML_FUNCTION = "<function="
+"""What a chat template that asks for the XML form writes before a call's name."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,12 @@ def _json_type(value: Any) -> str:
     if isinstance(value, float):
         return "number"
     return {str: "string", type(None): "null", list: "array", dict: "object"}.get(type(value), "string")
+
+
+def xml_call_template(tokenizer: Tokenizer) -> bool:
+    """Whether the model's chat template asks for calls in the XML form (Qwen3-Coder's <function=NAME>):
+    a forced call is then held to that form (structured.call_structure)."""
+    return tokenizer.chat_template_mentions(XML_FUNCTION)
 
 
 def tool_call_tags(tokenizer: Tokenizer) -> tuple[str, str] | None:
@@ -373,7 +381,7 @@ def _json_head_possible(block: str) -> bool:
 def _xml_head_possible(block: str) -> bool:
     """Whether more text could still make `block` open as `<function=NAME>`."""
     rest = block.lstrip()
-    tag = "<function="
+    tag = XML_FUNCTION
     if len(rest) <= len(tag):
         return tag.startswith(rest)
     return rest.startswith(tag) and ">" not in rest and "\n" not in rest
@@ -402,10 +410,14 @@ _PARAM_END = "</parameter>"
 _OPEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*)", re.DOTALL)  # one the model left open
 
 
+_LAYOUT = " \n\r\t"
+
+
 def _bare(value: str) -> str:
-    """A parameter's text without the line breaks that open and close it in the template's layout."""
-    value = value[1:] if value.startswith("\n") else value
-    return value[:-1] if value.endswith("\n") else value
+    """A parameter's text without the whitespace character that opens and the one that closes it in the
+    template's layout (a line break; a forced call's grammar allows any one: structured.XML_WHITESPACE)."""
+    value = value[1:] if value[:1] in _LAYOUT else value
+    return value[:-1] if value[-1:] in _LAYOUT else value
 
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {

@@ -33,7 +33,7 @@ from common.openai_api import ApiError, GenerationSpec
 from common.reasoning import ReasoningForm, reasoning_form, reasoning_tags
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from common.tool_calls import call_form, tool_call_tags
+from common.tool_calls import call_form, tool_call_tags, xml_call_template
 from services.router.choices import Choices
 from services.router.config import RouterConfig, model_max_context
 from services.router.core import RouterCore
@@ -113,6 +113,8 @@ class Router:
         """How chats' images become prompt tokens (None: no encoder runs; an image is a 400)."""
         self.tool_tags = tool_call_tags(tokenizer)
         """How the model's function calls are read from its text (None: its template asks for none)."""
+        self.xml_calls = xml_call_template(tokenizer)
+        """Whether its template asks for calls in the XML form (a forced call is held to it)."""
         self.reasoning_tags = reasoning_tags(tokenizer)
         """How the model's reasoning is read apart from its answer (None: its template has none)."""
 
@@ -147,7 +149,7 @@ class Router:
         spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
         self.core.check_images(sum(image.tokens for image in images))
         tags = None if tools is None else self.tool_tags
-        forced = "" if tags is None else openai_prompts.forced_call(body, tools, tags)
+        forced = "" if tags is None else openai_prompts.forced_call(body, tools, tags, self.xml_calls)
         sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
         raw = tuple(image.raw for image in images)
         form = None if tags is None or tools is None else call_form(tags, tools)

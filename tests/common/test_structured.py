@@ -135,3 +135,46 @@ def test_a_grammar_that_starts_after_a_token_leaves_what_comes_before_free() -> 
     assert result.token_ids[0] == gate and result.finish_reason == "stop"
     value = json.loads(engine.tokenizer.decode(result.token_ids[1:]))
     assert set(value) == {"size", "ok"}
+
+
+def test_a_forced_call_in_the_xml_form_is_one_block_of_typed_arguments() -> None:
+    """call_structure with `xml`: the answer is one <tool_call> block in the XML form, naming a listed
+    function, each argument's value of its schema's type; read back with the tools' types, the arguments are
+    JSON of those types."""
+    from common.structured import call_structure
+    from common.tool_calls import HERMES_TAGS, call_form, split_tool_calls
+
+    pick = {
+        "type": "object",
+        "properties": {
+            "size": {"enum": ["S", "M"]},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["size", "count"],
+        "additionalProperties": False,
+    }
+    tools = [
+        {"type": "function", "function": {"name": "pick", "parameters": pick}},
+        {
+            "type": "function",
+            "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}},
+        },
+    ]
+    form = call_form(HERMES_TAGS, tools)
+    engine = Engine(default_model_dir(), dtype=torch.float32, max_seqs=4)
+    structure = call_structure(tools, "pick", HERMES_TAGS, xml=True)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=150, structure=structure) for s in range(2)]
+    noop = call_structure(tools, "noop", HERMES_TAGS, xml=True)
+    params.append(SamplingParams(temperature=1.0, max_tokens=150, structure=noop))
+    calls = []
+    for result in engine.generate([[5, 6, 7]] * 3, params):
+        text = engine.tokenizer.decode(result.token_ids)
+        assert result.finish_reason == "stop", text
+        content, (call,) = split_tool_calls(text, form)
+        assert content == ""
+        calls.append((call.name, json.loads(call.arguments)))
+    assert [name for name, _ in calls] == ["pick", "pick", "noop"] and calls[2][1] == {}
+    for _, arguments in calls[:2]:
+        assert arguments["size"] in ("S", "M") and arguments["count"] in range(100)
+    with pytest.raises(ValueError, match="not among the tools"):
+        call_structure(tools, "other", HERMES_TAGS, xml=True)

@@ -6,14 +6,17 @@ carries calls and their results is rendered as the template renders it, and what
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from common.model.defaults import default_model_dir
+from common.model.synthetic_tokenizer import CHAT_TEMPLATE
 from common.tokenizer import Tokenizer
-from tests.services.router.conftest import TOOL_REPLY, TOOL_REPLY_XML, streamed_calls
+from tests.services.router.conftest import TOOL_REPLY, TOOL_REPLY_XML, serve_router, streamed_calls
 
 TOOLS = [
     {
@@ -136,6 +139,38 @@ def test_a_forced_call_holds_the_answer_to_a_call_block(served: Any, choice: Any
     assert form["schema"]["properties"]["arguments"] == TOOLS[0]["function"]["parameters"]
     auto = client(served).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="auto")
     assert next(g for g in served.peer.generates() if f"chatcmpl-{g.rid}" == auto.id).sampling.structure == ""
+
+
+JSON_CALL = '{{- \'{\\"name\\": ..., \\"arguments\\": {...}}\\n\' }}'
+XML_CALL = "{{- '<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n' }}"
+
+
+def _xml_call_model(root: Path) -> Path:
+    """The tiny model with a template that asks for calls in the XML form, as Qwen3-Coder's does."""
+    assert JSON_CALL in CHAT_TEMPLATE
+    model = root / "xml-calls"
+    model.mkdir()
+    for file in default_model_dir().iterdir():
+        if file.name != "tokenizer_config.json":
+            (model / file.name).symlink_to(file)
+    config = json.loads((default_model_dir() / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE.replace(JSON_CALL, XML_CALL)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_a_forced_call_takes_the_form_the_template_asks_for(tmp_path: Path) -> None:
+    """Where the template writes calls in the XML form, a forced call is held to one block in that form
+    (common/structured.py's xml_calls), whose arguments come back as JSON."""
+    pytest.importorskip("xgrammar")
+    with serve_router(model_dir=_xml_call_model(tmp_path)) as served:
+        client(served).chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice="required"
+        )
+        (gen,) = served.peer.generates()
+    form = json.loads(gen.sampling.structure)
+    assert form["tags"] == ["<tool_call>", "</tool_call>"]
+    assert form["xml_calls"] == [{"name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]
 
 
 @pytest.mark.parametrize(
