@@ -61,7 +61,14 @@ def structure_of(response_format: dict[str, Any] | None) -> str:
 
 XML_WHITESPACE = 1
 """Whitespace characters an XML call may hold between its tags (its values' text is free): one, the line
-break of the template's layout, which is what the reader takes away (tool_calls._bare)."""
+break of the template's layout, which the reader takes away (tool_calls._bare). Another whitespace
+character there is allowed too (xgrammar's set), and stays in a string value."""
+XML_EXCLUDES = ["</parameter>", "</function>", "</tool_call>"]
+"""Text no string of an XML call's values may hold, a bare one or one inside a JSON value: where the reader
+would see the value or the call end."""
+_STRING_LIMITS = ("pattern", "format", "minLength", "maxLength")
+"""A string schema's constraints that xgrammar's XML form holds with free text, past the excludes: left out
+of a forced XML call's grammar (its strings are then only kept inside their parameter)."""
 
 
 def call_structure(
@@ -75,6 +82,12 @@ def call_structure(
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not functions:
         raise ValueError(f"tool_choice names {name!r}, which is not among the tools.")
+    for f in functions:
+        parameters = f.get("parameters")
+        if parameters is not None and (
+            not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
+        ):
+            raise ValueError(f"Function {f['name']!r}'s parameters are not a JSON schema of an object.")
     if xml:
         calls = [
             {"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in functions
@@ -133,15 +146,27 @@ def _xml_calls_tag(calls: list[dict[str, Any]], tags: list[str]) -> dict[str, An
             "begin": f"{tags[0]}\n<function={call['name']}>\n",
             "content": {
                 "type": "json_schema",
-                "json_schema": call["parameters"],
+                "json_schema": _free_strings(call["parameters"]),
                 "style": "qwen_xml",
                 "max_whitespace_cnt": XML_WHITESPACE,
+                "excludes": XML_EXCLUDES,
             },
             "end": f"\n</function>\n{tags[1]}",
         }
         for call in calls
     ]
     return {"type": "structural_tag", "format": {"type": "or", "elements": blocks}}
+
+
+def _free_strings(schema: Any) -> Any:
+    """`schema` without its strings' _STRING_LIMITS, at every depth."""
+    if isinstance(schema, list):
+        return [_free_strings(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    kind = schema.get("type")
+    string = kind == "string" or (isinstance(kind, list) and "string" in kind)
+    return {k: _free_strings(v) for k, v in schema.items() if not (string and k in _STRING_LIMITS)}
 
 
 class Grammars:

@@ -56,7 +56,13 @@ class CallForm:
 
     tags: tuple[str, str] = HERMES_TAGS
     types: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
-    """function name → parameter → the JSON types its schema allows (empty: untyped, read as a string)."""
+    """function name → parameter → the JSON types its schema allows (empty: untyped, read as a string);
+    the types of those it does not list under OTHERS."""
+
+
+OTHERS = ">"
+"""The key of a function's types under which the types of parameters its schema does not list are kept
+(its `additionalProperties`); no parameter's name holds it."""
 
 
 def call_form(tags: tuple[str, str], tools: list[Any]) -> CallForm:
@@ -65,23 +71,62 @@ def call_form(tags: tuple[str, str], tools: list[Any]) -> CallForm:
     for tool in tools:
         function = tool["function"]
         parameters = function.get("parameters")
-        properties = parameters.get("properties") if isinstance(parameters, dict) else None
-        properties = properties if isinstance(properties, dict) else {}
-        types[function["name"]] = {name: _schema_types(schema) for name, schema in properties.items()}
+        types[function["name"]] = _parameter_types(parameters) if isinstance(parameters, dict) else {}
     return CallForm(tags, types)
 
 
-def _schema_types(schema: Any) -> tuple[str, ...]:
-    """The JSON types a parameter's schema allows: its `type` (a name or a list), its `anyOf` / `oneOf`
-    members' (pydantic's Optional[int] is anyOf integer, null), or its `enum` / `const` values'."""
-    if not isinstance(schema, dict):
+def _parameter_types(parameters: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Each parameter's JSON types, from a function's parameters schema: its properties, those of the
+    members of an anyOf / oneOf / allOf at its root, and its additionalProperties (under OTHERS), `$ref`s
+    into the schema's own definitions followed (pydantic's nested models)."""
+    types: dict[str, tuple[str, ...]] = {}
+
+    def add(schema: Any, depth: int) -> None:
+        schema = _resolved(schema, parameters)
+        if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+            return
+        properties = schema.get("properties")
+        for name, prop in properties.items() if isinstance(properties, dict) else ():
+            types[name] = tuple(dict.fromkeys(types.get(name, ()) + _schema_types(prop, parameters)))
+        if isinstance(schema.get("additionalProperties"), dict):
+            types[OTHERS] = _schema_types(schema["additionalProperties"], parameters)
+        for key in ("anyOf", "oneOf", "allOf"):
+            members = schema.get(key)
+            for member in members if isinstance(members, list) else []:
+                add(member, depth + 1)
+
+    add(parameters, 0)
+    return types
+
+
+_MAX_DEPTH = 16
+"""`$ref`s and nested members followed at most (a schema may refer to itself)."""
+
+
+def _resolved(schema: Any, root: dict[str, Any], depth: int = 0) -> Any:
+    """`schema`, or what its local `$ref` ("#/$defs/Name") names in `root` (None where nothing is there)."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#") or depth > _MAX_DEPTH:
+        return schema
+    target: Any = root
+    for part in ref[1:].split("/")[1:]:
+        target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+    return _resolved(target, root, depth + 1)
+
+
+def _schema_types(schema: Any, root: dict[str, Any] | None = None, depth: int = 0) -> tuple[str, ...]:
+    """The JSON types a parameter's schema allows: its `type` (a name or a list), its `anyOf` / `oneOf` /
+    `allOf` members' (pydantic's Optional[int] is anyOf integer, null), or its `enum` / `const` values';
+    a `$ref` into `root` (the function's parameters) followed."""
+    schema = _resolved(schema, root or {})
+    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
         return ()
     kind = schema.get("type")
     kinds = [kind] if isinstance(kind, str) else _strings(kind)
-    for key in ("anyOf", "oneOf"):
+    for key in ("anyOf", "oneOf", "allOf"):
         members = schema.get(key)
         for member in members if isinstance(members, list) else []:
-            kinds += _schema_types(member)
+            kinds += _schema_types(member, root, depth + 1)
     values = schema.get("enum")
     values = list(values) if isinstance(values, list) else []
     if "const" in schema:
@@ -328,7 +373,8 @@ class _LiveCall:
         """Add a parameter read from the block (its name, then its value's text)."""
         if found is not None:
             key = found.group(1).strip()
-            value = json.dumps(_typed(_bare(found.group(2)), self.types.get(key, ())), ensure_ascii=False)
+            kinds = self.types.get(key, self.types.get(OTHERS, ()))
+            value = json.dumps(_typed(_bare(found.group(2)), kinds), ensure_ascii=False)
             self.params.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
 
     def _xml_text(self, block: str) -> str:
@@ -410,14 +456,10 @@ _PARAM_END = "</parameter>"
 _OPEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*)", re.DOTALL)  # one the model left open
 
 
-_LAYOUT = " \n\r\t"
-
-
 def _bare(value: str) -> str:
-    """A parameter's text without the whitespace character that opens and the one that closes it in the
-    template's layout (a line break; a forced call's grammar allows any one: structured.XML_WHITESPACE)."""
-    value = value[1:] if value[:1] in _LAYOUT else value
-    return value[:-1] if value[-1:] in _LAYOUT else value
+    """A parameter's text without the line breaks that open and close it in the template's layout."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
 
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {

@@ -146,11 +146,8 @@ def test_a_forced_call_in_the_xml_form_is_one_block_of_typed_arguments() -> None
 
     pick = {
         "type": "object",
-        "properties": {
-            "size": {"enum": ["S", "M"]},
-            "count": {"type": "integer", "minimum": 0, "maximum": 99},
-        },
-        "required": ["size", "count"],
+        "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 99}, "all": {"type": "boolean"}},
+        "required": ["count", "all"],
         "additionalProperties": False,
     }
     tools = [
@@ -175,6 +172,40 @@ def test_a_forced_call_in_the_xml_form_is_one_block_of_typed_arguments() -> None
         calls.append((call.name, json.loads(call.arguments)))
     assert [name for name, _ in calls] == ["pick", "pick", "noop"] and calls[2][1] == {}
     for _, arguments in calls[:2]:
-        assert arguments["size"] in ("S", "M") and arguments["count"] in range(100)
+        assert arguments["count"] in range(100) and arguments["all"] in (True, False)
     with pytest.raises(ValueError, match="not among the tools"):
         call_structure(tools, "other", HERMES_TAGS, xml=True)
+
+
+def test_an_xml_call_keeps_every_string_inside_its_parameter() -> None:
+    """The XML form's grammar: a string value (one with a pattern or a length too, which xgrammar would
+    hold with free text) never holds </parameter>, </function> or </tool_call>, where the reader would see
+    the call end, nor does a string inside a JSON value; parameters that are not an object's schema are a
+    ValueError (a 400)."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from common.structured import _grammar, call_structure
+    from common.tool_calls import HERMES_TAGS
+
+    limited = {"type": "string", "minLength": 1, "maxLength": 99, "pattern": ".*"}
+    parameters = {
+        "type": "object",
+        "properties": {"s": limited, "o": {"type": "object", "properties": {"t": {"type": "string"}}}},
+        "required": ["s"],
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    grammar = _grammar(call_structure(tools, None, HERMES_TAGS, xml=True))
+
+    def block(body: str) -> str:
+        return f"<tool_call>\n<function=f>\n{body}\n</function>\n</tool_call>"
+
+    assert accepts(grammar, block("<parameter=s>\na < b\n</parameter>"))
+    assert accepts(grammar, block('<parameter=s>\nx\n</parameter>\n<parameter=o>\n{"t": "u"}\n</parameter>'))
+    for cut in ("</parameter>", "</function>", "</tool_call>"):
+        assert not accepts(grammar, block(f"<parameter=s>\na{cut}b\n</parameter>")), cut
+        json_value = f'<parameter=s>\nx\n</parameter>\n<parameter=o>\n{{"t": "{cut}"}}\n</parameter>'
+        assert not accepts(grammar, block(json_value)), cut
+    for bad in ({"type": "string"}, ["x"]):
+        tool = {"type": "function", "function": {"name": "f", "parameters": bad}}
+        with pytest.raises(ValueError, match="not a JSON schema of an object"):
+            call_structure([tool], None, HERMES_TAGS, xml=True)

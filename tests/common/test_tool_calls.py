@@ -183,6 +183,41 @@ def test_an_xml_call_reads_its_values_as_the_schema_types_them(piece: int) -> No
         assert len(pieces) == 2 + len(XML_ARGUMENTS) and pieces[-1][1].arguments == "}"
 
 
+def test_xml_values_take_their_types_through_refs_members_and_additional_properties() -> None:
+    """A parameter typed through a `$ref` into the schema's `$defs` (pydantic's nested models), an `allOf`,
+    a member of an anyOf at the schema's root, or its additionalProperties, reads as that type."""
+    inner = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    refs = {
+        "type": "object",
+        "$defs": {
+            "Inner": inner,
+            "Count": {"allOf": [{"$ref": "#/$defs/Small"}]},
+            "Small": {"type": "integer"},
+        },
+        "properties": {
+            "inner": {"$ref": "#/$defs/Inner"},
+            "n": {"$ref": "#/$defs/Count"},
+            "s": {"type": "string"},
+        },
+        "anyOf": [{"properties": {"flag": {"type": "boolean"}}}],
+        "additionalProperties": {"type": "number"},
+    }
+    loop = {
+        "type": "object",
+        "$defs": {"A": {"$ref": "#/$defs/A"}},
+        "properties": {"a": {"$ref": "#/$defs/A"}},
+    }
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": refs}},
+        {"type": "function", "function": {"name": "g", "parameters": loop}},
+    ]
+    form = call_form(HERMES_TAGS, tools)
+    text = _xml("f", inner='{"x": 1}', n="2", s="3", flag="true", extra="1.5") + _xml("g", a="4")
+    _, (f, g) = split_tool_calls(text, form)
+    assert json.loads(f.arguments) == {"inner": {"x": 1}, "n": 2, "s": "3", "flag": True, "extra": 1.5}
+    assert json.loads(g.arguments) == {"a": "4"}  # a $ref to itself types nothing
+
+
 def test_xml_calls_of_unknown_functions_keep_strings_and_a_block_without_a_name_stays_content() -> None:
     form = call_form(HERMES_TAGS, [BOOK])
     content, calls = split_tool_calls(_xml("clock", zone="CET", hours="3") + _xml("book"), form)
