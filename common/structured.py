@@ -82,31 +82,32 @@ def call_structure(
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not functions:
         raise ValueError(f"tool_choice names {name!r}, which is not among the tools.")
-    for f in functions:
-        parameters = f.get("parameters")
-        if parameters is not None and (
-            not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
-        ):
-            raise ValueError(f"Function {f['name']!r}'s parameters are not a JSON schema of an object.")
+    schemas = [(f["name"], _object_schema(f)) for f in functions]
     if xml:
-        calls = [
-            {"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in functions
-        ]
+        calls = [{"name": n, "parameters": parameters} for n, parameters in schemas]
         return _checked({"xml_calls": calls, "tags": list(tags)})
     calls = [
         {
             "type": "object",
-            "properties": {
-                "name": {"const": f["name"]},
-                "arguments": f.get("parameters") or {"type": "object"},
-            },
+            "properties": {"name": {"const": n}, "arguments": parameters},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for f in functions
+        for n, parameters in schemas
     ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return _checked({"schema": schema, "before": tags[0] + "\n", "after": "\n" + tags[1]})
+
+
+def _object_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters schema (any object where it has none); ValueError where it is not an
+    object's."""
+    parameters = function.get("parameters")
+    if parameters is None:
+        return {"type": "object"}
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise ValueError(f"Function {function['name']!r}'s parameters are not a JSON schema of an object.")
+    return parameters or {"type": "object"}
 
 
 def _checked(form: dict[str, Any]) -> str:

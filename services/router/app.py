@@ -152,7 +152,7 @@ class Router:
         forced = "" if tags is None else openai_prompts.forced_call(body, tools, tags, self.xml_calls)
         sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
         raw = tuple(image.raw for image in images)
-        form = None if tags is None or tools is None else call_form(tags, tools)
+        form = None if tags is None else call_form(tags, tools)  # type: ignore[arg-type]
         reasoning, sampling = self._reasoning(opening, sampling)
         spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
         return await self._serve(request, [spec], chat=True, received=received)
