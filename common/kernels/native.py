@@ -38,13 +38,14 @@ def nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-def build(name: str, arch: str) -> Path:
-    """common/kernels/cuda/{name}.cu compiled for `arch` (e.g. "sm_90") into a shared library in
-    `cache_dir()`, named by the hash of the source and the headers beside it: built once, then found. Raises
-    with nvcc's message."""
-    source = SOURCES / f"{name}.cu"
+def build(name: str, arch: str, sources: Path = SOURCES) -> Path:
+    """{sources}/{name}.cu (common/kernels/cuda by default; the benchmarks keep theirs in bench/cuda, and
+    include these headers) compiled for `arch` (e.g. "sm_90") into a shared library in `cache_dir()`, named
+    by the hash of the source and the headers it may include: built once, then found. Raises with nvcc's
+    message."""
+    source = sources / f"{name}.cu"
     digest = hashlib.sha256()
-    for part in (source, *sorted(SOURCES.glob("*.cuh"))):
+    for part in (source, *sorted({*SOURCES.glob("*.cuh"), *sources.glob("*.cuh")})):
         digest.update(part.read_bytes())
     digest = digest.hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}-{arch}.so"
@@ -63,6 +64,7 @@ def build(name: str, arch: str) -> Path:
             "-Xcompiler",
             "-fPIC",
             f"-arch={arch}",
+            f"-I{SOURCES}",
             "-o",
             str(built),
             str(source),
@@ -75,10 +77,10 @@ def build(name: str, arch: str) -> Path:
 
 
 @functools.cache
-def library(name: str, arch: str) -> ctypes.CDLL | None:
+def library(name: str, arch: str, sources: Path = SOURCES) -> ctypes.CDLL | None:
     """The built kernel library `name` for `arch`, loaded; None (logged once) where it cannot be built."""
     try:
-        return ctypes.CDLL(str(build(name, arch)))
+        return ctypes.CDLL(str(build(name, arch, sources)))
     except (OSError, RuntimeError) as err:
         log.warning("native kernels %s unavailable, Triton's instead: %s", name, err)
         return None
