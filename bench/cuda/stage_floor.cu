@@ -85,11 +85,13 @@ __device__ __forceinline__ void multiply(const __nv_bfloat16* tile, const float*
     float acc = 0.0f;
     for (int c = lane; c < k / 8; c += kLanes) {
       const uint4 w = row[c];
+      const float4 lo = reinterpret_cast<const float4*>(xs)[2 * c], hi = reinterpret_cast<const float4*>(xs)[2 * c + 1];
       const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+      const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        acc = fmaf(__uint_as_float(ws[i] << 16), xs[8 * c + 2 * i], acc);
-        acc = fmaf(__uint_as_float(ws[i] & 0xffff0000u), xs[8 * c + 2 * i + 1], acc);
+        acc = fmaf(__uint_as_float(ws[i] << 16), x[2 * i], acc);
+        acc = fmaf(__uint_as_float(ws[i] & 0xffff0000u), x[2 * i + 1], acc);
       }
     }
     for (int o = 16; o; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);

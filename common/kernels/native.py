@@ -38,11 +38,12 @@ def nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-def build(name: str, arch: str, sources: Path = SOURCES) -> Path:
+def build(name: str, arch: str, sources: Path | None = None) -> Path:
     """{sources}/{name}.cu (common/kernels/cuda by default; the benchmarks keep theirs in bench/cuda, and
     include these headers) compiled for `arch` (e.g. "sm_90") into a shared library in `cache_dir()`, named
     by the hash of the source and the headers it may include: built once, then found. Raises with nvcc's
     message."""
+    sources = sources or SOURCES
     source = sources / f"{name}.cu"
     digest = hashlib.sha256()
     for part in (source, *sorted({*SOURCES.glob("*.cuh"), *sources.glob("*.cuh")})):
@@ -77,7 +78,7 @@ def build(name: str, arch: str, sources: Path = SOURCES) -> Path:
 
 
 @functools.cache
-def library(name: str, arch: str, sources: Path = SOURCES) -> ctypes.CDLL | None:
+def library(name: str, arch: str, sources: Path | None = None) -> ctypes.CDLL | None:
     """The built kernel library `name` for `arch`, loaded; None (logged once) where it cannot be built."""
     try:
         return ctypes.CDLL(str(build(name, arch, sources)))

@@ -38,9 +38,18 @@ def test_a_compile_error_names_the_source(tmp_path, monkeypatch) -> None:
         pytest.skip("needs nvcc")
     monkeypatch.setenv("SPILLWAY_CACHE", str(tmp_path))
     (tmp_path / "broken.cu").write_text("this is not CUDA\n")
-    monkeypatch.setattr(native, "SOURCES", tmp_path)
     with pytest.raises(RuntimeError, match=r"broken\.cu"):
-        native.build("broken", "sm_90")
+        native.build("broken", "sm_90", sources=tmp_path)
+
+
+def test_a_source_elsewhere_builds_with_the_kernels_headers(tmp_path, monkeypatch) -> None:
+    """The benchmarks' kernels (bench/cuda) include common/kernels/cuda's headers."""
+    if native.nvcc() is None:
+        pytest.skip("needs nvcc")
+    monkeypatch.setenv("SPILLWAY_CACHE", str(tmp_path))
+    bench = native.SOURCES.parents[2] / "bench" / "cuda"
+    built = native.build("stage_floor", "sm_90", sources=bench)
+    assert hasattr(ctypes.CDLL(str(built)), "spillway_stage_floor_persistent")
 
 
 def test_the_int4_entry_points_get_their_declared_arguments(monkeypatch) -> None:
