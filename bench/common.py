@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from common.kv.state import StatePool
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -163,3 +165,27 @@ def step_weight_bytes(model: torch.nn.Module, rows: int, device_type: str = "cud
         total += max(0, end - max(start, reach))
         reach = max(reach, end)
     return total
+
+
+def step_state_bytes(
+    pool: StatePool, lanes: int, context: float, budget: int | None = None, ratio: int = 1
+) -> float:
+    """Bytes of per-sequence state one decode step of `lanes` lanes at `context` tokens each must read
+    (BENCHMARKS.md's "KV read", which step_weight_bytes leaves out), in the pool's own dtypes: every layer's
+    fixed-size state whole (Gated DeltaNet's recurrent and conv states, the PLE's history), the keys and
+    values its attention reads (the whole context, or for a layer with a QSA indexer at most its selection
+    `budget` of tokens), and such an indexer's block keys (one per `ratio` tokens) and the raw keys of the
+    block it compresses. Reads only: the states written back are not counted."""
+    total = 0.0
+    for layer in pool.layers:
+        total += sum(t[0].numel() * t.element_size() for t in layer.slots.values())
+        indexed = "index_block" in layer.paged
+        for name, pages in layer.paged.items():
+            if name == "index_block":
+                tokens = context / ratio
+            elif name == "index_k":
+                tokens = ratio
+            else:
+                tokens = min(context, budget) if indexed and budget is not None else context
+            total += tokens * pages[0, 0].numel() * pages.element_size()
+    return lanes * total

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import progress, step_weight_bytes, write_profile, write_result
+from bench.common import progress, step_state_bytes, step_weight_bytes, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.config import DEFAULT_LOOKAHEAD, resolve_lookahead
 from common.decode_pipeline import DecodePipeline
@@ -153,13 +153,18 @@ def main() -> None:
         profile_steps(runner, seqs, tokens, args.profile)
     steps = args.decode - args.warmup
     resident = step_weight_bytes(model, args.lanes)  # the embedding: the rows a step gathers
+    # the timed steps' mean context: the prompt, then a token a step from the first decoded one on
+    context = args.prompt + 1 + (args.warmup + args.decode - 1) / 2
+    state = step_state_bytes(
+        runner.pool, args.lanes, context, cfg.indexer_budget, cfg.indexer_compress_ratio
+    )  # K/V, indexer keys and recurrent states read a step
     used = (run["hits"] + run["misses"]) / steps * store.expert_bytes  # experts read per step
     if args.all_fit:  # nothing is resolved, so nothing counted: each layer reads its lanes' experts
         used = len(cfg.moe_layers) * min(cfg.num_experts, args.lanes * cfg.top_k) * store.expert_bytes
     h2d = (run["cache_bytes"] + (run["prefetches"] + run["bypasses"]) * store.expert_bytes) / steps
     # the limit counts the bytes the step needed: a lookahead's guesses that no step used are waste, not limit
     needed = (run["cache_bytes"] + (run["bypasses"] + run["prefetch_hits"]) * store.expert_bytes) / steps
-    t_limit = max(needed / (pcie * 1e9), (resident + used) / (hbm * 1e9))  # per step
+    t_limit = max(needed / (pcie * 1e9), (resident + used + state) / (hbm * 1e9))  # per step
     step_s = run["seconds"] / steps
     result = {
         "limit_ratio": t_limit / step_s,
@@ -187,6 +192,8 @@ def main() -> None:
         "embeddings_on_host": args.embeddings_on_host,
         "resident_dtype": args.resident_dtype,
         "expert_bytes": store.expert_bytes,
+        "hbm_bytes_a_step": resident + used + state,  # the limit's: weights, experts, per-sequence state
+        "state_bytes_a_step": state,  # of which K/V, indexer keys and recurrent states (read)
         "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         "reserved_after_build_gib": built_gib,  # weights, pools, cache: before any pass
         "max_reserved_after_prefill_gib": prefill_peak_gib,  # the peak before the first decode step

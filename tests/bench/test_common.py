@@ -30,3 +30,28 @@ def test_a_tied_embedding_is_read_whole_by_the_head() -> None:
     model = _Tiny(tied=True)
     assert step_weight_bytes(model, rows=2, device_type="cpu") == 3200 + 512 + 128
     assert step_weight_bytes(model, rows=2, device_type="cuda") == 0  # nothing on that device
+
+
+def test_state_bytes_count_slots_whole_and_the_attended_tokens() -> None:
+    import torch
+
+    from bench.common import step_state_bytes
+    from common.kv.state import PagedSpec, SlotSpec, StatePool
+
+    gdn = {"recurrent": SlotSpec((2, 4, 4), torch.float32), "conv": SlotSpec((8, 3), torch.bfloat16)}
+    kv = PagedSpec((2, 8), torch.bfloat16, kv=True)  # 32 bytes a token
+    attention = {"k": kv, "v": kv}
+    qsa = {
+        **attention,
+        "index_k": PagedSpec((4,), torch.bfloat16),
+        "index_block": PagedSpec((4,), torch.bfloat16),
+    }
+    pool = StatePool([gdn, attention, qsa], num_pages=4, page_size=16, max_seqs=2, device="cpu")
+    slot = 2 * 4 * 4 * 4 + 8 * 3 * 2  # 176
+    full = 2 * 32 * 100  # the plain attention layer reads the whole context
+    selected = (
+        2 * 32 * 64 + 8 * 100 / 4 + 8 * 4
+    )  # the QSA layer: the budget, the blocks, one block's raw keys
+    assert step_state_bytes(pool, 1, 100, budget=64, ratio=4) == slot + full + selected
+    assert step_state_bytes(pool, 3, 100, budget=64, ratio=4) == 3 * (slot + full + selected)
+    assert step_state_bytes(pool, 1, 10, budget=64, ratio=4) == slot + 2 * 32 * 10 * 2 + 8 * 10 / 4 + 8 * 4
