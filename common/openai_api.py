@@ -69,15 +69,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # Schemas.
 
 
-class _Schema(BaseModel):
+class Schema(BaseModel):
+    """A request body's schema: strict types, unknown fields ignored (as OpenAI ignores them)."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(_Schema):
+class StreamOptions(Schema):
     include_usage: bool | None = False
 
 
-class _GenerationRequest(_Schema):
+class _GenerationRequest(Schema):
     """Fields shared by chat and text completions (OpenAI's, plus vLLM-style extensions)."""
 
     model: str | None = None
@@ -114,12 +116,12 @@ class _GenerationRequest(_Schema):
     """vLLM's extension: log-probabilities name tokens `token_id:N` (exact where text is ambiguous)."""
 
 
-class ImageUrl(_Schema):
+class ImageUrl(Schema):
     url: str
     detail: str | None = None
 
 
-class ContentPart(_Schema):
+class ContentPart(Schema):
     type: str
     text: str | None = None
     image_url: ImageUrl | None = None
@@ -160,21 +162,22 @@ class CompletionRequest(_GenerationRequest):
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Validate a `/v1/chat/completions` body; raises ApiError (400)."""
-    return _parse(ChatCompletionRequest, body)
+    return parse_body(ChatCompletionRequest, body)
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Validate a `/v1/completions` body; raises ApiError (400)."""
-    return _parse(CompletionRequest, body)
+    return parse_body(CompletionRequest, body)
 
 
 _UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|dict|list)$|[\[\-]")
 
 
-_S = TypeVar("_S", bound=_Schema)
+_S = TypeVar("_S", bound=Schema)
 
 
-def _parse(schema: type[_S], body: bytes) -> _S:
+def parse_body(schema: type[_S], body: bytes) -> _S:
+    """`body` validated as `schema` (strict JSON); raises ApiError (400) naming the first problem."""
     try:
         return schema.model_validate_json(body)
     except ValidationError as exc:

@@ -29,7 +29,8 @@ from common import openai_api as api
 from common import openai_prompts
 from common.chat_images import ImagePrompting
 from common.metrics import RouterMetrics, new_registry, render, serve
-from common.openai_api import ApiError, GenerationSpec
+from common.openai_api import ApiError, ChatCompletionRequest, GenerationSpec
+from common.openai_responses import as_chat, chat_param_error, parse_responses_request, wants_logprobs
 from common.reasoning import ReasoningForm, reasoning_form, reasoning_tags
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
@@ -37,7 +38,9 @@ from common.tool_calls import call_form, tool_call_tags, xml_call_template
 from services.router.choices import Choices
 from services.router.config import RouterConfig, model_max_context
 from services.router.core import RouterCore
-from services.router.responses import DONE, ResponseBuilder, sse
+from services.router.responses import ResponseBuilder
+from services.router.responses_api import ResponseBody, ResponseStream
+from services.router.streams import ChatEvents, ResponseEvents, StreamEvents
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +144,45 @@ class Router:
         self.authorize(request)
         body = api.parse_chat_request(await request.body())
         api.check_model(body.model, self.config.model_name)
+        spec = await self._chat_spec(body)
+        return await self._serve(request, [spec], chat=True, received=received)
+
+    async def responses(self, request: Request) -> Response:
+        """`POST /v1/responses`: the Responses API, served as the chat it maps to (its errors name the
+        Responses request's parameters)."""
+        received = time.monotonic()
+        self.authorize(request)
+        body = parse_responses_request(await request.body())
+        api.check_model(body.model, self.config.model_name)
+        try:
+            spec = await self._chat_spec(as_chat(body))
+        except ApiError as exc:
+            raise chat_param_error(exc) from None
+        rid = _request_id(request)
+        try:
+            if spec.stream:
+                choices = await self._started(request, [spec], True, received)
+                response = ResponseBody(body, rid, self.config.model_name, int(choices.arrival))
+                events = ResponseEvents(ResponseStream(response, wants_logprobs(body)), self._token_count)
+                return _Stream(self._events(choices, events, rid), choices.close)
+            choices = await self._finished(request, [spec], True, received)
+        except ClientGone:
+            self.metrics.request_errors.labels(reason="client_disconnect").inc()
+            return Response(status_code=CLIENT_CLOSED)
+        (result,) = choices.results()
+        response = ResponseBody(body, rid, self.config.model_name, int(choices.arrival))
+        reasoning = self._token_count(result.reasoning or "")
+        return JSONResponse(
+            response.full(result, choices.prompt_tokens, choices.completion_tokens, reasoning)
+        )
+
+    def _token_count(self, text: str) -> int:
+        """Tokens of `text` encoded again (the reasoning's share of a completion's tokens, for its usage)."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+    async def _chat_spec(self, body: ChatCompletionRequest) -> GenerationSpec:
+        """A chat request's generation: its prompt through the template (tools, images), its sampling, how
+        its calls and reasoning are read, and a forced call's grammar."""
         tools = openai_prompts.chat_tools(body, self.tool_tags)
         thinks = self.reasoning_tags is not None
         prompt_ids, images, opening = await asyncio.to_thread(
@@ -154,8 +196,7 @@ class Router:
         raw = tuple(image.raw for image in images)
         form = None if tags is None else call_form(tags, tools)  # type: ignore[arg-type]
         reasoning, sampling = self._reasoning(opening, sampling)
-        spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
-        return await self._serve(request, [spec], chat=True, received=received)
+        return dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
 
     def _reasoning(
         self, opening: str, sampling: SamplingParams
@@ -217,6 +258,15 @@ class Router:
     async def _complete(
         self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
     ) -> Response:
+        choices = await self._finished(request, specs, chat, received)
+        builder = ResponseBuilder(chat, _request_id(request), self.config.model_name, int(choices.arrival))
+        body = builder.full(choices.results(), choices.prompt_tokens, choices.completion_tokens)
+        return JSONResponse(body)
+
+    async def _finished(
+        self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
+    ) -> Choices:
+        """Every choice generated to its end (ClientGone if the client leaves first)."""
         rid = _request_id(request)
 
         async def run() -> Choices:
@@ -228,56 +278,50 @@ class Router:
                 choices.close()
             return choices
 
-        choices = await unless_disconnected(request, run())
-        builder = ResponseBuilder(chat, rid, self.config.model_name, int(choices.arrival))
-        body = builder.full(choices.results(), choices.prompt_tokens, choices.completion_tokens)
-        return JSONResponse(body)
+        return await unless_disconnected(request, run())
+
+    async def _started(
+        self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
+    ) -> Choices:
+        """Every choice admitted and its first delta in (so that early errors still get their status)."""
+        choices = Choices(self.core, self.tokenizer, specs, chat)
+        await unless_disconnected(request, choices.start(_request_id(request), received))
+        return choices
 
     async def _stream(
         self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
     ) -> Response:
+        choices = await self._started(request, specs, chat, received)
         rid = _request_id(request)
-        choices = Choices(self.core, self.tokenizer, specs, chat)
-        await unless_disconnected(request, choices.start(rid, received))
         created = int(choices.arrival)
         builder = ResponseBuilder(chat, rid, self.config.model_name, created, specs[0].include_usage)
-        return _Stream(self._events(choices, builder), choices.close)
+        return _Stream(self._events(choices, ChatEvents(builder), rid), choices.close)
 
-    async def _events(self, choices: Choices, builder: ResponseBuilder) -> AsyncGenerator[bytes, None]:
+    async def _events(self, choices: Choices, events: StreamEvents, rid: str) -> AsyncGenerator[bytes, None]:
+        """A stream's bytes in `events`' form; a failure after the 200 went out is the form's error event."""
         finished = failed = False
         try:
-            for choice in choices.items:
-                if builder.chat:
-                    yield builder.role_chunk(choice.index)
-                if choice.echo is not None:
-                    yield builder.text_chunk(*choice.echoed(), choice.index)
+            for chunk in events.opening(choices):
+                yield chunk
             async for choice, delta in choices.deltas():
-                reasoning, content, calls, finish = choice.streamed(delta)
-                if reasoning:
-                    yield builder.reasoning_chunk(reasoning, choice.index)
-                if content or (choice.logprobs is not None and delta.logprobs):
-                    yield builder.text_chunk(content, choice.rendered(delta), choice.index)
-                for piece in calls:
-                    yield builder.tool_call_chunk(piece.as_openai(), choice.index)
-                if finish is not None:
-                    yield builder.finish_chunk(finish, choice.index)
-            if builder.include_usage:
-                yield builder.usage_chunk(choices.prompt_tokens, choices.completion_tokens)
+                for chunk in events.delta(choice, delta):
+                    yield chunk
             finished = True
-            yield DONE
+            for chunk in events.closing(choices):
+                yield chunk
         except ApiError as exc:
             failed = True
             self.count_error(exc)
-            yield sse(exc.body())
-            yield DONE
+            for chunk in events.failure(exc):
+                yield chunk
         except Exception:  # a bug, after the 200 went out: the client still gets an error event, not a cut
             failed = True
-            log.exception("streaming %s failed", builder.rid)
+            log.exception("streaming %s failed", rid)
             self.metrics.request_errors.labels(reason="internal").inc()
-            yield sse(
-                ApiError(500, "Internal server error.", type="server_error", code="internal_error").body()
-            )
-            yield DONE
+            for chunk in events.failure(
+                ApiError(500, "Internal server error.", type="server_error", code="internal_error")
+            ):
+                yield chunk
         finally:
             if not finished and not failed:
                 self.metrics.request_errors.labels(reason="client_disconnect").inc()
@@ -336,6 +380,7 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app.add_api_route("/v1/chat/completions", router.chat, methods=["POST"])
     app.add_api_route("/v1/completions", router.completions, methods=["POST"])
+    app.add_api_route("/v1/responses", router.responses, methods=["POST"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", router.model, methods=["GET"])
 
