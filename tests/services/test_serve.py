@@ -95,6 +95,26 @@ def test_greedy_chat_equals_spillway_generate(stack):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref["text"]
 
 
+def test_a_response_is_the_greedy_chat(stack):
+    """The Responses API (`client.responses.create`) answers what the chat answers, streamed and not."""
+    server, model, _ = stack
+    client = server.client()
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Tell me about experts."},
+    ]
+    chat = client.chat.completions.create(model=_name(model), messages=messages, max_tokens=12, temperature=0)
+    ask = {"model": _name(model), "instructions": "Be brief.", "input": "Tell me about experts."}
+    whole = client.responses.create(**ask, max_output_tokens=12, temperature=0)
+    status = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    assert whole.output_text == chat.choices[0].message.content and whole.status == status
+    usage = (whole.usage.input_tokens, whole.usage.output_tokens)
+    assert usage == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    events = list(client.responses.create(**ask, max_output_tokens=12, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].type == f"response.{status}"
+
+
 def test_completions_streamed_and_not_agree(stack):
     server, model, _ = stack
     client = server.client()
