@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from common.openai_api import INT64_MIN, GenerationSpec
+from common.openai_api import INT64_MIN, GenerationSpec, bad_request
 from common.reasoning import ReasoningStream, split_reasoning
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
@@ -144,6 +144,7 @@ class Choices:
     async def start(self, rid: str, received: float) -> None:
         """Admit every choice and wait for each one's first delta (so that early errors get a proper
         status); on any failure, or cancellation, close them all and raise."""
+        self._check_size()
         self._tasks = [asyncio.ensure_future(self._run(group, rid, received)) for group in self._groups()]
         try:
             firsts = {asyncio.shield(c.first) for c in self.items}
@@ -153,6 +154,19 @@ class Choices:
         except BaseException:
             self.close()
             raise
+
+    def _check_size(self) -> None:
+        """A 400 for more choices than admission ever holds at once (running and queued): such a request
+        would fill the queue with itself and be refused as busy, whatever the load."""
+        running, queue = self.core.max_running(), self.core.config.max_queue
+        if len(self.items) > running + queue:
+            prompts = f"{len(self.specs)} prompts × " if len(self.specs) > 1 else ""
+            raise bad_request(
+                f"This request asks for {len(self.items)} choices ({prompts}n = {self.specs[0].n}); this "
+                f"server runs {running} at once and queues {queue} more.",
+                "n",
+                "too_many_choices",
+            )
 
     def _groups(self) -> list[list[Choice]]:
         """The choices admitted and prefilled together: a prompt's (all of them where they fit one group,

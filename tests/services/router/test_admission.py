@@ -53,6 +53,25 @@ def test_non_streaming_disconnect_aborts(served: Any, wait_until: Any) -> None:
     wait_until(lambda: health(served)[1]["router"]["running"] == 0)
 
 
+def test_more_choices_than_admission_holds_is_a_400_not_busy(serve_router: Any) -> None:
+    """A request larger than running + queued would refuse itself as busy on an idle server."""
+    with serve_router(max_running=2, max_queue=2) as served:
+        body = {"model": "tiny", "prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}
+        error = assert_error(httpx.post(f"{served.url}/v1/completions", json=body, timeout=10), 400)
+        assert (
+            error["code"] == "too_many_choices"
+            and error["param"] == "n"
+            and "5 prompts × n = 1" in error["message"]
+        )
+        ok = httpx.post(
+            f"{served.url}/v1/completions", json={**body, "prompt": ["a", "b"], "n": 2}, timeout=10
+        )
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "n": 5, "max_tokens": 2}
+        error = assert_error(httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=10), 400)
+        assert "5 choices (n = 5)" in error["message"]
+
+
 def test_queue_full_is_429_and_waiters_run_in_order(serve_router: Any, wait_until: Any) -> None:
     with serve_router(max_running=1, max_queue=1) as served:
         results: dict[str, httpx.Response] = {}
