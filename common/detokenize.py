@@ -78,11 +78,12 @@ class StopStrings:
     `push` returns the text that is safe to send: everything except a suffix that is a proper prefix of
     some stop string (it may still become one). Once a stop string matches, `push` returns the text before
     it and `matched` is set; nothing after it is ever returned. The result does not depend on how the text
-    was split into pushes.
+    was split into pushes. A `kept` stop string ends the text the same way, but with itself in it.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
-        self._stops = tuple(s for s in dict.fromkeys(stops) if s)
+    def __init__(self, stops: Sequence[str], kept: Sequence[str] = ()) -> None:
+        self._stops = tuple(s for s in dict.fromkeys((*stops, *kept)) if s)
+        self._kept = frozenset(kept)
         self._held = ""
         self.matched: str | None = None
         """The stop string that ended the text, once one has."""
@@ -114,7 +115,7 @@ class StopStrings:
         if first is not None:
             self.matched = first[2]
             self._held = ""
-            return buffer[: first[1]]
+            return buffer[: first[0] if first[2] in self._kept else first[1]]
         keep = partial_suffix(buffer, self._stops)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]

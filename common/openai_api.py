@@ -146,7 +146,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[JsonValue] | None = None
     tool_choice: JsonValue = None
     parallel_tool_calls: bool | None = None
-    """False (at most one call) holds only where tool_choice forces one; otherwise it is refused."""
+    """False: at most one call (the text ends with the first call block, app.Router._chat_spec)."""
     functions: list[JsonValue] | None = None
     function_call: JsonValue = None
 
@@ -226,6 +226,9 @@ class GenerationSpec:
     stream: bool
     include_usage: bool
     """Streaming only: send a usage chunk before [DONE]."""
+    kept_stop: tuple[str, ...] = ()
+    """Stop strings that end the text with themselves in it (a call block's end tag, where
+    parallel_tool_calls false allows one call)."""
     images: tuple[bytes, ...] = ()
     """The prompt's images (their files), in its order: the encoder's."""
     tokens_as_ids: bool = False

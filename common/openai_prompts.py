@@ -49,12 +49,6 @@ def chat_tools(request: ChatCompletionRequest, tags: tuple[str, str] | None) -> 
         if choice == "required" or named:
             raise bad_request("tool_choice forces a call, but no tools are given.", "tool_choice")
         return None
-    if request.parallel_tool_calls is False and choice != "required" and not named:
-        raise bad_request(
-            "parallel_tool_calls false needs tool_choice to force one call: a free answer may make several.",
-            "parallel_tool_calls",
-            "unsupported",
-        )
     if tags is None:
         raise bad_request(
             "This model's chat template has no form of function call that Spillway reads (<tool_call> "

@@ -196,7 +196,11 @@ class Router:
         raw = tuple(image.raw for image in images)
         form = None if tags is None else call_form(tags, tools)  # type: ignore[arg-type]
         reasoning, sampling = self._reasoning(opening, sampling)
-        return dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
+        # parallel_tool_calls false: the text ends with the first call block (a forced call's grammar holds
+        # one already)
+        once = (tags[1],) if tags is not None and body.parallel_tool_calls is False and not forced else ()
+        spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
+        return dataclasses.replace(spec, kept_stop=once)
 
     def _reasoning(
         self, opening: str, sampling: SamplingParams

@@ -31,10 +31,12 @@ class Delta:
 class TextGeneration:
     """Reads a flight's events and returns what the client may see, one event at a time."""
 
-    def __init__(self, flight: Flight, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(
+        self, flight: Flight, tokenizer: Tokenizer, stop: tuple[str, ...], kept_stop: tuple[str, ...] = ()
+    ) -> None:
         self.flight = flight
         self._detok = IncrementalDetokenizer(tokenizer)
-        self._stops = StopStrings(stop)
+        self._stops = StopStrings(stop, kept_stop)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.text = ""

@@ -146,6 +146,15 @@ def test_first_completed_stop_string_wins() -> None:
     assert matcher.matched == "lo w"
 
 
+def test_a_kept_stop_string_ends_the_text_with_itself() -> None:
+    for chunks in (["call </tool_call> more"], ["call </to", "ol_call>", " more"]):
+        matcher = StopStrings(["END"], kept=["</tool_call>"])
+        assert "".join(matcher.push(c) for c in chunks) == "call </tool_call>"
+        assert matcher.matched == "</tool_call>" and matcher.flush() == ""
+    matcher = StopStrings(["END"], kept=["</tool_call>"])
+    assert matcher.push("x END </tool_call>") == "x " and matcher.matched == "END"
+
+
 def test_no_stop_strings_pass_through() -> None:
     matcher = StopStrings(["", ""])
     assert matcher.push("abc") == "abc"

@@ -96,6 +96,22 @@ def test_a_call_in_xml_comes_back_with_its_arguments_typed(served: Any, stream: 
     assert plain.choices[0].message.content == TOOL_REPLY_XML
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_ends_the_answer_with_its_first_call(served: Any, stream: bool) -> None:
+    ask = {"model": "tiny", "messages": ASK, "tools": TOOLS, "parallel_tool_calls": False}
+    if stream:
+        chunks = list(client(served).chat.completions.create(**ask, stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = [(d.name, json.loads(d.arguments)) for d in streamed_calls(chunks)]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client(served).chat.completions.create(**ask).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"})] and finish == "tool_calls"  # the reply has two
+    assert content == TOOL_REPLY[: TOOL_REPLY.index("<tool_call>")]
+
+
 def test_without_tools_the_text_is_the_text(served: Any) -> None:
     out = client(served).chat.completions.create(model="tiny", messages=ASK)
     assert out.choices[0].message.content == TOOL_REPLY and out.choices[0].finish_reason == "stop"
@@ -190,7 +206,6 @@ def test_a_forced_call_takes_the_form_the_template_asks_for(tmp_path: Path) -> N
         ({"tools": [{"type": "function", "function": {}}]}, "tools[0]"),
         ({"tools": ["get_weather"]}, "tools[0]"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
     ],
 )
 def test_what_cannot_be_honoured_is_a_400(served: Any, extra: dict, param: str) -> None:
