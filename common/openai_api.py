@@ -9,7 +9,8 @@ the client gets.
 
 Length rule: a prompt that leaves no room for one generated token is refused (400, naming both numbers);
 a `max_tokens` that would overflow the context is clamped to what is left, and the finish reason `length`
-tells the client it was cut. No `max_tokens` means "until the context is full".
+tells the client it was cut. A chat without `max_tokens` runs until the context is full; a text completion
+without it stops at COMPLETION_MAX_TOKENS, OpenAI's default for that endpoint.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ MAX_STOP_STRINGS = 4
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_CHOICES = 16
 """The most choices (`n`) one request may ask for: each takes a slot of its own."""
+COMPLETION_MAX_TOKENS = 16
+"""A text completion's `max_tokens` where the request gives none (OpenAI's and vLLM's default there)."""
 MAX_LOGIT_BIAS = 1024
 """The most tokens one request may bias (each costs a little in every step)."""
 
@@ -288,7 +291,8 @@ def completion_specs(
         raise bad_request("suffix is not supported.", "suffix", "unsupported")
     specs = []
     for ids, text in zip(prompts, given_prompts(request), strict=True):
-        spec = _spec(request, ids, max_context, tokenizer.vocab_size, request.max_tokens, request.logprobs)
+        max_tokens = request.max_tokens or COMPLETION_MAX_TOKENS
+        spec = _spec(request, ids, max_context, tokenizer.vocab_size, max_tokens, request.logprobs)
         if request.echo:
             sampling = msgspec.structs.replace(spec.sampling, prompt_logprobs=request.logprobs)
             echo = text if isinstance(text, str) else tokenizer.decode(ids)

@@ -88,11 +88,21 @@ def test_completion(served: Any, tok: Tokenizer, reply: str) -> None:
 
 def test_completion_stream_from_token_ids(served: Any, tok: Tokenizer, reply: str) -> None:
     prompt = tok.encode("Once upon a time")
-    stream = client(served).completions.create(model="tiny", prompt=prompt, stream=True)
+    stream = client(served).completions.create(model="tiny", prompt=prompt, max_tokens=100, stream=True)
     chunks = list(stream)
     assert all(c.object == "text_completion" for c in chunks)
     assert "".join(c.choices[0].text for c in chunks) == reply
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_completion_without_max_tokens_stops_at_openais_default(
+    served: Any, tok: Tokenizer, reply: str
+) -> None:
+    assert len(tok.encode(reply)) > 16
+    out = client(served).completions.create(model="tiny", prompt="Once")
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    chat = client(served).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}])
+    assert chat.choices[0].message.content == reply and chat.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -147,12 +157,12 @@ def test_stop_string_aborts_the_workers(served: Any, wait_until: Any) -> None:
 
 
 def test_partial_stop_prefix_is_released(served: Any, reply: str) -> None:
-    out = client(served).completions.create(model="tiny", prompt="x", stop=["café!", "done!"])
+    out = client(served).completions.create(model="tiny", prompt="x", stop=["café!", "done!"], max_tokens=100)
     assert out.choices[0].text == reply and out.choices[0].finish_reason == "stop"
 
 
 def test_events_out_of_order_are_reordered(served: Any, reply: str) -> None:
-    out = client(served).completions.create(model="tiny", prompt="[shuffle]")
+    out = client(served).completions.create(model="tiny", prompt="[shuffle]", max_tokens=100)
     assert out.choices[0].text == reply
 
 

@@ -47,7 +47,13 @@ def test_streamed_choices_carry_their_index(served: Any, reply: str, chat: bool)
         )
     else:
         stream = client(served).completions.create(
-            model="tiny", prompt="x", n=2, stream=True, stream_options={"include_usage": True}, logprobs=0
+            model="tiny",
+            prompt="x",
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=0,
+            max_tokens=100,
         )
     chunks = list(stream)
     texts, finishes, logprobs = {0: "", 1: ""}, {}, {0: 0, 1: 0}
@@ -74,12 +80,16 @@ def test_a_failed_choice_fails_the_request_and_aborts_the_others(served: Any, wa
 
 
 def test_choices_past_the_queue_give_their_slots_back(serve_router: Any, wait_until: Any) -> None:
-    with serve_router(max_running=1, max_queue=1) as served:
+    """One slot, held; a queue of two: of three choices two wait and the third is refused, which gives the
+    waiters' places back."""
+    with serve_router(max_running=1, max_queue=2) as served, _slot_held(served, 20):
         response = httpx.post(f"{served.url}/v1/completions", json={"model": "tiny", "prompt": "x", "n": 3})
         assert response.status_code == 429, response.text
         wait_until(lambda: httpx.get(f"{served.url}/health", timeout=5).json()["router"]["running"] == 0)
         ok = httpx.post(
-            f"{served.url}/v1/completions", json={"model": "tiny", "prompt": "x", "n": 1}, timeout=10
+            f"{served.url}/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 100},
+            timeout=10,
         )
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
 
@@ -94,7 +104,7 @@ def test_one_choice_keeps_the_request_id(served: Any) -> None:
 def test_more_choices_than_slots_run_in_turn(serve_router: Any, reply: str) -> None:
     """Each choice frees its slot as it finishes, so the next one is admitted: no wait on itself."""
     with serve_router(max_running=1, max_queue=4) as served:
-        body = {"model": "tiny", "prompt": "x", "n": 3, "stream": True}
+        body = {"model": "tiny", "prompt": "x", "n": 3, "stream": True, "max_tokens": 100}
         chunks = list(client(served).completions.create(**body))
         texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
         assert texts == [reply] * 3
@@ -109,7 +119,7 @@ def test_a_batch_of_prompts_numbers_its_choices_prompt_by_prompt(
     from tests.services.router.conftest import TOOL_REPLY
 
     prompts = ["x", "[tool] y"]
-    body = {"model": "tiny", "prompt": prompts, "n": 2, "stream": stream}
+    body = {"model": "tiny", "prompt": prompts, "n": 2, "stream": stream, "max_tokens": 400}
     if stream:
         body["stream_options"] = {"include_usage": True}
     out = client(served).completions.create(**body)
@@ -144,9 +154,9 @@ def _slot_held(served: Any, tokens: int) -> Iterator[threading.Thread]:
 
 
 def test_a_refused_choice_fails_the_request_at_once(serve_router: Any) -> None:
-    """One slot, held by a request for ~3 s; a queue of one: of three choices the first waits for the slot
-    and the others are refused, and the 429 comes while the holder still runs, not after the first's wait."""
-    with serve_router(max_running=1, max_queue=1) as served, _slot_held(served, 150) as holder:
+    """One slot, held by a request for ~3 s; a queue of two: of three choices two wait for the slot and the
+    third is refused, and the 429 comes while the holder still runs, not after the first's wait."""
+    with serve_router(max_running=1, max_queue=2) as served, _slot_held(served, 150) as holder:
         response = httpx.post(
             f"{served.url}/v1/completions", json={"model": "tiny", "prompt": "x", "n": 3}, timeout=10
         )
