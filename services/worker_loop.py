@@ -17,12 +17,16 @@ from collections.abc import Iterator
 import torch
 
 from common import metrics
-from common.protocol import Heartbeat, Message, Ready
+from common.protocol import Abort, Heartbeat, Message, Ready, Tokens
 from common.transport import Inbox, Outbox
 from services.parent_watch import stop_with_parent
 
 log = logging.getLogger("worker")
 HEARTBEAT_S = 1.0
+LOST_EVENTS = "events of this request were lost: the router did not read them in time"
+"""The error of a request some of whose events the router's full queue dropped (`WorkerShell.send`)."""
+LOST_REMEMBERED = 4096
+"""Requests whose dropped events a worker remembers (so that each is failed once)."""
 HANG_EXIT_GRACE_S = 4.0
 """A hung worker ends itself this long after the stall timeout: after the router has failed its requests
 (at the timeout, with the reason) and after a launcher's kill (2 s past it), so it matters only where no
@@ -62,6 +66,10 @@ class WorkerShell:
         self._dropped_seen = 0
         self.router_dropped = 0
         """Messages to the router dropped because it did not read (`send`)."""
+        self._lost: dict[str, Tokens | None] = {}
+        """Requests some of whose events were dropped → the error event still to deliver (None: delivered)."""
+        self._to_abort: list[str] = []
+        """Those requests, still to be aborted here (`receive` hands the loop an Abort for each)."""
         self.expert_metrics = None
         self.registry = metrics.new_registry()
         self.metrics = metrics.WorkerMetrics.create(self.registry)
@@ -107,24 +115,44 @@ class WorkerShell:
         self.stopping = True
 
     def send(self, dest: str, msg: Message) -> None:
-        """To the peer worker: waits while its queue is full. To the router: never waits. Events for a
-        router that does not read (hung, restarting) are dropped once its queue is full: it would not know
-        their requests when back (it aborts them then), and the loop must go on for the other peer and its
-        heartbeats."""
+        """To the peer worker: waits while its queue is full. To the router: never waits. Messages for a
+        router that does not read (hung, paused, restarting) are dropped once its queue is full: the loop
+        must go on for the other peer and its heartbeats. A request that lost an event this way could
+        never finish at the router (it orders events by index): it is aborted here, and an error event for
+        it is sent once the router reads again (`receive`)."""
         if dest != "router":
             self.out[dest].send(msg)
         elif not self.out[dest].try_send(msg):
             self.router_dropped += 1
             if self.router_dropped in (1, 10, 100) or self.router_dropped % 1000 == 0:
                 log.warning("the router does not read: %d messages to it dropped", self.router_dropped)
+            if isinstance(msg, Tokens) and msg.rid not in self._lost:
+                self._lost[msg.rid] = Tokens(msg.rid, [], finish_reason="error", error=LOST_EVENTS)
+                self._to_abort.append(msg.rid)
 
     def receive(self, busy: bool, wait_ms: int = 100) -> list[Message]:
-        """Everything queued; when idle, wait up to `wait_ms` for the first message."""
+        """Everything queued; when idle, wait up to `wait_ms` for the first message. First, an Abort for
+        each request that lost events since (`send`), and their error events for the router where it reads
+        again."""
+        self._deliver_lost()
+        aborts: list[Message] = [Abort(rid) for rid in self._to_abort]
+        self._to_abort.clear()
         msgs = self.inbox.drain()
-        if msgs or busy:
-            return msgs
+        if msgs or busy or aborts:
+            return [*aborts, *msgs]
         first = self.inbox.recv(timeout_ms=wait_ms)
         return [first, *self.inbox.drain()] if first is not None else []
+
+    def _deliver_lost(self) -> None:
+        for rid, error in self._lost.items():
+            if error is not None and self.out["router"].try_send(error):
+                self._lost[rid] = None
+                log.error("%s: %s", rid, LOST_EVENTS)
+        while len(self._lost) > LOST_REMEMBERED:  # the oldest delivered first
+            oldest = next((rid for rid, error in self._lost.items() if error is None), None)
+            if oldest is None:
+                break
+            del self._lost[oldest]
 
     def watch_experts(self, provider: object) -> None:
         """Export the expert cache's / arena's counters (when the model's experts are offloaded)."""

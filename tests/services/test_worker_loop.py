@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.protocol import Heartbeat, Tokens
+from common.protocol import Abort, Heartbeat, Tokens
 from common.transport import Inbox, ipc_address
 from services.parent_watch import PARENT_GONE_GRACE_S
 from services.worker_loop import HEARTBEAT_S, WorkerShell
@@ -65,6 +65,43 @@ def test_a_router_that_does_not_read_never_blocks_the_loop(tmp_path: Path) -> No
             shell.send("router", Tokens(f"r{i}", [1, 2, 3], index=0))
         assert time.monotonic() - start < 10
         assert 0 < shell.router_dropped < 5000, "the queue holds some, the rest are dropped"
+    finally:
+        shell.close()
+
+
+def test_a_request_that_lost_events_is_aborted_and_failed_once_the_router_reads(tmp_path: Path) -> None:
+    """A dropped event would leave its request waiting at the router for good (it orders events by index):
+    the worker aborts it (an Abort from `receive`) and sends an error event for it, once, when the router
+    reads again; requests whose events all went through are untouched."""
+    shell = WorkerShell(
+        "decode", ipc_address(tmp_path, "decode"), {"router": ipc_address(tmp_path, "router")}
+    )
+    try:
+        for i in range(3000):  # one event a request, past the queue
+            shell.send("router", Tokens(f"r{i}", [1], index=0))
+        assert shell.router_dropped > 0
+        lost = {f"r{i}" for i in range(3000 - shell.router_dropped, 3000)}
+        aborts = shell.receive(busy=True)
+        assert {m.rid for m in aborts if isinstance(m, Abort)} == lost
+        assert shell.receive(busy=True) == []  # aborted once
+        router = Inbox(ipc_address(tmp_path, "router"))  # the router reads again
+        try:
+            events, deadline = [], time.monotonic() + 10
+            while (
+                len([e for e in events if e.finish_reason == "error"]) < len(lost)
+                and time.monotonic() < deadline
+            ):
+                shell.receive(busy=True)  # each turn of the loop delivers what the router's queue takes
+                events += router.drain()
+                time.sleep(0.01)
+            errors = [e for e in events if isinstance(e, Tokens) and e.finish_reason == "error"]
+            assert sorted(e.rid for e in errors) == sorted(lost) and all("lost" in e.error for e in errors)
+            shell.send("router", Tokens(next(iter(lost)), [2], index=1))  # a late one: no second error
+            shell.receive(busy=True)
+            time.sleep(0.1)
+            assert not [e for e in router.drain() if isinstance(e, Tokens) and e.finish_reason == "error"]
+        finally:
+            router.close()
     finally:
         shell.close()
 
