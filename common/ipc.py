@@ -278,10 +278,11 @@ def _kept(name: str, owner: int, pid: int | None, own: set[str]) -> bool:
     """Whether unlink_stale(pid) leaves segment `name` of process `owner` (`own`: this process's names)."""
     if pid is not None:
         return owner != pid
-    return name in own if owner == os.getpid() else _alive(owner)
+    return name in own if owner == os.getpid() else process_alive(owner)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's counts: its pid is taken)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -47,6 +47,17 @@ def free_ports(count: int = 1, host: str = "127.0.0.1") -> int:
     )
 
 
+def check_free(host: str, port: int, what: str) -> None:
+    """OSError naming `what` where `port` on `host` is taken (another server listens there): a service about
+    to bind it would fail only after everything else had started."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no owner
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"{what}: {host}:{port} cannot be bound ({exc.strerror}): choose another") from None
+
+
 def port_top() -> int:
     """The end of the range ports are picked from: the ephemeral range's start, or 65536 where that
     leaves less than 1024 ports above PORTS_FROM."""

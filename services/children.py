@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from common import ipc
 from common.protocol import ServiceDown
 from common.transport import Outbox
+from services.parent_watch import PARENT_PID_ENV
 
 log = logging.getLogger("launch")
 GRACE_S = 10.0
 """How long a child has between SIGTERM and SIGKILL."""
 QUICK_EXIT_S = 60.0
-"""A child that exits sooner than this after its start failed at start-up (config, checkpoint, memory)."""
+"""A child that exits sooner than this after its start, before it came up, failed at start-up (config,
+checkpoint, memory)."""
 MAX_QUICK_EXITS = 4
 """Start-up failures in a row after which the launcher gives up instead of restarting forever."""
 
@@ -40,15 +42,20 @@ class Child:
     restarts: int = 0
     started: float = 0.0
     quick_exits: int = 0
+    came_up: bool = False
+    """This start of it served (the supervisor saw it up): an exit now is no start-up failure."""
 
     def start(self) -> None:
-        env = None if self.gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpu}
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        if self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu
         self.proc = subprocess.Popen(self.argv, env=env)
         self.started = time.monotonic()
+        self.came_up = False
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
     def count_exit(self) -> None:
-        quick = time.monotonic() - self.started < QUICK_EXIT_S
+        quick = time.monotonic() - self.started < QUICK_EXIT_S and not self.came_up
         self.quick_exits = self.quick_exits + 1 if quick else 0
 
     def kill(self, why: str) -> None:

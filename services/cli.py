@@ -252,6 +252,8 @@ def _serve(args: argparse.Namespace) -> int:
     _check_before_start(args, cfg, model)
     if cfg.vram_budget is not None:  # (a budget is for a GPU: `auto` under --ray is one of the nodes')
         _check_serve_plan(dataclasses.replace(cfg, device="cuda") if cfg.device == "auto" else cfg)
+    if args.ray is None:  # (under Ray, the router's node binds them)
+        _check_ports(args)
     gpus = pair_gpus(args.pairs, cfg.device) if args.ray is None else [None] * args.pairs
     opts = ServeOptions(
         model_dir=model_dir,
@@ -300,6 +302,16 @@ def _check_before_start(args: argparse.Namespace, cfg, model) -> None:
     if cfg.expert_cache is not None:
         parse_capacity(cfg.expert_cache, len(model.moe_layers), model.num_experts)
     Tokenizer.from_dir(cfg.model_dir)
+
+
+def _check_ports(args: argparse.Namespace) -> None:
+    """OSError for a port `serve` would bind that is taken (another server on it): the API's, and the
+    metrics' of the router and the first pair (M, M + 1, M + 2)."""
+    from common.ports import check_free
+
+    check_free(args.host, args.port, "--port")
+    for offset, service in enumerate(("router", "prefill", "decode") if args.metrics_port else ()):
+        check_free(args.host, args.metrics_port + offset, f"--metrics-port ({service})")
 
 
 def _check_serve_plan(cfg) -> None:

@@ -6,7 +6,8 @@ each, or N on the CPU) and the router over them, waits until the router's /healt
 Ready, restarts a worker that dies (the router ends the requests its pair held with an error event) or that
 the router has not heard from for the stall timeout (a hung process: it is killed first), and on
 SIGINT/SIGTERM stops everything: children get SIGTERM, then SIGKILL after a grace period; the run directory
-and any shared-memory segment a dead child left are removed.
+and any shared-memory segment a dead child left are removed. A launcher killed with no chance to stop leaves
+its run directory: the next one to start removes it (`sweep_run_dirs`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -23,10 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.images import vision_config
+from common.ipc import process_alive
 from common.transport import Outbox, ipc_address, make_run_dir, pair_names
 from services.children import Child, module_argv, restart_exited, stop_children, worker_argv
 
 log = logging.getLogger("launch")
+OWNER = "launcher.pid"
+"""The file in a run directory that names the launcher it belongs to."""
 
 
 @dataclass
@@ -180,12 +185,32 @@ def _encoder_child(
     return Child("encoder", argv)
 
 
+def sweep_run_dirs(root: Path | None = None) -> list[Path]:
+    """Remove the run directories (under `root`, the temporary directory by default) of this user's
+    launchers that are gone (a SIGKILLed launcher cannot remove its own; its workers end with it); returns
+    them. A directory that names no launcher (a test's, another tool's) is left alone."""
+    swept = []
+    for run_dir in Path(root or tempfile.gettempdir()).glob("spillway-*"):
+        try:
+            if run_dir.stat().st_uid != os.getuid():
+                continue
+            pid = int((run_dir / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if not process_alive(pid):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            swept.append(run_dir)
+    return swept
+
+
 class Launcher:
     """Starts, watches and stops the services."""
 
     def __init__(self, opts: ServeOptions) -> None:
         self.opts = opts
+        sweep_run_dirs()
         self.run_dir = make_run_dir()
+        (self.run_dir / OWNER).write_text(str(os.getpid()))
         self.children = service_children(opts, self.run_dir)
         self.router = Outbox(ipc_address(self.run_dir, "router"))
         self.stopping = self.failed = False
@@ -212,6 +237,7 @@ class Launcher:
         """Restart what exited, kill what hangs (`kill_stalled`); the router's /health body, or None."""
         self.supervise()
         health = self.health()
+        self.mark_up(health)
         if self.opts.stall_timeout_s > 0 and not self.stopping:
             self.kill_stalled(health)
         return health
@@ -226,6 +252,19 @@ class Launcher:
                 return json.loads(exc.read())
         except (OSError, ValueError):
             return None
+
+    def mark_up(self, health: dict | None) -> None:
+        """Note each child that came up (the router: it answers; a worker: /health has it up under its pid),
+        so that its later exits are not counted as start-up failures (`Child.count_exit`)."""
+        if health is None:
+            return
+        services = health.get("services", {})
+        for child in self.children:
+            if child.proc is None or child.proc.poll() is not None:
+                continue
+            svc = services.get(child.name) or {}
+            up = child.name == "router" or (svc.get("pid") == child.proc.pid and svc.get("state") == "up")
+            child.came_up = child.came_up or up
 
     def kill_stalled(self, health: dict | None) -> None:
         """Kill each worker the router (its /health body `health`) has not heard from for the stall timeout

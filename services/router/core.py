@@ -455,6 +455,7 @@ class RouterCore:
         assert self._inbox is not None
         while True:
             msg = await self._inbox.recv()
+            self.sync_dropped_frames()  # (for --metrics-port's server too, which renders the registry alone)
             try:
                 self.on_message(msg)
             except Exception:  # a bad message must not stop the router

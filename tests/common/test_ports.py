@@ -33,3 +33,13 @@ def test_a_run_with_a_taken_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> 
         picks = iter([busy - 1, before, busy - 20])  # holds the taken port; handed out before; free
         monkeypatch.setattr(ports._RANDOM, "randrange", lambda *_: next(picks))
         assert ports.free_ports(2) == busy - 20
+
+
+def test_a_port_another_server_listens_on_is_named_as_taken() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", ports.free_ports(1)))
+        server.listen()
+        port = server.getsockname()[1]
+        with pytest.raises(OSError, match=rf"--port: 127.0.0.1:{port} cannot be bound .*choose another"):
+            ports.check_free("127.0.0.1", port, "--port")
+    ports.check_free("127.0.0.1", port, "--port")  # closed: free again

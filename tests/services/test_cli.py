@@ -195,6 +195,22 @@ def test_bad_arguments_are_refused_before_anything_starts(
     assert "Traceback" not in result.stderr and "started" not in result.stderr
 
 
+def test_serve_refuses_a_taken_port_before_starting(tmp_path: Path) -> None:
+    """Another server on the port: one clear error, where the router failed to bind after everything else
+    had started (and the launcher took the other server's /health for its own)."""
+    import socket
+
+    from common.ports import free_ports
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", free_ports(1)))
+        other.listen()
+        port = other.getsockname()[1]
+        result = _run(["serve", "--port", str(port)], tmp_path)
+    assert result.returncode == 2 and f"--port: 127.0.0.1:{port} cannot be bound" in result.stderr
+    assert "Traceback" not in result.stderr and "started" not in result.stderr
+
+
 def test_serve_refuses_a_small_budget_before_starting(tmp_path: Path) -> None:
     result = _run(["serve", "--vram-budget", "100MiB", "--port", "1"], tmp_path)
     assert result.returncode == 2 and "too small" in result.stderr and "Traceback" not in result.stderr

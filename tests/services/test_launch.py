@@ -4,6 +4,10 @@ encoder (for a model with a vision tower: its inbox given to the router and ever
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +114,61 @@ def test_serve_starts_an_encoder_for_a_vision_model_only(tmp_path: Path) -> None
         device("--encoder-device", "cuda:99")
     with pytest.raises(SystemExit):
         device("--encoder-device", "tpu")
+
+
+def test_an_exit_after_coming_up_is_no_start_up_failure() -> None:
+    """Four quick exits in a row give up (start-up failures); a worker that was up and then died (killed,
+    crashed by a request) is restarted however soon it dies."""
+    from services.children import MAX_QUICK_EXITS, Child
+
+    child = Child("decode", ["true"])
+    for _ in range(MAX_QUICK_EXITS):
+        child.started, child.came_up = time.monotonic(), True
+        child.count_exit()
+    assert child.quick_exits == 0
+    for _ in range(MAX_QUICK_EXITS):
+        child.started, child.came_up = time.monotonic(), False
+        child.count_exit()
+    assert child.quick_exits == MAX_QUICK_EXITS
+
+
+def test_the_launcher_marks_up_the_children_health_says_are(tmp_path: Path) -> None:
+    from services.launch import Launcher
+
+    opts = ServeOptions(model_dir=str(tmp_path), host="127.0.0.1", port=1, worker_args=[])
+    launcher = Launcher(opts)
+    try:
+        procs = {c.name: subprocess.Popen(["sleep", "30"]) for c in launcher.children}
+        for child in launcher.children:
+            child.proc = procs[child.name]
+        prefill, decode = (
+            next(c for c in launcher.children if c.name.startswith(r)) for r in ("prefill", "decode")
+        )
+        services = {
+            prefill.name: {"pid": prefill.proc.pid, "state": "up"},
+            decode.name: {"pid": decode.proc.pid + 100000, "state": "up"},  # an earlier start's pid
+        }
+        launcher.mark_up({"status": "degraded", "services": services})
+        assert prefill.came_up and not decode.came_up
+        assert next(c for c in launcher.children if c.name == "router").came_up  # it answered
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        launcher.router.close()
+        shutil.rmtree(launcher.run_dir, ignore_errors=True)
+
+
+def test_a_gone_launchers_run_directory_is_swept(tmp_path: Path) -> None:
+    from services.launch import OWNER, sweep_run_dirs
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead, live, unnamed = (tmp_path / f"spillway-{n}" for n in ("dead", "live", "unnamed"))
+    for run_dir in (dead, live, unnamed):
+        run_dir.mkdir()
+        (run_dir / "decode.sock").touch()
+    (dead / OWNER).write_text(str(gone.pid))
+    (live / OWNER).write_text(str(os.getpid()))
+    assert sweep_run_dirs(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and unnamed.exists()

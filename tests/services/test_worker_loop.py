@@ -3,6 +3,7 @@ sends to a router that does not read."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import pytest
 
 from common.protocol import Abort, Heartbeat, Tokens
 from common.transport import Inbox, ipc_address
-from services.parent_watch import PARENT_GONE_GRACE_S
+from services.parent_watch import PARENT_GONE_GRACE_S, PARENT_PID_ENV
 from services.worker_loop import HEARTBEAT_S, WorkerShell
 
 SCRIPT = """
@@ -159,6 +160,17 @@ def test_a_worker_started_to_exit_with_its_parent_stops_when_the_parent_is_kille
         time.sleep(0.1)
     assert not _alive(child), printed()
     assert printed().split()[1:] == ([last] if last else []), printed()
+
+
+def test_a_worker_whose_supervisor_died_before_it_looked_stops(tmp_path: Path) -> None:
+    """The supervisor's pid comes in the environment (Child.start): a worker whose supervisor was killed
+    while it imported (now under init) still sees it gone, where os.getppid() would have given init's pid."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a supervisor that is no more
+    env = {**os.environ, PARENT_PID_ENV: str(gone.pid)}
+    argv = [sys.executable, "-c", ORPHAN, str(tmp_path)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    assert done.stdout.split()[1:] == ["stopped"], done.stderr
 
 
 def _alive(pid: int) -> bool:

@@ -427,3 +427,25 @@ def test_images_go_to_the_encoder_and_its_failure_fails_only_their_requests() ->
 
 async def _no_encoder(core: RouterCore) -> None:
     assert core.encoder is None and core.status() == "ok"
+
+
+def test_an_undecodable_frame_is_dropped_and_counted_without_a_scrape(
+    serve_router: Any, wait_until: Any
+) -> None:
+    """The count reaches the registry as the inbox reads on (what --metrics-port's server renders), not only
+    when the API's /metrics is read."""
+    import httpx
+    import zmq
+
+    from common.metrics import render
+
+    with serve_router() as served:
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(served.config.inbox)
+        try:
+            push.send(b"\x00 not a message")
+            registry = served.app.state.router.registry
+            wait_until(lambda: b"spillway:dropped_frames_total 1.0" in render(registry)[0])
+            assert httpx.get(f"{served.url}/health", timeout=5).json()["status"] == "ok"  # still serving
+        finally:
+            push.close(0)
