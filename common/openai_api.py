@@ -156,6 +156,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class CompletionRequest(_GenerationRequest):
     prompt: JsonValue
+    max_tokens: int | None = Field(None, ge=0)
+    """0 only with `echo`: the prompt scored (its tokens' log-probabilities), nothing generated."""
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -244,6 +246,9 @@ class GenerationSpec:
     """Choices to generate."""
     echo: str | None = None
     """Text completions' echo: the prompt's text, which the response puts before each completion."""
+    max_tokens: int | None = None
+    """The router's own limit where it is below the workers' (`sampling.max_tokens`, at least 1): 0 for a
+    completion that only scores its prompt (echo, max_tokens 0)."""
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -289,10 +294,15 @@ def completion_specs(
         raise bad_request("best_of must be 1.", "best_of", "unsupported")
     if request.suffix:
         raise bad_request("suffix is not supported.", "suffix", "unsupported")
+    if request.max_tokens == 0 and not request.echo:
+        raise bad_request("max_tokens 0 generates nothing: it needs echo (the prompt scored).", "max_tokens")
+    scores = request.max_tokens == 0  # the workers still sample one token: the router returns none
     specs = []
     for ids, text in zip(prompts, given_prompts(request), strict=True):
-        max_tokens = request.max_tokens or COMPLETION_MAX_TOKENS
+        max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else max(request.max_tokens, 1)
         spec = _spec(request, ids, max_context, tokenizer.vocab_size, max_tokens, request.logprobs)
+        if scores:
+            spec = dataclasses.replace(spec, max_tokens=0)
         if request.echo:
             sampling = msgspec.structs.replace(spec.sampling, prompt_logprobs=request.logprobs)
             echo = text if isinstance(text, str) else tokenizer.decode(ids)

@@ -189,7 +189,8 @@ class Choices:
                 choice.first.set_exception(exc)
             return
         for choice, flight in zip(group, flights, strict=True):  # now, for `close` to release each
-            choice.gen = TextGeneration(flight, self.tokenizer, choice.spec.stop, choice.spec.kept_stop)
+            spec = choice.spec
+            choice.gen = TextGeneration(flight, self.tokenizer, spec.stop, spec.kept_stop, spec.max_tokens)
         await asyncio.gather(*(self._read(c) for c in group))
 
     async def _read(self, choice: Choice) -> None:

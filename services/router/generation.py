@@ -32,9 +32,16 @@ class TextGeneration:
     """Reads a flight's events and returns what the client may see, one event at a time."""
 
     def __init__(
-        self, flight: Flight, tokenizer: Tokenizer, stop: tuple[str, ...], kept_stop: tuple[str, ...] = ()
+        self,
+        flight: Flight,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...],
+        kept_stop: tuple[str, ...] = (),
+        max_tokens: int | None = None,
     ) -> None:
         self.flight = flight
+        self.max_tokens = flight.sampling.max_tokens if max_tokens is None else max_tokens
+        """The most tokens the client gets (the workers' limit, or less: a prompt only scored gets none)."""
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStrings(stop, kept_stop)
         self.completion_tokens = 0
@@ -77,7 +84,7 @@ class TextGeneration:
         """The event's new text, the finish reason, and how many of its tokens the completion counts."""
         ids = event.token_ids
         finish = event.finish_reason
-        room = self.flight.sampling.max_tokens - self.completion_tokens
+        room = self.max_tokens - self.completion_tokens
         if len(ids) >= room and finish is None:
             finish = "length"  # the worker overran (or will say so next); the router ends it here
         ids = ids[:room]

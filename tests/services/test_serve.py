@@ -128,6 +128,18 @@ def test_completions_streamed_and_not_agree(stack):
     assert whole.choices[0].text == engine.tokenizer.decode(ref.token_ids)
 
 
+def test_a_prompt_is_scored_with_max_tokens_zero(stack):
+    """echo + logprobs + max_tokens 0: the prompt's own log-probabilities (prefill's), as with a token."""
+    server, model, _ = stack
+    client = server.client()
+    ask = {"model": _name(model), "prompt": "Once upon a time", "echo": True, "logprobs": 1}
+    scored = client.completions.create(**ask, max_tokens=0)
+    one = client.completions.create(**ask, max_tokens=1, temperature=0)
+    assert scored.choices[0].text == "Once upon a time" and scored.usage.completion_tokens == 0
+    got, want = scored.choices[0].logprobs.token_logprobs, one.choices[0].logprobs.token_logprobs[:-1]
+    assert got[0] is None and got[1:] == pytest.approx(want[1:], abs=1e-5)
+
+
 def test_seeded_requests_do_not_depend_on_their_batch(stack):
     server, model, _ = stack
     client = server.client()

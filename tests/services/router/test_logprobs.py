@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -129,6 +130,26 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     if stream:
         assert chunks[0].choices[0].text == prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(served: Any, tok: Tokenizer, stream: bool) -> None:
+    """echo, logprobs and max_tokens 0 (what scoring tools send): the prompt and its tokens'
+    log-probabilities, no generated token (the workers' first one is not returned nor counted)."""
+    prompt = "Once upon a time"
+    out = client(served).completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1, stream=stream
+    )
+    chunks = list(out) if stream else [out]
+    ids = tok.encode(prompt, add_special_tokens=True)
+    assert "".join(c.choices[0].text for c in chunks) == prompt
+    values = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert values == [None] + [peer_logprobs(100 + i, 0, 0).logprob for i in range(len(ids) - 1)]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    if not stream:
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 0)
+    refused = httpx.post(f"{served.url}/v1/completions", json={"prompt": prompt, "max_tokens": 0}, timeout=10)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
 def test_echo_of_token_ids_is_their_text(served: Any, tok: Tokenizer, reply: str) -> None:
