@@ -126,6 +126,28 @@ def test_a_chat_with_images_answers_as_transformers(stack) -> None:
     assert health(server.port)[1]["services"]["encoder"]["state"] == "up"
 
 
+def test_a_response_with_images_answers_as_the_chat(stack) -> None:
+    """The Responses API's input_image parts reach the encoder as the chat's image_url parts do."""
+    server, model, _ = stack
+    client = server.client()
+    images, texts = _images(), ["Compare", " with", " and say which is brighter."]
+    urls = [_data_url(i) for i in images]
+    chat = client.chat.completions.create(
+        model=model.name, messages=_chat(texts, urls), max_tokens=MAX_TOKENS, temperature=0
+    )
+    content = [{"type": "input_text", "text": texts[0]}]
+    for url, text in zip(urls, texts[1:], strict=True):
+        content += [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": text}]
+    response = client.responses.create(
+        model=model.name,
+        input=[{"role": "user", "content": content}],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
 def test_bad_images_are_400s(stack) -> None:
     server, model, _ = stack
     client = server.client()
