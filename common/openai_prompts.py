@@ -169,7 +169,7 @@ def _template_message(
         raise bad_request(
             f"Unknown role '{message.role}': expected one of {roles}.", f"messages[{index}].role"
         )
-    if message.role != "assistant" and not message.content and message.content != "":
+    if message.role != "assistant" and message.content in (None, []):
         raise bad_request(  # (an assistant's may be null: its calls say it all)
             f"A {message.role} message needs content (a string or a non-empty list of parts).",
             f"messages[{index}].content",

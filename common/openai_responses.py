@@ -111,6 +111,13 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
         raise bad_request(f"metadata holds at most {MAX_METADATA} pairs.", "metadata")
 
 
+SAME_FIELDS = (
+    "model", "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "chat_template_kwargs",
+)  # fmt: skip
+"""The fields a Responses request shares with the chat, under the same names."""
+
+
 def wants_logprobs(request: ResponsesRequest) -> bool:
     """The output text's log-probabilities are asked for (`top_logprobs`, or the `include` entry)."""
     return request.top_logprobs is not None or LOGPROBS_INCLUDE in (request.include or ())
@@ -129,17 +136,7 @@ def as_chat(request: ResponsesRequest) -> ChatCompletionRequest:
         "response_format": _response_format(request.text),
         "stream": request.stream,
     }
-    same = (
-        "model",
-        "temperature",
-        "top_p",
-        "seed",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-    )
-    fields |= {name: getattr(request, name) for name in (*same, "repetition_penalty", "chat_template_kwargs")}
+    fields |= {name: getattr(request, name) for name in SAME_FIELDS}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:  # what the items' own checks let through
@@ -153,14 +150,14 @@ def chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         messages.add({"role": "system", "content": request.instructions})
     if isinstance(request.input, str):
         messages.add({"role": "user", "content": request.input})
-        return messages.done()
+        return messages.list
     for i, item in enumerate(request.input):
         if not isinstance(item, dict):
             raise bad_request("An input item is an object.", f"input[{i}]")
         messages.item(item, f"input[{i}]")
     if not messages.list:
         raise bad_request("The input is empty.", "input")
-    return messages.done()
+    return messages.list
 
 
 class _Conversation:
@@ -175,9 +172,6 @@ class _Conversation:
         if message["role"] == "assistant" and self._reasoning is not None:
             message["reasoning_content"], self._reasoning = self._reasoning, None
         self.list.append(message)
-
-    def done(self) -> list[dict[str, Any]]:
-        return self.list
 
     def item(self, item: dict[str, Any], param: str) -> None:
         kind = item.get("type", "message")

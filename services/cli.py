@@ -252,8 +252,6 @@ def _serve(args: argparse.Namespace) -> int:
     _check_before_start(args, cfg, model)
     if cfg.vram_budget is not None:  # (a budget is for a GPU: `auto` under --ray is one of the nodes')
         _check_serve_plan(dataclasses.replace(cfg, device="cuda") if cfg.device == "auto" else cfg)
-    if args.ray is None:  # (under Ray, the router's node binds them)
-        _check_ports(args)
     gpus = pair_gpus(args.pairs, cfg.device) if args.ray is None else [None] * args.pairs
     opts = ServeOptions(
         model_dir=model_dir,
@@ -271,6 +269,8 @@ def _serve(args: argparse.Namespace) -> int:
         encoder_device=_encoder_device(args, model_dir),
         encoder_dtype=cfg.dtype,
     )
+    if args.ray is None:  # (under Ray, the router's node binds them)
+        _check_ports(opts)
     if args.ray is not None:
         from services.ray_launch import RayLauncher
 
@@ -304,14 +304,13 @@ def _check_before_start(args: argparse.Namespace, cfg, model) -> None:
     Tokenizer.from_dir(cfg.model_dir)
 
 
-def _check_ports(args: argparse.Namespace) -> None:
-    """OSError for a port `serve` would bind that is taken (another server on it): the API's, and the
-    metrics' of the router and the first pair (M, M + 1, M + 2)."""
+def _check_ports(opts) -> None:
+    """OSError for a port the services would bind that is taken (another server on it): the API's and
+    every metrics port (ServeOptions.ports)."""
     from common.ports import check_free
 
-    check_free(args.host, args.port, "--port")
-    for offset, service in enumerate(("router", "prefill", "decode") if args.metrics_port else ()):
-        check_free(args.host, args.metrics_port + offset, f"--metrics-port ({service})")
+    for what, port in opts.ports().items():
+        check_free(opts.host, port, what)
 
 
 def _check_serve_plan(cfg) -> None:

@@ -61,6 +61,26 @@ class ServeOptions:
     (a text-only model, or --no-encoder)."""
     encoder_dtype: str = "float32"
 
+    def worker_metrics_port(self, pair: int, role: str) -> int:
+        """Pair `pair`'s prefill or decode worker's metrics port (`metrics_port` set)."""
+        return self.metrics_port + (1 if role == "prefill" else 2) + 2 * pair
+
+    def encoder_metrics_port(self) -> int:
+        """The encoder's metrics port (`metrics_port` set): the one after the last pair's."""
+        return self.metrics_port + 1 + 2 * len(self.pair_gpus)
+
+    def ports(self) -> dict[str, int]:
+        """Every TCP port the services bind here, by what sets it: the API's, and the metrics' (if any)."""
+        ports = {"--port": self.port}
+        if self.metrics_port:
+            ports["--metrics-port (router)"] = self.metrics_port
+            for i, names in enumerate(map(pair_names, range(len(self.pair_gpus)))):
+                for role, name in zip(("prefill", "decode"), names, strict=True):
+                    ports[f"--metrics-port ({name})"] = self.worker_metrics_port(i, role)
+            if self.encoder_device is not None:
+                ports["--metrics-port (encoder)"] = self.encoder_metrics_port()
+        return ports
+
 
 STALL_CHECK_S = 1.0
 """How often the launcher reads the router's /health for silent workers."""
@@ -155,15 +175,12 @@ def service_children(opts: ServeOptions, run_dir: Path) -> list[Child]:
         pairs.append((inbox["prefill"], inbox["decode"]))
         prefills[prefill_name] = inbox["prefill"]
         # decode first: it owns the memory prefill maps (either order works: prefill asks for it)
-        for role, name, peer, port in (
-            ("decode", decode_name, "prefill", 2),
-            ("prefill", prefill_name, "decode", 1),
-        ):
+        for role, name, peer in (("decode", decode_name, "prefill"), ("prefill", prefill_name, "decode")):
             argv = worker_argv(role, name, inbox[role], inbox[peer], router_inbox, worker_flags(opts))
             if role == "prefill" and encoder is not None:
                 argv += ["--encoder", encoder]
             if opts.metrics_port:
-                port += opts.metrics_port + 2 * i
+                port = opts.worker_metrics_port(i, role)
                 argv += ["--metrics-port", str(port)]
                 metrics[name] = f"http://127.0.0.1:{port}/metrics"
             children.append(Child(name, argv, gpu))
@@ -179,7 +196,7 @@ def _encoder_child(
     after the last pair's, its URL added to `metrics`."""
     argv = encoder_argv(opts, inbox, router, prefills)
     if opts.metrics_port:
-        port = opts.metrics_port + 1 + 2 * len(opts.pair_gpus)
+        port = opts.encoder_metrics_port()
         argv += ["--metrics-port", str(port)]
         metrics["encoder"] = f"http://127.0.0.1:{port}/metrics"
     return Child("encoder", argv)

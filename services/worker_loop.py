@@ -66,8 +66,10 @@ class WorkerShell:
         self._dropped_seen = 0
         self.router_dropped = 0
         """Messages to the router dropped because it did not read (`send`)."""
-        self._lost: dict[str, Tokens | None] = {}
-        """Requests some of whose events were dropped → the error event still to deliver (None: delivered)."""
+        self._failed: dict[str, None] = {}
+        """Requests failed for a dropped event, oldest first (LOST_REMEMBERED at most): each failed once."""
+        self._undelivered: list[Tokens] = []
+        """Their error events, in order, until the router takes them (`receive`)."""
         self._to_abort: list[str] = []
         """Those requests, still to be aborted here (`receive` hands the loop an Abort for each)."""
         self.expert_metrics = None
@@ -126,15 +128,19 @@ class WorkerShell:
             self.router_dropped += 1
             if self.router_dropped in (1, 10, 100) or self.router_dropped % 1000 == 0:
                 log.warning("the router does not read: %d messages to it dropped", self.router_dropped)
-            if isinstance(msg, Tokens) and msg.rid not in self._lost:
-                self._lost[msg.rid] = Tokens(msg.rid, [], finish_reason="error", error=LOST_EVENTS)
+            if isinstance(msg, Tokens) and msg.rid not in self._failed:
+                self._failed[msg.rid] = None
+                if len(self._failed) > LOST_REMEMBERED:
+                    del self._failed[next(iter(self._failed))]
+                self._undelivered.append(Tokens(msg.rid, [], finish_reason="error", error=LOST_EVENTS))
                 self._to_abort.append(msg.rid)
 
     def receive(self, busy: bool, wait_ms: int = 100) -> list[Message]:
         """Everything queued; when idle, wait up to `wait_ms` for the first message. First, an Abort for
         each request that lost events since (`send`), and their error events for the router where it reads
         again."""
-        self._deliver_lost()
+        while self._undelivered and self.out["router"].try_send(self._undelivered[0]):
+            log.error("%s: %s", self._undelivered.pop(0).rid, LOST_EVENTS)
         aborts: list[Message] = [Abort(rid) for rid in self._to_abort]
         self._to_abort.clear()
         msgs = self.inbox.drain()
@@ -142,17 +148,6 @@ class WorkerShell:
             return [*aborts, *msgs]
         first = self.inbox.recv(timeout_ms=wait_ms)
         return [first, *self.inbox.drain()] if first is not None else []
-
-    def _deliver_lost(self) -> None:
-        for rid, error in self._lost.items():
-            if error is not None and self.out["router"].try_send(error):
-                self._lost[rid] = None
-                log.error("%s: %s", rid, LOST_EVENTS)
-        while len(self._lost) > LOST_REMEMBERED:  # the oldest delivered first
-            oldest = next((rid for rid, error in self._lost.items() if error is None), None)
-            if oldest is None:
-                break
-            del self._lost[oldest]
 
     def watch_experts(self, provider: object) -> None:
         """Export the expert cache's / arena's counters (when the model's experts are offloaded)."""

@@ -30,7 +30,13 @@ from common import openai_prompts
 from common.chat_images import ImagePrompting
 from common.metrics import RouterMetrics, new_registry, render, serve
 from common.openai_api import ApiError, ChatCompletionRequest, GenerationSpec
-from common.openai_responses import as_chat, chat_param_error, parse_responses_request, wants_logprobs
+from common.openai_responses import (
+    ResponsesRequest,
+    as_chat,
+    chat_param_error,
+    parse_responses_request,
+    wants_logprobs,
+)
 from common.reasoning import ReasoningForm, reasoning_form, reasoning_tags
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
@@ -158,17 +164,19 @@ class Router:
             spec = await self._chat_spec(as_chat(body))
         except ApiError as exc:
             raise chat_param_error(exc) from None
+        return await self._unless_gone(self._respond(request, body, spec, received))
+
+    async def _respond(
+        self, request: Request, body: ResponsesRequest, spec: GenerationSpec, received: float
+    ) -> Response:
+        """A Responses request's answer: its events as they come, or the whole response."""
         rid = _request_id(request)
-        try:
-            if spec.stream:
-                choices = await self._started(request, [spec], True, received)
-                response = ResponseBody(body, rid, self.config.model_name, int(choices.arrival))
-                events = ResponseEvents(ResponseStream(response, wants_logprobs(body)), self._token_count)
-                return _Stream(self._events(choices, events, rid), choices.close)
-            choices = await self._finished(request, [spec], True, received)
-        except ClientGone:
-            self.metrics.request_errors.labels(reason="client_disconnect").inc()
-            return Response(status_code=CLIENT_CLOSED)
+        if spec.stream:
+            choices = await self._started(request, [spec], True, received)
+            response = ResponseBody(body, rid, self.config.model_name, int(choices.arrival))
+            events = ResponseEvents(ResponseStream(response, wants_logprobs(body)), self._token_count)
+            return _Stream(self._events(choices, events, rid), choices.close)
+        choices = await self._finished(request, [spec], True, received)
         (result,) = choices.results()
         response = ResponseBody(body, rid, self.config.model_name, int(choices.arrival))
         reasoning = self._token_count(result.reasoning or "")
@@ -199,8 +207,9 @@ class Router:
         # parallel_tool_calls false: the text ends with the first call block (a forced call's grammar holds
         # one already)
         once = (tags[1],) if tags is not None and body.parallel_tool_calls is False and not forced else ()
-        spec = dataclasses.replace(spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning)
-        return dataclasses.replace(spec, kept_stop=once)
+        return dataclasses.replace(
+            spec, images=raw, tool_form=form, sampling=sampling, reasoning=reasoning, kept_stop=once
+        )
 
     def _reasoning(
         self, opening: str, sampling: SamplingParams
@@ -251,10 +260,14 @@ class Router:
         self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
     ) -> Response:
         """Generate every spec's choices (a batched completion has a spec a prompt; they stream alike)."""
+        if specs[0].stream:
+            return await self._unless_gone(self._stream(request, specs, chat, received))
+        return await self._unless_gone(self._complete(request, specs, chat, received))
+
+    async def _unless_gone(self, answer: Coroutine[Any, Any, Response]) -> Response:
+        """`answer`, or (counted) the status of a client that left before it was ready."""
         try:
-            if specs[0].stream:
-                return await self._stream(request, specs, chat, received)
-            return await self._complete(request, specs, chat, received)
+            return await answer
         except ClientGone:
             self.metrics.request_errors.labels(reason="client_disconnect").inc()
             return Response(status_code=CLIENT_CLOSED)

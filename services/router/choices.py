@@ -189,8 +189,7 @@ class Choices:
                 choice.first.set_exception(exc)
             return
         for choice, flight in zip(group, flights, strict=True):  # now, for `close` to release each
-            spec = choice.spec
-            choice.gen = TextGeneration(flight, self.tokenizer, spec.stop, spec.kept_stop, spec.max_tokens)
+            choice.gen = TextGeneration(flight, self.tokenizer, choice.spec)
         await asyncio.gather(*(self._read(c) for c in group))
 
     async def _read(self, choice: Choice) -> None:

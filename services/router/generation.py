@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.detokenize import IncrementalDetokenizer, StopStrings
-from common.openai_api import ApiError
+from common.openai_api import ApiError, GenerationSpec
 from common.protocol import TokenLogprobs, Tokens
 from common.tokenizer import Tokenizer
 from services.router.core import Flight
@@ -31,19 +31,13 @@ class Delta:
 class TextGeneration:
     """Reads a flight's events and returns what the client may see, one event at a time."""
 
-    def __init__(
-        self,
-        flight: Flight,
-        tokenizer: Tokenizer,
-        stop: tuple[str, ...],
-        kept_stop: tuple[str, ...] = (),
-        max_tokens: int | None = None,
-    ) -> None:
+    def __init__(self, flight: Flight, tokenizer: Tokenizer, spec: GenerationSpec) -> None:
+        """`flight` read as its request `spec` asks: its stop strings and its limit."""
         self.flight = flight
-        self.max_tokens = flight.sampling.max_tokens if max_tokens is None else max_tokens
+        self.max_tokens = flight.sampling.max_tokens if spec.max_tokens is None else spec.max_tokens
         """The most tokens the client gets (the workers' limit, or less: a prompt only scored gets none)."""
         self._detok = IncrementalDetokenizer(tokenizer)
-        self._stops = StopStrings(stop, kept_stop)
+        self._stops = StopStrings(spec.stop, spec.kept_stop)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.text = ""

@@ -172,3 +172,12 @@ def test_a_gone_launchers_run_directory_is_swept(tmp_path: Path) -> None:
     (live / OWNER).write_text(str(os.getpid()))
     assert sweep_run_dirs(tmp_path) == [dead]
     assert not dead.exists() and live.exists() and unnamed.exists()
+
+
+def test_the_ports_checked_are_those_the_services_bind(tmp_path: Path) -> None:
+    opts = ServeOptions(
+        model_dir=str(tmp_path), port=8000, metrics_port=9000, pair_gpus=[None, None], encoder_device="cpu"
+    )
+    children = service_children(opts, tmp_path)
+    bound = {int(c.argv[c.argv.index("--metrics-port") + 1]) for c in children}
+    assert sorted(opts.ports().values()) == [8000, *sorted(bound)] == [8000, *range(9000, 9006)]
