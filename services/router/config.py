@@ -62,6 +62,11 @@ class RouterConfig:
     """A worker silent this long is hung: the requests in flight end with an error event (the launcher also
     kills it, and restarts it). Far above the longest step (a prefill chunk, ~1 s on the H200), below any
     client's patience; 0 = never."""
+    event_gap_timeout_s: float = 10.0
+    """A request whose next event (by `Tokens.index`) is still missing this long after a later one came lost
+    it (a worker drops events while the router's queue is full): it ends with an error event, and its
+    workers abort it, rather than wait for good. Far above the skew between prefill's and decode's
+    connections (milliseconds); 0 = never."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -77,6 +82,8 @@ class RouterConfig:
             raise ValueError("heartbeat_timeout_s must be positive")
         if self.stall_timeout_s < 0:
             raise ValueError("stall_timeout_s must not be negative")
+        if self.event_gap_timeout_s < 0:
+            raise ValueError("event_gap_timeout_s must not be negative")
 
     @property
     def model_name(self) -> str:

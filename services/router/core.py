@@ -4,7 +4,8 @@ It is library code with no HTTP in it (the FastAPI app in `app.py` is a thin she
 driven directly. One asyncio task reads the router's inbox: `Tokens` go to the request they name (in order
 of `Tokens.index`, because prefill's first token and decode's later ones travel on different connections),
 `Ready` and `Heartbeat` update the health of their service. A watchdog task ends the requests in flight
-when a worker falls silent for `stall_timeout_s` (hung, not dead: no exit for the launcher to report).
+when a worker falls silent for `stall_timeout_s` (hung, not dead: no exit for the launcher to report), and a
+request whose events have a gap that outlives `event_gap_timeout_s` (an event lost on the way).
 
 The workers come in prefill/decode pairs (`RouterConfig.pairs`, one a GPU or a machine). Each admitted
 request goes to the up pair with the smallest share of its capacity in use; a worker's exit, stall, restart
@@ -72,6 +73,10 @@ class Flight:
     next_index: int = 0
     pending: dict[int, list[Tokens]] = field(default_factory=dict)
     """Events that arrived ahead of their turn, by `Tokens.index`."""
+    gap_since: float | None = None
+    """time.monotonic() since when `pending` has held events (None while it is empty)."""
+    lost: bool = False
+    """Its gap outlived `event_gap_timeout_s`: it was failed, and its later events are dropped."""
     last_token_at: float | None = None
     released: bool = False
     pair: int = -1
@@ -142,7 +147,7 @@ class RouterCore:
                 asyncio.create_task(self._watch_link("encoder", self.encoder_box), name="router-link-encoder")
             )
         self._reader = asyncio.create_task(self._read_inbox(), name="router-inbox")
-        if self.config.stall_timeout_s > 0:
+        if self._watch_period() > 0:
             self._watchdog = asyncio.create_task(self._watch_stalls(), name="router-watchdog")
 
     async def close(self) -> None:
@@ -240,9 +245,13 @@ class RouterCore:
         return min([configured, *(c for c in announced if c > 0)])
 
     def check_stalls(self) -> None:
-        """Fail the requests in flight once for each worker silent past the stall timeout (the watchdog's
-        tick; public so that tests can step it)."""
+        """Fail the requests in flight once for each worker silent past the stall timeout, and each request
+        whose events have had a gap past the gap timeout (the watchdog's tick; public so that tests can step
+        it)."""
         now = time.monotonic()
+        self._fail_gaps(now)
+        if self.config.stall_timeout_s <= 0:
+            return
         for svc in self.services.values():
             silent = None if svc.last_seen is None else now - svc.last_seen
             if svc.exited or svc.stalled or silent is None or silent <= self.config.stall_timeout_s:
@@ -251,6 +260,21 @@ class RouterCore:
             log.error("%s (pid %s) has been silent for %.0f s: taken as hung", svc.name, svc.pid, silent)
             reason = f"the {svc.name} worker stopped responding ({silent:.0f} s without a heartbeat)"
             self._fail_service(svc, reason)
+
+    def _fail_gaps(self, now: float) -> None:
+        limit = self.config.event_gap_timeout_s
+        for flight in self._flights.values():
+            if limit <= 0 or flight.gap_since is None or now - flight.gap_since <= limit:
+                continue
+            flight.lost, flight.gap_since = True, None
+            flight.pending.clear()
+            log.error(
+                "%s: event %d never came (%.0f s after a later one)", flight.rid, flight.next_index, limit
+            )
+            reason = (
+                f"an event of this request was lost on its way from the workers (index {flight.next_index})"
+            )
+            flight.events.put_nowait(Tokens(flight.rid, [], "error", error=reason))
 
     def on_link(self, service: str, up: bool) -> None:
         """The router's connection to `service`'s inbox opened (`up`) or closed. Closed after being open: the
@@ -271,9 +295,14 @@ class RouterCore:
         except zmq.ZMQError:  # the context is going (close): nothing left to watch
             log.debug("%s: connection monitor ended", service, exc_info=True)
 
+    def _watch_period(self) -> float:
+        """Seconds between the watchdog's ticks: a quarter of the shortest timeout, at most 1; 0 = none."""
+        timeouts = [t for t in (self.config.stall_timeout_s, self.config.event_gap_timeout_s) if t > 0]
+        return min(1.0, *(t / 4 for t in timeouts)) if timeouts else 0.0
+
     async def _watch_stalls(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.config.stall_timeout_s / 4))
+            await asyncio.sleep(self._watch_period())
             self.check_stalls()
 
     def max_running(self) -> int:
@@ -543,13 +572,20 @@ class RouterCore:
         if event.finish_reason in TERMINAL_ERRORS:
             flight.events.put_nowait(event)
             return
+        if flight.lost:
+            return
         if event.index < flight.next_index:
             log.warning("dropping a duplicate event of %s at index %d", event.rid, event.index)
             return
         flight.pending.setdefault(event.index, []).append(event)
+        expected = flight.next_index
         while flight.next_index in flight.pending:
             for ready in flight.pending.pop(flight.next_index):
                 self._deliver(flight, ready)
+        if not flight.pending:
+            flight.gap_since = None
+        elif flight.gap_since is None or flight.next_index != expected:  # a gap, or a new one further on
+            flight.gap_since = time.monotonic()
 
     def _deliver(self, flight: Flight, event: Tokens) -> None:
         now = time.monotonic()

@@ -116,6 +116,42 @@ def test_events_are_delivered_in_index_order() -> None:
     run_core(test)
 
 
+def test_a_gap_in_the_events_past_its_timeout_fails_the_request_once() -> None:
+    async def test(core: RouterCore) -> None:
+        flight = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Tokens(flight.rid, [4], index=0))
+        core.on_message(Tokens(flight.rid, [6], index=2))  # index 1 is lost
+        assert (await flight.next_event()).token_ids == [4]
+        core.check_stalls()
+        assert flight.events.empty(), "a gap within the timeout is a reordering"
+        core.on_message(Tokens(flight.rid, [5], index=1))
+        assert [(await flight.next_event()).token_ids for _ in range(2)] == [[5], [6]]
+        assert flight.gap_since is None
+        core.on_message(Tokens(flight.rid, [8], index=4))  # index 3 is lost for good
+        flight.gap_since -= 31
+        core.check_stalls()
+        core.check_stalls()  # once, not once a tick
+        event = await flight.next_event()
+        assert event.finish_reason == "error" and "lost" in event.error and "index 3" in event.error
+        core.on_message(Tokens(flight.rid, [7], index=3))  # too late: dropped
+        assert flight.events.empty() and not flight.pending
+        core.release(flight, None)
+        assert core.health()["router"]["running"] == 0
+
+    run_core(test, event_gap_timeout_s=30)
+
+
+def test_the_watchdog_fails_a_request_whose_event_was_lost() -> None:
+    async def test(core: RouterCore) -> None:
+        flight = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Tokens(flight.rid, [6], index=1))  # the first token is lost
+        event = await asyncio.wait_for(flight.next_event(), 5)
+        assert event.finish_reason == "error" and "index 0" in event.error
+        core.release(flight, None)
+
+    run_core(test, stall_timeout_s=0, event_gap_timeout_s=0.2)
+
+
 def test_errors_overtake_tokens_and_restarts_fail_flights() -> None:
     async def test(core: RouterCore) -> None:
         a = await core.submit([1], SAMPLING, time.monotonic())
