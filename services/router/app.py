@@ -145,10 +145,24 @@ class Router:
         reason = error.code or _REASONS.get(error.status, str(error.status))
         self.metrics.request_errors.labels(reason=reason).inc()
 
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, refused with a 413 once it is over `max_request_bytes` (by its
+        Content-Length, or as it streams in without one)."""
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(limit)
+        return bytes(body)
+
     async def chat(self, request: Request) -> Response:
         received = time.monotonic()
         self.authorize(request)
-        body = api.parse_chat_request(await request.body())
+        body = api.parse_chat_request(await self._body(request))
         api.check_model(body.model, self.config.model_name)
         spec = await self._chat_spec(body)
         return await self._serve(request, [spec], chat=True, received=received)
@@ -158,7 +172,7 @@ class Router:
         Responses request's parameters)."""
         received = time.monotonic()
         self.authorize(request)
-        body = parse_responses_request(await request.body())
+        body = parse_responses_request(await self._body(request))
         api.check_model(body.model, self.config.model_name)
         try:
             spec = await self._chat_spec(as_chat(body))
@@ -231,7 +245,7 @@ class Router:
     async def completions(self, request: Request) -> Response:
         received = time.monotonic()
         self.authorize(request)
-        body = api.parse_completion_request(await request.body())
+        body = api.parse_completion_request(await self._body(request))
         api.check_model(body.model, self.config.model_name)
         prompts = await asyncio.to_thread(openai_prompts.completion_prompts, body, self.tokenizer)
         specs = api.completion_specs(body, prompts, self.max_context, self.tokenizer)
@@ -414,6 +428,10 @@ def create_app(config: RouterConfig) -> FastAPI:
         return Response(data, media_type=content_type)
 
     return app
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is over {limit:,} bytes.", code="request_too_large")
 
 
 def _add_error_handlers(app: FastAPI, router: Router) -> None:

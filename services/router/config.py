@@ -47,6 +47,9 @@ class RouterConfig:
     """Most requests waiting in the router's FIFO behind the running ones; beyond it requests get 429."""
     max_context: int | None = None
     """Longest prompt + completion in tokens; None = config.json's `max_position_embeddings`."""
+    max_request_bytes: int = 64 * 2**20
+    """Largest request body read (a 413 beyond it, before more of it is held in memory): far above the
+    longest context's text and a chat's images (base64, a few MB each)."""
     api_key: str | None = None
     """When set, `/v1/*` requires `Authorization: Bearer <api_key>` (401 otherwise); `/health` and
     `/metrics` stay open for probes and Prometheus."""
@@ -82,6 +85,8 @@ class RouterConfig:
             raise ValueError("heartbeat_timeout_s must be positive")
         if self.stall_timeout_s < 0:
             raise ValueError("stall_timeout_s must not be negative")
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be positive")
         if self.event_gap_timeout_s < 0:
             raise ValueError("event_gap_timeout_s must not be negative")
 

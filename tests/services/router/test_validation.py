@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ from services.router import RouterConfig, WorkerPair, create_app
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
 Call = Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]
+LIMIT = 1 << 16
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,7 @@ def app() -> Iterator[FastAPI]:
         inbox=ipc_address(run_dir, "router"),
         pairs=[WorkerPair(ipc_address(run_dir, "prefill"), ipc_address(run_dir, "decode"))],
         max_context=256,
+        max_request_bytes=LIMIT,
     )
     app = create_app(config)
 
@@ -79,6 +82,22 @@ def test_malformed_json_is_400(app: FastAPI) -> None:
     for content in (b"{", b"[1]", b"null"):
         response = call(app, lambda c, b=content: c.post("/v1/completions", content=b, headers=headers))
         assert error_of(response, 400)["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_a_body_over_the_limit_is_413_declared_or_streamed(app: FastAPI, path: str) -> None:
+    big = json.dumps({"model": "tiny", "prompt": "x" * LIMIT}).encode()
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it arrives
+        for at in range(0, len(big), 4096):
+            yield big[at : at + 4096]
+
+    for content in (big, chunks()):
+        error = error_of(call(app, lambda c, b=content: c.post(path, content=b)), 413)
+        assert error["code"] == "request_too_large" and f"{LIMIT:,}" in error["message"]
+    just_under = {**CHAT, "input": "Hi", "prompt": "y" * (LIMIT - 200)}
+    assert len(json.dumps(just_under)) <= LIMIT
+    assert call(app, lambda c: c.post(path, json=just_under)).status_code != 413
 
 
 def test_unknown_model_is_404(app: FastAPI) -> None:
