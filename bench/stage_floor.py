@@ -110,9 +110,10 @@ def variants(chain: Chain) -> dict:
 
 
 def measure(chain: Chain, hbm_gbps: float) -> dict:
-    """µs a stage of each variant, checked; the stage's bytes and their HBM time."""
+    """µs a stage of each variant whose last output is serial's bit for bit (`wrong`: the largest difference
+    of each that is not); the stage's bytes and their HBM time."""
     floor_us = chain.bytes_a_stage() / hbm_gbps / 1e3
-    row = {"bytes_a_stage": chain.bytes_a_stage(), "hbm_us_a_stage": floor_us, "us_a_stage": {}}
+    row = {"bytes_a_stage": chain.bytes_a_stage(), "hbm_us_a_stage": floor_us, "us_a_stage": {}, "wrong": {}}
     want = None
     for name, run in variants(chain).items():
         run()
@@ -122,9 +123,10 @@ def measure(chain: Chain, hbm_gbps: float) -> dict:
                 torch.testing.assert_close(chain.outs[s + 1], chain.reference(s), rtol=1e-4, atol=1e-5)
             want = chain.outs[-1].clone()
         got = chain.outs[-1]
-        assert torch.equal(got, want), (
-            f"{name}: last output differs from serial's by {(got - want).abs().max()}"
-        )
+        if not torch.equal(got, want):  # recorded, not timed: the other variants' figures still stand
+            row["wrong"][name] = (got - want).abs().max().item()
+            progress(f"rows {chain.rows}: {name} differs from serial by {row['wrong'][name]:.3g}")
+            continue
         # the persistent launch eager (one launch: its launch cost spread over every stage)
         us = median_ms(run) * 1e3 if name.startswith("persistent") else replay_us(run, replays=5)
         row["us_a_stage"][name] = us / chain.stages

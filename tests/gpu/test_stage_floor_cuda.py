@@ -15,6 +15,7 @@ def test_every_variant_matches_serial_and_torch(rows: int) -> None:
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
     chain = stage_floor.Chain(stages=9, rows=rows, k=512, blocks=blocks)
     row = stage_floor.measure(chain, hbm_gbps=1000.0)
+    assert row["wrong"] == {}
     assert set(row["us_a_stage"]) == {"serial", "pdl-late", "pdl"} | {f"persistent-{a}" for a in (0, 1, 2, 4)}
     assert row["bytes_a_stage"] == blocks * rows * 512 * 2
     assert torch.isfinite(chain.outs).all() and chain.outs[-1].abs().sum() > 0
