@@ -12,6 +12,7 @@ boundary alone: `stages` small GEMVs in a chain (each block multiplies its `rows
 - `pdl`: the same with the copies issued before the wait (how the step's kernels load their weights);
 - `persistent-A`: every stage in one cooperative launch, a grid barrier (one counter) between stages, the
   weights of the next A stages in flight while a stage computes and waits (A = 0: after its barrier).
+- `persistent-cg-A`: the same with cooperative groups' grid sync as the barrier (A = 0 and 2).
 
 For each: µs a stage, the HBM time of its bytes at the device-to-device copy rate measured in the run, and
 what the stage costs over them. Every variant's last output is checked bit for bit against `serial`'s, and
@@ -35,8 +36,10 @@ SOURCES = Path(__file__).resolve().parent / "cuda"
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SETUP = (_I, _I, _I)
 _CHAIN = (_P, _L, _P, _L, _I, _I, _I, _I, _I, _I, _I, _P)
-_PERSISTENT = (_P, _L, _P, _L, _I, _I, _I, _I, _I, _I, _P, _P)
+_PERSISTENT = (_P, _L, _P, _L, _I, _I, _I, _I, _I, _I, _I, _P, _P)
 AHEADS = (0, 1, 2, 4)
+CG_AHEADS = (0, 2)
+"""The lookaheads also run with cooperative groups' grid sync as the barrier (`persistent-cg-A`)."""
 SMEM_LIMIT = 227 * 1024  # a block's shared memory at most on sm_90
 
 
@@ -81,10 +84,11 @@ class Chain:
         )  # fmt: skip
         native.check(status, "stage_floor_chain")
 
-    def persistent(self, ahead: int) -> None:
+    def persistent(self, ahead: int, cg_sync: bool = False) -> None:
         status = _entry("persistent", _PERSISTENT)(
             self.w.data_ptr(), self.stage_elems, self.outs.data_ptr(), self.n, self.n, self.rows, self.k,
-            self.stages, self.blocks, ahead, self.counter.data_ptr(), torch.cuda.current_stream().cuda_stream,
+            self.stages, self.blocks, ahead, int(cg_sync), self.counter.data_ptr(),
+            torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         native.check(status, "stage_floor_persistent")
 
@@ -106,6 +110,9 @@ def variants(chain: Chain) -> dict:
     for ahead in AHEADS:
         if smem_bytes(chain.rows, chain.k, max(ahead, 1)) <= SMEM_LIMIT:
             out[f"persistent-{ahead}"] = lambda a=ahead: chain.persistent(a)
+    for ahead in CG_AHEADS:
+        if smem_bytes(chain.rows, chain.k, max(ahead, 1)) <= SMEM_LIMIT:
+            out[f"persistent-cg-{ahead}"] = lambda a=ahead: chain.persistent(a, cg_sync=True)
     return out
 
 

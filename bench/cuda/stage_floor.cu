@@ -9,9 +9,11 @@
 // Two ways to chain the stages:
 // - stage_kernel, a launch a stage (the decode step's design): the slice's copies issued before the
 //   programmatic wait (`pre`, as the step's kernels load their weights) or after it, the input read after it.
-// - persistent_kernel, every stage in one cooperative launch, a grid-wide barrier (one counter, an arrival a
-//   block, polled with acquire loads) between stages, and the copies of the next `ahead` stages' slices in
-//   flight while this one computes and waits (ahead 0: a stage's copies issued after its barrier).
+// - persistent_kernel, every stage in one cooperative launch, a grid-wide barrier between stages (one counter,
+//   an arrival a block, polled with acquire loads; or cooperative groups' grid sync), and the copies of the
+//   next `ahead` stages' slices in flight while this one computes and waits (ahead 0: a stage's copies issued
+//   after its barrier).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -136,7 +138,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target)
 
 __global__ void __launch_bounds__(kThreads, 1)
     persistent_kernel(const __nv_bfloat16* w, int64_t stage_elems, float* outs, int64_t out_stride, int n,
-                      int rows, int k, int stages, int ahead, unsigned* counter) {
+                      int rows, int k, int stages, int ahead, int cg_sync, unsigned* counter) {
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
   const int slots = ahead > 0 ? ahead : 1;
@@ -161,7 +163,11 @@ __global__ void __launch_bounds__(kThreads, 1)
              outs + (s + 1) * out_stride + static_cast<int64_t>(blockIdx.x) * outputs(rows));
     __syncthreads();  // the slot's reads done before its next copy
     if (copier && ahead > 0 && s + ahead < stages) issue(s + ahead);
-    grid_barrier(counter, static_cast<unsigned>(s + 1) * gridDim.x);
+    if (cg_sync) {
+      cooperative_groups::this_grid().sync();
+    } else {
+      grid_barrier(counter, static_cast<unsigned>(s + 1) * gridDim.x);
+    }
   }
 }
 
@@ -199,11 +205,11 @@ extern "C" int spillway_stage_floor_chain(const void* w, int64_t stage_elems, vo
   return cudaSuccess;
 }
 
-// Every stage in one cooperative launch of persistent_kernel (`blocks` must all be resident at once);
-// `counter` is zeroed first on the same stream.
+// Every stage in one cooperative launch of persistent_kernel (`blocks` must all be resident at once), its
+// barriers cooperative groups' grid sync (`cg_sync`) or `counter`'s, zeroed first on the same stream.
 extern "C" int spillway_stage_floor_persistent(const void* w, int64_t stage_elems, void* outs, int64_t out_stride,
                                                int n, int rows, int k, int stages, int blocks, int ahead,
-                                               void* counter, void* stream) {
+                                               int cg_sync, void* counter, void* stream) {
   if (k % 256 != 0 || rows < 0 || ahead < 0 || ahead > spillway::kMaxAhead) return cudaErrorInvalidValue;
   auto* s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned), s);
@@ -211,7 +217,7 @@ extern "C" int spillway_stage_floor_persistent(const void* w, int64_t stage_elem
   const auto* weights = static_cast<const __nv_bfloat16*>(w);
   auto* out = static_cast<float*>(outs);
   auto* count = static_cast<unsigned*>(counter);
-  void* args[] = {&weights, &stage_elems, &out, &out_stride, &n, &rows, &k, &stages, &ahead, &count};
+  void* args[] = {&weights, &stage_elems, &out, &out_stride, &n, &rows, &k, &stages, &ahead, &cg_sync, &count};
   const int slots = ahead > 0 ? ahead : 1;
   return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(spillway::persistent_kernel), dim3(blocks),
                                      dim3(spillway::kThreads), args, stage_smem(rows, k, slots), s);

@@ -26,6 +26,9 @@ def test_persistent_variants_are_those_whose_slots_fit() -> None:
     def names(rows: int) -> list[str]:
         return [n for n in stage_floor.variants(SimpleNamespace(rows=rows, k=2048)) if "persistent" in n]
 
-    assert names(12) == ["persistent-0", "persistent-1", "persistent-2", "persistent-4"]  # 4 x 48 KiB
-    assert names(24) == ["persistent-0", "persistent-1", "persistent-2"]  # 2 x 96 KiB
+    assert names(12) == [  # 4 x 48 KiB
+        *("persistent-0", "persistent-1", "persistent-2", "persistent-4"),
+        *("persistent-cg-0", "persistent-cg-2"),
+    ]
+    assert names(24) == ["persistent-0", "persistent-1", "persistent-2", "persistent-cg-0", "persistent-cg-2"]
     assert stage_floor.smem_bytes(24, 2048, 2) <= stage_floor.SMEM_LIMIT < stage_floor.smem_bytes(24, 2048, 4)
