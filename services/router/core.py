@@ -263,13 +263,18 @@ class RouterCore:
 
     def _fail_gaps(self, now: float) -> None:
         limit = self.config.event_gap_timeout_s
+        if limit <= 0:
+            return
         for flight in self._flights.values():
-            if limit <= 0 or flight.gap_since is None or now - flight.gap_since <= limit:
+            if flight.gap_since is None or now - flight.gap_since <= limit:
                 continue
             flight.lost, flight.gap_since = True, None
             flight.pending.clear()
             log.error(
-                "%s: event %d never came (%.0f s after a later one)", flight.rid, flight.next_index, limit
+                "%s: event %d still missing over %.0f s after a later one",
+                flight.rid,
+                flight.next_index,
+                limit,
             )
             reason = (
                 f"an event of this request was lost on its way from the workers (index {flight.next_index})"
