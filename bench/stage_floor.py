@@ -107,12 +107,11 @@ def variants(chain: Chain) -> dict:
         "pdl-late": lambda: chain.chain(pdl=True, pre=False),
         "pdl": lambda: chain.chain(pdl=True, pre=True),
     }
-    for ahead in AHEADS:
-        if smem_bytes(chain.rows, chain.k, max(ahead, 1)) <= SMEM_LIMIT:
-            out[f"persistent-{ahead}"] = lambda a=ahead: chain.persistent(a)
-    for ahead in CG_AHEADS:
-        if smem_bytes(chain.rows, chain.k, max(ahead, 1)) <= SMEM_LIMIT:
-            out[f"persistent-cg-{ahead}"] = lambda a=ahead: chain.persistent(a, cg_sync=True)
+    for cg_sync, aheads in ((False, AHEADS), (True, CG_AHEADS)):
+        for ahead in aheads:
+            if smem_bytes(chain.rows, chain.k, max(ahead, 1)) <= SMEM_LIMIT:
+                name = f"persistent-{'cg-' if cg_sync else ''}{ahead}"
+                out[name] = lambda a=ahead, cg=cg_sync: chain.persistent(a, cg)
     return out
 
 

@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -68,7 +69,7 @@ class WorkerShell:
         """Messages to the router dropped because it did not read (`send`)."""
         self._failed: dict[str, None] = {}
         """Requests failed for a dropped event, oldest first (LOST_REMEMBERED at most): each failed once."""
-        self._undelivered: list[Tokens] = []
+        self._undelivered: deque[Tokens] = deque()
         """Their error events, in order, until the router takes them (`receive`)."""
         self._to_abort: list[str] = []
         """Those requests, still to be aborted here (`receive` hands the loop an Abort for each)."""
@@ -140,7 +141,7 @@ class WorkerShell:
         each request that lost events since (`send`), and their error events for the router where it reads
         again."""
         while self._undelivered and self.out["router"].try_send(self._undelivered[0]):
-            log.error("%s: %s", self._undelivered.pop(0).rid, LOST_EVENTS)
+            log.error("%s: %s", self._undelivered.popleft().rid, LOST_EVENTS)
         aborts: list[Message] = [Abort(rid) for rid in self._to_abort]
         self._to_abort.clear()
         msgs = self.inbox.drain()

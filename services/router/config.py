@@ -68,8 +68,9 @@ class RouterConfig:
     event_gap_timeout_s: float = 10.0
     """A request whose next event (by `Tokens.index`) is still missing this long after a later one came lost
     it (a worker drops events while the router's queue is full): it ends with an error event, and its
-    workers abort it, rather than wait for good. Far above the skew between prefill's and decode's
-    connections (milliseconds); 0 = never."""
+    workers abort it, rather than wait for good. A gap shows only once a later event comes: a lost last
+    event is the worker's to report (`WorkerShell.send` fails a request it drops events of). Far above the
+    skew between prefill's and decode's connections (milliseconds); 0 = never."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
