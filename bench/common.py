@@ -70,7 +70,7 @@ def median_ms(run, repeats: int = 5) -> float:
 
 def measure_pcie_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Steady-state host→device copy rate from page-locked memory, GB/s (median of `repeats`)."""
-    from common.hostmem import register_mapped, unregister
+    from common.ipc.hostmem import register_mapped, unregister
 
     host = torch.empty(nbytes, dtype=torch.uint8)
     register_mapped(host)

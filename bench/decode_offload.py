@@ -19,8 +19,8 @@ import torch
 from bench.common import progress, step_state_bytes, step_weight_bytes, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.config import DEFAULT_LOOKAHEAD, resolve_lookahead
-from common.decode_pipeline import DecodePipeline
-from common.runner import ModelRunner
+from common.engine.decode_pipeline import DecodePipeline
+from common.engine.runner import ModelRunner
 
 
 def profile_steps(runner: ModelRunner, seqs: list, tokens: list[int], path: Path, steps: int = 4) -> None:
@@ -101,7 +101,7 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     if args.split_lanes is not None:
-        from common.graphs import DecodeGraphs
+        from common.engine.graphs import DecodeGraphs
 
         DecodeGraphs.split_lanes = args.split_lanes  # before the runner records any pass
     lookahead = resolve_lookahead("", True, args.lookahead, "cuda")  # the engine's rule: an expert cache
@@ -248,7 +248,7 @@ def variant(name: str) -> str:
 
 def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
     """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
-    from common.graphs import DecodeGraphs
+    from common.engine.graphs import DecodeGraphs
     from common.kernels import (
         arrival,
         decode_attention,

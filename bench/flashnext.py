@@ -13,21 +13,21 @@ import torch
 
 from bench.common import measure_hbm_gbps, measure_pcie_gbps, progress
 from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK
+from common.engine.memory_plan import cap_allocator, plan_memory
+from common.engine.runner import ModelRunner, state_layout
 from common.experts.formats import get_format
 from common.experts.offload import OffloadedExperts, offload_experts
 from common.experts.routing import RoutingReplayer, install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.kernels import use_fused_kernels
 from common.kv.lending import KvLending
-from common.memory_plan import cap_allocator, plan_memory
 from common.model.fp8_linear import to_resident_dtype
 from common.model.hf_config import parse_architecture
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import build_model
 from common.model.moe import install_lookahead
-from common.model.synthetic import synthetic_tensors
-from common.model.synthetic_config import model_config
-from common.runner import ModelRunner, state_layout
+from common.model.synthetic.checkpoint import synthetic_tensors
+from common.model.synthetic.config import model_config
 
 PAGE_SIZE = 16
 """KV page size (ModelRunner's default)."""

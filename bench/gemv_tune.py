@@ -26,7 +26,7 @@ from common.kernels import gemv_native
 from common.kernels.gemv import CUBLAS_ROWS, SCALE_BLOCK, GemvConfig, choose, chunks, gemv, scale_blocks
 from common.model.fp8_linear import dequantize_fp8, quantize_fp8
 from common.model.hf_config import parse_architecture
-from common.model.synthetic_config import model_config
+from common.model.synthetic.config import model_config
 
 CALLS = 24
 """Calls a timed graph makes (cycling over the weight copies)."""

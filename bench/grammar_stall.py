@@ -1,4 +1,5 @@
-"""How long a worker's loop is held by structured output's grammars (common/structured.py) for a vocabulary of
+"""How long a worker's loop is held by structured output's grammars (common/sampling/structured.py) for a
+vocabulary of
 flashnext's size: the table built at the worker's start, then a new schema's compile, each on the grammars'
 thread while the loop (a stand-in that only counts its turns) goes on. The loop's longest gap is what a
 decode step could wait. (Before, both ran in the loop: the first structured request held it for the table and
@@ -17,7 +18,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from bench.common import write_result
-from common.structured import Grammars, structure_of
+from common.sampling.structured import Grammars, structure_of
 
 
 class RandomVocab:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.common import measure_pcie_gbps, progress, write_result
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 
 GIB = 1 << 30
 
@@ -55,7 +55,7 @@ def spillway_decode_rate(
     """Decode tok/s of Spillway's engine under the budget (the plan sizes the expert cache); `dense_kernels`:
     bf16 decode through common/kernels/moe_dense.py."""
     from common.config import WorkerConfig
-    from common.sampling import SamplingParams
+    from common.sampling.sampler import SamplingParams
     from common.workers.decode import apply_memory_plan, load_engine
 
     cfg = WorkerConfig(

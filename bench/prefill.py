@@ -22,7 +22,7 @@ import torch
 from bench.common import measure_tflops, progress, write_profile, write_result
 from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.config import LAYER_MAJOR_TOKENS
-from common.memory_plan import use_expandable_segments
+from common.engine.memory_plan import use_expandable_segments
 
 
 def prefill_flops(model: torch.nn.Module, cfg, tokens: int) -> float:

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from bench.common import write_result
+from common.engine.runner import ModelRunner
 from common.model.hf_config import parse_architecture
 from common.model.loader import build_model
-from common.model.synthetic import synthetic_tensors
-from common.model.synthetic_config import model_config
-from common.runner import ModelRunner
+from common.model.synthetic.checkpoint import synthetic_tensors
+from common.model.synthetic.config import model_config
 
 
 def _bytes(tensors) -> int:

@@ -16,11 +16,11 @@ from bench.common import write_result
 from common.config import WorkerConfig
 from common.model.defaults import default_model_dir
 from common.protocol import Generate, Sibling, Tokens, decode, encode
-from common.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from common.workers.decode import DecodeCore
-from common.workers.local import deliver
 from common.workers.prefill import Outgoing, PrefillCore
 from common.workers.sharing import decode_exports, host_allocator, prefill_model, shared_allocator
+from tests.common.workers.pair import deliver
 
 
 def pump(dec: DecodeCore, pre: PrefillCore, box: Outgoing, rids: list[str]) -> tuple[float, float]:

@@ -211,8 +211,8 @@ class WorkerConfig:
     per-layer K and V scales calibrated at load; indexer keys and recurrent state stay in `dtype`)."""
     vram_budget: int | None = None
     """Hard cap, in bytes, on the device memory of the services (decode and prefill together): decode sizes
-    the expert cache to what the memory plan leaves (`common/memory_plan.py`) and refuses to start when that
-    is too small to be useful. Implies offloaded experts; `expert_cache` must then be None."""
+    the expert cache to what the memory plan leaves (`common/engine/memory_plan.py`) and refuses to start
+    when that is too small to be useful. Implies offloaded experts; `expert_cache` must then be None."""
     embeddings_on_host: bool = False
     """Keep the token embedding in host memory and gather each pass's rows from there (frees its VRAM for
     the expert cache; refused for a model whose head is tied to it)."""
@@ -223,7 +223,7 @@ class WorkerConfig:
     """`fp8`: the token mixers' projections held as fp8 codes with per-row, per-128-input scales
     (common/model/fp8_linear.py); decode quantises them at load, prefill maps them. None: `dtype`."""
     cuda_graphs: bool = True
-    """On CUDA, record each lane count's decode pass once and replay it (common/graphs.py); False runs
+    """On CUDA, record each lane count's decode pass once and replay it (common/engine/graphs.py); False runs
     every pass op by op (debugging, profiling)."""
     lend_kv: bool = False
     """Decode lends the KV pool's idle pages to the expert cache as slots and takes them back, stage by
@@ -241,7 +241,8 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class MemoryPlan:
     """How a `--vram-budget` is spent (DESIGN §3): fixed pools first, the expert cache gets the rest, in whole
-    slots. Computed from the config alone by `common.memory_plan.plan_memory`; every pool is in bytes."""
+    slots. Computed from the config alone by `common.engine.memory_plan.plan_memory`; every pool is in
+    bytes."""
 
     budget: int
     """The cap on the device memory of every process of the service together."""
@@ -255,7 +256,8 @@ class MemoryPlan:
     first doubles as decode's staging rows), in decode's pool and, when prefill is a process of its own, in
     prefill's."""
     scratch: int
-    """Activation workspace: one prefill chunk and one decode step (estimate: see `common/memory_plan.py`)."""
+    """Activation workspace: one prefill chunk and one decode step (estimate: see
+    `common/engine/memory_plan.py`)."""
     graphs: int
     """Reserve for CUDA contexts, library workspaces, CUDA graph pools and the allocator's fragmentation."""
     expert_cache: int
@@ -265,7 +267,7 @@ class MemoryPlan:
     expert_bytes: int
     """Bytes of one expert in the runtime format: one cache slot, one arena row."""
     min_cache_slots: int
-    """Fewest slots worth serving with (see `common.memory_plan.min_cache_slots`)."""
+    """Fewest slots worth serving with (see `common.engine.memory_plan.min_cache_slots`)."""
     max_cache_slots: int
     """Every routed expert of every MoE layer (L × E): more slots than this would stay empty."""
     min_budget: int

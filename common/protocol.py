@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from common.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 
 
 class Sibling(msgspec.Struct, frozen=True, array_like=True):
@@ -137,7 +137,7 @@ class Thaw(msgspec.Struct, frozen=True, tag=True):
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
     """One generated token's log-probability under the model, and the most likely tokens' at its position
-    (`SamplingParams.logprobs` of them, best first; common.sampling.logprobs_of)."""
+    (`SamplingParams.logprobs` of them, best first; common.sampling.sampler.logprobs_of)."""
 
     logprob: float
     top_ids: list[int] = []
@@ -163,10 +163,10 @@ class Tokens(msgspec.Struct, frozen=True, tag=True):
 
 
 class SharedTensor(msgspec.Struct, frozen=True):
-    """A tensor another process can map (common.ipc): CUDA IPC handle or shared-memory segment."""
+    """A tensor another process can map (common.ipc.tensors): CUDA IPC handle or shared-memory segment."""
 
     kind: str
-    """"cuda", "shm" or "aliased" (memory mapped twice, common/aliased.py: KV lending's pools)."""
+    """"cuda", "shm" or "aliased" (memory mapped twice, common/ipc/aliased.py: KV lending's pools)."""
     handle: bytes
     """cudaIpcMemHandle bytes ("cuda") or the segment's name, utf-8 ("shm")."""
     offset: int
@@ -180,7 +180,7 @@ class SharedTensor(msgspec.Struct, frozen=True):
     """CUDA device index (−1 on the host)."""
     pieces: list[list[int]] = []
     """"aliased" only: the range's mappings, [offset, length, source id, offset in the source] each (its
-    allocations come from the fd server whose socket path is `handle`; common/aliased.py)."""
+    allocations come from the fd server whose socket path is `handle`; common/ipc/aliased.py)."""
 
 
 class ImagesEncoded(msgspec.Struct, frozen=True, tag=True):

@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common import ipc
+from common.ipc import tensors as ipc
+from common.ipc.transport import Outbox
 from common.protocol import ServiceDown
-from common.transport import Outbox
 from services.parent_watch import PARENT_PID_ENV
 
 log = logging.getLogger("launch")

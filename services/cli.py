@@ -31,8 +31,8 @@ GENERATE_LANES, GENERATE_CONTEXT = 8, 4096
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from common.model.synthetic import make_model
-    from common.model.synthetic_config import parse_overrides
+    from common.model.synthetic.checkpoint import make_model
+    from common.model.synthetic.config import parse_overrides
 
     out = make_model(
         args.out, preset=args.preset, arch=args.arch, overrides=parse_overrides(args.set), seed=args.seed
@@ -44,11 +44,11 @@ def _make_model(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from common.engine import Engine
+    from common.engine.engine import Engine
+    from common.engine.memory_plan import cap_allocator, use_expandable_segments
     from common.experts.offload import load_hot_set
-    from common.memory_plan import cap_allocator, use_expandable_segments
     from common.model.defaults import default_model_dir
-    from common.sampling import SamplingParams
+    from common.sampling.sampler import SamplingParams
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     if args.record_routing and not Path(args.record_routing).absolute().parent.is_dir():
@@ -129,10 +129,10 @@ def _image_chat(args: argparse.Namespace, engine, model_dir: Path) -> tuple[list
     router makes it) and what its images change in its passes (the vision tower run here)."""
     import torch
 
-    from common.chat_images import ImagePrompting
-    from common.image_encoder import ImageEncoder
-    from common.images import decode_image
     from common.model.qwen4_exp.positions import ImageTokens, prompt_images
+    from common.openai.chat_images import ImagePrompting
+    from common.vision.encoder import ImageEncoder
+    from common.vision.images import decode_image
 
     tok = engine.tokenizer
     prompting, tokens = ImagePrompting.from_model_dir(model_dir, tok), ImageTokens.from_model_dir(model_dir)
@@ -154,9 +154,9 @@ def _image_chat(args: argparse.Namespace, engine, model_dir: Path) -> tuple[list
 def _generate_cache(args: argparse.Namespace, model_dir: Path) -> str:
     """--vram-budget for the offline engine: the expert cache's slots from a one-process plan (printed to
     stderr); ValueError when the plan is refused."""
+    from common.engine.memory_plan import DTYPES as PLAN_DTYPES
+    from common.engine.memory_plan import format_plan, plan_for_dir
     from common.kernels import fused_by_default
-    from common.memory_plan import DTYPES as PLAN_DTYPES
-    from common.memory_plan import format_plan, plan_for_dir
 
     if args.expert_cache is not None:
         raise ValueError("give --vram-budget or --expert-cache, not both: the budget sizes the expert cache")
@@ -199,8 +199,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """Print the memory plan of a model directory or a preset's config (nothing is loaded or started)."""
+    from common.engine.memory_plan import DTYPES, format_plan, plan_dict, plan_for_dir, plan_memory
     from common.kernels import fused_by_default
-    from common.memory_plan import DTYPES, format_plan, plan_dict, plan_for_dir, plan_memory
 
     settings = {
         "budget_bytes": args.vram_budget,
@@ -222,7 +222,7 @@ def _plan(args: argparse.Namespace) -> int:
         plan = plan_for_dir(args.model, expert_format=args.expert_format, **settings)
     else:
         from common.model.hf_config import parse_architecture
-        from common.model.synthetic_config import model_config, parse_overrides
+        from common.model.synthetic.config import model_config, parse_overrides
 
         hf = model_config(args.preset, args.arch, parse_overrides(args.set))
         arch, cfg = parse_architecture(hf, Path(f"<preset {args.preset}>/config.json"))
@@ -297,7 +297,7 @@ def _check_before_start(args: argparse.Namespace, cfg, model) -> None:
     """ValueError for what the workers would refuse only once started (each of their restarts failing
     alike): the expert cache's size, the tokenizer."""
     from common.experts.offload import parse_capacity
-    from common.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     if cfg.expert_cache is not None:
         parse_capacity(cfg.expert_cache, len(model.moe_layers), model.num_experts)
@@ -307,7 +307,7 @@ def _check_before_start(args: argparse.Namespace, cfg, model) -> None:
 def _check_ports(opts) -> None:
     """OSError for a port the services would bind that is taken (another server on it): the API's and
     every metrics port (ServeOptions.ports)."""
-    from common.ports import check_free
+    from common.ipc.ports import check_free
 
     for what, port in opts.ports().items():
         check_free(opts.host, port, what)
@@ -317,7 +317,7 @@ def _check_serve_plan(cfg) -> None:
     """Refuse a --vram-budget before any process starts, with the plan decode would compute (and log it)."""
     import logging
 
-    from common.memory_plan import format_plan
+    from common.engine.memory_plan import format_plan
     from common.workers.decode import apply_memory_plan
 
     _, plan = apply_memory_plan(cfg)

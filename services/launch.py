@@ -24,9 +24,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.images import vision_config
-from common.ipc import process_alive
-from common.transport import Outbox, ipc_address, make_run_dir, pair_names
+from common.ipc.tensors import process_alive
+from common.ipc.transport import Outbox, ipc_address, make_run_dir, pair_names
+from common.vision.images import vision_config
 from services.children import Child, module_argv, restart_exited, stop_children, worker_argv
 
 log = logging.getLogger("launch")

@@ -19,8 +19,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from common.ports import free_ports
-from common.transport import Outbox, pair_names
+from common.ipc.ports import free_ports
+from common.ipc.transport import Outbox, pair_names
 from services.children import Child, restart_exited, stop_children, worker_argv
 from services.launch import ServeOptions, encoder_argv, router_argv, worker_flags
 

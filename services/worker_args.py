@@ -304,8 +304,9 @@ def device_arg(text: str) -> str:
 
 
 def size_arg(text: str) -> int:
-    """argparse type of a byte size (`32GiB`, `500MiB`, `4096`): see `common.memory_plan.parse_size`."""
-    from common.memory_plan import parse_size
+    """argparse type of a byte size (`32GiB`, `500MiB`, `4096`): see
+    `common.engine.memory_plan.parse_size`."""
+    from common.engine.memory_plan import parse_size
 
     try:
         return parse_size(text)

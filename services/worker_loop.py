@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import torch
 
 from common import metrics
+from common.ipc.transport import Inbox, Outbox
 from common.protocol import Abort, Heartbeat, Message, Ready, Tokens
-from common.transport import Inbox, Outbox
 from services.parent_watch import stop_with_parent
 
 log = logging.getLogger("worker")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.ports import free_ports
+from common.ipc.ports import free_ports
 
 
 def free_port() -> int:

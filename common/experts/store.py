@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from common.hostmem import register_mapped, unregister
+from common.ipc.hostmem import register_mapped, unregister
 
 _ALIGN = 256  # block starts aligned for vectorised loads
 

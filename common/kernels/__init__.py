@@ -27,7 +27,8 @@ def use_fused_kernels(
     or Triton's interpreter (tests). Switching on also fuses each module's same-input projections into one
     GEMM (common/model/fused_linear.py; `fuse_copy` False: only those whose weights already lie back to back,
     as in a process that maps another's); switching off leaves projections fused (the same products). Switch
-    before the first decode pass: a recorded pass (common/graphs.py) keeps the path it was recorded with."""
+    before the first decode pass: a recorded pass (common/engine/graphs.py) keeps the path it was recorded
+    with."""
     from common.model.fused_linear import fuse_projections
     from common.model.moe import SparseMoeBlock
     from common.model.qwen4_exp.gdn import GatedDeltaNet

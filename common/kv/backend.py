@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from common.hostmem import host_list_to
+from common.ipc.hostmem import host_list_to
 from common.kv.batch import ForwardBatch
 from common.kv.fp8 import dequantize, is_fp8, quantize
 from common.kv.state import LayerState, PagedSpec

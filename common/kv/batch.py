@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import torch
 
-from common.hostmem import host_list_to
+from common.ipc.hostmem import host_list_to
 from common.kv.state import SequenceState
 
 T = TypeVar("T")
@@ -43,8 +43,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor
     """[T] flat index (page · page_size + offset) of each token in every paged state tensor."""
     static_kv: int | None = None
-    """Set on a decode pass that a CUDA graph records (common/graphs.py): one token per sequence, and the
-    host-side lengths are those of the recording, not of the replays. Layers and backends then take shapes
+    """Set on a decode pass that a CUDA graph records (common/engine/graphs.py): one token per sequence, and
+    the host-side lengths are those of the recording, not of the replays. Layers and backends then take shapes
     from this bound (the most keys any sequence may have) and lengths from the device (`positions`)."""
 
     kv_bound: int | None = None

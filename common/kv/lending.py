@@ -1,7 +1,7 @@
 """KV lending: the KV pool's idle pages serve as expert-cache slots until a sequence needs them.
 
 A pool sized for `--max-context` × lanes is mostly empty while contexts are short. The KV pages' memory is
-mapped a second time as extra rows of the expert pool (common/aliased.py), the cache tables' bank
+mapped a second time as extra rows of the expert pool (common/ipc/aliased.py), the cache tables' bank
 (`CacheTables.lend` / `reclaim`). Who owns a byte is decided by one number, the page allocator's `limit`:
 pages below it belong to the KV pool, and the bank slots whose bytes lie only in pages at or above it belong
 to the cache. The limit moves in stages (an eighth of the pool by default):
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from common.aliased import AliasedMemory
 from common.experts.cache_tables import CacheTables
+from common.ipc.aliased import AliasedMemory
 from common.kv.state import PagedSpec, StatePool, StateSpec
 
 Components = dict[str, tuple[tuple[int, ...], torch.dtype]]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.hostmem import host_list_to
+from common.ipc.hostmem import host_list_to
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def default_model_dir() -> Path:
 
 
 def _write(target: Path) -> Path:
-    from common.model.synthetic import make_model
+    from common.model.synthetic.checkpoint import make_model
 
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from common.hostmem import register_mapped, unregister
+from common.ipc.hostmem import register_mapped, unregister
 
 
 class HostRows:

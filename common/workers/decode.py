@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from common.config import MemoryPlan, WorkerConfig
-from common.decode_pipeline import DecodePipeline
-from common.engine import Engine
+from common.engine.decode_pipeline import DecodePipeline
+from common.engine.engine import Engine
+from common.engine.memory_plan import worker_plan
+from common.engine.runner import warm_up_on_cuda
 from common.kv.state import Allocator, PoolExhausted, SequenceState
-from common.memory_plan import worker_plan
 from common.protocol import AllocState, PrefillDone, StateGranted, Tokens
-from common.requests import (
+from common.sampling.requests import (
     Request,
     append_token,
     ends_by_length,
@@ -32,7 +33,6 @@ from common.requests import (
     sample_on_device,
     top_logprobs,
 )
-from common.runner import warm_up_on_cuda
 
 GONE_RIDS = 4096
 """Aborted requests decode remembers without having seen them (their asks may still come)."""
@@ -369,7 +369,7 @@ class DecodeCore:
     def step(self) -> list[Tokens]:
         """Launch a decode step for every running request that takes one, then land the step before it: its
         events (and those of a step landed meanwhile), a finished request's last. A step's tokens reach the
-        host while the next step runs (common/decode_pipeline.py)."""
+        host while the next step runs (common/engine/decode_pipeline.py)."""
         self._admit_ready()
         while any(r.params.structure and self.pipeline.ahead(r) for r in self.running.values()):
             self._land()  # a grammar reads its lane's token before the next mask: land now, not a step later

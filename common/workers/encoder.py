@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from common import ipc
-from common.image_encoder import EncodedImage, ImageEncoder
-from common.images import decode_image, image_grid
+from common.ipc import tensors as ipc
 from common.protocol import Encode, ImagesEncoded, Message
+from common.vision.encoder import EncodedImage, ImageEncoder
+from common.vision.images import decode_image, image_grid
 
 Outgoing = list[tuple[str, Message]]
 """Messages to send, each with its destination service (the prefill worker an `Encode` named)."""

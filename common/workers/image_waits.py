@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common import ipc
+from common.ipc import tensors as ipc
 from common.kv.state import PromptImages
 from common.model.qwen4_exp.positions import ImageTokens, prompt_images
 from common.protocol import Generate, ImagesEncoded, ImagesTaken, Message, Tokens

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from common.config import WorkerConfig
+from common.engine.runner import ModelRunner, warm_up_on_cuda
 from common.experts.cache_tables import CacheTables
-from common.hostmem import host_list_to
+from common.ipc.hostmem import host_list_to
 from common.kernels import fused_by_default, use_fused_kernels
 from common.kv.state import SequenceState
-from common.logit_processors import LogitProcessors
 from common.model.qwen4_exp.positions import ImageTokens
 from common.protocol import (
     AllocState,
@@ -38,10 +38,10 @@ from common.protocol import (
     TokenLogprobs,
     Tokens,
 )
-from common.requests import Request, append_token, host_logprobs, sample_with_logprobs
-from common.runner import ModelRunner, warm_up_on_cuda
-from common.sampling import logprobs_of
-from common.tokenizer import Tokenizer
+from common.sampling.logit_processors import LogitProcessors
+from common.sampling.requests import Request, append_token, host_logprobs, sample_with_logprobs
+from common.sampling.sampler import logprobs_of
+from common.text.tokenizer import Tokenizer
 from common.workers.image_waits import ImageWaits
 
 Outgoing = list[tuple[str, Message]]

@@ -14,7 +14,6 @@ import os
 import torch
 from torch import nn
 
-from common import ipc
 from common.config import WorkerConfig
 from common.experts.artifact import open_store
 from common.experts.cache_tables import CacheTables
@@ -24,6 +23,7 @@ from common.experts.provider import ExpertWeights, install_provider
 from common.experts.resident import ResidentExperts
 from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
+from common.ipc import tensors as ipc
 from common.model.fp8_linear import quantize_resident
 from common.model.fused_linear import fuse_projections
 from common.model.hf_config import load_architecture

@@ -6,9 +6,9 @@ import logging
 
 import torch
 
-from common import ipc
 from common.config import format_bytes
-from common.memory_plan import cap_allocator, cap_worker, format_plan
+from common.engine.memory_plan import cap_allocator, cap_worker, format_plan
+from common.ipc import tensors as ipc
 from common.protocol import (
     Abort,
     AllocState,

@@ -8,10 +8,10 @@ import logging
 
 import torch
 
-from common import ipc
-from common.images import vision_config
+from common.ipc import tensors as ipc
 from common.metrics import EncoderMetrics
 from common.protocol import Abort, Encode, ImagesTaken, Message, Tokens
+from common.vision.images import vision_config
 from common.workers.encoder import EncoderCore
 from common.workers.encoder_metrics import EncoderMetricsExporter
 from services.worker_args import device_arg, float_at_least, int_at_least

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from common.memory_plan import cap_worker
+from common.engine.memory_plan import cap_worker
 from common.model.qwen4_exp.positions import ImageTokens
 from common.protocol import (
     Abort,

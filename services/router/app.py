@@ -25,22 +25,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from common import openai_api as api
-from common import openai_prompts
-from common.chat_images import ImagePrompting
 from common.metrics import RouterMetrics, new_registry, render, serve
-from common.openai_api import ApiError, ChatCompletionRequest, GenerationSpec
-from common.openai_responses import (
+from common.openai import api
+from common.openai import prompts as openai_prompts
+from common.openai.api import ApiError, ChatCompletionRequest, GenerationSpec
+from common.openai.chat_images import ImagePrompting
+from common.openai.reasoning import ReasoningForm, reasoning_form, reasoning_tags
+from common.openai.responses import (
     ResponsesRequest,
     as_chat,
     chat_param_error,
     parse_responses_request,
     wants_logprobs,
 )
-from common.reasoning import ReasoningForm, reasoning_form, reasoning_tags
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
-from common.tool_calls import call_form, tool_call_tags, xml_call_template
+from common.openai.tool_calls import call_form, tool_call_tags, xml_call_template
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 from services.router.choices import Choices
 from services.router.config import RouterConfig, model_max_context
 from services.router.core import RouterCore

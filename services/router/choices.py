@@ -19,11 +19,11 @@ from typing import Any
 
 import msgspec
 
-from common.openai_api import INT64_MIN, GenerationSpec, bad_request
-from common.reasoning import ReasoningStream, split_reasoning
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
-from common.tool_calls import CallDelta, ToolCallStream, split_tool_calls
+from common.openai.api import INT64_MIN, GenerationSpec, bad_request
+from common.openai.reasoning import ReasoningStream, split_reasoning
+from common.openai.tool_calls import CallDelta, ToolCallStream, split_tool_calls
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 from services.router.core import RouterCore
 from services.router.generation import Delta, TextGeneration
 from services.router.logprobs import LogprobText

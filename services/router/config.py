@@ -12,7 +12,7 @@ from types import MappingProxyType
 @dataclass(frozen=True)
 class WorkerPair:
     """The inboxes of one prefill worker and the decode worker it hands its requests to (its service names:
-    `common.transport.pair_names` of its place in `RouterConfig.pairs`)."""
+    `common.ipc.transport.pair_names` of its place in `RouterConfig.pairs`)."""
 
     prefill: str
     """The prefill worker's inbox (`Generate`, `Abort`)."""

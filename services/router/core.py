@@ -30,9 +30,9 @@ from typing import Any
 
 import zmq.asyncio
 
-from common.images import vision_config
+from common.ipc.transport import AsyncInbox, AsyncOutbox, pair_names
 from common.metrics import RouterMetrics
-from common.openai_api import ApiError, bad_request
+from common.openai.api import ApiError, bad_request
 from common.protocol import (
     Abort,
     Encode,
@@ -45,7 +45,7 @@ from common.protocol import (
     Sibling,
     Tokens,
 )
-from common.transport import AsyncInbox, AsyncOutbox, pair_names
+from common.vision.images import vision_config
 from services.router.config import RouterConfig
 from services.router.pairs import Pair, ServiceHealth
 

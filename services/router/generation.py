@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.detokenize import IncrementalDetokenizer, StopStrings
-from common.openai_api import ApiError, GenerationSpec
+from common.openai.api import ApiError, GenerationSpec
 from common.protocol import TokenLogprobs, Tokens
-from common.tokenizer import Tokenizer
+from common.text.detokenize import IncrementalDetokenizer, StopStrings
+from common.text.tokenizer import Tokenizer
 from services.router.core import Flight
 from services.router.logprobs import TokenChoice
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.protocol import TokenLogprobs
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 TokenChoice = tuple[int, TokenLogprobs]
 """A generated token's id and its log-probabilities."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.transport import AsyncOutbox
+from common.ipc.transport import AsyncOutbox
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The Responses API's bodies and stream events (`POST /v1/responses`; the request side is
-common/openai_responses.py).
+common/openai/responses.py).
 
 A response's `output` holds, in the order the model wrote them, a `reasoning` item (the reasoning block's
 text, where the model's template has one), a `message` item with one `output_text` part, and a
@@ -18,9 +18,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.openai_api import ApiError
-from common.openai_responses import ResponsesRequest
-from common.tool_calls import CallDelta
+from common.openai.api import ApiError
+from common.openai.responses import ResponsesRequest
+from common.openai.tool_calls import CallDelta
 from services.router.responses import ChoiceResult
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.openai_api import ApiError
+from common.openai.api import ApiError
 from services.router.choices import Choice, Choices
 from services.router.generation import Delta
 from services.router.responses import DONE, ResponseBuilder, sse

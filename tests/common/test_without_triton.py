@@ -13,9 +13,9 @@ SCRIPT = """
 import sys
 sys.modules["triton"] = None  # `import triton` now raises ImportError, as without the package
 import torch
-from common.engine import Engine
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 model = make_model(sys.argv[1], preset="tiny", arch=sys.argv[2])
 for cache in (None, "0.5"):

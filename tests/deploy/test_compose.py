@@ -18,7 +18,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 from services.encoder.main import encoder_parser
 from services.router.main import parse_args as router_args
 from services.worker_args import worker_parser

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine import Engine
-from common.hostmem import host_list_to
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.ipc.hostmem import host_list_to
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_cli_generate_on_cuda(tmp_path: Path) -> None:
 
 def test_cap_allocator_is_a_hard_cap() -> None:
     """Past the cap the allocator frees its cached blocks and retries; live tensors beyond it raise."""
-    from common.memory_plan import cap_allocator
+    from common.engine.memory_plan import cap_allocator
 
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()
@@ -102,7 +102,7 @@ def test_serve_workers_cap_their_part_of_the_budget(tmp_path: Path) -> None:
     code = (
         "import sys, torch\n"
         "from common.config import WorkerConfig\n"
-        "from common.memory_plan import cap_worker\n"
+        "from common.engine.memory_plan import cap_worker\n"
         f"cfg = WorkerConfig(model_dir={str(model_dir)!r}, device='cuda', vram_budget=2 << 30,"
         " max_context=256, max_running=2, expert_format='bf16')\n"
         "plan = cap_worker(cfg, sys.argv[1])\n"

@@ -1,5 +1,5 @@
-"""Recorded decode passes launched a pass ahead of the host (common/decode_pipeline.py), on the GPU: the
-tokens of the engine's steps (the host reading each one's tokens before the next), and no launch after the
+"""Recorded decode passes launched a pass ahead of the host (common/engine/decode_pipeline.py), on the GPU:
+the tokens of the engine's steps (the host reading each one's tokens before the next), and no launch after the
 recordings waits for the device — torch's sync debug mode raises on any host wait inside one —, the
 log-probabilities asked of every pass included."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.decode_pipeline import DecodePipeline
-from common.engine import Engine
-from common.model.synthetic import make_model
+from common.engine.decode_pipeline import DecodePipeline
+from common.engine.engine import Engine
+from common.model.synthetic.checkpoint import make_model
 
 STEPS = 30
 

@@ -1,4 +1,4 @@
-"""Recorded decode passes (common/graphs.py) against the same passes run op by op, on the GPU: the same
+"""Recorded decode passes (common/engine/graphs.py) against the same passes run op by op, on the GPU: the same
 tokens, the same expert cache traffic (the recorded resolution reads the step, the routing replay's cursor
 and the freeze flag from the device), lane counts recorded as they come, capacities moved between replays."""
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine import Engine
-from common.graphs import DecodeGraphs
+from common.engine.engine import Engine
+from common.engine.graphs import DecodeGraphs
 from common.kernels import use_fused_kernels
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 # qwen4_exp with a small indexer budget: decode crosses from dense to selected keys
 ARCHS = {"qwen3_moe": None, "qwen4_exp": {"indexer_budget": 8, "indexer_compress_ratio": 4}}

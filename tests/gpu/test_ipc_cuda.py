@@ -1,4 +1,5 @@
-"""common.ipc on CUDA: IPC handles cross a real process boundary as msgpack bytes and map the same memory."""
+"""common.ipc.tensors on CUDA: IPC handles cross a real process boundary as msgpack bytes and map the same
+memory."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import json
 import msgspec
 import pytest
 import torch
-
-from common import ipc
 from tests.common.test_ipc import DTYPES, TINY_SRC, _run_child, _tiny_class, _views
+
+from common.ipc import tensors as ipc
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

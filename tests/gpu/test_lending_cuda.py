@@ -4,12 +4,12 @@ in use, and an engine that lends (decode steps replayed from CUDA graphs) genera
 from __future__ import annotations
 
 import torch
-
-from common.engine import Engine
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
-from tests.common.kv.test_lending import check_disjoint, run_lending
 from tests.common.test_aliased import write_in_another_process
+
+from common.engine.engine import Engine
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
+from tests.common.kv.test_lending import check_disjoint, run_lending
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -34,12 +34,12 @@ def test_lending_on_the_gpu_generates_what_no_lending_does(tmp_path) -> None:
 
 
 def test_an_exported_device_range_maps_the_same_bytes_in_another_process() -> None:
-    """common.ipc on driver mappings: the child imports the range's allocations as POSIX descriptors from
-    the fd server, maps them, and its writes land in this process's tensor and in the shared chunk."""
+    """common.ipc.tensors on driver mappings: the child imports the range's allocations as POSIX descriptors
+    from the fd server, maps them, and its writes land in this process's tensor and in the shared chunk."""
     import msgspec
 
-    from common import ipc
-    from common.aliased import AliasedMemory
+    from common.ipc import tensors as ipc
+    from common.ipc.aliased import AliasedMemory
 
     memory = AliasedMemory(2 * AliasedMemory.granularity("cuda"), "cuda")
     c = memory.chunk

@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.engine import Engine
+from common.engine.engine import Engine
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import FORMATS
 from common.experts.offload import OffloadedExperts
 from common.experts.resident import batched_expert_mlp
 from common.experts.store import HostExpertStore
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine import Engine
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 OVERRIDES = {"indexer_n_heads": 16, "indexer_budget": 16, "indexer_compress_ratio": 4}
@@ -119,7 +119,7 @@ def test_conv_epilogue_matches_the_conv_kernel(tmp_path: Path, monkeypatch) -> N
 
 
 def test_gather_rows_from_mapped_host_memory() -> None:
-    from common.hostmem import register_mapped, unregister
+    from common.ipc.hostmem import register_mapped, unregister
     from common.kernels.gather import gather_rows
 
     table = torch.randn(1000, 160).to(torch.bfloat16)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from common.kv.state import SequenceState
-from common.logit_processors import LogitProcessors
 from common.model.defaults import default_model_dir
-from common.requests import Request, sample_on_device
-from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
+from common.sampling.logit_processors import LogitProcessors
+from common.sampling.requests import Request, sample_on_device
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 
 V, EOS = 1024, 2
 
@@ -58,7 +58,7 @@ def test_processed_steps_on_cuda_sample_what_the_cpu_samples() -> None:
 
 def test_a_grammar_masks_cuda_logits() -> None:
     pytest.importorskip("xgrammar")
-    from common.structured import structure_of
+    from common.sampling.structured import structure_of
 
     tok = Tokenizer.from_dir(default_model_dir())
     fmt = {"type": "json_schema", "json_schema": {"schema": {"enum": ["yes", "no"]}}}

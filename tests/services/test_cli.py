@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from common.model.synthetic import make_model
-from common.tokenizer import Tokenizer
+from common.model.synthetic.checkpoint import make_model
+from common.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -200,7 +200,7 @@ def test_serve_refuses_a_taken_port_before_starting(tmp_path: Path) -> None:
     had started (and the launcher took the other server's /health for its own)."""
     import socket
 
-    from common.ports import free_ports
+    from common.ipc.ports import free_ports
 
     with socket.socket() as other:
         other.bind(("127.0.0.1", free_ports(1)))

@@ -19,12 +19,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import ipc
-from common.image_encoder import ImageEncoder
-from common.images import decode_image
-from common.model.synthetic import make_model
+from common.ipc import tensors as ipc
+from common.ipc.transport import Inbox, Outbox, ipc_address
+from common.model.synthetic.checkpoint import make_model
 from common.protocol import Encode, Heartbeat, ImagesEncoded, ImagesTaken, Ready
-from common.transport import Inbox, Outbox, ipc_address
+from common.vision.encoder import ImageEncoder
+from common.vision.images import decode_image
 from services.encoder.main import CAPACITY
 from tests.conftest import free_port
 from tests.deploy.deployment import ENCODER, queries, selectors

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.transport import ipc_address
+from common.ipc.transport import ipc_address
 from services.cli import _encoder_device, build_parser
 from services.encoder.main import encoder_parser
 from services.launch import ServeOptions, has_vision, pair_gpus, router_argv, service_children

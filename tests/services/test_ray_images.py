@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 from tests.conftest import Server, free_port, free_ports, wait_status
 from tests.services.test_serve_images import MAX_TOKENS, _chat, _data_url, _images, _reference
 

@@ -27,9 +27,9 @@ import openai
 import pytest
 import torch
 
-from common.engine import Engine
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 from tests.conftest import Server, free_port, free_ports, health, wait_healthy
 
 pytestmark = pytest.mark.slow

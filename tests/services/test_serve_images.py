@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 from tests.conftest import Server, free_port, free_ports, health, wait_healthy
 
 Image = pytest.importorskip("PIL.Image")

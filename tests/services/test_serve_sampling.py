@@ -17,10 +17,10 @@ import msgspec
 import pytest
 import torch
 
-from common.engine import Engine
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
-from common.structured import structure_of
+from common.engine.engine import Engine
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
+from common.sampling.structured import structure_of
 from tests.conftest import Server, free_port, wait_healthy
 
 transformers = pytest.importorskip("transformers")

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from common.ipc.transport import Inbox, ipc_address
 from common.protocol import Abort, Heartbeat, Tokens
-from common.transport import Inbox, ipc_address
 from services.parent_watch import PARENT_GONE_GRACE_S, PARENT_PID_ENV
 from services.worker_loop import HEARTBEAT_S, WorkerShell
 
 SCRIPT = """
 import sys, time
-from common.transport import ipc_address
+from common.ipc.transport import ipc_address
 from services.worker_loop import HANG_EXIT_GRACE_S, WorkerShell
 
 run = sys.argv[1]
@@ -109,7 +109,7 @@ def test_a_request_that_lost_events_is_aborted_and_failed_once_the_router_reads(
 
 ORPHAN = """
 import os, sys, time
-from common.transport import ipc_address
+from common.ipc.transport import ipc_address
 from services.worker_loop import HEARTBEAT_S, WorkerShell
 
 run = sys.argv[1]
@@ -124,7 +124,7 @@ print("stopped" if shell.stopping else "still running", flush=True)
 
 LOADING = """
 import os, sys, time
-from common.transport import ipc_address
+from common.ipc.transport import ipc_address
 from services.worker_loop import HEARTBEAT_S, WorkerShell
 
 shell = WorkerShell("decode", ipc_address(sys.argv[1], "decode"), {}, exit_with_parent=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.hostmem import host_list_to
+from common.ipc.hostmem import host_list_to
 from common.kv.batch import ForwardBatch
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine import Engine
+from common.engine.engine import Engine
 from common.experts.artifact import EXPERTS_FILE, META_FILE, convert
 from common.experts.formats import get_format
 from common.model.errors import CheckpointError
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 WIDE = {"hidden_size": 128, "moe_intermediate_size": 128, "intermediate_size": 128}  # int4 groups of 128

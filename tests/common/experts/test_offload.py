@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from common.engine import Engine
+from common.engine.engine import Engine
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import get_format
 from common.experts.offload import OffloadedExperts, PrefillArena, copy_experts, parse_capacity
 from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
 from common.experts.store import HostExpertStore
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ARCHS = {

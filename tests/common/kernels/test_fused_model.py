@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from common.engine import Engine
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from common.kernels.gemv import FP8_LARGE_ONE_ROW, GemvConfig, gemv, scale_blocks
 from common.model.fp8_linear import dequantize_fp8, quantize_fp8
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 from tests.common.model.test_fp8_linear import assert_fp8_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

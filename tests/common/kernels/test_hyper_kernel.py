@@ -121,10 +121,10 @@ def test_deferred_injections_decode_as_applied_ones(tmp_path: Path, monkeypatch)
     """qwen4_exp with the fused kernels: one-row decode passes leave each hyper-connection's injection to the
     next one's projection kernel (but before a PLE layer and the final mixer), and give the logits of the
     same passes with every injection applied by hc_inject, exactly."""
-    from common.engine import Engine
+    from common.engine.engine import Engine
     from common.kernels import hyper, use_fused_kernels
     from common.model.qwen4_exp.hyper import HyperConnection
-    from common.model.synthetic import make_model
+    from common.model.synthetic.checkpoint import make_model
 
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
     prompt = torch.randint(3, 1000, (5,), generator=torch.Generator().manual_seed(0)).tolist()

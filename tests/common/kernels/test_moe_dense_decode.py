@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.engine import Engine
+from common.engine.engine import Engine
 from common.experts.formats import get_format
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

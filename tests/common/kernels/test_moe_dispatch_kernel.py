@@ -89,10 +89,10 @@ def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest
     every step of a prefill and a greedy decode with the dispatch (taken at every pass's MoE layers: none
     has more than DOWN_ROWS rows) as with the three kernels, to rounding; the experts' kernels told their
     rows are settled (written two kernels back) only when the shared expert's own kernel ran in between."""
-    from common.engine import Engine
+    from common.engine.engine import Engine
     from common.kernels import moe_dispatch
     from common.model.moe import SparseMoeBlock
-    from common.model.synthetic import make_model
+    from common.model.synthetic.checkpoint import make_model
 
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
     calls = []

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.engine import Engine
+from common.engine.engine import Engine
 from common.experts.formats import get_format
 from common.kernels import use_fused_kernels
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter has no bf16 matmul: fp32 without CUDA; bf16 on the GPU, as prefill runs

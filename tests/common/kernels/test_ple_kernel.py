@@ -10,7 +10,7 @@ import torch
 
 from common.model.loader import load_model
 from common.model.qwen4_exp.ple import PLE
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])

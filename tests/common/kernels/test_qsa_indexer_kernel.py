@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.engine.runner import ModelRunner
 from common.kv.batch import ForwardBatch
 from common.model.context import ForwardContext
 from common.model.loader import load_model
 from common.model.qwen4_exp.qsa import QSAttention
-from common.model.synthetic import make_model
-from common.runner import ModelRunner
+from common.model.synthetic.checkpoint import make_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

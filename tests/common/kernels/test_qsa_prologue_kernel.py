@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine import Engine
+from common.engine.engine import Engine
 from common.model.qwen4_exp.qsa import QSAttention
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

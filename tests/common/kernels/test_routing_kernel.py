@@ -47,10 +47,10 @@ def test_fused_replay_hands_out_the_same_rows(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("hook_first", [True, False])
 def test_replay_takes_the_fused_switch_whichever_comes_first(tmp_path, hook_first: bool) -> None:
     """use_fused_kernels sets an installed replay's switch; a replay installed after it takes the blocks'."""
-    from common.engine import Engine
+    from common.engine.engine import Engine
     from common.experts.routing import install_routing_hook, replayer_for
     from common.kernels import use_fused_kernels
-    from common.model.synthetic import make_model
+    from common.model.synthetic.checkpoint import make_model
 
     engine = Engine(make_model(tmp_path, preset="tiny", arch="qwen3_moe"), max_seqs=1, max_context=32)
     cfg, model = engine.config, engine.model

@@ -25,13 +25,13 @@ import pytest
 import torch
 
 from common.config import WorkerConfig
-from common.engine import Engine
+from common.engine.engine import Engine
+from common.engine.memory_plan import GiB, plan_for_dir, worker_plan
+from common.engine.runner import ModelRunner
 from common.kv.fp8 import FP8, parse_kv_dtype
-from common.memory_plan import GiB, plan_for_dir, worker_plan
 from common.model.loader import load_model
-from common.model.synthetic import make_model
-from common.runner import ModelRunner
-from common.sampling import SamplingParams
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 from common.workers.decode import load_engine
 
 ARCHS = ["qwen3_moe", "qwen4_exp"]

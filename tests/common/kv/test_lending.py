@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine import Engine
+from common.engine.engine import Engine
 from common.kv.lending import KvLending
 from common.kv.state import PagedSpec, SlotSpec, StatePool
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -74,10 +74,10 @@ def test_batch_layout() -> None:
 @pytest.mark.parametrize("chunk", [256, 1])
 def test_a_forked_sequence_continues_like_its_source(tmp_path, monkeypatch, chunk: int) -> None:
     """Its copy a page at a time too (StatePool.copy's chunks)."""
+    from common.engine.runner import ModelRunner
     from common.kv import state
     from common.model.loader import load_model
-    from common.model.synthetic import make_model
-    from common.runner import ModelRunner
+    from common.model.synthetic.checkpoint import make_model
 
     model = load_model(make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp"), dtype=torch.float32)
     runner = ModelRunner(model, max_seqs=3, max_context=64)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine import Engine
-from common.memory_plan import plan_for_dir, weight_bytes
+from common.engine.engine import Engine
+from common.engine.memory_plan import plan_for_dir, weight_bytes
 from common.model.fp8_linear import BLOCK_K, FP8_MAX, Fp8Fused, Fp8Linear, dequantize_fp8, quantize_fp8
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 
 
 @pytest.mark.parametrize("k", [256, 300])  # whole blocks; a partial last one

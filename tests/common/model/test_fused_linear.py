@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from common.engine import Engine
+from common.engine.engine import Engine
 from common.model.fused_linear import fuse_linears, fuse_projections, project
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 
 
 def _linears(bias: bool) -> list[nn.Linear]:

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine import Engine
-from common.memory_plan import plan_for_dir
+from common.engine.engine import Engine
+from common.engine.memory_plan import plan_for_dir
 from common.model.host_embedding import HostEmbedding
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

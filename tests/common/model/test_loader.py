@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from common.model.errors import CheckpointError
 from common.model.loader import load_model
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from common.engine import Engine
+from common.engine.engine import Engine
 from common.experts.formats import FP8_BLOCK
 from common.experts.resident import ResidentExperts
 from common.model.errors import CheckpointError
 from common.model.hf_config import load_architecture
 from common.model.loader import dequantized_fp8_source, load_model
 from common.model.registry import ExpertKey
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 INDEX = "model.safetensors.index.json"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

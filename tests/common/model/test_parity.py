@@ -13,10 +13,10 @@ import random
 import pytest
 import torch
 
-from common.engine import Engine
-from common.model.synthetic import make_model
-from common.runner import ModelRunner
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.engine.runner import ModelRunner
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.engine import Engine
-from common.image_encoder import ImageEncoder
+from common.engine.engine import Engine
 from common.model.qwen4_exp.positions import ImageTokens, prompt_images
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
+from common.vision.encoder import ImageEncoder
 
 Image = pytest.importorskip("PIL.Image")
 modeling = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")

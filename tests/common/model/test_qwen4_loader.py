@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.engine.runner import ModelRunner
 from common.model.errors import CheckpointError
 from common.model.loader import load_model
-from common.model.synthetic import make_model
-from common.runner import ModelRunner
+from common.model.synthetic.checkpoint import make_model
 
 TABLE = re.compile(r"ngram_embedding\.shard_(\d+)\.weight$")
 

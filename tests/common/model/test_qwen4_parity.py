@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine import Engine
-from common.model.synthetic import make_model
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.model.synthetic.checkpoint import make_model
+from common.sampling.sampler import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

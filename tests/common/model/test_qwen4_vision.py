@@ -7,7 +7,7 @@ import torch
 
 from common.model.errors import CheckpointError
 from common.model.qwen4_exp.vision import VisionConfig, VisionTower, load_vision_tower
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 
 transformers_qwen4 = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpVisionConfig  # noqa: E402

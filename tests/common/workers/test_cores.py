@@ -9,7 +9,7 @@ import torch
 
 from common.config import WorkerConfig
 from common.model.defaults import default_model_dir
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 from common.protocol import (
     AllocState,
     Generate,
@@ -20,11 +20,11 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from common.workers.decode import DecodeCore, load_engine
-from common.workers.local import deliver
 from common.workers.prefill import PrefillCore
 from common.workers.sharing import decode_exports, host_allocator, prefill_model, shared_allocator
+from tests.common.workers.pair import deliver
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], [100] * 13]
 
@@ -243,7 +243,7 @@ def test_structured_requests_equal_offline_engine(cores):
     pytest.importorskip("xgrammar")
     import json
 
-    from common.structured import structure_of
+    from common.sampling.structured import structure_of
 
     cfg, dec, pre = cores
     if cfg.expert_cache or cfg.dtype != "float32":
@@ -271,7 +271,7 @@ def test_decode_steps_while_a_grammar_compiles(cores):
     pytest.importorskip("xgrammar")
     import threading
 
-    from common.structured import structure_of
+    from common.sampling.structured import structure_of
 
     cfg, dec, pre = cores
     if cfg.expert_cache or cfg.dtype != "float32":

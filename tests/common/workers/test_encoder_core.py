@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from common import ipc
-from common.image_encoder import ImageEncoder
-from common.images import decode_image
-from common.model.synthetic import make_model
+from common.ipc import tensors as ipc
+from common.model.synthetic.checkpoint import make_model
 from common.protocol import Encode, ImagesEncoded, decode, encode
+from common.vision.encoder import ImageEncoder
+from common.vision.images import decode_image
 from common.workers.encoder import EncoderCore, RowRanges
 
 Image = pytest.importorskip("PIL.Image")

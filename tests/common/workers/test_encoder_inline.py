@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from common.image_encoder import ImageEncoder
-from common.images import decode_image
 from common.model.qwen4_exp.positions import ImageTokens
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 from common.protocol import Encode, Generate
-from common.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
+from common.vision.encoder import ImageEncoder
+from common.vision.images import decode_image
 from common.workers.encoder import EncoderCore
 from common.workers.image_waits import ImageWaits
 from tests.common.workers.test_encoder_core import SQUARE, WIDE, png, served

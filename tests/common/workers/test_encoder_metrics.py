@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from common import metrics
-from common.model.synthetic import make_model
+from common.model.synthetic.checkpoint import make_model
 from common.protocol import Encode
 from common.workers.encoder import RECENT_PASSES, EncoderCore
 from common.workers.encoder_metrics import EncoderMetricsExporter

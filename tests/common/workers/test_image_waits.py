@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from common import ipc
+from common.ipc import tensors as ipc
 from common.model.qwen4_exp.positions import ImageTokens
 from common.protocol import Generate, ImagesEncoded, ImagesTaken, Tokens, decode, encode
-from common.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from common.workers.image_waits import EARLY_KEPT, ImageWaits
 
 TOKENS = ImageTokens(image_token_id=7, merge=2, block=4)

@@ -31,10 +31,10 @@ import pytest
 import uvicorn
 import zmq
 
+from common.ipc.transport import Inbox, Outbox, ipc_address, make_run_dir
 from common.model.defaults import default_model_dir
 from common.protocol import Abort, Generate, Heartbeat, Message, Ready, TokenLogprobs, Tokens
-from common.tokenizer import Tokenizer
-from common.transport import Inbox, Outbox, ipc_address, make_run_dir
+from common.text.tokenizer import Tokenizer
 from services.router import RouterConfig, WorkerPair, create_app
 from tests.conftest import free_port
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 EOS = 2
 

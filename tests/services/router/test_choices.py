@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
 

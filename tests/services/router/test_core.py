@@ -12,12 +12,12 @@ from typing import Any
 
 import zmq.asyncio
 
+from common.ipc.transport import AsyncInbox, ipc_address, make_run_dir, pair_names
 from common.metrics import RouterMetrics, new_registry
 from common.model.defaults import default_model_dir
-from common.model.synthetic import make_model
-from common.openai_api import ApiError
+from common.model.synthetic.checkpoint import make_model
+from common.openai.api import ApiError
 from common.protocol import Abort, Encode, Generate, Heartbeat, Ready, SamplingParams, ServiceDown, Tokens
-from common.transport import AsyncInbox, ipc_address, make_run_dir, pair_names
 from services.router import RouterConfig, RouterCore, WorkerPair
 
 SAMPLING = SamplingParams(max_tokens=8)

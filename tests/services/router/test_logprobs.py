@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from services.router.logprobs import LogprobText
 from tests.services.router.conftest import EOS, peer_logprobs
 

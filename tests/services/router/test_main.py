@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
+from common.ipc.transport import ipc_address
 from common.model.defaults import default_model_dir
-from common.transport import ipc_address
 from services.router import WorkerPair
 from services.router.main import config_from_args, parse_args
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from common.model.defaults import default_model_dir
-from common.model.synthetic_tokenizer import CHAT_TEMPLATE
+from common.model.synthetic.tokenizer import CHAT_TEMPLATE
 from tests.services.router.conftest import THINK_REPLY, serve_router, streamed_calls
 
 GENERATION_PROMPT = "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n"

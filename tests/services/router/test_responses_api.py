@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from common.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from tests.services.router.conftest import REPLY, THINK_REPLY, TOOL_REPLY, serve_router
 from tests.services.router.test_reasoning import _thinking_model
 

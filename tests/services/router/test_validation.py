@@ -12,8 +12,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from common.ipc.transport import ipc_address, make_run_dir
 from common.model.defaults import default_model_dir
-from common.transport import ipc_address, make_run_dir
 from services.router import RouterConfig, WorkerPair, create_app
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}

@@ -1,0 +1,322 @@
+"""Synthetic MoE checkpoints in the real Hugging Face on-disk format.
+
+No real weights can be downloaded where this project is developed and tested, so this module writes
+checkpoints that look exactly like the published ones (config.json in the legacy form, per-expert
+tensor names, sharded safetensors with an index, a tokenizer) but hold deterministic random weights.
+Four families are supported: ``qwen3_moe``, ``qwen2_moe`` and ``mixtral`` (one flat config.json, weights
+under ``model.``), and ``qwen4_exp`` (Qwen3.8-Flash-Next: a nested multimodal config.json with
+``text_config`` and ``vision_config``, text weights under ``model.language_model.``; hybrid Gated DeltaNet /
+QSA-indexed attention layers, hyper-connections, and a hashed n-gram per-layer embedding (PLE) whose table
+is stored as ``split_ngram_parts`` row shards). qwen4_exp checkpoints also carry the vision tower
+(``model.visual.``) and the MTP head (``mtp.``).
+
+The families and their presets are in synthetic_presets.py, the config files written from them in
+synthetic_config.py, the tensors each family holds in synthetic_plan.py; this module draws the values and
+writes the checkpoint.
+
+``synthetic_tensors`` yields the weights one tensor at a time without touching the disk (byte for byte what
+``make_model`` writes), so a machine with little disk can build a large checkpoint straight in memory.
+
+Weights are chosen so that the model is *informative*: logits have a wide spread and routing is
+decisive, so comparing two implementations (ours against transformers) on logits and greedy tokens
+is meaningful rather than dominated by near-ties.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from common.experts.formats import FP8_BLOCK, quantize_fp8_block
+from common.model.synthetic.config import generation_config, model_config, resolve_preset, text_config
+from common.model.synthetic.plan import ShardPlan, TensorSpec, plan_shards, plan_tensors
+from common.model.synthetic.presets import FLAT_ARCHS, STORAGE_DTYPES, TOKENIZER_VOCAB
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------------------
+# Values
+# ---------------------------------------------------------------------------------------------------------
+
+# A tensor is drawn in chunks of this many elements, chunk i from its own generator, so large tensors are
+# drawn in parallel (and identically whatever the number of workers). A tensor of at most one chunk is drawn
+# from the key's generator alone, as it always was.
+_CHUNK = 1 << 22
+# How far (in bytes of generated tensors) the parallel generator may run ahead of its consumer; the tensor
+# being consumed may exceed it.
+_LOOKAHEAD_BYTES = 1 << 30
+
+
+def _key_seeds(keys: Sequence[str], seed: int) -> dict[str, int]:
+    seeds: dict[str, int] = {}
+    taken: set[int] = set()
+    for key in keys:
+        salt = 0
+        value = zlib.crc32(f"{seed}/{key}".encode())
+        while value in taken:
+            salt += 1
+            value = zlib.crc32(f"{seed}/{key}/{salt}".encode())
+        taken.add(value)
+        seeds[key] = value
+    return seeds
+
+
+def generator_seeds(shards: Sequence[ShardPlan], seed: int) -> dict[str, int]:
+    """The ``torch.Generator`` seed of every tensor: a stable hash of (seed, key), distinct across keys.
+
+    The CPU generator (mt19937) only uses the low 32 bits of its seed, so the hash is 32-bit crc32 (stable
+    across processes, unlike hash()). With ~20k tensors a collision is possible (~4% for qwen3-30b); it
+    would give two same-shaped tensors identical values, so colliding keys are re-hashed with a salt.
+    Chunk i > 0 of a tensor larger than one chunk uses crc32 of (this seed, i).
+    """
+    return _key_seeds([t.key for shard in shards for t in shard.tensors], seed)
+
+
+_scratch = threading.local()
+
+
+def _fill(spec: TensorSpec, out: torch.Tensor, seed: int, chunk: int) -> None:
+    """Draw chunk ``chunk`` of ``spec`` into ``out`` (a flat slice of the tensor, at most one chunk)."""
+    g = torch.Generator().manual_seed(seed if chunk == 0 else zlib.crc32(f"{seed}/{chunk}".encode()))
+    n = out.numel()
+    if out.dtype == torch.float32:
+        values = out
+    else:  # draw in float32, then round once: a per-thread buffer saves a fresh allocation per chunk
+        buffer = getattr(_scratch, "buffer", None)
+        if buffer is None or buffer.numel() < n:
+            buffer = _scratch.buffer = torch.empty(max(n, _CHUNK), dtype=torch.float32)
+        values = buffer[:n]
+    if spec.init == "normal" and spec.mean == 0.0 and n >= 16:
+        # Bit for bit randn(n) * std (CPU normal_ rounds z * std once, as mul_ does, for 16+ float32
+        # elements) without the elementwise passes, each of which starts an intra-op thread team in every
+        # drawing thread: on a 16-core host, 16 workers drew 3.1 GB/s of bf16 with them, 3.9 GB/s without.
+        values.normal_(0.0, spec.std, generator=g)
+    elif spec.init == "normal":
+        torch.randn(n, generator=g, dtype=torch.float32, out=values).mul_(spec.std).add_(spec.mean)
+    elif spec.init == "log_uniform":
+        torch.rand(n, generator=g, dtype=torch.float32, out=values)
+        values.mul_(spec.high - spec.low).add_(spec.low).log_()
+    else:
+        raise ValueError(f"{spec.key}: unknown init {spec.init!r}")
+    if values is not out:
+        out.copy_(values)
+
+
+def _start(spec: TensorSpec, seed: int, storage: torch.dtype, submit: Any) -> tuple[torch.Tensor, list[Any]]:
+    """Allocate ``spec``'s tensor and ``submit(fn, *args)`` the draws of its chunks; return both."""
+    if spec.init == "const":
+        return torch.tensor(spec.values, dtype=spec.torch_dtype(storage)).reshape(spec.shape), []
+    with torch.inference_mode(False):  # worker threads fill it, outside any caller's inference mode
+        out = torch.empty(spec.shape, dtype=spec.torch_dtype(storage))
+    flat = out.view(-1)
+    jobs = [
+        submit(_fill, spec, flat[start : start + _CHUNK], seed, start // _CHUNK)
+        for start in range(0, spec.numel, _CHUNK)
+    ]
+    return out, jobs
+
+
+def _tensor(spec: TensorSpec, generator_seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Draw ``spec`` in this thread (its own generators: any tensor can be produced alone, reruns agree)."""
+    out, _ = _start(spec, generator_seed, dtype, lambda fn, *args: fn(*args))
+    return out
+
+
+def _default_workers() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 32))
+
+
+def _generate(
+    specs: Sequence[TensorSpec], seeds: Mapping[str, int], storage: torch.dtype, workers: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) for ``specs`` in order, the chunks drawn by ``workers`` threads ahead of the consumer."""
+    if workers <= 1:
+        for spec in specs:
+            yield spec.key, _tensor(spec, seeds[spec.key], storage)
+        return
+    pending: deque[tuple[str, torch.Tensor, list[Future]]] = deque()
+    ahead = 0  # bytes allocated for pending tensors
+    todo = iter(specs)
+    with ThreadPoolExecutor(workers, thread_name_prefix="synthetic") as pool:
+        try:
+            while True:
+                while not pending or ahead < _LOOKAHEAD_BYTES:
+                    spec = next(todo, None)
+                    if spec is None:
+                        break
+                    out, jobs = _start(spec, seeds[spec.key], storage, pool.submit)
+                    pending.append((spec.key, out, jobs))
+                    ahead += out.nbytes
+                if not pending:
+                    return
+                key, out, jobs = pending.popleft()
+                for job in jobs:
+                    job.result()
+                ahead -= out.nbytes
+                yield key, out
+        finally:  # the consumer stopped early (or a draw failed): drop the work queued for later tensors
+            for _, _, jobs in pending:
+                for job in jobs:
+                    job.cancel()
+
+
+def synthetic_tensors(
+    config: Mapping[str, Any],
+    seed: int = 0,
+    *,
+    workers: int | None = None,
+    keep: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF key, tensor) for every tensor of the checkpoint of ``config``, in checkpoint order.
+
+    ``config`` is a config.json dict (``model_config``'s result). Tensors are in their storage dtype (the
+    config's torch_dtype; qwen4_exp's n-gram hash buffers are int64) and equal, bit for bit, what
+    ``make_model`` writes for the same config and seed. Nothing is written to disk: a caller can build a
+    large checkpoint straight in (GPU) memory, holding only what it keeps. Values are drawn by ``workers``
+    threads (default: the CPUs available, at most 32) up to ~1 GiB ahead of the consumer; the values do not
+    depend on ``workers``. ``keep(key)`` selects tensors (the others are never drawn; values do not change).
+    """
+    if config["torch_dtype"] not in STORAGE_DTYPES:
+        raise ValueError(f"torch_dtype {config['torch_dtype']!r} not supported")
+    specs = plan_tensors(config)
+    seeds = _key_seeds([s.key for s in specs], seed)
+    if keep is not None:
+        specs = [s for s in specs if keep(s.key)]
+    storage = STORAGE_DTYPES[config["torch_dtype"]]
+    return _generate(specs, seeds, storage, _default_workers() if workers is None else workers)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _save_shard(tensors: Mapping[str, torch.Tensor], out: Path, filename: str) -> None:
+    tmp = out / (filename + ".tmp")
+    save_file(dict(tensors), tmp, metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)  # safetensors creates files owner-only; checkpoints are shared read-only data
+    # Rename last so an interrupted run never leaves a plausible-looking but truncated shard.
+    os.replace(tmp, out / filename)
+
+
+def _remove_stale_weights(out: Path) -> None:
+    # A previous run with another shard count would leave files the new index does not mention.
+    for f in [
+        *out.glob("model-*-of-*.safetensors"),
+        out / "model.safetensors",
+        out / "model.safetensors.index.json",
+    ]:
+        f.unlink(missing_ok=True)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# 2-D weights that HF FP8 releases (Qwen3-FP8, DeepSeek-V3) keep in the checkpoint dtype.
+_FP8_UNQUANTIZED = ("embed_tokens.weight", "lm_head.weight", ".gate.weight", ".shared_expert_gate.weight")
+
+
+def _fp8_quantized(key: str, shape: Sequence[int]) -> bool:
+    """Whether the FP8 variant stores this tensor block-quantized: every 2-D linear weight (attention, dense
+    MLP, experts, shared expert) but the embedding, the head and the routers, as the FP8 releases do."""
+    return len(shape) == 2 and key.endswith(".weight") and not key.endswith(_FP8_UNQUANTIZED)
+
+
+def fp8_quantization_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's quantization_config for the FP8 variant of ``cfg``, as Qwen3-FP8 writes it."""
+    skip = [s.key.removesuffix(".weight") for s in plan_tensors(cfg) if s.key.endswith(_FP8_UNQUANTIZED)]
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        "modules_to_not_convert": skip,
+    }
+
+
+def _stored(key: str, tensor: torch.Tensor, quantize: str | None) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors for one planned tensor: itself, or (fp8) its fp8 codes and block scale_inv."""
+    if quantize is None or not _fp8_quantized(key, tensor.shape):
+        return {key: tensor}
+    weight, scale_inv = quantize_fp8_block(tensor)
+    return {key: weight, f"{key}_scale_inv": scale_inv}
+
+
+def make_model(
+    out: str | Path,
+    preset: str = "tiny",
+    arch: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    shard_bytes: int | None = None,
+    quantize: str | None = None,
+) -> Path:
+    """Write a synthetic checkpoint into ``out`` and return it.
+
+    Writes config.json, generation_config.json, the tokenizer, and the weights as safetensors shards
+    (plus model.safetensors.index.json when there is more than one). Shards are generated and saved one at
+    a time, so peak memory is about one shard (plus ``synthetic_tensors``' lookahead) whatever the model
+    size. ``quantize="fp8"`` (flat archs) writes the HF FP8 variant: each linear weight but the embedding,
+    head and routers as float8_e4m3fn with a float32 ``weight_scale_inv`` per 128×128 block (edge blocks
+    partial), and config.json's ``quantization_config``; the shards keep the unquantized plan's grouping.
+    """
+    from common.model.synthetic.tokenizer import check_vision_token_ids, tokenizer_vocab_size, write_tokenizer
+
+    p, arch = resolve_preset(preset, arch)
+    if quantize not in (None, "fp8") or (quantize and arch not in FLAT_ARCHS):
+        raise ValueError(f"quantize={quantize!r} is not supported for {arch} (only 'fp8', for {FLAT_ARCHS})")
+    cfg = model_config(preset, arch, overrides)
+    if quantize:
+        cfg["quantization_config"] = fp8_quantization_config(cfg)
+    shards = plan_shards(cfg, shard_bytes or p.shard_bytes)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    vocab = text_config(cfg)["vocab_size"]
+    vision = "vision_config" in cfg
+    write_tokenizer(out, vocab_size=min(vocab, TOKENIZER_VOCAB), vision=vision)
+    if tokenizer_vocab_size(out) > vocab:
+        raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {tokenizer_vocab_size(out)}")
+    if vision:
+        # The vision tokens are the tokenizer's top five ids. Only a vocabulary larger than the tokenizer's
+        # (flashnext keeps the release's ids, past the synthetic tokenizer) may disagree: logged, not raised.
+        check_vision_token_ids(out, cfg, strict=vocab <= TOKENIZER_VOCAB)
+    _write_json(out / "config.json", cfg)
+    _write_json(out / "generation_config.json", generation_config(cfg))
+
+    _remove_stale_weights(out)
+    tensors = synthetic_tensors(cfg, seed)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for n, shard in enumerate(shards, 1):
+        log.info("writing %s (%d/%d, %.1f MB)", shard.filename, n, len(shards), shard.nbytes / 1e6)
+        batch: dict[str, torch.Tensor] = {}
+        for spec in shard.tensors:
+            key, tensor = next(tensors)
+            assert key == spec.key, (key, spec.key)  # the same plan, in the same order
+            batch.update(_stored(key, tensor, quantize))
+        _save_shard(batch, out, shard.filename)
+        weight_map.update(dict.fromkeys(batch, shard.filename))
+        total += sum(t.nbytes for t in batch.values())
+        del batch
+    tensors.close()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(out / "model.safetensors.index.json", index)
+    return out

@@ -1,0 +1,1 @@
+"""Text and tokens: the tokenizer with its chat template, and incremental detokenization with stop strings."""
