@@ -8,9 +8,9 @@ import json
 import msgspec
 import pytest
 import torch
-from tests.common.test_ipc import DTYPES, TINY_SRC, _run_child, _tiny_class, _views
 
 from common.ipc import tensors as ipc
+from tests.common.ipc.test_tensors import DTYPES, TINY_SRC, _run_child, _tiny_class, _views
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
