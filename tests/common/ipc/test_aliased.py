@@ -41,7 +41,7 @@ def write_in_another_process(wire: bytes) -> None:
 
     child = (
         "import sys, msgspec, torch\n"
-        "from common import ipc\n"
+        "from common.ipc import tensors as ipc\n"
         "from common.protocol import SharedTensor\n"
         "t = ipc.import_tensor(msgspec.json.decode(sys.stdin.buffer.read(), type=SharedTensor))\n"
         "t.copy_(torch.arange(t.numel(), dtype=torch.int32, device=t.device).view(t.shape))\n"
@@ -90,7 +90,8 @@ def test_imported_allocations_are_released_with_the_last_view_of_them() -> None:
 
     import torch
 
-    from common import aliased, ipc
+    from common.ipc import aliased
+    from common.ipc import tensors as ipc
 
     memory = AliasedMemory(AliasedMemory.granularity("cpu"), "cpu")
     c = memory.chunk
