@@ -240,7 +240,7 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How a `--vram-budget` is spent (DESIGN §3): fixed pools first, the expert cache gets the rest, in whole
+    """How a `--vram-budget` is spent (docs/ARCHITECTURE.md, Memory): fixed pools first, the expert cache gets the rest, in whole
     slots. Computed from the config alone by `common.engine.memory_plan.plan_memory`; every pool is in
     bytes."""
 

@@ -37,7 +37,7 @@ class RouterConfig:
     """The vision encoder's inbox (`Encode`, `Abort`): chats may carry images (a model with a vision tower);
     empty: none (an image is a 400)."""
     host: str = "127.0.0.1"
-    """Interface the HTTP server binds (loopback unless told otherwise, DESIGN §7)."""
+    """Interface the HTTP server binds (loopback unless told otherwise)."""
     port: int = 8000
     """HTTP port of the API (and of `/metrics`)."""
     max_running: int = 0
