@@ -1,4 +1,5 @@
-"""Prometheus metric definitions shared by every service (docs/ARCHITECTURE.md, API and metrics): one place for names and buckets.
+"""Prometheus metric definitions shared by every service: one place for names and buckets
+(docs/ARCHITECTURE.md, API and metrics).
 
 Every metric is named `spillway:...` and lives in a per-service `CollectorRegistry` (never the global
 default), so several services, or several instances of one in a test process, can each build their metrics
