@@ -146,7 +146,7 @@ def measure_tflops(n: int = 8192, repeats: int = 5) -> float:
 
 
 def step_weight_bytes(model: torch.nn.Module, rows: int, device_type: str = "cuda") -> int:
-    """Bytes of the model's device weights one decode step of `rows` tokens reads (BENCHMARKS.md's
+    """Bytes of the model's device weights one decode step of `rows` tokens reads (bench/README.md's
     hbm_bytes, less experts and KV): the union of its parameters' and buffers' bytes on the device (a fused
     projection and its Linears' views of it count once), an embedding table only for the `rows` rows it
     gathers, unless a head reads all of it (tied weights)."""
@@ -171,7 +171,7 @@ def step_state_bytes(
     pool: StatePool, lanes: int, context: float, budget: int | None = None, ratio: int = 1
 ) -> float:
     """Bytes of per-sequence state one decode step of `lanes` lanes at `context` tokens each must read
-    (BENCHMARKS.md's "KV read", which step_weight_bytes leaves out), in the pool's own dtypes: every layer's
+    (bench/README.md: the state read, not in step_weight_bytes), in the pool's own dtypes: every layer's
     fixed-size state whole (Gated DeltaNet's recurrent and conv states, the PLE's history), the keys and
     values its attention reads (the whole context, or for a layer with a QSA indexer at most its selection
     `budget` of tokens), and such an indexer's block keys (one per `ratio` tokens) and the raw keys of the

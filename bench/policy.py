@@ -2,7 +2,8 @@
 
     python -m bench.policy [--trace synthetic-zipf] [--capacity 0.3] [--out DIR]
 
-BENCHMARKS.md's workload runs it at 20, 30 and 40 % (`policy-20.json`, `policy.json`, `policy-40.json`).
+The standard workload (bench/README.md) runs it at 20, 30 and 40 % (`policy-20.json`, `policy.json`,
+`policy-40.json`).
 
 Replays every policy with equal per-layer capacity, the default policy with adaptive per-layer capacity (the
 runtime's `CacheTables.rebalance`, at the runtime's cadence and step), Belady's optimum and the static

@@ -240,9 +240,9 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How a `--vram-budget` is spent (DESIGN §3): fixed pools first, the expert cache gets the rest, in whole
-    slots. Computed from the config alone by `common.engine.memory_plan.plan_memory`; every pool is in
-    bytes."""
+    """How a `--vram-budget` is spent (docs/ARCHITECTURE.md, Memory): fixed pools first, the expert cache
+    gets the rest, in whole slots. Computed from the config alone by `common.engine.memory_plan.plan_memory`;
+    every pool is in bytes."""
 
     budget: int
     """The cap on the device memory of every process of the service together."""

@@ -1,4 +1,5 @@
-"""Prometheus metric definitions shared by every service (DESIGN §7): one place for names and buckets.
+"""Prometheus metric definitions shared by every service: one place for names and buckets
+(docs/ARCHITECTURE.md, API and metrics).
 
 Every metric is named `spillway:...` and lives in a per-service `CollectorRegistry` (never the global
 default), so several services, or several instances of one in a test process, can each build their metrics
@@ -103,7 +104,7 @@ class RouterMetrics:
     request_errors: Counter
     """Labelled by reason (bad_request, unauthorized, not_found, queue_full, not_ready, worker_error, ...)."""
     dropped_frames: Counter
-    """Inbox frames that did not decode (DESIGN §6: dropped and counted)."""
+    """Inbox frames that did not decode (dropped and counted)."""
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RouterMetrics:
@@ -196,7 +197,7 @@ class WorkerMetrics:
 
 @dataclass(frozen=True)
 class ExpertCacheMetrics:
-    """The VRAM expert cache (decode) and the prefill arena, per layer where it matters (DESIGN §4, §7)."""
+    """The VRAM expert cache (decode) and the prefill arena, per layer where it matters."""
 
     hits: Counter
     misses: Counter

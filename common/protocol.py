@@ -1,6 +1,6 @@
 """Every message that crosses a socket: msgspec structs, one tagged union, no pickle anywhere.
 
-Topology (DESIGN §2, §6): each service binds one PULL inbox and the others PUSH to it.
+Topology (docs/ARCHITECTURE.md, Messages): each service binds one PULL inbox and the others PUSH to it.
 - router  → prefill: `Generate`, `Abort`            router → decode: `Abort`
 - router  → encoder: `Encode`, `Abort`             encoder → prefill: `ImagesEncoded`
 - prefill → encoder: `ImagesTaken`

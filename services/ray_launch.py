@@ -1,13 +1,10 @@
 """`spillway serve --ray ADDRESS`: the router on this machine, each prefill/decode pair on a node of a Ray
 cluster (a GPU each on CUDA), over tcp:// on the nodes' addresses.
 
-Each pair runs under a `PairHost`, a Ray actor that starts its two workers as processes on its node (ports
-chosen there), restarts one that exits (telling the router, whose requests on that pair then fail) and stops
-both with itself; the workers also stop once the actor's process is gone (`--exit-with-parent`). This
-process starts the actors, then the router (and, for a model with a vision tower, the encoder, which sends
-the embeddings in its messages: the prefill workers cannot map this machine's memory) over every pair's
-addresses, and supervises them: a pair host that dies (its node lost) is started again, and the router and
-encoder with it, since the pair's addresses changed.
+Each pair runs under a `PairHost` (a Ray actor on its node). This process starts the actors, then the router
+(and, for a model with a vision tower, the encoder, which sends the embeddings in its messages: the prefill
+workers cannot map this machine's memory) over every pair's addresses, and supervises them: a pair host that
+dies (its node lost) is started again, and the router and encoder with it, since the pair's addresses changed.
 
 Only strings and integers cross Ray's calls; the services speak msgspec over ZeroMQ as everywhere else.
 Every node needs Spillway installed and the model at the same path.
@@ -32,7 +29,10 @@ CALL_TIMEOUT_S = 30.0
 
 
 class PairHost:
-    """One prefill/decode pair's two workers on this node (a Ray actor: `ray.remote(PairHost)`)."""
+    """One prefill/decode pair's two workers on this node (a Ray actor: `ray.remote(PairHost)`): starts them
+    as processes (ports chosen here), restarts one that exits (telling the router, whose requests on that
+    pair then fail) and stops both with itself; the workers also stop once the actor's process is gone
+    (`--exit-with-parent`)."""
 
     def __init__(self, index: int, flags: list[str], router_inbox: str, metrics: bool) -> None:
         import ray

@@ -1,7 +1,8 @@
 """The memory plan: how a `--vram-budget` is split among the device pools, from the config alone.
 
 Nothing is loaded: the model is built on the meta device (`empty_model`), which gives every resident
-parameter's shape and dtype and every layer's state specs for free. The pools (DESIGN §3), in bytes:
+parameter's shape and dtype and every layer's state specs for free. The pools (docs/ARCHITECTURE.md,
+Memory), in bytes:
 
 - `weights`: the meta model's parameters and buffers (tied ones once). Routed experts are not parameters of
   the module tree (they live in the expert provider: host memory), nor are host tables (PLE's n-gram table,

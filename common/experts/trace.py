@@ -1,7 +1,7 @@
 """Routing traces: the experts each token chose in each MoE layer, recorded or synthetic.
 
 A trace drives the cache simulator (and benchmark replay) instead of a router whose random weights carry no
-realistic skew. `synthetic_zipf` is the benchmarks' standard trace (../shared/BENCHMARKS.md): per layer a
+realistic skew. `synthetic_zipf` is the benchmarks' standard trace (bench/README.md, Measures): per layer a
 Zipf popularity over a seeded permutation of the experts, exponents spread over [s_min, s_max] in a shuffled
 layer order, and temporal reuse of the previous token's experts. Traces are stored as safetensors (tensors +
 JSON metadata), never pickled.

@@ -1,22 +1,15 @@
 """Tensors whose chosen byte ranges share memory: one physical buffer mapped at two virtual places.
 
-KV lending (common/kv/lending.py) needs the KV pool's idle pages to be expert-cache slots without moving
-either pool: both keep fixed addresses (recorded CUDA graphs bake them in), and the pages' physical memory is
-mapped a second time inside the expert pool's rows. Whoever uses a byte decides by protocol (the KV page
-allocator's limit and the cache tables' bank), never by copying.
+KV lending (common/kv/lending.py) makes the KV pool's idle pages expert-cache slots without moving either
+pool: both keep fixed addresses (recorded CUDA graphs bake them in), and the pages' memory is mapped a second
+time inside the expert pool's rows. Who uses a byte is decided by protocol, never by copying.
 
 `AliasedMemory(shared_bytes, device)` owns the shared buffer; `tensor(nbytes, shared)` reserves a virtual
 range, maps the given chunk-aligned pieces onto the shared buffer and the rest onto memory of its own, and
-returns a uint8 tensor over it. Two backends, one contract:
-- CUDA: the driver's virtual memory API (cuMemAddressReserve / cuMemCreate / cuMemMap / cuMemSetAccess),
-  through ctypes; the chunk is the allocation granularity (2 MiB on an H200).
-- CPU: memfds mapped MAP_SHARED | MAP_FIXED into a PROT_NONE reservation (libc mmap through ctypes), one
-  for the shared buffer and one for each run of a tensor's own memory; the chunk is the page size. The same
-  aliasing, so the lending protocol is tested without a GPU.
-Memory made here is not the caching allocator's: it is not in `torch.cuda.memory_reserved()` (see
-`total_bytes`), and cudaIpcGetMemHandle cannot export it. `export_view` / `import_view` share it instead
-(common/ipc/tensors.py's "aliased" form): the pieces travel as numbers, the allocations as file descriptors.
-Mappings live until the AliasedMemory and every tensor made from it are gone.
+returns a uint8 tensor over it. Backends: the CUDA driver's virtual memory API (`_CudaBackend`) and memfds on
+the host (`_HostBackend`). This memory is not the caching allocator's (not in
+`torch.cuda.memory_reserved()`, not exportable by cudaIpcGetMemHandle): `export_view` / `import_view` share
+it, the pieces as numbers and the allocations as file descriptors.
 """
 
 from __future__ import annotations
@@ -84,7 +77,8 @@ _DRIVER_ARGS = {
 
 
 class _CudaBackend:
-    """The driver's virtual memory API on one device."""
+    """The driver's virtual memory API on one device (cuMemAddressReserve / cuMemCreate / cuMemMap /
+    cuMemSetAccess, through ctypes); the chunk is the allocation granularity (2 MiB on Hopper)."""
 
     maps_whole = True
     """cuMemMap maps an allocation only whole and from offset 0 (a part of one: CUDA_ERROR_NOT_SUPPORTED)."""
@@ -164,7 +158,10 @@ class _DeviceSpan:
 
 
 class _HostBackend:
-    """memfd + mmap(MAP_FIXED) in host memory: the CPU form of the same aliasing."""
+    """memfd + mmap(MAP_FIXED) in host memory: the CPU form of the same aliasing, so the lending protocol is
+    tested without a GPU. Memfds mapped MAP_SHARED | MAP_FIXED into a PROT_NONE reservation (libc mmap
+    through ctypes), one for the shared buffer and one for each run of a tensor's own memory; the chunk is the
+    page size."""
 
     maps_whole = False
     """mmap maps any page-aligned part of a memfd."""
@@ -312,7 +309,8 @@ class _Shared:
 
 
 class AliasedMemory:
-    """A shared buffer of `shared_bytes` (rounded up to whole chunks) and the tensors mapped onto it."""
+    """A shared buffer of `shared_bytes` (rounded up to whole chunks) and the tensors mapped onto it. Mappings
+    live until the AliasedMemory and every tensor made from it are gone."""
 
     def __init__(self, shared_bytes: int, device: torch.device | str) -> None:
         self.device = torch.device(device)

@@ -32,7 +32,7 @@ def unregister(tensor: torch.Tensor) -> None:
 def host_list_to(values: list, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """`values` as a tensor on `device`; to a GPU through pinned memory and an asynchronous copy. torch
     copies pageable memory synchronously: the host waits for the stream to drain, then the GPU idles while
-    the host builds the rest of the pass (~0.6 ms gaps in bench/results/prefill-8l-gaps.txt). Small lists
+    the host builds the rest of the pass (bench/LOG.md, Prefill host syncs and gaps). Small lists
     (a pass's ids, lengths, page table): torch's caching host allocator recycles their pinned blocks,
     recording each copy's event, and its power-of-two rounding (why the stores are registered with
     `register_mapped` instead) costs nothing at this size. Not in graph capture, where the copy would be

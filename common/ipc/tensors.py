@@ -1,37 +1,16 @@
 """Tensors another process maps instead of copying: one interface over CUDA IPC and POSIX shared memory.
 
-DESIGN §3: one process (decode) owns the big buffers and exports them; the others (prefill) import them and
-read or write them in place. An export is a `common.protocol.SharedTensor`, plain msgspec fields, and
-`import_tensor` is the one fixed function that rebuilds a tensor from it. Nothing is pickled, here or in
-torch (torch.multiprocessing's reductions are not used).
+One process (decode) owns the big buffers and exports them; others (prefill) map them and use them in place
+(docs/ARCHITECTURE.md, Memory). An export is a `common.protocol.SharedTensor` of plain fields,
+and `import_tensor` is the one function that rebuilds a tensor from it. Nothing is pickled, here or in torch.
 
-- **CUDA** ("cuda"): any CUDA tensor is exportable. The storage's caching-allocator block is named by its
-  cudaIpcMemHandle (`UntypedStorage._share_cuda_`); the importer opens it with
-  `UntypedStorage._new_shared_cuda` (torch caches opened handles per process, so many views of one
-  allocation map it once) and views it with the tensor's byte offset, shape and stride. `nbytes` is the end of
-  the exporting storage within the allocation (its offset plus its size), so the rebuilt storage spans the
-  allocation from its start up to there. Export synchronises the device, so every write queued before it is
-  visible to the importer; later writes need their own synchronisation (a message sent after a synchronize).
-  torch's per-export reference counter and IPC event are not carried (the wire form has no field for them):
-  an exported block is therefore never recycled by the exporter's allocator, even after the exporter drops the
-  tensor; export long-lived buffers only. An imported CUDA tensor cannot be exported again (torch refuses).
-- **CPU** ("shm"): `shared_empty` backs the tensor with a POSIX shared-memory segment, a file
-  `/dev/shm/spillway-<pid>-<n>` created exclusively with mode 0600, space reserved up front (a full
-  /dev/shm is an error here, not a SIGBUS later) and mmap'd. A registry maps each segment's base address to
-  its name, so any view of it (offset, shape, stride) can be exported; a CPU tensor elsewhere raises
-  ValueError. The importer maps the segment by name (raw os.open + mmap: multiprocessing.shared_memory
-  would have Python's resource tracker unlink it when the importer exits).
-- **Aliased** ("aliased"): a tensor in memory `common.ipc.aliased.AliasedMemory` made (KV lending's pools, on
-  either device) travels as its range's pieces; the importer fetches the physical allocations as file
-  descriptors from the exporter's fd server (common/ipc/fdpass.py) and maps the same pieces.
+- "cuda": any CUDA tensor not itself imported, named by its block's cudaIpcMemHandle (`_export_cuda`).
+- "shm": a view of a POSIX shared-memory segment made by `shared_empty` (`_create_segment`).
+- "aliased": memory `common.ipc.aliased.AliasedMemory` made, sent as its range's pieces; the importer
+  fetches the allocations as file descriptors (common/ipc/fdpass.py).
 
-Lifetime. A mapping lives as long as any tensor on it (each storage holds the mmap through a memoryview, so it
-cannot be unmapped under a live tensor). The creating process (owner) unlinks a segment when its last tensor
-dies, in `release_all` (registered with atexit) or at exit; the memory itself stays until every process has
-unmapped it, so importers keep working. Importers never unlink. Segments of a process that died without
-cleaning up (SIGKILL) are removed by `unlink_stale(pid)`, which the launcher calls when a worker dies, and by
-decode's sweep at its start (`unlink_stale()`, for where no launcher runs, as in a container).
-The importer must number CUDA devices as the exporter does (same CUDA_VISIBLE_DEVICES).
+Lifetime: a mapping lives as long as any tensor on it. Only the owner unlinks a segment (`release_all`, at
+exit); `unlink_stale` removes a dead process's. Importer and exporter must number CUDA devices alike.
 """
 
 from __future__ import annotations
@@ -179,7 +158,11 @@ def _reserve(fd: int, size: int, name: str) -> None:
 
 
 def _create_segment(size: int) -> mmap.mmap:
-    """A new segment of `size` bytes (at least 1), owned by this process."""
+    """A new segment of `size` bytes (at least 1), owned by this process: `/dev/shm/spillway-<pid>-<n>`,
+    created exclusively with mode 0600, its space reserved now (a full /dev/shm is an error here, not a
+    SIGBUS later), mmap'd and registered by base address so that any view of it can be exported. Importers
+    map it by name with os.open + mmap (multiprocessing.shared_memory's resource tracker would unlink it
+    when the importer exits)."""
     if not os.path.isdir(SHM_DIR):
         raise OSError(f"{SHM_DIR} does not exist: CPU tensor sharing needs POSIX shared memory (Linux)")
     size = max(size, 1)
@@ -232,9 +215,11 @@ def _map_segment(name: str, nbytes: int) -> mmap.mmap:
 
 
 def release_all() -> None:
-    """Unlink every segment this process created and forget every mapping (owner and importer alike).
+    """Unlink every segment this process created and forget every mapping (owner and importer alike);
+    registered with atexit. Importers never unlink.
 
-    Tensors still alive keep their memory mapped (and usable) until they die; they can no longer be exported.
+    Tensors still alive keep their memory mapped (each storage holds its mmap through a memoryview) and usable
+    until they die, in this process and in importers; they can no longer be exported.
     """
     with _lock:
         refs = [ref for _, ref in _mappings.values()]
@@ -360,6 +345,14 @@ an exported block is never recycled (see the module docstring)."""
 
 
 def _export_cuda(t: torch.Tensor, dtype: str) -> SharedTensor:
+    """`t`'s caching-allocator block by its cudaIpcMemHandle (`UntypedStorage._share_cuda_`), which the
+    importer opens with `_new_shared_cuda` (once per allocation: torch caches opened handles) and views at the
+    tensor's byte offset, shape and stride. `nbytes` is the end of the storage within the allocation.
+
+    Export synchronises the device: writes queued before it are visible to the importer; later ones need
+    their own synchronisation. torch's per-export reference count and IPC event are not carried, so an
+    exported block is never recycled by the exporter's allocator: export long-lived buffers only. An
+    imported CUDA tensor cannot be exported again (torch refuses)."""
     storage = t.untyped_storage()
     offset_in_storage = t.storage_offset() * t.element_size()
     if storage.nbytes() == 0:

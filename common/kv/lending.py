@@ -9,13 +9,6 @@ to the cache. The limit moves in stages (an eighth of the pool by default):
   (their experts evicted) first, between steps, so the step that writes the page is the first to use it;
 - down, when sequences finish and the pages in use end a stage and more below it: the freed stages' slots
   are lent (they start empty; their bytes are whatever the KV pages held).
-
-Layout. Both sides map the shared buffer in whole chunks (the mapping granularity). Each side's chunks are
-ordered by the first unit they touch (pages for the KV tensors, rows for the expert components), across
-that side's tensors, so chunk k of the buffer holds low pages for small k on the KV side and low bank rows
-on the expert side: a bank slot's bytes lie in pages of about one position, and lowering the limit by a
-stage lends about a stage's worth of slots. A piece of a row or page that does not fill a chunk is the
-tensor's own memory (at most two chunks a tensor).
 """
 
 from __future__ import annotations
@@ -55,7 +48,13 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 class KvLending:
-    """The KV pool's paged tensors, built over a shared buffer, and the lending of their idle pages."""
+    """The KV pool's paged tensors, built over a shared buffer, and the lending of their idle pages.
+
+    Both sides map the shared buffer in whole chunks (the mapping granularity), each side's chunks ordered
+    by the first unit they touch (pages for the KV tensors, rows for the expert components): chunk k holds
+    low pages for small k on the KV side and low bank rows on the expert side, so a bank slot's bytes lie in
+    pages of about one position and lowering the limit by a stage lends about a stage's worth of slots. A
+    piece of a row or page that does not fill a chunk is the tensor's own memory (at most two a tensor)."""
 
     def __init__(
         self,

@@ -2,17 +2,12 @@
 
 An offloaded decode step at eight lanes is its miss copies plus the compute that waits for them, layer after
 layer: a layer's experts cannot be computed before their copies are in, and the next layer's copies cannot
-start before this layer's output is routed (decode-8 on an H200: ~39 ms of copies and ~17 ms of compute
-that waits, a step; bench/results/decode-8-profile.txt). With the lanes in two groups, one group's layer
-computes while the other's misses copy, so the copy stream runs with few gaps. The price is compute: the
-resident weights (attention, shared experts, routers) are read once a group. Measured at decode-8: 163.3
-against 139.5 tok/s aggregate in one process (bench/results/decode-8-ablate.json), limit_ratio 0.776.
+start before this layer's output is routed. With the lanes in two groups, one group's layer computes while
+the other's misses copy, so the copy stream runs with few gaps. The price is compute: the resident weights
+(attention, shared experts, routers) are read once a group (bench/LOG.md, Lane groups).
 
-Layers take part unchanged, as `layer(x, ctx)` with a context of the group's lanes. The expert provider
-makes the groups resolve each layer in turn (`ExpertProvider.turn`: the tables and a routing replay's
-cursor are updated in place) and gives each group its own request history and staging rows
-(`ExpertProvider.grouped`). Every token's computation is its own, so a grouped pass computes what the whole
-pass does (up to the GEMMs' choice of kernels for fewer rows).
+Every token's computation is its own, so a grouped pass computes what the whole pass does (up to the
+GEMMs' choice of kernels for fewer rows).
 """
 
 from __future__ import annotations
@@ -58,7 +53,12 @@ def run_groups(
 ) -> list[torch.Tensor]:
     """xs[g] [T_g, ...] (group g's hidden states, its lanes in `contexts[g]`) through every layer, layer by
     layer in group order, each group's work on its own CUDA stream (forked from the current stream and
-    joined back at the end; on the CPU in order) → the new xs."""
+    joined back at the end; on the CPU in order) → the new xs.
+
+    Layers take part unchanged, as `layer(x, ctx)` with a context of the group's lanes. The expert provider
+    makes the groups resolve each layer in turn (`ExpertProvider.turn`: the tables and a routing replay's
+    cursor are updated in place) and gives each group its own request history and staging rows
+    (`ExpertProvider.grouped`)."""
     device = xs[0].device
     main = torch.cuda.current_stream(device) if device.type == "cuda" else None
     # high priority: the groups' kernels go ahead of a copy launch's programs waiting for SMs; and from

@@ -3,15 +3,11 @@
 `ModelRunner.prefill_layer_major` runs a long prompt as chunks so that attention's and the token mixers'
 buffers stay a chunk's size, but takes them layer by layer so that an offloaded model streams each layer's
 experts once for all the chunks. The channel mixer (the MoE) is token-wise, so it runs once over the
-chunks together: its grouped expert GEMMs see every token routed to an expert at once (the int4 kernels
-run at ~200 TFLOP/s at 25,600 tokens, ~130 at 8,192 on an H200) and the arena is read once a layer.
+chunks together: its grouped expert GEMMs see every token routed to an expert at once (larger tiles run
+nearer the tensor cores' rate: bench/LOG.md, Grouped int4 prefill kernels) and the arena is read once a
+layer.
 
-A layer takes part through four members, which its `forward(x, ctx)` composes as
-`ffn_output(y, mlp(h), aux)` with `y = mix_tokens(x, ctx)` and `(h, aux) = ffn_input(y)`:
-- `mix_tokens(x, ctx)`: x after the layer's token mixer (attention, Gated DeltaNet; PLE), one chunk;
-- `ffn_input(x) → (h, aux)`: the channel mixer's input [T, H] and what `ffn_output` needs besides;
-- `mlp(h)`: the channel mixer, token-wise;
-- `ffn_output(x, out, aux)`: x with the channel mixer's output out [T, H] added back.
+A layer takes part through four members (`run_layer_major`).
 """
 
 from __future__ import annotations
@@ -28,7 +24,14 @@ def run_layer_major(
     layers: Sequence[nn.Module], xs: list[torch.Tensor], contexts: Sequence[ForwardContext]
 ) -> list[torch.Tensor]:
     """xs[c] [T_c, ...] (chunk c's hidden states, in the sequence's order) through every layer: each chunk's
-    token mixer in order, then one channel-mixer call over all the chunks' tokens → the new xs."""
+    token mixer in order, then one channel-mixer call over all the chunks' tokens → the new xs.
+
+    A layer takes part through four members, which its `forward(x, ctx)` composes as
+    `ffn_output(y, mlp(h), aux)` with `y = mix_tokens(x, ctx)` and `(h, aux) = ffn_input(y)`:
+    - `mix_tokens(x, ctx)`: x after the layer's token mixer (attention, Gated DeltaNet; PLE), one chunk;
+    - `ffn_input(x) → (h, aux)`: the channel mixer's input [T, H] and what `ffn_output` needs besides;
+    - `mlp(h)`: the channel mixer, token-wise;
+    - `ffn_output(x, out, aux)`: x with the channel mixer's output out [T, H] added back."""
     for layer in layers:
         inputs, aux = [], []
         for c, ctx in enumerate(contexts):

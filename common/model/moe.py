@@ -168,8 +168,8 @@ class SparseMoeBlock(nn.Module):
 
 def install_lookahead(model: nn.Module, experts: int, num_layers: int) -> int:
     """Make each of the first `num_layers` layers' MoE blocks guess the next one's `experts` experts a token
-    from its own input (DESIGN §4, Lookahead; 0: no guesses) → the blocks that guess. MTP's blocks neither
-    guess nor are guessed."""
+    from its own input (docs/ARCHITECTURE.md, Experts; 0: no guesses) → the blocks that guess. MTP's blocks
+    neither guess nor are guessed."""
     if not 0 <= experts <= model.config.num_experts:
         raise ValueError(f"lookahead guesses 0 to num_experts experts a token, not {experts}")
     blocks = sorted(

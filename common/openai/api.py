@@ -4,8 +4,7 @@ Requests are parsed from the raw body with pydantic in strict JSON mode, so `"te
 error as it is for OpenAI, and every problem — malformed JSON included — becomes an `ApiError` with the
 OpenAI error object (`{"error": {"message", "type", "param", "code"}}`). Unknown fields are ignored, as
 OpenAI ignores them; known fields whose feature Spillway lacks (best_of, suffix) are refused when set to
-anything but their neutral value, rather than silently ignored, because ignoring them would change what
-the client gets.
+anything but their neutral value (ignoring them would change what the client gets).
 
 Length rule: a prompt that leaves no room for one generated token is refused (400, naming both numbers);
 a `max_tokens` that would overflow the context is clamped to what is left, and the finish reason `length`

@@ -2,13 +2,7 @@
 completion request that means the same, so that one path (template, tools, structured output, reasoning,
 sampling) serves both.
 
-What maps: `instructions` (a system message first), `input` (a string, or items: messages with `input_text`,
-`output_text` and `input_image` parts; `function_call` and `function_call_output` items as the assistant's
-calls and the tool's results; a `reasoning` item as the next assistant message's `reasoning_content`),
-`max_output_tokens`, `temperature`, `top_p`, `top_logprobs` (or `include` of
-`message.output_text.logprobs`), function `tools` (their flat form), `tool_choice`, `parallel_tool_calls`,
-`text.format` (as `response_format`), and the chat's sampling extensions (`seed`, `top_k`, `min_p`, the
-penalties, `chat_template_kwargs`).
+What maps is `as_chat`'s.
 
 Nothing is stored: `store` is answered false, and what needs a stored response or conversation
 (`previous_response_id`, `conversation`, `item_reference` items, `background`) is a 400, as are the
@@ -124,7 +118,15 @@ def wants_logprobs(request: ResponsesRequest) -> bool:
 
 
 def as_chat(request: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request that asks what `request` asks (checked by the chat's own validation)."""
+    """The chat completion request that asks what `request` asks (checked by the chat's own validation).
+
+    What maps: `instructions` (a system message first), `input` (a string, or items: messages with
+    `input_text`, `output_text` and `input_image` parts; `function_call` and `function_call_output` items as
+    the assistant's calls and the tool's results; a `reasoning` item as the next assistant message's
+    `reasoning_content`), `max_output_tokens`, `temperature`, `top_p`, `top_logprobs` (or `include` of
+    `message.output_text.logprobs`), function `tools` (their flat form), `tool_choice`,
+    `parallel_tool_calls`, `text.format` (as `response_format`), and the chat's sampling extensions (`seed`,
+    `top_k`, `min_p`, the penalties, `chat_template_kwargs`)."""
     fields: dict[str, Any] = {
         "messages": chat_messages(request),
         "max_completion_tokens": request.max_output_tokens,

@@ -7,11 +7,7 @@ content. A block holds the call in one of two forms, both read wherever the temp
   the parameter (an integer, a boolean, an object ...) where it reads as one, and stays a string otherwise
   (a string parameter, one the schema does not type, or text that is not of its type).
 
-`ToolCallStream` reads the text as it streams: content comes out as soon as it cannot be the start of a
-block; a call as it is written, from the moment its block names it (its name, then its arguments a piece at
-a time), or whole at its block's end where its form allows no earlier reading. A block that never names a
-call stays in the content as written (the model did not make a call), and so does one still open when the
-text ends. The whitespace between a call and the next block, or the end, is no one's content.
+`ToolCallStream` reads the text as it streams; `split_tool_calls` reads a whole text.
 """
 
 from __future__ import annotations
@@ -187,7 +183,11 @@ class ToolCallStream:
     JSON form's `{"name": ..., "arguments": {` or the XML form's `<function=NAME>`), then its arguments'
     text (the JSON form's as written, up to the object's end; the XML form's a parameter at a time). Such a
     call is a call even if the rest of its block turns out malformed (what was sent cannot be taken back;
-    its arguments are what was written); any other block is read whole once it closes."""
+    its arguments are what was written); any other block is read whole once it closes.
+
+    Content comes out as soon as it cannot be the start of a block. A block that never names a call stays
+    in the content as written (the model did not make a call), and so does one still open when the text
+    ends. The whitespace between a call and the next block, or the end, is no one's content."""
 
     def __init__(self, form: CallForm | None = None) -> None:
         self.form = form or CallForm()

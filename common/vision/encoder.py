@@ -1,6 +1,6 @@
 """The vision encoder's core: images → the embeddings their image tokens take in the prompt.
 
-Library code for the encoder service (DESIGN §2: its own device, BF16 on the reference box): the model's
+Library code for the encoder service (docs/ARCHITECTURE.md, Processes: on a device of its own): the model's
 image processing (common/vision/images.py) and vision tower (common/model/qwen4_exp/vision.py), one pass for a
 request's images. Equal to transformers' `get_image_features` of `Qwen4ExpForConditionalGeneration` on the
 patches its Qwen2-VL processor makes (tests/common/vision/test_encoder.py).

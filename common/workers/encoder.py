@@ -3,16 +3,10 @@
 The encoder turns a request's images into the embeddings its image tokens take (`ImageEncoder`) and lends
 them to the request's prefill worker in place: every result is written into one output buffer
 [capacity rows, text hidden], allocated and exported once at start, and `ImagesEncoded` names a range of its
-rows. The buffer is host shared memory wherever the tower runs: a prefill worker maps it whichever GPU it
-sees (an encoder on a second GPU would need prefill to number the GPUs as it does, and a CUDA IPC export
-is never recycled), and its copy to its own GPU reads it once; the rows are a few MB a request, small
-beside the link's bandwidth.
-The rows stay lent until prefill says `ImagesTaken` (it copied them) or the router says `Abort`. Where
-prefill cannot map the buffer (another machine: `inline`), the rows travel in the message itself.
-
-Requests are served one at a time in arrival order: the head's rows are counted before its tower pass (from
-the images' sizes), and while the buffer has no contiguous range that large the head waits, and the queue with
-it (FIFO: a big request is not starved by small ones behind it).
+rows. The buffer is host shared memory wherever the tower runs, so a prefill worker maps it whichever GPU it
+sees (a CUDA IPC export would need both to number the GPUs alike, and is never recycled); the rows are a few
+MB a request. The rows stay lent until prefill says `ImagesTaken` (it copied them) or the router says
+`Abort`. Where prefill cannot map the buffer (another machine: `inline`), the rows travel in the message.
 """
 
 from __future__ import annotations
@@ -224,7 +218,11 @@ class EncoderCore:
         return dropped
 
     def step(self) -> Outgoing:
-        """Serve the head of the queue: refuse it, encode it into rows, or (rows short) leave it waiting."""
+        """Serve the head of the queue: refuse it, encode it into rows, or (rows short) leave it waiting.
+
+        Requests are served one at a time in arrival order: the head's rows are counted before its tower pass
+        (from the images' sizes), and while the buffer has no contiguous range that large the head waits,
+        and the queue with it (FIFO: a big request is not starved by small ones behind it)."""
         if not self.queue:
             return []
         head = self.queue[0]

@@ -1,4 +1,4 @@
-"""What decode exports and prefill maps (DESIGN §3): one copy of each, owned by decode.
+"""What decode exports and prefill maps (docs/ARCHITECTURE.md, Memory): one copy of each, owned by decode.
 
 Export names: `weights.{parameter or buffer}`; `experts.{layer}.{gate_up|down}` (resident experts);
 `state.{layer}.{name}` (state pools); `tables.{module}.rows|scales` (host tables: the n-gram table); with

@@ -1,4 +1,5 @@
-"""Writes `dashboards/spillway.json`, the Grafana dashboard docker-compose provisions (DESIGN §7).
+"""Writes `dashboards/spillway.json`, the Grafana dashboard docker-compose provisions (its metrics:
+docs/ARCHITECTURE.md, API and metrics).
 
 The panels are listed here, as data, because Grafana's JSON is long and repetitive; edit this file and run
 `python deploy/grafana/make_dashboard.py` (tests/deploy/test_dashboard.py checks that the two agree, that

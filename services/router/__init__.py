@@ -1,4 +1,4 @@
-"""The router service: OpenAI-compatible HTTP API, admission, streaming (DESIGN §2, §7).
+"""The router service: OpenAI-compatible HTTP API, admission, streaming (docs/ARCHITECTURE.md, Processes).
 
 `create_app(RouterConfig(...))` builds the FastAPI app; `main(argv)` runs it under uvicorn.
 """

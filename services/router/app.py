@@ -1,4 +1,5 @@
-"""The router's HTTP face: an OpenAI-compatible FastAPI app around `RouterCore` (DESIGN §7).
+"""The router's HTTP face: an OpenAI-compatible FastAPI app around `RouterCore` (docs/ARCHITECTURE.md, API
+and metrics).
 
 `create_app(config)` loads the tokenizer, builds the core and the metrics, and returns the app; its lifespan
 binds and closes the sockets. Every error, malformed JSON and unknown routes included, is answered with

@@ -37,7 +37,7 @@ class RouterConfig:
     """The vision encoder's inbox (`Encode`, `Abort`): chats may carry images (a model with a vision tower);
     empty: none (an image is a 400)."""
     host: str = "127.0.0.1"
-    """Interface the HTTP server binds (loopback unless told otherwise, DESIGN §7)."""
+    """Interface the HTTP server binds (loopback unless told otherwise)."""
     port: int = 8000
     """HTTP port of the API (and of `/metrics`)."""
     max_running: int = 0
@@ -63,8 +63,8 @@ class RouterConfig:
     """A worker whose last `Ready`/`Heartbeat` is older than this is down (503 until it is heard again)."""
     stall_timeout_s: float = 120.0
     """A worker silent this long is hung: the requests in flight end with an error event (the launcher also
-    kills it, and restarts it). Far above the longest step (a prefill chunk, ~1 s on the H200), below any
-    client's patience; 0 = never."""
+    kills it, and restarts it). Far above the longest step (a prefill chunk: about a second), below
+    any client's patience; 0 = never."""
     event_gap_timeout_s: float = 10.0
     """A request whose next event (by `Tokens.index`) is still missing this long after a later one came lost
     it (a worker drops events while the router's queue is full): it ends with an error event, and its

@@ -90,5 +90,5 @@ def test_panels_fit_the_grid_and_use_the_provisioned_datasource() -> None:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == source["uid"] and p["targets"], p["title"]
     assert any(p["type"] == "heatmap" and "layer" in p["title"] for p in panels), (
-        "DESIGN §7: per-layer heatmap"
+        "docs/ARCHITECTURE.md, API and metrics: a per-layer heatmap"
     )

@@ -47,12 +47,9 @@ class Qwen4DecoderLayer(nn.Module):
     """In decode steps, the token mixer's input projection (the layer's largest GEMV) launches only once the
     hyper-connection's mix-up kernel before it has exited, not while it runs (pdl.launch's `hold_next`).
     None: when that projection runs the wide fp8 launch (gemv.FP8_LARGE_ONE_ROW), whose single wave of large
-    programs early residents slow: decode-allfit `--resident-dtype fp8` ran 201.77 tok/s with the hold against
-    188.42 without (bench/results/decode-allfit-fp8-hold-ab.json), decode-1 97.28 against 91.93. Held before
-    the bf16 projection it lost, 183.60 against 187.36 (decode-allfit-hold-ab.json). Only the kernel before
-    that projection holds: every kernel holding lost 10 % (pdl.EARLY_TRIGGER). True/False: always/never
-    (the benchmark's `hold-mixer-launch` and `no-hold-mixer-launch` switches). Switch before a pass is
-    recorded."""
+    programs early residents slow; only the kernel before that projection holds (bench/LOG.md, Holding the
+    mixer's launch). True/False: always/never (the benchmark's `hold-mixer-launch` and
+    `no-hold-mixer-launch` switches). Switch before a pass is recorded."""
 
     @property
     def mixer(self) -> nn.Module:

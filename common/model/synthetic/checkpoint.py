@@ -1,25 +1,17 @@
-"""Synthetic MoE checkpoints in the real Hugging Face on-disk format.
+"""Synthetic MoE checkpoints in the real Hugging Face on-disk format, with deterministic random weights.
 
-No real weights can be downloaded where this project is developed and tested, so this module writes
-checkpoints that look exactly like the published ones (config.json in the legacy form, per-expert
-tensor names, sharded safetensors with an index, a tokenizer) but hold deterministic random weights.
-Four families are supported: ``qwen3_moe``, ``qwen2_moe`` and ``mixtral`` (one flat config.json, weights
-under ``model.``), and ``qwen4_exp`` (Qwen3.8-Flash-Next: a nested multimodal config.json with
-``text_config`` and ``vision_config``, text weights under ``model.language_model.``; hybrid Gated DeltaNet /
-QSA-indexed attention layers, hyper-connections, and a hashed n-gram per-layer embedding (PLE) whose table
-is stored as ``split_ngram_parts`` row shards). qwen4_exp checkpoints also carry the vision tower
-(``model.visual.``) and the MTP head (``mtp.``).
+They look exactly like the published ones (config.json, per-expert tensor names, sharded safetensors with an
+index, a tokenizer). Families: ``qwen3_moe``, ``qwen2_moe`` and ``mixtral`` (one flat config.json, weights
+under ``model.``), and ``qwen4_exp`` (Qwen3.8-Flash-Next: a nested config.json, text weights under
+``model.language_model.``, the PLE table as ``split_ngram_parts`` row shards, the vision tower under
+``model.visual.``, the MTP head under ``mtp.``).
 
-The families and their presets are in synthetic_presets.py, the config files written from them in
-synthetic_config.py, the tensors each family holds in synthetic_plan.py; this module draws the values and
-writes the checkpoint.
+The families and presets are in presets.py, the config files in config.py, the tensors each family holds
+in plan.py; this module draws the values and writes them. ``synthetic_tensors`` yields the same tensors one
+at a time, in memory.
 
-``synthetic_tensors`` yields the weights one tensor at a time without touching the disk (byte for byte what
-``make_model`` writes), so a machine with little disk can build a large checkpoint straight in memory.
-
-Weights are chosen so that the model is *informative*: logits have a wide spread and routing is
-decisive, so comparing two implementations (ours against transformers) on logits and greedy tokens
-is meaningful rather than dominated by near-ties.
+Weights are *informative*: logits have a wide spread and routing is decisive, so comparing two
+implementations on logits and greedy tokens is not dominated by near-ties.
 """
 
 from __future__ import annotations
@@ -100,7 +92,7 @@ def _fill(spec: TensorSpec, out: torch.Tensor, seed: int, chunk: int) -> None:
     if spec.init == "normal" and spec.mean == 0.0 and n >= 16:
         # Bit for bit randn(n) * std (CPU normal_ rounds z * std once, as mul_ does, for 16+ float32
         # elements) without the elementwise passes, each of which starts an intra-op thread team in every
-        # drawing thread: on a 16-core host, 16 workers drew 3.1 GB/s of bf16 with them, 3.9 GB/s without.
+        # drawing thread (bench/LOG.md, Synthetic checkpoint drawing).
         values.normal_(0.0, spec.std, generator=g)
     elif spec.init == "normal":
         torch.randn(n, generator=g, dtype=torch.float32, out=values).mul_(spec.std).add_(spec.mean)

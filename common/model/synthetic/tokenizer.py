@@ -9,12 +9,8 @@ is the one `transformers`' `Qwen2Tokenizer` rebuilds for itself: in transformers
 the vocabulary and merges from `tokenizer.json` and sets its own normalizer and pre-tokenizer, so the
 file has to agree with it for the `tokenizers` library and transformers to produce the same ids.
 
-`write_tokenizer(..., vision=True)` (what `make_model` writes for a model with a `vision_config`) adds the
-five vision special tokens at the top five ids of the vocabulary, in the order of the Qwen2-VL/Qwen3-VL
-release (`<|vision_start|>`, `<|vision_end|>`, `<|vision_pad|>`, `<|image_pad|>`, `<|video_pad|>`), names
-them in `tokenizer_config.json` (`image_token`, `video_token`, `vision_start_token`, `vision_end_token`)
-and uses a chat template that renders an image content part as `<|vision_start|><|image_pad|><|vision_end|>`.
-Text-only tokenizers (the default) do not change.
+`write_tokenizer(..., vision=True)` adds the vision special tokens (see there); text-only tokenizers
+(the default) do not change.
 """
 
 from __future__ import annotations
@@ -397,6 +393,12 @@ def write_tokenizer(
     entries for any size from 259 (3 special tokens + 256 bytes; 264 with `vision`) up to what `CORPUS`
     allows (well above 1024); use `tokenizer_vocab_size` to read the true size back. With `vision` the
     top five ids are the `VISION_TOKENS` (see `train_tokenizer`).
+
+    `vision` (what `make_model` writes for a model with a `vision_config`): the five vision special tokens at
+    the top five ids, in the Qwen2-VL/Qwen3-VL release's order (`<|vision_start|>`, `<|vision_end|>`,
+    `<|vision_pad|>`, `<|image_pad|>`, `<|video_pad|>`), named in `tokenizer_config.json` (`image_token`,
+    `video_token`, `vision_start_token`, `vision_end_token`), and a chat template that renders an image part
+    as `<|vision_start|><|image_pad|><|vision_end|>`.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -167,7 +167,7 @@ def test_a_budget_that_holds_every_expert_caps_the_cache() -> None:
 
 
 def test_flashnext_int4_at_32gib() -> None:
-    """The reference workload (DESIGN: a 32 GiB card, int4 experts, bf16): one lane of 4096 tokens leaves the
+    """The reference workload (a 32 GiB card, int4 experts, bf16): one lane of 4096 tokens leaves the
     cache thousands of slots; 8 lanes of the full 262144-token context do not fit."""
     arch, cfg = _config("flashnext", None)
     one = _plan(cfg, arch, 32 * GiB, expert_format="int4", max_running=1)
