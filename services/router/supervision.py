@@ -1,0 +1,205 @@
+"""Supervision of the workers: each one's health from its `Ready`, `Heartbeat` and `ServiceDown` messages and
+its connection, the pairs they form, and the stall watchdog's verdicts.
+
+A worker that exits, restarts, falls silent past `stall_timeout_s` (hung, not dead: no exit for the launcher
+to report) or whose connection closes is reported once to the failure handler, with the pair it belongs to
+(None for the shared vision encoder) and a reason a client can read; that handler fails the requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common.ipc.transport import pair_names
+from common.protocol import Heartbeat, Ready, ServiceDown
+from common.vision.images import vision_config
+from services.router.config import RouterConfig
+from services.router.pairs import Pair, ServiceHealth
+
+log = logging.getLogger(__name__)
+
+FailureHandler = Callable[[Pair | None, str], None]
+"""Called with the pair whose worker died (None: the encoder) and the reason, once a death."""
+
+
+def watch_period(config: RouterConfig) -> float:
+    """Seconds between the watchdog's ticks: a quarter of the shortest timeout, at most 1; 0 = none."""
+    timeouts = [t for t in (config.stall_timeout_s, config.event_gap_timeout_s) if t > 0]
+    return min(1.0, *(t / 4 for t in timeouts)) if timeouts else 0.0
+
+
+class Supervisor:
+    """The router's view of its workers: `pairs`, `services` by name (the encoder's among them) and their
+    states; it applies the workers' messages and connection changes, and reports deaths to `on_failure`."""
+
+    def __init__(self, config: RouterConfig, on_failure: FailureHandler) -> None:
+        self.config = config
+        names = [pair_names(i) for i in range(len(config.pairs))]
+        self.pairs = [Pair(i, ServiceHealth(p), ServiceHealth(d)) for i, (p, d) in enumerate(names)]
+        self.services = {w.name: w for pair in self.pairs for w in pair.workers}
+        self._pair_of = {w.name: pair for pair in self.pairs for w in pair.workers}
+        vision = config.encoder and vision_config(config.model_dir) is not None
+        self.encoder = ServiceHealth("encoder") if vision else None
+        """The vision encoder (a model with a vision tower, `RouterConfig.encoder` given), shared by the pairs
+        (a text-only model's encoder, as one docker-compose starts for any model, exits at once)."""
+        if self.encoder is not None:
+            self.services[self.encoder.name] = self.encoder
+        self._unknown: set[str] = set()
+        """Service names heard that no pair has (warned about once each)."""
+        self._on_failure = on_failure
+
+    # States.
+
+    def up_pairs(self) -> list[Pair]:
+        """The pairs whose two workers are up (announced themselves and heartbeat in time)."""
+        now = time.monotonic()
+        return [p for p in self.pairs if p.state(now, self.config.heartbeat_timeout_s) == "up"]
+
+    def ready(self) -> bool:
+        """Some pair is up: requests can be served."""
+        return bool(self.up_pairs())
+
+    def encoder_up(self) -> bool:
+        """The encoder is up (or there is none: nothing waits for it)."""
+        enc = self.encoder
+        return enc is None or enc.state(time.monotonic(), self.config.heartbeat_timeout_s) == "up"
+
+    def status(self) -> str:
+        """ "ok" (every pair up, and the encoder where there is one), "degraded" (some pair up: serving with
+        less capacity, or without images) or "unavailable"."""
+        up = len(self.up_pairs())
+        if not up:
+            return "unavailable"
+        return "ok" if up == len(self.pairs) and self.encoder_up() else "degraded"
+
+    def context_limit(self, configured: int) -> int:
+        """The longest prompt + completion to admit: `configured`, or less where a worker announced less."""
+        announced = (svc.max_context for svc in self.services.values())
+        return min([configured, *(c for c in announced if c > 0)])
+
+    def service_report(self) -> dict[str, dict[str, Any]]:
+        """`/health`'s services: each one's state, process, load, restarts and metrics URL, by name."""
+        now = time.monotonic()
+        return {name: self._report(svc, now) for name, svc in self.services.items()}
+
+    def _report(self, svc: ServiceHealth, now: float) -> dict[str, Any]:
+        return {
+            "state": svc.state(now, self.config.heartbeat_timeout_s),
+            "pid": svc.pid,
+            "capacity": svc.capacity,
+            "running": svc.running,
+            "waiting": svc.waiting,
+            "restarts": svc.restarts,
+            "last_seen_s": None if svc.last_seen is None else round(now - svc.last_seen, 3),
+            "metrics_url": svc.metrics_url or self.config.metrics_urls.get(svc.name, ""),
+        }
+
+    def pair_report(self) -> list[dict[str, Any]]:
+        """`/health`'s pairs, in order: their workers' names, state, requests running and capacity."""
+        now = time.monotonic()
+        timeout = self.config.heartbeat_timeout_s
+        return [
+            {
+                "prefill": p.prefill.name,
+                "decode": p.decode.name,
+                "state": p.state(now, timeout),
+                "running": p.running,
+                "capacity": p.capacity(),
+            }
+            for p in self.pairs
+        ]
+
+    # Messages and connections.
+
+    def on_alive(self, msg: Ready | Heartbeat) -> bool:
+        """Apply a `Ready` or `Heartbeat`: True when it counted (its pair may be up again, so the admission
+        limit may have risen), False when it was ignored (an unknown name, a late word of a dead process)."""
+        svc = self._service(msg.service)
+        if svc is None or self._stale(svc, msg):
+            return False
+        self._heard(svc, msg)
+        self._record(svc, msg)
+        return True
+
+    def _heard(self, svc: ServiceHealth, msg: Ready | Heartbeat) -> None:
+        """`svc`'s process (`msg`'s) is alive: clear its exit and stall; a new process is a restart, which
+        fails what the old one held."""
+        svc.exited = False
+        if svc.stalled:
+            svc.stalled = False
+            log.warning("%s (pid %d) is heard again after a stall", msg.service, msg.pid)
+        if svc.pid is not None and (svc.pid, svc.instance) != (msg.pid, msg.instance):
+            svc.restarts += 1
+            self._fail(svc, f"the {msg.service} worker restarted (pid {svc.pid} → {msg.pid})")
+        svc.pid, svc.instance = msg.pid, msg.instance
+        svc.last_seen = time.monotonic()
+
+    @staticmethod
+    def _record(svc: ServiceHealth, msg: Ready | Heartbeat) -> None:
+        """Take what `msg` announces: capacity, context and metrics URL (`Ready`), load (`Heartbeat`)."""
+        svc.image_tokens = msg.image_tokens or svc.image_tokens
+        if isinstance(msg, Ready):
+            svc.capacity, svc.max_context = msg.capacity, msg.max_context
+            svc.metrics_url = msg.metrics_url or svc.metrics_url
+            log.info("%s is ready (pid %d, capacity %d)", msg.service, msg.pid, msg.capacity)
+        else:
+            svc.running, svc.waiting = msg.running, msg.waiting
+            if msg.capacity and not svc.capacity:  # a router restarted after the worker's Ready
+                svc.capacity, svc.max_context = msg.capacity, msg.max_context
+
+    @staticmethod
+    def _stale(svc: ServiceHealth, msg: Ready | Heartbeat) -> bool:
+        """`msg` must not make `svc` look alive: a late message of the dead process, a heartbeat of a
+        successor not Ready yet, or one sent before its connection closed."""
+        same = (svc.pid, svc.instance) == (msg.pid, msg.instance)
+        if svc.exited and (same or isinstance(msg, Heartbeat)):
+            return True
+        return svc.linked is False and isinstance(msg, Heartbeat)
+
+    def on_down(self, msg: ServiceDown) -> None:
+        """The launcher saw the process exit: fail what it held (once, and only for the process named)."""
+        svc = self._service(msg.service)
+        if svc is not None and svc.pid == msg.pid and not svc.exited:
+            svc.exited = True
+            log.error("%s (pid %d) exited with %d", msg.service, msg.pid, msg.exit_code)
+            self._fail(svc, f"the {msg.service} worker exited (code {msg.exit_code})")
+
+    def on_link(self, service: str, up: bool) -> None:
+        """The router's connection to `service`'s inbox opened (`up`) or closed. Closed after being open: the
+        worker exited (or its host is gone), so what it held fails now, as on the launcher's `ServiceDown`,
+        not after the stall timeout; the service counts as starting until its process speaks."""
+        svc = self.services[service]
+        was, svc.linked = svc.linked, up
+        if up or not was or svc.exited:
+            return
+        svc.last_seen = None
+        log.error("%s (pid %s): its connection closed", service, svc.pid)
+        self._fail(svc, f"the {service} worker's connection closed (it exited)")
+
+    def check_stalls(self, now: float) -> None:
+        """Take each worker silent past the stall timeout at `now` (time.monotonic()) as hung and fail what
+        it held, once a stall (no-op when the timeout is 0)."""
+        if self.config.stall_timeout_s <= 0:
+            return
+        for svc in self.services.values():
+            silent = None if svc.last_seen is None else now - svc.last_seen
+            if svc.exited or svc.stalled or silent is None or silent <= self.config.stall_timeout_s:
+                continue
+            svc.stalled = True
+            log.error("%s (pid %s) has been silent for %.0f s: taken as hung", svc.name, svc.pid, silent)
+            self._fail(svc, f"the {svc.name} worker stopped responding ({silent:.0f} s without a heartbeat)")
+
+    def _service(self, name: str) -> ServiceHealth | None:
+        """The worker `name` names, or None (warned about once) for a name no pair has: a worker started
+        with another router's pairs must not fail this router's requests."""
+        svc = self.services.get(name)
+        if svc is None and name not in self._unknown:
+            self._unknown.add(name)
+            log.warning("ignoring messages of %r: no pair of this router has a worker of that name", name)
+        return svc
+
+    def _fail(self, svc: ServiceHealth, reason: str) -> None:
+        self._on_failure(None if svc is self.encoder else self._pair_of[svc.name], reason)
