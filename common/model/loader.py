@@ -29,6 +29,7 @@ from common.experts.resident import ResidentExperts
 from common.model.errors import CheckpointError
 from common.model.fused_linear import fuse_projections
 from common.model.hf_config import load_architecture, read_json
+from common.model.host_embedding import host_table_owners
 from common.model.layers import activation
 from common.model.ngram import ngram_shard_rows
 from common.model.registry import Architecture, ExpertKey, HostTableKey
@@ -113,7 +114,7 @@ class _TableCollector:
     """Fills each host table (e.g. PLE's n-gram table) shard by shard, without holding a second copy."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.owners = {name: m for name, m in model.named_modules() if hasattr(m, "attach_table")}
+        self.owners = host_table_owners(model)
         self.rows: dict[str, torch.Tensor] = {}
         self.scales: dict[str, torch.Tensor] = {}
         self.seen: dict[str, dict[int, Path]] = defaultdict(dict)  # each table's shards, and their files
