@@ -114,7 +114,9 @@ class ImageWaits:
         try:
             embeds = encoded.embeds.to(self.device) if encoded.embeds is not None else torch.empty(0)
             grids = [(g_t, g_h, g_w) for g_t, g_h, g_w in encoded.grids]
-            self.ready[gen.rid] = prompt_images(gen.prompt_ids, t.image_token_id, embeds, grids, t.merge, t.block)
+            self.ready[gen.rid] = prompt_images(
+                gen.prompt_ids, t.image_token_id, embeds, grids, t.merge, t.block
+            )
         except ValueError as exc:
             return [], [("router", Tokens(gen.rid, [], "error", error=f"the prompt's images: {exc}"))]
         return [gen], []
