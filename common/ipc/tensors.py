@@ -345,7 +345,7 @@ def export_tensor(t: torch.Tensor) -> SharedTensor:
     return SharedTensor(
         kind="shm",
         handle=segment.name.encode(),
-        offset=t.storage_offset() * t.element_size(),
+        offset=int(t.storage_offset()) * t.element_size(),
         nbytes=segment.size,
         dtype=dtype,
         shape=list(t.shape),
@@ -361,7 +361,7 @@ an exported block is never recycled (see the module docstring)."""
 
 def _export_cuda(t: torch.Tensor, dtype: str) -> SharedTensor:
     storage = t.untyped_storage()
-    offset_in_storage = t.storage_offset() * t.element_size()
+    offset_in_storage = int(t.storage_offset()) * t.element_size()
     if storage.nbytes() == 0:
         device, handle, base = t.device.index or 0, b"", 0
     else:
