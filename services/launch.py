@@ -102,7 +102,7 @@ def pair_gpus(pairs: int, device: str) -> list[str | None]:
     import torch
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = (
+    gpus: list[str | None] = (
         [g for g in visible.split(",") if g]
         if visible
         else [str(i) for i in range(torch.cuda.device_count())]

@@ -101,7 +101,8 @@ class RayLauncher:
         ray.init(address=self.address, include_dashboard=False)  # "local": always a new cluster
         for sig in (signal.SIGTERM, signal.SIGINT):  # (after ray.init, which installs its own)
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
-        self.router = self.encoder = None
+        self.router: Child | None = None
+        self.encoder: Child | None = None
         self.actors: list = []
         try:
             self._start()
@@ -133,8 +134,8 @@ class RayLauncher:
     def _start_pair(self, index: int):
         import ray
 
-        resources = {"num_gpus": 1} if self.gpu else {"num_cpus": 0}
-        actor = ray.remote(**resources)(PairHost).options(scheduling_strategy="SPREAD")
+        remote = ray.remote(num_gpus=1) if self.gpu else ray.remote(num_cpus=0)
+        actor = remote(PairHost).options(scheduling_strategy="SPREAD")
         flags = worker_flags(self.opts)
         # on a GPU: the actor's one (Ray sets its CUDA_VISIBLE_DEVICES, which the workers inherit)
         flags += ["--device", "cuda" if self.gpu else "cpu"]
@@ -164,6 +165,7 @@ class RayLauncher:
 
     def _encoder_argv(self, prefills: dict[str, str], metrics: dict[str, str]) -> list[str]:
         """The encoder's command: on this machine, its embeddings in the messages (`--inline`)."""
+        assert self.encoder_inbox is not None  # asked only where there is an encoder
         argv = [*encoder_argv(self.opts, self.encoder_inbox, self.router_inbox, prefills), "--inline"]
         if self.opts.metrics_port:
             port = free_ports(1, self.host)

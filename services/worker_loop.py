@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from common import metrics
 from common.ipc.transport import Inbox, Outbox
 from common.protocol import Abort, Heartbeat, Message, Ready, Tokens
 from services.parent_watch import stop_with_parent
+
+if TYPE_CHECKING:
+    from common.workers.cache_metrics import CacheMetricsExporter
 
 log = logging.getLogger("worker")
 HEARTBEAT_S = 1.0
@@ -73,7 +77,7 @@ class WorkerShell:
         """Their error events, in order, until the router takes them (`receive`)."""
         self._to_abort: list[str] = []
         """Those requests, still to be aborted here (`receive` hands the loop an Abort for each)."""
-        self.expert_metrics = None
+        self.expert_metrics: CacheMetricsExporter | None = None
         self.registry = metrics.new_registry()
         self.metrics = metrics.WorkerMetrics.create(self.registry)
         self._stop_metrics = (

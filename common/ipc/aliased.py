@@ -215,7 +215,9 @@ class _HostBackend:
 
     def as_tensor(self, addr: int, nbytes: int, keep: object) -> torch.Tensor:
         span = (ctypes.c_uint8 * nbytes).from_address(addr)
-        span.keep = keep  # frombuffer holds the array, the array holds the mapping
+        # frombuffer holds the array, the array holds the mapping (ctypes arrays take attributes; the stubs
+        # declare none)
+        span.keep = keep  # type: ignore[attr-defined]
         return torch.frombuffer(span, dtype=torch.uint8)
 
 

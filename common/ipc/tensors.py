@@ -330,7 +330,7 @@ def export_tensor(t: torch.Tensor) -> SharedTensor:
     return SharedTensor(
         kind="shm",
         handle=segment.name.encode(),
-        offset=t.storage_offset() * t.element_size(),
+        offset=int(t.storage_offset()) * t.element_size(),
         nbytes=segment.size,
         dtype=dtype,
         shape=list(t.shape),
@@ -354,7 +354,7 @@ def _export_cuda(t: torch.Tensor, dtype: str) -> SharedTensor:
     exported block is never recycled by the exporter's allocator: export long-lived buffers only. An
     imported CUDA tensor cannot be exported again (torch refuses)."""
     storage = t.untyped_storage()
-    offset_in_storage = t.storage_offset() * t.element_size()
+    offset_in_storage = int(t.storage_offset()) * t.element_size()
     if storage.nbytes() == 0:
         device, handle, base = t.device.index or 0, b"", 0
     else:

@@ -33,7 +33,11 @@ def write_kv(state: LayerState, slot_mapping: torch.Tensor, k: torch.Tensor, v: 
     """Store k, v [T, Hkv, D] at the flat KV slots [T]; fp8 pages are quantized with the layer's scales."""
     for i, (name, x) in enumerate((("k", k), ("v", v))):
         flat = state.paged[name].flatten(0, 1)  # [slots, Hkv, D]
-        flat[slot_mapping] = quantize(x, state.kv_scale[i]) if is_fp8(flat) else x.to(flat.dtype)
+        if is_fp8(flat):
+            assert state.kv_scale is not None  # fp8 pages come with their scales
+            flat[slot_mapping] = quantize(x, state.kv_scale[i])
+        else:
+            flat[slot_mapping] = x.to(flat.dtype)
 
 
 def kv_store(
@@ -53,7 +57,11 @@ def read_kv(state: LayerState, slots: torch.Tensor, dtype: torch.dtype) -> tuple
     out = []
     for i, name in enumerate(("k", "v")):
         x = state.paged[name].flatten(0, 1)[slots]
-        out.append(dequantize(x, state.kv_scale[i], dtype) if is_fp8(x) else x.to(dtype))
+        if is_fp8(x):
+            assert state.kv_scale is not None  # fp8 pages come with their scales
+            out.append(dequantize(x, state.kv_scale[i], dtype))
+        else:
+            out.append(x.to(dtype))
     return out[0], out[1]
 
 

@@ -186,6 +186,7 @@ class ForwardBatch:
         if len(seqs) != 1:
             raise ValueError("a pass over a prompt with images holds that prompt only")
         images, start, n = seqs[0].images, self.cache_lens[0], self.query_lens[0]
+        assert images is not None  # `build` places the images of a sequence that has them
         images.mrope = images.mrope.to(self.input_ids.device)  # [3, P], moved once for all its passes
         table = images.mrope
         if start + n > table.shape[1]:

@@ -138,39 +138,46 @@ class KvLending:
         self.tables, self.pool = tables, pool
         pool.pages.limit = self.stages[0]
         pool.pages.on_short, pool.pages.on_free = self.grow, self.shrink
-        self.tables.lend(self._slots(self.first_page >= pool.pages.limit))
+        tables.lend(self._slots(self.first_page >= pool.pages.limit))
+
+    def _bound(self) -> tuple[CacheTables, StatePool]:
+        """The tables and pool `bind` gave."""
+        assert self.tables is not None and self.pool is not None, "bind first"
+        return self.tables, self.pool
 
     def _slots(self, which: torch.Tensor) -> torch.Tensor:
         """The bank slots `which` selects, those of the highest pages first (lent first: the last needed)."""
         index = which.nonzero().flatten()
         index = index[torch.argsort(self.first_page[index], descending=True, stable=True)]
-        return (self.first_row + index).to(self.tables.device)
+        return (self.first_row + index).to(self._bound()[0].device)
 
     @property
     def limit(self) -> int:
-        return self.pool.pages.limit
+        return self._bound()[1].pages.limit
 
     def grow(self, needed: int) -> None:
         """The allocator needs pages below `needed`: raise the limit to the stage above the one that holds
         them (a stage of headroom: lanes keep growing while a prefill holds the cache frozen), after taking
         back the bank slots below it. Not while another process reads the frozen cache: the allocation is
         then refused (PoolExhausted) and asked again after the thaw."""
+        tables, pool = self._bound()
         at = next(i for i, s in enumerate(self.stages) if s >= needed)
         new = self.stages[min(at + 1, len(self.stages) - 1)]
-        if needed <= self.limit or (self.tables.frozen and self.tables.readers):
+        if needed <= self.limit or (tables.frozen and tables.readers):
             return
-        self.tables.reclaim(self._slots((self.first_page >= self.limit) & (self.first_page < new)))
-        self.pool.pages.limit = new
+        tables.reclaim(self._slots((self.first_page >= self.limit) & (self.first_page < new)))
+        pool.pages.limit = new
         self.raises += 1
 
     def shrink(self) -> None:
         """Pages were freed: lower the limit to one stage above the stage the pages in use end in (to the
         first stage when none is), and lend what that frees."""
-        used = self.pool.pages.high_water()
+        tables, pool = self._bound()
+        used = pool.pages.high_water()
         at = next(i for i, s in enumerate(self.stages) if s >= max(used, 1))
         new = self.stages[min(at + 1, len(self.stages) - 1)] if used else self.stages[0]
         if new >= self.limit:
             return
-        self.tables.lend(self._slots((self.first_page >= new) & (self.first_page < self.limit)))
-        self.pool.pages.limit = new
+        tables.lend(self._slots((self.first_page >= new) & (self.first_page < self.limit)))
+        pool.pages.limit = new
         self.lowers += 1

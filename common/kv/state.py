@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -40,6 +41,15 @@ class SlotSpec:
 
 
 StateSpec = PagedSpec | SlotSpec
+
+
+@runtime_checkable
+class StatefulMixer(Protocol):
+    """A token mixer that keeps per-sequence state: the specs of its state tensors, by name."""
+
+    def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]: ...
+
+
 Allocator = Callable[[tuple[int, ...], torch.dtype, torch.device | str], torch.Tensor]
 
 

@@ -34,7 +34,7 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window if sliding else None
 
     def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:
-        return kv_specs(self.num_kv_heads, self.head_dim, dtype)
+        return {**kv_specs(self.num_kv_heads, self.head_dim, dtype)}
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]

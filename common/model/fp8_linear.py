@@ -14,11 +14,17 @@ QSA). The router (its choices), the embeddings, lm_head, norms and hyper-connect
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.model.fused_linear import GEMV_ROWS, FusedLinears
+
+if TYPE_CHECKING:
+    from common.model.qwen4_exp.gdn import GatedDeltaNet
+    from common.model.qwen4_exp.qsa import QSAttention
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -77,6 +83,11 @@ class Fp8Linear(nn.Module):
     """A Linear whose weight is fp8 codes (`qweight`) and per-row, per-128-input scales (`scale`): buffers,
     so the memory plan and `.to()` see them; possibly row views of a fused projection's."""
 
+    qweight: torch.Tensor
+    """[N, K] e4m3 codes."""
+    scale: torch.Tensor
+    """[N, ⌈K/128⌉] fp32 scales."""
+
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
@@ -107,9 +118,10 @@ def fuse_fp8(linears: list[Fp8Linear]) -> Fp8Fused | None:
     codes = _adjacent([m.qweight for m in linears])
     scale = _adjacent([m.scale for m in linears])
     biases = [m.bias for m in linears]
+    present = [b for b in biases if b is not None]
     if codes is None or scale is None or len({b is None for b in biases}) != 1:
         return None
-    bias = None if biases[0] is None else _adjacent(biases)
+    bias = None if biases[0] is None else _adjacent(present)  # all or none present
     if biases[0] is not None and bias is None:
         return None
     return Fp8Fused(codes, scale, bias, [m.out_features for m in linears])
@@ -120,7 +132,9 @@ def _to_fp8(linear: nn.Linear) -> Fp8Linear:
     return Fp8Linear(codes, scale, None if linear.bias is None else linear.bias.detach())
 
 
-def _quantize_mixer(mixer: nn.Module, output: str, parents: dict[int, tuple[nn.Module, str]]) -> None:
+def _quantize_mixer(
+    mixer: GatedDeltaNet | QSAttention, output: str, parents: dict[int, tuple[nn.Module, str]]
+) -> None:
     """`mixer`'s input projections (fused or one by one) and its output projection `output` to fp8."""
     inputs = mixer._inputs()
     fused = mixer.fused_in
@@ -157,13 +171,17 @@ def quantize_resident(model: nn.Module) -> int:
     return len(mixers)
 
 
-def _mixers(model: nn.Module) -> list[tuple[nn.Module, str]]:
+def _mixers(model: nn.Module) -> list[tuple[GatedDeltaNet | QSAttention, str]]:
     """The token mixers fp8 covers, each with its output projection's name."""
     from common.model.qwen4_exp.gdn import GatedDeltaNet
     from common.model.qwen4_exp.qsa import QSAttention
 
     outputs = {GatedDeltaNet: "out_proj", QSAttention: "o_proj"}
-    return [(m, outputs[type(m)]) for m in model.modules() if type(m) in outputs]
+    return [
+        (m, outputs[type(m)])
+        for m in model.modules()
+        if isinstance(m, (GatedDeltaNet, QSAttention)) and type(m) in outputs
+    ]
 
 
 RESIDENT_DTYPES = ("fp8",)

@@ -12,12 +12,13 @@ GEMMs' choice of kernels for fewer rows).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 
+from common.config import ModelConfig
 from common.experts.cache_tables import DECODE_GROUPS
 from common.experts.provider import ExpertProvider
 from common.model.context import ForwardContext
@@ -40,13 +41,14 @@ def pass_groups(model: nn.Module, lanes: int, split_lanes: int) -> int:
     and a group's expert choices fit its share of the staging rows (`CacheTables.resolve`); else one."""
     if not split_lanes or lanes < max(2, split_lanes) or not hasattr(model, "forward_groups"):
         return 1
-    groups = min(model.experts.max_groups, DECODE_GROUPS)
-    cfg = model.config
+    experts, cfg = model.experts, model.config
+    assert isinstance(experts, ExpertProvider) and isinstance(cfg, ModelConfig)
+    groups = min(experts.max_groups, DECODE_GROUPS)
     return groups if -(-lanes // groups) * cfg.top_k <= cfg.num_experts // groups else 1
 
 
 def run_groups(
-    layers: Sequence[nn.Module],
+    layers: Iterable[nn.Module],
     xs: list[torch.Tensor],
     contexts: Sequence[ForwardContext],
     experts: ExpertProvider,
@@ -66,7 +68,7 @@ def run_groups(
     # the copies would queue a group's compute behind them)
     streams = [torch.cuda.Stream(device, priority=-1) if main is not None else None for _ in contexts]
     for stream, x in zip(streams, xs, strict=True):
-        if stream is not None:
+        if stream is not None and main is not None:  # (both or neither: streams are CUDA's)
             stream.wait_stream(main)
             x.record_stream(stream)  # made on the current stream, read and dropped on the group's
     with experts.grouped(len(contexts)):
@@ -76,7 +78,7 @@ def run_groups(
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     xs[g] = layer(xs[g], ctx)
     for stream, x in zip(streams, xs, strict=True):
-        if stream is not None:
+        if stream is not None and main is not None:
             main.wait_stream(stream)
             x.record_stream(main)
     return xs

@@ -10,10 +10,31 @@ plan counts no device bytes for it, decode exports its rows and prefill attaches
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import nn
 
 from common.model.host_rows import HostRows
+
+
+@runtime_checkable
+class HostTableOwner(Protocol):
+    """A module whose table lives in host memory, attached after construction (HostEmbedding, PLE)."""
+
+    table: HostRows | None
+    """The attached table; None before `attach_table`."""
+    table_parts: int
+    """How many shards the table comes in (`ngram_shard_rows`)."""
+
+    def table_shape(self) -> tuple[int, int]: ...
+
+    def attach_table(self, table: HostRows) -> None: ...
+
+
+def host_table_owners(model: nn.Module) -> dict[str, HostTableOwner]:
+    """The modules of `model` that own a host table, by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, HostTableOwner)}
 
 
 class HostEmbedding(nn.Module):
@@ -35,19 +56,20 @@ class HostEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] → rows [..., dim] in the model dtype, on ids' device."""
+        assert self.table is not None, "no table attached"
         return self.table.lookup(ids, self.dtype)
 
 
 def embeddings_to_host(model: nn.Module) -> None:
     """Replace `model.model.embed_tokens` by a HostEmbedding holding its rows (a host copy; on the meta
     device, an empty one: the memory plan's model). Tied embeddings stay: the head reads every row."""
-    embedding = model.model.embed_tokens
+    inner = model.get_submodule("model")
     if getattr(model.config, "tie_word_embeddings", False):
         raise ValueError(
             "--embeddings-on-host: this model ties its embeddings to the head, which needs them on the device"
         )
-    weight = embedding.weight.detach()
+    weight = inner.get_submodule("embed_tokens").get_parameter("weight").detach()
     host = HostEmbedding(weight.shape[0], weight.shape[1], weight.dtype)
     if weight.device.type != "meta":
         host.attach_table(HostRows(weight.to("cpu", copy=True)))
-    model.model.embed_tokens = host
+    inner.embed_tokens = host

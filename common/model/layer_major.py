@@ -12,7 +12,8 @@ A layer takes part through four members (`run_layer_major`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -20,8 +21,21 @@ from torch import nn
 from common.model.context import ForwardContext
 
 
+@runtime_checkable
+class LayerMajorLayer(Protocol):
+    """A layer's four members that a layer-major pass takes (the module docstring says what each does)."""
+
+    mlp: nn.Module
+
+    def mix_tokens(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+
+    def ffn_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def ffn_output(self, x: torch.Tensor, out: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor: ...
+
+
 def run_layer_major(
-    layers: Sequence[nn.Module], xs: list[torch.Tensor], contexts: Sequence[ForwardContext]
+    layers: Iterable[nn.Module], xs: list[torch.Tensor], contexts: Sequence[ForwardContext]
 ) -> list[torch.Tensor]:
     """xs[c] [T_c, ...] (chunk c's hidden states, in the sequence's order) through every layer: each chunk's
     token mixer in order, then one channel-mixer call over all the chunks' tokens → the new xs.
@@ -33,6 +47,7 @@ def run_layer_major(
     - `mlp(h)`: the channel mixer, token-wise;
     - `ffn_output(x, out, aux)`: x with the channel mixer's output out [T, H] added back."""
     for layer in layers:
+        assert isinstance(layer, LayerMajorLayer)
         inputs, aux = [], []
         for c, ctx in enumerate(contexts):
             xs[c] = layer.mix_tokens(xs[c], ctx)

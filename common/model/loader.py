@@ -17,6 +17,7 @@ import re
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -29,9 +30,12 @@ from common.experts.resident import ResidentExperts
 from common.model.errors import CheckpointError
 from common.model.fused_linear import fuse_projections
 from common.model.hf_config import load_architecture, read_json
+from common.model.host_embedding import host_table_owners
 from common.model.layers import activation
 from common.model.ngram import ngram_shard_rows
+from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.registry import Architecture, ExpertKey, HostTableKey
+from common.model.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +117,7 @@ class _TableCollector:
     """Fills each host table (e.g. PLE's n-gram table) shard by shard, without holding a second copy."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.owners = {name: m for name, m in model.named_modules() if hasattr(m, "attach_table")}
+        self.owners = host_table_owners(model)
         self.rows: dict[str, torch.Tensor] = {}
         self.scales: dict[str, torch.Tensor] = {}
         self.seen: dict[str, dict[int, Path]] = defaultdict(dict)  # each table's shards, and their files
@@ -321,10 +325,9 @@ def load_model(
     """
     arch, cfg = load_architecture(model_dir)
     if with_mtp:
-        layers = getattr(cfg, "checkpoint_mtp_layers", 0)
-        if not layers:
+        if not (isinstance(cfg, Qwen4ExpConfig) and cfg.checkpoint_mtp_layers):
             raise CheckpointError("the checkpoint has no MTP head", Path(model_dir) / "config.json")
-        cfg = dataclasses.replace(cfg, mtp_layers=layers)
+        cfg = dataclasses.replace(cfg, mtp_layers=cfg.checkpoint_mtp_layers)
     where = Path(model_dir) / INDEX_FILE
     source = dequantized_fp8_source(
         safetensors_source(model_dir),
@@ -342,6 +345,15 @@ def load_model(
     return build_model(arch, cfg, source, where, dtype, device, expert_device=expert_device, fuse=fuse)
 
 
+@runtime_checkable
+class BuiltModel(Protocol):
+    """What `empty_model` finishes on the module an architecture builds."""
+
+    rotary: RotaryEmbedding
+
+    def tie_weights(self) -> None: ...
+
+
 def empty_model(
     arch: Architecture,
     cfg: ModelConfig,
@@ -356,6 +368,7 @@ def empty_model(
     Linears' weights are views of it, so loading fills it and no memory is freed or held twice."""
     with torch.device("meta"):
         model = arch.build(cfg, experts).to(dtype)
+    assert isinstance(model, BuiltModel)
     if fuse:
         fuse_projections(model)  # on the meta device: shapes only
     _materialize(model, torch.device(device))

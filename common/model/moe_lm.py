@@ -11,7 +11,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.experts.provider import ExpertProvider
-from common.kv.state import StateSpec
+from common.kv.state import StatefulMixer, StateSpec
 from common.model.attention import Attention
 from common.model.context import ForwardContext
 from common.model.groups import run_groups
@@ -84,7 +84,12 @@ class MoECausalLM(nn.Module):
 
     def state_specs(self, dtype: torch.dtype) -> list[dict[str, StateSpec]]:
         """Per layer, the per-sequence state its token mixer keeps."""
-        return [layer.self_attn.state_specs(dtype) for layer in self.model.layers]
+        out = []
+        for layer in self.model.layers:
+            mixer = layer.get_submodule("self_attn")
+            assert isinstance(mixer, StatefulMixer)
+            out.append(mixer.state_specs(dtype))
+        return out
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, H] after the final norm for every token of the batch."""

@@ -38,7 +38,8 @@ def _is_prime(n: int) -> bool:
 
 def _primes_after(start: int, count: int) -> list[int]:
     """The first `count` primes greater than `start`."""
-    primes, p = [], start
+    primes: list[int] = []
+    p = start
     while len(primes) < count:
         p += 1
         if _is_prime(p):
@@ -127,7 +128,8 @@ def spec_tensors(spec: NGramSpec, device: torch.device) -> tuple[torch.Tensor, t
     """The spec's multipliers, head vocabulary sizes and offsets on `device`, made once: a decode step that a
     CUDA graph records may not copy host values to the device."""
     values = (spec.multipliers, spec.head_vocab_sizes, spec.head_offsets)
-    return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in values)
+    multipliers, sizes, offsets = (torch.tensor(v, dtype=torch.int64, device=device) for v in values)
+    return multipliers, sizes, offsets
 
 
 def ngram_ids(spec: NGramSpec, history: torch.Tensor, num_new: int) -> torch.Tensor:

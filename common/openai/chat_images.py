@@ -44,10 +44,11 @@ class ImagePrompting:
         keys = ("vision_start_token_id", "image_token_id", "vision_end_token_id")
         ids = [config.get(k) for k in keys]
         texts = [tokenizer.id_to_token(i) if isinstance(i, int) else None for i in ids]
-        if None in texts:
+        found = [t for t in texts if t is not None]
+        if len(found) < len(texts):
             missing = ", ".join(k for k, t in zip(keys, texts, strict=True) if t is None)
             raise ValueError(f"{model_dir}: the tokenizer has no token for {missing} of config.json")
-        return cls(ImageProcessing.from_model_dir(model_dir), "".join(texts), ids[1])
+        return cls(ImageProcessing.from_model_dir(model_dir), "".join(found), ids[1])
 
     def read(self, url: str) -> ChatImage:
         """An `image_url` part's `data:` URL → the image and its token count; ValueError saying what is

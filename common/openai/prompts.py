@@ -59,7 +59,7 @@ def chat_tools(request: ChatCompletionRequest, tags: tuple[str, str] | None) -> 
     for i, tool in enumerate(request.tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         named = isinstance(function, dict) and isinstance(function.get("name"), str)
-        if not (named and tool.get("type") == "function"):
+        if not (named and isinstance(tool, dict) and tool.get("type") == "function"):
             raise bad_request(
                 'A tool is {"type": "function", "function": {"name": ..., ...}}.', f"tools[{i}]"
             )
@@ -125,6 +125,7 @@ def chat_prompt_ids(
         added = text[len(bare) :] if text.startswith(bare) else ""
     if not images:
         return ChatPrompt(ids, images, added)
+    assert prompting is not None  # an image part without `prompting` is a 400 in `_render`
     try:
         return ChatPrompt(prompting.expand(ids, images), images, added)
     except ValueError as exc:
@@ -142,7 +143,7 @@ def _render(
     """The chat template applied to the request's messages, as text (its images' parts collected in
     `images`); a 400 for what the template cannot render."""
     messages = [_template_message(i, m, prompting, images) for i, m in enumerate(request.messages)]
-    kwargs = dict(request.chat_template_kwargs or {})
+    kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})  # checked below: none is reserved
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}.", "chat_template_kwargs")

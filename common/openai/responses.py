@@ -231,13 +231,14 @@ def _string(item: dict[str, Any], key: str, param: str) -> str:
 
 def _part(part: JsonValue, param: str) -> dict[str, Any]:
     """An input message's content part as the chat's (`text`, `image_url`)."""
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-        return {"type": "text", "text": part["text"]}
-    if kind == "refusal" and isinstance(part.get("refusal"), str):
-        return {"type": "text", "text": part["refusal"]}
+    fields: dict[str, JsonValue] = part if isinstance(part, dict) else {}
+    kind = fields.get("type")
+    if kind in ("input_text", "output_text", "text") and isinstance(fields.get("text"), str):
+        return {"type": "text", "text": fields["text"]}
+    if kind == "refusal" and isinstance(fields.get("refusal"), str):
+        return {"type": "text", "text": fields["refusal"]}
     if kind == "input_image":
-        url = part.get("image_url")
+        url = fields.get("image_url")
         if not isinstance(url, str):
             raise bad_request("An input_image part gives its image as a data: URL in image_url.", param)
         return {"type": "image_url", "image_url": {"url": url}}
@@ -261,8 +262,9 @@ def _reasoning_text(item: dict[str, Any], param: str) -> str:
         if not isinstance(parts, list):
             raise bad_request(f"A reasoning item's {key} is a list of parts.", f"{param}.{key}")
         texts = [p.get("text") for p in parts if isinstance(p, dict)]
-        if texts and all(isinstance(t, str) for t in texts):
-            return "".join(texts)  # type: ignore[arg-type]
+        strings = [t for t in texts if isinstance(t, str)]
+        if texts and len(strings) == len(texts):
+            return "".join(strings)
     return ""
 
 
@@ -273,7 +275,7 @@ def _chat_tools(tools: list[JsonValue] | None) -> list[dict[str, Any]] | None:
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
+        if kind != "function" or not isinstance(tool, dict):
             raise bad_request(
                 f"Only function tools are supported, not '{kind}'.", f"tools[{i}].type", "unsupported"
             )

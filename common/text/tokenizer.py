@@ -484,7 +484,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 class _GenerationTag(jinja2.ext.Extension):
     """The `{% generation %}...{% endgeneration %}` tag of training templates; renders its body unchanged."""
 
-    tags = frozenset({"generation"})
+    tags = frozenset({"generation"})  # type: ignore[assignment]  # jinja2 annotates a set; it only reads it
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

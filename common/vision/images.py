@@ -135,9 +135,9 @@ def image_patches(image, proc: ImageProcessing) -> tuple[torch.Tensor, tuple[int
     p, m, t = proc.patch_size, proc.merge_size, proc.temporal_patch_size
     _, gh, gw = image_grid(image, proc)
     h, w = gh * p, gw * p
-    pixels = np.asarray(image.resize((w, h), Image.BICUBIC), dtype=np.float32) / 255.0  # [h, w, 3]
-    pixels = (pixels - np.asarray(proc.image_mean, np.float32)) / np.asarray(proc.image_std, np.float32)
-    blocks = pixels.transpose(2, 0, 1).reshape(3, gh // m, m, p, gw // m, m, p)
+    pixels = np.asarray(image.resize((w, h), Image.Resampling.BICUBIC), dtype=np.float32) / 255.0  # [h, w, 3]
+    normalized = (pixels - np.asarray(proc.image_mean, np.float32)) / np.asarray(proc.image_std, np.float32)
+    blocks = normalized.transpose(2, 0, 1).reshape(3, gh // m, m, p, gw // m, m, p)
     blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, 3, p, p]: merge-block order
     frames = np.broadcast_to(
         blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p)

@@ -11,7 +11,7 @@ class CacheMetricsExporter:
 
     def __init__(self, offload: OffloadedExperts, metrics: ExpertCacheMetrics) -> None:
         self.offload, self.metrics = offload, metrics
-        self.layers = [str(layer) for layer in sorted(offload.index, key=offload.index.get)]
+        self.layers = [str(layer) for layer in sorted(offload.index, key=offload.index.__getitem__)]
         names = ("hits", "misses", "evictions", "bypasses", "prefetches", "prefetch_hits")
         self.seen = {name: [0] * len(self.layers) for name in names}
         self.bytes_seen = self.loads_seen = 0

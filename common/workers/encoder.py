@@ -146,7 +146,7 @@ class EncoderCore:
         hidden = encoder.tower.cfg.out_hidden_size
         self.buffer = None if inline else ipc.shared_empty((capacity_rows, hidden), self.dtype)
         """[capacity, H] in host shared memory (None: `inline`)."""
-        self.shared = None if inline else ipc.export_tensor(self.buffer)
+        self.shared = None if self.buffer is None else ipc.export_tensor(self.buffer)
         """The buffer's one export, in every `ImagesEncoded` (importers map it once)."""
         self.ranges = RowRanges(capacity_rows)
         self.queue: deque[Queued] = deque()
@@ -239,9 +239,10 @@ class EncoderCore:
 
     def _serve(self, head: Queued, start: int | None) -> tuple[str, Message]:
         """`head`'s tower pass, its rows written at `start` and lent, or (None: `inline`) in the message."""
-        msg, began = head.msg, time.perf_counter()
+        msg, began, images = head.msg, time.perf_counter(), head.images
+        assert images is not None  # the head is prepared (`_prepare`)
         try:
-            rows = self._embeddings(self.encoder.encode(head.images)).to(self.dtype)  # [N, H]
+            rows = self._embeddings(self.encoder.encode(images)).to(self.dtype)  # [N, H]
             if rows.shape[0] != head.rows:
                 raise ValueError(f"the tower gave {rows.shape[0]} rows for {head.rows} image tokens")
         except Exception as exc:  # a bad request fails alone, not the worker
@@ -255,6 +256,7 @@ class EncoderCore:
             self._count(head, began)
             dtype = ipc.dtype_name(self.dtype)
             return msg.prefill, ImagesEncoded(msg.rid, None, 0, head.rows, grids, data=data, dtype=dtype)
+        assert self.buffer is not None  # a start is given only where there is a buffer
         self.buffer[start : start + head.rows].copy_(rows)  # (from a GPU: done when copy_ returns)
         self._count(head, began)
         self.lent[msg.rid] = (start, head.rows)
@@ -288,9 +290,10 @@ class EncoderCore:
     def _count(self, served: Queued, began: float) -> None:
         """Add a request whose rows were written, its pass begun at `began` (perf_counter), to the stats; one
         without images made no tower pass to time."""
-        self.stats.images += len(served.images)
+        images = served.images or []  # prepared: its images decoded
+        self.stats.images += len(images)
         self.stats.rows += served.rows
-        if served.images:
+        if images:
             self.stats.passes += 1
             self.stats.pass_seconds.append(time.perf_counter() - began)
 

@@ -19,7 +19,7 @@ import torch
 from common.ipc import tensors as ipc
 from common.kv.state import PromptImages
 from common.model.qwen4_exp.positions import ImageTokens, prompt_images
-from common.protocol import Generate, ImagesEncoded, ImagesTaken, Message, Tokens
+from common.protocol import Generate, ImagesEncoded, ImagesTaken, Message, SharedTensor, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ one a restarted prefill never saw)."""
 class _Encoded:
     embeds: torch.Tensor | None
     """[N, H] on prefill's device (None: `error`)."""
-    grids: list[tuple[int, int, int]]
+    grids: list[list[int]]
+    """Each image's patch grid (t, h, w), as the message gave it."""
     error: str = ""
 
 
@@ -68,7 +69,7 @@ class ImageWaits:
         gen = None if msg.rid in self._forgotten else self.waiting.pop(msg.rid, None)
         # Rows for a request not come yet wait in host memory (it may never come: a restarted prefill's).
         device = self.device if gen is not None else torch.device("cpu")
-        encoded = _Encoded(None, [tuple(g) for g in msg.grids], msg.error)
+        encoded = _Encoded(None, [list(g) for g in msg.grids], msg.error)
         try:
             encoded.embeds = self._rows(msg, device)
         except Exception as exc:  # an unmappable buffer, no memory: this request fails, not the worker
@@ -91,7 +92,7 @@ class ImageWaits:
         lent rows again once it hears they are taken): they are in host memory, which a copy to a GPU has
         staged when `to` returns."""
         if msg.buffer is not None:
-            rows = self._buffer(msg)[msg.start : msg.start + msg.rows]
+            rows = self._buffer(msg.buffer)[msg.start : msg.start + msg.rows]
         elif msg.data:  # an encoder on another machine: the rows came in the message
             raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
             rows = raw.view(ipc.dtype_from_name(msg.dtype)).view(msg.rows, -1)
@@ -99,20 +100,22 @@ class ImageWaits:
             return None
         return rows.to(device, self.dtype, copy=True)
 
-    def _buffer(self, msg: ImagesEncoded) -> torch.Tensor:
-        key = msg.buffer.handle
+    def _buffer(self, buffer: SharedTensor) -> torch.Tensor:
+        key = buffer.handle
         if key not in self._buffers:
-            self._buffers = {key: ipc.import_tensor(msg.buffer)}  # a restarted encoder's replaces the old
+            self._buffers = {key: ipc.import_tensor(buffer)}  # a restarted encoder's replaces the old
         return self._buffers[key]
 
     def _join(self, gen: Generate, encoded: _Encoded) -> tuple[list[Generate], list[tuple[str, Message]]]:
         if encoded.error:
             return [], [("router", Tokens(gen.rid, [], "error", error=encoded.error))]
         t = self.tokens
+        assert t is not None  # a request waits only where the model takes images (`request`)
         try:
             embeds = encoded.embeds.to(self.device) if encoded.embeds is not None else torch.empty(0)
+            grids = [(g_t, g_h, g_w) for g_t, g_h, g_w in encoded.grids]
             self.ready[gen.rid] = prompt_images(
-                gen.prompt_ids, t.image_token_id, embeds, encoded.grids, t.merge, t.block
+                gen.prompt_ids, t.image_token_id, embeds, grids, t.merge, t.block
             )
         except ValueError as exc:
             return [], [("router", Tokens(gen.rid, [], "error", error=f"the prompt's images: {exc}"))]

@@ -27,7 +27,7 @@ from common.ipc import tensors as ipc
 from common.model.fp8_linear import quantize_resident
 from common.model.fused_linear import fuse_projections
 from common.model.hf_config import load_architecture
-from common.model.host_embedding import embeddings_to_host
+from common.model.host_embedding import embeddings_to_host, host_table_owners
 from common.model.host_rows import HostRows
 from common.model.layers import activation
 from common.model.loader import empty_model
@@ -61,18 +61,19 @@ def decode_exports(core: DecodeCore) -> Exports:
             tensors[f"experts.{layer}.gate_up"] = ipc.export_tensor(w.gate_up)
             tensors[f"experts.{layer}.down"] = ipc.export_tensor(w.down)
     else:
+        assert isinstance(experts, OffloadedExperts)  # the one other provider
         tensors.update(_offload_exports(experts))
     for key, t in core.pool.named_tensors().items():
         tensors[f"state.{key}"] = ipc.export_tensor(t)
     tensors.update(_table_exports(model))
-    offloaded = isinstance(experts, OffloadedExperts)
+    offloaded = experts if isinstance(experts, OffloadedExperts) else None
     return Exports(
         epoch=os.getpid(),
         tensors=tensors,
         page_size=core.pool.page_size,
         max_context=core.runner.max_context,
-        expert_format=experts.fmt.name if offloaded else "",
-        arena_row=int(experts.tables.bank[0]) if offloaded and core.cfg.lend_arena else -1,
+        expert_format=offloaded.fmt.name if offloaded is not None else "",
+        arena_row=int(offloaded.tables.bank[0]) if offloaded is not None and core.cfg.lend_arena else -1,
     )
 
 
@@ -88,16 +89,12 @@ def _offload_exports(offload: OffloadedExperts) -> dict[str, SharedTensor]:
     return out
 
 
-def _table_owners(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules that hold a host table (PLE's n-gram table), by module name."""
-    return {name: m for name, m in model.named_modules() if hasattr(m, "attach_table")}
-
-
 def _table_exports(model: nn.Module) -> dict[str, SharedTensor]:
     """Host tables move into shared memory (re-attached, so the GPU registration follows) and are exported."""
     out = {}
-    for name, owner in _table_owners(model).items():
+    for name, owner in host_table_owners(model).items():
         table = owner.table
+        assert table is not None  # attached at load
         rows = _shareable(table.rows)
         if rows is not table.rows:
             owner.attach_table(HostRows(rows, table.shard_scales, table.shard_rows))
@@ -108,7 +105,7 @@ def _table_exports(model: nn.Module) -> dict[str, SharedTensor]:
 
 
 def _attach_tables(model: nn.Module, imported: dict[str, torch.Tensor]) -> None:
-    for name, owner in _table_owners(model).items():
+    for name, owner in host_table_owners(model).items():
         shard_rows = ngram_shard_rows(owner.table_shape()[0], owner.table_parts)[0]
         scales = imported.get(f"tables.{name}.scales")
         owner.attach_table(HostRows(imported[f"tables.{name}.rows"], scales, shard_rows))

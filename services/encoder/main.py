@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         return core
     exporter = EncoderMetricsExporter(core, EncoderMetrics.create(shell.registry))  # on the shell's port
     shell.ready(CAPACITY, 0, core.capacity)
-    where = "in the messages" if core.inline else f"rows of {core.buffer.shape[1]} on {core.buffer.device}"
+    buffer = core.buffer  # (None: `inline`)
+    where = "in the messages" if buffer is None else f"rows of {buffer.shape[1]} on {buffer.device}"
     log.info("ready: %d rows a request at most, %s", core.capacity, where)
     while not shell.stopping:
         for msg in shell.receive(busy=core.busy):

@@ -38,7 +38,7 @@ class PrefillWorker:
         if exports.epoch == self.epoch:
             return []
         first = self.core is None
-        out = [] if first else self.core.fail_all("decode worker restarted")
+        out = [] if self.core is None else self.core.fail_all("decode worker restarted")
         # decode's pools decide the context and page size (it may cap --max-context at the model's)
         cfg = dataclasses.replace(self.cfg, max_context=exports.max_context, page_size=exports.page_size)
         with self.shell.untimed():  # mapping a restarted decode's memory is start-up work, however long
@@ -60,11 +60,12 @@ class PrefillWorker:
         if isinstance(msg, Generate | ImagesEncoded | Abort) and self.core is None:
             self.early.append(msg)  # (an abort too: the embeddings of its request may come after it)
             return []
-        if isinstance(msg, Generate):
+        # (a Generate, ImagesEncoded or Abort finds the core: before it, they wait in `early`)
+        if isinstance(msg, Generate) and self.core is not None:
             return self.core.submit(msg)
-        if isinstance(msg, ImagesEncoded):
+        if isinstance(msg, ImagesEncoded) and self.core is not None:
             return self.core.images_encoded(msg)
-        if isinstance(msg, Abort):
+        if isinstance(msg, Abort) and self.core is not None:
             return self.core.abort(msg.rid)
         if isinstance(msg, StateGranted) and self.core is not None:
             return self.core.granted(msg)

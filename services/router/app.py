@@ -15,7 +15,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -381,7 +381,7 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
     return task.result()
 
 
-async def _disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 

@@ -73,7 +73,7 @@ class Choice:
         if self.calls is None:
             return reasoning, text, [], delta.finish_reason
         content, pieces = self.calls.push(text)
-        if not done:
+        if delta.finish_reason is None:  # (not done)
             return reasoning, content, pieces, None
         rest, last = self.calls.flush()
         return reasoning, content + rest, pieces + last, _finish(delta.finish_reason, len(self.calls.calls))
@@ -86,6 +86,7 @@ class Choice:
             text, echoed = self.echoed()
             if echoed is None:
                 return ChoiceResult(text + gen.text, gen.finish_reason)
+            assert self.logprobs is not None  # (echoed log-probabilities: they were asked for)
             generated = self.logprobs.render(gen.logprobs)
             return ChoiceResult(
                 text + gen.text, gen.finish_reason, {k: v + generated[k] for k, v in echoed.items()}

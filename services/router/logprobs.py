@@ -78,9 +78,10 @@ class LogprobText:
                 logprobs.append(None)
                 tops.append(None)
             else:
-                logprobs.append(max(lp.logprob, FLOOR))
+                logprob = max(lp.logprob, FLOOR)
+                logprobs.append(logprob)
                 pairs = zip(lp.top_ids, lp.top_logprobs, strict=True)
-                tops.append({self._piece(i)[0]: max(v, FLOOR) for i, v in pairs} | {text: logprobs[-1]})
+                tops.append({self._piece(i)[0]: max(v, FLOOR) for i, v in pairs} | {text: logprob})
             offsets.append(self._offset)
             self._offset += len(self._utf8.decode(raw))
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -13,7 +13,8 @@ from services.parent_watch import stop_with_parent
 from services.router.config import RouterConfig, WorkerPair
 
 API_KEY_ENV = "SPILLWAY_API_KEY"
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 5
+"""Seconds the streams get to finish on SIGTERM (uvicorn takes whole seconds)."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from common.config import ModelConfig
+from common.experts.provider import ExpertProvider
 from common.model.families import qwen_expert_key
 from common.model.qwen4_exp.config import Qwen4ExpConfig, parse_qwen4_exp
 from common.model.qwen4_exp.model import Qwen4ExpForCausalLM
@@ -18,12 +20,13 @@ _IGNORED = re.compile(
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
-def map_qwen4_key(key: str, cfg: Qwen4ExpConfig) -> str | ExpertKey | HostTableKey | None:
+def map_qwen4_key(key: str, cfg: ModelConfig) -> str | ExpertKey | HostTableKey | None:
     """Checkpoint key → runtime name (multimodal checkpoints nest the text model in model.language_model)."""
     key = key.replace("model.language_model.", "model.", 1)
     if _IGNORED.match(key):
         return None  # the vision tower comes later; the hash buffers are derived from the config
     if key.startswith("mtp."):
+        assert isinstance(cfg, Qwen4ExpConfig)  # parse_qwen4_exp's
         return _mtp_key(key, cfg)
     if m := _TABLE.match(key):
         return HostTableKey(m[1], int(m[2]), "weight" if m[3] == "weight" else "scale")
@@ -42,5 +45,11 @@ def _mtp_key(key: str, cfg: Qwen4ExpConfig) -> str | ExpertKey | None:
     return key
 
 
+def build_qwen4(cfg: ModelConfig, experts: ExpertProvider) -> Qwen4ExpForCausalLM:
+    """The model for `cfg` (parse_qwen4_exp's), parameters uninitialised."""
+    assert isinstance(cfg, Qwen4ExpConfig)
+    return Qwen4ExpForCausalLM(cfg, experts)
+
+
 for _type in ("qwen4_exp", "qwen4_exp_text"):
-    register_architecture(Architecture(_type, parse_qwen4_exp, Qwen4ExpForCausalLM, map_qwen4_key))
+    register_architecture(Architecture(_type, parse_qwen4_exp, build_qwen4, map_qwen4_key))

@@ -52,7 +52,7 @@ class Qwen4DecoderLayer(nn.Module):
     `no-hold-mixer-launch` switches). Switch before a pass is recorded."""
 
     @property
-    def mixer(self) -> nn.Module:
+    def mixer(self) -> GatedDeltaNet | QSAttention:
         return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
 
     def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:
@@ -91,7 +91,7 @@ class Qwen4DecoderLayer(nn.Module):
         return self.mlp_hyper_connection.mix_input(streams)
 
     def ffn_output(self, streams: torch.Tensor, out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        return self.mlp_hyper_connection.inject(streams, out, logits)
+        return applied(self.mlp_hyper_connection.inject(streams, out, logits))  # (not deferred: a tensor)
 
 
 class Qwen4Backbone(nn.Module):
@@ -166,6 +166,7 @@ class Qwen4ExpForCausalLM(nn.Module):
 
         Returns (draft logits [T, V] fp32, MTP streams [T, hc·H] for a chained draft step).
         """
+        assert self.mtp is not None, "a model built without its MTP head drafts nothing"
         embeds = self.model.embed_tokens(ctx.batch.input_ids)
         self._set_rotary(ctx, embeds.dtype)
         hidden, out_streams = self.mtp(streams, embeds, ctx)

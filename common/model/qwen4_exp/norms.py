@@ -30,6 +30,7 @@ class OffsetRMSNorm(nn.Module):
         makes ~8 fp32 passes over x."""
         from common.kernels.hyper import hc_norm  # Triton
 
+        assert self.group is not None, "fused is a grouped norm's"
         return hc_norm(x, self.weight, self.eps, x.shape[-1] // self.group)
 
 

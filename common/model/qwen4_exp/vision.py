@@ -160,6 +160,9 @@ class Merger(nn.Module):
 class VisionTower(nn.Module):
     """Patches [N, C·T·P²] of images whose patch grids are `grid_thw` [n, 3] → tokens [N / m², out]."""
 
+    inv_freq: torch.Tensor
+    """[head_dim / 4] the rotary inverse frequencies of each axis (a buffer)."""
+
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -208,8 +211,8 @@ class VisionTower(nn.Module):
             rows.append(self._merge_order(r, h, w).repeat(t))
             cols.append(self._merge_order(c, h, w).repeat(t))
         device = self.inv_freq.device
-        angles = [torch.cat(p).to(device)[:, None].float() * self.inv_freq for p in (rows, cols)]
-        angles = torch.cat(angles, dim=-1)  # [N, d / 2]
+        halves = [torch.cat(p).to(device)[:, None].float() * self.inv_freq for p in (rows, cols)]
+        angles = torch.cat(halves, dim=-1)  # [N, d / 2]
         angles = torch.cat((angles, angles), dim=-1)  # [N, d]
         return angles.cos(), angles.sin()
 

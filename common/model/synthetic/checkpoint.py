@@ -22,7 +22,7 @@ import os
 import threading
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -135,7 +135,7 @@ def _default_workers() -> int:
 
 def _generate(
     specs: Sequence[TensorSpec], seeds: Mapping[str, int], storage: torch.dtype, workers: int
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Generator[tuple[str, torch.Tensor], None, None]:
     """(key, tensor) for ``specs`` in order, the chunks drawn by ``workers`` threads ahead of the consumer."""
     if workers <= 1:
         for spec in specs:
@@ -148,11 +148,11 @@ def _generate(
         try:
             while True:
                 while not pending or ahead < _LOOKAHEAD_BYTES:
-                    spec = next(todo, None)
-                    if spec is None:
+                    upcoming = next(todo, None)
+                    if upcoming is None:
                         break
-                    out, jobs = _start(spec, seeds[spec.key], storage, pool.submit)
-                    pending.append((spec.key, out, jobs))
+                    out, jobs = _start(upcoming, seeds[upcoming.key], storage, pool.submit)
+                    pending.append((upcoming.key, out, jobs))
                     ahead += out.nbytes
                 if not pending:
                     return
@@ -173,7 +173,7 @@ def synthetic_tensors(
     *,
     workers: int | None = None,
     keep: Callable[[str], bool] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Yield (HF key, tensor) for every tensor of the checkpoint of ``config``, in checkpoint order.
 
     ``config`` is a config.json dict (``model_config``'s result). Tensors are in their storage dtype (the
