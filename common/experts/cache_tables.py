@@ -1,27 +1,14 @@
 """The VRAM expert cache's bookkeeping: which expert sits in which slot, and whom to evict — as device ops.
 
-`CacheTables` serves one layer's step with fixed-shape tensor ops (`resolve`) — no host synchronisation (no
-`t[i] = scalar`, which copies the scalar to the device and synchronises: fills and index_fill_ instead) — so
-that it can run inside a captured decode step: requested experts are hits or misses; misses, most frequent
-first, take the lowest-scoring evictable slots of their layer (free slots first; never a slot a hit of the
-same step uses). Its parts, one class each, stacked: the slot tables (`slot_tables.SlotTables`), the request
-statistics (`request_stats.RequestStats`), the policies (`eviction.EvictionPolicy`), per-layer capacity:
-lending and rebalancing (`capacity.SlotCapacity`).
+`CacheTables.resolve` serves one layer's step with fixed-shape tensor ops and no host synchronisation (fills
+and index_fill_, never `t[i] = scalar`), so that it runs inside a captured decode step: requested experts
+are hits or misses; misses, most frequent first, take the lowest-scoring evictable slots of their layer
+(free slots first; never a slot a hit of the same step uses). After it, every requested expert has a pool
+row: its slot (rows [0, S)), or for a bypass (a miss that got no slot) a staging row (the j-th bypass in
+expert order at S+1+j), the spare row S standing for the others; the pool has `num_rows` = S+1+E rows. The
+step's copy list has a fixed shape [P] (P = min(max_new, E)): no `nonzero`, no host round trip.
 
-Device rows. After `resolve`, every requested expert has a row of the cache's pool (the device tensors that
-hold expert weights, one expert a row): rows [0, S) are the slots, row S is a spare row whose contents do not
-matter (it absorbs invalid copies and stands for unrequested experts), and rows [S+1, S+1+E) are staging rows
-for bypasses (misses that got no slot: their weights are copied there for this step only, the j-th bypass in
-expert order to row S+1+j). So the pool has `num_rows` = S+1+E rows. `resolve` also returns the step's copy
-list with a fixed shape [P] (P = min(max_new, E)): a copy launch needs no `nonzero` and no host round trip,
-and a kernel skips the invalid entries.
-
-Policies (`eviction`): a request is fresh unless the expert was also requested by the layer's previous step
-(a run of consecutive requests is one correlated reference, as in LRU-K); `lfu` ranks by the fresh-request
-rate, which estimates P(requested | not requested by the previous step) — what decides the next use of an
-eviction candidate, which the current step did not request. With strong step-to-step reuse `lfu-admit`
-admits almost every miss; without reuse it is TinyLFU's "admit only if the newcomer is requested more often
-than the victim".
+Its parts, one class each, stacked: `slot_tables`, `request_stats`, `eviction`, `capacity`.
 """
 
 from __future__ import annotations
@@ -104,16 +91,13 @@ class CacheTables(SlotCapacity):
         """Serve a step of `layer` that uses the experts in `requested` ([E] bool).
 
         `step` (an int, or a 0-d device tensor that a recorded step reads at replay) stamps recency.
-
         `max_new` bounds the misses that can take a slot this step (the tokens' expert choices, known on the
         host): it fixes the shape of the pairing and of the copy list, not the result. The copy list covers
         every miss when `max_new` is at least the number of requested experts.
-
-        A pass split into `groups` groups of lanes (common/model/groups.py) resolves each layer once per
-        group, in group order, and each group is a step of its own in the statistics (its previous step is
-        its own). A group never evicts what any group last requested at the layer: the groups before it in
-        this pass compute from those slots while this one's copies run (the later ones' requests of the pass
-        before are kept too). Its bypasses take their own share of the staging rows (E // groups each).
+        A pass split into `groups` groups of lanes resolves each layer once per group, in group order, each
+        group a step of its own in the statistics. A group never evicts what any group last requested at
+        the layer (the groups before it compute from those slots while this one's copies run). Its bypasses
+        take their own share of the staging rows (E // groups each).
         """
         e, spare = self.num_experts, self.num_slots
         self._count(layer, requested, group)

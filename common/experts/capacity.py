@@ -101,19 +101,14 @@ class SlotCapacity(EvictionPolicy):
     ) -> list[tuple[int, int, int]]:
         """Between steps: move slots to the layers where a slot saves the most misses (water-filling).
 
-        The signal is a slot's marginal worth to each layer, from the fresh-request rates (`_rate`: estimated
-        requests per step) that every policy keeps for every expert, cached or not:
-        - a layer's loss from giving up a chunk: the mean rate of the experts in its next lowest-ranked
-          evictable slots (the ones it would give up; a free slot is worth 0);
-        - a layer's gain from a chunk more: the mean rate of the absent experts next in line once its free
-          slots are filled (the misses that more slots would turn into hits).
-        While the largest next gain exceeds (1 + `margin`) × the smallest next loss, that chunk moves. Chunks
-        are `slots_to_move` slots (a donor's last may be smaller); in one call a layer gives or takes, not
-        both, at most `max_chunks` chunks (None: no limit). `margin` damps moves on noisy estimates (each
-        evicts experts). Raw hit rate is the wrong signal: a skewed layer hits often, yet the worth of its
-        marginal slot may be above or below a flat layer's. A donor gives up its lowest-scoring unpinned slots
-        (their experts are evicted). Reads the tables on the host, so it runs outside captured steps.
-        Returns the moves, [(donor, recipient, slots moved)], possibly none.
+        The signal is a slot's marginal worth to each layer, from the fresh-request rates (`_rate`) that
+        every policy keeps for every expert: a layer's loss from giving up a chunk is the mean rate of the
+        experts in its next lowest-ranked evictable slots (a free slot is worth 0); its gain from a chunk
+        more, the mean rate of the absent experts next in line once its free slots are filled. While the
+        largest next gain exceeds (1 + `margin`) × the smallest next loss, that chunk moves. Chunks are
+        `slots_to_move` slots (a donor's last may be smaller); in one call a layer gives or takes, not both,
+        at most `max_chunks` chunks (None: no limit). Host reads: outside captured steps. → the moves,
+        [(donor, recipient, slots moved)], possibly none.
         """
         n = slots_to_move
         if self.frozen or n <= 0:

@@ -1,5 +1,8 @@
 """Host → device copies of expert rows into the pool: `copy_experts` (one fixed-shape copy list) and the
-stream they run on (`CopyStream`: a side stream for a GPU-mapped store on CUDA, inline elsewhere)."""
+stream they run on (`CopyStream`). With a GPU-mapped store on CUDA the copies run on a side stream: forked
+from the main stream once the copy list is resolved, joined right before the weights are read, so they
+overlap with the main stream's work in between (the next layer's stream with this layer's compute; the
+shared expert, run between `prepare` and `compute`). Elsewhere the copies run inline."""
 
 from __future__ import annotations
 

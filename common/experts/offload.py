@@ -1,24 +1,14 @@
 """OffloadedExperts: routed experts in host memory, served by the VRAM cache (decode) or an arena (prefill).
 
-The pool. One device tensor per weight component, one expert a row: rows [0, S) are the cache's slots, row S
-is a spare row (it absorbs the writes of invalid copies and stands for unrequested experts), and two arena
-buffers of E rows follow, buffer b at rows S+1+b·E+e (expert e of the layer it serves). The first buffer
-doubles as decode's staging rows: a bypassed miss (see `CacheTables`) is copied there for one step. The pool
-is (S + 1 + 2·E) rows of one expert each.
+The pool: one device tensor per weight component, one expert a row, S + 1 + 2·E rows: the cache's slots
+[0, S), a spare row S (it absorbs invalid copies), then two arena buffers of E rows, buffer b at rows
+S+1+b·E+e; the first doubles as decode's staging rows (a bypassed miss is copied there for one step).
 
-Paths. Each kind of pass has its strategy (`ExpertPath`), chosen when the provider is built (or by
-`load_all`): decode passes through the cache (`decode_path.CacheDecode`), prefill passes through the arena
-(`prefill_path.ArenaPrefill`), or, once every expert holds a slot for good, both reading the slots
-(`paths.ResidentPath`). `begin_pass` picks the one a pass runs; the paths share the host store, the pool,
-its copy stream (`copies.CopyStream`), the tables and the traffic counters.
-
-Streams. With a GPU-mapped store on CUDA the copies run on a side stream: forked from the main stream once
-the copy list is resolved, joined right before the weights are read, so they overlap with the main stream's
-work in between — the next layer's stream with this layer's compute; the shared expert, when the MoE block
-runs it between `prepare` and `compute` (see `ExpertProvider.prepare`). Elsewhere the copies run inline.
-
-Every expert's weights are the same bytes wherever they are read from, and the computation does not depend
-on where, so the output does not depend on the cache's size, policy or contents.
+Paths: each kind of pass has its strategy (`ExpertPath`), chosen when the provider is built (or by
+`load_all`): decode through the cache (`CacheDecode`), prefill through the arena (`ArenaPrefill`), or every
+expert resident (`ResidentPath`). `begin_pass` picks the one a pass runs. Every expert's weights are the
+same bytes wherever they are read from, so the output does not depend on the cache's size, policy or
+contents.
 """
 
 from __future__ import annotations
@@ -156,6 +146,8 @@ class OffloadedExperts(ExpertProvider):
             )
         )  # fmt: skip
         self.path = self.decode_path
+        self.max_groups = self.decode_path.max_groups
+        """A decode pass through the cache may be split (an all-resident cache has nothing to overlap)."""
 
     def _decode_kernels(self, resident: bool) -> DecodeKernels:
         return DecodeKernels(self.pool, self.copies, self.fmt, self.act, self.dtype, self.switches, resident)
@@ -183,6 +175,7 @@ class OffloadedExperts(ExpertProvider):
         self.decode_path = ResidentPath(self.tables, e, self._decode_kernels(resident=True))
         self.prefill_path = ResidentPath(self.tables, e, self.grouped_kernels)
         self.path = self.prefill_path if self.prefill else self.decode_path
+        self.max_groups = self.decode_path.max_groups
         if release_host:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the copies read the host store until they finish
@@ -195,8 +188,7 @@ class OffloadedExperts(ExpertProvider):
         self.ahead.join()  # one a pass that failed midway left (else the next prepare joins it)
         self.prefill = not is_decode or self.shared_cache is not None
         self.path = self.prefill_path if self.prefill else self.decode_path
-        if isinstance(self.path, ArenaPrefill):
-            self.path.observing = prompt and not is_decode
+        self.path.begin(prompt=prompt and not is_decode)
         if self.lend_arena and is_decode:  # the arena's second buffer: the cache's between prefills
             self.tables.lend()
         elif self.lend_arena:
@@ -211,11 +203,6 @@ class OffloadedExperts(ExpertProvider):
                 self.ahead.gate(self.guess_precision)
             elif self.decode_passes == self.first_gate:
                 self.ahead.gate(self.guess_precision)
-
-    @property
-    def max_groups(self) -> int:  # type: ignore[override]  # a class attribute in ExpertProvider
-        """A decode pass through the cache may be split (an all-resident cache has nothing to overlap)."""
-        return self.decode_path.max_groups
 
     @contextmanager
     def grouped(self, groups: int) -> Iterator[None]:

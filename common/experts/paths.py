@@ -98,6 +98,9 @@ class ExpertPath(ABC):
     def __init__(self, kernels: PassCompute) -> None:
         self.kernels = kernels
 
+    def begin(self, prompt: bool) -> None:  # noqa: B027  (a hook)
+        """Before each pass on this path; `prompt`: a prefill pass of prompt tokens. Default: nothing."""
+
     @abstractmethod
     def prepare(self, i: int, topk_ids: torch.Tensor, group: int, groups: int) -> Prepared:
         """MoE layer i's rows for `topk_ids` [T, k], in decode group `group` of `groups`."""

@@ -127,6 +127,9 @@ class ArenaPrefill(ExpertPath):
         """This pass is a prompt's: its routing is counted in the cache statistics (`CacheTables.observe`;
         decode's rates start from it, a prefill worker's through PrefillDone.routing)."""
 
+    def begin(self, prompt: bool) -> None:
+        self.observing = prompt
+
     def prepare(self, i: int, topk_ids: torch.Tensor, group: int, groups: int) -> Prepared:
         """Big chunks (T·k ≥ prefetch_factor · E): whole layers into alternate buffers by DMA, the next
         layer's launched now so that it streams while this one computes; the cache is not read. Smaller
