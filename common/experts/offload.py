@@ -249,17 +249,8 @@ class OffloadedExperts(ExpertProvider):
         t = self.tables
         if self.lend_arena:
             t.reclaim()
-        names = (
-            "freq",
-            "absent",
-            "previous",
-            "observed",
-            "reuse",
-            "counts",
-            "last_use",
-            "fetched",
-            "predicted",
-        )
+        names: tuple[str, ...] = ("freq", "absent", "previous", "observed", "reuse", "counts", "last_use")
+        names += ("fetched", "predicted")
         saved = {n: getattr(t, n).clone() for n in names}
         moved, step, passes, frozen = self._moved.clone(), self.step.clone(), self.decode_passes, t.frozen
         groups = t.groups  # the previous steps are put back as they were: their grouping too
