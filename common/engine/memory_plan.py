@@ -49,7 +49,9 @@ from common.config import (
 from common.engine.runner import state_layout
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import ExpertFormat, get_format
-from common.experts.offload import TRAFFIC_ROWS, parse_capacity, prefill_arena_rows
+from common.experts.offload import parse_capacity
+from common.experts.prefill_path import prefill_arena_rows
+from common.experts.traffic import TRAFFIC_ROWS
 from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
 from common.kv.lending import STAGES

@@ -103,6 +103,7 @@ def _convert_into(arch, cfg, fmt, components: dict, src: Path, dst: Path, log: C
         store.fill(i, packed)
         experts.pop(layer)
         log(f"layer {layer}: {cfg.num_experts} experts packed as {fmt.name}")
+    assert store._mmap is not None  # a store with a backing file maps it
     store._mmap.flush()
     errors = {k: (s / n) ** 0.5 if n else 0.0 for k, (s, n) in err.items()}
     meta = {

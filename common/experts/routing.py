@@ -128,5 +128,5 @@ def install_routing_hook(model: torch.nn.Module, hook: RoutingHook | None) -> No
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
             module.routing_hook = hook
-            if hasattr(hook, "fused"):
+            if hook is not None and hasattr(hook, "fused"):
                 hook.fused = module.fused_decode

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.experts.copies import copy_experts
 from common.experts.formats import FORMATS
-from common.experts.offload import copy_experts
 from common.experts.store import HostExpertStore
 
 EXPERTS, ROWS, PAIRS = 16, 24, 7

@@ -147,7 +147,7 @@ def test_slow_copies_are_waited_for(store, monkeypatch, tokens: int) -> None:
     """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows,
     also those a lookahead copied in ahead of their layer (at one token, with int4 and `host_reads`, the only
     copies: the step's misses are the kernels' own)."""
-    from common.experts import offload
+    from common.experts import copies as offload  # where CopyStream finds copy_experts
 
     copy = offload.copy_experts
 

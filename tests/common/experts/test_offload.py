@@ -12,8 +12,10 @@ from torch.overrides import TorchFunctionMode
 
 from common.engine.engine import Engine
 from common.experts.cache_tables import CacheTables
+from common.experts.copies import copy_experts
 from common.experts.formats import get_format
-from common.experts.offload import OffloadedExperts, PrefillArena, copy_experts, parse_capacity
+from common.experts.offload import OffloadedExperts, parse_capacity
+from common.experts.prefill_path import PrefillArena
 from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
 from common.experts.store import HostExpertStore
 from common.model.synthetic.checkpoint import make_model
