@@ -229,13 +229,24 @@ class WorkerConfig:
     """Decode lends the KV pool's idle pages to the expert cache as slots and takes them back, stage by
     stage, before contexts need them (common/kv/lending.py); prefill maps them like the rest of the pools."""
     lend_arena: bool = False
-    """Prefill's arena (a spare row and two buffers of E experts) lives in decode's expert pool, as the cache
-    tables' bank: decode lends it to the cache between prefills and takes it back when it grants a prefill
-    its freeze; prefill copies its experts there, through the pool it maps anyway."""
+    """Prefill's arena serves as expert cache slots between prefills. Serving: it (a spare row and two buffers
+    of E experts) lives in decode's expert pool, as the cache tables' bank: decode lends it to the cache
+    between prefills and takes it back when it grants a prefill its freeze; prefill copies its experts there,
+    through the pool it maps anyway. The offline engine lends its own arena's second buffer (E slots)."""
     lookahead: int | None = None
     """Decode: each MoE layer guesses the next one's top-`lookahead` experts a token (that layer's router on
     this layer's input) and copies the uncached ones into slots while it computes (0: off; None: the
     default, `resolve_lookahead`)."""
+    speculative: str | None = None
+    """The offline engine: `mtp` drafts tokens with the model's multi-token-prediction head and verifies them
+    in one pass (greedy requests only); None: a token a pass. The workers take None."""
+    num_draft: int = 2
+    """With `speculative`: tokens the MTP head drafts a step."""
+    record_routing: bool = False
+    """Keep the router's choices of every pass (`Engine.routing_recorder`; `spillway generate`)."""
+    pin_experts: str | None = None
+    """A calibration hot set (JSON `{"MoE layer index": [expert ids]}`, `load_hot_set`) whose experts stay in
+    the expert cache for good."""
 
 
 @dataclass(frozen=True)

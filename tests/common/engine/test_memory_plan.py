@@ -305,7 +305,7 @@ def test_engine_cache_and_arena_are_what_the_plan_says(tiny: Path) -> None:
     plan = _dir_plan(tiny, processes=1, budget=fit.min_budget + 5 * fit.expert_bytes)
     assert plan.ok and plan.min_cache_slots < plan.cache_slots < plan.max_cache_slots
     engine = Engine(
-        tiny, dtype=torch.float32, max_seqs=3, max_context=100, expert_cache=str(plan.cache_slots)
+        WorkerConfig(str(tiny), max_running=3, max_context=100, expert_cache=str(plan.cache_slots))
     )
     offload = engine.offload
     assert offload.tables.num_slots == plan.cache_slots
@@ -348,8 +348,9 @@ def test_kv_lendable_slots_are_about_what_an_engine_lends(tiny: Path) -> None:
     plan = _dir_plan(tiny, processes=1, max_context=2048, budget=fit.min_budget + 5 * fit.expert_bytes)
     assert plan.ok and plan.kv_lendable_slots > 0
     engine = Engine(
-        tiny, dtype=torch.float32, max_seqs=3, max_context=2048, expert_cache=str(plan.cache_slots),
-        lend_kv=True,
-    )  # fmt: skip
+        WorkerConfig(
+            str(tiny), max_running=3, max_context=2048, expert_cache=str(plan.cache_slots), lend_kv=True
+        )
+    )
     lent = engine.offload.tables.lent
     assert plan.kv_lendable_slots - 4 <= lent <= plan.kv_lendable_slots

@@ -32,7 +32,6 @@ from common.kv.fp8 import FP8, parse_kv_dtype
 from common.model.loader import load_model
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
-from common.workers.decode import load_engine
 
 ARCHS = ["qwen3_moe", "qwen4_exp"]
 PROMPT_LENS = (5, 17, 33, 40)
@@ -152,14 +151,14 @@ def test_memory_plan_counts_fp8_kv(tiny: Path) -> None:
 
 
 def test_engine_and_worker_config_pass_kv_dtype(tiny: Path) -> None:
-    engine = Engine(tiny, dtype=torch.float32, max_seqs=2, max_context=64, kv_dtype="fp8_e4m3")
+    engine = Engine(WorkerConfig(str(tiny), max_running=2, max_context=64, kv_dtype="fp8_e4m3"))
     assert {layer.paged["k"].dtype for layer in engine.runner.pool.layers if "k" in layer.paged} == {FP8}
     out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
-    recorded = Engine(tiny, dtype=torch.float32, max_context=64, kv_dtype="fp8_e4m3", record_routing=True)
+    recorded = Engine(WorkerConfig(str(tiny), max_context=64, kv_dtype="fp8_e4m3", record_routing=True))
     recorded.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert recorded.routing_recorder.trace().ids.shape[0] == 4  # 3 + 1 tokens: not the calibration pass
-    worker = load_engine(WorkerConfig(str(tiny), max_running=2, max_context=64, kv_dtype="fp8_e4m3"))
+    worker = Engine(WorkerConfig(str(tiny), max_running=2, max_context=64, kv_dtype="fp8_e4m3"))
     assert worker.runner.pool.kv_scales is not None
     assert parse_kv_dtype("auto") is None and parse_kv_dtype(None) is None
     with pytest.raises(ValueError, match="kv_dtype"):
