@@ -134,19 +134,19 @@ down in slices of this many."""
 
 
 def check_lending(
-    model_dir: str, cached: bool, lend_kv: bool, lend_arena: bool = False, prefill_bank: bool = False
+    model_dir: str, cached: bool, lend_kv: bool, lend_arena: bool, *, decode_worker: bool
 ) -> None:
-    """ValueError unless the lending asked for can hold: KV pages (`lend_kv`), the engine's own arena
-    (`lend_arena`) and a prefill worker's arena (`prefill_bank`, serve's --lend-arena) each lend the cache
-    tables' one bank, so at most one of them; KV pages and prefill's arena need an expert cache (`cached`, or
-    an artifact's)."""
+    """ValueError unless the lending asked for can hold: KV pages (`lend_kv`) and prefill's arena
+    (`lend_arena`: in serve's decode worker, `decode_worker`, the prefill worker's; in the offline engine, its
+    own) each lend the cache tables' one bank, so at most one of them; KV pages and the prefill worker's
+    arena need an expert cache (`cached`, or an artifact's)."""
     from common.experts.artifact import is_artifact
 
-    asked = (("--lend-kv", lend_kv), ("--lend-arena", prefill_bank), ("the engine's own arena", lend_arena))
-    lenders = [name for name, on in asked if on]
+    arena = "--lend-arena" if decode_worker else "the engine's own arena"
+    lenders = [name for name, on in (("--lend-kv", lend_kv), (arena, lend_arena)) if on]
     if len(lenders) > 1:
         raise ValueError(f"{' and '.join(lenders)} lend the same bank of the cache: give one of them")
-    if (lend_kv or prefill_bank) and not cached and not is_artifact(model_dir):
+    if (lend_kv or (lend_arena and decode_worker)) and not cached and not is_artifact(model_dir):
         raise ValueError(f"{lenders[0]} needs an expert cache: give --expert-cache or --vram-budget")
 
 

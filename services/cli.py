@@ -119,6 +119,7 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if args.record_routing:  # after the text: a failure to write it loses nothing else
+        assert engine.routing_recorder is not None  # (cfg.record_routing)
         engine.routing_recorder.trace().save(args.record_routing)
     return 0
 

@@ -60,12 +60,10 @@ class Engine:
         if cfg.speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {cfg.speculative!r}")
         own_arena, bank = cfg.lend_arena and not decode_worker, cfg.lend_arena and decode_worker
-        if (
-            cfg.speculative and own_arena
-        ):  # its verify passes read the arena: the cache would lose it each step
+        if cfg.speculative and own_arena:  # verify passes read the arena: the cache would lose it each step
             raise ValueError("lending the arena does not combine with speculative decoding")
         cached = cfg.expert_cache is not None
-        check_lending(cfg.model_dir, cached, cfg.lend_kv, own_arena, bank)
+        check_lending(cfg.model_dir, cached, cfg.lend_kv, cfg.lend_arena, decode_worker=decode_worker)
         lookahead = resolve_lookahead(cfg.model_dir, cached, cfg.lookahead, cfg.device)
         fused = fused_by_default(cfg.fused_kernels, cfg.device)
         pinned = load_hot_set(cfg.pin_experts) if cfg.pin_experts else None
