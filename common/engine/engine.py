@@ -87,7 +87,7 @@ class Engine:
         self.routing_recorder = _route(self.model, cfg, config)
         self.runner = ModelRunner(
             self.model,
-            max_seqs=cfg.max_running,
+            max_running=cfg.max_running,
             max_context=context,
             page_size=cfg.page_size,
             kv_dtype=cfg.kv_dtype,

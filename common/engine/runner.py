@@ -23,7 +23,7 @@ from common.model.context import ForwardContext
 
 def state_layout(
     model: nn.Module | CausalLM,
-    max_seqs: int,
+    max_running: int,
     max_context: int,
     page_size: int,
     kv_dtype: torch.dtype | str | None,
@@ -33,13 +33,13 @@ def state_layout(
     first parameter's, as the runner takes it; K/V in `kv_dtype`) and the pages."""
     dtype = dtype or next(model.parameters()).dtype
     specs = with_kv_dtype(as_causal_lm(model).state_specs(dtype), parse_kv_dtype(kv_dtype))
-    return specs, num_pages(max_seqs, max_context, page_size)
+    return specs, num_pages(max_running, max_context, page_size)
 
 
-def num_pages(max_seqs: int, max_context: int, page_size: int) -> int:
+def num_pages(max_running: int, max_context: int, page_size: int) -> int:
     """KV pages of a state pool: every lane can hold a full context at once (the memory plan sizes the KV
     pool with this too, so the plan and the pool cannot disagree)."""
-    return max_seqs * -(-max_context // page_size)
+    return max_running * -(-max_context // page_size)
 
 
 KV_CALIBRATION_TOKENS = 64
@@ -57,7 +57,7 @@ class ModelRunner:
     def __init__(
         self,
         model: nn.Module,
-        max_seqs: int,
+        max_running: int,
         max_context: int,
         page_size: int = 16,
         backend: AttentionBackend | None = None,
@@ -79,9 +79,9 @@ class ModelRunner:
         self.model, self.device = as_causal_lm(model), param.device
         self.module = model  # the same model, as common/model's functions take it
         self.backend = backend or TorchPagedBackend()
-        specs, pages = state_layout(model, max_seqs, max_context, page_size, kv_dtype)
+        specs, pages = state_layout(model, max_running, max_context, page_size, kv_dtype)
         paged = kv_lending.paged if kv_lending is not None else None
-        self.pool = StatePool(specs, pages, page_size, max_seqs, self.device, allocate, paged)
+        self.pool = StatePool(specs, pages, page_size, max_running, self.device, allocate, paged)
         if kv_lending is not None:
             experts = self.model.experts
             assert isinstance(experts, OffloadedExperts), "KV pages are lent to an expert cache"
