@@ -12,7 +12,6 @@ from torch import nn
 
 from common.engine.graphs import DecodeGraphs
 from common.engine.model_api import CausalLM, as_causal_lm, as_mtp
-from common.experts.offload import OffloadedExperts
 from common.kv.backend import AttentionBackend, TorchPagedBackend
 from common.kv.batch import ForwardBatch
 from common.kv.fp8 import parse_kv_dtype, scales_from_amax, with_kv_dtype
@@ -83,9 +82,9 @@ class ModelRunner:
         paged = kv_lending.paged if kv_lending is not None else None
         self.pool = StatePool(specs, pages, page_size, max_running, self.device, allocate, paged)
         if kv_lending is not None:
-            experts = self.model.experts
-            assert isinstance(experts, OffloadedExperts), "KV pages are lent to an expert cache"
-            kv_lending.bind(experts.tables, self.pool)
+            tables = getattr(self.model.experts, "tables", None)  # (an expert cache's)
+            assert tables is not None, "KV pages are lent to an expert cache"
+            kv_lending.bind(tables, self.pool)
         self.max_context, self.kv_dtype = max_context, kv_dtype
         if self.pool.kv_scales is not None:
             scales = kv_scales if kv_scales is not None else self.calibrate_kv_scales()

@@ -91,7 +91,7 @@ class DecodeCore:
         self.landed: list[Tokens] = []  # events of steps landed outside `step` (before a message)
         self.retiring: list[SequenceState] = []  # forgotten requests' states a launched step still uses
 
-    # the grants' and the freeze's state, by the names the worker's loop and its tests read
+    # the grants' and the freeze's state, as the core's own (its tests read them)
     pending = property(lambda self: self.grants.pending)
     granted = property(lambda self: self.grants.granted)
     reserved = property(lambda self: self.grants.reserved)
