@@ -238,8 +238,8 @@ class WorkerConfig:
     this layer's input) and copies the uncached ones into slots while it computes (0: off; None: the
     default, `resolve_lookahead`)."""
     speculative: str | None = None
-    """The offline engine: `mtp` drafts tokens with the model's multi-token-prediction head and verifies them
-    in one pass (greedy requests only); None: a token a pass. The workers take None."""
+    """The offline engine (`spillway generate`): `mtp` drafts tokens with the model's multi-token-prediction
+    head and verifies them in one pass (greedy requests only); None: a token a pass. Not for the workers."""
     num_draft: int = 2
     """With `speculative`: tokens the MTP head drafts a step."""
     record_routing: bool = False
