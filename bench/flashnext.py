@@ -131,7 +131,7 @@ def build_flashnext(
     if lend_kv:  # its runner comes after the cache, whose tables it lends to
         lending = KvLending(*state_layout(model, lanes, context, PAGE_SIZE, None), PAGE_SIZE, "cuda")
     else:
-        runner = ModelRunner(model, max_seqs=lanes, max_context=context, cuda_graphs=not eager)
+        runner = ModelRunner(model, max_running=lanes, max_context=context, cuda_graphs=not eager)
     torch.cuda.empty_cache()  # generating the synthetic weights left cached blocks behind: free them, and
     torch.cuda.reset_peak_memory_stats()  # count the peak from here (a served model loads from its files)
     slots = len(cfg.moe_layers) * cfg.num_experts  # all_fit: as many slots as experts, whatever it takes
@@ -151,7 +151,7 @@ def build_flashnext(
     )
     if lending is not None:
         runner = ModelRunner(
-            model, max_seqs=lanes, max_context=context, cuda_graphs=not eager, kv_lending=lending
+            model, max_running=lanes, max_context=context, cuda_graphs=not eager, kv_lending=lending
         )
         if not all_fit:
             cap_allocator(plan.budget - lending.memory.total_bytes, "cuda")

@@ -55,15 +55,16 @@ def spillway_decode_rate(
     """Decode tok/s of Spillway's engine under the budget (the plan sizes the expert cache); `dense_kernels`:
     bf16 decode through common/kernels/moe_dense.py."""
     from common.config import WorkerConfig
+    from common.engine.engine import Engine
     from common.sampling.sampler import SamplingParams
-    from common.workers.decode import apply_memory_plan, load_engine
+    from common.workers.decode import apply_memory_plan
 
     cfg = WorkerConfig(
         model_dir=str(model_dir), device="cuda", dtype="bfloat16", max_running=1,
         max_context=len(prompt) + tokens + 16, vram_budget=int(budget_gib * GIB),
     )  # fmt: skip
     cfg, plan = apply_memory_plan(cfg)
-    engine = load_engine(cfg)
+    engine = Engine(cfg)
     engine.offload.fused_dense = dense_kernels
 
     def generate(n: int) -> float:

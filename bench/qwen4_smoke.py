@@ -44,7 +44,7 @@ def main() -> None:
     build_s = time.perf_counter() - start
     experts = next(layer.mlp.experts for layer in model.model.layers)
     tables = [layer.ple.table for layer in model.model.layers if layer.ple is not None]
-    runner = ModelRunner(model, max_seqs=1, max_context=args.prompt + args.decode + 16)
+    runner = ModelRunner(model, max_running=1, max_context=args.prompt + args.decode + 16)
     memory = {
         "resident_weights_gib": _bytes(model.parameters()) / 2**30,
         "experts_gib": _bytes(t for w in experts.weights.values() for t in (w.gate_up, w.down)) / 2**30,

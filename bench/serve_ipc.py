@@ -17,9 +17,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-import torch
-
 from bench.common import write_result
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
@@ -80,7 +79,11 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=60)
-    engine = Engine(model, dtype=torch.bfloat16, device="cuda", max_seqs=4, expert_cache=args.expert_cache)
+    engine = Engine(
+        WorkerConfig(
+            str(model), dtype="bfloat16", device="cuda", max_running=4, expert_cache=args.expert_cache
+        )
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     offline = []
     for text in PROMPTS:

@@ -134,19 +134,19 @@ down in slices of this many."""
 
 
 def check_lending(
-    model_dir: str, cached: bool, lend_kv: bool, lend_arena: bool = False, prefill_bank: bool = False
+    model_dir: str, cached: bool, lend_kv: bool, lend_arena: bool, *, decode_worker: bool
 ) -> None:
-    """ValueError unless the lending asked for can hold: KV pages (`lend_kv`), the engine's own arena
-    (`lend_arena`) and a prefill worker's arena (`prefill_bank`, serve's --lend-arena) each lend the cache
-    tables' one bank, so at most one of them; KV pages and prefill's arena need an expert cache (`cached`, or
-    an artifact's)."""
+    """ValueError unless the lending asked for can hold: KV pages (`lend_kv`) and prefill's arena
+    (`lend_arena`: in serve's decode worker, `decode_worker`, the prefill worker's; in the offline engine, its
+    own) each lend the cache tables' one bank, so at most one of them; KV pages and the prefill worker's
+    arena need an expert cache (`cached`, or an artifact's)."""
     from common.experts.artifact import is_artifact
 
-    asked = (("--lend-kv", lend_kv), ("--lend-arena", prefill_bank), ("the engine's own arena", lend_arena))
-    lenders = [name for name, on in asked if on]
+    arena = "--lend-arena" if decode_worker else "the engine's own arena"
+    lenders = [name for name, on in (("--lend-kv", lend_kv), (arena, lend_arena)) if on]
     if len(lenders) > 1:
         raise ValueError(f"{' and '.join(lenders)} lend the same bank of the cache: give one of them")
-    if (lend_kv or prefill_bank) and not cached and not is_artifact(model_dir):
+    if (lend_kv or (lend_arena and decode_worker)) and not cached and not is_artifact(model_dir):
         raise ValueError(f"{lenders[0]} needs an expert cache: give --expert-cache or --vram-budget")
 
 
@@ -229,13 +229,24 @@ class WorkerConfig:
     """Decode lends the KV pool's idle pages to the expert cache as slots and takes them back, stage by
     stage, before contexts need them (common/kv/lending.py); prefill maps them like the rest of the pools."""
     lend_arena: bool = False
-    """Prefill's arena (a spare row and two buffers of E experts) lives in decode's expert pool, as the cache
-    tables' bank: decode lends it to the cache between prefills and takes it back when it grants a prefill
-    its freeze; prefill copies its experts there, through the pool it maps anyway."""
+    """Prefill's arena serves as expert cache slots between prefills. Serving: it (a spare row and two buffers
+    of E experts) lives in decode's expert pool, as the cache tables' bank: decode lends it to the cache
+    between prefills and takes it back when it grants a prefill its freeze; prefill copies its experts there,
+    through the pool it maps anyway. The offline engine lends its own arena's second buffer (E slots)."""
     lookahead: int | None = None
     """Decode: each MoE layer guesses the next one's top-`lookahead` experts a token (that layer's router on
     this layer's input) and copies the uncached ones into slots while it computes (0: off; None: the
     default, `resolve_lookahead`)."""
+    speculative: str | None = None
+    """The offline engine (`spillway generate`): `mtp` drafts tokens with the model's multi-token-prediction
+    head and verifies them in one pass (greedy requests only); None: a token a pass. Not for the workers."""
+    num_draft: int = 2
+    """With `speculative`: tokens the MTP head drafts a step."""
+    record_routing: bool = False
+    """Keep the router's choices of every pass (`Engine.routing_recorder`; `spillway generate`)."""
+    pin_experts: str | None = None
+    """A calibration hot set (JSON `{"MoE layer index": [expert ids]}`, `load_hot_set`) whose experts stay in
+    the expert cache for good."""
 
 
 @dataclass(frozen=True)

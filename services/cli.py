@@ -42,11 +42,9 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
+    from common.config import WorkerConfig
     from common.engine.engine import Engine
     from common.engine.memory_plan import cap_allocator, use_expandable_segments
-    from common.experts.offload import load_hot_set
     from common.model.defaults import default_model_dir
     from common.sampling.sampler import SamplingParams
 
@@ -58,28 +56,29 @@ def _generate(args: argparse.Namespace) -> int:
         use_expandable_segments()  # before CUDA starts: the budget is a cap (cap_allocator's docstring)
         expert_cache = _generate_cache(args, model_dir)
         cap_allocator(args.vram_budget, args.device)
-    engine = Engine(
-        model_dir,
-        dtype=getattr(torch, args.dtype),
+    cfg = WorkerConfig(
+        model_dir=str(model_dir),
         device=args.device,
-        max_seqs=GENERATE_LANES,
+        dtype=args.dtype,
+        max_running=GENERATE_LANES,
         max_context=GENERATE_CONTEXT,
-        speculative=args.speculative,
-        num_draft=args.num_draft,
         expert_cache=expert_cache,
         cache_policy=args.cache_policy,
         expert_format=args.expert_format,
         prefill_chunk=args.prefill_chunk,
         layer_major_tokens=args.layer_major_tokens,
-        record_routing=args.record_routing is not None,
         replay_routing=args.replay_routing,
-        pinned_experts=load_hot_set(args.pin_experts) if args.pin_experts else None,
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
         embeddings_on_host=args.embeddings_on_host,
-        lend_arena=args.lend_arena,
         resident_dtype=args.resident_dtype,
+        lend_arena=args.lend_arena,
         lookahead=args.lookahead,
+        speculative=args.speculative,
+        num_draft=args.num_draft,
+        record_routing=args.record_routing is not None,
+        pin_experts=args.pin_experts,
     )
+    engine = Engine(cfg)
     tok = engine.tokenizer
     images = None
     if args.image:
@@ -120,6 +119,7 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if args.record_routing:  # after the text: a failure to write it loses nothing else
+        assert engine.routing_recorder is not None  # (cfg.record_routing)
         engine.routing_recorder.trace().save(args.record_routing)
     return 0
 

@@ -189,7 +189,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
     """The WorkerConfig the flags of add_config_args give (`model_dir` in place of a missing --model);
     ValueError for lending flags that cannot hold."""
     cached = args.expert_cache is not None or args.vram_budget is not None  # a budget implies a cache
-    check_lending(str(model_dir or args.model), cached, args.lend_kv, prefill_bank=args.lend_arena)
+    check_lending(str(model_dir or args.model), cached, args.lend_kv, args.lend_arena, decode_worker=True)
     resolve_lookahead(str(model_dir or args.model), cached, args.lookahead, args.device)  # raises early
     return WorkerConfig(
         model_dir=model_dir or args.model,

@@ -41,7 +41,7 @@ class Launched:
     lanes: list
     states: list[SequenceState]
     tokens: torch.Tensor
-    """[max_seqs] int64, pinned on CUDA: the first len(lanes) are the pass's tokens once `done` is."""
+    """[max_running] int64, pinned on CUDA: the first len(lanes) are the pass's tokens once `done` is."""
     done: torch.cuda.Event | None
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """With `launch`'s `top`: the lanes' `logprobs_of` rows ([B], [B, top], [B, top]) in host buffers."""
@@ -77,8 +77,8 @@ class DecodePipeline:
         self._buffers = [torch.zeros(lanes, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._logprob_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """Per turn, pinned and flat: room for [max_seqs, 1 + MAX_TOP_LOGPROBS] float32 (chosen, then the
-        top) and [max_seqs, MAX_TOP_LOGPROBS] int64, made at the first pass that asks for logprobs."""
+        """Per turn, pinned and flat: room for [max_running, 1 + MAX_TOP_LOGPROBS] float32 (chosen, then the
+        top) and [max_running, MAX_TOP_LOGPROBS] int64, made at the first pass that asks for logprobs."""
         self._turn = 0
         self.launched: deque[Launched] = deque()
 

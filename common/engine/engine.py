@@ -5,16 +5,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK, check_lending, resolve_lookahead
+from common.config import ModelConfig, WorkerConfig, check_lending, resolve_lookahead
+from common.engine.memory_plan import DTYPES
 from common.engine.runner import ModelRunner, state_layout
 from common.engine.speculative import MTPSpeculator
 from common.experts.artifact import is_artifact, open_store
-from common.experts.cache_tables import DEFAULT_POLICY
-from common.experts.offload import offload_experts
+from common.experts.offload import OffloadedExperts, load_hot_set, offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
 from common.kernels import fused_by_default, use_fused_kernels
 from common.kv.lending import KvLending
@@ -40,120 +39,66 @@ class GenerationResult:
 
 
 class Engine:
-    """A model, its tokenizer and a runner; generates with continuous batching over `max_seqs` lanes."""
+    """A model, its tokenizer and a runner, as a `WorkerConfig` describes them; generates with continuous
+    batching over `cfg.max_running` lanes."""
 
     def __init__(
         self,
-        model_dir: str | Path,
-        dtype: torch.dtype = torch.bfloat16,
-        device: str = "cpu",
-        max_seqs: int = 8,
-        max_context: int | None = None,
-        speculative: str | None = None,
-        num_draft: int = 2,
-        expert_cache: str | None = None,
-        cache_policy: str = DEFAULT_POLICY,
-        expert_format: str = "bf16",
-        prefill_chunk: int = PREFILL_CHUNK,
-        layer_major_tokens: int = LAYER_MAJOR_TOKENS,
-        record_routing: bool = False,
-        replay_routing: str | None = None,
-        pinned_experts: dict[int, list[int]] | None = None,
-        page_size: int = 16,
-        kv_dtype: str | None = None,
+        cfg: WorkerConfig,
+        *,
+        decode_worker: bool = False,
         allocate: Allocator | None = None,
         host_allocate: Callable[[int], torch.Tensor] | None = None,
-        arena_buffers: int = 2,
-        cuda_graphs: bool = True,
-        embeddings_on_host: bool = False,
-        fused_kernels: bool | None = None,
-        lend_arena: bool = False,
-        resident_dtype: str | None = None,
-        lend_kv: bool = False,
-        prefill_bank: bool = False,
-        lookahead: int | None = None,
     ) -> None:
-        """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
-        cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass,
-        `layer_major_tokens` those of one sequence's prompt taken layer by layer (see LAYER_MAJOR_TOKENS);
-        `record_routing` keeps the router's choices (`routing_recorder.trace()`); `replay_routing` (a trace
-        file or `synthetic-zipf:...`) forces them; `pinned_experts` (MoE layer index → experts, a calibration
-        hot set) stay cached for good; `kv_dtype` (`fp8_e4m3`; None or `auto`: the model dtype) stores
-        attention K/V in fp8 with fixed per-layer scales (see ModelRunner); `allocate` makes the state pool's
-        tensors (see StatePool), `host_allocate` the host expert store's memory (see HostExpertStore);
-        `arena_buffers` 1 drops the prefill arena's second buffer (no copy/compute overlap) for a worker that
-        never prefills; `cuda_graphs` records and replays decode passes on CUDA (see ModelRunner);
-        `embeddings_on_host` keeps the token embedding in host memory (common/model/host_embedding.py);
-        `fused_kernels` switches the fused Triton kernels and projections on or off
-        (`common.kernels.use_fused_kernels`; None: on CUDA); `lend_arena` gives the prefill arena's second
-        buffer to the expert cache between prefills (E more slots during decode; see OffloadedExperts; each
-        prefill pass takes it back, emptied); `resident_dtype` "fp8" keeps the token mixers' projections in
-        fp8 (common/model/fp8_linear.py; None: the model dtype); `lend_kv` lends the KV pool's idle pages
-        to the expert cache as slots, taken back as contexts grow (common/kv/lending.py); `prefill_bank` (a
-        serving decode worker's) adds a bank of 1 + 2E slots that a prefill worker uses as its arena, lent to
-        the cache between prefills by the worker (`DecodeCore`); `lookahead` (with an expert cache): each MoE
-        layer guesses the next one's top-n experts a token and copies them in ahead (`install_lookahead`;
-        0: off; None: `resolve_lookahead`'s default)."""
-        if speculative not in (None, "mtp"):
-            raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
-        if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
+        """Every setting is `cfg`'s (its fields' docstrings); `cfg.vram_budget` is the caller's to apply
+        (`apply_memory_plan` sizes `expert_cache` with it). `decode_worker`: the engine is serve's decode
+        worker, whose prompts the prefill worker prefills into its pools: its arena keeps one buffer (the
+        staging rows; the other goes to the cache), and `cfg.lend_arena` holds the prefill worker's arena in
+        its expert pool as the cache's bank (else it lends the engine's own second buffer between prefills).
+        `allocate` makes the state pool's tensors (see StatePool), `host_allocate` the host expert store's
+        memory (see HostExpertStore): shared memory the prefill worker maps."""
+        if cfg.speculative not in (None, "mtp"):
+            raise ValueError(f"speculative must be None or 'mtp', not {cfg.speculative!r}")
+        own_arena, bank = cfg.lend_arena and not decode_worker, cfg.lend_arena and decode_worker
+        if cfg.speculative and own_arena:  # verify passes read the arena: the cache would lose it each step
             raise ValueError("lending the arena does not combine with speculative decoding")
-        check_lending(str(model_dir), expert_cache is not None, lend_kv, lend_arena, prefill_bank)
-        lookahead = resolve_lookahead(str(model_dir), expert_cache is not None, lookahead, str(device))
-        offloaded = expert_cache is not None  # its experts go to a host store: read them to the host
-        fused_kernels = fused_by_default(fused_kernels, device)
-        self.model = load_model(
-            model_dir, dtype=dtype, device=device, with_mtp=speculative == "mtp",
-            expert_device="cpu" if offloaded else None, fuse=fused_kernels,
-        )  # fmt: skip
-        if embeddings_on_host:  # before the expert cache takes the device memory it frees
-            embeddings_to_host(self.model)
-        if resident_dtype is not None:
-            to_resident_dtype(self.model, resident_dtype)
-        self.config = self.model.config
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.max_seqs = max_seqs
-        context = min(self.config.max_position, max_context or 4096)
-        lending = None
-        if lend_kv:
-            specs, pages = state_layout(self.model, max_seqs, context, page_size, kv_dtype)
-            lending = KvLending(specs, pages, page_size, device)
-        self.kv_lending = lending
-        if is_artifact(model_dir):  # experts packed once by `spillway convert`: map them, serve them cached
-            store, meta = open_store(model_dir)
-            self.offload = offload_experts(
-                self.model, expert_cache or "all", cache_policy, meta["format"], pinned_experts, store,
-                arena_buffers=arena_buffers, lend_arena=lend_arena, kv_lending=lending,
-                prefill_bank=prefill_bank,
-            )  # fmt: skip
-        elif expert_cache is not None:
-            self.offload = offload_experts(
-                self.model, expert_cache, cache_policy, expert_format, pinned_experts, None, host_allocate,
-                arena_buffers, lend_arena, lending, prefill_bank,
-            )  # fmt: skip
-        cfg, layers = self.config, list(self.config.moe_layers)
-        install_lookahead(self.model, lookahead, cfg.num_layers)
-        self.routing_recorder = RoutingRecorder(layers, cfg.num_experts) if record_routing else None
-        if replay_routing is not None:
-            install_routing_hook(self.model, replayer_for(replay_routing, layers, cfg.num_experts, cfg.top_k))
-        elif self.routing_recorder is not None:
-            install_routing_hook(self.model, self.routing_recorder)
-        self.prefill_chunk = prefill_chunk
-        self.layer_major_tokens = layer_major_tokens
+        cached = cfg.expert_cache is not None
+        check_lending(cfg.model_dir, cached, cfg.lend_kv, cfg.lend_arena, decode_worker=decode_worker)
+        lookahead = resolve_lookahead(cfg.model_dir, cached, cfg.lookahead, cfg.device)
+        fused = fused_by_default(cfg.fused_kernels, cfg.device)
+        pinned = load_hot_set(cfg.pin_experts) if cfg.pin_experts else None
+        self.cfg = cfg
+        self.model = _load(cfg, fused)
+        config = self.model.config
+        assert isinstance(config, ModelConfig)
+        self.config: ModelConfig = config
+        self.tokenizer = Tokenizer.from_dir(cfg.model_dir)
+        context = min(config.max_position, cfg.max_context)
+        self.kv_lending: KvLending | None = None
+        if cfg.lend_kv:
+            specs, pages = state_layout(self.model, cfg.max_running, context, cfg.page_size, cfg.kv_dtype)
+            self.kv_lending = KvLending(specs, pages, cfg.page_size, cfg.device)
+        self.offload: OffloadedExperts | None = None
+        if cached or is_artifact(cfg.model_dir):
+            arenas = 1 if decode_worker else 2
+            lent = (own_arena, bank, self.kv_lending)
+            self.offload = _offload(self.model, cfg, pinned, arenas, lent, host_allocate)
+        install_lookahead(self.model, lookahead, config.num_layers)
+        self.routing_recorder = _route(self.model, cfg, config)
         self.runner = ModelRunner(
             self.model,
-            max_seqs=max_seqs,
+            max_running=cfg.max_running,
             max_context=context,
-            page_size=page_size,
-            kv_dtype=kv_dtype,
+            page_size=cfg.page_size,
+            kv_dtype=cfg.kv_dtype,
             allocate=allocate,
-            cuda_graphs=cuda_graphs,
-            kv_lending=lending,
+            cuda_graphs=cfg.cuda_graphs,
+            kv_lending=self.kv_lending,
         )
         self.device = self.runner.device
-        self.speculator = MTPSpeculator(self.runner, num_draft) if speculative else None
-        self.processors = LogitProcessors.for_runner(self.runner, self.config.eos_token_ids, self.tokenizer)
-        if fused_kernels:  # before the first decode pass is recorded (the projections were fused at load)
+        self.speculator = MTPSpeculator(self.runner, cfg.num_draft) if cfg.speculative else None
+        self.processors = LogitProcessors.for_runner(self.runner, config.eos_token_ids, self.tokenizer)
+        if fused:  # before the first decode pass is recorded (the projections were fused at load)
             use_fused_kernels(self.model, True, self.runner.backend)
 
     def generate(
@@ -162,7 +107,7 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams],
         images: Sequence[tuple[PromptImages, int] | None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt; at most `max_seqs` run at once, the rest wait for a free lane.
+        """Generate for every prompt; at most `cfg.max_running` run at once, the rest wait for a free lane.
         `images[i]`: prompt i's images and rotary delta (`common.model.qwen4_exp.positions.prompt_images`)."""
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if self.speculator is not None and any(p.temperature > 0 or _processed(p) for p in all_params):
@@ -177,14 +122,15 @@ class Engine:
         results: dict[int, GenerationResult] = {}
         running: dict[int, Request] = {}
         while waiting or running:
-            admitted = {}
-            while waiting and len(running) + len(admitted) < self.max_seqs:
+            admitted: dict[int, Request] = {}
+            while waiting and len(running) + len(admitted) < self.cfg.max_running:
                 index, prompt, p = waiting.pop(0)
                 seed = p.seed if p.seed is not None else random.getrandbits(62)
-                admitted[index] = Request(list(prompt), p, seed, self.runner.new_sequence())
-                self.processors.admit(admitted[index])
-                if images[index] is not None:
-                    admitted[index].state.images, admitted[index].state.rope_delta = images[index]
+                req = admitted[index] = Request(list(prompt), p, seed, self.runner.new_sequence())
+                self.processors.admit(req)
+                image = images[index]
+                if image is not None:
+                    req.state.images, req.state.rope_delta = image
             if admitted:  # the running lanes take a decode step between its passes (a decode share)
                 between = (lambda: self._decode_unfinished(running)) if running else None
                 self._prefill(list(admitted.values()), between)
@@ -193,6 +139,7 @@ class Engine:
                 self._decode(list(running.values()))
             for index in [i for i, r in running.items() if r.finish_reason]:
                 req = running.pop(index)
+                assert req.finish_reason is not None
                 if self.speculator is not None:
                     self.speculator.release(req.state)
                 self.runner.release(req.state)
@@ -239,21 +186,21 @@ class Engine:
         tokens: list[list[int]],
         between: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Last-token logits [B, V], in passes of at most `prefill_chunk` tokens of each sequence (one
-        sequence: groups of `layer_major_tokens`, each a layer-major pass over its chunks); `between` runs
+        """Last-token logits [B, V], in passes of at most `cfg.prefill_chunk` tokens of each sequence (one
+        sequence: groups of `cfg.layer_major_tokens`, each a layer-major pass over its chunks); `between` runs
         between two passes."""
-        if max(len(t) for t in tokens) <= self.prefill_chunk:
+        if max(len(t) for t in tokens) <= self.cfg.prefill_chunk:
             return self.runner.forward(seqs, tokens)
-        if len(seqs) == 1 and self.layer_major_tokens > self.prefill_chunk:
-            chunk, group = self.prefill_chunk, self.layer_major_tokens
+        if len(seqs) == 1 and self.cfg.layer_major_tokens > self.cfg.prefill_chunk:
+            chunk, group = self.cfg.prefill_chunk, self.cfg.layer_major_tokens
             return self.runner.prefill_groups(seqs[0], tokens[0], chunk, group, between)
         last: dict[int, torch.Tensor] = {}
-        for start in range(0, max(len(t) for t in tokens), self.prefill_chunk):
+        for start in range(0, max(len(t) for t in tokens), self.cfg.prefill_chunk):
             if start and between is not None:
                 between()
             live = [b for b, t in enumerate(tokens) if start < len(t)]
-            chunk = [tokens[b][start : start + self.prefill_chunk] for b in live]
-            logits = self.runner.forward([seqs[b] for b in live], chunk)
+            pieces = [tokens[b][start : start + self.cfg.prefill_chunk] for b in live]
+            logits = self.runner.forward([seqs[b] for b in live], pieces)
             for row, b in enumerate(live):
                 last[b] = logits[row]
         return torch.stack([last[b] for b in range(len(tokens))])
@@ -264,6 +211,58 @@ class Engine:
             for token in tokens:
                 if append_token(req, token, self.config.eos_token_ids, self.runner.max_context):
                     break
+
+
+def _load(cfg: WorkerConfig, fused: bool) -> torch.nn.Module:
+    """The model of `cfg`, its embedding and resident projections placed as `cfg` says (before an expert
+    cache takes the device memory they free); an offloaded model's experts are read to the host."""
+    model = load_model(
+        cfg.model_dir, dtype=DTYPES[cfg.dtype], device=cfg.device, with_mtp=cfg.speculative == "mtp",
+        expert_device="cpu" if cfg.expert_cache is not None else None, fuse=fused,
+    )  # fmt: skip
+    if cfg.embeddings_on_host:
+        embeddings_to_host(model)
+    if cfg.resident_dtype is not None:
+        to_resident_dtype(model, cfg.resident_dtype)
+    return model
+
+
+def _offload(
+    model: torch.nn.Module,
+    cfg: WorkerConfig,
+    pinned: dict[int, list[int]] | None,
+    arena_buffers: int,
+    lent: tuple[bool, bool, KvLending | None],
+    host_allocate: Callable[[int], torch.Tensor] | None,
+) -> OffloadedExperts:
+    """`model`'s routed experts served through the expert cache `cfg` asks for: an artifact's mapped store
+    (`spillway convert`; all cached when `cfg` names no cache), or a store packed now in `host_allocate`'s
+    memory. `lent`: the engine's own arena, a prefill worker's arena (the bank) and KV pages as slots."""
+    own_arena, bank, kv_lending = lent
+    if is_artifact(cfg.model_dir):
+        store, meta = open_store(cfg.model_dir)
+        return offload_experts(
+            model, cfg.expert_cache or "all", cfg.cache_policy, meta["format"], pinned, store,
+            arena_buffers=arena_buffers, lend_arena=own_arena, kv_lending=kv_lending, prefill_bank=bank,
+        )  # fmt: skip
+    assert cfg.expert_cache is not None
+    return offload_experts(
+        model, cfg.expert_cache, cfg.cache_policy, cfg.expert_format, pinned, None, host_allocate,
+        arena_buffers, own_arena, kv_lending, bank,
+    )  # fmt: skip
+
+
+def _route(model: torch.nn.Module, cfg: WorkerConfig, config: ModelConfig) -> RoutingRecorder | None:
+    """Install `cfg`'s routing hook: the replayed choices of `replay_routing`, or a recorder of the router's
+    own (returned) with `record_routing`."""
+    layers = list(config.moe_layers)
+    recorder = RoutingRecorder(layers, config.num_experts) if cfg.record_routing else None
+    if cfg.replay_routing is not None:
+        replayer = replayer_for(cfg.replay_routing, layers, config.num_experts, config.top_k)
+        install_routing_hook(model, replayer)
+    elif recorder is not None:
+        install_routing_hook(model, recorder)
+    return recorder
 
 
 def _processed(params: SamplingParams) -> bool:

@@ -16,7 +16,9 @@ the cache's rebalance) runs between replays.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from common.engine.model_api import CausalLM, as_causal_lm
 from common.kv.batch import ForwardBatch
 from common.model.context import ForwardContext
 from common.model.groups import lane_groups, pass_groups
@@ -67,8 +69,10 @@ class DecodeGraphs:
     """Lane counts from which a pass is recorded as two groups of lanes (common/model/groups.py: one group
     computes while the other's experts copy), where the model and its expert provider can; 0: never."""
 
-    def __init__(self, model: torch.nn.Module, pool, backend, max_context: int) -> None:
-        self.model, self.pool, self.backend, self.max_context = model, pool, backend, max_context
+    def __init__(self, model: nn.Module, pool, backend, max_context: int) -> None:
+        self.model: CausalLM = as_causal_lm(model)
+        self.module = model  # the same model, as `pass_groups` takes it
+        self.pool, self.backend, self.max_context = pool, backend, max_context
         self.recorded: dict[int, _Recorded] = {}
         self.memory = torch.cuda.graph_pool_handle()  # one private pool: passes never run concurrently
 
@@ -86,6 +90,7 @@ class DecodeGraphs:
             self.model.experts.regroup(len(rec.groups))  # (an eager pass is one group: ModelRunner)
             rec.load(batch)
             rec.graph.replay()
+            assert rec.logits is not None  # set by the recording
             return rec.logits
         logits = self._warm(eager)
         self.recorded[lanes] = self._record(lanes, batch.input_ids.device)
@@ -116,7 +121,7 @@ class DecodeGraphs:
 
     def groups(self, lanes: int) -> int:
         """Groups a pass of `lanes` lanes is recorded as (`pass_groups`)."""
-        return pass_groups(self.model, lanes, self.split_lanes)
+        return pass_groups(self.module, lanes, self.split_lanes)
 
     def _context(self, batch: ForwardBatch) -> ForwardContext:
         return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))

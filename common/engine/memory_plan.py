@@ -61,6 +61,7 @@ from common.model.fused_linear import GEMV_ROWS
 from common.model.hf_config import load_architecture, read_json
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import ARTIFACT_META, meta_model
+from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.registry import Architecture, get_architecture
 from common.sampling.logit_processors import table_bytes as penalty_table_bytes
 
@@ -165,7 +166,7 @@ def _pass_bytes(model: nn.Module, cfg: ModelConfig, tokens: int, seqs: int, dtyp
     """
     b = dtype.itemsize
     streams = getattr(cfg, "hc_count", 1) * cfg.hidden_size
-    blocks = [block for layer in model.model.layers for block in layer.children()]
+    blocks = [block for layer in model.get_submodule("model.layers").children() for block in layer.children()]
     widest = max((_linear_outputs(block) for block in blocks), default=0)
     per_token = b * (4 * streams + 2 * widest) + 12 * streams
     if cfg.moe_layers:
@@ -187,6 +188,7 @@ def _linear_attention_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -
     and the chunked kernel's per-chunk fp32 states (one [Hv, Dk, Dv] per 64 tokens)."""
     if "linear_attention" not in cfg.layer_types:
         return 0
+    assert isinstance(cfg, Qwen4ExpConfig)  # the one architecture with these layers
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     per_token = 2 * hv * dk * dtype.itemsize + hv * dv * 4
     return tokens * per_token + -(-tokens // 64) * hv * dk * dv * 4
@@ -200,6 +202,7 @@ def _indexer_bytes(cfg: ModelConfig, tokens: int, context: int) -> int:
         return 0
     from common.model.qwen4_exp.qsa import QSAIndexer
 
+    assert isinstance(cfg, Qwen4ExpConfig)  # the one architecture with these layers
     blocks = -(-context // cfg.indexer_compress_ratio)
     per_head = min(tokens * cfg.indexer_n_heads * blocks * 4, QSAIndexer.score_bytes)
     return tokens * (2 * blocks * 4 + (cfg.indexer_budget + cfg.indexer_compress_ratio) * 8) + 2 * per_head
@@ -449,7 +452,7 @@ def plan_for_dir(model_dir: str | Path, *, expert_format: str, mtp: bool = False
     """`plan_memory` for the model in `model_dir` (config.json only; an artifact's experts in its format);
     `mtp`: with the checkpoint's MTP head (speculative decoding builds it: weights, state, a MoE layer)."""
     arch, cfg = load_architecture(model_dir)
-    if mtp and getattr(cfg, "checkpoint_mtp_layers", 0):
+    if mtp and isinstance(cfg, Qwen4ExpConfig) and cfg.checkpoint_mtp_layers:
         cfg = dataclasses.replace(cfg, mtp_layers=cfg.checkpoint_mtp_layers)
     fmt = artifact_format(model_dir) or expert_format
     return plan_memory(cfg, arch, expert_format=fmt, **kwargs)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from common.engine.graphs import DecodeGraphs
+from common.engine.model_api import CausalLM, as_causal_lm, as_mtp
 from common.kv.backend import AttentionBackend, TorchPagedBackend
 from common.kv.batch import ForwardBatch
 from common.kv.fp8 import parse_kv_dtype, scales_from_amax, with_kv_dtype
@@ -20,8 +21,8 @@ from common.model.context import ForwardContext
 
 
 def state_layout(
-    model: nn.Module,
-    max_seqs: int,
+    model: nn.Module | CausalLM,
+    max_running: int,
     max_context: int,
     page_size: int,
     kv_dtype: torch.dtype | str | None,
@@ -30,14 +31,14 @@ def state_layout(
     """The state pool a runner of `model` makes: each layer's specs (state in `dtype`, default the model's
     first parameter's, as the runner takes it; K/V in `kv_dtype`) and the pages."""
     dtype = dtype or next(model.parameters()).dtype
-    specs = with_kv_dtype(model.state_specs(dtype), parse_kv_dtype(kv_dtype))
-    return specs, num_pages(max_seqs, max_context, page_size)
+    specs = with_kv_dtype(as_causal_lm(model).state_specs(dtype), parse_kv_dtype(kv_dtype))
+    return specs, num_pages(max_running, max_context, page_size)
 
 
-def num_pages(max_seqs: int, max_context: int, page_size: int) -> int:
+def num_pages(max_running: int, max_context: int, page_size: int) -> int:
     """KV pages of a state pool: every lane can hold a full context at once (the memory plan sizes the KV
     pool with this too, so the plan and the pool cannot disagree)."""
-    return max_seqs * -(-max_context // page_size)
+    return max_running * -(-max_context // page_size)
 
 
 KV_CALIBRATION_TOKENS = 64
@@ -55,7 +56,7 @@ class ModelRunner:
     def __init__(
         self,
         model: nn.Module,
-        max_seqs: int,
+        max_running: int,
         max_context: int,
         page_size: int = 16,
         backend: AttentionBackend | None = None,
@@ -74,13 +75,16 @@ class ModelRunner:
         (built from `state_layout`'s specs and pages) holds the paged tensors, and starts lending them to the
         model's expert cache (common/kv/lending.py)."""
         param = next(model.parameters())
-        self.model, self.device = model, param.device
+        self.model, self.device = as_causal_lm(model), param.device
+        self.module = model  # the same model, as common/model's functions take it
         self.backend = backend or TorchPagedBackend()
-        specs, pages = state_layout(model, max_seqs, max_context, page_size, kv_dtype)
+        specs, pages = state_layout(model, max_running, max_context, page_size, kv_dtype)
         paged = kv_lending.paged if kv_lending is not None else None
-        self.pool = StatePool(specs, pages, page_size, max_seqs, self.device, allocate, paged)
+        self.pool = StatePool(specs, pages, page_size, max_running, self.device, allocate, paged)
         if kv_lending is not None:
-            kv_lending.bind(model.experts.tables, self.pool)
+            tables = getattr(self.model.experts, "tables", None)  # (an expert cache's)
+            assert tables is not None, "KV pages are lent to an expert cache"
+            kv_lending.bind(tables, self.pool)
         self.max_context, self.kv_dtype = max_context, kv_dtype
         if self.pool.kv_scales is not None:
             scales = kv_scales if kv_scales is not None else self.calibrate_kv_scales()
@@ -133,7 +137,7 @@ class ModelRunner:
         """A one-lane eager runner over this model with a pool of its own: passes that must not touch this
         runner's pool (calibration, warm-up)."""
         page_size = self.pool.page_size
-        return ModelRunner(self.model, 1, context, page_size, self.backend, kv_dtype, kv_scales=kv_scales)
+        return ModelRunner(self.module, 1, context, page_size, self.backend, kv_dtype, kv_scales=kv_scales)
 
     def new_sequence(self) -> SequenceState:
         return self.pool.new_sequence()
@@ -238,7 +242,7 @@ class ModelRunner:
         """Like forward, but return every token's pre-mixer streams [T, hc·H] (models with an MTP head);
         `prompt`: the tokens are a prompt's (not a verification of drafts)."""
         ctx = self._context(seqs, tokens, prompt)
-        streams = self.model.forward_streams(ctx)
+        streams = as_mtp(self.model).forward_streams(ctx)
         self._advance(seqs, tokens)
         return streams
 
@@ -250,7 +254,7 @@ class ModelRunner:
 
         Does not advance `seqs`: the caller decides which MTP rows are final.
         """
-        return self.model.draft(streams, self._context(seqs, next_tokens))
+        return as_mtp(self.model).draft(streams, self._context(seqs, next_tokens))
 
     def _context(
         self, seqs: Sequence[SequenceState], tokens: Sequence[Sequence[int]], prompt: bool = False
@@ -299,11 +303,11 @@ def warm_up_on_cuda(runner: ModelRunner) -> None:
 
 
 @contextmanager
-def _routing_hooks_off(model: nn.Module) -> Iterator[None]:
+def _routing_hooks_off(model: CausalLM) -> Iterator[None]:
     """Detach every MoE block's routing hook (recorder, replayer) for the duration; put them back after."""
     hooked = {m: m.routing_hook for m in model.modules() if getattr(m, "routing_hook", None) is not None}
     for module in hooked:
-        module.routing_hook = None
+        module.routing_hook = None  # type: ignore[assignment]  # torch types Module.__setattr__'s value as Tensor | Module: any goes
     try:
         yield
     finally:

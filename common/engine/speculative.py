@@ -11,11 +11,13 @@ the trunk's true hidden states (row p pairs trunk streams h_p with token p+1) an
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from common.engine.model_api import as_mtp
 from common.engine.runner import ModelRunner
 from common.kv.state import SequenceState
 
@@ -33,7 +35,7 @@ class MTPSpeculator:
     def __init__(self, runner: ModelRunner, num_draft: int) -> None:
         if getattr(runner.model, "mtp", None) is None:
             raise ValueError("speculative decoding with MTP needs a model loaded with its MTP head")
-        self.runner, self.model, self.num_draft = runner, runner.model, num_draft
+        self.runner, self.model, self.num_draft = runner, as_mtp(runner.model), num_draft
         self.drafts: dict[int, _Drafts] = {}
 
     def prefill(self, seqs: Sequence[SequenceState], prompts: Sequence[Sequence[int]]) -> list[int]:
@@ -70,7 +72,7 @@ class MTPSpeculator:
                 pool.restore(seqs[b], snaps[b], lens[b])
             kept = [inputs[b][: len(emitted[b])] for b in redo]
             again = self.runner.forward_streams([seqs[b] for b in redo], kept)
-            offsets = torch.tensor([len(k) for k in kept]).cumsum(0)
+            offsets = list(itertools.accumulate(len(k) for k in kept))
             for i, b in enumerate(redo):
                 rows[b] = torch.arange(offsets[i] - len(kept[i]), offsets[i]) + streams.shape[0]
             streams = torch.cat([streams, again])

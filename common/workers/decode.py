@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,47 +32,10 @@ from common.sampling.requests import (
     sample_on_device,
     top_logprobs,
 )
-
-GONE_RIDS = 4096
-"""Aborted requests decode remembers without having seen them (their asks may still come)."""
+from common.workers.cache_freeze import CacheFreeze
+from common.workers.grants import StateGrants
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_engine(
-    cfg: WorkerConfig,
-    allocate: Allocator | None = None,
-    host_allocate: Callable[[int], torch.Tensor] | None = None,
-    arena_buffers: int = 2,
-) -> Engine:
-    """The model, state pools and expert cache a worker config describes (`allocate`, `host_allocate`,
-    `arena_buffers`: see Engine)."""
-    return Engine(
-        cfg.model_dir,
-        dtype=DTYPES[cfg.dtype],
-        device=cfg.device,
-        max_seqs=cfg.max_running,
-        max_context=cfg.max_context,
-        expert_cache=cfg.expert_cache,
-        cache_policy=cfg.cache_policy,
-        expert_format=cfg.expert_format,
-        prefill_chunk=cfg.prefill_chunk,
-        layer_major_tokens=cfg.layer_major_tokens,
-        replay_routing=cfg.replay_routing,
-        page_size=cfg.page_size,
-        kv_dtype=cfg.kv_dtype,
-        allocate=allocate,
-        host_allocate=host_allocate,
-        resident_dtype=cfg.resident_dtype,
-        arena_buffers=arena_buffers,
-        cuda_graphs=cfg.cuda_graphs,
-        embeddings_on_host=cfg.embeddings_on_host,
-        fused_kernels=cfg.fused_kernels,
-        lend_kv=cfg.lend_kv,
-        prefill_bank=cfg.lend_arena,
-        lookahead=cfg.lookahead,
-    )
 
 
 def apply_memory_plan(cfg: WorkerConfig) -> tuple[WorkerConfig, MemoryPlan | None]:
@@ -108,8 +70,7 @@ class DecodeCore:
         host_allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self.cfg, self.plan = apply_memory_plan(cfg)  # the plan sized the expert cache (None: no budget)
-        # prompts are prefilled by the prefill worker (its own arena): one buffer here, the other to the cache
-        self.engine = load_engine(self.cfg, allocate, host_allocate, arena_buffers=1)
+        self.engine = Engine(self.cfg, decode_worker=True, allocate=allocate, host_allocate=host_allocate)
         self.runner = self.engine.runner
         warm_up_on_cuda(self.runner)  # compile now, not on the first request's steps
         self.pool = self.runner.pool
@@ -120,30 +81,23 @@ class DecodeCore:
         self.admitting: dict[str, tuple[Request, Future | None]] = {}
         """Running requests whose sampling has not started, with their grammars' compiles: each waits for
         its own (on the grammars' thread, while the lanes step)."""
-        self.granted: dict[str, SequenceState] = {}  # state handed to prefill, not yet running
-        self.reserved: dict[str, tuple[str, SequenceState]] = {}
-        """Siblings' states (`AllocState.siblings`), granted with the request whose prompt they share: by the
-        sibling's id, that request's id and the state, until its PrefillDone copies the prompt's into it."""
+        self.grants = StateGrants(self.pool, self.cfg.max_running)
+        self.freeze = CacheFreeze(self.engine.offload, self.cfg.lend_arena)
         self.copies_done: torch.cuda.Event | None = None
         """The end of the latest copies of a prompt's state to its siblings (CUDA): a grant waits for it."""
-        self.pending: deque[AllocState] = deque()  # asks that wait for a free lane or pages
-        self.freezes: set[str] = set()
-        self.aborted: set[str] = set()  # granted, then aborted: the pages wait for prefill to give them back
-        self.gone: deque[str] = deque(maxlen=GONE_RIDS)
-        """Requests aborted before their ask arrived (the router's Abort and prefill's AllocState travel
-        apart): an ask for one is refused, not granted to run unseen until max_tokens."""
         self.stalled = False
         """The last step ran no lane: each waits for a page only a thaw can give (the loop may sleep)."""
         self.pipeline = DecodePipeline(self.runner)
         self.landed: list[Tokens] = []  # events of steps landed outside `step` (before a message)
         self.retiring: list[SequenceState] = []  # forgotten requests' states a launched step still uses
-        offload = getattr(self.engine, "offload", None)
-        if offload is not None:  # prefill reads the cache in place while frozen
-            offload.tables.readers = True
-        self.bank_ready = False
-        """With `lend_arena`: the bank (prefill's arena) is lent whenever the last freeze ends, once the
-        running prefill worker has been granted one (it asks for state only after its warm-up, which writes
-        its arena unfrozen). A (re)started prefill sets it back (`prefill_restarted`)."""
+
+    # the grants' and the freeze's state, as the core's own (its tests read them)
+    pending = property(lambda self: self.grants.pending)
+    granted = property(lambda self: self.grants.granted)
+    reserved = property(lambda self: self.grants.reserved)
+    aborted = property(lambda self: self.grants.aborted)
+    freezes = property(lambda self: self.freeze.holders)
+    bank_ready = property(lambda self: self.freeze.bank_ready)
 
     # -- requests from prefill ------------------------------------------------------------------------------
 
@@ -152,79 +106,36 @@ class DecodeCore:
         prompt that leaves no room for a token, for a request already aborted, for one that already holds
         or awaits state (a duplicate would take a second lane and lose the first's), or for more siblings
         than lanes."""
-        refusal = None
-        if msg.num_tokens >= self.runner.max_context:
-            refusal = (
-                f"prompt of {msg.num_tokens} tokens leaves no room in a context of {self.runner.max_context}"
-            )
-        elif msg.rid in self.gone:
-            refusal = "aborted"
-        elif any(self._holds(rid) or self._asked(rid) for rid in [msg.rid, *msg.siblings]):
-            refusal = "a request with this id already holds state"
-        elif _lanes(msg) > self.cfg.max_running:
-            refusal = (
-                f"{_lanes(msg)} choices of one prompt need as many lanes; decode has {self.cfg.max_running}"
-            )
+        refusal = self.grants.refusal(msg, self.runner.max_context, self.running)
         if refusal is not None:
             return [StateGranted(msg.rid, -1, [], refusal)]
-        self.pending.append(msg)
+        self.grants.pending.append(msg)
         return self.grant_pending()
 
     def grant_pending(self) -> list[StateGranted]:
         """Grant the waiting asks, in order, while lanes and pages last (each grant freezes the cache); an
         ask with siblings takes their lanes and pages too, all or none."""
         grants = []
-        if self.pending and self._lanes_used() + _lanes(self.pending[0]) <= self.cfg.max_running:
+        if self.grants.fits(len(self.running)):
             self._settle()  # a freed state may come back; a launched step's copies end before the freeze
-        while self.pending and self._lanes_used() + _lanes(self.pending[0]) <= self.cfg.max_running:
-            ask = self.pending[0]
-            siblings = [rid for rid in ask.siblings if rid not in self.gone]  # not aborted already
-            states = self._new_states(1 + len(siblings), ask.num_tokens)
-            if states is None:
+        while self.grants.fits(len(self.running)):
+            grant = self.grants.grant_next()
+            if grant is None:
                 break
-            self.pending.popleft()
-            seq, *copies = states
-            self.granted[ask.rid] = seq
-            self.reserved.update({rid: (ask.rid, state) for rid, state in zip(siblings, copies, strict=True)})
-            self.set_freeze(ask.rid, True)  # the grant is the freeze's acknowledgement
-            grants.append(StateGranted(ask.rid, seq.slot, list(seq.pages)))
+            self.set_freeze(grant.rid, True)  # the grant is the freeze's acknowledgement
+            grants.append(grant)
         return grants
-
-    def _new_states(self, count: int, num_tokens: int) -> list[SequenceState] | None:
-        """`count` new states with pages for `num_tokens` each, or None (and nothing taken) when the pools
-        cannot give them all now (a slot may still be retiring)."""
-        states: list[SequenceState] = []
-        try:
-            for _ in range(count):
-                states.append(self.pool.new_sequence())
-                self.pool.reserve(states[-1], num_tokens)
-        except PoolExhausted:
-            for state in states:
-                self.pool.release(state)
-            return None
-        return states
-
-    def _lanes_used(self) -> int:
-        return len(self.running) + len(self.granted) + len(self.reserved)
-
-    def _holds(self, rid: str) -> bool:
-        """`rid` runs, or holds a granted or reserved state."""
-        return rid in self.running or rid in self.granted or rid in self.reserved
-
-    def _asked(self, rid: str) -> bool:
-        """A waiting ask names `rid`, as its request or a sibling."""
-        return any(a.rid == rid or rid in a.siblings for a in self.pending)
 
     def prefill_done(self, msg: PrefillDone) -> None:
         """Start decoding a request whose prompt state prefill has written, and its siblings, each from a
         copy of that state."""
-        seq = self.granted.get(msg.rid)
+        seq = self.grants.granted.get(msg.rid)
         if seq is None:  # aborted meanwhile
             log.info("PrefillDone for %s, which holds no state (aborted?)", msg.rid)
             self.set_freeze(msg.rid, False)
             return
         seq.num_cached, seq.rope_delta = msg.num_cached, msg.rope_delta
-        offload = getattr(self.engine, "offload", None)
+        offload = self.engine.offload
         if msg.routing and offload is not None:  # the prompt's routing: the cache's rates count it
             stats = torch.frombuffer(bytearray(msg.routing), dtype=torch.float32)
             offload.tables.add_statistics(stats.view(offload.tables.num_layers, -1))
@@ -237,32 +148,36 @@ class DecodeCore:
                 self.landed.append(Tokens(rid, [], "error", error=error))
                 self.release(rid)
             return
-        if msg.rid in self.aborted or msg.finished:  # the siblings' source only
+        if msg.rid in self.grants.aborted or msg.finished:  # the siblings' source only
             self.release(msg.rid)
         else:
-            del self.granted[msg.rid]
+            del self.grants.granted[msg.rid]
             self.set_freeze(msg.rid, False)
             self._start(msg, msg.rid, seq, msg.first_token, msg.seed)
         self._admit_ready()
+
+    def _holds(self, rid: str) -> bool:
+        """`rid` runs, or holds a granted or reserved state."""
+        return rid in self.running or self.grants.holds(rid)
 
     def _start_siblings(self, msg: PrefillDone, seq: SequenceState) -> None:
         """Copy `seq` (the prompt's state) into each sibling that goes on, and free the others' states. The
         copies are queued on decode's stream, before any step or expert copy that could reuse their source or
         destinations once freed; prefill, which writes from another process, is granted a state only after
         them (`_settle`)."""
+        reserved = self.grants.reserved
         try:
             for start in msg.siblings:
-                if start.rid in self.reserved:  # (else aborted meanwhile)
-                    state = self.reserved[start.rid][1]
+                if start.rid in reserved:  # (else aborted meanwhile)
+                    state = reserved[start.rid][1]
                     self.pool.copy(seq, state)  # queued before any step of either
-                    del self.reserved[start.rid]
+                    del reserved[start.rid]
                     self._start(msg, start.rid, state, start.first_token, start.seed)
         finally:
             if msg.siblings and self.runner.device.type == "cuda":
                 self.copies_done = torch.cuda.Event()
                 self.copies_done.record()
-        for rid in [rid for rid, (owner, _) in self.reserved.items() if owner == msg.rid]:
-            self.pool.release(self.reserved.pop(rid)[1])  # finished at their first token
+        self.grants.release_reserved(msg.rid)  # finished at their first token
 
     def _start(self, msg: PrefillDone, rid: str, seq: SequenceState, first_token: int, seed: int) -> None:
         """`rid` runs from its first token, once its sampling can start (`_admit_ready`)."""
@@ -299,70 +214,44 @@ class DecodeCore:
         waiting is answered (refused), so that prefill stops waiting for it; a request not seen yet is
         remembered, so that its ask, when it comes, is refused. A sibling's reserved state is freed at once
         (prefill does not write it)."""
-        if rid in self.reserved:
+        if rid in self.grants.reserved:
             self.release(rid)
             return []
-        if rid in self.granted:
-            self.aborted.add(rid)
+        if rid in self.grants.granted:
+            self.grants.aborted.add(rid)
             return []
-        waiting = self._waiting(rid)
+        waiting = self.grants.waiting(rid)
         if not waiting and rid not in self.running:
-            self.gone.append(rid)
+            self.grants.gone.append(rid)
         self.release(rid)
         return [StateGranted(rid, -1, [], "aborted")] if waiting else []
-
-    def _waiting(self, rid: str) -> bool:
-        """`rid`'s ask waits for a lane or pages."""
-        return any(a.rid == rid for a in self.pending)
 
     def release(self, rid: str) -> None:
         """Forget `rid` wherever it is (abort, or prefill finished it) and free its state: now, or once the
         launched steps that use it have landed (they still write its pages)."""
-        self.aborted.discard(rid)
-        self.pending = deque(a for a in self.pending if a.rid != rid)
-        seq = self.granted.pop(rid, None)
+        seq = self.grants.forget(rid)
         req = self.running.pop(rid, None)
         self.admitting.pop(rid, None)
-        for sibling in [s for s, (owner, _) in self.reserved.items() if rid in (s, owner)]:  # never started
-            self.pool.release(self.reserved.pop(sibling)[1])
         self.set_freeze(rid, False)
         self.retiring += [state for state in (seq, req.state if req else None) if state is not None]
         self._free_landed()
 
     def set_freeze(self, holder: str, on: bool) -> None:
-        """Prefill reads the expert cache in place while it holds a freeze (from the grant of its state to
-        `Thaw`, `PrefillDone` or the request's end): no insertions or evictions meanwhile. A freeze lands the
-        launched steps first, so their copies have completed when it is granted."""
+        """Start or end `holder`'s freeze of the expert cache (`CacheFreeze`). A freeze lands the launched
+        steps first, so their copies have completed when it is granted."""
         if on:
             self._settle()
-        was = bool(self.freezes)
-        (self.freezes.add if on else self.freezes.discard)(holder)
-        offload = getattr(self.engine, "offload", None)
-        if offload is None:
-            return
-        if self.freezes and not was:
-            self._take_bank()  # prefill copies its experts there from the grant on
-        self.bank_ready |= on  # a grant: the prefill that asked for it is past its warm-up
-        offload.tables.frozen = bool(self.freezes)
-        if was and not self.freezes and self.bank_ready and self.cfg.lend_arena:
-            offload.tables.lend()
+        self.freeze.set(holder, on)
 
     def prefill_restarted(self) -> None:
         """A (re)started prefill worker asks for the exports: what its predecessor held is released, and the
         bank is taken back and kept until one of the new worker's freezes ends (its warm-up writes its arena,
         unfrozen)."""
         self._settle()  # the bank's slots: no launched step reads them once the new worker may write them
-        self.bank_ready = False
-        for rid in [*self.granted, *(ask.rid for ask in self.pending)]:
+        self.freeze.bank_ready = False
+        for rid in [*self.grants.granted, *(ask.rid for ask in self.grants.pending)]:
             self.release(rid)
-        self._take_bank()
-
-    def _take_bank(self) -> None:
-        """With `lend_arena`: evict the cache from prefill's arena rows (landed on the device before a grant
-        or the exports let prefill write them: the tables have readers)."""
-        offload = getattr(self.engine, "offload", None)
-        if self.cfg.lend_arena and offload is not None:
-            offload.tables.reclaim()
+        self.freeze.take_bank()
 
     # -- stepping -------------------------------------------------------------------------------------------
 
@@ -422,7 +311,10 @@ class DecodeCore:
     def _land(self) -> None:
         """Land the oldest launched step: its tokens become events (in `landed`, for the next `step` to
         return); a request it finishes is forgotten (its state freed once no launched step uses it)."""
-        lanes, tokens, rows = self.pipeline.land()
+        landed = self.pipeline.land()
+        assert landed is not None, "landing with no launched step"
+        lanes: list[Request] = landed.lanes
+        tokens, rows = landed.tokens, landed.logprobs
         asked = [req.params.logprobs for req in lanes]
         logprobs = [None] * len(lanes) if rows is None else host_logprobs(*rows, asked)
         for req, token, lp in zip(lanes, tokens, logprobs, strict=True):
@@ -456,7 +348,7 @@ class DecodeCore:
 
     def _free_landed(self) -> None:
         """Free the states of forgotten requests that no launched step uses any more."""
-        waiting = []
+        waiting: list[SequenceState] = []
         for state in self.retiring:
             (waiting.append if self.pipeline.uses(state) else self.pool.release)(state)
         self.retiring = waiting
@@ -472,9 +364,4 @@ class DecodeCore:
 
     def stats(self) -> LaneStats:
         free = self.pool.pages.num_free
-        return LaneStats(len(self.running), len(self.pending), self.pool.num_pages - free, free)
-
-
-def _lanes(ask: AllocState) -> int:
-    """Lanes an ask takes: its request's and its siblings'."""
-    return 1 + len(ask.siblings)
+        return LaneStats(len(self.running), len(self.grants.pending), self.pool.num_pages - free, free)

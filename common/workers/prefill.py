@@ -261,7 +261,8 @@ class PrefillCore:
         for at in range(0, len(targets), PROMPT_LOGPROB_ROWS):
             logits = self.runner.model.compute_logits(hidden[at : at + PROMPT_LOGPROB_ROWS])  # [n, V]
             wanted = host_list_to(targets[at : at + PROMPT_LOGPROB_ROWS], logits.device)
-            out += host_logprobs(*logprobs_of(logits, wanted, top), [top] * len(wanted))  # none is None
+            rows = host_logprobs(*logprobs_of(logits, wanted, top), [top] * len(wanted))
+            out += [row for row in rows if row is not None]  # (none is: each asked for `top`)
         return out
 
     def _finish(self, job: PrefillJob, logits: torch.Tensor) -> Outgoing:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from common.config import WorkerConfig
+from common.engine.memory_plan import DTYPES
 from common.experts.artifact import open_store
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import get_format
@@ -33,7 +34,7 @@ from common.model.layers import activation
 from common.model.loader import empty_model
 from common.model.ngram import ngram_shard_rows
 from common.protocol import Exports, SharedTensor
-from common.workers.decode import DTYPES, DecodeCore
+from common.workers.decode import DecodeCore
 
 
 def shared_allocator(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

@@ -13,13 +13,14 @@ SCRIPT = """
 import sys
 sys.modules["triton"] = None  # `import triton` now raises ImportError, as without the package
 import torch
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
 
 model = make_model(sys.argv[1], preset="tiny", arch=sys.argv[2])
 for cache in (None, "0.5"):
-    engine = Engine(model, dtype=torch.float32, max_seqs=2, max_context=128, expert_cache=cache)
+    engine = Engine(WorkerConfig(str(model), max_running=2, max_context=128, expert_cache=cache))
     prompts = [[1, 2, 3, 4, 5], list(range(7, 40))]
     out = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     assert all(len(r.token_ids) == 6 for r in out), out

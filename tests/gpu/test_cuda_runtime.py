@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.ipc.hostmem import host_list_to
 from common.model.synthetic.checkpoint import make_model
@@ -26,7 +27,7 @@ def test_cuda_matches_transformers(arch: str, tmp_path: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = make_model(tmp_path / arch, preset="tiny", arch=arch)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    engine = Engine(model_dir, dtype=torch.float32, device="cuda", max_seqs=2, max_context=64)
+    engine = Engine(WorkerConfig(str(model_dir), device="cuda", max_running=2, max_context=64))
     prompts = [[5, 17, 300, 42, 8, 9, 10], [700, 3, 4]]
     seqs = [engine.runner.new_sequence() for _ in prompts]
     ours = engine.runner.forward(seqs, prompts, all_logits=True)

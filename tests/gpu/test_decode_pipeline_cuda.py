@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.decode_pipeline import DecodePipeline
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
@@ -20,9 +21,15 @@ STEPS = 30
 
 def _engine(path: Path, cache: str | None) -> Engine:
     engine = Engine(
-        path, dtype=torch.float32, device="cuda", max_seqs=2, expert_cache=cache, lookahead=0,
-        replay_routing="synthetic-zipf:seed=3" if cache else None,
-    )  # fmt: skip
+        WorkerConfig(
+            str(path),
+            device="cuda",
+            max_running=2,
+            expert_cache=cache,
+            lookahead=0,
+            replay_routing="synthetic-zipf:seed=3" if cache else None,
+        )
+    )
     if cache is not None:
         engine.offload.rebalance_every = 1000  # a rebalance reads the statistics: not in these steps
     return engine

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.fp8_linear import Fp8Fused
 from common.model.synthetic.checkpoint import make_model
@@ -21,7 +22,14 @@ def test_fp8_mixers_on_cuda_with_graphs(tmp_path: Path) -> None:
     path = make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp", overrides=SPARSE)
     prompt = torch.randint(3, 1000, (29,), generator=torch.Generator().manual_seed(0)).tolist()
     make = lambda resident, graphs: Engine(
-        path, dtype=torch.bfloat16, device="cuda", max_seqs=2, resident_dtype=resident, cuda_graphs=graphs
+        WorkerConfig(
+            str(path),
+            dtype="bfloat16",
+            device="cuda",
+            max_running=2,
+            resident_dtype=resident,
+            cuda_graphs=graphs,
+        )
     )
     bf16, fp8 = make(None, True), make("fp8", True)
     assert any(isinstance(getattr(m, "fused_in", None), Fp8Fused) for m in fp8.model.modules())

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.engine.graphs import DecodeGraphs
 from common.kernels import use_fused_kernels
@@ -24,9 +25,16 @@ def _run(
     path: Path, graphs: bool, cache: str | None, fused: bool = False, lookahead: int = 0, lanes: int = 2
 ) -> tuple[list[list[int]], Engine]:
     engine = Engine(
-        path, dtype=torch.float32, device="cuda", max_seqs=lanes, expert_cache=cache, cuda_graphs=graphs,
-        replay_routing="synthetic-zipf:seed=3" if cache else None, lookahead=lookahead,
-    )  # fmt: skip
+        WorkerConfig(
+            str(path),
+            device="cuda",
+            max_running=lanes,
+            expert_cache=cache,
+            cuda_graphs=graphs,
+            replay_routing="synthetic-zipf:seed=3" if cache else None,
+            lookahead=lookahead,
+        )
+    )
     if cache is not None:
         engine.offload.rebalance_every = 8  # capacities move between replays
     use_fused_kernels(engine.model, fused, engine.runner.backend)
@@ -153,7 +161,7 @@ def test_recorded_decode_after_images_matches_eager(
     embeds = torch.randn(12, 64, generator=g)
 
     def decode(graphs: bool) -> list[list[int]]:
-        engine = Engine(path, dtype=torch.float32, device="cuda", max_seqs=2, cuda_graphs=graphs)
+        engine = Engine(WorkerConfig(str(path), device="cuda", max_running=2, cuda_graphs=graphs))
         use_fused_kernels(engine.model, fused, engine.runner.backend)
         runner = engine.runner
         seqs = [runner.new_sequence(), runner.new_sequence()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
@@ -25,7 +26,7 @@ def test_lending_on_the_gpu_generates_what_no_lending_does(tmp_path) -> None:
     path = make_model(tmp_path, preset="tiny", arch="qwen3_moe", seed=1)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1100, 1150, 1080, 1120) * 2]
-    plain = Engine(path, dtype=torch.float32, device="cuda", max_seqs=8, max_context=4096)
+    plain = Engine(WorkerConfig(str(path), device="cuda", max_running=8, max_context=4096))
     reference = [r.token_ids for r in plain.generate(prompts, GREEDY)]
     del plain
     out, engine = run_lending(path, prompts, "cuda", max_seqs=8, max_context=4096)

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import FORMATS
@@ -29,19 +30,20 @@ def test_offloaded_experts_on_cuda(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
     reference = [
-        r.token_ids for r in Engine(path, dtype=torch.float32, device="cuda").generate(prompts, GREEDY)
+        r.token_ids for r in Engine(WorkerConfig(str(path), device="cuda")).generate(prompts, GREEDY)
     ]
     for capacity in ["3", "0.25", "all"]:
         for policy in ["lru", "lfu", "lfu-admit"]:
             for chunk in [5, 8192]:  # 8192: whole prompts, T·k ≥ 4·E, whole layers streamed
                 engine = Engine(
-                    path,
-                    dtype=torch.float32,
-                    device="cuda",
-                    max_seqs=2,
-                    expert_cache=capacity,
-                    cache_policy=policy,
-                    prefill_chunk=chunk,
+                    WorkerConfig(
+                        str(path),
+                        device="cuda",
+                        max_running=2,
+                        expert_cache=capacity,
+                        cache_policy=policy,
+                        prefill_chunk=chunk,
+                    )
                 )
                 provider = engine.offload
                 assert provider.store.mapped and provider.tables.slot_of.is_cuda
@@ -189,7 +191,7 @@ def test_offloaded_experts_are_read_to_the_host_not_the_device(tmp_path: Path) -
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    engine = Engine(path, dtype=torch.float32, device="cuda", max_seqs=1, expert_cache="0.1")
+    engine = Engine(WorkerConfig(str(path), device="cuda", max_running=1, expert_cache="0.1"))
     cfg = engine.config
     resident = len(cfg.moe_layers) * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     # the fp32 experts were never all on the device
@@ -210,9 +212,17 @@ def test_one_lane_int4_decode_reads_its_misses_from_the_host(tmp_path: Path) -> 
 
     def run(graphs: bool, host_reads: bool) -> tuple[list[list[int]], dict]:
         engine = Engine(
-            path, dtype=torch.bfloat16, device="cuda", max_seqs=1, expert_cache="0.25", expert_format="int4",
-            cuda_graphs=graphs, replay_routing="synthetic-zipf:seed=3",
-        )  # fmt: skip
+            WorkerConfig(
+                str(path),
+                dtype="bfloat16",
+                device="cuda",
+                max_running=1,
+                expert_cache="0.25",
+                expert_format="int4",
+                cuda_graphs=graphs,
+                replay_routing="synthetic-zipf:seed=3",
+            )
+        )
         use_fused_kernels(engine.model, True, engine.runner.backend)
         provider = engine.offload
         assert provider.fused_int4
@@ -252,9 +262,16 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
 
     def run() -> list[list[int]]:
         engine = Engine(
-            path, dtype=torch.bfloat16, device="cuda", max_seqs=1, expert_cache="all", expert_format="int4",
-            cuda_graphs=True,
-        )  # fmt: skip
+            WorkerConfig(
+                str(path),
+                dtype="bfloat16",
+                device="cuda",
+                max_running=1,
+                expert_cache="all",
+                expert_format="int4",
+                cuda_graphs=True,
+            )
+        )
         engine.offload.load_all(release_host=False)
         use_fused_kernels(engine.model, True, engine.runner.backend)
         assert engine.offload.fused_int4 and engine.offload.all_resident

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
@@ -39,8 +40,8 @@ def _logits(engine: Engine, prompts: list[list[int]], steps: int = 8) -> list[to
 def test_cuda_fla_matches_cpu_reference(tmp_path: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp", overrides=OVERRIDES)
-    cpu = Engine(model_dir, dtype=torch.float32, device="cpu", max_seqs=3, max_context=96)
-    gpu = Engine(model_dir, dtype=torch.float32, device="cuda", max_seqs=3, max_context=96)
+    cpu = Engine(WorkerConfig(str(model_dir), device="cpu", max_running=3, max_context=96))
+    gpu = Engine(WorkerConfig(str(model_dir), device="cuda", max_running=3, max_context=96))
     assert gpu.model.model.layers[1].ple.table.mapped  # the table is gathered through the mapping
     prompts = _prompts(cpu.config.vocab_size)
     for ours, ref in zip(_logits(gpu, prompts), _logits(cpu, prompts), strict=True):
@@ -54,7 +55,7 @@ def test_cuda_logits_match_transformers_on_cuda(tmp_path: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp", overrides=OVERRIDES)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    engine = Engine(model_dir, dtype=torch.float32, device="cuda", max_seqs=3, max_context=96)
+    engine = Engine(WorkerConfig(str(model_dir), device="cuda", max_running=3, max_context=96))
     prompts = _prompts(engine.config.vocab_size)
     seqs = [engine.runner.new_sequence() for _ in prompts]
     with torch.inference_mode():
@@ -85,7 +86,7 @@ def test_cuda_greedy_matches_transformers(tmp_path: Path) -> None:
     model_dir = make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp", overrides=OVERRIDES)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     hf.generation_config.eos_token_id = None
-    engine = Engine(model_dir, dtype=torch.float32, device="cuda", max_seqs=3, max_context=96)
+    engine = Engine(WorkerConfig(str(model_dir), device="cuda", max_running=3, max_context=96))
     prompts = _prompts(engine.config.vocab_size)
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     for prompt, result in zip(prompts, results, strict=True):
@@ -103,7 +104,7 @@ def test_conv_epilogue_matches_the_conv_kernel(tmp_path: Path, monkeypatch) -> N
     from common.kernels import gemv
 
     model_dir = make_model(tmp_path / "q4", preset="tiny", arch="qwen4_exp", overrides=OVERRIDES)
-    engine = Engine(model_dir, dtype=torch.float32, device="cuda", max_seqs=1, max_context=96)
+    engine = Engine(WorkerConfig(str(model_dir), device="cuda", max_running=1, max_context=96))
     prompts = _prompts(engine.config.vocab_size)[:1]
     calls, plain = [], gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(kw.get("conv")) or plain(*a, **kw))

@@ -5,8 +5,8 @@ place; outputs equal the offline engine's on the GPU."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
@@ -30,7 +30,7 @@ def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server, extra):
     model = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
     server = start_server("--model", str(model), "--device", "cuda", "--max-running", "4", *extra)
     client = server.client()
-    engine = Engine(model, dtype=torch.float32, device="cuda", max_seqs=4)
+    engine = Engine(WorkerConfig(str(model), device="cuda", max_running=4))
     for text in ["Tell me about experts.", "Hi", "Ein längerer Satz über Mischungen von Experten " * 4]:
         messages = [{"role": "user", "content": text}]
         reply = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)

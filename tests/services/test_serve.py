@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
@@ -123,7 +123,7 @@ def test_completions_streamed_and_not_agree(stack):
         model=_name(model), prompt="Once upon", max_tokens=10, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in stream if c.choices) == whole.choices[0].text
-    engine = Engine(model, dtype=torch.float32, max_seqs=1)
+    engine = Engine(WorkerConfig(str(model), max_running=1))
     (ref,) = engine.generate([engine.tokenizer.encode("Once upon")], SamplingParams(0.0, max_tokens=10))
     assert whole.choices[0].text == engine.tokenizer.decode(ref.token_ids)
 
@@ -339,7 +339,7 @@ def test_a_hung_router_is_restarted(start_server, tmp_path):
 def test_resident_experts_serve_the_same_tokens(start_server, tmp_path):
     env = {"SPILLWAY_CACHE": str(tmp_path)}
     server = start_server("--threads", "1", "--max-context", "512", env=env)
-    engine = Engine(tmp_path / "models" / "tiny-qwen3_moe", dtype=torch.float32, max_seqs=1)
+    engine = Engine(WorkerConfig(str(tmp_path / "models" / "tiny-qwen3_moe"), max_running=1))
     messages = [{"role": "user", "content": "Hi"}]
     reply = server.client().chat.completions.create(
         model="tiny-qwen3_moe", messages=messages, max_tokens=12, temperature=0
@@ -405,7 +405,7 @@ def _ask(server, text: str) -> str:
 
 def _engine_replies(model_dir, texts, max_context: int | None = None) -> tuple[list[list[int]], list[str]]:
     """What `_ask` should get: each text's chat prompt and the offline engine's greedy 12-token reply."""
-    engine = Engine(model_dir, dtype=torch.float32, max_seqs=1, max_context=max_context)
+    engine = Engine(WorkerConfig(str(model_dir), max_running=1, max_context=max_context))
     template = engine.tokenizer.apply_chat_template
     chat = [template([{"role": "user", "content": t}], tokenize=True) for t in texts]
     replies = engine.generate(chat, SamplingParams(temperature=0.0, max_tokens=12))

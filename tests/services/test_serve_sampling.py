@@ -17,6 +17,7 @@ import msgspec
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
@@ -122,7 +123,7 @@ def test_penalties_biases_and_min_tokens_sample_what_the_engine_samples(
         extra_body={**extensions, "return_tokens_as_token_ids": True}, **fields,
     )  # fmt: skip
     ids = [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
-    engine = Engine(model, dtype=torch.float32, max_seqs=1)
+    engine = Engine(WorkerConfig(str(model), max_running=1))
     want = engine.generate([PROMPT], msgspec.structs.replace(params, max_tokens=LONG))[0].token_ids
     plain = SamplingParams(temperature=params.temperature, seed=params.seed, max_tokens=LONG)
     assert ids == want and want != engine.generate([PROMPT], plain)[0].token_ids
@@ -135,7 +136,7 @@ def test_seeded_choices_are_the_engines_with_seeds_in_turn(server, model) -> Non
         extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
     )  # fmt: skip
     got = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in out.choices]
-    engine = Engine(model, dtype=torch.float32, max_seqs=3)
+    engine = Engine(WorkerConfig(str(model), max_running=3))
     params = [
         SamplingParams(temperature=1.0, seed=21 + i, max_tokens=TOKENS, ignore_eos=True) for i in range(3)
     ]
@@ -159,7 +160,7 @@ def test_a_json_schema_is_followed(server, model) -> None:
     )  # fmt: skip
     value = json.loads(out.choices[0].message.content)
     assert out.choices[0].finish_reason == "stop" and value["size"] in "SML" and value["count"] in (1, 2, 3)
-    engine = Engine(model, dtype=torch.float32, max_seqs=1)
+    engine = Engine(WorkerConfig(str(model), max_running=1))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Order?"}], tokenize=True)
     params = SamplingParams(temperature=0.7, seed=3, max_tokens=40, structure=structure_of(fmt))
     assert out.choices[0].message.content == engine.tokenizer.decode(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.decode_pipeline import DecodePipeline
 from common.engine.engine import Engine
 from common.model.defaults import default_model_dir
@@ -19,7 +20,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(default_model_dir(), dtype=torch.float32, max_seqs=3)
+    return Engine(WorkerConfig(str(default_model_dir()), max_running=3))
 
 
 def _prefilled(engine: Engine, prompts: list[list[int]]) -> tuple[list, list[int]]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
@@ -13,7 +13,7 @@ from common.sampling.sampler import SamplingParams
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Engine:
     model_dir = make_model(tmp_path_factory.mktemp("tiny"), preset="tiny", arch="qwen2_moe")
-    return Engine(model_dir, dtype=torch.float32, max_seqs=3, max_context=96)
+    return Engine(WorkerConfig(str(model_dir), max_running=3, max_context=96))
 
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300, 400, 500, 600, 700], [42], [9, 9, 9, 9, 9]]
@@ -72,7 +72,7 @@ def test_running_requests_decode_between_a_long_prompts_chunks(tmp_path) -> None
     the chunks (it is not stalled for the whole prompt), and every output is what it is alone."""
     model_dir = make_model(tmp_path / "m", preset="tiny", arch="qwen2_moe")
     engine = Engine(
-        model_dir, dtype=torch.float32, max_seqs=2, max_context=96, prefill_chunk=8, layer_major_tokens=0
+        WorkerConfig(str(model_dir), max_running=2, max_context=96, prefill_chunk=8, layer_major_tokens=0)
     )
     prompts = [[5, 6, 7], [11, 12, 13, 14], list(range(20, 60))]  # the third: 40 tokens, 5 chunks
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 12, 3)]
@@ -99,9 +99,15 @@ def test_a_long_prompt_goes_layer_major_in_groups(tmp_path) -> None:
     tokens of chunk-by-chunk passes."""
     model_dir = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
     make = lambda group: Engine(
-        model_dir, dtype=torch.float32, max_seqs=2, max_context=96, prefill_chunk=8, expert_cache="0.5",
-        layer_major_tokens=group,
-    )  # fmt: skip
+        WorkerConfig(
+            str(model_dir),
+            max_running=2,
+            max_context=96,
+            prefill_chunk=8,
+            expert_cache="0.5",
+            layer_major_tokens=group,
+        )
+    )
     engine = make(16)
     prompts = [[5, 6, 7], [11, 12, 13, 14], list(range(20, 60))]  # the third waits for the first's lane
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 12, 3)]

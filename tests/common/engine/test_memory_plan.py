@@ -284,7 +284,7 @@ def test_weights_and_kv_are_what_the_loaded_model_holds(tiny: Path, dtype: torch
     plan = _dir_plan(tiny, dtype=dtype)
     model = load_model(tiny, dtype=dtype)
     assert plan.weights == _resident_bytes(model)  # routed experts and host tables are not counted
-    runner = ModelRunner(model, max_seqs=3, max_context=100, page_size=16)
+    runner = ModelRunner(model, max_running=3, max_context=100, page_size=16)
     assert plan.kv == sum(t.nbytes for t in runner.pool.named_tensors().values())
     assert plan.num_pages == runner.pool.num_pages
 
@@ -295,7 +295,7 @@ def test_mtp_head_is_planned_when_speculating(tmp_path: Path) -> None:
     model = load_model(model_dir, dtype=torch.float32, with_mtp=True)
     assert plan.weights == _resident_bytes(model) > _dir_plan(model_dir).weights
     assert plan.max_cache_slots == len(model.config.moe_layers) * model.config.num_experts
-    runner = ModelRunner(model, max_seqs=3, max_context=100, page_size=16)
+    runner = ModelRunner(model, max_running=3, max_context=100, page_size=16)
     assert plan.kv == sum(t.nbytes for t in runner.pool.named_tensors().values())
 
 
@@ -305,7 +305,7 @@ def test_engine_cache_and_arena_are_what_the_plan_says(tiny: Path) -> None:
     plan = _dir_plan(tiny, processes=1, budget=fit.min_budget + 5 * fit.expert_bytes)
     assert plan.ok and plan.min_cache_slots < plan.cache_slots < plan.max_cache_slots
     engine = Engine(
-        tiny, dtype=torch.float32, max_seqs=3, max_context=100, expert_cache=str(plan.cache_slots)
+        WorkerConfig(str(tiny), max_running=3, max_context=100, expert_cache=str(plan.cache_slots))
     )
     offload = engine.offload
     assert offload.tables.num_slots == plan.cache_slots
@@ -348,8 +348,9 @@ def test_kv_lendable_slots_are_about_what_an_engine_lends(tiny: Path) -> None:
     plan = _dir_plan(tiny, processes=1, max_context=2048, budget=fit.min_budget + 5 * fit.expert_bytes)
     assert plan.ok and plan.kv_lendable_slots > 0
     engine = Engine(
-        tiny, dtype=torch.float32, max_seqs=3, max_context=2048, expert_cache=str(plan.cache_slots),
-        lend_kv=True,
-    )  # fmt: skip
+        WorkerConfig(
+            str(tiny), max_running=3, max_context=2048, expert_cache=str(plan.cache_slots), lend_kv=True
+        )
+    )
     lent = engine.offload.tables.lent
     assert plan.kv_lendable_slots - 4 <= lent <= plan.kv_lendable_slots

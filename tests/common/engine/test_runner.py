@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.engine.runner import warm_up_on_cuda
 from common.model.synthetic.checkpoint import make_model
@@ -41,7 +42,7 @@ def test_layer_major_prefill_is_chunked_prefill(tmp_path: Path, arch: str, cache
     prompt = torch.randint(3, 1000, (55,), generator=torch.Generator().manual_seed(0)).tolist()
     results = []
     for layer_major in (False, True):
-        engine = Engine(path, dtype=torch.float32, max_seqs=1, expert_cache=cache)
+        engine = Engine(WorkerConfig(str(path), max_running=1, expert_cache=cache))
         runner, seq = engine.runner, engine.runner.new_sequence()
         before = engine.offload.traffic() if cache else None
         if layer_major:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.engine.speculative import MTPSpeculator
 from common.model.errors import CheckpointError
@@ -28,14 +29,14 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(model_dir, prompts):
-    engine = Engine(model_dir, dtype=torch.float32, max_seqs=3, max_context=96)
+    engine = Engine(WorkerConfig(str(model_dir), max_running=3, max_context=96))
     return [r.token_ids for r in engine.generate(prompts, GREEDY)]
 
 
 @pytest.mark.parametrize("num_draft", [1, 3])
 def test_mtp_head_drafts_give_greedy_tokens(model_dir, prompts, reference, num_draft):
     engine = Engine(
-        model_dir, dtype=torch.float32, max_seqs=2, max_context=96, speculative="mtp", num_draft=num_draft
+        WorkerConfig(str(model_dir), max_running=2, max_context=96, speculative="mtp", num_draft=num_draft)
     )
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
     assert engine.runner.pool.pages.num_free == engine.runner.pool.pages.size
@@ -45,7 +46,7 @@ def test_mtp_head_drafts_give_greedy_tokens(model_dir, prompts, reference, num_d
 def test_oracle_drafts_exercise_acceptance_and_rollback(model_dir, prompts, reference, wrong_at, monkeypatch):
     """Drafts that are right up to `wrong_at` (all right when None): accepted runs, then a rollback."""
     engine = Engine(
-        model_dir, dtype=torch.float32, max_seqs=3, max_context=96, speculative="mtp", num_draft=4
+        WorkerConfig(str(model_dir), max_running=3, max_context=96, speculative="mtp", num_draft=4)
     )
     truth = {}  # slot -> the full greedy sequence of the request in that slot
     accepted = []
@@ -81,7 +82,7 @@ def test_oracle_drafts_exercise_acceptance_and_rollback(model_dir, prompts, refe
 
 
 def test_sampling_requests_are_refused(model_dir, prompts):
-    engine = Engine(model_dir, dtype=torch.float32, max_seqs=1, max_context=96, speculative="mtp")
+    engine = Engine(WorkerConfig(str(model_dir), max_running=1, max_context=96, speculative="mtp"))
     with pytest.raises(ValueError, match="greedy"):
         engine.generate(prompts[:1], SamplingParams(temperature=0.7))
 
@@ -91,16 +92,17 @@ def test_checkpoint_without_mtp_head(tmp_path):
         tmp_path / "plain", preset="tiny", arch="qwen4_exp", overrides={"mtp_num_hidden_layers": 0}
     )
     with pytest.raises(CheckpointError, match="no MTP head"):
-        Engine(plain, dtype=torch.float32, speculative="mtp")
+        Engine(WorkerConfig(str(plain), speculative="mtp"))
 
 
 def test_only_prompt_tokens_are_counted_in_the_cache_statistics(model_dir, prompts):
     """An offloaded speculative engine counts each prompt's tokens once in the cache statistics: its MTP
     verifications, re-runs and drafts are not prompts."""
     engine = Engine(
-        model_dir, dtype=torch.float32, max_seqs=2, max_context=96, speculative="mtp", num_draft=2,
-        expert_cache="0.5",
-    )  # fmt: skip
+        WorkerConfig(
+            str(model_dir), max_running=2, max_context=96, speculative="mtp", num_draft=2, expert_cache="0.5"
+        )
+    )
     observed = []
     observe = engine.offload.tables.observe
 
@@ -119,9 +121,16 @@ def test_mtp_with_lent_kv_pages_gives_greedy_tokens(model_dir, prompts, referenc
     """Verify passes reserve several pages at once: with KV lending they take lent pages back (and finished
     sequences lend them again) without changing a token."""
     engine = Engine(
-        model_dir, dtype=torch.float32, max_seqs=2, max_context=96, speculative="mtp", num_draft=2,
-        expert_cache="0.25", lend_kv=True,
-    )  # fmt: skip
+        WorkerConfig(
+            str(model_dir),
+            max_running=2,
+            max_context=96,
+            speculative="mtp",
+            num_draft=2,
+            expert_cache="0.25",
+            lend_kv=True,
+        )
+    )
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
     assert engine.kv_lending.raises > 0 and engine.offload.tables.lent > 0
     engine.offload.tables.check()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.experts.artifact import EXPERTS_FILE, META_FILE, convert
 from common.experts.formats import get_format
@@ -37,13 +38,13 @@ def test_artifact_equals_in_process_quantisation(source, prompts, fmt, tmp_path)
     assert (tmp_path / fmt / EXPERTS_FILE).stat().st_size == meta["nbytes"]
     index = json.loads((tmp_path / fmt / "model.safetensors.index.json").read_text())
     assert not any(".experts." in key for key in index["weight_map"])  # experts live only in experts.bin
-    mapped = Engine(tmp_path / fmt, dtype=torch.float32, expert_cache="0.25").generate(prompts, GREEDY)
-    packed_now = Engine(source, dtype=torch.float32, expert_cache="all", expert_format=fmt).generate(
+    mapped = Engine(WorkerConfig(str(tmp_path / fmt), expert_cache="0.25")).generate(prompts, GREEDY)
+    packed_now = Engine(WorkerConfig(str(source), expert_cache="all", expert_format=fmt)).generate(
         prompts, GREEDY
     )
     assert [r.token_ids for r in mapped] == [r.token_ids for r in packed_now]
     if fmt == "bf16":  # lossless: the same tokens as the original checkpoint
-        original = Engine(source, dtype=torch.float32).generate(prompts, GREEDY)
+        original = Engine(WorkerConfig(str(source))).generate(prompts, GREEDY)
         assert [r.token_ids for r in mapped] == [r.token_ids for r in original]
 
 
@@ -52,7 +53,7 @@ def test_truncated_expert_file_is_an_error(source, tmp_path):
     path = tmp_path / "a" / EXPERTS_FILE
     path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises((CheckpointError, ValueError), match="bytes"):
-        Engine(tmp_path / "a", dtype=torch.float32)
+        Engine(WorkerConfig(str(tmp_path / "a")))
 
 
 def test_convert_qwen4_exp(tmp_path):
@@ -127,7 +128,7 @@ def test_a_malformed_artifact_names_its_metadata(source, tmp_path, edit, message
     edit(meta)
     path.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=message) as err:
-        Engine(tmp_path / "a", dtype=torch.float32)
+        Engine(WorkerConfig(str(tmp_path / "a")))
     assert err.value.path == path
 
 
@@ -135,5 +136,5 @@ def test_a_missing_expert_file_is_named(source, tmp_path):
     convert(source, tmp_path / "a", "bf16", log=lambda _: None)
     (tmp_path / "a" / EXPERTS_FILE).unlink()
     with pytest.raises(CheckpointError, match="not found") as err:
-        Engine(tmp_path / "a", dtype=torch.float32)
+        Engine(WorkerConfig(str(tmp_path / "a")))
     assert err.value.path == tmp_path / "a" / EXPERTS_FILE

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.experts.cache_tables import CacheTables
 from common.experts.copies import copy_experts
@@ -35,19 +36,19 @@ def model(request, tmp_path_factory):
     path = make_model(tmp_path_factory.mktemp(arch), preset="tiny", arch=arch, overrides=ARCHS[arch], seed=1)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23, 15)]
-    reference = Engine(path, dtype=torch.float32, max_seqs=3).generate(prompts, GREEDY)
+    reference = Engine(WorkerConfig(str(path), max_running=3)).generate(prompts, GREEDY)
     return path, prompts, [r.token_ids for r in reference]
 
 
 def _run(path, prompts, **kwargs) -> tuple[list[list[int]], Engine]:
-    engine = Engine(path, dtype=torch.float32, max_seqs=2, **kwargs)
+    engine = Engine(WorkerConfig(str(path), max_running=2, **kwargs))
     out = [r.token_ids for r in engine.generate(prompts, GREEDY)]
     engine.offload.tables.check()
     return out, engine
 
 
 def _smallest(path) -> str:
-    engine = Engine(path, dtype=torch.float32, max_seqs=1)
+    engine = Engine(WorkerConfig(str(path), max_running=1))
     return str(len(engine.config.moe_layers))  # one slot per MoE layer
 
 
@@ -78,12 +79,12 @@ def test_quantized_formats_identical_across_capacities(model, fmt):
 
 def test_record_then_replay_reproduces_the_run(model, tmp_path):
     path, prompts, reference = model
-    engine = Engine(path, dtype=torch.float32, max_seqs=3, record_routing=True)
+    engine = Engine(WorkerConfig(str(path), max_running=3, record_routing=True))
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
     trace = engine.routing_recorder.trace()
     trace.save(tmp_path / "trace.safetensors")
     replayed = Engine(
-        path, dtype=torch.float32, max_seqs=3, replay_routing=str(tmp_path / "trace.safetensors")
+        WorkerConfig(str(path), max_running=3, replay_routing=str(tmp_path / "trace.safetensors"))
     )
     assert [r.token_ids for r in replayed.generate(prompts, GREEDY)] == reference
 
@@ -92,7 +93,7 @@ def test_synthetic_zipf_replay_is_deterministic_and_forces_routing(model):
     path, prompts, reference = model
     runs = [
         Engine(
-            path, dtype=torch.float32, max_seqs=3, replay_routing="synthetic-zipf:seed=5,tokens=64"
+            WorkerConfig(str(path), max_running=3, replay_routing="synthetic-zipf:seed=5,tokens=64")
         ).generate(prompts, GREEDY)
         for _ in range(2)
     ]
@@ -112,7 +113,7 @@ def test_parse_capacity():
 
 def test_all_experts_loaded_up_front_serve_without_misses(model):
     path, prompts, reference = model
-    engine = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="all")
+    engine = Engine(WorkerConfig(str(path), max_running=2, expert_cache="all"))
     engine.offload.load_all()
     assert int(engine.offload.store.buffer.count_nonzero()) == 0  # the host copy was given back
     before = engine.offload.traffic()
@@ -121,16 +122,14 @@ def test_all_experts_loaded_up_front_serve_without_misses(model):
     assert after == before and all(int(v.sum()) == 0 for v in engine.offload.tables.counters.values())
     engine.offload.tables.check()
     with pytest.raises(ValueError, match="slots per layer"):
-        Engine(path, dtype=torch.float32, max_seqs=1, expert_cache="0.5").offload.load_all()
+        Engine(WorkerConfig(str(path), max_running=1, expert_cache="0.5")).offload.load_all()
 
 
 def test_pinned_hot_set_stays_and_changes_nothing(model, tmp_path):
     path, prompts, reference = model
     hot = tmp_path / "hot.json"
     hot.write_text('{"0": [1, 2], "1": [7]}')
-    from common.experts.offload import load_hot_set
-
-    out, engine = _run(path, prompts, expert_cache="0.25", pinned_experts=load_hot_set(hot))
+    out, engine = _run(path, prompts, expert_cache="0.25", pin_experts=str(hot))
     assert out == reference
     tables = engine.offload.tables
     assert sorted(tables.owner[tables.pinned].tolist()) == [1, 2, 7]
@@ -138,7 +137,7 @@ def test_pinned_hot_set_stays_and_changes_nothing(model, tmp_path):
 
 def test_adaptive_capacity_moves_slots_and_changes_nothing(model):
     path, prompts, reference = model
-    engine = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="0.5")
+    engine = Engine(WorkerConfig(str(path), max_running=2, expert_cache="0.5"))
     engine.offload.rebalance_every = 2  # adjust often
     before = engine.offload.tables.capacities
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
@@ -157,9 +156,9 @@ def test_lookahead_changes_nothing_and_its_guesses_are_used(model, guess):
     moved = sum(engine.offload.traffic().prefetch_bytes)
     assert moved == counters["prefetches"] * engine.offload.store.expert_bytes
     with pytest.raises(ValueError, match="expert-cache"):
-        Engine(path, dtype=torch.float32, max_seqs=1, lookahead=guess)
+        Engine(WorkerConfig(str(path), max_running=1, lookahead=guess))
     with pytest.raises(ValueError, match="num_experts"):
-        Engine(path, dtype=torch.float32, max_seqs=1, expert_cache="0.25", lookahead=1000)
+        Engine(WorkerConfig(str(path), max_running=1, expert_cache="0.25", lookahead=1000))
 
 
 def test_the_lookahead_switch_stops_the_guesses(model, monkeypatch):
@@ -179,7 +178,7 @@ def test_lending_the_arena_between_prefills_changes_nothing(model, chunk):
     taken back for it and lent again; rebalancing moves lent slots between layers meanwhile."""
     path, prompts, reference = model
     engine = Engine(
-        path, dtype=torch.float32, max_seqs=2, expert_cache="0.25", prefill_chunk=chunk, lend_arena=True
+        WorkerConfig(str(path), max_running=2, expert_cache="0.25", prefill_chunk=chunk, lend_arena=True)
     )
     engine.offload.rebalance_every = 3
     tables, calls = engine.offload.tables, []
@@ -199,7 +198,7 @@ def test_a_warm_up_leaves_no_trace(model, kv_dtype):
     """`ModelRunner.warm_up` (run by the workers on CUDA before their first request) changes no table, no
     counter and no lane of the real pool, and the engine then generates what a fresh one does."""
     path, prompts, reference = model
-    engine = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="0.25", kv_dtype=kv_dtype)
+    engine = Engine(WorkerConfig(str(path), max_running=2, expert_cache="0.25", kv_dtype=kv_dtype))
     tables, provider = engine.offload.tables, engine.offload
     names = ("slot_of", "owner", "last_use", "pinned", "freq", "absent", "previous", "reuse", "counts")
     before = {n: getattr(tables, n).clone() for n in (*names, "slot_table")}
@@ -211,7 +210,7 @@ def test_a_warm_up_leaves_no_trace(model, kv_dtype):
     if kv_dtype is None:
         assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
     else:  # fp8 K/V: the same tokens as an engine that was not warmed up
-        fresh = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="0.25", kv_dtype=kv_dtype)
+        fresh = Engine(WorkerConfig(str(path), max_running=2, expert_cache="0.25", kv_dtype=kv_dtype))
         want = [r.token_ids for r in fresh.generate(prompts, GREEDY)]
         assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == want
 
@@ -482,7 +481,7 @@ def test_whole_layer_streaming_in_the_engine_changes_nothing(model, monkeypatch)
 
 def test_a_warm_up_after_lending_takes_the_arena_back_first(model):
     path, prompts, reference = model
-    engine = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="0.25", lend_arena=True)
+    engine = Engine(WorkerConfig(str(path), max_running=2, expert_cache="0.25", lend_arena=True))
     assert [r.token_ids for r in engine.generate(prompts[:1], GREEDY)] == reference[:1]
     assert engine.offload.tables.lent  # a decode pass came last
     engine.runner.warm_up(tokens=9)
@@ -494,7 +493,7 @@ def test_a_prefill_counts_its_routing_in_the_cache_statistics(model):
     """Decode's rates start from the prompt's routing: after a prefill the request statistics are those of
     its tokens taken as steps (the recorded choices observed by fresh tables), and no slot moved."""
     path, prompts, _ = model
-    engine = Engine(path, dtype=torch.float32, max_seqs=1, expert_cache="0.5", record_routing=True)
+    engine = Engine(WorkerConfig(str(path), max_running=1, expert_cache="0.5", record_routing=True))
     tables = engine.offload.tables
     slots = tables.slot_of.clone()
     engine.runner.forward([engine.runner.new_sequence()], [prompts[1]])
@@ -511,5 +510,5 @@ def test_a_prefill_counts_its_routing_in_the_cache_statistics(model):
 def test_kv_calibration_counts_nothing(model):
     """fp8 K/V scales come from a pass of random tokens at load: not a prompt, so no statistic moves."""
     path, _, _ = model
-    engine = Engine(path, dtype=torch.float32, max_seqs=1, expert_cache="0.5", kv_dtype="fp8_e4m3")
+    engine = Engine(WorkerConfig(str(path), max_running=1, expert_cache="0.5", kv_dtype="fp8_e4m3"))
     assert float(engine.offload.tables.statistics().abs().sum()) == 0.0

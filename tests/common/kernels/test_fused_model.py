@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
@@ -19,9 +20,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _engine(path: Path, fused: bool) -> Engine:
     engine = Engine(
-        path, dtype=torch.float32, device=DEVICE, max_seqs=2, expert_cache="0.5", cuda_graphs=False,
-        replay_routing="synthetic-zipf:seed=5", fused_kernels=fused,
-    )  # fmt: skip
+        WorkerConfig(
+            str(path),
+            device=DEVICE,
+            max_running=2,
+            expert_cache="0.5",
+            cuda_graphs=False,
+            replay_routing="synthetic-zipf:seed=5",
+            fused_kernels=fused,
+        )
+    )
     assert engine.offload.fused_resolve == fused and engine.runner.backend.fused_decode == fused
     return engine
 

@@ -121,6 +121,7 @@ def test_deferred_injections_decode_as_applied_ones(tmp_path: Path, monkeypatch)
     """qwen4_exp with the fused kernels: one-row decode passes leave each hyper-connection's injection to the
     next one's projection kernel (but before a PLE layer and the final mixer), and give the logits of the
     same passes with every injection applied by hc_inject, exactly."""
+    from common.config import WorkerConfig
     from common.engine.engine import Engine
     from common.kernels import hyper, use_fused_kernels
     from common.model.qwen4_exp.hyper import HyperConnection
@@ -138,7 +139,7 @@ def test_deferred_injections_decode_as_applied_ones(tmp_path: Path, monkeypatch)
 
     def decode(defer: bool) -> tuple[list[torch.Tensor], int]:
         monkeypatch.setattr(HyperConnection, "defer_inject", defer)
-        engine = Engine(path, dtype=torch.float32, device=DEVICE, max_seqs=1, cuda_graphs=False)
+        engine = Engine(WorkerConfig(str(path), device=DEVICE, max_running=1, cuda_graphs=False))
         use_fused_kernels(engine.model, True)
         seq = engine.runner.new_sequence()
         logits = [engine.runner.forward([seq], [prompt])]

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.experts.formats import get_format
 from common.model.synthetic.checkpoint import make_model
@@ -54,9 +55,15 @@ def test_offloaded_decode_through_the_dense_kernels(tmp_path: Path, fmt_name: st
     tokens = []
     for fused in (False, True):
         engine = Engine(
-            path, dtype=torch.float32, device=DEVICE, max_seqs=2, expert_cache="0.25", expert_format=fmt_name,
-            cuda_graphs=DEVICE == "cuda",
-        )  # fmt: skip
+            WorkerConfig(
+                str(path),
+                device=DEVICE,
+                max_running=2,
+                expert_cache="0.25",
+                expert_format=fmt_name,
+                cuda_graphs=DEVICE == "cuda",
+            )
+        )
         assert engine.offload.dense_kernels
         engine.offload.fused_dense = fused
         tokens.append([r.token_ids for r in engine.generate(prompts, params)])

@@ -89,6 +89,7 @@ def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest
     every step of a prefill and a greedy decode with the dispatch (taken at every pass's MoE layers: none
     has more than DOWN_ROWS rows) as with the three kernels, to rounding; the experts' kernels told their
     rows are settled (written two kernels back) only when the shared expert's own kernel ran in between."""
+    from common.config import WorkerConfig
     from common.engine.engine import Engine
     from common.kernels import moe_dispatch
     from common.model.moe import SparseMoeBlock
@@ -104,9 +105,15 @@ def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest
     for enabled in (True, False):
         monkeypatch.setattr(moe_dispatch, "ENABLED", enabled)
         engine = Engine(
-            path, dtype=torch.float32, device=DEVICE, max_seqs=1, cuda_graphs=False,
-            replay_routing="synthetic-zipf:seed=5", fused_kernels=True,
-        )  # fmt: skip
+            WorkerConfig(
+                str(path),
+                device=DEVICE,
+                max_running=1,
+                cuda_graphs=False,
+                replay_routing="synthetic-zipf:seed=5",
+                fused_kernels=True,
+            )
+        )
         provider = next(m.experts for m in engine.model.modules() if isinstance(m, SparseMoeBlock))
         monkeypatch.setattr(provider, "compute", _recording_settled(provider.compute, settled[enabled]))
         seq = engine.runner.new_sequence()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.experts.formats import get_format
 from common.kernels import use_fused_kernels
@@ -92,9 +93,16 @@ def test_offloaded_int4_prefill_through_the_kernels(tmp_path: Path) -> None:
     logits = []
     for fused in (False, True):
         engine = Engine(
-            path, dtype=DTYPE, device=DEVICE, max_seqs=1, expert_cache="0.5", expert_format="int4",
-            cuda_graphs=False,
-        )  # fmt: skip
+            WorkerConfig(
+                str(path),
+                dtype=str(DTYPE).removeprefix("torch."),
+                device=DEVICE,
+                max_running=1,
+                expert_cache="0.5",
+                expert_format="int4",
+                cuda_graphs=False,
+            )
+        )
         use_fused_kernels(engine.model, fused)
         assert engine.offload.fused_int4_prefill == fused
         logits.append(engine.runner.forward([engine.runner.new_sequence()], [prompt]).float())

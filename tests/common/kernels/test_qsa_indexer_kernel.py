@@ -43,7 +43,7 @@ def test_fused_indexer_matches_torch(tmp_path: Path, monkeypatch: pytest.MonkeyP
     model = load_model(path, dtype=torch.float32, device=DEVICE)
     attention = next(m for m in model.modules() if isinstance(m, QSAttention))
     indexer = attention.indexer
-    runner = ModelRunner(model, max_seqs=3, max_context=64)
+    runner = ModelRunner(model, max_running=3, max_context=64)
     seqs = [runner.new_sequence() for _ in range(3)]
     gen = torch.Generator().manual_seed(0)
     for seq, n in zip(seqs, (17, 19, 13), strict=True):  # the new tokens complete a block (19) or not
@@ -93,7 +93,7 @@ def test_fused_prefill_selection_matches_torch(tmp_path: Path) -> None:
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=sparse)
     model = load_model(path, dtype=torch.float32, device=DEVICE)
     indexer = next(m for m in model.modules() if isinstance(m, QSAttention)).indexer
-    runner = ModelRunner(model, max_seqs=2, max_context=64)
+    runner = ModelRunner(model, max_running=2, max_context=64)
     seqs = [runner.new_sequence() for _ in range(2)]
     gen = torch.Generator().manual_seed(1)
     runner.forward([seqs[0]], [torch.randint(3, 500, (13,), generator=gen).tolist()])
@@ -154,7 +154,7 @@ def test_fused_decode_selection_before_the_first_block(tmp_path: Path) -> None:
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=sparse)
     model = load_model(path, dtype=torch.float32, device=DEVICE)
     indexer = next(m for m in model.modules() if isinstance(m, QSAttention)).indexer
-    runner = ModelRunner(model, max_seqs=1, max_context=64)
+    runner = ModelRunner(model, max_running=1, max_context=64)
     seq = runner.new_sequence()
     runner.forward([seq], [[5]])
     runner.pool.reserve(seq, seq.num_cached + 1)

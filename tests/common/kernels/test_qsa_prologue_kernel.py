@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.qwen4_exp.qsa import QSAttention
 from common.model.synthetic.checkpoint import make_model
@@ -20,7 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _decode(path: Path, prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Logits of a prefill and four decode steps, and the QSA layers' pages after them."""
     engine = Engine(
-        path, dtype=torch.float32, device=DEVICE, max_seqs=1, cuda_graphs=False, fused_kernels=True
+        WorkerConfig(str(path), device=DEVICE, max_running=1, cuda_graphs=False, fused_kernels=True)
     )
     seq = engine.runner.new_sequence()
     logits = [engine.runner.forward([seq], [prompt])]
@@ -70,7 +71,7 @@ def test_decode_after_images_rotates_at_the_delta(tmp_path: Path) -> None:
     embeds = torch.randn(12, 64, generator=g)
 
     def decode(fused: bool, rope_delta: int) -> torch.Tensor:
-        engine = Engine(path, dtype=torch.float32, device=DEVICE, max_seqs=1, fused_kernels=fused)
+        engine = Engine(WorkerConfig(str(path), device=DEVICE, max_running=1, fused_kernels=fused))
         seq = engine.runner.new_sequence()
         seq.images = PromptImages(torch.arange(5, 17), embeds.to(DEVICE), mrope)
         seq.rope_delta = rope_delta

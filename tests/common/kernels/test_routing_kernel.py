@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.model.moe import route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,7 +53,14 @@ def test_replay_takes_the_fused_switch_whichever_comes_first(tmp_path, hook_firs
     from common.kernels import use_fused_kernels
     from common.model.synthetic.checkpoint import make_model
 
-    engine = Engine(make_model(tmp_path, preset="tiny", arch="qwen3_moe"), max_seqs=1, max_context=32)
+    engine = Engine(
+        WorkerConfig(
+            str(make_model(tmp_path, preset="tiny", arch="qwen3_moe")),
+            max_running=1,
+            max_context=32,
+            dtype="bfloat16",
+        )
+    )
     cfg, model = engine.config, engine.model
     layers = list(cfg.moe_layers)
     replayer = replayer_for("synthetic-zipf:tokens=8,seed=1", layers, cfg.num_experts, cfg.top_k)

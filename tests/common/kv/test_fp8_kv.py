@@ -32,7 +32,6 @@ from common.kv.fp8 import FP8, parse_kv_dtype
 from common.model.loader import load_model
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
-from common.workers.decode import load_engine
 
 ARCHS = ["qwen3_moe", "qwen4_exp"]
 PROMPT_LENS = (5, 17, 33, 40)
@@ -55,7 +54,7 @@ def _prompts(vocab: int, lens: tuple[int, ...] = PROMPT_LENS, seed: int = 1) -> 
 def _logits(model, kv_dtype, prompts, feed: list[list[int]] | None = None):
     """Last-token logits [1 + STEPS, B, V] of prefill then STEPS decode steps fed `feed` (None: own argmax),
     and the tokens fed."""
-    runner = ModelRunner(model, max_seqs=len(prompts), max_context=128, kv_dtype=kv_dtype)
+    runner = ModelRunner(model, max_running=len(prompts), max_context=128, kv_dtype=kv_dtype)
     seqs = [runner.new_sequence() for _ in prompts]
     out, fed = [runner.forward(seqs, prompts)], []
     for step in range(STEPS):
@@ -99,16 +98,16 @@ def test_fp8_output_is_independent_of_batch_and_arrival(tiny: Path) -> None:
     """Fixed per-layer scales: a request's tokens do not depend on its neighbours or on what ran before."""
     model = load_model(tiny, dtype=torch.float32)
     a, b, c = _prompts(model.config.vocab_size, (11, 29, 6), seed=2)
-    alone = _greedy(ModelRunner(model, max_seqs=3, max_context=64, kv_dtype="fp8_e4m3"), [a], STEPS)[0]
-    runner = ModelRunner(model, max_seqs=3, max_context=64, kv_dtype="fp8_e4m3")
+    alone = _greedy(ModelRunner(model, max_running=3, max_context=64, kv_dtype="fp8_e4m3"), [a], STEPS)[0]
+    runner = ModelRunner(model, max_running=3, max_context=64, kv_dtype="fp8_e4m3")
     _greedy(runner, [b], STEPS)  # an earlier request leaves its pages and the pool behind
     assert _greedy(runner, [c, a, b], STEPS)[1] == alone
 
 
 def test_pool_stores_kv_in_fp8_at_half_the_bytes(tiny: Path) -> None:
     model = load_model(tiny, dtype=torch.bfloat16)
-    fp8 = ModelRunner(model, max_seqs=2, max_context=64, kv_dtype="fp8_e4m3").pool
-    bf16 = ModelRunner(model, max_seqs=2, max_context=64).pool
+    fp8 = ModelRunner(model, max_running=2, max_context=64, kv_dtype="fp8_e4m3").pool
+    bf16 = ModelRunner(model, max_running=2, max_context=64).pool
     kv_layers = 0
     for mine, ref in zip(fp8.layers, bf16.layers, strict=True):
         for name, t in mine.paged.items():
@@ -128,9 +127,9 @@ def test_pool_stores_kv_in_fp8_at_half_the_bytes(tiny: Path) -> None:
 def test_attached_pool_uses_the_exporters_scales(tiny: Path) -> None:
     """The prefill process quantizes with decode's scales: they travel with the pool's tensors."""
     model = load_model(tiny, dtype=torch.float32)
-    decode = ModelRunner(model, max_seqs=2, max_context=64, kv_dtype="fp8_e4m3")
+    decode = ModelRunner(model, max_running=2, max_context=64, kv_dtype="fp8_e4m3")
     decode.pool.kv_scales.mul_(3)  # differ from what prefill would calibrate
-    prefill = ModelRunner(model, max_seqs=2, max_context=64, kv_dtype="fp8_e4m3")
+    prefill = ModelRunner(model, max_running=2, max_context=64, kv_dtype="fp8_e4m3")
     prefill.pool.attach(decode.pool.named_tensors())
     assert prefill.pool.kv_scales is decode.pool.kv_scales
     layer = next(i for i, s in enumerate(prefill.pool.layers) if s.kv_scale is not None)
@@ -142,7 +141,7 @@ def test_memory_plan_counts_fp8_kv(tiny: Path) -> None:
     bf16 = plan_for_dir(tiny, dtype=torch.bfloat16, **settings)
     fp8 = plan_for_dir(tiny, dtype=torch.bfloat16, kv_dtype="fp8_e4m3", **settings)
     model = load_model(tiny, dtype=torch.bfloat16)
-    pool = ModelRunner(model, max_seqs=3, max_context=100, kv_dtype="fp8_e4m3").pool
+    pool = ModelRunner(model, max_running=3, max_context=100, kv_dtype="fp8_e4m3").pool
     assert fp8.kv == sum(t.nbytes for t in pool.named_tensors().values())
     kv_bf16 = sum(t.nbytes for layer in pool.layers for n, t in layer.paged.items() if n in ("k", "v")) * 2
     assert bf16.kv - fp8.kv == kv_bf16 // 2 - pool.kv_scales.nbytes  # K/V halved, scales added
@@ -152,14 +151,14 @@ def test_memory_plan_counts_fp8_kv(tiny: Path) -> None:
 
 
 def test_engine_and_worker_config_pass_kv_dtype(tiny: Path) -> None:
-    engine = Engine(tiny, dtype=torch.float32, max_seqs=2, max_context=64, kv_dtype="fp8_e4m3")
+    engine = Engine(WorkerConfig(str(tiny), max_running=2, max_context=64, kv_dtype="fp8_e4m3"))
     assert {layer.paged["k"].dtype for layer in engine.runner.pool.layers if "k" in layer.paged} == {FP8}
     out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
-    recorded = Engine(tiny, dtype=torch.float32, max_context=64, kv_dtype="fp8_e4m3", record_routing=True)
+    recorded = Engine(WorkerConfig(str(tiny), max_context=64, kv_dtype="fp8_e4m3", record_routing=True))
     recorded.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert recorded.routing_recorder.trace().ids.shape[0] == 4  # 3 + 1 tokens: not the calibration pass
-    worker = load_engine(WorkerConfig(str(tiny), max_running=2, max_context=64, kv_dtype="fp8_e4m3"))
+    worker = Engine(WorkerConfig(str(tiny), max_running=2, max_context=64, kv_dtype="fp8_e4m3"))
     assert worker.runner.pool.kv_scales is not None
     assert parse_kv_dtype("auto") is None and parse_kv_dtype(None) is None
     with pytest.raises(ValueError, match="kv_dtype"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.kv.lending import KvLending
 from common.kv.state import PagedSpec, SlotSpec, StatePool
@@ -64,7 +65,7 @@ def model(request, tmp_path_factory):
     path = make_model(tmp_path_factory.mktemp(arch), preset="tiny", arch=arch, overrides=ARCHS[arch], seed=1)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (200, 150, 40, 230, 9)]
-    reference = Engine(path, dtype=torch.float32, max_seqs=2, max_context=256).generate(prompts, GREEDY)
+    reference = Engine(WorkerConfig(str(path), max_running=2, max_context=256)).generate(prompts, GREEDY)
     return path, prompts, [r.token_ids for r in reference]
 
 
@@ -73,11 +74,17 @@ def run_lending(
 ) -> tuple[list[list[int]], Engine]:
     """By default two lanes of 256 tokens (stages of 64 tokens): prompts of up to 230 tokens push the limit
     up, finished ones let it down; the cache has one slot a layer of its own."""
-    layers = len(Engine(path, dtype=torch.float32, max_seqs=1).config.moe_layers)
+    layers = len(Engine(WorkerConfig(str(path), max_running=1)).config.moe_layers)
     engine = Engine(
-        path, dtype=torch.float32, device=device, max_seqs=max_seqs, max_context=max_context,
-        expert_cache=str(layers), lend_kv=True,
-    )  # fmt: skip
+        WorkerConfig(
+            str(path),
+            device=device,
+            max_running=max_seqs,
+            max_context=max_context,
+            expert_cache=str(layers),
+            lend_kv=True,
+        )
+    )
     lending = engine.kv_lending
     assert engine.offload.tables.lent > 0 and lending.limit == lending.stages[0]
     out = [r.token_ids for r in engine.generate(prompts, GREEDY)]
@@ -96,7 +103,7 @@ def test_lending_generates_what_no_lending_does(model) -> None:
 def test_lending_needs_an_expert_cache(model) -> None:
     path, _, _ = model
     with pytest.raises(ValueError, match="needs an expert cache"):
-        Engine(path, dtype=torch.float32, max_seqs=1, lend_kv=True)
+        Engine(WorkerConfig(str(path), max_running=1, lend_kv=True))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -108,9 +115,12 @@ def test_random_growth_prefills_and_releases_keep_logits_and_tables(model, seed)
     import random
 
     path, _, _ = model
-    layers = len(Engine(path, dtype=torch.float32, max_seqs=1).config.moe_layers)
-    kwargs = {"dtype": torch.float32, "max_seqs": 3, "max_context": 256, "expert_cache": str(layers)}
-    plain, lend = Engine(path, **kwargs), Engine(path, **kwargs, lend_kv=True)
+    layers = len(Engine(WorkerConfig(str(path), max_running=1)).config.moe_layers)
+    kwargs = {"max_running": 3, "max_context": 256, "expert_cache": str(layers)}
+    plain, lend = (
+        Engine(WorkerConfig(str(path), **kwargs)),
+        Engine(WorkerConfig(str(path), **kwargs, lend_kv=True)),
+    )
     lending, tables = lend.kv_lending, lend.offload.tables
     rng, live = random.Random(seed), []  # [(plain seq, lending seq, tokens so far)]
 
@@ -157,9 +167,9 @@ def test_a_warm_up_may_take_lent_pages_back(model) -> None:
     """A freeze with no other reader (`untracked`, a benchmark's warm-up) does not block growth: a prompt
     past the first stage takes its pages back from the cache, and the tables stay consistent."""
     path, prompts, _ = model
-    layers = len(Engine(path, dtype=torch.float32, max_seqs=1).config.moe_layers)
+    layers = len(Engine(WorkerConfig(str(path), max_running=1)).config.moe_layers)
     engine = Engine(
-        path, dtype=torch.float32, max_seqs=2, max_context=256, expert_cache=str(layers), lend_kv=True
+        WorkerConfig(str(path), max_running=2, max_context=256, expert_cache=str(layers), lend_kv=True)
     )
     with engine.offload.untracked():
         seq = engine.runner.new_sequence()

@@ -80,7 +80,7 @@ def test_a_forked_sequence_continues_like_its_source(tmp_path, monkeypatch, chun
     from common.model.synthetic.checkpoint import make_model
 
     model = load_model(make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp"), dtype=torch.float32)
-    runner = ModelRunner(model, max_seqs=3, max_context=64)
+    runner = ModelRunner(model, max_running=3, max_context=64)
     source = runner.new_sequence()
     token = int(runner.forward([source], [list(range(3, 40))]).argmax(-1))  # pages, conv, recurrent, n-gram
     monkeypatch.setattr(state, "COPY_PAGES", chunk)

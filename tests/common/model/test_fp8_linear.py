@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.engine.memory_plan import plan_for_dir, weight_bytes
 from common.model.fp8_linear import BLOCK_K, FP8_MAX, Fp8Fused, Fp8Linear, dequantize_fp8, quantize_fp8
@@ -35,7 +36,9 @@ def assert_fp8_close(path: Path, fused: bool, device: str = "cpu") -> None:
     logits, held, fed = [], [], None
     for resident in (None, "fp8"):
         engine = Engine(
-            path, dtype=torch.float32, device=device, max_seqs=1, fused_kernels=fused, resident_dtype=resident
+            WorkerConfig(
+                str(path), device=device, max_running=1, fused_kernels=fused, resident_dtype=resident
+            )
         )
         steps = teacher_forced(engine, prompt, 3, fed)
         fed = fed or [int(s.argmax(-1)) for s in steps[:-1]]
@@ -72,7 +75,7 @@ def test_fp8_mixers_keep_the_model_close(qwen4: Path) -> None:
 
 
 def test_the_plan_holds_what_the_fp8_model_holds(qwen4: Path) -> None:
-    engine = Engine(qwen4, dtype=torch.float32, max_seqs=1, resident_dtype="fp8")
+    engine = Engine(WorkerConfig(str(qwen4), max_running=1, resident_dtype="fp8"))
     plan = plan_for_dir(
         qwen4, budget_bytes=1 << 30, max_context=100, max_running=1, expert_format="bf16",
         dtype=torch.float32, resident_dtype="fp8",
@@ -83,9 +86,9 @@ def test_the_plan_holds_what_the_fp8_model_holds(qwen4: Path) -> None:
 def test_fp8_needs_token_mixers_it_covers(tmp_path: Path) -> None:
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
     with pytest.raises(ValueError, match="qwen4_exp's token mixers"):
-        Engine(path, dtype=torch.float32, max_seqs=1, resident_dtype="fp8")
+        Engine(WorkerConfig(str(path), max_running=1, resident_dtype="fp8"))
     with pytest.raises(ValueError, match="--resident-dtype must be one of"):
-        Engine(path, dtype=torch.float32, max_seqs=1, resident_dtype="int8")
+        Engine(WorkerConfig(str(path), max_running=1, resident_dtype="int8"))
 
 
 def test_layers_hold_the_mixer_launch_before_a_wide_fp8_projection(qwen4: Path, monkeypatch) -> None:
@@ -98,7 +101,7 @@ def test_layers_hold_the_mixer_launch_before_a_wide_fp8_projection(qwen4: Path, 
     monkeypatch.setattr(gemv, "CUBLAS_ROWS", 1)
     held = {}
     for resident in (None, "fp8"):
-        engine = Engine(qwen4, dtype=torch.float32, max_seqs=1, fused_kernels=True, resident_dtype=resident)
+        engine = Engine(WorkerConfig(str(qwen4), max_running=1, fused_kernels=True, resident_dtype=resident))
         layers = [m for m in engine.model.modules() if isinstance(m, Qwen4DecoderLayer)]
         held[resident] = {(layer._holds_mixer_launch(1), layer._holds_mixer_launch(2)) for layer in layers}
     assert held == {None: {(False, False)}, "fp8": {(True, False)}}

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.fused_linear import fuse_linears, fuse_projections, project
 from common.model.synthetic.checkpoint import make_model
@@ -82,7 +83,7 @@ def test_mismatched_linears_are_not_fused() -> None:
 @pytest.mark.parametrize("arch", ["qwen4_exp", "qwen2_moe"])
 def test_a_model_with_fused_projections_gives_the_same_logits(tmp_path: Path, arch: str) -> None:
     path = make_model(tmp_path / "m", preset="tiny", arch=arch)
-    engine = Engine(path, dtype=torch.float32, device="cpu", max_seqs=1, fused_kernels=False)
+    engine = Engine(WorkerConfig(str(path), device="cpu", max_running=1, fused_kernels=False))
     prompt = torch.randint(3, 1000, (9,), generator=torch.Generator().manual_seed(0)).tolist()
 
     def logits() -> torch.Tensor:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.context import ForwardContext
 from common.model.groups import lane_groups, pass_groups
@@ -30,12 +31,12 @@ def test_pass_groups_split_where_the_cache_takes_two_groups(tmp_path: Path) -> N
     not resident experts), with a group's choices within its half of the staging rows (tiny: 8 experts,
     top-2, so at most two lanes a group), and never an empty group."""
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", seed=1)
-    cached = Engine(path, dtype=torch.float32, max_seqs=4, expert_cache="0.5").model
+    cached = Engine(WorkerConfig(str(path), max_running=4, expert_cache="0.5")).model
     assert pass_groups(cached, 4, 2) == 2 and pass_groups(cached, 3, 2) == 2
     assert pass_groups(cached, 6, 2) == 1  # three lanes a group: 6 choices, 4 staging rows
     assert pass_groups(cached, 4, 8) == pass_groups(cached, 4, 0) == pass_groups(cached, 1, 1) == 1
-    assert pass_groups(Engine(path, dtype=torch.float32, max_seqs=4).model, 4, 2) == 1
-    all_fit = Engine(path, dtype=torch.float32, max_seqs=4, expert_cache="all")
+    assert pass_groups(Engine(WorkerConfig(str(path), max_running=4)).model, 4, 2) == 1
+    all_fit = Engine(WorkerConfig(str(path), max_running=4, expert_cache="all"))
     all_fit.offload.load_all(release_host=False)
     assert pass_groups(all_fit.model, 4, 2) == 1
 
@@ -71,7 +72,7 @@ def test_grouped_decode_decodes_the_reference_tokens(tmp_path: Path, arch: str, 
     """With the model's routing and with a replayed one (the groups take the trace's rows in lane order)."""
     path = make_model(tmp_path / "m", preset="tiny", arch=arch, overrides=ARCHS[arch], seed=1)
     prompts = _prompts()
-    make = lambda: Engine(path, dtype=torch.float32, max_seqs=3, expert_cache="0.25", replay_routing=replay)
+    make = lambda: Engine(WorkerConfig(str(path), max_running=3, expert_cache="0.25", replay_routing=replay))
     reference = make().generate(prompts, GREEDY)
     engine = make()
     passes = _grouped(engine)
@@ -89,8 +90,8 @@ def test_grouped_bypasses_take_their_groups_staging_rows(tmp_path: Path) -> None
     bypasses take separate halves of the rows is test_cache_tables's.)"""
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", seed=1)
     prompts = _prompts()
-    reference = Engine(path, dtype=torch.float32, max_seqs=3).generate(prompts, GREEDY)
-    engine = Engine(path, dtype=torch.float32, max_seqs=3, expert_cache="0.25")
+    reference = Engine(WorkerConfig(str(path), max_running=3)).generate(prompts, GREEDY)
+    engine = Engine(WorkerConfig(str(path), max_running=3, expert_cache="0.25"))
     engine.offload.tables.frozen = True
     passes = _grouped(engine)
     out = engine.generate(prompts, GREEDY)
@@ -105,7 +106,7 @@ def test_grouped_passes_make_no_guesses(tmp_path: Path) -> None:
     every decode pass here is grouped, so no guess is made or copied."""
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", seed=1)
     prompts = _prompts()
-    engine = Engine(path, dtype=torch.float32, max_seqs=3, expert_cache="0.25", lookahead=2)
+    engine = Engine(WorkerConfig(str(path), max_running=3, expert_cache="0.25", lookahead=2))
     passes = _grouped(engine)
     engine.generate(prompts, GREEDY)
     assert len(passes) >= GREEDY.max_tokens - 1
@@ -117,7 +118,7 @@ def test_an_untracked_pass_leaves_the_grouping_as_it_was(tmp_path: Path) -> None
     """A warm-up (an eager pass: one group) between grouped passes puts the previous steps back, and with
     them their grouping."""
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", seed=1)
-    engine = Engine(path, dtype=torch.float32, max_seqs=3, expert_cache="0.25")
+    engine = Engine(WorkerConfig(str(path), max_running=3, expert_cache="0.25"))
     tables = engine.offload.tables
     tables.regroup(2)
     tables.previous[1, 0, 3] = True

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.engine.memory_plan import plan_for_dir
 from common.model.host_embedding import HostEmbedding
@@ -23,7 +24,9 @@ def test_same_tokens_with_embeddings_on_host(tmp_path: Path, arch: str) -> None:
     prompts = [[5, 6, 7, 8, 9], [40, 41]]
     outs = []
     for on_host in (False, True):
-        engine = Engine(path, dtype=torch.float32, max_seqs=2, expert_cache="0.5", embeddings_on_host=on_host)
+        engine = Engine(
+            WorkerConfig(str(path), max_running=2, expert_cache="0.5", embeddings_on_host=on_host)
+        )
         assert isinstance(engine.model.model.embed_tokens, HostEmbedding) == on_host
         outs.append([r.token_ids for r in engine.generate(prompts, PARAMS)])
     assert outs[0] == outs[1]
@@ -43,4 +46,4 @@ def test_tied_embeddings_are_refused(tmp_path: Path) -> None:
         tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides={"tie_word_embeddings": True}
     )
     with pytest.raises(ValueError, match="ties its embeddings"):
-        Engine(path, dtype=torch.float32, max_seqs=1, embeddings_on_host=True)
+        Engine(WorkerConfig(str(path), max_running=1, embeddings_on_host=True))

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.experts.formats import FP8_BLOCK
 from common.experts.resident import ResidentExperts
@@ -219,7 +220,7 @@ def _assert_matches(transformers, hf_dir: Path, fp8_dir: Path, matches_transform
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation="eager", **hf_kwargs
     ).eval()
-    engine = Engine(fp8_dir, dtype=torch.float32, max_seqs=3, max_context=64)
+    engine = Engine(WorkerConfig(str(fp8_dir), max_running=3, max_context=64))
     prompts = _prompts(engine.config.vocab_size)
     seqs = [engine.runner.new_sequence() for _ in prompts]
     prefill = engine.runner.forward(seqs, prompts, all_logits=True)  # [T, V], sequence by sequence
@@ -264,8 +265,10 @@ def test_greedy_generation(fp8_dir: Path, dequantized_dir: Path, expert_cache: s
     """End to end through the Engine, experts resident or served from host memory through a cache of half
     of them: the same tokens as the plain reference checkpoint."""
     prompts = _prompts(1000)
-    ours = Engine(fp8_dir, torch.float32, max_seqs=2, expert_cache=expert_cache).generate(prompts, GREEDY)
-    ref = Engine(dequantized_dir, torch.float32, max_seqs=2).generate(prompts, GREEDY)
+    ours = Engine(WorkerConfig(str(fp8_dir), max_running=2, expert_cache=expert_cache)).generate(
+        prompts, GREEDY
+    )
+    ref = Engine(WorkerConfig(str(dequantized_dir), max_running=2)).generate(prompts, GREEDY)
     assert [r.token_ids for r in ours] == [r.token_ids for r in ref]
     assert all(len(r.token_ids) == GREEDY.max_tokens for r in ours)
 
@@ -330,6 +333,6 @@ def test_convert_reads_an_fp8_checkpoint_through_its_scales(tmp_path):
     assert 0 < meta["quantization_error"]["gate_up"] < 0.01
     prompts = [[5, 6, 7, 8], [40, 41]]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    ref = [r.token_ids for r in Engine(src, dtype=torch.float32).generate(prompts, greedy)]
-    out = [r.token_ids for r in Engine(tmp_path / "art", dtype=torch.float32).generate(prompts, greedy)]
+    ref = [r.token_ids for r in Engine(WorkerConfig(str(src))).generate(prompts, greedy)]
+    out = [r.token_ids for r in Engine(WorkerConfig(str(tmp_path / "art"))).generate(prompts, greedy)]
     assert out == ref

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.engine.runner import ModelRunner
 from common.model.synthetic.checkpoint import make_model
@@ -122,7 +123,7 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 @torch.inference_mode()
 def test_logits_match_transformers(checkpoint, matches_transformers):
     model_dir, hf = checkpoint
-    engine = Engine(model_dir, dtype=torch.float32, max_seqs=4, max_context=64)
+    engine = Engine(WorkerConfig(str(model_dir), max_running=4, max_context=64))
     runner: ModelRunner = engine.runner
     prompts = _prompts(engine.config.vocab_size)
     seqs = [runner.new_sequence() for _ in prompts]
@@ -134,7 +135,7 @@ def test_logits_match_transformers(checkpoint, matches_transformers):
 @torch.inference_mode()
 def test_greedy_generation_matches_transformers(checkpoint):
     model_dir, hf = checkpoint
-    engine = Engine(model_dir, dtype=torch.float32, max_seqs=2, max_context=64)
+    engine = Engine(WorkerConfig(str(model_dir), max_running=2, max_context=64))
     prompts = _prompts(engine.config.vocab_size, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     ours = engine.generate(prompts, params)  # three prompts through two lanes: one waits for a free lane

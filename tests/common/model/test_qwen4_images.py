@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.qwen4_exp.positions import ImageTokens, prompt_images
 from common.model.synthetic.checkpoint import make_model
@@ -94,7 +95,7 @@ def test_prompt_with_images_matches_transformers(model_dir) -> None:
     encoder = ImageEncoder(model_dir)
     encoded = encoder.encode(images)
     tokens = ImageTokens.from_model_dir(model_dir)
-    engine = Engine(model_dir, dtype=torch.float32, max_seqs=2, max_context=128)
+    engine = Engine(WorkerConfig(str(model_dir), max_running=2, max_context=128))
     hf_cfg = modeling.Qwen4ExpForConditionalGeneration.config_class.from_pretrained(model_dir)
     prompt = _prompt(
         tokens,
@@ -156,7 +157,7 @@ def test_a_one_token_pass_after_an_image_rotates_its_block_from_the_prompt(model
     attached, delta = prompt_images(
         prompt, tokens.image_token_id, encoded[0].embeddings, [encoded[0].grid], tokens.merge, tokens.block
     )
-    runner = Engine(model_dir, dtype=torch.float32, max_seqs=2, max_context=64).runner
+    runner = Engine(WorkerConfig(str(model_dir), max_running=2, max_context=64)).runner
 
     def blocks_and_steps(chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The QSA layers' compressed block keys of the prompt, and the logits of its first decode steps."""

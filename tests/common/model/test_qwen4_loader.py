@@ -46,7 +46,7 @@ def _rewrite(model_dir: Path, edit) -> None:
 
 def _logits(model_dir: Path) -> torch.Tensor:
     model = load_model(model_dir, dtype=torch.float32)
-    runner = ModelRunner(model, max_seqs=1, max_context=64)
+    runner = ModelRunner(model, max_running=1, max_context=64)
     prompt = torch.randint(3, 1000, (25,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
         return runner.forward([runner.new_sequence()], [prompt], all_logits=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
@@ -54,7 +55,7 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("chunk", [None, 6], ids=["one-pass", "chunked"])
 def test_logits_match_transformers(checkpoint, chunk, matches_transformers):
     model_dir, hf = checkpoint
-    engine = Engine(model_dir, dtype=torch.float32, max_seqs=4, max_context=96)
+    engine = Engine(WorkerConfig(str(model_dir), max_running=4, max_context=96))
     runner = engine.runner
     prompts = _prompts(engine.config.vocab_size)
     seqs = [runner.new_sequence() for _ in prompts]
@@ -85,7 +86,7 @@ def test_indexer_scores_in_query_slices(checkpoint, matches_transformers, monkey
 
     monkeypatch.setattr(QSAIndexer, "score_bytes", 1)
     model_dir, hf = checkpoint
-    runner = Engine(model_dir, dtype=torch.float32, max_seqs=4, max_context=96).runner
+    runner = Engine(WorkerConfig(str(model_dir), max_running=4, max_context=96)).runner
     prompts = _prompts(runner.model.config.vocab_size)
     seqs = [runner.new_sequence() for _ in prompts]
     ours = runner.forward(seqs, prompts, all_logits=True)
@@ -95,7 +96,7 @@ def test_indexer_scores_in_query_slices(checkpoint, matches_transformers, monkey
 @torch.inference_mode()
 def test_greedy_generation_matches_transformers(checkpoint):
     model_dir, hf = checkpoint
-    engine = Engine(model_dir, dtype=torch.float32, max_seqs=3, max_context=96)
+    engine = Engine(WorkerConfig(str(model_dir), max_running=3, max_context=96))
     prompts = _prompts(engine.config.vocab_size, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     ours = engine.generate(prompts, params)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.kv.state import SequenceState
 from common.model.defaults import default_model_dir
@@ -45,7 +46,7 @@ def test_formats_become_schemas_and_bad_ones_are_named() -> None:
 def test_every_text_follows_the_schema(temperature: float) -> None:
     """The tiny model's random weights would write anything: under the grammar it writes the object, then
     its end-of-sequence token."""
-    engine = Engine(default_model_dir(), dtype=torch.float32, max_seqs=4)
+    engine = Engine(WorkerConfig(str(default_model_dir()), max_running=4))
     params = [
         SamplingParams(temperature=temperature, seed=s, max_tokens=40, structure=structure_of(FORMAT))
         for s in range(4)
@@ -84,7 +85,7 @@ def test_a_forced_call_is_one_call_block_of_a_listed_function() -> None:
             "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}},
         },
     ]
-    engine = Engine(default_model_dir(), dtype=torch.float32, max_seqs=4)
+    engine = Engine(WorkerConfig(str(default_model_dir()), max_running=4))
     params = [
         SamplingParams(
             temperature=1.0, seed=s, max_tokens=60, structure=call_structure(tools, name, HERMES_TAGS)
@@ -127,7 +128,7 @@ def test_a_grammar_that_starts_after_a_token_leaves_what_comes_before_free() -> 
     with pytest.raises(RuntimeError, match="breaks the grammar"):
         procs.accept(later, other)
 
-    engine = Engine(default_model_dir(), dtype=torch.float32, max_seqs=2)
+    engine = Engine(WorkerConfig(str(default_model_dir()), max_running=2))
     forced = SamplingParams(
         max_tokens=40, structure=structure_of(FORMAT), structure_after=gate, logit_bias=((gate, 100.0),)
     )
@@ -158,7 +159,7 @@ def test_a_forced_call_in_the_xml_form_is_one_block_of_typed_arguments() -> None
         },
     ]
     form = call_form(HERMES_TAGS, tools)
-    engine = Engine(default_model_dir(), dtype=torch.float32, max_seqs=4)
+    engine = Engine(WorkerConfig(str(default_model_dir()), max_running=4))
     structure = call_structure(tools, "pick", HERMES_TAGS, xml=True)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=150, structure=structure) for s in range(2)]
     noop = call_structure(tools, "noop", HERMES_TAGS, xml=True)

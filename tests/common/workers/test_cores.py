@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.config import WorkerConfig
+from common.engine.engine import Engine
 from common.model.defaults import default_model_dir
 from common.model.synthetic.checkpoint import make_model
 from common.protocol import (
@@ -21,7 +22,7 @@ from common.protocol import (
     encode,
 )
 from common.sampling.sampler import SamplingParams
-from common.workers.decode import DecodeCore, load_engine
+from common.workers.decode import DecodeCore
 from common.workers.prefill import PrefillCore
 from common.workers.sharing import decode_exports, host_allocator, prefill_model, shared_allocator
 from tests.common.workers.pair import deliver
@@ -120,7 +121,7 @@ def test_disaggregated_tokens_equal_offline_engine(cores):
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     box = [out for i, p in enumerate(PROMPTS) for out in pre.submit(Generate(f"r{i}", p, greedy, 0.0))]
     seen = _run(dec, pre, box)
-    engine = load_engine(cfg)  # the single-process path, same config
+    engine = Engine(cfg)  # the single-process path, same config
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     reference = [r.token_ids for r in engine.generate(PROMPTS, params)]
     for i, ref in enumerate(reference):
@@ -144,7 +145,7 @@ def test_sampled_and_stopped_requests_equal_offline_engine(cores):
         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, ignore_eos=True, seed=7 + i)
         for i in range(3)
     ]
-    reference = [r.token_ids for r in load_engine(cfg).generate(PROMPTS, params)]
+    reference = [r.token_ids for r in Engine(cfg).generate(PROMPTS, params)]
     stop = reference[0][4]
     params[0] = msgspec.structs.replace(params[0], stop_token_ids=(stop,))
     box = [out for i, p in enumerate(PROMPTS) for out in pre.submit(Generate(f"s{i}", p, params[i], 0.0))]
@@ -172,7 +173,7 @@ def test_logprobs_come_with_the_tokens_of_the_requests_that_ask(cores):
         for out in pre.submit(Generate(f"l{i}", p, msgspec.structs.replace(greedy, logprobs=k), 0.0))
     ]
     seen = _run(dec, pre, box)
-    reference = [r.token_ids for r in load_engine(cfg).generate(PROMPTS, greedy)]
+    reference = [r.token_ids for r in Engine(cfg).generate(PROMPTS, greedy)]
     for i, k in enumerate(asks):
         events = seen[f"l{i}"]
         assert [t for e in events for t in e.token_ids] == reference[i]
@@ -200,12 +201,12 @@ def test_penalized_biased_and_held_requests_equal_offline_engine(cores):
         msgspec.structs.replace(base, temperature=0.9, seed=4, presence_penalty=1.5, min_p=0.02),
         msgspec.structs.replace(base, min_tokens=12, logit_bias=((7, 4.0),)),
     ]
-    reference = load_engine(cfg).generate(PROMPTS, params)
+    reference = Engine(cfg).generate(PROMPTS, params)
     box = [out for i, p in enumerate(PROMPTS) for out in pre.submit(Generate(f"p{i}", p, params[i], 0.0))]
     seen = _run(dec, pre, box)
     for i, ref in enumerate(reference):
         assert [t for e in seen[f"p{i}"] for t in e.token_ids] == ref.token_ids
-    plain = load_engine(cfg).generate(PROMPTS[:1], base)[0].token_ids
+    plain = Engine(cfg).generate(PROMPTS[:1], base)[0].token_ids
     assert plain != reference[0].token_ids, "the penalties changed what greedy decoding picks"
     assert dec.pool.pages.num_free == dec.pool.num_pages
 
@@ -220,7 +221,7 @@ def test_prompt_logprobs_span_the_chunks(cores):
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     seen = _run(dec, pre, pre.submit(Generate("e", prompt, params, 0.0)))
     rows = seen["e"][0].prompt_logprobs
-    engine = load_engine(cfg)
+    engine = Engine(cfg)
     seq = engine.runner.new_sequence()
     want = torch.log_softmax(
         engine.runner.forward([seq], [prompt], all_logits=True).float(), dim=-1
@@ -254,7 +255,7 @@ def test_structured_requests_equal_offline_engine(cores):
         SamplingParams(temperature=0.9, seed=2, max_tokens=30, structure=structure),
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
     ]
-    engine = load_engine(cfg)
+    engine = Engine(cfg)
     reference = engine.generate(PROMPTS[:2], params)
     box = [out for i, p in enumerate(PROMPTS[:2]) for out in pre.submit(Generate(f"j{i}", p, params[i], 0.0))]
     seen = _run(dec, pre, box)
@@ -300,7 +301,7 @@ def test_decode_steps_while_a_grammar_compiles(cores):
         gate.set()
     for rid, events in _run(dec, pre, box).items():
         seen.setdefault(rid, []).extend(events)
-    reference = load_engine(cfg).generate(PROMPTS[:2], params)
+    reference = Engine(cfg).generate(PROMPTS[:2], params)
     for i, ref in enumerate(reference):
         assert [t for e in seen[f"g{i}"] for t in e.token_ids] == ref.token_ids
     assert not dec.admitting and dec.pool.slots.num_free == cfg.max_running
@@ -319,7 +320,7 @@ def test_siblings_share_one_prefill_and_sample_their_own(cores, monkeypatch):
     gen = Generate("s", PROMPTS[2], sampling, 0.0, siblings=[Sibling("s-1", 8)])
     seen = _run(dec, pre, pre.submit(gen))
     assert [(m.rid, [s.rid for s in m.siblings]) for m in done] == [("s", ["s-1"])]
-    engine = load_engine(cfg)
+    engine = Engine(cfg)
     for rid, seed in [("s", 7), ("s-1", 8)]:
         params = msgspec.structs.replace(sampling, seed=seed)
         (ref,) = engine.generate([PROMPTS[2]], params)
@@ -344,7 +345,7 @@ def test_siblings_outlive_an_aborted_source_and_an_aborted_sibling_frees_its_lan
     dec.abort("a")  # the router's abort reaches decode first
     seen = _run(dec, pre, box)
     assert [len(e.token_ids) for e in seen["a"]] == [1]  # prefill's first token only
-    (ref,) = load_engine(cfg).generate([PROMPTS[0]], sampling)
+    (ref,) = Engine(cfg).generate([PROMPTS[0]], sampling)
     assert [t for e in seen["a-1"] for t in e.token_ids] == ref.token_ids
 
     box = pre.submit(Generate("b", PROMPTS[1], sampling, 0.0, siblings=[Sibling("b-1", 3)]))
@@ -537,7 +538,7 @@ def test_a_lane_waits_for_lent_pages_while_prefill_reads_the_cache(cores):
     assert len(tokens) < 60 and all(e.finish_reason is None for e in seen["grow"])
     rest = _run(dec, pre, box)
     tokens += [t for e in rest["grow"] for t in e.token_ids]
-    (want,) = load_engine(cfg).generate([prompt], greedy)
+    (want,) = Engine(cfg).generate([prompt], greedy)
     assert tokens == want.token_ids and lending.limit == lending.stages[0]
 
 
@@ -570,7 +571,7 @@ def test_prefills_take_the_lent_arena_back(cores):
     seen |= _run(dec, pre, box)
     assert tables.lent == tables.bank.numel()
     tables.check()
-    want = load_engine(cfg).generate([PROMPTS[0], PROMPTS[2]], greedy)
+    want = Engine(cfg).generate([PROMPTS[0], PROMPTS[2]], greedy)
     for rid, ref in zip(("b0", "b1"), want, strict=True):
         assert [t for ev in seen[rid] for t in ev.token_ids] == ref.token_ids
     dec.prefill_restarted()
