@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from common.model import synthetic
+from common.model.synthetic import checkpoint as synthetic
 from common.model.synthetic.checkpoint import make_model, synthetic_tensors
 from common.model.synthetic.config import model_config, parse_overrides
 from common.model.synthetic.plan import plan_shards, plan_tensors
@@ -86,7 +86,7 @@ def test_tiny_files_and_index(tiny: dict[str, Path], arch: str) -> None:
 
 
 def test_token_ids_match_tokenizer() -> None:
-    from common.model import synthetic_tokenizer as tok
+    from common.model.synthetic import tokenizer as tok
 
     assert EOS_TOKEN_ID == tok.IM_END_ID
     assert PAD_TOKEN_ID == tok.ENDOFTEXT_ID

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from common.model import synthetic
 from common.model.ngram import NGramSpec, ngram_shard_rows
+from common.model.synthetic import checkpoint as synthetic
 from common.model.synthetic.checkpoint import make_model, synthetic_tensors
 from common.model.synthetic.config import model_config
 from common.model.synthetic.plan import plan_shards, plan_tensors
