@@ -7,6 +7,7 @@ Config flows through the code as these objects, never as loose dicts. Parsing fr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,15 @@ prefill MoE, so a layer-major group's MoE (every chunk's tokens at once) runs ga
 down in slices of this many."""
 
 
+ARTIFACT_META = "experts.json"
+"""The metadata file of an artifact (`spillway convert`'s output: experts packed once) in its directory."""
+
+
+def is_artifact(model_dir: str | Path) -> bool:
+    """Whether `model_dir` holds an artifact (its ARTIFACT_META file) rather than a checkpoint."""
+    return (Path(model_dir) / ARTIFACT_META).is_file()
+
+
 def check_lending(
     model_dir: str, cached: bool, lend_kv: bool, lend_arena: bool = False, prefill_bank: bool = False
 ) -> None:
@@ -140,8 +150,6 @@ def check_lending(
     (`lend_arena`) and a prefill worker's arena (`prefill_bank`, serve's --lend-arena) each lend the cache
     tables' one bank, so at most one of them; KV pages and prefill's arena need an expert cache (`cached`, or
     an artifact's)."""
-    from common.experts.artifact import is_artifact
-
     asked = (("--lend-kv", lend_kv), ("--lend-arena", prefill_bank), ("the engine's own arena", lend_arena))
     lenders = [name for name, on in asked if on]
     if len(lenders) > 1:
@@ -164,8 +172,6 @@ def resolve_lookahead(model_dir: str, cached: bool, lookahead: int | None, devic
     (DEFAULT_LOOKAHEAD with an expert cache — `cached`, or an artifact's — on CUDA, where the guesses run
     beside the compute; else 0). ValueError unless a given value can hold: not negative, and a guess needs
     an expert cache to copy into."""
-    from common.experts.artifact import is_artifact
-
     has_cache = cached or is_artifact(model_dir)
     if lookahead is None:
         return DEFAULT_LOOKAHEAD if has_cache and device.startswith("cuda") else 0
@@ -217,7 +223,7 @@ class WorkerConfig:
     """Keep the token embedding in host memory and gather each pass's rows from there (frees its VRAM for
     the expert cache; refused for a model whose head is tied to it)."""
     fused_kernels: bool | None = None
-    """The fused Triton kernels and projections (`common.kernels.use_fused_kernels`): None switches them on
+    """The fused Triton kernels and projections (`use_fused_kernels`): None switches them on
     where the device is CUDA; False keeps every pass in torch ops (debugging, profiling)."""
     resident_dtype: str | None = None
     """`fp8`: the token mixers' projections held as fp8 codes with per-row, per-128-input scales

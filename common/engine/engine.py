@@ -16,10 +16,11 @@ from common.experts.artifact import is_artifact, open_store
 from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
-from common.kernels import fused_by_default, use_fused_kernels
+from common.kernels import fused_by_default
 from common.kv.lending import KvLending
 from common.kv.state import Allocator, PromptImages, SequenceState
 from common.model.fp8_linear import to_resident_dtype
+from common.model.fused_kernels import use_fused_kernels
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
 from common.model.moe import install_lookahead
@@ -85,7 +86,7 @@ class Engine:
         never prefills; `cuda_graphs` records and replays decode passes on CUDA (see ModelRunner);
         `embeddings_on_host` keeps the token embedding in host memory (common/model/host_embedding.py);
         `fused_kernels` switches the fused Triton kernels and projections on or off
-        (`common.kernels.use_fused_kernels`; None: on CUDA); `lend_arena` gives the prefill arena's second
+        (`use_fused_kernels`; None: on CUDA); `lend_arena` gives the prefill arena's second
         buffer to the expert cache between prefills (E more slots during decode; see OffloadedExperts; each
         prefill pass takes it back, emptied); `resident_dtype` "fp8" keeps the token mixers' projections in
         fp8 (common/model/fp8_linear.py; None: the model dtype); `lend_kv` lends the KV pool's idle pages

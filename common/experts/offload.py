@@ -45,11 +45,12 @@ import torch.nn.functional as F
 
 from common.experts.cache_tables import DECODE_GROUPS, DEFAULT_POLICY, CacheTables
 from common.experts.formats import ExpertFormat, get_format
-from common.experts.provider import ExpertProvider, add_shared, install_provider
+from common.experts.provider import ExpertProvider, add_shared
 from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
 from common.experts.store import HostExpertStore
 from common.kv.lending import KvLending
 from common.model.hf_config import read_json
+from common.model.moe import install_provider
 
 _FILLS, _BYPASSES, _ARENA, _LOADS = range(4)  # rows of the device counters of experts moved
 TRAFFIC_ROWS = _LOADS + 1

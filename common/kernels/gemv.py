@@ -34,11 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels import arrival
+from common.kernels import GEMV_ROWS, arrival
 from common.kernels.arrival import arrive, sum_terms
 from common.kernels.causal_conv import conv_channels, history_width
 from common.kernels.pdl import gdc_enter, launch
-from common.model.fused_linear import GEMV_ROWS
 
 SCALE_BLOCK = 128
 """Inputs per fp8 scale (fp8_linear.BLOCK_K): an fp8 weight's BK is a multiple of it."""
@@ -121,23 +120,6 @@ class ConvStep:
         """The kernel's (history, slots, weight, channels, width)."""
         width = history_width(self.history, self.weight, 1)
         return self.history, self.slots, self.weight.contiguous(), self.weight.shape[0], width
-
-
-def takes_conv(x: torch.Tensor, fused: object) -> bool:
-    """Whether `gemv` with a ConvStep computes x [1, K] through `fused`: CONV_EPILOGUE, x on CUDA, `fused`
-    bf16 FusedLinears (no bias, contiguous) of x's dtype whose product the GEMV takes (fused_linear.GEMV:
-    GDN's input projection in a one-token step)."""
-    from common.model import fused_linear
-
-    return (
-        CONV_EPILOGUE
-        and fused_linear.GEMV
-        and isinstance(fused, fused_linear.FusedLinears)
-        and fused_linear.plain_linear(fused)
-        and x.is_cuda
-        and x.shape[0] == 1
-        and fused.weight.dtype == x.dtype
-    )
 
 
 def large_one_row(m: int, n: int) -> bool:

@@ -10,12 +10,24 @@ than moved between registers, and normalised with the same factor.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
 
 from common.kernels.pdl import gdc_enter, launch
-from common.model.rope import RotaryEmbedding
+
+
+class Rotary(Protocol):
+    """What the RoPE kernels read of a rotary embedding (common/model/rope.py's RotaryEmbedding)."""
+
+    inv_freq: torch.Tensor
+    """[rot_dim / 2] fp32 inverse frequencies."""
+    scaling: float
+    """The scale applied to cos and sin."""
+    rot_dim: int
+    """Rotated channels of a head (the first ones)."""
 
 
 @triton.jit
@@ -69,7 +81,7 @@ def norm_rope(
     weight: torch.Tensor,
     eps: float,
     positions: torch.Tensor,
-    rotary: RotaryEmbedding,
+    rotary: Rotary,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H, D] (last dim contiguous; D a power of two), weight [D] (the norm's w: scaled by 1 + w),

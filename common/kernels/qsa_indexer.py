@@ -32,8 +32,8 @@ import triton.language as tl
 
 from common.kernels import arrival
 from common.kernels.arrival import arrive
+from common.kernels.norm_rope import Rotary
 from common.kernels.pdl import gdc_enter, launch
-from common.model.rope import RotaryEmbedding
 
 
 @triton.jit
@@ -137,7 +137,7 @@ class KeyBlocks(NamedTuple):
 
 
 def compress_step(
-    keys: KeyBlocks, positions: torch.Tensor, rope_positions: torch.Tensor, rotary: RotaryEmbedding
+    keys: KeyBlocks, positions: torch.Tensor, rope_positions: torch.Tensor, rotary: Rotary
 ) -> None:
     """One token per sequence, at `positions` [T] (rotated at `rope_positions` [T]): store each token's raw
     key at its position, and write its block's key (normalised, rotated by `rotary` at the block's first

@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels.norm_rope import _norm_rope_head
+from common.kernels.norm_rope import Rotary, _norm_rope_head
 from common.kernels.pdl import gdc_enter, launch
 from common.kernels.qsa_indexer import KeyBlocks, _compress_token
-from common.model.rope import RotaryEmbedding
 
 
 class HeadNorm(NamedTuple):
@@ -78,7 +77,7 @@ def qsa_prologue(
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
     rope_positions: torch.Tensor,
-    rotary: RotaryEmbedding,
+    rotary: Rotary,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token per sequence: `compress_step(blocks, positions, rope_positions, rotary)`, and `norm_rope`
     of index_q, q and k at `rope_positions` (k's with `store`: k pages, v, v pages, slot mapping, as

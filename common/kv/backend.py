@@ -155,7 +155,7 @@ class TorchPagedBackend(AttentionBackend):
 
     Scores take O(B · heads · Kmax) per query, so a long prefill attends in slices of its queries
     (`score_bytes`); meant for CPU, tests and as the reference. With `fused_decode` (opt-in, see
-    `common.kernels.use_fused_kernels`), passes of one query per sequence, and sparse passes (each query
+    `use_fused_kernels`), passes of one query per sequence, and sparse passes (each query
     its own selection of keys: QSA's prefill), run a Triton kernel over the pages instead
     (common/kernels/decode_attention.py): a sparse query reads only its selected keys, where this path
     scores every key and masks all but those.

@@ -14,11 +14,14 @@ QSA). The router (its choices), the embeddings, lm_head, norms and hyper-connect
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model.fused_linear import GEMV_ROWS, FusedLinears
+from common.kernels import GEMV_ROWS
+from common.model.fused_linear import FusedLinears
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -87,6 +90,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.qweight, self.scale, self.bias)
 
+    @staticmethod
+    def fuse_group(linears: Sequence[Fp8Linear]) -> Fp8Fused | None:
+        """`fuse_linears` for a group of fp8 Linears: `fuse_fp8`."""
+        return fuse_fp8(linears)
+
 
 class Fp8Fused(FusedLinears):
     """A fused projection (fused_linear.py) whose concatenated weight is fp8."""
@@ -99,7 +107,7 @@ class Fp8Fused(FusedLinears):
         return fp8_linear(x, self.weight, self.scale, self.bias).split(self.sizes, dim=-1)
 
 
-def fuse_fp8(linears: list[Fp8Linear]) -> Fp8Fused | None:
+def fuse_fp8(linears: Sequence[Fp8Linear]) -> Fp8Fused | None:
     """`fuse_linears` for fp8 members: one Fp8Fused over their codes and scales where those already lie back
     to back (rows of one quantised fused weight, in this process or mapped from another), else None."""
     from common.model.fused_linear import _adjacent
@@ -158,12 +166,9 @@ def quantize_resident(model: nn.Module) -> int:
 
 
 def _mixers(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """The token mixers fp8 covers, each with its output projection's name."""
-    from common.model.qwen4_exp.gdn import GatedDeltaNet
-    from common.model.qwen4_exp.qsa import QSAttention
-
-    outputs = {GatedDeltaNet: "out_proj", QSAttention: "o_proj"}
-    return [(m, outputs[type(m)]) for m in model.modules() if type(m) in outputs]
+    """The token mixers fp8 covers (those whose class names its output projection: `fp8_output`), each with
+    its output projection's name."""
+    return [(m, vars(type(m))["fp8_output"]) for m in model.modules() if "fp8_output" in vars(type(m))]
 
 
 RESIDENT_DTYPES = ("fp8",)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from common.kernels import GEMV_ROWS
 
 ALIGN_BYTES = 16
 """A fused weight gets rows beyond its Linears' (never read back) up to an output row of a multiple of this:
@@ -27,8 +29,6 @@ cuBLAS's fast Hopper GEMMs want 16-byte-aligned rows. In prefill-25k's profile (
 block's 1,793 columns (router 512, shared expert gate and up 640 each, its gate logit 1) ran on an
 alignment-1 cutlass kernel, 2.6 ms a layer (~90 TFLOP/s), and the hyper-connections' 324 on an
 alignment-4 one (~270 TFLOP/s)."""
-GEMV_ROWS = 16
-"""Most rows of input the Triton GEMV (common/kernels/gemv.py) takes; more run as a GEMM."""
 GEMV = True
 """Projections of at most GEMV_ROWS rows on CUDA run through the Triton GEMV (False: cuBLAS; the benchmark's
 `no-gemv` switch). Switch before a pass is recorded."""
@@ -99,15 +99,31 @@ def plain_linear(linear: nn.Module | FusedLinears | None) -> bool:
     return kind and linear.bias is None and linear.weight.is_contiguous()
 
 
+def takes_conv(x: torch.Tensor, fused: object) -> bool:
+    """Whether `gemv` with a ConvStep computes x [1, K] through `fused`: CONV_EPILOGUE, x on CUDA, `fused`
+    bf16 FusedLinears (no bias, contiguous) of x's dtype whose product the GEMV takes (GEMV: GDN's
+     input projection in a one-token step)."""
+    from common.kernels import gemv  # Triton
+
+    return (
+        gemv.CONV_EPILOGUE
+        and GEMV
+        and isinstance(fused, FusedLinears)
+        and plain_linear(fused)
+        and x.is_cuda
+        and x.shape[0] == 1
+        and fused.weight.dtype == x.dtype
+    )
+
+
 def fuse_linears(linears: Sequence[nn.Linear], copy: bool = True) -> FusedLinears | None:
     """Concatenate the weights of `linears` (one input width, dtype and device; all with a bias or none):
     each Linear's weight becomes a view of its rows. Weights that already are consecutive rows of one storage
     (a process that maps another's fused weights) are viewed as they are; otherwise, with `copy`, they are
     copied into a new tensor (and their old memory freed), and without it nothing is fused (None)."""
     if all(hasattr(linear, "qweight") for linear in linears):  # fp8 (fp8_linear.py): views of one weight only
-        from common.model.fp8_linear import fuse_fp8
-
-        return fuse_fp8(linears)
+        fuse_group: Callable[[Sequence[nn.Module]], FusedLinears | None] = linears[0].fuse_group
+        return fuse_group(linears)
     if not all(isinstance(linear, nn.Linear) for linear in linears):
         return None
     weights = [linear.weight for linear in linears]

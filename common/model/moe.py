@@ -181,3 +181,11 @@ def install_lookahead(model: nn.Module, experts: int, num_layers: int) -> int:
         object.__setattr__(block, "ahead", after if experts > 0 else None)
         block.ahead_experts = experts
     return sum(b.ahead is not None for b in blocks)
+
+
+def install_provider(model, provider: ExpertProvider) -> None:
+    """Make `provider` serve every MoE block of `model` (blocks hold it as `experts`; the model as well)."""
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.experts = provider
+    model.experts = provider

@@ -22,8 +22,9 @@ from common.config import WorkerConfig
 from common.engine.runner import ModelRunner, warm_up_on_cuda
 from common.experts.cache_tables import CacheTables
 from common.ipc.hostmem import host_list_to
-from common.kernels import fused_by_default, use_fused_kernels
+from common.kernels import fused_by_default
 from common.kv.state import SequenceState
+from common.model.fused_kernels import use_fused_kernels
 from common.model.qwen4_exp.positions import ImageTokens
 from common.protocol import (
     AllocState,

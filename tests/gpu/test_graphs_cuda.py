@@ -11,7 +11,7 @@ import torch
 
 from common.engine.engine import Engine
 from common.engine.graphs import DecodeGraphs
-from common.kernels import use_fused_kernels
+from common.model.fused_kernels import use_fused_kernels
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
 

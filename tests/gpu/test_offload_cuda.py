@@ -201,7 +201,7 @@ def test_one_lane_int4_decode_reads_its_misses_from_the_host(tmp_path: Path) -> 
     store and leave it in its slot (`host_reads`), recorded or not. The tokens and every cache counter are
     those of recorded steps that copy their misses first, bit for bit (the same bytes, summed in the same
     order)."""
-    from common.kernels import use_fused_kernels
+    from common.model.fused_kernels import use_fused_kernels
 
     shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides=shape)
@@ -235,7 +235,8 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
     shape (codes as words); the same tokens with the int4 kernels launched programmatically
     (common/kernels/pdl.py, the default) and without; with the scalar CUDA down, the tokens of the byte
     form's shapes (DECODE_CONFIGS)."""
-    from common.kernels import moe_int4, pdl, use_fused_kernels
+    from common.kernels import moe_int4, pdl
+    from common.model.fused_kernels import use_fused_kernels
 
     shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides=shape)

@@ -11,7 +11,7 @@ from torch import nn
 from common.kv.batch import ForwardBatch
 from common.kv.state import SlotSpec, StateSpec
 from common.model.context import ForwardContext
-from common.model.fused_linear import FusedLinears, Linear, fuse_linears, project
+from common.model.fused_linear import FusedLinears, Linear, fuse_linears, project, takes_conv
 from common.model.qwen4_exp import delta_rule
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import GatedRMSNorm
@@ -55,10 +55,13 @@ class GatedDeltaNet(nn.Module):
     fused_decode = False
     """Run a decode step's conv, recurrence with its gates, and output norm as three Triton kernels
     (common/kernels: causal_conv, gated_delta, gated_norm) instead of ~60 torch ops. Opt-in until measured
-    on the GPU (see `common.kernels.use_fused_kernels`)."""
+    on the GPU (see `use_fused_kernels`)."""
 
     fused_in: FusedLinears | None = None
     """The four input projections as one GEMM (`fuse_projections`)."""
+
+    fp8_output = "out_proj"
+    """The output projection, which `--resident-dtype fp8` turns to fp8 with the inputs (fp8_linear.py)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
         super().__init__()
@@ -125,10 +128,9 @@ class GatedDeltaNet(nn.Module):
         states updated in place in their slots. As one kernel (conv and norm folded in by the last program to
         arrive, d1950bd) the step lost: decode-allfit 184.33 tok/s against 186.87, 9.05 µs a call serialized
         against the three's 7.66 (bench/results/decode-allfit-gdn-step-ab.json)."""
-        from common.kernels import gemv  # Triton
         from common.kernels.gated_delta import gated_delta_step
 
-        epilogue = gemv.takes_conv(x, self.fused_in)
+        epilogue = takes_conv(x, self.fused_in)
         qkv, z, b, a = self._project_step(x, state["conv"], slots, epilogue)
         recurrent = state["recurrent"]
         # with the epilogue the kernel just before wrote the gates: read after the programmatic wait
@@ -141,7 +143,7 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, epilogue: bool
     ) -> tuple[torch.Tensor, ...]:
         """One token a sequence: the input projections, qkv convolved and SiLU'd (its history shifted). With
-        `epilogue` (gemv.takes_conv) the conv is the projection GEMV's epilogue (gemv.ConvStep), else its own
+        `epilogue` (takes_conv) the conv is the projection GEMV's epilogue (gemv.ConvStep), else its own
         kernel after the projections."""
         from common.kernels import gemv  # Triton
         from common.kernels.causal_conv import conv_step

@@ -115,7 +115,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.model = Qwen4Backbone(cfg, experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
-        self.mtp = Qwen4MTP(cfg, experts) if cfg.mtp_layers else None
+        self.mtp = Qwen4MTP(cfg, experts, Qwen4DecoderLayer) if cfg.mtp_layers else None
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -28,7 +28,7 @@ class PLE(nn.Module):
 
     fused_decode = False
     """Decode steps' n-gram hashing, gate and conv, and prefill passes' conv, through Triton kernels
-    (`common.kernels.use_fused_kernels`)."""
+    (`use_fused_kernels`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int, ple_index: int) -> None:
         super().__init__()

@@ -69,7 +69,7 @@ class QSAIndexer(nn.Module):
 
     fused_decode = False
     """Norm and rotate the queries in one Triton kernel, and score the blocks with Triton kernels (decode and
-    prefill; opt-in: `common.kernels.use_fused_kernels`)."""
+    prefill; opt-in: `use_fused_kernels`)."""
 
     select_kernel = True
     """With `fused_decode`: a decode step's top-k and key expansion in one Triton launch (`select_blocks`);
@@ -231,8 +231,11 @@ class QSAIndexer(nn.Module):
 class QSAttention(nn.Module):
     """Gated attention (output × sigmoid(gate)) with q/k norm, partial RoPE and indexer-selected keys."""
 
+    fp8_output = "o_proj"
+    """The output projection, which `--resident-dtype fp8` turns to fp8 with the inputs (fp8_linear.py)."""
+
     fused_decode = False
-    """Norm and rotate q and k in one Triton kernel each (opt-in: `common.kernels.use_fused_kernels`)."""
+    """Norm and rotate q and k in one Triton kernel each (opt-in: `use_fused_kernels`)."""
 
     prologue_kernel = True
     """With `fused_decode`: a decode step's indexer key compression and the indexer's, q's and k's norms and

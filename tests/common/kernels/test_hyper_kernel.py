@@ -122,7 +122,8 @@ def test_deferred_injections_decode_as_applied_ones(tmp_path: Path, monkeypatch)
     next one's projection kernel (but before a PLE layer and the final mixer), and give the logits of the
     same passes with every injection applied by hc_inject, exactly."""
     from common.engine.engine import Engine
-    from common.kernels import hyper, use_fused_kernels
+    from common.kernels import hyper
+    from common.model.fused_kernels import use_fused_kernels
     from common.model.qwen4_exp.hyper import HyperConnection
     from common.model.synthetic.checkpoint import make_model
 
