@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.kernels.config import KERNELS, KernelConfig
+from common.kernels.config import MOE_DOWN_TOKENS as MOE_DOWN_TOKENS  # re-exported: the memory plan's
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -127,12 +130,6 @@ passes, 6.2 s layer-major), and its MoE runs once over all of them (common/model
 residual streams are held meanwhile: hc·H model-dtype values a token (flashnext: 0.5 GB for 32K tokens), and
 the MoE's buffers are a group's (~0.8 GB more at 32K), both counted by the memory plan."""
 
-MOE_DOWN_TOKENS = 8192
-"""Tokens a grouped int4 down projection takes at once (`moe_int4_grouped`): its per-(token, choice) output
-rows, H wide in the model dtype (flashnext: 420 MB for 8,192 tokens × top-10), are the largest buffer of a
-prefill MoE, so a layer-major group's MoE (every chunk's tokens at once) runs gate/up over all of them and
-down in slices of this many."""
-
 
 ARTIFACT_META = "experts.json"
 """The metadata file of an artifact (`spillway convert`'s output: experts packed once) in its directory."""
@@ -242,6 +239,9 @@ class WorkerConfig:
     """Decode: each MoE layer guesses the next one's top-`lookahead` experts a token (that layer's router on
     this layer's input) and copies the uncached ones into slots while it computes (0: off; None: the
     default, `resolve_lookahead`)."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options the model's passes use (common/kernels/config.py), handed to the
+    model where the worker builds it."""
 
 
 @dataclass(frozen=True)

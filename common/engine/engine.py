@@ -17,10 +17,11 @@ from common.experts.cache_tables import DEFAULT_POLICY
 from common.experts.offload import offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
 from common.kernels import fused_by_default
+from common.kernels.config import KERNELS, KernelConfig
 from common.kv.lending import KvLending
 from common.kv.state import Allocator, PromptImages, SequenceState
 from common.model.fp8_linear import to_resident_dtype
-from common.model.fused_kernels import use_fused_kernels
+from common.model.fused_kernels import configure_kernels, use_fused_kernels
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
 from common.model.moe import install_lookahead
@@ -73,6 +74,7 @@ class Engine:
         lend_kv: bool = False,
         prefill_bank: bool = False,
         lookahead: int | None = None,
+        kernels: KernelConfig = KERNELS,
     ) -> None:
         """`expert_cache` (SLOTS | FRACTION | all) serves the routed experts from host memory through a VRAM
         cache (None: all resident); `prefill_chunk` bounds the tokens of one prefill pass,
@@ -94,7 +96,8 @@ class Engine:
         serving decode worker's) adds a bank of 1 + 2E slots that a prefill worker uses as its arena, lent to
         the cache between prefills by the worker (`DecodeCore`); `lookahead` (with an expert cache): each MoE
         layer guesses the next one's top-n experts a token and copies them in ahead (`install_lookahead`;
-        0: off; None: `resolve_lookahead`'s default)."""
+        0: off; None: `resolve_lookahead`'s default); `kernels`: the kernel forms and launch options
+        (common/kernels/config.py)."""
         if speculative not in (None, "mtp"):
             raise ValueError(f"speculative must be None or 'mtp', not {speculative!r}")
         if speculative and lend_arena:  # its verify passes read the arena: the cache would lose it each step
@@ -156,6 +159,8 @@ class Engine:
         self.processors = LogitProcessors.for_runner(self.runner, self.config.eos_token_ids, self.tokenizer)
         if fused_kernels:  # before the first decode pass is recorded (the projections were fused at load)
             use_fused_kernels(self.model, True, self.runner.backend)
+        self.kernels = kernels
+        configure_kernels(self.model, kernels)  # after the fusion: its fused projections read them too
 
     def generate(
         self,

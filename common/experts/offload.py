@@ -48,6 +48,7 @@ from common.experts.formats import ExpertFormat, get_format
 from common.experts.provider import ExpertProvider, add_shared
 from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
 from common.experts.store import HostExpertStore
+from common.kernels.config import KERNELS, KernelConfig, decode_config
 from common.kv.lending import KvLending
 from common.model.hf_config import read_json
 from common.model.moe import install_provider
@@ -238,15 +239,13 @@ class Prepared:
     cached: torch.Tensor | None = None
     """Prefill: [E] bool, the expert's row is a slot of the cache (else of this provider's arena); None:
     every row is the arena's."""
-    fills: tuple[torch.Tensor, torch.Tensor] | None = None
-    """A decode step whose misses the int4 kernels read from the host store themselves (`host_reads`): the
-    copy list (expert ids [P], valid [P]) that no copy launch took."""
-    host: dict[str, torch.Tensor] | None = None
-    """With `fills`: the layer's host store blocks the kernels read them from."""
 
 
 class OffloadedExperts(ExpertProvider):
     """The expert provider of a model whose routed experts live in a HostExpertStore."""
+
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     def __init__(
         self,
@@ -320,12 +319,6 @@ class OffloadedExperts(ExpertProvider):
         self.fused_resolve = False
         """Resolve decode steps with one Triton program per layer (common/kernels/resolve.py: the same
         decisions as `CacheTables.resolve`) instead of ~130 torch ops. Opt-in until measured on the GPU."""
-        self.host_reads = False
-        """With `fused_int4`, a mapped store on CUDA: a one-token decode step's misses are copied from the
-        host store by the int4 kernels that use them (moe_int4_decode's `host`) instead of by a copy launch
-        before them. Off: on the H200 decode-1 ran 3.7 % slower with it (73.04 against 75.85 tok/s in one
-        process, bench/results/decode-1-host-reads-staged.json; the GEMV reading the host rows in its own
-        loop, 2.7 % slower). A switch for bench.decode_offload --ablate (`host-reads` flips it)."""
         self.combine_shared = True
         """With `fused_int4`: decode's shared expert added in the kernel that sums the choices (else by torch
         after it); a switch for bench.decode_offload --ablate."""
@@ -644,19 +637,20 @@ class OffloadedExperts(ExpertProvider):
         settled: bool,
     ) -> torch.Tensor:
         """A decode pass through the int4 kernels: the rows read in place once their copies are in (gate_up's
-        before down's), or a one-token step's misses from the host store (`Prepared.fills`); the shared expert
-        added in the kernel that sums the choices. Launch shapes from RESIDENT_CONFIGS when every expert is
-        resident (no copies beside the kernels), else DECODE_CONFIGS: the two cases measured apart."""
+        before down's); the shared expert added in the kernel that sums the choices. Launch shapes from
+        KernelConfig.int4_resident when every expert is resident (no copies beside the kernels), else
+        .int4_decode: the two cases measured apart."""
         from common.kernels import moe_int4  # Triton: CUDA
 
         fold = self.combine_shared
-        configs = moe_int4.RESIDENT_CONFIGS if self.all_resident else moe_int4.DECODE_CONFIGS
+        kernels = self.kernels
+        configs = kernels.int4_resident if self.all_resident else kernels.int4_decode
+        config = decode_config(x.shape[0], configs)
         out = moe_int4.moe_int4_decode(
-            x, topk_ids, topk_weights, self.pool, row_of=prepared.rows, configs=configs,
+            x, topk_ids, topk_weights, self.pool, config=config, kernels=kernels, row_of=prepared.rows,
             before_down=lambda: self.copies.join(prepared.done),  # down's rows come after gate_up's
             before_gate_up=lambda: self.copies.join(prepared.done, stage=0),
             shared=shared if fold else None, shared_gate=shared_gate if fold else None,
-            host=prepared.host, fills=prepared.fills,
             settled=settled,
         )  # fmt: skip
         return out if fold else add_shared(out, shared, shared_gate)
@@ -683,11 +677,7 @@ class OffloadedExperts(ExpertProvider):
         self, i: int, row: torch.Tensor, newcomer: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
         tokens: int,
     ) -> Prepared:  # fmt: skip
-        """A decode step's resolution → its handle: the misses' copies launched, or left to the int4
-        kernels (`host_reads`, one token: a token's experts are distinct, so each miss crosses once)."""
-        if self.host_reads and self.fused_int4 and self.copies.side is not None and tokens == 1:
-            fills = (newcomer, valid)
-            return Prepared(rows=row, done=self.copies.fence(), fills=fills, host=self.store.parts[i])
+        """A decode step's resolution → its handle: the misses' copies launched."""
         done = self.copies.launch(i, newcomer, target, valid, self._stages, self.groups > 1)
         return Prepared(rows=row, done=done)
 

@@ -10,8 +10,8 @@
   incomplete block's. torch's top-k sorts (a radix sort and a gather, ~34 µs a QSA layer on an H200 in the
   all-fit decode profile) and ~8 small kernels expand and mask; here each block's rank among the query's is
   counted by a program of a few blocks (those ranked below k are chosen), and the last program to arrive
-  writes the chosen blocks' keys (or, `SELECT_RANK` off, one program a query finds the k-th largest score
-  by a SELECT_WAYS-way search on its bits, all in registers; up to SELECT_MAX_BLOCKS blocks).
+  writes the chosen blocks' keys (or, KernelConfig.select_rank off, one program a query finds the k-th
+  largest score by a SELECT_WAYS-way search on its bits, all in registers; up to SELECT_MAX_BLOCKS blocks).
 
 And on a prefill pass, `prefill_block_scores`: one sequence's queries against its block keys, tiled (a tile of
 queries × a tile of blocks a program, the heads' products summed in registers), so only the [T, NB] scores
@@ -32,6 +32,7 @@ import triton.language as tl
 
 from common.kernels import arrival
 from common.kernels.arrival import arrive
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.norm_rope import Rotary
 from common.kernels.pdl import gdc_enter, launch
 
@@ -202,12 +203,6 @@ def prefill_block_scores(q: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,
 
 SELECT_MAX_BLOCKS = 4096
 """Blocks `select_blocks` holds in one program's registers (a 16K context at 4 tokens a block)."""
-SELECT_RANK = True
-"""`select_blocks` ranks every block against all the query's, a few blocks a program (RANK_TILE), and the
-last program to arrive writes the keys. False: one program a query searches the bits of the k-th largest
-score, SELECT_WAYS parts a round (the benchmark's `select-search` switch): 16 dependent rounds of a
-reduction across the program, ~0.55 µs each on an H200 (17.7 µs a call in the decode step at b005150, 14.2
-of it exposed), where the ranks are one comparison tile a program, all at once."""
 RANK_TILE = 16384
 """Comparisons a rank program makes: it ranks RANK_TILE / blocks of its query's blocks (16 of 1,024)."""
 SELECT_WAYS = 4
@@ -300,7 +295,9 @@ def _select_kernel(
     _write_keys(chosen, i, pos, visible, out_ptr + t * width, K, R, BK)
 
 
-def select_blocks(scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio: int) -> torch.Tensor:
+def select_blocks(
+    scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio: int, kernels: KernelConfig = KERNELS
+) -> torch.Tensor:
     """scores [T, NB] fp32 (−inf: unseen; 0 < NB ≤ SELECT_MAX_BLOCKS), positions [T] → key positions [T,
     k·ratio + ratio − 1] int64 (k = min(topk, NB) > 0): the keys of the k best-scoring blocks a query sees,
     in block order, then those of its incomplete block up to itself; −1 pads. The same keys as a stable
@@ -313,7 +310,7 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, topk: int, rati
     out = torch.empty((t, k * ratio + ratio - 1), dtype=torch.int64, device=scores.device)
     scores = scores.contiguous()
     bn, bk = triton.next_power_of_2(max(num_blocks, 2)), triton.next_power_of_2(k * ratio)
-    if SELECT_RANK:
+    if kernels.select_rank:
         ranked = min(bn, max(1, RANK_TILE // bn))
         chosen = torch.empty((t, bn), dtype=torch.int8, device=scores.device)
         _rank_kernel[(t, bn // ranked)](

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.kernels import GEMV_ROWS
+from common.kernels.config import KERNELS, KernelConfig
 from common.model.fused_linear import FusedLinears
 
 FP8 = torch.float8_e4m3fn
@@ -63,7 +64,11 @@ def largest_dequantized(model: nn.Module) -> int:
 
 
 def fp8_linear(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """x [..., K] through the fp8 weight: a few rows on CUDA by the GEMV kernel (common/kernels/gemv.py: the
     codes read once), else the weight dequantised for one GEMM (prefill: the GEMM's time dwarfs it)."""
@@ -71,7 +76,7 @@ def fp8_linear(
     if x.is_cuda and 0 < rows <= GEMV_ROWS:
         from common.kernels.gemv import gemv  # Triton
 
-        y = gemv(x.reshape(rows, -1), codes, bias, scale)
+        y = gemv(x.reshape(rows, -1), codes, bias, scale, kernels=kernels)
         return y.view(*x.shape[:-1], -1)
     return F.linear(x, dequantize_fp8(codes, scale, x.dtype), bias)
 
@@ -79,6 +84,9 @@ def fp8_linear(
 class Fp8Linear(nn.Module):
     """A Linear whose weight is fp8 codes (`qweight`) and per-row, per-128-input scales (`scale`): buffers,
     so the memory plan and `.to()` see them; possibly row views of a fused projection's."""
+
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -88,7 +96,7 @@ class Fp8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.qweight, self.scale, self.bias)
+        return fp8_linear(x, self.qweight, self.scale, self.bias, self.kernels)
 
     @staticmethod
     def fuse_group(linears: Sequence[Fp8Linear]) -> Fp8Fused | None:
@@ -104,7 +112,7 @@ class Fp8Fused(FusedLinears):
         self.scale = scale
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return fp8_linear(x, self.weight, self.scale, self.bias).split(self.sizes, dim=-1)
+        return fp8_linear(x, self.weight, self.scale, self.bias, self.kernels).split(self.sizes, dim=-1)
 
 
 def fuse_fp8(linears: Sequence[Fp8Linear]) -> Fp8Fused | None:

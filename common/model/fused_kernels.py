@@ -1,15 +1,46 @@
-"""Switching a built model onto the fused kernels (common/kernels/) or back to torch ops."""
+"""Handing a built model its kernel configuration, and switching it onto the fused kernels (common/kernels/)
+or back to torch ops."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from common.model.fused_linear import fuse_projections
+from common.kernels.config import KERNELS, KernelConfig
+from common.model.fp8_linear import Fp8Linear
+from common.model.fused_linear import FusedLinears, Linear, fuse_projections
 from common.model.moe import SparseMoeBlock
 from common.model.qwen4_exp.gdn import GatedDeltaNet
 from common.model.qwen4_exp.hyper import HyperConnection
+from common.model.qwen4_exp.model import Qwen4DecoderLayer
 from common.model.qwen4_exp.ple import PLE
 from common.model.qwen4_exp.qsa import QSAIndexer, QSAttention
+
+KERNEL_READERS = (
+    Linear,
+    Fp8Linear,
+    SparseMoeBlock,
+    HyperConnection,
+    GatedDeltaNet,
+    QSAIndexer,
+    QSAttention,
+    Qwen4DecoderLayer,
+)
+"""The module classes whose passes read the kernel configuration (their `kernels`)."""
+
+
+def configure_kernels(model: nn.Module, kernels: KernelConfig) -> None:
+    """Hand `kernels` to every module of `model` that reads it (and keep it as `model.kernels`): once, where
+    the worker builds the model, before a pass is recorded (a recorded pass keeps the kernels it was recorded
+    with)."""
+    model.kernels = kernels
+    for module in model.modules():
+        if isinstance(module, KERNEL_READERS):
+            module.kernels = kernels
+        fused = getattr(module, "fused_in", None)
+        if isinstance(fused, FusedLinears):
+            fused.kernels = kernels
+    if hasattr(getattr(model, "experts", None), "kernels"):  # an offloaded provider
+        model.experts.kernels = kernels
 
 
 def use_fused_kernels(
@@ -32,6 +63,7 @@ def use_fused_kernels(
     with."""
     if on:
         fuse_projections(model, fuse_copy)
+        configure_kernels(model, getattr(model, "kernels", KERNELS))  # the new fused projections read them
     fused = (GatedDeltaNet, HyperConnection, PLE, QSAIndexer, QSAttention, SparseMoeBlock)
     for module in model.modules():
         if isinstance(module, fused):

@@ -73,6 +73,7 @@ def load_engine(
         lend_kv=cfg.lend_kv,
         prefill_bank=cfg.lend_arena,
         lookahead=cfg.lookahead,
+        kernels=cfg.kernels,
     )
 
 

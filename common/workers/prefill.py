@@ -24,7 +24,7 @@ from common.experts.cache_tables import CacheTables
 from common.ipc.hostmem import host_list_to
 from common.kernels import fused_by_default
 from common.kv.state import SequenceState
-from common.model.fused_kernels import use_fused_kernels
+from common.model.fused_kernels import configure_kernels, use_fused_kernels
 from common.model.qwen4_exp.positions import ImageTokens
 from common.protocol import (
     AllocState,
@@ -99,6 +99,7 @@ class PrefillCore:
         if fused_by_default(cfg.fused_kernels, self.runner.device):
             # decode fused the projections before sharing them: view its weights, copy nothing
             use_fused_kernels(model, True, self.runner.backend, fuse_copy=False)
+        configure_kernels(model, cfg.kernels)  # after the fusion: its fused projections read them too
         warm_up_on_cuda(self.runner)  # compile now, not in the first request's TTFT
         self.eos_ids = eos_ids
         self.processors = LogitProcessors.for_runner(self.runner, eos_ids, Tokenizer.from_dir(cfg.model_dir))

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kv.batch import ForwardBatch
 from common.kv.state import SlotSpec, StateSpec
 from common.model.context import ForwardContext
@@ -59,6 +60,9 @@ class GatedDeltaNet(nn.Module):
 
     fused_in: FusedLinears | None = None
     """The four input projections as one GEMM (`fuse_projections`)."""
+
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     fp8_output = "out_proj"
     """The output projection, which `--resident-dtype fp8` turns to fp8 with the inputs (fp8_linear.py)."""
@@ -130,7 +134,7 @@ class GatedDeltaNet(nn.Module):
         against the three's 7.66 (bench/results/decode-allfit-gdn-step-ab.json)."""
         from common.kernels.gated_delta import gated_delta_step
 
-        epilogue = takes_conv(x, self.fused_in)
+        epilogue = takes_conv(x, self.fused_in, self.kernels)
         qkv, z, b, a = self._project_step(x, state["conv"], slots, epilogue)
         recurrent = state["recurrent"]
         # with the epilogue the kernel just before wrote the gates: read after the programmatic wait
@@ -150,7 +154,8 @@ class GatedDeltaNet(nn.Module):
 
         weight = self.conv1d.weight[:, 0]  # [conv_dim, K]
         if epilogue:
-            out = gemv.gemv(x, self.fused_in.weight, conv=gemv.ConvStep(history, slots, weight))
+            step = gemv.ConvStep(history, slots, weight)
+            out = gemv.gemv(x, self.fused_in.weight, conv=step, kernels=self.kernels)
             return self.fused_in.split(out)
         qkv, z, b, a = project(x, self._inputs(), self.fused_in)
         return conv_step(qkv, history, slots, weight, silu=True), z, b, a

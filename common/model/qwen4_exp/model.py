@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from common.experts.provider import ExpertProvider
+from common.kernels.config import KERNELS, KernelConfig
 from common.kv.state import StateSpec
 from common.model.context import ForwardContext
 from common.model.fp8_linear import Fp8Fused
@@ -43,16 +44,8 @@ class Qwen4DecoderLayer(nn.Module):
         self.attn_hyper_connection = HyperConnection(cfg)
         self.mlp_hyper_connection = HyperConnection(cfg)
 
-    hold_mixer_launch: bool | None = None
-    """In decode steps, the token mixer's input projection (the layer's largest GEMV) launches only once the
-    hyper-connection's mix-up kernel before it has exited, not while it runs (pdl.launch's `hold_next`).
-    None: when that projection runs the wide fp8 launch (gemv.FP8_LARGE_ONE_ROW), whose single wave of large
-    programs early residents slow: decode-allfit `--resident-dtype fp8` ran 201.77 tok/s with the hold against
-    188.42 without (bench/results/decode-allfit-fp8-hold-ab.json), decode-1 97.28 against 91.93. Held before
-    the bf16 projection it lost, 183.60 against 187.36 (decode-allfit-hold-ab.json). Only the kernel before
-    that projection holds: every kernel holding lost 10 % (pdl.EARLY_TRIGGER). True/False: always/never
-    (the benchmark's `hold-mixer-launch` and `no-hold-mixer-launch` switches). Switch before a pass is
-    recorded."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     @property
     def mixer(self) -> nn.Module:
@@ -80,14 +73,14 @@ class Qwen4DecoderLayer(nn.Module):
 
     def _holds_mixer_launch(self, rows: int) -> bool:
         """`hold_mixer_launch` for a pass of `rows` tokens."""
-        if self.hold_mixer_launch is not None:
-            return self.hold_mixer_launch
+        if self.kernels.hold_mixer_launch is not None:
+            return self.kernels.hold_mixer_launch
         fused = self.mixer.fused_in
         if not isinstance(fused, Fp8Fused):
             return False
         from common.kernels.gemv import wide_fp8  # Triton
 
-        return wide_fp8(rows, fused.weight.shape[0])
+        return wide_fp8(rows, fused.weight.shape[0], self.kernels)
 
     def ffn_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MoE's input [T, H], the injection logits [T, hc])."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kv.backend import kv_specs, kv_store
 from common.kv.batch import ForwardBatch
 from common.kv.state import PagedSpec, StateSpec
@@ -71,9 +72,8 @@ class QSAIndexer(nn.Module):
     """Norm and rotate the queries in one Triton kernel, and score the blocks with Triton kernels (decode and
     prefill; opt-in: `use_fused_kernels`)."""
 
-    select_kernel = True
-    """With `fused_decode`: a decode step's top-k and key expansion in one Triton launch (`select_blocks`);
-    a switch for bench.decode_offload --ablate."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     score_bytes = 256 << 20
     """Most bytes of per-head block scores at once (fp32 [queries, Hi, NB]): a long prefill scores its queries
@@ -192,8 +192,9 @@ class QSAIndexer(nn.Module):
             scores = block_scores(  # masks unseen blocks itself
                 q, blocks, batch.page_table, batch.positions, batch.page_size, r, max_blocks
             )
-            if self.select_kernel and 0 < max_blocks <= SELECT_MAX_BLOCKS:  # top-k and keys in one kernel
-                return select_blocks(scores, batch.positions, self.block_topk, r)
+            one_kernel = self.kernels.select_kernel and 0 < max_blocks <= SELECT_MAX_BLOCKS
+            if one_kernel:  # top-k and keys in one kernel
+                return select_blocks(scores, batch.positions, self.block_topk, r, self.kernels)
         # (after the kernels' return: four small kernels a layer that their decode steps do not need)
         visible = (batch.positions + 1) // r  # [T] complete blocks each query sees
         block_pos = torch.arange(max_blocks, device=device) * r  # [NB] start position of each block
@@ -237,10 +238,8 @@ class QSAttention(nn.Module):
     fused_decode = False
     """Norm and rotate q and k in one Triton kernel each (opt-in: `use_fused_kernels`)."""
 
-    prologue_kernel = True
-    """With `fused_decode`: a decode step's indexer key compression and the indexer's, q's and k's norms and
-    rotations run as programs of one kernel (common/kernels/qsa_prologue.py), not four one after another;
-    a switch for bench.decode_offload --ablate."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     fused_in: FusedLinears | None = None
     """q, k, v and the indexer's qk projections as one GEMM (`fuse_projections`)."""
@@ -293,7 +292,7 @@ class QSAttention(nn.Module):
         """Whether a pass runs its indexer's key compression and the three norms and rotations as one
         kernel (qsa_prologue): decode with the fused kernels, keys stored by the kernel (`store`)."""
         fused = self.fused_decode and self.indexer.fused_decode and ctx.batch.is_decode
-        return self.prologue_kernel and fused and store is not None
+        return self.kernels.prologue_kernel and fused and store is not None
 
     def _prologue(
         self, index_qk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, store: tuple, ctx: ForwardContext

@@ -6,10 +6,13 @@ with it as without."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+
+from common.kernels.config import KERNELS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -102,10 +105,10 @@ def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest
     prompt = torch.randint(3, 1000, (9,), generator=torch.Generator().manual_seed(0)).tolist()
     logits = []
     for enabled in (True, False):
-        monkeypatch.setattr(moe_dispatch, "ENABLED", enabled)
         engine = Engine(
             path, dtype=torch.float32, device=DEVICE, max_seqs=1, cuda_graphs=False,
             replay_routing="synthetic-zipf:seed=5", fused_kernels=True,
+            kernels=replace(KERNELS, moe_dispatch=enabled),
         )  # fmt: skip
         provider = next(m.experts for m in engine.model.modules() if isinstance(m, SparseMoeBlock))
         monkeypatch.setattr(provider, "compute", _recording_settled(provider.compute, settled[enabled]))
