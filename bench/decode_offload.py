@@ -256,24 +256,23 @@ def kernel_variants() -> dict[str, dict[str, object]]:
         "no-qsa-prologue": {"prologue_kernel": False},
         "no-conv-epilogue": {"conv_epilogue": False},
         "no-hc-split-rank": {"mix_up_split_rank": False},
+        "no-pdl": {"pdl": False},
+        "pdl-exit-trigger": {"pdl_early_trigger": False},
+        "no-tail-trigger-first": {"pdl_start_trigger": False},
+        "qsa-splits-16": {"attention_programs": 32},
+        "qsa-splits-32": {"attention_programs": 64},
+        "qsa-splits-64": {"attention_programs": 128},
     }
 
 
 def other_switches(provider) -> dict[str, tuple[object, str, object]]:
     """The variants outside the kernel configuration: name → (owner, attribute, value in that variant)."""
     from common.engine.graphs import DecodeGraphs
-    from common.kernels import decode_attention, pdl
 
     return {
         "no-combine-shared": (provider, "combine_shared", False),
         "no-groups": (DecodeGraphs, "split_lanes", 0),
-        "no-pdl": (pdl, "ENABLED", False),
         "no-pipeline": (DecodePipeline, "depth", 1),
-        "pdl-exit-trigger": (pdl, "EARLY_TRIGGER", False),
-        "qsa-splits-16": (decode_attention, "TARGET_PROGRAMS", 32),
-        "qsa-splits-32": (decode_attention, "TARGET_PROGRAMS", 64),
-        "qsa-splits-64": (decode_attention, "TARGET_PROGRAMS", 128),
-        "no-tail-trigger-first": (pdl, "START_TRIGGER", False),
     }
 
 

@@ -160,7 +160,7 @@ class Engine:
         if fused_kernels:  # before the first decode pass is recorded (the projections were fused at load)
             use_fused_kernels(self.model, True, self.runner.backend)
         self.kernels = kernels
-        configure_kernels(self.model, kernels)  # after the fusion: its fused projections read them too
+        configure_kernels(self.model, kernels, self.runner.backend)  # after the fusion: its projections too
 
     def generate(
         self,

@@ -521,8 +521,9 @@ class OffloadedExperts(ExpertProvider):
             from common.kernels.resolve import resolve_step  # Triton
 
             row, newcomer, target, valid = resolve_step(
-                self.tables, i, topk_ids, self.step, self._moved, group=self.group, groups=self.groups
-            )
+                self.tables, i, topk_ids, self.step, self._moved, group=self.group, groups=self.groups,
+                kernels=self.kernels,
+            )  # fmt: skip
             return self._copy_misses(i, row, newcomer, target, valid, topk_ids.shape[0])
         requested = self._chosen(topk_ids)
         if self.prefill:
@@ -558,7 +559,9 @@ class OffloadedExperts(ExpertProvider):
         if self.fused_resolve:
             from common.kernels.resolve import prefetch_step  # Triton
 
-            newcomer, target, valid = prefetch_step(self.tables, i, ids, self.step, ids.numel())
+            newcomer, target, valid = prefetch_step(
+                self.tables, i, ids, self.step, ids.numel(), kernels=self.kernels
+            )
         else:
             newcomer, target, valid = self.tables.prefetch(i, self._chosen(ids), self.step, ids.numel())
         self.copies.launch(i, newcomer, target, valid, background=True)

@@ -321,11 +321,19 @@ def gemv(
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, FOLD=fold, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         CONV_K=0 if conv is None else conv.weight.shape[1], CONV_BW=triton.next_power_of_2(width),
-        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, kernels.gemv_pdl),
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, kernels.gemv_pdl, kernels=kernels),
     )  # fmt: skip
     if splits > 1 and not fold:
         block = 256
         _sum_chunks_kernel[(triton.cdiv(m * n, block),)](
-            part, bias_arg, y, m, n, splits, BLOCK=block, HAS_BIAS=bias is not None, **launch(x.device)
+            part,
+            bias_arg,
+            y,
+            m,
+            n,
+            splits,
+            BLOCK=block,
+            HAS_BIAS=bias is not None,
+            **launch(x.device, kernels=kernels),
         )
     return y

@@ -63,7 +63,7 @@ def gemv_row(
     n, k = weight.shape
     x = x.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = launch(x.device, kernels.gemv_pdl)
+    pdl = launch(x.device, kernels.gemv_pdl, kernels=kernels)
     rows = 2 if k // 256 <= TWO_ROWS else 1
     status = _entry(x.device)(
         weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), n, k,

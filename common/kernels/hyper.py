@@ -205,7 +205,7 @@ def hc_mix_up(
     _mix_up_kernel[(t, triton.cdiv(hidden, block))](
         parts, weight_up, x.contiguous(), scales if norm else x, norm_weight if norm else x, out, hidden,
         rank, parts.stride(1), parts.stride(0), HC=hc, BLOCK=block, R_PAD=head, R_TAIL=tail, NORM=norm,
-        PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device, hold_next=hold_next),
+        PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device, hold_next=hold_next, kernels=kernels),
     )  # fmt: skip
     return out
 
@@ -265,6 +265,7 @@ weight tile (256 elements a thread) is all in flight before the wait."""
 def hc_project(
     streams: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, hc: int,
     block_n: int = 4, num_warps: int = PROJECT_WARPS, inject: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernels: KernelConfig = KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A few rows' hyper-connection input projection from the raw streams [T, hc·H]: hc_norm's normalised
     streams (weight (1 + norm_weight)) times weight [N, hc·H]ᵀ → (the product's partial sums over each
@@ -298,7 +299,7 @@ def hc_project(
     _project_kernel[(t, triton.cdiv(n_out, block_n), hc)](
         streams, norm_weight, weight, out, scales, t, n_out, eps, y, parts, new, parts.stride(1),
         parts.stride(0), HC=hc, H=width // hc, H_PAD=h_pad, BN=block_n, INJECT=inject is not None,
-        PARTS=parts.shape[0], num_warps=num_warps, **launch(streams.device),
+        PARTS=parts.shape[0], num_warps=num_warps, **launch(streams.device, kernels=kernels),
     )  # fmt: skip
     return out, scales, new
 
@@ -311,7 +312,11 @@ def _inject_parts(logits: torch.Tensor) -> torch.Tensor:
 
 
 def hc_inject(
-    streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor, block: int = 1024
+    streams: torch.Tensor,
+    out: torch.Tensor,
+    inject: torch.Tensor,
+    block: int = 1024,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """streams [T, hc·H] + the sublayer's out [T, H] weighted per stream by 2σ(inject [T, hc] / hc); inject
     may be a strided view (a fused projection's last columns) or [P, T, hc] partial products, summed here."""
@@ -321,6 +326,6 @@ def hc_inject(
     new = torch.empty_like(streams)
     _inject_kernel[(t, triton.cdiv(hidden, block))](
         streams.contiguous(), out.contiguous(), parts, new, hidden, parts.stride(1), parts.stride(0), HC=hc,
-        BLOCK=block, PARTS=parts.shape[0], **launch(streams.device),
+        BLOCK=block, PARTS=parts.shape[0], **launch(streams.device, kernels=kernels),
     )  # fmt: skip
     return new

@@ -349,7 +349,7 @@ def moe_int4_decode(
     act = torch.empty((t * k, inter), dtype=act_dtype, device=x.device)
     partial = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
-    pdl = launch(x.device)  # every kernel of the call: the same launch
+    pdl = launch(x.device, kernels=kernels)  # every kernel of the call: the same launch
     knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
     knobs |= {"WORDS": c.words, "STAGES": c.stages, **pdl}
     gate_up_knobs = {"SETTLED": settled, "STAGES": c.gate_up_stages or c.stages, **pdl}

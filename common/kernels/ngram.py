@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 
@@ -68,7 +69,11 @@ def _ngram_step_kernel(
 
 
 def ngram_step(
-    spec: HashSpec, context: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor
+    spec: HashSpec,
+    context: torch.Tensor,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """Table rows [B, heads] of each lane's new token `tokens` [B] after its context `context[slots[b]]`
     ([S, n−1] int64, updated in place) — `ngram_ids` of the history context ++ token, for its last token."""
@@ -81,6 +86,6 @@ def ngram_step(
     if tokens.shape[0]:
         _ngram_step_kernel[(tokens.shape[0],)](
             context, context.stride(0), tokens, slots, mult, sizes, offsets, out, spec.eos_token_id,
-            N=spec.ngram_size, HEADS_PER_ORDER=spec.heads_per_ngram, **launch(tokens.device),
+            N=spec.ngram_size, HEADS_PER_ORDER=spec.heads_per_ngram, **launch(tokens.device, kernels=kernels),
         )  # fmt: skip
     return out

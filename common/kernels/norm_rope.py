@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 
@@ -83,6 +84,7 @@ def norm_rope(
     positions: torch.Tensor,
     rotary: Rotary,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """x [T, H, D] (last dim contiguous; D a power of two), weight [D] (the norm's w: scaled by 1 + w),
     positions [T] → RoPE(RMSNorm(x)) [T, H, D] in x's dtype, the rotary's cos/sin (`rotary.cos_sin` in x's
@@ -103,6 +105,6 @@ def norm_rope(
     _norm_rope_kernel[(t, heads)](
         x, weight, positions, rotary.inv_freq, out, x.stride(0), x.stride(1), heads, eps, rotary.rot_dim,
         rotary.scaling, k_pages, v, v.stride(0), v.stride(1), v_pages, slots,
-        D=dim, STORE=store is not None, **launch(x.device),
+        D=dim, STORE=store is not None, **launch(x.device, kernels=kernels),
     )  # fmt: skip
     return out

@@ -138,7 +138,11 @@ class KeyBlocks(NamedTuple):
 
 
 def compress_step(
-    keys: KeyBlocks, positions: torch.Tensor, rope_positions: torch.Tensor, rotary: Rotary
+    keys: KeyBlocks,
+    positions: torch.Tensor,
+    rope_positions: torch.Tensor,
+    rotary: Rotary,
+    kernels: KernelConfig = KERNELS,
 ) -> None:
     """One token per sequence, at `positions` [T] (rotated at `rope_positions` [T]): store each token's raw
     key at its position, and write its block's key (normalised, rotated by `rotary` at the block's first
@@ -151,20 +155,21 @@ def compress_step(
         keys.raw, new, new.stride(0), keys.blocks, keys.page_table, positions, rope_positions, keys.weight,
         rotary.inv_freq, keys.page_table.shape[1], keys.page_size, keys.eps, rotary.scaling,
         2 * rotary.inv_freq.numel(),
-        R=keys.ratio, D=dim, **launch(positions.device),
+        R=keys.ratio, D=dim, **launch(positions.device, kernels=kernels),
     )  # fmt: skip
 
 
 def block_scores(
     q: torch.Tensor, blocks: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
     ratio: int, num_blocks: int, block_n: int = 64,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:  # fmt: skip
     """q [T, Hi, D] (normalised, rotated), blocks [slots, D] → scores [T, num_blocks] fp32 (−inf: unseen)."""
     t, heads, dim = q.shape
     out = torch.empty((t, num_blocks), dtype=torch.float32, device=q.device)
     _scores_kernel[(t, triton.cdiv(num_blocks, block_n))](
         q.contiguous(), blocks, page_table, positions, out, num_blocks, page_table.shape[1], page_size,
-        R=ratio, D=dim, HEADS=heads, BN=block_n, **launch(q.device),
+        R=ratio, D=dim, HEADS=heads, BN=block_n, **launch(q.device, kernels=kernels),
     )  # fmt: skip
     return out
 
@@ -315,11 +320,12 @@ def select_blocks(
         chosen = torch.empty((t, bn), dtype=torch.int8, device=scores.device)
         _rank_kernel[(t, bn // ranked)](
             scores, positions, chosen, arrival.counters(scores.device, t), out, num_blocks, out.shape[1],
-            K=k, R=ratio, BI=ranked, BN=bn, BK=bk, **launch(scores.device),
+            K=k, R=ratio, BI=ranked, BN=bn, BK=bk, **launch(scores.device, kernels=kernels),
         )  # fmt: skip
         return out
     _select_kernel[(t,)](
         scores, positions, out, num_blocks, out.shape[1], K=k, R=ratio, BN=bn, BK=bk, WAYS=SELECT_WAYS,
-        ROUNDS=-(-32 // (SELECT_WAYS.bit_length() - 1)), num_warps=SELECT_WARPS, **launch(scores.device),
+        ROUNDS=-(-32 // (SELECT_WAYS.bit_length() - 1)), num_warps=SELECT_WARPS,
+        **launch(scores.device, kernels=kernels),
     )  # fmt: skip
     return out

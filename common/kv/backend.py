@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from common.ipc.hostmem import host_list_to
+from common.kernels.config import KERNELS, KernelConfig
 from common.kv.batch import ForwardBatch
 from common.kv.fp8 import dequantize, is_fp8, quantize
 from common.kv.state import LayerState, PagedSpec
@@ -162,6 +163,8 @@ class TorchPagedBackend(AttentionBackend):
     """
 
     fused_decode = False
+    kernels: KernelConfig = KERNELS
+    """The kernel launch options (set where the worker builds the model: `configure_kernels`)."""
 
     def plan(self, batch: ForwardBatch) -> TorchPlan:
         if batch.static_kv is not None:  # recorded decode: one query per sequence, lengths on the device
@@ -199,6 +202,7 @@ class TorchPagedBackend(AttentionBackend):
             return paged_decode_attention(  # the gate: applied in the merge kernel
                 q, state.paged["k"], state.paged["v"], plan.page_table, k_lens, scale,
                 plan.k_max, selected, scales if fp8 else None, window, table_rows=rows, gate=gate,
+                kernels=self.kernels,
             )  # fmt: skip
         kb, vb = read_kv(state, plan.k_slots, q.dtype)  # [B, Kmax, Hkv, D] each
         kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # [B, Hkv, Kmax, D]

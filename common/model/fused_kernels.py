@@ -21,6 +21,7 @@ KERNEL_READERS = (
     SparseMoeBlock,
     HyperConnection,
     GatedDeltaNet,
+    PLE,
     QSAIndexer,
     QSAttention,
     Qwen4DecoderLayer,
@@ -28,7 +29,7 @@ KERNEL_READERS = (
 """The module classes whose passes read the kernel configuration (their `kernels`)."""
 
 
-def configure_kernels(model: nn.Module, kernels: KernelConfig) -> None:
+def configure_kernels(model: nn.Module, kernels: KernelConfig, backend: object | None = None) -> None:
     """Hand `kernels` to every module of `model` that reads it (and keep it as `model.kernels`): once, where
     the worker builds the model, before a pass is recorded (a recorded pass keeps the kernels it was recorded
     with)."""
@@ -39,8 +40,9 @@ def configure_kernels(model: nn.Module, kernels: KernelConfig) -> None:
         fused = getattr(module, "fused_in", None)
         if isinstance(fused, FusedLinears):
             fused.kernels = kernels
-    if hasattr(getattr(model, "experts", None), "kernels"):  # an offloaded provider
-        model.experts.kernels = kernels
+    for owner in (getattr(model, "experts", None), backend):  # an offloaded provider, the attention backend
+        if hasattr(owner, "kernels"):
+            owner.kernels = kernels
 
 
 def use_fused_kernels(
@@ -63,7 +65,7 @@ def use_fused_kernels(
     with."""
     if on:
         fuse_projections(model, fuse_copy)
-        configure_kernels(model, getattr(model, "kernels", KERNELS))  # the new fused projections read them
+        configure_kernels(model, getattr(model, "kernels", KERNELS), backend)  # the new fused projections too
     fused = (GatedDeltaNet, HyperConnection, PLE, QSAIndexer, QSAttention, SparseMoeBlock)
     for module in model.modules():
         if isinstance(module, fused):

@@ -95,7 +95,8 @@ class SparseMoeBlock(nn.Module):
         if self.fused_decode:
             from common.kernels.routing import route_fused  # Triton
 
-            weights, ids = route_fused(logits, self.top_k, self.normalize, dtype)  # [T, k] each
+            top = (logits, self.top_k, self.normalize, dtype)
+            weights, ids = route_fused(*top, kernels=self.kernels)  # [T, k] each
         else:
             weights, ids = route(logits, self.top_k, self.normalize)
         if self.routing_hook is not None:
@@ -124,7 +125,8 @@ class SparseMoeBlock(nn.Module):
             shared = (shared_in[0], shared_in[1], self.shared_expert.down_proj.weight)
         elif replay is None:  # the router's choice alone: route_fused's kernel
             return None
-        return moe_dispatch.moe_dispatch(logits, self.top_k, self.normalize, dtype, replay, shared)
+        args = (logits, self.top_k, self.normalize, dtype, replay, shared)
+        return moe_dispatch.moe_dispatch(*args, kernels=self.kernels)
 
     def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
         """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""
@@ -148,7 +150,7 @@ class SparseMoeBlock(nn.Module):
         if self._shared_fits([gate, up]):
             from common.kernels.gated_mlp import swiglu_down  # Triton
 
-            return swiglu_down(gate, up, self.shared_expert.down_proj.weight)
+            return swiglu_down(gate, up, self.shared_expert.down_proj.weight, kernels=self.kernels)
         return self.shared_expert.finish(gate, up)
 
     def _shared_fits(self, shared_in: list[torch.Tensor] | None) -> bool:

@@ -99,7 +99,7 @@ class PrefillCore:
         if fused_by_default(cfg.fused_kernels, self.runner.device):
             # decode fused the projections before sharing them: view its weights, copy nothing
             use_fused_kernels(model, True, self.runner.backend, fuse_copy=False)
-        configure_kernels(model, cfg.kernels)  # after the fusion: its fused projections read them too
+        configure_kernels(model, cfg.kernels, self.runner.backend)  # after the fusion: its projections too
         warm_up_on_cuda(self.runner)  # compile now, not in the first request's TTFT
         self.eos_ids = eos_ids
         self.processors = LogitProcessors.for_runner(self.runner, eos_ids, Tokenizer.from_dir(cfg.model_dir))

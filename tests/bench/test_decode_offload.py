@@ -25,7 +25,10 @@ def test_every_switch_flips_an_existing_attribute() -> None:
     for name, (owner, attr, value) in switches.items():
         assert hasattr(owner, attr), name
         assert getattr(owner, attr) != value, name
-    assert variant_config(KERNELS, "no-pdl+fp8-narrow") == replace(KERNELS, fp8_large_one_row=False)
+    assert variant_config(KERNELS, "no-pdl+fp8-narrow") == replace(
+        KERNELS, pdl=False, fp8_large_one_row=False
+    )
+    assert variant_config(KERNELS, "no-groups") == KERNELS
 
 
 def test_a_variant_names_switches_joined_by_plus() -> None:

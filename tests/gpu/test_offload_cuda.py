@@ -195,9 +195,8 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
     shape (codes as words); the same tokens with the int4 kernels launched programmatically
     (common/kernels/pdl.py, the default) and without; with the scalar CUDA down, the tokens of the byte
     form's shapes (DECODE_CONFIGS)."""
-    from common.experts import offload
-    from common.kernels import moe_int4, pdl
-    from common.kernels.config import DECODE_CONFIGS, RESIDENT_CONFIGS
+    from common.kernels import moe_int4
+    from common.kernels.config import DECODE_CONFIGS, KERNELS, RESIDENT_CONFIGS, KernelConfig
     from common.model.fused_kernels import use_fused_kernels
 
     shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
@@ -213,26 +212,22 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
 
     monkeypatch.setattr(moe_int4, "moe_int4_decode", spy)
 
-    def run() -> list[list[int]]:
+    def run(kernels: KernelConfig = KERNELS) -> list[list[int]]:
         engine = Engine(
             path, dtype=torch.bfloat16, device="cuda", max_seqs=1, expert_cache="all", expert_format="int4",
-            cuda_graphs=True,
+            cuda_graphs=True, kernels=kernels,
         )  # fmt: skip
         engine.offload.load_all(release_host=False)
         use_fused_kernels(engine.model, True, engine.runner.backend)
         assert engine.offload.fused_int4 and engine.offload.all_resident
         return [r.token_ids for r in engine.generate(prompts, GREEDY)]
 
-    monkeypatch.setattr(pdl, "ENABLED", True)
     resident = run()
     assert calls and all(c is RESIDENT_CONFIGS[1] for c in calls)
-    monkeypatch.setattr(pdl, "ENABLED", False)  # every kernel launched plainly: the same tokens
-    assert run() == resident
+    assert run(replace(KERNELS, pdl=False)) == resident  # every kernel launched plainly: the same tokens
     # the tensor-core down takes its activations in bf16 (as the HF reference computes them), the other
     # forms in fp32: greedy tokens of a random model part after a few steps, so the byte form is compared
     # with the scalar CUDA down, and the tensor-core down with the dequantised reference in test_moe_int4_cuda
     scalar_down = replace(RESIDENT_CONFIGS[1], native_down_mma=False)
-    monkeypatch.setattr(offload, "RESIDENT_CONFIGS", {**RESIDENT_CONFIGS, 1: scalar_down})
-    fp32_activations = run()
-    monkeypatch.setattr(offload, "RESIDENT_CONFIGS", DECODE_CONFIGS)
-    assert run() == fp32_activations
+    fp32_activations = run(replace(KERNELS, int4_resident={**RESIDENT_CONFIGS, 1: scalar_down}))
+    assert run(replace(KERNELS, int4_resident=DECODE_CONFIGS)) == fp32_activations

@@ -139,8 +139,9 @@ class GatedDeltaNet(nn.Module):
         recurrent = state["recurrent"]
         # with the epilogue the kernel just before wrote the gates: read after the programmatic wait
         core = gated_delta_step(
-            qkv, a, b, self.A_log, self.dt_bias, recurrent, slots, self.hk, gates_settled=not epilogue
-        )
+            qkv, a, b, self.A_log, self.dt_bias, recurrent, slots, self.hk, gates_settled=not epilogue,
+            kernels=self.kernels,
+        )  # fmt: skip
         return self._out(core, z, x.dtype)
 
     def _project_step(
@@ -158,7 +159,7 @@ class GatedDeltaNet(nn.Module):
             out = gemv.gemv(x, self.fused_in.weight, conv=step, kernels=self.kernels)
             return self.fused_in.split(out)
         qkv, z, b, a = project(x, self._inputs(), self.fused_in)
-        return conv_step(qkv, history, slots, weight, silu=True), z, b, a
+        return conv_step(qkv, history, slots, weight, silu=True, kernels=self.kernels), z, b, a
 
     def _out(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm (gate z [T, Hv·Dv]) and out projection of the recurrence's output core [T, Hv, Dv]
@@ -170,7 +171,8 @@ class GatedDeltaNet(nn.Module):
             from common.kernels.gated_norm import ACTIVATIONS, gated_rms_norm  # Triton
 
             if norm.act_name in ACTIVATIONS:
-                return self.out_proj(gated_rms_norm(core, z, norm.weight, norm.eps, dtype))
+                normed = gated_rms_norm(core, z, norm.weight, norm.eps, dtype, kernels=self.kernels)
+                return self.out_proj(normed)
         out = norm(core.to(dtype), z.reshape(t, self.hv, self.dv))
         return self.out_proj(out.reshape(t, self.value_dim))
 

@@ -26,6 +26,8 @@ class DeferredInject:
     """The sublayer's output [T, H]."""
     logits: torch.Tensor
     """The inject logits [T, hc], or hc_project's partial products [P, T, hc]."""
+    kernels: KernelConfig = KERNELS
+    """The launch options of the kernel that applies it."""
 
 
 Streams = torch.Tensor | DeferredInject
@@ -42,7 +44,7 @@ def applied(streams: Streams) -> torch.Tensor:
         return streams
     from common.kernels.hyper import hc_inject  # Triton (deferred only with the fused kernels)
 
-    return hc_inject(streams.streams, streams.out, streams.logits)
+    return hc_inject(streams.streams, streams.out, streams.logits, kernels=streams.kernels)
 
 
 class HyperConnection(nn.Module):
@@ -99,7 +101,7 @@ class HyperConnection(nn.Module):
             norm, fused = self.hc_norm, self.fused_in
             inject = (deferred.out, deferred.logits) if deferred is not None else None
             product, scales, streams = hc_project(
-                rows, norm.weight, norm.eps, fused.weight, self.hc, inject=inject
+                rows, norm.weight, norm.eps, fused.weight, self.hc, inject=inject, kernels=self.kernels
             )
             down, logits = fused.split(product)
             up = self.input_mix_weight_up.weight
@@ -164,10 +166,10 @@ class HyperConnection(nn.Module):
         With `defer`, in passes whose next hyper-connection projects in its kernel (`_project_fits`: decode
         rows), a DeferredInject that it applies."""
         if defer and self.kernels.defer_inject and self.fused_decode and self._project_fits(streams):
-            return DeferredInject(streams, out, logits)
+            return DeferredInject(streams, out, logits, self.kernels)
         if self.fused_decode:
             from common.kernels.hyper import hc_inject  # Triton
 
-            return hc_inject(streams, out, logits)
+            return hc_inject(streams, out, logits, kernels=self.kernels)
         weight = 2 * torch.sigmoid(logits / self.hc)  # [T, hc]
         return streams + (out[:, None, :] * weight[:, :, None]).flatten(-2)

@@ -31,14 +31,19 @@ if TYPE_CHECKING:
 
 
 def _norm_rotate(
-    norm: OffsetRMSNorm, x: torch.Tensor, ctx: ForwardContext, fused: bool, store: tuple | None = None
+    norm: OffsetRMSNorm,
+    x: torch.Tensor,
+    ctx: ForwardContext,
+    fused: bool,
+    store: tuple | None = None,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """RoPE(norm(x)) for x [T, heads, D]: one Triton kernel when `fused` (common/kernels/norm_rope.py),
     which also stores the key and value in their pages given `store` (norm_rope's)."""
     if fused:
         from common.kernels.norm_rope import norm_rope  # Triton
 
-        return norm_rope(x, norm.weight, norm.eps, ctx.batch.rope_positions, ctx.rotary, store)
+        return norm_rope(x, norm.weight, norm.eps, ctx.batch.rope_positions, ctx.rotary, store, kernels)
     return apply_rotary(norm(x), ctx.cos, ctx.sin)
 
 
@@ -103,13 +108,15 @@ class QSAIndexer(nn.Module):
         if self.fused_decode and batch.is_decode:  # the raw keys stored by the kernel
             from common.kernels.qsa_indexer import compress_step  # Triton
 
-            compress_step(self._key_blocks(raw_k, ctx), batch.positions, batch.rope_positions, ctx.rotary)
+            blocks = self._key_blocks(raw_k, ctx)
+            compress_step(blocks, batch.positions, batch.rope_positions, ctx.rotary, self.kernels)
         else:
             raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
             self._compress_completed_blocks(batch, raw_store, blocks, ctx)
         if not batch.is_decode and max(batch.kv_lens) <= self.block_topk * self.ratio + self.ratio - 1:
             return None  # every query sees at most the budget: dense (decode selects: the same keys)
-        q = _norm_rotate(self.q_layernorm, q, ctx, _rotates_fused(self.fused_decode, ctx))
+        fused = _rotates_fused(self.fused_decode, ctx)
+        q = _norm_rotate(self.q_layernorm, q, ctx, fused, kernels=self.kernels)
         return self._select(q, batch, blocks)
 
     def prologue_parts(self, qk: torch.Tensor, ctx: ForwardContext) -> tuple[KeyBlocks, HeadNorm]:
@@ -190,8 +197,9 @@ class QSAIndexer(nn.Module):
             from common.kernels.qsa_indexer import SELECT_MAX_BLOCKS, block_scores, select_blocks  # Triton
 
             scores = block_scores(  # masks unseen blocks itself
-                q, blocks, batch.page_table, batch.positions, batch.page_size, r, max_blocks
-            )
+                q, blocks, batch.page_table, batch.positions, batch.page_size, r, max_blocks,
+                kernels=self.kernels,
+            )  # fmt: skip
             one_kernel = self.kernels.select_kernel and 0 < max_blocks <= SELECT_MAX_BLOCKS
             if one_kernel:  # top-k and keys in one kernel
                 return select_blocks(scores, batch.positions, self.block_topk, r, self.kernels)
@@ -280,8 +288,8 @@ class QSAttention(nn.Module):
             selected, q, k = self._prologue(index_qk, q, k, store, ctx)
         else:
             selected = self.indexer(index_qk, ctx)
-            q = _norm_rotate(self.q_norm, q, ctx, fused)
-            k = _norm_rotate(self.k_norm, k, ctx, fused, store)
+            q = _norm_rotate(self.q_norm, q, ctx, fused, kernels=self.kernels)
+            k = _norm_rotate(self.k_norm, k, ctx, fused, store, self.kernels)
         plan, scale = ctx.attn_plan, self.head_dim**-0.5
         out = ctx.backend.forward(
             q, k, v, state, plan, scale, selected=selected, gate=gate, stored=store is not None
@@ -306,6 +314,7 @@ class QSAttention(nn.Module):
         k_norm = HeadNorm(k, self.k_norm.weight, self.k_norm.eps)
         batch = ctx.batch
         index_q, q, k = qsa_prologue(
-            blocks, index_q, q_norm, k_norm, store, batch.positions, batch.rope_positions, ctx.rotary
-        )
+            blocks, index_q, q_norm, k_norm, store, batch.positions, batch.rope_positions, ctx.rotary,
+            kernels=self.kernels,
+        )  # fmt: skip
         return self.indexer.select_after_prologue(index_q, ctx), q, k
