@@ -33,7 +33,7 @@ def configure_kernels(model: nn.Module, kernels: KernelConfig, backend: object |
     """Hand `kernels` to every module of `model` that reads it (and keep it as `model.kernels`): once, where
     the worker builds the model, before a pass is recorded (a recorded pass keeps the kernels it was recorded
     with)."""
-    model.kernels = kernels
+    model.kernels = kernels  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module only
     for module in model.modules():
         if isinstance(module, KERNEL_READERS):
             module.kernels = kernels
