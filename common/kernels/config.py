@@ -7,9 +7,8 @@ variants of it (`dataclasses.replace`). It imports nothing: the kernels and the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 MOE_DOWN_TOKENS = 8192
 """Tokens a grouped int4 down projection takes at once (`moe_int4_grouped`): its per-(token, choice) output
@@ -82,7 +81,29 @@ class DecodeConfig:
     activations before gate_up wrote them in graph replays and do not count."""
 
 
-DECODE_CONFIGS: Mapping[int, DecodeConfig] = MappingProxyType(
+class ShapeTable(Mapping[int, DecodeConfig]):
+    """Launch shapes by token count: a read-only mapping, hashable (a KernelConfig holding it is)."""
+
+    def __init__(self, shapes: Mapping[int, DecodeConfig]) -> None:
+        self._shapes = dict(shapes)
+
+    def __getitem__(self, tokens: int) -> DecodeConfig:
+        return self._shapes[tokens]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._shapes.items()))
+
+    def __repr__(self) -> str:
+        return f"ShapeTable({self._shapes!r})"
+
+
+DECODE_CONFIGS = ShapeTable(
     {
         1: DecodeConfig(block=8, split_act=True),
         2: DecodeConfig(block=8, groups_per_step=2, num_warps=2, split_act=True),
@@ -98,7 +119,7 @@ DECODE_CONFIGS: Mapping[int, DecodeConfig] = MappingProxyType(
 72.78 tok/s, one machine, back to back): the step's copy kernels share the SMs with it. Steps that copy
 misses run these; see RESIDENT_CONFIGS for the others."""
 
-RESIDENT_CONFIGS: Mapping[int, DecodeConfig] = MappingProxyType({
+RESIDENT_CONFIGS = ShapeTable({
     **DECODE_CONFIGS,
     1: DecodeConfig(
         block=8, down_block=16, down_groups_per_step=1, down_warps=2, words=True,
@@ -193,10 +214,15 @@ class KernelConfig:
     """QSA's decode key compression, norms and rotations run as programs of one kernel (qsa_prologue.py)."""
     attention_programs: int = 2048
     """Split programs the paged decode attention aims for (decode_attention.py)."""
-    int4_decode: Mapping[int, DecodeConfig] = field(default_factory=lambda: DECODE_CONFIGS)
+    int4_decode: Mapping[int, DecodeConfig] = DECODE_CONFIGS
     """The int4 decode kernels' launch shapes by token count, for steps with copies beside them."""
-    int4_resident: Mapping[int, DecodeConfig] = field(default_factory=lambda: RESIDENT_CONFIGS)
+    int4_resident: Mapping[int, DecodeConfig] = RESIDENT_CONFIGS
     """The int4 decode kernels' launch shapes by token count, every expert resident (no copies beside)."""
+
+    def __post_init__(self) -> None:
+        for name in ("int4_decode", "int4_resident"):  # any mapping given: held read-only and hashable
+            if not isinstance(getattr(self, name), ShapeTable):
+                object.__setattr__(self, name, ShapeTable(getattr(self, name)))
 
 
 KERNELS = KernelConfig()
