@@ -100,7 +100,9 @@ def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
     calls = []
     dispatch = moe_dispatch.moe_dispatch
-    monkeypatch.setattr(moe_dispatch, "moe_dispatch", lambda *args: calls.append(args) or dispatch(*args))
+    monkeypatch.setattr(
+        moe_dispatch, "moe_dispatch", lambda *args, **kw: calls.append(args) or dispatch(*args, **kw)
+    )
     settled = {True: [], False: []}
     prompt = torch.randint(3, 1000, (9,), generator=torch.Generator().manual_seed(0)).tolist()
     logits = []

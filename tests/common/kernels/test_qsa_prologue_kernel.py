@@ -47,7 +47,7 @@ def test_prologue_decodes_as_the_four_kernels(tmp_path: Path, monkeypatch: pytes
     prompt = torch.randint(3, 1000, (21,), generator=torch.Generator().manual_seed(2)).tolist()
     launches = []
     plain = qsa_prologue.qsa_prologue
-    monkeypatch.setattr(qsa_prologue, "qsa_prologue", lambda *a: launches.append(1) or plain(*a))
+    monkeypatch.setattr(qsa_prologue, "qsa_prologue", lambda *a, **kw: launches.append(1) or plain(*a, **kw))
     fused = _decode(path, prompt)
     assert launches  # every decode step's QSA layers
     launches.clear()
