@@ -108,8 +108,8 @@ class QSAIndexer(nn.Module):
         if self.fused_decode and batch.is_decode:  # the raw keys stored by the kernel
             from common.kernels.qsa_indexer import compress_step  # Triton
 
-            blocks = self._key_blocks(raw_k, ctx)
-            compress_step(blocks, batch.positions, batch.rope_positions, ctx.rotary, self.kernels)
+            key_blocks = self._key_blocks(raw_k, ctx)
+            compress_step(key_blocks, batch.positions, batch.rope_positions, ctx.rotary, self.kernels)
         else:
             raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
             self._compress_completed_blocks(batch, raw_store, blocks, ctx)
