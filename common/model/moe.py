@@ -8,6 +8,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.experts.provider import ExpertProvider
+from common.kernels.config import KERNELS, KernelConfig
 from common.model.fused_linear import FusedLinears, Linear, fuse_linears, plain_linear, project
 from common.model.layers import GatedMLP
 
@@ -36,12 +37,8 @@ class SparseMoeBlock(nn.Module):
     ahead_experts = 0
     """Experts a token the guess names (the next layer's router's top-n on this block's input)."""
 
-    lookahead = True
-    """With `ahead`: guess (a switch for bench.decode_offload --ablate, which compares a run without)."""
-
-    shared_kernel = True
-    """With `fused_decode`: a few rows' shared expert after its input projections in one Triton kernel
-    (`swiglu_down`); a switch for bench.decode_offload --ablate."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertProvider) -> None:
         super().__init__()
@@ -87,7 +84,7 @@ class SparseMoeBlock(nn.Module):
             prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
-        if self.ahead is not None and self.lookahead:  # the next layer's guess: its copies queue behind
+        if self.ahead is not None and self.kernels.lookahead:  # the next layer's guess: copies queue behind
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
         shared, shared_gate = self._shared(x, shared_in, shared)  # (if not dispatched) while the copies run
         settled = dispatched is None and shared is not None  # its kernels came after the routing's
@@ -98,7 +95,8 @@ class SparseMoeBlock(nn.Module):
         if self.fused_decode:
             from common.kernels.routing import route_fused  # Triton
 
-            weights, ids = route_fused(logits, self.top_k, self.normalize, dtype)  # [T, k] each
+            top = (logits, self.top_k, self.normalize, dtype)
+            weights, ids = route_fused(*top, kernels=self.kernels)  # [T, k] each
         else:
             weights, ids = route(logits, self.top_k, self.normalize)
         if self.routing_hook is not None:
@@ -116,7 +114,7 @@ class SparseMoeBlock(nn.Module):
         from common.kernels import moe_dispatch
         from common.kernels.gated_mlp import DOWN_ROWS
 
-        if not moe_dispatch.ENABLED or logits.shape[0] > DOWN_ROWS:
+        if not self.kernels.moe_dispatch or logits.shape[0] > DOWN_ROWS:
             return None
         hook = self.routing_hook
         replay = None if hook is None else hook.device_rows(self.layer_idx, logits.device)
@@ -127,7 +125,8 @@ class SparseMoeBlock(nn.Module):
             shared = (shared_in[0], shared_in[1], self.shared_expert.down_proj.weight)
         elif replay is None:  # the router's choice alone: route_fused's kernel
             return None
-        return moe_dispatch.moe_dispatch(logits, self.top_k, self.normalize, dtype, replay, shared)
+        args = (logits, self.top_k, self.normalize, dtype, replay, shared)
+        return moe_dispatch.moe_dispatch(*args, kernels=self.kernels)
 
     def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
         """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""
@@ -151,14 +150,14 @@ class SparseMoeBlock(nn.Module):
         if self._shared_fits([gate, up]):
             from common.kernels.gated_mlp import swiglu_down  # Triton
 
-            return swiglu_down(gate, up, self.shared_expert.down_proj.weight)
+            return swiglu_down(gate, up, self.shared_expert.down_proj.weight, kernels=self.kernels)
         return self.shared_expert.finish(gate, up)
 
     def _shared_fits(self, shared_in: list[torch.Tensor] | None) -> bool:
         """Whether the shared expert's second half runs as one Triton kernel (swiglu_down's, alone or in the
         dispatch): a few rows with the fused kernels, SiLU, a plain down projection."""
         mlp = self.shared_expert
-        if mlp is None or not shared_in or not (self.fused_decode and self.shared_kernel):
+        if mlp is None or not shared_in or not (self.fused_decode and self.kernels.shared_kernel):
             return False
         from common.kernels.gated_mlp import DOWN_ROWS  # Triton: only past the check above
 
@@ -181,3 +180,11 @@ def install_lookahead(model: nn.Module, experts: int, num_layers: int) -> int:
         object.__setattr__(block, "ahead", after if experts > 0 else None)
         block.ahead_experts = experts
     return sum(b.ahead is not None for b in blocks)
+
+
+def install_provider(model, provider: ExpertProvider) -> None:
+    """Make `provider` serve every MoE block of `model` (blocks hold it as `experts`; the model as well)."""
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.experts = provider
+    model.experts = provider
