@@ -3,6 +3,8 @@ or back to torch ops."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from common.kernels.config import KERNELS, KernelConfig
@@ -70,11 +72,12 @@ def use_fused_kernels(
     for module in model.modules():
         if isinstance(module, fused):
             module.fused_decode = on
-        if hasattr(getattr(module, "routing_hook", None), "fused"):  # a routing replay (benchmarks)
-            module.routing_hook.fused = on
+        hook: Any = getattr(module, "routing_hook", None)
+        if hasattr(hook, "fused"):  # a routing replay (benchmarks)
+            hook.fused = on
     if hasattr(backend, "fused_decode"):
         backend.fused_decode = on
-    experts = model.experts
+    experts: Any = model.experts  # an offloaded provider has kernel switches
     if hasattr(experts, "fused_resolve"):
         experts.fused_resolve = experts.copies.merged = on
         experts.fused_int4_prefill = on and experts.int4_kernels

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +13,9 @@ from common.experts.provider import ExpertProvider
 from common.kernels.config import KERNELS, KernelConfig
 from common.model.fused_linear import FusedLinears, Linear, fuse_linears, plain_linear, project
 from common.model.layers import GatedMLP
+
+if TYPE_CHECKING:
+    from common.experts.routing import RoutingHook
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +52,8 @@ class SparseMoeBlock(nn.Module):
         self.weights_fp32 = cfg.router_weights_fp32
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = experts
-        self.routing_hook = None  # record or replay the router's choices (common/experts/routing.py)
+        self.routing_hook: RoutingHook | None = None
+        """Records or replays the router's choices (common/experts/routing.py)."""
         self.shared_expert = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size > 0:
