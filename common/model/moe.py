@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +128,7 @@ class SparseMoeBlock(nn.Module):
             return None
         shared = None
         if self._shared_fits(shared_in):
+            assert shared_in is not None and self.shared_expert is not None  # as _shared_fits checked
             shared = (shared_in[0], shared_in[1], self.shared_expert.down_proj.weight)
         elif replay is None:  # the router's choice alone: route_fused's kernel
             return None
@@ -136,6 +137,7 @@ class SparseMoeBlock(nn.Module):
 
     def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
         """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""
+        assert self.ahead is not None  # only a block that guesses predicts
         return torch.topk(self.ahead.gate(x), self.ahead_experts, dim=-1, sorted=False).indices
 
     def _shared(
@@ -153,11 +155,13 @@ class SparseMoeBlock(nn.Module):
     def _finish_shared(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The shared expert from its gate and up outputs: for a few rows with the fused kernels, SiLU, the
         product and the down GEMV in one Triton kernel (torch: three launches a layer)."""
+        mlp = self.shared_expert
+        assert mlp is not None  # `_shared` calls this only for a block with a shared expert
         if self._shared_fits([gate, up]):
             from common.kernels.gated_mlp import swiglu_down  # Triton
 
-            return swiglu_down(gate, up, self.shared_expert.down_proj.weight, kernels=self.kernels)
-        return self.shared_expert.finish(gate, up)
+            return swiglu_down(gate, up, mlp.down_proj.weight, kernels=self.kernels)
+        return mlp.finish(gate, up)
 
     def _shared_fits(self, shared_in: list[torch.Tensor] | None) -> bool:
         """Whether the shared expert's second half runs as one Triton kernel (swiglu_down's, alone or in the
@@ -175,7 +179,7 @@ def install_lookahead(model: nn.Module, experts: int, num_layers: int) -> int:
     """Make each of the first `num_layers` layers' MoE blocks guess the next one's `experts` experts a token
     from its own input (docs/ARCHITECTURE.md, Experts; 0: no guesses) → the blocks that guess. MTP's blocks
     neither guess nor are guessed."""
-    if not 0 <= experts <= model.config.num_experts:
+    if not 0 <= experts <= cast(ModelConfig, model.config).num_experts:
         raise ValueError(f"lookahead guesses 0 to num_experts experts a token, not {experts}")
     blocks = sorted(
         (m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.layer_idx < num_layers),
