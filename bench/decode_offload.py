@@ -21,6 +21,8 @@ from bench.flashnext import GIB, build_flashnext, warm_prefill
 from common.config import DEFAULT_LOOKAHEAD, resolve_lookahead
 from common.engine.decode_pipeline import DecodePipeline
 from common.engine.runner import ModelRunner
+from common.kernels.config import KERNELS, KernelConfig
+from common.model.fused_kernels import configure_kernels
 
 
 def profile_steps(runner: ModelRunner, seqs: list, tokens: list[int], path: Path, steps: int = 4) -> None:
@@ -224,20 +226,70 @@ def main() -> None:
         print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
 
 
+def kernel_variants() -> dict[str, dict[str, object]]:
+    """The variants that are kernel configurations: name → the KernelConfig fields they change."""
+    resident = KERNELS.int4_resident
+    one = resident[1]
+    triton_one = replace(one, native_rows=0, native_down_warps=0)  # Triton's words form, not CUDA C's
+    return {
+        "no-select-kernel": {"select_kernel": False},
+        "no-project-kernel": {"project_kernel": False},
+        "no-mix-up-kernel": {"mix_up_kernel": False},
+        "no-shared-kernel": {"shared_kernel": False},
+        "no-lookahead": {"lookahead": False},
+        "int4-bytes": {"int4_resident": KERNELS.int4_decode},
+        "int4-words": {"int4_decode": resident},
+        "no-defer-inject": {"defer_inject": False},
+        "no-gemv": {"gemv": False},
+        "cublas-large": {"large_one_row": False},
+        "no-fold": {"fold_sums": False},
+        "fp8-narrow": {"fp8_large_one_row": False},
+        "gemv-no-pdl": {"gemv_pdl": False},
+        "hold-mixer-launch": {"hold_mixer_launch": True},
+        "no-hold-mixer-launch": {"hold_mixer_launch": False},
+        "no-int4-native": {"int4_resident": {**resident, 1: triton_one}},
+        "no-int4-native-mma": {"int4_resident": {**resident, 1: replace(one, native_mma=False)}},
+        "no-int4-native-down-mma": {"int4_resident": {**resident, 1: replace(one, native_down_mma=False)}},
+        "no-gemv-native": {"gemv_native": False},
+        "no-moe-dispatch": {"moe_dispatch": False},
+        "select-search": {"select_rank": False},
+        "no-qsa-prologue": {"prologue_kernel": False},
+        "no-conv-epilogue": {"conv_epilogue": False},
+        "no-hc-split-rank": {"mix_up_split_rank": False},
+        "no-pdl": {"pdl": False},
+        "pdl-exit-trigger": {"pdl_early_trigger": False},
+        "no-tail-trigger-first": {"pdl_start_trigger": False},
+        "qsa-splits-16": {"attention_programs": 32},
+        "qsa-splits-32": {"attention_programs": 64},
+        "qsa-splits-64": {"attention_programs": 128},
+    }
+
+
+def other_switches(provider) -> dict[str, tuple[object, str, object]]:
+    """The variants outside the kernel configuration: name → (owner, attribute, value in that variant)."""
+    from common.engine.graphs import DecodeGraphs
+
+    return {
+        "no-combine-shared": (provider, "combine_shared", False),
+        "no-groups": (DecodeGraphs, "split_lanes", 0),
+        "no-pipeline": (DecodePipeline, "depth", 1),
+    }
+
+
 DECODE_SWITCHES = (
     "no-select-kernel", "no-project-kernel", "no-mix-up-kernel", "no-shared-kernel", "no-combine-shared",
-    "no-lookahead", "no-groups", "host-reads", "int4-bytes", "int4-words", "no-pdl",
-    "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "int4-mma", "no-fold",
+    "no-lookahead", "no-groups", "int4-bytes", "int4-words", "no-pdl",
+    "no-defer-inject", "no-pipeline", "no-gemv", "cublas-large", "no-fold",
     "fp8-narrow", "gemv-no-pdl", "pdl-exit-trigger", "hold-mixer-launch", "no-hold-mixer-launch",
     "no-int4-native", "no-int4-native-mma", "no-int4-native-down-mma", "no-gemv-native",
     "no-moe-dispatch", "select-search", "no-qsa-prologue", "no-conv-epilogue",
     "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "no-tail-trigger-first", "no-hc-split-rank",
 )  # fmt: skip
-"""The variants of `--ablate`, each one switch flipped from the defaults (`decode_switches`)."""
+"""The variants of `--ablate`, each one change from the defaults (`kernel_variants`, `other_switches`)."""
 
 
 def variant(name: str) -> str:
-    """An `--switches` variant: one of DECODE_SWITCHES, or several joined by '+' (flipped together)."""
+    """An `--switches` variant: one of DECODE_SWITCHES, or several joined by '+' (changed together)."""
     unknown = [part for part in name.split("+") if part not in DECODE_SWITCHES]
     if unknown:
         raise argparse.ArgumentTypeError(
@@ -246,81 +298,30 @@ def variant(name: str) -> str:
     return name
 
 
-def decode_switches(provider) -> dict[str, tuple[object, str, object]]:
-    """The decode kernels a run can switch alone: name → (owner, attribute, value in that variant)."""
-    from common.engine.graphs import DecodeGraphs
-    from common.kernels import (
-        arrival,
-        decode_attention,
-        gemv,
-        gemv_native,
-        hyper,
-        moe_dispatch,
-        moe_int4,
-        pdl,
-        qsa_indexer,
-    )
-    from common.model import fused_linear
-    from common.model.moe import SparseMoeBlock
-    from common.model.qwen4_exp.hyper import HyperConnection
-    from common.model.qwen4_exp.model import Qwen4DecoderLayer
-    from common.model.qwen4_exp.qsa import QSAIndexer, QSAttention
-
-    triton_resident = replace(moe_int4.RESIDENT_CONFIGS[1], native_rows=0, native_down_warps=0)
-    scalar_gate_up = replace(moe_int4.RESIDENT_CONFIGS[1], native_mma=False)
-    scalar_down = replace(moe_int4.RESIDENT_CONFIGS[1], native_down_mma=False)
-    switches = (
-        (QSAIndexer, "select_kernel", False),
-        (HyperConnection, "project_kernel", False),
-        (HyperConnection, "mix_up_kernel", False),
-        (SparseMoeBlock, "shared_kernel", False),
-        (provider, "combine_shared", False),
-        (SparseMoeBlock, "lookahead", False),
-        (DecodeGraphs, "split_lanes", 0),
-        (provider, "host_reads", True),
-        (moe_int4, "RESIDENT_CONFIGS", moe_int4.DECODE_CONFIGS),
-        (moe_int4, "DECODE_CONFIGS", moe_int4.RESIDENT_CONFIGS),
-        (pdl, "ENABLED", False),
-        (HyperConnection, "defer_inject", False),
-        (DecodePipeline, "depth", 1),
-        (fused_linear, "GEMV", False),
-        (gemv, "LARGE_ONE_ROW", False),
-        (moe_int4, "RESIDENT_CONFIGS", moe_int4.MMA_CONFIGS),
-        (arrival, "ENABLED", False),
-        (gemv, "FP8_LARGE_ONE_ROW", None),
-        (gemv, "PDL", False),
-        (pdl, "EARLY_TRIGGER", False),
-        (Qwen4DecoderLayer, "hold_mixer_launch", True),
-        (Qwen4DecoderLayer, "hold_mixer_launch", False),
-        (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: triton_resident}),
-        (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: scalar_gate_up}),
-        (moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: scalar_down}),
-        (gemv_native, "ENABLED", False),
-        (moe_dispatch, "ENABLED", False),
-        (qsa_indexer, "SELECT_RANK", False),
-        (QSAttention, "prologue_kernel", False),
-        (gemv, "CONV_EPILOGUE", False),
-        (decode_attention, "TARGET_PROGRAMS", 32),
-        (decode_attention, "TARGET_PROGRAMS", 64),
-        (decode_attention, "TARGET_PROGRAMS", 128),
-        (pdl, "START_TRIGGER", False),
-        (hyper, "MIX_UP_SPLIT_RANK", False),
-    )
-    return dict(zip(DECODE_SWITCHES, switches, strict=True))
+def variant_config(base: KernelConfig, name: str) -> KernelConfig:
+    """`base` with the kernel-configuration parts of variant `name` (parts joined by '+') applied."""
+    table = kernel_variants()
+    changes = [table[part] for part in name.split("+") if part in table]
+    return replace(base, **{field: value for change in changes for field, value in change.items()})
 
 
 def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict:
-    """The defaults, then each variant of `--switches` (a switch of `decode_switches`, or several joined by
-    '+') flipped: the same decode from the prompt's state (fresh copies of `pristine` each time; the cache
-    carries over and the warm-up steps settle it), graphs recorded again for each. Per variant: tok/s per
-    request and aggregate, hit rate; with --profile PATH, a profile of its steps too (PATH-NAME)."""
+    """The defaults, then each variant of `--switches` (a variant of `kernel_variants` or `other_switches`,
+    or several joined by '+'): the same decode from the prompt's state (fresh copies of `pristine` each
+    time; the cache carries over and the warm-up steps settle it), the model handed the variant's kernel
+    configuration and its graphs recorded again. Per variant: tok/s per request and aggregate, hit rate;
+    with --profile PATH, a profile of its steps too (PATH-NAME)."""
     out = {}
-    table = decode_switches(provider)
+    others = other_switches(provider)
+    model = runner.model
+    base = getattr(model, "kernels", KERNELS)
     for name in ("defaults", *(args.switches or DECODE_SWITCHES)):
-        flips = [] if name == "defaults" else [table[part] for part in name.split("+")]
+        parts = [] if name == "defaults" else name.split("+")
+        flips = [others[part] for part in parts if part in others]
         before = [getattr(owner, attr) for owner, attr, _ in flips]
         for owner, attr, value in flips:
             setattr(owner, attr, value)
+        configure_kernels(model, variant_config(base, name) if parts else base)
         if runner.graphs is not None:
             runner.graphs.forget()
         seqs = [runner.pool.fork(pristine) for _ in range(args.lanes)]
@@ -335,6 +336,7 @@ def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict
             runner.release(s)
         for (owner, attr, _), value in reversed(list(zip(flips, before, strict=True))):
             setattr(owner, attr, value)
+    configure_kernels(model, base)
     return out
 
 

@@ -19,9 +19,9 @@ from common.experts.formats import get_format
 from common.experts.offload import OffloadedExperts, offload_experts
 from common.experts.routing import RoutingReplayer, install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
-from common.kernels import use_fused_kernels
 from common.kv.lending import KvLending
 from common.model.fp8_linear import to_resident_dtype
+from common.model.fused_kernels import use_fused_kernels
 from common.model.hf_config import parse_architecture
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import build_model

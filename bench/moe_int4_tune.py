@@ -17,10 +17,8 @@ default's.
     python -m bench.moe_int4_tune --grouped [--tokens 8192 25600]
 
 `--magic`, `--words`, `--stages N`: every shape with those DecodeConfig knobs, beside the defaults. `--down`:
-gate_up's and down's shapes apart. `--registers N`: every shape also with gate_up's registers capped at N.
-`--mma`: gate_up on the tensor cores (`_mma_settings`), beside the all-resident one-token shape; `--native`:
-gate_up by the CUDA C kernel (`_native_settings`), likewise. `--chunks N
-...`: each shape also with gate_up's inputs cut into N chunks, one program each (DecodeConfig.gate_up_chunks).
+gate_up's and down's shapes apart. `--native`: gate_up by the CUDA C kernel (`_native_settings`), beside
+the all-resident one-token shape.
 
 `--once`: no timing, three eager calls of the decode defaults per token count (`moe-int4-decode-ncu.txt`:
 `ncu --kernel-name regex:"_gate_up_kernel|_down_kernel" --launch-skip 4 --launch-count 4 --section ...
@@ -38,7 +36,8 @@ import torch
 
 from bench.common import measure_hbm_gbps, measure_tflops, median_ms, replay_us
 from bench.flashnext import random_int4_store
-from common.kernels.moe_int4 import GROUP, GROUPS_PER_STEP, RESIDENT_CONFIGS, moe_int4_decode
+from common.kernels.config import RESIDENT_CONFIGS, DecodeConfig, decode_config
+from common.kernels.moe_int4 import moe_int4_decode
 from common.kernels.moe_int4_grouped import GROUPED, GroupedConfig, moe_int4_grouped
 
 HIDDEN, INTER, TOP_K, CALLS, EXPERTS = 2560, 640, 10, 48, 512
@@ -62,8 +61,17 @@ def decode_calls(pool: dict, tokens: int) -> list[tuple[torch.Tensor, torch.Tens
 
 def time_config(pool: dict, calls: list, setting: dict, repeats: int = 20) -> tuple[float, torch.Tensor]:
     """µs per call of `calls` recorded as one graph, replayed `repeats` times; and the first call's output."""
-    first = moe_int4_decode(*calls[0], pool, **setting)
-    return replay_us(lambda: [moe_int4_decode(*c, pool, **setting) for c in calls], repeats) / CALLS, first
+    config = shape(setting, calls[0][1].shape[0])
+    first = moe_int4_decode(*calls[0], pool, config=config)
+    return replay_us(
+        lambda: [moe_int4_decode(*c, pool, config=config) for c in calls], repeats
+    ) / CALLS, first
+
+
+def shape(setting: dict, tokens: int) -> DecodeConfig:
+    """A setting's launch shape: its knobs over DecodeConfig's plain defaults, or (no knobs) the token
+    count's of DECODE_CONFIGS."""
+    return DecodeConfig(**setting) if setting else decode_config(tokens)
 
 
 def label(setting: dict) -> str:
@@ -78,10 +86,7 @@ def label(setting: dict) -> str:
     text += " split" if setting.get("split_act") else ""
     text += " magic" if setting.get("magic") else ""
     text += " words" if setting.get("words") else ""
-    text += " mma" if setting.get("mma") else ""
     text += f" gate_up stages {setting['gate_up_stages']}" if setting.get("gate_up_stages") else ""
-    text += f" regs {setting['gate_up_registers']}" if setting.get("gate_up_registers") else ""
-    text += f" chunks {setting['gate_up_chunks']}" if setting.get("gate_up_chunks", 1) > 1 else ""
     if setting.get("native_mma"):
         text += " native mma"
     elif setting.get("native_rows"):
@@ -164,18 +169,6 @@ def _down_settings() -> list[dict]:
     return settings
 
 
-def _mma_settings() -> list[dict]:
-    """gate_up on the tensor cores (DecodeConfig.mma) over rows a program, warps and pipelining stages, down
-    as RESIDENT_CONFIGS' one-token shape; beside that shape itself (the words form's gate_up)."""
-    down = {"words": True, "down_block": 16, "down_groups_per_step": 1, "down_warps": 2}
-    resident = {"block": 8, "groups_per_step": 4, "num_warps": 4} | down
-    shapes = ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8))
-    return [resident] + [
-        {"block": b, "groups_per_step": 1, "num_warps": w, "gate_up_stages": st, "mma": True} | down
-        for (b, w), st in itertools.product(shapes, (1, 2, 3))
-    ]
-
-
 def _native_settings() -> list[dict]:
     """gate_up by the CUDA C kernel (DecodeConfig.native_rows) over rows a warp and warps a block, down as
     RESIDENT_CONFIGS' one-token shape; then down by its CUDA C kernel too, over warps a block; then gate_up
@@ -197,18 +190,6 @@ def _native_settings() -> list[dict]:
     return [resident, *gate_up, *both, *mma, *down_mma]
 
 
-def _chunked(settings: list[dict], counts: list[int]) -> list[dict]:
-    """Each gate_up shape of `settings` with its inputs cut into each of `counts` chunks, where a chunk is
-    whole loop steps (DecodeConfig.gate_up_chunks; the tensor cores take a group a step)."""
-    groups, out = HIDDEN // GROUP, []
-    for setting in filter(None, settings):
-        step = 1 if setting.get("mma") else setting.get("groups_per_step", GROUPS_PER_STEP)
-        out += [
-            {**setting, "gate_up_chunks": n} for n in counts if groups % n == 0 and groups // n % step == 0
-        ]
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--grouped", action="store_true", help="the prefill kernels (default: decode)")
@@ -225,16 +206,7 @@ def main() -> None:
     ap.add_argument(
         "--down", action="store_true", help="gate_up's and down's shapes apart (`_down_settings`)"
     )
-    ap.add_argument("--mma", action="store_true", help="gate_up on the tensor cores (`_mma_settings`)")
     ap.add_argument("--native", action="store_true", help="gate_up by the CUDA C kernel (`_native_settings`)")
-    ap.add_argument(
-        "--chunks", type=int, nargs="+", default=None,
-        help="each shape also with gate_up's inputs in this many chunks (DecodeConfig.gate_up_chunks)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--registers", type=int, default=None,
-        help="each shape also with gate_up's registers capped (DecodeConfig.gate_up_registers)",
-    )  # fmt: skip
     args = ap.parse_args()
     if args.grouped:
         grouped_sweep(args.tokens or [8192, 25600])
@@ -247,15 +219,13 @@ def main() -> None:
         configs = RESIDENT_CONFIGS if args.native else None
         for tokens in args.tokens or [1, 8]:
             for call in decode_calls(pool, tokens)[:3]:
-                moe_int4_decode(*call, pool, configs=configs)
+                moe_int4_decode(*call, pool, config=decode_config(tokens, configs))
         torch.cuda.synchronize()
         return
     hbm = measure_hbm_gbps()
     expert_bytes = store.expert_bytes
     print(f"HBM {hbm:.0f} GB/s; expert {expert_bytes / 2**20:.2f} MiB")
-    if args.mma:
-        settings = [{}, *_mma_settings()]
-    elif args.native:
+    if args.native:
         settings = [{}, *_native_settings()]
     elif args.down:
         settings = [{}, *_down_settings()]
@@ -266,14 +236,9 @@ def main() -> None:
     if extra:  # every shape with these knobs, beside the defaults
         shapes = [s for s in settings if not (args.words and s.get("split_act"))]  # (ignored by words)
         settings = [{}, *({**setting, **extra} for setting in shapes)]
-    if args.chunks:
-        settings += _chunked(settings, args.chunks)
-    if args.registers:  # each shape as it is and capped, side by side
-        capped = [{**setting, "gate_up_registers": args.registers} for setting in settings if setting]
-        settings = [*settings, *capped]
     for tokens in args.tokens or [1, 8]:
         calls = decode_calls(pool, tokens)
-        want = moe_int4_decode(*calls[0], pool).float()  # the defaults'
+        want = moe_int4_decode(*calls[0], pool, config=decode_config(tokens)).float()  # the defaults'
         results = []
         for setting in settings:
             us, got = time_config(pool, calls, setting)

@@ -21,7 +21,6 @@ registers and local memory (spills) are reported beside its SASS; a GEMV's issue
 once a step.
 
     python -m bench.sass_census [--shape BLOCK GROUPS WARPS] [--down BLOCK GROUPS WARPS] [--words]
-        [--registers N]
     python -m bench.sass_census --hc | --step | --native
 
 `--native`: the CUDA C int4 kernels (common/kernels/cuda/int4_decode.cu) built by nvcc for sm_90 at
@@ -51,7 +50,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from common.kernels import arrival, hyper, moe_int4, native
-from common.kernels.moe_int4 import GROUP, DecodeConfig
+from common.kernels.config import DECODE_CONFIGS, RESIDENT_CONFIGS, DecodeConfig
+from common.kernels.moe_int4 import GROUP
 
 HIDDEN, INTER, TOP_K, SMS, CLOCK_GHZ = 2560, 640, 10, 132, 1.75
 HC, RANK = 4, 320
@@ -78,11 +78,11 @@ class Census:
 
 def compile_sm90(
     fn, signature: dict[str, str], constants: dict, num_warps: int, divisible: tuple[str, ...],
-    maxnreg: int | None = None, stages: int | None = None,
+    stages: int | None = None,
 ):  # fmt: skip
     """`fn` compiled for sm_90: pointer arguments and those named in `divisible` marked multiples of 16, as
-    Triton specialises them at launch; FMA contraction on, as on a launch; registers capped at `maxnreg`;
-    `stages` the launch's num_stages (None: Triton's default)."""
+    Triton specialises them at launch; FMA contraction on, as on a launch; `stages` the launch's num_stages
+    (None: Triton's default)."""
     names = list(signature)
     attrs = {
         (names.index(n),): [["tt.divisibility", 16]]
@@ -92,7 +92,6 @@ def compile_sm90(
     signature = signature | dict.fromkeys(constants, "constexpr")
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     options = {"num_warps": num_warps, "enable_fp_fusion": True}
-    options |= {"maxnreg": maxnreg} if maxnreg else {}
     options |= {"num_stages": stages} if stages else {}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -151,7 +150,7 @@ def native_census() -> dict[str, tuple[Census, float]]:
     RESIDENT_CONFIGS[1]'s launch: gate_up's instance for its rows a warp and flashnext's three chunks a lane,
     and down. Straight-line code: the count includes the two code-loading paths (settled or not) and down's
     unrolled groups past flashnext's five, so it overstates what a warp issues."""
-    config = moe_int4.RESIDENT_CONFIGS[1]
+    config = RESIDENT_CONFIGS[1]
     rows, warps, down_warps = config.native_rows, config.native_warps, config.native_down_warps
     sass_by, usage_by = native_sass()
     chunks = -(-HIDDEN // 1024)
@@ -173,55 +172,40 @@ def native_census() -> dict[str, tuple[Census, float]]:
     return out
 
 
-_COMMON = {"hw_ptr": "*u8", "hs_ptr": "*bf16", "hz_ptr": "*u8", "fill_ptr": "*i64", "valid_ptr": "*i1"}
-_COMMON |= {"fills": "i32"}
-
-
 def int4_decode_census(config: DecodeConfig) -> dict[str, tuple[Census, float]]:
     """gate_up's and down's census at one token under `config`, each with its estimated issue time (µs)."""
     codes = "*i32" if config.words else "*u8"
     pool = {"w_ptr": codes, "s_ptr": "*bf16", "z_ptr": "*u8"}
     gate_up = {"x_ptr": "*bf16", "rows_ptr": "*i64", "row_of_ptr": "*i64", **pool, "act_ptr": "*fp32"}
-    gate_up |= {
-        "k": "i32",
-        "hidden": "i32",
-        "inter": "i32",
-        **_COMMON,
-        "part_ptr": "*fp32",
-        "count_ptr": "*i32",
-    }
+    gate_up |= {"k": "i32", "hidden": "i32", "inter": "i32"}
     down = {"act_ptr": "*fp32", "rows_ptr": "*i64", "row_of_ptr": "*i64", "weights_ptr": "*fp32", **pool}
-    down |= {"partial_ptr": "*fp32", "hidden": "i32", "inter": "i32", **_COMMON, "count_ptr": "*i32"}
+    down |= {"partial_ptr": "*fp32", "hidden": "i32", "inter": "i32", "count_ptr": "*i32"}
     down |= {"shared_ptr": "*bf16", "gate_ptr": "*bf16", "out_ptr": "*bf16", "gate_stride": "i32"}
     knobs = {"HALF": GROUP // 2, "SPLIT": config.split_act, "MAGIC": config.magic, "LOOKUP": True}
-    knobs |= {"HOST": False, "FILLS": 1, "CODES": 1, "SCALES": 1, "WORDS": config.words}
+    knobs |= {"WORDS": config.words}
     knobs |= {"STAGES": config.stages, "GDC": False}
     down_block = config.down_block or config.block
     down_gpb, down_warps = (
         config.down_groups_per_step or config.groups_per_step,
         config.down_warps or config.num_warps,
     )
-    # gate_up's own knobs (SETTLED as a block with a shared expert runs it; the tensor cores take a group a
-    # step) and register cap
-    chunks = config.gate_up_chunks
-    gate_up_own = {"SETTLED": True, "MMA": config.mma, "STAGES": config.gate_up_stages or config.stages}
-    gate_up_own["CHUNKS"] = chunks
-    gate_up_gpb = 1 if config.mma else config.groups_per_step
+    # gate_up's own knobs (SETTLED as a block with a shared expert runs it)
+    gate_up_own = {"SETTLED": True, "STAGES": config.gate_up_stages or config.stages}
     # down as a one-token step launches it: the choices summed by its last program (arrival.py)
     down_own = {"FOLD": arrival.folds(1), "K": TOP_K, "SHARED": True, "GATED": True}
     kernels = {
-        "gate_up": (moe_int4._gate_up_kernel, gate_up, HIDDEN, config.block, INTER // config.block * chunks,
-                    gate_up_gpb, config.num_warps, gate_up_own, config.gate_up_registers, chunks),
+        "gate_up": (moe_int4._gate_up_kernel, gate_up, HIDDEN, config.block, INTER // config.block,
+                    config.groups_per_step, config.num_warps, gate_up_own),
         "down": (moe_int4._down_kernel, down, INTER, down_block, HIDDEN // down_block, down_gpb, down_warps,
-                 down_own, None, 1),
+                 down_own),
     }  # fmt: skip
     out = {}
-    for name, (fn, signature, width, block, blocks, gpb, warps, own, cap, chunks) in kernels.items():
+    for name, (fn, signature, width, block, blocks, gpb, warps, own) in kernels.items():
         groups = width // GROUP
         gpb = min(gpb, triton.next_power_of_2(groups))
         constants = knobs | {"GROUPS": groups, "GPB": gpb, "BLOCK": block} | own
-        c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter"), cap))
-        steps = -(-groups // chunks // gpb)  # a program's loop steps: its chunk's
+        c = census(compile_sm90(fn, signature, constants, warps, ("hidden", "inter")))
+        steps = -(-groups // gpb)  # a program's loop steps
         per_warp = c.total + (steps - 1) * c.loop  # the loop body once per step
         issue_us = _issue_us(TOP_K * blocks, warps, per_warp)
         out[name] = (c, issue_us)
@@ -236,7 +220,7 @@ def _issue_us(programs: int, warps: int, instructions: int) -> float:
 def hc_census() -> dict[str, tuple[Census, float]]:
     """hc_project's and hc_mix_up's census for one row at their default launch shapes (project: 4 columns,
     the whole stream, PROJECT_WARPS; mix-up: 8 columns, 4 warps, its rank in one padded tile and in two,
-    hyper.MIX_UP_SPLIT_RANK), each with its estimated issue time (µs)."""
+    KernelConfig.mix_up_split_rank), each with its estimated issue time (µs)."""
     n_out = RANK + HC  # the fused mix-down and inject projection
     project = {
         "x_ptr": "*bf16",
@@ -339,9 +323,6 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
     ap.add_argument("--down", type=int, nargs=3, metavar=("BLOCK", "GROUPS", "WARPS"), default=None)
     ap.add_argument("--words", action="store_true")
-    ap.add_argument("--registers", type=int, default=None, help="gate_up's registers capped (maxnreg)")
-    ap.add_argument("--mma", action="store_true", help="gate_up on the tensor cores (DecodeConfig.mma)")
-    ap.add_argument("--chunks", type=int, default=1, help="with --shape: DecodeConfig.gate_up_chunks")
     ap.add_argument("--json", action="store_true", help="one JSON object: config → kernel → counts")
     ap.add_argument("--hc", action="store_true", help="the hyper-connection decode kernels instead")
     ap.add_argument(
@@ -352,22 +333,15 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("TRITON_INTERPRET=1 makes the kernels interpreted: nothing to compile")
     configs = {
-        "DECODE_CONFIGS[1]": moe_int4.DECODE_CONFIGS[1],
-        "RESIDENT_CONFIGS[1]": moe_int4.RESIDENT_CONFIGS[1],
+        "DECODE_CONFIGS[1]": DECODE_CONFIGS[1],
+        "RESIDENT_CONFIGS[1]": RESIDENT_CONFIGS[1],
     }
-    if args.shape or args.down or args.words or args.mma:
-        given = DecodeConfig(*(args.shape or ()), words=args.words or args.mma, mma=args.mma)
-        given = replace(given, gate_up_chunks=args.chunks)
+    if args.shape or args.down or args.words:
+        given = DecodeConfig(*(args.shape or ()), words=args.words)
         if args.down:
             given = replace(given, down_block=args.down[0], down_groups_per_step=args.down[1],
                             down_warps=args.down[2])  # fmt: skip
         configs = {"given": given}
-    if args.registers:
-        cap = args.registers
-        configs = {
-            f"{name}, gate_up_registers {cap}": replace(c, gate_up_registers=cap)
-            for name, c in configs.items()
-        }
     if args.hc:
         configs = {"hyper-connections": None}
     if args.step:

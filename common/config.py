@@ -7,6 +7,10 @@ Config flows through the code as these objects, never as loose dicts. Parsing fr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from common.kernels.config import KERNELS, KernelConfig
+from common.kernels.config import MOE_DOWN_TOKENS as MOE_DOWN_TOKENS  # re-exported: the memory plan's
 
 
 @dataclass(frozen=True)
@@ -126,11 +130,14 @@ passes, 6.2 s layer-major), and its MoE runs once over all of them (common/model
 residual streams are held meanwhile: hc·H model-dtype values a token (flashnext: 0.5 GB for 32K tokens), and
 the MoE's buffers are a group's (~0.8 GB more at 32K), both counted by the memory plan."""
 
-MOE_DOWN_TOKENS = 8192
-"""Tokens a grouped int4 down projection takes at once (`moe_int4_grouped`): its per-(token, choice) output
-rows, H wide in the model dtype (flashnext: 420 MB for 8,192 tokens × top-10), are the largest buffer of a
-prefill MoE, so a layer-major group's MoE (every chunk's tokens at once) runs gate/up over all of them and
-down in slices of this many."""
+
+ARTIFACT_META = "experts.json"
+"""The metadata file of an artifact (`spillway convert`'s output: experts packed once) in its directory."""
+
+
+def is_artifact(model_dir: str | Path) -> bool:
+    """Whether `model_dir` holds an artifact (its ARTIFACT_META file) rather than a checkpoint."""
+    return (Path(model_dir) / ARTIFACT_META).is_file()
 
 
 def check_lending(
@@ -140,8 +147,6 @@ def check_lending(
     (`lend_arena`: in serve's decode worker, `decode_worker`, the prefill worker's; in the offline engine, its
     own) each lend the cache tables' one bank, so at most one of them; KV pages and the prefill worker's
     arena need an expert cache (`cached`, or an artifact's)."""
-    from common.experts.artifact import is_artifact
-
     arena = "--lend-arena" if decode_worker else "the engine's own arena"
     lenders = [name for name, on in (("--lend-kv", lend_kv), (arena, lend_arena)) if on]
     if len(lenders) > 1:
@@ -164,8 +169,6 @@ def resolve_lookahead(model_dir: str, cached: bool, lookahead: int | None, devic
     (DEFAULT_LOOKAHEAD with an expert cache — `cached`, or an artifact's — on CUDA, where the guesses run
     beside the compute; else 0). ValueError unless a given value can hold: not negative, and a guess needs
     an expert cache to copy into."""
-    from common.experts.artifact import is_artifact
-
     has_cache = cached or is_artifact(model_dir)
     if lookahead is None:
         return DEFAULT_LOOKAHEAD if has_cache and device.startswith("cuda") else 0
@@ -217,7 +220,7 @@ class WorkerConfig:
     """Keep the token embedding in host memory and gather each pass's rows from there (frees its VRAM for
     the expert cache; refused for a model whose head is tied to it)."""
     fused_kernels: bool | None = None
-    """The fused Triton kernels and projections (`common.kernels.use_fused_kernels`): None switches them on
+    """The fused Triton kernels and projections (`use_fused_kernels`): None switches them on
     where the device is CUDA; False keeps every pass in torch ops (debugging, profiling)."""
     resident_dtype: str | None = None
     """`fp8`: the token mixers' projections held as fp8 codes with per-row, per-128-input scales
@@ -247,6 +250,9 @@ class WorkerConfig:
     pin_experts: str | None = None
     """A calibration hot set (JSON `{"MoE layer index": [expert ids]}`, `load_hot_set`) whose experts stay in
     the expert cache for good."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options the model's passes use (common/kernels/config.py), handed to the
+    model where the worker builds it."""
 
 
 @dataclass(frozen=True)

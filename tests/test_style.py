@@ -1,7 +1,9 @@
-"""The tree stays ruff clean (lint and format), so style is checked wherever the tests run."""
+"""The tree stays ruff clean (lint and format) and keeps its import contracts (pyproject.toml's
+[tool.importlinter]), so style and layering are checked wherever the tests run."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,4 +20,18 @@ def test_ruff_clean(args: list[str]) -> None:
         pytest.fail("ruff is not installed (it is part of the test extra)")
     paths = [p for p in ("common", "services", "tests", "bench") if (ROOT / p).is_dir()]
     result = subprocess.run([ruff, *args, *paths], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_import_contracts_kept() -> None:
+    """lint-imports: the layers of common/ and services/, kernels as leaves, config.py at the bottom, no
+    import cycle within a package."""
+    lint_imports = shutil.which("lint-imports")
+    if lint_imports is None:
+        pytest.fail("import-linter is not installed (it is part of the test extra)")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run([lint_imports, "--no-cache"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -15,10 +15,11 @@ from common.engine.speculative import MTPSpeculator
 from common.experts.artifact import is_artifact, open_store
 from common.experts.offload import OffloadedExperts, load_hot_set, offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
-from common.kernels import fused_by_default, use_fused_kernels
+from common.kernels import fused_by_default
 from common.kv.lending import KvLending
 from common.kv.state import Allocator, PromptImages, SequenceState
 from common.model.fp8_linear import to_resident_dtype
+from common.model.fused_kernels import configure_kernels, use_fused_kernels
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
 from common.model.moe import install_lookahead
@@ -100,6 +101,8 @@ class Engine:
         self.processors = LogitProcessors.for_runner(self.runner, config.eos_token_ids, self.tokenizer)
         if fused:  # before the first decode pass is recorded (the projections were fused at load)
             use_fused_kernels(self.model, True, self.runner.backend)
+        self.kernels = cfg.kernels
+        configure_kernels(self.model, cfg.kernels, self.runner.backend)  # after the fusion: its projections
 
     def generate(
         self,

@@ -56,13 +56,14 @@ from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
 from common.kv.lending import STAGES
 from common.kv.state import StatePool
+from common.model.architectures import get_architecture
 from common.model.fp8_linear import Fp8Linear, largest_dequantized, to_resident_dtype
 from common.model.fused_linear import GEMV_ROWS
 from common.model.hf_config import load_architecture, read_json
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import ARTIFACT_META, meta_model
 from common.model.qwen4_exp.config import Qwen4ExpConfig
-from common.model.registry import Architecture, get_architecture
+from common.model.registry import Architecture
 from common.sampling.logit_processors import table_bytes as penalty_table_bytes
 
 MiB, GiB = 1 << 20, 1 << 30

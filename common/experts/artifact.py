@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common.config import is_artifact as is_artifact  # re-exported: callers take it from here
 from common.experts.formats import get_format
 from common.experts.store import HostExpertStore
 from common.model.errors import CheckpointError
@@ -45,10 +46,6 @@ _DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8, torch.int8)
 }
-
-
-def is_artifact(model_dir: str | Path) -> bool:
-    return (Path(model_dir) / META_FILE).is_file()
 
 
 def convert(src: str | Path, dst: str | Path, fmt_name: str, log: Callable[[str], None] = print) -> dict:

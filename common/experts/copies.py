@@ -69,7 +69,8 @@ class CopyStream:
         self.store, self.pool, self.spare = store, pool, spare
         self.side = torch.cuda.Stream(device) if device.type == "cuda" and store.mapped else None
         self.merged = False
-        """One launch for all of an expert's components (set by `common.kernels.use_fused_kernels`)."""
+        """One launch for all of an expert's components (set by `use_fused_kernels`,
+        common/model/fused_kernels.py)."""
 
     def launch(
         self,
@@ -119,16 +120,6 @@ class CopyStream:
             done = torch.cuda.Event()
             done.record(self.side)
         return (done,)
-
-    def fence(self) -> Copies:
-        """Events that stand for every copy queued so far (a lookahead's), launching none: what a step that
-        copies its own misses waits for before reading its hits."""
-        if self.side is None:
-            return None
-        self.side.wait_stream(torch.cuda.current_stream(self.side.device))  # fork: joins a capture too
-        done = torch.cuda.Event()
-        done.record(self.side)
-        return (done, done)
 
     def join(self, done: Copies, stage: int = -1) -> None:
         """Make the main stream wait for a launch's copies up to `stage` (default all), right before their

@@ -17,6 +17,7 @@ from common.experts.provider import add_shared
 from common.experts.resident import batched_expert_mlp
 from common.experts.store import HostExpertStore
 from common.experts.traffic import BYPASSES, FILLS
+from common.kernels.config import decode_config
 
 
 class DecodeKernels:
@@ -97,20 +98,19 @@ class DecodeKernels:
         shared_gate: torch.Tensor | None,
         settled: bool,
     ) -> torch.Tensor:
-        """The int4 kernels: the rows read in place once their copies are in (gate_up's before down's), or a
-        one-token step's misses from the host store (`Prepared.fills`); the shared expert added in the
-        kernel that sums the choices (`combine_shared`). Launch shapes: RESIDENT_CONFIGS when `resident`,
-        else DECODE_CONFIGS."""
+        """The int4 kernels: the rows read in place once their copies are in (gate_up's before down's); the
+        shared expert added in the kernel that sums the choices (`combine_shared`). Launch shapes:
+        KernelConfig.int4_resident when `resident`, else .int4_decode (the two cases measured apart)."""
         from common.kernels import moe_int4  # Triton: CUDA
 
         fold = self.switches.combine_shared
-        configs = moe_int4.RESIDENT_CONFIGS if self.resident else moe_int4.DECODE_CONFIGS
+        kernels = self.switches.kernels
+        config = decode_config(x.shape[0], kernels.int4_resident if self.resident else kernels.int4_decode)
         out = moe_int4.moe_int4_decode(
-            x, topk_ids, topk_weights, self.pool, row_of=prepared.rows, configs=configs,
+            x, topk_ids, topk_weights, self.pool, config=config, kernels=kernels, row_of=prepared.rows,
             before_down=lambda: self.copies.join(prepared.done),  # down's rows come after gate_up's
             before_gate_up=lambda: self.copies.join(prepared.done, stage=0),
             shared=shared if fold else None, shared_gate=shared_gate if fold else None,
-            host=prepared.host, fills=prepared.fills,
             settled=settled,
         )  # fmt: skip
         return out if fold else add_shared(out, shared, shared_gate)
@@ -187,8 +187,9 @@ class CacheDecode(ExpertPath):
             from common.kernels.resolve import resolve_step  # Triton
 
             row, newcomer, target, valid = resolve_step(
-                self.tables, i, topk_ids, self.step, self.moved, group=group, groups=groups
-            )
+                self.tables, i, topk_ids, self.step, self.moved, group=group, groups=groups,
+                kernels=self.switches.kernels,
+            )  # fmt: skip
             return self._copy_misses(i, row, newcomer, target, valid, topk_ids.shape[0], groups)
         requested = chosen(topk_ids, e)
         res = self.tables.resolve(i, requested, self.step, min(topk_ids.numel(), e), group, groups)
@@ -200,12 +201,7 @@ class CacheDecode(ExpertPath):
         self, i: int, row: torch.Tensor, newcomer: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
         tokens: int, groups: int,
     ) -> Prepared:  # fmt: skip
-        """A step's resolution → its handle: the misses' copies launched, or left to the int4 kernels
-        (`host_reads`, one token: a token's experts are distinct, so each miss crosses once)."""
-        s = self.switches
-        if s.host_reads and s.fused_int4 and self.copies.side is not None and tokens == 1:
-            fills = (newcomer, valid)
-            return Prepared(rows=row, done=self.copies.fence(), fills=fills, host=self.store.parts[i])
+        """A step's resolution → its handle: the misses' copies launched."""
         done = self.copies.launch(i, newcomer, target, valid, self.decode.stages, groups > 1)
         return Prepared(rows=row, done=done)
 
@@ -225,7 +221,9 @@ class CacheDecode(ExpertPath):
         if self.switches.fused_resolve:
             from common.kernels.resolve import prefetch_step  # Triton
 
-            newcomer, target, valid = prefetch_step(self.tables, i, ids, self.step, ids.numel())
+            newcomer, target, valid = prefetch_step(
+                self.tables, i, ids, self.step, ids.numel(), kernels=self.switches.kernels
+            )
         else:
             e = self.store.num_experts
             newcomer, target, valid = self.tables.prefetch(i, chosen(ids, e), self.step, ids.numel())

@@ -32,12 +32,14 @@ from common.experts.prefill_path import (
     SharedCache,
     prefill_arena_rows,
 )
-from common.experts.provider import ExpertProvider, install_provider
+from common.experts.provider import ExpertProvider
 from common.experts.resident import ResidentExperts
 from common.experts.store import HostExpertStore
 from common.experts.traffic import TrafficCounters, traffic_counts
+from common.kernels.config import KernelConfig
 from common.kv.lending import KvLending
 from common.model.hf_config import read_json
+from common.model.moe import install_provider
 
 if TYPE_CHECKING:
     from common.config import ModelConfig
@@ -60,8 +62,18 @@ class OffloadedExperts(ExpertProvider):
     """The expert provider of a model whose routed experts live in a HostExpertStore."""
 
     int4_kernels, fused_int4, dense_kernels = _Switch(), _Switch(), _Switch()
-    fused_int4_prefill, fused_resolve, host_reads = _Switch(), _Switch(), _Switch()
+    fused_int4_prefill, fused_resolve = _Switch(), _Switch()
     combine_shared, fused_dense = _Switch(), _Switch()
+
+    @property
+    def kernels(self) -> KernelConfig:
+        """The kernel forms and launch options (`KernelSwitches.kernels`; set where the worker builds the
+        model: `configure_kernels`)."""
+        return self.switches.kernels
+
+    @kernels.setter
+    def kernels(self, kernels: KernelConfig) -> None:
+        self.switches.kernels = kernels
 
     decode_path: ExpertPath
     """What decode passes run on (a provider over a shared cache: `prefill_path`)."""

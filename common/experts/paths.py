@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from common.experts.cache_tables import CacheTables
 from common.experts.copies import Copies
 from common.experts.formats import ExpertFormat
+from common.kernels.config import KERNELS, KernelConfig
 
 
 @dataclass
@@ -27,17 +28,13 @@ class Prepared:
     cached: torch.Tensor | None = None
     """Prefill: [E] bool, the expert's row is a slot of the cache (else of this provider's arena); None:
     every row is the arena's."""
-    fills: tuple[torch.Tensor, torch.Tensor] | None = None
-    """A decode step whose misses the int4 kernels read from the host store themselves (`host_reads`): the
-    copy list (expert ids [P], valid [P]) that no copy launch took."""
-    host: dict[str, torch.Tensor] | None = None
-    """With `fills`: the layer's host store blocks the kernels read them from."""
 
 
 @dataclass
 class KernelSwitches:
     """Which kernels an offloaded provider's paths run; set before the first pass (the provider's attributes
-    of the same names read and write these, `common.kernels.use_fused_kernels` among others)."""
+    of the same names read and write these; `use_fused_kernels`, common/model/fused_kernels.py, among
+    others)."""
 
     int4_kernels: bool
     """int4 experts, SiLU, a pool of the provider's own: the int4 Triton kernels can read its rows."""
@@ -50,14 +47,13 @@ class KernelSwitches:
     fused_resolve: bool = False
     """Decode steps resolved by one Triton program per layer (kernels/resolve.py: the same decisions as
     `CacheTables.resolve`) instead of torch ops."""
-    host_reads: bool = False
-    """With `fused_int4` and a mapped store on CUDA: a one-token decode step's misses are read from the host
-    store by the int4 kernels that use them (moe_int4_decode's `host`) instead of copied before them."""
     combine_shared: bool = True
     """With `fused_int4`: decode's shared expert added in the kernel that sums the choices (else by torch)."""
     fused_dense: bool = False
     """With `dense_kernels`: decode passes through the bf16 / fp8 decode kernels (kernels/moe_dense.py: each
     pair's weights read in place instead of gathered)."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options the paths' kernels read (`OffloadedExperts.kernels`)."""
 
     @classmethod
     def for_pool(

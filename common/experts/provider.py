@@ -101,13 +101,3 @@ def add_shared(out: torch.Tensor, shared: torch.Tensor | None, gate: torch.Tenso
     if shared is None:
         return out
     return out + (torch.sigmoid(gate) * shared if gate is not None else shared)
-
-
-def install_provider(model, provider: ExpertProvider) -> None:
-    """Make `provider` serve every MoE block of `model` (blocks hold it as `experts`; the model as well)."""
-    from common.model.moe import SparseMoeBlock
-
-    for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
-            module.experts = provider
-    model.experts = provider

@@ -72,7 +72,8 @@ class RoutingReplayer(RoutingHook):
         # recorded decode step replays the next rows each time
         self._device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.fused = False
-        """Gather the rows with one Triton kernel (opt-in: `common.kernels.use_fused_kernels`)."""
+        """Gather the rows with one Triton kernel (opt-in: `use_fused_kernels`,
+        common/model/fused_kernels.py)."""
 
     def __call__(self, layer, ids, weights):
         i, n = self.index[layer], ids.shape[0]

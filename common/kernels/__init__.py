@@ -3,50 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+GEMV_ROWS = 16
+"""Most rows of input the Triton GEMV (gemv.py) takes; more run as a GEMM."""
 
 
 def fused_by_default(fused: bool | None, device: torch.device | str) -> bool:
     """Whether the fused kernels run: `fused` as given, or (None) where the device is CUDA."""
     return torch.device(device).type == "cuda" if fused is None else fused
-
-
-def use_fused_kernels(
-    model: nn.Module, on: bool = True, backend: object | None = None, fuse_copy: bool = True
-) -> None:
-    """Switch the fused kernels on or off for `model` (on by default on CUDA: Engine, WorkerConfig): the
-    one-program cache resolution (resolve.py, decode passes of an offloaded provider), merged expert copies
-    (expert_copy.py), the grouped int4 expert GEMMs of prefill passes (moe_int4_grouped.py, an offloaded int4
-    provider that owns its cache), the Gated DeltaNet step (gated_delta.py, decode passes), the causal convs
-    of Gated DeltaNet and PLE (causal_conv.py, every pass), PLE's n-gram hashing (ngram.py) and gate (ple.py,
-    decode passes), the hyper-connections' elementwise work (hyper.py, every pass), QSA's norm + RoPE of q, k
-    and indexer queries (norm_rope.py, every pass; with the keys' and values' page writes), the indexer's
-    decode steps (qsa_indexer.py), the router's softmax + top-k (routing.py, every pass; a few rows' with the
-    routing replay and the shared expert's down in one grid: moe_dispatch.py) and, given the runner's
-    attention `backend`, paged decode attention with QSA's output gate (decode_attention.py). They need CUDA,
-    or Triton's interpreter (tests). Switching on also fuses each module's same-input projections into one
-    GEMM (common/model/fused_linear.py; `fuse_copy` False: only those whose weights already lie back to back,
-    as in a process that maps another's); switching off leaves projections fused (the same products). Switch
-    before the first decode pass: a recorded pass (common/engine/graphs.py) keeps the path it was recorded
-    with."""
-    from common.model.fused_linear import fuse_projections
-    from common.model.moe import SparseMoeBlock
-    from common.model.qwen4_exp.gdn import GatedDeltaNet
-    from common.model.qwen4_exp.hyper import HyperConnection
-    from common.model.qwen4_exp.ple import PLE
-    from common.model.qwen4_exp.qsa import QSAIndexer, QSAttention
-
-    if on:
-        fuse_projections(model, fuse_copy)
-    fused = (GatedDeltaNet, HyperConnection, PLE, QSAIndexer, QSAttention, SparseMoeBlock)
-    for module in model.modules():
-        if isinstance(module, fused):
-            module.fused_decode = on
-        if hasattr(getattr(module, "routing_hook", None), "fused"):  # a routing replay (benchmarks)
-            module.routing_hook.fused = on
-    if hasattr(backend, "fused_decode"):
-        backend.fused_decode = on
-    experts = model.experts
-    if hasattr(experts, "fused_resolve"):
-        experts.fused_resolve = experts.copies.merged = on
-        experts.fused_int4_prefill = on and experts.int4_kernels

@@ -17,9 +17,9 @@ threads read the terms after its acquire, and they read them past L1 (`.cg`), wh
 
 Counters: one zeroed buffer per device and stream (`counters`). On one stream a kernel touches its counters
 only after `gdc_enter`, when the kernel before it has completed: every counter is back at zero. Streams run
-at once (decode groups), so each has its own buffer. `ENABLED` False: the separate kernels (the benchmark's
-`no-fold` switch). QSA's decode selection (qsa_indexer's rank kernel) also counts arrivals here, the last
-program writing the keys from every program's ranks: not a sum, so `ENABLED` leaves it be.
+at once (decode groups), so each has its own buffer. KernelConfig.fold_sums False: the separate kernels.
+QSA's decode selection (qsa_indexer's rank kernel) also counts arrivals here, the last program writing the
+keys from every program's ranks: not a sum, so `fold_sums` leaves it be.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = True
-"""Fold the GEMV's chunk sums and the int4 MoE's combine into the kernels before them, at one row (`folds`).
-Switch before a pass is recorded."""
+from common.kernels.config import KERNELS, KernelConfig
+
 ROWS = 1
 """Rows (tokens) up to which the sums fold. On the H200 at one row decode-allfit ran 191.00 tok/s folded
 against 188.69 (bench/results/decode-allfit-fold-ab.json) and decode-1 91.48 against 92.14, the second
@@ -57,9 +56,9 @@ def counters(device: torch.device, needed: int) -> torch.Tensor:
     return _buffers[key]
 
 
-def folds(rows: int) -> bool:
+def folds(rows: int, kernels: KernelConfig = KERNELS) -> bool:
     """Whether a sum over `rows` rows folds into the kernel that writes its terms."""
-    return ENABLED and rows <= ROWS
+    return kernels.fold_sums and rows <= ROWS
 
 
 @triton.jit

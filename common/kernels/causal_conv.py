@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 
@@ -82,6 +83,7 @@ def conv_step(
     dilation: int = 1,
     silu: bool = False,
     block: int = 128,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """One token per sequence: x [T, C], history [S, C, W] (W = (K−1)·dilation, sequence t's at slots[t],
     shifted in place), weight [C, K] → conv output [T, C] in x's dtype (SiLU'd with `silu`)."""
@@ -91,7 +93,7 @@ def conv_step(
     _conv_step_kernel[(t, triton.cdiv(channels, block))](
         x.contiguous(), history, slots, weight.contiguous(), out, channels, width,
         K=kernel, DILATION=dilation, BC=block, BW=triton.next_power_of_2(width), SILU=silu,
-        **launch(x.device),
+        **launch(x.device, kernels=kernels),
     )  # fmt: skip
     return out
 

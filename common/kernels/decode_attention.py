@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 
@@ -153,17 +154,11 @@ MERGE_BLOCK_D = 64
 results spread over the GPU instead of queueing behind one program per head."""
 
 
-TARGET_PROGRAMS = 2048
-"""Split programs to aim for. A program waits on one chain of dependent loads (selection, page table, K/V)
-per block of keys, so the bytes in flight grow with the programs resident at once: many per SM of an
-H100/H200 (on an H200, aiming at 256 made decode of 8 and 64 sequences 1.3–2.4x slower). At one sequence
-the other limit, one block of keys per split, binds first."""
-
-
-def _num_splits(tokens: int, kv_heads: int, bound: int, block_n: int, cap: int | None) -> int:
-    """Splits of the keys (a power of two): enough for TARGET_PROGRAMS programs, at most one block each,
-    at most `cap`; from the shapes alone."""
-    want = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, tokens * kv_heads))
+def _num_splits(tokens: int, kv_heads: int, bound: int, block_n: int, cap: int | None, programs: int) -> int:
+    """Splits of the keys (a power of two): enough for `programs` programs (KernelConfig.attention_programs),
+    at most one block each, at most `cap`; from the shapes alone. A program waits on one chain of dependent
+    loads a block of keys, so the bytes in flight grow with the programs resident at once."""
+    want = triton.next_power_of_2(triton.cdiv(programs, tokens * kv_heads))
     if cap is not None:
         want = min(want, triton.next_power_of_2(cap))
     return max(1, min(want, bound // block_n))
@@ -187,6 +182,7 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     gate: torch.Tensor | None = None,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """q [T, Hq, D] (query t at position kv_lens[t] − 1); k/v pages [P, page, Hkv, D]; page_table [B, W]
     with query t's sequence at row table_rows[t] (default: row t, one query per sequence); kv_lens [T]
@@ -212,7 +208,7 @@ def paged_decode_attention(
     keys = selected.shape[1] if selected is not None else max_keys
     pipelined = selected is not None if pipelined is None else pipelined
     bound = max(triton.next_power_of_2(keys), block_n)  # compiled per power of two of the key bound
-    splits = _num_splits(t, kv_heads, bound, block_n, splits)
+    splits = _num_splits(t, kv_heads, bound, block_n, splits, kernels.attention_programs)
     # the pipelined loop runs every block it is given, so it gets the keys' blocks, not the bound's
     iters = triton.cdiv(keys if pipelined else bound, splits * block_n)
     out = torch.empty_like(q)
@@ -227,8 +223,8 @@ def paged_decode_attention(
     # tf32 (the default, which 16-bit inputs ignore) would miss the fp32 reference by ~1e-3.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     rows = table_rows if table_rows is not None else kv_lens  # unread without table_rows
-    # trigger_first (pdl.START_TRIGGER): the next kernels, the merge and the output projection, read only
-    # weights before their wait
+    # trigger_first (KernelConfig.pdl_start_trigger): the next kernels, the merge and the output
+    # projection, read only weights before their wait
     _split_kernel[(t, kv_heads, splits)](
         q.contiguous(), k_pages, v_pages, page_table, rows, kv_lens, sel, scales, scales[1:] if fp8 else m,
         m, denom, acc, out, heads, kv_heads, page_table.shape[1], page_size, keys, sel.shape[1], scale,
@@ -236,7 +232,7 @@ def paged_decode_attention(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n, SPLITS=splits,
         ITERS=iters, SPARSE=selected is not None, FP8=fp8, WINDOW=window is not None,
         PRECISION=precision, ROWS=table_rows is not None, TRIP=pipelined, STAGES=num_stages,
-        num_warps=num_warps, **launch(q.device, trigger_first=True),
+        num_warps=num_warps, **launch(q.device, trigger_first=True, kernels=kernels),
     )  # fmt: skip
     if splits == 1:
         return out if gate is None else out * torch.sigmoid(gate)
@@ -247,6 +243,6 @@ def paged_decode_attention(
     _merge_kernel[(t * heads, dim // block_d)](
         m, denom, acc, out, gates, heads, gates.stride(0), gates.stride(1),
         D=dim, SPLITS=splits, BLOCK_D=block_d, GATE=gate is not None,
-        **launch(q.device, trigger_first=True),
+        **launch(q.device, trigger_first=True, kernels=kernels),
     )  # fmt: skip
     return out

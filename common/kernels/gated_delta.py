@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 
@@ -99,6 +100,7 @@ def gated_delta_step(
     heads_k: int,
     block_v: int = 32,
     gates_settled: bool = True,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """One token per sequence: qkv [T, 2·Hk·Dk + Hv·Dv] (the convolved, activated projections: q, k, v
     heads back to back), a, b [T, Hv] (the gate projections, before softplus / sigmoid; rows may be strided),
@@ -118,6 +120,6 @@ def gated_delta_step(
     _gated_delta_step_kernel[grid](
         qkv, a, b, a_log, dt_bias, state, slots, out, qkv.stride(0), a.stride(0), b.stride(0), heads_v,
         heads_v // heads_k, heads_k * dk, DK=dk, DV=dv, BV=block_v, EARLY_GATES=in_place and gates_settled,
-        **launch(qkv.device, trigger_first=True),  # the next kernel: the gated norm
+        **launch(qkv.device, trigger_first=True, kernels=kernels),  # the next kernel: the gated norm
     )  # fmt: skip
     return out

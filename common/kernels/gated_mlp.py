@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 DOWN_ROWS = 16
@@ -70,6 +71,7 @@ def swiglu_down(
     weight_down: torch.Tensor,
     block: int = 8,
     i_block: int | None = None,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """gate, up [T, I] (rows may be strided: views of a fused projection's output), weight_down [H, I] →
     weight_down · (silu(gate) · up) [T, H] in gate's dtype. `i_block` inputs a step (default: all of I up to
@@ -82,6 +84,6 @@ def swiglu_down(
     out = torch.empty((t, hidden), dtype=gate.dtype, device=gate.device)
     _swiglu_down_kernel[(t, triton.cdiv(hidden, block))](
         gate, up, weight_down, out, hidden, gate.stride(0), up.stride(0), INTER=inter, BLOCK=block,
-        I_BLOCK=i_block, **launch(gate.device),
+        I_BLOCK=i_block, **launch(gate.device, kernels=kernels),
     )  # fmt: skip
     return out

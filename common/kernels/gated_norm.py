@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 ACTIVATIONS = ("silu", "swish")
@@ -35,7 +36,12 @@ def _gated_norm_kernel(
 
 
 def gated_rms_norm(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """x [T, H, D] (any float dtype), gate [T, H·D] (its rows may be strided: a view of a fused projection's
     output) or [T, H, D], weight [D] → weight · RMSNorm(x) · SiLU(gate) [T, H·D] in `dtype`."""
@@ -44,9 +50,9 @@ def gated_rms_norm(
     if gate.stride(1) != 1:
         gate = gate.contiguous()
     out = torch.empty((t, heads * dim), dtype=dtype, device=x.device)
-    # trigger_first (pdl.START_TRIGGER): the next kernel is the output projection
+    # trigger_first (KernelConfig.pdl_start_trigger): the next kernel is the output projection
     _gated_norm_kernel[(t * heads,)](
         x.contiguous(), gate, weight, out, dim, heads, gate.stride(0), eps,
-        BLOCK=triton.next_power_of_2(dim), **launch(x.device, trigger_first=True),
+        BLOCK=triton.next_power_of_2(dim), **launch(x.device, trigger_first=True, kernels=kernels),
     )  # fmt: skip
     return out

@@ -11,15 +11,15 @@ Here a program owns BN output rows and one chunk of their inputs, read BK at a t
 waits for the kernel before it: the weights are no kernel's output): few rows and many chunks give enough
 programs to fill the SMs with loads in flight. With more than one chunk, each program writes its fp32 partial
 product, and the row tile's last program to finish sums the chunks in order (arrival.py: deterministic, unlike
-atomic adds of the products; from two rows on, or with arrival.ENABLED False, a second kernel does). The rows
-of x are multiplied on the tensor cores (x padded to the 16 rows a dot needs: masked rows cost no bytes) or,
-with `dot_rows` above them, on the CUDA cores (a broadcast and a sum, whose reduction over K takes shuffles:
-at one row ~1,200 SASS instructions against the dot's ~600, `bench.sass_census --step`; in gemv-tune.txt the
-eight-row dot, an upper bound of the one-row dot's time, matched or beat the one-row sum on every small
-weight: 10.9 µs against 12.4 on the output projections). From two rows on, where cuBLAS reads a large weight
-near the HBM rate, `choose` leaves it to cuBLAS; at one row the GEMV reads it as fast and lets the next kernel
-launch early (`LARGE_ONE_ROW`). On the H200 (the one-row sum then), decode-allfit ran 171.12 tok/s with it
-against 168.85 with cuBLAS for every projection (bench/results/decode-allfit-gemv-ab.json;
+atomic adds of the products; from two rows on, or without KernelConfig.fold_sums, a second kernel does). The
+rows of x are multiplied on the tensor cores (x padded to the 16 rows a dot needs: masked rows cost no bytes)
+or, with `dot_rows` above them, on the CUDA cores (a broadcast and a sum, whose reduction over K takes
+shuffles: at one row ~1,200 SASS instructions against the dot's ~600, `bench.sass_census --step`; in gemv-
+tune.txt the eight-row dot, an upper bound of the one-row dot's time, matched or beat the one-row sum on every
+small weight: 10.9 µs against 12.4 on the output projections). From two rows on, where cuBLAS reads a large
+weight near the HBM rate, `choose` leaves it to cuBLAS; at one row the GEMV reads it as fast and lets the next
+kernel launch early (KernelConfig.large_one_row). On the H200 (the one-row sum then), decode-allfit ran 171.12
+tok/s with it against 168.85 with cuBLAS for every projection (bench/results/decode-allfit-gemv-ab.json;
 `bench.decode_offload --ablate --switches no-gemv`).
 
 Graph-safe (no host sync; shapes alone fix the launch).
@@ -34,34 +34,23 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels import arrival
+from common.kernels import GEMV_ROWS, arrival
 from common.kernels.arrival import arrive, sum_terms
 from common.kernels.causal_conv import conv_channels, history_width
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
-from common.model.fused_linear import GEMV_ROWS
 
 SCALE_BLOCK = 128
 """Inputs per fp8 scale (fp8_linear.BLOCK_K): an fp8 weight's BK is a multiple of it."""
 SCALE_K = tl.constexpr(SCALE_BLOCK)
 CUBLAS_ROWS = 8192
 """Weights of at least this many output rows stay with cuBLAS from two rows on (bf16; it reads them at ~88 %
-of HBM, the GEMV at ~65-70 % at eight rows). At one row the GEMV takes them (`LARGE_ONE_ROW`)."""
-LARGE_ONE_ROW = True
-"""At one row, a bf16 weight of CUBLAS_ROWS rows and more runs one chunk a program (bn 32, bk 512): it read
-GDN's input projection (16,480 × 2,560) at 91 % of HBM on the H200 against cuBLAS's 89 %, QSA's at 84 against
-86 % (gemv-tune.txt), and unlike cuBLAS it lets the kernel after it launch early (pdl.py). False: cuBLAS (the
-benchmark's `cublas-large` switch; decode-allfit ran 188.33 tok/s with it against 185.18 without,
-bench/results/decode-allfit-large-ab.json). Switch before a pass is recorded."""
+of HBM, the GEMV at ~65-70 % at eight rows). At one row the GEMV takes them (KernelConfig.large_one_row)."""
 FP8_BK = SCALE_BLOCK
 """An fp8 weight's inputs a loop step in `choose`'s launches (but FP8_LARGE_ONE_ROW's), in whole scale blocks.
 A form giving each block dot rows of its own and scaling the products (fewer instructions in
 `bench.sass_census --step`) ran slower alone than scaling the codes in registers, 19.09 µs against 14.30
 (bench/results/gemv-tune-fp8-rows.txt), and was dropped."""
-PDL = True
-"""The GEMV takes part in programmatic dependent launch (pdl.py): its programs may become resident while the
-kernel before it runs. False (the benchmark's `gemv-no-pdl` switch): it launches once that kernel's programs
-have exited, onto free SMs; decode-allfit then ran 174.80 tok/s against 188.27 (bf16, one process,
-bench/results/decode-allfit-gemv-pdl-ab.json). Switch before a pass is recorded."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
@@ -91,17 +80,11 @@ and two scale blocks a step, the codes scaled in registers: GDN's input projecti
 against one block's 21.56 alone (bench/results/gemv-tune-fp8.txt), 15.55 against 21.01 in a serialized
 step. Its 258 programs are one wave of large ones, and in the step's PDL they become resident while the
 kernel before still holds SMs: there it gained nothing (187.41 tok/s against 188.01) until that kernel, the
-hyper-connection's mix-up, let it launch only at its exit (Qwen4DecoderLayer.hold_mixer_launch):
+hyper-connection's mix-up, let it launch only at its exit (KernelConfig.hold_mixer_launch):
 decode-allfit `--resident-dtype fp8` 201.77 tok/s against 188.85 for one block without the hold, in one
 process (bench/results/decode-allfit-fp8-hold-ab.json); again at 96422dd 201.34 against 191.02, and decode-1
 97.28 against 91.93 without the hold (decode-allfit-resident-fp8.json, decode-1-resident-fp8.json). Switch
 before a pass is recorded."""
-
-
-CONV_EPILOGUE = True
-"""GDN's one-token conv (causal_conv.conv_step) runs in the epilogue of its input projection's GEMV
-(`ConvStep`), one kernel fewer a GDN layer; False: its own kernel after the GEMV (the benchmark's
-`no-conv-epilogue` switch). Switch before a pass is recorded."""
 
 
 @dataclass(frozen=True)
@@ -123,39 +106,27 @@ class ConvStep:
         return self.history, self.slots, self.weight.contiguous(), self.weight.shape[0], width
 
 
-def takes_conv(x: torch.Tensor, fused: object) -> bool:
-    """Whether `gemv` with a ConvStep computes x [1, K] through `fused`: CONV_EPILOGUE, x on CUDA, `fused`
-    bf16 FusedLinears (no bias, contiguous) of x's dtype whose product the GEMV takes (fused_linear.GEMV:
-    GDN's input projection in a one-token step)."""
-    from common.model import fused_linear
-
-    return (
-        CONV_EPILOGUE
-        and fused_linear.GEMV
-        and isinstance(fused, fused_linear.FusedLinears)
-        and fused_linear.plain_linear(fused)
-        and x.is_cuda
-        and x.shape[0] == 1
-        and fused.weight.dtype == x.dtype
-    )
-
-
 def large_one_row(m: int, n: int) -> bool:
     """Whether x [m, k] · W [n, k]ᵀ is one row of a weight of CUBLAS_ROWS rows and more (the token mixers'
     input projections in a one-lane step): LARGE_ONE_ROW's and FP8_LARGE_ONE_ROW's launches."""
     return m == 1 and n >= CUBLAS_ROWS
 
 
-def wide_fp8(m: int, n: int) -> bool:
-    """Whether x [m, k] · W [n, k]ᵀ with W fp8 runs FP8_LARGE_ONE_ROW's launch."""
-    return large_one_row(m, n) and FP8_LARGE_ONE_ROW is not None
+def wide_fp8(m: int, n: int, kernels: KernelConfig = KERNELS) -> bool:
+    """Whether x [m, k] · W [n, k]ᵀ with W fp8 runs FP8_LARGE_ONE_ROW's launch (with
+    KernelConfig.fp8_large_one_row)."""
+    return large_one_row(m, n) and kernels.fp8_large_one_row
 
 
-def choose(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> GemvConfig | None:
-    """The launch shape for x [m, k] · W [n, k]ᵀ, or None: cuBLAS (a large bf16 weight)."""
+def choose(
+    m: int, n: int, k: int, device: torch.device, fp8: bool = False, kernels: KernelConfig = KERNELS
+) -> GemvConfig | None:
+    """The launch shape for x [m, k] · W [n, k]ᵀ, or None: cuBLAS (a large bf16 weight; at one row with
+    KernelConfig.large_one_row, one chunk a program)."""
     if n >= CUBLAS_ROWS and not fp8:
-        return GemvConfig(bn=32, bk=512, splits=1) if large_one_row(m, n) and LARGE_ONE_ROW else None
-    if fp8 and wide_fp8(m, n):
+        one_chunk = large_one_row(m, n) and kernels.large_one_row
+        return GemvConfig(bn=32, bk=512, splits=1) if one_chunk else None
+    if fp8 and wide_fp8(m, n, kernels):
         return FP8_LARGE_ONE_ROW
     dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
     bn, bk = (32, 256) if dot else (16, 512)  # each form's best at its measured rows
@@ -318,15 +289,17 @@ def gemv(
     scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     conv: ConvStep | None = None,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """x [M ≤ 16, K] · weightᵀ (+ bias [N]) → [M, N] in x's dtype. weight [N, K] contiguous: x's dtype, or
     e4m3 codes with `scale` [N, ⌈K/128⌉] fp32 (one per row and 128 inputs). `config` None: `choose`'s, or
     one setting (fp8) when that is cuBLAS. With `conv` (one row, no bias), the first C outputs come out
-    convolved as `ConvStep` says, in one chunk a program."""
+    convolved as `ConvStep` says, in one chunk a program. `kernels`: the launch options (programmatic
+    dependent launch, the folded sum)."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= GEMV_ROWS, f"{m} rows: at most {GEMV_ROWS} (larger batches run a GEMM)"
-    cfg = config or choose(m, n, k, x.device, scale is not None) or GemvConfig()
+    cfg = config or choose(m, n, k, x.device, scale is not None, kernels) or GemvConfig()
     if conv is not None:
         assert m == 1 and bias is None and conv.weight.shape[0] <= n, (m, bias is None, conv.weight.shape, n)
         cfg = replace(cfg, splits=1)  # the epilogue needs each row's whole sum
@@ -338,7 +311,7 @@ def gemv(
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
     bias_arg = bias if bias is not None else weight
     tiles = triton.cdiv(n, cfg.bn)
-    fold = splits > 1 and arrival.folds(m)
+    fold = splits > 1 and arrival.folds(m, kernels)
     hist, slots, conv_w, channels, width = (y, y, y, 0, 1) if conv is None else conv.args()
     _gemv_kernel[(tiles, splits)](
         x.contiguous(), weight, scale if scale is not None else weight, bias_arg, part, y,
@@ -348,11 +321,19 @@ def gemv(
         EVEN_K=k % chunk == 0 and chunk % bk == 0, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         PARTIAL=splits > 1, FOLD=fold, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         CONV_K=0 if conv is None else conv.weight.shape[1], CONV_BW=triton.next_power_of_2(width),
-        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, PDL),
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch(x.device, kernels.gemv_pdl, kernels=kernels),
     )  # fmt: skip
     if splits > 1 and not fold:
         block = 256
         _sum_chunks_kernel[(triton.cdiv(m * n, block),)](
-            part, bias_arg, y, m, n, splits, BLOCK=block, HAS_BIAS=bias is not None, **launch(x.device)
+            part,
+            bias_arg,
+            y,
+            m,
+            n,
+            splits,
+            BLOCK=block,
+            HAS_BIAS=bias is not None,
+            **launch(x.device, kernels=kernels),
         )
     return y

@@ -15,12 +15,10 @@ import ctypes
 import torch
 
 from common.kernels import native
-from common.kernels.gemv import CUBLAS_ROWS, PDL
+from common.kernels.config import KERNELS, KernelConfig
+from common.kernels.gemv import CUBLAS_ROWS
 from common.kernels.pdl import hopper_or_later, launch, native_mode
 
-ENABLED = True
-"""Run the one-row projections `takes` holds for through this kernel (False: the Triton GEMV, the
-benchmark's `no-gemv-native` switch). Switch before a pass is recorded."""
 MAX_CHUNKS = 32
 """16-byte chunks a lane a row at most (gemv_row.cu's kMaxChunks): K up to 8,192."""
 TWO_ROWS = 16
@@ -35,13 +33,15 @@ def _entry(device: torch.device):
     return native.entry(device, "gemv_row", "spillway_gemv_row", _SIGNATURE)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def takes(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels: KernelConfig = KERNELS
+) -> bool:
     """Whether x [1, K] · weight [N, K]ᵀ (+ bias) runs here: one bf16 row on a CUDA device of compute
     capability 9 on, a contiguous bf16 weight of fewer than CUBLAS_ROWS rows (and a contiguous bf16 bias),
-    K a multiple of 256 up to 256 · MAX_CHUNKS, and the library built."""
+    K a multiple of 256 up to 256 · MAX_CHUNKS, the library built, and KernelConfig.gemv_native."""
     n, k = weight.shape
     return (
-        ENABLED
+        kernels.gemv_native
         and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
         and x.is_cuda
         and x.shape[0] == 1
@@ -55,13 +55,15 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     )
 
 
-def gemv_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_row(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels: KernelConfig = KERNELS
+) -> torch.Tensor:
     """x [1, K] · weightᵀ (+ bias [N]) → [1, N] bf16, launched in programmatic dependent launch as the
-    Triton GEMV is (gemv.PDL). `takes` must hold."""
+    Triton GEMV is (KernelConfig.gemv_pdl). `takes` must hold."""
     n, k = weight.shape
     x = x.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = launch(x.device, PDL)
+    pdl = launch(x.device, kernels.gemv_pdl, kernels=kernels)
     rows = 2 if k // 256 <= TWO_ROWS else 1
     status = _entry(x.device)(
         weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(), n, k,

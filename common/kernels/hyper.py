@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 
@@ -159,18 +160,6 @@ def _silu_down(down_row, part_stride, r, rank, HC: tl.constexpr, PARTS: tl.const
     return d / (1.0 + tl.exp(-d))
 
 
-MIX_UP_SPLIT_RANK = True
-"""hc_mix_up multiplies the rank in two tiles, its largest power of two and the rest padded to one (320:
-256 + 64), instead of one tile padded to the next power of two (512: 37.5 % of its products on padding).
-Compiled for sm_90 at flashnext's shape (`bench.sass_census --hc`): 688 instructions a warp against 1,120,
-4 layout conversions against 7, 64 registers against 96 (the rank is a runtime argument: its padding is
-computed; hc_project's constexpr stream width lets the compiler drop its padding, and the same split there
-compiled to as many instructions, 1,360 against 1,328). On the H200, decode-allfit over 1,024 tokens:
-228.76 and 229.33 tok/s against the one tile's 227.61 and 228.51 in two processes (+0.5 %, +0.4 %:
-bench/results/decode-allfit-dispatch-ab.json, decode-allfit-hc-split-rank-ab.json). The benchmark's
-`no-hc-split-rank` switch (one tile). Switch before a pass is recorded."""
-
-
 def pow2_tiles(n: int, split: bool) -> tuple[int, int]:
     """The tiles a kernel covers n elements with: (n's next power of two, 0), or with `split` n's largest
     power of two and the rest's next power of two (0 when nothing is left)."""
@@ -197,24 +186,26 @@ def hc_mix_up(
     norm_weight: torch.Tensor | None = None,
     num_warps: int = 4,
     hold_next: bool = False,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """down [T, R] (rows may be strided: a view of a fused projection's output; or [P, T, R], partial
     products summed here), weight_up [hc·H, R], x the normalised streams [T, hc·H] →
     Σ_s σ((W_up · silu(down / hc))_s) · x_s / hc, [T, H] in x's dtype. With `scales` [T, hc] (hc_project's)
     and the norm's `norm_weight` [hc·H], x is the raw streams, normalised here as hc_norm would
-    (x · scale · (1 + w)). `hold_next`: the next kernel launches only at this one's exit (pdl.launch)."""
+    (x · scale · (1 + w)). `hold_next`: the next kernel launches only at this one's exit (pdl.launch).
+    `kernels.mix_up_split_rank`: the rank in two power-of-two tiles, else one padded."""
     parts = down if down.dim() == 3 else down[None]  # [P, T, R]
     _, t, rank = parts.shape
     hidden = x.shape[1] // hc
     assert parts.stride(2) == 1 and weight_up.is_contiguous() and weight_up.shape == (hc * hidden, rank)
     assert hc & (hc - 1) == 0  # the streams are one tile's rows
     norm = scales is not None
-    head, tail = pow2_tiles(rank, MIX_UP_SPLIT_RANK)
+    head, tail = pow2_tiles(rank, kernels.mix_up_split_rank)
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     _mix_up_kernel[(t, triton.cdiv(hidden, block))](
         parts, weight_up, x.contiguous(), scales if norm else x, norm_weight if norm else x, out, hidden,
         rank, parts.stride(1), parts.stride(0), HC=hc, BLOCK=block, R_PAD=head, R_TAIL=tail, NORM=norm,
-        PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device, hold_next=hold_next),
+        PARTS=parts.shape[0], num_warps=num_warps, **launch(x.device, hold_next=hold_next, kernels=kernels),
     )  # fmt: skip
     return out
 
@@ -274,6 +265,7 @@ weight tile (256 elements a thread) is all in flight before the wait."""
 def hc_project(
     streams: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, hc: int,
     block_n: int = 4, num_warps: int = PROJECT_WARPS, inject: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernels: KernelConfig = KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A few rows' hyper-connection input projection from the raw streams [T, hc·H]: hc_norm's normalised
     streams (weight (1 + norm_weight)) times weight [N, hc·H]ᵀ → (the product's partial sums over each
@@ -307,7 +299,7 @@ def hc_project(
     _project_kernel[(t, triton.cdiv(n_out, block_n), hc)](
         streams, norm_weight, weight, out, scales, t, n_out, eps, y, parts, new, parts.stride(1),
         parts.stride(0), HC=hc, H=width // hc, H_PAD=h_pad, BN=block_n, INJECT=inject is not None,
-        PARTS=parts.shape[0], num_warps=num_warps, **launch(streams.device),
+        PARTS=parts.shape[0], num_warps=num_warps, **launch(streams.device, kernels=kernels),
     )  # fmt: skip
     return out, scales, new
 
@@ -320,7 +312,11 @@ def _inject_parts(logits: torch.Tensor) -> torch.Tensor:
 
 
 def hc_inject(
-    streams: torch.Tensor, out: torch.Tensor, inject: torch.Tensor, block: int = 1024
+    streams: torch.Tensor,
+    out: torch.Tensor,
+    inject: torch.Tensor,
+    block: int = 1024,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """streams [T, hc·H] + the sublayer's out [T, H] weighted per stream by 2σ(inject [T, hc] / hc); inject
     may be a strided view (a fused projection's last columns) or [P, T, hc] partial products, summed here."""
@@ -330,6 +326,6 @@ def hc_inject(
     new = torch.empty_like(streams)
     _inject_kernel[(t, triton.cdiv(hidden, block))](
         streams.contiguous(), out.contiguous(), parts, new, hidden, parts.stride(1), parts.stride(0), HC=hc,
-        BLOCK=block, PARTS=parts.shape[0], **launch(streams.device),
+        BLOCK=block, PARTS=parts.shape[0], **launch(streams.device, kernels=kernels),
     )  # fmt: skip
     return new

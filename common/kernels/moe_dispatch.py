@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.gated_mlp import swiglu_down_block
 from common.kernels.pdl import gdc_enter, launch
 from common.kernels.routing import REPLAY_ONE_PROGRAM, as_written, replay_tokens, route_token
@@ -95,6 +96,7 @@ def moe_dispatch(
     dtype: torch.dtype = torch.float32,
     replay: Replay | None = None,
     shared: Shared | None = None,
+    kernels: KernelConfig = KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """From router logits [T, E]: (weights [T, k] in `dtype`, ids [T, k] int64) as route_fused gives them —
     or, with `replay`, as replay_rows gives them (cursor advanced by T) —, and with `shared` its
@@ -122,6 +124,6 @@ def moe_dispatch(
         logits if out is None else out, hidden, gate.stride(0), up.stride(0), K=top_k,
         KB=triton.next_power_of_2(top_k), E_BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize,
         BF16=bf16, REPLAY=int(replay is not None), SHARED=shared is not None, INTER=inter, BLOCK=SHARED_BLOCK,
-        I_BLOCK=min(1024, triton.next_power_of_2(inter)), num_warps=WARPS, **launch(device),
+        I_BLOCK=min(1024, triton.next_power_of_2(inter)), num_warps=WARPS, **launch(device, kernels=kernels),
     )  # fmt: skip
     return used_weights.to(dtype), used_ids, out

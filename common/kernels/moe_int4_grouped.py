@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.config import MOE_DOWN_TOKENS
+from common.kernels.config import MOE_DOWN_TOKENS
 from common.kernels.moe_int4 import GROUP, expert_ptrs
 
 

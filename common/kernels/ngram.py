@@ -12,12 +12,35 @@ torch's.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
-from common.model.ngram import NGramSpec, spec_tensors
+
+
+class HashSpec(Protocol):
+    """What the kernel reads of one PLE layer's n-gram hash (common/model/ngram.py's NGramSpec): the
+    longest n-gram, hash heads per order and in all, the token that cuts an n-gram, the multiplier of each
+    position (current token first), each head's prime vocabulary and first table row."""
+
+    @property
+    def ngram_size(self) -> int: ...
+    @property
+    def heads_per_ngram(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def eos_token_id(self) -> int: ...
+    @property
+    def multipliers(self) -> tuple[int, ...]: ...
+    @property
+    def head_vocab_sizes(self) -> tuple[int, ...]: ...
+    @property
+    def head_offsets(self) -> tuple[int, ...]: ...
 
 
 @triton.jit
@@ -46,18 +69,23 @@ def _ngram_step_kernel(
 
 
 def ngram_step(
-    spec: NGramSpec, context: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor
+    spec: HashSpec,
+    context: torch.Tensor,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """Table rows [B, heads] of each lane's new token `tokens` [B] after its context `context[slots[b]]`
     ([S, n−1] int64, updated in place) — `ngram_ids` of the history context ++ token, for its last token."""
     if spec.ngram_size < 2:
         raise ValueError("n-gram hashing needs an n-gram size of at least 2")
     assert context.stride(1) == 1, "each slot's context must be contiguous"
-    mult, sizes, offsets = spec_tensors(spec, tokens.device)
+    values = (spec.multipliers, spec.head_vocab_sizes, spec.head_offsets)
+    mult, sizes, offsets = (torch.tensor(v, dtype=torch.int64, device=tokens.device) for v in values)
     out = torch.empty((tokens.shape[0], spec.num_heads), dtype=torch.int64, device=tokens.device)
     if tokens.shape[0]:
         _ngram_step_kernel[(tokens.shape[0],)](
             context, context.stride(0), tokens, slots, mult, sizes, offsets, out, spec.eos_token_id,
-            N=spec.ngram_size, HEADS_PER_ORDER=spec.heads_per_ngram, **launch(tokens.device),
+            N=spec.ngram_size, HEADS_PER_ORDER=spec.heads_per_ngram, **launch(tokens.device, kernels=kernels),
         )  # fmt: skip
     return out

@@ -10,12 +10,25 @@ than moved between registers, and normalised with the same factor.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
-from common.model.rope import RotaryEmbedding
+
+
+class Rotary(Protocol):
+    """What the RoPE kernels read of a rotary embedding (common/model/rope.py's RotaryEmbedding)."""
+
+    inv_freq: torch.Tensor
+    """[rot_dim / 2] fp32 inverse frequencies."""
+    scaling: float
+    """The scale applied to cos and sin."""
+    rot_dim: int
+    """Rotated channels of a head (the first ones)."""
 
 
 @triton.jit
@@ -69,8 +82,9 @@ def norm_rope(
     weight: torch.Tensor,
     eps: float,
     positions: torch.Tensor,
-    rotary: RotaryEmbedding,
+    rotary: Rotary,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """x [T, H, D] (last dim contiguous; D a power of two), weight [D] (the norm's w: scaled by 1 + w),
     positions [T] → RoPE(RMSNorm(x)) [T, H, D] in x's dtype, the rotary's cos/sin (`rotary.cos_sin` in x's
@@ -91,6 +105,6 @@ def norm_rope(
     _norm_rope_kernel[(t, heads)](
         x, weight, positions, rotary.inv_freq, out, x.stride(0), x.stride(1), heads, eps, rotary.rot_dim,
         rotary.scaling, k_pages, v, v.stride(0), v.stride(1), v_pages, slots,
-        D=dim, STORE=store is not None, **launch(x.device),
+        D=dim, STORE=store is not None, **launch(x.device, kernels=kernels),
     )  # fmt: skip
     return out

@@ -12,11 +12,11 @@ which ~2 are its launch, ramp and tail, and the HBM sits idle between kernels. W
 ramp (and its weights' first loads) overlaps the previous kernel's tail. CUDA graphs keep the programmatic
 edges a stream capture records (CUDA 12.3 on).
 
-On by default (`ENABLED`). With the hyper-connection and int4 decode kernels taking part, decode-allfit ran
-144.66 tok/s against 139.62 without (+3.6 %) and decode-1 79.55 against 77.13 (+3.1 %) on the H200
-(bench/results/decode-allfit-pdl-ab.json, decode-1-pdl-ab.json); the step's other Triton kernels (norms,
-conv, GDN, attention, QSA, routing, cache resolution) took part after that. With all of them, decode-allfit
-ran 188.51 tok/s against 166.98 with none (6f69515, one process: decode-allfit-serial-profile.txt).
+On by default (KernelConfig.pdl). With the hyper-connection and int4 decode kernels taking part, decode-allfit
+ran 144.66 tok/s against 139.62 without (+3.6 %) and decode-1 79.55 against 77.13 (+3.1 %) on the H200
+(bench/results/decode-allfit-pdl-ab.json, decode-1-pdl-ab.json); the step's other Triton kernels (norms, conv,
+GDN, attention, QSA, routing, cache resolution) took part after that. With all of them, decode-allfit ran
+188.51 tok/s against 166.98 with none (6f69515, one process: decode-allfit-serial-profile.txt).
 `bench.decode_offload --ablate --switches no-pdl` compares it. A kernel taking part calls `gdc_enter(GDC)`
 before its first read of an earlier kernel's output and its first write, in every program, and is launched
 with `**launch(device)`.
@@ -31,56 +31,37 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = True
-"""Launch the kernels that take part with programmatic dependent launch (CUDA, compute capability 9 on)."""
-EARLY_TRIGGER = True
-"""A taking-part kernel lets the next one launch as soon as all its programs have waited (`gdc_enter`), so
-the next kernel's programs may sit resident, waiting, beside it while it runs. False (the benchmark's
-`pdl-exit-trigger` switch): only once its programs have exited (the launch still overlaps its memory flush).
-Early is worth 10 %: decode-allfit 186.87 tok/s against 167.42 at the exit, in one process
-(bench/results/decode-allfit-gdn-step-ab.json). One launch may still hold the next (`launch`'s `hold_next`):
-a single wave of large programs, resident early, loses what its shape gains (gemv.FP8_LARGE_ONE_ROW).
-Switch before a pass is recorded. Holding after the other kernels that ran longer exposed in PDL than
-serialized (int4 gate_up before down, GDN's gated norm and the attention merge before the output projection,
-the large one-row GEMV before conv_step) moved nothing: 187.05-188.02 tok/s against the defaults' 187.60,
-one site a variant, in one process (bench/results/decode-allfit-held-sites-ab.json, 69c75e5)."""
-START_TRIGGER = True
-"""The launches made with `trigger_first` (GDN's recurrence and gated norm, the decode attention's split and
-merge kernels) let the next kernel launch as their programs start, before their own wait, so it may launch
-while the kernel before them still runs: the output projection's programs sit resident, their weights in
-flight, from the recurrence (or the split) on, not only during the norm (the merge). Safe only where the
-next kernel reads nothing but weights before its wait (what it reads after the wait is the whole chain's:
-each wait returns once the kernel before completed, and that one waited for its own): so at those sites,
-whose next kernels are the gated norm, the merge (no read before the wait) and the output projection (its
-weights). decode-allfit 226.76 tok/s against 224.33 without (+1.1 %, one process,
-bench/results/decode-allfit-tail-trigger-first-ab.json; the benchmark's `no-tail-trigger-first`).
-The same at the hyper-connection's projection and mix-up kernels (next: the mix-up, the sublayer's input
-projection) and at the int4 MoE's CUDA C down (next: the next hyper-connection's projection) moved nothing:
-228.34 tok/s with both and 227.62 with the hyper-connection's alone against 228.25 over 1,024 tokens
-(decode-allfit-trigger-first-sites-ab.json), so they stay plain. Switch before a pass is recorded."""
+from common.kernels.config import KERNELS, KernelConfig
+
 WAIT_ONLY = 2
-"""`GDC`'s value with EARLY_TRIGGER off: wait, no trigger (True: wait, then trigger)."""
+"""`GDC`'s value without KernelConfig.pdl_early_trigger: wait, no trigger (True: wait, then trigger)."""
 TRIGGER_FIRST = 3
-"""`GDC`'s value of a `trigger_first` launch under START_TRIGGER: trigger, then wait."""
+"""`GDC`'s value of a `trigger_first` launch with KernelConfig.pdl_start_trigger: trigger, then wait."""
 WAIT_ONLY_K = tl.constexpr(WAIT_ONLY)
 TRIGGER_FIRST_K = tl.constexpr(TRIGGER_FIRST)
 
 
 def launch(
-    device: torch.device, take_part: bool = True, hold_next: bool = False, trigger_first: bool = False
+    device: torch.device,
+    take_part: bool = True,
+    hold_next: bool = False,
+    trigger_first: bool = False,
+    kernels: KernelConfig = KERNELS,
 ) -> dict[str, object]:
     """Keyword arguments of a participating kernel's launch: its `GDC` constexpr, and Triton's `launch_pdl`
     when on (never in the interpreter: griddepcontrol is PTX). `take_part` False: this launch stays out.
-    `hold_next`: this launch lets the next kernel launch only at its programs' exit (as
-    with EARLY_TRIGGER off, for this launch alone): the next one is a kernel that early residency slows.
-    `trigger_first`: under START_TRIGGER, the next kernel may launch as this one's programs start (that
-    kernel must read only weights before its wait)."""
-    on = take_part and ENABLED and device.type == "cuda" and hopper_or_later(device.index)
+    `hold_next`: this launch lets the next kernel launch only at its programs' exit (as without
+    `kernels.pdl_early_trigger`, for this launch alone): the next one is a kernel that early residency
+    slows. `trigger_first`: with `kernels.pdl_start_trigger`, the next kernel may launch as this one's
+    programs start (that kernel must read only weights before its wait). `kernels.pdl` False: no launch
+    takes part."""
+    on = take_part and kernels.pdl and device.type == "cuda" and hopper_or_later(device.index)
     if not on:
         return {"GDC": False}
-    if not EARLY_TRIGGER or hold_next:
+    if not kernels.pdl_early_trigger or hold_next:
         return {"GDC": WAIT_ONLY, "launch_pdl": True}
-    return {"GDC": TRIGGER_FIRST if trigger_first and START_TRIGGER else True, "launch_pdl": True}
+    first = trigger_first and kernels.pdl_start_trigger
+    return {"GDC": TRIGGER_FIRST if first else True, "launch_pdl": True}
 
 
 def native_mode(kwargs: dict[str, object]) -> int:

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 
@@ -62,6 +63,7 @@ def ple_gate(
     norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     eps: float,
     hc: int,
+    kernels: KernelConfig = KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """key [T, hc·H] and value [T, H] (rows may be strided: views of one projection's output, the last
     dim's 1), streams [T, hc·H], the key, query and conv norms' weights [hc·H] → (gated, the conv's input),
@@ -75,6 +77,6 @@ def ple_gate(
     _ple_gate_kernel[(t, hc)](
         key, key.stride(0), streams, value, value.stride(0), wk, wq, wc, gated, conv_in,
         hidden, eps, math.sqrt(hidden), HC=hc, BLOCK=triton.next_power_of_2(hidden), num_warps=8,
-        **launch(streams.device),
+        **launch(streams.device, kernels=kernels),
     )  # fmt: skip
     return gated, conv_in

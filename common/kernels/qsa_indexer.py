@@ -10,8 +10,8 @@
   incomplete block's. torch's top-k sorts (a radix sort and a gather, ~34 µs a QSA layer on an H200 in the
   all-fit decode profile) and ~8 small kernels expand and mask; here each block's rank among the query's is
   counted by a program of a few blocks (those ranked below k are chosen), and the last program to arrive
-  writes the chosen blocks' keys (or, `SELECT_RANK` off, one program a query finds the k-th largest score
-  by a SELECT_WAYS-way search on its bits, all in registers; up to SELECT_MAX_BLOCKS blocks).
+  writes the chosen blocks' keys (or, KernelConfig.select_rank off, one program a query finds the k-th
+  largest score by a SELECT_WAYS-way search on its bits, all in registers; up to SELECT_MAX_BLOCKS blocks).
 
 And on a prefill pass, `prefill_block_scores`: one sequence's queries against its block keys, tiled (a tile of
 queries × a tile of blocks a program, the heads' products summed in registers), so only the [T, NB] scores
@@ -32,8 +32,9 @@ import triton.language as tl
 
 from common.kernels import arrival
 from common.kernels.arrival import arrive
+from common.kernels.config import KERNELS, KernelConfig
+from common.kernels.norm_rope import Rotary
 from common.kernels.pdl import gdc_enter, launch
-from common.model.rope import RotaryEmbedding
 
 
 @triton.jit
@@ -137,7 +138,11 @@ class KeyBlocks(NamedTuple):
 
 
 def compress_step(
-    keys: KeyBlocks, positions: torch.Tensor, rope_positions: torch.Tensor, rotary: RotaryEmbedding
+    keys: KeyBlocks,
+    positions: torch.Tensor,
+    rope_positions: torch.Tensor,
+    rotary: Rotary,
+    kernels: KernelConfig = KERNELS,
 ) -> None:
     """One token per sequence, at `positions` [T] (rotated at `rope_positions` [T]): store each token's raw
     key at its position, and write its block's key (normalised, rotated by `rotary` at the block's first
@@ -150,20 +155,21 @@ def compress_step(
         keys.raw, new, new.stride(0), keys.blocks, keys.page_table, positions, rope_positions, keys.weight,
         rotary.inv_freq, keys.page_table.shape[1], keys.page_size, keys.eps, rotary.scaling,
         2 * rotary.inv_freq.numel(),
-        R=keys.ratio, D=dim, **launch(positions.device),
+        R=keys.ratio, D=dim, **launch(positions.device, kernels=kernels),
     )  # fmt: skip
 
 
 def block_scores(
     q: torch.Tensor, blocks: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
     ratio: int, num_blocks: int, block_n: int = 64,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:  # fmt: skip
     """q [T, Hi, D] (normalised, rotated), blocks [slots, D] → scores [T, num_blocks] fp32 (−inf: unseen)."""
     t, heads, dim = q.shape
     out = torch.empty((t, num_blocks), dtype=torch.float32, device=q.device)
     _scores_kernel[(t, triton.cdiv(num_blocks, block_n))](
         q.contiguous(), blocks, page_table, positions, out, num_blocks, page_table.shape[1], page_size,
-        R=ratio, D=dim, HEADS=heads, BN=block_n, **launch(q.device),
+        R=ratio, D=dim, HEADS=heads, BN=block_n, **launch(q.device, kernels=kernels),
     )  # fmt: skip
     return out
 
@@ -202,12 +208,6 @@ def prefill_block_scores(q: torch.Tensor, keys: torch.Tensor, out: torch.Tensor,
 
 SELECT_MAX_BLOCKS = 4096
 """Blocks `select_blocks` holds in one program's registers (a 16K context at 4 tokens a block)."""
-SELECT_RANK = True
-"""`select_blocks` ranks every block against all the query's, a few blocks a program (RANK_TILE), and the
-last program to arrive writes the keys. False: one program a query searches the bits of the k-th largest
-score, SELECT_WAYS parts a round (the benchmark's `select-search` switch): 16 dependent rounds of a
-reduction across the program, ~0.55 µs each on an H200 (17.7 µs a call in the decode step at b005150, 14.2
-of it exposed), where the ranks are one comparison tile a program, all at once."""
 RANK_TILE = 16384
 """Comparisons a rank program makes: it ranks RANK_TILE / blocks of its query's blocks (16 of 1,024)."""
 SELECT_WAYS = 4
@@ -300,7 +300,9 @@ def _select_kernel(
     _write_keys(chosen, i, pos, visible, out_ptr + t * width, K, R, BK)
 
 
-def select_blocks(scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio: int) -> torch.Tensor:
+def select_blocks(
+    scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio: int, kernels: KernelConfig = KERNELS
+) -> torch.Tensor:
     """scores [T, NB] fp32 (−inf: unseen; 0 < NB ≤ SELECT_MAX_BLOCKS), positions [T] → key positions [T,
     k·ratio + ratio − 1] int64 (k = min(topk, NB) > 0): the keys of the k best-scoring blocks a query sees,
     in block order, then those of its incomplete block up to itself; −1 pads. The same keys as a stable
@@ -313,16 +315,17 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, topk: int, rati
     out = torch.empty((t, k * ratio + ratio - 1), dtype=torch.int64, device=scores.device)
     scores = scores.contiguous()
     bn, bk = triton.next_power_of_2(max(num_blocks, 2)), triton.next_power_of_2(k * ratio)
-    if SELECT_RANK:
+    if kernels.select_rank:
         ranked = min(bn, max(1, RANK_TILE // bn))
         chosen = torch.empty((t, bn), dtype=torch.int8, device=scores.device)
         _rank_kernel[(t, bn // ranked)](
             scores, positions, chosen, arrival.counters(scores.device, t), out, num_blocks, out.shape[1],
-            K=k, R=ratio, BI=ranked, BN=bn, BK=bk, **launch(scores.device),
+            K=k, R=ratio, BI=ranked, BN=bn, BK=bk, **launch(scores.device, kernels=kernels),
         )  # fmt: skip
         return out
     _select_kernel[(t,)](
         scores, positions, out, num_blocks, out.shape[1], K=k, R=ratio, BN=bn, BK=bk, WAYS=SELECT_WAYS,
-        ROUNDS=-(-32 // (SELECT_WAYS.bit_length() - 1)), num_warps=SELECT_WARPS, **launch(scores.device),
+        ROUNDS=-(-32 // (SELECT_WAYS.bit_length() - 1)), num_warps=SELECT_WARPS,
+        **launch(scores.device, kernels=kernels),
     )  # fmt: skip
     return out

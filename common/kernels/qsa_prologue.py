@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernels.norm_rope import _norm_rope_head
+from common.kernels.config import KERNELS, KernelConfig
+from common.kernels.norm_rope import Rotary, _norm_rope_head
 from common.kernels.pdl import gdc_enter, launch
 from common.kernels.qsa_indexer import KeyBlocks, _compress_token
-from common.model.rope import RotaryEmbedding
 
 
 class HeadNorm(NamedTuple):
@@ -78,7 +78,8 @@ def qsa_prologue(
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
     rope_positions: torch.Tensor,
-    rotary: RotaryEmbedding,
+    rotary: Rotary,
+    kernels: KernelConfig = KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token per sequence: `compress_step(blocks, positions, rope_positions, rotary)`, and `norm_rope`
     of index_q, q and k at `rope_positions` (k's with `store`: k pages, v, v pages, slot mapping, as
@@ -103,6 +104,6 @@ def qsa_prologue(
         blocks.eps, rotary.scaling, rotary.rot_dim,
         *head_args[0], outs[0], iq_heads, *head_args[1], outs[1], heads, *head_args[2], outs[2], kv_heads,
         k_pages, v, v.stride(0), v.stride(1), v_pages, slots,
-        R=blocks.ratio, DI=di, D=dim, **launch(positions.device),
+        R=blocks.ratio, DI=di, D=dim, **launch(positions.device, kernels=kernels),
     )  # fmt: skip
     return outs[0], outs[1], outs[2]

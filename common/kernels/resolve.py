@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 _KEY_MIN, _KEY_MAX = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max
@@ -282,6 +283,7 @@ def resolve_step(
     num_warps: int = 0,
     group: int = 0,
     groups: int = 1,
+    kernels: KernelConfig = KERNELS,
 ):
     """`tables.resolve` for the experts `ids` ([T, k] or flat) of `layer` (decode group `group` of `groups`),
     as one program → (row [E], newcomer [P], target [P], valid [P]) with P = min(ids.numel(), E); moved
@@ -296,13 +298,14 @@ def resolve_step(
         tables.freq, tables.absent, tables.previous, tables.reuse, tables.counts, moved, tables.thawed, step,
         tables.fetched, tables.predicted, row, newcomer, target, valid, layer, tables.num_layers,
         tables.decay_on_device, e, tables.num_slots, tables.staging_base, group, groups, _KEY_MIN, _KEY_MAX,
-        **_launch_shape(tables, p, n), num_warps=num_warps or NUM_WARPS, **launch(ids.device),
+        **_launch_shape(tables, p, n), num_warps=num_warps or NUM_WARPS,
+        **launch(ids.device, kernels=kernels),
     )  # fmt: skip
     return row, newcomer, target, valid
 
 
 def prefetch_step(
-    tables, layer: int, ids: torch.Tensor, step: torch.Tensor, max_new: int
+    tables, layer: int, ids: torch.Tensor, step: torch.Tensor, max_new: int, kernels: KernelConfig = KERNELS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`tables.prefetch` for the predicted experts `ids` ([T, n] or flat) of `layer`, as one program → the
     copy list (newcomer, target, valid) [P], P = min(max_new, E)."""
@@ -314,6 +317,6 @@ def prefetch_step(
         tables.freq, tables.absent, tables.predicted, tables.reuse, tables.counts, tables.thawed, step,
         tables.fetched, tables.guessing, newcomer, target, valid, layer, tables.num_layers, e,
         tables.num_slots, _KEY_MIN, _KEY_MAX, **_launch_shape(tables, p, n), num_warps=NUM_WARPS,
-        **launch(ids.device),
+        **launch(ids.device, kernels=kernels),
     )  # fmt: skip
     return newcomer, target, valid

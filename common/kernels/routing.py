@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.pdl import gdc_enter, launch
 
 
@@ -65,7 +66,11 @@ warps each crossed shared memory behind a barrier (~4.8 µs a call in decode-all
 
 
 def route_fused(
-    logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype = torch.float32
+    logits: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    dtype: torch.dtype = torch.float32,
+    kernels: KernelConfig = KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route`'s result — (weights [T, k] in `dtype`, ids [T, k] int64) — from router logits [T, E]. The
     weights are computed in fp32; bf16 ones are rounded in the kernel (no cast kernel after it), others
@@ -77,7 +82,7 @@ def route_fused(
     _route_kernel[(t,)](
         logits.contiguous(), as_written(weights, bf16), ids, experts, K=top_k,
         KB=triton.next_power_of_2(top_k), BLOCK=triton.next_power_of_2(experts), NORMALIZE=normalize,
-        BF16=bf16, num_warps=ROUTE_WARPS, **launch(logits.device),
+        BF16=bf16, num_warps=ROUTE_WARPS, **launch(logits.device, kernels=kernels),
     )  # fmt: skip
     return weights.to(dtype), ids
 
@@ -143,6 +148,7 @@ def replay_rows(
     layer: int,
     tokens: int,
     dtype: torch.dtype = torch.float32,
+    kernels: KernelConfig = KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing replay's rows for `tokens` tokens of trace layer `layer` from row cursor[layer] on
     (cycling): (ids [T, k] int64, weights [T, k] in `dtype`: fp32 or bf16 in the kernel, others cast after
@@ -155,7 +161,7 @@ def replay_rows(
     _replay_kernel[(1 if advance else triton.cdiv(tokens, tb),)](
         trace_ids, trace_weights, cursor, ids, as_written(weights, bf16), rows, layers,
         layer, tokens, K=k, KB=triton.next_power_of_2(k), TB=tb, ADVANCE=advance, BF16=bf16,
-        **launch(trace_ids.device),
+        **launch(trace_ids.device, kernels=kernels),
     )  # fmt: skip
     if not advance:
         cursor[layer].add_(tokens)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from common.ipc.hostmem import host_list_to
+from common.kernels.config import KERNELS, KernelConfig
 from common.kv.batch import ForwardBatch
 from common.kv.fp8 import dequantize, is_fp8, quantize
 from common.kv.state import LayerState, PagedSpec
@@ -163,13 +164,15 @@ class TorchPagedBackend(AttentionBackend):
 
     Scores take O(B · heads · Kmax) per query, so a long prefill attends in slices of its queries
     (`score_bytes`); meant for CPU, tests and as the reference. With `fused_decode` (set by
-    `common.kernels.use_fused_kernels`, on by default on CUDA), passes of one query per sequence, and sparse
-    passes (each query its own selection of keys: QSA's prefill), run a Triton kernel over the pages instead
-    (common/kernels/decode_attention.py): a sparse query reads only its selected keys, where this path scores
-    every key and masks all but those.
+    `use_fused_kernels`, common/model/fused_kernels.py, on by default on CUDA), passes of one query per
+    sequence, and sparse passes (each query its own selection of keys: QSA's prefill), run a Triton kernel
+    over the pages instead (common/kernels/decode_attention.py): a sparse query reads only its selected keys,
+    where this path scores every key and masks all but those.
     """
 
     fused_decode = False
+    kernels: KernelConfig = KERNELS
+    """The kernel launch options (set where the worker builds the model: `configure_kernels`)."""
 
     def plan(self, batch: ForwardBatch) -> TorchPlan:
         if batch.static_kv is not None:  # recorded decode: one query per sequence, lengths on the device
@@ -207,6 +210,7 @@ class TorchPagedBackend(AttentionBackend):
             return paged_decode_attention(  # the gate: applied in the merge kernel
                 q, state.paged["k"], state.paged["v"], plan.page_table, k_lens, scale,
                 plan.k_max, selected, scales if fp8 else None, window, table_rows=rows, gate=gate,
+                kernels=self.kernels,
             )  # fmt: skip
         kb, vb = read_kv(state, plan.k_slots, q.dtype)  # [B, Kmax, Hkv, D] each
         kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # [B, Hkv, Kmax, D]

@@ -14,13 +14,16 @@ QSA). The router (its choices), the embeddings, lm_head, norms and hyper-connect
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model.fused_linear import GEMV_ROWS, FusedLinears
+from common.kernels import GEMV_ROWS
+from common.kernels.config import KERNELS, KernelConfig
+from common.model.fused_linear import FusedLinears
 
 if TYPE_CHECKING:
     from common.model.qwen4_exp.gdn import GatedDeltaNet
@@ -66,7 +69,11 @@ def largest_dequantized(model: nn.Module) -> int:
 
 
 def fp8_linear(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """x [..., K] through the fp8 weight: a few rows on CUDA by the GEMV kernel (common/kernels/gemv.py: the
     codes read once), else the weight dequantised for one GEMM (prefill: the GEMM's time dwarfs it)."""
@@ -74,7 +81,7 @@ def fp8_linear(
     if x.is_cuda and 0 < rows <= GEMV_ROWS:
         from common.kernels.gemv import gemv  # Triton
 
-        y = gemv(x.reshape(rows, -1), codes, bias, scale)
+        y = gemv(x.reshape(rows, -1), codes, bias, scale, kernels=kernels)
         return y.view(*x.shape[:-1], -1)
     return F.linear(x, dequantize_fp8(codes, scale, x.dtype), bias)
 
@@ -87,6 +94,8 @@ class Fp8Linear(nn.Module):
     """[N, K] e4m3 codes."""
     scale: torch.Tensor
     """[N, ⌈K/128⌉] fp32 scales."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -96,7 +105,12 @@ class Fp8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.qweight, self.scale, self.bias)
+        return fp8_linear(x, self.qweight, self.scale, self.bias, self.kernels)
+
+    @staticmethod
+    def fuse_group(linears: Sequence[Fp8Linear]) -> Fp8Fused | None:
+        """`fuse_linears` for a group of fp8 Linears: `fuse_fp8`."""
+        return fuse_fp8(linears)
 
 
 class Fp8Fused(FusedLinears):
@@ -107,10 +121,10 @@ class Fp8Fused(FusedLinears):
         self.scale = scale
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return fp8_linear(x, self.weight, self.scale, self.bias).split(self.sizes, dim=-1)
+        return fp8_linear(x, self.weight, self.scale, self.bias, self.kernels).split(self.sizes, dim=-1)
 
 
-def fuse_fp8(linears: list[Fp8Linear]) -> Fp8Fused | None:
+def fuse_fp8(linears: Sequence[Fp8Linear]) -> Fp8Fused | None:
     """`fuse_linears` for fp8 members: one Fp8Fused over their codes and scales where those already lie back
     to back (rows of one quantised fused weight, in this process or mapped from another), else None."""
     from common.model.fused_linear import _adjacent
@@ -172,16 +186,10 @@ def quantize_resident(model: nn.Module) -> int:
 
 
 def _mixers(model: nn.Module) -> list[tuple[GatedDeltaNet | QSAttention, str]]:
-    """The token mixers fp8 covers, each with its output projection's name."""
-    from common.model.qwen4_exp.gdn import GatedDeltaNet
-    from common.model.qwen4_exp.qsa import QSAttention
-
-    outputs = {GatedDeltaNet: "out_proj", QSAttention: "o_proj"}
-    return [
-        (m, outputs[type(m)])
-        for m in model.modules()
-        if isinstance(m, (GatedDeltaNet, QSAttention)) and type(m) in outputs
-    ]
+    """The token mixers fp8 covers (those whose class names its output projection: `fp8_output`), each with
+    its output projection's name."""
+    mixers = [m for m in model.modules() if "fp8_output" in vars(type(m))]
+    return [(cast("GatedDeltaNet | QSAttention", m), vars(type(m))["fp8_output"]) for m in mixers]
 
 
 RESIDENT_DTYPES = ("fp8",)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from common.kernels import GEMV_ROWS
+from common.kernels.config import KERNELS, KernelConfig
 
 ALIGN_BYTES = 16
 """A fused weight gets rows beyond its Linears' (never read back) up to an output row of a multiple of this:
@@ -27,11 +30,6 @@ cuBLAS's fast Hopper GEMMs want 16-byte-aligned rows. In prefill-25k's profile (
 block's 1,793 columns (router 512, shared expert gate and up 640 each, its gate logit 1) ran on an
 alignment-1 cutlass kernel, 2.6 ms a layer (~90 TFLOP/s), and the hyper-connections' 324 on an
 alignment-4 one (~270 TFLOP/s)."""
-GEMV_ROWS = 16
-"""Most rows of input the Triton GEMV (common/kernels/gemv.py) takes; more run as a GEMM."""
-GEMV = True
-"""Projections of at most GEMV_ROWS rows on CUDA run through the Triton GEMV (False: cuBLAS; the benchmark's
-`no-gemv` switch). Switch before a pass is recorded."""
 
 
 def _padding(rows: int, itemsize: int) -> int:
@@ -40,21 +38,29 @@ def _padding(rows: int, itemsize: int) -> int:
     return -rows % step
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] · weightᵀ (+ bias): one bf16 row times a weight of a few thousand rows through the CUDA C
-    GEMV (common/kernels/gemv_native.py: `takes`), a few rows on CUDA through the Triton GEMV where it beats
-    cuBLAS (common/kernels/gemv.py: `choose`), else F.linear."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels: KernelConfig = KERNELS
+) -> torch.Tensor:
+    """x [..., K] · weightᵀ (+ bias): with KernelConfig.gemv, one bf16 row times a weight of a few thousand
+    rows through the CUDA C GEMV (common/kernels/gemv_native.py: `takes`), a few rows on CUDA through the
+    Triton GEMV where it beats cuBLAS (common/kernels/gemv.py: `choose`); else F.linear."""
     rows = x.numel() // x.shape[-1]
-    if GEMV and x.is_cuda and 0 < rows <= GEMV_ROWS and weight.dtype == x.dtype and weight.is_contiguous():
+    if (
+        kernels.gemv
+        and x.is_cuda
+        and 0 < rows <= GEMV_ROWS
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+    ):
         from common.kernels import gemv_native
         from common.kernels.gemv import choose, gemv  # Triton
 
         flat = x.reshape(rows, -1)
-        if gemv_native.takes(flat, weight, bias):
-            return gemv_native.gemv_row(flat, weight, bias).view(*x.shape[:-1], -1)
-        config = choose(rows, weight.shape[0], weight.shape[1], x.device)
+        if gemv_native.takes(flat, weight, bias, kernels):
+            return gemv_native.gemv_row(flat, weight, bias, kernels).view(*x.shape[:-1], -1)
+        config = choose(rows, weight.shape[0], weight.shape[1], x.device, kernels=kernels)
         if config is not None:
-            return gemv(flat, weight, bias, config=config).view(*x.shape[:-1], -1)
+            return gemv(flat, weight, bias, config=config, kernels=kernels).view(*x.shape[:-1], -1)
     return F.linear(x, weight, bias)
 
 
@@ -62,12 +68,18 @@ class Linear(nn.Linear):
     """nn.Linear whose few-row products on CUDA run through the Triton GEMV (`linear`): a decode step's
     output projections. Same parameters and state dict keys as nn.Linear."""
 
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernels)
 
 
 class FusedLinears:
     """The concatenated weight (and bias) of some Linears, and how to split its output."""
+
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> None:
         """weight [ΣN + pad, K]: the Linears' rows (`sizes`), then `pad` rows whose outputs are dropped."""
@@ -76,7 +88,7 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, K] → one [T, N_i] output per Linear, in order (views of one [T, ΣN + pad] product)."""
-        return self.split(linear(x, self.weight, self.bias))
+        return self.split(linear(x, self.weight, self.bias, self.kernels))
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The fused weight's product [T, ΣN + pad] (however computed) → one [T, N_i] view per Linear."""
@@ -99,15 +111,30 @@ def plain_linear(linear: nn.Module | FusedLinears | None) -> bool:
     return kind and linear.bias is None and linear.weight.is_contiguous()
 
 
+def takes_conv(x: torch.Tensor, fused: object, kernels: KernelConfig = KERNELS) -> bool:
+    """Whether `gemv` with a ConvStep computes x [1, K] through `fused`: KernelConfig.conv_epilogue and
+    .gemv, x on CUDA, `fused`
+    bf16 FusedLinears (no bias, contiguous) of x's dtype whose product the GEMV takes (GEMV: GDN's
+     input projection in a one-token step)."""
+    return (
+        kernels.conv_epilogue
+        and kernels.gemv
+        and isinstance(fused, FusedLinears)
+        and plain_linear(fused)
+        and x.is_cuda
+        and x.shape[0] == 1
+        and fused.weight.dtype == x.dtype
+    )
+
+
 def fuse_linears(linears: Sequence[nn.Linear], copy: bool = True) -> FusedLinears | None:
     """Concatenate the weights of `linears` (one input width, dtype and device; all with a bias or none):
     each Linear's weight becomes a view of its rows. Weights that already are consecutive rows of one storage
     (a process that maps another's fused weights) are viewed as they are; otherwise, with `copy`, they are
     copied into a new tensor (and their old memory freed), and without it nothing is fused (None)."""
     if all(hasattr(linear, "qweight") for linear in linears):  # fp8 (fp8_linear.py): views of one weight only
-        from common.model.fp8_linear import fuse_fp8
-
-        return fuse_fp8(linears)
+        fuse_group: Callable[[Sequence[nn.Module]], FusedLinears | None] = linears[0].fuse_group
+        return fuse_group(linears)
     if not all(isinstance(linear, nn.Linear) for linear in linears):
         return None
     weights = [linear.weight for linear in linears]

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from common.config import ModelConfig
+from common.model.architectures import get_architecture
+from common.model.checkpoint import read_json as read_json  # re-exported: callers take it from here
 from common.model.errors import CheckpointError
-from common.model.registry import Architecture, get_architecture
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`, or a CheckpointError naming the file."""
-    if not path.is_file():
-        raise CheckpointError("file not found", path)
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"not valid JSON: {exc}", path) from exc
-    if not isinstance(data, dict):
-        raise CheckpointError("expected a JSON object", path)
-    return data
+from common.model.registry import Architecture
 
 
 def load_architecture(model_dir: str | Path) -> tuple[Architecture, ModelConfig]:

@@ -20,16 +20,23 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from common.config import ModelConfig
+from common.config import ARTIFACT_META, ModelConfig
 from common.experts.formats import FP8_BLOCK, dequantize_fp8_block
 from common.experts.provider import ExpertWeights
 from common.experts.resident import ResidentExperts
+from common.model.checkpoint import (
+    INDEX_FILE,
+    TensorSource,
+    check_shape,
+    check_weight,
+    read_json,
+    safetensors_source,
+)
 from common.model.errors import CheckpointError
 from common.model.fused_linear import fuse_projections
-from common.model.hf_config import load_architecture, read_json
+from common.model.hf_config import load_architecture
 from common.model.host_embedding import host_table_owners
 from common.model.layers import activation
 from common.model.ngram import ngram_shard_rows
@@ -38,33 +45,6 @@ from common.model.registry import Architecture, ExpertKey, HostTableKey
 from common.model.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
-
-INDEX_FILE = "model.safetensors.index.json"
-ARTIFACT_META = "experts.json"
-"""Marks a converted runtime artifact (common/experts/artifact.py): routed experts are packed apart."""
-
-
-def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
-    """Each safetensors file of the checkpoint, with the keys the index assigns to it (None: no index)."""
-    root = Path(model_dir)
-    index_path = root / INDEX_FILE
-    if index_path.is_file():
-        weight_map = read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError("index has no weight_map", index_path, "weight_map")
-        files: dict[Path, list[str]] = defaultdict(list)
-        for key, name in weight_map.items():
-            if not isinstance(name, str):
-                raise CheckpointError(f"weight_map names a file {name!r}, not a file name", index_path, key)
-            files[root / name].append(key)
-        for path, keys in files.items():
-            if not path.is_file():
-                raise CheckpointError(f"missing shard {path.name} listed in {INDEX_FILE}", path, keys[0])
-        return dict(files)
-    single = sorted(root.glob("*.safetensors"))
-    if not single:
-        raise CheckpointError("no safetensors weights found", root)
-    return dict.fromkeys(single)
 
 
 class _ExpertCollector:
@@ -166,38 +146,6 @@ def _once(seen: dict, target: object, path: Path, key: str) -> None:
             f"tensor appears twice in the checkpoint (first in {seen[target].name})", path, key
         )
     seen[target] = path
-
-
-def check_weight(tensor: torch.Tensor, path: Path, key: str) -> None:
-    """A weight is a floating-point tensor: integers or booleans cast into the model's dtype would load
-    without a word and compute garbage."""
-    if not tensor.is_floating_point():
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        raise CheckpointError(f"tensor has dtype {dtype}, expected a floating-point weight", path, key)
-
-
-def check_shape(tensor: torch.Tensor, shape: tuple[int, ...], path: Path, key: str) -> None:
-    if tuple(tensor.shape) != tuple(shape):
-        raise CheckpointError(f"tensor has shape {list(tensor.shape)}, expected {list(shape)}", path, key)
-
-
-TensorSource = Iterable[tuple[Path, str, Callable[[], torch.Tensor]]]
-"""(file, key, read) triples: where a tensor comes from, its checkpoint key, and how to read it."""
-
-
-def safetensors_source(model_dir: str | Path) -> Iterator[tuple[Path, str, Callable[[], torch.Tensor]]]:
-    """Every tensor of a safetensors checkpoint, read lazily, file by file.
-
-    A reader stays valid after the source has moved on to the next file (a file stays mapped while any of
-    its readers lives), so a consumer may gather readers first, as `dequantized_fp8_source` does.
-    """
-    for path in checkpoint_files(model_dir):
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
-            raise CheckpointError(f"cannot read safetensors file: {exc}", path) from exc
-        for key in handle.keys():  # noqa: SIM118  (safe_open is not a mapping)
-            yield path, key, functools.partial(handle.get_tensor, key)
 
 
 # --- fp8 block-quantized checkpoints ------------------------------------------------------------------------

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig
 from common.experts.provider import ExpertProvider
+from common.kernels.config import KERNELS, KernelConfig
 from common.model.fused_linear import FusedLinears, Linear, fuse_linears, plain_linear, project
 from common.model.layers import GatedMLP
+
+if TYPE_CHECKING:
+    from common.experts.routing import RoutingHook
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,12 +42,8 @@ class SparseMoeBlock(nn.Module):
     ahead_experts = 0
     """Experts a token the guess names (the next layer's router's top-n on this block's input)."""
 
-    lookahead = True
-    """With `ahead`: guess (a switch for bench.decode_offload --ablate, which compares a run without)."""
-
-    shared_kernel = True
-    """With `fused_decode`: a few rows' shared expert after its input projections in one Triton kernel
-    (`swiglu_down`); a switch for bench.decode_offload --ablate."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, experts: ExpertProvider) -> None:
         super().__init__()
@@ -50,7 +52,8 @@ class SparseMoeBlock(nn.Module):
         self.weights_fp32 = cfg.router_weights_fp32
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = experts
-        self.routing_hook = None  # record or replay the router's choices (common/experts/routing.py)
+        self.routing_hook: RoutingHook | None = None
+        """Records or replays the router's choices (common/experts/routing.py)."""
         self.shared_expert = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size > 0:
@@ -87,7 +90,7 @@ class SparseMoeBlock(nn.Module):
             prepared = self.experts.prepare(self.layer_idx, ids)  # launches the misses' copies
         if not self.weights_fp32:
             weights = weights.to(x.dtype)
-        if self.ahead is not None and self.lookahead:  # the next layer's guess: its copies queue behind
+        if self.ahead is not None and self.kernels.lookahead:  # the next layer's guess: copies queue behind
             self.experts.lookahead(self.ahead.layer_idx, x, self._predict_next)
         shared, shared_gate = self._shared(x, shared_in, shared)  # (if not dispatched) while the copies run
         settled = dispatched is None and shared is not None  # its kernels came after the routing's
@@ -98,7 +101,8 @@ class SparseMoeBlock(nn.Module):
         if self.fused_decode:
             from common.kernels.routing import route_fused  # Triton
 
-            weights, ids = route_fused(logits, self.top_k, self.normalize, dtype)  # [T, k] each
+            top = (logits, self.top_k, self.normalize, dtype)
+            weights, ids = route_fused(*top, kernels=self.kernels)  # [T, k] each
         else:
             weights, ids = route(logits, self.top_k, self.normalize)
         if self.routing_hook is not None:
@@ -116,7 +120,7 @@ class SparseMoeBlock(nn.Module):
         from common.kernels import moe_dispatch
         from common.kernels.gated_mlp import DOWN_ROWS
 
-        if not moe_dispatch.ENABLED or logits.shape[0] > DOWN_ROWS:
+        if not self.kernels.moe_dispatch or logits.shape[0] > DOWN_ROWS:
             return None
         hook = self.routing_hook
         replay = None if hook is None else hook.device_rows(self.layer_idx, logits.device)
@@ -124,13 +128,16 @@ class SparseMoeBlock(nn.Module):
             return None
         shared = None
         if self._shared_fits(shared_in):
+            assert shared_in is not None and self.shared_expert is not None  # as _shared_fits checked
             shared = (shared_in[0], shared_in[1], self.shared_expert.down_proj.weight)
         elif replay is None:  # the router's choice alone: route_fused's kernel
             return None
-        return moe_dispatch.moe_dispatch(logits, self.top_k, self.normalize, dtype, replay, shared)
+        args = (logits, self.top_k, self.normalize, dtype, replay, shared)
+        return moe_dispatch.moe_dispatch(*args, kernels=self.kernels)
 
     def _predict_next(self, x: torch.Tensor) -> torch.Tensor:
         """The next MoE block's router applied to this block's input: its top `ahead_experts` ids [T, n]."""
+        assert self.ahead is not None  # only a block that guesses predicts
         return torch.topk(self.ahead.gate(x), self.ahead_experts, dim=-1, sorted=False).indices
 
     def _shared(
@@ -148,17 +155,19 @@ class SparseMoeBlock(nn.Module):
     def _finish_shared(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The shared expert from its gate and up outputs: for a few rows with the fused kernels, SiLU, the
         product and the down GEMV in one Triton kernel (torch: three launches a layer)."""
+        mlp = self.shared_expert
+        assert mlp is not None  # `_shared` calls this only for a block with a shared expert
         if self._shared_fits([gate, up]):
             from common.kernels.gated_mlp import swiglu_down  # Triton
 
-            return swiglu_down(gate, up, self.shared_expert.down_proj.weight)
-        return self.shared_expert.finish(gate, up)
+            return swiglu_down(gate, up, mlp.down_proj.weight, kernels=self.kernels)
+        return mlp.finish(gate, up)
 
     def _shared_fits(self, shared_in: list[torch.Tensor] | None) -> bool:
         """Whether the shared expert's second half runs as one Triton kernel (swiglu_down's, alone or in the
         dispatch): a few rows with the fused kernels, SiLU, a plain down projection."""
         mlp = self.shared_expert
-        if mlp is None or not shared_in or not (self.fused_decode and self.shared_kernel):
+        if mlp is None or not shared_in or not (self.fused_decode and self.kernels.shared_kernel):
             return False
         from common.kernels.gated_mlp import DOWN_ROWS  # Triton: only past the check above
 
@@ -170,7 +179,7 @@ def install_lookahead(model: nn.Module, experts: int, num_layers: int) -> int:
     """Make each of the first `num_layers` layers' MoE blocks guess the next one's `experts` experts a token
     from its own input (docs/ARCHITECTURE.md, Experts; 0: no guesses) → the blocks that guess. MTP's blocks
     neither guess nor are guessed."""
-    if not 0 <= experts <= model.config.num_experts:
+    if not 0 <= experts <= cast(ModelConfig, model.config).num_experts:
         raise ValueError(f"lookahead guesses 0 to num_experts experts a token, not {experts}")
     blocks = sorted(
         (m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.layer_idx < num_layers),
@@ -181,3 +190,11 @@ def install_lookahead(model: nn.Module, experts: int, num_layers: int) -> int:
         object.__setattr__(block, "ahead", after if experts > 0 else None)
         block.ahead_experts = experts
     return sum(b.ahead is not None for b in blocks)
+
+
+def install_provider(model, provider: ExpertProvider) -> None:
+    """Make `provider` serve every MoE block of `model` (blocks hold it as `experts`; the model as well)."""
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.experts = provider
+    model.experts = provider

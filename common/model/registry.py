@@ -66,13 +66,3 @@ CHANNEL_MIXERS: dict[str, ChannelMixerFactory] = {}
 def register_architecture(arch: Architecture) -> Architecture:
     ARCHITECTURES[arch.model_type] = arch
     return arch
-
-
-def get_architecture(model_type: str) -> Architecture:
-    """The registered architecture for `model_type`; KeyError names the supported ones."""
-    import common.model.families
-    import common.model.qwen4_exp  # noqa: F401  (these imports register the built-in architectures)
-
-    if model_type not in ARCHITECTURES:
-        raise KeyError(f"model_type {model_type!r} is not supported (supported: {sorted(ARCHITECTURES)})")
-    return ARCHITECTURES[model_type]

@@ -4,29 +4,14 @@ decode and prefill workers): sampling a batch of requests on device and deciding
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from common.ipc.hostmem import host_list_to
-from common.kv.state import SequenceState
 from common.protocol import TokenLogprobs
 from common.sampling.logit_processors import LogitProcessors
-from common.sampling.sampler import SamplingParams, logprobs_of, sample
-
-
-@dataclass
-class Request:
-    """One prompt being generated."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    state: SequenceState
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    rid: str = ""
-    """The router's id (serving); empty offline."""
+from common.sampling.request import Request as Request  # re-exported: callers take it from here
+from common.sampling.sampler import logprobs_of, sample
 
 
 def sample_next(logits: torch.Tensor, reqs: Sequence[Request], processors: LogitProcessors) -> list[int]:

@@ -22,8 +22,9 @@ from common.config import WorkerConfig
 from common.engine.runner import ModelRunner, warm_up_on_cuda
 from common.experts.cache_tables import CacheTables
 from common.ipc.hostmem import host_list_to
-from common.kernels import fused_by_default, use_fused_kernels
+from common.kernels import fused_by_default
 from common.kv.state import SequenceState
+from common.model.fused_kernels import configure_kernels, use_fused_kernels
 from common.model.qwen4_exp.positions import ImageTokens
 from common.protocol import (
     AllocState,
@@ -98,6 +99,7 @@ class PrefillCore:
         if fused_by_default(cfg.fused_kernels, self.runner.device):
             # decode fused the projections before sharing them: view its weights, copy nothing
             use_fused_kernels(model, True, self.runner.backend, fuse_copy=False)
+        configure_kernels(model, cfg.kernels, self.runner.backend)  # after the fusion: its projections too
         warm_up_on_cuda(self.runner)  # compile now, not in the first request's TTFT
         self.eos_ids = eos_ids
         self.processors = LogitProcessors.for_runner(self.runner, eos_ids, Tokenizer.from_dir(cfg.model_dir))

@@ -20,7 +20,7 @@ from common.experts.artifact import open_store
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import get_format
 from common.experts.offload import OffloadedExperts
-from common.experts.provider import ExpertWeights, install_provider
+from common.experts.provider import ExpertWeights
 from common.experts.resident import ResidentExperts
 from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
@@ -32,6 +32,7 @@ from common.model.host_embedding import embeddings_to_host, host_table_owners
 from common.model.host_rows import HostRows
 from common.model.layers import activation
 from common.model.loader import empty_model
+from common.model.moe import install_provider
 from common.model.ngram import ngram_shard_rows
 from common.protocol import Exports, SharedTensor
 from common.workers.decode import DecodeCore

@@ -59,35 +59,6 @@ def test_census_of_the_steps_other_kernels() -> None:
     assert kernels["gemv"]["total"] < kernels["gemv cuda cores"]["total"]  # the MMA reduces, not shuffles
 
 
-def test_census_caps_gate_ups_registers() -> None:
-    """`--registers 64`: gate_up compiled under the cap (DecodeConfig.gate_up_registers) holds at most 64
-    registers a thread and spills none, in both one-token shapes; down keeps its own allocation."""
-    report = _census("--registers", "64")
-    assert len(report) == 2
-    for kernels in report.values():
-        assert 0 < kernels["gate_up"]["registers"] <= 64 and kernels["gate_up"]["local"] == 0
-
-
-def test_census_of_gate_up_on_the_tensor_cores() -> None:
-    """`--mma`: gate_up (DecodeConfig.mma) compiles for sm_90 with bf16 inputs into MMAs and paired bf16
-    dequantisation, no spills, and less issue a call than the words form's gate_up of RESIDENT_CONFIGS."""
-    mma = _census("--mma", "--shape", "32", "1", "4", "--down", "16", "1", "2")["given"]["gate_up"]
-    words = _census("--words", "--shape", "8", "4", "4", "--down", "16", "1", "2")["given"]["gate_up"]
-    assert mma["opcodes"].get("HMMA", 0) > 0 and mma["opcodes"].get("HMUL2", 0) > 0 and mma["local"] == 0
-    assert mma["issue_us"] < words["issue_us"]
-
-
-def test_census_of_gate_up_in_chunks() -> None:
-    """`--chunks 5` (DecodeConfig.gate_up_chunks): the tensor-core gate_up at 32 rows compiles with its
-    chunk's four steps, the chunks' sums and the arrival, fewer registers than whole and no spills."""
-    shape = ("--mma", "--shape", "32", "1", "4", "--down", "16", "1", "2")
-    whole = _census(*shape)["given"]["gate_up"]
-    chunked = _census(*shape, "--chunks", "5")["given"]["gate_up"]
-    atomics = [c["opcodes"].get("ATOMG", 0) for c in (whole, chunked)]
-    assert atomics[0] == 0 < atomics[1]  # the arrival's count and reset
-    assert chunked["registers"] <= whole["registers"] and chunked["local"] == 0
-
-
 def test_census_of_the_cuda_c_kernels() -> None:
     """`--native`: the CUDA C int4 kernels built by nvcc for sm_90 at RESIDENT_CONFIGS' launch, no local
     memory; a code becomes a number through a LOP3 (the mantissa of 2²³, or a bf16 pair for the tensor

@@ -4,10 +4,13 @@ in a recorded graph with programmatic launch, and chosen by fused_linear.linear 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from common.kernels import gemv_native
+from common.kernels.config import KERNELS
 from common.model import fused_linear
 
 
@@ -50,10 +53,12 @@ def test_linear_takes_it_where_it_applies(monkeypatch) -> None:
     x, w, _, want = _case(1800, 2560, False, seed=2)
     calls = []
     plain = gemv_native.gemv_row
-    monkeypatch.setattr(gemv_native, "gemv_row", lambda *a: calls.append(a[1].shape) or plain(*a))
+    monkeypatch.setattr(gemv_native, "gemv_row", lambda *a, **kw: calls.append(a[1].shape) or plain(*a, **kw))
     torch.testing.assert_close(fused_linear.linear(x, w).float(), want, rtol=1e-2, atol=1e-2)
     fused_linear.linear(torch.cat([x, x]), w)  # two rows: the Triton GEMV
     assert calls == [(1800, 2560)]
-    monkeypatch.setattr(gemv_native, "ENABLED", False)
-    torch.testing.assert_close(fused_linear.linear(x, w).float(), want, rtol=1e-2, atol=1e-2)
+    triton_only = replace(KERNELS, gemv_native=False)
+    torch.testing.assert_close(
+        fused_linear.linear(x, w, kernels=triton_only).float(), want, rtol=1e-2, atol=1e-2
+    )
     assert len(calls) == 1

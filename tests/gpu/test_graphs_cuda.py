@@ -4,6 +4,7 @@ and the freeze flag from the device), lane counts recorded as they come, capacit
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.engine.graphs import DecodeGraphs
-from common.kernels import use_fused_kernels
+from common.kernels.config import KERNELS, KernelConfig
+from common.model.fused_kernels import use_fused_kernels
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
 
@@ -22,8 +24,9 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 def _run(
-    path: Path, graphs: bool, cache: str | None, fused: bool = False, lookahead: int = 0, lanes: int = 2
-) -> tuple[list[list[int]], Engine]:
+    path: Path, graphs: bool, cache: str | None, fused: bool = False, lookahead: int = 0, lanes: int = 2,
+    kernels: KernelConfig = KERNELS,
+) -> tuple[list[list[int]], Engine]:  # fmt: skip
     engine = Engine(
         WorkerConfig(
             str(path),
@@ -33,6 +36,7 @@ def _run(
             cuda_graphs=graphs,
             replay_routing="synthetic-zipf:seed=3" if cache else None,
             lookahead=lookahead,
+            kernels=kernels,
         )
     )
     if cache is not None:
@@ -118,19 +122,17 @@ def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, m
     """The decode kernels launched with programmatic dependent launch (the default) in recorded steps
     (qwen4_exp, fused kernels): each waits for the kernels before it, so the tokens and the cache counters
     are those of the same recorded steps without it, exactly; so with the tails' kernels triggering as they
-    start (pdl.START_TRIGGER, the default) and without, and with the trigger at every kernel's exit. (The
-    int4 kernels: tests/gpu/test_offload_cuda.py.)"""
-    from common.kernels import pdl
-
+    start (KernelConfig.pdl_start_trigger, the default) and without, and with the trigger at every kernel's
+    exit. (The int4 kernels: tests/gpu/test_offload_cuda.py.)"""
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp", overrides=ARCHS["qwen4_exp"])
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    plain, reference = _run(path, True, "0.25", fused=True)
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    plain, reference = _run(path, True, "0.25", fused=True, kernels=replace(KERNELS, pdl=False))
     launched, engine = _run(path, True, "0.25", fused=True)
-    monkeypatch.setattr(pdl, "START_TRIGGER", False)  # the tails' kernels trigger after their wait
-    late, late_engine = _run(path, True, "0.25", fused=True)
-    monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)  # each kernel lets the next launch at its exit
-    at_exit, exit_engine = _run(path, True, "0.25", fused=True)
+    late_start = replace(KERNELS, pdl_start_trigger=False)  # the tails' kernels trigger after their wait
+    late, late_engine = _run(path, True, "0.25", fused=True, kernels=late_start)
+    exit_trigger = replace(
+        late_start, pdl_early_trigger=False
+    )  # each kernel lets the next launch at its exit
+    at_exit, exit_engine = _run(path, True, "0.25", fused=True, kernels=exit_trigger)
     assert launched == plain and at_exit == plain and late == plain
     for name, counts in engine.offload.tables.counters.items():
         assert torch.equal(counts, reference.offload.tables.counters[name]), name

@@ -3,6 +3,7 @@ repeated and ragged expert choices, one and several tokens, the tiny and the fla
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from common.experts.formats import get_format
+from common.kernels.config import DecodeConfig, decode_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -50,7 +52,7 @@ def test_int4_decode_matches_dequantised_reference(hidden, inter, tokens, k):
     rows = torch.randint(0, 12, (tokens, k), generator=gen).cuda()  # repeats across tokens: ragged use
     rows[0, :2] = 5  # the same row twice in one token too
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
-    out = moe_int4_decode(x, rows, weights, pool)
+    out = moe_int4_decode(x, rows, weights, pool, config=decode_config(x.shape[0]))
     want = _reference(x, rows, weights, pool)
     assert out.dtype == x.dtype and out.shape == want.shape
     assert (out.float() - want).norm() <= 1e-2 * want.norm()
@@ -66,7 +68,8 @@ def test_int4_decode_tuning_knobs_keep_the_result(block, groups, warps):
     x = torch.randn(2, 2560, generator=gen).to(torch.bfloat16).cuda()
     rows = torch.randint(0, 6, (2, 10), generator=gen).cuda()
     weights = torch.softmax(torch.randn(2, 10, generator=gen), -1).cuda()
-    out = moe_int4_decode(x, rows, weights, pool, block=block, groups_per_step=groups, num_warps=warps)
+    shape = DecodeConfig(block=block, groups_per_step=groups, num_warps=warps)
+    out = moe_int4_decode(x, rows, weights, pool, config=shape)
     want = _reference(x, rows, weights, pool)
     assert (out.float() - want).norm() <= 1e-2 * want.norm()
 
@@ -112,9 +115,9 @@ def test_native_gate_up_matches_dequantised_reference(hidden, inter, tokens, k, 
     row_of = torch.randperm(12, generator=gen).cuda()  # expert id → pool row
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
     assert moe_int4_native.available(x, hidden, inter, rows_per_warp, 4), "the CUDA kernel did not build"
-    knobs = {"block": 8, "native_rows": rows_per_warp, "native_warps": 4, "row_of": row_of, **layout}
+    shape = DecodeConfig(block=8, native_rows=rows_per_warp, native_warps=4, **layout)
     want = _reference(x, row_of[ids], weights, pool)
-    _matches_and_replays(partial(moe_int4_decode, x, ids, weights, pool, **knobs), want)
+    _matches_and_replays(partial(moe_int4_decode, x, ids, weights, pool, config=shape, row_of=row_of), want)
 
 
 @pytest.mark.parametrize(
@@ -134,10 +137,10 @@ def test_native_down_matches_dequantised_reference(hidden, inter, tokens, k, war
     shared = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
     gate = torch.randn(tokens, 1, generator=gen).to(torch.bfloat16).cuda() if gated else None
     assert moe_int4_native.down_available(x, inter, warps, gate), "the CUDA kernel did not build"
-    knobs = {"block": 8, "words": True, "native_rows": 1, "native_warps": 4, "native_down_warps": warps}
+    shape = DecodeConfig(block=8, words=True, native_rows=1, native_warps=4, native_down_warps=warps)
     scale = torch.sigmoid(gate.float()) if gated else 1.0
     want = _reference(x, ids, weights, pool) + shared.float() * scale
-    call = partial(moe_int4_decode, x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)
+    call = partial(moe_int4_decode, x, ids, weights, pool, config=shape, shared=shared, shared_gate=gate)
     _matches_and_replays(call, want, replays=2)
 
 
@@ -155,9 +158,9 @@ def test_native_mma_gate_up_matches_dequantised_reference(hidden, inter, tokens,
     row_of = torch.randperm(12, generator=gen).cuda()
     weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).cuda()
     assert moe_int4_native.mma_available(x, hidden, inter), "the CUDA kernel did not build"
-    knobs = {"block": 8, "native_rows": 2, "native_mma": True, "row_of": row_of, **layout}
+    shape = DecodeConfig(block=8, native_rows=2, native_mma=True, **layout)
     want = _reference(x, row_of[ids], weights, pool)
-    _matches_and_replays(partial(moe_int4_decode, x, ids, weights, pool, **knobs), want)
+    _matches_and_replays(partial(moe_int4_decode, x, ids, weights, pool, config=shape, row_of=row_of), want)
 
 
 @pytest.mark.parametrize(
@@ -178,8 +181,9 @@ def test_native_mma_down_matches_dequantised_reference(hidden, inter, tokens, k,
     shared = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
     gate = torch.randn(tokens, 1, generator=gen).to(torch.bfloat16).cuda() if gated else None
     assert moe_int4_native.down_mma_available(x, inter, gate), "the CUDA kernel did not build"
-    knobs = {"block": 8, "words": True, "native_rows": 2, "native_warps": 2, "native_mma": gate_up_mma}
-    knobs |= {"native_down_warps": 4, "native_down_mma": True, "row_of": row_of}
+    shape = DecodeConfig(block=8, words=True, native_rows=2, native_warps=2, native_mma=gate_up_mma)
+    shape = replace(shape, native_down_warps=4, native_down_mma=True)
+    knobs = {"config": shape, "row_of": row_of}
     scale = torch.sigmoid(gate.float()) if gated else 1.0
     want = _reference(x, row_of[ids], weights, pool) + shared.float() * scale
     call = partial(moe_int4_decode, x, ids, weights, pool, shared=shared, shared_gate=gate, **knobs)

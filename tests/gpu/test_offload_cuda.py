@@ -96,9 +96,7 @@ def _steps(n: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.
 def test_decode_on_cuda_never_syncs_and_matches_the_reference(
     store, policy: str, tokens: int, fused: bool
 ) -> None:
-    """`host_reads` on (off by default): at one token the int4 kernels copy the misses from the host store
-    into their slots themselves (at three it does not apply); with the torch resolution and the resolve
-    kernel (`fused`)."""
+    """With the torch resolution and the resolve kernel (`fused`)."""
     steps = _steps(8, tokens=tokens)
     reference = []
     for layer in range(LAYERS):
@@ -110,7 +108,6 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(
     for capacity in (1, 5, E):
         provider = _provider(store, capacity, policy)
         provider.fused_resolve = provider.copies.merged = fused
-        provider.host_reads = True
         provider.begin_pass(True)
         provider.forward(0, *steps[0])  # warm-up: compiles the copy kernel
         torch.cuda.synchronize()
@@ -122,7 +119,6 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(
                 out = []
                 for layer in range(LAYERS):
                     prepared = provider.prepare(layer, ids)
-                    assert (prepared.fills is not None) == (provider.fused_int4 and tokens == 1)
                     if (
                         layer + 1 < LAYERS
                     ):  # a lookahead's guess (its stream, its copies) syncs nothing either
@@ -147,8 +143,7 @@ def test_decode_on_cuda_never_syncs_and_matches_the_reference(
 @pytest.mark.parametrize("tokens", [2, 1])
 def test_slow_copies_are_waited_for(store, monkeypatch, tokens: int) -> None:
     """The side stream's copies are delayed by ~20 ms each: the main stream must still read the new rows,
-    also those a lookahead copied in ahead of their layer (at one token, with int4 and `host_reads`, the only
-    copies: the step's misses are the kernels' own)."""
+    also those a lookahead copied in ahead of their layer."""
     from common.experts import copies as offload  # where CopyStream finds copy_experts
 
     copy = offload.copy_experts
@@ -160,7 +155,6 @@ def test_slow_copies_are_waited_for(store, monkeypatch, tokens: int) -> None:
     monkeypatch.setattr(offload, "copy_experts", slow)
     steps = _steps(4, tokens=tokens)
     provider = _provider(store, 3, "lru")
-    provider.host_reads = True
     for x, ids, w in steps:
         provider.begin_pass(True)
         for layer in range(LAYERS):
@@ -198,54 +192,14 @@ def test_offloaded_experts_are_read_to_the_host_not_the_device(tmp_path: Path) -
     assert torch.cuda.max_memory_allocated() - before < resident
 
 
-def test_one_lane_int4_decode_reads_its_misses_from_the_host(tmp_path: Path) -> None:
-    """One lane, int4 experts in a small cache, the fused kernels: the kernels read each miss from the host
-    store and leave it in its slot (`host_reads`), recorded or not. The tokens and every cache counter are
-    those of recorded steps that copy their misses first, bit for bit (the same bytes, summed in the same
-    order)."""
-    from common.kernels import use_fused_kernels
-
-    shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
-    path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides=shape)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (6, 23)]
-
-    def run(graphs: bool, host_reads: bool) -> tuple[list[list[int]], dict]:
-        engine = Engine(
-            WorkerConfig(
-                str(path),
-                dtype="bfloat16",
-                device="cuda",
-                max_running=1,
-                expert_cache="0.25",
-                expert_format="int4",
-                cuda_graphs=graphs,
-                replay_routing="synthetic-zipf:seed=3",
-            )
-        )
-        use_fused_kernels(engine.model, True, engine.runner.backend)
-        provider = engine.offload
-        assert provider.fused_int4
-        provider.host_reads = host_reads
-        out = [r.token_ids for r in engine.generate(prompts, GREEDY)]
-        provider.tables.check()
-        assert sum(provider.traffic().cache_bytes) > 0
-        return out, {name: c.clone() for name, c in provider.tables.counters.items()}
-
-    tokens, counters = run(graphs=True, host_reads=False)
-    for graphs in (True, False):
-        got, got_counters = run(graphs, host_reads=True)
-        assert got == tokens, graphs
-        for name, c in counters.items():
-            assert torch.equal(got_counters[name], c), (graphs, name)
-
-
 def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monkeypatch) -> None:
     """Every expert resident, int4, the fused kernels, recorded steps: one-token steps run RESIDENT_CONFIGS'
     shape (codes as words); the same tokens with the int4 kernels launched programmatically
     (common/kernels/pdl.py, the default) and without; with the scalar CUDA down, the tokens of the byte
     form's shapes (DECODE_CONFIGS)."""
-    from common.kernels import moe_int4, pdl, use_fused_kernels
+    from common.kernels import moe_int4
+    from common.kernels.config import DECODE_CONFIGS, KERNELS, RESIDENT_CONFIGS, KernelConfig
+    from common.model.fused_kernels import use_fused_kernels
 
     shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 32}
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides=shape)
@@ -255,12 +209,12 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
     plain = moe_int4.moe_int4_decode
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("configs"))
+        calls.append(kwargs.get("config"))
         return plain(*args, **kwargs)
 
     monkeypatch.setattr(moe_int4, "moe_int4_decode", spy)
 
-    def run() -> list[list[int]]:
+    def run(kernels: KernelConfig = KERNELS) -> list[list[int]]:
         engine = Engine(
             WorkerConfig(
                 str(path),
@@ -270,6 +224,7 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
                 expert_cache="all",
                 expert_format="int4",
                 cuda_graphs=True,
+                kernels=kernels,
             )
         )
         engine.offload.load_all(release_host=False)
@@ -277,16 +232,12 @@ def test_all_resident_int4_decode_takes_the_resident_shapes(tmp_path: Path, monk
         assert engine.offload.fused_int4 and engine.offload.all_resident
         return [r.token_ids for r in engine.generate(prompts, GREEDY)]
 
-    monkeypatch.setattr(pdl, "ENABLED", True)
     resident = run()
-    assert calls and all(c is moe_int4.RESIDENT_CONFIGS for c in calls)
-    monkeypatch.setattr(pdl, "ENABLED", False)  # every kernel launched plainly: the same tokens
-    assert run() == resident
+    assert calls and all(c is RESIDENT_CONFIGS[1] for c in calls)
+    assert run(replace(KERNELS, pdl=False)) == resident  # every kernel launched plainly: the same tokens
     # the tensor-core down takes its activations in bf16 (as the HF reference computes them), the other
     # forms in fp32: greedy tokens of a random model part after a few steps, so the byte form is compared
     # with the scalar CUDA down, and the tensor-core down with the dequantised reference in test_moe_int4_cuda
-    scalar_down = replace(moe_int4.RESIDENT_CONFIGS[1], native_down_mma=False)
-    monkeypatch.setattr(moe_int4, "RESIDENT_CONFIGS", {**moe_int4.RESIDENT_CONFIGS, 1: scalar_down})
-    fp32_activations = run()
-    monkeypatch.setattr(moe_int4, "RESIDENT_CONFIGS", moe_int4.DECODE_CONFIGS)
-    assert run() == fp32_activations
+    scalar_down = replace(RESIDENT_CONFIGS[1], native_down_mma=False)
+    fp32_activations = run(replace(KERNELS, int4_resident={**RESIDENT_CONFIGS, 1: scalar_down}))
+    assert run(replace(KERNELS, int4_resident=DECODE_CONFIGS)) == fp32_activations

@@ -3,6 +3,7 @@ reference and transformers on the GPU."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 
 from common.config import WorkerConfig
 from common.engine.engine import Engine
+from common.kernels.config import KERNELS
+from common.model.fused_kernels import configure_kernels
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
 
@@ -110,7 +113,7 @@ def test_conv_epilogue_matches_the_conv_kernel(tmp_path: Path, monkeypatch) -> N
     monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(kw.get("conv")) or plain(*a, **kw))
     fused = _logits(engine, prompts)
     assert any(conv is not None for conv in calls)  # (recorded in the decode graphs: called at capture)
-    monkeypatch.setattr(gemv, "CONV_EPILOGUE", False)
+    configure_kernels(engine.model, replace(KERNELS, conv_epilogue=False))
     engine.runner.graphs.forget()  # record the decode passes again, with the conv's own kernel
     calls.clear()
     separate = _logits(engine, prompts)

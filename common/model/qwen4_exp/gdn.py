@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kv.batch import ForwardBatch
 from common.kv.state import SlotSpec, StateSpec
 from common.model.context import ForwardContext
-from common.model.fused_linear import FusedLinears, Linear, fuse_linears, project
+from common.model.fused_linear import FusedLinears, Linear, fuse_linears, project, takes_conv
 from common.model.qwen4_exp import delta_rule
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import GatedRMSNorm
@@ -55,10 +56,16 @@ class GatedDeltaNet(nn.Module):
     fused_decode = False
     """Run a decode step's conv, recurrence with its gates, and output norm as three Triton kernels
     (common/kernels: causal_conv, gated_delta, gated_norm) instead of ~60 torch ops. Opt-in until measured
-    on the GPU (see `common.kernels.use_fused_kernels`)."""
+    on the GPU (see `use_fused_kernels`)."""
 
     fused_in: FusedLinears | None = None
     """The four input projections as one GEMM (`fuse_projections`)."""
+
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
+
+    fp8_output = "out_proj"
+    """The output projection, which `--resident-dtype fp8` turns to fp8 with the inputs (fp8_linear.py)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
         super().__init__()
@@ -125,33 +132,34 @@ class GatedDeltaNet(nn.Module):
         states updated in place in their slots. As one kernel (conv and norm folded in by the last program to
         arrive, d1950bd) the step lost: decode-allfit 184.33 tok/s against 186.87, 9.05 µs a call serialized
         against the three's 7.66 (bench/results/decode-allfit-gdn-step-ab.json)."""
-        from common.kernels import gemv  # Triton
         from common.kernels.gated_delta import gated_delta_step
 
-        epilogue = gemv.takes_conv(x, self.fused_in)
+        epilogue = takes_conv(x, self.fused_in, self.kernels)
         qkv, z, b, a = self._project_step(x, state["conv"], slots, epilogue)
         recurrent = state["recurrent"]
         # with the epilogue the kernel just before wrote the gates: read after the programmatic wait
         core = gated_delta_step(
-            qkv, a, b, self.A_log, self.dt_bias, recurrent, slots, self.hk, gates_settled=not epilogue
-        )
+            qkv, a, b, self.A_log, self.dt_bias, recurrent, slots, self.hk, gates_settled=not epilogue,
+            kernels=self.kernels,
+        )  # fmt: skip
         return self._out(core, z, x.dtype)
 
     def _project_step(
         self, x: torch.Tensor, history: torch.Tensor, slots: torch.Tensor, epilogue: bool
     ) -> tuple[torch.Tensor, ...]:
         """One token a sequence: the input projections, qkv convolved and SiLU'd (its history shifted). With
-        `epilogue` (gemv.takes_conv) the conv is the projection GEMV's epilogue (gemv.ConvStep), else its own
+        `epilogue` (takes_conv) the conv is the projection GEMV's epilogue (gemv.ConvStep), else its own
         kernel after the projections."""
         from common.kernels import gemv  # Triton
         from common.kernels.causal_conv import conv_step
 
         weight = self.conv1d.weight[:, 0]  # [conv_dim, K]
         if epilogue:
-            out = gemv.gemv(x, self.fused_in.weight, conv=gemv.ConvStep(history, slots, weight))
+            step = gemv.ConvStep(history, slots, weight)
+            out = gemv.gemv(x, self.fused_in.weight, conv=step, kernels=self.kernels)
             return self.fused_in.split(out)
         qkv, z, b, a = project(x, self._inputs(), self.fused_in)
-        return conv_step(qkv, history, slots, weight, silu=True), z, b, a
+        return conv_step(qkv, history, slots, weight, silu=True, kernels=self.kernels), z, b, a
 
     def _out(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm (gate z [T, Hv·Dv]) and out projection of the recurrence's output core [T, Hv, Dv]
@@ -163,7 +171,8 @@ class GatedDeltaNet(nn.Module):
             from common.kernels.gated_norm import ACTIVATIONS, gated_rms_norm  # Triton
 
             if norm.act_name in ACTIVATIONS:
-                return self.out_proj(gated_rms_norm(core, z, norm.weight, norm.eps, dtype))
+                normed = gated_rms_norm(core, z, norm.weight, norm.eps, dtype, kernels=self.kernels)
+                return self.out_proj(normed)
         out = norm(core.to(dtype), z.reshape(t, self.hv, self.dv))
         return self.out_proj(out.reshape(t, self.value_dim))
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.model.fused_linear import FusedLinears, fuse_linears, plain_linear, project
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.norms import OffsetRMSNorm
@@ -25,6 +26,8 @@ class DeferredInject:
     """The sublayer's output [T, H]."""
     logits: torch.Tensor
     """The inject logits [T, hc], or hc_project's partial products [P, T, hc]."""
+    kernels: KernelConfig = KERNELS
+    """The launch options of the kernel that applies it."""
 
 
 Streams = torch.Tensor | DeferredInject
@@ -41,7 +44,7 @@ def applied(streams: Streams) -> torch.Tensor:
         return streams
     from common.kernels.hyper import hc_inject  # Triton (deferred only with the fused kernels)
 
-    return hc_inject(streams.streams, streams.out, streams.logits)
+    return hc_inject(streams.streams, streams.out, streams.logits, kernels=streams.kernels)
 
 
 class HyperConnection(nn.Module):
@@ -52,7 +55,7 @@ class HyperConnection(nn.Module):
 
     fused_decode = False
     """Run the elementwise work as three Triton kernels (common/kernels/hyper.py) instead of ~30 torch ops.
-    Opt-in until measured on the GPU (see `common.kernels.use_fused_kernels`)."""
+    Opt-in until measured on the GPU (see `use_fused_kernels`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, inject: bool = True) -> None:
         super().__init__()
@@ -62,18 +65,8 @@ class HyperConnection(nn.Module):
         self.input_mix_weight_up = nn.Linear(cfg.hc_lowrank, cfg.hc_hidden, bias=False)
         self.block_inject_weight = nn.Linear(cfg.hc_hidden, cfg.hc_count, bias=False) if inject else None
 
-    mix_up_kernel = True
-    """With `fused_decode`: passes of up to MIX_UP_ROWS rows run the mix-up GEMV inside the mix kernel
-    (`hc_mix_up`); a switch for bench.decode_offload --ablate."""
-
-    project_kernel = True
-    """With `fused_decode` and `mix_up_kernel`: those passes normalise the streams inside the input
-    projection's kernel (`hc_project`); a switch for bench.decode_offload --ablate."""
-
-    defer_inject = True
-    """With `fused_decode` and `project_kernel`: a pass whose caller allows it (`forward`'s `defer`) leaves
-    each injection to the next hyper-connection's projection kernel; a switch for bench.decode_offload
-    --ablate."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     fused_in: FusedLinears | None = None
     """The mix-down and inject weights (both read the normalised streams) as one GEMM."""
@@ -108,13 +101,14 @@ class HyperConnection(nn.Module):
             norm, fused = self.hc_norm, self.fused_in
             inject = (deferred.out, deferred.logits) if deferred is not None else None
             product, scales, streams = hc_project(
-                rows, norm.weight, norm.eps, fused.weight, self.hc, inject=inject
+                rows, norm.weight, norm.eps, fused.weight, self.hc, inject=inject, kernels=self.kernels
             )
             down, logits = fused.split(product)
             up = self.input_mix_weight_up.weight
             mixed = hc_mix_up(
-                down, up, streams, self.hc, scales=scales, norm_weight=norm.weight, hold_next=hold_next
-            )
+                down, up, streams, self.hc, scales=scales, norm_weight=norm.weight, hold_next=hold_next,
+                kernels=self.kernels,
+            )  # fmt: skip
             return mixed, logits, streams
         streams = applied(streams)
         return (*self._mix_normed(streams), streams)
@@ -127,7 +121,8 @@ class HyperConnection(nn.Module):
         if self.fused_decode and self._mix_up_fits(down):
             from common.kernels.hyper import hc_mix_up  # Triton
 
-            return hc_mix_up(down, self.input_mix_weight_up.weight, normed, self.hc), logits
+            up = self.input_mix_weight_up.weight
+            return hc_mix_up(down, up, normed, self.hc, kernels=self.kernels), logits
         up = self.input_mix_weight_up(F.silu(down / self.hc))  # [T, hc·H]
         if self.fused_decode:
             from common.kernels.hyper import hc_mix  # Triton
@@ -142,7 +137,7 @@ class HyperConnection(nn.Module):
         from common.kernels.hyper import MIX_UP_ROWS
 
         fits = down.shape[0] <= MIX_UP_ROWS and self.hc & (self.hc - 1) == 0  # the streams: one tile's rows
-        return self.mix_up_kernel and fits and plain_linear(self.input_mix_weight_up)
+        return self.kernels.mix_up_kernel and fits and plain_linear(self.input_mix_weight_up)
 
     def _project_fits(self, streams: torch.Tensor) -> bool:
         """Whether a pass runs `hc_project` (norm and input projection in one kernel) before the mix-up
@@ -151,7 +146,8 @@ class HyperConnection(nn.Module):
         from common.kernels.hyper import PROJECT_TILE
 
         narrow = streams.shape[-1] // self.hc <= PROJECT_TILE
-        return self.project_kernel and narrow and plain_linear(self.fused_in) and self._mix_up_fits(streams)
+        fits = narrow and plain_linear(self.fused_in) and self._mix_up_fits(streams)
+        return self.kernels.project_kernel and fits
 
     def forward(self, streams: Streams, sublayer, defer: bool = False, hold_next: bool = False) -> Streams:
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight; with `defer`,
@@ -169,11 +165,11 @@ class HyperConnection(nn.Module):
         """streams + the sublayer's output out [T, H] in every stream, weighted by 2·sigmoid(logits / hc).
         With `defer`, in passes whose next hyper-connection projects in its kernel (`_project_fits`: decode
         rows), a DeferredInject that it applies."""
-        if defer and self.defer_inject and self.fused_decode and self._project_fits(streams):
-            return DeferredInject(streams, out, logits)
+        if defer and self.kernels.defer_inject and self.fused_decode and self._project_fits(streams):
+            return DeferredInject(streams, out, logits, self.kernels)
         if self.fused_decode:
             from common.kernels.hyper import hc_inject  # Triton
 
-            return hc_inject(streams, out, logits)
+            return hc_inject(streams, out, logits, kernels=self.kernels)
         weight = 2 * torch.sigmoid(logits / self.hc)  # [T, hc]
         return streams + (out[:, None, :] * weight[:, :, None]).flatten(-2)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from common.experts.provider import ExpertProvider
+from common.kernels.config import KERNELS, KernelConfig
 from common.kv.state import StateSpec
 from common.model.context import ForwardContext
 from common.model.fp8_linear import Fp8Fused
@@ -43,13 +44,8 @@ class Qwen4DecoderLayer(nn.Module):
         self.attn_hyper_connection = HyperConnection(cfg)
         self.mlp_hyper_connection = HyperConnection(cfg)
 
-    hold_mixer_launch: bool | None = None
-    """In decode steps, the token mixer's input projection (the layer's largest GEMV) launches only once the
-    hyper-connection's mix-up kernel before it has exited, not while it runs (pdl.launch's `hold_next`).
-    None: when that projection runs the wide fp8 launch (gemv.FP8_LARGE_ONE_ROW), whose single wave of large
-    programs early residents slow; only the kernel before that projection holds (bench/LOG.md, Holding the
-    mixer's launch). True/False: always/never (the benchmark's `hold-mixer-launch` and
-    `no-hold-mixer-launch` switches). Switch before a pass is recorded."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     @property
     def mixer(self) -> GatedDeltaNet | QSAttention:
@@ -77,14 +73,14 @@ class Qwen4DecoderLayer(nn.Module):
 
     def _holds_mixer_launch(self, rows: int) -> bool:
         """`hold_mixer_launch` for a pass of `rows` tokens."""
-        if self.hold_mixer_launch is not None:
-            return self.hold_mixer_launch
+        if self.kernels.hold_mixer_launch is not None:
+            return self.kernels.hold_mixer_launch
         fused = self.mixer.fused_in
         if not isinstance(fused, Fp8Fused):
             return False
         from common.kernels.gemv import wide_fp8  # Triton
 
-        return wide_fp8(rows, fused.weight.shape[0])
+        return wide_fp8(rows, fused.weight.shape[0], self.kernels)
 
     def ffn_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MoE's input [T, H], the injection logits [T, hc])."""
@@ -112,7 +108,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.model = Qwen4Backbone(cfg, experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
-        self.mtp = Qwen4MTP(cfg, experts) if cfg.mtp_layers else None
+        self.mtp = Qwen4MTP(cfg, experts, Qwen4DecoderLayer) if cfg.mtp_layers else None
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -9,6 +9,8 @@ stand in for h when drafts chain. The layer keeps its own K/V and indexer state 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -22,9 +24,8 @@ from common.model.qwen4_exp.norms import OffsetRMSNorm
 class Qwen4MTP(nn.Module):
     """mtp.*: fc_embedding / fc_hidden with their norms, one decoder layer, a stream mixer."""
 
-    def __init__(self, cfg: Qwen4ExpConfig, experts: ExpertProvider) -> None:
-        from common.model.qwen4_exp.model import Qwen4DecoderLayer
-
+    def __init__(self, cfg: Qwen4ExpConfig, experts: ExpertProvider, layer: Callable[..., nn.Module]) -> None:
+        """`layer`: the decoder layer's class (model.py's Qwen4DecoderLayer)."""
         super().__init__()
         self.hc, self.hidden = cfg.hc_count, cfg.hidden_size
         self.pre_fc_norm_embedding = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -32,7 +33,7 @@ class Qwen4MTP(nn.Module):
         self.fc_embedding = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.fc_hidden = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.layers = nn.ModuleList(
-            Qwen4DecoderLayer(cfg, cfg.num_layers + i, experts, mixer="indexed_attention", ple=False)
+            layer(cfg, cfg.num_layers + i, experts, mixer="indexed_attention", ple=False)
             for i in range(cfg.mtp_layers)
         )
         self.hyper_connection_mixer = HyperConnection(cfg, inject=False)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kv.state import SlotSpec, StateSpec
 from common.model.context import ForwardContext
 from common.model.fused_linear import FusedLinears, fuse_linears, project
@@ -28,7 +29,10 @@ class PLE(nn.Module):
 
     fused_decode = False
     """Decode steps' n-gram hashing, gate and conv, and prefill passes' conv, through Triton kernels
-    (`common.kernels.use_fused_kernels`)."""
+    (`use_fused_kernels`)."""
+
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int, ple_index: int) -> None:
         super().__init__()
@@ -90,8 +94,9 @@ class PLE(nn.Module):
             from common.kernels.ple import ple_gate
 
             norms = (self.norm_key.weight, self.norm_query.weight, self.norm_conv.weight)
-            gated, conv_in = ple_gate(key, streams, value, norms, self.norm_key.eps, self.hc)
-            return gated + conv_step(conv_in, history, slots, weight, self.dilation, silu=True)
+            gated, conv_in = ple_gate(key, streams, value, norms, self.norm_key.eps, self.hc, self.kernels)
+            conv = conv_step(conv_in, history, slots, weight, self.dilation, silu=True, kernels=self.kernels)
+            return gated + conv
         gated = self.gate(key, streams, value)
         conv_in, pad = self._norm(self.norm_conv, gated), Padding.of(ctx.batch)
         if self.fused_decode:  # prefill passes
@@ -123,7 +128,7 @@ class PLE(nn.Module):
         if self.fused_decode and batch.is_decode:  # one token a sequence: one kernel (~50 in torch)
             from common.kernels.ngram import ngram_step  # Triton
 
-            return ngram_step(self.spec, context, batch.input_ids, batch.slot_ids)
+            return ngram_step(self.spec, context, batch.input_ids, batch.slot_ids, self.kernels)
         pad = Padding.of(batch)
         prev = context[batch.slot_ids]  # [B, n-1]
         history = torch.cat([prev, pad.pad(batch.input_ids, self.spec.eos_token_id)], dim=1)  # [B, n-1+Lmax]

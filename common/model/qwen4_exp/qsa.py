@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from common.kernels.config import KERNELS, KernelConfig
 from common.kv.backend import kv_specs, kv_store
 from common.kv.batch import ForwardBatch
 from common.kv.state import PagedSpec, StateSpec
@@ -30,14 +31,19 @@ if TYPE_CHECKING:
 
 
 def _norm_rotate(
-    norm: OffsetRMSNorm, x: torch.Tensor, ctx: ForwardContext, fused: bool, store: tuple | None = None
+    norm: OffsetRMSNorm,
+    x: torch.Tensor,
+    ctx: ForwardContext,
+    fused: bool,
+    store: tuple | None = None,
+    kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
     """RoPE(norm(x)) for x [T, heads, D]: one Triton kernel when `fused` (common/kernels/norm_rope.py),
     which also stores the key and value in their pages given `store` (norm_rope's)."""
     if fused:
         from common.kernels.norm_rope import norm_rope  # Triton
 
-        return norm_rope(x, norm.weight, norm.eps, ctx.batch.rope_positions, ctx.rotary, store)
+        return norm_rope(x, norm.weight, norm.eps, ctx.batch.rope_positions, ctx.rotary, store, kernels)
     return apply_rotary(norm(x), ctx.cos, ctx.sin)
 
 
@@ -69,11 +75,10 @@ class QSAIndexer(nn.Module):
 
     fused_decode = False
     """Norm and rotate the queries in one Triton kernel, and score the blocks with Triton kernels (decode and
-    prefill; opt-in: `common.kernels.use_fused_kernels`)."""
+    prefill; opt-in: `use_fused_kernels`)."""
 
-    select_kernel = True
-    """With `fused_decode`: a decode step's top-k and key expansion in one Triton launch (`select_blocks`);
-    a switch for bench.decode_offload --ablate."""
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     score_bytes = 256 << 20
     """Most bytes of per-head block scores at once (fp32 [queries, Hi, NB]): a long prefill scores its queries
@@ -103,13 +108,15 @@ class QSAIndexer(nn.Module):
         if self.fused_decode and batch.is_decode:  # the raw keys stored by the kernel
             from common.kernels.qsa_indexer import compress_step  # Triton
 
-            compress_step(self._key_blocks(raw_k, ctx), batch.positions, batch.rope_positions, ctx.rotary)
+            key_blocks = self._key_blocks(raw_k, ctx)
+            compress_step(key_blocks, batch.positions, batch.rope_positions, ctx.rotary, self.kernels)
         else:
             raw_store[batch.slot_mapping] = raw_k.to(raw_store.dtype)
             self._compress_completed_blocks(batch, raw_store, blocks, ctx)
         if not batch.is_decode and max(batch.kv_lens) <= self.block_topk * self.ratio + self.ratio - 1:
             return None  # every query sees at most the budget: dense (decode selects: the same keys)
-        q = _norm_rotate(self.q_layernorm, q, ctx, _rotates_fused(self.fused_decode, ctx))
+        fused = _rotates_fused(self.fused_decode, ctx)
+        q = _norm_rotate(self.q_layernorm, q, ctx, fused, kernels=self.kernels)
         return self._select(q, batch, blocks)
 
     def prologue_parts(self, qk: torch.Tensor, ctx: ForwardContext) -> tuple[KeyBlocks, HeadNorm]:
@@ -190,10 +197,12 @@ class QSAIndexer(nn.Module):
             from common.kernels.qsa_indexer import SELECT_MAX_BLOCKS, block_scores, select_blocks  # Triton
 
             scores = block_scores(  # masks unseen blocks itself
-                q, blocks, batch.page_table, batch.positions, batch.page_size, r, max_blocks
-            )
-            if self.select_kernel and 0 < max_blocks <= SELECT_MAX_BLOCKS:  # top-k and keys in one kernel
-                return select_blocks(scores, batch.positions, self.block_topk, r)
+                q, blocks, batch.page_table, batch.positions, batch.page_size, r, max_blocks,
+                kernels=self.kernels,
+            )  # fmt: skip
+            one_kernel = self.kernels.select_kernel and 0 < max_blocks <= SELECT_MAX_BLOCKS
+            if one_kernel:  # top-k and keys in one kernel
+                return select_blocks(scores, batch.positions, self.block_topk, r, self.kernels)
         # (after the kernels' return: four small kernels a layer that their decode steps do not need)
         visible = (batch.positions + 1) // r  # [T] complete blocks each query sees
         block_pos = torch.arange(max_blocks, device=device) * r  # [NB] start position of each block
@@ -231,13 +240,14 @@ class QSAIndexer(nn.Module):
 class QSAttention(nn.Module):
     """Gated attention (output × sigmoid(gate)) with q/k norm, partial RoPE and indexer-selected keys."""
 
-    fused_decode = False
-    """Norm and rotate q and k in one Triton kernel each (opt-in: `common.kernels.use_fused_kernels`)."""
+    fp8_output = "o_proj"
+    """The output projection, which `--resident-dtype fp8` turns to fp8 with the inputs (fp8_linear.py)."""
 
-    prologue_kernel = True
-    """With `fused_decode`: a decode step's indexer key compression and the indexer's, q's and k's norms and
-    rotations run as programs of one kernel (common/kernels/qsa_prologue.py), not four one after another;
-    a switch for bench.decode_offload --ablate."""
+    fused_decode = False
+    """Norm and rotate q and k in one Triton kernel each (opt-in: `use_fused_kernels`)."""
+
+    kernels: KernelConfig = KERNELS
+    """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
 
     fused_in: FusedLinears | None = None
     """q, k, v and the indexer's qk projections as one GEMM (`fuse_projections`)."""
@@ -278,8 +288,8 @@ class QSAttention(nn.Module):
             selected, q, k = self._prologue(index_qk, q, k, store, ctx)
         else:
             selected = self.indexer(index_qk, ctx)
-            q = _norm_rotate(self.q_norm, q, ctx, fused)
-            k = _norm_rotate(self.k_norm, k, ctx, fused, store)
+            q = _norm_rotate(self.q_norm, q, ctx, fused, kernels=self.kernels)
+            k = _norm_rotate(self.k_norm, k, ctx, fused, store, self.kernels)
         plan, scale = ctx.attn_plan, self.head_dim**-0.5
         out = ctx.backend.forward(
             q, k, v, state, plan, scale, selected=selected, gate=gate, stored=store is not None
@@ -290,7 +300,7 @@ class QSAttention(nn.Module):
         """Whether a pass runs its indexer's key compression and the three norms and rotations as one
         kernel (qsa_prologue): decode with the fused kernels, keys stored by the kernel (`store`)."""
         fused = self.fused_decode and self.indexer.fused_decode and ctx.batch.is_decode
-        return self.prologue_kernel and fused and store is not None
+        return self.kernels.prologue_kernel and fused and store is not None
 
     def _prologue(
         self, index_qk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, store: tuple, ctx: ForwardContext
@@ -304,6 +314,7 @@ class QSAttention(nn.Module):
         k_norm = HeadNorm(k, self.k_norm.weight, self.k_norm.eps)
         batch = ctx.batch
         index_q, q, k = qsa_prologue(
-            blocks, index_q, q_norm, k_norm, store, batch.positions, batch.rope_positions, ctx.rotary
-        )
+            blocks, index_q, q_norm, k_norm, store, batch.positions, batch.rope_positions, ctx.rotary,
+            kernels=self.kernels,
+        )  # fmt: skip
         return self.indexer.select_after_prologue(index_q, ctx), q, k

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model.checkpoint import check_shape, check_weight, safetensors_source
 from common.model.errors import CheckpointError
-from common.model.loader import check_shape, check_weight, safetensors_source
 
 PREFIX = "model.visual."
 """Where a qwen4_exp checkpoint keeps the vision tower's tensors."""

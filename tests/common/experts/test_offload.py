@@ -4,6 +4,7 @@ tokens are identical to the all-resident model for every capacity, policy, prefi
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from common.experts.offload import OffloadedExperts, parse_capacity
 from common.experts.prefill_path import PrefillArena
 from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
 from common.experts.store import HostExpertStore
+from common.kernels.config import KERNELS
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
 
@@ -163,11 +165,11 @@ def test_lookahead_changes_nothing_and_its_guesses_are_used(model, guess):
 
 def test_the_lookahead_switch_stops_the_guesses(model, monkeypatch):
     """SparseMoeBlock.lookahead off (decode_offload --ablate's no-lookahead): installed, but no guess."""
-    from common.model.moe import SparseMoeBlock
 
     path, prompts, reference = model
-    monkeypatch.setattr(SparseMoeBlock, "lookahead", False)
-    out, engine = _run(path, prompts, expert_cache="0.25", lookahead=2)
+    out, engine = _run(
+        path, prompts, expert_cache="0.25", lookahead=2, kernels=replace(KERNELS, lookahead=False)
+    )
     assert out == reference
     assert int(engine.offload.tables.counters["guesses"].sum()) == 0
 

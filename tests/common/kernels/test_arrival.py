@@ -4,11 +4,14 @@ recorded graph replayed again and again and on two streams at once (CUDA)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from common.kernels import arrival
+from common.kernels.config import KERNELS, KernelConfig
 from common.kernels.gemv import GemvConfig, gemv
 from tests.common.kernels.test_moe_int4_decode import DEVICE, _two_token_case
 
@@ -16,10 +19,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture
-def separate(monkeypatch):
-    """The separate sums' kernels until the test turns folding on (up to `arrival.ROWS` rows); the defaults
-    after it."""
-    monkeypatch.setattr(arrival, "ENABLED", False)
+def separate() -> KernelConfig:
+    """The separate sums' kernels (KernelConfig.fold_sums off); the defaults fold (up to `arrival.ROWS`
+    rows)."""
+    return replace(KERNELS, fold_sums=False)
 
 
 def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -48,8 +51,7 @@ def test_gemv_chunks_summed_by_the_last_to_arrive(separate, monkeypatch, rows: i
     """One row, and three with the sums folded up to three rows (by default from two rows on a second
     kernel sums them)."""
     x, w, b = _gemv_case(rows)
-    want = gemv(x, w, b, config=CHUNKED)  # separate sums' kernel
-    arrival.ENABLED = True
+    want = gemv(x, w, b, config=CHUNKED, kernels=separate)  # separate sums' kernel
     monkeypatch.setattr(arrival, "ROWS", rows)
     for _ in range(2):  # the counters back at zero after each call
         _assert_same(gemv(x, w, b, config=CHUNKED), want)
@@ -61,6 +63,7 @@ def test_gemv_chunks_summed_by_the_last_to_arrive(separate, monkeypatch, rows: i
 @pytest.mark.parametrize("shared", [False, True])
 def test_moe_choices_summed_by_the_last_to_arrive(separate, monkeypatch, shared: bool, tokens: int) -> None:
     """One token, and two with the sums folded up to two (each token its own counters)."""
+    from common.kernels.config import DecodeConfig
     from common.kernels.moe_int4 import moe_int4_decode
 
     monkeypatch.setattr(arrival, "ROWS", tokens)
@@ -74,10 +77,9 @@ def test_moe_choices_summed_by_the_last_to_arrive(separate, monkeypatch, shared:
     x, rows, weights = x[:tokens], rows[:tokens], weights[:tokens]
     extra = {name: v[:tokens] for name, v in extra.items()}
     for words in (False, True):
-        arrival.ENABLED = False
-        want = moe_int4_decode(x, rows, weights, pool, block=8, down_block=32, words=words, **extra)
-        arrival.ENABLED = True
-        got = moe_int4_decode(x, rows, weights, pool, block=8, down_block=32, words=words, **extra)
+        shape = DecodeConfig(block=8, down_block=32, words=words)
+        want = moe_int4_decode(x, rows, weights, pool, config=shape, kernels=separate, **extra)
+        got = moe_int4_decode(x, rows, weights, pool, config=shape, **extra)
         _assert_same(got, want)
         assert _zeroed()
 

@@ -4,12 +4,14 @@ on the CUDA cores and on the tensor cores, and inside a qwen4_exp model whose fu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from common.kernels.config import KERNELS
 from common.kernels.gemv import FP8_LARGE_ONE_ROW, GemvConfig, gemv, scale_blocks
 from common.model.fp8_linear import dequantize_fp8, quantize_fp8
 from common.model.synthetic.checkpoint import make_model
@@ -92,12 +94,11 @@ def test_choose_leaves_large_weights_to_cublas_from_two_rows_and_fills_the_sms(m
     cpu = torch.device("cpu")
     assert choose(2, CUBLAS_ROWS, 2560, cpu) is None
     assert choose(1, CUBLAS_ROWS, 2560, cpu).splits == 1  # one row: one chunk a program, no sums' kernel
-    monkeypatch.setattr(module, "LARGE_ONE_ROW", False)
-    assert choose(1, CUBLAS_ROWS, 2560, cpu) is None
+    assert choose(1, CUBLAS_ROWS, 2560, cpu, kernels=replace(KERNELS, large_one_row=False)) is None
     assert choose(2, CUBLAS_ROWS, 2560, cpu, fp8=True) is not None  # no cuBLAS for fp8 codes
     assert choose(1, CUBLAS_ROWS, 2560, cpu, fp8=True) == module.FP8_LARGE_ONE_ROW  # the wide launch
-    monkeypatch.setattr(module, "FP8_LARGE_ONE_ROW", None)
-    assert choose(1, CUBLAS_ROWS, 2560, cpu, fp8=True).bk % SCALE_BLOCK == 0  # whole scale blocks a step
+    narrow = choose(1, CUBLAS_ROWS, 2560, cpu, fp8=True, kernels=replace(KERNELS, fp8_large_one_row=False))
+    assert narrow.bk % SCALE_BLOCK == 0  # whole scale blocks a step
     small = choose(1, 1800, 2560, cpu)  # flashnext's MoE input projection: 113 row tiles alone
     assert small.splits > 1 and small.bk * small.splits >= 2560
     assert chunks(2560, small.bk, small.splits)[0] == small.bk and small.stages == 1  # one step, no pipeline

@@ -8,6 +8,7 @@ import functools
 import re
 import subprocess
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from bench.sass_census import _dump
 from common.kernels import gemv_native, native
+from common.kernels.config import KERNELS
 from tests.conftest import class_patched
 
 
@@ -37,8 +39,7 @@ def test_only_one_bf16_row_of_a_mid_sized_weight_is_taken(monkeypatch) -> None:
         monkeypatch.setattr(gemv_native, "hopper_or_later", lambda index: False)
         assert not gemv_native.takes(x, w)
         monkeypatch.setattr(gemv_native, "hopper_or_later", lambda index: True)
-        monkeypatch.setattr(gemv_native, "ENABLED", False)
-        assert not gemv_native.takes(x, w)
+        assert not gemv_native.takes(x, w, kernels=replace(KERNELS, gemv_native=False))
 
 
 def test_the_entry_point_gets_its_declared_arguments() -> None:

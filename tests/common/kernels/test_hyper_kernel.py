@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from common.kernels.config import KERNELS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -17,10 +20,9 @@ def test_mix_up_matches_gemv_then_mix(rows: int, rank: int, split: bool, monkeyp
     """hc_mix_up (the mix-up GEMV inside the mix) against silu(down / hc) → Linear → hc_mix's torch form,
     down read as a strided view (a fused projection's first columns), hidden and a rank not powers of two,
     the rank in one padded tile or in two (MIX_UP_SPLIT_RANK: 20 as 16 + 4; 16 as one)."""
-    from common.kernels import hyper
     from common.kernels.hyper import hc_mix_up
 
-    monkeypatch.setattr(hyper, "MIX_UP_SPLIT_RANK", split)
+    kernels = replace(KERNELS, mix_up_split_rank=split)
     gen = torch.Generator().manual_seed(rows)
     hc, hidden = 4, 40  # 40 columns: a masked tail of 16-column blocks
     fused = torch.randn(rows, rank + 4, generator=gen)
@@ -30,7 +32,9 @@ def test_mix_up_matches_gemv_then_mix(rows: int, rank: int, split: bool, monkeyp
     up = F.linear(F.silu(down / hc), weight)  # [T, hc·H]
     gate = torch.sigmoid(up).unflatten(-1, (hc, hidden))
     want = (gate * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
-    got = hc_mix_up(fused.to(DEVICE)[:, :rank], weight.to(DEVICE), normed.to(DEVICE), hc, block=16)
+    got = hc_mix_up(
+        fused.to(DEVICE)[:, :rank], weight.to(DEVICE), normed.to(DEVICE), hc, block=16, kernels=kernels
+    )
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -49,11 +53,10 @@ def test_project_and_mix_up_from_raw_streams(rows: int, split: bool, monkeypatch
     """hc_project (the norm applied as the streams are read, then the GEMV) against hc_norm's torch form and
     a Linear; hc_mix_up normalising the raw streams with its scales against the same on the normalised
     streams. Widths not multiples of the blocks; the rank in one tile or two (MIX_UP_SPLIT_RANK)."""
-    from common.kernels import hyper
     from common.kernels.hyper import hc_mix_up, hc_project
     from common.model.qwen4_exp.norms import OffsetRMSNorm
 
-    monkeypatch.setattr(hyper, "MIX_UP_SPLIT_RANK", split)
+    kernels = replace(KERNELS, mix_up_split_rank=split)
     gen = torch.Generator().manual_seed(5 + rows)
     hc, hidden, rank, n_out = 4, 40, 20, 27
     norm = OffsetRMSNorm(hc * hidden, 1e-6, group=hidden)
@@ -73,9 +76,11 @@ def test_project_and_mix_up_from_raw_streams(rows: int, split: bool, monkeypatch
     torch.testing.assert_close(got.cpu(), F.linear(normed, weight), rtol=1e-5, atol=1e-5)
     want_scales = torch.rsqrt(streams.unflatten(-1, (hc, hidden)).pow(2).mean(-1) + norm.eps)
     torch.testing.assert_close(scales.cpu(), want_scales, rtol=1e-5, atol=1e-6)
-    want = hc_mix_up(got[:, :rank], on["up"], normed.to(DEVICE), hc).cpu()
+    want = hc_mix_up(got[:, :rank], on["up"], normed.to(DEVICE), hc, kernels=kernels).cpu()
     # the partials summed as they are read
-    mixed = hc_mix_up(parts[..., :rank], on["up"], on["s"], hc, scales=scales, norm_weight=on["nw"])
+    mixed = hc_mix_up(
+        parts[..., :rank], on["up"], on["s"], hc, scales=scales, norm_weight=on["nw"], kernels=kernels
+    )
     torch.testing.assert_close(mixed.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -123,8 +128,8 @@ def test_deferred_injections_decode_as_applied_ones(tmp_path: Path, monkeypatch)
     same passes with every injection applied by hc_inject, exactly."""
     from common.config import WorkerConfig
     from common.engine.engine import Engine
-    from common.kernels import hyper, use_fused_kernels
-    from common.model.qwen4_exp.hyper import HyperConnection
+    from common.kernels import hyper
+    from common.model.fused_kernels import use_fused_kernels
     from common.model.synthetic.checkpoint import make_model
 
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
@@ -138,8 +143,10 @@ def test_deferred_injections_decode_as_applied_ones(tmp_path: Path, monkeypatch)
     monkeypatch.setattr(hyper, "hc_project", spy)
 
     def decode(defer: bool) -> tuple[list[torch.Tensor], int]:
-        monkeypatch.setattr(HyperConnection, "defer_inject", defer)
-        engine = Engine(WorkerConfig(str(path), device=DEVICE, max_running=1, cuda_graphs=False))
+        kernels = replace(KERNELS, defer_inject=defer)
+        engine = Engine(
+            WorkerConfig(str(path), device=DEVICE, max_running=1, cuda_graphs=False, kernels=kernels)
+        )
         use_fused_kernels(engine.model, True)
         seq = engine.runner.new_sequence()
         logits = [engine.runner.forward([seq], [prompt])]

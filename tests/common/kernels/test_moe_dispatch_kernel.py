@@ -6,10 +6,13 @@ with it as without."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+
+from common.kernels.config import KERNELS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -98,12 +101,13 @@ def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen4_exp")
     calls = []
     dispatch = moe_dispatch.moe_dispatch
-    monkeypatch.setattr(moe_dispatch, "moe_dispatch", lambda *args: calls.append(args) or dispatch(*args))
+    monkeypatch.setattr(
+        moe_dispatch, "moe_dispatch", lambda *args, **kw: calls.append(args) or dispatch(*args, **kw)
+    )
     settled = {True: [], False: []}
     prompt = torch.randint(3, 1000, (9,), generator=torch.Generator().manual_seed(0)).tolist()
     logits = []
     for enabled in (True, False):
-        monkeypatch.setattr(moe_dispatch, "ENABLED", enabled)
         engine = Engine(
             WorkerConfig(
                 str(path),
@@ -112,6 +116,7 @@ def test_a_model_decodes_the_same_dispatched(tmp_path: Path, monkeypatch: pytest
                 cuda_graphs=False,
                 replay_routing="synthetic-zipf:seed=5",
                 fused_kernels=True,
+                kernels=replace(KERNELS, moe_dispatch=enabled),
             )
         )
         provider = next(m.experts for m in engine.model.modules() if isinstance(m, SparseMoeBlock))

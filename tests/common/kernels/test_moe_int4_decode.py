@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from common.experts.formats import get_format
+from common.kernels.config import RESIDENT_CONFIGS, DecodeConfig, decode_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -67,7 +68,7 @@ def test_int4_decode_matches_the_dequantised_reference(
     rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)  # a row twice in one token
     knobs = {"groups_per_step": groups, "num_warps": warps, "down_block": down_block, "split_act": split}
     knobs |= {"magic": magic, "words": words, "stages": stages}
-    out = moe_int4_decode(x, rows, weights, pool, block=block, **knobs)
+    out = moe_int4_decode(x, rows, weights, pool, config=DecodeConfig(block=block, **knobs))
     gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, torch.float32)
     h = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(3, dim=0), gate_up)
     gate, up = h.chunk(2, dim=-1)
@@ -77,78 +78,9 @@ def test_int4_decode_matches_the_dequantised_reference(
         # code may contract and reduce apart (seen on the H200 with `magic`), so to fp32 rounding
         plain = {"groups_per_step": groups, "num_warps": warps, "down_block": down_block, "split_act": False}
         plain["magic"] = magic
-        interleaved = moe_int4_decode(x, rows, weights, pool, block=block, **plain)
+        interleaved = moe_int4_decode(x, rows, weights, pool, config=DecodeConfig(block=block, **plain))
         torch.testing.assert_close(out, interleaved, rtol=1e-5, atol=1e-6)
         assert DEVICE == "cuda" or torch.equal(out, interleaved)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("block", "warps", "stages"), [(16, 1, 1), (32, 4, 2)])
-def test_int4_decode_gate_up_on_the_tensor_cores(
-    block: int, warps: int, stages: int, dtype: torch.dtype
-) -> None:
-    """DecodeConfig.mma: gate_up's products from MMAs of x padded to 16 rows, against the reference with the
-    weights dequantised in x's dtype (bf16: each code read in place as a bf16, the weights rounded as
-    torch's dequantisation rounds them), two tokens, a row twice in one token, inter 384 (24 or 12 blocks),
-    hidden 256 (two loop steps)."""
-    from common.kernels.moe_int4 import moe_int4_decode
-
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("Triton's interpreter multiplies bf16 tensors as their raw bits")
-    fmt = get_format("int4")
-    gen = torch.Generator().manual_seed(block)
-    pool, x, weights = _two_token_case(gen, experts=5, k=3, inter=384)
-    x = x.to(dtype)
-    rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)
-    knobs = {"groups_per_step": 1, "num_warps": warps, "words": True, "gate_up_stages": stages}
-    out = moe_int4_decode(x, rows, weights, pool, block=block, mma=True, **knobs)
-    gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, dtype)
-    xs = x.float().repeat_interleave(3, dim=0)
-    gate, up = torch.einsum("ph,pnh->pn", xs, gate_up.float()).chunk(2, dim=-1)
-    y = torch.einsum("pi,phi->ph", F.silu(gate) * up, down.float()) * weights.reshape(-1, 1)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
-    torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=tol, atol=tol)
-    with pytest.raises(AssertionError, match="mma"):
-        moe_int4_decode(x, rows, weights, pool, block=8, mma=True, **knobs)
-    if dtype == torch.float32:  # the candidate table (switch int4-mma) at one token: the same products
-        from common.kernels.moe_int4 import MMA_CONFIGS, RESIDENT_CONFIGS
-
-        one = (x[:1], rows[:1], weights[:1], pool)
-        want = moe_int4_decode(*one, configs=RESIDENT_CONFIGS)
-        torch.testing.assert_close(moe_int4_decode(*one, configs=MMA_CONFIGS), want, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("mma", "chunks"), [(True, 2), (True, 4), (False, 2)])
-def test_int4_decode_gate_up_in_chunks(mma: bool, chunks: int, dtype: torch.dtype) -> None:
-    """DecodeConfig.gate_up_chunks: gate_up's inputs cut into chunks, one program each, the last to finish
-    summing them (hidden 512: four groups, two or one a chunk; codes as words, on the tensor cores or
-    not), two tokens, a row twice in one token; the
-    unchunked result to fp32 rounding (the chunks' sums are added in another order), and the reference. A
-    chunk that is not whole loop steps is refused."""
-    from common.kernels import arrival
-    from common.kernels.moe_int4 import moe_int4_decode
-
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("Triton's interpreter multiplies bf16 tensors as their raw bits")
-    fmt = get_format("int4")
-    gen = torch.Generator().manual_seed(chunks)
-    pool, x, weights = _two_token_case(gen, experts=5, k=3, hidden=512, inter=128)
-    x = x.to(dtype)
-    rows = torch.tensor([[1, 3, 3], [0, 4, 2]], device=DEVICE)
-    shape = {"block": 16, "groups_per_step": 1, "num_warps": 4, "words": True, "mma": mma}
-    whole = moe_int4_decode(x, rows, weights, pool, **shape)
-    out = moe_int4_decode(x, rows, weights, pool, gate_up_chunks=chunks, **shape)
-    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
-    assert not arrival.counters(x.device, 1).any()  # the counters back at zero
-    gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, dtype)
-    xs = x.float().repeat_interleave(3, dim=0)
-    gate, up = torch.einsum("ph,pnh->pn", xs, gate_up.float()).chunk(2, dim=-1)
-    y = torch.einsum("pi,phi->ph", F.silu(gate) * up, down.float()) * weights.reshape(-1, 1)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=tol, atol=tol)
-    with pytest.raises(AssertionError, match="whole loop steps"):
-        moe_int4_decode(x, rows, weights, pool, gate_up_chunks=3, **shape)
 
 
 @pytest.mark.parametrize("words", [False, True])
@@ -161,29 +93,27 @@ def test_int4_decode_takes_downs_own_shape(words: bool) -> None:
     pool, x, weights = _two_token_case(gen, experts=4, inter=384)  # down: 3 groups
     rows = torch.tensor([[0, 2], [3, 1]], device=DEVICE)
     shape = {"block": 8, "groups_per_step": 4, "num_warps": 4, "words": words}
-    want = moe_int4_decode(x, rows, weights, pool, **shape)
-    got = moe_int4_decode(
-        x, rows, weights, pool, **shape, down_block=32, down_groups_per_step=1, down_warps=2
-    )
+    want = moe_int4_decode(x, rows, weights, pool, config=DecodeConfig(**shape))
+    own = DecodeConfig(**shape, down_block=32, down_groups_per_step=1, down_warps=2)
+    got = moe_int4_decode(x, rows, weights, pool, config=own)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_int4_decode_takes_a_shape_table() -> None:
-    """`configs` picks the table the shape comes from: one token through RESIDENT_CONFIGS (codes as words,
+    """`decode_config` picks the shape from a table: one token through RESIDENT_CONFIGS (codes as words,
     down's own shape) gives DECODE_CONFIGS' result to fp32 rounding."""
-    from common.kernels.moe_int4 import RESIDENT_CONFIGS, decode_config, moe_int4_decode
+    from common.kernels.moe_int4 import moe_int4_decode
 
     assert decode_config(1, RESIDENT_CONFIGS).words and not decode_config(1).words
     gen = torch.Generator().manual_seed(9)
     pool, x, weights = _two_token_case(gen, experts=4, inter=384)
     rows = torch.tensor([[0, 2]], device=DEVICE)
-    want = moe_int4_decode(x[:1], rows, weights[:1], pool)
-    got = moe_int4_decode(x[:1], rows, weights[:1], pool, configs=RESIDENT_CONFIGS)
+    resident = decode_config(1, RESIDENT_CONFIGS)
+    want = moe_int4_decode(x[:1], rows, weights[:1], pool, config=decode_config(1))
+    got = moe_int4_decode(x[:1], rows, weights[:1], pool, config=resident)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    settled = moe_int4_decode(x[:1], rows, weights[:1], pool, configs=RESIDENT_CONFIGS, settled=True)
+    settled = moe_int4_decode(x[:1], rows, weights[:1], pool, config=resident, settled=True)
     torch.testing.assert_close(settled, got, rtol=0, atol=0)  # rows read before the wait: the same product
-    capped = moe_int4_decode(x[:1], rows, weights[:1], pool, configs=RESIDENT_CONFIGS, gate_up_registers=64)
-    torch.testing.assert_close(capped, got, rtol=1e-6, atol=1e-7)  # fewer registers, the same arithmetic
 
 
 def test_int4_decode_waits_before_each_matrix() -> None:
@@ -195,7 +125,7 @@ def test_int4_decode_waits_before_each_matrix() -> None:
     gen = torch.Generator().manual_seed(7)
     pool, x, weights = _two_token_case(gen, experts=4)
     rows = torch.tensor([[0, 2], [3, 1]], device=DEVICE)
-    want = moe_int4_decode(x, rows, weights, pool)
+    want = moe_int4_decode(x, rows, weights, pool, config=decode_config(2))
     moving = [2, 3]  # pool rows "copied" this step
     arriving = {name: t[moving].clone() for name, t in pool.items()}
     for t in pool.values():
@@ -209,7 +139,13 @@ def test_int4_decode_waits_before_each_matrix() -> None:
                 t[moving] = arriving[name]
 
     got = moe_int4_decode(
-        x, rows, weights, pool, before_gate_up=lambda: arrive("gate_up"), before_down=lambda: arrive("down")
+        x,
+        rows,
+        weights,
+        pool,
+        config=decode_config(2),
+        before_gate_up=lambda: arrive("gate_up"),
+        before_down=lambda: arrive("down"),
     )
     assert calls == ["gate_up", "down"]
     assert torch.equal(got, want)
@@ -227,8 +163,10 @@ def test_int4_decode_adds_the_shared_expert(gated: bool) -> None:
     shared = torch.randn(*x.shape, generator=gen).to(DEVICE)
     fused_out = torch.randn(2, 5, generator=gen).to(DEVICE)  # the logit is column 3 of a wider output
     gate = fused_out[:, 3:4] if gated else None
-    want = moe_int4_decode(x, rows, weights, pool) + (torch.sigmoid(gate) * shared if gated else shared)
-    got = moe_int4_decode(x, rows, weights, pool, shared=shared, shared_gate=gate)
+    config = decode_config(2)
+    want = moe_int4_decode(x, rows, weights, pool, config=config)
+    want = want + (torch.sigmoid(gate) * shared if gated else shared)
+    got = moe_int4_decode(x, rows, weights, pool, config=config, shared=shared, shared_gate=gate)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -240,35 +178,5 @@ def test_int4_decode_looks_up_the_rows_of_expert_ids() -> None:
     pool, x, weights = _two_token_case(gen, experts=6, k=3)
     row_of = torch.tensor([4, 0, 5, 1, 3, 2], device=DEVICE)  # expert → pool row
     ids = torch.tensor([[2, 0, 5], [1, 4, 2]], device=DEVICE)
-    want = moe_int4_decode(x, row_of[ids], weights, pool)
-    assert torch.equal(moe_int4_decode(x, ids, weights, pool, row_of=row_of), want)
-
-
-def test_int4_decode_reads_the_listed_misses_from_the_host_and_fills_their_rows() -> None:
-    """With `host` and the copy list, a pair whose expert is listed (and valid) reads the host's rows, not its
-    pool row (garbage there), and leaves them in that pool row; an invalid entry is not read from the host.
-    The result is the one with every row in place, bit for bit; no other row changes."""
-    from common.kernels.moe_int4 import moe_int4_decode
-
-    gen = torch.Generator().manual_seed(5)
-    host, x, weights = _two_token_case(gen, experts=6, k=3)  # the host store: expert e at row e
-    x, weights = x[:1], weights[:1]
-    row_of = torch.tensor([4, 0, 5, 1, 3, 2], device=DEVICE)  # expert → pool row
-    pool = {n: torch.empty_like(t) for n, t in host.items()}
-    for n, t in pool.items():
-        t[row_of] = host[n]
-    ids = torch.tensor([[2, 0, 5]], device=DEVICE)
-    want = moe_int4_decode(x, ids, weights, pool, row_of=row_of, words=False)  # host reads: the byte form
-    listed = torch.tensor([5, 2, 1], device=DEVICE)  # experts 5 and 2 missed; 1's entry is padding
-    valid = torch.tensor([True, True, False], device=DEVICE)
-    moving = row_of[listed[:2]]
-    for t in pool.values():
-        t[moving] = torch.randint(0, 200, t[moving].shape, generator=gen).to(t.dtype).to(DEVICE)
-    before = {n: t.clone() for n, t in pool.items()}
-    got = moe_int4_decode(x, ids, weights, pool, row_of=row_of, host=host, fills=(listed, valid))
-    assert torch.equal(got, want)
-    for n, t in pool.items():
-        assert torch.equal(t[moving], host[n][listed[:2]]), n
-        kept = torch.ones(t.shape[0], dtype=torch.bool, device=DEVICE)
-        kept[moving] = False
-        assert torch.equal(t[kept], before[n][kept]), n
+    want = moe_int4_decode(x, row_of[ids], weights, pool, config=decode_config(2))
+    assert torch.equal(moe_int4_decode(x, ids, weights, pool, config=decode_config(2), row_of=row_of), want)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.experts.formats import get_format
-from common.kernels import use_fused_kernels
+from common.model.fused_kernels import use_fused_kernels
 from common.model.synthetic.checkpoint import make_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

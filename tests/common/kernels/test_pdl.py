@@ -1,7 +1,7 @@
 """Programmatic dependent launch's switches (common/kernels/pdl.py): what a launch asks for, and what a
 taking-part kernel compiles to for sm_90 (in a process of its own, outside this directory's interpreter):
-wait and trigger, wait only (`EARLY_TRIGGER` off), trigger then wait (a `trigger_first` launch under
-`START_TRIGGER`), or neither."""
+wait and trigger, wait only (KernelConfig.pdl_early_trigger off), trigger then wait (a `trigger_first`
+launch with pdl_start_trigger), or neither."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from common.kernels import pdl
+from common.kernels.config import KERNELS
 
 _PTX = """
 import json
@@ -35,17 +37,15 @@ def test_a_launch_asks_for_the_trigger_it_is_set_to(monkeypatch) -> None:
     gpu = torch.device("cuda", 0)
     assert pdl.launch(gpu) == {"GDC": True, "launch_pdl": True}
     assert pdl.launch(gpu, hold_next=True) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
-    monkeypatch.setattr(pdl, "START_TRIGGER", True)
     assert pdl.launch(gpu, trigger_first=True) == {"GDC": pdl.TRIGGER_FIRST, "launch_pdl": True}
     assert pdl.launch(gpu, trigger_first=True, hold_next=True) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
     assert pdl.launch(gpu) == {"GDC": True, "launch_pdl": True}
-    monkeypatch.setattr(pdl, "START_TRIGGER", False)
-    assert pdl.launch(gpu, trigger_first=True) == {"GDC": True, "launch_pdl": True}
-    monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)
-    assert pdl.launch(gpu) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
-    assert pdl.launch(gpu, take_part=False) == {"GDC": False}
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert pdl.launch(gpu) == {"GDC": False}
+    no_start = replace(KERNELS, pdl_start_trigger=False)
+    assert pdl.launch(gpu, trigger_first=True, kernels=no_start) == {"GDC": True, "launch_pdl": True}
+    at_exit = replace(no_start, pdl_early_trigger=False)
+    assert pdl.launch(gpu, kernels=at_exit) == {"GDC": pdl.WAIT_ONLY, "launch_pdl": True}
+    assert pdl.launch(gpu, take_part=False, kernels=at_exit) == {"GDC": False}
+    assert pdl.launch(gpu, kernels=replace(at_exit, pdl=False)) == {"GDC": False}
     assert pdl.launch(torch.device("cpu")) == {"GDC": False}
 
 
@@ -65,7 +65,6 @@ def test_a_cuda_c_kernel_gets_the_mode_of_its_launch(monkeypatch) -> None:
     """launch.cuh's gdc_wait modes: 0 none, 1 wait then trigger, 2 wait only; no CUDA C kernel triggers
     first."""
     monkeypatch.setattr(pdl, "hopper_or_later", lambda index: True)
-    monkeypatch.setattr(pdl, "START_TRIGGER", True)
     gpu = torch.device("cuda", 0)
     assert pdl.native_mode(pdl.launch(gpu)) == 1
     assert pdl.native_mode(pdl.launch(gpu, hold_next=True)) == 2

@@ -3,12 +3,14 @@ written (complete and incomplete blocks, sequences in scattered pages) and the s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from common.engine.runner import ModelRunner
+from common.kernels.config import KERNELS
 from common.kv.batch import ForwardBatch
 from common.model.context import ForwardContext
 from common.model.loader import load_model
@@ -118,7 +120,7 @@ def test_select_blocks_chooses_top_k_keys(monkeypatch: pytest.MonkeyPatch, ways:
     from common.kernels import qsa_indexer
     from common.kernels.qsa_indexer import select_blocks
 
-    monkeypatch.setattr(qsa_indexer, "SELECT_RANK", ways == 0)
+    kernels = replace(KERNELS, select_rank=ways == 0)
     monkeypatch.setattr(qsa_indexer, "SELECT_WAYS", ways or 4)
     monkeypatch.setattr(qsa_indexer, "RANK_TILE", 8 * 512)  # 300 blocks: ranked against 512
 
@@ -139,7 +141,7 @@ def test_select_blocks_chooses_top_k_keys(monkeypatch: pytest.MonkeyPatch, ways:
         chosen = torch.where(live[..., None], top_blocks[..., None] * r + offsets, -1).flatten(1)
         tail = ((positions + 1) // r)[:, None] * r + offsets[: r - 1]
         want = torch.cat([chosen, torch.where(tail <= positions[:, None], tail, -1)], dim=1)
-        got = select_blocks(scores.to(DEVICE), positions.to(DEVICE), topk, r).cpu()
+        got = select_blocks(scores.to(DEVICE), positions.to(DEVICE), topk, r, kernels).cpu()
         assert got.shape == want.shape
         assert torch.equal(got.sort(1).values, want.sort(1).values), topk
         for row in got[:, : k * r]:  # the chosen blocks' keys, in block order, then −1

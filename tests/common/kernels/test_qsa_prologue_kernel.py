@@ -5,6 +5,7 @@ and block keys in the pages."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,16 +13,21 @@ import torch
 
 from common.config import WorkerConfig
 from common.engine.engine import Engine
+from common.kernels.config import KERNELS, KernelConfig
 from common.model.qwen4_exp.qsa import QSAttention
 from common.model.synthetic.checkpoint import make_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _decode(path: Path, prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _decode(
+    path: Path, prompt: list[int], kernels: KernelConfig = KERNELS
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Logits of a prefill and four decode steps, and the QSA layers' pages after them."""
     engine = Engine(
-        WorkerConfig(str(path), device=DEVICE, max_running=1, cuda_graphs=False, fused_kernels=True)
+        WorkerConfig(
+            str(path), device=DEVICE, max_running=1, cuda_graphs=False, fused_kernels=True, kernels=kernels
+        )
     )
     seq = engine.runner.new_sequence()
     logits = [engine.runner.forward([seq], [prompt])]
@@ -43,12 +49,11 @@ def test_prologue_decodes_as_the_four_kernels(tmp_path: Path, monkeypatch: pytes
     prompt = torch.randint(3, 1000, (21,), generator=torch.Generator().manual_seed(2)).tolist()
     launches = []
     plain = qsa_prologue.qsa_prologue
-    monkeypatch.setattr(qsa_prologue, "qsa_prologue", lambda *a: launches.append(1) or plain(*a))
+    monkeypatch.setattr(qsa_prologue, "qsa_prologue", lambda *a, **kw: launches.append(1) or plain(*a, **kw))
     fused = _decode(path, prompt)
     assert launches  # every decode step's QSA layers
     launches.clear()
-    monkeypatch.setattr(QSAttention, "prologue_kernel", False)
-    apart = _decode(path, prompt)
+    apart = _decode(path, prompt, replace(KERNELS, prologue_kernel=False))
     assert not launches
     for got, want in zip([*fused[0], *fused[1]], [*apart[0], *apart[1]], strict=True):
         assert torch.equal(got, want)

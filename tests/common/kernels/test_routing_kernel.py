@@ -50,7 +50,7 @@ def test_replay_takes_the_fused_switch_whichever_comes_first(tmp_path, hook_firs
     """use_fused_kernels sets an installed replay's switch; a replay installed after it takes the blocks'."""
     from common.engine.engine import Engine
     from common.experts.routing import install_routing_hook, replayer_for
-    from common.kernels import use_fused_kernels
+    from common.model.fused_kernels import use_fused_kernels
     from common.model.synthetic.checkpoint import make_model
 
     engine = Engine(

@@ -4,6 +4,7 @@ tests/common/kernels/test_gemv_kernel.py), and the memory plan against what the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ import torch
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.engine.memory_plan import plan_for_dir, weight_bytes
+from common.kernels.config import KERNELS
 from common.model.fp8_linear import BLOCK_K, FP8_MAX, Fp8Fused, Fp8Linear, dequantize_fp8, quantize_fp8
+from common.model.fused_kernels import configure_kernels
 from common.model.synthetic.checkpoint import make_model
 
 
@@ -105,7 +108,7 @@ def test_layers_hold_the_mixer_launch_before_a_wide_fp8_projection(qwen4: Path, 
         layers = [m for m in engine.model.modules() if isinstance(m, Qwen4DecoderLayer)]
         held[resident] = {(layer._holds_mixer_launch(1), layer._holds_mixer_launch(2)) for layer in layers}
     assert held == {None: {(False, False)}, "fp8": {(True, False)}}
-    monkeypatch.setattr(gemv, "FP8_LARGE_ONE_ROW", None)
+    configure_kernels(engine.model, replace(KERNELS, fp8_large_one_row=False))
     assert not layers[0]._holds_mixer_launch(1)
-    monkeypatch.setattr(Qwen4DecoderLayer, "hold_mixer_launch", True)
+    configure_kernels(engine.model, replace(KERNELS, hold_mixer_launch=True))
     assert layers[0]._holds_mixer_launch(2)
