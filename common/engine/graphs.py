@@ -1,16 +1,15 @@
 """CUDA graphs of decode passes: a lane count's whole decode pass recorded once, replayed every step after.
 
-A decode step of a MoE model offloaded to host memory is thousands of small kernels (per layer: norms, the
-mixer, routing, the expert cache's resolution, the copies, the expert MLP); launched one by one from Python
-the step is bound by the host, not by the GPU or the link. Recorded, a step is one launch.
+Why: an offloaded MoE decode step is thousands of small kernels; launched one by one from Python it is bound
+by the host. Recorded, a step is one launch.
 
-What makes a pass recordable (and what every layer on the decode path keeps to): fixed shapes, no host
-synchronisation, no host value copied to the device inside the pass, and every value that changes from step
-to step read from device memory. The recording reads a static ForwardBatch (`static_kv` set: shapes come
-from the runner's context bound, lengths from `positions`); each replay first copies the step's batch into it.
-The expert cache's recency stamp, freeze flag and slot partition, and the routing replayer's cursor, are
-device tensors for the same reason. Host-side bookkeeping (page reservation, the providers' `begin_pass`,
-the cache's rebalance) runs between replays.
+A recordable pass (what every layer on the decode path keeps to): fixed shapes, no host synchronisation, no
+host value copied to the device inside the pass, every value that changes between steps read from device
+memory. The recording reads a static ForwardBatch (`static_kv` set: shapes from the runner's context bound,
+lengths from `positions`); each replay first copies the step's batch into it. The expert cache's recency
+stamp, freeze flag and slot partition, and the routing replayer's cursor, are device tensors for this
+reason. Host-side bookkeeping (page reservation, the providers' `begin_pass`, the cache's rebalance) runs
+between replays.
 """
 
 from __future__ import annotations

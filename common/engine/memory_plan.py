@@ -1,28 +1,19 @@
 """The memory plan: how a `--vram-budget` is split among the device pools, from the config alone.
 
-Nothing is loaded: the model is built on the meta device (`empty_model`), which gives every resident
-parameter's shape and dtype and every layer's state specs for free. The pools (docs/ARCHITECTURE.md,
-Memory), in bytes:
+Nothing is loaded: a meta-device model (`empty_model`) gives the shapes and dtypes. The pools
+(docs/ARCHITECTURE.md, Memory), in bytes:
 
-- `weights`: the meta model's parameters and buffers (tied ones once). Routed experts are not parameters of
-  the module tree (they live in the expert provider: host memory), nor are host tables (PLE's n-gram table,
-  attached by the loader through `attach_table`), so neither is counted.
-- `kv`: a `StatePool` built on the meta device from `model.state_specs(dtype)`, K/V in `kv_dtype` (fp8: half
-  of bf16, plus the per-layer scales), with the pages that `ModelRunner` gives it
-  (`common.engine.runner.num_pages`): the same shapes and dtypes, so the same bytes.
-- `arena`: an `OffloadedExperts` pool has, beside the cache's S slots, a spare row and two arena buffers of
-  E rows (the first doubles as decode's staging rows): (1 + 2E) expert rows. Under `spillway serve` the
-  prefill process holds such a pool (0 slots) and decode, which never prefills, keeps one buffer: (1 + E).
-- `scratch`: activation workspace, an estimate (`scratch_terms`): one prefill chunk (with the rest of its
-  layer-major group's streams) plus one decode step (each process holds its own allocator cache; the
-  offline engine, one process, needs the larger of the two).
-- `graphs`: a reserve for what the pools do not see: per process on the device `PROCESS_RESERVE` (CUDA
-  context, cuBLAS/Triton workspaces, captured graph pools), plus `FRAGMENTATION` of the budget for the
-  caching allocator's rounding and fragmentation.
-- `expert_cache`: the rest, in whole slots of one expert each, with its tables (`CacheTables`, also built on
-  the meta device: their size is linear in the slots), capped at every expert (L × E).
+- `weights`: the meta model's parameters and buffers (tied ones once); routed experts and host tables (PLE's
+  n-gram table) are not counted.
+- `kv`: a meta `StatePool` of `model.state_specs(dtype)`, K/V in `kv_dtype`, `ModelRunner`'s pages.
+- `arena`: beside the cache's S slots, a spare row and two arena buffers of E rows: (1 + 2E) expert rows;
+  a decode process under `spillway serve` keeps one buffer: (1 + E).
+- `scratch`: the activation workspace estimate (`scratch_terms`).
+- `graphs`: `PROCESS_RESERVE` a process plus `FRAGMENTATION` of the budget.
+- `expert_cache`: the rest, in whole expert slots with their `CacheTables` (linear in the slots), capped at
+  every expert (L × E).
 
-The plan is refused (`MemoryPlan.check`) when the cache would get fewer than `min_cache_slots`.
+`MemoryPlan.check` refuses a plan whose cache gets fewer than `min_cache_slots`.
 """
 
 from __future__ import annotations
@@ -260,20 +251,14 @@ def scratch_terms(
     fused_kernels: bool = True,
     layer_major_tokens: int = LAYER_MAJOR_TOKENS,
 ) -> tuple[int, int]:
-    """Activation workspace, (prefill, decode), an estimate meant to err high: a prefill pass of one chunk (at
-    most the context; prefill runs one request at a time) with the other chunks of a layer-major group held
-    (`_held_bytes`) and its MoE over the whole group (common/model/layer_major.py: its input and output
-    [T, H], the expert MLP's buffers); a decode step of every lane (`_pass_bytes`, the expert MLPs and, for
-    qwen4_exp, the linear-attention and indexer terms). One process needs the larger, two (each with its
-    own allocator cache) the sum. Each also holds the penalties' per-lane token counts
-    (common/sampling/logit_processors.py), once a penalized request comes. `fused_kernels`: decode's int4
-    experts go
-    through the int4 kernels (nothing dequantised: eight lanes of flashnext's reference path would hold
-    4.4 GB of dequantised experts).
-
-    Prefill attention is the torch backend's, in query slices (`_attention_bytes`); decode attention is a
-    fused kernel or one query's scores, too small to count. The decode term is dominated by the gathered,
-    dequantised experts of the reference decode path; a fused kernel over cache slots would not need them."""
+    """Activation workspace (prefill, decode) in bytes, an estimate meant to err high. Prefill: one chunk (at
+    most the context; one request at a time) with the rest of its layer-major group held (`_held_bytes`) and
+    the MoE over the whole group (its [T, H] input and output, the expert MLP's buffers). Decode: a step of
+    every lane (`_pass_bytes`, the expert MLPs and, for qwen4_exp, the linear-attention and indexer terms).
+    Each also holds the penalties' per-lane token counts. One process needs the larger, two the sum.
+    `fused_kernels`: decode's int4 experts go through the int4 kernels, nothing dequantised (else the
+    reference path's dequantised experts dominate the decode term). Prefill attention is the torch backend's
+    in query slices (`_attention_bytes`); decode attention is too small to count."""
     chunk = min(prefill_chunk, max_context)
     group = max(chunk, min(layer_major_tokens, max_context))  # a layer-major group's MoE runs over all of it
     dequantized = largest_dequantized(model) * (4 + dtype.itemsize)  # an fp8 weight, fp32 then `dtype`
@@ -301,7 +286,7 @@ def scratch_terms(
 
 @functools.lru_cache(maxsize=32)
 def _table_line(num_layers: int, num_experts: int) -> tuple[int, int]:
-    """(fixed, per slot) bytes of the cache tables: their size is linear in the slots (measured at L, 2L)."""
+    """(fixed, per slot) bytes of the cache tables: their size is linear in the slots (sized at L and 2L)."""
     one, two = (table_bytes(num_layers, num_experts, n * num_layers) for n in (1, 2))
     per_slot = (two - one) // num_layers
     return one - per_slot * num_layers, per_slot

@@ -1,24 +1,17 @@
 """Runtime formats of routed experts: bf16, fp8 (128×128 block scales) and int4 (W4A16, group 128, asym).
 
-An expert in a runtime format is a fixed set of named components, each of fixed shape and dtype for a given
-(hidden H, intermediate I), so every expert of a layer occupies the same number of bytes: a fixed stride in
-the host store and in a VRAM cache slot. Each format packs one expert's SwiGLU weights (gate_up [2I, H], gate
-rows first, then up rows; down [H, I]) into its components and dequantises them back; `mlp` is the reference
-expert MLP that reads a format (dequantise to x's dtype, then the same two `F.linear` calls as
-`grouped_expert_mlp`), against which the GPU kernels are checked.
+A format is a fixed set of named components of fixed shape and dtype for a given (hidden H, intermediate I),
+so every expert of a layer has the same byte stride in the host store and in a VRAM cache slot. A format
+packs one expert's SwiGLU weights (gate_up [2I, H], gate rows then up rows; down [H, I]) and dequantises them
+back; `mlp` is the reference the GPU kernels are checked by.
 
-Layouts:
-
-- bf16: `gate_up` bf16 [2I, H], `down` bf16 [H, I].
-- fp8: `gate_up` float8_e4m3fn [2I, H] with `gate_up_scale_inv` fp32 [ceil(2I/128), ceil(H/128)], and the
-  same for `down` — the layout of Qwen3/DeepSeek FP8 checkpoints: w ≈ fp8 · scale_inv of its 128×128 block,
-  edge blocks partial. When I % 128 == 0 (every real model) the blocks of the fused gate_up are exactly those
-  of HF's separate gate_proj/up_proj, so an FP8 checkpoint's experts concatenate in without requantising.
-- int4: `*_qweight` uint8 [out, in/2], two 4-bit codes per byte along the input dim, column 2j in the low
-  nibble and column 2j+1 in the high nibble; `*_scales` bf16 [out, in/128]; `*_zeros` uint8 [out, in/128]
-  (integer zero points 0..15, one byte each, as GPTQ/AWQ kernels expect); w ≈ (q − zero) · scale. bf16 scales
-  keep bf16's range (fp16 scales underflow for tiny weights); an integer zero point keeps q − zero exact, so
-  dequantising rounds once. The input dims (H and I) must be multiples of 128.
+- bf16: gate_up [2I, H], down [H, I].
+- fp8: float8_e4m3fn of the same shapes, `*_scale_inv` fp32 [ceil(out/128), ceil(in/128)], w ≈ code ·
+  scale_inv of its block (Qwen3/DeepSeek FP8 checkpoints; with I % 128 == 0 their gate/up blocks concatenate
+  as they are).
+- int4: `*_qweight` uint8 [out, in/2], column 2j in byte j's low nibble, 2j+1 in its high one; `*_scales` bf16
+  and `*_zeros` uint8 (0..15) [out, in/128]; w ≈ (q − zero) · scale, dequantised with one rounding. H and I
+  multiples of 128.
 """
 
 from __future__ import annotations
@@ -227,8 +220,8 @@ class Fp8Format(ExpertFormat):
         return gate_up, down
 
     def error_bound(self) -> float:
-        # e4m3 keeps 4 significant bits (≤ 2^-4 relative per element); measured 2.6-2.7 % on Gaussian weights
-        # of any std (0.02, 1, 1e-30, 1e20; see tests/common/experts/test_formats.py), bound with margin.
+        # e4m3 keeps 4 significant bits (≤ 2^-4 relative per element); the relative error on Gaussian weights
+        # of any std (tests/common/experts/test_formats.py) stays under this with margin.
         return 0.035
 
 

@@ -1,26 +1,17 @@
 """Offline cache simulation: replay a routing trace against every policy and against two references.
 
-The policies are the real `CacheTables` (one implementation of each policy in the project), driven on CPU
-tensors token by token, layer by layer, exactly as a decode step would drive them. Two references: Belady's
-bounds what any policy could do; the static oracle is what the best fixed set of experts would do.
+The policies are the real `CacheTables`, driven on CPU tensors token by token, layer by layer, as decode
+drives them.
 
-- `belady`: Belady's offline optimum over ONE pool holding the same total number of experts, shared by all
-  layers (so it is also free of the per-layer partition). A step requests one (token, layer)'s experts
-  together; its hits are never evicted for its misses; a miss may bypass the pool (computed from host memory,
-  as `lfu-admit` does), so at each step the pool keeps, besides the step's hits, the experts whose next use
-  is nearest among those it held and the step's misses. Experts next used by the same step are ordered by
-  their use after that, and so on (`future_ranks`): farthest-next-use alone is not optimal when a step
-  requests several experts. Tests check the result against exhaustive search on tiny traces.
-- `oracle-static`: per layer, the fixed set of the experts most used over the whole trace, each loaded at its
-  first use and then kept; its misses are those first uses and the accesses outside the set. (Loaded, not
-  preloaded: every row starts from the same empty cache, so Belady's is a lower bound on this one too.)
+- `belady`: Belady's offline optimum over ONE pool of the same total experts shared by all layers, a lower
+  bound for any policy. A step requests one (token, layer)'s experts together; its hits are never evicted for
+  its misses; a miss may bypass the pool (as `lfu-admit`). Ties in next use are broken by the uses after it
+  (`future_ranks`); tests check it by exhaustive search.
+- `oracle-static`: per layer, the experts most used over the trace, each loaded at first use and kept.
 
-Adaptive rows (`<policy>+adaptive`, by default the default policy's): the same policy with per-layer
-capacity adapted as the runtime adapts it: every `OffloadedExperts.rebalance_every` decode passes (one trace
-token is one decode pass) it calls `CacheTables.rebalance` with the runtime's step, `rebalance_step`. The
-other rows keep every layer's capacity equal.
-
-Steady-state figures count only the tokens after the first `warmup` (default: 10 % of the trace).
+Adaptive rows (`<policy>+adaptive`): per-layer capacity rebalanced as the runtime does
+(`CacheTables.rebalance` every `OffloadedExperts.rebalance_every` tokens); other rows keep capacities equal.
+Steady-state figures count the tokens after the first `warmup` (default: 10 % of the trace).
 """
 
 from __future__ import annotations

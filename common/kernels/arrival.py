@@ -1,25 +1,17 @@
 """Sums folded into the kernel that writes their terms: the last program to arrive adds them up.
 
-A decode kernel whose programs each write one term of a sum (a GEMV's chunk of K, an expert's share of a MoE
-output) used to leave the sum to a kernel of its own. Instead each program, after writing its term, counts
-its arrival at its output tile's counter (`arrive`); the program that arrives last reads the terms in their
-fixed order and writes the sum — the same additions in the same order as the separate kernel made
-(deterministic, bit for bit) — and sets the counter back to zero.
+Each program of a decode kernel writing one term of a sum (a GEMV's chunk of K, an expert's share of a MoE
+output) counts its arrival at its output tile's counter (`arrive`); the last to arrive reads the terms in
+their fixed order, writes the sum (bit for bit the separate kernel's) and zeroes the counter. Why: at one row
+a kernel of its own for the sum is a launch and ramp for a few KB.
 
-Why: at one row those kernels were 144 of the decode step's ~940 launches (the GEMV's chunk sums 96, the MoE
-combine 48), 0.25 ms of its 5.29 exposed at 0292dc6 (decode-allfit-profile.txt), each its launch and ramp for
-a few KB.
+Memory order (a serial split-K reduction's): terms written, a CTA barrier, one GPU-scope acq_rel atomic add;
+Triton broadcasts its result behind a barrier, so the last program reads the terms after its acquire, past
+L1 (`.cg`).
 
-Memory order (the pattern of a serial split-K reduction): every thread's term written, a CTA barrier, one
-atomic add at GPU scope with acquire-release semantics (its release covers what the barrier ordered before
-it); Triton broadcasts a scalar atomic's result through shared memory behind a barrier, so the last program's
-threads read the terms after its acquire, and they read them past L1 (`.cg`), where no stale line can sit.
-
-Counters: one zeroed buffer per device and stream (`counters`). On one stream a kernel touches its counters
-only after `gdc_enter`, when the kernel before it has completed: every counter is back at zero. Streams run
-at once (decode groups), so each has its own buffer. KernelConfig.fold_sums False: the separate kernels.
-QSA's decode selection (qsa_indexer's rank kernel) also counts arrivals here, the last program writing the
-keys from every program's ranks: not a sum, so `fold_sums` leaves it be.
+Counters: one zeroed buffer per device and stream (`counters`), touched only after `gdc_enter` (the kernel
+before complete: every counter at zero). KernelConfig.fold_sums False: separate kernels. QSA's selection
+also counts arrivals here (not a sum: `fold_sums` leaves it be).
 """
 
 from __future__ import annotations
@@ -31,11 +23,8 @@ import triton.language as tl
 from common.kernels.config import KERNELS, KernelConfig
 
 ROWS = 1
-"""Rows (tokens) up to which the sums fold. On the H200 at one row decode-allfit ran 191.00 tok/s folded
-against 188.69 (bench/results/decode-allfit-fold-ab.json) and decode-1 91.48 against 92.14, the second
-variant a cache already warmer (decode-1-fold-ab.json); eight lanes (two groups of four) ran 21.16 and 21.14
-against 21.55 and 21.37 tok/s a request (decode-8-fold-ab.json): longer kernels, where one launch saved is
-worth less than every program's atomic at its tail."""
+"""Rows (tokens) up to which the sums fold. Past one row the kernels run longer, and one launch saved is worth
+less than every program's atomic at its tail."""
 COUNTERS = 8192
 """Counters a buffer: output tiles of one launch (a GEMV's row tiles, tokens × down's row blocks)."""
 

@@ -6,8 +6,8 @@
   history entries at j·dilation, the new input last — and writes the history shifted by one.
 - `conv_prefill`, any pass over the flat [T, C] layout: each tap reads the input `(K−1−j)·dilation` tokens
   back, or the slot's history where that lies before the pass. torch pads, transposes and concatenates the
-  [C, L] layout for a depthwise conv1d (~2 ms for 8,192 tokens × 8,192 channels on an H200, the SiLU and
-  the copies beside it); this reads x once and writes the output once. The new histories (a few entries a
+  [C, L] layout for a depthwise conv1d, with the SiLU and the copies beside it; this reads x once and writes
+  the output once. The new histories (a few entries a
   sequence) are then gathered in torch.
 """
 

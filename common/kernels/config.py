@@ -1,7 +1,7 @@
 """The kernels' configuration: which kernel forms and launch options the decode and prefill passes use.
 
 One frozen `KernelConfig`, chosen when a worker builds its model (WorkerConfig.kernels) and handed to the
-modules and kernel functions that read it; its defaults are the measured choices, and benchmarks build
+modules and kernel functions that read it; its defaults are the benchmarks' choices, and benchmarks build
 variants of it (`dataclasses.replace`). It imports nothing: the kernels and the model both read it.
 """
 
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 MOE_DOWN_TOKENS = 8192
 """Tokens a grouped int4 down projection takes at once (`moe_int4_grouped`): its per-(token, choice) output
-rows, H wide in the model dtype (flashnext: 420 MB for 8,192 tokens × top-10), are the largest buffer of a
+rows, [tokens × top-k, H] in the model dtype, are the largest buffer of a
 prefill MoE, so a layer-major group's MoE (every chunk's tokens at once) runs gate/up over all of them and
 down in slices of this many."""
 GROUPS_PER_STEP = 4
 """Groups of 128 inputs one loop step of the int4 decode kernels reads: [BLOCK rows × 4 groups × 64 bytes]
-per load keeps enough bytes in flight (one group per step left the kernels at ~0.5 TB/s)."""
+per load keeps enough bytes in flight."""
 
 
 @dataclass(frozen=True)
@@ -58,27 +58,15 @@ class DecodeConfig:
     """The CUDA gate_up's warps a block."""
     native_mma: bool = False
     """With `native_rows`: gate_up by the CUDA C tensor-core kernel instead (moe_int4_native.gate_up's `mma`;
-    ~3.4 instructions a code against ~6.8, `bench.sass_census --native`), where it takes the call (hidden up
-    to 2,560). Each warp loads one group of codes ahead of the one it multiplies: with every group loaded
-    before any math (one wave of 400 blocks at flashnext's shape, loads then MMAs) it measured 20.02 µs a call
-    against the scalar kernel's 19.65; two groups ahead 17.74, one 16.29, none 16.91
-    (`bench.moe_int4_tune --native --tokens 1`, bench/results/moe-int4-decode-native.txt). Every group
-    copied to shared memory at once instead (cp.async, a commit group a group, each multiplied as it
-    landed): 19.23 µs against 16.39, decode-allfit 212.16 tok/s against 227.56 (b934b6c,
-    decode-allfit-native-async-ab.json; the first group lands no earlier than the rest). Nsight Compute of
-    this kernel: bench/results/moe-int4-native-ncu.txt. The zero points folded in after the MMAs instead
-    (codes as 128 + q, (128 + z) · Σx taken from each dot, Σx by an all-ones MMA: 1,744 instructions a warp
-    against 2,168) ran 17.23 µs against 16.69 and 224.63 tok/s against 226.88 (f115b2d,
-    decode-allfit-int4-fold-zero-ab.json): the kernel waits on its dependent chains, not on issue."""
+    about half the scalar kernel's instructions a code), where it takes the call (hidden up to 2,560). Each
+    warp loads one group of codes ahead of the one it multiplies."""
     native_down_warps: int = 0
     """down (and the fold of a token's choices) by the CUDA C kernel at this many warps a block, 8 rows a warp
     (0: Triton's), where it takes the call (`words`, bf16 on Hopper); else Triton's."""
     native_down_mma: bool = False
     """With `native_down_warps`: down on the tensor cores in CUDA C instead (moe_int4_native.down's `mma`),
     where it and the CUDA gate_up take the call: gate_up hands it the activations in bf16 in order (act
-    layout 3; the other forms keep them in fp32). RESIDENT_CONFIGS' one-token default (its figures are in
-    RESIDENT_CONFIGS' docstring). Its first runs, before int4_decode.cu's load_after_wait, read the
-    activations before gate_up wrote them in graph replays and do not count."""
+    layout 3; the other forms keep them in fp32). RESIDENT_CONFIGS' one-token default."""
 
 
 class ShapeTable(Mapping[int, DecodeConfig]):
@@ -110,14 +98,9 @@ DECODE_CONFIGS = ShapeTable(
         8: DecodeConfig(block=16, groups_per_step=1, num_warps=2, down_block=64, magic=True),
     }
 )
-"""The fastest shape per token count in `python -m bench.moe_int4_tune` on the H200
-(bench/results/moe-int4-decode-tune.txt): one token 30.65 µs a call (the former default, 16 rows × 4 groups
-× 4 warps: 32.73); two tokens 48.31 and four 82.65, both with the split activations (the one-token shape:
-51.53 and 92.72); eight 146.8 (the former default: 172.9), and with `magic` 134.5 against 146.2 in one run
-(`--magic`, bench/results/moe-int4-decode-magic.txt). One token gained nothing from `magic` (31.31 against
-29.42). In a decode-1 step the one-token shape measured no faster than the former default (72.71 against
-72.78 tok/s, one machine, back to back): the step's copy kernels share the SMs with it. Steps that copy
-misses run these; see RESIDENT_CONFIGS for the others."""
+"""The int4 decode kernels' shape per token count for steps that copy misses (the fastest of
+`python -m bench.moe_int4_tune`); see RESIDENT_CONFIGS for the others. A shape applies from its token count
+up to the next one's (`decode_config`)."""
 
 RESIDENT_CONFIGS = ShapeTable({
     **DECODE_CONFIGS,
@@ -127,28 +110,14 @@ RESIDENT_CONFIGS = ShapeTable({
     ),
 })  # fmt: skip
 """The shapes of decode steps with no copies beside them (every expert resident:
-OffloadedExperts.all_resident): DECODE_CONFIGS but at one token, where gate_up and down run as CUDA C
-(DecodeConfig.native_rows, native_down_warps; Triton's words form below where the kernels cannot be built),
-both on the tensor cores (native_mma, native_down_mma): 16.92 µs a call at 1140ea1 against 18.22 with the
-scalar CUDA down and 20.16 with both scalar (`bench.moe_int4_tune --native --tokens 1`,
-bench/results/moe-int4-decode-native.txt); decode-allfit 205.32 tok/s against the scalar down's 200.92
-(decode-allfit-native-down-mma-ab.json). The tensor-core gate_up first ran 206.01 against the scalar
-gate_up's 198.31 (+3.9 %, one process, decode-allfit-native-mma-ab.json, x read through ld.global.nc). The
-scalar pair first ran decode-allfit 195.92 tok/s against Triton's 187.00 (+4.8 %; gate_up alone 193.28), in
-one process (decode-allfit-native-ab.json, 611985c). Before them,
-the codes read as words with down at one group a step (flashnext's 5 groups: 4 a step left three idle in the
-second) measured 24.40 µs a call against 29.36 (`bench.moe_int4_tune --down`,
-bench/results/moe-int4-decode-down.txt) and ran decode-allfit at 135.51 tok/s against 131.60
-(decode-allfit-int4-ab.json). In decode-1, with the misses' copies beside it, the Triton words shape ran 3 %
-slower (71.25 against 73.53, decode-1-int4-ab.json), and with both CUDA C kernels 0.8 % slower (92.53 against
-93.29, decode-1-native-ab.json; the CUDA gate_up alone with split activations, 4.5 % slower): offloaded steps
-keep DECODE_CONFIGS. Words alone measured 28.79 a call and ran decode-allfit 3 % slower; software-pipelined,
-28.8-29.6 (moe-int4-decode-words.txt). At eight tokens words measured 120.6 against 134.4 a call, not yet
-measured in a decode step."""
+OffloadedExperts.all_resident): DECODE_CONFIGS but at one token, where gate_up and down run as CUDA C on the
+tensor cores (DecodeConfig.native_rows, native_down_warps, native_mma, native_down_mma), with Triton's words
+form (down at one group a step) where the CUDA kernels cannot be built. Steps that copy misses keep
+DECODE_CONFIGS: the copies share the SMs with these kernels."""
 
 
 def decode_config(tokens: int, configs: Mapping[int, DecodeConfig] | None = None) -> DecodeConfig:
-    """The measured shape of the largest token count in `configs` (default DECODE_CONFIGS) not above
+    """The shape of the largest token count in `configs` (default DECODE_CONFIGS) not above
     `tokens`."""
     configs = DECODE_CONFIGS if configs is None else configs
     return configs[max((n for n in configs if n <= tokens), default=1)]

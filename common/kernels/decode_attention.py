@@ -1,24 +1,13 @@
-"""Decode attention over the paged KV cache as two Triton kernels (split-K, then the splits' merge).
+"""Decode attention over the paged KV cache as two Triton kernels: split-K, then the splits' merge.
 
-One query per sequence (a decode step). With grouped-query attention every query head of a group reads the
-same keys and values, so one program handles (sequence t, KV head, split s) and *all* query heads of that
-KV head's group at once: each key and value row is read once per group instead of once per query head, and
-the group's queries form a [G_PAD, D] tile, so scores and the value product are tensor-core dots
-(tl.dot: scores = q · kᵀ → [G_PAD, BLOCK_N], acc += p · v → [G_PAD, D]) rather than a scalar product per key
-row. G (query heads per KV head) is padded to a power of two of at least 16, the least tl.dot takes; the
-padding rows load zeros and are never stored.
-
-A program walks its share of the keys — every cached position (dense), or the positions a sparse selection
-lists (QSA: the indexer's chosen blocks plus the query's own incomplete block), −1 entries skipped — reads
-each key and value through the page table (fp8 pages dequantised with the layer's scales: K's folded into
-the scores, V's into the accumulator) and keeps an online softmax per query row (running max, sum, weighted
-values) in fp32. The second kernel merges the splits of each query head. Splitting the keys keeps the GPU
-busy when a decode step has few sequences and only a couple of KV heads (flash-decoding); the launch shape
-depends only on the bound on keys and the tensors' shapes (no host sync: this runs inside CUDA graphs).
-
-Agrees with the torch reference (common/kv/backend.py) to rounding: like its matmuls, the dots take q's dtype
-(bf16 on the GPU, fp32 in the CPU tests), and the probabilities are rounded to it before the value product;
-the scores, the softmax and the accumulation stay fp32 here (the reference rounds its scores to q's dtype).
+One program handles (query t, KV head, split s) and all query heads of that KV head's group: each key and
+value row is read once a group, and the group's queries form a [G_PAD, D] tile (G padded to a power of two
+≥ 16, the padding rows zeros, never stored), so scores and the value product are tensor-core dots. A program
+walks its share of the keys (every cached position, or a sparse selection's positions, −1 skipped) through
+the page table (fp8 pages dequantised with the layer's K and V scales) with an online softmax in fp32; the
+merge kernel combines the splits. The launch shape depends only on the key bound and the tensors' shapes: no
+host sync, safe inside CUDA graphs. Agrees with the torch reference (common/kv/backend.py) to rounding: the
+dots take q's dtype, the probabilities are rounded to it before the value product, the softmax stays fp32.
 """
 
 from __future__ import annotations
@@ -184,21 +173,15 @@ def paged_decode_attention(
     gate: torch.Tensor | None = None,
     kernels: KernelConfig = KERNELS,
 ) -> torch.Tensor:
-    """q [T, Hq, D] (query t at position kv_lens[t] − 1); k/v pages [P, page, Hkv, D]; page_table [B, W]
-    with query t's sequence at row table_rows[t] (default: row t, one query per sequence); kv_lens [T]
-    int64 → attention [T, Hq, D] in q's dtype. `max_keys` bounds kv_lens (fixes the launch shape);
-    `selected` [T, S] key positions a query may see (−1: none) replaces "every earlier key"; `kv_scale` [2]
-    (fp8 pages: K and V scales); `window`: keys within the last `window`. `splits` caps the splits of the
-    keys (default: chosen from the shapes); `block_n` keys per step. Prefill queries are rows too (with
-    `table_rows`): many tokens give one split each, written straight to the output (no merge).
-    `pipelined`: each program runs a fixed count of blocks (those of `keys`, not of its power-of-two
-    bound), a loop without branches that Triton software-pipelines in `num_stages`; the default loop runs
-    the bound's blocks and skips those past the limit, which keeps it from pipelining. Default: pipelined
-    for sparse passes (a selection is as wide as its keys: 2,052 keys of a 4,096 bound at flashnext's
-    shape), where bench/qsa_prefill_tune.py measured 9.5 ms against 12.1 (H200, 4 warps, 2 stages, 32 keys
-    a block: its best); the branching loop otherwise. `num_warps` per program. `gate` [T, Hq, D] (any
-    strides, the last dim's 1): the output is attention · σ(gate) (QSA's output gate), applied by the
-    merge (a pass of one split: by torch)."""
+    """q [T, Hq, D] (query t at position kv_lens[t] − 1); k/v pages [P, page, Hkv, D]; page_table [B, W],
+    query t's row table_rows[t] (default t); kv_lens [T] int64 → [T, Hq, D] in q's dtype. `max_keys` bounds
+    kv_lens (fixes the launch shape); `selected` [T, S] visible key positions (−1: none); `kv_scale` [2]
+    (fp8 K and V scales); `window`: the last `window` keys only. `splits` caps the key splits; `block_n` keys
+    a step. Prefill queries are rows too (`table_rows`): one split each, no merge.
+    `pipelined`: each program runs the fixed count of `keys`' blocks, a branchless loop Triton pipelines in
+    `num_stages` (default: for sparse passes, whose selection is as wide as its keys); else the bound's
+    blocks, skipping those past the limit. `gate` [T, Hq, D] (last dim contiguous): output · σ(gate), applied
+    by the merge (one split: by torch)."""
     t, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     assert dim >= 16 and dim & (dim - 1) == 0, f"head dim {dim}: a power of two ≥ 16 (tl.dot)"

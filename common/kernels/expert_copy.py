@@ -91,12 +91,9 @@ MAX_PARTS = 6
 
 BACKGROUND_PROGRAMS = 32
 """Programs of a `copy_parts` launch that runs beside compute (a lookahead's), each looping over (pair,
-chunk, component) items: 32 × 8 KiB in flight covers the link's latency (55 GB/s × ~2 µs ≈ 110 KB). One
-program per item (~1,000 for a few int4 experts) fills every SM with programs waiting on PCIe, and compute
-launched after them queues until the last is dispatched: with lookahead on the model's own routing, 41.7 →
-49.1 tok/s (decode-1 --routing model --lookahead 4, H200). Copies the compute waits for anyway (a layer's
-misses) keep one program per item: 75.2 tok/s against 72.5 with 32 programs (decode-1, synthetic-zipf, one
-machine, back to back)."""
+chunk, component) items: 32 × 8 KiB in flight covers the host link's bandwidth-latency product. One program
+per item would fill every SM with programs waiting on PCIe, and compute launched after them would queue until
+the last is dispatched. Copies the compute waits for anyway (a layer's misses) keep one program per item."""
 
 
 @triton.jit

@@ -1,28 +1,16 @@
-"""y = x · Wᵀ (+ bias) for a few rows of x, as Triton kernels: the decode step's projections (one row a
-lane), whose weight's bytes set the time. W is the model's dtype, or fp8 (e4m3) codes with one fp32 scale per
-row and block of 128 inputs (common/model/fp8_linear.py), converted in registers.
+"""y = x · Wᵀ (+ bias) for a few rows of x as Triton kernels: the decode step's projections, whose weight's
+bytes set the time. W is the model's dtype, or fp8 (e4m3) codes with an fp32 scale per row and 128 inputs
+(common/model/fp8_linear.py).
 
-Why not cuBLAS everywhere: at one row its kernels are sized for GEMMs. For flashnext's MoE input projection
-(router and shared expert, 1,800 × 2,560: 9 MB, ~2 µs of HBM) it picks a split-K kernel and a reduction,
-~12 µs a layer in a decode step (decode-allfit-profile.txt at 81a85af), and its kernels cannot take part in
-programmatic dependent launch (common/kernels/pdl.py), so each pays its launch and ramp in the open.
+Why not cuBLAS everywhere: at one row its kernels are sized for GEMMs (a split-K kernel and a reduction for a
+few MB) and cannot take part in programmatic dependent launch (pdl.py). Here a program owns BN output rows
+and one chunk of their inputs, read BK at a time (the first BK before its programmatic wait). With several
+chunks, each writes an fp32 partial product and the row tile's last program sums them in order (arrival.py;
+from two rows on, or without KernelConfig.fold_sums, a second kernel). Rows of x multiply on the tensor cores
+(padded to 16 rows: masked rows cost no bytes) or, below `dot_rows`, as a broadcast and sum. From two rows on
+`choose` leaves large weights to cuBLAS.
 
-Here a program owns BN output rows and one chunk of their inputs, read BK at a time (the first BK before it
-waits for the kernel before it: the weights are no kernel's output): few rows and many chunks give enough
-programs to fill the SMs with loads in flight. With more than one chunk, each program writes its fp32 partial
-product, and the row tile's last program to finish sums the chunks in order (arrival.py: deterministic, unlike
-atomic adds of the products; from two rows on, or without KernelConfig.fold_sums, a second kernel does). The
-rows of x are multiplied on the tensor cores (x padded to the 16 rows a dot needs: masked rows cost no bytes)
-or, with `dot_rows` above them, on the CUDA cores (a broadcast and a sum, whose reduction over K takes
-shuffles: at one row ~1,200 SASS instructions against the dot's ~600, `bench.sass_census --step`; in gemv-
-tune.txt the eight-row dot, an upper bound of the one-row dot's time, matched or beat the one-row sum on every
-small weight: 10.9 µs against 12.4 on the output projections). From two rows on, where cuBLAS reads a large
-weight near the HBM rate, `choose` leaves it to cuBLAS; at one row the GEMV reads it as fast and lets the next
-kernel launch early (KernelConfig.large_one_row). On the H200 (the one-row sum then), decode-allfit ran 171.12
-tok/s with it against 168.85 with cuBLAS for every projection (bench/results/decode-allfit-gemv-ab.json;
-`bench.decode_offload --ablate --switches no-gemv`).
-
-Graph-safe (no host sync; shapes alone fix the launch).
+Graph-safe: no host sync, shapes alone fix the launch.
 """
 
 from __future__ import annotations
@@ -44,13 +32,11 @@ SCALE_BLOCK = 128
 """Inputs per fp8 scale (fp8_linear.BLOCK_K): an fp8 weight's BK is a multiple of it."""
 SCALE_K = tl.constexpr(SCALE_BLOCK)
 CUBLAS_ROWS = 8192
-"""Weights of at least this many output rows stay with cuBLAS from two rows on (bf16; it reads them at ~88 %
-of HBM, the GEMV at ~65-70 % at eight rows). At one row the GEMV takes them (KernelConfig.large_one_row)."""
+"""Weights of at least this many output rows stay with cuBLAS from two rows on (bf16; it reads them nearer the
+HBM rate than the GEMV does). At one row the GEMV takes them (KernelConfig.large_one_row)."""
 FP8_BK = SCALE_BLOCK
 """An fp8 weight's inputs a loop step in `choose`'s launches (but FP8_LARGE_ONE_ROW's), in whole scale blocks.
-A form giving each block dot rows of its own and scaling the products (fewer instructions in
-`bench.sass_census --step`) ran slower alone than scaling the codes in registers, 19.09 µs against 14.30
-(bench/results/gemv-tune-fp8-rows.txt), and was dropped."""
+The codes are scaled in registers before the dot."""
 PROGRAMS = 4
 """Programs an SM that `choose` aims for (enough loads in flight)."""
 
@@ -75,16 +61,10 @@ class GemvConfig:
 
 FP8_LARGE_ONE_ROW: GemvConfig | None = GemvConfig(bn=64, bk=256, splits=1, stages=3)
 """At one row, the launch for an fp8 weight of CUBLAS_ROWS rows and more (the token mixers' input
-projections: `wide_fp8`), or None: `choose`'s one block a step (the benchmark's `fp8-narrow` switch). 64 rows
-and two scale blocks a step, the codes scaled in registers: GDN's input projection in 14.30 µs at one row
-against one block's 21.56 alone (bench/results/gemv-tune-fp8.txt), 15.55 against 21.01 in a serialized
-step. Its 258 programs are one wave of large ones, and in the step's PDL they become resident while the
-kernel before still holds SMs: there it gained nothing (187.41 tok/s against 188.01) until that kernel, the
-hyper-connection's mix-up, let it launch only at its exit (KernelConfig.hold_mixer_launch):
-decode-allfit `--resident-dtype fp8` 201.77 tok/s against 188.85 for one block without the hold, in one
-process (bench/results/decode-allfit-fp8-hold-ab.json); again at 96422dd 201.34 against 191.02, and decode-1
-97.28 against 91.93 without the hold (decode-allfit-resident-fp8.json, decode-1-resident-fp8.json). Switch
-before a pass is recorded."""
+projections: `wide_fp8`), or None: `choose`'s one block a step. 64 rows and two scale blocks a step, the codes
+scaled in registers. Its programs are one wave of large ones, which in PDL become resident while the kernel
+before still holds SMs: it pays only when that kernel, the hyper-connection's mix-up, lets it launch at its
+exit (KernelConfig.hold_mixer_launch). Switch before a pass is recorded."""
 
 
 @dataclass(frozen=True)
@@ -129,17 +109,15 @@ def choose(
     if fp8 and wide_fp8(m, n, kernels):
         return FP8_LARGE_ONE_ROW
     dot = m >= GemvConfig.dot_rows  # tensor cores: wider tiles, shorter steps (gemv-tune.txt)
-    bn, bk = (32, 256) if dot else (16, 512)  # each form's best at its measured rows
+    bn, bk = (32, 256) if dot else (16, 512)  # each form's best in bench.gemv_tune
     bk = FP8_BK if fp8 else min(bk, max(16, triton.next_power_of_2(k)))  # a dot's K: at least 16
     steps = triton.cdiv(k, bk)
-    # From two rows on, a chunk of one step loses: the sums' kernel reads splits × rows partial products
-    # (the MoE input projection at eight rows: 7.60 µs in ten chunks, 5.87 in five).
+    # From two rows on, a chunk of one step loses: the sums' kernel reads splits × rows partial products.
     splits = min(
         steps if m == 1 else triton.cdiv(steps, 2), triton.cdiv(PROGRAMS * _sms(device), triton.cdiv(n, bn))
     )
     chunk, splits = chunks(k, bk, max(1, splits))
-    # A one-step chunk has no loop to pipeline: one stage (the MoE input projection at one row 5.25 µs
-    # against 5.86, the router 3.07 against 3.34).
+    # A one-step chunk has no loop to pipeline: one stage.
     return GemvConfig(bn=bn, bk=bk, splits=splits, stages=1 if chunk <= bk else 2)
 
 

@@ -2,10 +2,8 @@
 row (two below 4,096 inputs), each lane's share of its rows' weights all loaded before the programmatic wait,
 x staged in shared memory after it, the warp's sum through shuffles. For the decode step's projections of
 a few thousand rows, where the Triton GEMV (gemv.py) splits K and folds the chunks: the token mixers' output
-projections (2,560 × 6,144: 12.4 µs a call serialized against a ~7.6 µs HBM floor, 14.5 in the step's
-programmatic launch, decode-allfit-mma-profile.txt) and the MoE input projection (1,800 × 2,560: 7.0 against
-~2.2). `fused_linear.linear` calls it where `takes` holds; the weights of CUBLAS_ROWS rows and more keep the
-Triton GEMV's one-chunk launch, which reads them at ~90 % of HBM.
+projections and the MoE input projection. `fused_linear.linear` calls it where `takes` holds; weights of
+CUBLAS_ROWS rows and more keep the Triton GEMV's one-chunk launch.
 """
 
 from __future__ import annotations

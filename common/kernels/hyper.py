@@ -1,26 +1,16 @@
-"""Hyper-connection elementwise work as three Triton kernels (common/model/qwen4_exp/hyper.py).
-
-A hyper-connection around a sublayer is, in torch, ~30 small kernels: a grouped RMSNorm of the hc streams,
-the gate's scale and activations, the gated mean over streams, the injection weights' sigmoid and the
-residual update. Its three GEMVs (mix down, mix up, inject) stay cuBLAS calls; the rest is:
+"""Hyper-connection elementwise work as Triton kernels (common/model/qwen4_exp/hyper.py).
 
 - `hc_norm`: streams [T, hc·H] → normed, each stream RMS-normalised on its own, weight (1 + w);
 - `hc_mix`: (up [T, hc·H] logits, normed) → Σ_s σ(up_s)·normed_s / hc  [T, H];
-- `hc_inject`: (streams, sublayer output [T, H], inject logits [T, hc]) → streams + out ⊗ 2σ(inject / hc).
-  The logits may be a strided view or hc_project's partial products.
-- `hc_mix_up`, for a single row (decode): `hc_mix` with the mix-up GEMV inside, from the mix-down output:
-  up = W_up · silu(down / hc) computed per stream in registers. In a decode step that is one kernel where
-  there were four (the division, the SiLU, cuBLAS's GEMV, hc_mix; 96 sublayers a step); the weight
-  (hc·H × rank, 6.5 MB for flashnext) is read once, up never written.
-- `hc_project`, for the same rows: the mix-down and inject projection from the raw streams, normalised as they
-  are read (hc_norm and the GEMV in one kernel), as one partial product a stream (hc_mix_up and hc_inject
-  sum them), with the streams' scales for hc_mix_up.
+- `hc_inject`: (streams, sublayer output [T, H], inject logits [T, hc]) → streams + out ⊗ 2σ(inject / hc);
+  the logits may be a strided view or hc_project's partial products.
+- `hc_mix_up` (decode rows): `hc_mix` with up = W_up · silu(down / hc) computed in registers; W_up
+  [hc·H, rank] read once, up never written.
+- `hc_project` (decode rows): the mix-down and inject projection of the streams, normalised as read, as one
+  partial product a stream.
 
-`hc_project`, `hc_mix_up` and `hc_inject` take part in programmatic dependent launch (pdl.py, on by default);
-`hc_project` and `hc_mix_up` load their weight tiles before they wait for the kernels before them.
-
-Everything is computed in fp32 and rounded once to the streams' dtype (torch rounds some intermediate
-products to bf16, so results agree to bf16 rounding, not bit for bit).
+`hc_project`, `hc_mix_up` and `hc_inject` take part in programmatic dependent launch (pdl.py). Computed in
+fp32 and rounded once to the streams' dtype: agrees with torch to bf16 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -171,9 +161,8 @@ def pow2_tiles(n: int, split: bool) -> tuple[int, int]:
 
 MIX_UP_ROWS = 1
 """Rows up to which `hc_mix_up` (and `hc_project` before it) run; past it, hc_norm, cuBLAS and `hc_mix`. Each
-program multiplies one row, the weights' tiles coming from L2 for the others: on an H200 at flashnext's shape
-(bench/results/hc-decode-tune.txt) the two kernels take 11.0 µs a sublayer against torch's 18.3 at one row,
-but 25.6 against 19.7 at eight."""
+program multiplies one row, the weights' tiles coming from L2 for the others, so more rows pay for the tiles
+again."""
 
 
 def hc_mix_up(
@@ -257,9 +246,8 @@ PROJECT_TILE = 16384
 """Most weight elements a `hc_project` program holds in registers ([block_n, H] padded); a wider stream takes
 fewer columns a program."""
 PROJECT_WARPS = 2
-"""Warps a `hc_project` program. On the H200 at flashnext's shape (hc-decode-tune.txt, e7ee52e) 4 columns at
-2 warps and hc_mix_up took 6.53 µs a sublayer against 7.07 at 8 warps: fewer, longer-lived threads whose
-weight tile (256 elements a thread) is all in flight before the wait."""
+"""Warps a `hc_project` program: few, long-lived threads whose weight tile is all in flight before the
+programmatic wait."""
 
 
 def hc_project(
@@ -268,20 +256,15 @@ def hc_project(
     kernels: KernelConfig = KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A few rows' hyper-connection input projection from the raw streams [T, hc·H]: hc_norm's normalised
-    streams (weight (1 + norm_weight)) times weight [N, hc·H]ᵀ → (the product's partial sums over each
-    stream's columns [hc, T, N] fp32 — their sum is the product; hc_mix_up and hc_inject add them as they
-    read them —, each stream's scale rsqrt(mean(x²) + eps) [T, hc] fp32, for hc_mix_up, and the streams).
-    The norm is applied as the streams are read: no normalised copy, and one launch where a decode step ran
-    hc_norm, cuBLAS's split-K GEMV and its reduction. A program a stream and `block_n` columns (fewer for a
-    stream wider than PROJECT_TILE / block_n): the split over streams gives the GEMV hc times the programs,
-    which the weight's read rate needs at one row. Each program loads its whole weight tile before it waits
-    for the kernel before it (pdl.py), then reads its stream once: the norm's scale multiplies the product
-    after the sum, so the stream's mean square and the product come from one pass (a program's weight reads
-    overlap the previous kernel's tail, and none waits on the norm).
+    streams (weight (1 + norm_weight)) times weight [N, hc·H]ᵀ → (partial products a stream [hc, T, N] fp32,
+    whose sum is the product, added by hc_mix_up and hc_inject as they read them; each stream's scale
+    rsqrt(mean(x²) + eps) [T, hc] fp32; the streams). A program a stream and `block_n` columns (fewer for a
+    stream wider than PROJECT_TILE / block_n). Each program loads its weight tile before its programmatic wait
+    (pdl.py), then reads its stream once: the scale multiplies the product after the sum.
 
     `inject` (the previous sublayer's output [T, H] and its inject logits, as hc_inject takes them): the
-    streams are first `hc_inject(streams, *inject)`, applied as they are read and written by the kernel
-    (the streams returned): one launch fewer a sublayer, and the same values as hc_inject's."""
+    streams are first `hc_inject(streams, *inject)`, applied as read and written back (the streams
+    returned), with hc_inject's values."""
     t, width = streams.shape
     n_out = weight.shape[0]
     assert weight.is_contiguous() and weight.shape[1] == width and width % hc == 0

@@ -1,14 +1,13 @@
 """Decode MoE over bf16 or fp8 (128×128 block scales) experts read in place from their pool rows.
 
-The torch path gathers every chosen expert's rows into a new tensor ([T·k] experts written and read again)
-and dequantises fp8 ones to the activation dtype before its GEMVs. Here each pair's weights are read once,
-in place, and multiplied in registers (the int4 kernels' two-kernel structure, common/kernels/moe_int4.py):
+Each pair's weights are read once, in place, and multiplied in registers, where torch gathers the chosen
+experts' rows into a new tensor (the int4 kernels' two-kernel structure, common/kernels/moe_int4.py):
 
 1. gate/up: program (pair p, block of I columns) → silu(gate) · up in fp32, act [P, I].
 2. down: program (pair p, block of H rows) → act[p] · down^T times the routing weight, partial [P, H] fp32,
    added over the k choices of each token by the caller (a fixed order: no dependence on scheduling).
 
-The expert widths are compile-time constants (one model a process: one compilation a matrix shape).
+The expert widths are compile-time constants (one compilation a matrix shape).
 
 Layouts (common/experts/formats.py): bf16 `gate_up` [R, 2I, H], `down` [R, H, I]; fp8 the same shapes in
 float8_e4m3fn with `*_scale_inv` fp32 [R, ceil(out/128), ceil(in/128)] (w ≈ code · scale of its block). A

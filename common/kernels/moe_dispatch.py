@@ -1,29 +1,14 @@
-"""A MoE block's decode dispatch as one Triton kernel: the router's choice, the routing replay and the shared
+"""A MoE block's decode dispatch in one Triton kernel: the router's choice, the routing replay and the shared
 expert's down projection as programs of one grid.
 
-All three read only the block's input projection (the replay not even that), and the routed experts need the
-first two. As three kernels in the stream (route_fused, replay_rows, swiglu_down) each waited for the one
-before it: their latencies added up on every MoE layer's critical path, 0.38 ms of a 4.81 ms decode-allfit
-step exposed (bench/results/decode-allfit-mma-profile.txt, c1fef59). Side by side in one grid the step waits
-for the slowest of them alone, and the two launches between them are gone.
-
-Program (t, 0) is token t's softmax and top-k (routing.route_token); with a replay, program (0, 1) hands out
-the trace's rows for every token and advances the cursor (routing.replay_tokens; programs (t > 0, 1) only
-wait); the rest are the shared expert's blocks of outputs (gated_mlp.swiglu_down_block), which load their
-weight tiles before they wait for the kernel before (pdl.py). With a replay the router's choice is still
-made, as in serving, and the replay's rows are what the experts use. The bodies are the three kernels' own:
-the same experts and replayed rows bit for bit, the router's weights and the shared expert to rounding (at
-WARPS their sums are split over other threads than route_fused's and swiglu_down's).
-
-The routed experts' first kernel now follows the kernel that wrote their rows: it reads them after its
-programmatic wait (SparseMoeBlock passes `settled` False), where the shared expert's kernel between let it
-read them before.
-Routing in the experts' kernels instead (every block of the all-resident int4 gate/up and down picking its
-pair's expert from the logits, the shared expert's kernel before them, no kernel of its own) was correct and
-slower: on an H100 its best form ran 194.39 tok/s against this kernel's 196.52
-(bench/results/decode-allfit-route-in-experts-ab.json). Its profile's step was as long: gate/up's exposed time
-grew by what this kernel's shrank, the router's rounds now before gate/up's codes. What the boundary between
-two kernels costs is mostly the work on either side of it, which moves with the work.
+All three read only the block's input projection (the replay not that), and the routed experts need the
+first two: in one grid the step waits for the slowest alone, not their sum. Program (t, 0) is token t's
+softmax and top-k (routing.route_token); with a replay, program (0, 1) hands out the trace's rows for every
+token and advances the cursor (routing.replay_tokens; programs (t > 0, 1) only wait); the rest are the shared
+expert's output blocks (gated_mlp.swiglu_down_block), loading their weight tiles before the programmatic
+wait. With a replay the router still chooses; the experts use its rows. Results as the three
+kernels': experts and replayed rows bit for bit, routing weights and shared expert to rounding. The routed
+experts' first kernel reads the rows after its programmatic wait (SparseMoeBlock passes `settled` False).
 """
 
 from __future__ import annotations
@@ -41,15 +26,8 @@ ENABLED = True
 """Dispatch a few rows' MoE block with this kernel (SparseMoeBlock._dispatch reads it); False: the
 three kernels (the benchmark's `no-moe-dispatch` switch). Switch before a pass is recorded."""
 WARPS = 4
-"""Warps a program. On the H200 decode-allfit ran 218.04 tok/s at 4 against 216.14 at 1 (where the router's
-reductions are warp shuffles alone, routing.ROUTE_WARPS) and 210.83 with the three kernels, in one process
-(bench/results/decode-allfit-moe-dispatch-ab.json): the shared expert's 8 × I weight tile a program in 128
-threads outweighs the router's reductions crossing shared memory. Compiled for sm_90 at flashnext's shape
-(replay, shared expert, I 640), the router's k rounds cross the warps behind 3 barriers a round at 4 warps,
-none at 1; at 1 warp a program's 8 rows take 139 registers, 4 rows 80, 2 rows 64 (SHARED_BLOCK). Those
-shapes measured neutral at 4 warps' speed (decode-allfit over 1,024 tokens, one process: 1 warp 228.22 tok/s,
-with 4 rows 228.01, with 2 rows 228.77, against 227.61; again 228.72 against 228.51: bench/results/
-decode-allfit-dispatch-ab.json, decode-allfit-hc-split-rank-ab.json), so 4 warps and 8 rows stay."""
+"""Warps a program: the shared expert's 8 × I weight tile a program in 128 threads outweighs the router's
+reductions crossing shared memory (at 1 warp they are warp shuffles alone, routing.ROUTE_WARPS)."""
 SHARED_BLOCK = 8
 """Shared-expert output rows a program (swiglu_down's default)."""
 

@@ -1,23 +1,16 @@
 """Decode MoE over int4 (W4A16, group 128) experts read in place from their pool rows: two Triton kernels.
 
-The torch path dequantises every chosen expert to the activation dtype before its GEMVs: for top-10 of
-2560×640 experts that is ~100 MB written and read again per layer to use 26 MB of int4. Here the codes are
-read once, dequantised in registers and multiplied at once:
+The codes are read once, dequantised in registers and multiplied (torch dequantises every chosen expert):
 
-1. gate/up: program (pair p, block of I columns) computes gate and up rows of expert rows[p] against x[t]
-   (t = p // k), and writes silu(gate) · up in fp32 — act [P, I].
-2. down: program (pair p, block of H rows) computes act[p] · down^T and scales it by the routing weight —
-   partial sums [P, H] fp32; the last of a token's k programs of a block to finish adds its k choices (and
-   the shared expert) in a fixed order (arrival.py: the result does not depend on scheduling), or (several
-   tokens, or KernelConfig.fold_sums False) a third kernel does.
+1. gate/up: program (pair p, block of I columns) → silu(gate) · up of expert rows[p] on x[p // k], [P, I].
+2. down: program (pair p, block of H rows) → act[p] · downᵀ × routing weight, [P, H] fp32; the last of a
+   token's k programs of a block adds its choices (and the shared expert) in a fixed order (arrival.py), or
+   (several tokens, or KernelConfig.fold_sums False) a third kernel does.
 
-All-resident one-token steps run both as CUDA C instead (moe_int4_native.py, RESIDENT_CONFIGS), where the
-kernels can be built: a warp's rows share the inputs in registers, which Triton's layouts could not express.
-
-Int4 layout (common/experts/formats.py): qweight uint8 [R, out, in/2] (column 2j in the low nibble of byte j,
-2j+1 in the high one), scales bf16 and zeros uint8 [R, out, in/128]; w = (q − zero) · scale. A loop step
-covers GROUPS_PER_STEP groups of 128 inputs; per group Σ_j (q_j − z)·x_j = Σ_j q_j·x_j − z·Σ_j x_j, so the
-zero point costs one multiply per row and group.
+All-resident one-token steps run both as CUDA C where built (moe_int4_native.py). Layout
+(common/experts/formats.py): qweight uint8 [R, out, in/2] (column 2j in byte j's low nibble, 2j+1 in its
+high one), scales bf16 and zeros uint8 [R, out, in/128]; w = (q − zero) · scale. Per group
+Σ_j (q_j − z)·x_j = Σ_j q_j·x_j − z·Σ_j x_j: the zero point is one multiply a row and group.
 """
 
 from __future__ import annotations
@@ -102,9 +95,7 @@ def _words_dot(
     """Σ over groups g0..g0+GPB−1 (those < GROUPS) of w[rows_out, group] · x → [BLOCK] fp32, the codes read
     as int32 words [BLOCK, GPB, 16] (input 8·m + i in bits 4i..4i+3 of word m), each taken out in place
     (`_nibble_term`): one shift a word, no int-to-float conversion, no byte unpacking, one layout conversion
-    where the byte form had four. Compiled for sm_90 (one token's shapes): gate_up 616 SASS instructions
-    against the byte form's 656 (its input read as strided scalars, one a code position), down 304 against
-    376."""
+    where the byte form had four."""
     gi = g0 + tl.arange(0, GPB)  # [GPB]
     live = gi < GROUPS
     m = tl.arange(0, 16)  # words of a group
@@ -325,14 +316,12 @@ def moe_int4_decode(
     x [T, H] (bf16/fp16/fp32, contiguous); rows, weights [T, k] (with `row_of` [E], rows holds expert ids and
     row_of[id] is the pool row: the kernels look it up, where a gather would be one more launch); pool: an
     int4 pool's components (`gate_up_qweight` [R, 2I, H/2], `gate_up_scales`/`gate_up_zeros` [R, 2I, H/128],
-    `down_*` likewise [R, H, ...]). H and I multiples of 128. `config`: the launch shape (`decode_config`
-    picks a table's for T); `kernels`: the launch options (the folded
-    combine). Fixed launch shapes, no host sync: a recorded step can hold it. `before_gate_up`
-    and `before_down` run right before the kernels that read those matrices (to wait for the rows' copies).
-    `shared` [T, H] (a shared expert's output, gated by σ(shared_gate [T, 1]) when given) is added in the
-    kernel that sums the choices. Down reads its rows (and `row_of`) and routing weights before it waits for
-    gate_up, which never writes them. `settled`: rows and `row_of` are not the outputs of the kernel launched
-    just before this call, so gate_up reads them before its wait too.
+    `down_*` likewise [R, H, ...]). H and I multiples of 128. `config`: the launch shape (`decode_config`);
+    `kernels`: the launch options. Fixed launch shapes, no host sync: graph-safe. `before_gate_up` and
+    `before_down` run right before the kernels that read those matrices (to wait for the rows' copies).
+    `shared` [T, H] (gated by σ(shared_gate [T, 1]) when given) is added where the choices are summed.
+    `settled`: rows and `row_of` are not the previous kernel's outputs, so gate_up reads them before its
+    programmatic wait too (down always does).
     """
     t, k = rows.shape
     c = config

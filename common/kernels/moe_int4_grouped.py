@@ -135,10 +135,8 @@ class GroupedConfig:
 
 
 GROUPED = GroupedConfig()
-"""The default: `python -m bench.moe_int4_tune --grouped` on the H200 (f5b4aed), 25,600 tokens uniformly
-over 512 experts: 203 TFLOP/s, the sweep's fastest (the first shape, 32 pairs × 64 columns unpipelined on
-the even/odd split products, ran prefill-25k's expert GEMMs at ~34); at 8,192 tokens 131 TFLOP/s, within
-1 % of the fastest there."""
+"""The default launch shape: the fastest of `python -m bench.moe_int4_tune --grouped` at prefill's large
+batches (layer-major groups)."""
 
 
 def moe_int4_grouped(

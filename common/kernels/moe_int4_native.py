@@ -3,9 +3,8 @@ rows, the inputs each lane's codes multiply in registers, every code loaded befo
 rows are settled, before the programmatic wait). `moe_int4_decode` calls them when its DecodeConfig asks
 (`native_rows`, `native_down_warps`) and they can take the call; else Triton's.
 
-What they gain is the loads in flight, not instructions: compiled for sm_90 (`bench.sass_census --native`),
-gate/up issues 2,264 instructions a warp for 4 rows × 2,560 inputs, ~6.8 a weight a lane (three in the inner
-dot, the rest converting inputs, scales and zeros, addresses), where Triton's words form issues ~7.4.
+What they gain is the loads in flight, not instructions: the scalar gate/up issues about as many instructions
+a weight as Triton's words form (`bench.sass_census --native`).
 """
 
 from __future__ import annotations

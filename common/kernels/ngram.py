@@ -1,8 +1,8 @@
 """A decode step's n-gram hashing for PLE (common/model/ngram.py) as one Triton kernel.
 
 In torch a step's hashing is ~50 small kernels (shifted histories with their end-of-sequence cuts, the
-multiply-xor mixing per n-gram order, the remainders, the padding, the context's update), ~2 µs each on the
-H200 for a few integers a lane. Here one program per lane reads its n−1 tokens of context and its new token,
+multiply-xor mixing per n-gram order, the remainders, the padding, the context's update) for a few integers a
+lane. Here one program per lane reads its n−1 tokens of context and its new token,
 writes the table rows of every head, and shifts the context.
 
 The values are those of `ngram_ids`: a token times its position's multiplier stays below 2⁶³ (the

@@ -1,26 +1,14 @@
 """Programmatic dependent launch for the decode kernels (Hopper on): a kernel launched with it may start while
-the kernel before it in the stream finishes, its programs resident and their prologue done, then wait in
-`gdc_enter` (griddepcontrol.wait: the earlier grids complete, their writes visible) before they read
-anything the kernel just before wrote. Weights no earlier kernel writes may be loaded before the wait, and so
-may the outputs of kernels further back: the kernel just before lets this one launch only after its own wait
-(`gdc_enter` waits, then triggers) or, if it does not take part (torch's, cuBLAS's), once its programs have
-exited (their writes not yet promised visible) — and it started only after the kernels before it completed.
-So the kernel just before must be known: a torch copy inserted before a launch (`.contiguous()`) becomes it.
+the kernel before it finishes, then waits in `gdc_enter` (griddepcontrol.wait: earlier grids done, their
+writes visible) before it reads what the kernel just before wrote. Weights and older kernels' outputs may be
+loaded before the wait: the kernel just before lets this one launch only after its own wait or, if it does
+not take part (torch's, cuBLAS's), once its programs have exited. The kernel just before must be known:
+a torch copy inserted before a launch (`.contiguous()`) becomes it.
 
-Why: a decode step is ~1,400 small kernels (decode-allfit at a02f295); a GEMV of a few MB takes ~4-6 µs of
-which ~2 are its launch, ramp and tail, and the HBM sits idle between kernels. With PDL the next kernel's
-ramp (and its weights' first loads) overlaps the previous kernel's tail. CUDA graphs keep the programmatic
-edges a stream capture records (CUDA 12.3 on).
-
-On by default (KernelConfig.pdl). With the hyper-connection and int4 decode kernels taking part, decode-allfit
-ran 144.66 tok/s against 139.62 without (+3.6 %) and decode-1 79.55 against 77.13 (+3.1 %) on the H200
-(bench/results/decode-allfit-pdl-ab.json, decode-1-pdl-ab.json); the step's other Triton kernels (norms, conv,
-GDN, attention, QSA, routing, cache resolution) took part after that. With all of them, decode-allfit ran
-188.51 tok/s against 166.98 with none (6f69515, one process: decode-allfit-serial-profile.txt).
-`bench.decode_offload --ablate --switches no-pdl` compares it. A kernel taking part calls `gdc_enter(GDC)`
-before its first read of an earlier kernel's output and its first write, in every program, and is launched
-with `**launch(device)`.
-cuBLAS's and torch's kernels do not wait: a kernel after one of them starts when it ends, as without.
+Why: a decode step is many small kernels; the next kernel's ramp and first weight loads overlap the previous
+one's tail. CUDA graphs keep the edges a stream capture records (CUDA 12.3 on). KernelConfig.pdl
+switches it. A kernel taking part calls `gdc_enter(GDC)` in every program before its first read of an
+earlier kernel's output and its first write, and is launched with `**launch(device)`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""QSA's indexer on a decode step as two Triton kernels (common/model/qwen4_exp/qsa.py `QSAIndexer`).
+"""QSA's indexer on a decode step as Triton kernels (common/model/qwen4_exp/qsa.py `QSAIndexer`).
 
-- `compress_step`: each token's block key — the mean of the block's raw indexer keys (members past the token
-  clamped to it), RMS-normalised with weight (1 + w), rotated at the block's first position — written at the
-  block's first slot. In torch ~40 kernels (page lookups, gather, mean, norm, the rotary's cos/sin and
-  halves, scatter); here program t does it, computing cos/sin from the rotary's inverse frequencies.
-- `block_scores`: every query's score for each complete block it sees, Σ_heads relu(q_h · key) / √D, −inf for
-  the blocks it does not see (torch: gather [T, NB, D] keys, einsum, relu, sum, mask: ~12 kernels).
-- `select_blocks`: the keys each query attends to, from its scores: the top-k blocks' keys and its own
-  incomplete block's. torch's top-k sorts (a radix sort and a gather, ~34 µs a QSA layer on an H200 in the
-  all-fit decode profile) and ~8 small kernels expand and mask; here each block's rank among the query's is
-  counted by a program of a few blocks (those ranked below k are chosen), and the last program to arrive
-  writes the chosen blocks' keys (or, KernelConfig.select_rank off, one program a query finds the k-th
-  largest score by a SELECT_WAYS-way search on its bits, all in registers; up to SELECT_MAX_BLOCKS blocks).
-
-And on a prefill pass, `prefill_block_scores`: one sequence's queries against its block keys, tiled (a tile of
-queries × a tile of blocks a program, the heads' products summed in registers), so only the [T, NB] scores
-are written. torch's einsum writes the per-head [T, Hi, NB] fp32 scores and reads them back for the ReLU and
-the sum (~0.8 GB a chunk of 8,192 queries at 25,600 tokens, ~1.9 ms a call on an H200 with its fp32 GEMM).
+- `compress_step`: each token's block key (the mean of the block's raw indexer keys up to the token,
+  RMS-normalised with weight (1 + w), rotated at the block's first position) at the block's first slot.
+- `block_scores`: a query's score per complete block it sees, Σ_heads relu(q_h · key) / √D, else −inf.
+- `select_blocks`: a query's keys: its top-k blocks' and its own incomplete block's. Programs of a few blocks
+  count each block's rank, and the last to arrive writes the chosen keys (KernelConfig.select_rank off: a
+  program a query searches the k-th largest score's bits SELECT_WAYS ways; up to SELECT_MAX_BLOCKS blocks).
+- `prefill_block_scores` (prefill): one sequence's queries × its block keys, tiled, the heads summed in
+  registers: only [T, NB] is written.
 
 Rotary pairs (entry i with i ± rot/2) are computed twice, once per entry, from memory: no register shuffle.
 """
@@ -213,13 +204,10 @@ RANK_TILE = 16384
 SELECT_WAYS = 4
 """Parts the search cuts its threshold's range into a round (a power of two): one reduction counts the
 keys at or above each part's start, so it finds the k-th largest of 2³² key values in 32 / log2(WAYS)
-rounds. On the H200 at flashnext's decode (1,024 blocks, k 512; bench/results/qsa-select-ways.txt) a call
-took 9.25 µs at 4 ways against 12.04 for the bisection (2), 10.03 at 8, 12.67 at 16 and 27.18 at 32: past
-4 a round's [WAYS, blocks] comparisons cost more than the rounds they save (bench.select_tune times
-them)."""
+rounds. Past 4 a round's [WAYS, blocks] comparisons cost more than the rounds they save (bench.select_tune
+times them)."""
 SELECT_WARPS = 4
-"""Warps of a search program: 9.21 µs a call at 4 against 37.72 at 1, 18.68 at 2 and 9.08 at 8 (1,024 blocks,
-4 ways; bench.select_tune at b005150)."""
+"""Warps of a search program (bench.select_tune)."""
 
 
 @triton.jit

@@ -8,8 +8,7 @@ grid is [compress, indexer heads, query heads, key heads], each program the body
 (`_compress_token`, `_norm_rope_head`). The block scores after it read the compressed keys and the indexer
 queries; the attention reads the rest.
 
-Why: three launches fewer a QSA layer, each its launch, wait and ramp for a few KB (the four's exposed time
-in decode-allfit was 0.096 ms a step over 12 layers at 93728bc, decode-allfit-l2-prefetch-profile.txt).
+Why: three launches fewer a QSA layer, each its launch, wait and ramp for a few KB.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """The expert cache's resolution of one layer's decode step as one Triton program (`CacheTables.resolve`'s
 decisions, bit for bit, with the copy list and pool rows `OffloadedExperts` needs).
 
-As torch ops the resolution is ~130 small kernels per layer (counted on the tiny model: statistics, keys,
-two orderings, the table updates, the counters), and inside a recorded decode step each still costs its slot
-(~1-2 µs on an H200): ~10 ms of a 48-layer step. Here one program per layer does all of it, the expert
-dimension (E ≤ 2^16) held in registers. Gathers that depend on values (an expert's rate by its slot's
-owner, the row of a newcomer) read the tables back from memory after a barrier, so the program sees its own
-writes.
+As torch ops the resolution is ~130 small kernels a layer, each costing its slot in a recorded step. Here one
+program a layer does it, the expert dimension (E ≤ 2^16) in registers. Gathers that depend on values (an
+expert's rate by its slot's owner, a newcomer's row) read the tables back after a barrier, so the program
+sees its own writes.
 
 The newcomers (the misses, most frequent first) and their victims are chosen by rounds of argmax / argmin
 (ties to the lower position, as the torch path's stable sort and unique keys order them), one round per
-miss: the copy list has P = min(T·k, E) entries (10 for one token of top-10), the misses first; the
-entries past them are not valid (expert 0 to the spare row: never copied), where the torch path lists the
-other experts.
+miss: the copy list has P = min(T·k, E) entries, the misses first; the entries past them are not valid
+(expert 0 to the spare row: never copied), where the torch path lists the other experts.
 """
 
 from __future__ import annotations
@@ -250,10 +247,8 @@ def _prefetch_kernel(
 
 
 NUM_WARPS = 4
-"""Warps of the one program. Measured on the H200 (`python -m bench.resolve_warps`, 48 layers × 512 experts,
-top-10, µs per layer), when a round took three reductions: 1 warp 30.0, 2: 22.6, 4: 19.4, 8: 20.2, 16: 24.2.
-The serial rounds of argmin/argmax over E set the time, not the warps: with one reduction a round, 4 warps
-take 13.6 µs at one token and 52.6 at eight (bench/results/resolve-warps.txt): fewer rounds, less."""
+"""Warps of the one program (`python -m bench.resolve_warps`): the serial rounds of argmin/argmax over E set
+the time more than the warps do."""
 
 
 def _copy_list(p: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -60,9 +60,8 @@ def _bf16_bits(x):
 
 
 ROUTE_WARPS = 1
-"""Warps a token's program: its k + 2 reductions over the E logits are then warp shuffles alone, where with 4
-warps each crossed shared memory behind a barrier (~4.8 µs a call in decode-allfit-profile.txt at 81a85af,
-48 a step, for ~0.5 µs of arithmetic)."""
+"""Warps a token's program: its k + 2 reductions over the E logits are then warp shuffles alone, where with
+more warps each crosses shared memory behind a barrier."""
 
 
 def route_fused(

@@ -50,21 +50,15 @@ def configure_kernels(model: nn.Module, kernels: KernelConfig, backend: object |
 def use_fused_kernels(
     model: nn.Module, on: bool = True, backend: object | None = None, fuse_copy: bool = True
 ) -> None:
-    """Switch the fused kernels on or off for `model` (on by default on CUDA: Engine, WorkerConfig): the
-    one-program cache resolution (resolve.py, decode passes of an offloaded provider), merged expert copies
-    (expert_copy.py), the grouped int4 expert GEMMs of prefill passes (moe_int4_grouped.py, an offloaded int4
-    provider that owns its cache), the Gated DeltaNet step (gated_delta.py, decode passes), the causal convs
-    of Gated DeltaNet and PLE (causal_conv.py, every pass), PLE's n-gram hashing (ngram.py) and gate (ple.py,
-    decode passes), the hyper-connections' elementwise work (hyper.py, every pass), QSA's norm + RoPE of q, k
-    and indexer queries (norm_rope.py, every pass; with the keys' and values' page writes), the indexer's
-    decode steps (qsa_indexer.py), the router's softmax + top-k (routing.py, every pass; a few rows' with the
-    routing replay and the shared expert's down in one grid: moe_dispatch.py) and, given the runner's
-    attention `backend`, paged decode attention with QSA's output gate (decode_attention.py). They need CUDA,
-    or Triton's interpreter (tests). Switching on also fuses each module's same-input projections into one
-    GEMM (common/model/fused_linear.py; `fuse_copy` False: only those whose weights already lie back to back,
-    as in a process that maps another's); switching off leaves projections fused (the same products). Switch
-    before the first decode pass: a recorded pass (common/engine/graphs.py) keeps the path it was recorded
-    with."""
+    """Switch the fused Triton kernels on or off for `model` (on by default on CUDA: Engine, WorkerConfig):
+    cache resolution and merged expert copies of an offloaded provider, grouped int4 prefill GEMMs, the
+    Gated DeltaNet step, causal convs, PLE's n-gram hashing and gate, hyper-connections, QSA's norm + RoPE and
+    indexer, the router (with a few rows' replay and shared expert: moe_dispatch.py) and, given the runner's
+    attention `backend`, paged decode attention (each module's `fused_decode` and common/kernels). They need
+    CUDA, or Triton's interpreter (tests). Switching on also fuses each module's same-input projections into
+    one GEMM (fused_linear.py; `fuse_copy` False: only those whose weights already lie back to back);
+    switching off leaves them fused (the same products). Switch before the first decode pass: a recorded pass
+    (common/engine/graphs.py) keeps the path it was recorded with."""
     if on:
         fuse_projections(model, fuse_copy)
         configure_kernels(model, getattr(model, "kernels", KERNELS), backend)  # the new fused projections too

@@ -26,10 +26,7 @@ from common.kernels.config import KERNELS, KernelConfig
 
 ALIGN_BYTES = 16
 """A fused weight gets rows beyond its Linears' (never read back) up to an output row of a multiple of this:
-cuBLAS's fast Hopper GEMMs want 16-byte-aligned rows. In prefill-25k's profile (a349658, H200) the MoE
-block's 1,793 columns (router 512, shared expert gate and up 640 each, its gate logit 1) ran on an
-alignment-1 cutlass kernel, 2.6 ms a layer (~90 TFLOP/s), and the hyper-connections' 324 on an
-alignment-4 one (~270 TFLOP/s)."""
+cuBLAS's fast Hopper GEMMs want 16-byte-aligned rows; unaligned widths fall to slow low-alignment kernels."""
 
 
 def _padding(rows: int, itemsize: int) -> int:

@@ -32,7 +32,7 @@ class SparseMoeBlock(nn.Module):
 
     fused_decode = False
     """Route with one Triton kernel (common/kernels/routing.py; a few rows' with the routing replay and the
-    shared expert's down beside it: moe_dispatch.py). Opt-in: see `use_fused_kernels`."""
+    shared expert's down beside it: moe_dispatch.py). Set by `use_fused_kernels`."""
 
     fused_in: FusedLinears | None = None
     """The router and the shared expert's gate, up and gate logit as one GEMM (`fuse_projections`)."""

@@ -7,8 +7,8 @@
 // the inputs those chunks multiply (from L1, one chunk at a time) in registers, shared by the warp's 2R
 // rows. In the inner dot a code costs three instructions: one LOP3 puts it in place in the mantissa of 2^23
 // (the float 2^23 + q*16^e, exact), one FADD takes 2^23 away, one FFMA multiplies it by its input, stored
-// divided by 16^e. With the inputs' conversion, scales, zeros and addresses it is ~6.8 a code
-// (bench.sass_census --native; Triton's words form ~7.4): the gain is in the loads. The zero point costs
+// divided by 16^e. With the inputs' conversion, scales, zeros and addresses it issues about as much as
+// Triton's words form (bench.sass_census --native): the gain is in the loads. The zero point costs
 // one multiply a chunk: sum (q - z) x = sum q x - z sum x. The rows' codes are all loaded before any math,
 // and, when the pair's row is settled (not written by the kernel just before), before the programmatic-launch
 // wait.
@@ -289,11 +289,8 @@ __global__ void down_kernel(const float* __restrict__ act, const void* __restric
 // 128 + q (bf16's last place at 128 is 1) and one bf16x2 subtraction into q - z, exact; an m16n8k16 MMA
 // multiplies 16 rows x 16 codes by the inputs, which every lane packs the same way (all 8 columns of B hold
 // x, so every column of C holds the dot), accumulating in fp32; the group's scale multiplies that in fp32.
-// A warp loads kMmaAhead groups of codes ahead of the one it multiplies. At flashnext's shape the 400 blocks
-// are one wave: with every group loaded before any math, each SM first waited for all its bytes and then
-// only computed (20.02 us a call with down, against the scalar kernel's 19.65); one group ahead, 16.29
-// (bench/results/moe-int4-decode-native.txt). Compiled for sm_90: 2,160 instructions a warp for 32 rows x
-// 640 inputs (~3.4 a code, against the scalar kernel's ~6.8; bench.sass_census --native), 127 registers.
+// A warp loads kMmaAhead groups of codes ahead of the one it multiplies: with every group loaded before any
+// math, a one-wave launch has each SM wait for all its bytes and then only compute.
 constexpr int kMmaWarps = 4;
 constexpr int kMmaMaxGroups = 5;  // a warp's groups: inputs up to 4 * 5 * 128 = 2560
 constexpr int kMmaAhead = 1;      // groups whose codes are loaded ahead of the one being multiplied

@@ -11,9 +11,8 @@ constexpr int kLanes = 32;
 // Loads of what the kernels before wrote (x, the activations), after gdc_wait: ld.global.ca (SASS
 // LDG.STRONG.SM, cached in L1 as .nc is; the wait makes the grid before's writes visible to them). Through a
 // const __restrict__ pointer nvcc emits ld.global.nc, which it treats as invariant and may hoist above the
-// wait's asm (it did, in the tensor-core down: its graph replays read the activations before gate/up wrote
-// them). ld.global.cg (L2 only) was correct but cost 3 to 15 µs a call. A weak ld.global (asm; SASS plain
-// LDG.E.128, also kept after the wait) timed the same as .ca: 17.04 µs a call both (bench.moe_int4_tune).
+// wait's asm, reading the activations before the kernel before wrote them. ld.global.cg (L2 only) is also
+// correct, but slower.
 template <typename T>
 __device__ __forceinline__ T load_after_wait(const T* p) {
   return __ldca(p);
@@ -21,10 +20,9 @@ __device__ __forceinline__ T load_after_wait(const T* p) {
 
 // A weight's chunk (no kernel writes it), loaded before the programmatic wait: a weak ld.global (asm
 // volatile), not __ldg. ptxas treats a non-coherent load (ld.global.nc) as free to move across
-// griddepcontrol.wait and sinks most of them below it (16 of a gemv_row lane's 24; 8 of the tensor-core
-// down's 10), so they wait for the kernel before after all; weak loads it keeps above (the SASS tests in
-// tests/common/kernels/test_gemv_native.py and tests/bench/test_sass_census.py). L1::no_allocate: a
-// weight is read once a step.
+// griddepcontrol.wait and sinks most of them below it, so they wait for the kernel before after all; weak
+// loads it keeps above (the SASS tests in tests/common/kernels/test_gemv_native.py and
+// tests/bench/test_sass_census.py). L1::no_allocate: a weight is read once a step.
 __device__ __forceinline__ uint4 load_settled(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"

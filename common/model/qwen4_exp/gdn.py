@@ -55,8 +55,8 @@ class GatedDeltaNet(nn.Module):
 
     fused_decode = False
     """Run a decode step's conv, recurrence with its gates, and output norm as three Triton kernels
-    (common/kernels: causal_conv, gated_delta, gated_norm) instead of ~60 torch ops. Opt-in until measured
-    on the GPU (see `use_fused_kernels`)."""
+    (common/kernels: causal_conv, gated_delta, gated_norm) instead of ~60 torch ops. Set by
+    `use_fused_kernels`."""
 
     fused_in: FusedLinears | None = None
     """The four input projections as one GEMM (`fuse_projections`)."""
@@ -129,9 +129,7 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, state: dict[str, torch.Tensor], slots: torch.Tensor
     ) -> torch.Tensor:
         """A decode step in Triton kernels (projections with conv + SiLU, recurrence + gates, gated norm);
-        states updated in place in their slots. As one kernel (conv and norm folded in by the last program to
-        arrive, d1950bd) the step lost: decode-allfit 184.33 tok/s against 186.87, 9.05 µs a call serialized
-        against the three's 7.66 (bench/results/decode-allfit-gdn-step-ab.json)."""
+        states updated in place in their slots."""
         from common.kernels.gated_delta import gated_delta_step
 
         epilogue = takes_conv(x, self.fused_in, self.kernels)

@@ -55,7 +55,7 @@ class HyperConnection(nn.Module):
 
     fused_decode = False
     """Run the elementwise work as three Triton kernels (common/kernels/hyper.py) instead of ~30 torch ops.
-    Opt-in until measured on the GPU (see `use_fused_kernels`)."""
+    Set by `use_fused_kernels`."""
 
     def __init__(self, cfg: Qwen4ExpConfig, inject: bool = True) -> None:
         super().__init__()

@@ -75,7 +75,7 @@ class QSAIndexer(nn.Module):
 
     fused_decode = False
     """Norm and rotate the queries in one Triton kernel, and score the blocks with Triton kernels (decode and
-    prefill; opt-in: `use_fused_kernels`)."""
+    prefill). Set by `use_fused_kernels`."""
 
     kernels: KernelConfig = KERNELS
     """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
@@ -244,7 +244,7 @@ class QSAttention(nn.Module):
     """The output projection, which `--resident-dtype fp8` turns to fp8 with the inputs (fp8_linear.py)."""
 
     fused_decode = False
-    """Norm and rotate q and k in one Triton kernel each (opt-in: `use_fused_kernels`)."""
+    """Norm and rotate q and k in one Triton kernel each. Set by `use_fused_kernels`."""
 
     kernels: KernelConfig = KERNELS
     """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
