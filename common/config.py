@@ -157,11 +157,8 @@ def check_lending(
 
 DEFAULT_LOOKAHEAD = 4
 """Experts a token each MoE layer guesses for the next by default, on CUDA with an expert cache (a layer
-keeps copying its guesses in only while they are used: `OffloadedExperts.guess_precision`). On the H200 with
-the model's own routing it took decode-1 from 40.5 to 51.3 tok/s; on synthetic-zipf, whose routing no hidden
-state predicts, the gate switches it off and what the guesses still cost is inside the spread between machine
-starts (75.2 against 74.8 tok/s off at one commit; 73.5 by default against 76.0 off, two commits).
-bench/README.md."""
+keeps copying its guesses in only while they are used: `OffloadedExperts.guess_precision`; bench/LOG.md,
+Lookahead)."""
 
 
 def resolve_lookahead(model_dir: str, cached: bool, lookahead: int | None, device: str) -> int:

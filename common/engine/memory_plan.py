@@ -5,7 +5,7 @@ Nothing is loaded: a meta-device model (`empty_model`) gives the shapes and dtyp
 
 - `weights`: the meta model's parameters and buffers (tied ones once); routed experts and host tables (PLE's
   n-gram table) are not counted.
-- `kv`: a meta `StatePool` of `model.state_specs(dtype)`, K/V in `kv_dtype`, `ModelRunner`'s pages.
+- `kv`: a meta `StatePool` of `model.state_specs(dtype)`, K/V in `kv_dtype`.
 - `arena`: beside the cache's S slots, a spare row and two arena buffers of E rows: (1 + 2E) expert rows;
   a decode process under `spillway serve` keeps one buffer: (1 + E).
 - `scratch`: the activation workspace estimate (`scratch_terms`).
