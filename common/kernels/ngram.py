@@ -12,6 +12,7 @@ torch's.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -68,6 +69,16 @@ def _ngram_step_kernel(
     tl.store(row + (N - 2), token)
 
 
+@functools.cache
+def _spec_tensors(
+    values: tuple[tuple[int, ...], ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A spec's multipliers, head vocabulary sizes and offsets on `device`, made once: a decode step that a
+    CUDA graph records may not copy host values to the device."""
+    mult, sizes, offsets = (torch.tensor(v, dtype=torch.int64, device=device) for v in values)
+    return mult, sizes, offsets
+
+
 def ngram_step(
     spec: HashSpec,
     context: torch.Tensor,
@@ -80,8 +91,9 @@ def ngram_step(
     if spec.ngram_size < 2:
         raise ValueError("n-gram hashing needs an n-gram size of at least 2")
     assert context.stride(1) == 1, "each slot's context must be contiguous"
-    values = (spec.multipliers, spec.head_vocab_sizes, spec.head_offsets)
-    mult, sizes, offsets = (torch.tensor(v, dtype=torch.int64, device=tokens.device) for v in values)
+    mult, sizes, offsets = _spec_tensors(
+        (spec.multipliers, spec.head_vocab_sizes, spec.head_offsets), tokens.device
+    )
     out = torch.empty((tokens.shape[0], spec.num_heads), dtype=torch.int64, device=tokens.device)
     if tokens.shape[0]:
         _ngram_step_kernel[(tokens.shape[0],)](

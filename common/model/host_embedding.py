@@ -10,7 +10,7 @@ plan counts no device bytes for it, decode exports its rows and prefill attaches
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -18,7 +18,6 @@ from torch import nn
 from common.model.host_rows import HostRows
 
 
-@runtime_checkable
 class HostTableOwner(Protocol):
     """A module whose table lives in host memory, attached after construction (HostEmbedding, PLE)."""
 
@@ -34,7 +33,7 @@ class HostTableOwner(Protocol):
 
 def host_table_owners(model: nn.Module) -> dict[str, HostTableOwner]:
     """The modules of `model` that own a host table, by module name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, HostTableOwner)}
+    return {name: cast(HostTableOwner, m) for name, m in model.named_modules() if hasattr(m, "attach_table")}
 
 
 class HostEmbedding(nn.Module):

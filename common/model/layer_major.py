@@ -13,7 +13,7 @@ A layer takes part through four members (`run_layer_major`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -21,7 +21,6 @@ from torch import nn
 from common.model.context import ForwardContext
 
 
-@runtime_checkable
 class LayerMajorLayer(Protocol):
     """A layer's four members that a layer-major pass takes (the module docstring says what each does)."""
 
@@ -46,8 +45,8 @@ def run_layer_major(
     - `ffn_input(x) → (h, aux)`: the channel mixer's input [T, H] and what `ffn_output` needs besides;
     - `mlp(h)`: the channel mixer, token-wise;
     - `ffn_output(x, out, aux)`: x with the channel mixer's output out [T, H] added back."""
-    for layer in layers:
-        assert isinstance(layer, LayerMajorLayer)
+    for module in layers:
+        layer = cast(LayerMajorLayer, module)
         inputs, aux = [], []
         for c, ctx in enumerate(contexts):
             xs[c] = layer.mix_tokens(xs[c], ctx)

@@ -17,7 +17,7 @@ import re
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -293,7 +293,6 @@ def load_model(
     return build_model(arch, cfg, source, where, dtype, device, expert_device=expert_device, fuse=fuse)
 
 
-@runtime_checkable
 class BuiltModel(Protocol):
     """What `empty_model` finishes on the module an architecture builds."""
 
@@ -316,14 +315,14 @@ def empty_model(
     Linears' weights are views of it, so loading fills it and no memory is freed or held twice."""
     with torch.device("meta"):
         model = arch.build(cfg, experts).to(dtype)
-    assert isinstance(model, BuiltModel)
     if fuse:
         fuse_projections(model)  # on the meta device: shapes only
     _materialize(model, torch.device(device))
     if fuse:
         fuse_projections(model, copy=False)  # the fused weights, now on the device (views, no copy)
-    model.rotary.init_buffers()
-    model.tie_weights()
+    built = cast(BuiltModel, model)
+    built.rotary.init_buffers()
+    built.tie_weights()
     return model
 
 
