@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import jinja2
 
@@ -84,7 +85,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.image:
         prompt_ids, images = _image_chat(args, engine, model_dir)
     elif args.chat is not None:
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.chat}], tokenize=True)
+        messages = [{"role": "user", "content": args.chat}]
+        prompt_ids = cast(list[int], tok.apply_chat_template(messages, tokenize=True))  # ids: tokenize
     else:
         prompt_ids = tok.encode(args.prompt)
     params = SamplingParams(
@@ -252,7 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
     _check_before_start(args, cfg, model)
     if cfg.vram_budget is not None:  # (a budget is for a GPU: `auto` under --ray is one of the nodes')
         _check_serve_plan(dataclasses.replace(cfg, device="cuda") if cfg.device == "auto" else cfg)
-    gpus = pair_gpus(args.pairs, cfg.device) if args.ray is None else [None] * args.pairs
+    gpus: list[str | None] = pair_gpus(args.pairs, cfg.device) if args.ray is None else [None] * args.pairs
     opts = ServeOptions(
         model_dir=model_dir,
         host=args.host,
@@ -321,6 +323,7 @@ def _check_serve_plan(cfg) -> None:
     from common.workers.decode import apply_memory_plan
 
     _, plan = apply_memory_plan(cfg)
+    assert plan is not None  # cfg has a vram_budget
     logging.getLogger("launch").info("memory plan:\n%s", format_plan(plan))
 
 

@@ -1,5 +1,5 @@
-"""The tree stays ruff clean (lint and format) and keeps its import contracts (pyproject.toml's
-[tool.importlinter]), so style and layering are checked wherever the tests run."""
+"""The tree stays ruff clean (lint and format), type-checks (mypy) and keeps its import contracts
+(pyproject.toml's [tool.importlinter]), so style, types and layering are checked wherever the tests run."""
 
 from __future__ import annotations
 
@@ -34,4 +34,17 @@ def test_import_contracts_kept() -> None:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     result = subprocess.run([lint_imports, "--no-cache"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_types_checked() -> None:
+    """mypy (pyproject.toml's [tool.mypy]: common/ and services/) reports no error."""
+    mypy = shutil.which("mypy")
+    if mypy is None:
+        pytest.fail("mypy is not installed (it is part of the test extra)")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run([mypy], cwd=ROOT, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stdout + result.stderr

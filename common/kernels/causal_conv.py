@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 import triton
@@ -123,6 +124,36 @@ def _conv_prefill_kernel(
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + t[:, None] * channels + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+@overload
+def conv_prefill(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    seq: torch.Tensor,
+    offset: torch.Tensor,
+    lens: torch.Tensor,
+    dilation: int = 1,
+    silu: bool = False,
+    split: None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def conv_prefill(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    seq: torch.Tensor,
+    offset: torch.Tensor,
+    lens: torch.Tensor,
+    dilation: int,
+    silu: bool,
+    split: Sequence[int],
+) -> list[torch.Tensor]: ...
 
 
 def conv_prefill(

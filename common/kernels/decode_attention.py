@@ -200,7 +200,7 @@ def paged_decode_attention(
     denom = torch.empty_like(m)
     acc = torch.empty((*partial, dim), dtype=torch.float32, device=q.device)
     fp8 = kv_scale is not None
-    scales = kv_scale if fp8 else m  # unread without fp8
+    scales = kv_scale if kv_scale is not None else m  # unread without fp8
     sel = selected.contiguous() if selected is not None else page_table
     # Dots take q's dtype (bf16 on the GPU; fp8 pages widen to it exactly); fp32 ones in full IEEE fp32, as
     # tf32 (the default, which 16-bit inputs ignore) would miss the fp32 reference by ~1e-3.

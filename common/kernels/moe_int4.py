@@ -82,7 +82,7 @@ def _nibble_term(words, high, zero, x_ptr, gi, live, m, CODE: tl.constexpr, MAJO
         place: tl.constexpr = 16.0**CODE
     else:
         bits = (high & (15 << (4 * (CODE - 5)))) | 0x4B000000
-        place: tl.constexpr = 16.0 ** (CODE - 5)
+        place: tl.constexpr = 16.0 ** (CODE - 5)  # type: ignore[no-redef]  # Triton: a constexpr per branch
     offset = 8388608.0 + zero * place  # [BLOCK, GPB] 2²³ + z·16^e
     x = _nibble_x(x_ptr, gi, live, m, CODE, place, MAJOR)
     return (bits.to(tl.float32, bitcast=True) - offset[:, :, None]) * x[None, :, :]
@@ -339,8 +339,8 @@ def moe_int4_decode(
     partial = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)
     x, rows, weights = x.contiguous(), rows.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     pdl = launch(x.device, kernels=kernels)  # every kernel of the call: the same launch
-    knobs = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic, "num_warps": c.num_warps}
-    knobs |= {"WORDS": c.words, "STAGES": c.stages, **pdl}
+    knobs: dict[str, object] = {"HALF": GROUP // 2, "SPLIT": c.split_act, "MAGIC": c.magic}
+    knobs |= {"num_warps": c.num_warps, "WORDS": c.words, "STAGES": c.stages, **pdl}
     gate_up_knobs = {"SETTLED": settled, "STAGES": c.gate_up_stages or c.stages, **pdl}
     if c.words:  # the codes as int32 words: 16 a group's row
         pool = {name: t.view(torch.int32) if name.endswith("qweight") else t for name, t in pool.items()}
@@ -370,7 +370,8 @@ def moe_int4_decode(
     gated = shared_gate is not None
     shared = shared.contiguous() if shared is not None else partial
     # the shared expert, its gate and the output: read and written by whichever kernel sums the choices
-    sums = (shared, shared_gate if gated else partial, out, shared_gate.stride(0) if gated else 0)
+    gate_stride = shared_gate.stride(0) if shared_gate is not None else 0
+    sums = (shared, shared_gate if gated else partial, out, gate_stride)
     sums_knobs = {"K": k, "SHARED": shared is not partial, "GATED": gated}
     fold = arrival.folds(t, kernels)
     warps = c.native_down_warps

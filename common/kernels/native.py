@@ -48,8 +48,8 @@ def build(name: str, arch: str, sources: Path | None = None) -> Path:
     digest = hashlib.sha256()
     for part in (source, *sorted({*SOURCES.glob("*.cuh"), *sources.glob("*.cuh")})):
         digest.update(part.read_bytes())
-    digest = digest.hexdigest()[:16]
-    target = cache_dir() / f"{name}-{digest}-{arch}.so"
+    key = digest.hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}-{arch}.so"
     if target.is_file():
         return target
     compiler = nvcc()

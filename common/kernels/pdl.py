@@ -56,7 +56,8 @@ def native_mode(kwargs: dict[str, object]) -> int:
     """A CUDA C kernel's `gdc` argument (common/kernels/cuda/launch.cuh) for `launch`'s keywords: 0 no wait,
     1 wait then trigger, 2 wait only (no CUDA C kernel is launched `trigger_first`)."""
     assert kwargs["GDC"] != TRIGGER_FIRST, "trigger_first: Triton kernels only"
-    return {True: 1, WAIT_ONLY: 2}.get(kwargs["GDC"], 0)
+    modes: dict[object, int] = {True: 1, WAIT_ONLY: 2}
+    return modes.get(kwargs["GDC"], 0)
 
 
 @functools.cache

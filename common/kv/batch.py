@@ -198,6 +198,6 @@ class ForwardBatch:
             rows = (index[lo:hi] - start).to(self.input_ids.device)
             self.image_rows = rows, images.embeds[lo:hi].to(self.input_ids.device)
 
-    def slots_of(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def slots_of(self, seq: torch.Tensor | int, pos: torch.Tensor) -> torch.Tensor:
         """Flat paged-state index of position `pos` of batch sequence `seq` (broadcasting)."""
         return self.page_table[seq, pos // self.page_size] * self.page_size + pos % self.page_size

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +106,8 @@ def plain_linear(linear: nn.Module | FusedLinears | None) -> bool:
     """A bias-free Linear (or fused Linears) with a contiguous weight, not an fp8 one: what the Triton GEMVs
     that fold a projection into their neighbours read (common/kernels/hyper.py, gated_mlp.py)."""
     kind = type(linear) in (nn.Linear, Linear, FusedLinears)
-    return kind and linear.bias is None and linear.weight.is_contiguous()
+    plain = cast("nn.Linear | FusedLinears", linear)  # (read only when `kind`)
+    return kind and plain.bias is None and plain.weight.is_contiguous()
 
 
 def takes_conv(x: torch.Tensor, fused: object, kernels: KernelConfig = KERNELS) -> bool:
@@ -130,7 +132,7 @@ def fuse_linears(linears: Sequence[nn.Linear], copy: bool = True) -> FusedLinear
     (a process that maps another's fused weights) are viewed as they are; otherwise, with `copy`, they are
     copied into a new tensor (and their old memory freed), and without it nothing is fused (None)."""
     if all(hasattr(linear, "qweight") for linear in linears):  # fp8 (fp8_linear.py): views of one weight only
-        fuse_group: Callable[[Sequence[nn.Module]], FusedLinears | None] = linears[0].fuse_group
+        fuse_group = cast(Callable[[Sequence[nn.Module]], FusedLinears | None], linears[0].fuse_group)
         return fuse_group(linears)
     if not all(isinstance(linear, nn.Linear) for linear in linears):
         return None
@@ -197,7 +199,8 @@ def fuse_projections(model: nn.Module, copy: bool = True) -> int:
     `copy` False (a process whose weights are mapped from another's) only groups already back to back are.
     """
     owners = [m for m in model.modules() if hasattr(m, "fuse_projections")]
-    fused = sum(int(m.fuse_projections(copy)) for m in owners)
+    fusers = [cast(Callable[[bool], bool], m.fuse_projections) for m in owners]
+    fused = sum(int(fuse(copy)) for fuse in fusers)
     if copy and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the unfused weights' blocks: give them back rather than keep them cached
     return fused

@@ -68,6 +68,8 @@ def _llama3(rope: RopeConfig, inv_freq: torch.Tensor, original: int) -> torch.Te
 class RotaryEmbedding(torch.nn.Module):
     """Rotates the first `rot_dim` channels of each head by position (the HF "rotate half" layout)."""
 
+    inv_freq: torch.Tensor  # [rot_dim/2] a registered buffer
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
         self.rope, self.head_dim, self.max_position = rope, head_dim, max_position

@@ -27,6 +27,7 @@ def sample_with_logprobs(
     tokens = sample_on_device(logits, reqs, processors)
     top = top_logprobs(reqs)
     asked = [r.params.logprobs for r in reqs]
+    rows: list[TokenLogprobs | None]
     rows = [None] * len(reqs) if top is None else host_logprobs(*logprobs_of(logits, tokens, top), asked)
     listed = tokens.tolist()
     for req, token in zip(reqs, listed, strict=True):

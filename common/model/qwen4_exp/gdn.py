@@ -153,9 +153,11 @@ class GatedDeltaNet(nn.Module):
 
         weight = self.conv1d.weight[:, 0]  # [conv_dim, K]
         if epilogue:
+            fused = self.fused_in
+            assert fused is not None  # takes_conv: a FusedLinears
             step = gemv.ConvStep(history, slots, weight)
-            out = gemv.gemv(x, self.fused_in.weight, conv=step, kernels=self.kernels)
-            return self.fused_in.split(out)
+            out = gemv.gemv(x, fused.weight, conv=step, kernels=self.kernels)
+            return fused.split(out)
         qkv, z, b, a = project(x, self._inputs(), self.fused_in)
         return conv_step(qkv, history, slots, weight, silu=True, kernels=self.kernels), z, b, a
 

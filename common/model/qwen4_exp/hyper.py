@@ -93,12 +93,15 @@ class HyperConnection(nn.Module):
         partial products [hc, T, hc], which hc_inject sums), and the streams (a deferred injection applied).
         `hold_next`: the mix-up kernel lets the sublayer's first kernel launch only at its exit (pdl.launch).
         """
-        deferred = streams if isinstance(streams, DeferredInject) else None
-        rows = streams.streams if deferred is not None else streams
+        if isinstance(streams, DeferredInject):
+            deferred, rows = streams, streams.streams
+        else:
+            deferred, rows = None, streams
         if self.fused_decode and self._project_fits(rows):  # norm, projection and mix in two kernels
             from common.kernels.hyper import hc_mix_up, hc_project  # Triton
 
             norm, fused = self.hc_norm, self.fused_in
+            assert fused is not None  # _project_fits: a plain FusedLinears
             inject = (deferred.out, deferred.logits) if deferred is not None else None
             product, scales, streams = hc_project(
                 rows, norm.weight, norm.eps, fused.weight, self.hc, inject=inject, kernels=self.kernels
@@ -153,11 +156,14 @@ class HyperConnection(nn.Module):
         """streams + sublayer(mix(streams)) injected into every stream with its learned weight; with `defer`,
         the injection may be left to the next hyper-connection (a DeferredInject); `hold_next` as `_mix`'s."""
         mixed, logits, streams = self._mix(streams, hold_next)
+        assert logits is not None  # an inject weight: hyper-connections without one only `mix`
         return self.inject(streams, sublayer(mixed), logits, defer)
 
     def mix_input(self, streams: Streams) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [T, hc·H] → (the sublayer's input [T, H], the inject logits [T, hc])."""
-        return self._mix(applied(streams))[:2]
+        mixed, logits, _ = self._mix(applied(streams))
+        assert logits is not None  # an inject weight
+        return mixed, logits
 
     def inject(
         self, streams: torch.Tensor, out: torch.Tensor, logits: torch.Tensor, defer: bool = False

@@ -85,6 +85,7 @@ class PLE(nn.Module):
 
     def forward(self, streams: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """What PLE adds to the streams [T, hc·H]."""
+        assert self.table is not None, "attach_table first"
         emb = self.table.lookup(self._hash(ctx), streams.dtype).flatten(-2)  # [T, E]
         key, value = project(emb, (self.key_proj, self.value_proj), self.fused_in)  # [T, hc·H], [T, H]
         history, weight = ctx.pool.layer(self.layer_idx).slots["ple_conv"], self.conv1d.weight[:, 0]

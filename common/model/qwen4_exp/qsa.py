@@ -285,6 +285,7 @@ class QSAttention(nn.Module):
         fused = _rotates_fused(self.fused_decode, ctx)
         store = kv_store(state, ctx.batch.slot_mapping, v) if fused else None
         if self._prologue_fits(ctx, store):
+            assert store is not None  # _prologue_fits
             selected, q, k = self._prologue(index_qk, q, k, store, ctx)
         else:
             selected = self.indexer(index_qk, ctx)
@@ -309,12 +310,12 @@ class QSAttention(nn.Module):
         qsa_prologue."""
         from common.kernels.qsa_prologue import HeadNorm, qsa_prologue  # Triton
 
-        blocks, index_q = self.indexer.prologue_parts(index_qk, ctx)
+        blocks, index_norm = self.indexer.prologue_parts(index_qk, ctx)
         q_norm = HeadNorm(q, self.q_norm.weight, self.q_norm.eps)
         k_norm = HeadNorm(k, self.k_norm.weight, self.k_norm.eps)
         batch = ctx.batch
         index_q, q, k = qsa_prologue(
-            blocks, index_q, q_norm, k_norm, store, batch.positions, batch.rope_positions, ctx.rotary,
+            blocks, index_norm, q_norm, k_norm, store, batch.positions, batch.rope_positions, ctx.rotary,
             kernels=self.kernels,
         )  # fmt: skip
         return self.indexer.select_after_prologue(index_q, ctx), q, k
