@@ -22,9 +22,6 @@ from common.kernels.gated_mlp import swiglu_down_block
 from common.kernels.pdl import gdc_enter, launch
 from common.kernels.routing import REPLAY_ONE_PROGRAM, as_written, replay_tokens, route_token
 
-ENABLED = True
-"""Dispatch a few rows' MoE block with this kernel (SparseMoeBlock._dispatch reads it); False: the
-three kernels (the benchmark's `no-moe-dispatch` switch). Switch before a pass is recorded."""
 WARPS = 4
 """Warps a program: the shared expert's 8 × I weight tile a program in 128 threads outweighs the router's
 reductions crossing shared memory (at 1 warp they are warp shuffles alone, routing.ROUTE_WARPS)."""
