@@ -403,7 +403,7 @@ def _ask(server, text: str) -> str:
     return reply.choices[0].message.content
 
 
-def _engine_replies(model_dir, texts, max_context: int | None = None) -> tuple[list[list[int]], list[str]]:
+def _engine_replies(model_dir, texts, max_context: int = 4096) -> tuple[list[list[int]], list[str]]:
     """What `_ask` should get: each text's chat prompt and the offline engine's greedy 12-token reply."""
     engine = Engine(WorkerConfig(str(model_dir), max_running=1, max_context=max_context))
     template = engine.tokenizer.apply_chat_template
