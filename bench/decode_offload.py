@@ -99,13 +99,9 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--split-lanes", type=int, default=None,
-        help="lanes from which a recorded pass runs as two groups (DecodeGraphs.split_lanes; default 8)",
+        help="lanes from which a recorded pass runs as two groups (KernelConfig.split_lanes; default 8)",
     )  # fmt: skip
     args = ap.parse_args()
-    if args.split_lanes is not None:
-        from common.engine.graphs import DecodeGraphs
-
-        DecodeGraphs.split_lanes = args.split_lanes  # before the runner records any pass
     lookahead = resolve_lookahead("", True, args.lookahead, "cuda")  # the engine's rule: an expert cache
 
     lanes = args.lanes + int(args.ablate)  # --ablate: the prompt's state held beside the lanes
@@ -131,6 +127,8 @@ def main() -> None:
     )  # fmt: skip  (the default context: + 16 + 8 for the profiled steps)
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
     pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s
+    if args.split_lanes is not None:  # before the runner records any pass
+        configure_kernels(model, replace(model.kernels, split_lanes=args.split_lanes))
 
     prompt = torch.randint(
         3, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)
@@ -262,17 +260,9 @@ def kernel_variants() -> dict[str, dict[str, object]]:
         "qsa-splits-16": {"attention_programs": 32},
         "qsa-splits-32": {"attention_programs": 64},
         "qsa-splits-64": {"attention_programs": 128},
-    }
-
-
-def other_switches(provider) -> dict[str, tuple[object, str, object]]:
-    """The variants outside the kernel configuration: name → (owner, attribute, value in that variant)."""
-    from common.engine.graphs import DecodeGraphs
-
-    return {
-        "no-combine-shared": (provider, "combine_shared", False),
-        "no-groups": (DecodeGraphs, "split_lanes", 0),
-        "no-pipeline": (DecodePipeline, "depth", 1),
+        "no-combine-shared": {"combine_shared": False},
+        "no-groups": {"split_lanes": 0},
+        "no-pipeline": {"pipeline_depth": 1},
     }
 
 
@@ -285,7 +275,7 @@ DECODE_SWITCHES = (
     "no-moe-dispatch", "select-search", "no-qsa-prologue", "no-conv-epilogue",
     "qsa-splits-16", "qsa-splits-32", "qsa-splits-64", "no-tail-trigger-first", "no-hc-split-rank",
 )  # fmt: skip
-"""The variants of `--ablate`, each one change from the defaults (`kernel_variants`, `other_switches`)."""
+"""The variants of `--ablate`, each one change from the defaults (`kernel_variants`)."""
 
 
 def variant(name: str) -> str:
@@ -299,29 +289,23 @@ def variant(name: str) -> str:
 
 
 def variant_config(base: KernelConfig, name: str) -> KernelConfig:
-    """`base` with the kernel-configuration parts of variant `name` (parts joined by '+') applied."""
+    """`base` with the parts of variant `name` (parts joined by '+') applied."""
     table = kernel_variants()
-    changes = [table[part] for part in name.split("+") if part in table]
+    changes = [table[part] for part in name.split("+")]
     return replace(base, **{field: value for change in changes for field, value in change.items()})
 
 
 def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict:
-    """The defaults, then each variant of `--switches` (a variant of `kernel_variants` or `other_switches`,
-    or several joined by '+'): the same decode from the prompt's state (fresh copies of `pristine` each
+    """The defaults, then each variant of `--switches` (a variant of `kernel_variants`, or several joined by
+    '+'): the same decode from the prompt's state (fresh copies of `pristine` each
     time; the cache carries over and the warm-up steps settle it), the model handed the variant's kernel
     configuration and its graphs recorded again. Per variant: tok/s per request and aggregate, hit rate;
     with --profile PATH, a profile of its steps too (PATH-NAME)."""
     out = {}
-    others = other_switches(provider)
     model = runner.model
     base = getattr(model, "kernels", KERNELS)
     for name in ("defaults", *(args.switches or DECODE_SWITCHES)):
-        parts = [] if name == "defaults" else name.split("+")
-        flips = [others[part] for part in parts if part in others]
-        before = [getattr(owner, attr) for owner, attr, _ in flips]
-        for owner, attr, value in flips:
-            setattr(owner, attr, value)
-        configure_kernels(model, variant_config(base, name) if parts else base)
+        configure_kernels(model, base if name == "defaults" else variant_config(base, name))
         if runner.graphs is not None:
             runner.graphs.forget()
         seqs = [runner.pool.fork(pristine) for _ in range(args.lanes)]
@@ -334,8 +318,6 @@ def ablations(runner: ModelRunner, provider, pristine, token: int, args) -> dict
             profile_steps(runner, seqs, run["tokens"], args.profile.with_name(f"{args.profile.name}-{name}"))
         for s in seqs:
             runner.release(s)
-        for (owner, attr, _), value in reversed(list(zip(flips, before, strict=True))):
-            setattr(owner, attr, value)
     configure_kernels(model, base)
     return out
 

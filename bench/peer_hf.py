@@ -2,6 +2,7 @@
 one script: the synthetic `qwen3-30b` (bf16, ~61 GB), greedy decode of one request.
 
     python -m bench.peer_hf [--budget-gib 32] [--layers 48] [--prompt 256] [--decode 32] [--out DIR]
+    python -m bench.peer_hf --dense-ab [...]   # Spillway alone: its bf16 decode with and without moe_dense
 
 HF: `from_pretrained(device_map="auto", max_memory={0: budget, "cpu": ...})` — accelerate keeps what fits on
 the GPU and runs the rest from host memory, moving those weights over PCIe at every forward. Spillway: the
@@ -17,6 +18,7 @@ import argparse
 import gc
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -56,16 +58,17 @@ def spillway_decode_rate(
     bf16 decode through common/kernels/moe_dense.py."""
     from common.config import WorkerConfig
     from common.engine.engine import Engine
+    from common.kernels.config import KERNELS
     from common.sampling.sampler import SamplingParams
     from common.workers.decode import apply_memory_plan
 
     cfg = WorkerConfig(
         model_dir=str(model_dir), device="cuda", dtype="bfloat16", max_running=1,
         max_context=len(prompt) + tokens + 16, vram_budget=int(budget_gib * GIB),
+        kernels=replace(KERNELS, moe_dense=dense_kernels),
     )  # fmt: skip
     cfg, plan = apply_memory_plan(cfg)
     engine = Engine(cfg)
-    engine.offload.fused_dense = dense_kernels
 
     def generate(n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -101,6 +104,10 @@ def main() -> None:
     ap.add_argument(
         "--dense-kernels", action="store_true", help="Spillway's bf16 decode through the dense MoE kernels"
     )
+    ap.add_argument(
+        "--dense-ab", action="store_true",
+        help="no HF: Spillway's decode with the dense MoE kernels off, then on (KernelConfig.moe_dense)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     pcie = measure_pcie_gbps()
@@ -108,6 +115,8 @@ def main() -> None:
     model_dir = make_model(Path(tempfile.mkdtemp()) / "qwen3-30b", preset="qwen3-30b", overrides=layers)
     progress(f"checkpoint written: {model_dir}")
     prompt = torch.randint(3, 30000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    if args.dense_ab:
+        return dense_ab(model_dir, prompt, pcie, args)
     spillway = spillway_decode_rate(model_dir, args.budget_gib, prompt, args.decode, args.dense_kernels)
     progress(f"spillway: {spillway}")
     _free()  # the engine and its pinned store go before transformers loads
@@ -127,6 +136,27 @@ def main() -> None:
     }
     print(write_result("peer-hf" + ("-dense-kernels" if args.dense_kernels else ""), result, args.out))
     print(f"spillway {spillway['tok_per_s']:.2f} tok/s, hf {hf:.3f} tok/s, ratio {result['ratio']:.1f}")
+
+
+def dense_ab(model_dir: Path, prompt: list[int], pcie: float, args: argparse.Namespace) -> None:
+    """Spillway's decode rate with torch's gather path, then with the in-place dense kernels, one engine at a
+    time on the same checkpoint and budget."""
+    runs = {}
+    for name, dense in (("torch-gather", False), ("moe-dense", True)):
+        runs[name] = spillway_decode_rate(model_dir, args.budget_gib, prompt, args.decode, dense)
+        progress(f"{name}: {runs[name]}")
+        _free()
+    result = {
+        "speedup": runs["moe-dense"]["tok_per_s"] / runs["torch-gather"]["tok_per_s"],
+        **runs,
+        "pcie_gbps": pcie,
+        "budget_gib": args.budget_gib,
+        "layers": args.layers,
+        "prompt": args.prompt,
+        "decode": args.decode,
+    }
+    print(write_result("peer-hf-dense-ab", result, args.out))
+    print(f"moe_dense / torch gather: {result['speedup']:.3f}")
 
 
 if __name__ == "__main__":

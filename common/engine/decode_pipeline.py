@@ -24,6 +24,7 @@ import torch
 
 from common.engine.runner import ModelRunner
 from common.ipc.hostmem import host_list_to
+from common.kernels.config import KERNELS
 from common.kv.state import SequenceState
 from common.sampling.sampler import MAX_TOP_LOGPROBS, logprobs_of
 
@@ -64,12 +65,12 @@ class DecodePipeline:
     slots it resolved) may be freed or handed to another process before it has landed.
     """
 
-    depth = 2
-    """Passes launched and not landed at most: the one running, and the next one queued behind it (1: each
-    pass lands before the next is built, the host and the device taking turns)."""
-
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.depth = getattr(runner.module, "kernels", KERNELS).pipeline_depth  # (configure_kernels)
+        """Passes launched and not landed at most: the one running, and the next one queued behind it (1:
+        each pass lands before the next is built, the host and the device taking turns)."""
+        assert self.depth in (1, 2), "a pass in flight, or one more queued behind it"
         device, lanes = runner.device, runner.pool.max_seqs
         self.newest = torch.zeros(lanes, dtype=torch.int64, device=device)  # [slots] each lane's last token
         cuda = device.type == "cuda"

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from common.engine.model_api import CausalLM, as_causal_lm
+from common.kernels.config import KERNELS
 from common.kv.batch import ForwardBatch
 from common.model.context import ForwardContext
 from common.model.groups import lane_groups, pass_groups
@@ -63,10 +64,6 @@ class DecodeGraphs:
     and then records the pass for B lanes; later batches of B sequences replay it. The returned logits
     [B, V] are the recording's buffer: valid until the next replay of that lane count.
     """
-
-    split_lanes = 8
-    """Lane counts from which a pass is recorded as two groups of lanes (common/model/groups.py: one group
-    computes while the other's experts copy), where the model and its expert provider can; 0: never."""
 
     def __init__(self, model: nn.Module, pool, backend, max_context: int) -> None:
         self.model: CausalLM = as_causal_lm(model)
@@ -120,7 +117,8 @@ class DecodeGraphs:
 
     def groups(self, lanes: int) -> int:
         """Groups a pass of `lanes` lanes is recorded as (`pass_groups`)."""
-        return pass_groups(self.module, lanes, self.split_lanes)
+        kernels = getattr(self.module, "kernels", KERNELS)  # (configure_kernels)
+        return pass_groups(self.module, lanes, kernels.split_lanes)
 
     def _context(self, batch: ForwardBatch) -> ForwardContext:
         return ForwardContext(batch, self.pool, self.backend, self.backend.plan(batch))

@@ -22,8 +22,9 @@ from common.kernels.config import decode_config
 
 class DecodeKernels:
     """A decode pass's routed experts from their pool rows: the int4 kernels (`fused_int4`), the bf16 / fp8
-    kernel (`fused_dense`), else torch gathering the T·k chosen experts dequantised at once (T·k·3·H·I
-    values: decode-sized T only). `resident`: no copies run beside the kernels (int4's resident shapes)."""
+    kernel (`KernelConfig.moe_dense`), else torch gathering the T·k chosen experts dequantised at once
+    (T·k·3·H·I values: decode-sized T only). `resident`: no copies run beside the kernels (int4's resident
+    shapes)."""
 
     def __init__(
         self,
@@ -45,9 +46,9 @@ class DecodeKernels:
     @property
     def in_place(self) -> bool:
         """A Triton kernel reads the chosen rows in place, gate_up before down (int4 on CUDA; bf16 / fp8 with
-        `fused_dense`): their copies come in two stages (`stages`)."""
+        `KernelConfig.moe_dense`): their copies come in two stages (`stages`)."""
         s = self.switches
-        return s.fused_int4 or (s.fused_dense and s.dense_kernels)
+        return s.fused_int4 or (s.kernels.moe_dense and s.dense_kernels)
 
     @property
     def stages(self) -> tuple[tuple[str, ...], ...] | None:
@@ -99,11 +100,12 @@ class DecodeKernels:
         settled: bool,
     ) -> torch.Tensor:
         """The int4 kernels: the rows read in place once their copies are in (gate_up's before down's); the
-        shared expert added in the kernel that sums the choices (`combine_shared`). Launch shapes:
-        KernelConfig.int4_resident when `resident`, else .int4_decode (the two cases measured apart)."""
+        shared expert added in the kernel that sums the choices (`KernelConfig.combine_shared`). Launch
+        shapes: KernelConfig.int4_resident when `resident`, else .int4_decode (the two cases measured
+        apart)."""
         from common.kernels import moe_int4  # Triton: CUDA
 
-        fold = self.switches.combine_shared
+        fold = self.switches.kernels.combine_shared
         kernels = self.switches.kernels
         config = decode_config(x.shape[0], kernels.int4_resident if self.resident else kernels.int4_decode)
         out = moe_int4.moe_int4_decode(

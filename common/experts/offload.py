@@ -63,7 +63,6 @@ class OffloadedExperts(ExpertProvider):
 
     int4_kernels, fused_int4, dense_kernels = _Switch(), _Switch(), _Switch()
     fused_int4_prefill, fused_resolve = _Switch(), _Switch()
-    combine_shared, fused_dense = _Switch(), _Switch()
 
     @property
     def kernels(self) -> KernelConfig:

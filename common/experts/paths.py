@@ -47,11 +47,6 @@ class KernelSwitches:
     fused_resolve: bool = False
     """Decode steps resolved by one Triton program per layer (kernels/resolve.py: the same decisions as
     `CacheTables.resolve`) instead of torch ops."""
-    combine_shared: bool = True
-    """With `fused_int4`: decode's shared expert added in the kernel that sums the choices (else by torch)."""
-    fused_dense: bool = False
-    """With `dense_kernels`: decode passes through the bf16 / fp8 decode kernels (kernels/moe_dense.py: each
-    pair's weights read in place instead of gathered)."""
     kernels: KernelConfig = KERNELS
     """The kernel forms and launch options the paths' kernels read (`OffloadedExperts.kernels`)."""
 

@@ -185,6 +185,18 @@ class KernelConfig:
     """QSA's decode key compression, norms and rotations run as programs of one kernel (qsa_prologue.py)."""
     attention_programs: int = 2048
     """Split programs the paged decode attention aims for (decode_attention.py)."""
+    combine_shared: bool = True
+    """With the int4 decode kernels: decode's shared expert added in the kernel that sums the choices (False:
+    by torch after)."""
+    moe_dense: bool = False
+    """bf16 / fp8 routed experts of an offloaded provider decode through the in-place kernels (moe_dense.py:
+    each pair's weights read where they lie; False: torch gathers the chosen experts first)."""
+    split_lanes: int = 8
+    """Lane counts from which a recorded decode pass runs as two groups of lanes (common/model/groups.py: one
+    group computes while the other's experts copy), where the model and its expert provider can; 0: never."""
+    pipeline_depth: int = 2
+    """Decode passes a worker keeps in flight (common/engine/decode_pipeline.py): 2 launches step n+1 before
+    step n's tokens come back; 1 waits for each."""
     int4_decode: Mapping[int, DecodeConfig] = DECODE_CONFIGS
     """The int4 decode kernels' launch shapes by token count, for steps with copies beside them."""
     int4_resident: Mapping[int, DecodeConfig] = RESIDENT_CONFIGS

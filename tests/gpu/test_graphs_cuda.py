@@ -12,7 +12,6 @@ import torch
 
 from common.config import WorkerConfig
 from common.engine.engine import Engine
-from common.engine.graphs import DecodeGraphs
 from common.kernels.config import KERNELS, KernelConfig
 from common.model.fused_kernels import use_fused_kernels
 from common.model.synthetic.checkpoint import make_model
@@ -86,17 +85,14 @@ def test_recorded_lookahead_matches_eager(tmp_path: Path, fused: bool) -> None:
 @pytest.mark.parametrize("lanes", [2, 3])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_recorded_grouped_decode_matches_eager(
-    tmp_path: Path, arch: str, fused: bool, lanes: int, monkeypatch
-) -> None:
+def test_recorded_grouped_decode_matches_eager(tmp_path: Path, arch: str, fused: bool, lanes: int) -> None:
     """Passes of two or three lanes recorded as two groups (1 + 1, 2 + 1; common/model/groups.py): each
     group's layers on a stream of their own, resolving each layer in turn, one group's copies beside the
     other's compute (with two lanes, the third request then runs alone: one group, regrouped). The tokens are
     the eager run's; the tables stay consistent, each group with its own previous steps."""
-    monkeypatch.setattr(DecodeGraphs, "split_lanes", 2)
     path = make_model(tmp_path / "m", preset="tiny", arch=arch, overrides=ARCHS[arch])
     eager, _ = _run(path, False, "0.25", lanes=lanes)
-    graphed, engine = _run(path, True, "0.25", fused, lanes=lanes)
+    graphed, engine = _run(path, True, "0.25", fused, lanes=lanes, kernels=replace(KERNELS, split_lanes=2))
     assert graphed == eager
     assert engine.runner.graphs.groups(lanes) == 2 and engine.runner.graphs.groups(1) == 1
     tables = engine.offload.tables
@@ -118,7 +114,7 @@ def test_forgotten_recordings_record_again(tmp_path: Path) -> None:
     assert set(engine.runner.graphs.recorded) == {1, 2}
 
 
-def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, monkeypatch) -> None:
+def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path) -> None:
     """The decode kernels launched with programmatic dependent launch (the default) in recorded steps
     (qwen4_exp, fused kernels): each waits for the kernels before it, so the tokens and the cache counters
     are those of the same recorded steps without it, exactly; so with the tails' kernels triggering as they
@@ -142,14 +138,11 @@ def test_recorded_decode_with_programmatic_launch_is_unchanged(tmp_path: Path, m
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-group", "two-groups"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_recorded_decode_after_images_matches_eager(
-    tmp_path: Path, fused: bool, split: bool, monkeypatch
-) -> None:
+def test_recorded_decode_after_images_matches_eager(tmp_path: Path, fused: bool, split: bool) -> None:
     """Two lanes, one after a prompt with an image (its tokens rotate at position + delta: the recording's
     static `position_pair` carries both rows; with `split`, each lane a group of its own, whose batch views
     columns of it), one after text: recorded steps give the eager steps' tokens."""
-    if split:
-        monkeypatch.setattr(DecodeGraphs, "split_lanes", 2)
+    kernels = replace(KERNELS, split_lanes=2 if split else 0)
     from common.kv.state import PromptImages
     from common.model.qwen4_exp.positions import mrope_positions
 
@@ -163,7 +156,8 @@ def test_recorded_decode_after_images_matches_eager(
     embeds = torch.randn(12, 64, generator=g)
 
     def decode(graphs: bool) -> list[list[int]]:
-        engine = Engine(WorkerConfig(str(path), device="cuda", max_running=2, cuda_graphs=graphs))
+        cfg = WorkerConfig(str(path), device="cuda", max_running=2, cuda_graphs=graphs, kernels=kernels)
+        engine = Engine(cfg)
         use_fused_kernels(engine.model, fused, engine.runner.backend)
         runner = engine.runner
         seqs = [runner.new_sequence(), runner.new_sequence()]

@@ -3,6 +3,7 @@ against the format's dequantise-then-multiply, at widths that leave partial bloc
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.experts.formats import get_format
+from common.kernels.config import KERNELS
 from common.model.synthetic.checkpoint import make_model
 from common.sampling.sampler import SamplingParams
 
@@ -62,10 +64,10 @@ def test_offloaded_decode_through_the_dense_kernels(tmp_path: Path, fmt_name: st
                 expert_cache="0.25",
                 expert_format=fmt_name,
                 cuda_graphs=DEVICE == "cuda",
+                kernels=replace(KERNELS, moe_dense=fused),
             )
         )
         assert engine.offload.dense_kernels
-        engine.offload.fused_dense = fused
         tokens.append([r.token_ids for r in engine.generate(prompts, params)])
         engine.offload.tables.check()
     assert tokens[0] == tokens[1]
