@@ -102,6 +102,10 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
+        "--model-dir", type=Path, default=None,
+        help="the checkpoint directory: written unless it holds one already (default: a temporary one)",
+    )  # fmt: skip
+    ap.add_argument(
         "--dense-kernels", action="store_true", help="Spillway's bf16 decode through the dense MoE kernels"
     )
     ap.add_argument(
@@ -112,7 +116,9 @@ def main() -> None:
 
     pcie = measure_pcie_gbps()
     layers = {"num_hidden_layers": args.layers}
-    model_dir = make_model(Path(tempfile.mkdtemp()) / "qwen3-30b", preset="qwen3-30b", overrides=layers)
+    model_dir = args.model_dir or Path(tempfile.mkdtemp()) / "qwen3-30b"
+    if not (model_dir / "config.json").exists():
+        make_model(model_dir, preset="qwen3-30b", overrides=layers)
     progress(f"checkpoint written: {model_dir}")
     prompt = torch.randint(3, 30000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     if args.dense_ab:
@@ -155,7 +161,7 @@ def dense_ab(model_dir: Path, prompt: list[int], pcie: float, args: argparse.Nam
         "prompt": args.prompt,
         "decode": args.decode,
     }
-    print(write_result("peer-hf-dense-ab", result, args.out))
+    print(write_result(f"peer-hf-dense-ab-{args.budget_gib:g}gib", result, args.out))
     print(f"moe_dense / torch gather: {result['speedup']:.3f}")
 
 
