@@ -16,10 +16,10 @@ from common.config import LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from common.engine.memory_plan import cap_allocator, plan_memory
 from common.engine.runner import ModelRunner, state_layout
 from common.experts.formats import get_format
+from common.experts.kv_lending import KvLending
 from common.experts.offload import OffloadedExperts, offload_experts
 from common.experts.routing import RoutingReplayer, install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
-from common.kv.lending import KvLending
 from common.model.fp8_linear import to_resident_dtype
 from common.model.fused_kernels import use_fused_kernels
 from common.model.hf_config import parse_architecture
@@ -98,7 +98,7 @@ def build_flashnext(
     every expert with `all_fit`, loaded up front; `lend`: the arena's second buffer serves as E more slots
     between prefills; `embeddings_on_host`: the token embedding in host memory, its bytes to the cache;
     `resident_dtype` "fp8": the token mixers' projections in fp8; `lend_kv`: the KV pool's idle pages serve
-    as cache slots (common/kv/lending.py; the allocator's cap is the budget less that memory);
+    as cache slots (common/experts/kv_lending.py; the allocator's cap is the budget less that memory);
     `lookahead`: each MoE layer guesses the next one's top-n experts a token and copies them in ahead
     (`install_lookahead`); `routing` "model": the random-weight routers choose, no replay.
     The allocator is capped at the budget (`cap_allocator`: a plan that undercounts fails as out-of-memory,

@@ -59,7 +59,7 @@ def spillway_decode_rate(
     from common.config import WorkerConfig
     from common.engine.engine import Engine
     from common.kernels.config import KERNELS
-    from common.sampling.sampler import SamplingParams
+    from common.protocol import SamplingParams
     from common.workers.decode import apply_memory_plan
 
     cfg = WorkerConfig(

@@ -21,7 +21,7 @@ from bench.common import write_result
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 # ~2.6 GB of bf16 weights: big enough that a second copy would show
 SHAPE = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 8, "num_experts": 32}

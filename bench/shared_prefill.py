@@ -15,8 +15,7 @@ from pathlib import Path
 from bench.common import write_result
 from common.config import WorkerConfig
 from common.model.defaults import default_model_dir
-from common.protocol import Generate, Sibling, Tokens, decode, encode
-from common.sampling.sampler import SamplingParams
+from common.protocol import Generate, SamplingParams, Sibling, Tokens, decode, encode
 from common.workers.decode import DecodeCore
 from common.workers.prefill import Outgoing, PrefillCore
 from common.workers.sharing import decode_exports, host_allocator, prefill_model, shared_allocator

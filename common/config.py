@@ -227,7 +227,8 @@ class WorkerConfig:
     every pass op by op (debugging, profiling)."""
     lend_kv: bool = False
     """Decode lends the KV pool's idle pages to the expert cache as slots and takes them back, stage by
-    stage, before contexts need them (common/kv/lending.py); prefill maps them like the rest of the pools."""
+    stage, before contexts need them (common/experts/kv_lending.py); prefill maps them like the rest of the
+    pools."""
     lend_arena: bool = False
     """Prefill's arena serves as expert cache slots between prefills. Serving: it (a spare row and two buffers
     of E experts) lives in decode's expert pool, as the cache tables' bank: decode lends it to the cache
@@ -311,7 +312,8 @@ class MemoryPlan:
     or with one process."""
     kv_lendable_slots: int = 0
     """With `--lend-kv`, the most slots the KV pool's idle pages add to the cache: its paged state past the
-    first lending stage (an eighth, common/kv/lending.py) in whole slots, within the experts not cached."""
+    first lending stage (an eighth, common/experts/kv_lending.py) in whole slots, within the experts not
+    cached."""
 
     def process_budget(self, role: str) -> int:
         """The cap of one process's allocator: "prefill" its own bytes, "decode" (or the one process of the

@@ -47,7 +47,7 @@ def _generate(args: argparse.Namespace) -> int:
     from common.engine.engine import Engine
     from common.engine.memory_plan import cap_allocator, use_expandable_segments
     from common.model.defaults import default_model_dir
-    from common.sampling.sampler import SamplingParams
+    from common.protocol import SamplingParams
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     if args.record_routing and not Path(args.record_routing).absolute().parent.is_dir():

@@ -26,7 +26,8 @@ from common.engine.runner import ModelRunner
 from common.ipc.hostmem import host_list_to
 from common.kernels.config import KERNELS
 from common.kv.state import SequenceState
-from common.sampling.sampler import MAX_TOP_LOGPROBS, logprobs_of
+from common.protocol import MAX_TOP_LOGPROBS
+from common.sampling.sampler import logprobs_of
 
 log = logging.getLogger(__name__)
 

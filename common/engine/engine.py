@@ -13,19 +13,19 @@ from common.engine.memory_plan import DTYPES
 from common.engine.runner import ModelRunner, state_layout
 from common.engine.speculative import MTPSpeculator
 from common.experts.artifact import is_artifact, open_store
+from common.experts.kv_lending import KvLending
 from common.experts.offload import OffloadedExperts, load_hot_set, offload_experts
 from common.experts.routing import RoutingRecorder, install_routing_hook, replayer_for
 from common.kernels import fused_by_default
-from common.kv.lending import KvLending
 from common.kv.state import Allocator, PromptImages, SequenceState
 from common.model.fp8_linear import to_resident_dtype
 from common.model.fused_kernels import configure_kernels, use_fused_kernels
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
 from common.model.moe import install_lookahead
+from common.protocol import SamplingParams
 from common.sampling.logit_processors import LogitProcessors
 from common.sampling.requests import Request, append_token, sample_next
-from common.sampling.sampler import SamplingParams
 from common.text.tokenizer import Tokenizer
 
 

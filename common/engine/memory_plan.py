@@ -40,12 +40,12 @@ from common.config import (
 from common.engine.runner import state_layout
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import ExpertFormat, get_format
+from common.experts.kv_lending import STAGES
 from common.experts.offload import parse_capacity
 from common.experts.prefill_path import prefill_arena_rows
 from common.experts.traffic import TRAFFIC_ROWS
 from common.kernels import fused_by_default
 from common.kv.backend import TorchPagedBackend
-from common.kv.lending import STAGES
 from common.kv.state import StatePool
 from common.model.architectures import get_architecture
 from common.model.fp8_linear import Fp8Linear, largest_dequantized, to_resident_dtype

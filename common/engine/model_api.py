@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from common.config import ModelConfig
-from common.experts.provider import ExpertProvider
 from common.kv.state import StateSpec
 from common.model.context import ForwardContext
+from common.model.provider import ExpertProvider
 
 
 class CausalLM(Protocol):

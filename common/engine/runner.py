@@ -12,10 +12,10 @@ from torch import nn
 
 from common.engine.graphs import DecodeGraphs
 from common.engine.model_api import CausalLM, as_causal_lm, as_mtp
+from common.experts.kv_lending import KvLending
 from common.kv.backend import AttentionBackend, TorchPagedBackend
 from common.kv.batch import ForwardBatch
 from common.kv.fp8 import parse_kv_dtype, scales_from_amax, with_kv_dtype
-from common.kv.lending import KvLending
 from common.kv.state import Allocator, LayerState, SequenceState, StatePool, StateSpec
 from common.model.context import ForwardContext
 
@@ -73,7 +73,7 @@ class ModelRunner:
         `cuda_graphs` (CUDA only) records decode passes and replays them (common/engine/graphs.py).
         `kv_lending`
         (built from `state_layout`'s specs and pages) holds the paged tensors, and starts lending them to the
-        model's expert cache (common/kv/lending.py)."""
+        model's expert cache (common/experts/kv_lending.py)."""
         param = next(model.parameters())
         self.model, self.device = as_causal_lm(model), param.device
         self.module = model  # the same model, as common/model's functions take it

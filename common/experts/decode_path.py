@@ -13,11 +13,11 @@ from common.experts.cache_tables import DECODE_GROUPS, CacheTables
 from common.experts.copies import CopyStream
 from common.experts.formats import ExpertFormat
 from common.experts.paths import ExpertPath, KernelSwitches, Prepared, check_group, chosen
-from common.experts.provider import add_shared
-from common.experts.resident import batched_expert_mlp
 from common.experts.store import HostExpertStore
 from common.experts.traffic import BYPASSES, FILLS
 from common.kernels.config import decode_config
+from common.model.provider import add_shared
+from common.model.resident import batched_expert_mlp
 
 
 class DecodeKernels:

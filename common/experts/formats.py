@@ -23,18 +23,12 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from common.model.fp8_blocks import FP8_BLOCK, dequantize_fp8_block, exact_div, quantize_fp8_block
+
 Components = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
-FP8_BLOCK = 128
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT4_GROUP = 128
 INT4_MAX = 15  # codes are 0..15
-
-
-def _div(a: torch.Tensor, divisor: float) -> torch.Tensor:
-    """a / divisor correctly rounded on every device: CUDA turns division by a Python scalar into a multiply
-    by its reciprocal (1/448 and 1/15 are inexact), which would make packed bytes differ from the CPU's."""
-    return a / torch.full_like(a, divisor)
 
 
 def _check_weights(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int]:
@@ -142,53 +136,7 @@ class Bf16Format(ExpertFormat):
         return 2.0**-8
 
 
-# --- fp8 e4m3, 128×128 block scales ------------------------------------------------------------------------
-
-
-def _check_fp8_scale(weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
-    out, inp = weight.shape[-2:]
-    want = (*weight.shape[:-2], -(-out // block), -(-inp // block))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(
-            f"scale_inv {tuple(scale_inv.shape)} does not fit weight {tuple(weight.shape)}: want {want}"
-        )
-
-
-def quantize_fp8_block(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [..., out, in] (any float dtype) -> (float8_e4m3fn [..., out, in], scale_inv fp32
-    [..., ceil(out/block), ceil(in/block)]) with scale_inv = amax(block) / 448.
-
-    Edge blocks are partial; an all-zero block gets scale_inv 1.
-    """
-    out, inp = weight.shape[-2:]
-    lead = weight.shape[:-2]
-    rb, cb = -(-out // block), -(-inp // block)
-    # Zero padding to whole blocks leaves each edge block's amax unchanged.
-    w = F.pad(weight.float(), (0, cb * block - inp, 0, rb * block - out))  # [..., rb*block, cb*block]
-    w = w.view(*lead, rb, block, cb, block)
-    amax = w.abs().amax(dim=(-3, -1))  # [..., rb, cb]
-    scale_inv = torch.where(amax > 0, _div(amax, FP8_MAX), torch.ones_like(amax))
-    # Clamp: amax / (amax / 448) may land a hair above 448, and e4m3fn has no inf (it would cast to NaN).
-    q = (w / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    q = q.view(*lead, rb * block, cb * block)[..., :out, :inp].contiguous()
-    return q, scale_inv.contiguous()
-
-
-def dequantize_fp8_block(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Block-scaled fp8 (as in HF FP8 checkpoints: `weight` fp8 [..., out, in], `weight_scale_inv`
-    [..., ceil(out/block), ceil(in/block)]) -> weight · scale_inv of its block, in dtype.
-
-    out and in need not be multiples of block (edge blocks are partial). The product is formed in fp32 and
-    rounded once to dtype.
-    """
-    _check_fp8_scale(weight, scale_inv, block)
-    out, inp = weight.shape[-2:]
-    rows = torch.arange(out, device=weight.device) // block  # [out] block row of each row
-    cols = torch.arange(inp, device=weight.device) // block  # [in] block column of each column
-    scale = scale_inv.float().index_select(-2, rows).index_select(-1, cols)  # [..., out, in]
-    return (weight.float() * scale).to(dtype)
+# --- fp8 e4m3, 128×128 block scales (common/model/fp8_blocks.py) ----------------------------------------
 
 
 class Fp8Format(ExpertFormat):
@@ -260,7 +208,7 @@ def quantize_int4_groups(
     lo = w.amin(dim=-1).clamp(max=0.0)  # [..., out, G]
     hi = w.amax(dim=-1).clamp(min=0.0)
     span = hi - lo
-    scale = torch.where(span > 0, _div(span, INT4_MAX), torch.ones_like(span)).to(torch.bfloat16)
+    scale = torch.where(span > 0, exact_div(span, INT4_MAX), torch.ones_like(span)).to(torch.bfloat16)
     scale = scale.clamp(min=torch.finfo(torch.bfloat16).tiny)  # an underflowed scale would divide by 0
     s = scale.float()[..., None]  # [..., out, G, 1]
     zero = torch.round(-lo[..., None] / s).clamp(0, INT4_MAX)  # [..., out, G, 1]

@@ -24,6 +24,7 @@ from common.experts.cache_tables import DEFAULT_POLICY, CacheTables
 from common.experts.copies import CopyStream
 from common.experts.decode_path import CacheDecode, DecodeKernels, Lookahead
 from common.experts.formats import ExpertFormat, get_format
+from common.experts.kv_lending import KvLending
 from common.experts.paths import ExpertPath, KernelSwitches, Prepared, ResidentPath
 from common.experts.prefill_path import (
     ArenaPrefill,
@@ -32,14 +33,13 @@ from common.experts.prefill_path import (
     SharedCache,
     prefill_arena_rows,
 )
-from common.experts.provider import ExpertProvider
-from common.experts.resident import ResidentExperts
 from common.experts.store import HostExpertStore
 from common.experts.traffic import TrafficCounters, traffic_counts
 from common.kernels.config import KernelConfig
-from common.kv.lending import KvLending
 from common.model.hf_config import read_json
 from common.model.moe import install_provider
+from common.model.provider import ExpertProvider
+from common.model.resident import ResidentExperts
 
 if TYPE_CHECKING:
     from common.config import ModelConfig
@@ -114,7 +114,7 @@ class OffloadedExperts(ExpertProvider):
         `lend_arena`: the arena's second buffer is the tables' bank of E lendable slots (`CacheTables`
         built with `lendable=E`): the cache holds it during decode passes and gives it back before a
         prefill pass (see `begin_pass`). `kv_lending`: the tables' bank rows are the KV pool's idle pages
-        (common/kv/lending.py; `KvLending.bind` starts lending once the state pool holds its tensors).
+        (common/experts/kv_lending.py; `KvLending.bind` starts lending once the state pool holds its tensors).
         `arena_row` (with `shared_cache`): this provider allocates no pool; its spare row and two arena
         buffers are `prefill_arena_rows` rows of the shared pool from that row on (decode's bank, which
         decode lends to its cache only while no prefill holds a freeze)."""

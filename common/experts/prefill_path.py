@@ -16,10 +16,10 @@ from common.experts.cache_tables import CacheTables
 from common.experts.copies import Copies, CopyStream
 from common.experts.formats import ExpertFormat
 from common.experts.paths import ExpertPath, KernelSwitches, Prepared, check_group, chosen
-from common.experts.provider import add_shared
-from common.experts.resident import grouped_expert_mlp
 from common.experts.store import HostExpertStore
 from common.experts.traffic import ARENA, LOADS
+from common.model.provider import add_shared
+from common.model.resident import grouped_expert_mlp
 
 SharedCache = tuple[dict[str, torch.Tensor], torch.Tensor]
 """Another provider's (pool, slot_of [L, E + 1]): decode's cache, mapped, read in place while frozen."""

@@ -8,9 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from common.experts.slot_tables import SlotTables
-
-DECODE_GROUPS = 2
-"""Most groups a decode pass's lanes are split into (`CacheTables.resolve`'s `group`; model/groups.py)."""
+from common.model.groups import DECODE_GROUPS
 
 
 class RequestStats(SlotTables):

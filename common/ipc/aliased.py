@@ -1,8 +1,8 @@
 """Tensors whose chosen byte ranges share memory: one physical buffer mapped at two virtual places.
 
-KV lending (common/kv/lending.py) makes the KV pool's idle pages expert-cache slots without moving either
-pool: both keep fixed addresses (recorded CUDA graphs bake them in), and the pages' memory is mapped a second
-time inside the expert pool's rows. Who uses a byte is decided by protocol, never by copying.
+KV lending (common/experts/kv_lending.py) makes the KV pool's idle pages expert-cache slots without moving
+either pool: both keep fixed addresses (recorded CUDA graphs bake them in), and the pages' memory is mapped a
+second time inside the expert pool's rows. Who uses a byte is decided by protocol, never by copying.
 
 `AliasedMemory(shared_bytes, device)` owns the shared buffer; `tensor(nbytes, shared)` reserves a virtual
 range, maps the given chunk-aligned pieces onto the shared buffer and the rest onto memory of its own, and

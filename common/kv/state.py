@@ -64,7 +64,7 @@ length: a 128K-token prompt has thousands of pages)."""
 
 class IndexAllocator:
     """Free list of the integers [0, size): the lowest free ones first, so the indices in use stay packed
-    at the bottom (KV lending lends the top, common/kv/lending.py). O(log size) an index.
+    at the bottom (KV lending lends the top, common/experts/kv_lending.py). O(log size) an index.
 
     `limit`: indices at or above it are not handed out; an alloc that would need them calls
     `on_short(end)` first (which may raise the limit to `end` or more), and every free calls `on_free()`."""
@@ -176,7 +176,7 @@ class StatePool:
     ) -> None:
         """`allocate(shape, dtype, device)` makes each pool tensor (default torch.zeros; the decode worker
         passes one whose memory another process can map); `paged`, each layer's paged tensors made already
-        (KV lending's, common/kv/lending.py), is used instead for those."""
+        (KV lending's, common/experts/kv_lending.py), is used instead for those."""
         alloc = allocate or (lambda shape, dtype, dev: torch.zeros(shape, dtype=dtype, device=dev))
         self.page_size, self.num_pages, self.max_seqs = page_size, num_pages, max_seqs
         self.layers: list[LayerState] = []

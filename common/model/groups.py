@@ -19,9 +19,12 @@ import torch
 from torch import nn
 
 from common.config import ModelConfig
-from common.experts.cache_tables import DECODE_GROUPS
-from common.experts.provider import ExpertProvider
 from common.model.context import ForwardContext
+from common.model.provider import ExpertProvider
+
+DECODE_GROUPS = 2
+"""Most groups a decode pass's lanes are split into (the expert cache's `CacheTables.resolve` takes a
+`group`)."""
 
 
 def lane_groups(lanes: int, groups: int) -> list[tuple[int, int]]:

@@ -23,9 +23,6 @@ import torch
 from torch import nn
 
 from common.config import ARTIFACT_META, ModelConfig
-from common.experts.formats import FP8_BLOCK, dequantize_fp8_block
-from common.experts.provider import ExpertWeights
-from common.experts.resident import ResidentExperts
 from common.model.checkpoint import (
     INDEX_FILE,
     TensorSource,
@@ -35,13 +32,16 @@ from common.model.checkpoint import (
     safetensors_source,
 )
 from common.model.errors import CheckpointError
+from common.model.fp8_blocks import FP8_BLOCK, dequantize_fp8_block
 from common.model.fused_linear import fuse_projections
 from common.model.hf_config import load_architecture
 from common.model.host_embedding import host_table_owners
 from common.model.layers import activation
 from common.model.ngram import ngram_shard_rows
+from common.model.provider import ExpertWeights
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.registry import Architecture, ExpertKey, HostTableKey
+from common.model.resident import ResidentExperts
 from common.model.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig
-from common.experts.provider import ExpertProvider
 from common.kernels.config import KERNELS, KernelConfig
 from common.model.fused_linear import FusedLinears, Linear, fuse_linears, plain_linear, project
 from common.model.layers import GatedMLP
+from common.model.provider import ExpertProvider
 
 if TYPE_CHECKING:
     from common.experts.routing import RoutingHook

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from common.config import ModelConfig
-from common.experts.provider import ExpertProvider
 from common.kv.state import StatefulMixer, StateSpec
 from common.model.attention import Attention
 from common.model.context import ForwardContext
@@ -18,6 +17,7 @@ from common.model.groups import run_groups
 from common.model.layer_major import run_layer_major
 from common.model.layers import GatedMLP, RMSNorm
 from common.model.moe import SparseMoeBlock
+from common.model.provider import ExpertProvider
 from common.model.registry import CHANNEL_MIXERS, TOKEN_MIXERS
 from common.model.rope import RotaryEmbedding
 

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from common.config import ModelConfig
-from common.experts.provider import ExpertProvider
+from common.model.provider import ExpertProvider
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from common.openai.reasoning import ReasoningForm
 from common.openai.tool_calls import CallForm
-from common.protocol import SamplingParams
-from common.sampling.sampler import MAX_TOP_LOGPROBS
+from common.protocol import MAX_TOP_LOGPROBS, SamplingParams
 from common.sampling.structured import Unavailable, structure_of
 from common.text.tokenizer import Tokenizer
 

@@ -27,7 +27,7 @@ from common.openai.api import (
     parse_body,
     validation_error,
 )
-from common.sampling.sampler import MAX_TOP_LOGPROBS
+from common.protocol import MAX_TOP_LOGPROBS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The `include` entry that asks for the output text's log-probabilities."""

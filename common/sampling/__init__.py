@@ -1,2 +1,2 @@
-"""Choosing the next token: sampling parameters and the on-device sampler, a running request's state,
+"""Choosing the next token: the on-device sampler, a running request's state,
 logit processors (penalties, biases, grammars) and the structured-output grammars."""

@@ -26,8 +26,8 @@ from common.sampling.structured import Grammars, Unavailable
 
 if TYPE_CHECKING:
     from common.engine.runner import ModelRunner
+    from common.protocol import SamplingParams
     from common.sampling.request import Request
-    from common.sampling.sampler import SamplingParams
     from common.text.tokenizer import Tokenizer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.kv.state import SequenceState
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 
 @dataclass

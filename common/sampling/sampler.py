@@ -9,61 +9,7 @@ and the whole batch samples in one set of tensor ops with no host round trip.
 
 from __future__ import annotations
 
-import msgspec
 import torch
-
-
-class SamplingParams(msgspec.Struct, frozen=True):
-    """How one request picks its tokens and when it stops (also its wire form: a msgspec struct)."""
-
-    temperature: float = 1.0
-    """0 = greedy."""
-    top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability reaches top_p."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 or negative = all."""
-    seed: int | None = None
-    """Makes sampling reproducible; None draws one at admission."""
-    max_tokens: int = 16
-    """Most tokens to generate."""
-    ignore_eos: bool = False
-    """Keep generating past end-of-sequence tokens."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Extra tokens that end the request."""
-    logprobs: int | None = None
-    """None: no log-probabilities. k (0..MAX_TOP_LOGPROBS): each generated token's, and those of the k most
-    likely tokens at its position (`logprobs_of`)."""
-    min_p: float = 0.0
-    """Drop the tokens less likely than min_p times the most likely one (after temperature); 0 = off."""
-    presence_penalty: float = 0.0
-    """Subtracted from the logit of every token the request has generated (OpenAI's, -2..2)."""
-    frequency_penalty: float = 0.0
-    """Subtracted from a token's logit once for each time the request has generated it (OpenAI's, -2..2)."""
-    repetition_penalty: float = 1.0
-    """Divides the positive logits, and multiplies the negative ones, of the tokens in the prompt or
-    generated (HF transformers' and vLLM's); 1 = off."""
-    min_tokens: int = 0
-    """The end-of-sequence and stop tokens cannot be sampled before the request has this many tokens."""
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    """(token id, bias) pairs added to the logits (OpenAI's, -100..100: ±100 bans or forces a token)."""
-    structure: str = ""
-    """The JSON schema the text must follow, as JSON text (common/sampling/structured.py); empty: free
-    text."""
-    structure_after: int = -1
-    """The token after which `structure` holds (the end of a reasoning block the chat template opened:
-    the model thinks freely first); -1: from the first token."""
-    prompt_logprobs: int | None = None
-    """None: none. k (0..MAX_TOP_LOGPROBS): each prompt token's log-probability after the tokens before it
-    (the first has none), and the k most likely tokens' at its position."""
-
-    @property
-    def penalized(self) -> bool:
-        """Whether the request's logits depend on the tokens it has seen (its row of counts)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-
-MAX_TOP_LOGPROBS = 20
-"""The most alternatives a request may ask log-probabilities of (OpenAI's top_logprobs bound)."""
 
 
 def _i64(c: int) -> int:

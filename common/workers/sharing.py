@@ -20,8 +20,6 @@ from common.experts.artifact import open_store
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import get_format
 from common.experts.offload import OffloadedExperts
-from common.experts.provider import ExpertWeights
-from common.experts.resident import ResidentExperts
 from common.experts.routing import install_routing_hook, replayer_for
 from common.experts.store import HostExpertStore
 from common.ipc import tensors as ipc
@@ -34,6 +32,8 @@ from common.model.layers import activation
 from common.model.loader import empty_model
 from common.model.moe import install_provider
 from common.model.ngram import ngram_shard_rows
+from common.model.provider import ExpertWeights
+from common.model.resident import ResidentExperts
 from common.protocol import Exports, SharedTensor
 from common.workers.decode import DecodeCore
 

@@ -40,7 +40,7 @@ from common.openai.responses import (
     wants_logprobs,
 )
 from common.openai.tool_calls import call_form, tool_call_tags, xml_call_template
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 from common.text.tokenizer import Tokenizer
 from services.router.choices import Choices
 from services.router.config import RouterConfig, model_max_context

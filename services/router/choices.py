@@ -22,7 +22,7 @@ import msgspec
 from common.openai.api import INT64_MIN, GenerationSpec, bad_request
 from common.openai.reasoning import ReasoningStream, split_reasoning
 from common.openai.tool_calls import CallDelta, ToolCallStream, split_tool_calls
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 from common.text.tokenizer import Tokenizer
 from services.router.core import RouterCore
 from services.router.generation import Delta, TextGeneration

@@ -16,7 +16,7 @@ import torch
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 model = make_model(sys.argv[1], preset="tiny", arch=sys.argv[2])
 for cache in (None, "0.5"):

@@ -15,7 +15,7 @@ from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.ipc.hostmem import host_list_to
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.fp8_linear import Fp8Fused
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 from tests.common.model.test_fp8_linear import teacher_forced
 
 SPARSE = {"indexer_budget": 8, "indexer_compress_ratio": 4}  # prefill and decode past QSA's budget

@@ -15,7 +15,7 @@ from common.engine.engine import Engine
 from common.kernels.config import KERNELS, KernelConfig
 from common.model.fused_kernels import use_fused_kernels
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 # qwen4_exp with a small indexer budget: decode crosses from dense to selected keys
 ARCHS = {"qwen3_moe": None, "qwen4_exp": {"indexer_budget": 8, "indexer_compress_ratio": 4}}

@@ -17,10 +17,10 @@ from common.engine.engine import Engine
 from common.experts.cache_tables import CacheTables
 from common.experts.formats import FORMATS
 from common.experts.offload import OffloadedExperts
-from common.experts.resident import batched_expert_mlp
 from common.experts.store import HostExpertStore
+from common.model.resident import batched_expert_mlp
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -14,7 +14,7 @@ from common.engine.engine import Engine
 from common.kernels.config import KERNELS
 from common.model.fused_kernels import configure_kernels
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 OVERRIDES = {"indexer_n_heads": 16, "indexer_budget": 16, "indexer_compress_ratio": 4}

@@ -9,9 +9,9 @@ import torch
 
 from common.kv.state import SequenceState
 from common.model.defaults import default_model_dir
+from common.protocol import SamplingParams
 from common.sampling.logit_processors import LogitProcessors
 from common.sampling.requests import Request, sample_on_device
-from common.sampling.sampler import SamplingParams
 from common.text.tokenizer import Tokenizer
 
 V, EOS = 1024, 2

@@ -29,7 +29,7 @@ import pytest
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 from tests.conftest import Server, free_port, free_ports, health, wait_healthy
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ import torch
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 from common.sampling.structured import structure_of
 from tests.conftest import Server, free_port, wait_healthy
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 from common.config import ModelConfig
-from common.experts.provider import ExpertProvider
 from common.model.families import qwen_expert_key
+from common.model.provider import ExpertProvider
 from common.model.qwen4_exp.config import Qwen4ExpConfig, parse_qwen4_exp
 from common.model.qwen4_exp.model import Qwen4ExpForCausalLM
 from common.model.registry import Architecture, ExpertKey, HostTableKey, register_architecture

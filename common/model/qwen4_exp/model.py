@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.experts.provider import ExpertProvider
 from common.kernels.config import KERNELS, KernelConfig
 from common.kv.state import StateSpec
 from common.model.context import ForwardContext
@@ -13,6 +12,7 @@ from common.model.fp8_linear import Fp8Fused
 from common.model.groups import run_groups
 from common.model.layer_major import run_layer_major
 from common.model.moe import SparseMoeBlock
+from common.model.provider import ExpertProvider
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.gdn import GatedDeltaNet
 from common.model.qwen4_exp.hyper import HyperConnection, Streams, applied, rows_of

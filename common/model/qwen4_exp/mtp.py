@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from common.experts.provider import ExpertProvider
 from common.model.context import ForwardContext
+from common.model.provider import ExpertProvider
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.hyper import HyperConnection
 from common.model.qwen4_exp.norms import OffsetRMSNorm

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from common.experts.formats import FP8_BLOCK, quantize_fp8_block
+from common.model.fp8_blocks import FP8_BLOCK, quantize_fp8_block
 from common.model.synthetic.config import generation_config, model_config, resolve_preset, text_config
 from common.model.synthetic.plan import ShardPlan, TensorSpec, plan_shards, plan_tensors
 from common.model.synthetic.presets import FLAT_ARCHS, STORAGE_DTYPES, TOKENIZER_VOCAB

@@ -10,7 +10,7 @@ from common.engine.engine import Engine
 from common.engine.speculative import MTPSpeculator
 from common.model.errors import CheckpointError
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 OVERRIDES = {"indexer_n_heads": 16, "indexer_budget": 16, "mtp_num_hidden_layers": 1}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

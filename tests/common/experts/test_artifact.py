@@ -14,7 +14,7 @@ from common.experts.artifact import EXPERTS_FILE, META_FILE, convert
 from common.experts.formats import get_format
 from common.model.errors import CheckpointError
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 WIDE = {"hidden_size": 128, "moe_intermediate_size": 128, "intermediate_size": 128}  # int4 groups of 128

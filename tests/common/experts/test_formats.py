@@ -11,16 +11,15 @@ import torch.nn.functional as F
 from common.experts.formats import (
     FORMATS,
     ExpertFormat,
-    dequantize_fp8_block,
     dequantize_int4_groups,
     get_format,
     pack_nibbles,
     quantization_error,
-    quantize_fp8_block,
     quantize_int4_groups,
     unpack_nibbles,
 )
-from common.experts.resident import grouped_expert_mlp
+from common.model.fp8_blocks import dequantize_fp8_block, quantize_fp8_block
+from common.model.resident import grouped_expert_mlp
 
 NAMES = list(FORMATS)
 

@@ -18,11 +18,11 @@ from common.experts.copies import copy_experts
 from common.experts.formats import get_format
 from common.experts.offload import OffloadedExperts, parse_capacity
 from common.experts.prefill_path import PrefillArena
-from common.experts.resident import batched_expert_mlp, grouped_expert_mlp
 from common.experts.store import HostExpertStore
 from common.kernels.config import KERNELS
+from common.model.resident import batched_expert_mlp, grouped_expert_mlp
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ARCHS = {

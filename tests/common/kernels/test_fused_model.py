@@ -13,7 +13,7 @@ import torch
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

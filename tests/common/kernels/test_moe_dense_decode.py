@@ -15,7 +15,7 @@ from common.engine.engine import Engine
 from common.experts.formats import get_format
 from common.kernels.config import KERNELS
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -31,7 +31,7 @@ from common.engine.runner import ModelRunner
 from common.kv.fp8 import FP8, parse_kv_dtype
 from common.model.loader import load_model
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 ARCHS = ["qwen3_moe", "qwen4_exp"]
 PROMPT_LENS = (5, 17, 33, 40)

@@ -14,7 +14,7 @@ from common.engine.engine import Engine
 from common.model.context import ForwardContext
 from common.model.groups import lane_groups, pass_groups
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 ARCHS = {"qwen3_moe": {}, "qwen4_exp": {"indexer_n_heads": 16, "indexer_budget": 8}}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

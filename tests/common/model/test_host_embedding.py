@@ -13,7 +13,7 @@ from common.engine.engine import Engine
 from common.engine.memory_plan import plan_for_dir
 from common.model.host_embedding import HostEmbedding
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -17,14 +17,14 @@ from safetensors.torch import load_file, save_file
 
 from common.config import WorkerConfig
 from common.engine.engine import Engine
-from common.experts.formats import FP8_BLOCK
-from common.experts.resident import ResidentExperts
 from common.model.errors import CheckpointError
+from common.model.fp8_blocks import FP8_BLOCK
 from common.model.hf_config import load_architecture
 from common.model.loader import dequantized_fp8_source, load_model
 from common.model.registry import ExpertKey
+from common.model.resident import ResidentExperts
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 INDEX = "model.safetensors.index.json"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

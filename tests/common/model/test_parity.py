@@ -17,7 +17,7 @@ from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.engine.runner import ModelRunner
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from common.kv.state import SequenceState
+from common.protocol import SamplingParams
 from common.sampling.logit_processors import LogitProcessors
 from common.sampling.requests import Request, sample_on_device
-from common.sampling.sampler import SamplingParams
 
 V, EOS = 32, 2
 

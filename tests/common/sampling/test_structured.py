@@ -12,9 +12,9 @@ from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.kv.state import SequenceState
 from common.model.defaults import default_model_dir
+from common.protocol import SamplingParams
 from common.sampling.logit_processors import LogitProcessors
 from common.sampling.requests import Request
-from common.sampling.sampler import SamplingParams
 from common.sampling.structured import structure_of
 from common.text.tokenizer import Tokenizer
 

@@ -16,12 +16,12 @@ from common.protocol import (
     Generate,
     PrefillDone,
     ReleaseState,
+    SamplingParams,
     Sibling,
     Tokens,
     decode,
     encode,
 )
-from common.sampling.sampler import SamplingParams
 from common.workers.decode import DecodeCore
 from common.workers.prefill import PrefillCore
 from common.workers.sharing import decode_exports, host_allocator, prefill_model, shared_allocator

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from common.config import WorkerConfig
 from common.model.defaults import default_model_dir
-from common.protocol import AllocState, PrefillDone
-from common.sampling.sampler import SamplingParams
+from common.protocol import AllocState, PrefillDone, SamplingParams
 from common.workers.decode import DecodeCore
 
 

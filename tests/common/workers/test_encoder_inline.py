@@ -8,8 +8,7 @@ import torch
 
 from common.model.qwen4_exp.positions import ImageTokens
 from common.model.synthetic.checkpoint import make_model
-from common.protocol import Encode, Generate
-from common.sampling.sampler import SamplingParams
+from common.protocol import Encode, Generate, SamplingParams
 from common.vision.encoder import ImageEncoder
 from common.vision.images import decode_image
 from common.workers.encoder import EncoderCore

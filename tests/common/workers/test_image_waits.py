@@ -8,8 +8,7 @@ import torch
 
 from common.ipc import tensors as ipc
 from common.model.qwen4_exp.positions import ImageTokens
-from common.protocol import Generate, ImagesEncoded, ImagesTaken, Tokens, decode, encode
-from common.sampling.sampler import SamplingParams
+from common.protocol import Generate, ImagesEncoded, ImagesTaken, SamplingParams, Tokens, decode, encode
 from common.workers.image_waits import EARLY_KEPT, ImageWaits
 
 TOKENS = ImageTokens(image_token_id=7, merge=2, block=4)

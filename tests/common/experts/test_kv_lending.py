@@ -9,10 +9,10 @@ import torch
 
 from common.config import WorkerConfig
 from common.engine.engine import Engine
-from common.kv.lending import KvLending
+from common.experts.kv_lending import KvLending
 from common.kv.state import PagedSpec, SlotSpec, StatePool
 from common.model.synthetic.checkpoint import make_model
-from common.sampling.sampler import SamplingParams
+from common.protocol import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.experts.provider import ExpertProvider, ExpertWeights
+from common.model.provider import ExpertProvider, ExpertWeights
 
 
 def grouped_expert_mlp(
