@@ -12,36 +12,13 @@ torch's.
 
 from __future__ import annotations
 
-import functools
-from typing import Protocol
-
 import torch
 import triton
 import triton.language as tl
 
 from common.kernels.config import KERNELS, KernelConfig
+from common.kernels.hash_spec import HashSpec, spec_tensors
 from common.kernels.pdl import gdc_enter, launch
-
-
-class HashSpec(Protocol):
-    """What the kernel reads of one PLE layer's n-gram hash (common/model/ngram.py's NGramSpec): the
-    longest n-gram, hash heads per order and in all, the token that cuts an n-gram, the multiplier of each
-    position (current token first), each head's prime vocabulary and first table row."""
-
-    @property
-    def ngram_size(self) -> int: ...
-    @property
-    def heads_per_ngram(self) -> int: ...
-    @property
-    def num_heads(self) -> int: ...
-    @property
-    def eos_token_id(self) -> int: ...
-    @property
-    def multipliers(self) -> tuple[int, ...]: ...
-    @property
-    def head_vocab_sizes(self) -> tuple[int, ...]: ...
-    @property
-    def head_offsets(self) -> tuple[int, ...]: ...
 
 
 @triton.jit
@@ -69,16 +46,6 @@ def _ngram_step_kernel(
     tl.store(row + (N - 2), token)
 
 
-@functools.cache
-def _spec_tensors(
-    values: tuple[tuple[int, ...], ...], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A spec's multipliers, head vocabulary sizes and offsets on `device`, made once: a decode step that a
-    CUDA graph records may not copy host values to the device."""
-    mult, sizes, offsets = (torch.tensor(v, dtype=torch.int64, device=device) for v in values)
-    return mult, sizes, offsets
-
-
 def ngram_step(
     spec: HashSpec,
     context: torch.Tensor,
@@ -91,9 +58,7 @@ def ngram_step(
     if spec.ngram_size < 2:
         raise ValueError("n-gram hashing needs an n-gram size of at least 2")
     assert context.stride(1) == 1, "each slot's context must be contiguous"
-    mult, sizes, offsets = _spec_tensors(
-        (spec.multipliers, spec.head_vocab_sizes, spec.head_offsets), tokens.device
-    )
+    mult, sizes, offsets = spec_tensors(spec, tokens.device)
     out = torch.empty((tokens.shape[0], spec.num_heads), dtype=torch.int64, device=tokens.device)
     if tokens.shape[0]:
         _ngram_step_kernel[(tokens.shape[0],)](

@@ -9,11 +9,12 @@ Context never crosses an end-of-sequence token: after EOS, the missing history r
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
+
+from common.kernels.hash_spec import spec_tensors
 
 _MASK64 = (1 << 64) - 1
 _GAMMA, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -121,15 +122,6 @@ def shifted_history(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor
     valid = (pos - (last_eos_before + 1) >= shift) & (pos >= shift)
     shifted = history.gather(1, (pos - shift).clamp_min(0).expand(n, -1))
     return torch.where(valid, shifted, torch.full_like(history, eos))
-
-
-@functools.cache
-def spec_tensors(spec: NGramSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The spec's multipliers, head vocabulary sizes and offsets on `device`, made once: a decode step that a
-    CUDA graph records may not copy host values to the device."""
-    values = (spec.multipliers, spec.head_vocab_sizes, spec.head_offsets)
-    multipliers, sizes, offsets = (torch.tensor(v, dtype=torch.int64, device=device) for v in values)
-    return multipliers, sizes, offsets
 
 
 def ngram_ids(spec: NGramSpec, history: torch.Tensor, num_new: int) -> torch.Tensor:

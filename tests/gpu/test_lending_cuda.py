@@ -4,7 +4,7 @@ in use, and an engine that lends (decode steps replayed from CUDA graphs) genera
 from __future__ import annotations
 
 import torch
-from tests.common.kv.test_lending import check_disjoint, run_lending
+from tests.common.experts.test_kv_lending import check_disjoint, run_lending
 
 from common.config import WorkerConfig
 from common.engine.engine import Engine
