@@ -243,12 +243,13 @@ class RouterCore:
         else:
             log.warning("router ignores %s messages", type(msg).__name__)
 
-    def _on_failure(self, pair: Pair | None, reason: str) -> None:
-        """A worker of `pair` died (None: the encoder): fail the requests it may have held."""
+    def _on_failure(self, pair: Pair | None, reason: str, prefill: bool) -> None:
+        """A worker of `pair` died (None: the encoder; `prefill`: the pair's prefill worker): fail the requests
+        it may have held (a prefill worker's death spares those decode holds already)."""
         if pair is None:
             self.delivery.fail_awaiting_images(reason)
         else:
-            self.delivery.fail_pair(pair.index, reason)
+            self.delivery.fail_pair(pair.index, reason, spare_decoding=prefill)
 
 
 async def _cancel(task: asyncio.Task[None] | None) -> None:

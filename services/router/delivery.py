@@ -87,10 +87,12 @@ class EventDelivery:
         """Stop delivering `rid`'s events (its later tokens are orphans)."""
         self.flights.pop(rid, None)
 
-    def fail_pair(self, pair: int, reason: str) -> None:
-        """The requests pair number `pair` runs died with one of its workers: end each with an error."""
+    def fail_pair(self, pair: int, reason: str, spare_decoding: bool = False) -> None:
+        """The requests pair number `pair` runs died with one of its workers: end each with an error; with
+        `spare_decoding` (its prefill worker died), not those its decode worker holds (`Flight.decoding`):
+        they go on to their end."""
         for flight in self.flights.values():
-            if flight.pair == pair:
+            if flight.pair == pair and not (spare_decoding and flight.decoding):
                 flight.fail(reason)
 
     def fail_awaiting_images(self, reason: str) -> None:
@@ -135,6 +137,7 @@ class EventDelivery:
 
     def _reorder(self, flight: Flight, event: Tokens) -> None:
         """Hold `event` until its turn, deliver what is in turn, and time the gap that remains."""
+        flight.decoding = flight.decoding or event.index > 0  # prefill sends a request's first token only
         flight.pending.setdefault(event.index, []).append(event)
         expected = flight.next_index
         while flight.next_index in flight.pending:

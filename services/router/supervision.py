@@ -21,8 +21,9 @@ from services.router.pairs import Pair, ServiceHealth
 
 log = logging.getLogger(__name__)
 
-FailureHandler = Callable[[Pair | None, str], None]
-"""Called with the pair whose worker died (None: the encoder) and the reason, once a death."""
+FailureHandler = Callable[[Pair | None, str, bool], None]
+"""Called with the pair whose worker died (None: the encoder), the reason, and whether that worker was the
+pair's prefill (the requests its decode worker already holds go on), once a death."""
 
 
 def watch_period(config: RouterConfig) -> float:
@@ -202,4 +203,5 @@ class Supervisor:
         return svc
 
     def _fail(self, svc: ServiceHealth, reason: str) -> None:
-        self._on_failure(None if svc is self.encoder else self._pair_of[svc.name], reason)
+        pair = None if svc is self.encoder else self._pair_of[svc.name]
+        self._on_failure(pair, reason, pair is not None and svc is pair.prefill)

@@ -485,3 +485,31 @@ def test_an_undecodable_frame_is_dropped_and_counted_without_a_scrape(
             assert httpx.get(f"{served.url}/health", timeout=5).json()["status"] == "ok"  # still serving
         finally:
             push.close(0)
+
+
+def test_a_prefill_death_spares_the_requests_decode_holds() -> None:
+    """Decode's event (index > 0) tells the router that decode holds a request: a prefill worker's exit,
+    restart or closed connection fails only those still in prefill; a decode death fails them all."""
+
+    async def test(core: RouterCore) -> None:
+        decoding = await core.submit([1], SAMPLING, time.monotonic())
+        prefilling = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Tokens(decoding.rid, [5], index=0))
+        core.on_message(Tokens(decoding.rid, [6], index=1))
+        core.on_message(ServiceDown("prefill", os.getpid(), -9))
+        event = await prefilling.next_event()
+        assert event.finish_reason == "error" and "prefill worker exited" in event.error
+        assert [(await decoding.next_event()).token_ids for _ in range(2)] == [[5], [6]]
+        assert decoding.events.empty(), "decode still holds it: no error"
+        core.on_message(Ready("prefill", os.getpid() + 1, capacity=2))  # its successor
+        core.on_message(Tokens(decoding.rid, [7], "length", index=2))
+        assert (await decoding.next_event()).finish_reason == "length"
+        core.release(decoding, "length")
+        core.release(prefilling, None)
+        held = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Tokens(held.rid, [6], index=1))  # decode's, ahead of prefill's first
+        core.on_message(ServiceDown("decode", os.getpid(), -9))
+        assert (await held.next_event()).finish_reason == "error", "decode's death fails what it holds"
+        core.release(held, None)
+
+    run_core(test)
