@@ -105,6 +105,8 @@ class RouterMetrics:
     """Labelled by reason (bad_request, unauthorized, not_found, queue_full, not_ready, worker_error, ...)."""
     dropped_frames: Counter
     """Inbox frames that did not decode (dropped and counted)."""
+    late_heartbeats: Counter
+    """Labelled by service: heartbeats that came past the heartbeat timeout (the worker counted as down)."""
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RouterMetrics:
@@ -159,6 +161,12 @@ class RouterMetrics:
             ),
             dropped_frames=Counter(
                 f"{PREFIX}dropped_frames_total", "Inbox frames that did not decode.", registry=registry
+            ),
+            late_heartbeats=Counter(
+                f"{PREFIX}late_heartbeats_total",
+                "Worker heartbeats that came past the heartbeat timeout, by service.",
+                ["service"],
+                registry=registry,
             ),
         )
 

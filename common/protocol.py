@@ -295,8 +295,8 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
-    """worker → router, every second: alive, with its load, and what its `Ready` said (so that a restarted
-    router knows a worker's capacity and context without a `Ready` of its own)."""
+    """worker → router, every second (from a thread of its own): alive, with its load, and what its `Ready`
+    said (so that a restarted router knows a worker's capacity and context without a `Ready` of its own)."""
 
     service: str
     pid: int
@@ -308,6 +308,10 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     """As in `Ready`."""
     image_tokens: int = 0
     """As in `Ready`."""
+    loop_s: float = 0.0
+    """Seconds since the worker's loop last came round (the beats come from a thread of their own: a worker
+    heard but whose loop is silent past the router's stall timeout is hung); 0 during work that is no
+    hang."""
 
 
 class ServiceDown(msgspec.Struct, frozen=True, tag=True):

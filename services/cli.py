@@ -267,6 +267,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_context=cfg.max_context,
         threads=args.threads,
         stall_timeout_s=args.stall_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
         pair_gpus=gpus,
         encoder_device=_encoder_device(args, model_dir),
         encoder_dtype=cfg.dtype,
@@ -409,8 +410,15 @@ def _add_serve(sub) -> None:
         "--stall-timeout",
         type=float_at_least(0.0),
         default=120.0,
-        help="seconds a worker may go without a heartbeat before it is taken as hung: its requests fail "
-        "and it is restarted (0: never; default %(default)s)",
+        help="seconds a worker's loop may go without coming round before it is taken as hung: its requests "
+        "fail and it is restarted (0: never; default %(default)s)",
+    )
+    srv.add_argument(
+        "--heartbeat-timeout",
+        type=float_at_least(0.1),
+        default=5.0,
+        help="seconds without a worker's heartbeat (sent every second from a thread of its own) before it "
+        "counts as down: 503 while no pair is up (default %(default)s)",
     )
     srv.set_defaults(func=_serve)
 

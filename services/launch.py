@@ -54,6 +54,9 @@ class ServeOptions:
     stall_timeout_s: float = 120.0
     """A worker the router has not heard from this long is hung: the router fails its requests, the
     launcher kills it (STALL_KILL_GRACE_S later) and restarts it (0: never)."""
+    heartbeat_timeout_s: float = 5.0
+    """A worker whose heartbeats (a thread of their own, every second) stop this long counts as down: the
+    router answers 503 while no pair is up."""
     pair_gpus: list[str | None] = field(default_factory=lambda: [None])
     """One entry a prefill/decode pair: the CUDA_VISIBLE_DEVICES of its two workers (None: the launcher's)."""
     encoder_device: str | None = None
@@ -130,6 +133,7 @@ def router_argv(
     argv = [*module_argv("router"), "--model", opts.model_dir, "--host", opts.host, "--port", str(opts.port)]
     argv += ["--inbox", inbox, "--max-running", "0", "--max-queue", str(opts.max_queue)]
     argv += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
+    argv += ["--heartbeat-timeout", str(opts.heartbeat_timeout_s)]
     argv += ["--exit-with-parent"]
     for prefill, decode in pairs:
         argv += ["--prefill", prefill, "--decode", decode]

@@ -55,7 +55,7 @@ class RouterCore:
     def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.supervisor = Supervisor(config, self._on_failure)
+        self.supervisor = Supervisor(config, self._on_failure, metrics)
         self.links = WorkerLinks(
             config, self.supervisor.pairs, self.supervisor.encoder is not None, self.supervisor.on_link
         )
@@ -244,8 +244,8 @@ class RouterCore:
             log.warning("router ignores %s messages", type(msg).__name__)
 
     def _on_failure(self, pair: Pair | None, reason: str, prefill: bool) -> None:
-        """A worker of `pair` died (None: the encoder; `prefill`: the pair's prefill worker): fail the requests
-        it may have held (a prefill worker's death spares those decode holds already)."""
+        """A worker of `pair` died (None: the encoder; `prefill`: the pair's prefill worker): fail the
+        requests it may have held (a prefill worker's death spares those decode holds already)."""
         if pair is None:
             self.delivery.fail_awaiting_images(reason)
         else:

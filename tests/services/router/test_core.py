@@ -513,3 +513,29 @@ def test_a_prefill_death_spares_the_requests_decode_holds() -> None:
         core.release(held, None)
 
     run_core(test)
+
+
+def test_a_late_heartbeat_is_counted_and_a_silent_loop_is_a_stall() -> None:
+    """A heartbeat past the heartbeat timeout is logged and counted; a worker heard (its beats' thread) whose
+    loop has not come round for the stall timeout (`Heartbeat.loop_s`) is hung: its requests fail."""
+
+    async def test(core: RouterCore) -> None:
+        samples = lambda: core.metrics.late_heartbeats.collect()[0].samples
+        late = lambda: {s.labels["service"]: s.value for s in samples() if s.name.endswith("_total")}
+        core.on_message(Heartbeat("decode", os.getpid(), capacity=2))
+        assert late() == {}, "in time"
+        core.services["decode"].last_seen = time.monotonic() - 6
+        core.on_message(Heartbeat("decode", os.getpid(), capacity=2))
+        assert late() == {"decode": 1.0}
+        flight = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Heartbeat("decode", os.getpid(), capacity=2, loop_s=30))
+        core.check_stalls()
+        assert flight.events.empty() and core.ready(), "the loop is slow, not hung"
+        core.on_message(Heartbeat("decode", os.getpid(), capacity=2, loop_s=61))
+        assert core.ready(), "heard: up, until the stall check"
+        core.check_stalls()
+        event = await flight.next_event()
+        assert event.finish_reason == "error" and "stopped responding" in event.error
+        core.release(flight, None)
+
+    run_core(test, stall_timeout_s=60)
