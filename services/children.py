@@ -13,9 +13,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.ipc import tensors as ipc
+from common.ipc.keys import LAUNCHER, ControlKeys, keys_env, make_keys
 from common.ipc.transport import Outbox
 from common.protocol import ServiceDown
 from services.parent_watch import PARENT_PID_ENV
@@ -38,6 +39,8 @@ class Child:
     argv: list[str]
     gpu: str | None = None
     """Its CUDA_VISIBLE_DEVICES (None: the launcher's)."""
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    """Added to its environment: its control-plane keys (`common.ipc.keys.keys_env`), never on its argv."""
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started: float = 0.0
@@ -46,7 +49,7 @@ class Child:
     """This start of it served (the supervisor saw it up): an exit now is no start-up failure."""
 
     def start(self) -> None:
-        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
         if self.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.gpu
         self.proc = subprocess.Popen(self.argv, env=env)
@@ -98,6 +101,15 @@ def restart_exited(children: Sequence[Child], router: Outbox | None) -> Child | 
         child.restarts += 1
         child.start()
     return None
+
+
+def hand_keys(children: Sequence[Child], others: Sequence[str] = ()) -> ControlKeys:
+    """Make the control plane's keys for `children`, the services named `others` (started elsewhere) and the
+    launcher; put each child's in its environment; return the launcher's (it sends `ServiceDown`)."""
+    keys = make_keys([*(c.name for c in children), *others, LAUNCHER])
+    for child in children:
+        child.env.update(keys_env(keys[child.name]))
+    return keys[LAUNCHER]
 
 
 def stop_children(children: Sequence[Child]) -> None:

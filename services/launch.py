@@ -27,7 +27,7 @@ from pathlib import Path
 from common.ipc.tensors import process_alive
 from common.ipc.transport import Outbox, ipc_address, make_run_dir, pair_names
 from common.vision.images import vision_config
-from services.children import Child, module_argv, restart_exited, stop_children, worker_argv
+from services.children import Child, hand_keys, module_argv, restart_exited, stop_children, worker_argv
 
 log = logging.getLogger("launch")
 OWNER = "launcher.pid"
@@ -233,7 +233,8 @@ class Launcher:
         self.run_dir = make_run_dir()
         (self.run_dir / OWNER).write_text(str(os.getpid()))
         self.children = service_children(opts, self.run_dir)
-        self.router = Outbox(ipc_address(self.run_dir, "router"))
+        keys = hand_keys(self.children)
+        self.router = Outbox(ipc_address(self.run_dir, "router"), keys=keys, peer="router")
         self.stopping = self.failed = False
         self.router_answered = 0.0
         """time.monotonic() of the router's last /health answer."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common import metrics
+from common.ipc.keys import ControlKeys
 from common.ipc.transport import Inbox, Outbox
 from common.protocol import Abort, Heartbeat, Message, Ready, Tokens
 from services.parent_watch import stop_with_parent
@@ -57,13 +58,21 @@ class WorkerShell:
         metrics_host: str = "127.0.0.1",
         stall_timeout_s: float = 0.0,
         exit_with_parent: bool = False,
+        keys: ControlKeys | None = None,
+        peers: dict[str, str] | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {service} %(levelname)s %(message)s")
         if threads:
             torch.set_num_threads(threads)
         self.service, self.pid, self.instance = service, os.getpid(), secrets.token_hex(8)
-        self.inbox = Inbox(inbox)
-        self.out = {name: Outbox(address) for name, address in outboxes.items()}
+        self.keys = keys
+        """This worker's control-plane keys (None: no CurveZMQ); `peers` names the service behind each of
+        `outboxes` where its key is not the service's name (`decode` for pair 1's `decode-1`)."""
+        self.inbox = Inbox(inbox, keys=keys)
+        self.out = {
+            dest: Outbox(address, keys=keys, peer=(peers or {}).get(dest, dest))
+            for dest, address in outboxes.items()
+        }
         self.stopping = False
         self._last_beat = 0.0
         self.limits = (0, 0, 0)
@@ -80,6 +89,7 @@ class WorkerShell:
         self.expert_metrics: CacheMetricsExporter | None = None
         self.registry = metrics.new_registry()
         self.metrics = metrics.WorkerMetrics.create(self.registry)
+        self._refusals = metrics.RefusalCount(self.metrics.control_refused)
         self._stop_metrics = (
             metrics.serve(self.registry, metrics_port, metrics_host) if metrics_port else None
         )
@@ -110,13 +120,15 @@ class WorkerShell:
         """The shell a worker's parsed flags (`services.worker_args.add_worker_args`, or the encoder's alike)
         describe: named `--name` or its role, its inbox, outboxes to the router, to its peer (`peer_role`:
         `--peer`) and to the services of `outboxes` (name → address: the encoder's prefill workers)."""
+        name = args.name or role
         outboxes = {
             "router": args.router,
             **({peer_role: args.peer} if peer_role else {}),
             **(outboxes or {}),
         }
+        peers = {peer_role: peer_role + name.removeprefix(role)} if peer_role else {}
         return cls(
-            args.name or role,
+            name,
             args.inbox,
             outboxes,
             args.threads,
@@ -124,6 +136,8 @@ class WorkerShell:
             args.metrics_host,
             args.stall_timeout,
             exit_with_parent=args.exit_with_parent,
+            keys=ControlKeys.from_env(),
+            peers=peers,
         )
 
     def _stop(self, *_: object) -> None:
@@ -195,6 +209,7 @@ class WorkerShell:
         self._last_beat = now
         self.metrics.dropped_frames.inc(self.inbox.dropped - self._dropped_seen)
         self._dropped_seen = self.inbox.dropped
+        self._refusals.sync(self.inbox.refused, self.inbox.rejected)
         return True
 
     def heartbeat(self, running: int = 0, waiting: int = 0) -> None:
@@ -212,7 +227,7 @@ class WorkerShell:
         releases the GIL in its ops; Python switches threads every few ms). Each beat says how long ago the
         loop last came round (`Heartbeat.loop_s`): the router takes a loop silent past its stall timeout
         as hung."""
-        box = Outbox(self.out["router"].address)
+        box = Outbox(self.out["router"].address, keys=self.keys, peer="router")
         try:
             while not self._beats_done.wait(HEARTBEAT_S):
                 box.try_send(self._beat())

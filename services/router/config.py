@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from common.ipc.keys import ControlKeys
+
 
 @dataclass(frozen=True)
 class WorkerPair:
@@ -71,6 +73,11 @@ class RouterConfig:
     workers abort it, rather than wait for good. A gap shows only once a later event comes: a lost last
     event is the worker's to report (`WorkerShell.send` fails a request it drops events of). Far above the
     skew between prefill's and decode's connections (milliseconds); 0 = never."""
+
+    control_keys: ControlKeys | None = field(default=None, repr=False)
+    """The router's CurveZMQ keys (common/ipc/keys.py; from the launcher, in the environment): its inbox
+    admits only the known services and takes each message only from a role that may send it. None: no
+    CurveZMQ (ipc:// sockets in a private run directory)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
