@@ -42,6 +42,14 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from common.ipc.keys import LAUNCHER, write_keys
+
+    paths = write_keys(args.out, [*args.names, LAUNCHER])
+    print(f"wrote the control-plane keys of {', '.join(paths)} to {args.out}")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from common.config import WorkerConfig
     from common.engine.engine import Engine
@@ -442,6 +450,14 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--out", required=True)
     mk.set_defaults(func=_make_model)
+
+    keys = sub.add_parser(
+        "keys",
+        help="write CurveZMQ keys for services no launcher starts (containers: SPILLWAY_CONTROL_KEYS_FILE)",
+    )
+    keys.add_argument("--out", required=True, help="directory of the key files (NAME.json, mode 0600)")
+    keys.add_argument("names", nargs="+", help="the services' names (router, prefill, decode, encoder, ...)")
+    keys.set_defaults(func=_keys)
 
     gen = sub.add_parser("generate", help="generate text offline, in this process")
     gen.add_argument(

@@ -12,12 +12,15 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 
 import zmq
 
 KEYS_ENV = "SPILLWAY_CONTROL_KEYS"
 """The environment variable that carries a process's `ControlKeys` (`to_json`)."""
+KEYS_FILE_ENV = "SPILLWAY_CONTROL_KEYS_FILE"
+"""Or the path of a file (mode 0600, `write_keys`) that holds them: containers, which no launcher starts."""
 LAUNCHER = "launcher"
 """The name the launcher (or a Ray pair host) speaks as: the only sender of `ServiceDown`."""
 
@@ -59,9 +62,13 @@ class ControlKeys:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> ControlKeys | None:
-        """The keys `KEYS_ENV` carries, or None where it is unset (the control plane then runs without
-        CurveZMQ: ipc:// sockets in the private run directory only)."""
+        """The keys `KEYS_ENV` carries, or those of the file `KEYS_FILE_ENV` names, or None where neither is
+        set (the control plane then runs without CurveZMQ: ipc:// sockets in the private run directory
+        only)."""
         text = environ.get(KEYS_ENV)
+        path = environ.get(KEYS_FILE_ENV)
+        if not text and path:
+            text = Path(path).read_text()
         return cls.from_json(text) if text else None
 
 
@@ -70,6 +77,22 @@ def make_keys(names: Iterable[str]) -> dict[str, ControlKeys]:
     pairs = {name: zmq.curve_keypair() for name in names}
     public = {name: pub for name, (pub, _) in pairs.items()}
     return {name: ControlKeys(name, secret, public) for name, (_, secret) in pairs.items()}
+
+
+def write_keys(directory: str | Path, names: Iterable[str]) -> dict[str, Path]:
+    """Fresh keys for `names` (`make_keys`), each process's in `directory/NAME.json` (mode 0600, the
+    directory 0700): the file `KEYS_FILE_ENV` names for a service that no launcher starts."""
+    directory = Path(directory)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    paths = {}
+    for name, keys in make_keys(names).items():
+        path = directory / f"{name}.json"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(keys.to_json())
+        paths[name] = path
+    return paths
 
 
 def keys_env(keys: ControlKeys | None) -> dict[str, str]:
