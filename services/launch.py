@@ -52,8 +52,8 @@ class ServeOptions:
     max_context: int = 4096
     threads: int = 0
     stall_timeout_s: float = 120.0
-    """A worker the router has not heard from this long is hung: the router fails its requests, the
-    launcher kills it (STALL_KILL_GRACE_S later) and restarts it (0: never)."""
+    """A worker whose loop the router has not known to come round this long is hung: the router fails its
+    requests, the launcher kills it (STALL_KILL_GRACE_S later) and restarts it (0: never)."""
     heartbeat_timeout_s: float = 5.0
     """A worker whose heartbeats (a thread of their own, every second) stop this long counts as down: the
     router answers 503 while no pair is up."""

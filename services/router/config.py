@@ -62,11 +62,13 @@ class RouterConfig:
     """Each worker's metrics URL by service name, reported by `/health` (a worker's `Ready` may name its
     own, which wins)."""
     heartbeat_timeout_s: float = 5.0
-    """A worker whose last `Ready`/`Heartbeat` is older than this is down (503 until it is heard again)."""
+    """A worker whose last `Ready`/`Heartbeat` is older than this is down (503 while no pair is up, until it
+    is heard again); a later heartbeat is logged and counted as late. Workers beat every second from a
+    thread of their own: only a dead or frozen process misses this."""
     stall_timeout_s: float = 120.0
-    """A worker silent this long is hung: the requests in flight end with an error event (the launcher also
-    kills it, and restarts it). Far above the longest step (a prefill chunk: about a second), below
-    any client's patience; 0 = never."""
+    """A worker whose loop has not come round this long (its heartbeats' `loop_s`, or no heartbeat at all) is
+    hung: the requests in flight end with an error event (the launcher also kills it, and restarts it).
+    Far above the longest step (a prefill chunk: about a second), below any client's patience; 0 = never."""
     event_gap_timeout_s: float = 10.0
     """A request whose next event (by `Tokens.index`) is still missing this long after a later one came lost
     it (a worker drops events while the router's queue is full): it ends with an error event, and its
