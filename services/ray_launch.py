@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from common.ipc.ports import free_ports
 from common.ipc.transport import Outbox, pair_names
 from services.children import Child, restart_exited, stop_children, worker_argv
-from services.launch import ServeOptions, encoder_argv, router_argv, worker_flags
+from services.launch import ServeOptions, child_env, encoder_argv, router_argv, worker_flags
 
 log = logging.getLogger("launch")
 SUPERVISE_S = 1.0
@@ -160,7 +160,7 @@ class RayLauncher:
             self.encoder = Child("encoder", self._encoder_argv(prefills, metrics))
             self.encoder.start()
         argv = router_argv(self.opts, self.router_inbox, pairs, metrics, self.encoder_inbox)
-        self.router = Child("router", argv)
+        self.router = Child("router", argv, env=child_env(self.opts))
         self.router.start()
 
     def _encoder_argv(self, prefills: dict[str, str], metrics: dict[str, str]) -> list[str]:
