@@ -31,7 +31,7 @@ class ErrorAnsweringH11(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """(uvicorn's hook for a request h11 cannot parse.) 431 or 400, then the lingering close."""
         limit = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
-        too_long = self.conn.their_state is h11.IDLE and len(self.conn.trailing_data[0]) > limit
+        too_long = len(self.conn.trailing_data[0]) > limit  # h11 waits for the end of a head
         status, message, code = (
             (431, f"The request's headers are over {limit:,} bytes.", "request_header_fields_too_large")
             if too_long
