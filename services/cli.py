@@ -237,9 +237,9 @@ def _plan(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from common.api_key import resolve_api_key
     from common.model.defaults import default_model_dir
     from common.model.hf_config import load_architecture
-    from common.api_key import resolve_api_key
     from services.launch import Launcher, ServeOptions, pair_gpus
     from services.worker_args import config_argv, device_arg, worker_config
 
