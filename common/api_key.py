@@ -19,7 +19,7 @@ def resolve_api_key(given: str | None = None, path: str | Path | None = None) ->
         return given
     if path is not None:
         try:
-            key = Path(path).read_text().strip()
+            key = Path(path).read_text().partition("\n")[0].strip()
         except OSError as exc:
             raise ValueError(f"cannot read the API key file {path}: {exc.strerror}") from None
         if not key:
