@@ -250,7 +250,8 @@ def test_spillway_generate_with_images_answers_as_transformers(stack, tmp_path) 
 
 
 def test_images_past_the_pixel_budget_are_400s_at_once(stack) -> None:
-    """Four 13,000 x 13,000 PNGs (a few hundred KB): refused from their headers, nothing decoded."""
+    """Four PNG files of 13,000 x 13,000 pixels (a few hundred KB): refused from their headers, nothing
+    decoded."""
     from tests.common.openai.test_image_budget import data_url, huge_png
 
     server, model, _ = stack
