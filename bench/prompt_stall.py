@@ -1,8 +1,7 @@
 """What one huge prompt does to a served stack (issue 56's probe): `spillway serve` on the tiny model (CPU), 4
 streams running, then a chat and a text completion of `--mb` MB each. Reports the slowest `/health` (polled
 every 10 ms throughout), the longest wait between two events of any stream, the router's peak RSS (VmHWM)
-and what the huge requests got. (Before the prompt bound, 45 MB held the router's loop for 98 s and its RSS
-reached 9.2 GB.)
+and what the huge requests got (curl sends them: a process apart from the one that times `/health`).
 
     python -m bench.prompt_stall [--mb 45] [--out DIR]   # CPU only: bench/results/prompt-stall.json
 """

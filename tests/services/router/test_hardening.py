@@ -87,8 +87,8 @@ def test_a_45_mb_prompt_is_refused_at_once_and_stalls_nothing(serve_router: Any)
         slowest, gap, answers = _while_served(served.url, posts)
     for response in answers:
         assert "context holds" in assert_error(response, 400, "context_length_exceeded")["message"]
-    # (Bounds for a loaded 2-core machine, the test's own clients in the router's process: unbounded, 3 MB
-    # held /health for seconds; bench/prompt_stall.py measures the served stack's figures.)
+    # (Bounds loose enough for a loaded CI machine with the test's clients in the router's process, far
+    # below what an unbounded prompt costs; bench/prompt_stall.py measures a served stack.)
     assert slowest < LOOP_BOUND_S and gap < GAP_BOUND_S, (slowest, gap)
 
 
