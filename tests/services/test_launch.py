@@ -191,3 +191,17 @@ def test_the_key_reaches_every_service_in_its_environment_never_its_argv(tmp_pat
         assert not any("sk-secret" in arg for arg in child.argv) and "--api-key" not in child.argv
         assert child.env == {"SPILLWAY_API_KEY": "sk-secret"}
     assert all(c.env == {} for c in service_children(ServeOptions("/m"), tmp_path))
+
+
+def test_the_pixel_budgets_pass_from_serve_to_the_router(tmp_path: Path) -> None:
+    from services.router.main import config_from_args, parse_args
+
+    args = build_parser().parse_args(["serve", "--max-image-pixels", "500", "--max-request-pixels", "900"])
+    opts = ServeOptions(
+        "/m", max_image_pixels=args.max_image_pixels, max_request_pixels=args.max_request_pixels
+    )
+    argv = router_argv(opts, "ipc:///r", [("ipc:///p", "ipc:///d")], {})
+    config = config_from_args(parse_args(argv[3:]))  # past `python -m services.router`
+    assert (config.max_image_pixels, config.max_request_pixels) == (500, 900)
+    default = config_from_args(parse_args(router_argv(ServeOptions("/m"), "ipc:///r", [("a", "b")], {})[3:]))
+    assert (default.max_image_pixels, default.max_request_pixels) == (2**25, 2**27)
