@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.ipc import tensors as ipc
 from common.ipc.transport import Outbox
@@ -38,6 +38,8 @@ class Child:
     argv: list[str]
     gpu: str | None = None
     """Its CUDA_VISIBLE_DEVICES (None: the launcher's)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables it gets beside the launcher's (secrets: never on its command line)."""
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started: float = 0.0
@@ -46,7 +48,7 @@ class Child:
     """This start of it served (the supervisor saw it up): an exit now is no start-up failure."""
 
     def start(self) -> None:
-        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
         if self.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.gpu
         self.proc = subprocess.Popen(self.argv, env=env)

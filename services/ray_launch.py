@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from common.ipc.ports import free_ports
 from common.ipc.transport import Outbox, pair_names
 from services.children import Child, restart_exited, stop_children, worker_argv
-from services.launch import ServeOptions, encoder_argv, router_argv, worker_flags
+from services.launch import ServeOptions, child_env, encoder_argv, router_argv, worker_flags
 
 log = logging.getLogger("launch")
 SUPERVISE_S = 1.0
@@ -135,7 +135,9 @@ class RayLauncher:
         import ray
 
         remote = ray.remote(num_gpus=1) if self.gpu else ray.remote(num_cpus=0)
-        actor = remote(PairHost).options(scheduling_strategy="SPREAD")
+        # the key (if any) in the actor's environment, which its workers inherit: never on their argv
+        env = {"env_vars": child_env(self.opts)} if self.opts.api_key else None
+        actor = remote(PairHost).options(scheduling_strategy="SPREAD", runtime_env=env)
         flags = worker_flags(self.opts)
         # on a GPU: the actor's one (Ray sets its CUDA_VISIBLE_DEVICES, which the workers inherit)
         flags += ["--device", "cuda" if self.gpu else "cpu"]
@@ -157,10 +159,10 @@ class RayLauncher:
         stop_children([c for c in (self.router, self.encoder) if c is not None])  # over the lost addresses
         if self.encoder_inbox is not None:
             prefills = {pair_names(i)[0]: pairs[i][0] for i in range(len(pairs))}
-            self.encoder = Child("encoder", self._encoder_argv(prefills, metrics))
+            self.encoder = Child("encoder", self._encoder_argv(prefills, metrics), env=child_env(self.opts))
             self.encoder.start()
         argv = router_argv(self.opts, self.router_inbox, pairs, metrics, self.encoder_inbox)
-        self.router = Child("router", argv)
+        self.router = Child("router", argv, env=child_env(self.opts))
         self.router.start()
 
     def _encoder_argv(self, prefills: dict[str, str], metrics: dict[str, str]) -> list[str]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common import metrics
+from common.api_key import resolve_api_key
 from common.ipc.transport import Inbox, Outbox
 from common.protocol import Abort, Heartbeat, Message, Ready, Tokens
 from services.parent_watch import stop_with_parent
@@ -81,7 +82,9 @@ class WorkerShell:
         self.registry = metrics.new_registry()
         self.metrics = metrics.WorkerMetrics.create(self.registry)
         self._stop_metrics = (
-            metrics.serve(self.registry, metrics_port, metrics_host) if metrics_port else None
+            metrics.serve(self.registry, metrics_port, metrics_host, resolve_api_key())
+            if metrics_port
+            else None
         )
         self.metrics_url = f"http://{reachable(metrics_host)}:{metrics_port}/metrics" if metrics_port else ""
         self.stall_timeout_s = stall_timeout_s
