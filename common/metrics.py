@@ -25,6 +25,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from common.api_key import authorized
+
 PREFIX = "spillway:"
 
 # Time to first token spans queueing and a long prefill (seconds to minutes for 100K-token prompts).
@@ -47,8 +49,11 @@ def render(registry: CollectorRegistry) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> Callable[[], None]:
-    """Serve `registry` on http://host:port/metrics from a daemon thread (for workers without an HTTP app).
+def serve(
+    registry: CollectorRegistry, port: int, host: str = "127.0.0.1", api_key: str | None = None
+) -> Callable[[], None]:
+    """Serve `registry` on http://host:port/metrics from a daemon thread (for workers without an HTTP app);
+    with `api_key`, only to a request that carries it as a Bearer token (401 otherwise).
 
     Always in the text format, as the router's `/metrics` is: prometheus_client's own server answers
     Prometheus's preferred OpenMetrics with the names' colons turned into underscores in the samples (not in
@@ -60,6 +65,12 @@ def serve(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> Ca
         def do_GET(self) -> None:
             if self.path.split("?")[0] not in ("/metrics", "/"):
                 self.send_error(404)
+                return
+            if not authorized(self.headers.get("Authorization"), api_key):
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", "Bearer")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
                 return
             body, content_type = render(registry)
             self.send_response(200)

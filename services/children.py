@@ -40,7 +40,8 @@ class Child:
     gpu: str | None = None
     """Its CUDA_VISIBLE_DEVICES (None: the launcher's)."""
     env: dict[str, str] = field(default_factory=dict, repr=False)
-    """Added to its environment: its control-plane keys (`common.ipc.keys.keys_env`), never on its argv."""
+    """Environment variables it gets beside the launcher's (secrets: the API key, its control-plane keys
+    (`common.ipc.keys.keys_env`); never on its command line)."""
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started: float = 0.0
@@ -108,7 +109,7 @@ def hand_keys(children: Sequence[Child], others: Sequence[str] = ()) -> ControlK
     launcher; put each child's in its environment; return the launcher's (it sends `ServiceDown`)."""
     keys = make_keys([*(c.name for c in children), *others, LAUNCHER])
     for child in children:
-        child.env.update(keys_env(keys[child.name]))
+        child.env = {**child.env, **keys_env(keys[child.name])}
     return keys[LAUNCHER]
 
 

@@ -245,6 +245,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from common.api_key import resolve_api_key
     from common.model.defaults import default_model_dir
     from common.model.hf_config import load_architecture
     from services.launch import Launcher, ServeOptions, pair_gpus
@@ -269,7 +270,9 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         served_name=args.served_model_name,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args.api_key, args.api_key_file),
+        max_image_pixels=args.max_image_pixels,
+        max_request_pixels=args.max_request_pixels,
         max_queue=args.max_queue,
         worker_args=config_argv(cfg),
         max_context=cfg.max_context,
@@ -410,7 +413,27 @@ def _add_serve(sub) -> None:
         help="start no vision encoder, even for a model that reads images",
     )
     srv.add_argument("--served-model-name", default="", help="the model's name in the API")
-    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1, /metrics and the metrics ports (ps shows this "
+        "command line: prefer --api-key-file or $SPILLWAY_API_KEY)",
+    )
+    srv.add_argument(
+        "--api-key-file", metavar="PATH", default=None, help="read the key from this file's first line"
+    )
+    srv.add_argument(
+        "--max-image-pixels",
+        type=int_at_least(1),
+        default=None,
+        help="most pixels of one image a request carries (a 400 beyond; default: the router's)",
+    )
+    srv.add_argument(
+        "--max-request-pixels",
+        type=int_at_least(1),
+        default=None,
+        help="most pixels of all of a request's images (a 400 beyond; default: the router's)",
+    )
     srv.add_argument(
         "--max-queue", type=int_at_least(0), default=64, help="requests waiting beyond those (then 429)"
     )

@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.api_key import API_KEY_ENV
 from common.ipc.tensors import process_alive
 from common.ipc.transport import Outbox, ipc_address, make_run_dir, pair_names
 from common.vision.images import vision_config
@@ -46,6 +47,12 @@ class ServeOptions:
     encoder the port after the last pair's (0: no metrics ports)."""
     served_name: str = ""
     api_key: str | None = None
+    """The key `/v1`, `/metrics` and the metrics ports require (None: none); the services get it in their
+    environment (`child_env`), never on a command line."""
+    max_image_pixels: int | None = None
+    """The router's per-image pixel budget (None: its default)."""
+    max_request_pixels: int | None = None
+    """The router's per-request pixel budget (None: its default)."""
     max_queue: int = 64
     worker_args: list[str] = field(default_factory=list)
     """Flags passed to both workers: WorkerConfig's, from `services.worker_args.config_argv`."""
@@ -145,9 +152,17 @@ def router_argv(
         argv += ["--metrics-port", str(opts.metrics_port)]
     if opts.served_name:
         argv += ["--served-model-name", opts.served_name]
-    if opts.api_key:
-        argv += ["--api-key", opts.api_key]
+    if opts.max_image_pixels is not None:
+        argv += ["--max-image-pixels", str(opts.max_image_pixels)]
+    if opts.max_request_pixels is not None:
+        argv += ["--max-request-pixels", str(opts.max_request_pixels)]
     return argv
+
+
+def child_env(opts: ServeOptions) -> dict[str, str]:
+    """What every service gets in its environment beside the launcher's: the API key, where one is set (a
+    command line is for anyone's `ps` to read)."""
+    return {API_KEY_ENV: opts.api_key} if opts.api_key else {}
 
 
 def worker_flags(opts: ServeOptions) -> list[str]:
@@ -187,10 +202,11 @@ def service_children(opts: ServeOptions, run_dir: Path) -> list[Child]:
                 port = opts.worker_metrics_port(i, role)
                 argv += ["--metrics-port", str(port)]
                 metrics[name] = f"http://127.0.0.1:{port}/metrics"
-            children.append(Child(name, argv, gpu))
+            children.append(Child(name, argv, gpu, child_env(opts)))
     if encoder is not None:
         children.insert(0, _encoder_child(opts, encoder, router_inbox, prefills, metrics))
-    return [*children, Child("router", router_argv(opts, router_inbox, pairs, metrics, encoder))]
+    router = Child("router", router_argv(opts, router_inbox, pairs, metrics, encoder), env=child_env(opts))
+    return [*children, router]
 
 
 def _encoder_child(
@@ -203,7 +219,7 @@ def _encoder_child(
         port = opts.encoder_metrics_port()
         argv += ["--metrics-port", str(port)]
         metrics["encoder"] = f"http://127.0.0.1:{port}/metrics"
-    return Child("encoder", argv)
+    return Child("encoder", argv, env=child_env(opts))
 
 
 def sweep_run_dirs(root: Path | None = None) -> list[Path]:
@@ -266,8 +282,10 @@ class Launcher:
 
     def health(self) -> dict | None:
         """The router's /health body (200 or 503 alike), or None while it does not answer."""
+        headers = {"Authorization": f"Bearer {self.opts.api_key}"} if self.opts.api_key else {}
         try:
-            with urllib.request.urlopen(self.health_url(), timeout=2) as resp:
+            request = urllib.request.Request(self.health_url(), headers=headers)
+            with urllib.request.urlopen(request, timeout=2) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:  # 503: some worker is not up; the body says which
             with exc:

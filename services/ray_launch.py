@@ -20,7 +20,7 @@ from common.ipc.keys import KEYS_ENV, LAUNCHER, ControlKeys, keys_env, make_keys
 from common.ipc.ports import free_ports
 from common.ipc.transport import Outbox, pair_names
 from services.children import Child, restart_exited, stop_children, worker_argv
-from services.launch import ServeOptions, encoder_argv, router_argv, worker_flags
+from services.launch import ServeOptions, child_env, encoder_argv, router_argv, worker_flags
 
 log = logging.getLogger("launch")
 SUPERVISE_S = 1.0
@@ -143,7 +143,9 @@ class RayLauncher:
         import ray
 
         remote = ray.remote(num_gpus=1) if self.gpu else ray.remote(num_cpus=0)
-        actor = remote(PairHost).options(scheduling_strategy="SPREAD")
+        # the key (if any) in the actor's environment, which its workers inherit: never on their argv
+        env = {"env_vars": child_env(self.opts)} if self.opts.api_key else None
+        actor = remote(PairHost).options(scheduling_strategy="SPREAD", runtime_env=env)
         flags = worker_flags(self.opts)
         # on a GPU: the actor's one (Ray sets its CUDA_VISIBLE_DEVICES, which the workers inherit)
         flags += ["--device", "cuda" if self.gpu else "cpu"]
@@ -167,10 +169,11 @@ class RayLauncher:
         if self.encoder_inbox is not None:
             prefills = {pair_names(i)[0]: pairs[i][0] for i in range(len(pairs))}
             argv = self._encoder_argv(prefills, metrics)
-            self.encoder = Child("encoder", argv, env=keys_env(self.keys["encoder"]))
+            env = {**child_env(self.opts), **keys_env(self.keys["encoder"])}
+            self.encoder = Child("encoder", argv, env=env)
             self.encoder.start()
         argv = router_argv(self.opts, self.router_inbox, pairs, metrics, self.encoder_inbox)
-        self.router = Child("router", argv, env=keys_env(self.keys["router"]))
+        self.router = Child("router", argv, env={**child_env(self.opts), **keys_env(self.keys["router"])})
         self.router.start()
 
     def _encoder_argv(self, prefills: dict[str, str], metrics: dict[str, str]) -> list[str]:

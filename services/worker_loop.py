@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common import metrics
+from common.api_key import resolve_api_key
 from common.ipc.keys import ControlKeys
 from common.ipc.transport import Inbox, Outbox
 from common.protocol import Abort, Heartbeat, Message, Ready, Tokens
@@ -91,7 +92,9 @@ class WorkerShell:
         self.metrics = metrics.WorkerMetrics.create(self.registry)
         self._refusals = metrics.RefusalCount(self.metrics.control_refused)
         self._stop_metrics = (
-            metrics.serve(self.registry, metrics_port, metrics_host) if metrics_port else None
+            metrics.serve(self.registry, metrics_port, metrics_host, resolve_api_key())
+            if metrics_port
+            else None
         )
         self.metrics_url = f"http://{reachable(metrics_host)}:{metrics_port}/metrics" if metrics_port else ""
         self.stall_timeout_s = stall_timeout_s

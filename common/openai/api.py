@@ -6,10 +6,10 @@ OpenAI error object (`{"error": {"message", "type", "param", "code"}}`). Unknown
 OpenAI ignores them; known fields whose feature Spillway lacks (best_of, suffix) are refused when set to
 anything but their neutral value (ignoring them would change what the client gets).
 
-Length rule: a prompt that leaves no room for one generated token is refused (400, naming both numbers);
-a `max_tokens` that would overflow the context is clamped to what is left, and the finish reason `length`
-tells the client it was cut. A chat without `max_tokens` runs until the context is full; a text completion
-without it stops at COMPLETION_MAX_TOKENS, OpenAI's default for that endpoint.
+Length rule (vLLM's): a prompt that leaves no room for one generated token is refused (400, naming both
+numbers), and so is a `max_tokens` (`max_completion_tokens`) above what the context leaves after the prompt.
+A chat without `max_tokens` runs until the context is full; a text completion without it stops at
+COMPLETION_MAX_TOKENS, OpenAI's default for that endpoint, or where the context ends.
 """
 
 from __future__ import annotations
@@ -278,9 +278,11 @@ def chat_spec(
         raise bad_request("functions is deprecated: give tools.", "functions", "unsupported")
     if request.function_call not in (None, "none"):
         raise bad_request("function_call is deprecated: give tool_choice.", "function_call", "unsupported")
-    max_tokens = request.max_completion_tokens or request.max_tokens
+    asked = ("max_completion_tokens", request.max_completion_tokens)
+    if request.max_completion_tokens is None:
+        asked = ("max_tokens", request.max_tokens)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _spec(request, prompt_ids, max_context, vocab, max_tokens, logprobs)
+    return _spec(request, prompt_ids, max_context, vocab, asked, logprobs)
 
 
 def completion_specs(
@@ -297,8 +299,10 @@ def completion_specs(
     scores = request.max_tokens == 0  # the workers still sample one token: the router returns none
     specs = []
     for ids, text in zip(prompts, given_prompts(request), strict=True):
-        max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else max(request.max_tokens, 1)
-        spec = _spec(request, ids, max_context, tokenizer.vocab_size, max_tokens, request.logprobs)
+        asked = ("max_tokens", None if request.max_tokens is None else max(request.max_tokens, 1))
+        spec = _spec(
+            request, ids, max_context, tokenizer.vocab_size, asked, request.logprobs, COMPLETION_MAX_TOKENS
+        )
         if scores:
             spec = dataclasses.replace(spec, max_tokens=0)
         if request.echo:
@@ -314,9 +318,13 @@ def _spec(
     prompt_ids: list[int],
     max_context: int,
     vocab: int,
-    max_tokens: int | None,
+    asked: tuple[str, int | None],
     logprobs: int | None,
+    default_max_tokens: int | None = None,
 ) -> GenerationSpec:
+    """The internal form of a request whose prompt is `prompt_ids`; `asked`: the parameter that sets its
+    length and its value, a 400 where it is more than the context leaves (None: `default_max_tokens`, or
+    the context's end, whichever comes first)."""
     structure = _structure(request)
     bad = next((t for t in request.stop_token_ids or () if not 0 <= t < vocab), None)
     if bad is not None:
@@ -331,7 +339,15 @@ def _spec(
             "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
             "context_length_exceeded",
         )
-    max_tokens = min(max_tokens or room, room)
+    param, max_tokens = asked
+    if max_tokens is not None and max_tokens > room:
+        raise bad_request(
+            f"{param} is {max_tokens}, but the prompt has {len(prompt_ids)} tokens and this model's maximum "
+            f"context is {max_context} tokens: at most {room} may be generated.",
+            param,
+            "context_length_exceeded",
+        )
+    max_tokens = max_tokens or min(default_max_tokens or room, room)
     if (request.min_tokens or 0) > max_tokens:
         raise bad_request(
             f"min_tokens ({request.min_tokens}) is more than the {max_tokens} tokens this request may "

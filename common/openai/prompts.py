@@ -109,15 +109,19 @@ def chat_prompt_ids(
     prompting: ImagePrompting | None = None,
     tools: list[JsonValue] | None = None,
     opening: bool = False,
+    max_bytes: int | None = None,
 ) -> ChatPrompt:
     """The chat template applied to the messages (and `tools`, from `chat_tools`), tokenized (with a
     generation prompt), and the images of their `image_url` parts, each image's tokens in the prompt
     (`prompting`: how the model takes images; None: a 400 for any image). With `opening`, also the text the
     template's generation prompt adds after the messages (e.g. Qwen3's `<|im_start|>assistant\n<think>\n`):
     the prompt less the messages rendered without it ("" where the one does not start with the other).
-    Only that text says how the answer starts: a tag in the messages is the conversation's."""
+    Only that text says how the answer starts: a tag in the messages is the conversation's. A prompt over
+    `max_bytes` of text is a 400 before it is rendered (its messages' text) or tokenized (the template's)."""
+    check_prompt_bytes(sum(map(_text_length, request.messages)), max_bytes, "messages")
     images: list[ChatImage] = []
     text = _render(request, tokenizer, prompting, tools, images, generation_prompt=True)
+    check_prompt_bytes(text, max_bytes, "messages")
     ids = tokenizer.encode(text, add_special_tokens=False)  # as apply_chat_template(tokenize=True)
     added = ""
     if opening:
@@ -130,6 +134,27 @@ def chat_prompt_ids(
         return ChatPrompt(prompting.expand(ids, images), images, added)
     except ValueError as exc:
         raise bad_request(f"The images do not fit the prompt: {exc}", param="messages") from None
+
+
+def check_prompt_bytes(text: str | int, max_bytes: int | None, param: str) -> None:
+    """A 400 (context_length_exceeded) where a prompt's `text` (or its length in characters, each at least
+    a byte) is over `max_bytes` bytes of UTF-8 (None: any): checked before it is tokenized."""
+    if max_bytes is None:
+        return
+    size = text if isinstance(text, int) else len(text)
+    if size > max_bytes or (isinstance(text, str) and len(text.encode()) > max_bytes):
+        raise bad_request(
+            f"The prompt is over {max_bytes:,} bytes: more text than this model's context holds.",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def _text_length(message: ChatMessage) -> int:
+    """The characters of a message's text (its content's string or text parts)."""
+    if isinstance(message.content, str):
+        return len(message.content)
+    return sum(len(part.text or "") for part in message.content or ())
 
 
 def _render(
@@ -205,25 +230,28 @@ def _image_part(
     if part.image_url is None:
         raise bad_request("An image_url part needs its 'image_url': {'url': 'data:...'}.", param)
     try:
-        images.append(prompting.read(part.image_url.url))
+        images.append(prompting.read(part.image_url.url, images))
     except ValueError as exc:
         raise bad_request(f"Invalid image: {exc}", f"{param}.image_url.url") from None
     return prompting.placeholder
 
 
-def completion_prompts(request: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+def completion_prompts(
+    request: CompletionRequest, tokenizer: Tokenizer, max_bytes: int | None = None
+) -> list[list[int]]:
     """Each prompt's ids (a batch: a list of strings or of id lists, at most MAX_PROMPTS): a string is
-    encoded (with the tokenizer's special tokens), ids are checked."""
+    encoded (with the tokenizer's special tokens; a 400 where it is over `max_bytes`), ids are checked."""
     given = given_prompts(request)
     if len(given) > MAX_PROMPTS:
         raise bad_request(f"At most {MAX_PROMPTS} prompts a request, got {len(given)}.", "prompt")
     if given is request.prompt:  # a batch
-        return [_prompt_ids(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(given)]
-    return [_prompt_ids(given[0], tokenizer, "prompt")]
+        return [_prompt_ids(p, tokenizer, f"prompt[{i}]", max_bytes) for i, p in enumerate(given)]
+    return [_prompt_ids(given[0], tokenizer, "prompt", max_bytes)]
 
 
-def _prompt_ids(prompt: JsonValue, tokenizer: Tokenizer, param: str) -> list[int]:
+def _prompt_ids(prompt: JsonValue, tokenizer: Tokenizer, param: str, max_bytes: int | None) -> list[int]:
     if isinstance(prompt, str):
+        check_prompt_bytes(prompt, max_bytes, param)
         ids = tokenizer.encode(prompt, add_special_tokens=True)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)  # type: ignore[arg-type]

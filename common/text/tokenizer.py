@@ -124,8 +124,9 @@ class Tokenizer:
     # Token ids.
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS).
+        Without offsets, and with the GIL released while it runs (other threads, an event loop, go on)."""
+        return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`, leaving out special tokens unless `skip_special_tokens` is false.

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,16 +91,49 @@ def data_url_bytes(url: str) -> bytes:
         raise ValueError(f"the image's base64 does not decode: {exc}") from None
 
 
-def decode_image(raw: bytes):
+def decode_image(raw: bytes, max_pixels: int | None = None):
     """The RGB image of an image file's bytes (PNG, JPEG, WebP, GIF: its first frame); ValueError saying
-    why it cannot be read. The one decoder of both the router's data URLs and the encoder's bytes."""
+    why it cannot be read, or (`max_pixels` given) that it has more pixels than that: checked from the
+    file's header, before any of it is decoded. The one decoder of the router's data URLs and the encoder's
+    bytes."""
+    from PIL import Image
+
+    with _readable():
+        image = Image.open(io.BytesIO(raw))
+        check_pixels(image.size, max_pixels)
+        image.load()
+        return image.convert("RGB")
+
+
+def image_size(raw: bytes) -> tuple[int, int]:
+    """(width, height) of an image file's bytes, from its header alone (nothing decoded); ValueError where
+    it is no image Pillow reads."""
+    from PIL import Image
+
+    with _readable():
+        return Image.open(io.BytesIO(raw)).size
+
+
+def check_pixels(size: tuple[int, int], max_pixels: int | None, spent: int = 0) -> None:
+    """ValueError where an image of `size` (width, height) has more than `max_pixels` pixels (None: any),
+    `spent` more counted with it (a request's earlier images)."""
+    width, height = size
+    if max_pixels is not None and spent + width * height > max_pixels:
+        what = "a request's images together" if spent else "an image"
+        raise ValueError(
+            f"{what} may have at most {max_pixels:,} pixels; {width} x {height} makes "
+            f"{spent + width * height:,}"
+        )
+
+
+@contextlib.contextmanager
+def _readable() -> Iterator[None]:
+    """Pillow's errors for a file it cannot read, as ValueError saying so."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        image = Image.open(io.BytesIO(raw))
-        image.load()
-        return image.convert("RGB")
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
+        yield
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError) as exc:
         raise ValueError(f"the image cannot be read (PNG, JPEG, WebP or GIF): {exc}") from None
 
 

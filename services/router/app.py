@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import time
 import uuid
@@ -26,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from common.api_key import authorized
 from common.metrics import RouterMetrics, new_registry, render, serve
 from common.openai import api
 from common.openai import prompts as openai_prompts
@@ -43,7 +43,7 @@ from common.openai.tool_calls import call_form, tool_call_tags, xml_call_templat
 from common.protocol import SamplingParams
 from common.text.tokenizer import Tokenizer
 from services.router.choices import Choices
-from services.router.config import RouterConfig, model_max_context
+from services.router.config import BODY_ALLOWANCE_BYTES, RouterConfig, model_max_context
 from services.router.core import RouterCore
 from services.router.responses import ResponseBuilder
 from services.router.responses_api import ResponseBody, ResponseStream
@@ -119,7 +119,13 @@ class Router:
         self.core = RouterCore(config, self.metrics)
         self.created = int(time.time())
         encoder = self.core.encoder is not None
-        self.prompting = ImagePrompting.from_model_dir(config.model_dir, tokenizer) if encoder else None
+        self.prompting = (
+            ImagePrompting.from_model_dir(
+                config.model_dir, tokenizer, config.max_image_pixels, config.max_request_pixels
+            )
+            if encoder
+            else None
+        )
         """How chats' images become prompt tokens (None: no encoder runs; an image is a 400)."""
         self.tool_tags = tool_call_tags(tokenizer)
         """How the model's function calls are read from its text (None: its template asks for none)."""
@@ -133,13 +139,14 @@ class Router:
         """The configured context, or the workers' where they hold less (what a request may use)."""
         return self.core.context_limit(self.configured_context)
 
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The most bytes of text a prompt may hold (`RouterConfig.prompt_bytes_per_token`)."""
+        return self.max_context * self.config.prompt_bytes_per_token
+
     def authorize(self, request: Request) -> None:
         """401 unless the request carries the configured Bearer key (when one is configured)."""
-        key = self.config.api_key
-        if not key:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        if not authorized(request.headers.get("authorization"), self.config.api_key):
             raise ApiError(401, "Invalid or missing API key.", code="invalid_api_key")
 
     def count_error(self, error: ApiError) -> None:
@@ -147,23 +154,24 @@ class Router:
         self.metrics.request_errors.labels(reason=reason).inc()
 
     async def _body(self, request: Request) -> bytes:
-        """The request's body, refused with a 413 once it is over `max_request_bytes` (by its
-        Content-Length, or as it streams in without one)."""
+        """The request's body, refused (by its Content-Length, or as it streams in without one) with a 413
+        once it is over `max_request_bytes`, or with a 400 once it is over what a prompt of the context
+        can take where no encoder runs (no images: the body is little more than its prompt's text)."""
         limit = self.config.max_request_bytes
+        prompt_limit = self.max_prompt_bytes + BODY_ALLOWANCE_BYTES if self.prompting is None else limit
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise _too_large(limit)
+        if declared.isdigit():
+            _check_body_size(int(declared), limit, prompt_limit)
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
-            if len(body) > limit:
-                raise _too_large(limit)
+            _check_body_size(len(body), limit, prompt_limit)
         return bytes(body)
 
     async def chat(self, request: Request) -> Response:
         received = time.monotonic()
         self.authorize(request)
-        body = api.parse_chat_request(await self._body(request))
+        body = await asyncio.to_thread(api.parse_chat_request, await self._body(request))
         api.check_model(body.model, self.config.model_name)
         spec = await self._chat_spec(body)
         return await self._serve(request, [spec], chat=True, received=received)
@@ -173,7 +181,7 @@ class Router:
         Responses request's parameters)."""
         received = time.monotonic()
         self.authorize(request)
-        body = parse_responses_request(await self._body(request))
+        body = await asyncio.to_thread(parse_responses_request, await self._body(request))
         api.check_model(body.model, self.config.model_name)
         try:
             spec = await self._chat_spec(as_chat(body))
@@ -209,7 +217,13 @@ class Router:
         tools = openai_prompts.chat_tools(body, self.tool_tags)
         thinks = self.reasoning_tags is not None
         prompt_ids, images, opening = await asyncio.to_thread(
-            openai_prompts.chat_prompt_ids, body, self.tokenizer, self.prompting, tools, thinks
+            openai_prompts.chat_prompt_ids,
+            body,
+            self.tokenizer,
+            self.prompting,
+            tools,
+            thinks,
+            self.max_prompt_bytes,
         )
         spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
         self.core.check_images(sum(image.tokens for image in images))
@@ -246,9 +260,11 @@ class Router:
     async def completions(self, request: Request) -> Response:
         received = time.monotonic()
         self.authorize(request)
-        body = api.parse_completion_request(await self._body(request))
+        body = await asyncio.to_thread(api.parse_completion_request, await self._body(request))
         api.check_model(body.model, self.config.model_name)
-        prompts = await asyncio.to_thread(openai_prompts.completion_prompts, body, self.tokenizer)
+        prompts = await asyncio.to_thread(
+            openai_prompts.completion_prompts, body, self.tokenizer, self.max_prompt_bytes
+        )
         specs = api.completion_specs(body, prompts, self.max_context, self.tokenizer)
         return await self._serve(request, specs, chat=False, received=received)
 
@@ -396,7 +412,9 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await router.core.start()
         stop_metrics = (
-            serve(router.registry, config.metrics_port, config.host) if config.metrics_port else None
+            serve(router.registry, config.metrics_port, config.host, config.api_key)
+            if config.metrics_port
+            else None
         )
         try:
             yield
@@ -417,13 +435,16 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.add_api_route("/v1/models/{model:path}", router.model, methods=["GET"])
 
     @app.get("/health")
-    def health() -> JSONResponse:
+    def health(request: Request) -> JSONResponse:
         report = router.core.health()
+        if not authorized(request.headers.get("authorization"), config.api_key):
+            report = {"status": report["status"]}  # the pids, loads and metrics URLs are the key holder's
         # Degraded (some pair down) still serves: 200, so that a load balancer keeps sending.
         return JSONResponse(report, status_code=503 if report["status"] == "unavailable" else 200)
 
     @app.get("/metrics")
-    def metrics() -> Response:
+    def metrics(request: Request) -> Response:
+        router.authorize(request)
         router.core.sync_dropped_frames()
         data, content_type = render(router.registry)
         return Response(data, media_type=content_type)
@@ -431,8 +452,15 @@ def create_app(config: RouterConfig) -> FastAPI:
     return app
 
 
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"The request body is over {limit:,} bytes.", code="request_too_large")
+def _check_body_size(size: int, limit: int, prompt_limit: int) -> None:
+    """A 413 for a body of `size` bytes over `limit`, a 400 for one over `prompt_limit` (a prompt's)."""
+    if size > limit:
+        raise ApiError(413, f"The request body is over {limit:,} bytes.", code="request_too_large")
+    if size > prompt_limit:
+        raise api.bad_request(
+            f"The request body is over {prompt_limit:,} bytes: more text than this model's context holds.",
+            code="context_length_exceeded",
+        )
 
 
 def _add_error_handlers(app: FastAPI, router: Router) -> None:

@@ -10,6 +10,10 @@ from types import MappingProxyType
 
 from common.ipc.keys import ControlKeys
 
+BODY_ALLOWANCE_BYTES = 2**20
+"""What a request body may hold beside its prompt's text (its other fields, JSON's escapes), where no
+encoder runs (`RouterConfig.prompt_bytes_per_token`)."""
+
 
 @dataclass(frozen=True)
 class WorkerPair:
@@ -52,9 +56,19 @@ class RouterConfig:
     max_request_bytes: int = 64 * 2**20
     """Largest request body read (a 413 beyond it, before more of it is held in memory): far above the
     longest context's text and a chat's images (base64, a few MB each)."""
+    prompt_bytes_per_token: int = 16
+    """A prompt's text (a chat's rendered through its template, a completion's each) may hold at most
+    `max_context` times this many UTF-8 bytes: a 400 beyond, before it is tokenized (far more than any
+    tokenizer packs into a token). Without an encoder, the request body is held to that plus
+    BODY_ALLOWANCE_BYTES as it is read (below `max_request_bytes`)."""
+    max_image_pixels: int = 2**25
+    """Most pixels (width x height, read from the file's header before it is decoded) of one image: a 400
+    beyond."""
+    max_request_pixels: int = 2**27
+    """Most pixels of all the images of one request together: a 400 beyond."""
     api_key: str | None = None
-    """When set, `/v1/*` requires `Authorization: Bearer <api_key>` (401 otherwise); `/health` and
-    `/metrics` stay open for probes and Prometheus."""
+    """When set, `/v1/*` and `/metrics` (the API port's and `metrics_port`'s) require `Authorization: Bearer
+    <api_key>` (401 otherwise); `/health` answers anyone, but without the key only its status."""
     metrics_port: int | None = None
     """Also serve the router's metrics on this port (a Prometheus target of its own); None = only on
     the API port's `/metrics`."""
@@ -97,6 +111,10 @@ class RouterConfig:
             raise ValueError("stall_timeout_s must not be negative")
         if self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be positive")
+        if min(self.prompt_bytes_per_token, self.max_image_pixels, self.max_request_pixels) < 1:
+            raise ValueError(
+                "prompt_bytes_per_token, max_image_pixels and max_request_pixels must be positive"
+            )
         if self.event_gap_timeout_s < 0:
             raise ValueError("event_gap_timeout_s must not be negative")
 

@@ -9,11 +9,11 @@ import signal
 from collections.abc import Sequence
 from pathlib import Path
 
+from common.api_key import API_KEY_ENV, resolve_api_key
 from common.ipc.keys import ControlKeys
 from services.parent_watch import stop_with_parent
 from services.router.config import RouterConfig, WorkerPair
 
-API_KEY_ENV = "SPILLWAY_API_KEY"
 SHUTDOWN_GRACE_S = 5
 """Seconds the streams get to finish on SIGTERM (uvicorn takes whole seconds)."""
 
@@ -47,7 +47,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=0, help="requests in flight (0: the workers' capacity)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those (then 429)")
     p.add_argument("--max-context", type=int, help="prompt + completion tokens (default: the model's)")
-    p.add_argument("--api-key", help=f"require this Bearer key on /v1 (default: ${API_KEY_ENV}, else none)")
+    p.add_argument(
+        "--api-key",
+        help=f"require this Bearer key on /v1, /metrics (ps shows it: use --api-key-file, ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help=f"read the key from this file (default: ${API_KEY_ENV}, else none)",
+    )
+    p.add_argument(
+        "--max-image-pixels", type=int, default=RouterConfig.max_image_pixels, help="most pixels of one image"
+    )
+    p.add_argument(
+        "--max-request-pixels",
+        type=int,
+        default=RouterConfig.max_request_pixels,
+        help="most pixels of a request's images together",
+    )
+    p.add_argument(
+        "--prompt-bytes-per-token",
+        type=int,
+        default=RouterConfig.prompt_bytes_per_token,
+        help="a prompt's text may hold the context times this many bytes (a 400 beyond, before tokenizing)",
+    )
     p.add_argument("--metrics-port", type=int, help="also serve /metrics on this port")
     p.add_argument(
         "--metrics-url",
@@ -89,6 +112,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             f"--prefill and --decode pair up: {len(args.prefill)} prefill and {len(args.decode)} decode "
             "addresses"
         )
+    try:
+        api_key = resolve_api_key(args.api_key, args.api_key_file)
+    except ValueError as exc:
+        raise SystemExit(f"--api-key-file: {exc}") from None
     if args.model:
         model_dir = Path(args.model)
     else:
@@ -106,7 +133,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_running=args.max_running,
         max_queue=args.max_queue,
         max_context=args.max_context,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=api_key,
+        max_image_pixels=args.max_image_pixels,
+        max_request_pixels=args.max_request_pixels,
+        prompt_bytes_per_token=args.prompt_bytes_per_token,
         metrics_port=args.metrics_port,
         metrics_urls=urls,
         heartbeat_timeout_s=args.heartbeat_timeout,
@@ -120,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from services.router.app import create_app
+    from services.router.http import ErrorAnsweringH11
 
     args = parse_args(argv)
     logging.basicConfig(
@@ -135,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port=config.port,
         log_level=args.log_level,
         access_log=False,
+        http=ErrorAnsweringH11,
         # On SIGTERM, streams get this long to finish; then they are cancelled (and aborted at the workers).
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )

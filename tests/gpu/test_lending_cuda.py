@@ -4,12 +4,12 @@ in use, and an engine that lends (decode steps replayed from CUDA graphs) genera
 from __future__ import annotations
 
 import torch
-from tests.common.experts.test_kv_lending import check_disjoint, run_lending
 
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.checkpoint import make_model
 from common.protocol import SamplingParams
+from tests.common.experts.test_kv_lending import check_disjoint, run_lending
 from tests.common.ipc.test_aliased import write_in_another_process
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -181,3 +181,27 @@ def test_the_ports_checked_are_those_the_services_bind(tmp_path: Path) -> None:
     children = service_children(opts, tmp_path)
     bound = {int(c.argv[c.argv.index("--metrics-port") + 1]) for c in children}
     assert sorted(opts.ports().values()) == [8000, *sorted(bound)] == [8000, *range(9000, 9006)]
+
+
+def test_the_key_reaches_every_service_in_its_environment_never_its_argv(tmp_path: Path) -> None:
+    opts = ServeOptions("/m", api_key="sk-secret", metrics_port=9000, encoder_device="cpu")
+    children = service_children(opts, tmp_path)
+    assert {c.name for c in children} == {"encoder", "prefill", "decode", "router"}
+    for child in children:
+        assert not any("sk-secret" in arg for arg in child.argv) and "--api-key" not in child.argv
+        assert child.env == {"SPILLWAY_API_KEY": "sk-secret"}
+    assert all(c.env == {} for c in service_children(ServeOptions("/m"), tmp_path))
+
+
+def test_the_pixel_budgets_pass_from_serve_to_the_router(tmp_path: Path) -> None:
+    from services.router.main import config_from_args, parse_args
+
+    args = build_parser().parse_args(["serve", "--max-image-pixels", "500", "--max-request-pixels", "900"])
+    opts = ServeOptions(
+        "/m", max_image_pixels=args.max_image_pixels, max_request_pixels=args.max_request_pixels
+    )
+    argv = router_argv(opts, "ipc:///r", [("ipc:///p", "ipc:///d")], {})
+    config = config_from_args(parse_args(argv[3:]))  # past `python -m services.router`
+    assert (config.max_image_pixels, config.max_request_pixels) == (500, 900)
+    default = config_from_args(parse_args(router_argv(ServeOptions("/m"), "ipc:///r", [("a", "b")], {})[3:]))
+    assert (default.max_image_pixels, default.max_request_pixels) == (2**25, 2**27)

@@ -314,7 +314,7 @@ def test_a_hung_router_is_restarted(start_server, tmp_path):
     long = {
         "model": "tiny-qwen3_moe",
         "prompt": "on",
-        "max_tokens": 16000,
+        "max_tokens": 4000,
         "ignore_eos": True,
         "stream": True,
     }

@@ -247,3 +247,19 @@ def test_spillway_generate_with_images_answers_as_transformers(stack, tmp_path) 
     text_only = make_model(tmp_path / "text", "tiny", "qwen3_moe")
     refused = subprocess.run([*cli[:5], str(text_only), "--image", paths[1]], capture_output=True, text=True)
     assert refused.returncode == 2 and "vision tower" in refused.stderr
+
+
+def test_images_past_the_pixel_budget_are_400s_at_once(stack) -> None:
+    """Four PNG files of 13,000 x 13,000 pixels (a few hundred KB): refused from their headers, nothing
+    decoded."""
+    from tests.common.openai.test_image_budget import data_url, huge_png
+
+    server, model, _ = stack
+    url = data_url(huge_png(13_000, 13_000))
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError, match="pixels") as err:
+        server.client().chat.completions.create(
+            model=model.name, messages=_chat(["look", "", "", "", ""], [url] * 4), max_tokens=2
+        )
+    assert time.monotonic() - started < 2.0
+    assert err.value.param == "messages[0].content[1].image_url.url"

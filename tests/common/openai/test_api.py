@@ -11,7 +11,7 @@ import tokenizers
 from common.model.defaults import default_model_dir
 from common.openai import api
 from common.openai import prompts as openai_prompts
-from common.openai.api import ApiError
+from common.openai.api import COMPLETION_MAX_TOKENS, ApiError
 from common.openai.tool_calls import tool_call_tags
 from common.protocol import SamplingParams
 from common.text.tokenizer import Tokenizer
@@ -112,10 +112,29 @@ def test_nulls_read_as_openai_reads_them(tok: Tokenizer) -> None:
     assert chat(tok, stream=True, stream_options={"include_usage": None}).include_usage is False
 
 
-def test_max_completion_tokens_wins_and_overflow_is_clamped(tok: Tokenizer) -> None:
+def test_max_completion_tokens_wins_and_no_limit_runs_to_the_context(tok: Tokenizer) -> None:
     assert chat(tok, max_tokens=3, max_completion_tokens=5).sampling.max_tokens == 5
-    spec = chat(tok, max_tokens=10_000)
+    spec = chat(tok)
     assert spec.sampling.max_tokens == CONTEXT - len(spec.prompt_ids)
+    room = CONTEXT - len(chat(tok).prompt_ids)
+    assert chat(tok, max_tokens=room).sampling.max_tokens == room
+
+
+@pytest.mark.parametrize("value", [10_000, 10**9, 2**70])
+@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_past_the_context_is_a_400(tok: Tokenizer, param: str, value: int) -> None:
+    """vLLM's rule: prompt + max_tokens over the context is refused, not clamped (nor held to the end)."""
+    room = CONTEXT - len(chat(tok).prompt_ids)
+    err = refused(chat, tok, **{param: room + 1 if value == 10_000 else value})
+    assert err.status == 400 and err.param == param and err.code == "context_length_exceeded"
+    assert str(room) in err.message
+    err = refused(completion, tok, prompt="x", max_tokens=value)
+    assert err.status == 400 and err.param == "max_tokens"
+
+
+def test_a_completion_without_max_tokens_stops_at_the_default_or_the_context(tok: Tokenizer) -> None:
+    assert completion(tok, prompt="x").sampling.max_tokens == COMPLETION_MAX_TOKENS
+    assert completion(tok, prompt=[5] * (CONTEXT - 5)).sampling.max_tokens == 5
 
 
 def test_prompt_longer_than_context_names_both_numbers(tok: Tokenizer) -> None:

@@ -36,6 +36,7 @@ from common.model.defaults import default_model_dir
 from common.protocol import Abort, Generate, Heartbeat, Message, Ready, TokenLogprobs, Tokens
 from common.text.tokenizer import Tokenizer
 from services.router import RouterConfig, WorkerPair, create_app
+from services.router.http import ErrorAnsweringH11
 from tests.conftest import free_port
 
 REPLY = "Hello from Spillway: café, 日本語 and 🙂 — done."
@@ -267,7 +268,9 @@ def serve_router(peer_ready: bool = True, **overrides: Any) -> Iterator[Served]:
     )
     config = RouterConfig(**{**fields, **overrides})
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning", http=ErrorAnsweringH11)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

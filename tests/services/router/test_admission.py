@@ -218,7 +218,12 @@ def test_api_key(serve_router: Any) -> None:
         wrong = {"Authorization": "Bearer nope"}
         assert_error(httpx.post(f"{served.url}/v1/completions", json=body, headers=wrong), 401)
         assert_error(httpx.get(f"{served.url}/v1/models"), 401)
-        assert httpx.get(f"{served.url}/health").status_code == 200
-        assert httpx.get(f"{served.url}/metrics").status_code == 200
+        health = httpx.get(f"{served.url}/health")  # for anyone: its status alone
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        key = {"Authorization": "Bearer sekrit"}
+        assert {"services", "pairs", "router"} <= httpx.get(f"{served.url}/health", headers=key).json().keys()
+        assert_error(httpx.get(f"{served.url}/metrics"), 401, "invalid_api_key")
+        assert_error(httpx.get(f"{served.url}/metrics", headers=wrong), 401)
+        assert "spillway:" in httpx.get(f"{served.url}/metrics", headers=key).text
         good = openai.OpenAI(base_url=f"{served.url}/v1", api_key="sekrit", max_retries=0)
         assert good.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
