@@ -116,6 +116,10 @@ class RouterMetrics:
     """Labelled by reason (bad_request, unauthorized, not_found, queue_full, not_ready, worker_error, ...)."""
     dropped_frames: Counter
     """Inbox frames that did not decode (dropped and counted)."""
+    late_heartbeats: Counter
+    """Labelled by service: heartbeats that came past the heartbeat timeout (the worker counted as down)."""
+    control_refused: Counter
+    """Labelled by reason (`RefusalCount`): what the control-plane inbox refused."""
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RouterMetrics:
@@ -171,6 +175,13 @@ class RouterMetrics:
             dropped_frames=Counter(
                 f"{PREFIX}dropped_frames_total", "Inbox frames that did not decode.", registry=registry
             ),
+            late_heartbeats=Counter(
+                f"{PREFIX}late_heartbeats_total",
+                "Worker heartbeats that came past the heartbeat timeout, by service.",
+                ["service"],
+                registry=registry,
+            ),
+            control_refused=_control_refused(registry),
         )
 
 
@@ -185,6 +196,8 @@ class WorkerMetrics:
     vram_bytes: Gauge
     """Labelled by pool (weights, kv, arena, scratch, graphs, expert_cache)."""
     dropped_frames: Counter
+    control_refused: Counter
+    """Labelled by reason (`RefusalCount`): what the control-plane inbox refused."""
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> WorkerMetrics:
@@ -203,7 +216,33 @@ class WorkerMetrics:
             dropped_frames=Counter(
                 f"{PREFIX}dropped_frames_total", "Inbox frames that did not decode.", registry=registry
             ),
+            control_refused=_control_refused(registry),
         )
+
+
+def _control_refused(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        f"{PREFIX}control_refused_total",
+        "What a control-plane inbox refused: connections whose handshake failed (no or unknown keys), "
+        "messages whose sender may not send them.",
+        ["reason"],
+        registry=registry,
+    )
+
+
+class RefusalCount:
+    """Carries an inbox's running counts of refused connections and rejected messages
+    (common/ipc/transport.py) into `counter` as reason="handshake" and reason="sender"."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.seen = {"handshake": 0, "sender": 0}
+
+    def sync(self, refused: int, rejected: int) -> None:
+        for reason, total in (("handshake", refused), ("sender", rejected)):
+            if total > self.seen[reason]:
+                self.counter.labels(reason=reason).inc(total - self.seen[reason])
+                self.seen[reason] = total
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ Topology (docs/ARCHITECTURE.md, Messages): each service binds one PULL inbox and
 - decode  → prefill: `StateGranted`, `Exports` (at decode's start and on `WantExports`)
 - prefill, decode, encoder → router: `Tokens`, `Ready`, `Heartbeat`; launcher → router: `ServiceDown`
 Every request is named by the router's `rid`; a `Tokens` event with `finish_reason` set is its last.
+With keys (common/ipc/keys.py) an inbox knows each message's sender: it takes only what `SENDERS` allows.
 """
 
 from __future__ import annotations
@@ -295,8 +296,8 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
-    """worker → router, every second: alive, with its load, and what its `Ready` said (so that a restarted
-    router knows a worker's capacity and context without a `Ready` of its own)."""
+    """worker → router, every second (from a thread of its own): alive, with its load, and what its `Ready`
+    said (so that a restarted router knows a worker's capacity and context without a `Ready` of its own)."""
 
     service: str
     pid: int
@@ -308,6 +309,10 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     """As in `Ready`."""
     image_tokens: int = 0
     """As in `Ready`."""
+    loop_s: float = 0.0
+    """Seconds since the worker's loop last came round (the beats come from a thread of their own: a worker
+    heard but whose loop is silent past the router's stall timeout is hung); 0 during work that is no
+    hang."""
 
 
 class ServiceDown(msgspec.Struct, frozen=True, tag=True):
@@ -337,6 +342,42 @@ Message = (
     | Heartbeat
     | ServiceDown
 )
+
+WORKER_ROLES = ("prefill", "decode", "encoder")
+SENDERS: dict[type, tuple[str, ...]] = {
+    Generate: ("router",),
+    Encode: ("router",),
+    Abort: ("router",),
+    ImagesEncoded: ("encoder",),
+    ImagesTaken: ("prefill",),
+    AllocState: ("prefill",),
+    PrefillDone: ("prefill",),
+    ReleaseState: ("prefill",),
+    Thaw: ("prefill",),
+    WantExports: ("prefill",),
+    StateGranted: ("decode",),
+    Exports: ("decode",),
+    Tokens: WORKER_ROLES,
+    Ready: WORKER_ROLES,
+    Heartbeat: WORKER_ROLES,
+    ServiceDown: ("launcher",),
+}
+"""The roles that may send each message (the topology above): an inbox that knows a message's sender
+(common/ipc/keys.py) drops one from any other (`may_send`)."""
+
+
+def role_of(service: str) -> str:
+    """The role of the service named `service`: `prefill-2` is a prefill worker (`pair_names`)."""
+    return service.split("-", 1)[0]
+
+
+def may_send(msg: Message, sender: str) -> bool:
+    """Whether the service named `sender` may send `msg`: its role may send messages of its kind, and a
+    worker's `Ready` and `Heartbeat` speak for the sender itself only."""
+    if isinstance(msg, Ready | Heartbeat) and msg.service != sender:
+        return False
+    return role_of(sender) in SENDERS.get(type(msg), ())
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

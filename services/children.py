@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.ipc import tensors as ipc
+from common.ipc.keys import LAUNCHER, ControlKeys, keys_env, make_keys
 from common.ipc.transport import Outbox
 from common.protocol import ServiceDown
 from services.parent_watch import PARENT_PID_ENV
@@ -38,8 +39,9 @@ class Child:
     argv: list[str]
     gpu: str | None = None
     """Its CUDA_VISIBLE_DEVICES (None: the launcher's)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Environment variables it gets beside the launcher's (secrets: never on its command line)."""
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    """Environment variables it gets beside the launcher's (secrets: the API key, its control-plane keys
+    (`common.ipc.keys.keys_env`); never on its command line)."""
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started: float = 0.0
@@ -100,6 +102,15 @@ def restart_exited(children: Sequence[Child], router: Outbox | None) -> Child | 
         child.restarts += 1
         child.start()
     return None
+
+
+def hand_keys(children: Sequence[Child], others: Sequence[str] = ()) -> ControlKeys:
+    """Make the control plane's keys for `children`, the services named `others` (started elsewhere) and the
+    launcher; put each child's in its environment; return the launcher's (it sends `ServiceDown`)."""
+    keys = make_keys([*(c.name for c in children), *others, LAUNCHER])
+    for child in children:
+        child.env = {**child.env, **keys_env(keys[child.name])}
+    return keys[LAUNCHER]
 
 
 def stop_children(children: Sequence[Child]) -> None:

@@ -42,6 +42,14 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from common.ipc.keys import LAUNCHER, write_keys
+
+    paths = write_keys(args.out, [*args.names, LAUNCHER])
+    print(f"wrote the control-plane keys of {', '.join(paths)} to {args.out}")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from common.config import WorkerConfig
     from common.engine.engine import Engine
@@ -270,6 +278,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_context=cfg.max_context,
         threads=args.threads,
         stall_timeout_s=args.stall_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
         pair_gpus=gpus,
         encoder_device=_encoder_device(args, model_dir),
         encoder_dtype=cfg.dtype,
@@ -432,8 +441,15 @@ def _add_serve(sub) -> None:
         "--stall-timeout",
         type=float_at_least(0.0),
         default=120.0,
-        help="seconds a worker may go without a heartbeat before it is taken as hung: its requests fail "
-        "and it is restarted (0: never; default %(default)s)",
+        help="seconds a worker's loop may go without coming round before it is taken as hung: its requests "
+        "fail and it is restarted (0: never; default %(default)s)",
+    )
+    srv.add_argument(
+        "--heartbeat-timeout",
+        type=float_at_least(0.1),
+        default=5.0,
+        help="seconds without a worker's heartbeat (sent every second from a thread of its own) before it "
+        "counts as down: 503 while no pair is up (default %(default)s)",
     )
     srv.set_defaults(func=_serve)
 
@@ -457,6 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--out", required=True)
     mk.set_defaults(func=_make_model)
+
+    keys = sub.add_parser(
+        "keys",
+        help="write CurveZMQ keys for services no launcher starts (containers: SPILLWAY_CONTROL_KEYS_FILE)",
+    )
+    keys.add_argument("--out", required=True, help="directory of the key files (NAME.json, mode 0600)")
+    keys.add_argument("names", nargs="+", help="the services' names (router, prefill, decode, encoder, ...)")
+    keys.set_defaults(func=_keys)
 
     gen = sub.add_parser("generate", help="generate text offline, in this process")
     gen.add_argument(

@@ -28,7 +28,7 @@ from common.api_key import API_KEY_ENV
 from common.ipc.tensors import process_alive
 from common.ipc.transport import Outbox, ipc_address, make_run_dir, pair_names
 from common.vision.images import vision_config
-from services.children import Child, module_argv, restart_exited, stop_children, worker_argv
+from services.children import Child, hand_keys, module_argv, restart_exited, stop_children, worker_argv
 
 log = logging.getLogger("launch")
 OWNER = "launcher.pid"
@@ -59,8 +59,11 @@ class ServeOptions:
     max_context: int = 4096
     threads: int = 0
     stall_timeout_s: float = 120.0
-    """A worker the router has not heard from this long is hung: the router fails its requests, the
-    launcher kills it (STALL_KILL_GRACE_S later) and restarts it (0: never)."""
+    """A worker whose loop the router has not known to come round this long is hung: the router fails its
+    requests, the launcher kills it (STALL_KILL_GRACE_S later) and restarts it (0: never)."""
+    heartbeat_timeout_s: float = 5.0
+    """A worker whose heartbeats (a thread of their own, every second) stop this long counts as down: the
+    router answers 503 while no pair is up."""
     pair_gpus: list[str | None] = field(default_factory=lambda: [None])
     """One entry a prefill/decode pair: the CUDA_VISIBLE_DEVICES of its two workers (None: the launcher's)."""
     encoder_device: str | None = None
@@ -137,6 +140,7 @@ def router_argv(
     argv = [*module_argv("router"), "--model", opts.model_dir, "--host", opts.host, "--port", str(opts.port)]
     argv += ["--inbox", inbox, "--max-running", "0", "--max-queue", str(opts.max_queue)]
     argv += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
+    argv += ["--heartbeat-timeout", str(opts.heartbeat_timeout_s)]
     argv += ["--exit-with-parent"]
     for prefill, decode in pairs:
         argv += ["--prefill", prefill, "--decode", decode]
@@ -245,7 +249,8 @@ class Launcher:
         self.run_dir = make_run_dir()
         (self.run_dir / OWNER).write_text(str(os.getpid()))
         self.children = service_children(opts, self.run_dir)
-        self.router = Outbox(ipc_address(self.run_dir, "router"))
+        keys = hand_keys(self.children)
+        self.router = Outbox(ipc_address(self.run_dir, "router"), keys=keys, peer="router")
         self.stopping = self.failed = False
         self.router_answered = 0.0
         """time.monotonic() of the router's last /health answer."""

@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from common.ipc.keys import KEYS_ENV, LAUNCHER, ControlKeys, keys_env, make_keys
 from common.ipc.ports import free_ports
 from common.ipc.transport import Outbox, pair_names
 from services.children import Child, restart_exited, stop_children, worker_argv
@@ -34,7 +35,11 @@ class PairHost:
     pair then fail) and stops both with itself; the workers also stop once the actor's process is gone
     (`--exit-with-parent`)."""
 
-    def __init__(self, index: int, flags: list[str], router_inbox: str, metrics: bool) -> None:
+    def __init__(
+        self, index: int, flags: list[str], router_inbox: str, metrics: bool, keys: dict[str, str]
+    ) -> None:
+        """`keys`: the control-plane keys (`ControlKeys.to_json`) of the pair's two workers and of the
+        launcher (this host sends `ServiceDown` as it), by name."""
         import ray
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s pair %(levelname)s %(message)s")
@@ -52,8 +57,9 @@ class PairHost:
                 port = free_ports(1, self.host)
                 argv += ["--metrics-port", str(port), "--metrics-host", self.host]
                 self.metrics_urls[names[role]] = f"http://{self.host}:{port}/metrics"
-            self.children.append(Child(names[role], argv))
-        self.router = Outbox(router_inbox)
+            self.children.append(Child(names[role], argv, env={KEYS_ENV: keys[names[role]]}))
+        launcher = ControlKeys.from_json(keys[LAUNCHER])
+        self.router = Outbox(router_inbox, keys=launcher, peer="router")
         for child in self.children:
             child.start()
 
@@ -126,6 +132,8 @@ class RayLauncher:
         self.router_inbox = f"tcp://{self.host}:{free_ports(1, self.host)}"
         has_encoder = self.opts.encoder_device is not None
         self.encoder_inbox = f"tcp://{self.host}:{free_ports(1, self.host)}" if has_encoder else None
+        names = [n for i in range(self.pairs) for n in pair_names(i)]
+        self.keys = make_keys([*names, "router", "encoder", LAUNCHER])
         self.actors = [self._start_pair(i) for i in range(self.pairs)]
         self.placing = {i: self.actors[i].addresses.remote() for i in range(self.pairs)}
         while not self.stopping and self.placing:
@@ -141,7 +149,8 @@ class RayLauncher:
         flags = worker_flags(self.opts)
         # on a GPU: the actor's one (Ray sets its CUDA_VISIBLE_DEVICES, which the workers inherit)
         flags += ["--device", "cuda" if self.gpu else "cpu"]
-        return actor.remote(index, flags, self.router_inbox, bool(self.opts.metrics_port))
+        keys = {name: self.keys[name].to_json() for name in (*pair_names(index), LAUNCHER)}
+        return actor.remote(index, flags, self.router_inbox, bool(self.opts.metrics_port), keys)
 
     def _place(self, timeout_s: float) -> None:
         """Collect the addresses of the pair hosts being placed; once every one has answered, (re)start the
@@ -159,10 +168,12 @@ class RayLauncher:
         stop_children([c for c in (self.router, self.encoder) if c is not None])  # over the lost addresses
         if self.encoder_inbox is not None:
             prefills = {pair_names(i)[0]: pairs[i][0] for i in range(len(pairs))}
-            self.encoder = Child("encoder", self._encoder_argv(prefills, metrics), env=child_env(self.opts))
+            argv = self._encoder_argv(prefills, metrics)
+            env = {**child_env(self.opts), **keys_env(self.keys["encoder"])}
+            self.encoder = Child("encoder", argv, env=env)
             self.encoder.start()
         argv = router_argv(self.opts, self.router_inbox, pairs, metrics, self.encoder_inbox)
-        self.router = Child("router", argv, env=child_env(self.opts))
+        self.router = Child("router", argv, env={**child_env(self.opts), **keys_env(self.keys["router"])})
         self.router.start()
 
     def _encoder_argv(self, prefills: dict[str, str], metrics: dict[str, str]) -> list[str]:

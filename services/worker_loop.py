@@ -1,5 +1,5 @@
 """The shell every worker shares (prefill, decode, the encoder): sockets, a stop flag set by SIGTERM/SIGINT,
-heartbeats."""
+heartbeats (from a thread of their own, so that no long step delays them)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 
 from common import metrics
 from common.api_key import resolve_api_key
+from common.ipc.keys import ControlKeys
 from common.ipc.transport import Inbox, Outbox
 from common.protocol import Abort, Heartbeat, Message, Ready, Tokens
 from services.parent_watch import stop_with_parent
@@ -58,13 +59,21 @@ class WorkerShell:
         metrics_host: str = "127.0.0.1",
         stall_timeout_s: float = 0.0,
         exit_with_parent: bool = False,
+        keys: ControlKeys | None = None,
+        peers: dict[str, str] | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {service} %(levelname)s %(message)s")
         if threads:
             torch.set_num_threads(threads)
         self.service, self.pid, self.instance = service, os.getpid(), secrets.token_hex(8)
-        self.inbox = Inbox(inbox)
-        self.out = {name: Outbox(address) for name, address in outboxes.items()}
+        self.keys = keys
+        """This worker's control-plane keys (None: no CurveZMQ); `peers` names the service behind each of
+        `outboxes` where its key is not the service's name (`decode` for pair 1's `decode-1`)."""
+        self.inbox = Inbox(inbox, keys=keys)
+        self.out = {
+            dest: Outbox(address, keys=keys, peer=(peers or {}).get(dest, dest))
+            for dest, address in outboxes.items()
+        }
         self.stopping = False
         self._last_beat = 0.0
         self.limits = (0, 0, 0)
@@ -81,6 +90,7 @@ class WorkerShell:
         self.expert_metrics: CacheMetricsExporter | None = None
         self.registry = metrics.new_registry()
         self.metrics = metrics.WorkerMetrics.create(self.registry)
+        self._refusals = metrics.RefusalCount(self.metrics.control_refused)
         self._stop_metrics = (
             metrics.serve(self.registry, metrics_port, metrics_host, resolve_api_key())
             if metrics_port
@@ -93,6 +103,14 @@ class WorkerShell:
         timed, nor is what runs `untimed`. A send blocked as long on the peer worker (its queue full: it
         does not read) counts as hung too; sends to the router never block (`send`)."""
         self._armed = False
+        self._load = (0, 0)
+        """(running, waiting) as the loop last reported them (`heartbeat`), repeated by the beats."""
+        self._progress = time.monotonic()
+        """time.monotonic() when the loop last came round (`heartbeat`)."""
+        self._untimed = 0
+        """Untimed work under way (`untimed`, `working`): the loop counts as coming round meanwhile."""
+        self._beats: threading.Thread | None = None
+        self._beats_done = threading.Event()
         if exit_with_parent:
             stop_with_parent(self._stop)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -105,13 +123,15 @@ class WorkerShell:
         """The shell a worker's parsed flags (`services.worker_args.add_worker_args`, or the encoder's alike)
         describe: named `--name` or its role, its inbox, outboxes to the router, to its peer (`peer_role`:
         `--peer`) and to the services of `outboxes` (name → address: the encoder's prefill workers)."""
+        name = args.name or role
         outboxes = {
             "router": args.router,
             **({peer_role: args.peer} if peer_role else {}),
             **(outboxes or {}),
         }
+        peers = {peer_role: peer_role + name.removeprefix(role)} if peer_role else {}
         return cls(
-            args.name or role,
+            name,
             args.inbox,
             outboxes,
             args.threads,
@@ -119,6 +139,8 @@ class WorkerShell:
             args.metrics_host,
             args.stall_timeout,
             exit_with_parent=args.exit_with_parent,
+            keys=ControlKeys.from_env(),
+            peers=peers,
         )
 
     def _stop(self, *_: object) -> None:
@@ -168,61 +190,67 @@ class WorkerShell:
             self.expert_metrics = CacheMetricsExporter(provider, group)
 
     def ready(self, capacity: int, max_context: int, image_tokens: int = 0) -> None:
+        """Announce the worker (`Ready`), arm the hang watchdog and start the heartbeats' thread."""
         self.limits = (capacity, max_context, image_tokens)
         ready = Ready(
             self.service, self.pid, capacity, self.metrics_url, max_context, self.instance, image_tokens
         )
         self.send("router", ready)
         self._armed = True
+        self._progress = time.monotonic()
         self._rearm()
+        if self._beats is None:
+            self._beats = threading.Thread(target=self._beat_forever, name=f"{self.service}-heartbeats",
+                                           daemon=True)  # fmt: skip
+            self._beats.start()
 
     def heartbeat_due(self) -> bool:
-        """True once a second: time to send a heartbeat and refresh the gauges."""
+        """True once a second: time for the loop to report its load (`heartbeat`) and refresh the gauges."""
         now = time.monotonic()
         if now - self._last_beat < HEARTBEAT_S:
             return False
         self._last_beat = now
         self.metrics.dropped_frames.inc(self.inbox.dropped - self._dropped_seen)
         self._dropped_seen = self.inbox.dropped
+        self._refusals.sync(self.inbox.refused, self.inbox.rejected)
         return True
 
     def heartbeat(self, running: int = 0, waiting: int = 0) -> None:
+        """The loop came round with this load: the beats carry it, the hang watchdog is pushed out."""
         if self.expert_metrics is not None:
             self.expert_metrics.update()
         self.metrics.requests_running.set(running)
         self.metrics.requests_waiting.set(waiting)
-        self.send("router", self._beat(running, waiting))
+        self._load, self._progress = (running, waiting), time.monotonic()
         self._rearm()
 
-    def _beat(self, running: int, waiting: int) -> Heartbeat:
+    def _beat_forever(self) -> None:
+        """The heartbeats' thread: a `Heartbeat` every HEARTBEAT_S on a socket of its own (ZeroMQ sockets are
+        not shared between threads), whatever the loop does: a long step holds it up no longer (torch
+        releases the GIL in its ops; Python switches threads every few ms). Each beat says how long ago the
+        loop last came round (`Heartbeat.loop_s`): the router takes a loop silent past its stall timeout
+        as hung."""
+        box = Outbox(self.out["router"].address, keys=self.keys, peer="router")
+        try:
+            while not self._beats_done.wait(HEARTBEAT_S):
+                box.try_send(self._beat())
+        finally:
+            box.close()
+
+    def _beat(self) -> Heartbeat:
         capacity, max_context, image_tokens = self.limits
-        return Heartbeat(
-            self.service, self.pid, running, waiting, capacity, max_context, self.instance, image_tokens
-        )
+        running, waiting = self._load
+        loop_s = 0.0 if self._untimed else time.monotonic() - self._progress
+        return Heartbeat(self.service, self.pid, running, waiting, capacity, max_context, self.instance,
+                         image_tokens, loop_s)  # fmt: skip
 
     @contextlib.contextmanager
     def working(self, running: int, waiting: int) -> Iterator[None]:
         """One long piece of work that is no hang (the encoder's tower pass over a large image: minutes on a
-        CPU): untimed, and heartbeats go on from a thread of their own (its own socket: ZeroMQ sockets are
-        not shared between threads), so that the router does not take the worker as down meanwhile."""
-        done = threading.Event()
-
-        def beat() -> None:
-            box = Outbox(self.out["router"].address)
-            try:
-                while not done.wait(HEARTBEAT_S):
-                    box.try_send(self._beat(running, waiting))
-            finally:
-                box.close()
-
-        thread = threading.Thread(target=beat, name=f"{self.service}-heartbeats", daemon=True)
+        CPU), with this load: untimed, and the beats go on saying the loop comes round."""
+        self._load = (running, waiting)
         with self.untimed():
-            thread.start()
-            try:
-                yield
-            finally:
-                done.set()
-                thread.join()
+            yield
 
     def _rearm(self) -> None:
         """Push the hang deadline out. faulthandler's timer is a C thread: it fires even where the loop holds
@@ -236,14 +264,20 @@ class WorkerShell:
         """Work that may outlast the stall timeout and is no hang (mapping a restarted peer's memory)."""
         faulthandler.cancel_dump_traceback_later()
         armed, self._armed = self._armed, False
+        self._untimed += 1
         try:
             yield
         finally:
+            self._untimed -= 1
+            self._progress = time.monotonic()
             self._armed = armed
             self._rearm()
 
     def close(self) -> None:
         faulthandler.cancel_dump_traceback_later()
+        self._beats_done.set()
+        if self._beats is not None:
+            self._beats.join()
         if self._stop_metrics is not None:
             self._stop_metrics()
         self.inbox.close()

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from common.ipc.keys import ControlKeys
+
 BODY_ALLOWANCE_BYTES = 2**20
 """What a request body may hold beside its prompt's text (its other fields, JSON's escapes), where no
 encoder runs (`RouterConfig.prompt_bytes_per_token`)."""
@@ -74,17 +76,24 @@ class RouterConfig:
     """Each worker's metrics URL by service name, reported by `/health` (a worker's `Ready` may name its
     own, which wins)."""
     heartbeat_timeout_s: float = 5.0
-    """A worker whose last `Ready`/`Heartbeat` is older than this is down (503 until it is heard again)."""
+    """A worker whose last `Ready`/`Heartbeat` is older than this is down (503 while no pair is up, until it
+    is heard again); a later heartbeat is logged and counted as late. Workers beat every second from a
+    thread of their own: only a dead or frozen process misses this."""
     stall_timeout_s: float = 120.0
-    """A worker silent this long is hung: the requests in flight end with an error event (the launcher also
-    kills it, and restarts it). Far above the longest step (a prefill chunk: about a second), below
-    any client's patience; 0 = never."""
+    """A worker whose loop has not come round this long (its heartbeats' `loop_s`, or no heartbeat at all) is
+    hung: the requests in flight end with an error event (the launcher also kills it, and restarts it).
+    Far above the longest step (a prefill chunk: about a second), below any client's patience; 0 = never."""
     event_gap_timeout_s: float = 10.0
     """A request whose next event (by `Tokens.index`) is still missing this long after a later one came lost
     it (a worker drops events while the router's queue is full): it ends with an error event, and its
     workers abort it, rather than wait for good. A gap shows only once a later event comes: a lost last
     event is the worker's to report (`WorkerShell.send` fails a request it drops events of). Far above the
     skew between prefill's and decode's connections (milliseconds); 0 = never."""
+
+    control_keys: ControlKeys | None = field(default=None, repr=False)
+    """The router's CurveZMQ keys (common/ipc/keys.py; from the launcher, in the environment): its inbox
+    admits only the known services and takes each message only from a role that may send it. None: no
+    CurveZMQ (ipc:// sockets in a private run directory)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

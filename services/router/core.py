@@ -55,7 +55,7 @@ class RouterCore:
     def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.supervisor = Supervisor(config, self._on_failure)
+        self.supervisor = Supervisor(config, self._on_failure, metrics)
         self.links = WorkerLinks(
             config, self.supervisor.pairs, self.supervisor.encoder is not None, self.supervisor.on_link
         )
@@ -97,6 +97,7 @@ class RouterCore:
         while True:
             await asyncio.sleep(watch_period(self.config))
             self.check_stalls()
+            self.sync_dropped_frames()  # refused connections bring no message to wake the reader
 
     # Health.
 
@@ -231,9 +232,14 @@ class RouterCore:
 
     # Dispatch.
 
-    def on_message(self, msg: Message) -> None:
-        """Apply one inbox message (public so that tests and tools can feed the core directly)."""
+    def on_message(self, msg: Message, sender: str | None = None) -> None:
+        """Apply one inbox message from the service `sender` (None: not known, no keys; public so that tests
+        and tools can feed the core directly). Tokens count only from a worker of the request's pair, or the
+        encoder (the inbox took each message from a role that may send it)."""
         if isinstance(msg, Tokens):
+            if sender is not None and not self._may_tell(sender, msg.rid):
+                self.delivery.reject(msg, sender)
+                return
             self.delivery.on_tokens(msg)
         elif isinstance(msg, Ready | Heartbeat):
             if self.supervisor.on_alive(msg):  # its pair may be up again: the limit may have risen
@@ -243,12 +249,23 @@ class RouterCore:
         else:
             log.warning("router ignores %s messages", type(msg).__name__)
 
-    def _on_failure(self, pair: Pair | None, reason: str) -> None:
-        """A worker of `pair` died (None: the encoder): fail the requests it may have held."""
+    def _may_tell(self, sender: str, rid: str) -> bool:
+        """Whether the service `sender` may send events of request `rid`: the encoder, or a worker of the pair
+        that runs it (any pair's worker for a request the router does not hold: an orphan, aborted)."""
+        flight = self.delivery.flights.get(rid)
+        return (
+            sender == "encoder"
+            or flight is None
+            or sender in {w.name for w in self.pairs[flight.pair].workers}
+        )
+
+    def _on_failure(self, pair: Pair | None, reason: str, prefill: bool) -> None:
+        """A worker of `pair` died (None: the encoder; `prefill`: the pair's prefill worker): fail the
+        requests it may have held (a prefill worker's death spares those decode holds already)."""
         if pair is None:
             self.delivery.fail_awaiting_images(reason)
         else:
-            self.delivery.fail_pair(pair.index, reason)
+            self.delivery.fail_pair(pair.index, reason, spare_decoding=prefill)
 
 
 async def _cancel(task: asyncio.Task[None] | None) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import zmq.asyncio
 
 from common.ipc.transport import AsyncInbox
-from common.metrics import RouterMetrics
+from common.metrics import RefusalCount, RouterMetrics
 from common.protocol import Message, Tokens
 from services.router.config import RouterConfig
 from services.router.flight import Flight
@@ -46,6 +46,7 @@ class EventDelivery:
         """The router's inbox (bound by `open`), on which every worker's messages arrive."""
         self._abort_orphan = abort_orphan
         self._dropped_seen = 0
+        self._refusals = RefusalCount(metrics.control_refused)
         self._orphans: deque[str] = deque(maxlen=ORPHANS_REMEMBERED)
         """Requests aborted for tokens nobody waits for (the latest; as decode's `gone`)."""
 
@@ -53,29 +54,39 @@ class EventDelivery:
 
     def open(self, ctx: zmq.asyncio.Context) -> None:
         """Bind the inbox at `RouterConfig.inbox`."""
-        self.inbox = AsyncInbox(self.config.inbox, ctx)
+        self.inbox = AsyncInbox(self.config.inbox, ctx, keys=self.config.control_keys)
 
     def close(self) -> None:
         if self.inbox is not None:
             self.inbox.close()
 
-    async def read(self, handle: Callable[[Message], None]) -> None:
-        """Hand each message of the inbox to `handle`, for good (an exception it raises is logged: a bad
-        message must not stop the router)."""
+    async def read(self, handle: Callable[[Message, str | None], None]) -> None:
+        """Hand each message of the inbox, with its sender (None without keys), to `handle`, for good (an
+        exception it raises is logged: a bad message must not stop the router)."""
         assert self.inbox is not None, "EventDelivery.open() was not called"
         while True:
-            msg = await self.inbox.recv()
+            sender, msg = await self.inbox.recv_from()
             self.sync_dropped_frames()  # (for --metrics-port's server too, which renders the registry alone)
             try:
-                handle(msg)
+                handle(msg, sender)
             except Exception:
                 log.exception("failed to handle %r", msg)
 
     def sync_dropped_frames(self) -> None:
-        """Carry the inbox's count of undecodable frames into the metrics (called before a scrape)."""
-        if self.inbox is not None and self.inbox.dropped > self._dropped_seen:
+        """Carry the inbox's counts of undecodable frames, refused connections and rejected messages into the
+        metrics (called before a scrape, and by the watchdog)."""
+        if self.inbox is None:
+            return
+        if self.inbox.dropped > self._dropped_seen:
             self.metrics.dropped_frames.inc(self.inbox.dropped - self._dropped_seen)
             self._dropped_seen = self.inbox.dropped
+        self._refusals.sync(self.inbox.refused, self.inbox.rejected)
+
+    def reject(self, msg: Message, sender: str) -> None:
+        """`msg` came from `sender`, which may not send it (a worker's events for another pair's request):
+        dropped, logged and counted."""
+        log.warning("rejected a %s from %s: not its to send", type(msg).__name__, sender)
+        self.metrics.control_refused.labels(reason="sender").inc()
 
     # Requests.
 
@@ -87,10 +98,12 @@ class EventDelivery:
         """Stop delivering `rid`'s events (its later tokens are orphans)."""
         self.flights.pop(rid, None)
 
-    def fail_pair(self, pair: int, reason: str) -> None:
-        """The requests pair number `pair` runs died with one of its workers: end each with an error."""
+    def fail_pair(self, pair: int, reason: str, spare_decoding: bool = False) -> None:
+        """The requests pair number `pair` runs died with one of its workers: end each with an error; with
+        `spare_decoding` (its prefill worker died), not those its decode worker holds (`Flight.decoding`):
+        they go on to their end."""
         for flight in self.flights.values():
-            if flight.pair == pair:
+            if flight.pair == pair and not (spare_decoding and flight.decoding):
                 flight.fail(reason)
 
     def fail_awaiting_images(self, reason: str) -> None:
@@ -135,6 +148,7 @@ class EventDelivery:
 
     def _reorder(self, flight: Flight, event: Tokens) -> None:
         """Hold `event` until its turn, deliver what is in turn, and time the gap that remains."""
+        flight.decoding = flight.decoding or event.index > 0  # prefill sends a request's first token only
         flight.pending.setdefault(event.index, []).append(event)
         expected = flight.next_index
         while flight.next_index in flight.pending:

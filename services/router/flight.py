@@ -32,6 +32,9 @@ class Flight:
     """Its gap outlived `event_gap_timeout_s`: it was failed, and its later events are dropped."""
     last_token_at: float | None = None
     """time.monotonic() of its last delivered token (None before the first)."""
+    decoding: bool = False
+    """An event of decode's came (`Tokens.index` > 0: prefill sends the first token only): decode holds the
+    request, and a death of its prefill worker no longer touches it."""
     released: bool = False
     """The router is done with it (`RouterCore.release`): its slot is free."""
     pair: int = -1

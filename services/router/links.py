@@ -40,13 +40,14 @@ class WorkerLinks:
 
     def open(self, ctx: zmq.asyncio.Context) -> None:
         """Connect to every worker's inbox and start watching the connections (inside the event loop)."""
+        keys = self.config.control_keys
         for pair, addrs in zip(self.pairs, self.config.pairs, strict=True):
-            pair.prefill_box = AsyncOutbox(addrs.prefill, ctx, monitor=True)
-            pair.decode_box = AsyncOutbox(addrs.decode, ctx, monitor=True)
+            pair.prefill_box = AsyncOutbox(addrs.prefill, ctx, True, keys, pair.prefill.name)
+            pair.decode_box = AsyncOutbox(addrs.decode, ctx, True, keys, pair.decode.name)
             self._watch(pair.prefill.name, pair.prefill_box)
             self._watch(pair.decode.name, pair.decode_box)
         if self._has_encoder:
-            self.encoder_box = AsyncOutbox(self.config.encoder, ctx, monitor=True)
+            self.encoder_box = AsyncOutbox(self.config.encoder, ctx, True, keys, "encoder")
             self._watch("encoder", self.encoder_box)
 
     async def send(self, pair: Pair, generate: Generate, encode: Encode | None) -> None:

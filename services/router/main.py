@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common.api_key import API_KEY_ENV, resolve_api_key
+from common.ipc.keys import ControlKeys
 from services.parent_watch import stop_with_parent
 from services.router.config import RouterConfig, WorkerPair
 
@@ -140,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         metrics_urls=urls,
         heartbeat_timeout_s=args.heartbeat_timeout,
         stall_timeout_s=args.stall_timeout,
+        control_keys=ControlKeys.from_env(),
     )
 
 

@@ -20,6 +20,9 @@ class ServiceHealth:
     metrics_url: str = ""
     last_seen: float | None = None
     """time.monotonic() of its last message; None = never heard (still starting)."""
+    progressed: float | None = None
+    """time.monotonic() when its loop last came round (`Heartbeat.loop_s` before its last message; the beats
+    come from a thread of their own): silent past the stall timeout, it is hung."""
     running: int = 0
     waiting: int = 0
     restarts: int = 0
@@ -35,6 +38,13 @@ class ServiceHealth:
     """Whether the router's connection to its inbox is open (None: not yet). An exit closes it at once: the
     requests in flight fail then, where no launcher reports the exit (one container a service); the
     service is down, then starting, until the process behind the new connection speaks."""
+
+    def idle(self, now: float) -> float | None:
+        """Seconds at `now` since its loop was last known to come round (None: never heard): since its last
+        message, or longer where that said the loop had been silent before."""
+        if self.last_seen is None:
+            return None
+        return now - min(self.last_seen, self.progressed if self.progressed is not None else self.last_seen)
 
     def state(self, now: float, timeout_s: float) -> str:
         """ "starting" (never heard), "up", or "down" (exited, stalled, its connection closed, or silent for

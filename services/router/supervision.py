@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.ipc.transport import pair_names
+from common.metrics import RouterMetrics
 from common.protocol import Heartbeat, Ready, ServiceDown
 from common.vision.images import vision_config
 from services.router.config import RouterConfig
@@ -21,8 +22,9 @@ from services.router.pairs import Pair, ServiceHealth
 
 log = logging.getLogger(__name__)
 
-FailureHandler = Callable[[Pair | None, str], None]
-"""Called with the pair whose worker died (None: the encoder) and the reason, once a death."""
+FailureHandler = Callable[[Pair | None, str, bool], None]
+"""Called with the pair whose worker died (None: the encoder), the reason, and whether that worker was the
+pair's prefill (the requests its decode worker already holds go on), once a death."""
 
 
 def watch_period(config: RouterConfig) -> float:
@@ -35,8 +37,11 @@ class Supervisor:
     """The router's view of its workers: `pairs`, `services` by name (the encoder's among them) and their
     states; it applies the workers' messages and connection changes, and reports deaths to `on_failure`."""
 
-    def __init__(self, config: RouterConfig, on_failure: FailureHandler) -> None:
+    def __init__(
+        self, config: RouterConfig, on_failure: FailureHandler, metrics: RouterMetrics | None = None
+    ) -> None:
         self.config = config
+        self._metrics = metrics
         names = [pair_names(i) for i in range(len(config.pairs))]
         self.pairs = [Pair(i, ServiceHealth(p), ServiceHealth(d)) for i, (p, d) in enumerate(names)]
         self.services = {w.name: w for pair in self.pairs for w in pair.workers}
@@ -93,7 +98,7 @@ class Supervisor:
             "running": svc.running,
             "waiting": svc.waiting,
             "restarts": svc.restarts,
-            "last_seen_s": None if svc.last_seen is None else round(now - svc.last_seen, 3),
+            "last_seen_s": None if (idle := svc.idle(now)) is None else round(idle, 3),
             "metrics_url": svc.metrics_url or self.config.metrics_urls.get(svc.name, ""),
         }
 
@@ -135,7 +140,20 @@ class Supervisor:
             svc.restarts += 1
             self._fail(svc, f"the {msg.service} worker restarted (pid {svc.pid} → {msg.pid})")
         svc.pid, svc.instance = msg.pid, msg.instance
-        svc.last_seen = time.monotonic()
+        now = time.monotonic()
+        if isinstance(msg, Heartbeat) and svc.last_seen is not None:
+            self._check_late(svc, now - svc.last_seen)
+        svc.last_seen = now
+        svc.progressed = now - msg.loop_s if isinstance(msg, Heartbeat) else now
+
+    def _check_late(self, svc: ServiceHealth, gap: float) -> None:
+        """A heartbeat `gap` seconds after the worker's previous message: past the heartbeat timeout, the
+        worker counted as down meanwhile (503s): logged and counted."""
+        if gap > self.config.heartbeat_timeout_s:
+            log.warning("%s (pid %s): a heartbeat %.1f s after its previous message (timeout %.1f s)",
+                        svc.name, svc.pid, gap, self.config.heartbeat_timeout_s)  # fmt: skip
+            if self._metrics is not None:
+                self._metrics.late_heartbeats.labels(service=svc.name).inc()
 
     @staticmethod
     def _record(svc: ServiceHealth, msg: Ready | Heartbeat) -> None:
@@ -185,12 +203,12 @@ class Supervisor:
         if self.config.stall_timeout_s <= 0:
             return
         for svc in self.services.values():
-            silent = None if svc.last_seen is None else now - svc.last_seen
+            silent = svc.idle(now)
             if svc.exited or svc.stalled or silent is None or silent <= self.config.stall_timeout_s:
                 continue
             svc.stalled = True
             log.error("%s (pid %s) has been silent for %.0f s: taken as hung", svc.name, svc.pid, silent)
-            self._fail(svc, f"the {svc.name} worker stopped responding ({silent:.0f} s without a heartbeat)")
+            self._fail(svc, f"the {svc.name} worker stopped responding ({silent:.0f} s without progress)")
 
     def _service(self, name: str) -> ServiceHealth | None:
         """The worker `name` names, or None (warned about once) for a name no pair has: a worker started
@@ -202,4 +220,5 @@ class Supervisor:
         return svc
 
     def _fail(self, svc: ServiceHealth, reason: str) -> None:
-        self._on_failure(None if svc is self.encoder else self._pair_of[svc.name], reason)
+        pair = None if svc is self.encoder else self._pair_of[svc.name]
+        self._on_failure(pair, reason, pair is not None and svc is pair.prefill)

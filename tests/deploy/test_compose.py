@@ -235,3 +235,23 @@ def test_the_compose_commands_serve_and_export_every_metric_the_dashboard_reads(
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def test_every_service_reads_its_own_control_keys_the_model_service_writes(tmp_path) -> None:
+    """The model service writes a key file a service into the run volume (`spillway keys`); each service's
+    SPILLWAY_CONTROL_KEYS_FILE names its own, which holds every other's public key."""
+    from common.ipc.keys import KEYS_FILE_ENV, ControlKeys
+
+    services = compose()["services"]
+    match = re.search(r"spillway keys --out (\S+) ([\w ]+?) \|\|", services["model"]["command"])
+    assert match, services["model"]["command"]
+    out, names = match.group(1), match.group(2).split()
+    assert set(names) == {*SERVICES, ENCODER} | {"router"}
+    run = [sys.executable, "-m", "services.cli", "keys", "--out", str(tmp_path), *names]
+    subprocess.run(run, check=True, capture_output=True)
+    for name in names:
+        path = services[name]["environment"][KEYS_FILE_ENV]
+        assert path == f"{out}/{name}.json" and "spillway-run:/run/spillway" in services[name]["volumes"]
+        keys = ControlKeys.from_env({KEYS_FILE_ENV: str(tmp_path / f"{name}.json")})
+        assert keys is not None and keys.name == name and set(keys.public) >= set(names)
+        assert (tmp_path / f"{name}.json").stat().st_mode & 0o077 == 0, "readable by its owner only"

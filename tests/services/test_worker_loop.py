@@ -196,3 +196,31 @@ def test_long_work_goes_on_heartbeating(tmp_path) -> None:
     finally:
         shell.close()
         router.close()
+
+
+def test_heartbeats_go_on_while_a_step_holds_the_loop_and_tell_its_silence(tmp_path) -> None:
+    """The beats come from a thread of their own: a long step (torch ops, then pure Python holding the GIL
+    in turns) delays none of them; each says how long the loop has not come round (`Heartbeat.loop_s`)."""
+    import torch
+
+    router = Inbox(ipc_address(tmp_path, "router"))
+    shell = WorkerShell("decode", ipc_address(tmp_path, "decode"), {"router": router.address})
+    try:
+        shell.ready(4, 64)
+        shell.heartbeat(running=3, waiting=1)
+        assert router.recv(timeout_ms=2000) is not None  # the Ready
+        start = time.monotonic()
+        a = torch.randn(256, 256)
+        while time.monotonic() - start < 1.6 * HEARTBEAT_S:
+            a = torch.tanh(a @ a)
+        while time.monotonic() - start < 3.2 * HEARTBEAT_S:
+            sum(i * i for i in range(10_000))
+        beats = router.drain()
+        assert len(beats) >= 2 and all(isinstance(b, Heartbeat) for b in beats)
+        assert (beats[-1].running, beats[-1].waiting) == (3, 1)
+        assert beats[-1].loop_s > 1.5 * HEARTBEAT_S, "the loop has not come round since"
+        shell.heartbeat()
+        assert router.recv(timeout_ms=int(2000 * HEARTBEAT_S)).loop_s < HEARTBEAT_S
+    finally:
+        shell.close()
+        router.close()

@@ -485,3 +485,57 @@ def test_an_undecodable_frame_is_dropped_and_counted_without_a_scrape(
             assert httpx.get(f"{served.url}/health", timeout=5).json()["status"] == "ok"  # still serving
         finally:
             push.close(0)
+
+
+def test_a_prefill_death_spares_the_requests_decode_holds() -> None:
+    """Decode's event (index > 0) tells the router that decode holds a request: a prefill worker's exit,
+    restart or closed connection fails only those still in prefill; a decode death fails them all."""
+
+    async def test(core: RouterCore) -> None:
+        decoding = await core.submit([1], SAMPLING, time.monotonic())
+        prefilling = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Tokens(decoding.rid, [5], index=0))
+        core.on_message(Tokens(decoding.rid, [6], index=1))
+        core.on_message(ServiceDown("prefill", os.getpid(), -9))
+        event = await prefilling.next_event()
+        assert event.finish_reason == "error" and "prefill worker exited" in event.error
+        assert [(await decoding.next_event()).token_ids for _ in range(2)] == [[5], [6]]
+        assert decoding.events.empty(), "decode still holds it: no error"
+        core.on_message(Ready("prefill", os.getpid() + 1, capacity=2))  # its successor
+        core.on_message(Tokens(decoding.rid, [7], "length", index=2))
+        assert (await decoding.next_event()).finish_reason == "length"
+        core.release(decoding, "length")
+        core.release(prefilling, None)
+        held = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Tokens(held.rid, [6], index=1))  # decode's, ahead of prefill's first
+        core.on_message(ServiceDown("decode", os.getpid(), -9))
+        assert (await held.next_event()).finish_reason == "error", "decode's death fails what it holds"
+        core.release(held, None)
+
+    run_core(test)
+
+
+def test_a_late_heartbeat_is_counted_and_a_silent_loop_is_a_stall() -> None:
+    """A heartbeat past the heartbeat timeout is logged and counted; a worker heard (its beats' thread) whose
+    loop has not come round for the stall timeout (`Heartbeat.loop_s`) is hung: its requests fail."""
+
+    async def test(core: RouterCore) -> None:
+        samples = lambda: core.metrics.late_heartbeats.collect()[0].samples
+        late = lambda: {s.labels["service"]: s.value for s in samples() if s.name.endswith("_total")}
+        core.on_message(Heartbeat("decode", os.getpid(), capacity=2))
+        assert late() == {}, "in time"
+        core.services["decode"].last_seen = time.monotonic() - 6
+        core.on_message(Heartbeat("decode", os.getpid(), capacity=2))
+        assert late() == {"decode": 1.0}
+        flight = await core.submit([1], SAMPLING, time.monotonic())
+        core.on_message(Heartbeat("decode", os.getpid(), capacity=2, loop_s=30))
+        core.check_stalls()
+        assert flight.events.empty() and core.ready(), "the loop is slow, not hung"
+        core.on_message(Heartbeat("decode", os.getpid(), capacity=2, loop_s=61))
+        assert core.ready(), "heard: up, until the stall check"
+        core.check_stalls()
+        event = await flight.next_event()
+        assert event.finish_reason == "error" and "stopped responding" in event.error
+        core.release(flight, None)
+
+    run_core(test, stall_timeout_s=60)
