@@ -270,6 +270,7 @@ def _serve(args: argparse.Namespace) -> int:
         pair_gpus=gpus,
         encoder_device=_encoder_device(args, model_dir),
         encoder_dtype=cfg.dtype,
+        grammar_max_bytes=cfg.grammar_max_bytes,
     )
     if args.ray is None:  # (under Ray, the router's node binds them)
         _check_ports(opts)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from common.config import GRAMMAR_MAX_BYTES
 from common.text.tokenizer import Tokenizer
 
 EXTRA = "spillway[structured]"
@@ -40,10 +41,10 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
-def structure_of(response_format: dict[str, Any] | None) -> str:
+def structure_of(response_format: dict[str, Any] | None, max_bytes: int = GRAMMAR_MAX_BYTES) -> str:
     """The form an OpenAI `response_format` asks for, as `SamplingParams.structure` carries it: "" for
     text, else its JSON schema's form. Raises ValueError (the message for a 400) for a format that is not
-    one of OpenAI's or a schema that is not valid, Unavailable without xgrammar."""
+    one of OpenAI's, a form over `max_bytes` or a schema that is not valid, Unavailable without xgrammar."""
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
         return ""
@@ -56,7 +57,7 @@ def structure_of(response_format: dict[str, Any] | None) -> str:
             raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object.")
     else:
         raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema.")
-    return _checked({"schema": schema})
+    return _checked({"schema": schema}, max_bytes)
 
 
 XML_WHITESPACE = 1
@@ -72,20 +73,24 @@ of a forced XML call's grammar (its strings are then only kept inside their para
 
 
 def call_structure(
-    tools: list[dict[str, Any]], name: str | None, tags: tuple[str, str], xml: bool = False
+    tools: list[dict[str, Any]],
+    name: str | None,
+    tags: tuple[str, str],
+    xml: bool = False,
+    max_bytes: int = GRAMMAR_MAX_BYTES,
 ) -> str:
     """A forced function call (tool_choice "required", or the function `name`) as a form: one call block
     in `tags` holding {"name": ..., "arguments": ...}, the arguments of the named function's (or any
     listed function's) parameter schema; with `xml`, the block in the XML form instead (<function=NAME>,
     then each argument as <parameter=KEY>VALUE</parameter>, in the schema's order). ValueError for a name
-    that no tool has."""
+    that no tool has, or a form over `max_bytes`."""
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not functions:
         raise ValueError(f"tool_choice names {name!r}, which is not among the tools.")
     schemas = [(f["name"], _object_schema(f)) for f in functions]
     if xml:
         calls = [{"name": n, "parameters": parameters} for n, parameters in schemas]
-        return _checked({"xml_calls": calls, "tags": list(tags)})
+        return _checked({"xml_calls": calls, "tags": list(tags)}, max_bytes)
     calls = [
         {
             "type": "object",
@@ -96,7 +101,7 @@ def call_structure(
         for n, parameters in schemas
     ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return _checked({"schema": schema, "before": tags[0] + "\n", "after": "\n" + tags[1]})
+    return _checked({"schema": schema, "before": tags[0] + "\n", "after": "\n" + tags[1]}, max_bytes)
 
 
 def _object_schema(function: dict[str, Any]) -> dict[str, Any]:
@@ -110,9 +115,24 @@ def _object_schema(function: dict[str, Any]) -> dict[str, Any]:
     return parameters or {"type": "object"}
 
 
-def _checked(form: dict[str, Any]) -> str:
-    """`form` as `SamplingParams.structure` carries it, once its grammar is known to build."""
+def size_refusal(structure: str, max_bytes: int) -> str | None:
+    """Why a form (`SamplingParams.structure`) is not compiled: its JSON text is over `max_bytes`; None
+    where it is not."""
+    if len(structure) <= max_bytes:  # (json.dumps writes ASCII: a character a byte)
+        return None
+    return (
+        f"The structured output's grammar is {len(structure):,} bytes of JSON, over the {max_bytes:,} this "
+        "server compiles (--grammar-max-bytes)."
+    )
+
+
+def _checked(form: dict[str, Any], max_bytes: int) -> str:
+    """`form` as `SamplingParams.structure` carries it, once it is known to be within `max_bytes` and its
+    grammar to build (ValueError where not)."""
     text = json.dumps(form)  # in order: a schema's properties are written in the order it lists them
+    refusal = size_refusal(text, max_bytes)
+    if refusal is not None:
+        raise ValueError(refusal)
     try:
         _grammar(text)
     except Unavailable:

@@ -211,10 +211,11 @@ class Router:
         prompt_ids, images, opening = await asyncio.to_thread(
             openai_prompts.chat_prompt_ids, body, self.tokenizer, self.prompting, tools, thinks
         )
-        spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
+        limit = self.config.grammar_max_bytes
+        spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size, limit)
         self.core.check_images(sum(image.tokens for image in images))
         tags = None if tools is None else self.tool_tags
-        forced = "" if tags is None else openai_prompts.forced_call(body, tools, tags, self.xml_calls)
+        forced = "" if tags is None else openai_prompts.forced_call(body, tools, tags, self.xml_calls, limit)
         sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
         raw = tuple(image.raw for image in images)
         form = None if tags is None else call_form(tags, tools)  # type: ignore[arg-type]
@@ -249,7 +250,8 @@ class Router:
         body = api.parse_completion_request(await self._body(request))
         api.check_model(body.model, self.config.model_name)
         prompts = await asyncio.to_thread(openai_prompts.completion_prompts, body, self.tokenizer)
-        specs = api.completion_specs(body, prompts, self.max_context, self.tokenizer)
+        limit = self.config.grammar_max_bytes
+        specs = api.completion_specs(body, prompts, self.max_context, self.tokenizer, limit)
         return await self._serve(request, specs, chat=False, received=received)
 
     def models(self, request: Request) -> dict[str, Any]:

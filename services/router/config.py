@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from common.config import GRAMMAR_MAX_BYTES
+
 
 @dataclass(frozen=True)
 class WorkerPair:
@@ -50,6 +52,9 @@ class RouterConfig:
     max_request_bytes: int = 64 * 2**20
     """Largest request body read (a 413 beyond it, before more of it is held in memory): far above the
     longest context's text and a chat's images (base64, a few MB each)."""
+    grammar_max_bytes: int = GRAMMAR_MAX_BYTES
+    """Largest structured output's form (a JSON schema's, or a forced call's) served: a larger one is a 400
+    before its grammar is built (the workers' `WorkerConfig.grammar_max_bytes`, the same)."""
     api_key: str | None = None
     """When set, `/v1/*` requires `Authorization: Bearer <api_key>` (401 otherwise); `/health` and
     `/metrics` stay open for probes and Prometheus."""
@@ -88,6 +93,8 @@ class RouterConfig:
             raise ValueError("stall_timeout_s must not be negative")
         if self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be positive")
+        if self.grammar_max_bytes < 0:
+            raise ValueError("grammar_max_bytes must not be negative")
         if self.event_gap_timeout_s < 0:
             raise ValueError("event_gap_timeout_s must not be negative")
 

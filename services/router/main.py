@@ -9,6 +9,7 @@ import signal
 from collections.abc import Sequence
 from pathlib import Path
 
+from common.config import GRAMMAR_MAX_BYTES
 from services.parent_watch import stop_with_parent
 from services.router.config import RouterConfig, WorkerPair
 
@@ -46,6 +47,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=0, help="requests in flight (0: the workers' capacity)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those (then 429)")
     p.add_argument("--max-context", type=int, help="prompt + completion tokens (default: the model's)")
+    p.add_argument(
+        "--grammar-max-bytes",
+        type=int,
+        default=GRAMMAR_MAX_BYTES,
+        help="largest structured output's form, in bytes of JSON (then 400; default %(default)s)",
+    )
     p.add_argument("--api-key", help=f"require this Bearer key on /v1 (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--metrics-port", type=int, help="also serve /metrics on this port")
     p.add_argument(
@@ -105,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_running=args.max_running,
         max_queue=args.max_queue,
         max_context=args.max_context,
+        grammar_max_bytes=args.grammar_max_bytes,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         metrics_port=args.metrics_port,
         metrics_urls=urls,
