@@ -137,7 +137,7 @@ def test_a_compile_over_the_time_budget_fails_only_its_request():
 
 def test_a_form_over_the_size_budget_fails_at_once_uncompiled():
     """A form over the size budget is refused as it comes, with no compile; the next request is served."""
-    cfg, dec, pre = _cores(grammar_max_bytes=400)
+    _, dec, pre = _cores(grammar_max_bytes=400)
     big = {"type": "object", "properties": {"pick": {"enum": [f"item{i}" for i in range(100)]}}}
     ((dest, event),) = pre.submit(Generate("big", PROMPTS[0], _structured(big), 0.0))
     assert dest == "router" and event.finish_reason == "error" and event.refused
