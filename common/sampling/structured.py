@@ -15,10 +15,12 @@ whitespace: a model may otherwise pad it without end.
 from __future__ import annotations
 
 import json
+import queue
 import re
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from common.config import GRAMMAR_MAX_BYTES
@@ -199,7 +201,7 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, end_ids: Sequence[int]) -> None:
         _xgrammar()  # not installed: say so now, not in the thread
         self.vocab_size = vocab_size
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammars")
+        self._thread = _Thread("grammars")
         self._compiler = self._thread.submit(_compiler, tokenizer, vocab_size, tuple(end_ids))
         self._forms: OrderedDict[str, Future] = OrderedDict()
         """The latest forms' compiles (xgrammar.CompiledGrammar), by their text, the most recent last."""
@@ -227,6 +229,32 @@ class Grammars:
     def apply(logits: Any, bitmask: Any, rows: list[int]) -> None:
         """Mask `logits`' rows `rows` in place (-inf where the bit is clear); `bitmask` on logits' device."""
         _xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+class _Thread:
+    """One daemon thread that runs the calls given to it in turn, each behind a Future. Not a
+    ThreadPoolExecutor: the interpreter joins those at its exit, and a compile cannot be stopped, so a
+    worker told to stop would wait for it (a schema past the time budget: minutes)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, call: Callable[..., Any], *args: Any) -> Future:
+        """`call(*args)`'s Future: run after the calls given before it."""
+        future: Future = Future()
+        self._calls.put((future, call, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, call, args = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call(*args))
+            except BaseException as exc:  # the Future carries it to whoever waits (as an executor's)
+                future.set_exception(exc)
 
 
 def _compiler(tokenizer: Tokenizer, vocab_size: int, end_ids: tuple[int, ...]) -> Any:
