@@ -15,15 +15,14 @@ whitespace: a model may otherwise pad it without end.
 from __future__ import annotations
 
 import json
-import queue
 import re
-import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from common.config import GRAMMAR_MAX_BYTES
+from common.sampling.grammar_threads import GrammarThreads
 from common.text.tokenizer import Tokenizer
 
 EXTRA = "spillway[structured]"
@@ -41,6 +40,17 @@ def _xgrammar() -> Any:
     except ImportError:
         raise Unavailable(f"structured output needs xgrammar: pip install '{EXTRA}'") from None
     return xgrammar
+
+
+def preload() -> bool:
+    """Import xgrammar now, where it is installed (whether it is): its import takes seconds (it imports
+    transformers), which a server pays at its start rather than on its event loop at the first structured
+    request."""
+    try:
+        _xgrammar()
+    except Unavailable:
+        return False
+    return True
 
 
 def structure_of(response_format: dict[str, Any] | None, max_bytes: int = GRAMMAR_MAX_BYTES) -> str:
@@ -194,14 +204,14 @@ def _free_strings(schema: Any) -> Any:
 
 class Grammars:
     """One vocabulary's compiled forms and the matchers made from them. The vocabulary's table and every
-    compile are made on a thread of their own (xgrammar's compiler releases the GIL), so that a worker's
-    loop goes on stepping its other requests while a form compiles: `prepare` starts a form's compile,
-    its future says when it is done, and `matcher` waits for it."""
+    compile are made on a thread of their own (GrammarThreads; xgrammar's compiler releases the GIL), so
+    that a worker's loop goes on stepping its other requests while a form compiles: `prepare` starts a
+    form's compile, its future says when it is done, and `matcher` waits for it."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, end_ids: Sequence[int]) -> None:
         _xgrammar()  # not installed: say so now, not in the thread
         self.vocab_size = vocab_size
-        self._thread = _Thread("grammars")
+        self._thread = GrammarThreads("grammars")
         self._compiler = self._thread.submit(_compiler, tokenizer, vocab_size, tuple(end_ids))
         self._forms: OrderedDict[str, Future] = OrderedDict()
         """The latest forms' compiles (xgrammar.CompiledGrammar), by their text, the most recent last."""
@@ -216,6 +226,11 @@ class Grammars:
             self._forms.popitem(last=False)
         return form
 
+    def give_up(self, form: Future) -> None:
+        """Nobody waits for the compile `form` any more (past the time budget): the next compiles do not
+        queue behind it (GrammarThreads.give_up). It runs on, and stays among the latest forms."""
+        self._thread.give_up(form)
+
     def matcher(self, structure: str, form: Future | None = None) -> Any:
         """A fresh matcher of `structure` (xgrammar.GrammarMatcher), at the start of the text, from its
         compile `form` (`prepare`'s; default: looked up); waits for it, and raises what it raised."""
@@ -229,32 +244,6 @@ class Grammars:
     def apply(logits: Any, bitmask: Any, rows: list[int]) -> None:
         """Mask `logits`' rows `rows` in place (-inf where the bit is clear); `bitmask` on logits' device."""
         _xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=rows)
-
-
-class _Thread:
-    """One daemon thread that runs the calls given to it in turn, each behind a Future. Not a
-    ThreadPoolExecutor: the interpreter joins those at its exit, and a compile cannot be stopped, so a
-    worker told to stop would wait for it (a schema past the time budget: minutes)."""
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple]] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def submit(self, call: Callable[..., Any], *args: Any) -> Future:
-        """`call(*args)`'s Future: run after the calls given before it."""
-        future: Future = Future()
-        self._calls.put((future, call, args))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            future, call, args = self._calls.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(call(*args))
-            except BaseException as exc:  # the Future carries it to whoever waits (as an executor's)
-                future.set_exception(exc)
 
 
 def _compiler(tokenizer: Tokenizer, vocab_size: int, end_ids: tuple[int, ...]) -> Any:

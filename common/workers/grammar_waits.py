@@ -3,9 +3,9 @@ their own, so that the worker's loop never waits for one: it steps the other req
 which of these may go on (`settle`).
 
 A form over the size budget fails its request at once, uncompiled; a request whose compile has not ended
-within the time budget fails then (the compile runs on, on the grammars' thread: xgrammar's cannot be
-stopped). Both failures are the request's own (`GrammarFailure.refused`: the router answers 400); a compile
-that raised is a failure of the worker's (500).
+within the time budget fails then (the compile runs on, xgrammar's cannot be stopped, but the next ones do
+not queue behind it: common/sampling/grammar_threads.py). Both failures are the request's own
+(`GrammarFailure.refused`: the router answers 400); a compile that raised is a failure of the worker's (500).
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class GrammarWaits(Generic[T]):
             exc = form.exception()
             return None if exc is None else GrammarFailure(f"its grammar did not compile: {exc}", False)
         if form is not None and now > wait.deadline:
+            self.processors.give_up(form)  # (it runs on: the compiles after it go on apart from it)
             return GrammarFailure(
                 f"The structured output's grammar did not compile within {self.timeout_s:g} s "
                 "(--grammar-timeout): a simpler schema compiles faster.",
