@@ -172,7 +172,8 @@ class PrefillCore:
         return out + self._ask()
 
     def _held(self) -> list[Generate]:
-        """Every request this core holds: waiting for its images, queued, asked for, prefilling."""
+        """Every request this core holds: waiting for its images or its grammar, queued, asked for,
+        prefilling."""
         return [
             *self.images.held(),
             *self.grammars.held(),
