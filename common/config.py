@@ -131,6 +131,15 @@ residual streams are held meanwhile: hc·H model-dtype values a token (flashnext
 the MoE's buffers are a group's (~0.8 GB more at 32K), both counted by the memory plan."""
 
 
+GRAMMAR_MAX_BYTES = 512 * 1024
+"""Largest structured-output form (`SamplingParams.structure`, its JSON text) served by default: a form's
+compile grows faster than its size (a long enum's, worst), and this bounds the grammar the router builds to
+check a schema, on its event loop."""
+
+GRAMMAR_TIMEOUT_S = 20.0
+"""Seconds a request waits for its grammar's compile by default before it fails (a 400)."""
+
+
 ARTIFACT_META = "experts.json"
 """The metadata file of an artifact (`spillway convert`'s output: experts packed once) in its directory."""
 
@@ -248,6 +257,14 @@ class WorkerConfig:
     pin_experts: str | None = None
     """A calibration hot set (JSON `{"MoE layer index": [expert ids]}`, `load_hot_set`) whose experts stay in
     the expert cache for good."""
+    grammar_max_bytes: int = GRAMMAR_MAX_BYTES
+    """Largest structured-output form a worker compiles (its JSON text, in bytes): a larger one fails its
+    request (a 400) before any compile; the router refuses it too, before it builds the grammar."""
+    grammar_timeout_s: float = GRAMMAR_TIMEOUT_S
+    """Seconds a structured request may wait for its grammar (its compile, and those queued before it, one
+    at a time on the grammars' thread) before it fails (a 400); the loop steps the other requests
+    meanwhile. A compile past it still runs to its end (xgrammar's cannot be stopped): a later request of
+    that form finds it."""
     kernels: KernelConfig = KERNELS
     """The kernel forms and launch options the model's passes use (common/kernels/config.py), handed to the
     model where the worker builds it."""

@@ -212,6 +212,9 @@ class Tokens(msgspec.Struct, frozen=True, tag=True):
     prompt_logprobs: list[TokenLogprobs] = []
     """In prefill's event, when the request asked (`SamplingParams.prompt_logprobs`): one for each prompt
     token after the first."""
+    refused: bool = False
+    """With finish_reason `error`: the request itself cannot be served (its grammar is over the workers'
+    budgets), not a worker's failure: the router answers 400, not 500."""
 
 
 class SharedTensor(msgspec.Struct, frozen=True):

@@ -282,6 +282,7 @@ def _serve(args: argparse.Namespace) -> int:
         pair_gpus=gpus,
         encoder_device=_encoder_device(args, model_dir),
         encoder_dtype=cfg.dtype,
+        grammar_max_bytes=cfg.grammar_max_bytes,
     )
     if args.ray is None:  # (under Ray, the router's node binds them)
         _check_ports(opts)
@@ -309,10 +310,13 @@ def _encoder_device(args: argparse.Namespace, model_dir: str) -> str | None:
 
 def _check_before_start(args: argparse.Namespace, cfg, model) -> None:
     """ValueError for what the workers would refuse only once started (each of their restarts failing
-    alike): the expert cache's size, the tokenizer."""
+    alike): the model's files (every safetensors header, every tensor the config asks for), the expert
+    cache's size, the tokenizer."""
     from common.experts.offload import parse_capacity
+    from common.model.loader import check_checkpoint
     from common.text.tokenizer import Tokenizer
 
+    check_checkpoint(cfg.model_dir)
     if cfg.expert_cache is not None:
         parse_capacity(cfg.expert_cache, len(model.moe_layers), model.num_experts)
     Tokenizer.from_dir(cfg.model_dir)

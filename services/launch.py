@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.api_key import API_KEY_ENV
+from common.config import GRAMMAR_MAX_BYTES
 from common.ipc.tensors import process_alive
 from common.ipc.transport import Outbox, ipc_address, make_run_dir, pair_names
 from common.vision.images import vision_config
@@ -70,6 +71,8 @@ class ServeOptions:
     """Where the vision encoder runs (cpu, cuda:N: numbered as the launcher sees the GPUs); None: no encoder
     (a text-only model, or --no-encoder)."""
     encoder_dtype: str = "float32"
+    grammar_max_bytes: int = GRAMMAR_MAX_BYTES
+    """The largest structured output's form the router lets through (the workers' --grammar-max-bytes)."""
 
     def worker_metrics_port(self, pair: int, role: str) -> int:
         """Pair `pair`'s prefill or decode worker's metrics port (`metrics_port` set)."""
@@ -141,7 +144,7 @@ def router_argv(
     argv += ["--inbox", inbox, "--max-running", "0", "--max-queue", str(opts.max_queue)]
     argv += ["--max-context", str(opts.max_context), "--stall-timeout", str(opts.stall_timeout_s)]
     argv += ["--heartbeat-timeout", str(opts.heartbeat_timeout_s)]
-    argv += ["--exit-with-parent"]
+    argv += ["--grammar-max-bytes", str(opts.grammar_max_bytes), "--exit-with-parent"]
     for prefill, decode in pairs:
         argv += ["--prefill", prefill, "--decode", decode]
     if encoder is not None:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 from common.config import (
     DEFAULT_LOOKAHEAD,
+    GRAMMAR_MAX_BYTES,
+    GRAMMAR_TIMEOUT_S,
     LAYER_MAJOR_TOKENS,
     PREFILL_CHUNK,
     WorkerConfig,
@@ -73,6 +75,7 @@ def add_config_args(
         help="hold prefill's arena in decode's expert pool, lent to the cache as 2E+1 slots between prefills",
     )
     add_lookahead_arg(parser)
+    add_grammar_args(parser)
     parser.add_argument(
         "--threads", type=int_at_least(0), default=0, help="CPU threads per worker (0: torch's default)"
     )
@@ -88,6 +91,27 @@ def add_lookahead_arg(parser: argparse.ArgumentParser) -> None:
         help="decode: each MoE layer guesses the next one's top-N experts a token from its own input and "
         "copies the uncached ones in while it computes, while they are used (0: off; default "
         f"{DEFAULT_LOOKAHEAD} with an expert cache on CUDA, else 0; bench/README.md has the measurements)",
+    )
+
+
+def add_grammar_args(parser: argparse.ArgumentParser) -> None:
+    """The structured outputs' budgets (WorkerConfig.grammar_max_bytes, .grammar_timeout_s), for serve and
+    its workers."""
+    parser.add_argument(
+        "--grammar-max-bytes",
+        type=size_arg,
+        default=GRAMMAR_MAX_BYTES,
+        metavar="SIZE",
+        help="largest structured output's grammar (its JSON schema's form, 512KiB, bytes) compiled; a larger "
+        "one is a 400 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--grammar-timeout",
+        type=float_at_least(0.0),
+        default=GRAMMAR_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds a structured request waits for its grammar's compile (the others go on meanwhile) "
+        "before it fails with a 400 (default %(default)s)",
     )
 
 
@@ -212,6 +236,8 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         lend_kv=args.lend_kv,
         lend_arena=args.lend_arena,
         lookahead=args.lookahead,
+        grammar_max_bytes=args.grammar_max_bytes,
+        grammar_timeout_s=args.grammar_timeout,
     )
 
 
@@ -230,6 +256,8 @@ def config_argv(cfg: WorkerConfig) -> list[str]:
     argv += ["--cache-policy", cfg.cache_policy, "--expert-format", cfg.expert_format]
     argv += ["--prefill-chunk", str(cfg.prefill_chunk), "--layer-major-tokens", str(cfg.layer_major_tokens)]
     argv += ["--kv-dtype", cfg.kv_dtype or "auto"]
+    argv += ["--grammar-max-bytes", str(cfg.grammar_max_bytes)]
+    argv += ["--grammar-timeout", str(cfg.grammar_timeout_s)]
     optional = {"--expert-cache": cfg.expert_cache, "--replay-routing": cfg.replay_routing}
     optional["--vram-budget"] = None if cfg.vram_budget is None else str(cfg.vram_budget)
     argv += [] if cfg.cuda_graphs else ["--eager"]

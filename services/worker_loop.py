@@ -34,6 +34,9 @@ LOST_EVENTS = "events of this request were lost: the router did not read them in
 """The error of a request some of whose events the router's full queue dropped (`WorkerShell.send`)."""
 LOST_REMEMBERED = 4096
 """Requests whose dropped events a worker remembers (so that each is failed once)."""
+GRAMMAR_POLL_MS = 5
+"""While a request waits for its grammar's compile and nothing else steps: how long a worker's loop waits
+for a message before it looks again (the compile's end is no message)."""
 HANG_EXIT_GRACE_S = 4.0
 """A hung worker ends itself this long after the stall timeout: after the router has failed its requests
 (at the timeout, with the reason) and after a launcher's kill (2 s past it), so it matters only where no

@@ -1,4 +1,5 @@
-"""A checkpoint directory's files: its JSON, its safetensors shards read lazily, the checks of a tensor."""
+"""A checkpoint directory's files: its JSON, its safetensors shards read lazily (or as their headers
+describe them), the checks of a tensor."""
 
 from __future__ import annotations
 
@@ -84,3 +85,33 @@ def safetensors_source(model_dir: str | Path) -> Iterator[tuple[Path, str, Calla
             raise CheckpointError(f"cannot read safetensors file: {exc}", path) from exc
         for key in handle.keys():  # noqa: SIM118  (safe_open is not a mapping)
             yield path, key, functools.partial(handle.get_tensor, key)
+
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+"""safetensors' dtype names (a header's) as torch dtypes."""
+
+
+def header_source(model_dir: str | Path) -> Iterator[tuple[Path, str, Callable[[], torch.Tensor]]]:
+    """Every tensor of a safetensors checkpoint as its header describes it: a reader of a tensor of its
+    shape and dtype on the meta device (no data read). Opening a file checks its header and that every
+    tensor's bytes lie within it (safetensors does, as it opens one); a key the index assigns to a file
+    must be in it. CheckpointError naming the file (and key) where not."""
+    for path, listed in checkpoint_files(model_dir).items():
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
+            raise CheckpointError(f"cannot read safetensors file: {exc}", path) from exc
+        keys = list(handle.keys())
+        absent = sorted(set(listed or ()) - set(keys))
+        if absent:
+            raise CheckpointError(f"tensor missing from the shard {INDEX_FILE} names", path, absent[0])
+        for key in keys:
+            part = handle.get_slice(key)
+            dtype, shape = _DTYPES.get(part.get_dtype()), tuple(part.get_shape())
+            if dtype is None:
+                raise CheckpointError(f"tensor has dtype {part.get_dtype()}, not one supported", path, key)
+            yield path, key, functools.partial(torch.empty, shape, dtype=dtype, device="meta")

@@ -28,6 +28,7 @@ from common.model.checkpoint import (
     TensorSource,
     check_shape,
     check_weight,
+    header_source,
     read_json,
     safetensors_source,
 )
@@ -110,12 +111,14 @@ class _TableCollector:
         if not 0 <= tk.shard < len(sizes):
             raise CheckpointError("table shard the config does not have", path, key)
         if tk.part == "scale":
-            scales = self.scales.setdefault(tk.owner, torch.ones(len(sizes)))
+            scales = self.scales.setdefault(tk.owner, torch.ones(len(sizes), device=tensor.device))
             scales[tk.shard] = tensor.float().reshape(-1)[0]
             return
         check_shape(tensor, (sizes[tk.shard], dim), path, key)
         _once(self.seen[tk.owner], tk.shard, path, key)
-        table = self.rows.setdefault(tk.owner, torch.empty((rows, dim), dtype=tensor.dtype))
+        table = self.rows.setdefault(
+            tk.owner, torch.empty((rows, dim), dtype=tensor.dtype, device=tensor.device)
+        )
         start = sizes[0] * tk.shard  # every shard but the last has sizes[0] rows
         table[start : start + sizes[tk.shard]] = tensor
         self.example_key[tk.owner] = key
@@ -135,7 +138,8 @@ class _TableCollector:
             if self.rows[name].dtype == torch.float8_e4m3fn and scales is None:
                 raise CheckpointError("fp8 table without weight_scale_inv", where, self.example_key[name])
             shard_rows = ngram_shard_rows(owner.table_shape()[0], owner.table_parts)[0]
-            owner.attach_table(HostRows(self.rows[name], scales, shard_rows))
+            if not self.rows[name].is_meta:  # (a check of the headers only: `check_checkpoint`)
+                owner.attach_table(HostRows(self.rows[name], scales, shard_rows))
 
 
 def _once(seen: dict, target: object, path: Path, key: str) -> None:
@@ -291,6 +295,23 @@ def load_model(
         return build_model(arch, cfg, source, where, dtype, device, external_experts=True, fuse=fuse)
     where = where if where.is_file() else Path(model_dir)
     return build_model(arch, cfg, source, where, dtype, device, expert_device=expert_device, fuse=fuse)
+
+
+def check_checkpoint(model_dir: str | Path) -> None:
+    """Make every check `load_model` makes of the model's files and read no tensor: each safetensors file
+    opened (`header_source`: its header readable, its tensors' bytes within it), then the model built on
+    the meta device from the tensors' headers (every tensor the config asks for present, each of its shape,
+    a weight floating-point, fp8 weights with their scales). CheckpointError naming the file and key."""
+    arch, cfg = load_architecture(model_dir)
+    source = dequantized_fp8_source(
+        header_source(model_dir),
+        fp8_block_size(model_dir),
+        keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
+    )
+    artifact = (Path(model_dir) / ARTIFACT_META).is_file()
+    where = Path(model_dir) / INDEX_FILE
+    where = where if where.is_file() else Path(model_dir)
+    build_model(arch, cfg, source, where, torch.float32, "meta", external_experts=artifact)
 
 
 class BuiltModel(Protocol):

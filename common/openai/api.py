@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
+from common.config import GRAMMAR_MAX_BYTES
 from common.openai.reasoning import ReasoningForm
 from common.openai.tool_calls import CallForm
 from common.protocol import MAX_TOP_LOGPROBS, SamplingParams
@@ -269,9 +270,14 @@ def given_prompts(request: CompletionRequest) -> list[JsonValue]:
 
 
 def chat_spec(
-    request: ChatCompletionRequest, prompt_ids: list[int], max_context: int, vocab: int
+    request: ChatCompletionRequest,
+    prompt_ids: list[int],
+    max_context: int,
+    vocab: int,
+    grammar_max_bytes: int = GRAMMAR_MAX_BYTES,
 ) -> GenerationSpec:
-    """Check a chat request's parameters and build its internal form (`vocab`: the tokenizer's size)."""
+    """Check a chat request's parameters and build its internal form (`vocab`: the tokenizer's size;
+    `grammar_max_bytes`: the largest structured output's form served)."""
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     if request.functions:
@@ -282,14 +288,19 @@ def chat_spec(
     if request.max_completion_tokens is None:
         asked = ("max_tokens", request.max_tokens)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _spec(request, prompt_ids, max_context, vocab, asked, logprobs)
+    return _spec(request, prompt_ids, max_context, vocab, asked, logprobs, grammar_max_bytes)
 
 
 def completion_specs(
-    request: CompletionRequest, prompts: list[list[int]], max_context: int, tokenizer: Tokenizer
+    request: CompletionRequest,
+    prompts: list[list[int]],
+    max_context: int,
+    tokenizer: Tokenizer,
+    grammar_max_bytes: int = GRAMMAR_MAX_BYTES,
 ) -> list[GenerationSpec]:
     """Check a completion request's parameters and build the internal form of each of its prompts; with
-    `echo`, the prompt's text (as given, or decoded from its ids) and, with `logprobs`, its tokens' too."""
+    `echo`, the prompt's text (as given, or decoded from its ids) and, with `logprobs`, its tokens' too
+    (`grammar_max_bytes`: the largest structured output's form served)."""
     if request.best_of not in (None, 1):
         raise bad_request("best_of must be 1.", "best_of", "unsupported")
     if request.suffix:
@@ -301,7 +312,14 @@ def completion_specs(
     for ids, text in zip(prompts, given_prompts(request), strict=True):
         asked = ("max_tokens", None if request.max_tokens is None else max(request.max_tokens, 1))
         spec = _spec(
-            request, ids, max_context, tokenizer.vocab_size, asked, request.logprobs, COMPLETION_MAX_TOKENS
+            request,
+            ids,
+            max_context,
+            tokenizer.vocab_size,
+            asked,
+            request.logprobs,
+            grammar_max_bytes,
+            COMPLETION_MAX_TOKENS,
         )
         if scores:
             spec = dataclasses.replace(spec, max_tokens=0)
@@ -320,12 +338,13 @@ def _spec(
     vocab: int,
     asked: tuple[str, int | None],
     logprobs: int | None,
+    grammar_max_bytes: int,
     default_max_tokens: int | None = None,
 ) -> GenerationSpec:
     """The internal form of a request whose prompt is `prompt_ids`; `asked`: the parameter that sets its
     length and its value, a 400 where it is more than the context leaves (None: `default_max_tokens`, or
-    the context's end, whichever comes first)."""
-    structure = _structure(request)
+    the context's end, whichever comes first); `grammar_max_bytes`: the largest structured output's form."""
+    structure = _structure(request, grammar_max_bytes)
     bad = next((t for t in request.stop_token_ids or () if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(f"Stop token id {bad} is outside the vocabulary [0, {vocab}).", "stop_token_ids")
@@ -384,11 +403,11 @@ def _spec(
     )
 
 
-def _structure(request: _GenerationRequest) -> str:
+def _structure(request: _GenerationRequest, max_bytes: int) -> str:
     """`response_format` as `SamplingParams.structure` (common/sampling/structured.py), checked: a 400 for a
-    format or schema that cannot be followed, or where xgrammar is not installed."""
+    format or schema that cannot be followed, a form over `max_bytes`, or where xgrammar is not installed."""
     try:
-        structure = structure_of(request.response_format)
+        structure = structure_of(request.response_format, max_bytes)
     except Unavailable as exc:
         raise bad_request(str(exc), "response_format", "unsupported") from None
     except ValueError as exc:

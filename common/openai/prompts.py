@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import jinja2
 from pydantic import JsonValue
 
+from common.config import GRAMMAR_MAX_BYTES
 from common.openai.api import (
     ChatCompletionRequest,
     ChatMessage,
@@ -67,12 +68,17 @@ def chat_tools(request: ChatCompletionRequest, tags: tuple[str, str] | None) -> 
 
 
 def forced_call(
-    request: ChatCompletionRequest, tools: list[JsonValue] | None, tags: tuple[str, str], xml: bool = False
+    request: ChatCompletionRequest,
+    tools: list[JsonValue] | None,
+    tags: tuple[str, str],
+    xml: bool = False,
+    max_bytes: int = GRAMMAR_MAX_BYTES,
 ) -> str:
     """The form (`SamplingParams.structure`, common/sampling/structured.py) that holds the answer to one call
     block
     where `tool_choice` forces a call ("required": of any tool; named: of that one), in the XML form with
-    `xml` (the template's); "" where it does not. A 400 for a name no tool has, or without xgrammar."""
+    `xml` (the template's); "" where it does not. A 400 for a name no tool has, a form over `max_bytes`, or
+    without xgrammar."""
     choice = request.tool_choice
     if tools is None or choice in (None, "auto"):
         return ""
@@ -88,7 +94,7 @@ def forced_call(
         raise bad_request("A forced call and a response_format cannot both hold the answer.", "tool_choice")
     check_grammar_ends(request, "a forced call")
     try:
-        return call_structure(tools, name, tags, xml)  # type: ignore[arg-type]
+        return call_structure(tools, name, tags, xml, max_bytes)  # type: ignore[arg-type]
     except Unavailable as exc:
         raise bad_request(str(exc), "tool_choice", "unsupported") from None
     except ValueError as exc:

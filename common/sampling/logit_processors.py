@@ -89,6 +89,12 @@ class LogitProcessors:
         except Unavailable:
             return None
 
+    def give_up(self, form: Future) -> None:
+        """Nobody waits for the grammar compile `form` (`prepare`'s) any more: later ones do not queue behind
+        it."""
+        if self._grammars is not None:
+            self._grammars.give_up(form)
+
     def admit(self, req: Request, form: Future | None = None) -> None:
         """Start `req`'s row: its prompt and the tokens it has so far (its counts, its grammar's state).
         Waits for its grammar's compile (`form`, `prepare`'s; default: looked up)."""

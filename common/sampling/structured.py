@@ -18,9 +18,11 @@ import json
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
+from common.config import GRAMMAR_MAX_BYTES
+from common.sampling.grammar_threads import GrammarThreads
 from common.text.tokenizer import Tokenizer
 
 EXTRA = "spillway[structured]"
@@ -40,10 +42,21 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
-def structure_of(response_format: dict[str, Any] | None) -> str:
+def preload() -> bool:
+    """Import xgrammar now, where it is installed (whether it is): its import takes seconds (it imports
+    transformers), which a server pays at its start rather than on its event loop at the first structured
+    request."""
+    try:
+        _xgrammar()
+    except Unavailable:
+        return False
+    return True
+
+
+def structure_of(response_format: dict[str, Any] | None, max_bytes: int = GRAMMAR_MAX_BYTES) -> str:
     """The form an OpenAI `response_format` asks for, as `SamplingParams.structure` carries it: "" for
     text, else its JSON schema's form. Raises ValueError (the message for a 400) for a format that is not
-    one of OpenAI's or a schema that is not valid, Unavailable without xgrammar."""
+    one of OpenAI's, a form over `max_bytes` or a schema that is not valid, Unavailable without xgrammar."""
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
         return ""
@@ -56,7 +69,7 @@ def structure_of(response_format: dict[str, Any] | None) -> str:
             raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object.")
     else:
         raise ValueError(f"response_format type {kind!r} is not one of text, json_object, json_schema.")
-    return _checked({"schema": schema})
+    return _checked({"schema": schema}, max_bytes)
 
 
 XML_WHITESPACE = 1
@@ -72,20 +85,24 @@ of a forced XML call's grammar (its strings are then only kept inside their para
 
 
 def call_structure(
-    tools: list[dict[str, Any]], name: str | None, tags: tuple[str, str], xml: bool = False
+    tools: list[dict[str, Any]],
+    name: str | None,
+    tags: tuple[str, str],
+    xml: bool = False,
+    max_bytes: int = GRAMMAR_MAX_BYTES,
 ) -> str:
     """A forced function call (tool_choice "required", or the function `name`) as a form: one call block
     in `tags` holding {"name": ..., "arguments": ...}, the arguments of the named function's (or any
     listed function's) parameter schema; with `xml`, the block in the XML form instead (<function=NAME>,
     then each argument as <parameter=KEY>VALUE</parameter>, in the schema's order). ValueError for a name
-    that no tool has."""
+    that no tool has, or a form over `max_bytes`."""
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not functions:
         raise ValueError(f"tool_choice names {name!r}, which is not among the tools.")
     schemas = [(f["name"], _object_schema(f)) for f in functions]
     if xml:
         calls = [{"name": n, "parameters": parameters} for n, parameters in schemas]
-        return _checked({"xml_calls": calls, "tags": list(tags)})
+        return _checked({"xml_calls": calls, "tags": list(tags)}, max_bytes)
     calls = [
         {
             "type": "object",
@@ -96,7 +113,7 @@ def call_structure(
         for n, parameters in schemas
     ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return _checked({"schema": schema, "before": tags[0] + "\n", "after": "\n" + tags[1]})
+    return _checked({"schema": schema, "before": tags[0] + "\n", "after": "\n" + tags[1]}, max_bytes)
 
 
 def _object_schema(function: dict[str, Any]) -> dict[str, Any]:
@@ -110,9 +127,24 @@ def _object_schema(function: dict[str, Any]) -> dict[str, Any]:
     return parameters or {"type": "object"}
 
 
-def _checked(form: dict[str, Any]) -> str:
-    """`form` as `SamplingParams.structure` carries it, once its grammar is known to build."""
+def size_refusal(structure: str, max_bytes: int) -> str | None:
+    """Why a form (`SamplingParams.structure`) is not compiled: its JSON text is over `max_bytes`; None
+    where it is not."""
+    if len(structure) <= max_bytes:  # (json.dumps writes ASCII: a character a byte)
+        return None
+    return (
+        f"The structured output's grammar is {len(structure):,} bytes of JSON, over the {max_bytes:,} this "
+        "server compiles (--grammar-max-bytes)."
+    )
+
+
+def _checked(form: dict[str, Any], max_bytes: int) -> str:
+    """`form` as `SamplingParams.structure` carries it, once it is known to be within `max_bytes` and its
+    grammar to build (ValueError where not)."""
     text = json.dumps(form)  # in order: a schema's properties are written in the order it lists them
+    refusal = size_refusal(text, max_bytes)
+    if refusal is not None:
+        raise ValueError(refusal)
     try:
         _grammar(text)
     except Unavailable:
@@ -172,14 +204,14 @@ def _free_strings(schema: Any) -> Any:
 
 class Grammars:
     """One vocabulary's compiled forms and the matchers made from them. The vocabulary's table and every
-    compile are made on a thread of their own (xgrammar's compiler releases the GIL), so that a worker's
-    loop goes on stepping its other requests while a form compiles: `prepare` starts a form's compile,
-    its future says when it is done, and `matcher` waits for it."""
+    compile are made on a thread of their own (GrammarThreads; xgrammar's compiler releases the GIL), so
+    that a worker's loop goes on stepping its other requests while a form compiles: `prepare` starts a
+    form's compile, its future says when it is done, and `matcher` waits for it."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, end_ids: Sequence[int]) -> None:
         _xgrammar()  # not installed: say so now, not in the thread
         self.vocab_size = vocab_size
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammars")
+        self._thread = GrammarThreads("grammars")
         self._compiler = self._thread.submit(_compiler, tokenizer, vocab_size, tuple(end_ids))
         self._forms: OrderedDict[str, Future] = OrderedDict()
         """The latest forms' compiles (xgrammar.CompiledGrammar), by their text, the most recent last."""
@@ -193,6 +225,11 @@ class Grammars:
         while len(self._forms) > FORMS:
             self._forms.popitem(last=False)
         return form
+
+    def give_up(self, form: Future) -> None:
+        """Nobody waits for the compile `form` any more (past the time budget): the next compiles do not
+        queue behind it (GrammarThreads.give_up). It runs on, and stays among the latest forms."""
+        self._thread.give_up(form)
 
     def matcher(self, structure: str, form: Future | None = None) -> Any:
         """A fresh matcher of `structure` (xgrammar.GrammarMatcher), at the start of the text, from its

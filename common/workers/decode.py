@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +32,7 @@ from common.sampling.requests import (
     top_logprobs,
 )
 from common.workers.cache_freeze import CacheFreeze
+from common.workers.grammar_waits import GrammarWaits
 from common.workers.grants import StateGrants
 
 log = logging.getLogger(__name__)
@@ -78,9 +78,11 @@ class DecodeCore:
         self.processors = self.engine.processors
         self.processors.start_grammars()  # the vocabulary's table, beside the warm-up and the first requests
         self.running: dict[str, Request] = {}
-        self.admitting: dict[str, tuple[Request, Future | None]] = {}
-        """Running requests whose sampling has not started, with their grammars' compiles: each waits for
-        its own (on the grammars' thread, while the lanes step)."""
+        self.admitting: GrammarWaits[Request] = GrammarWaits(
+            self.processors, self.cfg.grammar_max_bytes, self.cfg.grammar_timeout_s
+        )
+        """Running requests whose sampling has not started: each waits for its own grammar's compile (on the
+        grammars' thread, while the lanes step)."""
         self.grants = StateGrants(self.pool, self.cfg.max_running)
         self.freeze = CacheFreeze(self.engine.offload, self.cfg.lend_arena)
         self.copies_done: torch.cuda.Event | None = None
@@ -183,15 +185,19 @@ class DecodeCore:
         """`rid` runs from its first token, once its sampling can start (`_admit_ready`)."""
         req = Request(msg.prompt_ids, msg.sampling, seed, seq, token_ids=[first_token], rid=rid)
         self.running[rid] = req
-        self.admitting[rid] = (req, self.processors.prepare(req.params))
+        self.admitting.add(rid, req, req.params)
 
     def _admit_ready(self) -> None:
         """Start sampling for the admitted requests that can start without waiting: their penalties' rows,
         their grammars (once compiled) and their first tokens on the device. One that cannot start at all
-        (out of memory for the tables, a grammar that does not compile here) ends with an error event."""
-        for rid, (req, form) in list(self.admitting.items()):
-            if form is not None and not form.done():
-                continue
+        (out of memory for the tables, a grammar over the budgets or that does not compile here) ends with
+        an error event."""
+        ready, failed = self.admitting.settle()
+        for rid, _, failure in failed:
+            log.error("%s: %s", rid, failure.error)
+            self.landed.append(Tokens(rid, [], "error", error=failure.error, refused=failure.refused))
+            self.release(rid)
+        for rid, req, form in ready:
             try:
                 self.processors.admit(req, form)
             except Exception as exc:
@@ -199,7 +205,6 @@ class DecodeCore:
                 self.landed.append(Tokens(rid, [], "error", error=f"its sampling could not start: {exc}"))
                 self.release(rid)
                 continue
-            del self.admitting[rid]
             self.pipeline.seed([req.state], [req.token_ids[-1]])  # its first step reads it on the device
 
     @property
@@ -231,7 +236,7 @@ class DecodeCore:
         launched steps that use it have landed (they still write its pages)."""
         seq = self.grants.forget(rid)
         req = self.running.pop(rid, None)
-        self.admitting.pop(rid, None)
+        self.admitting.drop(rid)
         self.set_freeze(rid, False)
         self.retiring += [state for state in (seq, req.state if req else None) if state is not None]
         self._free_landed()

@@ -6,7 +6,8 @@ pass. Per request: ask decode for state (`AllocState`; granting it also freezes 
 prefill reads in place), run the passes, sample the first token, send it to the router and hand the request
 to decode (`PrefillDone`, which ends the freeze) — or, when the first token already ends it, give the state
 back. One request is prefilled at a time, in arrival order; a request whose prompt has images joins the queue
-once the encoder's embeddings of them came (common/workers/image_waits.py).
+once the encoder's embeddings of them came (common/workers/image_waits.py), and a structured one once its
+grammar has compiled (common/workers/grammar_waits.py): the others are prefilled meanwhile.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +45,7 @@ from common.sampling.logit_processors import LogitProcessors
 from common.sampling.requests import Request, append_token, host_logprobs, sample_with_logprobs
 from common.sampling.sampler import logprobs_of
 from common.text.tokenizer import Tokenizer
+from common.workers.grammar_waits import GrammarWaits
 from common.workers.image_waits import ImageWaits
 
 Outgoing = list[tuple[str, Message]]
@@ -104,6 +107,12 @@ class PrefillCore:
         self.eos_ids = eos_ids
         self.processors = LogitProcessors.for_runner(self.runner, eos_ids, Tokenizer.from_dir(cfg.model_dir))
         self.processors.start_grammars()
+        self.grammars: GrammarWaits[Generate] = GrammarWaits(
+            self.processors, cfg.grammar_max_bytes, cfg.grammar_timeout_s
+        )
+        """Structured requests waiting for their grammar's compile, before they join `queue`."""
+        self.forms: dict[str, Future] = {}
+        """The compiled grammar of each structured request past `grammars`, for its first token."""
         self.tables: CacheTables | None = getattr(model.experts, "tables", None)
         """This worker's own expert-cache tables (no slots: decode's cache is read in place), which observe
         each prompt's routing for decode."""
@@ -119,6 +128,12 @@ class PrefillCore:
     @property
     def busy(self) -> bool:
         return self.job is not None
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a request waits for its grammar's compile (the loop then looks again soon: the compile's
+        end is no message)."""
+        return bool(self.grammars)
 
     def submit(self, gen: Generate) -> Outgoing:
         # The router's ids are unique: a second Generate for one is a resent message.
@@ -136,15 +151,32 @@ class PrefillCore:
         return out + self._enqueue(ready)
 
     def _enqueue(self, gens: list[Generate]) -> Outgoing:
-        for gen in gens:  # its grammar compiles (on the grammars' thread) during the prefills before its own
-            self.processors.prepare(gen.sampling)
-        self.queue.extend(gens)
-        return self._ask()
+        for gen in gens:  # a grammar compiles (on the grammars' thread) while the others are prefilled
+            if gen.sampling.structure:
+                self.grammars.add(gen.rid, gen, gen.sampling)
+            else:
+                self.queue.append(gen)
+        return self._compiled()
+
+    def _compiled(self) -> Outgoing:
+        """Queue the structured requests whose grammar has compiled; end those that failed (over a budget:
+        refused, a 400)."""
+        ready, failed = self.grammars.settle()
+        out: Outgoing = []
+        for rid, gen, form in ready:
+            self.queue.append(gen)
+            if form is not None:
+                self.forms[rid] = form
+        for _, gen, failure in failed:
+            out += self._errors(gen, failure.error, refused=failure.refused)
+        return out + self._ask()
 
     def _held(self) -> list[Generate]:
-        """Every request this core holds: waiting for its images, queued, asked for, prefilling."""
+        """Every request this core holds: waiting for its images or its grammar, queued, asked for,
+        prefilling."""
         return [
             *self.images.held(),
+            *self.grammars.held(),
             *self.queue,
             *([self.asked] if self.asked else []),
             *([self.job.gen] if self.job else []),
@@ -189,6 +221,7 @@ class PrefillCore:
             self._errors(held[0], "aborted with the choice it shares its prompt with", rid) if held else []
         )
         self.images.forget(rid)
+        self.grammars.drop(rid)
         self.queue = deque(g for g in self.queue if g.rid != rid)
         if self.asked is not None and self.asked.rid == rid:
             self.asked = None
@@ -200,12 +233,14 @@ class PrefillCore:
             return [*errors, ("decode", Thaw(rid)), ("decode", ReleaseState(rid)), *self._ask()]
         return errors
 
-    def _errors(self, gen: Generate, error: str, but: str = "") -> Outgoing:
+    def _errors(self, gen: Generate, error: str, but: str = "", refused: bool = False) -> Outgoing:
         """An error event for `gen` and each of its siblings (less any cut, and `but`), which this core
-        drops: its cut siblings are forgotten."""
+        drops: its cut siblings and its grammar are forgotten. `refused`: the request is at fault (a 400)."""
         rids = [gen.rid, *(s.rid for s in gen.siblings if s.rid not in self.cut)]
         self.cut.difference_update(s.rid for s in gen.siblings)
-        return [("router", Tokens(rid, [], "error", error=error)) for rid in rids if rid != but]
+        self.forms.pop(gen.rid, None)
+        events = [Tokens(rid, [], "error", error=error, refused=refused) for rid in rids if rid != but]
+        return [("router", event) for event in events]
 
     def _settle(self) -> None:
         """Wait for this worker's queued GPU work before a Thaw or a release: decode may then lend the arena's
@@ -219,6 +254,8 @@ class PrefillCore:
         """Every request this worker holds ends with an error (decode restarted: their state is gone)."""
         out = [event for gen in self._held() for event in self._errors(gen, error)]
         self.images.clear()
+        self.grammars.clear()
+        self.forms.clear()
         self.queue.clear()
         self.asked = self.job = None
         self.dropped.clear()
@@ -226,6 +263,11 @@ class PrefillCore:
         return out
 
     def step(self) -> Outgoing:
+        """The structured requests whose grammar has compiled join the queue; then the next pass of the
+        current request runs (`_pass`)."""
+        return (self._compiled() if self.grammars else []) + self._pass()
+
+    def _pass(self) -> Outgoing:
         """Run the next pass of the current request — a chunk, or a layer-major group of chunks (see
         LAYER_MAJOR_TOKENS; a prompt whose log-probabilities are asked for goes a chunk at a time); after
         its last, hand it on."""
@@ -275,10 +317,11 @@ class PrefillCore:
         n = len(gen.prompt_ids)
         job.seq.images = None  # decode takes the rotary delta only
         out: Outgoing = [("decode", Thaw(gen.rid))]
+        form = self.forms.pop(gen.rid, None)
         firsts: list[tuple[SiblingStart, bool]] = []  # each choice's first token, and whether it ended there
         for rid, seed in [(gen.rid, job.seed), *((r, s) for r, s in job.siblings if r not in self.cut)]:
             req = Request(gen.prompt_ids, gen.sampling, seed, job.seq, rid=rid)
-            self.processors.admit(req)  # (the same row for each, in turn)
+            self.processors.admit(req, form)  # (the same row for each, in turn; its grammar compiled)
             (first,), (logprobs,) = sample_with_logprobs(logits, [req], self.processors)
             finished = append_token(req, first, self.eos_ids, self.runner.max_context)
             listed = [] if logprobs is None else [logprobs]

@@ -21,12 +21,9 @@ from common.protocol import (
 from common.workers.decode import DecodeCore
 from common.workers.sharing import decode_exports, host_allocator, shared_allocator
 from services.worker_args import parsed_config, worker_parser
-from services.worker_loop import WorkerShell
+from services.worker_loop import GRAMMAR_POLL_MS, WorkerShell
 
 log = logging.getLogger("decode")
-GRAMMAR_POLL_MS = 5
-"""While a request waits for its grammar's compile and no lane steps: how long the loop waits for a message
-before it looks again (the compile's end is no message)."""
 
 
 def handle(core: DecodeCore, shell: WorkerShell, msg: Message, exports) -> None:

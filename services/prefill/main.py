@@ -20,7 +20,7 @@ from common.protocol import (
 from common.workers.prefill import Outgoing, PrefillCore
 from common.workers.sharing import prefill_model
 from services.worker_args import parsed_config, worker_parser
-from services.worker_loop import WorkerShell
+from services.worker_loop import GRAMMAR_POLL_MS, WorkerShell
 
 log = logging.getLogger("prefill")
 
@@ -72,7 +72,7 @@ class PrefillWorker:
         return []
 
     def step(self) -> Outgoing:
-        if self.core is None or not self.core.busy:
+        if self.core is None or not (self.core.busy or self.core.compiling):
             return []
         try:
             return self.core.step()
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     shell.send("decode", WantExports(shell.pid))
     while not shell.stopping:
         busy = worker.core is not None and worker.core.busy
-        for msg in shell.receive(busy):
+        compiling = worker.core is not None and worker.core.compiling
+        for msg in shell.receive(busy, GRAMMAR_POLL_MS if compiling else 100):
             try:
                 outgoing = worker.handle(msg)
             except Exception:  # one bad message is logged, not the end of the worker

@@ -41,6 +41,7 @@ from common.openai.responses import (
 )
 from common.openai.tool_calls import call_form, tool_call_tags, xml_call_template
 from common.protocol import SamplingParams
+from common.sampling import structured
 from common.text.tokenizer import Tokenizer
 from services.router.choices import Choices
 from services.router.config import BODY_ALLOWANCE_BYTES, RouterConfig, model_max_context
@@ -225,10 +226,16 @@ class Router:
             thinks,
             self.max_prompt_bytes,
         )
-        spec = api.chat_spec(body, prompt_ids, self.max_context, self.tokenizer.vocab_size)
+        limit = self.config.grammar_max_bytes  # (the grammars checked on a thread: not on the event loop)
+        vocab = self.tokenizer.vocab_size
+        spec = await asyncio.to_thread(api.chat_spec, body, prompt_ids, self.max_context, vocab, limit)
         self.core.check_images(sum(image.tokens for image in images))
         tags = None if tools is None else self.tool_tags
-        forced = "" if tags is None else openai_prompts.forced_call(body, tools, tags, self.xml_calls)
+        forced = (
+            ""
+            if tags is None
+            else await asyncio.to_thread(openai_prompts.forced_call, body, tools, tags, self.xml_calls, limit)
+        )
         sampling = msgspec.structs.replace(spec.sampling, structure=forced) if forced else spec.sampling
         raw = tuple(image.raw for image in images)
         form = None if tags is None else call_form(tags, tools)  # type: ignore[arg-type]
@@ -265,7 +272,10 @@ class Router:
         prompts = await asyncio.to_thread(
             openai_prompts.completion_prompts, body, self.tokenizer, self.max_prompt_bytes
         )
-        specs = api.completion_specs(body, prompts, self.max_context, self.tokenizer)
+        limit = self.config.grammar_max_bytes  # (a grammar checked on a thread: not on the event loop)
+        specs = await asyncio.to_thread(
+            api.completion_specs, body, prompts, self.max_context, self.tokenizer, limit
+        )
         return await self._serve(request, specs, chat=False, received=received)
 
     def models(self, request: Request) -> dict[str, Any]:
@@ -405,6 +415,7 @@ async def _disconnected(receive: Receive) -> None:
 def create_app(config: RouterConfig) -> FastAPI:
     """The router app for `config` (the tokenizer is loaded now; sockets open in the app's lifespan)."""
     tokenizer = Tokenizer.from_dir(config.model_dir)
+    structured.preload()  # (not at the first structured request, on the event loop)
     max_context = config.max_context or model_max_context(config.model_dir)
     router = Router(config, tokenizer, max_context)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from common.config import GRAMMAR_MAX_BYTES
 from common.ipc.keys import ControlKeys
 
 BODY_ALLOWANCE_BYTES = 2**20
@@ -66,6 +67,9 @@ class RouterConfig:
     beyond."""
     max_request_pixels: int = 2**27
     """Most pixels of all the images of one request together: a 400 beyond."""
+    grammar_max_bytes: int = GRAMMAR_MAX_BYTES
+    """Largest structured output's form (a JSON schema's, or a forced call's) served: a larger one is a 400
+    before its grammar is built (the workers' `WorkerConfig.grammar_max_bytes`, the same)."""
     api_key: str | None = None
     """When set, `/v1/*` and `/metrics` (the API port's and `metrics_port`'s) require `Authorization: Bearer
     <api_key>` (401 otherwise); `/health` answers anyone, but without the key only its status."""
@@ -115,6 +119,8 @@ class RouterConfig:
             raise ValueError(
                 "prompt_bytes_per_token, max_image_pixels and max_request_pixels must be positive"
             )
+        if self.grammar_max_bytes < 0:
+            raise ValueError("grammar_max_bytes must not be negative")
         if self.event_gap_timeout_s < 0:
             raise ValueError("event_gap_timeout_s must not be negative")
 

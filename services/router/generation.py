@@ -2,15 +2,16 @@
 
 The workers decide `stop` (end-of-sequence / stop tokens) and `length`; the router adds `stop` for stop
 strings (which only it can see, on the text) and enforces `max_tokens` itself as well, so a worker that
-overruns cannot make a client receive more than it asked for. `error` becomes an ApiError (500) and a
-worker-initiated `abort` one of 503: neither is a finish reason a client ever sees.
+overruns cannot make a client receive more than it asked for. `error` becomes an ApiError (500; 400 where
+the workers refused the request itself: `Tokens.refused`) and a worker-initiated `abort` one of 503: neither
+is a finish reason a client ever sees.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.openai.api import ApiError, GenerationSpec
+from common.openai.api import ApiError, GenerationSpec, bad_request
 from common.protocol import TokenLogprobs, Tokens
 from common.text.detokenize import IncrementalDetokenizer, StopStrings
 from common.text.tokenizer import Tokenizer
@@ -55,6 +56,8 @@ class TextGeneration:
         """The next delta (possibly empty text); raises ApiError if the workers failed the request."""
         assert self.finish_reason is None, "the generation is over"
         event = await self.flight.next_event()
+        if event.finish_reason == "error" and event.refused:
+            raise bad_request(event.error or "The workers refused the request.", code="refused")
         if event.finish_reason == "error":
             raise ApiError(
                 500,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common.api_key import API_KEY_ENV, resolve_api_key
+from common.config import GRAMMAR_MAX_BYTES
 from common.ipc.keys import ControlKeys
 from services.parent_watch import stop_with_parent
 from services.router.config import RouterConfig, WorkerPair
@@ -47,6 +48,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=0, help="requests in flight (0: the workers' capacity)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond those (then 429)")
     p.add_argument("--max-context", type=int, help="prompt + completion tokens (default: the model's)")
+    p.add_argument(
+        "--grammar-max-bytes",
+        type=int,
+        default=GRAMMAR_MAX_BYTES,
+        help="largest structured output's form, in bytes of JSON (then 400; default %(default)s)",
+    )
     p.add_argument(
         "--api-key",
         help=f"require this Bearer key on /v1, /metrics (ps shows it: use --api-key-file, ${API_KEY_ENV})",
@@ -137,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_image_pixels=args.max_image_pixels,
         max_request_pixels=args.max_request_pixels,
         prompt_bytes_per_token=args.prompt_bytes_per_token,
+        grammar_max_bytes=args.grammar_max_bytes,
         metrics_port=args.metrics_port,
         metrics_urls=urls,
         heartbeat_timeout_s=args.heartbeat_timeout,

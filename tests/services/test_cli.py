@@ -217,6 +217,17 @@ def test_serve_refuses_a_small_budget_before_starting(tmp_path: Path) -> None:
     assert "started" not in result.stderr  # no process was launched
 
 
+def test_serve_refuses_a_corrupt_shard_before_starting(tmp_path: Path) -> None:
+    """A shard cut short: one error naming it, before any process starts (not a decode worker that fails
+    to load, restarted until the launcher gives up)."""
+    model = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
+    shard = sorted(model.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    result = _run(["serve", "--model", str(model), "--port", "1"], tmp_path)
+    assert result.returncode == 2 and f"file {shard}" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "started" not in result.stderr
+
+
 @pytest.mark.slow
 def test_generate_sizes_its_cache_from_the_budget(tmp_path: Path) -> None:
     result = _run(

@@ -35,6 +35,8 @@ def test_config_argv_gives_the_config_back(monkeypatch: pytest.MonkeyPatch):
         vram_budget=32 << 30,
         kv_dtype="fp8_e4m3",
         resident_dtype="fp8",
+        grammar_max_bytes=64 << 10,
+        grammar_timeout_s=2.5,
     )
     assert _roundtrip(cfg) == cfg
 

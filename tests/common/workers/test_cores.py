@@ -109,6 +109,7 @@ def _run(dec: DecodeCore, pre: PrefillCore, box, abort_after: dict[str, int] | N
             and not dec.busy
             and not dec.running
             and not pre.busy
+            and not pre.compiling
             and not pre.queue
             and pre.asked is None
         ):

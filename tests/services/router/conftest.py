@@ -9,6 +9,7 @@ XML form; `[think]` `THINK_REPLY` and `[think-tool]` `THINK_TOOL_REPLY`, the end
 prompt opened, then an answer or a call); anything else gets `REPLY` (tokens of the real
 tokenizer) then EOS, with `peer_logprobs` when the request asks for log-probabilities (its prompt's
 tokens' at positions 100 and on).
+`[refused]` fails at once as the request's own fault (`Tokens.refused`, `REFUSAL`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ TOOL_REPLY_XML = (
     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
 )
 EOS = 2
+REFUSAL = "The structured output's grammar did not compile within 20 s (--grammar-timeout)."
+"""What the peer fails a `[refused]` request with: the request's own fault (`Tokens.refused`)."""
 
 Plan = Iterator[tuple[float, str, Tokens]]
 """(delay before sending, service that sends, event)."""
@@ -204,6 +207,8 @@ class Peer:
         n_prompt, limit = len(gen.prompt_ids), gen.sampling.max_tokens
         if "[error]" in prompt or ("[error-second]" in prompt and rid.endswith("-1")):
             return iter([(0.0, "prefill", Tokens(rid, [], "error", error="out of KV pages"))])
+        if "[refused]" in prompt:
+            return iter([(0.0, "prefill", Tokens(rid, [], "error", error=REFUSAL, refused=True))])
         if "[slow]" in prompt:
             return self._slow(rid, n_prompt, limit)
         scripted = {"[tool-xml]": TOOL_REPLY_XML, "[tool]": TOOL_REPLY, "[think-tool]": THINK_TOOL_REPLY}
