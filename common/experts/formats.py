@@ -51,7 +51,7 @@ class ExpertFormat(ABC):
     """
 
     name: str
-    """"bf16" | "fp8" | "int4"."""
+    """"bf16" | "fp8" | "int4" (| "nvfp4" | "mxfp4": fp4_formats.py)."""
 
     @abstractmethod
     def components(self, hidden: int, inter: int) -> Components:
@@ -280,11 +280,15 @@ FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (Bf16Format(), Fp8Format(
 
 
 def get_format(name: str) -> ExpertFormat:
-    """The format called name; ValueError naming the allowed ones otherwise."""
+    """The format called name (one of FORMATS, or a published one: fp4_formats.py); ValueError naming the
+    allowed ones otherwise."""
+    from common.experts.fp4_formats import PUBLISHED_FORMATS  # imports this module
+
+    known = {**FORMATS, **PUBLISHED_FORMATS}
     try:
-        return FORMATS[name]
+        return known[name]
     except KeyError:
-        raise ValueError(f"unknown expert format {name!r}; allowed: {', '.join(FORMATS)}") from None
+        raise ValueError(f"unknown expert format {name!r}; allowed: {', '.join(known)}") from None
 
 
 def quantization_error(fmt: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, float]:

@@ -39,6 +39,8 @@ from common.model.host_embedding import host_table_owners
 from common.model.layers import activation
 from common.model.ngram import ngram_shard_rows
 from common.model.provider import ExpertWeights
+from common.model.published_experts import PublishedExperts
+from common.model.quantization import detect_quantization
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.registry import Architecture, ExpertKey, HostTableKey
 from common.model.resident import ResidentExperts
@@ -264,7 +266,8 @@ def load_model(
 ) -> nn.Module:
     """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint (FP8
     block-quantized weights dequantized, see `dequantized_fp8_source`; the PLE n-gram table keeps its own
-    fp8 format).
+    fp8 format; NVFP4 / MXFP4 experts kept in their bits as well as dequantised: `_attach_published`). The
+    checkpoint's quantization is checked first (common/model/quantization.py).
 
     `with_mtp` also builds and loads the checkpoint's MTP head (for speculative decoding). `expert_device`
     (default `device`) is where the routed experts are read to: `cpu` for a model whose experts go to a
@@ -277,11 +280,21 @@ def load_model(
             raise CheckpointError("the checkpoint has no MTP head", Path(model_dir) / "config.json")
         cfg = dataclasses.replace(cfg, mtp_layers=cfg.checkpoint_mtp_layers)
     where = Path(model_dir) / INDEX_FILE
+    scheme = detect_quantization(model_dir)  # an unsupported method stops here, before any tensor is read
+    raw = safetensors_source(model_dir)
+    published = None
+    if scheme.expert_format is not None and not (Path(model_dir) / ARTIFACT_META).is_file():
+        published = PublishedExperts(scheme.expert_format, arch, cfg, Path(model_dir) / "config.json")
+        raw = published.filter(raw)
     source = dequantized_fp8_source(
-        safetensors_source(model_dir),
+        raw,
         fp8_block_size(model_dir),
         keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
     )
+    if published is not None:
+        model = build_model(arch, cfg, source, where, dtype, device, external_experts=True, fuse=fuse)
+        _attach_published(model, published, where, dtype, expert_device or device)
+        return model
     if (Path(model_dir) / ARTIFACT_META).is_file():
         if with_mtp:
             raise CheckpointError(
@@ -291,6 +304,20 @@ def load_model(
         return build_model(arch, cfg, source, where, dtype, device, external_experts=True, fuse=fuse)
     where = where if where.is_file() else Path(model_dir)
     return build_model(arch, cfg, source, where, dtype, device, expert_device=expert_device, fuse=fuse)
+
+
+def _attach_published(
+    model: nn.Module, published: PublishedExperts, where: Path, dtype: torch.dtype, device: torch.device | str
+) -> None:
+    """Give `model` the checkpoint's experts in their published bits (`ResidentExperts.published`) and,
+    dequantised by their format to `dtype` on `device`, as its resident weights."""
+    experts = cast(ResidentExperts, model.experts)
+    layers = published.layers(where)
+    fmt = published.format
+    for layer, parts in layers.items():
+        gate_up, down = fmt.unpack_many(parts, dtype)
+        experts.weights[layer] = ExpertWeights(gate_up.to(device), down.to(device))
+    experts.published = (fmt.name, layers)
 
 
 class BuiltModel(Protocol):
