@@ -313,11 +313,10 @@ def _attach_published(
     dequantised by their format to `dtype` on `device`, as its resident weights."""
     experts = cast(ResidentExperts, model.experts)
     layers = published.layers(where)
-    fmt = published.format
     for layer, parts in layers.items():
-        gate_up, down = fmt.unpack_many(parts, dtype)
+        gate_up, down = published.dequantize(parts, dtype)
         experts.weights[layer] = ExpertWeights(gate_up.to(device), down.to(device))
-    experts.published = (fmt.name, layers)
+    experts.published = (published.fmt, layers)
 
 
 class BuiltModel(Protocol):

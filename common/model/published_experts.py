@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from common.config import ModelConfig
-from common.experts.formats import get_format
 from common.model.checkpoint import TensorSource
 from common.model.errors import CheckpointError
+from common.model.fp4_blocks import DEQUANTIZE_EXPERTS, MXFP4_GROUP, NVFP4_GROUP
 from common.model.registry import Architecture, ExpertKey
 
 _SUFFIXES = {
@@ -65,13 +65,14 @@ class PublishedExperts:
 
     def __init__(self, fmt: str, arch: Architecture, cfg: ModelConfig, config_path: Path) -> None:
         self.fmt, self.arch, self.cfg = fmt, arch, cfg
-        self.format = get_format(fmt)
-        try:
-            self.format.components(cfg.hidden_size, cfg.moe_intermediate_size)  # sizes the format can take
-        except ValueError as exc:
-            raise CheckpointError(str(exc), config_path, "moe_intermediate_size") from None
+        group = {"nvfp4": NVFP4_GROUP, "mxfp4": MXFP4_GROUP}[fmt]
+        for field, size in (
+            ("hidden_size", cfg.hidden_size),
+            ("moe_intermediate_size", cfg.moe_intermediate_size),
+        ):
+            if size % group:
+                raise CheckpointError(f"{fmt} needs a multiple of {group}, got {size}", config_path, field)
         self.found: dict[int, dict[tuple[int | None, str, str], torch.Tensor]] = defaultdict(dict)
-        self.example: dict[tuple[int, str, str], str] = {}  # a key of each (layer, part, component)
 
     def match(self, key: str) -> tuple[ExpertKey, str, torch.dtype] | None:
         """(expert, component suffix, dtype) of an expert tensor of this format, else None."""
@@ -107,11 +108,11 @@ class PublishedExperts:
         if (ek.expert, ek.part, name) in self.found[ek.layer]:
             raise CheckpointError("tensor appears twice in the checkpoint", path, key)
         self.found[ek.layer][(ek.expert, ek.part, name)] = tensor.reshape(want)
-        self.example[(ek.layer, ek.part, name)] = key
 
     def layers(self, where: Path) -> dict[int, Parts]:
         """MoE layer -> its experts' components [E, ...]; CheckpointError naming a missing tensor."""
-        comps = self.format.components(self.cfg.hidden_size, self.cfg.moe_intermediate_size)
+        names = [name for name, _, _ in _SUFFIXES[self.fmt].values()]
+        comps = [f"{part}_{name}" for part in ("gate_up", "down") for name in names]
         out: dict[int, Parts] = {}
         for layer in self.cfg.moe_layers:
             found = self.found.pop(layer, {})
@@ -133,6 +134,12 @@ class PublishedExperts:
                 pieces.append(found[(e, piece, name)])
             experts.append(torch.cat([p.reshape(-1) if p.dim() == 0 else p for p in pieces]))
         return torch.stack(experts)
+
+    def dequantize(self, parts: Parts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's components -> (gate_up [E, 2I, H], down [E, H, I]) in dtype, as the expert format
+        dequantises them."""
+        gate_up, down = DEQUANTIZE_EXPERTS[self.fmt](parts, dtype)
+        return gate_up, down
 
     def _missing_key(self, layer: int, expert: int, piece: str, name: str) -> str:
         suffix = next(s for s, (n, _, _) in _SUFFIXES[self.fmt].items() if n == name)

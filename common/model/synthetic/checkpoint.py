@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import save_file
 
 from common.model.fp8_blocks import FP8_BLOCK, quantize_fp8_block
-from common.model.synthetic.fp4_checkpoint import FP4_QUANTIZE, Fp4Writer, fp4_quantization
 from common.model.synthetic.config import generation_config, model_config, resolve_preset, text_config
+from common.model.synthetic.fp4_checkpoint import FP4_QUANTIZE, Fp4Writer, fp4_quantization
 from common.model.synthetic.plan import ShardPlan, TensorSpec, plan_shards, plan_tensors
 from common.model.synthetic.presets import FLAT_ARCHS, STORAGE_DTYPES, TOKENIZER_VOCAB
 
@@ -276,7 +276,9 @@ def make_model(
     p, arch = resolve_preset(preset, arch)
     allowed = ("fp8", *FP4_QUANTIZE)
     if quantize not in (None, *allowed) or (quantize and arch not in FLAT_ARCHS):
-        raise ValueError(f"quantize={quantize!r} is not supported for {arch} (only {allowed}, for {FLAT_ARCHS})")
+        raise ValueError(
+            f"quantize={quantize!r} is not supported for {arch} (only {allowed}, for {FLAT_ARCHS})"
+        )
     cfg = model_config(preset, arch, overrides)
     extra_files: dict[str, Any] = {}
     fp4 = Fp4Writer(cfg, quantize) if quantize in FP4_QUANTIZE else None

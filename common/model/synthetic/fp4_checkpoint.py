@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from common.experts.fp4_formats import NVFP4_GROUP, quantize_mxfp4, quantize_nvfp4
+from common.model.fp4_blocks import NVFP4_GROUP, quantize_mxfp4, quantize_nvfp4
 from common.model.synthetic.config import text_config
 
 FP4_QUANTIZE = ("nvfp4", "mxfp4")

@@ -9,7 +9,7 @@ import torch
 
 from common.experts.formats import get_format, quantization_error
 
-H, I = 64, 96  # tiny: multiples of 32, not of 128
+H, INTER = 64, 96  # tiny: multiples of 32, not of 128
 
 
 def e2m1_reference(code: int) -> float:
@@ -51,14 +51,18 @@ def mxfp4_reference(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def _weights(std: float = 0.05, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2 * I, H, generator=g) * std, torch.randn(H, I, generator=g) * std
+    return torch.randn(2 * INTER, H, generator=g) * std, torch.randn(H, INTER, generator=g) * std
 
 
 def test_e2m1_table_and_nibble_order() -> None:
     fmt = get_format("mxfp4")
     parts = fmt.pack(*_weights())
-    blocks = torch.arange(16, dtype=torch.uint8).repeat(2 * I, H // 32, 1)  # byte j holds codes (j, 0)
-    parts = {**parts, "gate_up_blocks": blocks, "gate_up_scales": torch.full((2 * I, H // 32), 127).byte()}
+    blocks = torch.arange(16, dtype=torch.uint8).repeat(2 * INTER, H // 32, 1)  # byte j holds codes (j, 0)
+    parts = {
+        **parts,
+        "gate_up_blocks": blocks,
+        "gate_up_scales": torch.full((2 * INTER, H // 32), 127).byte(),
+    }
     gate_up, _ = fmt.unpack(parts, torch.float32)
     want = [e2m1_reference(j) if n == 0 else 0.0 for j in range(16) for n in (0, 1)]
     assert gate_up[0, :32].tolist() == want
@@ -66,17 +70,17 @@ def test_e2m1_table_and_nibble_order() -> None:
 
 
 def test_layouts_and_bytes() -> None:
-    nv = get_format("nvfp4").components(H, I)
-    assert nv["gate_up_weight"] == ((2 * I, H // 2), torch.uint8)
-    assert nv["gate_up_weight_scale"] == ((2 * I, H // 16), torch.float8_e4m3fn)
+    nv = get_format("nvfp4").components(H, INTER)
+    assert nv["gate_up_weight"] == ((2 * INTER, H // 2), torch.uint8)
+    assert nv["gate_up_weight_scale"] == ((2 * INTER, H // 16), torch.float8_e4m3fn)
     assert nv["gate_up_weight_scale_2"] == ((2,), torch.float32)
-    assert nv["down_weight"] == ((H, I // 2), torch.uint8)
-    mx = get_format("mxfp4").components(H, I)
-    assert mx["gate_up_blocks"] == ((2 * I, H // 32, 16), torch.uint8)
-    assert mx["down_scales"] == ((H, I // 32), torch.uint8)
-    n = 3 * H * I  # weights an expert
-    assert get_format("nvfp4").expert_nbytes(H, I) == n // 2 + n // 16 + 4 * 6
-    assert get_format("mxfp4").expert_nbytes(H, I) == n // 2 + n // 32
+    assert nv["down_weight"] == ((H, INTER // 2), torch.uint8)
+    mx = get_format("mxfp4").components(H, INTER)
+    assert mx["gate_up_blocks"] == ((2 * INTER, H // 32, 16), torch.uint8)
+    assert mx["down_scales"] == ((H, INTER // 32), torch.uint8)
+    n = 3 * H * INTER  # weights an expert
+    assert get_format("nvfp4").expert_nbytes(H, INTER) == n // 2 + n // 16 + 4 * 6
+    assert get_format("mxfp4").expert_nbytes(H, INTER) == n // 2 + n // 32
 
 
 @pytest.mark.parametrize("std", [0.02, 1.0, 1e-6, 1e6])
@@ -87,7 +91,9 @@ def test_nvfp4_dequantises_to_the_reference(std: float) -> None:
     got_gu, got_d = fmt.unpack(parts, torch.float32)
     gate, up = (
         nvfp4_reference(parts["gate_up_weight"][rows], parts["gate_up_weight_scale"][rows], s)
-        for rows, s in zip((slice(0, I), slice(I, 2 * I)), parts["gate_up_weight_scale_2"], strict=True)
+        for rows, s in zip(
+            (slice(0, INTER), slice(INTER, 2 * INTER)), parts["gate_up_weight_scale_2"], strict=True
+        )
     )
     assert torch.equal(got_gu, torch.cat([gate, up]))
     ref_d = nvfp4_reference(parts["down_weight"], parts["down_weight_scale"], parts["down_weight_scale_2"])
@@ -133,7 +139,7 @@ def test_zero_and_saturation() -> None:
     gate_up, down = _weights()
     gate_up[:, :16] = 0
     restored, _ = fmt.unpack(fmt.pack(gate_up, down), torch.float32)
-    assert torch.equal(restored[:, :16], torch.zeros(2 * I, 16))
+    assert torch.equal(restored[:, :16], torch.zeros(2 * INTER, 16))
     mx = get_format("mxfp4")
     restored, _ = mx.unpack(mx.pack(gate_up, down), torch.float32)
     top = gate_up[:, 32:64].abs().amax(dim=-1)
