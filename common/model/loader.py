@@ -38,6 +38,7 @@ from common.model.hf_config import load_architecture
 from common.model.host_embedding import host_table_owners
 from common.model.layers import activation
 from common.model.ngram import ngram_shard_rows
+from common.model.nvfp4_linears import dequantized_nvfp4_source
 from common.model.provider import ExpertWeights
 from common.model.published_experts import PublishedExperts
 from common.model.quantization import detect_quantization
@@ -177,6 +178,8 @@ def _read(entry: _Entry) -> torch.Tensor:
     path, key, read = entry
     try:
         return read()
+    except CheckpointError:  # a reader that names its own file and key (an NVFP4 linear's scale)
+        raise
     except Exception as exc:
         raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
 
@@ -286,6 +289,8 @@ def load_model(
     if scheme.expert_format is not None and not (Path(model_dir) / ARTIFACT_META).is_file():
         published = PublishedExperts(scheme.expert_format, arch, cfg, Path(model_dir) / "config.json")
         raw = published.filter(raw)
+    if scheme.method == "nvfp4":
+        raw = dequantized_nvfp4_source(raw)  # linears outside the routed experts
     source = dequantized_fp8_source(
         raw,
         fp8_block_size(model_dir),

@@ -45,7 +45,12 @@ class QuantScheme:
 
     def quantizes(self, module: str) -> bool:
         """Whether the module (a dotted name, e.g. "model.layers.0.mlp.gate") is stored quantized."""
-        return self.method != "none" and not any(_matches(p, module) for p in self.ignore)
+        return self.method != "none" and not matches_any(self.ignore, module)
+
+
+def matches_any(patterns: tuple[str, ...] | list[str], module: str) -> bool:
+    """Whether an ignore list's patterns (any of the forms above) name the module."""
+    return any(_matches(p, module) for p in patterns)
 
 
 def _matches(pattern: str, module: str) -> bool:

@@ -1,13 +1,14 @@
-"""The NVFP4 and MXFP4 variants of a synthetic checkpoint: routed experts as the producing tools write them,
-every other tensor unquantized.
+"""The NVFP4 and MXFP4 variants of a synthetic checkpoint, written as the producing tools write them.
 
-- nvfp4 (ModelOpt's export of a MoE): each expert linear `X.weight` becomes `X.weight` (packed e2m1),
-  `X.weight_scale`, `X.weight_scale_2` and `X.input_scale` (common/experts/fp4_formats.py);
-  `hf_quant_config.json` names the algorithm and the excluded modules (attention, router gates, lm_head),
-  and config.json's `quantization_config` repeats it in the llm-compressor form ModelOpt also writes.
-- mxfp4 (gpt-oss's release): a layer's experts fused as `experts.gate_up_proj_blocks` / `_scales`
-  [E, 2I, H/32, (16)] and `experts.down_proj_blocks` / `_scales` (qwen3_moe's fused module names, gate rows
-  before up rows); config.json's `quantization_config` {"quant_method": "mxfp4", "modules_to_not_convert"}.
+- nvfp4 (ModelOpt's export of a MoE): each linear `X.weight` but the excluded ones (attention, router gates,
+  lm_head; the embedding is no linear) becomes `X.weight` (packed e2m1), `X.weight_scale`,
+  `X.weight_scale_2` and `X.input_scale` (common/model/fp4_blocks.py); `hf_quant_config.json` names the
+  algorithm and the excluded modules, and config.json's `quantization_config` repeats them in the
+  llm-compressor form ModelOpt also writes.
+- mxfp4 (gpt-oss's release): only the routed experts, a layer's fused as `experts.gate_up_proj_blocks` /
+  `_scales` [E, 2I, H/32, (16)] and `experts.down_proj_blocks` / `_scales` (qwen3_moe's fused module names,
+  gate rows before up rows); config.json's `quantization_config` {"quant_method": "mxfp4",
+  "modules_to_not_convert"}.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from common.model.fp4_blocks import NVFP4_GROUP, quantize_mxfp4, quantize_nvfp4
+from common.model.quantization import matches_any
 from common.model.synthetic.config import text_config
 
 FP4_QUANTIZE = ("nvfp4", "mxfp4")
@@ -28,11 +30,17 @@ MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.39.0"}
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def _excluded(cfg: Mapping[str, Any], router: str) -> list[str]:
-    """The modules left unquantized: lm_head, each layer's attention and router (`router`: its name)."""
-    layers = text_config(cfg)["num_hidden_layers"]
-    per_layer = [[f"model.layers.{i}.self_attn*", f"model.layers.{i}.mlp.{router}"] for i in range(layers)]
-    return ["lm_head", *(m for pair in per_layer for m in pair)]
+def _excluded(cfg: Mapping[str, Any]) -> list[str]:
+    """The modules ModelOpt leaves unquantized in a MoE: lm_head, each layer's attention, its router (and
+    qwen2_moe's shared-expert gate)."""
+    moe = "block_sparse_moe" if cfg.get("model_type") == "mixtral" else "mlp"
+    names = [
+        "self_attn*",
+        f"{moe}.gate",
+        *(["mlp.shared_expert_gate"] if cfg.get("model_type") == "qwen2_moe" else []),
+    ]
+    layers = range(text_config(cfg)["num_hidden_layers"])
+    return ["lm_head", *(f"model.layers.{i}.{name}" for i in layers for name in names)]
 
 
 def fp4_quantization(cfg: Mapping[str, Any], quantize: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -40,7 +48,7 @@ def fp4_quantization(cfg: Mapping[str, Any], quantize: str) -> tuple[dict[str, A
     if quantize == "mxfp4":
         skip = ["model.layers.*.self_attn", "model.layers.*.mlp.gate", "model.embed_tokens", "lm_head"]
         return {"quant_method": "mxfp4", "modules_to_not_convert": skip}, {}
-    exclude = _excluded(cfg, "gate")
+    exclude = _excluded(cfg)
     modelopt = {
         "producer": MODELOPT_PRODUCER,
         "quantization": {
@@ -67,14 +75,19 @@ class Fp4Writer:
     def __init__(self, cfg: Mapping[str, Any], quantize: str) -> None:
         self.quantize = quantize
         self.num_experts = text_config(cfg)["num_experts"]
+        self.excluded = _excluded(cfg)
         self.pending: dict[int, dict[tuple[int, str], torch.Tensor]] = defaultdict(dict)
+
+    def _nvfp4(self, key: str, tensor: torch.Tensor) -> bool:
+        """Whether ModelOpt stores this tensor in NVFP4: a linear's weight that its exclude list spares."""
+        module = key.removesuffix(".weight")
+        linear = tensor.dim() == 2 and key.endswith(".weight") and not key.endswith("embed_tokens.weight")
+        return linear and not matches_any(self.excluded, module)
 
     def stored(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """The tensors to store for the planned `key` (mxfp4: none until a layer's last expert arrives)."""
         m = _EXPERT.match(key)
-        if m is None:
-            return {key: tensor}
-        if self.quantize == "nvfp4":
+        if self.quantize == "nvfp4" and self._nvfp4(key, tensor):
             module = key.removesuffix(".weight")
             weight, scale, scale_2 = quantize_nvfp4(tensor)
             return {
@@ -83,6 +96,8 @@ class Fp4Writer:
                 f"{module}.weight_scale_2": scale_2,
                 f"{module}.input_scale": torch.ones(()),  # no activations calibrated
             }
+        if m is None or self.quantize == "nvfp4":
+            return {key: tensor}
         layer = int(m[1])
         self.pending[layer][(int(m[2]), m[3])] = tensor
         if len(self.pending[layer]) < 3 * self.num_experts:
