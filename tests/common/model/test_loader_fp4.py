@@ -1,7 +1,7 @@
 """NVFP4 (ModelOpt) and MXFP4 (gpt-oss) checkpoints of a tiny qwen3_moe: written as those tools write them,
 loaded with the experts in their published bits (the host store takes them byte for byte) and dequantised
 bit for bit as the formats' specifications say, generating greedily what transformers generates on the
-dequantised weights; a mis-shaped, truncated or mistyped scale is refused naming its file and key."""
+dequantised weights; a truncated, reshaped or mistyped scale is refused naming its file and key."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_plan_counts_the_published_bytes(fp4_dir: Path) -> None:
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 200, 31, 4]]
 
 
-@pytest.mark.parametrize("expert_cache", [None, "0.5"])
+@pytest.mark.parametrize("expert_cache", [None, pytest.param("0.5", marks=pytest.mark.slow)])
 @torch.inference_mode()
 def test_greedy_matches_transformers(fp4_dir: Path, dequantized_dir: Path, expert_cache: str | None) -> None:
     """Spillway on the fp4 checkpoint (experts resident, or from the host store of published bits through a
@@ -223,14 +223,14 @@ def ckpt(fp4_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(fp4_dir, tmp_path / "model"))
 
 
-@pytest.mark.parametrize("fault", ["truncated", "mis-shaped", "mistyped"])
+@pytest.mark.parametrize("fault", ["truncated", "reshaped", "mistyped"])
 def test_bad_scale_refused(ckpt: Path, fault: str) -> None:
     for key in _scale_keys(ckpt):
         original = _tensors(ckpt)[key]
 
         def change(t: dict, key: str = key) -> None:
             s = t[key]
-            t[key] = {"truncated": s[..., :-1], "mis-shaped": s.reshape(-1), "mistyped": s.float()}[
+            t[key] = {"truncated": s[..., :-1], "reshaped": s.reshape(-1), "mistyped": s.float()}[
                 fault
             ].clone()
 
