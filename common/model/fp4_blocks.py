@@ -44,9 +44,13 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive e2m1
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..15 [...] -> their fp32 values [...]."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    """uint8 codes 0..15 [...] -> their fp32 values [...], from the code's bits (no table: nothing is copied
+    from the host, so a captured CUDA graph may run it)."""
+    c = codes.to(torch.int32)
+    exponent, mantissa = (c >> 1) & 3, (c & 1).float()
+    normal = torch.ldexp(1 + mantissa / 2, (exponent - 1).float())  # 2^(e−1) · 1.m
+    magnitude = torch.where(exponent == 0, mantissa / 2, normal)
+    return torch.where(c >= 8, -magnitude, magnitude)
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
