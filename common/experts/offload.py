@@ -400,11 +400,12 @@ def offload_experts(
         components = form.components(cfg.hidden_size, cfg.moe_intermediate_size)
         store = HostExpertStore(len(layers), cfg.num_experts, components, allocate=host_allocate)
         for i, layer in enumerate(layers):
-            w = resident.weights.pop(layer)  # free each resident layer as it is packed
             if resident.published is not None:  # the checkpoint's own bits, as published
+                resident.weights.pop(layer, None)
                 parts = resident.published[1].pop(layer)
                 store.fill(i, [{n: t[e] for n, t in parts.items()} for e in range(cfg.num_experts)])
                 continue
+            w = resident.weights.pop(layer)  # free each resident layer as it is packed
             store.fill(i, [form.pack(w.gate_up[e].cpu(), w.down[e].cpu()) for e in range(cfg.num_experts)])
     elif store.num_layers != len(layers) or store.num_experts != cfg.num_experts:
         raise ValueError(

@@ -266,6 +266,7 @@ def load_model(
     with_mtp: bool = False,
     expert_device: torch.device | str | None = None,
     fuse: bool = False,
+    published_only: bool = False,
 ) -> nn.Module:
     """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint (FP8
     block-quantized weights dequantized, see `dequantized_fp8_source`; the PLE n-gram table keeps its own
@@ -275,7 +276,8 @@ def load_model(
     `with_mtp` also builds and loads the checkpoint's MTP head (for speculative decoding). `expert_device`
     (default `device`) is where the routed experts are read to: `cpu` for a model whose experts go to a
     host store next, so that they never pass through the device (they may not fit there). `fuse`: same-input
-    projections as one weight each (see `empty_model`).
+    projections as one weight each (see `empty_model`). `published_only`: NVFP4 / MXFP4 experts kept in
+    their bits only, not dequantised too (a model whose experts go to a host store next).
     """
     arch, cfg = load_architecture(model_dir)
     if with_mtp:
@@ -298,7 +300,7 @@ def load_model(
     )
     if published is not None:
         model = build_model(arch, cfg, source, where, dtype, device, external_experts=True, fuse=fuse)
-        _attach_published(model, published, where, dtype, expert_device or device)
+        _attach_published(model, published, where, dtype, None if published_only else expert_device or device)
         return model
     if (Path(model_dir) / ARTIFACT_META).is_file():
         if with_mtp:
@@ -312,13 +314,19 @@ def load_model(
 
 
 def _attach_published(
-    model: nn.Module, published: PublishedExperts, where: Path, dtype: torch.dtype, device: torch.device | str
+    model: nn.Module,
+    published: PublishedExperts,
+    where: Path,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
 ) -> None:
     """Give `model` the checkpoint's experts in their published bits (`ResidentExperts.published`) and,
-    dequantised by their format to `dtype` on `device`, as its resident weights."""
+    unless `device` is None, dequantised by their format to `dtype` on `device` as its resident weights."""
     experts = cast(ResidentExperts, model.experts)
     layers = published.layers(where)
     for layer, parts in layers.items():
+        if device is None:
+            continue
         gate_up, down = published.dequantize(parts, dtype)
         experts.weights[layer] = ExpertWeights(gate_up.to(device), down.to(device))
     experts.published = (published.fmt, layers)

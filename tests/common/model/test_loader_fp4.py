@@ -158,6 +158,13 @@ def test_experts_dequantise_bit_for_bit(fp4_dir: Path) -> None:
         )
 
 
+def test_published_only_keeps_no_dequantised_copy(fp4_dir: Path) -> None:
+    """A model whose experts go to a host store holds them only in their published bits."""
+    model = load_model(fp4_dir, dtype=torch.float32, published_only=True)
+    assert model.experts.weights == {}
+    assert sorted(model.experts.published[1]) == sorted(model.config.moe_layers)
+
+
 def test_plan_counts_the_published_bytes(fp4_dir: Path) -> None:
     plan = plan_for_dir(
         fp4_dir,
