@@ -40,7 +40,7 @@ from common.model.layers import activation
 from common.model.ngram import ngram_shard_rows
 from common.model.nvfp4_linears import dequantized_nvfp4_source
 from common.model.provider import ExpertWeights
-from common.model.published_experts import PublishedExperts
+from common.model.published_experts import PublishedExperts, attach_published
 from common.model.quantization import detect_quantization
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.registry import Architecture, ExpertKey, HostTableKey
@@ -270,7 +270,7 @@ def load_model(
 ) -> nn.Module:
     """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint (FP8
     block-quantized weights dequantized, see `dequantized_fp8_source`; the PLE n-gram table keeps its own
-    fp8 format; NVFP4 / MXFP4 experts kept in their bits as well as dequantised: `_attach_published`). The
+    fp8 format; NVFP4 / MXFP4 experts kept in their bits as well as dequantised: `attach_published`). The
     checkpoint's quantization is checked first (common/model/quantization.py).
 
     `with_mtp` also builds and loads the checkpoint's MTP head (for speculative decoding). `expert_device`
@@ -300,7 +300,7 @@ def load_model(
     )
     if published is not None:
         model = build_model(arch, cfg, source, where, dtype, device, external_experts=True, fuse=fuse)
-        _attach_published(model, published, where, dtype, None if published_only else expert_device or device)
+        attach_published(model, published, where, dtype, None if published_only else expert_device or device)
         return model
     if (Path(model_dir) / ARTIFACT_META).is_file():
         if with_mtp:
@@ -311,25 +311,6 @@ def load_model(
         return build_model(arch, cfg, source, where, dtype, device, external_experts=True, fuse=fuse)
     where = where if where.is_file() else Path(model_dir)
     return build_model(arch, cfg, source, where, dtype, device, expert_device=expert_device, fuse=fuse)
-
-
-def _attach_published(
-    model: nn.Module,
-    published: PublishedExperts,
-    where: Path,
-    dtype: torch.dtype,
-    device: torch.device | str | None,
-) -> None:
-    """Give `model` the checkpoint's experts in their published bits (`ResidentExperts.published`) and,
-    unless `device` is None, dequantised by their format to `dtype` on `device` as its resident weights."""
-    experts = cast(ResidentExperts, model.experts)
-    layers = published.layers(where)
-    for layer, parts in layers.items():
-        if device is None:
-            continue
-        gate_up, down = published.dequantize(parts, dtype)
-        experts.weights[layer] = ExpertWeights(gate_up.to(device), down.to(device))
-    experts.published = (published.fmt, layers)
 
 
 class BuiltModel(Protocol):

@@ -13,14 +13,18 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
+from torch import nn
 
 from common.config import ModelConfig
 from common.model.checkpoint import TensorSource
 from common.model.errors import CheckpointError
 from common.model.fp4_blocks import DEQUANTIZE_EXPERTS, MXFP4_GROUP, NVFP4_GROUP
+from common.model.provider import ExpertWeights
 from common.model.registry import Architecture, ExpertKey
+from common.model.resident import ResidentExperts
 
 _SUFFIXES = {
     "nvfp4": {
@@ -45,7 +49,7 @@ def _dims(cfg: ModelConfig, part: str) -> tuple[int, int]:
     return {"gate": (i, h), "up": (i, h), "gate_up": (2 * i, h), "down": (h, i)}[part]
 
 
-def _shape(fmt: str, name: str, cfg: ModelConfig, ek: ExpertKey) -> tuple[int, ...]:
+def _shape(name: str, cfg: ModelConfig, ek: ExpertKey) -> tuple[int, ...]:
     """The published shape of one tensor: per expert, or with a leading expert dim when fused."""
     out, inp = _dims(cfg, ek.part)
     shape: tuple[int, ...] = {
@@ -102,7 +106,7 @@ class PublishedExperts:
             raise CheckpointError("expert weight for a layer or expert the config does not have", path, key)
         if tensor.dtype != dtype:
             raise CheckpointError(f"{self.fmt} {name} has dtype {tensor.dtype}, expected {dtype}", path, key)
-        want = _shape(self.fmt, name, cfg, ek)
+        want = _shape(name, cfg, ek)
         if tuple(tensor.shape) != want and not (want == () and tuple(tensor.shape) == (1,)):
             raise CheckpointError(f"tensor has shape {list(tensor.shape)}, expected {list(want)}", path, key)
         if (ek.expert, ek.part, name) in self.found[ek.layer]:
@@ -147,3 +151,22 @@ class PublishedExperts:
             fused = "gate_up" if piece in ("gate", "up") else "down"
             return f"model.layers.{layer}.mlp.experts.{fused}_proj{suffix}"
         return f"model.layers.{layer}.mlp.experts.{expert}.{piece}_proj{suffix}"
+
+
+def attach_published(
+    model: nn.Module,
+    published: PublishedExperts,
+    where: Path,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+) -> None:
+    """Give `model` the checkpoint's experts in their published bits (`ResidentExperts.published`) and,
+    unless `device` is None, dequantised by their format to `dtype` on `device` as its resident weights."""
+    experts = cast(ResidentExperts, model.experts)
+    layers = published.layers(where)
+    for layer, parts in layers.items():
+        if device is None:
+            continue
+        gate_up, down = published.dequantize(parts, dtype)
+        experts.weights[layer] = ExpertWeights(gate_up.to(device), down.to(device))
+    experts.published = (published.fmt, layers)
