@@ -6,6 +6,8 @@ is a CheckpointError that names the file and the key.
 Hugging Face FP8 checkpoints (Qwen3-FP8, DeepSeek-V3: a linear's `X.weight` in float8_e4m3fn with a sibling
 `X.weight_scale_inv` per 128×128 block) load dequantized: `dequantized_fp8_source` pairs each weight with its
 scale and hands the loader w = fp8 · scale_inv in float32, which it casts to the model dtype as any tensor.
+NVFP4 (ModelOpt) and MXFP4 (gpt-oss) checkpoints keep their routed experts in their published bits
+(published_experts.py); their other NVFP4 linears load dequantised (nvfp4_linears.py).
 """
 
 from __future__ import annotations
