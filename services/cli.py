@@ -36,8 +36,9 @@ def _make_model(args: argparse.Namespace) -> int:
     from common.model.synthetic.config import parse_overrides
 
     out = make_model(
-        args.out, preset=args.preset, arch=args.arch, overrides=parse_overrides(args.set), seed=args.seed
-    )
+        args.out, preset=args.preset, arch=args.arch, overrides=parse_overrides(args.set), seed=args.seed,
+        quantize=args.quantize,
+    )  # fmt: skip
     print(f"wrote {args.preset} ({args.arch or 'default arch'}) to {out}")
     return 0
 
@@ -475,6 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config field; VALUE is parsed as JSON where it can be",
     )
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument(
+        "--quantize",
+        default=None,
+        choices=["fp8", "nvfp4", "mxfp4"],
+        help="write a quantized variant (flat archs): HF block FP8, ModelOpt NVFP4 or gpt-oss MXFP4 experts",
+    )
     mk.add_argument("--out", required=True)
     mk.set_defaults(func=_make_model)
 

@@ -222,6 +222,7 @@ def _load(cfg: WorkerConfig, fused: bool) -> torch.nn.Module:
     model = load_model(
         cfg.model_dir, dtype=DTYPES[cfg.dtype], device=cfg.device, with_mtp=cfg.speculative == "mtp",
         expert_device="cpu" if cfg.expert_cache is not None else None, fuse=fused,
+        published_only=cfg.expert_cache is not None,
     )  # fmt: skip
     if cfg.embeddings_on_host:
         embeddings_to_host(model)

@@ -53,6 +53,7 @@ from common.model.fused_linear import GEMV_ROWS
 from common.model.hf_config import load_architecture, read_json
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import ARTIFACT_META, meta_model
+from common.model.quantization import detect_quantization
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.registry import Architecture
 from common.sampling.logit_processors import table_bytes as penalty_table_bytes
@@ -435,12 +436,13 @@ def artifact_format(model_dir: str | Path) -> str | None:
 
 
 def plan_for_dir(model_dir: str | Path, *, expert_format: str, mtp: bool = False, **kwargs) -> MemoryPlan:
-    """`plan_memory` for the model in `model_dir` (config.json only; an artifact's experts in its format);
+    """`plan_memory` for the model in `model_dir` (config.json only; an artifact's experts in its format, a
+    checkpoint's published NVFP4 / MXFP4 experts in theirs);
     `mtp`: with the checkpoint's MTP head (speculative decoding builds it: weights, state, a MoE layer)."""
     arch, cfg = load_architecture(model_dir)
     if mtp and isinstance(cfg, Qwen4ExpConfig) and cfg.checkpoint_mtp_layers:
         cfg = dataclasses.replace(cfg, mtp_layers=cfg.checkpoint_mtp_layers)
-    fmt = artifact_format(model_dir) or expert_format
+    fmt = artifact_format(model_dir) or detect_quantization(model_dir).expert_format or expert_format
     return plan_memory(cfg, arch, expert_format=fmt, **kwargs)
 
 

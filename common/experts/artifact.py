@@ -38,6 +38,7 @@ from common.model.loader import (
     meta_model,
     safetensors_source,
 )
+from common.model.quantization import detect_quantization
 from common.model.registry import ExpertKey, HostTableKey
 
 META_FILE, EXPERTS_FILE = ARTIFACT_META, "experts.bin"
@@ -53,6 +54,9 @@ def convert(src: str | Path, dst: str | Path, fmt_name: str, log: Callable[[str]
     (including the relative quantisation error of the gate_up and down weights)."""
     src, dst = Path(src), Path(dst)
     arch, cfg = load_architecture(src)
+    published = detect_quantization(src).expert_format
+    if published is not None:
+        raise CheckpointError(f"converting {published} experts is not supported yet", src / "config.json")
     fmt = get_format(fmt_name)
     components = fmt.components(cfg.hidden_size, cfg.moe_intermediate_size)  # a format the sizes cannot take
     _check_destination(src, dst)

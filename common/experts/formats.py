@@ -1,4 +1,5 @@
-"""Runtime formats of routed experts: bf16, fp8 (128×128 block scales) and int4 (W4A16, group 128, asym).
+"""Runtime formats of routed experts: bf16, fp8 (128×128 block scales), int4 (W4A16, group 128, asym), and
+the published nvfp4 and mxfp4.
 
 A format is a fixed set of named components of fixed shape and dtype for a given (hidden H, intermediate I),
 so every expert of a layer has the same byte stride in the host store and in a VRAM cache slot. A format
@@ -12,6 +13,8 @@ back; `mlp` is the reference the GPU kernels are checked by.
 - int4: `*_qweight` uint8 [out, in/2], column 2j in byte j's low nibble, 2j+1 in its high one; `*_scales` bf16
   and `*_zeros` uint8 (0..15) [out, in/128]; w ≈ (q − zero) · scale, dequantised with one rounding. H and I
   multiples of 128.
+- nvfp4 / mxfp4: a checkpoint's published 4-bit float experts (ModelOpt's NVFP4, gpt-oss's MXFP4) in their
+  own bits (common/model/fp4_blocks.py); loaded as published, never packed from bf16 at serve time.
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from common.model.fp4_blocks import (
+    MXFP4_GROUP,
+    NVFP4_GROUP,
+    dequantize_mxfp4_experts,
+    dequantize_nvfp4_experts,
+    pack_nibbles,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
+from common.model.fp4_blocks import unpack_nibbles as unpack_nibbles  # re-exported: int4 shares the packing
 from common.model.fp8_blocks import FP8_BLOCK, dequantize_fp8_block, exact_div, quantize_fp8_block
 
 Components = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -51,7 +64,7 @@ class ExpertFormat(ABC):
     """
 
     name: str
-    """"bf16" | "fp8" | "int4"."""
+    """"bf16" | "fp8" | "int4" | "nvfp4" | "mxfp4"."""
 
     @abstractmethod
     def components(self, hidden: int, inter: int) -> Components:
@@ -176,22 +189,6 @@ class Fp8Format(ExpertFormat):
 # --- int4 W4A16, group 128 along the input dim, asymmetric -------------------------------------------------
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..15 [..., in] (in even) -> uint8 [..., in/2]: column 2j in the low nibble of byte j,
-    column 2j+1 in its high nibble."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"nibble packing needs an even last dim, got {tuple(codes.shape)}")
-    codes = codes.to(torch.uint8)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., in/2] -> uint8 codes 0..15 [..., in]; the inverse of `pack_nibbles`."""
-    low = packed & 0x0F
-    high = packed >> 4
-    return torch.stack((low, high), dim=-1).flatten(-2)  # [..., in/2, 2] -> [..., in]
-
-
 def quantize_int4_groups(
     weight: torch.Tensor, group: int = INT4_GROUP
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -274,17 +271,104 @@ class Int4Format(ExpertFormat):
         return 0.12
 
 
+# --- NVFP4 and MXFP4: published 4-bit float formats (common/model/fp4_blocks.py) -------------------------
+
+
+class Nvfp4Format(ExpertFormat):
+    """NVFP4 as ModelOpt exports it (common/model/fp4_blocks.py), per linear `weight`, `weight_scale`,
+    `weight_scale_2` and `input_scale` (the activations' global scale for W4A4 compute, kept as published,
+    unused by weight-only compute); gate and up keep a global scale each ([2]: gate's, up's), as ModelOpt
+    exports an expert's linears (not fused). H and I multiples of 16."""
+
+    name = "nvfp4"
+
+    def components(self, hidden: int, inter: int) -> Components:
+        if hidden % NVFP4_GROUP or inter % NVFP4_GROUP:
+            raise ValueError(f"nvfp4 needs hidden and intermediate sizes that are multiples of {NVFP4_GROUP}")
+        comps: Components = {}
+        for key, (out, inp), tensors in (("gate_up", (2 * inter, hidden), 2), ("down", (hidden, inter), 1)):
+            comps[f"{key}_weight"] = ((out, inp // 2), torch.uint8)
+            comps[f"{key}_weight_scale"] = ((out, inp // NVFP4_GROUP), torch.float8_e4m3fn)
+            comps[f"{key}_weight_scale_2"] = ((tensors,), torch.float32)
+            comps[f"{key}_input_scale"] = ((tensors,), torch.float32)
+        return comps
+
+    def pack(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        """gate and up keep a global scale each (ModelOpt does not fuse an expert's linears); input_scale 1
+        (no activations to calibrate)."""
+        hidden, inter = _check_weights(gate_up, down)
+        self.components(hidden, inter)  # the dim check
+        parts: dict[str, torch.Tensor] = {}
+        for key, ws in (("gate_up", gate_up.split(inter)), ("down", (down,))):
+            packed = [quantize_nvfp4(w) for w in ws]
+            parts[f"{key}_weight"] = torch.cat([p[0] for p in packed]).to(gate_up.device)
+            parts[f"{key}_weight_scale"] = torch.cat([p[1] for p in packed]).to(gate_up.device)
+            parts[f"{key}_weight_scale_2"] = torch.stack([p[2] for p in packed]).to(gate_up.device)
+            parts[f"{key}_input_scale"] = torch.ones(len(ws), device=gate_up.device)
+        return parts
+
+    def unpack_many(
+        self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, down = dequantize_nvfp4_experts(parts, dtype)
+        return gate_up, down  # [N, 2I, H], [N, H, I]
+
+    def error_bound(self) -> float:
+        # 1 + 3 bits per element, the block scale in e4m3: ~9 % rms on Gaussian weights, bound with margin.
+        return 0.13
+
+
+class Mxfp4Format(ExpertFormat):
+    """MXFP4 as gpt-oss releases it (common/model/fp4_blocks.py); H and I multiples of 32."""
+
+    name = "mxfp4"
+
+    def components(self, hidden: int, inter: int) -> Components:
+        if hidden % MXFP4_GROUP or inter % MXFP4_GROUP:
+            raise ValueError(f"mxfp4 needs hidden and intermediate sizes that are multiples of {MXFP4_GROUP}")
+        comps: Components = {}
+        for key, (out, inp) in (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter))):
+            comps[f"{key}_blocks"] = ((out, inp // MXFP4_GROUP, MXFP4_GROUP // 2), torch.uint8)
+            comps[f"{key}_scales"] = ((out, inp // MXFP4_GROUP), torch.uint8)
+        return comps
+
+    def pack(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, inter = _check_weights(gate_up, down)
+        self.components(hidden, inter)  # the dim check
+        parts: dict[str, torch.Tensor] = {}
+        for key, w in (("gate_up", gate_up), ("down", down)):
+            parts[f"{key}_blocks"], parts[f"{key}_scales"] = quantize_mxfp4(w)
+        return parts
+
+    def unpack_many(
+        self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, down = dequantize_mxfp4_experts(parts, dtype)
+        return gate_up, down  # [N, 2I, H], [N, H, I]
+
+    def error_bound(self) -> float:
+        # Power-of-two block scales waste up to a bit of range: ~12 % rms on Gaussian weights, with margin.
+        return 0.18
+
+
 # --- registry ----------------------------------------------------------------------------------------------
 
 FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (Bf16Format(), Fp8Format(), Int4Format())}
 
 
+PUBLISHED_FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (Nvfp4Format(), Mxfp4Format())}
+"""Formats a checkpoint publishes its experts in, kept in their bits (not packed from bf16 by
+`--expert-format`; their GPU kernels are still to come, so they run through `unpack_many`)."""
+
+
 def get_format(name: str) -> ExpertFormat:
-    """The format called name; ValueError naming the allowed ones otherwise."""
+    """The format called name (in FORMATS or PUBLISHED_FORMATS); ValueError naming the allowed ones
+    otherwise."""
+    known = {**FORMATS, **PUBLISHED_FORMATS}
     try:
-        return FORMATS[name]
+        return known[name]
     except KeyError:
-        raise ValueError(f"unknown expert format {name!r}; allowed: {', '.join(FORMATS)}") from None
+        raise ValueError(f"unknown expert format {name!r}; allowed: {', '.join(known)}") from None
 
 
 def quantization_error(fmt: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, float]:

@@ -386,7 +386,8 @@ def offload_experts(
     """Serve `model`'s routed experts from a host store through a VRAM cache of `capacity` (see
     parse_capacity) under `policy`; `pinned` maps MoE layer index → hot experts. Without `store` the model's
     resident experts are packed into a new one in format `fmt` (and freed; `host_allocate(nbytes)` makes its
-    memory, e.g. shared memory a prefill worker maps); with it (an artifact's), used. `lend_arena`: the
+    memory, e.g. shared memory a prefill worker maps; a checkpoint's published NVFP4 / MXFP4 experts go in
+    as they are, in their format, whatever `fmt`); with it (an artifact's), used. `lend_arena`: the
     arena's second buffer serves as E more cache slots between prefills (see OffloadedExperts);
     `kv_lending`: as many more as the KV pool's pages hold, while no sequence needs them; `prefill_bank`:
     1 + 2E more, a prefill worker's arena (`arena_row`), lent by the decode worker between prefills."""
@@ -394,11 +395,16 @@ def offload_experts(
     cfg = cast("ModelConfig", model.config)
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     layers = sorted(cfg.moe_layers)
-    form = get_format(fmt)
+    form = get_format(fmt if resident.published is None else resident.published[0])
     if store is None:
         components = form.components(cfg.hidden_size, cfg.moe_intermediate_size)
         store = HostExpertStore(len(layers), cfg.num_experts, components, allocate=host_allocate)
         for i, layer in enumerate(layers):
+            if resident.published is not None:  # the checkpoint's own bits, as published
+                resident.weights.pop(layer, None)
+                parts = resident.published[1].pop(layer)
+                store.fill(i, [{n: t[e] for n, t in parts.items()} for e in range(cfg.num_experts)])
+                continue
             w = resident.weights.pop(layer)  # free each resident layer as it is packed
             store.fill(i, [form.pack(w.gate_up[e].cpu(), w.down[e].cpu()) for e in range(cfg.num_experts)])
     elif store.num_layers != len(layers) or store.num_experts != cfg.num_experts:

@@ -10,11 +10,14 @@ from common.config import ModelConfig
 from common.model.architectures import get_architecture
 from common.model.checkpoint import read_json as read_json  # re-exported: callers take it from here
 from common.model.errors import CheckpointError
+from common.model.quantization import detect_quantization
 from common.model.registry import Architecture
 
 
 def load_architecture(model_dir: str | Path) -> tuple[Architecture, ModelConfig]:
-    """The architecture and parsed config of the model in `model_dir`."""
+    """The architecture and parsed config of the model in `model_dir`, whose declared quantization is checked
+    first (an unsupported one is refused before anything else: common/model/quantization.py)."""
+    detect_quantization(model_dir)
     path = Path(model_dir) / "config.json"
     arch, cfg = parse_architecture(read_json(path), path)
     return arch, _with_generation_eos(cfg, Path(model_dir) / "generation_config.json")

@@ -6,6 +6,8 @@ is a CheckpointError that names the file and the key.
 Hugging Face FP8 checkpoints (Qwen3-FP8, DeepSeek-V3: a linear's `X.weight` in float8_e4m3fn with a sibling
 `X.weight_scale_inv` per 128×128 block) load dequantized: `dequantized_fp8_source` pairs each weight with its
 scale and hands the loader w = fp8 · scale_inv in float32, which it casts to the model dtype as any tensor.
+NVFP4 (ModelOpt) and MXFP4 (gpt-oss) checkpoints keep their routed experts in their published bits
+(published_experts.py); their other NVFP4 linears load dequantised (nvfp4_linears.py).
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ from common.model.hf_config import load_architecture
 from common.model.host_embedding import host_table_owners
 from common.model.layers import activation
 from common.model.ngram import ngram_shard_rows
+from common.model.nvfp4_linears import dequantized_nvfp4_source
 from common.model.provider import ExpertWeights
+from common.model.published_experts import PublishedExperts, attach_published
+from common.model.quantization import detect_quantization
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.registry import Architecture, ExpertKey, HostTableKey
 from common.model.resident import ResidentExperts
@@ -179,6 +184,8 @@ def _read(entry: _Entry) -> torch.Tensor:
     path, key, read = entry
     try:
         return read()
+    except CheckpointError:  # a reader that names its own file and key (an NVFP4 linear's scale)
+        raise
     except Exception as exc:
         raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
 
@@ -265,15 +272,18 @@ def load_model(
     with_mtp: bool = False,
     expert_device: torch.device | str | None = None,
     fuse: bool = False,
+    published_only: bool = False,
 ) -> nn.Module:
     """Build the model of `model_dir` on `device` in `dtype` and fill it from the checkpoint (FP8
     block-quantized weights dequantized, see `dequantized_fp8_source`; the PLE n-gram table keeps its own
-    fp8 format).
+    fp8 format; NVFP4 / MXFP4 experts kept in their bits as well as dequantised: `attach_published`). The
+    checkpoint's quantization is checked first (common/model/quantization.py).
 
     `with_mtp` also builds and loads the checkpoint's MTP head (for speculative decoding). `expert_device`
     (default `device`) is where the routed experts are read to: `cpu` for a model whose experts go to a
     host store next, so that they never pass through the device (they may not fit there). `fuse`: same-input
-    projections as one weight each (see `empty_model`).
+    projections as one weight each (see `empty_model`). `published_only`: NVFP4 / MXFP4 experts kept in
+    their bits only, not dequantised too (a model whose experts go to a host store next).
     """
     arch, cfg = load_architecture(model_dir)
     if with_mtp:
@@ -281,11 +291,23 @@ def load_model(
             raise CheckpointError("the checkpoint has no MTP head", Path(model_dir) / "config.json")
         cfg = dataclasses.replace(cfg, mtp_layers=cfg.checkpoint_mtp_layers)
     where = Path(model_dir) / INDEX_FILE
+    scheme = detect_quantization(model_dir)  # an unsupported method stops here, before any tensor is read
+    raw = safetensors_source(model_dir)
+    published = None
+    if scheme.expert_format is not None and not (Path(model_dir) / ARTIFACT_META).is_file():
+        published = PublishedExperts(scheme.expert_format, arch, cfg, Path(model_dir) / "config.json")
+        raw = published.filter(raw)
+    if scheme.method == "nvfp4":
+        raw = dequantized_nvfp4_source(raw)  # linears outside the routed experts
     source = dequantized_fp8_source(
-        safetensors_source(model_dir),
+        raw,
         fp8_block_size(model_dir),
         keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
     )
+    if published is not None:
+        model = build_model(arch, cfg, source, where, dtype, device, external_experts=True, fuse=fuse)
+        attach_published(model, published, where, dtype, None if published_only else expert_device or device)
+        return model
     if (Path(model_dir) / ARTIFACT_META).is_file():
         if with_mtp:
             raise CheckpointError(

@@ -84,6 +84,10 @@ class ResidentExperts(ExpertProvider):
         self.weights = weights
         self.act = act
         self.decode = False
+        self.published: tuple[str, dict[int, dict[str, torch.Tensor]]] | None = None
+        """A checkpoint's experts in its published format's bits (format name, MoE layer -> components
+        [E, ...]: common/model/published_experts.py), which a host store takes as they are; None if the
+        checkpoint has none."""
 
     def begin_pass(self, is_decode: bool, prompt: bool = False) -> None:
         """Decode passes compute as the offloaded provider's decode passes do (`batched_expert_mlp`), so

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.experts.cache_tables import CacheTables
-from common.experts.formats import FORMATS
+from common.experts.formats import FORMATS, PUBLISHED_FORMATS, get_format
 from common.experts.offload import OffloadedExperts
 from common.experts.store import HostExpertStore
 from common.model.resident import batched_expert_mlp
@@ -58,9 +58,9 @@ def test_offloaded_experts_on_cuda(tmp_path: Path) -> None:
 E, LAYERS, TOP_K, HIDDEN, INTER = 16, 2, 4, 1024, 512
 
 
-@pytest.fixture(scope="module", params=list(FORMATS))
+@pytest.fixture(scope="module", params=[*FORMATS, *PUBLISHED_FORMATS])
 def store(request) -> HostExpertStore:
-    fmt = FORMATS[request.param]
+    fmt = get_format(request.param)
     store = HostExpertStore(LAYERS, E, fmt.components(HIDDEN, INTER))
     g = torch.Generator().manual_seed(0)
     for layer in range(LAYERS):

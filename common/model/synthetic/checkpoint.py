@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from common.model.fp8_blocks import FP8_BLOCK, quantize_fp8_block
 from common.model.synthetic.config import generation_config, model_config, resolve_preset, text_config
+from common.model.synthetic.fp4_checkpoint import FP4_QUANTIZE, Fp4Writer, fp4_quantization
 from common.model.synthetic.plan import ShardPlan, TensorSpec, plan_shards, plan_tensors
 from common.model.synthetic.presets import FLAT_ARCHS, STORAGE_DTYPES, TOKENIZER_VOCAB
 
@@ -267,15 +268,24 @@ def make_model(
     size. ``quantize="fp8"`` (flat archs) writes the HF FP8 variant: each linear weight but the embedding,
     head and routers as float8_e4m3fn with a float32 ``weight_scale_inv`` per 128×128 block (edge blocks
     partial), and config.json's ``quantization_config``; the shards keep the unquantized plan's grouping.
+    ``quantize="nvfp4"`` / ``"mxfp4"`` (flat archs) write the routed experts as ModelOpt / gpt-oss do
+    (fp4_checkpoint.py).
     """
     from common.model.synthetic.tokenizer import check_vision_token_ids, tokenizer_vocab_size, write_tokenizer
 
     p, arch = resolve_preset(preset, arch)
-    if quantize not in (None, "fp8") or (quantize and arch not in FLAT_ARCHS):
-        raise ValueError(f"quantize={quantize!r} is not supported for {arch} (only 'fp8', for {FLAT_ARCHS})")
+    allowed = ("fp8", *FP4_QUANTIZE)
+    if quantize not in (None, *allowed) or (quantize and arch not in FLAT_ARCHS):
+        raise ValueError(
+            f"quantize={quantize!r} is not supported for {arch} (only {allowed}, for {FLAT_ARCHS})"
+        )
     cfg = model_config(preset, arch, overrides)
-    if quantize:
+    extra_files: dict[str, Any] = {}
+    fp4 = Fp4Writer(cfg, quantize) if quantize in FP4_QUANTIZE else None
+    if quantize == "fp8":
         cfg["quantization_config"] = fp8_quantization_config(cfg)
+    elif quantize is not None:
+        cfg["quantization_config"], extra_files = fp4_quantization(cfg, quantize)
     shards = plan_shards(cfg, shard_bytes or p.shard_bytes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -291,6 +301,8 @@ def make_model(
         check_vision_token_ids(out, cfg, strict=vocab <= TOKENIZER_VOCAB)
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", generation_config(cfg))
+    for name, body in extra_files.items():
+        _write_json(out / name, body)
 
     _remove_stale_weights(out)
     tensors = synthetic_tensors(cfg, seed)
@@ -302,7 +314,7 @@ def make_model(
         for spec in shard.tensors:
             key, tensor = next(tensors)
             assert key == spec.key, (key, spec.key)  # the same plan, in the same order
-            batch.update(_stored(key, tensor, quantize))
+            batch.update(fp4.stored(key, tensor) if fp4 else _stored(key, tensor, quantize))
         _save_shard(batch, out, shard.filename)
         weight_map.update(dict.fromkeys(batch, shard.filename))
         total += sum(t.nbytes for t in batch.values())
