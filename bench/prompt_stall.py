@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -21,21 +19,9 @@ from pathlib import Path
 import httpx
 
 from bench.common import write_result
-from common.ipc.ports import free_ports
+from bench.served import served
 
 STREAM = {"model": "tiny-qwen3_moe", "prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
-
-
-def _children(pid: int) -> dict[int, str]:
-    """The processes whose parent is `pid`, with their command lines."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().decode()
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 def _status_kb(pid: int, field: str) -> int:
@@ -107,25 +93,8 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=45.0, help="each huge prompt's size in MB")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    port = free_ports(1)
-    cache = tempfile.mkdtemp(prefix="prompt-stall-")
-    argv = [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--threads", "1"]
-    server = subprocess.Popen(argv, env={**os.environ, "SPILLWAY_CACHE": cache})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).json().get("status") == "ok":
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        (router,) = [pid for pid, cmd in _children(server.pid).items() if "services.router" in cmd]
+    with served([]) as (url, router):
         result = probe(url, router, args.mb)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     print(json.dumps(result, indent=1))
     print(write_result("prompt-stall", result, args.out))
 
