@@ -2,7 +2,7 @@
 model (CPU), `--clients` threads each sending non-streamed completions back to back for `--seconds`: every
 request must be answered 200 or 429 (never 503 while the workers live) and none lost (no answer at all).
 
-    python -m bench.overload [--clients 50] [--seconds 120] [--words 1500] [--tokens 256] [--out DIR]
+    python -m bench.overload [--clients 50] [--seconds 120] [--words 600] [--tokens 256] [--out DIR]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--seconds", type=float, default=120.0)
-    ap.add_argument("--words", type=int, default=1500, help="words of each prompt")
+    ap.add_argument("--words", type=int, default=600, help="words of each prompt (5 tokens a word: tiny)")
     ap.add_argument("--tokens", type=int, default=256, help="max_tokens of each request (ignore_eos)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
