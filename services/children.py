@@ -22,8 +22,8 @@ from common.protocol import ServiceDown
 from services.parent_watch import PARENT_PID_ENV
 
 log = logging.getLogger("launch")
-GRACE_S = 10.0
-"""How long a child has between SIGTERM and SIGKILL."""
+GRACE_S = 2.0
+"""How long a child has between SIGTERM and SIGKILL (a service ends in well under a second: `exit_now`)."""
 QUICK_EXIT_S = 60.0
 """A child that exits sooner than this after its start, before it came up, failed at start-up (config,
 checkpoint, memory)."""

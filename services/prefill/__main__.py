@@ -1,5 +1,6 @@
 """The prefill worker process: `python -m services.prefill --model DIR --inbox A --router A --peer A`."""
 
 from services.prefill.main import main
+from services.exit_now import exit_now
 
-raise SystemExit(main())
+exit_now(main())

@@ -15,7 +15,7 @@ from common.ipc.keys import ControlKeys
 from services.parent_watch import stop_with_parent
 from services.router.config import RouterConfig, WorkerPair
 
-SHUTDOWN_GRACE_S = 5
+SHUTDOWN_GRACE_S = 1
 """Seconds the streams get to finish on SIGTERM (uvicorn takes whole seconds)."""
 
 

@@ -12,6 +12,7 @@ behind.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -359,6 +360,48 @@ def test_sigterm_stops_everything_and_frees_shared_memory(start_server, tmp_path
         assert not Path(f"/proc/{pid}").exists()
         assert not list(Path("/dev/shm").glob(f"spillway-{pid}-*"))
     assert health(server.port)[0] == 0
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _gone(pids: list[int], timeout_s: float) -> bool:
+    """Whether every process of `pids` has exited (or is a zombie) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    alive = lambda p: Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(map(alive, pids))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_sigterm_ends_the_launcher_and_its_services_within_3_s(start_server, tmp_path, streaming):
+    """SIGTERM, idle or with a stream in flight: the launcher and every service are gone in < 3 s; the stream
+    ends (an error event, its connection closed), it does not hang."""
+    server = start_server("--threads", "1", env={"SPILLWAY_CACHE": str(tmp_path)})
+    pids = _children(server.proc.pid)
+    body = {"model": "tiny-qwen3_moe", "prompt": "on", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    with contextlib.ExitStack() as stack:
+        if streaming:
+            url = f"http://127.0.0.1:{server.port}/v1/completions"
+            resp = stack.enter_context(httpx.stream("POST", url, json=body, timeout=10))
+            lines_in = resp.iter_lines()
+            lines.append(next(lines_in))
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        if streaming:
+            with contextlib.suppress(httpx.HTTPError):
+                lines.extend(lines_in)
+            assert time.monotonic() - started < 3, "the stream ended"
+        assert server.proc.wait(timeout=10) == 0
+        assert time.monotonic() - started < 3, f"the launcher took {time.monotonic() - started:.1f} s"
+    assert _gone(pids, 3 - (time.monotonic() - started) + 0.2)
+    if streaming:
+        events = [line for line in lines[1:] if line.startswith("data: {")]
+        assert events and ('"error"' in events[-1] or '"finish_reason":"' in events[-1]), lines[-4:]
 
 
 def test_a_killed_launcher_takes_every_service_with_it(start_server, tmp_path):
