@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -15,8 +16,6 @@ def exit_now(code: int) -> NoReturn:
     a second."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing can reach it
             stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
-            pass
     os._exit(code)
