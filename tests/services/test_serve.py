@@ -406,17 +406,18 @@ def test_sigterm_ends_the_launcher_and_its_services_within_3_s(start_server, tmp
 
 def test_a_killed_launcher_takes_every_service_with_it(start_server, tmp_path):
     """SIGKILL leaves the launcher no chance to stop its children: each sees its parent gone and stops (the
-    router through its own graceful shutdown), so nothing holds the port or the memory."""
+    router through its own graceful shutdown) within seconds, so nothing holds the port or the memory, and
+    they remove the launcher's run directory."""
     server = start_server("--threads", "1", env={"SPILLWAY_CACHE": str(tmp_path)})
-    out = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True)
-    pids = [int(p) for p in out.stdout.split()]
+    pids = _children(server.proc.pid)
     assert len(pids) == 3
+    argv = Path(f"/proc/{pids[0]}/cmdline").read_text().split("\0")
+    run_dir = Path(argv[argv.index("--inbox") + 1].removeprefix("ipc://")).parent
+    assert run_dir.is_dir()
     server.proc.kill()
     server.proc.wait()
-    deadline = time.monotonic() + 20
-    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert _gone(pids, 5), "every service stopped"
+    assert not run_dir.exists(), "the services removed their launcher's run directory"
     assert health(server.port)[0] == 0
 
 
