@@ -218,6 +218,15 @@ def test_decode_metrics_count_expert_cache_lookups(stack):
     assert 'spillway:expert_cache_hit_rate{layer="' in text and "spillway:expert_h2d_bytes_total" in text
 
 
+def test_only_decode_exports_the_kv_pool(stack):
+    """Decode owns the KV pool: its metrics have the pages; prefill's have none (a 0 would read as full)."""
+    _, _, metrics = stack
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics + 1}/metrics", timeout=5) as resp:
+        prefill = resp.read().decode()
+    assert "spillway:requests_running" in prefill and "kv_pages" not in prefill
+    assert _gauge(_decode_metrics(metrics), "kv_pages_free") > 0
+
+
 @pytest.mark.parametrize(
     ("body", "status", "needle"),
     [
