@@ -18,6 +18,9 @@ PARENT_PID_ENV = "SPILLWAY_PARENT_PID"
 meanwhile leaves the process under init, whose pid it would then watch for good)."""
 RUN_DIR_ENV = "SPILLWAY_RUN_DIR"
 """Set by the local launcher for its services: its run directory, which they remove once it is gone."""
+RESTARTS_ENV = "SPILLWAY_RESTARTS"
+"""Set by a supervisor for the router it (re)starts: a JSON object, each service's restarts so far by name
+(the router's `/health` goes on from them)."""
 OWNER = "launcher.pid"
 """The file in a run directory that names the launcher it belongs to."""
 PARENT_GONE_GRACE_S = 10.0

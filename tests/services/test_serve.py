@@ -430,6 +430,22 @@ def test_a_killed_launcher_takes_every_service_with_it(start_server, tmp_path):
     assert health(server.port)[0] == 0
 
 
+def test_restart_counts_survive_a_router_restart(start_server, tmp_path):
+    """The launcher hands a restarted router every service's restarts so far: /health goes on from them."""
+    server = start_server("--threads", "1", env={"SPILLWAY_CACHE": str(tmp_path)})
+    _kill_and_restart(server, "decode")
+    workers = {health(server.port)[1]["services"][s]["pid"] for s in ("prefill", "decode")}
+    (router,) = set(_children(server.proc.pid)) - workers
+    os.kill(router, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while router in _children(server.proc.pid) or health(server.port)[0] != 200:
+        assert time.monotonic() < deadline, "the router came back"
+        time.sleep(0.2)
+    body = health(server.port)[1]
+    assert body["services"]["decode"]["restarts"] == 1 and body["services"]["prefill"]["restarts"] == 0
+    assert body["router_restarts"] == 1
+
+
 def test_a_worker_that_cannot_start_stops_the_launcher(tmp_path):
     """A checkpoint the workers cannot load: the launcher gives up after a few restarts (exit 1), no hang."""
     model = make_model(tmp_path / "broken", preset="tiny", arch="qwen3_moe")
