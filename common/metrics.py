@@ -187,12 +187,11 @@ class RouterMetrics:
 
 @dataclass(frozen=True)
 class WorkerMetrics:
-    """Load and memory of a prefill or decode worker."""
+    """Load and memory of a worker (prefill, decode, the encoder); the KV pool's are decode's alone
+    (`KvPoolMetrics`)."""
 
     requests_running: Gauge
     requests_waiting: Gauge
-    kv_pages_used: Gauge
-    kv_pages_free: Gauge
     vram_bytes: Gauge
     """Labelled by pool (weights, kv, arena, scratch, graphs, expert_cache)."""
     dropped_frames: Counter
@@ -208,8 +207,6 @@ class WorkerMetrics:
             requests_waiting=Gauge(
                 f"{PREFIX}requests_waiting", "Requests queued in this worker.", registry=registry
             ),
-            kv_pages_used=Gauge(f"{PREFIX}kv_pages_used", "KV cache pages in use.", registry=registry),
-            kv_pages_free=Gauge(f"{PREFIX}kv_pages_free", "KV cache pages free.", registry=registry),
             vram_bytes=Gauge(
                 f"{PREFIX}vram_bytes", "Device memory held, by pool.", ["pool"], registry=registry
             ),
@@ -217,6 +214,22 @@ class WorkerMetrics:
                 f"{PREFIX}dropped_frames_total", "Inbox frames that did not decode.", registry=registry
             ),
             control_refused=_control_refused(registry),
+        )
+
+
+@dataclass(frozen=True)
+class KvPoolMetrics:
+    """The paged KV pool's pages, in use and free: decode's alone (it owns the pool; another worker
+    exporting them at 0 would read as a full pool)."""
+
+    pages_used: Gauge
+    pages_free: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> KvPoolMetrics:
+        return cls(
+            pages_used=Gauge(f"{PREFIX}kv_pages_used", "KV cache pages in use.", registry=registry),
+            pages_free=Gauge(f"{PREFIX}kv_pages_free", "KV cache pages free.", registry=registry),
         )
 
 

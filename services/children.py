@@ -6,6 +6,7 @@ Shared by the local launcher (`services/launch.py`: every service on this machin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -19,11 +20,11 @@ from common.ipc import tensors as ipc
 from common.ipc.keys import LAUNCHER, ControlKeys, keys_env, make_keys
 from common.ipc.transport import Outbox
 from common.protocol import ServiceDown
-from services.parent_watch import PARENT_PID_ENV
+from services.parent_watch import PARENT_PID_ENV, RESTARTS_ENV
 
 log = logging.getLogger("launch")
-GRACE_S = 10.0
-"""How long a child has between SIGTERM and SIGKILL."""
+GRACE_S = 2.0
+"""How long a child has between SIGTERM and SIGKILL (a service ends in well under a second: `exit_now`)."""
 QUICK_EXIT_S = 60.0
 """A child that exits sooner than this after its start, before it came up, failed at start-up (config,
 checkpoint, memory)."""
@@ -84,8 +85,9 @@ def worker_argv(role: str, name: str, inbox: str, peer: str, router: str, flags:
 
 def restart_exited(children: Sequence[Child], router: Outbox | None) -> Child | None:
     """Restart each child that exited, after telling the router (`ServiceDown`: its requests fail now) and
-    sweeping the shared memory it leaves. Returns the child that keeps failing at start-up (then nothing
-    more is restarted: the caller gives up), else None."""
+    sweeping the shared memory it leaves; a router gets every child's restarts so far (`RESTARTS_ENV`).
+    Returns the child that keeps failing at start-up (then nothing more is restarted: the caller gives
+    up), else None."""
     for child in children:
         if child.proc is None or child.proc.poll() is None:
             continue
@@ -100,6 +102,8 @@ def restart_exited(children: Sequence[Child], router: Outbox | None) -> Child | 
             return child
         log.error("%s exited with %s; restarting", child.name, code)
         child.restarts += 1
+        if child.name == "router":  # (last of the children: the workers restarted now are counted)
+            child.env = {**child.env, RESTARTS_ENV: json.dumps({c.name: c.restarts for c in children})}
         child.start()
     return None
 

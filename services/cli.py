@@ -249,6 +249,7 @@ def _serve(args: argparse.Namespace) -> int:
     from common.api_key import resolve_api_key
     from common.model.defaults import default_model_dir
     from common.model.hf_config import load_architecture
+    from services.exit_now import exit_now
     from services.launch import Launcher, ServeOptions, pair_gpus
     from services.worker_args import config_argv, device_arg, worker_config
 
@@ -291,7 +292,7 @@ def _serve(args: argparse.Namespace) -> int:
         from services.ray_launch import RayLauncher
 
         return RayLauncher(opts, args.ray, args.pairs, cfg.device).run()
-    return Launcher(opts).run()
+    exit_now(Launcher(opts).run())  # (the interpreter's teardown of what the checks loaded takes seconds)
 
 
 def _encoder_device(args: argparse.Namespace, model_dir: str) -> str | None:

@@ -6,8 +6,9 @@ each, or N on the CPU) and the router over them, waits until the router's /healt
 Ready, restarts a worker that dies (the router ends the requests its pair held with an error event) or that
 the router has not heard from for the stall timeout (a hung process: it is killed first), and on
 SIGINT/SIGTERM stops everything: children get SIGTERM, then SIGKILL after a grace period; the run directory
-and any shared-memory segment a dead child left are removed. A launcher killed with no chance to stop leaves
-its run directory: the next one to start removes it (`sweep_run_dirs`).
+and any shared-memory segment a dead child left are removed. A launcher SIGKILLed leaves its children to
+remove the run directory as they stop with it (`services.parent_watch`); one left even so (the machine went
+down) is removed by the next launcher to start (`sweep_run_dirs`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ from common.ipc.tensors import process_alive
 from common.ipc.transport import Outbox, ipc_address, make_run_dir, pair_names
 from common.vision.images import vision_config
 from services.children import Child, hand_keys, module_argv, restart_exited, stop_children, worker_argv
+from services.parent_watch import OWNER, RUN_DIR_ENV
 
 log = logging.getLogger("launch")
-OWNER = "launcher.pid"
-"""The file in a run directory that names the launcher it belongs to."""
 
 
 @dataclass
@@ -252,6 +252,8 @@ class Launcher:
         self.run_dir = make_run_dir()
         (self.run_dir / OWNER).write_text(str(os.getpid()))
         self.children = service_children(opts, self.run_dir)
+        for child in self.children:  # (they remove it should this launcher be SIGKILLed)
+            child.env = {**child.env, RUN_DIR_ENV: str(self.run_dir)}
         keys = hand_keys(self.children)
         self.router = Outbox(ipc_address(self.run_dir, "router"), keys=keys, peer="router")
         self.stopping = self.failed = False

@@ -1,5 +1,6 @@
 """The decode worker process: `python -m services.decode --model DIR --inbox A --router A --peer A`."""
 
 from services.decode.main import main
+from services.exit_now import exit_now
 
-raise SystemExit(main())
+exit_now(main())

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from common import metrics
 from common.config import format_bytes
 from common.engine.memory_plan import cap_allocator, cap_worker, format_plan
 from common.ipc import tensors as ipc
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         shell.close()
         return 2
     exports = decode_exports(core)
+    kv_metrics = metrics.KvPoolMetrics.create(shell.registry)
     report_plan(core, shell)
     shell.watch_experts(core.engine.model.experts)
     shell.send("prefill", exports)
@@ -117,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                 log.exception("failed to handle %s", type(msg).__name__)
         step(core, shell)
         stats = core.stats()  # host-side counts: cheap enough to publish every step
-        shell.metrics.kv_pages_used.set(stats.pages_used)
-        shell.metrics.kv_pages_free.set(stats.pages_free)
+        kv_metrics.pages_used.set(stats.pages_used)
+        kv_metrics.pages_free.set(stats.pages_free)
         shell.metrics.requests_running.set(stats.running)
         if shell.heartbeat_due():
             shell.heartbeat(stats.running, stats.waiting)

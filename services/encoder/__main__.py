@@ -2,5 +2,6 @@
 `python -m services.encoder --model DIR --inbox A --router A --prefill NAME=A`."""
 
 from services.encoder.main import main
+from services.exit_now import exit_now
 
-raise SystemExit(main())
+exit_now(main())

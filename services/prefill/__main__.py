@@ -1,5 +1,6 @@
 """The prefill worker process: `python -m services.prefill --model DIR --inbox A --router A --peer A`."""
 
+from services.exit_now import exit_now
 from services.prefill.main import main
 
-raise SystemExit(main())
+exit_now(main())

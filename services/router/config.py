@@ -79,6 +79,9 @@ class RouterConfig:
     metrics_urls: Mapping[str, str] = field(default_factory=dict)
     """Each worker's metrics URL by service name, reported by `/health` (a worker's `Ready` may name its
     own, which wins)."""
+    restarts: Mapping[str, int] = field(default_factory=dict)
+    """Restarts so far by service name, the router's own among them, as its launcher counted them before
+    starting this router (`/health` goes on from these: a restarted router does not count from 0)."""
     heartbeat_timeout_s: float = 5.0
     """A worker whose last `Ready`/`Heartbeat` is older than this is down (503 while no pair is up, until it
     is heard again); a later heartbeat is logged and counted as late. Workers beat every second from a
@@ -102,6 +105,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
         object.__setattr__(self, "metrics_urls", MappingProxyType(dict(self.metrics_urls)))
+        object.__setattr__(self, "restarts", MappingProxyType(dict(self.restarts)))
         object.__setattr__(self, "pairs", tuple(self.pairs))
         if not self.pairs:
             raise ValueError("the router needs at least one prefill/decode pair")

@@ -119,12 +119,13 @@ class RouterCore:
 
     def health(self) -> dict[str, Any]:
         """The `/health` body: each service's state and metrics URL, each pair's state and load, and the
-        router's own load."""
+        router's own load, and how often its launcher restarted it."""
         return {
             "status": self.status(),
             "services": self.supervisor.service_report(),
             "pairs": self.supervisor.pair_report(),
             "router": self.admission.report(),
+            "router_restarts": self.config.restarts.get("router", 0),
         }
 
     def context_limit(self, configured: int) -> int:

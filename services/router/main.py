@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -12,10 +13,10 @@ from pathlib import Path
 from common.api_key import API_KEY_ENV, resolve_api_key
 from common.config import GRAMMAR_MAX_BYTES
 from common.ipc.keys import ControlKeys
-from services.parent_watch import stop_with_parent
+from services.parent_watch import RESTARTS_ENV, stop_with_parent
 from services.router.config import RouterConfig, WorkerPair
 
-SHUTDOWN_GRACE_S = 5
+SHUTDOWN_GRACE_S = 1
 """Seconds the streams get to finish on SIGTERM (uvicorn takes whole seconds)."""
 
 
@@ -150,7 +151,21 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         heartbeat_timeout_s=args.heartbeat_timeout,
         stall_timeout_s=args.stall_timeout,
         control_keys=ControlKeys.from_env(),
+        restarts=restarts_from_env(),
     )
+
+
+def restarts_from_env() -> dict[str, int]:
+    """Each service's restarts so far by name, as the launcher that started this router counted them
+    (`RESTARTS_ENV`: a JSON object; none where it is unset)."""
+    text = os.environ.get(RESTARTS_ENV, "")
+    try:
+        counts = json.loads(text) if text else {}
+    except ValueError:
+        raise SystemExit(f"${RESTARTS_ENV} is no JSON object: {text!r}") from None
+    if not isinstance(counts, dict) or not all(isinstance(n, int) for n in counts.values()):
+        raise SystemExit(f"${RESTARTS_ENV} must map service names to counts: {text!r}")
+    return counts
 
 
 def main(argv: Sequence[str] | None = None) -> int:

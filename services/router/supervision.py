@@ -52,6 +52,8 @@ class Supervisor:
         (a text-only model's encoder, as one docker-compose starts for any model, exits at once)."""
         if self.encoder is not None:
             self.services[self.encoder.name] = self.encoder
+        for name, svc in self.services.items():
+            svc.restarts = config.restarts.get(name, 0)
         self._unknown: set[str] = set()
         """Service names heard that no pair has (warned about once each)."""
         self._on_failure = on_failure

@@ -20,8 +20,8 @@ PROMETHEUS_ACCEPT = (
 
 def test_a_worker_serves_its_names_with_the_colon_whatever_the_scraper_accepts() -> None:
     registry = metrics.new_registry()
-    group = metrics.WorkerMetrics.create(registry)
-    group.kv_pages_free.set(7)
+    metrics.WorkerMetrics.create(registry)
+    metrics.KvPoolMetrics.create(registry).pages_free.set(7)
     port = free_port()
     stop = metrics.serve(registry, port)
     try:
@@ -43,7 +43,7 @@ def test_a_worker_serves_its_metrics_over_ipv6_too() -> None:
     if not socket.has_ipv6:
         pytest.skip("no IPv6 here")
     registry = metrics.new_registry()
-    metrics.WorkerMetrics.create(registry).kv_pages_used.set(3)
+    metrics.KvPoolMetrics.create(registry).pages_used.set(3)
     port = free_port()
     try:
         stop = metrics.serve(registry, port, "::1")

@@ -14,7 +14,8 @@ from tests.deploy.deployment import DEPLOY, ENCODER, SERVICES, dashboard, querie
 
 def _registry(job: str) -> CollectorRegistry:
     """The metric groups `job` builds (the router: RouterMetrics; the encoder: the worker shell's
-    WorkerMetrics and EncoderMetrics; prefill and decode: WorkerMetrics, the cache's)."""
+    WorkerMetrics and EncoderMetrics; prefill and decode: WorkerMetrics, the cache's; decode also the KV
+    pool's)."""
     registry = metrics.new_registry()
     if job == "router":
         metrics.RouterMetrics.create(registry)
@@ -24,6 +25,8 @@ def _registry(job: str) -> CollectorRegistry:
     else:
         metrics.WorkerMetrics.create(registry)
         metrics.ExpertCacheMetrics.create(registry)
+        if job == "decode":
+            metrics.KvPoolMetrics.create(registry)
     return registry
 
 

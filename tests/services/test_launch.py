@@ -174,6 +174,19 @@ def test_a_gone_launchers_run_directory_is_swept(tmp_path: Path) -> None:
     assert not dead.exists() and live.exists() and unnamed.exists()
 
 
+def test_a_service_removes_only_its_own_launchers_run_directory(tmp_path: Path) -> None:
+    from services.parent_watch import OWNER, remove_run_dir
+
+    ours, theirs = tmp_path / "spillway-ours", tmp_path / "spillway-theirs"
+    for run_dir, owner in ((ours, 41), (theirs, 42)):
+        run_dir.mkdir()
+        (run_dir / OWNER).write_text(str(owner))
+    remove_run_dir(str(ours), 41)
+    remove_run_dir(str(theirs), 41)
+    remove_run_dir(str(tmp_path / "spillway-gone"), 41)
+    assert not ours.exists() and theirs.exists()
+
+
 def test_the_ports_checked_are_those_the_services_bind(tmp_path: Path) -> None:
     opts = ServeOptions(
         model_dir=str(tmp_path), port=8000, metrics_port=9000, pair_gpus=[None, None], encoder_device="cpu"

@@ -12,6 +12,7 @@ behind.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -217,6 +218,15 @@ def test_decode_metrics_count_expert_cache_lookups(stack):
     assert 'spillway:expert_cache_hit_rate{layer="' in text and "spillway:expert_h2d_bytes_total" in text
 
 
+def test_only_decode_exports_the_kv_pool(stack):
+    """Decode owns the KV pool: its metrics have the pages; prefill's have none (a 0 would read as full)."""
+    _, _, metrics = stack
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics + 1}/metrics", timeout=5) as resp:
+        prefill = resp.read().decode()
+    assert "spillway:requests_running" in prefill and "kv_pages" not in prefill
+    assert _gauge(_decode_metrics(metrics), "kv_pages_free") > 0
+
+
 @pytest.mark.parametrize(
     ("body", "status", "needle"),
     [
@@ -361,20 +371,79 @@ def test_sigterm_stops_everything_and_frees_shared_memory(start_server, tmp_path
     assert health(server.port)[0] == 0
 
 
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _gone(pids: list[int], timeout_s: float) -> bool:
+    """Whether every process of `pids` has exited (or is a zombie) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    alive = lambda p: Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(map(alive, pids))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_sigterm_ends_the_launcher_and_its_services_within_3_s(start_server, tmp_path, streaming):
+    """SIGTERM, idle or with a stream in flight: the launcher and every service are gone in < 3 s; the stream
+    ends (an error event, its connection closed), it does not hang."""
+    server = start_server("--threads", "1", env={"SPILLWAY_CACHE": str(tmp_path)})
+    pids = _children(server.proc.pid)
+    body = {"model": "tiny-qwen3_moe", "prompt": "on", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    with contextlib.ExitStack() as stack:
+        if streaming:
+            url = f"http://127.0.0.1:{server.port}/v1/completions"
+            resp = stack.enter_context(httpx.stream("POST", url, json=body, timeout=10))
+            lines_in = resp.iter_lines()
+            lines.append(next(lines_in))
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        if streaming:
+            with contextlib.suppress(httpx.HTTPError):
+                lines.extend(lines_in)
+            assert time.monotonic() - started < 3, "the stream ended"
+        assert server.proc.wait(timeout=10) == 0
+        assert time.monotonic() - started < 3, f"the launcher took {time.monotonic() - started:.1f} s"
+    assert _gone(pids, 3 - (time.monotonic() - started) + 0.2)
+    if streaming:
+        events = [line for line in lines[1:] if line.startswith("data: {")]
+        assert events and ('"error"' in events[-1] or '"finish_reason":"' in events[-1]), lines[-4:]
+
+
 def test_a_killed_launcher_takes_every_service_with_it(start_server, tmp_path):
     """SIGKILL leaves the launcher no chance to stop its children: each sees its parent gone and stops (the
-    router through its own graceful shutdown), so nothing holds the port or the memory."""
+    router through its own graceful shutdown) within seconds, so nothing holds the port or the memory, and
+    they remove the launcher's run directory."""
     server = start_server("--threads", "1", env={"SPILLWAY_CACHE": str(tmp_path)})
-    out = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True)
-    pids = [int(p) for p in out.stdout.split()]
+    pids = _children(server.proc.pid)
     assert len(pids) == 3
+    argv = Path(f"/proc/{pids[0]}/cmdline").read_text().split("\0")
+    run_dir = Path(argv[argv.index("--inbox") + 1].removeprefix("ipc://")).parent
+    assert run_dir.is_dir()
     server.proc.kill()
     server.proc.wait()
-    deadline = time.monotonic() + 20
-    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert _gone(pids, 5), "every service stopped"
+    assert not run_dir.exists(), "the services removed their launcher's run directory"
     assert health(server.port)[0] == 0
+
+
+def test_restart_counts_survive_a_router_restart(start_server, tmp_path):
+    """The launcher hands a restarted router every service's restarts so far: /health goes on from them."""
+    server = start_server("--threads", "1", env={"SPILLWAY_CACHE": str(tmp_path)})
+    _kill_and_restart(server, "decode")
+    workers = {health(server.port)[1]["services"][s]["pid"] for s in ("prefill", "decode")}
+    (router,) = set(_children(server.proc.pid)) - workers
+    os.kill(router, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while router in _children(server.proc.pid) or health(server.port)[0] != 200:
+        assert time.monotonic() < deadline, "the router came back"
+        time.sleep(0.2)
+    body = health(server.port)[1]
+    assert body["services"]["decode"]["restarts"] == 1 and body["services"]["prefill"]["restarts"] == 0
+    assert body["router_restarts"] == 1
 
 
 def test_a_worker_that_cannot_start_stops_the_launcher(tmp_path):

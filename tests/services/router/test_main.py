@@ -73,6 +73,23 @@ def test_defaults_bind_loopback_and_read_the_key_from_the_environment(monkeypatc
     assert config.pairs == (WorkerPair("ipc://b", "ipc://c"),) and config.model_name == "m"
 
 
+def test_restart_counts_come_from_the_launcher(monkeypatch: Any) -> None:
+    """A restarted router goes on from its launcher's counts (SPILLWAY_RESTARTS), its own among them."""
+    from services.router.supervision import Supervisor
+
+    args = parse_args(["--model", "m", "--inbox", "ipc://a", "--prefill", "ipc://b", "--decode", "ipc://c"])
+    assert config_from_args(args).restarts == {}
+    monkeypatch.setenv("SPILLWAY_RESTARTS", '{"decode": 2, "prefill": 0, "router": 1}')
+    config = config_from_args(args)
+    assert config.restarts == {"decode": 2, "prefill": 0, "router": 1}
+    report = Supervisor(config, lambda *_: None).service_report()
+    assert (report["decode"]["restarts"], report["prefill"]["restarts"]) == (2, 0)
+    for bad in ("[1]", '{"decode": "x"}', "{"):
+        monkeypatch.setenv("SPILLWAY_RESTARTS", bad)
+        with pytest.raises(SystemExit, match="SPILLWAY_RESTARTS"):
+            config_from_args(args)
+
+
 def test_python_m_services_router(run_dir: Path, make_peer: Any, free_port: Any, wait_until: Any) -> None:
     make_peer(run_dir)
     port, metrics_port = free_port(), free_port()
