@@ -7,12 +7,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from common.ipc.transport import ipc_address
+from services.children import MAX_QUICK_EXITS, Child, restart_exited
 from services.cli import _encoder_device, build_parser
 from services.encoder.main import encoder_parser
 from services.launch import ServeOptions, has_vision, pair_gpus, router_argv, service_children
@@ -218,3 +220,19 @@ def test_the_pixel_budgets_pass_from_serve_to_the_router(tmp_path: Path) -> None
     assert (config.max_image_pixels, config.max_request_pixels) == (500, 900)
     default = config_from_args(parse_args(router_argv(ServeOptions("/m"), "ipc:///r", [("a", "b")], {})[3:]))
     assert (default.max_image_pixels, default.max_request_pixels) == (2**25, 2**27)
+
+
+def test_a_child_that_keeps_failing_at_start_up_is_given_up() -> None:
+    """A child that exits at once every start is restarted until MAX_QUICK_EXITS failures in a row, then
+    `restart_exited` names it (the launcher gives up) instead of restarting it forever."""
+    child = Child("decode", [sys.executable, "-c", "raise SystemExit(3)"])
+    child.start()
+    given_up = None
+    deadline = time.monotonic() + 60
+    while given_up is None and time.monotonic() < deadline:
+        assert child.proc is not None
+        child.proc.wait(timeout=30)
+        given_up = restart_exited([child], None)
+    assert given_up is child
+    assert child.quick_exits == MAX_QUICK_EXITS and child.restarts == MAX_QUICK_EXITS - 1
+    assert child.proc is not None and child.proc.returncode == 3

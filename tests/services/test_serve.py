@@ -446,15 +446,16 @@ def test_restart_counts_survive_a_router_restart(start_server, tmp_path):
     assert body["router_restarts"] == 1
 
 
-def test_a_worker_that_cannot_start_stops_the_launcher(tmp_path):
-    """A checkpoint the workers cannot load: the launcher gives up after a few restarts (exit 1), no hang."""
+def test_a_missing_shard_is_refused_before_starting(tmp_path):
+    """A checkpoint the workers could not load: refused before any process starts (exit 2, the file named),
+    not restarted until the launcher gives up."""
     model = make_model(tmp_path / "broken", preset="tiny", arch="qwen3_moe")
     shard = sorted(model.glob("*.safetensors"))[-1]
     shard.unlink()
     argv = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--port", str(free_port())]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1
-    assert shard.name in done.stderr and "giving up" in done.stderr
+    assert done.returncode == 2
+    assert shard.name in done.stderr and "started" not in done.stderr
 
 
 def test_a_bad_model_directory_is_refused_before_starting(tmp_path):
