@@ -1,9 +1,11 @@
 """What one huge prompt does to a served stack (issue 56's probe): `spillway serve` on the tiny model (CPU), 4
-streams running, then a chat and a text completion of `--mb` MB each. Reports the slowest `/health` (polled
-every 10 ms throughout), the longest wait between two events of any stream, the router's peak RSS (VmHWM)
-and what the huge requests got (curl sends them: a process apart from the one that times `/health`).
+streams running, then a chat and a text completion of `--mb` MB each (`--enum N`: instead, a chat whose
+`response_format` is a JSON schema of an N-string enum, its grammar compiled apart from the loops). Reports
+the slowest `/health` (polled every 10 ms throughout), the longest wait between two events of any stream, the
+router's peak RSS (VmHWM) and what the huge requests got (curl sends them: a process apart from the one that
+times `/health`).
 
-    python -m bench.prompt_stall [--mb 45] [--out DIR]   # CPU only: bench/results/prompt-stall.json
+    python -m bench.prompt_stall [--mb 45 | --enum 400000] [--out DIR]   # CPU: prompt-stall[-enum].json
 """
 
 from __future__ import annotations
@@ -50,12 +52,27 @@ def _huge(url: str, path: str, body: Path, answers: list) -> None:
                     "error": json.loads(out).get("error", {}).get("code")})  # fmt: skip
 
 
-def probe(url: str, router: int, mb: float) -> dict:
+def huge_bodies(mb: float, enum: int) -> dict[str, dict]:
+    """The requests sent beside the streams, by path: two prompts of `mb` MB, or a chat with an `enum`-string
+    schema."""
+    if enum:
+        schema = {"type": "string", "enum": [f"item-{i}" for i in range(enum)]}
+        response_format = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
+        chat = {
+            "model": "tiny-qwen3_moe",
+            "messages": [{"role": "user", "content": "pick one"}],
+            "max_tokens": 8,
+        }
+        return {"/v1/chat/completions": {**chat, "response_format": response_format}}
     text = "hello world, café " * int(mb * 1e6 / 19)
-    bodies = {
+    return {
         "/v1/chat/completions": {"model": "tiny-qwen3_moe", "messages": [{"role": "user", "content": text}]},
         "/v1/completions": {"model": "tiny-qwen3_moe", "prompt": text},
     }
+
+
+def probe(url: str, router: int, mb: float, enum: int = 0) -> dict:
+    bodies = huge_bodies(mb, enum)
     gaps: list[float] = []
     answers: list[dict] = []
     streams = [threading.Thread(target=_stream, args=(url, gaps)) for _ in range(4)]
@@ -79,7 +96,8 @@ def probe(url: str, router: int, mb: float) -> dict:
     for file in files.values():
         file.unlink()
     return {
-        "prompt_mb": mb,
+        "prompt_mb": 0 if enum else mb,
+        "enum_items": enum,
         "health_polls": polls,
         "health_slowest_ms": slowest * 1e3,
         "stream_longest_gap_ms": max(gaps) * 1e3,
@@ -91,12 +109,13 @@ def probe(url: str, router: int, mb: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=45.0, help="each huge prompt's size in MB")
+    ap.add_argument("--enum", type=int, default=0, help="instead: a schema of this many enum strings")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     with served([]) as (url, router):
-        result = probe(url, router, args.mb)
+        result = probe(url, router, args.mb, args.enum)
     print(json.dumps(result, indent=1))
-    print(write_result("prompt-stall", result, args.out))
+    print(write_result("prompt-stall" + ("-enum" if args.enum else ""), result, args.out))
 
 
 if __name__ == "__main__":
