@@ -41,9 +41,11 @@ def health(port: int) -> tuple[int, dict]:
         return 0, {}
 
 
-def wait_healthy(port: int, timeout_s: float = 300) -> dict:
+def wait_healthy(port: int, timeout_s: float = 300, proc: subprocess.Popen | None = None) -> dict:
+    """The /health body once it is a 200 (fails at once if `proc`, the server, exits first)."""
     deadline, body = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline:
+        assert proc is None or proc.poll() is None, f"the server exited with {proc.returncode}"
         status, body = health(port)
         if status == 200:
             return body
@@ -107,7 +109,7 @@ def start_server():
         argv = [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *args]
         server = Server(subprocess.Popen(argv, env={**os.environ, **(env or {})}), port)
         started.append(server)
-        wait_healthy(port)
+        wait_healthy(port, proc=server.proc)
         return server
 
     yield start

@@ -291,19 +291,7 @@ def load_model(
             raise CheckpointError("the checkpoint has no MTP head", Path(model_dir) / "config.json")
         cfg = dataclasses.replace(cfg, mtp_layers=cfg.checkpoint_mtp_layers)
     where = Path(model_dir) / INDEX_FILE
-    scheme = detect_quantization(model_dir)  # an unsupported method stops here, before any tensor is read
-    raw = safetensors_source(model_dir)
-    published = None
-    if scheme.expert_format is not None and not (Path(model_dir) / ARTIFACT_META).is_file():
-        published = PublishedExperts(scheme.expert_format, arch, cfg, Path(model_dir) / "config.json")
-        raw = published.filter(raw)
-    if scheme.method == "nvfp4":
-        raw = dequantized_nvfp4_source(raw)  # linears outside the routed experts
-    source = dequantized_fp8_source(
-        raw,
-        fp8_block_size(model_dir),
-        keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
-    )
+    source, published = _model_source(model_dir, arch, cfg, safetensors_source(model_dir))
     if published is not None:
         model = build_model(arch, cfg, source, where, dtype, device, external_experts=True, fuse=fuse)
         attach_published(model, published, where, dtype, None if published_only else expert_device or device)
@@ -319,21 +307,41 @@ def load_model(
     return build_model(arch, cfg, source, where, dtype, device, expert_device=expert_device, fuse=fuse)
 
 
+def _model_source(
+    model_dir: str | Path, arch: Architecture, cfg: ModelConfig, raw: TensorSource
+) -> tuple[TensorSource, PublishedExperts | None]:
+    """`raw` (the checkpoint's tensors) as `build_model` takes them: FP8 and NVFP4 linears dequantised,
+    and NVFP4 / MXFP4 routed experts taken out into the PublishedExperts returned (None for another
+    scheme, or an artifact). The quantization is checked first: an unsupported method stops here."""
+    scheme = detect_quantization(model_dir)
+    published = None
+    if scheme.expert_format is not None and not (Path(model_dir) / ARTIFACT_META).is_file():
+        published = PublishedExperts(scheme.expert_format, arch, cfg, Path(model_dir) / "config.json")
+        raw = published.filter(raw)
+    if scheme.method == "nvfp4":
+        raw = dequantized_nvfp4_source(raw)  # linears outside the routed experts
+    source = dequantized_fp8_source(
+        raw,
+        fp8_block_size(model_dir),
+        keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
+    )
+    return source, published
+
+
 def check_checkpoint(model_dir: str | Path) -> None:
     """Make every check `load_model` makes of the model's files and read no tensor: each safetensors file
     opened (`header_source`: its header readable, its tensors' bytes within it), then the model built on
     the meta device from the tensors' headers (every tensor the config asks for present, each of its shape,
-    a weight floating-point, fp8 weights with their scales). CheckpointError naming the file and key."""
+    a weight floating-point, quantized weights with their scales, published experts complete).
+    CheckpointError naming the file and key."""
     arch, cfg = load_architecture(model_dir)
-    source = dequantized_fp8_source(
-        header_source(model_dir),
-        fp8_block_size(model_dir),
-        keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
-    )
-    artifact = (Path(model_dir) / ARTIFACT_META).is_file()
+    source, published = _model_source(model_dir, arch, cfg, header_source(model_dir))
+    external = published is not None or (Path(model_dir) / ARTIFACT_META).is_file()
     where = Path(model_dir) / INDEX_FILE
     where = where if where.is_file() else Path(model_dir)
-    build_model(arch, cfg, source, where, torch.float32, "meta", external_experts=artifact)
+    build_model(arch, cfg, source, where, torch.float32, "meta", external_experts=external)
+    if published is not None:
+        published.layers(where)
 
 
 class BuiltModel(Protocol):

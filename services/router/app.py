@@ -157,9 +157,11 @@ class Router:
     async def _body(self, request: Request) -> bytes:
         """The request's body, refused (by its Content-Length, or as it streams in without one) with a 413
         once it is over `max_request_bytes`, or with a 400 once it is over what a prompt of the context
-        can take where no encoder runs (no images: the body is little more than its prompt's text)."""
+        can take where no encoder runs (no images: the body is little more than its prompt's text and a
+        response format within `grammar_max_bytes`)."""
         limit = self.config.max_request_bytes
-        prompt_limit = self.max_prompt_bytes + BODY_ALLOWANCE_BYTES if self.prompting is None else limit
+        text_limit = self.max_prompt_bytes + self.config.grammar_max_bytes + BODY_ALLOWANCE_BYTES
+        prompt_limit = text_limit if self.prompting is None else limit
         declared = request.headers.get("content-length", "")
         if declared.isdigit():
             _check_body_size(int(declared), limit, prompt_limit)
@@ -469,7 +471,8 @@ def _check_body_size(size: int, limit: int, prompt_limit: int) -> None:
         raise ApiError(413, f"The request body is over {limit:,} bytes.", code="request_too_large")
     if size > prompt_limit:
         raise api.bad_request(
-            f"The request body is over {prompt_limit:,} bytes: more text than this model's context holds.",
+            f"The request body is over {prompt_limit:,} bytes: more text than this model's context holds"
+            " beside a response format within --grammar-max-bytes.",
             code="context_length_exceeded",
         )
 

@@ -61,7 +61,7 @@ class RouterConfig:
     """A prompt's text (a chat's rendered through its template, a completion's each) may hold at most
     `max_context` times this many UTF-8 bytes: a 400 beyond, before it is tokenized (far more than any
     tokenizer packs into a token). Without an encoder, the request body is held to that plus
-    BODY_ALLOWANCE_BYTES as it is read (below `max_request_bytes`)."""
+    `grammar_max_bytes` plus BODY_ALLOWANCE_BYTES as it is read (below `max_request_bytes`)."""
     max_image_pixels: int = 2**25
     """Most pixels (width x height, read from the file's header before it is decoded) of one image: a 400
     beyond."""

@@ -19,7 +19,7 @@ from common.engine.memory_plan import plan_for_dir
 from common.experts.formats import get_format
 from common.model.errors import CheckpointError
 from common.model.hf_config import load_architecture
-from common.model.loader import load_model
+from common.model.loader import check_checkpoint, load_model
 from common.model.synthetic.checkpoint import make_model
 from common.protocol import SamplingParams
 from tests.common.experts.test_fp4_formats import mxfp4_reference, nvfp4_reference
@@ -230,8 +230,16 @@ def ckpt(fp4_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(fp4_dir, tmp_path / "model"))
 
 
+CHECKS = pytest.mark.parametrize("check", [load_model, check_checkpoint], ids=["load", "headers"])
+
+
+def test_headers_check_passes(fp4_dir: Path) -> None:
+    check_checkpoint(fp4_dir)
+
+
+@CHECKS
 @pytest.mark.parametrize("fault", ["truncated", "reshaped", "mistyped"])
-def test_bad_scale_refused(ckpt: Path, fault: str) -> None:
+def test_bad_scale_refused(ckpt: Path, fault: str, check) -> None:
     for key in _scale_keys(ckpt):
         original = _tensors(ckpt)[key]
 
@@ -243,16 +251,17 @@ def test_bad_scale_refused(ckpt: Path, fault: str) -> None:
 
         shard = _edit(ckpt, key, change)
         with pytest.raises(CheckpointError, match="dtype" if fault == "mistyped" else "shape") as err:
-            load_model(ckpt)
+            check(ckpt)
         assert err.value.path == shard and err.value.key == key
         _edit(ckpt, key, lambda t, key=key, original=original: t.update({key: original}))
 
 
-def test_missing_scale_refused(ckpt: Path) -> None:
+@CHECKS
+def test_missing_scale_refused(ckpt: Path, check) -> None:
     key = _scale_keys(ckpt)[0]
     _edit(ckpt, key, lambda t: t.pop(key))
-    with pytest.raises(CheckpointError, match="missing tensor") as err:
-        load_model(ckpt)
+    with pytest.raises(CheckpointError, match="missing") as err:
+        check(ckpt)
     assert err.value.key == key
 
 
