@@ -5,7 +5,7 @@ the slowest `/health` (polled every 10 ms throughout), the longest wait between 
 router's peak RSS (VmHWM) and what the huge requests got (curl sends them: a process apart from the one that
 times `/health`).
 
-    python -m bench.prompt_stall [--mb 45 | --enum 400000] [--out DIR]   # CPU: prompt-stall[-enum].json
+    python -m bench.prompt_stall [--mb 45 | --enum 400000 [--grammar-max-bytes 8MiB]] [--out DIR]
 """
 
 from __future__ import annotations
@@ -110,12 +110,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=45.0, help="each huge prompt's size in MB")
     ap.add_argument("--enum", type=int, default=0, help="instead: a schema of this many enum strings")
+    ap.add_argument(
+        "--grammar-max-bytes", default=None, help="serve's schema size budget (8MiB: the enum compiles)"
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    with served([]) as (url, router):
-        result = probe(url, router, args.mb, args.enum)
+    flags = [] if args.grammar_max_bytes is None else ["--grammar-max-bytes", args.grammar_max_bytes]
+    with served(flags) as (url, router):
+        result = {**probe(url, router, args.mb, args.enum), "serve_flags": flags}
     print(json.dumps(result, indent=1))
-    print(write_result("prompt-stall" + ("-enum" if args.enum else ""), result, args.out))
+    name = "prompt-stall" + ("-enum" if args.enum else "") + ("-compiled" if flags else "")
+    print(write_result(name, result, args.out))
 
 
 if __name__ == "__main__":
