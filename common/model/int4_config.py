@@ -30,7 +30,8 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")
 
 
 def _field(quant: dict[str, Any], key: str, path: Path, default: Any, kind: type | tuple[type, ...]) -> Any:
-    value = quant.get(key, default)
+    value = quant.get(key)
+    value = default if value is None else value  # tools write null for a field left at its default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise CheckpointError(f"unexpected {key} {value!r}", path, _PREFIX + key)
     return value
@@ -70,7 +71,7 @@ def gptq_scheme(quant: dict[str, Any], path: Path, unsupported: Unsupported) -> 
     pack = quant.get("pack_dtype", "int32")
     if pack != "int32":
         raise unsupported(f"gptq pack_dtype {pack!r}", path, _PREFIX + "pack_dtype")
-    dynamic = _field(quant, "dynamic", path, {}, dict) or {}
+    dynamic = _field(quant, "dynamic", path, {}, dict)
     skipped = []
     for pattern in dynamic:
         if not pattern.startswith("-:"):  # a module quantized differently (bits, group size)
