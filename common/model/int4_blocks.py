@@ -10,7 +10,8 @@ torch's [out, in] weight):
   order; `qzeros` int32 [G, out/8], word c of a row holding outputs 8c..8c+7 in order; `scales`; `g_idx`
   int32 [in], the group of each input (i // group_size, or with `desc_act` a permuted assignment). The
   "gptq" checkpoint_format (v1) stores zero − 1 in each nibble (a zero of 0 cannot be stored; each nibble
-  reads back + 1), GPTQModel's "gptq_v2" the zero itself.
+  reads back + 1, 15 as 16, as AutoGPTQ's torch path and vLLM's exllama kernel read it), GPTQModel's
+  "gptq_v2" the zero itself.
 - AWQ GEMM (AutoAWQ): `qweight` int32 [in, out/8] and `qzeros` int32 [G, out/8], word c of a row holding
   outputs 8c + (0, 2, 4, 6, 1, 3, 5, 7)[k] in nibble k; `scales`; the zero itself; groups contiguous.
 
