@@ -31,6 +31,7 @@ class Int4PublishedExperts(PublishedExperts):
     """`PublishedExperts` for a GPTQ / AWQ expert format (`fmt`: its name, e.g. "gptq-g32")."""
 
     def __init__(self, fmt: str, arch: Architecture, cfg: ModelConfig, config_path: Path) -> None:
+        # (PublishedExperts.__init__ checks FP4 block sizes: these formats check their own dims instead)
         parsed = parse_int4_format_name(fmt)
         if parsed is None:
             raise ValueError(f"{fmt!r} is not a GPTQ or AWQ format")

@@ -23,6 +23,8 @@ from common.model.errors import CheckpointError
 from common.model.hf_config import load_architecture
 from common.model.loader import check_checkpoint, load_model
 from common.model.synthetic.checkpoint import make_model
+from common.model.synthetic.config import model_config
+from common.model.synthetic.int4_checkpoint import group_size
 from common.protocol import SamplingParams
 from tests.common.experts.test_int4_published_formats import awq_reference, gptq_reference
 
@@ -143,6 +145,15 @@ def test_awq_written_as_autoawq(tmp_path: Path) -> None:
     assert "model.layers.1.mlp.gate_proj.weight" in t and "model.layers.1.mlp.up_proj.qweight" in t
     index = json.loads((out / INDEX).read_text())["weight_map"]
     assert set(index) == set(t)
+
+
+def test_group_size_fits_every_quantized_input() -> None:
+    """128 where the dims allow; else the largest of 64, 32, 16 that divides every quantized input dim."""
+    assert group_size("gptq", model_config("tiny", "qwen3_moe", None)) == GROUP  # H 64, I 32, dense 96
+    assert group_size("awq", model_config("tiny", "qwen2_moe", None)) == 16  # the shared expert's 48
+    wide = {"hidden_size": 256, "moe_intermediate_size": 128, "intermediate_size": 384, "head_dim": 64}
+    assert group_size("gptq", model_config("tiny", "qwen3_moe", wide)) == 128
+    assert group_size("awq", model_config("tiny", "qwen3_moe", wide | {"moe_intermediate_size": 40})) == -1
 
 
 # --- loading -----------------------------------------------------------------------------------------------
