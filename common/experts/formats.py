@@ -15,6 +15,8 @@ back; `mlp` is the reference the GPU kernels are checked by.
   multiples of 128.
 - nvfp4 / mxfp4: a checkpoint's published 4-bit float experts (ModelOpt's NVFP4, gpt-oss's MXFP4) in their
   own bits (common/model/fp4_blocks.py); loaded as published, never packed from bf16 at serve time.
+- gptq / gptq_v2 / awq (group 128; "-g<N>" names another group size): GPTQ and AWQ int4 experts in their
+  published int32 words (common/model/int4_blocks.py), likewise.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ from common.model.fp4_blocks import (
 )
 from common.model.fp4_blocks import unpack_nibbles as unpack_nibbles  # re-exported: int4 shares the packing
 from common.model.fp8_blocks import FP8_BLOCK, dequantize_fp8_block, exact_div, quantize_fp8_block
+from common.model.int4_blocks import (
+    dequantize_experts,
+    expert_components,
+    int4_format_name,
+    pack_expert,
+    parse_int4_format_name,
+)
 
 Components = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -64,7 +73,7 @@ class ExpertFormat(ABC):
     """
 
     name: str
-    """"bf16" | "fp8" | "int4" | "nvfp4" | "mxfp4"."""
+    """"bf16" | "fp8" | "int4" | "nvfp4" | "mxfp4" | "gptq" | "awq" (…: `PublishedInt4Format`)."""
 
     @abstractmethod
     def components(self, hidden: int, inter: int) -> Components:
@@ -351,12 +360,45 @@ class Mxfp4Format(ExpertFormat):
         return 0.18
 
 
+class PublishedInt4Format(ExpertFormat):
+    """GPTQ (v1 or v2 zeros) or AWQ GEMM int4 experts as published (common/model/int4_blocks.py), gate's and
+    up's tensors joined along the outputs; `pack` rounds to nearest (GPTQ symmetric, inputs in order)."""
+
+    def __init__(self, method: str, group: int) -> None:
+        self.method, self.group = method, group
+        self.name = int4_format_name(method, group)
+
+    def components(self, hidden: int, inter: int) -> Components:
+        try:
+            return expert_components(self.method, self.group, hidden, inter)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
+
+    def pack(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, inter = _check_weights(gate_up, down)
+        self.components(hidden, inter)  # the dim check
+        return pack_expert(self.method, self.group, gate_up, down)
+
+    def unpack_many(
+        self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return dequantize_experts(self.method, parts, dtype)  # [N, 2I, H], [N, H, I]
+
+    def error_bound(self) -> float:
+        # 16 levels over each group's range with fp16 scales: ~10 % rms on Gaussian weights (groups of 32 up
+        # to a whole row of a few hundred), bound with margin; weights within fp16's range.
+        return 0.13
+
+
 # --- registry ----------------------------------------------------------------------------------------------
 
 FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (Bf16Format(), Fp8Format(), Int4Format())}
 
 
-PUBLISHED_FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (Nvfp4Format(), Mxfp4Format())}
+PUBLISHED_FORMATS: dict[str, ExpertFormat] = {
+    f.name: f
+    for f in (Nvfp4Format(), Mxfp4Format(), PublishedInt4Format("gptq", 128), PublishedInt4Format("awq", 128))
+}
 """Formats a checkpoint publishes its experts in, kept in their bits (not packed from bf16 by
 `--expert-format`; their GPU kernels are still to come, so they run through `unpack_many`)."""
 
@@ -365,6 +407,9 @@ def get_format(name: str) -> ExpertFormat:
     """The format called name (in FORMATS or PUBLISHED_FORMATS); ValueError naming the allowed ones
     otherwise."""
     known = {**FORMATS, **PUBLISHED_FORMATS}
+    int4 = parse_int4_format_name(name)  # another group size or zero convention: e.g. "gptq-g32"
+    if name not in known and int4 is not None:
+        return PublishedInt4Format(*int4)
     try:
         return known[name]
     except KeyError:

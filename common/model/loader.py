@@ -7,7 +7,8 @@ Hugging Face FP8 checkpoints (Qwen3-FP8, DeepSeek-V3: a linear's `X.weight` in f
 `X.weight_scale_inv` per 128×128 block) load dequantized: `dequantized_fp8_source` pairs each weight with its
 scale and hands the loader w = fp8 · scale_inv in float32, which it casts to the model dtype as any tensor.
 NVFP4 (ModelOpt) and MXFP4 (gpt-oss) checkpoints keep their routed experts in their published bits
-(published_experts.py); their other NVFP4 linears load dequantised (nvfp4_linears.py).
+(published_experts.py); their other NVFP4 linears load dequantised (nvfp4_linears.py). GPTQ and AWQ
+checkpoints likewise (int4_experts.py, int4_linears.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from common.model.fp8_blocks import FP8_BLOCK, dequantize_fp8_block
 from common.model.fused_linear import fuse_projections
 from common.model.hf_config import load_architecture
 from common.model.host_embedding import host_table_owners
+from common.model.int4_experts import Int4PublishedExperts
+from common.model.int4_linears import dequantized_int4_source
 from common.model.layers import activation
 from common.model.ngram import ngram_shard_rows
 from common.model.nvfp4_linears import dequantized_nvfp4_source
@@ -316,16 +319,26 @@ def _model_source(
     scheme = detect_quantization(model_dir)
     published = None
     if scheme.expert_format is not None and not (Path(model_dir) / ARTIFACT_META).is_file():
-        published = PublishedExperts(scheme.expert_format, arch, cfg, Path(model_dir) / "config.json")
+        kind = Int4PublishedExperts if scheme.int4_format else PublishedExperts
+        published = kind(scheme.expert_format, arch, cfg, Path(model_dir) / "config.json")
         raw = published.filter(raw)
     if scheme.method == "nvfp4":
         raw = dequantized_nvfp4_source(raw)  # linears outside the routed experts
+    if scheme.int4_format:
+        raw = dequantized_int4_source(raw, scheme.int4_format, functools.partial(_weight_shape, arch, cfg))
     source = dequantized_fp8_source(
         raw,
         fp8_block_size(model_dir),
         keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
     )
     return source, published
+
+
+def _weight_shape(arch: Architecture, cfg: ModelConfig, key: str) -> tuple[int, ...] | None:
+    """The shape of the model's parameter that checkpoint `key` fills (None: no parameter)."""
+    target = arch.map_key(key, cfg)
+    params = dict(meta_model(arch, cfg, torch.float32).named_parameters())
+    return tuple(params[target].shape) if isinstance(target, str) and target in params else None
 
 
 def check_checkpoint(model_dir: str | Path) -> None:

@@ -4,7 +4,8 @@ or ModelOpt's `hf_quant_config.json`.
 Supported: none (bf16/fp16/fp32), `quant_method` "fp8" (block-scaled, dequantised at load: loader.py),
 ModelOpt's NVFP4 (`quant_method` "modelopt" with `quant_algo` "NVFP4", or hf_quant_config.json's
 `quantization.quant_algo`) and "mxfp4" (gpt-oss): their routed experts stay in their bits
-(fp4_formats.py). Any other method or algorithm is a CheckpointError naming it, its file and key, and the
+(fp4_formats.py); "gptq" and "awq" int4 (int4_config.py), whose experts stay in their bits too
+(int4_blocks.py). Any other method or algorithm is a CheckpointError naming it, its file and key, and the
 supported list. Ignore lists (`ignore`, `modules_to_not_convert`, `exclude_modules`) name modules left
 unquantized: "re:" + a regular expression (compressed-tensors), a glob with * or ? (ModelOpt, gpt-oss),
 or a module name that also covers its submodules.
@@ -20,9 +21,10 @@ from typing import Any
 
 from common.model.checkpoint import read_json
 from common.model.errors import CheckpointError
+from common.model.int4_config import awq_scheme, gptq_scheme
 
 MODELOPT_FILE = "hf_quant_config.json"
-SUPPORTED = ("fp8", "modelopt NVFP4", "mxfp4")
+SUPPORTED = ("fp8", "modelopt NVFP4", "mxfp4", "gptq", "awq")
 """What `detect_quantization` accepts, as its errors list it."""
 _IGNORE_KEYS = ("ignore", "modules_to_not_convert", "exclude_modules")
 
@@ -32,16 +34,19 @@ class QuantScheme:
     """A checkpoint's declared quantization."""
 
     method: str
-    """"none" | "fp8" | "nvfp4" | "mxfp4"."""
+    """"none" | "fp8" | "nvfp4" | "mxfp4" | "gptq" | "awq"."""
     source: Path | None
     """The file that declared it (None for an unquantized checkpoint)."""
     ignore: tuple[str, ...] = ()
-    """Module patterns left unquantized, as the file writes them."""
+    """Module patterns left unquantized, as the file writes them (AWQ's substrings as "re:" patterns)."""
+    int4_format: str | None = None
+    """GPTQ / AWQ: the expert format's name, with its group size and zero convention ("gptq-g32")."""
 
     @property
     def expert_format(self) -> str | None:
-        """The published expert format whose bits the host store keeps ("nvfp4" | "mxfp4"), else None."""
-        return self.method if self.method in ("nvfp4", "mxfp4") else None
+        """The published expert format whose bits the host store keeps ("nvfp4" | "mxfp4" | a GPTQ or AWQ
+        format's name), else None."""
+        return self.int4_format or (self.method if self.method in ("nvfp4", "mxfp4") else None)
 
     def quantizes(self, module: str) -> bool:
         """Whether the module (a dotted name, e.g. "model.layers.0.mlp.gate") is stored quantized."""
@@ -80,6 +85,10 @@ def detect_quantization(model_dir: str | Path) -> QuantScheme:
         return QuantScheme("fp8", config_path, _ignore(quant, config_path, "quantization_config."))
     if method == "mxfp4":
         return QuantScheme("mxfp4", config_path, _ignore(quant, config_path, "quantization_config."))
+    if method in ("gptq", "awq"):
+        scheme = gptq_scheme if method == "gptq" else awq_scheme
+        fmt, ignore = scheme(quant, config_path, _unsupported)
+        return QuantScheme(method, config_path, ignore, fmt)
     if method == "modelopt":
         body = quant.get("quantization", quant)  # some exports nest hf_quant_config.json's body
         return _modelopt(body, config_path, "quantization_config.")

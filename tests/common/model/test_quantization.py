@@ -70,8 +70,8 @@ def test_mxfp4_and_pattern_forms(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("quant", "named"),
     [
-        ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
-        ({"quant_method": "awq"}, "'awq'"),
+        ({"quant_method": "hqq"}, "'hqq'"),
+        ({"quant_method": "eetq"}, "'eetq'"),
         ({"quant_method": "compressed-tensors"}, "'compressed-tensors'"),
         ({"quant_method": "bitsandbytes"}, "'bitsandbytes'"),
         ({"quant_method": "modelopt", "quant_algo": "FP8"}, "'FP8'"),
