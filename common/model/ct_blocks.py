@@ -140,9 +140,9 @@ def dequantize_ct_nvfp4(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """(weight_packed uint8 [..., out, in/2], weight_scale e4m3 [..., out, in/16], weight_global_scale fp32
-    [..., 1]) -> e2m1 · (s / global) [..., out, in] in dtype: the quotient and the product each rounded in
-    fp32, as compressed-tensors computes them, then rounded once to dtype."""
+    [..., 1] or one per row [..., out]) -> e2m1 · (s / global) [..., out, in] in dtype: the quotient and the
+    product each rounded in fp32, as compressed-tensors computes them, then rounded once to dtype."""
     values = e2m1_decode(unpack_nibbles(packed))  # [..., out, in]
-    step = scale.float() / global_scale.float().reshape(*global_scale.shape[:-1], 1, 1)  # [..., out, G]
+    step = scale.float() / global_scale.float()[..., None]  # [..., out, G]
     blocks = values.reshape(*scale.shape, NVFP4_GROUP) * step[..., None]
     return blocks.reshape(values.shape).to(dtype)

@@ -34,6 +34,7 @@ from common.model.checkpoint import (
     read_json,
     safetensors_source,
 )
+from common.model.ct_source import CtPublishedExperts, dequantized_ct_source
 from common.model.errors import CheckpointError
 from common.model.fp8_blocks import FP8_BLOCK, dequantize_fp8_block
 from common.model.fused_linear import fuse_projections
@@ -316,10 +317,13 @@ def _model_source(
     scheme = detect_quantization(model_dir)
     published = None
     if scheme.expert_format is not None and not (Path(model_dir) / ARTIFACT_META).is_file():
-        published = PublishedExperts(scheme.expert_format, arch, cfg, Path(model_dir) / "config.json")
+        kind = PublishedExperts if scheme.ct is None else CtPublishedExperts
+        published = kind(scheme.expert_format, arch, cfg, Path(model_dir) / "config.json")
         raw = published.filter(raw)
     if scheme.method == "nvfp4":
         raw = dequantized_nvfp4_source(raw)  # linears outside the routed experts
+    if scheme.ct is not None:
+        raw = dequantized_ct_source(raw, scheme.ct)  # compressed-tensors' linears outside them
     source = dequantized_fp8_source(
         raw,
         fp8_block_size(model_dir),

@@ -4,10 +4,11 @@ or ModelOpt's `hf_quant_config.json`.
 Supported: none (bf16/fp16/fp32), `quant_method` "fp8" (block-scaled, dequantised at load: loader.py),
 ModelOpt's NVFP4 (`quant_method` "modelopt" with `quant_algo` "NVFP4", or hf_quant_config.json's
 `quantization.quant_algo`) and "mxfp4" (gpt-oss): their routed experts stay in their bits
-(fp4_formats.py). Any other method or algorithm is a CheckpointError naming it, its file and key, and the
-supported list. Ignore lists (`ignore`, `modules_to_not_convert`, `exclude_modules`) name modules left
-unquantized: "re:" + a regular expression (compressed-tensors), a glob with * or ? (ModelOpt, gpt-oss),
-or a module name that also covers its submodules.
+(fp4_formats.py); llm-compressor's "compressed-tensors" checkpoints as ct_scheme.py says. Any other
+method or algorithm is a CheckpointError naming it, its file and key, and the supported list. Ignore lists
+(`ignore`, `modules_to_not_convert`, `exclude_modules`) name modules left unquantized: "re:" + a regular
+expression (compressed-tensors), a glob with * or ? (ModelOpt, gpt-oss), or a module name that also covers
+its submodules.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from common.model.checkpoint import read_json
+from common.model.ct_scheme import CT_METHOD, CT_SUPPORTED, CtScheme, compressed_tensors_scheme
 from common.model.errors import CheckpointError
 
 MODELOPT_FILE = "hf_quant_config.json"
-SUPPORTED = ("fp8", "modelopt NVFP4", "mxfp4")
+SUPPORTED = ("fp8", "modelopt NVFP4", "mxfp4", *CT_SUPPORTED)
 """What `detect_quantization` accepts, as its errors list it."""
 _IGNORE_KEYS = ("ignore", "modules_to_not_convert", "exclude_modules")
 
@@ -32,15 +34,20 @@ class QuantScheme:
     """A checkpoint's declared quantization."""
 
     method: str
-    """"none" | "fp8" | "nvfp4" | "mxfp4"."""
+    """"none" | "fp8" | "nvfp4" | "mxfp4" | "compressed-tensors"."""
     source: Path | None
     """The file that declared it (None for an unquantized checkpoint)."""
     ignore: tuple[str, ...] = ()
     """Module patterns left unquantized, as the file writes them."""
+    ct: CtScheme | None = None
+    """A compressed-tensors checkpoint's scheme."""
 
     @property
     def expert_format(self) -> str | None:
-        """The published expert format whose bits the host store keeps ("nvfp4" | "mxfp4"), else None."""
+        """The published expert format whose bits the host store keeps ("nvfp4" | "mxfp4" | a
+        compressed-tensors one, e.g. "ct-w4a16"), else None."""
+        if self.ct is not None:
+            return self.ct.expert_format
         return self.method if self.method in ("nvfp4", "mxfp4") else None
 
     def quantizes(self, module: str) -> bool:
@@ -65,7 +72,8 @@ def detect_quantization(model_dir: str | Path) -> QuantScheme:
     """The quantization `model_dir` declares; CheckpointError for an unsupported or malformed one."""
     config_path = Path(model_dir) / "config.json"
     modelopt_path = Path(model_dir) / MODELOPT_FILE
-    quant = read_json(config_path).get("quantization_config")
+    config = read_json(config_path)
+    quant = config.get("quantization_config")
     if quant is None and modelopt_path.is_file():
         body = read_json(modelopt_path).get("quantization")
         if not isinstance(body, dict):
@@ -80,6 +88,9 @@ def detect_quantization(model_dir: str | Path) -> QuantScheme:
         return QuantScheme("fp8", config_path, _ignore(quant, config_path, "quantization_config."))
     if method == "mxfp4":
         return QuantScheme("mxfp4", config_path, _ignore(quant, config_path, "quantization_config."))
+    if method == CT_METHOD:
+        ct = compressed_tensors_scheme(quant, config, config_path, SUPPORTED)
+        return QuantScheme(CT_METHOD, config_path, _ignore(quant, config_path, "quantization_config."), ct)
     if method == "modelopt":
         body = quant.get("quantization", quant)  # some exports nest hf_quant_config.json's body
         return _modelopt(body, config_path, "quantization_config.")

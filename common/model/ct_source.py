@@ -1,0 +1,210 @@
+"""A compressed-tensors checkpoint's tensors as the loader takes them (ct_blocks.py has the layouts).
+
+- `CtPublishedExperts`: the routed experts of a pack-quantized or nvfp4-pack-quantized checkpoint, per
+  expert linear (`<expert>.<gate|up|down>_proj.<tensor>`, as llm-compressor saves a MoE), taken out of the
+  stream in their stored bits; each tensor's dtype and shape checked, and `weight_shape` against the
+  linear's dims.
+- `dequantized_ct_source`: every other quantized linear (attention, a dense MLP, a shared expert; FP8
+  block's experts too) as one entry under `X.weight` whose reader returns w in fp32.
+
+Errors name the file and key of the offending tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from common.config import ModelConfig
+from common.model.checkpoint import TensorSource
+from common.model.ct_blocks import dequantize_ct_nvfp4, dequantize_w4a16
+from common.model.ct_experts import CT_EXPERT_FORMATS, CtExpertFormat, CtNvfp4, CtW4A16
+from common.model.ct_scheme import FP8, NVFP4, PACK, CtScheme
+from common.model.errors import CheckpointError
+from common.model.fp8_blocks import dequantize_fp8_block
+from common.model.published_experts import Parts, PublishedExperts
+from common.model.registry import Architecture, ExpertKey
+
+_SHAPE = "weight_shape"  # pack-quantized's record of [out, in]: checked, not kept
+_Entry = tuple[Path, str, Callable[[], torch.Tensor]]
+
+
+def _read(entry: _Entry) -> torch.Tensor:
+    path, key, read = entry
+    try:
+        return read()
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"cannot read tensor: {exc}", path, key) from exc
+
+
+def _check(tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], path: Path, key: str) -> None:
+    if tensor.dtype != dtype:
+        raise CheckpointError(f"tensor has dtype {tensor.dtype}, expected {dtype}", path, key)
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(f"tensor has shape {list(tensor.shape)}, expected {list(shape)}", path, key)
+
+
+def _check_dims(record: torch.Tensor, out: int, inp: int, path: Path, key: str) -> None:
+    """`weight_shape` (int64 [2]) says [out, in]."""
+    _check(record, torch.int64, (2,), path, key)
+    if not record.is_meta and record.tolist() != [out, inp]:
+        raise CheckpointError(f"weight_shape {record.tolist()} is not [{out}, {inp}]", path, key)
+
+
+class CtPublishedExperts(PublishedExperts):
+    """Takes a compressed-tensors expert format's tensors (ct_experts.py) out of a checkpoint's stream and
+    assembles, per MoE layer, the format's components [E, ...] in their stored bits."""
+
+    def __init__(self, fmt: str, arch: Architecture, cfg: ModelConfig, config_path: Path) -> None:
+        self.fmt, self.arch, self.cfg = fmt, arch, cfg
+        self.spec: CtExpertFormat = CT_EXPERT_FORMATS[fmt]
+        try:
+            self.spec.components(cfg.hidden_size, cfg.moe_intermediate_size)
+        except ValueError as exc:
+            raise CheckpointError(str(exc), config_path, "moe_intermediate_size") from exc
+        self.found: dict[int, dict[tuple[int | None, str, str], torch.Tensor]] = defaultdict(dict)
+
+    def match(self, key: str) -> tuple[ExpertKey, str, torch.dtype] | None:
+        module, _, name = key.rpartition(".")
+        if name not in self.spec.tensors and name != _SHAPE:
+            return None
+        target = self.arch.map_key(module + ".weight", self.cfg)
+        if not isinstance(target, ExpertKey):
+            return None
+        return target, name, self.spec.tensors.get(name, torch.int64)
+
+    def _add(self, ek: ExpertKey, name: str, dtype: torch.dtype, tensor: torch.Tensor, path: Path, key: str):
+        cfg = self.cfg
+        if ek.layer not in cfg.moe_layers or ek.expert is None or ek.expert >= cfg.num_experts:
+            raise CheckpointError("expert weight for a layer or expert the config does not have", path, key)
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        out, inp = (h, i) if ek.part == "down" else (i, h)
+        if name == _SHAPE:
+            _check_dims(tensor, out, inp, path, key)
+            return
+        _check(tensor, dtype, self.spec.tensor_shape(name, out, inp), path, key)
+        if (ek.expert, ek.part, name) in self.found[ek.layer]:
+            raise CheckpointError("tensor appears twice in the checkpoint", path, key)
+        self.found[ek.layer][(ek.expert, ek.part, name)] = tensor
+
+    def layers(self, where: Path) -> dict[int, Parts]:
+        comps = list(self.spec.components(self.cfg.hidden_size, self.cfg.moe_intermediate_size))
+        out: dict[int, Parts] = {}
+        for layer in self.cfg.moe_layers:
+            found = self.found.pop(layer, {})
+            out[layer] = {c: self._component(found, layer, c, where) for c in comps}
+        return out
+
+    def dequantize(self, parts: Parts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.spec.unpack_many(parts, dtype)
+
+    def _missing_key(self, layer: int, expert: int, piece: str, name: str) -> str:
+        return f"model.layers.{layer}.mlp.experts.{expert}.{piece}_proj.{name}"
+
+
+# --- the other linears, dequantised -----------------------------------------------------------------------
+
+
+def _pack_quantized(entries: dict[str, _Entry], ct: CtScheme) -> torch.Tensor:
+    packed_e, scale_e = entries["weight_packed"], entries["weight_scale"]
+    packed, scale = _read(packed_e), _read(scale_e)
+    out = packed.shape[0] if packed.dim() == 2 else 0
+    inp = 8 * packed.shape[-1] if packed.dim() == 2 else 0
+    spec = CtW4A16(ct.group, ct.symmetric, ct.scale_dtype)
+    _check(packed, torch.int32, spec.tensor_shape("weight_packed", out, inp), *packed_e[:2])
+    _check(scale, ct.scale_dtype, spec.tensor_shape("weight_scale", out, inp), *scale_e[:2])
+    _check_dims(_read(entries[_SHAPE]), out, inp, *entries[_SHAPE][:2])
+    zero = None
+    if not ct.symmetric:
+        zero_e = entries["weight_zero_point"]
+        zero = _read(zero_e)
+        _check(zero, torch.int32, spec.tensor_shape("weight_zero_point", out, inp), *zero_e[:2])
+    if packed.is_meta:  # (a checkpoint checked from its headers: shapes only)
+        return torch.empty((out, inp), dtype=torch.float32, device="meta")
+    return dequantize_w4a16(packed, scale, zero, torch.float32)
+
+
+def _nvfp4(entries: dict[str, _Entry], ct: CtScheme) -> torch.Tensor:
+    spec = CtNvfp4(ct.input_scale)
+    packed_e = entries["weight_packed"]
+    packed = _read(packed_e)
+    out, inp = (packed.shape[0], 2 * packed.shape[1]) if packed.dim() == 2 else (0, 0)
+    read = {}
+    for name, dtype in spec.tensors.items():
+        read[name] = _read(entries[name])
+        _check(read[name], dtype, spec.tensor_shape(name, out, inp), *entries[name][:2])
+    if packed.is_meta:
+        return torch.empty((out, inp), dtype=torch.float32, device="meta")
+    return dequantize_ct_nvfp4(packed, read["weight_scale"], read["weight_global_scale"], torch.float32)
+
+
+def _fp8_block(entries: dict[str, _Entry], ct: CtScheme) -> torch.Tensor:
+    weight_e, scale_e = entries["weight"], entries["weight_scale"]
+    weight, scale = _read(weight_e), _read(scale_e)
+    if weight.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"tensor has dtype {weight.dtype}, expected torch.float8_e4m3fn", *weight_e[:2])
+    if not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
+        raise CheckpointError(f"tensor has dtype {scale.dtype}, expected a 16- or 32-bit float", *scale_e[:2])
+    out, inp = weight.shape if weight.dim() == 2 else (0, 0)
+    _check(scale, scale.dtype, (-(-out // ct.group), -(-inp // ct.group)), *scale_e[:2])
+    if weight.is_meta:
+        return torch.empty((out, inp), dtype=torch.float32, device="meta")
+    return dequantize_fp8_block(weight, scale, ct.group, torch.float32)
+
+
+_LINEAR: dict[str, tuple[tuple[str, ...], Callable[[dict[str, _Entry], CtScheme], torch.Tensor]]] = {
+    PACK: (("weight_packed", "weight_scale", _SHAPE, "weight_zero_point"), _pack_quantized),
+    NVFP4: (("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"), _nvfp4),
+    FP8: (("weight", "weight_scale"), _fp8_block),
+}
+"""Per format: a quantized linear's tensor names (the first marks one) and its dequantiser."""
+
+
+def _required(ct: CtScheme) -> tuple[str, ...]:
+    names, _ = _LINEAR[ct.format]
+    if ct.format == PACK:
+        return names if not ct.symmetric else names[:3]
+    if ct.format == NVFP4:
+        return names if ct.input_scale else names[:3]
+    return names
+
+
+def dequantized_ct_source(source: TensorSource, ct: CtScheme) -> Iterator[_Entry]:
+    """`source` with each quantized linear of `ct`'s format as one entry under `X.weight` whose reader
+    returns w in fp32 (its other tensors' keys dropped). A linear missing one of its tensors is a
+    CheckpointError naming the missing key; nothing is read here."""
+    names, dequantize = _LINEAR[ct.format]
+    required = _required(ct)
+    entries = deque(source)
+    modules: dict[str, dict[str, _Entry]] = defaultdict(dict)
+    for entry in entries:
+        module, _, name = entry[1].rpartition(".")
+        if name in names:
+            modules[module][name] = entry
+    linears: dict[str, dict[str, _Entry]] = {}
+    for module, parts in modules.items():
+        if names[0] not in parts:
+            if ct.format == FP8:  # a `weight_scale` alone is left to the loader (not an FP8 linear's)
+                continue
+            path, key, _ = next(iter(parts.values()))
+            raise CheckpointError(f"{ct.format} tensor without its {module}.{names[0]}", path, key)
+        if ct.format == FP8 and "weight_scale" not in parts:
+            continue  # an unquantized linear (ignored by the recipe): its weight loads as it is
+        for name in required:
+            if name not in parts:
+                raise CheckpointError("missing tensor", parts[names[0]][0], f"{module}.{name}")
+        linears[module] = parts
+    dropped = {entry[1] for parts in linears.values() for entry in parts.values()}
+    while entries:
+        path, key, read = entries.popleft()
+        module, _, name = key.rpartition(".")
+        if module in linears and name == names[0]:
+            yield path, f"{module}.weight", functools.partial(dequantize, linears.pop(module), ct)
+        elif key not in dropped:
+            yield path, key, read
