@@ -480,8 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument(
         "--quantize",
         default=None,
-        choices=["fp8", "nvfp4", "mxfp4"],
-        help="write a quantized variant (flat archs): HF block FP8, ModelOpt NVFP4 or gpt-oss MXFP4 experts",
+        choices=["fp8", "nvfp4", "mxfp4", "w4a16", "w4a16-asym"],
+        help="write a quantized variant (flat archs): HF block FP8, ModelOpt NVFP4 or gpt-oss MXFP4 experts, "
+        "llm-compressor's compressed-tensors W4A16 (symmetric or not)",
     )
     mk.add_argument("--out", required=True)
     mk.set_defaults(func=_make_model)

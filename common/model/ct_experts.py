@@ -200,17 +200,11 @@ class CtNvfp4:
 
 CtExpertFormat = CtW4A16 | CtNvfp4
 
-CT_EXPERT_FORMATS: dict[str, CtExpertFormat] = {
-    f.name: f
-    for f in (
-        *(
-            CtW4A16(group, symmetric, dtype)
-            for dtype in SCALE_DTYPES.values()
-            for symmetric in (True, False)
-            for group in W4A16_GROUPS
-        ),
-        CtNvfp4(True),
-        CtNvfp4(False),
-    )
-}
+_FORMATS: list[CtExpertFormat] = [
+    CtW4A16(group, symmetric, dtype)
+    for dtype in SCALE_DTYPES.values()
+    for symmetric in (True, False)
+    for group in W4A16_GROUPS
+]
+CT_EXPERT_FORMATS: dict[str, CtExpertFormat] = {f.name: f for f in (*_FORMATS, CtNvfp4(True), CtNvfp4(False))}
 """Every compressed-tensors expert format, by name."""

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from common.model.fp8_blocks import FP8_BLOCK, quantize_fp8_block
 from common.model.synthetic.config import generation_config, model_config, resolve_preset, text_config
+from common.model.synthetic.ct_checkpoint import CT_QUANTIZE, CtWriter, ct_quantization
 from common.model.synthetic.fp4_checkpoint import FP4_QUANTIZE, Fp4Writer, fp4_quantization
 from common.model.synthetic.plan import ShardPlan, TensorSpec, plan_shards, plan_tensors
 from common.model.synthetic.presets import FLAT_ARCHS, STORAGE_DTYPES, TOKENIZER_VOCAB
@@ -269,20 +270,23 @@ def make_model(
     head and routers as float8_e4m3fn with a float32 ``weight_scale_inv`` per 128×128 block (edge blocks
     partial), and config.json's ``quantization_config``; the shards keep the unquantized plan's grouping.
     ``quantize="nvfp4"`` / ``"mxfp4"`` (flat archs) write the routed experts as ModelOpt / gpt-oss do
-    (fp4_checkpoint.py).
+    (fp4_checkpoint.py); ``"w4a16"`` / ``"w4a16-asym"`` (flat archs) every linear as llm-compressor's
+    compressed-tensors W4A16 (ct_checkpoint.py).
     """
     from common.model.synthetic.tokenizer import check_vision_token_ids, tokenizer_vocab_size, write_tokenizer
 
     p, arch = resolve_preset(preset, arch)
-    allowed = ("fp8", *FP4_QUANTIZE)
+    allowed = ("fp8", *FP4_QUANTIZE, *CT_QUANTIZE)
     if quantize not in (None, *allowed) or (quantize and arch not in FLAT_ARCHS):
         raise ValueError(
             f"quantize={quantize!r} is not supported for {arch} (only {allowed}, for {FLAT_ARCHS})"
         )
     cfg = model_config(preset, arch, overrides)
     extra_files: dict[str, Any] = {}
-    fp4 = Fp4Writer(cfg, quantize) if quantize in FP4_QUANTIZE else None
-    if quantize == "fp8":
+    fp4: Fp4Writer | CtWriter | None = Fp4Writer(cfg, quantize) if quantize in FP4_QUANTIZE else None
+    if quantize in CT_QUANTIZE:
+        fp4, cfg["quantization_config"] = CtWriter(cfg, quantize), ct_quantization(cfg, quantize)
+    elif quantize == "fp8":
         cfg["quantization_config"] = fp8_quantization_config(cfg)
     elif quantize is not None:
         cfg["quantization_config"], extra_files = fp4_quantization(cfg, quantize)

@@ -1,0 +1,109 @@
+"""The compressed-tensors W4A16 variants of a synthetic checkpoint, written as llm-compressor's `oneshot`
+with a QuantizationModifier (scheme W4A16 or W4A16_ASYM, targets "Linear", ignore lm_head and the routers)
+saves them.
+
+Each linear weight but the ignored ones (lm_head, every MoE layer's router and qwen2_moe's shared-expert
+gate; the embedding is no linear) becomes `X.weight_packed`, `X.weight_scale`, `X.weight_shape` and
+(asymmetric) `X.weight_zero_point` (common/model/ct_blocks.py), quantised as llm-compressor's round to
+nearest does; config.json's `quantization_config` is what compressed-tensors' `ModelCompressor` writes,
+the ignore list expanded to the modules it names. The group is 128 where every quantized linear's input
+dim is a multiple of it, else the largest of 64 and 32 that fits (the tiny preset's: 32).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from common.model.ct_blocks import quantize_w4a16
+from common.model.ct_experts import W4A16_GROUPS
+from common.model.synthetic.config import text_config
+from common.model.synthetic.plan import plan_tensors
+
+CT_QUANTIZE = ("w4a16", "w4a16-asym")
+CT_VERSION = "0.19.0"
+"""The compressed-tensors version whose layout the writer follows (llm-compressor 0.14's)."""
+_ROUTER = re.compile(r"\.(mlp\.gate|block_sparse_moe\.gate|mlp\.shared_expert_gate)\.weight$")
+
+
+def _quantized(key: str, shape: tuple[int, ...]) -> bool:
+    """Whether llm-compressor's recipe quantizes this tensor: a Linear's weight, not the head or a router."""
+    linear = len(shape) == 2 and key.endswith(".weight") and not key.endswith("embed_tokens.weight")
+    return linear and key != "lm_head.weight" and not _ROUTER.search(key)
+
+
+def ct_group(cfg: Mapping[str, Any]) -> int:
+    """The group size for `cfg`: the largest of 128, 64, 32 that divides every quantized input dim."""
+    dims = {s.shape[-1] for s in plan_tensors(cfg) if _quantized(s.key, tuple(s.shape))}
+    for group in sorted(W4A16_GROUPS, reverse=True):
+        if all(d % group == 0 for d in dims):
+            return group
+    raise ValueError(f"no W4A16 group size of {W4A16_GROUPS} divides the input dims {sorted(dims)}")
+
+
+def ct_quantization(cfg: Mapping[str, Any], quantize: str) -> dict[str, Any]:
+    """config.json's quantization_config for the `quantize` variant of `cfg`."""
+    symmetric = quantize == "w4a16"
+    weights: dict[str, Any] = {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": ct_group(cfg),
+        "num_bits": 4,
+        "observer": "memoryless_minmax",
+        "observer_kwargs": {},
+        "scale_dtype": None,
+        "strategy": "group",
+        "symmetric": symmetric,
+        "type": "int",
+        "zp_dtype": None if symmetric else "torch.int8",
+    }
+    group = {
+        "format": "pack-quantized",
+        "input_activations": None,
+        "output_activations": None,
+        "targets": ["Linear"],
+        "weights": weights,
+    }
+    routers = [s.key.removesuffix(".weight") for s in plan_tensors(cfg) if _ROUTER.search(s.key)]
+    return {
+        "config_groups": {"group_0": group},
+        "format": "pack-quantized",
+        "global_compression_ratio": None,
+        "ignore": [*routers, "lm_head"],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": CT_VERSION,
+    }
+
+
+class CtWriter:
+    """Turns a checkpoint's planned tensors, one at a time, into those the W4A16 variant stores."""
+
+    def __init__(self, cfg: Mapping[str, Any], quantize: str) -> None:
+        if quantize not in CT_QUANTIZE:
+            raise ValueError(f"unknown compressed-tensors variant {quantize!r}")
+        text_config(cfg)  # (a flat config, as the writer's callers check)
+        self.group = ct_group(cfg)
+        self.symmetric = quantize == "w4a16"
+
+    def stored(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors to store for the planned `key`."""
+        if not _quantized(key, tuple(tensor.shape)):
+            return {key: tensor}
+        module = key.removesuffix(".weight")
+        packed, scale, zero = quantize_w4a16(tensor, self.group, self.symmetric)
+        out = {
+            f"{module}.weight_packed": packed,
+            f"{module}.weight_scale": scale,
+            f"{module}.weight_shape": torch.tensor(list(tensor.shape), dtype=torch.int64),
+        }
+        if zero is not None:
+            out[f"{module}.weight_zero_point"] = zero
+        return out
