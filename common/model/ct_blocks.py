@@ -100,11 +100,12 @@ def dequantize_w4a16(
 
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """fp32 values (within ±6) -> e2m1 codes (uint8) as compressed-tensors rounds them: to nearest, a tie
-    to the even mantissa (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4); the sign bit is x's (−0.1 -> code 8)."""
+    to the even mantissa (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4); the sign bit set where x < 0 (−0.1 -> code
+    8, −0 -> 0)."""
     mag = x.abs()
     steps = (mag > 0.25, mag >= 0.75, mag > 1.25, mag >= 1.75, mag > 2.5, mag >= 3.5, mag > 5.0)
     code = torch.stack(steps).sum(dim=0).to(torch.uint8)  # how many code boundaries mag is past
-    return code | (torch.signbit(x).to(torch.uint8) << 3)
+    return code | ((x < 0).to(torch.uint8) << 3)
 
 
 def ct_nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
