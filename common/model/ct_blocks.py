@@ -40,7 +40,8 @@ def unpack_int32(packed: torch.Tensor) -> torch.Tensor:
 def pack_int32_rows(codes: torch.Tensor) -> torch.Tensor:
     """Signed codes [..., out, G] (out % 8 == 0) -> int32 [..., out/8, G]: packed along the output dim, as
     compressed-tensors packs zero points."""
-    return pack_int32(codes.transpose(-1, -2)).transpose(-1, -2).contiguous()
+    packed = pack_int32(codes.transpose(-1, -2)).transpose(-1, -2)
+    return packed.reshape(-1).reshape(packed.shape)  # row-major strides (a size-1 dim's included)
 
 
 def unpack_int32_rows(packed: torch.Tensor, rows: int) -> torch.Tensor:
