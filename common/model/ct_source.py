@@ -26,11 +26,15 @@ from common.model.ct_experts import CT_EXPERT_FORMATS, CtExpertFormat, CtNvfp4, 
 from common.model.ct_scheme import FP8, NVFP4, PACK, CtScheme
 from common.model.errors import CheckpointError
 from common.model.fp8_blocks import dequantize_fp8_block
+from common.model.layers import activation
 from common.model.published_experts import Parts, PublishedExperts
 from common.model.registry import Architecture, ExpertKey
+from common.model.resident import ResidentExperts
 
 _SHAPE = "weight_shape"  # pack-quantized's record of [out, in]: checked, not kept
 _Entry = tuple[Path, str, Callable[[], torch.Tensor]]
+Dims = Callable[[str], tuple[int, int] | None]
+"""A linear's module name -> its (out, in) in the model, None where the model has no such linear."""
 
 
 def _read(entry: _Entry) -> torch.Tensor:
@@ -111,54 +115,57 @@ class CtPublishedExperts(PublishedExperts):
 # --- the other linears, dequantised -----------------------------------------------------------------------
 
 
-def _pack_quantized(entries: dict[str, _Entry], ct: CtScheme) -> torch.Tensor:
-    packed_e, scale_e = entries["weight_packed"], entries["weight_scale"]
-    packed, scale = _read(packed_e), _read(scale_e)
-    out = packed.shape[0] if packed.dim() == 2 else 0
-    inp = 8 * packed.shape[-1] if packed.dim() == 2 else 0
+def _dims(entries: dict[str, _Entry], known: tuple[int, int] | None, per_byte: int) -> tuple[int, int]:
+    """The linear's (out, in): the model's, else its packed weight's (`per_byte` inputs a byte)."""
+    if known is not None:
+        return known
+    packed = _read(entries["weight_packed"])
+    rows, cols = packed.shape if packed.dim() == 2 else (0, 0)
+    return rows, cols * packed.dtype.itemsize * per_byte
+
+
+def _pack_quantized(entries: dict[str, _Entry], ct: CtScheme, known: tuple[int, int] | None) -> torch.Tensor:
+    out, inp = _dims(entries, known, 2)
     spec = CtW4A16(ct.group, ct.symmetric, ct.scale_dtype)
-    _check(packed, torch.int32, spec.tensor_shape("weight_packed", out, inp), *packed_e[:2])
-    _check(scale, ct.scale_dtype, spec.tensor_shape("weight_scale", out, inp), *scale_e[:2])
-    _check_dims(_read(entries[_SHAPE]), out, inp, *entries[_SHAPE][:2])
-    zero = None
-    if not ct.symmetric:
-        zero_e = entries["weight_zero_point"]
-        zero = _read(zero_e)
-        _check(zero, torch.int32, spec.tensor_shape("weight_zero_point", out, inp), *zero_e[:2])
-    if packed.is_meta:  # (a checkpoint checked from its headers: shapes only)
-        return torch.empty((out, inp), dtype=torch.float32, device="meta")
-    return dequantize_w4a16(packed, scale, zero, torch.float32)
-
-
-def _nvfp4(entries: dict[str, _Entry], ct: CtScheme) -> torch.Tensor:
-    spec = CtNvfp4(ct.input_scale)
-    packed_e = entries["weight_packed"]
-    packed = _read(packed_e)
-    out, inp = (packed.shape[0], 2 * packed.shape[1]) if packed.dim() == 2 else (0, 0)
     read = {}
     for name, dtype in spec.tensors.items():
         read[name] = _read(entries[name])
         _check(read[name], dtype, spec.tensor_shape(name, out, inp), *entries[name][:2])
+    _check_dims(_read(entries[_SHAPE]), out, inp, *entries[_SHAPE][:2])
+    packed = read["weight_packed"]
+    if packed.is_meta:  # (a checkpoint checked from its headers: shapes only)
+        return torch.empty((out, inp), dtype=torch.float32, device="meta")
+    return dequantize_w4a16(packed, read["weight_scale"], read.get("weight_zero_point"), torch.float32)
+
+
+def _nvfp4(entries: dict[str, _Entry], ct: CtScheme, known: tuple[int, int] | None) -> torch.Tensor:
+    spec = CtNvfp4(ct.input_scale)
+    out, inp = _dims(entries, known, 2)
+    read = {}
+    for name, dtype in spec.tensors.items():
+        read[name] = _read(entries[name])
+        _check(read[name], dtype, spec.tensor_shape(name, out, inp), *entries[name][:2])
+    packed = read["weight_packed"]
     if packed.is_meta:
         return torch.empty((out, inp), dtype=torch.float32, device="meta")
     return dequantize_ct_nvfp4(packed, read["weight_scale"], read["weight_global_scale"], torch.float32)
 
 
-def _fp8_block(entries: dict[str, _Entry], ct: CtScheme) -> torch.Tensor:
+def _fp8_block(entries: dict[str, _Entry], ct: CtScheme, known: tuple[int, int] | None) -> torch.Tensor:
     weight_e, scale_e = entries["weight"], entries["weight_scale"]
     weight, scale = _read(weight_e), _read(scale_e)
-    if weight.dtype != torch.float8_e4m3fn:
-        raise CheckpointError(f"tensor has dtype {weight.dtype}, expected torch.float8_e4m3fn", *weight_e[:2])
+    out, inp = known or (weight.shape if weight.dim() == 2 else (0, 0))
+    _check(weight, torch.float8_e4m3fn, (out, inp), *weight_e[:2])
     if not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
         raise CheckpointError(f"tensor has dtype {scale.dtype}, expected a 16- or 32-bit float", *scale_e[:2])
-    out, inp = weight.shape if weight.dim() == 2 else (0, 0)
     _check(scale, scale.dtype, (-(-out // ct.group), -(-inp // ct.group)), *scale_e[:2])
     if weight.is_meta:
         return torch.empty((out, inp), dtype=torch.float32, device="meta")
     return dequantize_fp8_block(weight, scale, ct.group, torch.float32)
 
 
-_LINEAR: dict[str, tuple[tuple[str, ...], Callable[[dict[str, _Entry], CtScheme], torch.Tensor]]] = {
+_Dequantize = Callable[[dict[str, _Entry], CtScheme, tuple[int, int] | None], torch.Tensor]
+_LINEAR: dict[str, tuple[tuple[str, ...], _Dequantize]] = {
     PACK: (("weight_packed", "weight_scale", _SHAPE, "weight_zero_point"), _pack_quantized),
     NVFP4: (("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"), _nvfp4),
     FP8: (("weight", "weight_scale"), _fp8_block),
@@ -175,10 +182,31 @@ def _required(ct: CtScheme) -> tuple[str, ...]:
     return names
 
 
-def dequantized_ct_source(source: TensorSource, ct: CtScheme) -> Iterator[_Entry]:
+def linear_dims(arch: Architecture, cfg: ModelConfig) -> Dims:
+    """The (out, in) of each linear of `arch` for `cfg` (from the model built on the meta device), by the
+    module name a checkpoint gives it."""
+    with torch.device("meta"):
+        model = arch.build(cfg, ResidentExperts({}, activation(cfg.hidden_act)))
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if p.dim() == 2}
+
+    def dims(module: str) -> tuple[int, int] | None:
+        target = arch.map_key(f"{module}.weight", cfg)
+        if isinstance(target, ExpertKey):
+            h, i = cfg.hidden_size, cfg.moe_intermediate_size
+            return (h, i) if target.part == "down" else (i, h) if target.expert is not None else None
+        shape = shapes.get(target) if isinstance(target, str) else None
+        return (shape[0], shape[1]) if shape is not None else None
+
+    return dims
+
+
+def dequantized_ct_source(
+    source: TensorSource, ct: CtScheme, dims: Dims = lambda module: None
+) -> Iterator[_Entry]:
     """`source` with each quantized linear of `ct`'s format as one entry under `X.weight` whose reader
-    returns w in fp32 (its other tensors' keys dropped). A linear missing one of its tensors is a
-    CheckpointError naming the missing key; nothing is read here."""
+    returns w in fp32 (its other tensors' keys dropped); each tensor checked against the linear's `dims`
+    (else against its packed weight's). A linear missing one of its tensors is a CheckpointError naming the
+    missing key; nothing is read here."""
     names, dequantize = _LINEAR[ct.format]
     required = _required(ct)
     entries = deque(source)
@@ -205,6 +233,10 @@ def dequantized_ct_source(source: TensorSource, ct: CtScheme) -> Iterator[_Entry
         path, key, read = entries.popleft()
         module, _, name = key.rpartition(".")
         if module in linears and name == names[0]:
-            yield path, f"{module}.weight", functools.partial(dequantize, linears.pop(module), ct)
+            yield (
+                path,
+                f"{module}.weight",
+                functools.partial(dequantize, linears.pop(module), ct, dims(module)),
+            )
         elif key not in dropped:
             yield path, key, read

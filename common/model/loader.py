@@ -34,7 +34,7 @@ from common.model.checkpoint import (
     read_json,
     safetensors_source,
 )
-from common.model.ct_source import CtPublishedExperts, dequantized_ct_source
+from common.model.ct_source import CtPublishedExperts, dequantized_ct_source, linear_dims
 from common.model.errors import CheckpointError
 from common.model.fp8_blocks import FP8_BLOCK, dequantize_fp8_block
 from common.model.fused_linear import fuse_projections
@@ -323,7 +323,7 @@ def _model_source(
     if scheme.method == "nvfp4":
         raw = dequantized_nvfp4_source(raw)  # linears outside the routed experts
     if scheme.ct is not None:
-        raw = dequantized_ct_source(raw, scheme.ct)  # compressed-tensors' linears outside them
+        raw = dequantized_ct_source(raw, scheme.ct, linear_dims(arch, cfg))  # linears outside them
     source = dequantized_fp8_source(
         raw,
         fp8_block_size(model_dir),
