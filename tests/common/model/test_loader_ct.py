@@ -302,9 +302,11 @@ def test_plan_counts_the_published_bytes(ct_dir: Path) -> None:
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 200, 31, 4]]
 
 
+@pytest.mark.parametrize("expert_cache", [None, pytest.param("0.5", marks=pytest.mark.slow)])
 @torch.inference_mode()
-def test_greedy_matches_transformers(ct_dir: Path, dequantized_dir: Path) -> None:
-    """Spillway on the compressed-tensors checkpoint generates what transformers generates on the weights
+def test_greedy_matches_transformers(ct_dir: Path, dequantized_dir: Path, expert_cache: str | None) -> None:
+    """Spillway on the compressed-tensors checkpoint (experts resident, or from the host store of published
+    bits through a cache of half of them) generates what transformers generates on the weights
     compressed-tensors dequantises."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -312,7 +314,7 @@ def test_greedy_matches_transformers(ct_dir: Path, dequantized_dir: Path) -> Non
     ).eval()
     hf.generation_config.eos_token_id = None
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    cfg = WorkerConfig(str(ct_dir), max_running=2, max_context=64, dtype="float32")
+    cfg = WorkerConfig(str(ct_dir), max_running=2, max_context=64, dtype="float32", expert_cache=expert_cache)
     ours = Engine(cfg).generate(PROMPTS, params)
     for prompt, result in zip(PROMPTS, ours, strict=True):
         ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=TOKENS, pad_token_id=0)
