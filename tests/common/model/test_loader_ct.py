@@ -429,3 +429,13 @@ def test_truncated_file_refused(ckpt: Path) -> None:
     with pytest.raises(CheckpointError) as err:
         load_model(ckpt)
     assert err.value.path == shard
+
+
+def test_config_saved_by_transformers_5_loads(ckpt: Path) -> None:
+    """transformers 5 saves a qwen3_moe config's expert count as `num_local_experts` (as llm-compressor's
+    checkpoints then have it)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    config["num_local_experts"] = config.pop("num_experts")
+    (ckpt / "config.json").write_text(json.dumps(config))
+    check_checkpoint(ckpt)
+    assert load_model(ckpt, dtype=torch.float32).config.num_experts == 8
