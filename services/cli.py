@@ -480,9 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument(
         "--quantize",
         default=None,
-        choices=["fp8", "nvfp4", "mxfp4", "w4a16", "w4a16-asym"],
+        choices=["fp8", "nvfp4", "mxfp4", "w4a16", "w4a16-asym", "nvfp4a16"],
         help="write a quantized variant (flat archs): HF block FP8, ModelOpt NVFP4 or gpt-oss MXFP4 experts, "
-        "llm-compressor's compressed-tensors W4A16 (symmetric or not)",
+        "llm-compressor's compressed-tensors W4A16 (symmetric or not) or NVFP4A16",
     )
     mk.add_argument("--out", required=True)
     mk.set_defaults(func=_make_model)

@@ -270,8 +270,8 @@ def make_model(
     head and routers as float8_e4m3fn with a float32 ``weight_scale_inv`` per 128×128 block (edge blocks
     partial), and config.json's ``quantization_config``; the shards keep the unquantized plan's grouping.
     ``quantize="nvfp4"`` / ``"mxfp4"`` (flat archs) write the routed experts as ModelOpt / gpt-oss do
-    (fp4_checkpoint.py); ``"w4a16"`` / ``"w4a16-asym"`` (flat archs) every linear as llm-compressor's
-    compressed-tensors W4A16 (ct_checkpoint.py).
+    (fp4_checkpoint.py); ``"w4a16"`` / ``"w4a16-asym"`` / ``"nvfp4a16"`` (flat archs) every linear as
+    llm-compressor's compressed-tensors W4A16 or NVFP4A16 (ct_checkpoint.py).
     """
     from common.model.synthetic.tokenizer import check_vision_token_ids, tokenizer_vocab_size, write_tokenizer
 

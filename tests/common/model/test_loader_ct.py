@@ -1,5 +1,6 @@
-"""compressed-tensors checkpoints of a tiny qwen3_moe: W4A16 (symmetric and not) as `make-model` writes it
-(llm-compressor's layout), NVFP4 and FP8 block as compressed-tensors' own compressors write them. Loaded
+"""compressed-tensors checkpoints of a tiny qwen3_moe: W4A16 (symmetric and not) and NVFP4A16 as
+`make-model` writes them (llm-compressor's layout), NVFP4 (with activation scales) and FP8 block as
+compressed-tensors' own compressors write them. Loaded
 with the experts in their published bits (W4A16, NVFP4) and dequantised bit for bit as compressed-tensors
 dequantises them, generating greedily what transformers generates on the dequantised weights; a
 truncated, reshaped or mistyped tensor is refused naming its file and key.
@@ -34,8 +35,11 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
-VARIANTS = ("w4a16", "w4a16-asym", "ct-nvfp4", "fp8-block")
-EXPERT_FORMATS = {"w4a16": "ct-w4a16-g32", "w4a16-asym": "ct-w4a16-asym-g32", "ct-nvfp4": "ct-nvfp4"}
+VARIANTS = ("w4a16", "w4a16-asym", "nvfp4a16", "ct-nvfp4", "fp8-block")
+EXPERT_FORMATS = {
+    "w4a16": "ct-w4a16-g32", "w4a16-asym": "ct-w4a16-asym-g32",
+    "nvfp4a16": "ct-nvfp4a16", "ct-nvfp4": "ct-nvfp4",
+}  # fmt: skip
 FP8_EDGE = 32  # a block other than 128: the loader takes it from the config
 TOKENS = 12
 ROUTERS = ["model.layers.0.mlp.gate", "model.layers.2.mlp.gate", "model.layers.3.mlp.gate", "lm_head"]
@@ -119,7 +123,7 @@ def bf16_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=VARIANTS)
 def ct_dir(request, bf16_dir: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp(request.param)
-    if request.param.startswith("w4a16"):
+    if request.param in ("w4a16", "w4a16-asym", "nvfp4a16"):
         return make_model(out, preset="tiny", seed=5, quantize=request.param)
     return _compressed_by_ct(bf16_dir, out / "model", request.param)
 
@@ -128,7 +132,9 @@ def _variant(model_dir: Path) -> str:
     q = json.loads((model_dir / "config.json").read_text())["quantization_config"]
     if q["format"] == "pack-quantized":
         return "w4a16" if q["config_groups"]["group_0"]["weights"]["symmetric"] else "w4a16-asym"
-    return "ct-nvfp4" if q["format"] == "nvfp4-pack-quantized" else "fp8-block"
+    if q["format"] == "nvfp4-pack-quantized":
+        return "ct-nvfp4" if q["config_groups"]["group_0"]["input_activations"] else "nvfp4a16"
+    return "fp8-block"
 
 
 def _reference(t: dict[str, torch.Tensor], module: str) -> torch.Tensor | None:
@@ -243,6 +249,29 @@ def test_w4a16_written_as_llm_compressor(tmp_path: Path, quantize: str) -> None:
         assert t[plain].dtype == torch.bfloat16
     index = json.loads((out / INDEX).read_text())["weight_map"]
     assert set(index) == set(t)
+
+
+def test_nvfp4a16_written_as_llm_compressor(tmp_path: Path) -> None:
+    """NVFP4A16's config, and its tensors: q/k/v and each gate/up share a global scale, as llm-compressor
+    fuses them."""
+    out = make_model(tmp_path, preset="tiny", quantize="nvfp4a16")
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["format"] == "nvfp4-pack-quantized" and q["ignore"] == ROUTERS
+    group = q["config_groups"]["group_0"]
+    assert group["input_activations"] is None and group["weights"] == _NVFP4
+    t = _tensors(out)
+    m = "model.layers.2.mlp.experts.3"
+    assert t[f"{m}.up_proj.weight_packed"].dtype == torch.uint8 and t[f"{m}.up_proj.weight_packed"].shape == (
+        32,
+        32,
+    )
+    assert t[f"{m}.up_proj.weight_scale"].dtype == torch.float8_e4m3fn
+    assert t[f"{m}.up_proj.weight_scale"].shape == (32, 4)
+    assert torch.equal(t[f"{m}.up_proj.weight_global_scale"], t[f"{m}.gate_proj.weight_global_scale"])
+    assert not torch.equal(t[f"{m}.up_proj.weight_global_scale"], t[f"{m}.down_proj.weight_global_scale"])
+    attn = "model.layers.0.self_attn"
+    assert torch.equal(t[f"{attn}.q_proj.weight_global_scale"], t[f"{attn}.v_proj.weight_global_scale"])
+    assert f"{m}.up_proj.weight_shape" not in t and f"{m}.up_proj.input_global_scale" not in t
 
 
 # --- loading -----------------------------------------------------------------------------------------------
@@ -398,7 +427,11 @@ def test_bad_tensor_refused(ckpt: Path, fault: str, check) -> None:
 def test_missing_tensor_refused(ckpt: Path, check) -> None:
     variant = _variant(ckpt)
     module = "model.layers.2.mlp.experts.4.up_proj"
-    name = {"w4a16": "weight_scale", "w4a16-asym": "weight_zero_point", "ct-nvfp4": "weight_global_scale"}
+    name = {
+        "w4a16-asym": "weight_zero_point",
+        "ct-nvfp4": "weight_global_scale",
+        "nvfp4a16": "weight_global_scale",
+    }
     key = f"{module}.{name.get(variant, 'weight_scale')}"
     _edit(ckpt, key, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=r"missing|without") as err:
