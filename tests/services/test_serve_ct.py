@@ -16,7 +16,8 @@ from common.model.synthetic.checkpoint import make_model
 
 pytestmark = pytest.mark.slow
 
-FORMATS = {"w4a16": "ct-w4a16-g32", "w4a16-asym": "ct-w4a16-asym-g32"}  # the tiny preset fits groups of 32
+FORMATS = {"w4a16": "ct-w4a16-g32", "w4a16-asym": "ct-w4a16-asym-g32", "nvfp4a16": "ct-nvfp4a16"}
+"""The expert format of each variant (the tiny preset's W4A16 groups are 32: its dims do not fit 128)."""
 
 
 @pytest.mark.parametrize("quantize", ["w4a16"])
