@@ -6,8 +6,8 @@ weights, `group` strategy, group 32, 64 or 128, symmetric or not, no activation 
 `nvfp4-pack-quantized` (fp4 weights, `tensor_group` strategy, group 16; activations unquantized or
 NVFP4's dynamic-local ones) and `float-quantized` FP8 block (fp8 weights, `block` strategy with a square
 block; any dynamic activation scheme, unused by weight-only compute). `quantization_status` must be
-"compressed". A group's `format` overrides the global one. The `ignore` list names modules left in the
-model's dtype ("re:" patterns included).
+"compressed" (or "frozen", as older checkpoints in these formats say). A group's `format` overrides the
+global one. The `ignore` list names modules left in the model's dtype ("re:" patterns included).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def compressed_tensors_scheme(
         return CheckpointError(f"{what} is not supported (supported: {', '.join(supported)})", path, key)
 
     status = quant.get("quantization_status", "compressed")
-    if status != "compressed":
+    if status not in ("compressed", "frozen"):  # older checkpoints say "frozen"; `format` is the layout
         raise refuse(f"{CT_METHOD} quantization_status {status!r}", _PREFIX + "quantization_status")
     for key in ("sparsity_config", "transform_config"):
         if quant.get(key):

@@ -80,6 +80,13 @@ def test_fp16_model_keeps_fp16_scales(tmp_path: Path) -> None:
     assert scheme.expert_format == "ct-w4a16-fp16"
 
 
+def test_older_frozen_status_accepted(tmp_path: Path) -> None:
+    """Older compressed-tensors checkpoints say "frozen" of data their `format` packs."""
+    q = quant(PACK, _W4A16)
+    q["quantization_status"] = "frozen"
+    assert detect_quantization(_write(tmp_path, q)).expert_format == "ct-w4a16"
+
+
 def test_group_format_overrides_the_global_one(tmp_path: Path) -> None:
     q = quant(PACK, _W4A16)
     q["format"] = "mixed-precision"
@@ -99,7 +106,7 @@ def _mixed(q: dict[str, Any]) -> None:
 
 _Q = "quantization_config."
 _G = _Q + "config_groups.group_0."
-_FROZEN = _changed(lambda q: q.update(quantization_status="frozen"))
+_CALIBRATING = _changed(lambda q: q.update(quantization_status="calibration"))
 _SPARSE = _changed(lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}))
 _ROTATED = _changed(lambda q: q.update(transform_config={"config_groups": {"r": {}}}))
 
@@ -119,7 +126,7 @@ _ROTATED = _changed(lambda q: q.update(transform_config={"config_groups": {"r": 
         (quant(FP8, _FP8_BLOCK, {**_FP8_ACTS, "dynamic": False}), _G + "input_activations", "static"),
         (quant(NVFP4, {**_NVFP4, "group_size": 32}), _G + "weights", "nvfp4-pack-quantized"),
         (quant("mxfp4-pack-quantized", _NVFP4), _G + "format", "mxfp4-pack-quantized"),
-        (_FROZEN, _Q + "quantization_status", "frozen"),
+        (_CALIBRATING, _Q + "quantization_status", "calibration"),
         (_SPARSE, _Q + "sparsity_config", "sparsity"),
         (_ROTATED, _Q + "transform_config", "transform"),
         (_changed(_mixed), _Q + "config_groups", "mixed precision"),
