@@ -2,8 +2,8 @@
 
 - `CtPublishedExperts`: the routed experts of a pack-quantized or nvfp4-pack-quantized checkpoint, per
   expert linear (`<expert>.<gate|up|down>_proj.<tensor>`, as llm-compressor saves a MoE), taken out of the
-  stream in their stored bits; each tensor's dtype and shape checked, and `weight_shape` against the
-  linear's dims.
+  stream in their stored bits (but the unpacked zero points of compressed-tensors before 0.10, packed as
+  it packs them now); each tensor's dtype and shape checked, and `weight_shape` against the linear's dims.
 - `dequantized_ct_source`: every other quantized linear (attention, a dense MLP, a shared expert; FP8
   block's experts too) as one entry under `X.weight` whose reader returns w in fp32.
 
@@ -21,7 +21,7 @@ import torch
 
 from common.config import ModelConfig
 from common.model.checkpoint import TensorSource
-from common.model.ct_blocks import dequantize_ct_nvfp4, dequantize_w4a16
+from common.model.ct_blocks import dequantize_ct_nvfp4, dequantize_w4a16, pack_int32_rows
 from common.model.ct_experts import CT_EXPERT_FORMATS, CtExpertFormat, CtNvfp4, CtW4A16
 from common.model.ct_scheme import FP8, NVFP4, PACK, CtScheme
 from common.model.errors import CheckpointError
@@ -61,6 +61,18 @@ def _check_dims(record: torch.Tensor, out: int, inp: int, path: Path, key: str) 
         raise CheckpointError(f"weight_shape {record.tolist()} is not [{out}, {inp}]", path, key)
 
 
+def _zero_point(tensor: torch.Tensor, name: str, spec: CtExpertFormat, out: int, inp: int) -> torch.Tensor:
+    """A W4A16 tensor as the format keeps it: zero points that compressed-tensors before 0.10 wrote
+    unpacked (int8 [out, in/group]) packed as it packs them now (lossless); anything else as it is."""
+    if name != "weight_zero_point" or not isinstance(spec, CtW4A16) or tensor.dtype != torch.int8:
+        return tensor
+    if tuple(tensor.shape) != (out, inp // spec.group):
+        return tensor
+    if tensor.is_meta:
+        return torch.empty(spec.tensor_shape(name, out, inp), dtype=torch.int32, device="meta")
+    return pack_int32_rows(tensor)
+
+
 class CtPublishedExperts(PublishedExperts):
     """Takes a compressed-tensors expert format's tensors (ct_experts.py) out of a checkpoint's stream and
     assembles, per MoE layer, the format's components [E, ...] in their stored bits."""
@@ -92,6 +104,7 @@ class CtPublishedExperts(PublishedExperts):
         if name == _SHAPE:
             _check_dims(tensor, out, inp, path, key)
             return
+        tensor = _zero_point(tensor, name, self.spec, out, inp)
         _check(tensor, dtype, self.spec.tensor_shape(name, out, inp), path, key)
         if (ek.expert, ek.part, name) in self.found[ek.layer]:
             raise CheckpointError("tensor appears twice in the checkpoint", path, key)
@@ -129,7 +142,7 @@ def _pack_quantized(entries: dict[str, _Entry], ct: CtScheme, known: tuple[int, 
     spec = CtW4A16(ct.group, ct.symmetric, ct.scale_dtype)
     read = {}
     for name, dtype in spec.tensors.items():
-        read[name] = _read(entries[name])
+        read[name] = _zero_point(_read(entries[name]), name, spec, out, inp)
         _check(read[name], dtype, spec.tensor_shape(name, out, inp), *entries[name][:2])
     _check_dims(_read(entries[_SHAPE]), out, inp, *entries[_SHAPE][:2])
     packed = read["weight_packed"]

@@ -22,6 +22,7 @@ from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.engine.memory_plan import plan_for_dir
 from common.experts.formats import get_format
+from common.model.ct_blocks import unpack_int32_rows
 from common.model.errors import CheckpointError
 from common.model.loader import check_checkpoint, load_model
 from common.model.synthetic.checkpoint import make_model
@@ -472,3 +473,25 @@ def test_config_saved_by_transformers_5_loads(ckpt: Path) -> None:
     (ckpt / "config.json").write_text(json.dumps(config))
     check_checkpoint(ckpt)
     assert load_model(ckpt, dtype=torch.float32).config.num_experts == 8
+
+
+def test_unpacked_zero_points_of_older_checkpoints(ckpt: Path) -> None:
+    """compressed-tensors before 0.10 wrote asymmetric zero points unpacked (int8 [out, in/group]): they
+    load as the packed ones do."""
+    if _variant(ckpt) != "w4a16-asym":
+        pytest.skip("asymmetric W4A16 only")
+    before = load_model(ckpt, dtype=torch.float32)
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        tensors = load_file(shard)
+        for key, t in list(tensors.items()):
+            if key.endswith(".weight_zero_point"):
+                rows = tensors[key.removesuffix("_zero_point") + "_shape"][0].item()
+                tensors[key] = unpack_int32_rows(t, rows).contiguous()
+        save_file(tensors, shard, metadata={"format": "pt"})
+    check_checkpoint(ckpt)
+    after = load_model(ckpt, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(before.parameters(), after.parameters(), strict=True))
+    for layer in before.config.moe_layers:
+        assert torch.equal(before.experts.weights[layer].gate_up, after.experts.weights[layer].gate_up)
+        packed = before.experts.published[1][layer]["down_weight_zero_point"]
+        assert torch.equal(after.experts.published[1][layer]["down_weight_zero_point"], packed)
