@@ -12,6 +12,7 @@ global one. The `ignore` list names modules left in the model's dtype ("re:" pat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,14 @@ def compressed_tensors_scheme(
     return schemes.pop()
 
 
-def _group(name: str, body: Any, default_format: Any, config: dict[str, Any], path: Path, refuse) -> CtScheme:
+def _group(
+    name: str,
+    body: Any,
+    default_format: Any,
+    config: dict[str, Any],
+    path: Path,
+    refuse: Callable[[str, str], CheckpointError],
+) -> CtScheme:
     """One config group's scheme."""
     prefix = f"{_PREFIX}config_groups.{name}."
     if not isinstance(body, dict) or not isinstance(body.get("weights"), dict):
@@ -141,7 +149,7 @@ def _scale_dtype(weights: dict[str, Any], config: dict[str, Any], path: Path, pr
     named = weights.get("scale_dtype")
     name = str(named).removeprefix("torch.") if named else config.get("torch_dtype") or config.get("dtype")
     if name not in _DTYPES:
-        key = prefix + "weights.scale_dtype" if named else "torch_dtype"
+        key = prefix + "weights.scale_dtype" if named else "dtype" if "dtype" in config else "torch_dtype"
         allowed = ", ".join(_DTYPES)
         raise CheckpointError(f"W4A16 scales in {name!r} are not supported ({allowed})", path, key)
     return _DTYPES[name]
