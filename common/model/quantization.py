@@ -4,11 +4,11 @@ or ModelOpt's `hf_quant_config.json`.
 Supported: none (bf16/fp16/fp32), `quant_method` "fp8" (block-scaled, dequantised at load: loader.py),
 ModelOpt's NVFP4 (`quant_method` "modelopt" with `quant_algo` "NVFP4", or hf_quant_config.json's
 `quantization.quant_algo`) and "mxfp4" (gpt-oss): their routed experts stay in their bits
-(fp4_formats.py); llm-compressor's "compressed-tensors" checkpoints as ct_scheme.py says. Any other
-method or algorithm is a CheckpointError naming it, its file and key, and the supported list. Ignore lists
-(`ignore`, `modules_to_not_convert`, `exclude_modules`) name modules left unquantized: "re:" + a regular
-expression (compressed-tensors), a glob with * or ? (ModelOpt, gpt-oss), or a module name that also covers
-its submodules.
+(fp4_formats.py). Any other method or algorithm is a CheckpointError naming it, its file and key, and the
+supported list. Ignore lists (`ignore`, `modules_to_not_convert`, `exclude_modules`) name modules left
+unquantized: "re:" + a regular expression (compressed-tensors), a glob with * or ? (ModelOpt, gpt-oss),
+or a module name that also covers its submodules.
+llm-compressor's "compressed-tensors" checkpoints: what ct_scheme.py supports.
 """
 
 from __future__ import annotations
