@@ -480,10 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument(
         "--quantize",
         default=None,
-        choices=["fp8", "nvfp4", "mxfp4", "gptq", "gptq-desc-act", "awq"],
+        choices=["fp8", "nvfp4", "mxfp4", "gptq", "gptq-desc-act", "awq", "w4a16", "w4a16-asym", "nvfp4a16"],
         help="write a quantized variant (flat archs): HF block FP8, ModelOpt NVFP4 or gpt-oss MXFP4 experts, "
-        "GPTQModel int4 (gptq: desc_act false; gptq-desc-act: true) or AutoAWQ int4 (GEMM); int4 groups of "
-        "128 where the dims allow, else 64, 32 or 16",
+        "GPTQModel int4 (gptq: desc_act false; gptq-desc-act: true), AutoAWQ int4 (GEMM), or "
+        "llm-compressor's compressed-tensors W4A16 (symmetric or not) or NVFP4A16; int4 groups of 128 where "
+        "the dims allow, else smaller",
     )
     mk.add_argument("--out", required=True)
     mk.set_defaults(func=_make_model)

@@ -17,6 +17,8 @@ back; `mlp` is the reference the GPU kernels are checked by.
   own bits (common/model/fp4_blocks.py); loaded as published, never packed from bf16 at serve time.
 - gptq / gptq_v2 / awq (group 128; "-g<N>" names another group size): GPTQ and AWQ int4 experts in their
   published int32 words (common/model/int4_blocks.py), likewise.
+- ct-*: llm-compressor's compressed-tensors experts (W4A16, NVFP4) in their own bits, likewise
+  (common/model/ct_experts.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from common.model.ct_experts import CT_EXPERT_FORMATS, CtExpertFormat
 from common.model.fp4_blocks import (
     MXFP4_GROUP,
     NVFP4_GROUP,
@@ -390,6 +393,27 @@ class PublishedInt4Format(ExpertFormat):
         return 0.13
 
 
+class CtFormat(ExpertFormat):
+    """A compressed-tensors expert format (common/model/ct_experts.py, where its loader reads it too)."""
+
+    def __init__(self, spec: CtExpertFormat) -> None:
+        self.spec, self.name = spec, spec.name
+
+    def components(self, hidden: int, inter: int) -> Components:
+        return self.spec.components(hidden, inter)
+
+    def pack(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.spec.pack(gate_up, down)
+
+    def unpack_many(
+        self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.spec.unpack_many(parts, dtype)
+
+    def error_bound(self) -> float:
+        return self.spec.error_bound()
+
+
 # --- registry ----------------------------------------------------------------------------------------------
 
 FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (Bf16Format(), Fp8Format(), Int4Format())}
@@ -397,7 +421,13 @@ FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (Bf16Format(), Fp8Format(
 
 PUBLISHED_FORMATS: dict[str, ExpertFormat] = {
     f.name: f
-    for f in (Nvfp4Format(), Mxfp4Format(), PublishedInt4Format("gptq", 128), PublishedInt4Format("awq", 128))
+    for f in (
+        Nvfp4Format(),
+        Mxfp4Format(),
+        PublishedInt4Format("gptq", 128),
+        PublishedInt4Format("awq", 128),
+        *map(CtFormat, CT_EXPERT_FORMATS.values()),
+    )
 }
 """Formats a checkpoint publishes its experts in, kept in their bits (not packed from bf16 by
 `--expert-format`; their GPU kernels are still to come, so they run through `unpack_many`)."""

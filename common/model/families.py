@@ -59,11 +59,17 @@ def _common(hf: dict[str, Any], default_eps: float) -> dict[str, Any]:
     )
 
 
+def _qwen_experts(hf: dict[str, Any], default: int) -> int:
+    """`num_experts`, or `num_local_experts` as transformers 5 saves a Qwen MoE config (llm-compressor's
+    checkpoints, for one)."""
+    return hf.get("num_experts", hf.get("num_local_experts", default))
+
+
 def _qwen_mlp_types(hf: dict[str, Any]) -> tuple[str, ...]:
     """HF's rule: MoE unless listed in mlp_only_layers, or off the decoder_sparse_step grid."""
     only = set(hf.get("mlp_only_layers") or [])
     step = hf.get("decoder_sparse_step", 1)
-    experts = hf.get("num_experts", 0)
+    experts = _qwen_experts(hf, 0)
     return tuple(
         "moe" if i not in only and experts > 0 and (i + 1) % step == 0 else "dense"
         for i in range(hf["num_hidden_layers"])
@@ -78,7 +84,7 @@ def parse_qwen3_moe(hf: dict[str, Any]) -> ModelConfig:
         layer_types=("sliding_attention" if window else "full_attention",) * n,
         mlp_types=_qwen_mlp_types(hf),
         intermediate_size=hf.get("intermediate_size", 6144),
-        num_experts=hf.get("num_experts", 128),
+        num_experts=_qwen_experts(hf, 128),
         top_k=hf.get("num_experts_per_tok", 8),
         moe_intermediate_size=hf.get("moe_intermediate_size", 768),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
@@ -102,7 +108,7 @@ def parse_qwen2_moe(hf: dict[str, Any]) -> ModelConfig:
         layer_types=tuple(layer_types),
         mlp_types=_qwen_mlp_types(hf),
         intermediate_size=hf.get("intermediate_size", 5632),
-        num_experts=hf.get("num_experts", 60),
+        num_experts=_qwen_experts(hf, 60),
         top_k=hf.get("num_experts_per_tok", 4),
         moe_intermediate_size=hf.get("moe_intermediate_size", 1408),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),

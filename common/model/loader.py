@@ -35,6 +35,7 @@ from common.model.checkpoint import (
     read_json,
     safetensors_source,
 )
+from common.model.ct_source import CtPublishedExperts, dequantized_ct_source, linear_dims
 from common.model.errors import CheckpointError
 from common.model.fp8_blocks import FP8_BLOCK, dequantize_fp8_block
 from common.model.fused_linear import fuse_projections
@@ -313,32 +314,32 @@ def load_model(
 def _model_source(
     model_dir: str | Path, arch: Architecture, cfg: ModelConfig, raw: TensorSource
 ) -> tuple[TensorSource, PublishedExperts | None]:
-    """`raw` (the checkpoint's tensors) as `build_model` takes them: FP8 and NVFP4 linears dequantised,
-    and NVFP4 / MXFP4 routed experts taken out into the PublishedExperts returned (None for another
-    scheme, or an artifact). The quantization is checked first: an unsupported method stops here."""
+    """`raw` (the checkpoint's tensors) as `build_model` takes them: quantized linears dequantised, and
+    published routed experts (NVFP4, MXFP4, GPTQ, AWQ, compressed-tensors) taken out into the
+    PublishedExperts returned (None for another scheme, or an artifact). The quantization is checked
+    first: an unsupported method stops here."""
     scheme = detect_quantization(model_dir)
     published = None
     if scheme.expert_format is not None and not (Path(model_dir) / ARTIFACT_META).is_file():
-        kind = Int4PublishedExperts if scheme.int4_format else PublishedExperts
+        if scheme.ct is not None:
+            kind: type[PublishedExperts] = CtPublishedExperts
+        else:
+            kind = Int4PublishedExperts if scheme.int4_format else PublishedExperts
         published = kind(scheme.expert_format, arch, cfg, Path(model_dir) / "config.json")
         raw = published.filter(raw)
     if scheme.method == "nvfp4":
         raw = dequantized_nvfp4_source(raw)  # linears outside the routed experts
-    if scheme.int4_format:
-        raw = dequantized_int4_source(raw, scheme.int4_format, functools.partial(_weight_shape, arch, cfg))
+    if scheme.ct is not None:  # linears outside the routed experts
+        raw = dequantized_ct_source(raw, scheme.ct, linear_dims(arch, cfg))
+    elif scheme.int4_format:
+        dims = linear_dims(arch, cfg)
+        raw = dequantized_int4_source(raw, scheme.int4_format, lambda k: dims(k.removesuffix(".weight")))
     source = dequantized_fp8_source(
         raw,
         fp8_block_size(model_dir),
         keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
     )
     return source, published
-
-
-def _weight_shape(arch: Architecture, cfg: ModelConfig, key: str) -> tuple[int, ...] | None:
-    """The shape of the model's parameter that checkpoint `key` fills (None: no parameter)."""
-    target = arch.map_key(key, cfg)
-    params = dict(meta_model(arch, cfg, torch.float32).named_parameters())
-    return tuple(params[target].shape) if isinstance(target, str) and target in params else None
 
 
 def check_checkpoint(model_dir: str | Path) -> None:

@@ -4,11 +4,12 @@ or ModelOpt's `hf_quant_config.json`.
 Supported: none (bf16/fp16/fp32), `quant_method` "fp8" (block-scaled, dequantised at load: loader.py),
 ModelOpt's NVFP4 (`quant_method` "modelopt" with `quant_algo` "NVFP4", or hf_quant_config.json's
 `quantization.quant_algo`) and "mxfp4" (gpt-oss): their routed experts stay in their bits
-(fp4_formats.py); "gptq" and "awq" int4 (int4_config.py), whose experts stay in their bits too
-(int4_blocks.py). Any other method or algorithm is a CheckpointError naming it, its file and key, and the
-supported list. Ignore lists (`ignore`, `modules_to_not_convert`, `exclude_modules`) name modules left
-unquantized: "re:" + a regular expression (compressed-tensors), a glob with * or ? (ModelOpt, gpt-oss),
-or a module name that also covers its submodules.
+(fp4_formats.py); "gptq" and "awq" int4 (int4_config.py) and llm-compressor's "compressed-tensors" (what
+ct_scheme.py supports), whose experts stay in their bits too. Any other method or algorithm is a
+CheckpointError naming it, its file and key, and the supported list. Ignore lists (`ignore`,
+`modules_to_not_convert`, `exclude_modules`) name modules left unquantized: "re:" + a regular expression
+(compressed-tensors), a glob with * or ? (ModelOpt, gpt-oss), or a module name that also covers its
+submodules.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from common.model.checkpoint import read_json
+from common.model.ct_scheme import CT_METHOD, CT_SUPPORTED, CtScheme, compressed_tensors_scheme
 from common.model.errors import CheckpointError
 from common.model.int4_config import awq_scheme, gptq_scheme
 
 MODELOPT_FILE = "hf_quant_config.json"
-SUPPORTED = ("fp8", "modelopt NVFP4", "mxfp4", "gptq", "awq")
+SUPPORTED = ("fp8", "modelopt NVFP4", "mxfp4", "gptq", "awq", *CT_SUPPORTED)
 """What `detect_quantization` accepts, as its errors list it."""
 _IGNORE_KEYS = ("ignore", "modules_to_not_convert", "exclude_modules")
 
@@ -34,18 +36,22 @@ class QuantScheme:
     """A checkpoint's declared quantization."""
 
     method: str
-    """"none" | "fp8" | "nvfp4" | "mxfp4" | "gptq" | "awq"."""
+    """"none" | "fp8" | "nvfp4" | "mxfp4" | "gptq" | "awq" | "compressed-tensors"."""
     source: Path | None
     """The file that declared it (None for an unquantized checkpoint)."""
     ignore: tuple[str, ...] = ()
     """Module patterns left unquantized, as the file writes them (AWQ's substrings as "re:" patterns)."""
     int4_format: str | None = None
     """GPTQ / AWQ: the expert format's name, with its group size and zero convention ("gptq-g32")."""
+    ct: CtScheme | None = None
+    """A compressed-tensors checkpoint's scheme."""
 
     @property
     def expert_format(self) -> str | None:
         """The published expert format whose bits the host store keeps ("nvfp4" | "mxfp4" | a GPTQ or AWQ
-        format's name), else None."""
+        format's name | a compressed-tensors one, e.g. "ct-w4a16"), else None."""
+        if self.ct is not None:
+            return self.ct.expert_format
         return self.int4_format or (self.method if self.method in ("nvfp4", "mxfp4") else None)
 
     def quantizes(self, module: str) -> bool:
@@ -70,7 +76,8 @@ def detect_quantization(model_dir: str | Path) -> QuantScheme:
     """The quantization `model_dir` declares; CheckpointError for an unsupported or malformed one."""
     config_path = Path(model_dir) / "config.json"
     modelopt_path = Path(model_dir) / MODELOPT_FILE
-    quant = read_json(config_path).get("quantization_config")
+    config = read_json(config_path)
+    quant = config.get("quantization_config")
     if quant is None and modelopt_path.is_file():
         body = read_json(modelopt_path).get("quantization")
         if not isinstance(body, dict):
@@ -88,7 +95,10 @@ def detect_quantization(model_dir: str | Path) -> QuantScheme:
     if method in ("gptq", "awq"):
         scheme = gptq_scheme if method == "gptq" else awq_scheme
         fmt, ignore = scheme(quant, config_path, _unsupported)
-        return QuantScheme(method, config_path, ignore, fmt)
+        return QuantScheme(method, config_path, ignore, int4_format=fmt)
+    if method == CT_METHOD:
+        ct = compressed_tensors_scheme(quant, config, config_path, SUPPORTED)
+        return QuantScheme(CT_METHOD, config_path, _ignore(quant, config_path, "quantization_config."), ct=ct)
     if method == "modelopt":
         body = quant.get("quantization", quant)  # some exports nest hf_quant_config.json's body
         return _modelopt(body, config_path, "quantization_config.")

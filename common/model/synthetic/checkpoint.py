@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from common.model.fp8_blocks import FP8_BLOCK, quantize_fp8_block
 from common.model.synthetic.config import generation_config, model_config, resolve_preset, text_config
+from common.model.synthetic.ct_checkpoint import CT_QUANTIZE, CtWriter, ct_quantization
 from common.model.synthetic.fp4_checkpoint import FP4_QUANTIZE, Fp4Writer, fp4_quantization
 from common.model.synthetic.int4_checkpoint import INT4_QUANTIZE, Int4Writer, int4_quantization
 from common.model.synthetic.plan import ShardPlan, TensorSpec, plan_shards, plan_tensors
@@ -271,25 +272,29 @@ def make_model(
     partial), and config.json's ``quantization_config``; the shards keep the unquantized plan's grouping.
     ``quantize="nvfp4"`` / ``"mxfp4"`` (flat archs) write the routed experts as ModelOpt / gpt-oss do
     (fp4_checkpoint.py); ``"gptq"`` / ``"gptq-desc-act"`` / ``"awq"`` (flat archs) the linears as GPTQModel
-    / AutoAWQ do (int4_checkpoint.py).
+    / AutoAWQ do (int4_checkpoint.py); ``"w4a16"`` / ``"w4a16-asym"`` / ``"nvfp4a16"`` (flat archs) every
+    linear as llm-compressor's compressed-tensors W4A16 or NVFP4A16 (ct_checkpoint.py).
     """
     from common.model.synthetic.tokenizer import check_vision_token_ids, tokenizer_vocab_size, write_tokenizer
 
     p, arch = resolve_preset(preset, arch)
-    allowed = ("fp8", *FP4_QUANTIZE, *INT4_QUANTIZE)
+    allowed = ("fp8", *FP4_QUANTIZE, *INT4_QUANTIZE, *CT_QUANTIZE)
     if quantize not in (None, *allowed) or (quantize and arch not in FLAT_ARCHS):
         raise ValueError(
             f"quantize={quantize!r} is not supported for {arch} (only {allowed}, for {FLAT_ARCHS})"
         )
     cfg = model_config(preset, arch, overrides)
     extra_files: dict[str, Any] = {}
-    fp4: Fp4Writer | Int4Writer | None = Fp4Writer(cfg, quantize) if quantize in FP4_QUANTIZE else None
-    fp4 = Int4Writer(cfg, quantize) if quantize in INT4_QUANTIZE else fp4
+    writer: Fp4Writer | Int4Writer | CtWriter | None = None  # (fp8: `_stored`)
     if quantize == "fp8":
         cfg["quantization_config"] = fp8_quantization_config(cfg)
     elif quantize in INT4_QUANTIZE:
+        writer = Int4Writer(cfg, quantize)
         cfg["quantization_config"], extra_files = int4_quantization(cfg, quantize)
+    elif quantize in CT_QUANTIZE:
+        writer, cfg["quantization_config"] = CtWriter(cfg, quantize), ct_quantization(cfg, quantize)
     elif quantize is not None:
+        writer = Fp4Writer(cfg, quantize)
         cfg["quantization_config"], extra_files = fp4_quantization(cfg, quantize)
     shards = plan_shards(cfg, shard_bytes or p.shard_bytes)
     out = Path(out)
@@ -319,7 +324,7 @@ def make_model(
         for spec in shard.tensors:
             key, tensor = next(tensors)
             assert key == spec.key, (key, spec.key)  # the same plan, in the same order
-            batch.update(fp4.stored(key, tensor) if fp4 else _stored(key, tensor, quantize))
+            batch.update(writer.stored(key, tensor) if writer else _stored(key, tensor, quantize))
         _save_shard(batch, out, shard.filename)
         weight_map.update(dict.fromkeys(batch, shard.filename))
         total += sum(t.nbytes for t in batch.values())

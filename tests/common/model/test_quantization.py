@@ -72,7 +72,6 @@ def test_mxfp4_and_pattern_forms(tmp_path: Path) -> None:
     [
         ({"quant_method": "hqq"}, "'hqq'"),
         ({"quant_method": "eetq"}, "'eetq'"),
-        ({"quant_method": "compressed-tensors"}, "'compressed-tensors'"),
         ({"quant_method": "bitsandbytes"}, "'bitsandbytes'"),
         ({"quant_method": "modelopt", "quant_algo": "FP8"}, "'FP8'"),
     ],
