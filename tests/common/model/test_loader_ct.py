@@ -18,15 +18,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import WorkerConfig
-from common.engine.engine import Engine
 from common.engine.memory_plan import plan_for_dir
 from common.experts.formats import get_format
 from common.model.ct_blocks import unpack_int32_rows
 from common.model.errors import CheckpointError
 from common.model.loader import check_checkpoint, load_model
 from common.model.synthetic.checkpoint import make_model
-from common.protocol import SamplingParams
+from tests.common.model.published_checks import (
+    INDEX,
+    assert_greedy_matches_transformers,
+    edit_shard,
+    shard_of,
+    tensors,
+)
 from tests.common.model.test_ct_blocks import nvfp4_reference, nvfp4_scheme, w4a16_reference
 from tests.common.model.test_ct_scheme import _FP8_ACTS, _FP8_BLOCK, _NVFP4, _NVFP4_ACTS, quant
 
@@ -35,19 +39,13 @@ from compressed_tensors.compressors import FloatQuantizationCompressor, NVFP4Pac
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
 
-INDEX = "model.safetensors.index.json"
 VARIANTS = ("w4a16", "w4a16-asym", "nvfp4a16", "ct-nvfp4", "fp8-block")
 EXPERT_FORMATS = {
     "w4a16": "ct-w4a16-g32", "w4a16-asym": "ct-w4a16-asym-g32",
     "nvfp4a16": "ct-nvfp4a16", "ct-nvfp4": "ct-nvfp4",
 }  # fmt: skip
 FP8_EDGE = 32  # a block other than 128: the loader takes it from the config
-TOKENS = 12
 ROUTERS = ["model.layers.0.mlp.gate", "model.layers.2.mlp.gate", "model.layers.3.mlp.gate", "lm_head"]
-
-
-def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    return {k: t for f in sorted(model_dir.glob("*.safetensors")) for k, t in load_file(f).items()}
 
 
 def _quantized(key: str, t: torch.Tensor) -> bool:
@@ -103,7 +101,7 @@ def _compressed_by_ct(src: Path, out: Path, variant: str) -> Path:
     q["ignore"] = ROUTERS
     config["quantization_config"] = q
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    plain = _tensors(src)
+    plain = tensors(src)
     stored: dict[str, torch.Tensor] = {}
     for key, w in plain.items():
         if not _quantized(key, w):
@@ -156,7 +154,7 @@ def _reference(t: dict[str, torch.Tensor], module: str) -> torch.Tensor | None:
 
 
 def _reference_experts(model_dir: Path, layer: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    t = _tensors(model_dir)
+    t = tensors(model_dir)
 
     def linear(e: int, p: str) -> torch.Tensor:
         w = _reference(t, f"model.layers.{layer}.mlp.experts.{e}.{p}_proj")
@@ -177,7 +175,7 @@ def dequantized_dir(ct_dir: Path, tmp_path_factory) -> Path:
     config = json.loads((out / "config.json").read_text())
     del config["quantization_config"]
     (out / "config.json").write_text(json.dumps(config))
-    t = _tensors(ct_dir)
+    t = tensors(ct_dir)
     plain: dict[str, torch.Tensor] = {}
     for key, tensor in t.items():
         module, _, name = key.rpartition(".")
@@ -234,7 +232,7 @@ def test_w4a16_written_as_llm_compressor(tmp_path: Path, quantize: str) -> None:
         "transform_config": {},
         "version": "0.19.0",
     }
-    t = _tensors(out)
+    t = tensors(out)
     m = "model.layers.2.mlp.experts.3.up_proj"
     assert t[f"{m}.weight_packed"].dtype == torch.int32 and t[f"{m}.weight_packed"].shape == (32, 8)
     assert t[f"{m}.weight_scale"].dtype == torch.bfloat16 and t[f"{m}.weight_scale"].shape == (32, 2)
@@ -260,7 +258,7 @@ def test_nvfp4a16_written_as_llm_compressor(tmp_path: Path) -> None:
     assert q["format"] == "nvfp4-pack-quantized" and q["ignore"] == ROUTERS
     group = q["config_groups"]["group_0"]
     assert group["input_activations"] is None and group["weights"] == _NVFP4
-    t = _tensors(out)
+    t = tensors(out)
     m = "model.layers.2.mlp.experts.3"
     assert t[f"{m}.up_proj.weight_packed"].dtype == torch.uint8 and t[f"{m}.up_proj.weight_packed"].shape == (
         32,
@@ -297,7 +295,7 @@ def test_experts_dequantise_bit_for_bit(ct_dir: Path) -> None:
     comps = get_format(name).components(cfg.hidden_size, cfg.moe_intermediate_size)
     for layer in cfg.moe_layers:
         assert {k: (tuple(v.shape[1:]), v.dtype) for k, v in layers[layer].items()} == comps
-    stored = _tensors(ct_dir)["model.layers.2.mlp.experts.5.up_proj.weight_packed"]
+    stored = tensors(ct_dir)["model.layers.2.mlp.experts.5.up_proj.weight_packed"]
     assert torch.equal(layers[2]["gate_up_weight_packed"][5, 32:], stored)
 
 
@@ -305,7 +303,7 @@ def test_dense_linears_dequantised(ct_dir: Path) -> None:
     """Attention and the dense MLP load as compressed-tensors dequantises them; the router as stored."""
     model = load_model(ct_dir, dtype=torch.float32)
     params = dict(model.named_parameters())
-    t = _tensors(ct_dir)
+    t = tensors(ct_dir)
     for module in ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"):
         target = next(k for k in params if k.endswith(module.removeprefix("model.") + ".weight"))
         assert torch.equal(params[target].detach(), _reference(t, module))
@@ -329,45 +327,16 @@ def test_plan_counts_the_published_bytes(ct_dir: Path) -> None:
 
 # --- against transformers ----------------------------------------------------------------------------------
 
-PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 200, 31, 4]]
-
 
 @pytest.mark.parametrize("expert_cache", [None, pytest.param("0.5", marks=pytest.mark.slow)])
-@torch.inference_mode()
 def test_greedy_matches_transformers(ct_dir: Path, dequantized_dir: Path, expert_cache: str | None) -> None:
     """Spillway on the compressed-tensors checkpoint (experts resident, or from the host store of published
     bits through a cache of half of them) generates what transformers generates on the weights
     compressed-tensors dequantises."""
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        dequantized_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    hf.generation_config.eos_token_id = None
-    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    cfg = WorkerConfig(str(ct_dir), max_running=2, max_context=64, dtype="float32", expert_cache=expert_cache)
-    ours = Engine(cfg).generate(PROMPTS, params)
-    for prompt, result in zip(PROMPTS, ours, strict=True):
-        ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=TOKENS, pad_token_id=0)
-        assert result.token_ids == ref[0, len(prompt) :].tolist()
+    assert_greedy_matches_transformers(ct_dir, dequantized_dir, expert_cache)
 
 
 # --- errors name the file and the key ----------------------------------------------------------------------
-
-
-def _shard(model_dir: Path, key: str) -> Path:
-    index = model_dir / INDEX
-    if not index.is_file():
-        return model_dir / "model.safetensors"
-    return model_dir / json.loads(index.read_text())["weight_map"][key]
-
-
-def _edit(model_dir: Path, key: str, change) -> Path:
-    """Apply `change(tensors)` to the shard holding `key`; return that shard."""
-    shard = _shard(model_dir, key)
-    tensors = load_file(shard)
-    change(tensors)
-    save_file(tensors, shard, metadata={"format": "pt"})
-    return shard
 
 
 def _faulty_keys(model_dir: Path) -> list[str]:
@@ -406,7 +375,7 @@ _MISTYPED_FP8 = {torch.float8_e4m3fn: torch.bfloat16, torch.bfloat16: torch.int3
 def test_bad_tensor_refused(ckpt: Path, fault: str, check) -> None:
     mistyped = _MISTYPED_FP8 if _variant(ckpt) == "fp8-block" else _MISTYPED
     for key in _faulty_keys(ckpt):
-        original = _tensors(ckpt)[key]
+        original = tensors(ckpt)[key]
 
         def change(t: dict, key: str = key) -> None:
             s = t[key]
@@ -417,11 +386,11 @@ def test_bad_tensor_refused(ckpt: Path, fault: str, check) -> None:
             }
             t[key] = bad[fault]().clone()
 
-        shard = _edit(ckpt, key, change)
+        shard = edit_shard(ckpt, key, change)
         with pytest.raises(CheckpointError, match="dtype" if fault == "mistyped" else "shape") as err:
             check(ckpt)
         assert err.value.path == shard and err.value.key == key
-        _edit(ckpt, key, lambda t, key=key, original=original: t.update({key: original}))
+        edit_shard(ckpt, key, lambda t, key=key, original=original: t.update({key: original}))
 
 
 @CHECKS
@@ -434,7 +403,7 @@ def test_missing_tensor_refused(ckpt: Path, check) -> None:
         "nvfp4a16": "weight_global_scale",
     }
     key = f"{module}.{name.get(variant, 'weight_scale')}"
-    _edit(ckpt, key, lambda t: t.pop(key))
+    edit_shard(ckpt, key, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=r"missing|without") as err:
         check(ckpt)
     assert err.value.key in (key, f"{module}.weight", f"{module}.weight_scale_inv")
@@ -448,16 +417,16 @@ def test_wrong_weight_shape_refused(ckpt: Path) -> None:
         "model.layers.2.mlp.experts.1.down_proj.weight_shape",
         "model.layers.1.mlp.up_proj.weight_shape",
     ):
-        shard = _edit(ckpt, key, lambda t, key=key: t.update({key: t[key].flip(0).clone()}))
+        shard = edit_shard(ckpt, key, lambda t, key=key: t.update({key: t[key].flip(0).clone()}))
         with pytest.raises(CheckpointError, match="weight_shape") as err:
             load_model(ckpt)
         assert err.value.path == shard and err.value.key == key
-        _edit(ckpt, key, lambda t, key=key: t.update({key: t[key].flip(0).clone()}))
+        edit_shard(ckpt, key, lambda t, key=key: t.update({key: t[key].flip(0).clone()}))
 
 
 def test_truncated_file_refused(ckpt: Path) -> None:
     """A shard cut short (a download that stopped) is named."""
-    shard = _shard(ckpt, _faulty_keys(ckpt)[0])
+    shard = shard_of(ckpt, _faulty_keys(ckpt)[0])
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 100])
     with pytest.raises(CheckpointError) as err:

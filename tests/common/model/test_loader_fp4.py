@@ -11,26 +11,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from common.config import WorkerConfig
-from common.engine.engine import Engine
 from common.engine.memory_plan import plan_for_dir
 from common.experts.formats import get_format
 from common.model.errors import CheckpointError
 from common.model.hf_config import load_architecture
 from common.model.loader import check_checkpoint, load_model
 from common.model.synthetic.checkpoint import make_model
-from common.protocol import SamplingParams
 from tests.common.experts.test_fp4_formats import mxfp4_reference, nvfp4_reference
+from tests.common.model.published_checks import (
+    INDEX,
+    assert_greedy_matches_transformers,
+    edit_shard,
+    tensors,
+)
 
-INDEX = "model.safetensors.index.json"
 FORMATS = ("nvfp4", "mxfp4")
-TOKENS = 12
-
-
-def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    return {k: t for f in sorted(model_dir.glob("*.safetensors")) for k, t in load_file(f).items()}
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -44,7 +41,7 @@ def _format_of(model_dir: Path) -> str:
 
 def _reference_experts(model_dir: Path, layer: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up [E, 2I, H], down [E, H, I]) in fp32 from the files, by the specifications' references."""
-    t = _tensors(model_dir)
+    t = tensors(model_dir)
     prefix = f"model.layers.{layer}.mlp.experts"
     if _format_of(model_dir) == "mxfp4":
         gate_up, down = (
@@ -72,7 +69,7 @@ def dequantized_dir(fp4_dir: Path, tmp_path_factory) -> Path:
     config = json.loads((out / "config.json").read_text())
     del config["quantization_config"]
     (out / "config.json").write_text(json.dumps(config))
-    t = _tensors(fp4_dir)
+    t = tensors(fp4_dir)
     plain = {}
     for key, tensor in t.items():
         module = key.removesuffix(".weight")
@@ -106,7 +103,7 @@ def test_nvfp4_written_as_modelopt(tmp_path: Path) -> None:
     )
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "modelopt" and config["ignore"] == quant["exclude_modules"]
-    t = _tensors(out)
+    t = tensors(out)
     assert t["model.layers.1.mlp.up_proj.weight"].dtype == torch.uint8  # the dense MLP, quantized too
     m = "model.layers.2.mlp.experts.3.up_proj"
     assert t[f"{m}.weight"].dtype == torch.uint8 and t[f"{m}.weight"].shape == (32, 32)  # I=32, H=64
@@ -121,7 +118,7 @@ def test_mxfp4_written_as_gpt_oss(tmp_path: Path) -> None:
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "mxfp4"
     assert "lm_head" in config["quantization_config"]["modules_to_not_convert"]
-    t = _tensors(out)
+    t = tensors(out)
     assert t["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (8, 64, 2, 16)  # [E, 2I, H/32, 16]
     assert t["model.layers.0.mlp.experts.gate_up_proj_scales"].shape == (8, 64, 2)
     assert t["model.layers.0.mlp.experts.down_proj_blocks"].shape == (8, 64, 1, 16)  # [E, H, I/32, 16]
@@ -149,10 +146,10 @@ def test_experts_dequantise_bit_for_bit(fp4_dir: Path) -> None:
         parts = layers[layer]
         assert {k: (tuple(v.shape[1:]), v.dtype) for k, v in parts.items()} == comps
     if name == "mxfp4":
-        stored = _tensors(fp4_dir)["model.layers.2.mlp.experts.down_proj_blocks"]
+        stored = tensors(fp4_dir)["model.layers.2.mlp.experts.down_proj_blocks"]
         assert torch.equal(layers[2]["down_blocks"], stored)
     else:
-        stored = _tensors(fp4_dir)["model.layers.2.mlp.experts.5.up_proj.weight_scale"]
+        stored = tensors(fp4_dir)["model.layers.2.mlp.experts.5.up_proj.weight_scale"]
         assert torch.equal(
             layers[2]["gate_up_weight_scale"][5, 32:].view(torch.uint8), stored.view(torch.uint8)
         )
@@ -180,39 +177,15 @@ def test_plan_counts_the_published_bytes(fp4_dir: Path) -> None:
 
 # --- against transformers ----------------------------------------------------------------------------------
 
-PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 200, 31, 4]]
-
 
 @pytest.mark.parametrize("expert_cache", [None, pytest.param("0.5", marks=pytest.mark.slow)])
-@torch.inference_mode()
 def test_greedy_matches_transformers(fp4_dir: Path, dequantized_dir: Path, expert_cache: str | None) -> None:
     """Spillway on the fp4 checkpoint (experts resident, or from the host store of published bits through a
     cache of half of them) generates what transformers generates on the dequantised weights."""
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        dequantized_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    hf.generation_config.eos_token_id = None
-    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    cfg = WorkerConfig(
-        str(fp4_dir), max_running=2, max_context=64, dtype="float32", expert_cache=expert_cache
-    )
-    ours = Engine(cfg).generate(PROMPTS, params)
-    for prompt, result in zip(PROMPTS, ours, strict=True):
-        ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=TOKENS, pad_token_id=0)
-        assert result.token_ids == ref[0, len(prompt) :].tolist()
+    assert_greedy_matches_transformers(fp4_dir, dequantized_dir, expert_cache)
 
 
 # --- errors name the file and the key ----------------------------------------------------------------------
-
-
-def _edit(model_dir: Path, key: str, change) -> Path:
-    """Apply `change(tensors)` to the shard holding `key`; return that shard."""
-    shard = model_dir / json.loads((model_dir / INDEX).read_text())["weight_map"][key]
-    tensors = load_file(shard)
-    change(tensors)
-    save_file(tensors, shard, metadata={"format": "pt"})
-    return shard
 
 
 def _scale_keys(model_dir: Path) -> list[str]:
@@ -241,7 +214,7 @@ def test_headers_check_passes(fp4_dir: Path) -> None:
 @pytest.mark.parametrize("fault", ["truncated", "reshaped", "mistyped"])
 def test_bad_scale_refused(ckpt: Path, fault: str, check) -> None:
     for key in _scale_keys(ckpt):
-        original = _tensors(ckpt)[key]
+        original = tensors(ckpt)[key]
 
         def change(t: dict, key: str = key) -> None:
             s = t[key]
@@ -249,17 +222,17 @@ def test_bad_scale_refused(ckpt: Path, fault: str, check) -> None:
                 fault
             ].clone()
 
-        shard = _edit(ckpt, key, change)
+        shard = edit_shard(ckpt, key, change)
         with pytest.raises(CheckpointError, match="dtype" if fault == "mistyped" else "shape") as err:
             check(ckpt)
         assert err.value.path == shard and err.value.key == key
-        _edit(ckpt, key, lambda t, key=key, original=original: t.update({key: original}))
+        edit_shard(ckpt, key, lambda t, key=key, original=original: t.update({key: original}))
 
 
 @CHECKS
 def test_missing_scale_refused(ckpt: Path, check) -> None:
     key = _scale_keys(ckpt)[0]
-    _edit(ckpt, key, lambda t: t.pop(key))
+    edit_shard(ckpt, key, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match="missing") as err:
         check(ckpt)
     assert err.value.key == key

@@ -15,8 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import WorkerConfig
-from common.engine.engine import Engine
 from common.engine.memory_plan import plan_for_dir
 from common.experts.formats import get_format
 from common.model.errors import CheckpointError
@@ -25,17 +23,16 @@ from common.model.loader import check_checkpoint, load_model
 from common.model.synthetic.checkpoint import make_model
 from common.model.synthetic.config import model_config
 from common.model.synthetic.int4_checkpoint import group_size
-from common.protocol import SamplingParams
 from tests.common.experts.test_int4_published_formats import awq_reference, gptq_reference
+from tests.common.model.published_checks import (
+    INDEX,
+    assert_greedy_matches_transformers,
+    edit_shard,
+    tensors,
+)
 
-INDEX = "model.safetensors.index.json"
 VARIANTS = ("gptq", "gptq-desc-act", "awq")
-TOKENS = 12
 GROUP = 32
-
-
-def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    return {k: t for f in sorted(model_dir.glob("*.safetensors")) for k, t in load_file(f).items()}
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -57,7 +54,7 @@ def _linear(t: dict[str, torch.Tensor], module: str, method: str) -> torch.Tenso
 
 
 def _reference_experts(model_dir: Path, layer: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    t, method = _tensors(model_dir), _method(model_dir)
+    t, method = tensors(model_dir), _method(model_dir)
     prefix = f"model.layers.{layer}.mlp.experts"
 
     def linear(e: int, p: str) -> torch.Tensor:
@@ -77,7 +74,7 @@ def dequantized_dir(int4_dir: Path, tmp_path_factory) -> Path:
     config = json.loads((out / "config.json").read_text())
     del config["quantization_config"]
     (out / "config.json").write_text(json.dumps(config))
-    t, method = _tensors(int4_dir), _method(int4_dir)
+    t, method = tensors(int4_dir), _method(int4_dir)
     plain = {}
     for key, tensor in t.items():
         module, _, name = key.rpartition(".")
@@ -107,7 +104,7 @@ def test_gptq_written_as_gptqmodel(tmp_path: Path, desc_act: bool) -> None:
     assert quant["pack_dtype"] == "int32" and quant["meta"]["quantizer"] == ["gptqmodel:4.2.5"]
     assert "modules_to_not_convert" not in quant  # GPTQModel leaves the router out of its module tree
     assert json.loads((out / "quantize_config.json").read_text()) == quant
-    t = _tensors(out)
+    t = tensors(out)
     m = "model.layers.2.mlp.experts.3.up_proj"  # I=32, H=64
     assert (t[f"{m}.qweight"].dtype, t[f"{m}.qweight"].shape) == (torch.int32, (8, 32))
     assert (t[f"{m}.qzeros"].dtype, t[f"{m}.qzeros"].shape) == (torch.int32, (2, 4))
@@ -134,7 +131,7 @@ def test_awq_written_as_autoawq(tmp_path: Path) -> None:
         "version": "gemm",
         "modules_to_not_convert": ["mlp.gate"],
     }
-    t = _tensors(out)
+    t = tensors(out)
     m = "model.layers.2.mlp.experts.3.down_proj"  # H=64 outputs, I=32 inputs
     assert (t[f"{m}.qweight"].dtype, t[f"{m}.qweight"].shape) == (torch.int32, (32, 8))
     assert (t[f"{m}.qzeros"].dtype, t[f"{m}.qzeros"].shape) == (torch.int32, (1, 8))
@@ -173,7 +170,7 @@ def test_weights_dequantise_bit_for_bit(int4_dir: Path) -> None:
         assert torch.equal(experts.weights[layer].gate_up, gate_up)
         assert torch.equal(experts.weights[layer].down, down)
         assert {k: (tuple(v.shape[1:]), v.dtype) for k, v in layers[layer].items()} == comps
-    t = _tensors(int4_dir)
+    t = tensors(int4_dir)
     up = "model.layers.2.mlp.experts.5.up_proj"
     for n in ("qweight", "qzeros", "scales"):  # up's columns follow gate's
         width = t[f"{up}.{n}"].shape[-1]
@@ -228,39 +225,15 @@ def test_gptq_v2_zeros(int4_dir: Path, tmp_path: Path) -> None:
 
 # --- against transformers ----------------------------------------------------------------------------------
 
-PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 200, 31, 4]]
-
 
 @pytest.mark.parametrize("expert_cache", [None, pytest.param("0.5", marks=pytest.mark.slow)])
-@torch.inference_mode()
 def test_greedy_matches_transformers(int4_dir: Path, dequantized_dir: Path, expert_cache: str | None) -> None:
     """Spillway on the int4 checkpoint (experts resident, or from the host store of published words through
     a cache of half of them) generates what transformers generates on the dequantised weights."""
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        dequantized_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    hf.generation_config.eos_token_id = None
-    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    cfg = WorkerConfig(
-        str(int4_dir), max_running=2, max_context=64, dtype="float32", expert_cache=expert_cache
-    )
-    ours = Engine(cfg).generate(PROMPTS, params)
-    for prompt, result in zip(PROMPTS, ours, strict=True):
-        ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=TOKENS, pad_token_id=0)
-        assert result.token_ids == ref[0, len(prompt) :].tolist()
+    assert_greedy_matches_transformers(int4_dir, dequantized_dir, expert_cache)
 
 
 # --- errors name the file and the key ----------------------------------------------------------------------
-
-
-def _edit(model_dir: Path, key: str, change) -> Path:
-    """Apply `change(tensors)` to the shard holding `key`; return that shard."""
-    shard = model_dir / json.loads((model_dir / INDEX).read_text())["weight_map"][key]
-    tensors = load_file(shard)
-    change(tensors)
-    save_file(tensors, shard, metadata={"format": "pt"})
-    return shard
 
 
 # An expert's tensor, and an attention linear's, which loads dequantised.
@@ -288,24 +261,24 @@ def test_headers_check_passes(int4_dir: Path) -> None:
 @pytest.mark.parametrize("fault", ["truncated", "reshaped", "mistyped"])
 def test_bad_tensor_refused(ckpt: Path, fault: str, check) -> None:
     for key in KEYS:
-        original = _tensors(ckpt)[key]
+        original = tensors(ckpt)[key]
 
         def change(t: dict, key: str = key) -> None:
             s = t[key]
             bad = {"truncated": s[..., :-1], "reshaped": s.reshape(-1), "mistyped": s.float()}[fault]
             t[key] = bad.clone()
 
-        shard = _edit(ckpt, key, change)
+        shard = edit_shard(ckpt, key, change)
         with pytest.raises(CheckpointError, match="dtype" if fault == "mistyped" else "shape") as err:
             check(ckpt)
         assert err.value.path == shard and err.value.key == key
-        _edit(ckpt, key, lambda t, key=key, original=original: t.update({key: original}))
+        edit_shard(ckpt, key, lambda t, key=key, original=original: t.update({key: original}))
 
 
 @CHECKS
 @pytest.mark.parametrize("key", [KEYS[0], KEYS[2]])
 def test_missing_tensor_refused(ckpt: Path, check, key: str) -> None:
-    _edit(ckpt, key, lambda t: t.pop(key))
+    edit_shard(ckpt, key, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match="missing") as err:
         check(ckpt)
     assert err.value.key == key
@@ -317,7 +290,7 @@ def test_missing_tensor_refused(ckpt: Path, check, key: str) -> None:
 def test_g_idx_outside_the_groups_refused(ckpt: Path, key: str) -> None:
     if _method(ckpt) == "awq":
         pytest.skip("GPTQ's g_idx")
-    shard = _edit(ckpt, key, lambda t: t[key].__setitem__(0, 2))  # 64 inputs: groups 0 and 1
+    shard = edit_shard(ckpt, key, lambda t: t[key].__setitem__(0, 2))  # 64 inputs: groups 0 and 1
     with pytest.raises(CheckpointError, match="g_idx") as err:
         load_model(ckpt)
     assert err.value.path == shard and err.value.key == key
