@@ -1,12 +1,19 @@
-"""Shared test setup: offline HF, deterministic CPU math."""
+"""Shared test setup: offline HF, deterministic CPU math; Triton's interpreter without CUDA."""
 
 from __future__ import annotations
 
 import os
 
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter (same semantics, numpy underneath). The switch is read when
+    # triton is first imported, which any test module may do indirectly (compressed-tensors does): so here,
+    # before any test module is collected.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 # -- `spillway serve` as a real process (tests/services, tests/gpu) ---------------------------------------
