@@ -1,24 +1,15 @@
-"""Runtime formats of routed experts: bf16, fp8 (128×128 block scales), int4 (W4A16, group 128, asym), and
-the published nvfp4 and mxfp4.
-
-A format is a fixed set of named components of fixed shape and dtype for a given (hidden H, intermediate I),
-so every expert of a layer has the same byte stride in the host store and in a VRAM cache slot. A format
-packs one expert's SwiGLU weights (gate_up [2I, H], gate rows then up rows; down [H, I]) and dequantises them
-back; `mlp` is the reference the GPU kernels are checked by.
+"""Runtime formats of routed experts. A format is a fixed set of named components of fixed shape and dtype
+for a given (hidden H, intermediate I): one byte stride for every expert of a layer, in the host store and in
+a cache slot. It packs one expert's SwiGLU weights (gate_up [2I, H], gate rows then up rows; down [H, I]) and
+dequantises them back; `mlp` is the reference the GPU kernels are checked by.
 
 - bf16: gate_up [2I, H], down [H, I].
 - fp8: float8_e4m3fn of the same shapes, `*_scale_inv` fp32 [ceil(out/128), ceil(in/128)], w ≈ code ·
-  scale_inv of its block (Qwen3/DeepSeek FP8 checkpoints; with I % 128 == 0 their gate/up blocks concatenate
-  as they are).
+  scale_inv of its block (as Qwen3/DeepSeek FP8 checkpoints).
 - int4: `*_qweight` uint8 [out, in/2], column 2j in byte j's low nibble, 2j+1 in its high one; `*_scales` bf16
-  and `*_zeros` uint8 (0..15) [out, in/128]; w ≈ (q − zero) · scale, dequantised with one rounding. H and I
-  multiples of 128.
-- nvfp4 / mxfp4: a checkpoint's published 4-bit float experts (ModelOpt's NVFP4, gpt-oss's MXFP4) in their
-  own bits (common/model/fp4_blocks.py); loaded as published, never packed from bf16 at serve time.
-- gptq / gptq_v2 / awq (group 128; "-g<N>" names another group size): GPTQ and AWQ int4 experts in their
-  published int32 words (common/model/int4_blocks.py), likewise.
-- ct-*: llm-compressor's compressed-tensors experts (W4A16, NVFP4) in their own bits, likewise
-  (common/model/ct_experts.py).
+  and `*_zeros` uint8 (0..15) [out, in/128]; w ≈ (q − zero) · scale. H and I multiples of 128.
+- published formats (nvfp4, mxfp4, gptq*, awq*, ct-*): a checkpoint's experts kept in their own bits
+  (fp4_blocks.py, int4_blocks.py, ct_experts.py in common/model/).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Weights as llm-compressor's compressed-tensors stores them: `pack-quantized` int4 and
-`nvfp4-pack-quantized`; read by the loader and the expert formats, written by the synthetic checkpoints.
+`nvfp4-pack-quantized`.
 
 - pack-quantized, per linear: `weight_packed` int32 [out, in/8], element 8w+k in bits 4k..4k+3 of word w,
   each nibble the signed code q (−8..7) plus 8; `weight_scale` [out, in/group] in the model's dtype;
   asymmetric only, `weight_zero_point` int32 [ceil(out/8), in/group], the signed zero points packed the
   same way along the output dim (8 rows a word); `weight_shape` int64 [2] = [out, in]. w = (q − z) · s.
-  Read as bytes (little-endian), a word's nibbles are Spillway's `pack_nibbles` order.
 - nvfp4-pack-quantized, per linear: `weight_packed` uint8 [out, in/2] (e2m1 codes, `fp4_blocks`' nibble
   order), `weight_scale` e4m3 [out, in/16], `weight_global_scale` fp32 [1] (the reciprocal of ModelOpt's
   weight_scale_2: 448 · 6 / amax) and, with static activation scales, `input_global_scale` fp32 [1].

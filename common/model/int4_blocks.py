@@ -1,22 +1,16 @@
-"""Int4 weights as GPTQ and AWQ checkpoints publish them; read by the loader and the expert formats, written
-by the synthetic checkpoints.
+"""Int4 weights as GPTQ and AWQ checkpoints publish them.
 
 Both pack eight 4-bit codes into an int32 word, code k of a word in bits 4k..4k+3, and dequantise
 w = (q − zero) · scale per group of inputs, the scales fp16 [G, out] (G = in / group_size; one group of all
-inputs when group_size is -1). A linear's tensors are stored input-major ([in, ...], the transpose of
-torch's [out, in] weight):
+inputs when group_size is -1), stored input-major:
 
 - GPTQ (AutoGPTQ, GPTQModel): `qweight` int32 [in/8, out], word r of a column holding inputs 8r..8r+7 in
   order; `qzeros` int32 [G, out/8], word c of a row holding outputs 8c..8c+7 in order; `scales`; `g_idx`
   int32 [in], the group of each input (i // group_size, or with `desc_act` a permuted assignment). The
-  "gptq" checkpoint_format (v1) stores zero − 1 in each nibble (a zero of 0 cannot be stored; each nibble
-  reads back + 1, 15 as 16, as AutoGPTQ's torch path and vLLM's exllama kernel read it), GPTQModel's
+  "gptq" checkpoint_format (v1) stores zero − 1 in each nibble (read back + 1, 15 as 16), GPTQModel's
   "gptq_v2" the zero itself.
 - AWQ GEMM (AutoAWQ): `qweight` int32 [in, out/8] and `qzeros` int32 [G, out/8], word c of a row holding
   outputs 8c + (0, 2, 4, 6, 1, 3, 5, 7)[k] in nibble k; `scales`; the zero itself; groups contiguous.
-
-Dequantisation forms (q − zero) · scale in fp32 (exact: an integer of at most 5 bits times an fp16) and
-rounds once to the target dtype.
 """
 
 from __future__ import annotations

@@ -267,13 +267,10 @@ def make_model(
     Writes config.json, generation_config.json, the tokenizer, and the weights as safetensors shards
     (plus model.safetensors.index.json when there is more than one). Shards are generated and saved one at
     a time, so peak memory is about one shard (plus ``synthetic_tensors``' lookahead) whatever the model
-    size. ``quantize="fp8"`` (flat archs) writes the HF FP8 variant: each linear weight but the embedding,
-    head and routers as float8_e4m3fn with a float32 ``weight_scale_inv`` per 128×128 block (edge blocks
-    partial), and config.json's ``quantization_config``; the shards keep the unquantized plan's grouping.
-    ``quantize="nvfp4"`` / ``"mxfp4"`` (flat archs) write the routed experts as ModelOpt / gpt-oss do
-    (fp4_checkpoint.py); ``"gptq"`` / ``"gptq-desc-act"`` / ``"awq"`` (flat archs) the linears as GPTQModel
-    / AutoAWQ do (int4_checkpoint.py); ``"w4a16"`` / ``"w4a16-asym"`` / ``"nvfp4a16"`` (flat archs) every
-    linear as llm-compressor's compressed-tensors W4A16 or NVFP4A16 (ct_checkpoint.py).
+    size. ``quantize`` (flat archs) writes a quantized variant as its producing tool does: "fp8" HF block
+    FP8 (each linear but the embedding, head and routers; the shards keep the plan's grouping), "nvfp4" /
+    "mxfp4" (fp4_checkpoint.py), "gptq" / "gptq-desc-act" / "awq" (int4_checkpoint.py), "w4a16" /
+    "w4a16-asym" / "nvfp4a16" (ct_checkpoint.py).
     """
     from common.model.synthetic.tokenizer import check_vision_token_ids, tokenizer_vocab_size, write_tokenizer
 

@@ -10,8 +10,7 @@ gate; the embedding is no linear) becomes, quantised as llm-compressor's round t
   else the largest of 64 and 32 that fits (the tiny preset's: 32).
 - nvfp4a16: `X.weight_packed`, `X.weight_scale`, `X.weight_global_scale`; the linears llm-compressor fuses
   (a module's q/k/v, gate/up, w1/w3) share a global scale, of all of them.
-config.json's `quantization_config` is what compressed-tensors' `ModelCompressor` writes, the ignore list
-expanded to the modules it names.
+config.json's `quantization_config` is what compressed-tensors' `ModelCompressor` writes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,19 @@
-"""The GPTQ and AWQ variants of a synthetic checkpoint, written as GPTQModel and AutoAWQ write them (the
-layouts: common/model/int4_blocks.py), the codes by round to nearest (no calibration data).
+"""The GPTQ and AWQ variants of a synthetic checkpoint, as GPTQModel and AutoAWQ write them (int4_blocks.py),
+the codes by round to nearest.
 
 - gptq / gptq-desc-act (GPTQModel 4.2.5, checkpoint_format "gptq", sym, `desc_act` false / true): each
-  decoder layer's attention and MLP linears (routed experts, a shared expert, a dense MLP) become
+  decoder layer's attention and MLP linears become
   `X.qweight`, `X.qzeros`, `X.scales` and `X.g_idx`; routers, lm_head and the embedding stay as they are
-  (GPTQModel's module tree marks the router "!" and lists no modules_to_not_convert). With desc_act the
-  inputs fill the groups in the order GPTQ takes from the Hessian's diagonal, here the weight's column
-  norms, largest first. config.json's `quantization_config` and `quantize_config.json` hold GPTQModel's
-  fields.
+  With desc_act the inputs fill the groups by the weight's
+  column norms, largest first (GPTQ's Hessian order, without calibration data). config.json's
+  `quantization_config` and `quantize_config.json` hold GPTQModel's fields.
 - awq (AutoAWQ, GEMM, zero_point): every linear of each decoder layer but those `modules_to_not_convert`
-  names as substrings ("mlp.gate", which also spares a dense MLP's gate_proj, as it would there) becomes
+  names as substrings ("mlp.gate": a dense MLP's gate_proj too) becomes
   `X.qweight`, `X.qzeros` and `X.scales`; config.json's `quantization_config` is AutoAWQ's
   `to_transformers_dict`.
 
-The group size is 128 where every quantized linear's input dim allows it, else the largest of 64, 32 and 16
-that does (the tiny preset: H 64, I 32, so 32), else -1.
+The group size is 128 where every quantized input dim allows it, else the largest of 64, 32, 16 that does,
+else -1.
 """
 
 from __future__ import annotations
