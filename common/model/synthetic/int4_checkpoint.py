@@ -8,7 +8,7 @@ the codes by round to nearest.
   column norms, largest first (GPTQ's Hessian order, without calibration data). config.json's
   `quantization_config` and `quantize_config.json` hold GPTQModel's fields.
 - awq (AutoAWQ, GEMM, zero_point): every linear of each decoder layer but those `modules_to_not_convert`
-  names as substrings ("mlp.gate": a dense MLP's gate_proj too) becomes
+  names as substrings ("mlp.gate") becomes
   `X.qweight`, `X.qzeros` and `X.scales`; config.json's `quantization_config` as AutoAWQ writes it.
 
 The group size is 128 where every quantized input dim allows it, else the largest of 64, 32, 16 that does,
