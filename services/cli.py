@@ -575,7 +575,12 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert a checkpoint into a runtime artifact (packed experts)")
     conv.add_argument("src")
     conv.add_argument("dst")
-    conv.add_argument("--experts", default="int4", choices=["bf16", "fp8", "int4"])
+    conv.add_argument(
+        "--experts",
+        default="int4",
+        help="the experts' format: bf16, fp8, int4 (dims multiples of 128), or a published one (nvfp4, "
+        "mxfp4, gptq[-gN], awq[-gN], ct-...); the error it adds is printed",
+    )
     conv.set_defaults(func=_convert)
 
     sim = sub.add_parser("simulate", help="replay a routing trace against every cache policy and Belady's")

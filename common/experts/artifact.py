@@ -1,9 +1,10 @@
 """Runtime artifacts: a checkpoint converted once into resident weights plus a packed expert file.
 
 `convert` writes DST with the source's config and tokenizer files, every tensor that is not a routed expert
-(in safetensors shards, keys unchanged), and `experts.bin`: the host expert store's exact bytes in the chosen
-format, described by `experts.json`. Loading an artifact maps `experts.bin` in place (and registers it on a
-CUDA machine) instead of re-quantising anything.
+(in safetensors shards, keys unchanged; quantized linears dequantised), and `experts.bin`: the host expert
+store's exact bytes in the chosen format (one of FORMATS or PUBLISHED_FORMATS), described by
+`experts.json`. Loading an artifact maps `experts.bin` in place (and registers it on a CUDA machine)
+instead of re-quantising anything.
 
 DST must not exist yet (or be empty): the artifact is written beside it and renamed into place when whole,
 so a conversion that fails (a tensor of the wrong shape, a format the sizes cannot take) leaves nothing
@@ -32,31 +33,37 @@ from common.model.loader import (
     INDEX_FILE,
     check_shape,
     check_weight,
-    dequantized_fp8_source,
     expert_shape,
-    fp8_block_size,
     meta_model,
+    model_source,
     safetensors_source,
 )
-from common.model.quantization import detect_quantization
-from common.model.registry import ExpertKey, HostTableKey
+from common.model.published_experts import PublishedExperts
+from common.model.registry import ExpertKey
 
 META_FILE, EXPERTS_FILE = ARTIFACT_META, "experts.bin"
 _SHARD_BYTES = 2 * 10**9
 _DTYPES = {
     str(d).removeprefix("torch."): d
-    for d in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8, torch.int8)
+    for d in (
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+        torch.float8_e4m3fn,
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+    )
 }
 
 
 def convert(src: str | Path, dst: str | Path, fmt_name: str, log: Callable[[str], None] = print) -> dict:
-    """Convert checkpoint `src` into an artifact at `dst` with experts in `fmt_name`; return its metadata
-    (including the relative quantisation error of the gate_up and down weights)."""
+    """Convert checkpoint `src` into an artifact at `dst` with experts in `fmt_name` (FORMATS or
+    PUBLISHED_FORMATS); return its metadata, with the relative error the packing added to the gate_up and
+    down weights (against the source's experts, dequantised where published quantized: re-packing a
+    published format into itself copies its bits and adds none)."""
     src, dst = Path(src), Path(dst)
     arch, cfg = load_architecture(src)
-    published = detect_quantization(src).expert_format
-    if published is not None:
-        raise CheckpointError(f"converting {published} experts is not supported yet", src / "config.json")
     fmt = get_format(fmt_name)
     components = fmt.components(cfg.hidden_size, cfg.moe_intermediate_size)  # a format the sizes cannot take
     _check_destination(src, dst)
@@ -88,7 +95,8 @@ def _convert_into(arch, cfg, fmt, components: dict, src: Path, dst: Path, log: C
         if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and f.name != INDEX_FILE:
             shutil.copy(f, dst / f.name)
     experts: dict[int, dict] = defaultdict(dict)
-    resident_keys = _write_resident(arch, cfg, src, dst, experts)
+    source, published = model_source(src, arch, cfg, safetensors_source(src))
+    resident_keys = _write_resident(arch, cfg, source, dst, experts)
     layers = sorted(cfg.moe_layers)
     store = HostExpertStore(
         len(layers),
@@ -99,10 +107,16 @@ def _convert_into(arch, cfg, fmt, components: dict, src: Path, dst: Path, log: C
         writable_file=True,
     )
     err = {"gate_up": [0.0, 0.0], "down": [0.0, 0.0]}
+    by_layer = published.layers(src) if published is not None else {}
     for i, layer in enumerate(layers):
-        packed = [_pack_expert(fmt, cfg, experts[layer], layer, e, err, src) for e in range(cfg.num_experts)]
+        if published is not None:
+            packed = _repack_published(fmt, published, by_layer.pop(layer), err)
+        else:
+            packed = [
+                _pack_expert(fmt, cfg, experts[layer], layer, e, err, src) for e in range(cfg.num_experts)
+            ]
         store.fill(i, packed)
-        experts.pop(layer)
+        experts.pop(layer, None)
         log(f"layer {layer}: {cfg.num_experts} experts packed as {fmt.name}")
     assert store._mmap is not None  # a store with a backing file maps it
     store._mmap.flush()
@@ -124,8 +138,9 @@ def _convert_into(arch, cfg, fmt, components: dict, src: Path, dst: Path, log: C
     return meta
 
 
-def _write_resident(arch, cfg, src: Path, dst: Path, experts: dict) -> int:
-    """Stream every non-expert tensor into shards; keep readers for the experts, by layer."""
+def _write_resident(arch, cfg, source, dst: Path, experts: dict) -> int:
+    """Stream every non-expert tensor of `source` (`model_source`'s: quantized linears dequantised) into
+    shards; keep readers for the experts, by layer."""
     shard: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}
     names: list[str] = []
@@ -140,9 +155,7 @@ def _write_resident(arch, cfg, src: Path, dst: Path, experts: dict) -> int:
 
     size = total = 0
     shapes = {name: p.shape for name, p in meta_model(arch, cfg, torch.float32).named_parameters()}
-    # FP8 checkpoints: block-scaled weights arrive dequantized (float32), their scales dropped
-    keep = lambda key: isinstance(arch.map_key(key, cfg), HostTableKey)  # the n-gram table stays fp8
-    for path, key, read in dequantized_fp8_source(safetensors_source(src), fp8_block_size(src), keep):
+    for path, key, read in source:
         target = arch.map_key(key, cfg)
         if isinstance(target, ExpertKey):  # read later, a layer at a time
             experts[target.layer][(target.expert, target.part)] = (path, key, target, read)
@@ -151,7 +164,7 @@ def _write_resident(arch, cfg, src: Path, dst: Path, experts: dict) -> int:
         if isinstance(target, str) and target in shapes:  # as the loader will check it, naming the source
             check_weight(tensor, path, key)
             check_shape(tensor, tuple(shapes[target]), path, key)
-        shard[key] = tensor
+        shard[key] = tensor.contiguous()  # a dequantised linear may be a transposed view
         size += tensor.numel() * tensor.element_size()
         total += tensor.numel() * tensor.element_size()
         if size >= _SHARD_BYTES:
@@ -181,6 +194,22 @@ def _pack_expert(fmt, cfg, parts: dict, layer: int, e: int, err: dict, src: Path
     for name, ref, got in (("gate_up", gate_up.float(), got_gu), ("down", down.float(), got_d)):
         err[name][0] += float((got - ref).pow(2).sum())
         err[name][1] += float(ref.pow(2).sum())
+    return packed
+
+
+def _repack_published(fmt, published: PublishedExperts, parts: dict, err: dict) -> list[dict]:
+    """One layer's published components [E, ...] as `fmt`'s per-expert parts: the same bits where `fmt` is
+    the published format, else dequantised (fp32) and packed, the error added to `err`."""
+    if fmt.name == published.fmt:
+        return [{name: t[e] for name, t in parts.items()} for e in range(len(next(iter(parts.values()))))]
+    gate_up, down = published.dequantize(parts, torch.float32)  # [E, 2I, H], [E, H, I]
+    packed = []
+    for e in range(len(gate_up)):
+        packed.append(fmt.pack(gate_up[e], down[e]))
+        got_gu, got_d = fmt.unpack(packed[-1], torch.float32)
+        for name, ref, got in (("gate_up", gate_up[e], got_gu), ("down", down[e], got_d)):
+            err[name][0] += float((got - ref).pow(2).sum())
+            err[name][1] += float(ref.pow(2).sum())
     return packed
 
 

@@ -295,7 +295,7 @@ def load_model(
             raise CheckpointError("the checkpoint has no MTP head", Path(model_dir) / "config.json")
         cfg = dataclasses.replace(cfg, mtp_layers=cfg.checkpoint_mtp_layers)
     where = Path(model_dir) / INDEX_FILE
-    source, published = _model_source(model_dir, arch, cfg, safetensors_source(model_dir))
+    source, published = model_source(model_dir, arch, cfg, safetensors_source(model_dir))
     if published is not None:
         model = build_model(arch, cfg, source, where, dtype, device, external_experts=True, fuse=fuse)
         attach_published(model, published, where, dtype, None if published_only else expert_device or device)
@@ -311,7 +311,7 @@ def load_model(
     return build_model(arch, cfg, source, where, dtype, device, expert_device=expert_device, fuse=fuse)
 
 
-def _model_source(
+def model_source(
     model_dir: str | Path, arch: Architecture, cfg: ModelConfig, raw: TensorSource
 ) -> tuple[TensorSource, PublishedExperts | None]:
     """`raw` (the checkpoint's tensors) as `build_model` takes them: quantized linears dequantised, and
@@ -349,7 +349,7 @@ def check_checkpoint(model_dir: str | Path) -> None:
     a weight floating-point, quantized weights with their scales, published experts complete).
     CheckpointError naming the file and key."""
     arch, cfg = load_architecture(model_dir)
-    source, published = _model_source(model_dir, arch, cfg, header_source(model_dir))
+    source, published = model_source(model_dir, arch, cfg, header_source(model_dir))
     external = published is not None or (Path(model_dir) / ARTIFACT_META).is_file()
     where = Path(model_dir) / INDEX_FILE
     where = where if where.is_file() else Path(model_dir)

@@ -37,8 +37,9 @@ def _cli(*args: str) -> str:
 
 
 @pytest.mark.parametrize("quantize", ["nvfp4", "mxfp4", "gptq", "awq", "w4a16"])
-def test_greedy_chat_served_from_published_bits(quantize: str, start_server, tmp_path) -> None:
-    model = make_model(tmp_path / f"tiny-{quantize}", preset="tiny", seed=2, quantize=quantize)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen4_exp"])
+def test_greedy_chat_served_from_published_bits(arch: str, quantize: str, start_server, tmp_path) -> None:
+    model = make_model(tmp_path / f"tiny-{quantize}", preset="tiny", arch=arch, seed=2, quantize=quantize)
     server = start_server(
         "--model", str(model), "--threads", "1", "--max-running", "2", "--max-context", "512",
         "--expert-cache", "0.5", env={"SPILLWAY_CACHE": str(tmp_path / "cache")},

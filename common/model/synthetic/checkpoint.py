@@ -36,7 +36,8 @@ from common.model.synthetic.ct_checkpoint import CT_QUANTIZE, CtWriter, ct_quant
 from common.model.synthetic.fp4_checkpoint import FP4_QUANTIZE, Fp4Writer, fp4_quantization
 from common.model.synthetic.int4_checkpoint import INT4_QUANTIZE, Int4Writer, int4_quantization
 from common.model.synthetic.plan import ShardPlan, TensorSpec, plan_shards, plan_tensors
-from common.model.synthetic.presets import FLAT_ARCHS, STORAGE_DTYPES, TOKENIZER_VOCAB
+from common.model.synthetic.presets import STORAGE_DTYPES, TOKENIZER_VOCAB
+from common.model.synthetic.quantized_linears import converted
 
 log = logging.getLogger(__name__)
 
@@ -223,19 +224,15 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-# 2-D weights that HF FP8 releases (Qwen3-FP8, DeepSeek-V3) keep in the checkpoint dtype.
-_FP8_UNQUANTIZED = ("embed_tokens.weight", "lm_head.weight", ".gate.weight", ".shared_expert_gate.weight")
-
-
-def _fp8_quantized(key: str, shape: Sequence[int]) -> bool:
-    """Whether the FP8 variant stores this tensor block-quantized: every 2-D linear weight (attention, dense
-    MLP, experts, shared expert) but the embedding, the head and the routers, as the FP8 releases do."""
-    return len(shape) == 2 and key.endswith(".weight") and not key.endswith(_FP8_UNQUANTIZED)
-
-
 def fp8_quantization_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """config.json's quantization_config for the FP8 variant of ``cfg``, as Qwen3-FP8 writes it."""
-    skip = [s.key.removesuffix(".weight") for s in plan_tensors(cfg) if s.key.endswith(_FP8_UNQUANTIZED)]
+    """config.json's quantization_config for the FP8 variant of ``cfg``, as Qwen3-FP8 writes it: every
+    linear a quantizing tool converts (quantized_linears.py) block-quantized, the other 2-D weights listed
+    as not converted."""
+    skip = [
+        s.key.removesuffix(".weight")
+        for s in plan_tensors(cfg)
+        if len(s.shape) == 2 and not converted(cfg, s.key, tuple(s.shape))
+    ]
     return {
         "quant_method": "fp8",
         "fmt": "e4m3",
@@ -245,9 +242,11 @@ def fp8_quantization_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _stored(key: str, tensor: torch.Tensor, quantize: str | None) -> dict[str, torch.Tensor]:
+def _stored(
+    cfg: Mapping[str, Any], key: str, tensor: torch.Tensor, quantize: str | None
+) -> dict[str, torch.Tensor]:
     """The checkpoint tensors for one planned tensor: itself, or (fp8) its fp8 codes and block scale_inv."""
-    if quantize is None or not _fp8_quantized(key, tensor.shape):
+    if quantize is None or not converted(cfg, key, tuple(tensor.shape)):
         return {key: tensor}
     weight, scale_inv = quantize_fp8_block(tensor)
     return {key: weight, f"{key}_scale_inv": scale_inv}
@@ -267,7 +266,7 @@ def make_model(
     Writes config.json, generation_config.json, the tokenizer, and the weights as safetensors shards
     (plus model.safetensors.index.json when there is more than one). Shards are generated and saved one at
     a time, so peak memory is about one shard (plus ``synthetic_tensors``' lookahead) whatever the model
-    size. ``quantize`` (flat archs) writes a quantized variant as its producing tool does: "fp8" HF block
+    size. ``quantize`` writes a quantized variant as its producing tool does: "fp8" HF block
     FP8 (each linear but the embedding, head and routers; the shards keep the plan's grouping), "nvfp4" /
     "mxfp4" (fp4_checkpoint.py), "gptq" / "gptq-desc-act" / "awq" (int4_checkpoint.py), "w4a16" /
     "w4a16-asym" / "nvfp4a16" (ct_checkpoint.py).
@@ -276,10 +275,8 @@ def make_model(
 
     p, arch = resolve_preset(preset, arch)
     allowed = ("fp8", *FP4_QUANTIZE, *INT4_QUANTIZE, *CT_QUANTIZE)
-    if quantize not in (None, *allowed) or (quantize and arch not in FLAT_ARCHS):
-        raise ValueError(
-            f"quantize={quantize!r} is not supported for {arch} (only {allowed}, for {FLAT_ARCHS})"
-        )
+    if quantize not in (None, *allowed):
+        raise ValueError(f"quantize={quantize!r} is not supported (only {allowed})")
     cfg = model_config(preset, arch, overrides)
     extra_files: dict[str, Any] = {}
     writer: Fp4Writer | Int4Writer | CtWriter | None = None  # (fp8: `_stored`)
@@ -321,7 +318,7 @@ def make_model(
         for spec in shard.tensors:
             key, tensor = next(tensors)
             assert key == spec.key, (key, spec.key)  # the same plan, in the same order
-            batch.update(writer.stored(key, tensor) if writer else _stored(key, tensor, quantize))
+            batch.update(writer.stored(key, tensor) if writer else _stored(cfg, key, tensor, quantize))
         _save_shard(batch, out, shard.filename)
         weight_map.update(dict.fromkeys(batch, shard.filename))
         total += sum(t.nbytes for t in batch.values())

@@ -15,7 +15,6 @@ config.json's `quantization_config` is what compressed-tensors' `ModelCompressor
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,11 +23,11 @@ import torch
 from common.model.ct_blocks import ct_nvfp4_global_scale, quantize_ct_nvfp4, quantize_w4a16
 from common.model.ct_experts import W4A16_GROUPS
 from common.model.synthetic.plan import plan_tensors
+from common.model.synthetic.quantized_linears import converted
 
 CT_QUANTIZE = ("w4a16", "w4a16-asym", "nvfp4a16")
 CT_VERSION = "0.19.0"
 """The compressed-tensors version whose layout the writer follows (llm-compressor 0.14's)."""
-_ROUTER = re.compile(r"\.(mlp\.gate|block_sparse_moe\.gate|mlp\.shared_expert_gate)\.weight$")
 _FUSED = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("w1", "w3"))
 """Sibling linears whose NVFP4 global scale llm-compressor fuses (its FUSED_LAYER_NAMES)."""
 _NVFP4_WEIGHTS: dict[str, Any] = {
@@ -47,15 +46,15 @@ _NVFP4_WEIGHTS: dict[str, Any] = {
 }
 
 
-def _quantized(key: str, shape: tuple[int, ...]) -> bool:
-    """Whether llm-compressor's recipe quantizes this tensor: a Linear's weight, not the head or a router."""
-    linear = len(shape) == 2 and key.endswith(".weight") and not key.endswith("embed_tokens.weight")
-    return linear and key != "lm_head.weight" and not _ROUTER.search(key)
+def _linear(key: str, shape: tuple[int, ...]) -> bool:
+    """Whether the planned tensor is a Linear's weight (not an embedding table)."""
+    embedding = key.endswith(("embed_tokens.weight", "pos_embed.weight")) or ".ngram_embedding." in key
+    return len(shape) == 2 and key.endswith(".weight") and not embedding
 
 
 def ct_group(cfg: Mapping[str, Any]) -> int:
     """The group size for `cfg`: the largest of 128, 64, 32 that divides every quantized input dim."""
-    dims = {s.shape[-1] for s in plan_tensors(cfg) if _quantized(s.key, tuple(s.shape))}
+    dims = {s.shape[-1] for s in plan_tensors(cfg) if converted(cfg, s.key, tuple(s.shape))}
     for group in sorted(W4A16_GROUPS, reverse=True):
         if all(d % group == 0 for d in dims):
             return group
@@ -87,12 +86,16 @@ def ct_quantization(cfg: Mapping[str, Any], quantize: str) -> dict[str, Any]:
         "targets": ["Linear"],
         "weights": _NVFP4_WEIGHTS if quantize == "nvfp4a16" else weights,
     }
-    routers = [s.key.removesuffix(".weight") for s in plan_tensors(cfg) if _ROUTER.search(s.key)]
+    kept = [
+        s.key.removesuffix(".weight")
+        for s in plan_tensors(cfg)
+        if _linear(s.key, tuple(s.shape)) and not converted(cfg, s.key, tuple(s.shape))
+    ]
     return {
         "config_groups": {"group_0": group},
         "format": fmt,
         "global_compression_ratio": None,
-        "ignore": [*routers, "lm_head"],
+        "ignore": [k for k in kept if k != "lm_head"] + ["lm_head"],
         "kv_cache_scheme": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
@@ -122,12 +125,13 @@ class CtWriter:
         self.quantize = quantize
         self.group = ct_group(cfg) if quantize != "nvfp4a16" else 16
         self.symmetric = quantize != "w4a16-asym"
-        self.planned = {s.key for s in plan_tensors(cfg) if _quantized(s.key, tuple(s.shape))}
+        self.cfg = cfg
+        self.planned = {s.key for s in plan_tensors(cfg) if converted(cfg, s.key, tuple(s.shape))}
         self.pending: dict[str, torch.Tensor] = {}
 
     def stored(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """The tensors to store for the planned `key` (nvfp4a16: none until its fused siblings arrive)."""
-        if not _quantized(key, tuple(tensor.shape)):
+        if not converted(self.cfg, key, tuple(tensor.shape)):
             return {key: tensor}
         if self.quantize == "nvfp4a16":
             return self._nvfp4(key, tensor)

@@ -23,16 +23,22 @@ import torch
 from common.model.fp4_blocks import NVFP4_GROUP, quantize_mxfp4, quantize_nvfp4
 from common.model.quantization import matches_any
 from common.model.synthetic.config import text_config
+from common.model.synthetic.quantized_linears import QWEN4_KEPT, is_qwen4
 
 FP4_QUANTIZE = ("nvfp4", "mxfp4")
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.39.0"}
 """The ModelOpt version whose export layout the nvfp4 writer follows."""
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(
+    r"^(model\.(?:language_model\.)?layers)\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$"
+)
 
 
 def _excluded(cfg: Mapping[str, Any]) -> list[str]:
     """The modules ModelOpt leaves unquantized in a MoE: lm_head, each layer's attention, its router (and
-    qwen2_moe's shared-expert gate)."""
+    qwen2_moe's shared-expert gate); in qwen4_exp (NVFP4_DEFAULT_CFG's exclusions with the Qwen3.5 recipes'
+    GDN ones) those of quantized_linears.QWEN4_KEPT, attention quantized."""
+    if is_qwen4(cfg):
+        return list(QWEN4_KEPT)
     moe = "block_sparse_moe" if cfg.get("model_type") == "mixtral" else "mlp"
     names = [
         "self_attn*",
@@ -47,6 +53,8 @@ def fp4_quantization(cfg: Mapping[str, Any], quantize: str) -> tuple[dict[str, A
     """(config.json's quantization_config, extra JSON files by name) for the `quantize` variant."""
     if quantize == "mxfp4":
         skip = ["model.layers.*.self_attn", "model.layers.*.mlp.gate", "model.embed_tokens", "lm_head"]
+        if is_qwen4(cfg):  # only the routed experts are converted
+            skip = ["*.self_attn", "*.linear_attn", "*.mlp.shared_expert", *QWEN4_KEPT]
         return {"quant_method": "mxfp4", "modules_to_not_convert": skip}, {}
     exclude = _excluded(cfg)
     modelopt = {
@@ -98,18 +106,18 @@ class Fp4Writer:
             }
         if m is None or self.quantize == "nvfp4":
             return {key: tensor}
-        layer = int(m[1])
-        self.pending[layer][(int(m[2]), m[3])] = tensor
+        layer = int(m[2])
+        self.pending[layer][(int(m[3]), m[4])] = tensor
         if len(self.pending[layer]) < 3 * self.num_experts:
             return {}
-        return self._fused(layer, self.pending.pop(layer))
+        return self._fused(f"{m[1]}.{layer}", self.pending.pop(layer))
 
-    def _fused(self, layer: int, parts: dict[tuple[int, str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _fused(self, layer: str, parts: dict[tuple[int, str], torch.Tensor]) -> dict[str, torch.Tensor]:
         experts = range(self.num_experts)
         gate_up = torch.stack([torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in experts])
         down = torch.stack([parts[(e, "down")] for e in experts])
         out: dict[str, torch.Tensor] = {}
         for name, w in (("gate_up", gate_up), ("down", down)):
-            prefix = f"model.layers.{layer}.mlp.experts.{name}_proj"
+            prefix = f"{layer}.mlp.experts.{name}_proj"
             out[f"{prefix}_blocks"], out[f"{prefix}_scales"] = quantize_mxfp4(w)
         return out

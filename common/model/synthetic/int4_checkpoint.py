@@ -17,7 +17,6 @@ else -1.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,30 +24,32 @@ import torch
 
 from common.model.int4_blocks import quantize_linear
 from common.model.synthetic.plan import plan_tensors
+from common.model.synthetic.quantized_linears import LAYER_LINEAR, converted, is_qwen4
 
 INT4_QUANTIZE = ("gptq", "gptq-desc-act", "awq")
 GPTQMODEL_VERSION = "4.2.5"
 """The GPTQModel release whose config fields the gptq writer follows."""
 _GROUPS = (128, 64, 32, 16)
-_LAYER_LINEAR = re.compile(r"^model\.layers\.\d+\.(.+)\.weight$")
-_ROUTERS = ("mlp.gate", "block_sparse_moe.gate", "mlp.shared_expert_gate")  # GPTQModel's "!" modules
 
 
 def _awq_skipped(cfg: Mapping[str, Any]) -> list[str]:
     """AutoAWQ's modules_to_not_convert for a MoE: the router (qwen2_moe: and the shared-expert gate, whose
-    single output no int32 word can hold)."""
+    single output no int32 word can hold; qwen4_exp: every module of quantized_linears.QWEN4_KEPT inside
+    a layer)."""
+    if is_qwen4(cfg):
+        return ["mlp.gate", "mlp.shared_expert_gate", "in_proj_a", "in_proj_b", "hyper_connection", ".ple."]
     router = "block_sparse_moe.gate" if cfg.get("model_type") == "mixtral" else "mlp.gate"
     return [router, *(["mlp.shared_expert_gate"] if cfg.get("model_type") == "qwen2_moe" else [])]
 
 
 def quantized(quantize: str, cfg: Mapping[str, Any], key: str, shape: tuple[int, ...]) -> bool:
     """Whether the `quantize` variant stores the planned tensor `key` as int4."""
-    m = _LAYER_LINEAR.match(key)
-    if m is None or len(shape) != 2:
+    m = LAYER_LINEAR.match(key)
+    if m is None or not converted(cfg, key, shape):
         return False
     if quantize == "awq":
         return not any(name in m[1] for name in _awq_skipped(cfg))  # AutoAWQ matches substrings
-    return m[1] not in _ROUTERS
+    return True
 
 
 def group_size(quantize: str, cfg: Mapping[str, Any]) -> int:

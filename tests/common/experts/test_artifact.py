@@ -138,3 +138,32 @@ def test_a_missing_expert_file_is_named(source, tmp_path):
     with pytest.raises(CheckpointError, match="not found") as err:
         Engine(WorkerConfig(str(tmp_path / "a")))
     assert err.value.path == tmp_path / "a" / EXPERTS_FILE
+
+
+@pytest.mark.parametrize(
+    ("quantize", "fmt"), [("nvfp4", "nvfp4"), ("gptq", "gptq-g32"), ("w4a16", "ct-w4a16-g32")]
+)
+def test_a_published_format_repacked_into_itself_keeps_its_bits(quantize, fmt, prompts, tmp_path):
+    """No error added; the artifact's expert bytes are the checkpoint's; the same greedy tokens."""
+    src = make_model(tmp_path / "src", preset="tiny", seed=3, quantize=quantize)
+    meta = convert(src, tmp_path / "a", fmt, log=lambda _: None)
+    assert meta["format"] == fmt and meta["quantization_error"] == {"gate_up": 0.0, "down": 0.0}
+    assert (tmp_path / "a" / EXPERTS_FILE).stat().st_size == meta["nbytes"]
+    from_artifact = Engine(WorkerConfig(str(tmp_path / "a"), expert_cache="0.5")).generate(prompts, GREEDY)
+    from_checkpoint = Engine(WorkerConfig(str(src))).generate(prompts, GREEDY)
+    assert [r.token_ids for r in from_artifact] == [r.token_ids for r in from_checkpoint]
+
+
+@pytest.mark.parametrize(("quantize", "fmt"), [("gptq", "mxfp4"), ("awq", "bf16"), (None, "nvfp4")])
+def test_converting_between_formats_prints_the_error_it_adds(quantize, fmt, prompts, tmp_path):
+    """The experts dequantised from the source's format, packed in another; the relative error printed is
+    the packing's against that source (bf16 holds int4 codes times fp16 scales nearly exactly)."""
+    src = make_model(tmp_path / "src", preset="tiny", seed=3, quantize=quantize)
+    lines: list[str] = []
+    meta = convert(src, tmp_path / "a", fmt, log=lines.append)
+    err = meta["quantization_error"]
+    assert 0.0 < err["gate_up"] <= get_format(fmt).error_bound() and err["down"] > 0.0
+    assert f"gate_up {err['gate_up']:.3%}" in lines[-1]
+    mapped = Engine(WorkerConfig(str(tmp_path / "a"), expert_cache="0.5")).generate(prompts, GREEDY)
+    resident = Engine(WorkerConfig(str(tmp_path / "a"))).generate(prompts, GREEDY)
+    assert [r.token_ids for r in mapped] == [r.token_ids for r in resident]

@@ -143,9 +143,9 @@ def test_ragged_scale_grid(tmp_path: Path) -> None:
     assert tensors["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"].shape == (2, 1)  # [160, 64]
 
 
-def test_fp8_needs_a_flat_arch(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="quantize"):
-        make_model(tmp_path, preset="tiny", arch="qwen4_exp", quantize="fp8")
+def test_an_unknown_quantization_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="quantize='int3'"):
+        make_model(tmp_path, preset="tiny", arch="qwen4_exp", quantize="int3")
 
 
 # --- loading -----------------------------------------------------------------------------------------------
