@@ -122,7 +122,7 @@ class CtPublishedExperts(PublishedExperts):
         return self.spec.unpack_many(parts, dtype)
 
     def _missing_key(self, layer: int, expert: int, piece: str, name: str) -> str:
-        return f"model.layers.{layer}.mlp.experts.{expert}.{piece}_proj.{name}"
+        return f"{self.prefix}layers.{layer}.mlp.experts.{expert}.{piece}_proj.{name}"
 
 
 # --- the other linears, dequantised -----------------------------------------------------------------------

@@ -96,7 +96,7 @@ class Int4PublishedExperts(PublishedExperts):
             pieces = []
             for piece in ("gate", "up") if part == "gate_up" else ("down",):
                 if (e, piece, name) not in found:
-                    key = f"model.layers.{layer}.mlp.experts.{e}.{piece}_proj.{name}"
+                    key = f"{self.prefix}layers.{layer}.mlp.experts.{e}.{piece}_proj.{name}"
                     raise CheckpointError("missing tensor", where, key)
                 pieces.append(found[(e, piece, name)])
             experts.append(join_pieces(name, pieces))

@@ -67,6 +67,9 @@ class PublishedExperts:
     """Takes a published format's expert tensors out of a checkpoint's stream and assembles, per MoE layer,
     the format's components [E, ...] in their stored bits."""
 
+    prefix = "model."
+    """What precedes `layers.` in the checkpoint's expert keys (qwen4_exp: `model.language_model.`)."""
+
     def __init__(self, fmt: str, arch: Architecture, cfg: ModelConfig, config_path: Path) -> None:
         self.fmt, self.arch, self.cfg = fmt, arch, cfg
         group = {"nvfp4": NVFP4_GROUP, "mxfp4": MXFP4_GROUP}[fmt]
@@ -94,6 +97,7 @@ class PublishedExperts:
                 yield path, key, read
                 continue
             ek, name, dtype = found
+            self.prefix = key[: key.index("layers.")]
             try:
                 tensor = read()
             except Exception as exc:
@@ -149,8 +153,8 @@ class PublishedExperts:
         suffix = next(s for s, (n, _, _) in _SUFFIXES[self.fmt].items() if n == name)
         if self.fmt == "mxfp4":  # published fused, a layer at a time
             fused = "gate_up" if piece in ("gate", "up") else "down"
-            return f"model.layers.{layer}.mlp.experts.{fused}_proj{suffix}"
-        return f"model.layers.{layer}.mlp.experts.{expert}.{piece}_proj{suffix}"
+            return f"{self.prefix}layers.{layer}.mlp.experts.{fused}_proj{suffix}"
+        return f"{self.prefix}layers.{layer}.mlp.experts.{expert}.{piece}_proj{suffix}"
 
 
 def attach_published(

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from common.engine.memory_plan import plan_for_dir
 from common.experts.formats import get_format
 from common.model.errors import CheckpointError
-from common.model.loader import check_checkpoint
+from common.model.loader import check_checkpoint, load_model
 from common.model.synthetic.checkpoint import make_model
 from common.model.synthetic.quantized_linears import QWEN4_KEPT
 from tests.common.experts.test_fp4_formats import mxfp4_reference, nvfp4_reference
@@ -178,3 +178,14 @@ def test_truncated_scale_is_refused_naming_file_and_key(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as e:
         check_checkpoint(model)
     assert key in str(e.value) and shard.name in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("quantize", "suffix"), [("nvfp4", "weight_scale"), ("gptq", "qzeros"), ("w4a16", "weight_scale")]
+)
+def test_a_missing_expert_tensor_is_named_by_its_key(quantize: str, suffix: str, tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", "tiny", "qwen4_exp", quantize=quantize)
+    key = f"{LAYER}.1.mlp.experts.5.up_proj.{suffix}"
+    edit_shard(model, key, lambda t: t.pop(key))
+    with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
+        load_model(model)
