@@ -14,16 +14,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from common.config import WorkerConfig
+from common.engine.engine import Engine
 from common.engine.memory_plan import plan_for_dir
 from common.experts.formats import get_format
 from common.model.errors import CheckpointError
 from common.model.loader import check_checkpoint, load_model
 from common.model.synthetic.checkpoint import make_model
 from common.model.synthetic.quantized_linears import QWEN4_KEPT
+from common.protocol import SamplingParams
 from tests.common.experts.test_fp4_formats import mxfp4_reference, nvfp4_reference
 from tests.common.experts.test_int4_published_formats import awq_reference, gptq_reference
 from tests.common.model.published_checks import (
     INDEX,
+    PROMPTS,
     assert_greedy_matches_transformers,
     edit_shard,
     tensors,
@@ -189,3 +193,19 @@ def test_a_missing_expert_tensor_is_named_by_its_key(quantize: str, suffix: str,
     edit_shard(model, key, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
         load_model(model)
+
+
+def test_resident_fp8_over_a_published_checkpoint(tmp_path: Path) -> None:
+    """`--resident-dtype fp8` re-quantises the dequantised token mixers: the same tokens as over the
+    reference-dequantised checkpoint."""
+    model = make_model(tmp_path / "m", "tiny", "qwen4_exp", OVERRIDES, seed=4, quantize="nvfp4")
+    dequantized = _dequantized(model, tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def tokens(model_dir: Path) -> list[list[int]]:
+        cfg = WorkerConfig(
+            str(model_dir), max_running=2, max_context=64, dtype="float32", resident_dtype="fp8"
+        )
+        return [r.token_ids for r in Engine(cfg).generate(PROMPTS, params)]
+
+    assert tokens(model) == tokens(dequantized)
