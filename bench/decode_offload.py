@@ -101,6 +101,10 @@ def main() -> None:
         "--split-lanes", type=int, default=None,
         help="lanes from which a recorded pass runs as two groups (KernelConfig.split_lanes; default 8)",
     )  # fmt: skip
+    ap.add_argument(
+        "--expert-format", choices=["int4", "nvfp4", "mxfp4"], default="int4",
+        help="the host store's format (random codes); not int4: the result's name says it",
+    )  # fmt: skip
     args = ap.parse_args()
     lookahead = resolve_lookahead("", True, args.lookahead, "cuda")  # the engine's rule: an expert cache
 
@@ -124,6 +128,7 @@ def main() -> None:
         lend_kv=args.lend_kv,
         lookahead=lookahead,
         routing=args.routing,
+        expert_format=args.expert_format,
     )  # fmt: skip  (the default context: + 16 + 8 for the profiled steps)
     model, cfg, store, runner, provider = flash.model, flash.cfg, flash.store, flash.runner, flash.provider
     pcie, hbm, slots, build_s = flash.pcie_gbps, flash.hbm_gbps, flash.slots, flash.build_s
@@ -192,6 +197,8 @@ def main() -> None:
         "embeddings_on_host": args.embeddings_on_host,
         "resident_dtype": args.resident_dtype,
         "expert_bytes": store.expert_bytes,
+        "expert_format": args.expert_format,
+        "bits_per_weight": store.expert_bytes * 8 / (3 * cfg.hidden_size * cfg.moe_intermediate_size),
         "hbm_bytes_a_step": resident + used + state,  # the limit's: weights, experts, per-sequence state
         "state_bytes_a_step": state,  # of which K/V, indexer keys and recurrent states (read)
         "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
@@ -210,6 +217,7 @@ def main() -> None:
     name += "-lend-kv" if args.lend_kv else ""
     name += "-host-embeddings" if args.embeddings_on_host else ""
     name += f"-resident-{args.resident_dtype}" if args.resident_dtype else ""
+    name += "" if args.expert_format == "int4" else f"-{args.expert_format}"
     name += "-routing-model" if args.routing == "model" else ""
     name += "" if args.lookahead is None else f"-lookahead-{args.lookahead}"  # the default: no suffix
     name += "" if args.split_lanes is None else f"-split-{args.split_lanes}"

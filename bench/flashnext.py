@@ -5,6 +5,7 @@ leaves, synthetic-zipf routing replay. The int4 store is filled with random code
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,27 @@ def random_int4_store(layers: int, experts: int, hidden: int, inter: int) -> Hos
     return store
 
 
+def random_fp4_store(fmt_name: str, layers: int, experts: int, hidden: int, inter: int) -> HostExpertStore:
+    """An NVFP4 or MXFP4 store of random experts: random codes, block scales ~ 1/(3·√fan_in) (global 1)."""
+    store = HostExpertStore(layers, experts, get_format(fmt_name).components(hidden, inter))
+    pattern = torch.randint(0, 256, (1 << 28,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for parts in store.parts:
+        for name, block in parts.items():
+            fan_in = hidden if name.startswith("gate_up") else inter
+            if name.endswith(("_weight", "_blocks")):  # tiled as the int4 store's codes
+                flat = block.view(torch.uint8).view(-1)
+                for start in range(0, flat.numel(), pattern.numel()):
+                    n = min(pattern.numel(), flat.numel() - start)
+                    flat[start : start + n].copy_(pattern[:n])
+            elif name.endswith("_scales"):  # e8m0
+                block.fill_(127 + round(math.log2(1 / (3 * fan_in**0.5))))
+            elif name.endswith("_weight_scale"):
+                block.copy_(torch.full(block.shape, 1 / (3 * fan_in**0.5)).to(block.dtype))
+            else:  # global and input scales
+                block.fill_(1.0)
+    return store
+
+
 def build_flashnext(
     layers: int,
     budget_gib: float,
@@ -91,6 +113,7 @@ def build_flashnext(
     lend_kv: bool = False,
     lookahead: int = 0,
     routing: str = "synthetic-zipf",
+    expert_format: str = "int4",
 ) -> Flashnext:
     """Measure PCIe and HBM, then build flashnext cut to `layers` for `lanes` × `context` tokens, its cache
     the slots the memory plan gives `budget_gib` (one process; a prefill of `prefill_chunk` tokens in
@@ -100,7 +123,8 @@ def build_flashnext(
     `resident_dtype` "fp8": the token mixers' projections in fp8; `lend_kv`: the KV pool's idle pages serve
     as cache slots (common/experts/kv_lending.py; the allocator's cap is the budget less that memory);
     `lookahead`: each MoE layer guesses the next one's top-n experts a token and copies them in ahead
-    (`install_lookahead`); `routing` "model": the random-weight routers choose, no replay.
+    (`install_lookahead`); `routing` "model": the random-weight routers choose, no replay; `expert_format`
+    "nvfp4" / "mxfp4": the host store in that format (random codes) instead of int4.
     The allocator is capped at the budget (`cap_allocator`: a plan that undercounts fails as out-of-memory,
     not as a quiet overrun), and the benchmark reports max_memory_reserved beside it."""
     hf = model_config(
@@ -123,9 +147,9 @@ def build_flashnext(
     if resident_dtype is not None:
         to_resident_dtype(model, resident_dtype)
     progress("resident weights built")
-    store = random_int4_store(
-        len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    )
+    dims = (len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    fp4 = expert_format != "int4"
+    store = random_fp4_store(expert_format, *dims) if fp4 else random_int4_store(*dims)
     progress("host expert store filled")
     lending = None
     if lend_kv:  # its runner comes after the cache, whose tables it lends to
@@ -138,7 +162,7 @@ def build_flashnext(
     if not all_fit:
         plan = plan_memory(
             cfg, arch, budget_bytes=int(budget_gib * GIB), max_context=context, max_running=lanes,
-            expert_format="int4", dtype=torch.bfloat16, prefill_chunk=prefill_chunk, processes=1,
+            expert_format=expert_format, dtype=torch.bfloat16, prefill_chunk=prefill_chunk, processes=1,
             layer_major_tokens=layer_major_tokens,
             embeddings_on_host=embeddings_on_host, fused_kernels=fused, resident_dtype=resident_dtype,
         )  # fmt: skip
@@ -147,7 +171,7 @@ def build_flashnext(
         if lending is None:
             cap_allocator(plan.budget, "cuda")
     provider = offload_experts(
-        model, str(slots), policy, "int4", store=store, lend_arena=lend, kv_lending=lending
+        model, str(slots), policy, expert_format, store=store, lend_arena=lend, kv_lending=lending
     )
     if lending is not None:
         runner = ModelRunner(

@@ -53,6 +53,10 @@ def main() -> None:
         help="groups of this many tokens, each chunk of a group through a layer before the next layer (each "
         "layer's experts streamed once a group); at most --chunk: chunk by chunk",
     )  # fmt: skip
+    ap.add_argument(
+        "--expert-format", choices=["int4", "nvfp4", "mxfp4"], default="int4",
+        help="the host store's format (random codes); not int4: the result's name says it",
+    )  # fmt: skip
     args = ap.parse_args()
 
     use_expandable_segments()  # before CUDA starts: under the budget's cap, fixed segments thrash
@@ -60,6 +64,7 @@ def main() -> None:
     flash = build_flashnext(
         args.layers, args.budget_gib, 1, args.prompt + 16, args.prompt, fused=args.fused,
         prefill_chunk=args.chunk, layer_major_tokens=args.layer_major_tokens,
+        expert_format=args.expert_format,
     )  # fmt: skip
     runner, provider, cfg = flash.runner, flash.provider, flash.cfg
     warm_prefill(flash, {min(args.chunk, args.prompt), args.prompt % args.chunk})
@@ -107,12 +112,15 @@ def main() -> None:
         "fused": args.fused,
         "layer_major_tokens": args.layer_major_tokens if layer_major else 0,
         "build_s": flash.build_s,
+        "expert_format": args.expert_format,
+        "expert_bytes": flash.store.expert_bytes,
     }
     if args.profile is not None:  # the whole prompt again, on a fresh sequence, after the timed one
         runner.release(seq)
         write_profile(lambda: prefill(runner.new_sequence()), args.profile)
     name = "prefill-128k" if args.prompt >= 131072 else "prefill-25k" if args.prompt == 25600 else "prefill"
     name += "-one-pass" if args.chunk >= args.prompt else "" if layer_major else "-chunk-major"
+    name += "" if args.expert_format == "int4" else f"-{args.expert_format}"
     print(write_result(name, result, args.out))
     for key, value in result.items():
         print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")

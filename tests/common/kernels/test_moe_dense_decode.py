@@ -1,5 +1,6 @@
-"""The bf16 / fp8 decode MoE kernels (common/kernels/moe_dense.py) in Triton's interpreter (compiled on CUDA)
-against the format's dequantise-then-multiply, at widths that leave partial blocks and fp8 scale blocks."""
+"""The bf16 / fp8 / NVFP4 / MXFP4 decode MoE kernels (common/kernels/moe_dense.py) in Triton's interpreter
+(compiled on CUDA) against the format's dequantise-then-multiply, at widths that leave partial blocks and
+fp8 scale blocks."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from common.protocol import SamplingParams
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("fmt_name", ["bf16", "fp8"])
-@pytest.mark.parametrize(("hidden", "inter", "block"), [(256, 128, 16), (200, 72, 32)])
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize(("hidden", "inter", "block"), [(256, 128, 16), (224, 96, 32)])
 def test_dense_decode_matches_the_dequantised_reference(fmt_name: str, hidden: int, inter: int, block: int):
+    """bf16 / fp8 also at widths that leave partial blocks (224, 96: not multiples of 128)."""
     from common.kernels.moe_dense import moe_dense_decode
 
     fmt, gen = get_format(fmt_name), torch.Generator().manual_seed(hidden)
@@ -47,11 +49,15 @@ def test_dense_decode_matches_the_dequantised_reference(fmt_name: str, hidden: i
     assert calls == [1]
 
 
-@pytest.mark.parametrize("fmt_name", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_offloaded_decode_through_the_dense_kernels(tmp_path: Path, fmt_name: str) -> None:
     """An offloaded model's decode passes through the kernels (recorded as CUDA graphs on CUDA, with the
-    copies in two stages) give the torch path's greedy tokens."""
-    path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
+    copies in two stages) give the torch path's greedy tokens (NVFP4 / MXFP4: a checkpoint published so,
+    its experts in their bits)."""
+    published = fmt_name in ("nvfp4", "mxfp4")
+    path = make_model(
+        tmp_path / "m", preset="tiny", arch="qwen3_moe", quantize=fmt_name if published else None
+    )
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens = []
@@ -62,7 +68,7 @@ def test_offloaded_decode_through_the_dense_kernels(tmp_path: Path, fmt_name: st
                 device=DEVICE,
                 max_running=2,
                 expert_cache="0.25",
-                expert_format=fmt_name,
+                expert_format="bf16" if published else fmt_name,
                 cuda_graphs=DEVICE == "cuda",
                 kernels=replace(KERNELS, moe_dense=fused),
             )
