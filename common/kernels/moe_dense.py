@@ -139,7 +139,9 @@ def _layout(pool: dict[str, torch.Tensor]) -> tuple[int, int, int]:
     return (FP8 if "gate_up_scale_inv" in pool else BF16), hidden, inter
 
 
-def _operands(pool: dict[str, torch.Tensor], name: str, fmt: int) -> tuple[torch.Tensor, ...]:
+def _operands(
+    pool: dict[str, torch.Tensor], name: str, fmt: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """(weights, scales, global scales, scale rows, scale columns) of matrix `name` as the kernels take
     them; a tensor a format lacks is stood in by the weights (never read: its branch is compiled out)."""
     if fmt == NVFP4:
