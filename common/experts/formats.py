@@ -8,6 +8,8 @@ dequantises them back; `mlp` is the reference the GPU kernels are checked by.
   scale_inv of its block (as Qwen3/DeepSeek FP8 checkpoints).
 - int4: `*_qweight` uint8 [out, in/2], column 2j in byte j's low nibble, 2j+1 in its high one; `*_scales` bf16
   and `*_zeros` uint8 (0..15) [out, in/128]; w ≈ (q − zero) · scale. H and I multiples of 128.
+- trellis2 … trellis4: QTIP-style trellis codes at 2, 2.5, 3, 3.5 or 4 bits a weight
+  (common/model/trellis_blocks.py), H and I multiples of 256.
 - published formats (nvfp4, mxfp4, gptq*, awq*, ct-*): a checkpoint's experts kept in their own bits
   (fp4_blocks.py, int4_blocks.py, ct_experts.py in common/model/).
 """
@@ -15,6 +17,7 @@ dequantises them back; `mlp` is the reference the GPU kernels are checked by.
 from __future__ import annotations
 
 import math
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 
@@ -40,6 +43,7 @@ from common.model.int4_blocks import (
     pack_expert,
     parse_int4_format_name,
 )
+from common.model.trellis_blocks import TILE, TrellisCode, decode_matrix, encode_matrix
 
 Components = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -405,6 +409,62 @@ class CtFormat(ExpertFormat):
         return self.spec.error_bound()
 
 
+# --- trellis: QTIP-style codes at 2 to 4 bits a weight (common/model/trellis_blocks.py) ---------------------
+
+
+TRELLIS_RATES = {"2": 4, "2.5": 5, "3": 6, "3.5": 7, "4": 8}
+"""Bits a weight (as a format name writes them) -> bits a trellis step of two weights."""
+_TRELLIS_NAME = re.compile(r"^trellis(2|2\.5|3|3\.5|4)(?:-l(\d+))?$")
+
+
+class TrellisFormat(ExpertFormat):
+    """Trellis-coded experts (trellis_blocks.py): `*_codes` uint8 [out, in·B/16] (B / 2 bits a weight, tiles
+    of 256 inputs), `*_scales` fp16 [out] (the rotated rows' rms). H and I multiples of 256. `state_bits` L
+    (16 by default; fewer encode faster and code worse) is in the name when not 16: "trellis3-l12"."""
+
+    def __init__(self, rate: str, state_bits: int = 16) -> None:
+        self.code = TrellisCode(state_bits, TRELLIS_RATES[rate])
+        self.name = f"trellis{rate}" + ("" if state_bits == 16 else f"-l{state_bits}")
+
+    def components(self, hidden: int, inter: int) -> Components:
+        if hidden % TILE or inter % TILE:
+            raise ValueError(f"{self.name} needs hidden and intermediate sizes that are multiples of {TILE}")
+        b = self.code.step_bits
+        comps: Components = {}
+        for key, (out, inp) in (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter))):
+            comps[f"{key}_codes"] = ((out, inp * b // 16), torch.uint8)
+            comps[f"{key}_scales"] = ((out,), torch.float16)
+        return comps
+
+    def pack(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, inter = _check_weights(gate_up, down)
+        self.components(hidden, inter)  # the dim check
+        parts: dict[str, torch.Tensor] = {}
+        for key, w in (("gate_up", gate_up), ("down", down)):
+            parts[f"{key}_codes"], parts[f"{key}_scales"] = encode_matrix(w, self.code)
+        return parts
+
+    def unpack_many(
+        self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, down = (
+            decode_matrix(parts[f"{key}_codes"], parts[f"{key}_scales"], self.code).to(dtype)
+            for key in ("gate_up", "down")
+        )
+        return gate_up, down  # [N, 2I, H], [N, H, I]
+
+    def error_bound(self) -> float:
+        # Gaussian MSE measured 0.075 at 2 bits (L 16) down to 0.006 at 4 (bench/results/expert-formats.json);
+        # the bound is the 2-bit rms with margin, and at most 0.35 for short states.
+        return 0.35 if self.code.state_bits < 16 else 0.3
+
+
+def parse_trellis_format_name(name: str) -> TrellisFormat | None:
+    """The trellis format a name like "trellis2.5" or "trellis3-l12" means, else None."""
+    m = _TRELLIS_NAME.match(name)
+    return TrellisFormat(m[1], int(m[2] or 16)) if m else None
+
+
 # --- registry ----------------------------------------------------------------------------------------------
 
 FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (Bf16Format(), Fp8Format(), Int4Format())}
@@ -425,16 +485,22 @@ PUBLISHED_FORMATS: dict[str, ExpertFormat] = {
 
 
 def get_format(name: str) -> ExpertFormat:
-    """The format called name (in FORMATS or PUBLISHED_FORMATS); ValueError naming the allowed ones
-    otherwise."""
+    """The format called name (in FORMATS or PUBLISHED_FORMATS, or a trellis code: "trellis3",
+    "trellis2.5-l12"); ValueError naming the allowed ones otherwise."""
     known = {**FORMATS, **PUBLISHED_FORMATS}
     int4 = parse_int4_format_name(name)  # another group size or zero convention: e.g. "gptq-g32"
     if name not in known and int4 is not None:
         return PublishedInt4Format(*int4)
+    trellis = parse_trellis_format_name(name)
+    if trellis is not None:
+        return trellis
     try:
         return known[name]
     except KeyError:
-        raise ValueError(f"unknown expert format {name!r}; allowed: {', '.join(known)}") from None
+        trellis_names = ", ".join(f"trellis{rate}" for rate in TRELLIS_RATES)
+        raise ValueError(
+            f"unknown expert format {name!r}; allowed: {', '.join(known)}, {trellis_names}"
+        ) from None
 
 
 def quantization_error(fmt: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, float]:
