@@ -65,7 +65,7 @@ def codebook(state_bits: int, device: str = "cpu") -> torch.Tensor:
     values = []
     for mul, add in _HASH:
         h = (s * mul + add) & 0xFFFFFFFF
-        byte_sum = sum((h >> shift) & 0xFF for shift in (0, 8, 16, 24))
+        byte_sum = torch.stack([(h >> shift) & 0xFF for shift in (0, 8, 16, 24)]).sum(0)
         values.append((byte_sum.float() - _IRWIN_HALL_MEAN) / _IRWIN_HALL_STD)
     return torch.stack(values, dim=-1)
 
