@@ -356,6 +356,7 @@ BENCHMARKS = {
     "prompt-seeding": ("bench.prompt_seeding", []),
     "serve-ipc": ("bench.serve_ipc", []),
     "qwen4-smoke": ("bench.qwen4_smoke", []),
+    "expert-formats": ("bench.expert_formats", []),
 }
 """`spillway bench NAME` → the module that runs it and the flags that make it NAME (bench/README.md says
 what each measures)."""
