@@ -13,6 +13,7 @@ from typing import cast
 import jinja2
 
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
+from common.experts.formats import PACKED_FORMATS
 from services.worker_args import (
     add_config_args,
     add_fused_kernels_arg,
@@ -539,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--expert-format",
         default="bf16",
-        choices=["bf16", "fp8", "int4"],
+        choices=PACKED_FORMATS,
         help="runtime format of the offloaded experts (an artifact has its own)",
     )
     gen.add_argument(
@@ -617,7 +618,7 @@ def _add_plan(sub) -> None:
     )
     plan.add_argument("--max-context", type=int_at_least(2), default=4096)
     plan.add_argument("--max-running", type=int_at_least(1), default=8)
-    plan.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
+    plan.add_argument("--expert-format", default="bf16", choices=PACKED_FORMATS)
     plan.add_argument("--dtype", choices=DTYPES, default="float32")
     add_prefill_args(plan)
     add_placement_args(plan)

@@ -18,6 +18,7 @@ from common.config import (
     resolve_lookahead,
 )
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
+from common.experts.formats import PACKED_FORMATS
 
 
 def add_config_args(
@@ -48,7 +49,7 @@ def add_config_args(
     )
     parser.add_argument("--expert-cache", default=None, metavar="SLOTS|FRACTION|all")
     parser.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=POLICIES)
-    parser.add_argument("--expert-format", default="bf16", choices=["bf16", "fp8", "int4"])
+    parser.add_argument("--expert-format", default="bf16", choices=PACKED_FORMATS)
     add_prefill_args(parser)
     parser.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
     parser.add_argument(

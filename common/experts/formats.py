@@ -9,7 +9,7 @@ dequantises them back; `mlp` is the reference the GPU kernels are checked by.
 - int4: `*_qweight` uint8 [out, in/2], column 2j in byte j's low nibble, 2j+1 in its high one; `*_scales` bf16
   and `*_zeros` uint8 (0..15) [out, in/128]; w ≈ (q − zero) · scale. H and I multiples of 128.
 - trellis2 … trellis4: QTIP-style trellis codes at 2, 2.5, 3, 3.5 or 4 bits a weight
-  (common/model/trellis_blocks.py), H and I multiples of 256.
+  (common/model/trellis_blocks.py), H and I multiples of 128.
 - published formats (nvfp4, mxfp4, gptq*, awq*, ct-*): a checkpoint's experts kept in their own bits
   (fp4_blocks.py, int4_blocks.py, ct_experts.py in common/model/).
 """
@@ -419,7 +419,7 @@ _TRELLIS_NAME = re.compile(r"^trellis(2|2\.5|3|3\.5|4)(?:-l(\d+))?$")
 
 class TrellisFormat(ExpertFormat):
     """Trellis-coded experts (trellis_blocks.py): `*_codes` uint8 [out, in·B/16] (B / 2 bits a weight, tiles
-    of 256 inputs), `*_scales` fp16 [out] (the rotated rows' rms). H and I multiples of 256. `state_bits` L
+    of 128 inputs), `*_scales` fp16 [out] (the rotated rows' rms). H and I multiples of 128. `state_bits` L
     (16 by default; fewer encode faster and code worse) is in the name when not 16: "trellis3-l12"."""
 
     def __init__(self, rate: str, state_bits: int = 16) -> None:
@@ -468,6 +468,9 @@ def parse_trellis_format_name(name: str) -> TrellisFormat | None:
 # --- registry ----------------------------------------------------------------------------------------------
 
 FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (Bf16Format(), Fp8Format(), Int4Format())}
+PACKED_FORMATS = (*FORMATS, *(f"trellis{rate}" for rate in TRELLIS_RATES))
+"""What `--expert-format` packs a checkpoint's bf16 experts in at load (a published checkpoint keeps its
+own)."""
 
 
 PUBLISHED_FORMATS: dict[str, ExpertFormat] = {

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-TILE = 256
+TILE = 128
 """Weights a tile (one row's consecutive inputs)."""
 HADAMARD_MAX = 4096
 _HASH = ((0x9E3779B1, 0x7F4A7C15), (0x85EBCA77, 0xC2B2AE3D))

@@ -29,8 +29,8 @@ def test_names_and_bytes(name: str, bits: float) -> None:
 def test_unknown_and_misfit_are_refused() -> None:
     with pytest.raises(ValueError, match=r"trellis2\.5"):
         get_format("trellis5")
-    with pytest.raises(ValueError, match="multiples of 256"):
-        get_format("trellis3").components(2048, 768 - 128)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        get_format("trellis3").components(2048, 200)
 
 
 @pytest.mark.parametrize("rate", ["2", "3", "4"])

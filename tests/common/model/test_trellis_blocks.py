@@ -111,5 +111,5 @@ def test_matrix_round_trip_error_and_layout() -> None:
 
 
 def test_an_input_dim_off_the_tile_is_refused() -> None:
-    with pytest.raises(ValueError, match="multiple of 256"):
+    with pytest.raises(ValueError, match="multiple of 128"):
         encode_matrix(torch.randn(4, 200), TrellisCode(10, 6))
