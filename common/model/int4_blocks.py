@@ -15,6 +15,7 @@ inputs when group_size is -1), stored input-major:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 
@@ -100,12 +101,16 @@ def unpack_int32(words: torch.Tensor, dim: int, order: Sequence[int] | None = No
     """int32 words [..., n/8, ...] -> int32 codes 0..15 [..., n, ...] along `dim`; the inverse of
     `pack_int32` with the same order."""
     w = words.movedim(dim, -1)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.device)
-    nibbles = (w.unsqueeze(-1) >> shifts) & 0xF  # [..., n/8, 8] in nibble order
-    if order is not None:
-        inverse = [list(order).index(j) for j in range(_WORD)]
-        nibbles = nibbles[..., inverse]
+    shifts = _shifts(tuple(order or range(_WORD)), str(w.device))  # code j's nibble: order.index(j)
+    nibbles = (w.unsqueeze(-1) >> shifts) & 0xF  # [..., n/8, 8] in code order
     return nibbles.flatten(-2).movedim(-1, dim)
+
+
+@functools.cache
+def _shifts(order: tuple[int, ...], device: str) -> torch.Tensor:
+    """The bit shift of each code's nibble in a word packed in `order`, on `device` (made once: a decode
+    step copies nothing from the host)."""
+    return torch.tensor([4 * order.index(j) for j in range(_WORD)], dtype=torch.int32, device=device)
 
 
 # --- one linear ----------------------------------------------------------------------------------------
