@@ -52,10 +52,10 @@ def hf_decode_rate(model_dir: Path, budget_gib: float, prompt: list[int], tokens
 
 
 def spillway_decode_rate(
-    model_dir: Path, budget_gib: float, prompt: list[int], tokens: int, dense_kernels: bool = False
+    model_dir: Path, budget_gib: float, prompt: list[int], tokens: int, dense_kernels: bool = True
 ) -> dict:
-    """Decode tok/s of Spillway's engine under the budget (the plan sizes the expert cache); `dense_kernels`:
-    bf16 decode through common/kernels/moe_dense.py."""
+    """Decode tok/s of Spillway's engine under the budget (the plan sizes the expert cache); `dense_kernels`
+    False: torch's gather path instead of common/kernels/moe_dense.py (`KernelConfig.moe_dense`)."""
     from common.config import WorkerConfig
     from common.engine.engine import Engine
     from common.kernels.config import KERNELS
@@ -106,9 +106,6 @@ def main() -> None:
         help="the checkpoint directory: written unless it holds one already (default: a temporary one)",
     )  # fmt: skip
     ap.add_argument(
-        "--dense-kernels", action="store_true", help="Spillway's bf16 decode through the dense MoE kernels"
-    )
-    ap.add_argument(
         "--dense-ab", action="store_true",
         help="no HF: Spillway's decode with the dense MoE kernels off, then on (KernelConfig.moe_dense)",
     )  # fmt: skip
@@ -123,7 +120,7 @@ def main() -> None:
     prompt = torch.randint(3, 30000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     if args.dense_ab:
         return dense_ab(model_dir, prompt, pcie, args)
-    spillway = spillway_decode_rate(model_dir, args.budget_gib, prompt, args.decode, args.dense_kernels)
+    spillway = spillway_decode_rate(model_dir, args.budget_gib, prompt, args.decode)
     progress(f"spillway: {spillway}")
     _free()  # the engine and its pinned store go before transformers loads
     torch.cuda.reset_peak_memory_stats()
@@ -138,9 +135,8 @@ def main() -> None:
         "layers": args.layers,
         "prompt": args.prompt,
         "decode": args.decode,
-        "dense_kernels": args.dense_kernels,
     }
-    print(write_result("peer-hf" + ("-dense-kernels" if args.dense_kernels else ""), result, args.out))
+    print(write_result("peer-hf", result, args.out))
     print(f"spillway {spillway['tok_per_s']:.2f} tok/s, hf {hf:.3f} tok/s, ratio {result['ratio']:.1f}")
 
 
