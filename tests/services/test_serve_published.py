@@ -36,8 +36,15 @@ def _cli(*args: str) -> str:
     return subprocess.run(argv, capture_output=True, check=True, text=True).stdout
 
 
-@pytest.mark.parametrize("quantize", ["nvfp4", "mxfp4", "gptq", "awq", "w4a16"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen4_exp"])
+SERVED = [
+    *(("qwen3_moe", q) for q in EXPERT_FORMAT),
+    *(("qwen4_exp", q) for q in ("nvfp4", "mxfp4", "gptq", "awq", "w4a16")),
+]
+"""Every variant for qwen3_moe; the five formats for qwen4_exp (its variants load and match transformers in
+tests/common/model/test_qwen4_published.py)."""
+
+
+@pytest.mark.parametrize(("arch", "quantize"), SERVED)
 def test_greedy_chat_served_from_published_bits(arch: str, quantize: str, start_server, tmp_path) -> None:
     model = make_model(tmp_path / f"tiny-{quantize}", preset="tiny", arch=arch, seed=2, quantize=quantize)
     server = start_server(
