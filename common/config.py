@@ -112,6 +112,16 @@ class ModelConfig:
     """Tokens that end generation (config.json, extended by generation_config.json)."""
     torch_dtype: str = "bfloat16"
     """Storage dtype of the checkpoint."""
+    router: str = "softmax"
+    """How the router scores experts: "softmax" (top-k of the softmax), or "sigmoid-grouped" (GLM-4.5,
+    DeepSeek-V3: sigmoid scores, a per-expert correction bias for the choice only, the top `topk_group` of
+    `n_group` groups by their two best, weights the chosen sigmoids times `routed_scaling_factor`)."""
+    n_group: int = 1
+    """Expert groups of the sigmoid-grouped router."""
+    topk_group: int = 1
+    """Groups a token may choose from."""
+    routed_scaling_factor: float = 1.0
+    """Factor on the sigmoid-grouped router's weights (after any renormalisation)."""
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""The HF families that share MoECausalLM: qwen3_moe, qwen2_moe, mixtral.
+"""The HF families that share MoECausalLM: qwen3_moe, qwen2_moe, mixtral, glm4_moe.
 
 Each family contributes a config parser (HF config.json → ModelConfig, with HF's own defaults) and a
 checkpoint key mapper (per-expert keys as the released checkpoints name them, and the fused
@@ -136,9 +136,45 @@ def parse_mixtral(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
+def parse_glm4_moe(hf: dict[str, Any]) -> ModelConfig:
+    n = hf["num_hidden_layers"]
+    dense = hf.get("first_k_dense_replace", 1)
+    moe_inter = hf.get("moe_intermediate_size", 1408)
+    return ModelConfig(
+        **_common(hf, 1e-5),
+        layer_types=("full_attention",) * n,
+        mlp_types=tuple("dense" if i < dense else "moe" for i in range(n)),
+        intermediate_size=hf.get("intermediate_size", 10944),
+        num_experts=hf.get("n_routed_experts", 128),
+        top_k=hf.get("num_experts_per_tok", 8),
+        moe_intermediate_size=moe_inter,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=moe_inter * hf.get("n_shared_experts", 1),
+        router_weights_fp32=True,
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        qk_norm=bool(hf.get("use_qk_norm", False)),
+        router="sigmoid-grouped",
+        n_group=hf.get("n_group", 1),
+        topk_group=hf.get("topk_group", 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def _glm4_key(key: str, cfg: ModelConfig | None = None) -> str | ExpertKey | None:
+    """GLM-4.5's names: `shared_experts` (one ungated MLP), the router's `e_score_correction_bias`; the
+    MTP layers stored past the last decoder layer (`num_nextn_predict_layers`) are not loaded."""
+    m = re.match(r"^model\.layers\.(\d+)\.", key)
+    if m and cfg is not None and int(m[1]) >= cfg.num_layers:
+        return None
+    key = key.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+    key = key.replace(".mlp.gate.e_score_correction_bias", ".mlp.score_bias")
+    return qwen_expert_key(key)
+
+
 for _type, _parse, _map in (
     ("qwen3_moe", parse_qwen3_moe, qwen_expert_key),
     ("qwen2_moe", parse_qwen2_moe, qwen_expert_key),
     ("mixtral", parse_mixtral, _mixtral_key),
+    ("glm4_moe", parse_glm4_moe, _glm4_key),
 ):
     register_architecture(Architecture(_type, _parse, MoECausalLM, _map))

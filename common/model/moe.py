@@ -27,6 +27,26 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     return weights, ids
 
 
+def route_grouped(
+    logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ModelConfig.router` "sigmoid-grouped" → (weights [T, k] fp32, ids [T, k]): groups ranked by the sum
+    of their two best biased scores, experts chosen among the top `topk_group` groups by biased score,
+    weighted by their unbiased sigmoid (renormalised if `norm_topk_prob`) times `routed_scaling_factor`."""
+    scores = torch.sigmoid(logits.float())  # [T, E]
+    biased = scores + bias.float()
+    t, e = biased.shape
+    groups = biased.view(t, cfg.n_group, e // cfg.n_group)  # [T, G, E/G]
+    best = groups.topk(min(2, e // cfg.n_group), dim=-1).values.sum(-1)  # [T, G]
+    kept = torch.zeros_like(best).scatter_(1, best.topk(cfg.topk_group, dim=-1).indices, 1.0)
+    allowed = kept.bool()[:, :, None].expand_as(groups).reshape(t, e)
+    ids = biased.masked_fill(~allowed, float("-inf")).topk(cfg.top_k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
 class SparseMoeBlock(nn.Module):
     """Routed experts (through `experts`) plus, for Qwen2-MoE, a sigmoid-gated shared expert."""
 
@@ -51,6 +71,10 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.normalize = cfg.top_k, cfg.norm_topk_prob
         self.weights_fp32 = cfg.router_weights_fp32
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.grouped = cfg if cfg.router == "sigmoid-grouped" else None
+        """The sigmoid-grouped router's settings (torch only: the fused routing kernels are softmax's)."""
+        if self.grouped is not None:
+            self.score_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.experts = experts
         self.routing_hook: RoutingHook | None = None
         """Records or replays the router's choices (common/experts/routing.py)."""
@@ -98,7 +122,9 @@ class SparseMoeBlock(nn.Module):
 
     def _route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' (weights, ids) [T, k]: the router's choice, then the routing hook's."""
-        if self.fused_decode:
+        if self.grouped is not None:
+            weights, ids = route_grouped(logits, self.score_bias, self.grouped)
+        elif self.fused_decode:
             from common.kernels.routing import route_fused  # Triton
 
             top = (logits, self.top_k, self.normalize, dtype)
@@ -115,7 +141,7 @@ class SparseMoeBlock(nn.Module):
         """(weights, ids, the shared expert or None) from one kernel (common/kernels/moe_dispatch.py): a few
         rows with the fused kernels, and a replay on the device or a shared expert to run beside the router's
         choice. None: not this pass (`_route` and `_shared` then)."""
-        if not self.fused_decode:  # before the imports: the kernels' modules import Triton
+        if not self.fused_decode or self.grouped is not None:  # before the imports: they import Triton
             return None
         from common.kernels import moe_dispatch
         from common.kernels.gated_mlp import DOWN_ROWS

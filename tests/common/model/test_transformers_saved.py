@@ -1,9 +1,12 @@
-"""Checkpoints written by transformers itself (`save_pretrained` of a randomly initialised model: its own
+"""Checkpoints written by transformers itself (qwen3_moe, qwen2_moe, mixtral, glm4_moe: its grouped sigmoid
+router with a correction bias, shared experts, partial RoPE, q/k norms, a dense first layer), each the
+`save_pretrained` of a randomly initialised model: its own
 config.json spellings — `num_local_experts`, `rope_parameters`, `layer_types`, `dtype` — and its own weight
 layout) load, and their logits over prefill and decode match transformers' in float32."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.synthetic.tokenizer import write_tokenizer
+from common.protocol import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,6 +43,19 @@ FAMILIES = {
         "shared_expert_intermediate_size": 48,
     },
     "mixtral": {"num_local_experts": 5, "num_experts_per_tok": 2, "sliding_window": 8},
+    "glm4_moe": {
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
 }
 PROMPTS = [[5, 17, 99, 3, 42, 7, 7, 300, 12, 9, 4], [8, 9, 10]]
 
@@ -52,8 +69,14 @@ def saved(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     with torch.no_grad():
         for p in hf.parameters():  # wider than the init's 0.02: logits far apart, routing decisive
             p.normal_(0.0, 0.1 if p.dim() > 1 else 1.0)
+        for name, b in hf.named_buffers():  # GLM's router correction: the choice no longer the weights' top
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
     out = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(out)
+    with torch.no_grad():  # bf16 values, as releases are (a host store of bf16 experts is then exact)
+        for p in hf.parameters():
+            p.copy_(p.bfloat16())
+    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(out)  # (hf's own buffers stay fp32)
     write_tokenizer(out, vocab_size=SMALL["vocab_size"], vision=False)
     return out, hf
 
@@ -74,3 +97,16 @@ def test_the_config_is_read_as_transformers_wrote_it(saved) -> None:
     experts = getattr(hf.config, "num_experts", None) or hf.config.num_local_experts
     assert (cfg.num_experts, cfg.top_k, cfg.num_layers) == (experts, 2, 3)
     assert cfg.rope.theta == hf.config.rope_parameters["rope_theta"]
+
+
+def test_offloaded_experts_generate_as_resident(saved) -> None:
+    """The experts from a host store through a cache of half of them: the same greedy tokens."""
+    model_dir, _ = saved
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = [
+        Engine(WorkerConfig(str(model_dir), max_running=2, max_context=64, expert_cache=cache)).generate(
+            PROMPTS, params
+        )
+        for cache in (None, "0.5")
+    ]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
