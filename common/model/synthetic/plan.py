@@ -100,13 +100,15 @@ def _attention(cfg: Mapping[str, Any], p: str) -> list[TensorSpec]:
         _linear(f"{p}.v_proj.weight", kv_out, h),
         _linear(f"{p}.o_proj.weight", h, q_out),
     ]
+    if arch == "glm4_moe" and cfg.get("attention_bias", False):  # o_proj has none in GLM-4.5
+        specs += [_bias(f"{p}.{n}_proj.bias", d) for n, d in (("q", q_out), ("k", kv_out), ("v", kv_out))]
     if arch == "qwen3_moe" and cfg.get("attention_bias", False):
         specs += [
             _bias(f"{p}.{n}_proj.bias", d) for n, d in (("q", q_out), ("k", kv_out), ("v", kv_out), ("o", h))
         ]
     if arch == "qwen2_moe" and cfg.get("qkv_bias", True):  # o_proj never has a bias in Qwen2-MoE
         specs += [_bias(f"{p}.{n}_proj.bias", d) for n, d in (("q", q_out), ("k", kv_out), ("v", kv_out))]
-    if arch == "qwen3_moe":
+    if arch == "qwen3_moe" or (arch == "glm4_moe" and cfg.get("use_qk_norm", False)):
         specs += [_norm(f"{p}.q_norm.weight", hd), _norm(f"{p}.k_norm.weight", hd)]
     return specs
 
@@ -144,6 +146,22 @@ def _qwen_mlp(cfg: Mapping[str, Any], i: int, p: str) -> list[TensorSpec]:
         specs += _swiglu(f"{p}.shared_expert", h, cfg["shared_expert_intermediate_size"])
         specs.append(_linear(f"{p}.shared_expert_gate.weight", 1, h, scale=2.0))
     return specs
+
+
+def _glm4_mlp(cfg: Mapping[str, Any], i: int, p: str) -> list[TensorSpec]:
+    """GLM-4.5: dense SwiGLU layers first, then routed experts (sigmoid router with a correction bias) and
+    ungated shared experts."""
+    h = cfg["hidden_size"]
+    if i < cfg.get("first_k_dense_replace", 1):
+        return _swiglu(p, h, cfg["intermediate_size"])
+    e, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    specs = [
+        _linear(f"{p}.gate.weight", e, h, scale=2.0),
+        TensorSpec(f"{p}.gate.e_score_correction_bias", (e,), 0.0, 0.1),
+    ]
+    for j in range(e):
+        specs += _swiglu(f"{p}.experts.{j}", h, inter)
+    return specs + _swiglu(f"{p}.shared_experts", h, inter * cfg.get("n_shared_experts", 1))
 
 
 def _mixtral_moe(cfg: Mapping[str, Any], p: str) -> list[TensorSpec]:
@@ -366,6 +384,8 @@ def plan_tensors(cfg: Mapping[str, Any]) -> list[TensorSpec]:
         specs += _attention(cfg, f"{p}.self_attn")
         if cfg["model_type"] == "mixtral":
             specs += _mixtral_moe(cfg, f"{p}.block_sparse_moe")
+        elif cfg["model_type"] == "glm4_moe":
+            specs += _glm4_mlp(cfg, i, f"{p}.mlp")
         else:
             specs += _qwen_mlp(cfg, i, f"{p}.mlp")
         specs += [_norm(f"{p}.input_layernorm.weight", h), _norm(f"{p}.post_attention_layernorm.weight", h)]

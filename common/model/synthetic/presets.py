@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen4_exp")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "qwen4_exp")
 # The families with one flat config.json and weights under `model.`.
-FLAT_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+FLAT_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 
 # The synthetic tokenizer's size; the model's vocab may be larger (real checkpoints pad their embeddings).
 TOKENIZER_VOCAB = 1024
@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "qwen4_exp": "Qwen4ExpForConditionalGeneration",
 }
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -213,6 +214,23 @@ _TINY: dict[str, dict[str, Any]] = {
         "intermediate_size": 32,
         "sliding_window": None,
         "router_jitter_noise": 0.0,
+    },
+    "glm4_moe": {
+        **{k: v for k, v in _TINY_COMMON.items() if k not in ("rope_theta", "rope_scaling")},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "intermediate_size": 96,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.5,
+        "norm_topk_prob": True,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "num_nextn_predict_layers": 0,
     },
     "qwen4_exp": _TINY_QWEN4,
 }

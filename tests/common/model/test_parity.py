@@ -1,7 +1,8 @@
 """Spillway's runtime against HF transformers on the same synthetic checkpoints, in float32 on CPU.
 
 For each family, hand-picked and random configs (shared expert, norm_topk_prob both ways, head_dim ≠
-hidden/heads, tied embeddings, odd expert counts, rope scaling, sliding windows): logits over a batch of
+hidden/heads, tied embeddings, odd expert counts, rope scaling, sliding windows, glm4_moe's grouped sigmoid
+router and partial RoPE): logits over a batch of
 prompts of unequal lengths and 16 decode steps agree (relative error < 1e-4), and greedy generation gives the
 same 32 tokens.
 """
@@ -89,6 +90,20 @@ CASES = [
             "head_dim": 24,
             "tie_word_embeddings": True,
             "sliding_window": 8,
+        },
+    ),
+    ("glm4_moe", {}),
+    (
+        "glm4_moe",
+        {
+            "n_group": 4,
+            "topk_group": 2,
+            "num_experts_per_tok": 3,
+            "first_k_dense_replace": 2,
+            "use_qk_norm": False,
+            "attention_bias": False,
+            "routed_scaling_factor": 2.5,
+            "tie_word_embeddings": True,
         },
     ),
     *[

@@ -79,7 +79,11 @@ def test_tiny_files_and_index(tiny: dict[str, Path], arch: str) -> None:
 
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == arch
-    assert cfg["torch_dtype"] == "bfloat16" and "rope_theta" in cfg and cfg["rope_scaling"] is None
+    assert cfg["torch_dtype"] == "bfloat16"
+    if arch == "glm4_moe":  # transformers 5's spelling, as GLM-4.5's config.json
+        assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.5 and "rope_theta" not in cfg
+    else:
+        assert "rope_theta" in cfg and cfg["rope_scaling"] is None
     assert cfg["eos_token_id"] == 2 and cfg["bos_token_id"] is None
     gen = json.loads((path / "generation_config.json").read_text())
     assert gen == {"eos_token_id": [2, 0], "pad_token_id": 0, "bos_token_id": None}
@@ -107,6 +111,13 @@ def test_tiny_keys_are_hf_names(tiny: dict[str, Path], arch: str) -> None:
         assert tensors[f"{moe}.experts.7.w1.weight"][1] == (32, h)
         assert tensors[f"{moe}.experts.7.w3.weight"][1] == (32, h)
         assert tensors[f"{moe}.experts.7.w2.weight"][1] == (h, 32)
+        return
+    if arch == "glm4_moe":  # layer 0 dense (first_k_dense_replace), then routed and shared experts
+        assert tensors["model.layers.0.mlp.up_proj.weight"][1] == (96, h)
+        assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"][1] == (8,)
+        assert tensors["model.layers.1.mlp.shared_experts.down_proj.weight"][1] == (h, 32)
+        assert tensors["model.layers.1.self_attn.q_proj.bias"][1] == (4 * hd,)
+        assert "model.layers.1.self_attn.o_proj.bias" not in tensors
         return
     assert tensors["model.layers.0.mlp.gate.weight"][1] == (8, h)
     assert tensors["model.layers.0.mlp.experts.7.down_proj.weight"][1] == (h, 32)
