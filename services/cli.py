@@ -467,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     mk = sub.add_parser("make-model", help="write a synthetic checkpoint in the HF on-disk format")
-    mk.add_argument("--preset", default="tiny", help="tiny | qwen3-30b | flashnext")
+    mk.add_argument("--preset", default="tiny", help="tiny | qwen3-30b | flashnext | glm-4.5-air")
     mk.add_argument(
         "--arch", default=None, help="qwen3_moe | qwen2_moe | mixtral | qwen4_exp (default: the preset's)"
     )
@@ -607,7 +607,9 @@ def _add_plan(sub) -> None:
     what = plan.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", default=None, help="model directory or converted artifact")
     what.add_argument(
-        "--preset", default=None, help="a synthetic preset's config: tiny | qwen3-30b | flashnext"
+        "--preset",
+        default=None,
+        help="a synthetic preset's config: tiny | qwen3-30b | flashnext | glm-4.5-air",
     )
     plan.add_argument("--arch", default=None, help="the preset's arch (default: its first)")
     plan.add_argument(

@@ -267,6 +267,38 @@ _QWEN3_30B: dict[str, Any] = {
     "vocab_size": 151936,
 }
 
+# GLM-4.5-Air (Glm4MoeForCausalLM): transformers' Glm4MoeConfig defaults, which are its config.json's (106B
+# parameters, 12B active; the MTP layer, num_nextn_predict_layers 1 there, left out: it is not served).
+_GLM45_AIR: dict[str, Any] = {
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "first_k_dense_replace": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 10944,
+    "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1408,
+    "n_group": 1,
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 46,
+    "num_key_value_heads": 8,
+    "num_nextn_predict_layers": 0,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    "routed_scaling_factor": 1.0,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "use_cache": True,
+    "use_qk_norm": False,
+    "vocab_size": 151552,
+}
+
 # Qwen3.8-Flash-Next (Qwen4ExpForConditionalGeneration), text config field for field (token ids aside: ours
 # follow the synthetic tokenizer; the vision token ids are the release's). ~125.7B trunk parameters (120.8B
 # of them routed experts: 48 layers x 512) plus the PLE n-gram table of layer 1: 16 prime-sized heads of
@@ -319,4 +351,5 @@ PRESETS: dict[str, Preset] = {
     # ~354 GB of bf16 (251 GB trunk + 102 GB n-gram table) in 90 shards of 4 GB; see _FLASHNEXT for the
     # `--set` overrides that benchmarks use to shrink it.
     "flashnext": Preset(configs={"qwen4_exp": _FLASHNEXT}, shard_bytes=4 * 10**9),
+    "glm-4.5-air": Preset(configs={"glm4_moe": _GLM45_AIR}, shard_bytes=5 * 10**9),
 }
