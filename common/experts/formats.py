@@ -1,15 +1,14 @@
 """Runtime formats of routed experts. A format is a fixed set of named components of fixed shape and dtype
 for a given (hidden H, intermediate I): one byte stride for every expert of a layer, in the host store and in
 a cache slot. It packs one expert's SwiGLU weights (gate_up [2I, H], gate rows then up rows; down [H, I]) and
-dequantises them back; `mlp` is the reference the GPU kernels are checked by.
+dequantises them back (`mlp`: the kernels' reference).
 
 - bf16: gate_up [2I, H], down [H, I].
 - fp8: float8_e4m3fn of the same shapes, `*_scale_inv` fp32 [ceil(out/128), ceil(in/128)], w ≈ code ·
   scale_inv of its block (as Qwen3/DeepSeek FP8 checkpoints).
 - int4: `*_qweight` uint8 [out, in/2], column 2j in byte j's low nibble, 2j+1 in its high one; `*_scales` bf16
   and `*_zeros` uint8 (0..15) [out, in/128]; w ≈ (q − zero) · scale. H and I multiples of 128.
-- trellis2 … trellis4: QTIP-style trellis codes at 2, 2.5, 3, 3.5 or 4 bits a weight
-  (common/model/trellis_blocks.py), H and I multiples of 128.
+- trellis2 … trellis4: trellis codes at 2 to 4 bits a weight (common/model/trellis_blocks.py).
 - published formats (nvfp4, mxfp4, gptq*, awq*, ct-*): a checkpoint's experts kept in their own bits
   (fp4_blocks.py, int4_blocks.py, ct_experts.py in common/model/).
 """

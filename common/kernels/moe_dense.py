@@ -1,8 +1,8 @@
 """Decode MoE over bf16, fp8 (128×128 block scales), NVFP4 or MXFP4 experts read in place from their pool
 rows.
 
-Each pair's weights are read once, in place, and multiplied in registers, where torch gathers the chosen
-experts' rows into a new tensor (the int4 kernels' two-kernel structure, common/kernels/moe_int4.py):
+Each pair's weights are read once, in place (torch would gather the chosen rows into a new tensor), in the
+int4 kernels' two-kernel structure:
 
 1. gate/up: program (pair p, block of I columns) → silu(gate) · up in fp32, act [P, I].
 2. down: program (pair p, block of H rows) → act[p] · down^T times the routing weight, partial [P, H] fp32,
@@ -10,12 +10,10 @@ experts' rows into a new tensor (the int4 kernels' two-kernel structure, common/
 
 The expert widths are compile-time constants (one compilation a matrix shape).
 
-Layouts (common/experts/formats.py): bf16 `gate_up` [R, 2I, H], `down` [R, H, I]; fp8 the same shapes in
-float8_e4m3fn with `*_scale_inv` fp32 [R, ceil(out/128), ceil(in/128)] (w ≈ code · scale of its block). A
-loop step reads 128 inputs: one fp8 block column, so a row's scale is one load a step. NVFP4 and MXFP4
-(common/model/fp4_blocks.py): e2m1 codes two a byte [R, out, in/2] (even input in the low nibble), a scale
-per 16 inputs (e4m3) or 32 (e8m0) [R, out, in/G], NVFP4's global scale per linear [R, 2] (gate, up) / [R, 1]
-applied once after the sum; codes and scales decoded in registers (no FP4 tensor cores before Blackwell).
+Layouts (common/experts/formats.py): bf16 `gate_up` [R, 2I, H], `down` [R, H, I]; fp8 the same in e4m3
+with `*_scale_inv` [R, ceil(out/128), ceil(in/128)] (a loop step of 128 inputs: one scale load a row). NVFP4
+and MXFP4: e2m1 codes two a byte [R, out, in/2], a scale per 16 (e4m3) or 32 (e8m0) inputs, NVFP4's global
+scale per linear ([R, 2]: gate, up; [R, 1]) applied after the sum; decoded in registers.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
-"""Trellis-coded weights: a bitshift trellis with a computed Gaussian codebook, after a randomized Hadamard
-transform (the scheme of QTIP, as EXL3 uses it; written from the papers' descriptions).
+"""Trellis-coded weights: a bitshift trellis with a computed Gaussian codebook after a randomized Hadamard
+transform (QTIP's scheme, as EXL3 uses it; written from the papers' descriptions).
 
-A matrix [out, in] is coded in tiles of TILE consecutive inputs of one row. Within a tile, step t of N =
-TILE / 2 emits two weights from an L-bit state s_t; the state shifts B bits a step, s_t = ((s_{t−1} << B) |
-b_t) mod 2^L, so a tile is N·B bits (B / 2 bits a weight) and the code is tail-biting: s_0 takes its high
-bits from the tile's last symbols, and s_t is bits [(t+1)·B − L, (t+1)·B) of the circular bit string, most
-significant first. The codebook is computed, not stored: `codebook(s)` hashes the state (a multiply-add mod
-2^32) and sums the hash's four bytes, two hashes a state — an Irwin-Hall approximation of N(0, 1).
+A matrix [out, in] is coded in tiles of TILE inputs of one row. Step t of N = TILE / 2 emits two weights
+from an L-bit state, s_t = ((s_{t−1} << B) | b_t) mod 2^L: B / 2 bits a weight. Tail-biting: s_t is bits
+[(t+1)·B − L, (t+1)·B) of the tile's circular bit string, most significant first. `codebook(s)`: two
+multiply-add hashes of the state, each hash's four bytes summed (Irwin-Hall ≈ N(0, 1)).
 
-Incoherence: before coding, w̃ = H_out S_out w S_in H_in (block Sylvester Hadamard matrices, orthonormal,
-blocks the largest power of two dividing the dim, at most HADAMARD_MAX; S random signs from a fixed seed per
-dim); each row of w̃ is divided by its rms (an fp16 scale a row). Decoding inverts both transforms, so
-`decode_matrix` returns w itself.
-
-Encoding is Viterbi over the 2^L states (two passes: the second constrained to the tail-biting overlap the
-first found), vectorised over tiles with torch on any device.
+Incoherence: w̃ = H_out S_out w S_in H_in (orthonormal block Hadamard, blocks the largest power of two
+dividing the dim; random signs from a seed per dim), each row over its rms (an fp16 scale). `decode_matrix`
+inverts both, returning w. Encoding: Viterbi over the 2^L states, twice (the second pass held to the
+first's tail-biting overlap), vectorised over tiles in torch on any device.
 """
 
 from __future__ import annotations
