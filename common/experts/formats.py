@@ -4,8 +4,7 @@ a cache slot. It packs one expert's SwiGLU weights (gate_up [2I, H], gate rows t
 dequantises them back (`mlp`: the kernels' reference).
 
 - bf16: gate_up [2I, H], down [H, I].
-- fp8: float8_e4m3fn of the same shapes, `*_scale_inv` fp32 [ceil(out/128), ceil(in/128)], w ≈ code ·
-  scale_inv of its block (as Qwen3/DeepSeek FP8 checkpoints).
+- fp8: e4m3 of the same shapes, `*_scale_inv` fp32 [ceil(out/128), ceil(in/128)] (Qwen3/DeepSeek FP8).
 - int4: `*_qweight` uint8 [out, in/2], column 2j in byte j's low nibble, 2j+1 in its high one; `*_scales` bf16
   and `*_zeros` uint8 (0..15) [out, in/128]; w ≈ (q − zero) · scale. H and I multiples of 128.
 - trellis2 … trellis4: trellis codes at 2 to 4 bits a weight (common/model/trellis_blocks.py).

@@ -6,9 +6,7 @@ int4 kernels' two-kernel structure:
 
 1. gate/up: program (pair p, block of I columns) → silu(gate) · up in fp32, act [P, I].
 2. down: program (pair p, block of H rows) → act[p] · down^T times the routing weight, partial [P, H] fp32,
-   added over the k choices of each token by the caller (a fixed order: no dependence on scheduling).
-
-The expert widths are compile-time constants (one compilation a matrix shape).
+   summed over each token's k choices by the caller (a fixed order).
 
 Layouts (common/experts/formats.py): bf16 `gate_up` [R, 2I, H], `down` [R, H, I]; fp8 the same in e4m3
 with `*_scale_inv` [R, ceil(out/128), ceil(in/128)] (a loop step of 128 inputs: one scale load a row). NVFP4
