@@ -123,8 +123,7 @@ def build_flashnext(
     `resident_dtype` "fp8": the token mixers' projections in fp8; `lend_kv`: the KV pool's idle pages serve
     as cache slots (common/experts/kv_lending.py; the allocator's cap is the budget less that memory);
     `lookahead`: each MoE layer guesses the next one's top-n experts a token and copies them in ahead
-    (`install_lookahead`); `routing` "model": the random-weight routers choose, no replay; `expert_format`:
-    the store's (random codes).
+    (`install_lookahead`); `routing` "model": the random-weight routers choose; `expert_format`: the store's.
     The allocator is capped at the budget (`cap_allocator`: an undercounting plan fails as out-of-memory)."""
     hf = model_config(
         "flashnext",

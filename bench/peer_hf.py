@@ -2,7 +2,7 @@
 one script: the synthetic `qwen3-30b` (bf16, ~61 GB), greedy decode of one request.
 
     python -m bench.peer_hf [--budget-gib 32] [--layers 48] [--prompt 256] [--decode 32] [--out DIR]
-    python -m bench.peer_hf --dense-ab [...]   # Spillway alone: its bf16 decode with and without moe_dense
+    python -m bench.peer_hf --dense-ab [...]   # Spillway: moe_dense off, then on
 
 HF: `from_pretrained(device_map="auto", max_memory={0: budget, "cpu": ...})` — accelerate keeps what fits on
 the GPU and runs the rest from host memory, moving those weights over PCIe at every forward. Spillway: the

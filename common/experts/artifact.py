@@ -189,6 +189,11 @@ def _pack_expert(fmt, cfg, parts: dict, layer: int, e: int, err: dict, src: Path
                 )
         gate_up = torch.cat([_read_expert(cfg, *parts[(e, "gate")]), _read_expert(cfg, *parts[(e, "up")])])
         down = _read_expert(cfg, *parts[(e, "down")])
+    return _pack_measured(fmt, gate_up, down, err)
+
+
+def _pack_measured(fmt, gate_up: torch.Tensor, down: torch.Tensor, err: dict) -> dict:
+    """`fmt.pack` of one expert, its round trip's squared error and squared norm added to `err`."""
     packed = fmt.pack(gate_up, down)
     got_gu, got_d = fmt.unpack(packed, torch.float32)
     for name, ref, got in (("gate_up", gate_up.float(), got_gu), ("down", down.float(), got_d)):
@@ -200,17 +205,11 @@ def _pack_expert(fmt, cfg, parts: dict, layer: int, e: int, err: dict, src: Path
 def _repack_published(fmt, published: PublishedExperts, parts: dict, err: dict) -> list[dict]:
     """One layer's published components [E, ...] as `fmt`'s per-expert parts: the same bits where `fmt` is
     the published format, else dequantised (fp32) and packed, the error added to `err`."""
+    experts = range(published.cfg.num_experts)
     if fmt.name == published.fmt:
-        return [{name: t[e] for name, t in parts.items()} for e in range(len(next(iter(parts.values()))))]
+        return [{name: t[e] for name, t in parts.items()} for e in experts]
     gate_up, down = published.dequantize(parts, torch.float32)  # [E, 2I, H], [E, H, I]
-    packed = []
-    for e in range(len(gate_up)):
-        packed.append(fmt.pack(gate_up[e], down[e]))
-        got_gu, got_d = fmt.unpack(packed[-1], torch.float32)
-        for name, ref, got in (("gate_up", gate_up[e], got_gu), ("down", down[e], got_d)):
-            err[name][0] += float((got - ref).pow(2).sum())
-            err[name][1] += float(ref.pow(2).sum())
-    return packed
+    return [_pack_measured(fmt, gate_up[e], down[e], err) for e in experts]
 
 
 def _read_expert(cfg, path: Path, key: str, ek: ExpertKey, read: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -14,21 +14,9 @@ import pytest
 
 from common.experts.formats import get_format
 from common.model.synthetic.checkpoint import make_model
+from tests.common.model.published_checks import EXPERT_FORMAT
 
 pytestmark = pytest.mark.slow
-
-EXPERT_FORMAT = {
-    "nvfp4": "nvfp4",
-    "mxfp4": "mxfp4",
-    "gptq": "gptq-g32",
-    "gptq-desc-act": "gptq-g32",
-    "awq": "awq-g32",
-    "w4a16": "ct-w4a16-g32",
-    "w4a16-asym": "ct-w4a16-asym-g32",
-    "nvfp4a16": "ct-nvfp4a16",
-}
-"""`make-model --quantize` variant -> its experts' format (the tiny preset's int4 groups are 32: its dims do
-not fit 128)."""
 
 
 def _cli(*args: str) -> str:

@@ -5,6 +5,7 @@ generation compared with transformers on the dequantised weights."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,18 @@ from common.engine.engine import Engine
 from common.protocol import SamplingParams
 
 INDEX = "model.safetensors.index.json"
+EXPERT_FORMAT = {
+    "nvfp4": "nvfp4",
+    "mxfp4": "mxfp4",
+    "gptq": "gptq-g32",
+    "gptq-desc-act": "gptq-g32",
+    "awq": "awq-g32",
+    "w4a16": "ct-w4a16-g32",
+    "w4a16-asym": "ct-w4a16-asym-g32",
+    "nvfp4a16": "ct-nvfp4a16",
+}
+"""`make-model --quantize` variant -> its experts' format in the host store (the tiny preset's int4 groups
+are 32: its dims do not fit 128; fp8's experts are dequantised at load)."""
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 200, 31, 4]]
 TOKENS = 12
 
@@ -24,6 +37,17 @@ TOKENS = 12
 def tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint by key."""
     return {k: t for f in sorted(model_dir.glob("*.safetensors")) for k, t in load_file(f).items()}
+
+
+def copy_unquantized_config(model_dir: Path, out: Path) -> None:
+    """`model_dir`'s JSON files into `out` but its index and quantization files, config.json without its
+    quantization_config: the config of a plain checkpoint of the same model."""
+    for f in model_dir.iterdir():
+        if f.suffix == ".json" and f.name not in (INDEX, "hf_quant_config.json", "quantize_config.json"):
+            shutil.copy(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
 
 
 def shard_of(model_dir: Path, key: str) -> Path:

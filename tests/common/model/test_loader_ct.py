@@ -27,6 +27,7 @@ from common.model.synthetic.checkpoint import make_model
 from tests.common.model.published_checks import (
     INDEX,
     assert_greedy_matches_transformers,
+    copy_unquantized_config,
     edit_shard,
     shard_of,
     tensors,
@@ -169,12 +170,7 @@ def _reference_experts(model_dir: Path, layer: int, experts: int) -> tuple[torch
 def dequantized_dir(ct_dir: Path, tmp_path_factory) -> Path:
     """The checkpoint dequantised by compressed-tensors: a plain fp32 qwen3_moe checkpoint."""
     out = tmp_path_factory.mktemp("dequantized")
-    for f in ct_dir.iterdir():
-        if f.suffix == ".json" and f.name != INDEX:
-            shutil.copy(f, out / f.name)
-    config = json.loads((out / "config.json").read_text())
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config))
+    copy_unquantized_config(ct_dir, out)
     t = tensors(ct_dir)
     plain: dict[str, torch.Tensor] = {}
     for key, tensor in t.items():

@@ -23,6 +23,7 @@ from tests.common.experts.test_fp4_formats import mxfp4_reference, nvfp4_referen
 from tests.common.model.published_checks import (
     INDEX,
     assert_greedy_matches_transformers,
+    copy_unquantized_config,
     edit_shard,
     tensors,
 )
@@ -63,12 +64,7 @@ def _reference_experts(model_dir: Path, layer: int, experts: int) -> tuple[torch
 def dequantized_dir(fp4_dir: Path, tmp_path_factory) -> Path:
     """The checkpoint with its experts dequantised by the reference: a plain fp32 qwen3_moe checkpoint."""
     out = tmp_path_factory.mktemp("dequantized")
-    for f in fp4_dir.iterdir():
-        if f.suffix == ".json" and f.name not in (INDEX, "hf_quant_config.json"):
-            shutil.copy(f, out / f.name)
-    config = json.loads((out / "config.json").read_text())
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config))
+    copy_unquantized_config(fp4_dir, out)
     t = tensors(fp4_dir)
     plain = {}
     for key, tensor in t.items():
@@ -81,8 +77,9 @@ def dequantized_dir(fp4_dir: Path, tmp_path_factory) -> Path:
             if scaled
             else tensor.float()
         )
-    for layer in load_architecture(fp4_dir)[1].moe_layers:
-        gate_up, down = _reference_experts(fp4_dir, layer, config["num_experts"])
+    arch_cfg = load_architecture(fp4_dir)[1]
+    for layer in arch_cfg.moe_layers:
+        gate_up, down = _reference_experts(fp4_dir, layer, arch_cfg.num_experts)
         plain[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up
         plain[f"model.layers.{layer}.mlp.experts.down_proj"] = down
     save_file(plain, out / "model.safetensors", metadata={"format": "pt"})

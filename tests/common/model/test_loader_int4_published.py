@@ -27,6 +27,7 @@ from tests.common.experts.test_int4_published_formats import awq_reference, gptq
 from tests.common.model.published_checks import (
     INDEX,
     assert_greedy_matches_transformers,
+    copy_unquantized_config,
     edit_shard,
     tensors,
 )
@@ -68,12 +69,7 @@ def _reference_experts(model_dir: Path, layer: int, experts: int) -> tuple[torch
 def dequantized_dir(int4_dir: Path, tmp_path_factory) -> Path:
     """The checkpoint with every int4 linear dequantised by the reference: a plain fp32 checkpoint."""
     out = tmp_path_factory.mktemp("dequantized")
-    for f in int4_dir.iterdir():
-        if f.suffix == ".json" and f.name not in (INDEX, "quantize_config.json"):
-            shutil.copy(f, out / f.name)
-    config = json.loads((out / "config.json").read_text())
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config))
+    copy_unquantized_config(int4_dir, out)
     t, method = tensors(int4_dir), _method(int4_dir)
     plain = {}
     for key, tensor in t.items():
@@ -84,8 +80,9 @@ def dequantized_dir(int4_dir: Path, tmp_path_factory) -> Path:
             plain[f"{module}.weight"] = _linear(t, module, method)
         else:
             plain[key] = tensor.float()
-    for layer in load_architecture(int4_dir)[1].moe_layers:
-        gate_up, down = _reference_experts(int4_dir, layer, config["num_experts"])
+    arch_cfg = load_architecture(int4_dir)[1]
+    for layer in arch_cfg.moe_layers:
+        gate_up, down = _reference_experts(int4_dir, layer, arch_cfg.num_experts)
         plain[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up
         plain[f"model.layers.{layer}.mlp.experts.down_proj"] = down
     save_file(plain, out / "model.safetensors", metadata={"format": "pt"})

@@ -7,7 +7,6 @@ references."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -26,9 +25,10 @@ from common.protocol import SamplingParams
 from tests.common.experts.test_fp4_formats import mxfp4_reference, nvfp4_reference
 from tests.common.experts.test_int4_published_formats import awq_reference, gptq_reference
 from tests.common.model.published_checks import (
-    INDEX,
+    EXPERT_FORMAT,
     PROMPTS,
     assert_greedy_matches_transformers,
+    copy_unquantized_config,
     edit_shard,
     tensors,
 )
@@ -36,17 +36,6 @@ from tests.common.model.test_loader_fp8 import _reference as fp8_reference
 
 ct_blocks = pytest.importorskip("tests.common.model.test_ct_blocks")  # needs compressed-tensors
 
-EXPERT_FORMAT = {
-    "nvfp4": "nvfp4",
-    "mxfp4": "mxfp4",
-    "gptq": "gptq-g32",
-    "gptq-desc-act": "gptq-g32",
-    "awq": "awq-g32",
-    "w4a16": "ct-w4a16-g32",
-    "w4a16-asym": "ct-w4a16-asym-g32",
-    "nvfp4a16": "ct-nvfp4a16",
-}
-"""`make-model --quantize` -> the experts' format in the host store (fp8: experts dequantised at load)."""
 # Many indexer heads: exact-zero ReLU scores tie rarely (see test_qwen4_parity.py).
 OVERRIDES = {"indexer_n_heads": 16, "indexer_budget": 16, "indexer_compress_ratio": 4}
 LAYER = "model.language_model.layers"
@@ -86,12 +75,7 @@ _AUX += ("weight_global_scale", "weight_shape", "weight_zero_point", "weight_pac
 
 def _dequantized(model_dir: Path, out: Path) -> Path:
     """`model_dir` with every quantized tensor dequantised by the references: a plain fp32 checkpoint."""
-    for f in model_dir.iterdir():
-        if f.suffix == ".json" and f.name not in (INDEX, "hf_quant_config.json", "quantize_config.json"):
-            shutil.copy(f, out / f.name)
-    config = json.loads((out / "config.json").read_text())
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config))
+    copy_unquantized_config(model_dir, out)
     t = tensors(model_dir)
     plain: dict[str, torch.Tensor] = {}
     for key, tensor in t.items():
