@@ -21,10 +21,10 @@ from common.model.resident import batched_expert_mlp
 
 
 class DecodeKernels:
-    """A decode pass's routed experts from their pool rows: the int4 kernels (`fused_int4`), the bf16 / fp8
-    kernel (`KernelConfig.moe_dense`), else torch gathering the T·k chosen experts dequantised at once
-    (T·k·3·H·I values: decode-sized T only). `resident`: no copies run beside the kernels (int4's resident
-    shapes)."""
+    """A decode pass's routed experts from their pool rows: the int4 kernels (`fused_int4`), the dense
+    kernels for the formats they read (`KernelConfig.moe_dense`), else torch gathering the T·k chosen
+    experts dequantised at once (T·k·3·H·I values: decode-sized T only). `resident`: no copies run beside
+    the kernels (int4's resident shapes)."""
 
     def __init__(
         self,
@@ -45,8 +45,8 @@ class DecodeKernels:
 
     @property
     def in_place(self) -> bool:
-        """A Triton kernel reads the chosen rows in place, gate_up before down (int4 on CUDA; bf16 / fp8 with
-        `KernelConfig.moe_dense`): their copies come in two stages (`stages`)."""
+        """A Triton kernel reads the chosen rows in place, gate_up before down (int4 on CUDA; the dense
+        formats with `KernelConfig.moe_dense`): their copies come in two stages (`stages`)."""
         s = self.switches
         return s.fused_int4 or (s.kernels.moe_dense and s.dense_kernels)
 
@@ -73,13 +73,13 @@ class DecodeKernels:
         self, prepared: Prepared, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """The routed experts' weighted sum [T, H], but through the int4 kernels."""
-        if self.in_place:  # bf16 / fp8 (int4: `_int4`)
+        if self.in_place:  # the dense kernels' formats (int4: `_int4`)
             from common.kernels.moe_dense import moe_dense_decode  # Triton
 
             self.copies.join(prepared.done, stage=0)  # gate_up's rows: down's may still be on their way
             return moe_dense_decode(
                 x, prepared.rows[topk_ids], topk_weights, self.pool,
-                before_down=lambda: self.copies.join(prepared.done),
+                before_down=lambda: self.copies.join(prepared.done), zero_offset=self.fmt.zero_offset,
             )  # fmt: skip
         self.copies.join(prepared.done)
         t, k = topk_ids.shape

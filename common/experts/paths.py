@@ -41,8 +41,9 @@ class KernelSwitches:
     fused_int4: bool
     """`int4_kernels` on CUDA: decode passes run the int4 decode kernels (kernels/moe_int4.py)."""
     dense_kernels: bool
-    """bf16 / fp8 / NVFP4 / MXFP4 experts, SiLU, a pool of the provider's own, on CUDA: decode passes run
-    the dense decode kernels (kernels/moe_dense.py) where `KernelConfig.moe_dense` says so."""
+    """Experts of a format the dense decode kernels read (`ExpertFormat.dense_decode`), SiLU, a pool of the
+    provider's own, on CUDA: decode passes run them (kernels/moe_dense.py) where `KernelConfig.moe_dense`
+    says so."""
     fused_int4_prefill: bool = False
     """Prefill passes through the grouped int4 kernels (kernels/moe_int4_grouped.py)."""
     fused_resolve: bool = False
@@ -61,7 +62,7 @@ class KernelSwitches:
     ) -> KernelSwitches:
         """The switches a provider starts with: which kernels can read its rows at all."""
         int4 = fmt.name == "int4" and act is F.silu and own_pool
-        dense = fmt.name in ("bf16", "fp8", "nvfp4", "mxfp4") and act is F.silu and own_pool
+        dense = fmt.dense_decode and act is F.silu and own_pool
         cuda = device.type == "cuda"
         return cls(int4_kernels=int4, fused_int4=int4 and cuda, dense_kernels=dense and cuda)
 

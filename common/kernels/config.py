@@ -189,9 +189,9 @@ class KernelConfig:
     """With the int4 decode kernels: decode's shared expert added in the kernel that sums the choices (False:
     by torch after)."""
     moe_dense: bool = True
-    """bf16 / fp8 / NVFP4 / MXFP4 routed experts of an offloaded provider on CUDA decode through the in-place
-    kernels (moe_dense.py: each pair's weights read where they lie; False: torch gathers the chosen experts
-    dequantised first)."""
+    """Routed experts of an offloaded provider on CUDA, of a format the in-place kernels read (bf16, fp8,
+    the 4-bit floats, published int4), decode through them (moe_dense.py: each pair's weights read where
+    they lie; False: torch gathers the chosen experts dequantised first)."""
     split_lanes: int = 8
     """Lane counts from which a recorded decode pass runs as two groups of lanes (common/model/groups.py: one
     group computes while the other's experts copy), where the model and its expert provider can; 0: never."""

@@ -1,4 +1,5 @@
-"""Decode MoE over bf16, fp8 (128×128 block scales), NVFP4 or MXFP4 experts read in place from their pool
+"""Decode MoE over bf16, fp8 (128×128 block scales), 4-bit float (NVFP4, MXFP4, compressed-tensors' NVFP4)
+or published int4 (GPTQ, AWQ, compressed-tensors' pack-quantized) experts read in place from their pool
 rows.
 
 Each pair's weights are read once, in place (torch would gather the chosen rows into a new tensor), in the
@@ -11,7 +12,10 @@ int4 kernels' two-kernel structure:
 Layouts (common/experts/formats.py): bf16 `gate_up` [R, 2I, H], `down` [R, H, I]; fp8 the same in e4m3
 with `*_scale_inv` [R, ceil(out/128), ceil(in/128)] (a loop step of 128 inputs: one scale load a row). NVFP4
 and MXFP4: e2m1 codes two a byte [R, out, in/2], a scale per 16 (e4m3) or 32 (e8m0) inputs, NVFP4's global
-scale per linear ([R, 2]: gate, up; [R, 1]) applied after the sum; decoded in registers.
+scale per linear ([R, 2]: gate, up; [R, 1]) applied after the sum (compressed-tensors': divided by);
+decoded in registers. Int4 (common/model/int4_blocks.py, ct_blocks.py): eight codes an int32 word, GPTQ's
+words along the inputs with `g_idx`, AWQ's along the outputs in its nibble order, compressed-tensors' along
+the inputs of each output row; (code − zero) · scale per group.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import triton.language as tl
 
 BK = tl.constexpr(128)
 """Inputs per loop step (the fp8 scale block)."""
-BF16, FP8, NVFP4, MXFP4 = 0, 1, 2, 3
-"""The pool's layout (the kernels' `FMT`)."""
+BF16, FP8, NVFP4, MXFP4, CT_NVFP4, GPTQ, AWQ, CT_INT4, CT_INT4_ZP = range(9)
+"""The pool's layout (the kernels' `FMT`): 4-bit floats 2..4, int4 from 5."""
 
 
 @triton.jit
@@ -39,25 +43,60 @@ def _e2m1(code):
 
 @triton.jit
 def _fp4_scale(b, FMT: tl.constexpr):
-    """Block scale bytes (int32) → fp32: e4m3 (NVFP4; finite codes) or e8m0, 2^(b − 127) (MXFP4)."""
-    if FMT == 2:
-        e = (b >> 3) & 15
-        m = (b & 7).to(tl.float32)
-        magnitude = tl.where(e == 0, m * 0.001953125, (1.0 + m * 0.125) * tl.exp2((e - 7).to(tl.float32)))
-        return tl.where(b >= 128, -magnitude, magnitude)  # 0.001953125 = 2^-9: subnormal m/8 · 2^-6
-    return tl.exp2((b - 127).to(tl.float32))
+    """Block scale bytes (int32) → fp32: e4m3 (NVFP4s; finite codes) or e8m0, 2^(b − 127) (MXFP4)."""
+    if FMT == 3:
+        return tl.exp2((b - 127).to(tl.float32))
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    magnitude = tl.where(e == 0, m * 0.001953125, (1.0 + m * 0.125) * tl.exp2((e - 7).to(tl.float32)))
+    return tl.where(b >= 128, -magnitude, magnitude)  # 0.001953125 = 2^-9: subnormal m/8 · 2^-6
 
 
 @triton.jit
-def _rows_dot(w_ptr, s_ptr, out_rows, live_rows, v, k0, width, s_cols, FMT: tl.constexpr):
+def _int4_tile(
+    w_ptr, s_ptr, z_ptr, a_ptr, r, c, live, width, total, groups, FMT: tl.constexpr, ZOFF: tl.constexpr
+):
+    """Int4 weights [BLOCK, BK] fp32 of output rows r [BLOCK, 1] (int64, of the stored matrix's `total`)
+    and inputs c [1, BK] (of `width`), in `groups` groups; `a_ptr`: GPTQ's g_idx row; ZOFF: what a stored
+    GPTQ zero lacks (v1: 1)."""
+    if FMT == 5:  # GPTQ: qweight [in/8, out], qzeros [G, out/8], scales [G, out]; group g_idx[c]
+        g = tl.load(a_ptr + c, mask=c < width, other=0).to(tl.int64)
+        code = (tl.load(w_ptr + (c // 8) * total + r, mask=live, other=0) >> ((c % 8) * 4)) & 15
+        zero = ((tl.load(z_ptr + g * (total // 8) + r // 8, mask=live, other=0) >> ((r % 8) * 4)) & 15) + ZOFF
+        scale = tl.load(s_ptr + g * total + r, mask=live, other=0.0)
+    elif FMT == 6:  # AWQ: qweight [in, out/8], output 8w + j in nibble (j // 2) + 4 (j % 2) of word w
+        g = c // (width // groups)
+        shift = ((r % 8) // 2 + (r % 2) * 4) * 4
+        code = (tl.load(w_ptr + c * (total // 8) + r // 8, mask=live, other=0) >> shift) & 15
+        zero = (tl.load(z_ptr + g * (total // 8) + r // 8, mask=live, other=0) >> shift) & 15
+        scale = tl.load(s_ptr + g * total + r, mask=live, other=0.0)
+    else:  # compressed-tensors: weight_packed [out, in/8], scale [out, G], zero points [out/8, G]; code + 8
+        g = c // (width // groups)
+        code = (tl.load(w_ptr + r * (width // 8) + c // 8, mask=live, other=0) >> ((c % 8) * 4)) & 15
+        zero = tl.full((1, 1), 8, tl.int32)
+        if FMT == 8:
+            zero = (tl.load(z_ptr + (r // 8) * groups + g, mask=live, other=0) >> ((r % 8) * 4)) & 15
+        scale = tl.load(s_ptr + r * groups + g, mask=live, other=0.0)
+    return (code - zero).to(tl.float32) * scale.to(tl.float32)
+
+
+@triton.jit
+def _rows_dot(
+    w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, v, k0, width, total, s_cols,
+    FMT: tl.constexpr, ZOFF: tl.constexpr,
+):  # fmt: skip
     """Σ_j w[out_rows, k0 + j] · v[j] over one step of BK inputs → [BLOCK] fp32 (fp8: times the block's
-    scale; fp4: each code times its block's scale). `w_ptr`/`s_ptr` point at the expert's matrix and
-    scales (fp4: `s_cols` unused, the scales' row is width / group)."""
+    scale; fp4 and int4: each code decoded with its group's scale). The pointers are at the expert's
+    matrix (`total` rows of `width`), scales, int4 zeros and GPTQ's g_idx row; `s_cols`: fp8's scale
+    columns, int4's groups a row."""
     c = k0 + tl.arange(0, BK)
     live = live_rows[:, None] & (c < width)[None, :]
     rows = out_rows[:, None].to(tl.int64)
+    if FMT >= 5:
+        w = _int4_tile(w_ptr, s_ptr, z_ptr, a_ptr, rows, c[None, :], live, width, total, s_cols, FMT, ZOFF)
+        return tl.sum(w * v[None, :], axis=1)
     if FMT >= 2:
-        group: tl.constexpr = 16 if FMT == 2 else 32
+        group: tl.constexpr = 32 if FMT == 3 else 16
         byte = tl.load(w_ptr + rows * (width // 2) + (c // 2)[None, :], mask=live, other=0).to(tl.int32)
         code = (byte >> ((c % 2) * 4)[None, :]) & 15
         b = tl.load(s_ptr + rows * (width // group) + (c // group)[None, :], mask=live, other=0).to(tl.int32)
@@ -71,57 +110,67 @@ def _rows_dot(w_ptr, s_ptr, out_rows, live_rows, v, k0, width, s_cols, FMT: tl.c
 
 @triton.jit
 def _matrix_offsets(row, rows_out, width, s_rows, s_cols, FMT: tl.constexpr):
-    """(weights, scales) element offsets of pool row `row`'s matrix of `rows_out` × `width`."""
+    """(weights, scales, int4 zeros) element offsets of pool row `row`'s matrix of `rows_out` × `width`."""
+    if FMT >= 5:  # s_cols: groups a row; every int4 layout holds out·in/8 words, out·G scales, out·G/8 zeros
+        return row * rows_out * (width // 8), row * rows_out * s_cols, row * (rows_out // 8) * s_cols
     if FMT >= 2:
-        group: tl.constexpr = 16 if FMT == 2 else 32
-        return row * rows_out * (width // 2), row * rows_out * (width // group)
-    return row * rows_out * width, row * s_rows * s_cols
+        group: tl.constexpr = 32 if FMT == 3 else 16
+        return row * rows_out * (width // 2), row * rows_out * (width // group), row
+    return row * rows_out * width, row * s_rows * s_cols, row
+
+
+@triton.jit
+def _global_scale(g_ptr, i, FMT: tl.constexpr):
+    """A linear's global scale factor: NVFP4's `weight_scale_2`, compressed-tensors' 1 / global scale."""
+    if FMT == 4:
+        return 1.0 / tl.load(g_ptr + i)
+    return tl.load(g_ptr + i)
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, rows_ptr, w_ptr, s_ptr, g_ptr, act_ptr, k, s_rows, s_cols,
-    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, g_ptr, act_ptr, k, s_rows, s_cols,
+    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, ZOFF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     t = p // k
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] act columns
     live = n < inter
-    w_off, s_off = _matrix_offsets(row, 2 * inter, hidden, s_rows, s_cols, FMT)
-    w, s = w_ptr + w_off, s_ptr + s_off
+    w_off, s_off, z_off = _matrix_offsets(row, 2 * inter, hidden, s_rows, s_cols, FMT)
+    w, s, z, a = w_ptr + w_off, s_ptr + s_off, z_ptr + z_off, g_ptr + row * 2 * hidden  # a: GPTQ's g_idx
     gate = tl.zeros((BLOCK,), dtype=tl.float32)
     up = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, hidden, BK):
         c = k0 + tl.arange(0, BK)
         xv = tl.load(x_ptr + t * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
-        gate += _rows_dot(w, s, n, live, xv, k0, hidden, s_cols, FMT)
-        up += _rows_dot(w, s, n + inter, live, xv, k0, hidden, s_cols, FMT)
-    if FMT == 2:  # NVFP4's global scales: gate's, up's
-        gate *= tl.load(g_ptr + 2 * row)
-        up *= tl.load(g_ptr + 2 * row + 1)
+        gate += _rows_dot(w, s, z, a, n, live, xv, k0, hidden, 2 * inter, s_cols, FMT, ZOFF)
+        up += _rows_dot(w, s, z, a + hidden, n + inter, live, xv, k0, hidden, 2 * inter, s_cols, FMT, ZOFF)
+    if FMT == 2 or FMT == 4:  # the NVFP4s' global scales: gate's, up's
+        gate *= _global_scale(g_ptr, 2 * row, FMT)
+        up *= _global_scale(g_ptr, 2 * row + 1, FMT)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
     tl.store(act_ptr + p * inter + n, act, mask=live)
 
 
 @triton.jit
 def _down_kernel(
-    act_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, g_ptr, out_ptr, s_rows, s_cols,
-    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, BLOCK: tl.constexpr,
+    act_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, s_rows, s_cols,
+    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, ZOFF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output rows
     live = n < hidden
-    w_off, s_off = _matrix_offsets(row, hidden, inter, s_rows, s_cols, FMT)
-    w, s = w_ptr + w_off, s_ptr + s_off
+    w_off, s_off, z_off = _matrix_offsets(row, hidden, inter, s_rows, s_cols, FMT)
+    w, s, z, a = w_ptr + w_off, s_ptr + s_off, z_ptr + z_off, g_ptr + row * inter  # a: GPTQ's g_idx
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, inter, BK):
         c = k0 + tl.arange(0, BK)
-        a = tl.load(act_ptr + p * inter + c, mask=c < inter, other=0.0)
-        acc += _rows_dot(w, s, n, live, a, k0, inter, s_cols, FMT)
-    if FMT == 2:  # NVFP4's global scale
-        acc *= tl.load(g_ptr + row)
+        act = tl.load(act_ptr + p * inter + c, mask=c < inter, other=0.0)
+        acc += _rows_dot(w, s, z, a, n, live, act, k0, inter, hidden, s_cols, FMT, ZOFF)
+    if FMT == 2 or FMT == 4:  # the NVFP4s' global scale
+        acc *= _global_scale(g_ptr, row, FMT)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32), mask=live)
 
 
@@ -131,24 +180,50 @@ def _layout(pool: dict[str, torch.Tensor]) -> tuple[int, int, int]:
         return NVFP4, pool["down_weight"].shape[1], 2 * pool["down_weight"].shape[2]
     if "down_blocks" in pool:  # [R, H, I/32, 16]
         return MXFP4, pool["down_blocks"].shape[1], 32 * pool["down_blocks"].shape[2]
+    if "down_qweight" in pool:  # GPTQ [R, I/8, H], AWQ [R, I, H/8]; scales [R, G, H]
+        fmt = GPTQ if "down_g_idx" in pool else AWQ
+        return fmt, pool["down_scales"].shape[2], pool["gate_up_scales"].shape[2] // 2
+    if "down_weight_packed" in pool:  # compressed-tensors [R, H, I/8] int32 or [R, H, I/2] uint8
+        packed = pool["down_weight_packed"]
+        if packed.dtype == torch.uint8:
+            return CT_NVFP4, packed.shape[1], 2 * packed.shape[2]
+        return (
+            (CT_INT4_ZP if "down_weight_zero_point" in pool else CT_INT4),
+            packed.shape[1],
+            8 * packed.shape[2],
+        )
     hidden, inter = pool["down"].shape[1:]
     return (FP8 if "gate_up_scale_inv" in pool else BF16), hidden, inter
 
 
-def _operands(
-    pool: dict[str, torch.Tensor], name: str, fmt: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """(weights, scales, global scales, scale rows, scale columns) of matrix `name` as the kernels take
-    them; a tensor a format lacks is stood in by the weights (never read: its branch is compiled out)."""
-    if fmt == NVFP4:
-        w, s = pool[f"{name}_weight"], pool[f"{name}_weight_scale"].view(torch.uint8)
-        return w, s, pool[f"{name}_weight_scale_2"], 1, 1
-    if fmt == MXFP4:
-        return pool[f"{name}_blocks"], pool[f"{name}_scales"], pool[f"{name}_blocks"], 1, 1
+_NAMES = {
+    NVFP4: ("weight", "weight_scale", None, "weight_scale_2"),
+    MXFP4: ("blocks", "scales", None, None),
+    CT_NVFP4: ("weight_packed", "weight_scale", None, "weight_global_scale"),
+    GPTQ: ("qweight", "scales", "qzeros", "g_idx"),
+    AWQ: ("qweight", "scales", "qzeros", None),
+    CT_INT4: ("weight_packed", "weight_scale", None, None),
+    CT_INT4_ZP: ("weight_packed", "weight_scale", "weight_zero_point", None),
+}
+"""A format's (weights, scales, int4 zeros, global scales or g_idx) component suffixes."""
+
+
+def _operands(pool: dict[str, torch.Tensor], name: str, fmt: int) -> tuple[torch.Tensor, ...]:
+    """(weights, scales, int4 zeros, global scales or g_idx, scale rows, scale columns) of matrix `name` as
+    the kernels take them; a tensor a format lacks is stood in by the weights (never read: its branch is
+    compiled out). Int4: scale columns are the groups a row."""
+    if fmt in _NAMES:
+        parts = [pool[f"{name}_{n}"] if n else None for n in _NAMES[fmt]]
+        w = parts[0]
+        s = parts[1].view(torch.uint8) if parts[1].dtype == torch.float8_e4m3fn else parts[1]
+        groups = 1
+        if fmt >= GPTQ:
+            groups = s.shape[1] if fmt in (GPTQ, AWQ) else s.shape[2]  # [R, G, out] or [R, out, G]
+        return w, s, *(w if t is None else t for t in parts[2:]), 1, groups
     scale = pool.get(f"{name}_scale_inv")
     if scale is None:
-        return pool[name], pool[name], pool[name], 1, 1
-    return pool[name], scale, pool[name], scale.shape[1], scale.shape[2]
+        return pool[name], pool[name], pool[name], pool[name], 1, 1
+    return pool[name], scale, pool[name], pool[name], scale.shape[1], scale.shape[2]
 
 
 def moe_dense_decode(
@@ -159,12 +234,14 @@ def moe_dense_decode(
     block: int = 16,
     before_down: Callable[[], None] | None = None,
     num_warps: int = 4,
+    zero_offset: int = 0,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
     x [T, H] (contiguous); rows, weights [T, k]; pool: a bf16 pool (`gate_up` [R, 2I, H], `down` [R, H, I]),
-    an fp8 one (the same in e4m3, with `gate_up_scale_inv` and `down_scale_inv`), or an NVFP4 / MXFP4 one
-    (their formats' components). Any H and I the format takes. Fixed
+    an fp8 one (the same in e4m3, with `gate_up_scale_inv` and `down_scale_inv`), or a 4-bit float or int4
+    one (their formats' components); `zero_offset`: what a stored int4 zero lacks (GPTQ v1: 1). Any H
+    and I the format takes. Fixed
     launch shapes, no host sync: a recorded step can hold it. `before_down` runs between the two kernels (to
     wait for the down rows' copies); `block` (output rows per program) and `num_warps` are tuning knobs.
     """
@@ -173,17 +250,17 @@ def moe_dense_decode(
     pairs = t * k
     rows = rows.reshape(-1).contiguous()
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
-    w, scale, glob, s_rows, s_cols = _operands(pool, "gate_up", fmt)
+    w, scale, zeros, aux, s_rows, s_cols = _operands(pool, "gate_up", fmt)
     _gate_up_kernel[(pairs, triton.cdiv(inter, block))](
-        x.contiguous(), rows, w, scale, glob, act, k, s_rows, s_cols,
-        hidden=hidden, inter=inter, FMT=fmt, BLOCK=block, num_warps=num_warps,
+        x.contiguous(), rows, w, scale, zeros, aux, act, k, s_rows, s_cols,
+        hidden=hidden, inter=inter, FMT=fmt, ZOFF=zero_offset, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     if before_down is not None:
         before_down()
-    w, scale, glob, s_rows, s_cols = _operands(pool, "down", fmt)
+    w, scale, zeros, aux, s_rows, s_cols = _operands(pool, "down", fmt)
     _down_kernel[(pairs, triton.cdiv(hidden, block))](
-        act, rows, weights.reshape(-1).contiguous(), w, scale, glob, partial, s_rows, s_cols,
-        hidden=hidden, inter=inter, FMT=fmt, BLOCK=block, num_warps=num_warps,
+        act, rows, weights.reshape(-1).contiguous(), w, scale, zeros, aux, partial, s_rows, s_cols,
+        hidden=hidden, inter=inter, FMT=fmt, ZOFF=zero_offset, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     return partial.view(t, k, hidden).sum(1).to(x.dtype)

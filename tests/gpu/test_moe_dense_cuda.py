@@ -15,12 +15,16 @@ from common.model.synthetic.checkpoint import make_model
 from common.protocol import SamplingParams
 
 
-@pytest.mark.parametrize("fmt_name", ["bf16", "fp8", "nvfp4", "mxfp4"])
+PUBLISHED = ("nvfp4", "mxfp4", "gptq", "gptq-desc-act", "awq", "w4a16", "w4a16-asym", "nvfp4a16")
+"""make-model's quantized variants whose experts the host store keeps in their published bits."""
+
+
+@pytest.mark.parametrize("fmt_name", ["bf16", "fp8", *PUBLISHED])
 def test_offloaded_decode_through_the_dense_kernels(tmp_path: Path, fmt_name: str) -> None:
     """An offloaded model's decode passes through the kernels (recorded as CUDA graphs on CUDA, with the
-    copies in two stages) give the torch path's greedy tokens (NVFP4 / MXFP4: a checkpoint published so,
-    its experts in their bits)."""
-    published = fmt_name in ("nvfp4", "mxfp4")
+    copies in two stages) give the torch path's greedy tokens (the published variants: a checkpoint
+    published so, its experts in their bits)."""
+    published = fmt_name in PUBLISHED
     path = make_model(
         tmp_path / "m", preset="tiny", arch="qwen3_moe", quantize=fmt_name if published else None
     )
