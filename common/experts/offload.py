@@ -62,7 +62,7 @@ class OffloadedExperts(ExpertProvider):
     """The expert provider of a model whose routed experts live in a HostExpertStore."""
 
     int4_kernels, fused_int4, dense_kernels = _Switch(), _Switch(), _Switch()
-    fused_int4_prefill, fused_resolve = _Switch(), _Switch()
+    fused_int4_prefill, fused_dense_prefill, fused_resolve = _Switch(), _Switch(), _Switch()
 
     @property
     def kernels(self) -> KernelConfig:

@@ -46,6 +46,9 @@ class KernelSwitches:
     says so."""
     fused_int4_prefill: bool = False
     """Prefill passes through the grouped int4 kernels (kernels/moe_int4_grouped.py)."""
+    fused_dense_prefill: bool = False
+    """Prefill passes through the grouped dense kernels (kernels/moe_dense_grouped.py): `dense_kernels`
+    with `KernelConfig.moe_dense`."""
     fused_resolve: bool = False
     """Decode steps resolved by one Triton program per layer (kernels/resolve.py: the same decisions as
     `CacheTables.resolve`) instead of torch ops."""

@@ -55,9 +55,10 @@ class PrefillArena:
 
 
 class GroupedKernels:
-    """A prefill pass's routed experts: the grouped int4 kernels (`fused_int4_prefill`), else torch, one
-    expert at a time (`grouped_expert_mlp`), each read from this pool or, where `Prepared.cached` says so,
-    from the shared cache's."""
+    """A prefill pass's routed experts: the grouped int4 kernels (`fused_int4_prefill`), the grouped dense
+    kernels for the other formats they read (`fused_dense_prefill`), else torch, one expert at a time
+    (`grouped_expert_mlp`), each read from this pool or, where `Prepared.cached` says so, from the shared
+    cache's."""
 
     def __init__(
         self,
@@ -92,6 +93,12 @@ class GroupedKernels:
 
             self.copies.join(prepared.done)
             return moe_int4_grouped(x, topk_ids, topk_weights, prepared.rows, self.pool)
+        if self.switches.fused_dense_prefill:
+            from common.kernels.moe_dense_grouped import moe_dense_grouped  # Triton
+
+            self.copies.join(prepared.done)
+            offset = self.fmt.zero_offset
+            return moe_dense_grouped(x, topk_ids, topk_weights, prepared.rows, self.pool, zero_offset=offset)
         row = prepared.rows.tolist()  # prefill is not captured; read before waiting for the copies
         shared = self.shared_cache[0] if self.shared_cache is not None else None
         cached = prepared.cached.tolist() if shared is not None and prepared.cached is not None else None

@@ -190,8 +190,8 @@ class KernelConfig:
     by torch after)."""
     moe_dense: bool = True
     """Routed experts of an offloaded provider on CUDA, of a format the in-place kernels read (bf16, fp8,
-    the 4-bit floats, published int4), decode through them (moe_dense.py: each pair's weights read where
-    they lie; False: torch gathers the chosen experts dequantised first)."""
+    the 4-bit floats, published int4), decode and prefill through them (moe_dense.py, moe_dense_grouped.py:
+    each pair's weights read where they lie; False: torch gathers the chosen experts dequantised first)."""
     split_lanes: int = 8
     """Lane counts from which a recorded decode pass runs as two groups of lanes (common/model/groups.py: one
     group computes while the other's experts copy), where the model and its expert provider can; 0: never."""

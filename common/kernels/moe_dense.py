@@ -81,35 +81,43 @@ def _int4_tile(
 
 
 @triton.jit
-def _rows_dot(
-    w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, v, k0, width, total, s_cols,
+def weight_tile(
+    w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, k0, width, total, s_cols,
     FMT: tl.constexpr, ZOFF: tl.constexpr,
 ):  # fmt: skip
-    """Σ_j w[out_rows, k0 + j] · v[j] over one step of BK inputs → [BLOCK] fp32 (fp8: times the block's
-    scale; fp4 and int4: each code decoded with its group's scale). The pointers are at the expert's
-    matrix (`total` rows of `width`), scales, int4 zeros and GPTQ's g_idx row; `s_cols`: fp8's scale
-    columns, int4's groups a row."""
+    """w[out_rows, k0 : k0 + BK] → [BLOCK, BK] fp32, decoded in registers (fp8: times its block's scale;
+    4-bit floats and int4: each code with its group's scale; NVFP4s' global scales not applied), 0 past
+    `width` and in dead rows. The pointers are at the expert's matrix (`total` rows of `width`), scales,
+    int4 zeros and GPTQ's g_idx row; `s_cols`: fp8's scale columns, int4's groups a row."""
     c = k0 + tl.arange(0, BK)
     live = live_rows[:, None] & (c < width)[None, :]
     rows = out_rows[:, None].to(tl.int64)
     if FMT >= 5:
-        w = _int4_tile(w_ptr, s_ptr, z_ptr, a_ptr, rows, c[None, :], live, width, total, s_cols, FMT, ZOFF)
-        return tl.sum(w * v[None, :], axis=1)
+        return _int4_tile(w_ptr, s_ptr, z_ptr, a_ptr, rows, c[None, :], live, width, total, s_cols, FMT, ZOFF)
     if FMT >= 2:
         group: tl.constexpr = 32 if FMT == 3 else 16
         byte = tl.load(w_ptr + rows * (width // 2) + (c // 2)[None, :], mask=live, other=0).to(tl.int32)
         code = (byte >> ((c % 2) * 4)[None, :]) & 15
         b = tl.load(s_ptr + rows * (width // group) + (c // group)[None, :], mask=live, other=0).to(tl.int32)
-        return tl.sum(_e2m1(code) * _fp4_scale(b, FMT) * v[None, :], axis=1)
-    w = tl.load(w_ptr + rows * width + c[None, :], mask=live, other=0.0)
-    dot = tl.sum(w.to(tl.float32) * v[None, :], axis=1)
+        return _e2m1(code) * _fp4_scale(b, FMT)
+    w = tl.load(w_ptr + rows * width + c[None, :], mask=live, other=0.0).to(tl.float32)
     if FMT == 1:
-        dot *= tl.load(s_ptr + (out_rows // BK) * s_cols + k0 // BK, mask=live_rows, other=0.0)
-    return dot
+        w *= tl.load(s_ptr + (out_rows // BK) * s_cols + k0 // BK, mask=live_rows, other=0.0)[:, None]
+    return w
 
 
 @triton.jit
-def _matrix_offsets(row, rows_out, width, s_rows, s_cols, FMT: tl.constexpr):
+def _rows_dot(
+    w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, v, k0, width, total, s_cols,
+    FMT: tl.constexpr, ZOFF: tl.constexpr,
+):  # fmt: skip
+    """Σ_j w[out_rows, k0 + j] · v[j] over one step of BK inputs → [BLOCK] fp32 (`weight_tile`'s)."""
+    w = weight_tile(w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, k0, width, total, s_cols, FMT, ZOFF)
+    return tl.sum(w * v[None, :], axis=1)
+
+
+@triton.jit
+def matrix_offsets(row, rows_out, width, s_rows, s_cols, FMT: tl.constexpr):
     """(weights, scales, int4 zeros) element offsets of pool row `row`'s matrix of `rows_out` × `width`."""
     if FMT >= 5:  # s_cols: groups a row; every int4 layout holds out·in/8 words, out·G scales, out·G/8 zeros
         return row * rows_out * (width // 8), row * rows_out * s_cols, row * (rows_out // 8) * s_cols
@@ -120,7 +128,7 @@ def _matrix_offsets(row, rows_out, width, s_rows, s_cols, FMT: tl.constexpr):
 
 
 @triton.jit
-def _global_scale(g_ptr, i, FMT: tl.constexpr):
+def global_scale(g_ptr, i, FMT: tl.constexpr):
     """A linear's global scale factor: NVFP4's `weight_scale_2`, compressed-tensors' 1 / global scale."""
     if FMT == 4:
         return 1.0 / tl.load(g_ptr + i)
@@ -137,7 +145,7 @@ def _gate_up_kernel(
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] act columns
     live = n < inter
-    w_off, s_off, z_off = _matrix_offsets(row, 2 * inter, hidden, s_rows, s_cols, FMT)
+    w_off, s_off, z_off = matrix_offsets(row, 2 * inter, hidden, s_rows, s_cols, FMT)
     w, s, z, a = w_ptr + w_off, s_ptr + s_off, z_ptr + z_off, g_ptr + row * 2 * hidden  # a: GPTQ's g_idx
     gate = tl.zeros((BLOCK,), dtype=tl.float32)
     up = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -147,8 +155,8 @@ def _gate_up_kernel(
         gate += _rows_dot(w, s, z, a, n, live, xv, k0, hidden, 2 * inter, s_cols, FMT, ZOFF)
         up += _rows_dot(w, s, z, a + hidden, n + inter, live, xv, k0, hidden, 2 * inter, s_cols, FMT, ZOFF)
     if FMT == 2 or FMT == 4:  # the NVFP4s' global scales: gate's, up's
-        gate *= _global_scale(g_ptr, 2 * row, FMT)
-        up *= _global_scale(g_ptr, 2 * row + 1, FMT)
+        gate *= global_scale(g_ptr, 2 * row, FMT)
+        up *= global_scale(g_ptr, 2 * row + 1, FMT)
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
     tl.store(act_ptr + p * inter + n, act, mask=live)
 
@@ -162,7 +170,7 @@ def _down_kernel(
     row = tl.load(rows_ptr + p).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output rows
     live = n < hidden
-    w_off, s_off, z_off = _matrix_offsets(row, hidden, inter, s_rows, s_cols, FMT)
+    w_off, s_off, z_off = matrix_offsets(row, hidden, inter, s_rows, s_cols, FMT)
     w, s, z, a = w_ptr + w_off, s_ptr + s_off, z_ptr + z_off, g_ptr + row * inter  # a: GPTQ's g_idx
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, inter, BK):
@@ -170,11 +178,11 @@ def _down_kernel(
         act = tl.load(act_ptr + p * inter + c, mask=c < inter, other=0.0)
         acc += _rows_dot(w, s, z, a, n, live, act, k0, inter, hidden, s_cols, FMT, ZOFF)
     if FMT == 2 or FMT == 4:  # the NVFP4s' global scale
-        acc *= _global_scale(g_ptr, row, FMT)
+        acc *= global_scale(g_ptr, row, FMT)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32), mask=live)
 
 
-def _layout(pool: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+def dense_layout(pool: dict[str, torch.Tensor]) -> tuple[int, int, int]:
     """(FMT, hidden, inter) of a pool."""
     if "down_weight" in pool:  # [R, H, I/2]
         return NVFP4, pool["down_weight"].shape[1], 2 * pool["down_weight"].shape[2]
@@ -208,7 +216,7 @@ _NAMES = {
 """A format's (weights, scales, int4 zeros, global scales or g_idx) component suffixes."""
 
 
-def _operands(pool: dict[str, torch.Tensor], name: str, fmt: int) -> tuple[torch.Tensor, ...]:
+def dense_operands(pool: dict[str, torch.Tensor], name: str, fmt: int) -> tuple[torch.Tensor, ...]:
     """(weights, scales, int4 zeros, global scales or g_idx, scale rows, scale columns) of matrix `name` as
     the kernels take them; a tensor a format lacks is stood in by the weights (never read: its branch is
     compiled out). Int4: scale columns are the groups a row."""
@@ -246,11 +254,11 @@ def moe_dense_decode(
     wait for the down rows' copies); `block` (output rows per program) and `num_warps` are tuning knobs.
     """
     t, k = rows.shape
-    fmt, hidden, inter = _layout(pool)
+    fmt, hidden, inter = dense_layout(pool)
     pairs = t * k
     rows = rows.reshape(-1).contiguous()
     act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
-    w, scale, zeros, aux, s_rows, s_cols = _operands(pool, "gate_up", fmt)
+    w, scale, zeros, aux, s_rows, s_cols = dense_operands(pool, "gate_up", fmt)
     _gate_up_kernel[(pairs, triton.cdiv(inter, block))](
         x.contiguous(), rows, w, scale, zeros, aux, act, k, s_rows, s_cols,
         hidden=hidden, inter=inter, FMT=fmt, ZOFF=zero_offset, BLOCK=block, num_warps=num_warps,
@@ -258,7 +266,7 @@ def moe_dense_decode(
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     if before_down is not None:
         before_down()
-    w, scale, zeros, aux, s_rows, s_cols = _operands(pool, "down", fmt)
+    w, scale, zeros, aux, s_rows, s_cols = dense_operands(pool, "down", fmt)
     _down_kernel[(pairs, triton.cdiv(hidden, block))](
         act, rows, weights.reshape(-1).contiguous(), w, scale, zeros, aux, partial, s_rows, s_cols,
         hidden=hidden, inter=inter, FMT=fmt, ZOFF=zero_offset, BLOCK=block, num_warps=num_warps,

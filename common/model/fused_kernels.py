@@ -75,3 +75,4 @@ def use_fused_kernels(
     if hasattr(experts, "fused_resolve"):
         experts.fused_resolve = experts.copies.merged = on
         experts.fused_int4_prefill = on and experts.int4_kernels
+        experts.fused_dense_prefill = on and experts.dense_kernels and experts.kernels.moe_dense
