@@ -209,6 +209,17 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_format(name: str) -> str:
+    """`plan --expert-format`: any expert format's name (a published one: a preset planned as published)."""
+    from common.experts.formats import get_format
+
+    try:
+        get_format(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
 def _plan(args: argparse.Namespace) -> int:
     """Print the memory plan of a model directory or a preset's config (nothing is loaded or started)."""
     from common.engine.memory_plan import DTYPES, format_plan, plan_dict, plan_for_dir, plan_memory
@@ -620,7 +631,14 @@ def _add_plan(sub) -> None:
     )
     plan.add_argument("--max-context", type=int_at_least(2), default=4096)
     plan.add_argument("--max-running", type=int_at_least(1), default=8)
-    plan.add_argument("--expert-format", default="bf16", choices=PACKED_FORMATS)
+    plan.add_argument(
+        "--expert-format",
+        default="bf16",
+        type=_plan_format,
+        metavar="FORMAT",
+        help=f"{', '.join(PACKED_FORMATS)}, or (a preset) a published format's bytes: nvfp4, mxfp4, "
+        "gptq, awq, ct-w4a16, ...; a published checkpoint's own",
+    )
     plan.add_argument("--dtype", choices=DTYPES, default="float32")
     add_prefill_args(plan)
     add_placement_args(plan)

@@ -492,7 +492,7 @@ PUBLISHED_FORMATS: dict[str, ExpertFormat] = {
     )
 }
 """Formats a checkpoint publishes its experts in, kept in their bits (not packed from bf16 by
-`--expert-format`; their GPU kernels are still to come, so they run through `unpack_many`)."""
+`--expert-format`; on CUDA the dense kernels read them, common/kernels/moe_dense*.py)."""
 
 
 def get_format(name: str) -> ExpertFormat:

@@ -14,7 +14,6 @@ from common.kernels.config import KERNELS
 from common.model.synthetic.checkpoint import make_model
 from common.protocol import SamplingParams
 
-
 PUBLISHED = ("nvfp4", "mxfp4", "gptq", "gptq-desc-act", "awq", "w4a16", "w4a16-asym", "nvfp4a16")
 """make-model's quantized variants whose experts the host store keeps in their published bits."""
 

@@ -140,6 +140,23 @@ def test_plan_of_flashnext_takes_seconds_and_writes_nothing(tmp_path: Path) -> N
     assert "--expert-format int4" in refused.stderr and "--dtype bfloat16" in refused.stderr
 
 
+def test_plan_counts_a_published_format_s_bytes(tmp_path: Path) -> None:
+    """A preset planned with NVFP4 experts (4.5 bits a weight) holds more slots than with int4 (4.25 + the
+    zeros: fewer), fewer than with 2-bit trellis codes; an unknown format is refused naming the choices."""
+    args = ["plan", "--preset", "flashnext", "--vram-budget", "32GiB", "--dtype", "bfloat16", "--json"]
+    slots = {
+        fmt: json.loads(_run([*args, "--expert-format", fmt], tmp_path).stdout)["cache_slots"]
+        for fmt in ("int4", "nvfp4", "trellis2")
+    }
+    assert slots["nvfp4"] < slots["int4"] < slots["trellis2"]
+    refused = _run([*args, "--expert-format", "fp3"], tmp_path)
+    assert (
+        refused.returncode == 2
+        and "unknown expert format 'fp3'" in refused.stderr
+        and "nvfp4" in refused.stderr
+    )
+
+
 def test_plan_of_a_model_directory(tmp_path: Path) -> None:
     model_dir = make_model(tmp_path / "tiny", preset="tiny", arch="qwen2_moe")
     result = _run(
