@@ -1,6 +1,5 @@
 """Structured output: a request's `response_format` (a JSON object, or one that follows a JSON schema) as a
-grammar that masks, step by step, the tokens that cannot continue it (xgrammar, the optional `structured`
-extra).
+grammar that masks, step by step, the tokens that cannot continue it (xgrammar).
 
 A request carries its form as JSON text (`SamplingParams.structure`): `{"schema": S}`, and for a forced
 function call (`call_structure`) the call's tags around it, `{"schema": S, "before": ..., "after": ...}`, or,
@@ -25,7 +24,6 @@ from common.config import GRAMMAR_MAX_BYTES
 from common.sampling.grammar_threads import GrammarThreads
 from common.text.tokenizer import Tokenizer
 
-EXTRA = "spillway[structured]"
 FORMS = 64
 """Compiled forms a worker keeps (each new one compiles once, on the grammars' thread)."""
 
@@ -38,7 +36,10 @@ def _xgrammar() -> Any:
     try:
         import xgrammar
     except ImportError:
-        raise Unavailable(f"structured output needs xgrammar: pip install '{EXTRA}'") from None
+        raise Unavailable(
+            "structured output needs xgrammar, one of Spillway's dependencies: reinstall Spillway from its "
+            "repository (pip install -e .)"
+        ) from None
     return xgrammar
 
 

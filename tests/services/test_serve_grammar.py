@@ -15,8 +15,6 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-pytest.importorskip("xgrammar")
-
 
 class Stream:
     """A streamed completion read on a thread of its own, with the time each chunk came."""

@@ -244,7 +244,6 @@ def test_neutral_values_of_unsupported_fields_are_accepted(tok: Tokenizer) -> No
 
 
 def test_a_response_format_is_a_schema_to_follow(tok: Tokenizer) -> None:
-    pytest.importorskip("xgrammar")
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     spec = chat(tok, response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
     assert json.loads(spec.sampling.structure) == {"schema": schema}

@@ -18,8 +18,6 @@ from common.sampling.requests import Request
 from common.sampling.structured import structure_of
 from common.text.tokenizer import Tokenizer
 
-pytest.importorskip("xgrammar")
-
 SCHEMA = {
     "type": "object",
     "properties": {"size": {"enum": ["S", "M", "L"]}, "ok": {"type": "boolean"}},

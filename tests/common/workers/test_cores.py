@@ -242,7 +242,6 @@ def test_structured_requests_equal_offline_engine(cores):
     """A request under a JSON schema's grammar takes no step ahead of the host (its matcher reads each
     token before the next is masked) while the one beside it runs ahead: both get the engine's tokens, and
     the structured text is the schema's."""
-    pytest.importorskip("xgrammar")
     import json
 
     from common.sampling.structured import structure_of
@@ -270,7 +269,6 @@ def test_decode_steps_while_a_grammar_compiles(cores):
     """A structured request's grammar compiles on the grammars' thread: while it does, the request waits
     unadmitted and the lane beside it keeps taking steps; once it has compiled, both get the engine's
     tokens."""
-    pytest.importorskip("xgrammar")
     import threading
 
     from common.sampling.structured import structure_of

@@ -9,8 +9,6 @@ import json
 import threading
 import time
 
-import pytest
-
 from common.config import WorkerConfig
 from common.engine.engine import Engine
 from common.model.defaults import default_model_dir
@@ -19,8 +17,6 @@ from common.workers.decode import DecodeCore
 from common.workers.prefill import PrefillCore
 from common.workers.sharing import decode_exports, host_allocator, prefill_model, shared_allocator
 from tests.common.workers.pair import deliver
-
-pytest.importorskip("xgrammar")
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42]]
 PLAIN = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -30,7 +30,6 @@ def test_a_request_a_worker_refuses_is_a_400(served: Any, stream: bool) -> None:
 
 
 def test_a_form_over_the_size_budget_is_refused_before_any_worker_sees_it(serve_router: Any) -> None:
-    pytest.importorskip("xgrammar")
     enum = {"type": "object", "properties": {"pick": {"enum": [f"item{i}" for i in range(50)]}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": enum}}
     tools = [{"type": "function", "function": {"name": "pick", "parameters": enum}}]

@@ -146,7 +146,6 @@ def test_a_conversation_with_calls_and_results_renders_as_the_template(served: A
 def test_a_forced_call_holds_the_answer_to_a_call_block(served: Any, choice: Any) -> None:
     """tool_choice "required" or named: the workers get the form of one <tool_call> block of the function's
     arguments (common/sampling/structured.py); "auto" leaves the answer free."""
-    pytest.importorskip("xgrammar")
     out = client(served).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice)
     gen = next(g for g in served.peer.generates() if f"chatcmpl-{g.rid}" == out.id)
     form = json.loads(gen.sampling.structure)
@@ -178,7 +177,6 @@ def _xml_call_model(root: Path) -> Path:
 def test_a_forced_call_takes_the_form_the_template_asks_for(tmp_path: Path) -> None:
     """Where the template writes calls in the XML form, a forced call is held to one block in that form
     (common/sampling/structured.py's xml_calls), whose arguments come back as JSON."""
-    pytest.importorskip("xgrammar")
     with serve_router(model_dir=_xml_call_model(tmp_path)) as served:
         client(served).chat.completions.create(
             model="tiny", messages=ASK, tools=TOOLS, tool_choice="required"
