@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,14 +33,37 @@ GENERATE_LANES, GENERATE_CONTEXT = 8, 4096
 """The offline engine's lanes and context (`spillway generate`; its memory plan is for these)."""
 
 
+def _replace_destination(out: str, force: bool, source: str | None = None) -> None:
+    """A writing command's destination directory: refused when it exists and is not empty, unless `force`,
+    which removes it (never the `source`)."""
+    path = Path(out)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return
+    if not force:
+        raise ValueError(f"{out} exists and is not empty; --force replaces it")
+    if source is not None and path.resolve() == Path(source).resolve():
+        raise ValueError(f"{out} is the source; --force does not remove it")
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
 def _make_model(args: argparse.Namespace) -> int:
     from common.model.synthetic.checkpoint import make_model
-    from common.model.synthetic.config import parse_overrides
+    from common.model.synthetic.config import model_config, parse_overrides
 
+    overrides = parse_overrides(args.set)
+    model_config(args.preset, args.arch, overrides)  # a bad preset, arch or override: before any removal
+    _replace_destination(args.out, args.force)
     out = make_model(
-        args.out, preset=args.preset, arch=args.arch, overrides=parse_overrides(args.set), seed=args.seed,
+        args.out,
+        preset=args.preset,
+        arch=args.arch,
+        overrides=overrides,
+        seed=args.seed,
         quantize=args.quantize,
-    )  # fmt: skip
+    )
     print(f"wrote {args.preset} ({args.arch or 'default arch'}) to {out}")
     return 0
 
@@ -204,7 +228,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from common.experts.artifact import convert
+    from common.experts.formats import get_format
 
+    get_format(args.experts)  # an unknown format: before any removal
+    _replace_destination(args.dst, args.force, source=args.src)
     convert(args.src, args.dst, args.experts)
     return 0
 
@@ -500,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the dims allow, else smaller",
     )
     mk.add_argument("--out", required=True)
+    mk.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
     mk.set_defaults(func=_make_model)
 
     keys = sub.add_parser(
@@ -594,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the experts' format: bf16, fp8, int4 (dims multiples of 128), or a published one (nvfp4, "
         "mxfp4, gptq[-gN], awq[-gN], ct-...); the error it adds is printed",
     )
+    conv.add_argument("--force", action="store_true", help="replace dst if it exists and is not empty")
     conv.set_defaults(func=_convert)
 
     sim = sub.add_parser("simulate", help="replay a routing trace against every cache policy and Belady's")

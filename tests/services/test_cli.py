@@ -104,6 +104,33 @@ def test_bad_model_dir_is_a_clear_error(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_writing_commands_refuse_a_non_empty_destination_without_force(tmp_path: Path) -> None:
+    """make-model and convert keep what is there unless --force (which never removes convert's source)."""
+    out = tmp_path / "m"
+    assert _run(["make-model", "--arch", "qwen4_exp", "--out", str(out)], tmp_path).returncode == 0
+    written = (out / "config.json").read_text()
+    refused = _run(["make-model", "--arch", "qwen3_moe", "--out", str(out)], tmp_path)
+    assert refused.returncode == 2 and "--force" in refused.stderr and "Traceback" not in refused.stderr
+    assert (out / "config.json").read_text() == written
+    bad = _run(["make-model", "--preset", "nope", "--force", "--out", str(out)], tmp_path)
+    assert bad.returncode == 2 and (out / "config.json").read_text() == written  # checked before removing
+    replaced = _run(["make-model", "--arch", "qwen3_moe", "--force", "--out", str(out)], tmp_path)
+    assert (
+        replaced.returncode == 0
+        and json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
+    )
+
+    dst = tmp_path / "a"
+    dst.mkdir()
+    (dst / "note.txt").write_text("mine")
+    refused = _run(["convert", str(out), str(dst), "--experts", "bf16"], tmp_path)
+    assert refused.returncode == 2 and "--force" in refused.stderr and (dst / "note.txt").exists()
+    assert _run(["convert", str(out), str(dst), "--experts", "bf16", "--force"], tmp_path).returncode == 0
+    assert not (dst / "note.txt").exists() and (dst / "config.json").exists()
+    itself = _run(["convert", str(out), str(out), "--experts", "bf16", "--force"], tmp_path)
+    assert itself.returncode == 2 and "source" in itself.stderr and (out / "config.json").exists()
+
+
 def test_bad_override_is_a_clear_error(tmp_path: Path) -> None:
     result = _run(["make-model", "--set", "num_experts", "--out", str(tmp_path / "x")], tmp_path)
     assert result.returncode == 2 and "num_experts" in result.stderr and "Traceback" not in result.stderr
