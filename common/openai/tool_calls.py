@@ -186,8 +186,10 @@ class ToolCallStream:
     its arguments are what was written); any other block is read whole once it closes.
 
     Content comes out as soon as it cannot be the start of a block. A block that never names a call stays
-    in the content as written (the model did not make a call), and so does one still open when the text
-    ends. The whitespace between a call and the next block, or the end, is no one's content."""
+    in the content as written (the model did not make a call); one still open when the text ends (cut by
+    `max_tokens`) is a call once its beginning names one (the JSON form's whole `"name"`), its arguments
+    what was written of them, else content as written. The whitespace between a call and the next block,
+    or the end, is no one's content."""
 
     def __init__(self, form: CallForm | None = None) -> None:
         self.form = form or CallForm()
@@ -248,7 +250,12 @@ class ToolCallStream:
         if self._live is not None:
             self._close(held, deltas)
             return "", deltas
-        return self.start + held, []
+        cut = _cut_call(held)
+        if cut is None:
+            return self.start + held, []
+        call = ToolCall(*cut, _call_id())
+        self.calls.append(call)
+        return "", [CallDelta(len(self.calls) - 1, call.arguments, call.id, call.name)]
 
     def _stream(self, block: str) -> list[CallDelta]:
         """The pieces the open block's text so far (`block`, a prefix of the whole) adds to its call."""
@@ -449,6 +456,23 @@ def _json_call(block: str) -> tuple[str, str] | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return value["name"], text
+
+
+_NAMED = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGUMENTS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*)', re.DOTALL)
+
+
+def _cut_call(block: str) -> tuple[str, str] | None:
+    """(name, the arguments' text as written) of a JSON-form block cut off after its call's whole name;
+    None when its beginning names none."""
+    named = _NAMED.match(block)
+    if named is None:
+        return None
+    name = _json_value(f'"{named.group(1)}"')
+    if not isinstance(name, str) or not name:
+        return None
+    arguments = _ARGUMENTS.match(block, named.end())
+    return name, arguments.group(1) if arguments is not None else ""
 
 
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)

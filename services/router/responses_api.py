@@ -140,10 +140,12 @@ class ResponseBody:
             output.append(reasoning_item(result.reasoning))
         logprobs = None if result.logprobs is None else result.logprobs["content"]
         if result.text is not None and (result.text or not result.tool_calls):
-            output.append(message_item(result.text, logprobs, status))
+            output.append(message_item(result.text, logprobs, "completed"))
         for call in result.tool_calls or ():
             function = call["function"]
             output.append(call_item(call["id"], function["name"], function["arguments"], "completed"))
+        if output:
+            output[-1]["status"] = status  # the item a cut ends in, as the stream closes it
         return self.object(status, output, usage(input_tokens, output_tokens, reasoning_tokens))
 
 

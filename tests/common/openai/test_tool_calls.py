@@ -87,12 +87,21 @@ def test_a_call_streams_its_name_then_its_arguments_as_written() -> None:
     assert len(clock) == 1 and json.loads(clock[0].arguments) == {"zone": "CET"}
 
 
-def test_an_unclosed_block_is_content_and_content_waits_only_for_a_possible_tag() -> None:
+def test_an_unclosed_block_is_content_until_it_names_a_call() -> None:
+    """Content waits only for a possible tag; a block cut before its call's whole name is content as
+    written, one cut after it a call (max_tokens: OpenAI's partial call, finish reason "length")."""
     stream = ToolCallStream()
     assert stream.push("Hi <tool") == ("Hi ", [])
-    assert stream.push('_call>{"name": "f", "argum') == ("", [])
-    assert stream.flush() == ('<tool_call>{"name": "f", "argum', [])
+    assert stream.push('_call>{"name": "Get') == ("", [])
+    assert stream.flush() == ('<tool_call>{"name": "Get', [])
     assert ToolCallStream().push("a < b") == ("a < b", [])
+    stream = ToolCallStream()
+    assert stream.push('Hi <tool_call>\n{"name": "GetWeather", "argum') == ("Hi ", [])
+    content, deltas = stream.flush()
+    assert content == "" and [(d.index, d.name, d.arguments) for d in deltas] == [(0, "GetWeather", "")]
+    assert [(c.name, c.arguments) for c in stream.calls] == [("GetWeather", "")]
+    content, calls = split_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a')
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("f", '"{\\"a')]
 
 
 def test_a_streamed_call_stays_a_call_however_its_block_ends() -> None:

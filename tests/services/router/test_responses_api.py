@@ -17,6 +17,7 @@ import pytest
 from common.text.tokenizer import Tokenizer
 from tests.services.router.conftest import REPLY, THINK_REPLY, TOOL_REPLY, serve_router
 from tests.services.router.test_reasoning import _thinking_model
+from tests.services.router.test_tools import cut_after_the_name
 
 TOOLS = [
     {
@@ -130,6 +131,23 @@ def test_input_items_render_as_the_chat_they_map_to(served: Any, tok: Tokenizer)
     assert generate_of(served, out.id).prompt_ids == tok.apply_chat_template(
         chat, tools=CHAT_TOOLS, tokenize=True
     )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_call(
+    served: Any, tok: Tokenizer, stream: bool
+) -> None:
+    ask = {"model": "tiny", "input": "[tool] Weather in Paris?", "tools": TOOLS}
+    ask["max_output_tokens"] = cut_after_the_name(tok)
+    if stream:
+        out = list(client(served).responses.create(**ask, stream=True))[-1].response
+    else:
+        out = client(served).responses.create(**ask)
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    message, call = out.output
+    assert message.type == "message" and out.output_text == "Let me look.\n"
+    assert call.type == "function_call" and call.name == "get_weather" and call.arguments == ""
+    assert call.status == "incomplete"
 
 
 def test_a_cut_answer_is_incomplete(served: Any) -> None:

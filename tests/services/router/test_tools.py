@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -140,6 +141,33 @@ def test_a_conversation_with_calls_and_results_renders_as_the_template(served: A
     gen = next(g for g in served.peer.generates() if f"chatcmpl-{g.rid}" == out.id)
     want = [{k: v for k, v in m.items() if v is not None} for m in messages]
     assert gen.prompt_ids == tok.apply_chat_template(want, tools=TOOLS, tokenize=True)
+
+
+def cut_after_the_name(tok: Tokenizer) -> int:
+    """The max_tokens that cuts TOOL_REPLY's first call right after its name, before its arguments."""
+    ids = tok.encode(TOOL_REPLY)
+    return next(n for n in range(1, len(ids)) if '"get_weather",' in tok.decode(ids[:n]))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_is_a_call(served: Any, tok: Tokenizer, stream: bool) -> None:
+    """A call cut before its arguments comes back as a call (the arguments written: none), finish reason
+    "length", and nothing of its block in the content (OpenAI's and vLLM's answer)."""
+    ask = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": cut_after_the_name(tok)}
+    if stream:
+        chunks = list(client(served).chat.completions.create(**ask, stream=True))
+        calls = streamed_calls(chunks)
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        (finish,) = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        out = client(served).chat.completions.create(**ask)
+        calls = [
+            SimpleNamespace(name=c.function.name, arguments=c.function.arguments)
+            for c in out.choices[0].message.tool_calls
+        ]
+        content, finish = out.choices[0].message.content or "", out.choices[0].finish_reason
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", "")]
+    assert content == "Let me look.\n" and finish == "length"
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
