@@ -15,6 +15,7 @@ import jinja2
 
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES
 from common.experts.formats import PACKED_FORMATS
+from services.logs import add_log_args
 from services.worker_args import (
     add_config_args,
     add_fused_kernels_arg,
@@ -283,16 +284,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
+    import os
 
     from common.api_key import resolve_api_key
     from common.model.defaults import default_model_dir
     from common.model.hf_config import load_architecture
     from services.exit_now import exit_now
     from services.launch import Launcher, ServeOptions, pair_gpus
+    from services.logs import log_choice_env, setup_logging
     from services.worker_args import config_argv, device_arg, worker_config
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(levelname)s %(message)s")
+    setup_logging("launch", args.log_level, args.log_format)
+    os.environ.update(log_choice_env(args.log_level, args.log_format))  # the services inherit the choice
     if args.ray is None:  # the workers run here: a device this machine has
         try:
             args.device = device_arg(args.device)
@@ -424,6 +427,7 @@ def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (router, prefill, decode processes)")
     add_config_args(srv, model_required=False, device_here=False)  # checked in _serve, unless --ray
     srv.add_argument("--host", default="127.0.0.1")
+    add_log_args(srv)
     srv.add_argument("--port", type=int_at_least(1), default=8000)
     srv.add_argument(
         "--metrics-port",

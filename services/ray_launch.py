@@ -21,6 +21,7 @@ from common.ipc.ports import free_ports
 from common.ipc.transport import Outbox, pair_names
 from services.children import Child, restart_exited, stop_children, worker_argv
 from services.launch import ServeOptions, child_env, encoder_argv, router_argv, worker_flags
+from services.logs import setup_logging
 
 log = logging.getLogger("launch")
 SUPERVISE_S = 1.0
@@ -42,7 +43,7 @@ class PairHost:
         launcher (this host sends `ServiceDown` as it), by name."""
         import ray
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s pair %(levelname)s %(message)s")
+        setup_logging("pair")
         self.host = ray.util.get_node_ip_address()
         names = dict(zip(("prefill", "decode"), pair_names(index), strict=True))
         self.inboxes = {role: f"tcp://{self.host}:{free_ports(1, self.host)}" for role in names}

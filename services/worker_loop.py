@@ -23,6 +23,7 @@ from common.api_key import resolve_api_key
 from common.ipc.keys import ControlKeys
 from common.ipc.transport import Inbox, Outbox
 from common.protocol import Abort, Heartbeat, Message, Ready, Tokens
+from services.logs import setup_logging
 from services.parent_watch import stop_with_parent
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class WorkerShell:
         keys: ControlKeys | None = None,
         peers: dict[str, str] | None = None,
     ) -> None:
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {service} %(levelname)s %(message)s")
+        setup_logging(service)
         if threads:
             torch.set_num_threads(threads)
         self.service, self.pid, self.instance = service, os.getpid(), secrets.token_hex(8)

@@ -204,7 +204,7 @@ def dense_layout(pool: dict[str, torch.Tensor]) -> tuple[int, int, int]:
     return (FP8 if "gate_up_scale_inv" in pool else BF16), hidden, inter
 
 
-_NAMES = {
+_NAMES: dict[int, tuple[str, str, str | None, str | None]] = {
     NVFP4: ("weight", "weight_scale", None, "weight_scale_2"),
     MXFP4: ("blocks", "scales", None, None),
     CT_NVFP4: ("weight_packed", "weight_scale", None, "weight_global_scale"),
@@ -216,18 +216,22 @@ _NAMES = {
 """A format's (weights, scales, int4 zeros, global scales or g_idx) component suffixes."""
 
 
-def dense_operands(pool: dict[str, torch.Tensor], name: str, fmt: int) -> tuple[torch.Tensor, ...]:
+Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+
+
+def dense_operands(pool: dict[str, torch.Tensor], name: str, fmt: int) -> Operands:
     """(weights, scales, int4 zeros, global scales or g_idx, scale rows, scale columns) of matrix `name` as
     the kernels take them; a tensor a format lacks is stood in by the weights (never read: its branch is
     compiled out). Int4: scale columns are the groups a row."""
     if fmt in _NAMES:
-        parts = [pool[f"{name}_{n}"] if n else None for n in _NAMES[fmt]]
-        w = parts[0]
-        s = parts[1].view(torch.uint8) if parts[1].dtype == torch.float8_e4m3fn else parts[1]
+        weights, scales, zeros, aux = _NAMES[fmt]
+        w, s = pool[f"{name}_{weights}"], pool[f"{name}_{scales}"]
+        s = s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s
         groups = 1
         if fmt >= GPTQ:
             groups = s.shape[1] if fmt in (GPTQ, AWQ) else s.shape[2]  # [R, G, out] or [R, out, G]
-        return w, s, *(w if t is None else t for t in parts[2:]), 1, groups
+        z = pool[f"{name}_{zeros}"] if zeros else w
+        return w, s, z, pool[f"{name}_{aux}"] if aux else w, 1, groups
     scale = pool.get(f"{name}_scale_inv")
     if scale is None:
         return pool[name], pool[name], pool[name], pool[name], 1, 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
@@ -46,6 +47,7 @@ from common.text.tokenizer import Tokenizer
 from services.router.choices import Choices
 from services.router.config import BODY_ALLOWANCE_BYTES, RouterConfig, model_max_context
 from services.router.core import RouterCore
+from services.router.middleware import REQUEST_ID, TOKENS, AccessLog, RequestIds
 from services.router.responses import ResponseBuilder
 from services.router.responses_api import ResponseBody, ResponseStream
 from services.router.streams import ChatEvents, ResponseEvents, StreamEvents
@@ -60,34 +62,6 @@ _REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 429: "que
 
 class ClientGone(Exception):
     """The client disconnected before its response was ready."""
-
-
-REQUEST_ID = "spillway.request_id"
-"""The ASGI scope key of a request's id: the `X-Request-Id` of every response, errors included, and the id
-its generation has at the workers."""
-
-
-class RequestIds:
-    """ASGI middleware: gives each HTTP request an id and every response the `X-Request-Id` header."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rid = scope[REQUEST_ID] = uuid.uuid4().hex
-
-        async def send_with_id(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                message = {
-                    **message,
-                    "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())],
-                }
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
 
 
 class _Stream(StreamingResponse):
@@ -330,7 +304,7 @@ class Router:
         rid = _request_id(request)
 
         async def run() -> Choices:
-            choices = Choices(self.core, self.tokenizer, specs, chat)
+            choices = _choices(request, Choices(self.core, self.tokenizer, specs, chat))
             await choices.start(rid, received)
             try:
                 await choices.finish()
@@ -344,7 +318,7 @@ class Router:
         self, request: Request, specs: list[GenerationSpec], chat: bool, received: float
     ) -> Choices:
         """Every choice admitted and its first delta in (so that early errors still get their status)."""
-        choices = Choices(self.core, self.tokenizer, specs, chat)
+        choices = _choices(request, Choices(self.core, self.tokenizer, specs, chat))
         await unless_disconnected(request, choices.start(_request_id(request), received))
         return choices
 
@@ -388,6 +362,12 @@ class Router:
             choices.close()
 
 
+def _choices(request: Request, choices: Choices) -> Choices:
+    """`choices`, their token counts given to the request's access line."""
+    request.scope[TOKENS] = lambda: (choices.prompt_tokens, choices.completion_tokens)
+    return choices
+
+
 def _request_id(request: Request) -> str:
     """The request's id (RequestIds'), or a new one where the middleware did not run."""
     return request.scope.get(REQUEST_ID) or uuid.uuid4().hex
@@ -417,12 +397,14 @@ async def _disconnected(receive: Receive) -> None:
 def create_app(config: RouterConfig) -> FastAPI:
     """The router app for `config` (the tokenizer is loaded now; sockets open in the app's lifespan)."""
     tokenizer = Tokenizer.from_dir(config.model_dir)
-    structured.preload()  # (not at the first structured request, on the event loop)
     max_context = config.max_context or model_max_context(config.model_dir)
     router = Router(config, tokenizer, max_context)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # xgrammar's import takes seconds: on a thread beside the start (not at the first structured
+        # request, on the event loop), off the path to the first answer
+        threading.Thread(target=structured.preload, name="preload", daemon=True).start()
         await router.core.start()
         stop_metrics = (
             serve(router.registry, config.metrics_port, config.host, config.api_key)
@@ -438,7 +420,8 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="Spillway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
-    app.add_middleware(RequestIds)
+    app.add_middleware(AccessLog)
+    app.add_middleware(RequestIds)  # outside AccessLog: the id is set before the line is written
     _add_error_handlers(app, router)
 
     app.add_api_route("/v1/chat/completions", router.chat, methods=["POST"])

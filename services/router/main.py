@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from common.api_key import API_KEY_ENV, resolve_api_key
 from common.config import GRAMMAR_MAX_BYTES
 from common.ipc.keys import ControlKeys
+from services.logs import add_log_args, setup_logging
 from services.parent_watch import RESTARTS_ENV, stop_with_parent
 from services.router.config import RouterConfig, WorkerPair
 
@@ -103,7 +104,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="shut down once the process that started this one is gone (its launcher, SIGKILLed)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_args(p)
     return p.parse_args(argv)
 
 
@@ -176,21 +177,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     from services.router.http import ErrorAnsweringH11
 
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s router %(name)s: %(message)s"
-    )
+    setup_logging("router", args.log_level, args.log_format)
     config = config_from_args(args)
     if args.exit_with_parent:  # SIGTERM: uvicorn's own graceful shutdown
         stop_with_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))
     app = create_app(config)
-    uvicorn.run(
+    server_config = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
-        log_level=args.log_level,
-        access_log=False,
+        log_config=None,  # setup_logging's handler
+        access_log=False,  # services/router/middleware.py's lines instead
         http=ErrorAnsweringH11,
         # On SIGTERM, streams get this long to finish; then they are cancelled (and aborted at the workers).
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
+    supervisor = app.state.router.core.supervisor
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            supervisor.stopping = True  # the workers stop beside the router: their exits are expected
+            super().handle_exit(sig, frame)
+
+    Server(server_config).run()
     return 0

@@ -57,6 +57,10 @@ class Supervisor:
         self._unknown: set[str] = set()
         """Service names heard that no pair has (warned about once each)."""
         self._on_failure = on_failure
+        self.stopping = False
+        """The router is stopping (a signal): workers' exits are expected, logged as information."""
+        self._served = False
+        """Some pair has been up (the first time is logged: the server answers from then on)."""
 
     # States.
 
@@ -129,6 +133,9 @@ class Supervisor:
             return False
         self._heard(svc, msg)
         self._record(svc, msg)
+        if not self._served and self.ready():
+            self._served = True
+            log.info("ready: pair %d is up and requests are served", self.up_pairs()[0].index)
         return True
 
     def _heard(self, svc: ServiceHealth, msg: Ready | Heartbeat) -> None:
@@ -184,7 +191,8 @@ class Supervisor:
         svc = self._service(msg.service)
         if svc is not None and svc.pid == msg.pid and not svc.exited:
             svc.exited = True
-            log.error("%s (pid %d) exited with %d", msg.service, msg.pid, msg.exit_code)
+            level = logging.INFO if self.stopping else logging.ERROR
+            log.log(level, "%s (pid %d) exited with %d", msg.service, msg.pid, msg.exit_code)
             self._fail(svc, f"the {msg.service} worker exited (code {msg.exit_code})")
 
     def on_link(self, service: str, up: bool) -> None:
@@ -196,7 +204,8 @@ class Supervisor:
         if up or not was or svc.exited:
             return
         svc.last_seen = None
-        log.error("%s (pid %s): its connection closed", service, svc.pid)
+        level = logging.INFO if self.stopping else logging.ERROR
+        log.log(level, "%s (pid %s): its connection closed", service, svc.pid)
         self._fail(svc, f"the {service} worker's connection closed (it exited)")
 
     def check_stalls(self, now: float) -> None:

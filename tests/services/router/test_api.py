@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -270,3 +271,28 @@ def test_metrics(served: Any) -> None:
     )
     assert float(generated.split()[-1]) >= 3
     assert 'spillway:requests_finished_total{finish_reason="length"}' in text
+
+
+def test_each_request_has_an_access_line(served: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Method, path, status, latency, tokens in and out and the request's id, once its response has ended
+    (a stream's last byte); a 400 too."""
+    with caplog.at_level(logging.INFO, logger="access"):
+        out = client(served).chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        chunks = list(
+            client(served).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True
+            )
+        )
+        bad = httpx.post(f"{served.url}/v1/chat/completions", json={"model": "tiny"}, timeout=10)
+        httpx.get(f"{served.url}/health", timeout=10)  # polled: debug, not info
+        time.sleep(0.2)
+    lines = [r.fields for r in caplog.records if r.name == "access"]
+    assert [(f["method"], f["path"], f["status"]) for f in lines] == [
+        ("POST", "/v1/chat/completions", 200), ("POST", "/v1/chat/completions", 200),
+        ("POST", "/v1/chat/completions", 400),
+    ]  # fmt: skip
+    assert lines[0]["request_id"] == out.headers["x-request-id"] and lines[0]["prompt_tokens"] > 0
+    assert lines[0]["completion_tokens"] == 4 and lines[1]["completion_tokens"] == 4 and chunks
+    assert lines[2]["request_id"] == bad.headers["x-request-id"] and lines[2]["latency_ms"] >= 0

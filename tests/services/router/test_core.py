@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 import zmq.asyncio
 
 from common.ipc.transport import AsyncInbox, ipc_address, make_run_dir, pair_names
@@ -209,6 +211,26 @@ def test_a_closed_connection_fails_flights_and_the_service_waits_to_be_heard() -
         assert state() == "up"
 
     run_core(test)
+
+
+def test_workers_leaving_as_the_router_stops_are_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """A signal stops the router and its workers together (Ctrl-C): their exits are logged as information;
+    the first pair up is logged once as the router's readiness."""
+
+    async def test(core: RouterCore) -> None:
+        for name in ("prefill", "decode"):
+            core.on_message(Ready(name, os.getpid(), capacity=2))
+        core.on_message(Heartbeat("decode", os.getpid()))
+        assert [r.message for r in caplog.records].count("ready: pair 0 is up and requests are served") == 1
+        core.on_link("decode", True)
+        core.supervisor.stopping = True
+        core.on_link("decode", False)
+        core.on_message(ServiceDown("prefill", os.getpid(), -2))
+        closed = [r for r in caplog.records if "connection closed" in r.message or "exited" in r.message]
+        assert len(closed) == 2 and all(r.levelno == logging.INFO for r in closed)
+
+    with caplog.at_level(logging.INFO, logger="services.router.supervision"):
+        run_core(test)
 
 
 def test_a_stall_fails_flights_once_until_heard_again() -> None:
