@@ -237,6 +237,20 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fraction(text: str) -> float:
+    """`simulate --capacity`: a fraction in (0, 1], checked before the trace is built."""
+    from common.experts.simulator import slots_per_layer
+
+    try:
+        value = float(text)
+        slots_per_layer(value, 1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            str(exc) if "capacity" in str(exc) else f"{text!r} is no number"
+        ) from None
+    return value
+
+
 def _plan_format(name: str) -> str:
     """`plan --expert-format`: any expert format's name (a published one: a preset planned as published)."""
     from common.experts.formats import get_format
@@ -634,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", required=True, help="a trace file, or synthetic-zipf[:KEY=VAL,...] (see BENCHMARKS.md)"
     )
     sim.add_argument(
-        "--capacity", type=float, required=True, help="cached fraction of each layer's experts (0, 1]"
+        "--capacity", type=_fraction, required=True, help="cached fraction of each layer's experts (0, 1]"
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(func=_simulate)

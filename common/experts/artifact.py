@@ -40,6 +40,7 @@ from common.model.loader import (
 )
 from common.model.published_experts import PublishedExperts
 from common.model.registry import ExpertKey
+from common.progress import progress
 
 META_FILE, EXPERTS_FILE = ARTIFACT_META, "experts.bin"
 _SHARD_BYTES = 2 * 10**9
@@ -108,7 +109,7 @@ def _convert_into(arch, cfg, fmt, components: dict, src: Path, dst: Path, log: C
     )
     err = {"gate_up": [0.0, 0.0], "down": [0.0, 0.0]}
     by_layer = published.layers(src) if published is not None else {}
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(progress(layers, f"packing {fmt.name} experts", unit="layer")):
         if published is not None:
             packed = _repack_published(fmt, published, by_layer.pop(layer), err)
         else:

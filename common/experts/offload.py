@@ -40,6 +40,7 @@ from common.model.hf_config import read_json
 from common.model.moe import install_provider
 from common.model.provider import ExpertProvider
 from common.model.resident import ResidentExperts
+from common.progress import progress
 
 if TYPE_CHECKING:
     from common.config import ModelConfig
@@ -399,7 +400,7 @@ def offload_experts(
     if store is None:
         components = form.components(cfg.hidden_size, cfg.moe_intermediate_size)
         store = HostExpertStore(len(layers), cfg.num_experts, components, allocate=host_allocate)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(progress(layers, f"host store ({form.name})", unit="layer")):
             if resident.published is not None:  # the checkpoint's own bits, as published
                 resident.weights.pop(layer, None)
                 parts = resident.published[1].pop(layer)

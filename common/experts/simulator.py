@@ -27,6 +27,7 @@ import torch
 
 from common.experts.cache_tables import DEFAULT_POLICY, POLICIES, CacheTables
 from common.experts.trace import RoutingTrace
+from common.progress import progress
 
 REFERENCES = ("belady", "oracle-static")
 ADAPTIVE = "+adaptive"
@@ -99,7 +100,7 @@ def simulate(
             args = (ids, trace.num_experts, slots, warmup)
             jobs = {p: pool.submit(_replay_ids, *args, p) for p in rows}
             total["belady"], steady["belady"] = belady_misses(trace, slots * trace.num_layers, warmup)
-            for policy, job in jobs.items():
+            for policy, job in progress(jobs.items(), "replaying", total=len(jobs), unit="policy"):
                 total[policy], steady[policy] = job.result()
     else:
         for row in rows:

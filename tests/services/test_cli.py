@@ -131,6 +131,13 @@ def test_writing_commands_refuse_a_non_empty_destination_without_force(tmp_path:
     assert itself.returncode == 2 and "source" in itself.stderr and (out / "config.json").exists()
 
 
+def test_simulate_checks_its_capacity_before_building_the_trace(tmp_path: Path) -> None:
+    start = time.monotonic()
+    result = _run(["simulate", "--trace", "synthetic-zipf", "--capacity", "1.7"], tmp_path)
+    assert result.returncode == 2 and "capacity 1.7 is not a fraction in (0, 1]" in result.stderr
+    assert time.monotonic() - start < 20  # the trace (tens of seconds) was never built
+
+
 def test_bad_override_is_a_clear_error(tmp_path: Path) -> None:
     result = _run(["make-model", "--set", "num_experts", "--out", str(tmp_path / "x")], tmp_path)
     assert result.returncode == 2 and "num_experts" in result.stderr and "Traceback" not in result.stderr

@@ -38,6 +38,7 @@ from common.model.synthetic.int4_checkpoint import INT4_QUANTIZE, Int4Writer, in
 from common.model.synthetic.plan import ShardPlan, TensorSpec, plan_shards, plan_tensors
 from common.model.synthetic.presets import STORAGE_DTYPES, TOKENIZER_VOCAB
 from common.model.synthetic.quantized_linears import converted
+from common.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +313,7 @@ def make_model(
     tensors = synthetic_tensors(cfg, seed)
     weight_map: dict[str, str] = {}
     total = 0
-    for n, shard in enumerate(shards, 1):
+    for n, shard in enumerate(progress(shards, f"writing {out.name}", unit="shard"), 1):
         log.info("writing %s (%d/%d, %.1f MB)", shard.filename, n, len(shards), shard.nbytes / 1e6)
         batch: dict[str, torch.Tensor] = {}
         for spec in shard.tensors:

@@ -252,8 +252,9 @@ def test_cli_table_and_errors(tmp_path, capsys) -> None:
     assert all(name in table for name in ROWS) and "÷belady" in table
     assert main(["simulate", "--trace", "synthetic-zipf:layer=2", "--capacity", "0.5"]) == 2
     assert "unknown key 'layer'" in capsys.readouterr().err
-    assert main(["simulate", "--trace", str(path), "--capacity", "1.5"]) == 2
-    assert "capacity" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal, before the trace is read
+        main(["simulate", "--trace", str(path), "--capacity", "1.5"])
+    assert refused.value.code == 2 and "capacity 1.5 is not a fraction" in capsys.readouterr().err
 
 
 @pytest.mark.slow
