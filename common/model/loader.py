@@ -13,6 +13,7 @@ checkpoints likewise (int4_experts.py, int4_linears.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -378,7 +379,7 @@ def empty_model(
     buffers computed rather than loaded (in float32, e.g. RoPE's inverse frequencies) and embeddings tied.
     With `fuse` each module's same-input projections are one weight from the start (fused_linear.py): their
     Linears' weights are views of it, so loading fills it and no memory is freed or held twice."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = arch.build(cfg, experts).to(dtype)
     if fuse:
         fuse_projections(model)  # on the meta device: shapes only
@@ -389,6 +390,23 @@ def empty_model(
     built.rotary.init_buffers()
     built.tie_weights()
     return model
+
+
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """torch.nn's modules built without initialising their parameters (on the meta device, loaded or mapped
+    after): `normal_` on the meta device alone imports torch._dynamo, seconds of a worker's start."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, init in saved.items():
+            setattr(nn.init, name, init)
 
 
 @functools.lru_cache(maxsize=8)

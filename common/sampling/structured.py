@@ -210,7 +210,6 @@ class Grammars:
     form's compile, its future says when it is done, and `matcher` waits for it."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, end_ids: Sequence[int]) -> None:
-        _xgrammar()  # not installed: say so now, not in the thread
         self.vocab_size = vocab_size
         self._thread = GrammarThreads("grammars")
         self._compiler = self._thread.submit(_compiler, tokenizer, vocab_size, tuple(end_ids))
