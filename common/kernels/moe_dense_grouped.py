@@ -24,7 +24,7 @@ from common.kernels.moe_dense import (
     matrix_offsets,
     weight_tile,
 )
-from common.kernels.moe_int4_grouped import GROUPED, GroupedConfig, group_pairs
+from common.kernels.moe_int4_grouped import GROUPED, GroupedConfig, down_slices, group_pairs
 
 
 @triton.jit
@@ -133,11 +133,8 @@ def moe_dense_grouped(
     weights = topk_weights.reshape(-1).contiguous()
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     w, scale, zeros, aux, s_rows, s_cols = dense_operands(pool, "down", fmt)
-    size = triton.cdiv(t, triton.cdiv(t, down_tokens))  # equal slices: see moe_int4_grouped
-    for start in range(0, t, size):
-        end = min(t, start + size)
-        if (start, end) != (0, t):
-            pairs, block_expert = group_pairs(topk_ids[start:end], rows.numel(), bm)
+    slices = down_slices(topk_ids, rows.numel(), bm, down_tokens, (pairs, block_expert))
+    for start, end, pairs, block_expert in slices:
         rows_out = torch.empty(((end - start) * k, hidden), dtype=x.dtype, device=x.device)
         _grouped_down_kernel[(block_expert.numel(), triton.cdiv(hidden, bn))](
             act[start * k : end * k], pairs, block_expert, rows, weights[start * k : end * k],

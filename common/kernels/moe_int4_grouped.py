@@ -10,6 +10,7 @@ into input order, and multiplied by `tl.dot`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,20 @@ def group_pairs(topk_ids: torch.Tensor, num_experts: int, block: int) -> tuple[t
     return pairs, block_expert
 
 
+def down_slices(
+    topk_ids: torch.Tensor, num_experts: int, block: int, down_tokens: int, whole: tuple[torch.Tensor, ...]
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """(start, end, pairs, block_expert) of each slice of at most `down_tokens` tokens (`group_pairs` of its
+    pairs; `whole`, that of every token, for a single slice), the slices of equal size: a short last slice
+    would spread few pairs over every expert, its blocks mostly padding, at nearly a full slice's cost."""
+    t = topk_ids.shape[0]
+    size = triton.cdiv(t, triton.cdiv(t, down_tokens))
+    for start in range(0, t, size):
+        end = min(t, start + size)
+        grouped = whole if (start, end) == (0, t) else group_pairs(topk_ids[start:end], num_experts, block)
+        yield start, end, grouped[0], grouped[1]
+
+
 @dataclass(frozen=True)
 class GroupedConfig:
     """Launch shape of the grouped prefill kernels."""
@@ -168,13 +183,9 @@ def moe_int4_grouped(
     )  # fmt: skip
     weights = topk_weights.reshape(-1).contiguous()
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    # bounded [n·k, H] output rows (MOE_DOWN_TOKENS), in equal slices: a short last slice would spread few
-    # pairs over every expert, its blocks mostly padding, at nearly a full slice's cost
-    size = triton.cdiv(t, triton.cdiv(t, down_tokens))
-    for start in range(0, t, size):
-        end = min(t, start + size)
-        if (start, end) != (0, t):
-            pairs, block_expert = group_pairs(topk_ids[start:end], rows.numel(), bm)
+    # bounded [n·k, H] output rows (MOE_DOWN_TOKENS)
+    slices = down_slices(topk_ids, rows.numel(), bm, down_tokens, (pairs, block_expert))
+    for start, end, pairs, block_expert in slices:
         rows_out = torch.empty(((end - start) * k, hidden), dtype=x.dtype, device=x.device)
         _grouped_down_kernel[(block_expert.numel(), hidden // bn)](
             act[start * k : end * k], pairs, block_expert, rows, weights[start * k : end * k],
