@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from common.model.errors import CheckpointError
+from common.progress import progress
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -78,7 +79,8 @@ def safetensors_source(model_dir: str | Path) -> Iterator[tuple[Path, str, Calla
     A reader stays valid after the source has moved on to the next file (a file stays mapped while any of
     its readers lives), so a consumer may gather readers first, as `dequantized_fp8_source` does.
     """
-    for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    for path in progress(files, f"reading {Path(model_dir).name}", total=len(files), unit="file"):
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
         except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
