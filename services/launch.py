@@ -31,6 +31,7 @@ from common.ipc.tensors import process_alive
 from common.ipc.transport import Outbox, ipc_address, make_run_dir, pair_names
 from common.vision.images import vision_config
 from services.children import Child, hand_keys, module_argv, restart_exited, stop_children, worker_argv
+from services.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV
 from services.parent_watch import OWNER, RUN_DIR_ENV
 
 log = logging.getLogger("launch")
@@ -164,8 +165,10 @@ def router_argv(
 
 def child_env(opts: ServeOptions) -> dict[str, str]:
     """What every service gets in its environment beside the launcher's: the API key, where one is set (a
-    command line is for anyone's `ps` to read)."""
-    return {API_KEY_ENV: opts.api_key} if opts.api_key else {}
+    command line is for anyone's `ps` to read), and the log choice (services/logs.py; a Ray actor's
+    services do not inherit the launcher's environment)."""
+    env = {k: os.environ[k] for k in (LOG_LEVEL_ENV, LOG_FORMAT_ENV) if k in os.environ}
+    return {**env, API_KEY_ENV: opts.api_key} if opts.api_key else env
 
 
 def worker_flags(opts: ServeOptions) -> list[str]:
