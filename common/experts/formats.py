@@ -72,8 +72,11 @@ class ExpertFormat(ABC):
     """"bf16" | "fp8" | "int4" | "nvfp4" | "mxfp4" | "gptq" | "awq" (…: `PublishedInt4Format`)."""
     dense_decode: bool = False
     """The dense decode kernels (common/kernels/moe_dense.py) read this format's rows in place."""
-    zero_offset: int = 0
-    """What a stored int4 zero point lacks (GPTQ v1 stores zero − 1); the dense kernels add it."""
+    dense_prefill: bool = False
+    """The grouped dense prefill kernels (common/kernels/moe_dense_grouped.py) do."""
+    kernel_param: int = 0
+    """The dense kernels' constant for this format (`moe_dense_decode`'s `param`): GPTQ v1's 1, what a
+    stored zero lacks; a trellis code's L · 256 + B."""
 
     @abstractmethod
     def components(self, hidden: int, inter: int) -> Components:
@@ -137,7 +140,7 @@ class Bf16Format(ExpertFormat):
     """The checkpoint's weights in bf16: exact for bf16 input."""
 
     name = "bf16"
-    dense_decode = True
+    dense_decode = dense_prefill = True
 
     def components(self, hidden: int, inter: int) -> Components:
         return {"gate_up": ((2 * inter, hidden), torch.bfloat16), "down": ((hidden, inter), torch.bfloat16)}
@@ -166,7 +169,7 @@ class Fp8Format(ExpertFormat):
     """fp8 e4m3 weights with fp32 inverse scales per 128×128 block (Qwen3/DeepSeek FP8 checkpoint layout)."""
 
     name = "fp8"
-    dense_decode = True
+    dense_decode = dense_prefill = True
 
     def components(self, hidden: int, inter: int) -> Components:
         comps: Components = {}
@@ -292,7 +295,7 @@ class Nvfp4Format(ExpertFormat):
     exports an expert's linears (not fused). H and I multiples of 16."""
 
     name = "nvfp4"
-    dense_decode = True
+    dense_decode = dense_prefill = True
 
     def components(self, hidden: int, inter: int) -> Components:
         if hidden % NVFP4_GROUP or inter % NVFP4_GROUP:
@@ -334,7 +337,7 @@ class Mxfp4Format(ExpertFormat):
     """MXFP4 as gpt-oss releases it (common/model/fp4_blocks.py); H and I multiples of 32."""
 
     name = "mxfp4"
-    dense_decode = True
+    dense_decode = dense_prefill = True
 
     def components(self, hidden: int, inter: int) -> Components:
         if hidden % MXFP4_GROUP or inter % MXFP4_GROUP:
@@ -371,7 +374,8 @@ class PublishedInt4Format(ExpertFormat):
     def __init__(self, method: str, group: int) -> None:
         self.method, self.group = method, group
         self.name = int4_format_name(method, group)
-        self.dense_decode, self.zero_offset = True, int(method == "gptq")
+        self.dense_decode = self.dense_prefill = True
+        self.kernel_param = int(method == "gptq")
 
     def components(self, hidden: int, inter: int) -> Components:
         try:
@@ -400,7 +404,7 @@ class CtFormat(ExpertFormat):
 
     def __init__(self, spec: CtExpertFormat) -> None:
         self.spec, self.name = spec, spec.name
-        self.dense_decode = True
+        self.dense_decode = self.dense_prefill = True
 
     def components(self, hidden: int, inter: int) -> Components:
         return self.spec.components(hidden, inter)
@@ -433,6 +437,7 @@ class TrellisFormat(ExpertFormat):
     def __init__(self, rate: str, state_bits: int = 16) -> None:
         self.code = TrellisCode(state_bits, TRELLIS_RATES[rate])
         self.name = f"trellis{rate}" + ("" if state_bits == 16 else f"-l{state_bits}")
+        self.dense_decode, self.kernel_param = True, state_bits * 256 + self.code.step_bits
 
     def components(self, hidden: int, inter: int) -> Components:
         if hidden % TILE or inter % TILE:

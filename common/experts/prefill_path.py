@@ -93,12 +93,12 @@ class GroupedKernels:
 
             self.copies.join(prepared.done)
             return moe_int4_grouped(x, topk_ids, topk_weights, prepared.rows, self.pool)
-        if self.switches.fused_dense_prefill:
+        if self.switches.fused_dense_prefill and self.fmt.dense_prefill:
             from common.kernels.moe_dense_grouped import moe_dense_grouped  # Triton
 
             self.copies.join(prepared.done)
-            offset = self.fmt.zero_offset
-            return moe_dense_grouped(x, topk_ids, topk_weights, prepared.rows, self.pool, zero_offset=offset)
+            param = self.fmt.kernel_param
+            return moe_dense_grouped(x, topk_ids, topk_weights, prepared.rows, self.pool, param=param)
         row = prepared.rows.tolist()  # prefill is not captured; read before waiting for the copies
         shared = self.shared_cache[0] if self.shared_cache is not None else None
         cached = prepared.cached.tolist() if shared is not None and prepared.cached is not None else None

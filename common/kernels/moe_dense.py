@@ -21,15 +21,22 @@ the inputs of each output row; (code − zero) · scale per group.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 BK = tl.constexpr(128)
 """Inputs per loop step (the fp8 scale block)."""
-BF16, FP8, NVFP4, MXFP4, CT_NVFP4, GPTQ, AWQ, CT_INT4, CT_INT4_ZP = range(9)
-"""The pool's layout (the kernels' `FMT`): 4-bit floats 2..4, int4 from 5."""
+BF16, FP8, NVFP4, MXFP4, CT_NVFP4, GPTQ, AWQ, CT_INT4, CT_INT4_ZP, TRELLIS = range(10)
+"""The pool's layout (the kernels' `FMT`): 4-bit floats 2..4, int4 5..8, trellis codes 9."""
+MUL0, ADD0 = tl.constexpr(0x9E3779B1), tl.constexpr(0x7F4A7C15)
+MUL1, ADD1 = tl.constexpr(0x85EBCA77), tl.constexpr(0xC2B2AE3D)
+"""The trellis codebook's two hashes of a state (trellis_blocks.py's; the tests hold them equal)."""
+IRWIN_HALL_STD = tl.constexpr(147.80054127099805)
+"""The standard deviation of a sum of four uniform bytes."""
 
 
 @triton.jit
@@ -54,15 +61,17 @@ def _fp4_scale(b, FMT: tl.constexpr):
 
 @triton.jit
 def _int4_tile(
-    w_ptr, s_ptr, z_ptr, a_ptr, r, c, live, width, total, groups, FMT: tl.constexpr, ZOFF: tl.constexpr
+    w_ptr, s_ptr, z_ptr, a_ptr, r, c, live, width, total, groups, FMT: tl.constexpr, PARAM: tl.constexpr
 ):
     """Int4 weights [BLOCK, BK] fp32 of output rows r [BLOCK, 1] (int64, of the stored matrix's `total`)
-    and inputs c [1, BK] (of `width`), in `groups` groups; `a_ptr`: GPTQ's g_idx row; ZOFF: what a stored
+    and inputs c [1, BK] (of `width`), in `groups` groups; `a_ptr`: GPTQ's g_idx row; PARAM: what a stored
     GPTQ zero lacks (v1: 1)."""
     if FMT == 5:  # GPTQ: qweight [in/8, out], qzeros [G, out/8], scales [G, out]; group g_idx[c]
         g = tl.load(a_ptr + c, mask=c < width, other=0).to(tl.int64)
         code = (tl.load(w_ptr + (c // 8) * total + r, mask=live, other=0) >> ((c % 8) * 4)) & 15
-        zero = ((tl.load(z_ptr + g * (total // 8) + r // 8, mask=live, other=0) >> ((r % 8) * 4)) & 15) + ZOFF
+        zero = (
+            (tl.load(z_ptr + g * (total // 8) + r // 8, mask=live, other=0) >> ((r % 8) * 4)) & 15
+        ) + PARAM
         scale = tl.load(s_ptr + g * total + r, mask=live, other=0.0)
     elif FMT == 6:  # AWQ: qweight [in, out/8], output 8w + j in nibble (j // 2) + 4 (j % 2) of word w
         g = c // (width // groups)
@@ -81,9 +90,32 @@ def _int4_tile(
 
 
 @triton.jit
+def _trellis_tile(w_ptr, s_ptr, rows, live, k0, row_bytes, CODE: tl.constexpr):
+    """Trellis-coded weights [BLOCK, BK] fp32 (BK = one tile of 128 inputs) of rows [BLOCK, 1], times each
+    row's scale: weight j of a tile is value j % 2 of the state of step j // 2, its L bits those of the
+    tile's circular bit string ending at bit (j // 2 + 1)·B, most significant first. CODE: L · 256 + B."""
+    L: tl.constexpr = CODE // 256
+    B: tl.constexpr = CODE % 256
+    TILE_BYTES: tl.constexpr = 8 * B  # 64 steps of B bits
+    j = tl.arange(0, BK)[None, :]
+    start = ((j // 2 + 1) * B - L + 64 * B) % (64 * B)  # the state's first bit
+    base = w_ptr + rows * row_bytes + (k0 // 128) * TILE_BYTES
+    word = tl.zeros(start.shape, tl.int64)
+    for m in tl.static_range(4):  # 32 bits from the state's first byte on (L + 7 <= 31)
+        byte = tl.load(base + (start // 8 + m) % TILE_BYTES, mask=live, other=0).to(tl.int64)
+        word = word | (byte << (24 - 8 * m))
+    state = (word >> (32 - start % 8 - L)) & ((1 << L) - 1)
+    first = j % 2 == 0
+    h = tl.where(first, state * MUL0 + ADD0, state * MUL1 + ADD1) & 0xFFFFFFFF
+    total = (h & 255) + ((h >> 8) & 255) + ((h >> 16) & 255) + ((h >> 24) & 255)
+    value = (total.to(tl.float32) - 510.0) / IRWIN_HALL_STD
+    return value * tl.load(s_ptr + rows, mask=live, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def weight_tile(
     w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, k0, width, total, s_cols,
-    FMT: tl.constexpr, ZOFF: tl.constexpr,
+    FMT: tl.constexpr, PARAM: tl.constexpr,
 ):  # fmt: skip
     """w[out_rows, k0 : k0 + BK] → [BLOCK, BK] fp32, decoded in registers (fp8: times its block's scale;
     4-bit floats and int4: each code with its group's scale; NVFP4s' global scales not applied), 0 past
@@ -92,8 +124,12 @@ def weight_tile(
     c = k0 + tl.arange(0, BK)
     live = live_rows[:, None] & (c < width)[None, :]
     rows = out_rows[:, None].to(tl.int64)
+    if FMT == 9:
+        return _trellis_tile(w_ptr, s_ptr, rows, live, k0, s_cols, PARAM)
     if FMT >= 5:
-        return _int4_tile(w_ptr, s_ptr, z_ptr, a_ptr, rows, c[None, :], live, width, total, s_cols, FMT, ZOFF)
+        return _int4_tile(
+            w_ptr, s_ptr, z_ptr, a_ptr, rows, c[None, :], live, width, total, s_cols, FMT, PARAM
+        )
     if FMT >= 2:
         group: tl.constexpr = 32 if FMT == 3 else 16
         byte = tl.load(w_ptr + rows * (width // 2) + (c // 2)[None, :], mask=live, other=0).to(tl.int32)
@@ -109,16 +145,18 @@ def weight_tile(
 @triton.jit
 def _rows_dot(
     w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, v, k0, width, total, s_cols,
-    FMT: tl.constexpr, ZOFF: tl.constexpr,
+    FMT: tl.constexpr, PARAM: tl.constexpr,
 ):  # fmt: skip
     """Σ_j w[out_rows, k0 + j] · v[j] over one step of BK inputs → [BLOCK] fp32 (`weight_tile`'s)."""
-    w = weight_tile(w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, k0, width, total, s_cols, FMT, ZOFF)
+    w = weight_tile(w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, k0, width, total, s_cols, FMT, PARAM)
     return tl.sum(w * v[None, :], axis=1)
 
 
 @triton.jit
 def matrix_offsets(row, rows_out, width, s_rows, s_cols, FMT: tl.constexpr):
     """(weights, scales, int4 zeros) element offsets of pool row `row`'s matrix of `rows_out` × `width`."""
+    if FMT == 9:  # s_cols: code bytes a row; a scale a row
+        return row * rows_out * s_cols, row * rows_out, row
     if FMT >= 5:  # s_cols: groups a row; every int4 layout holds out·in/8 words, out·G scales, out·G/8 zeros
         return row * rows_out * (width // 8), row * rows_out * s_cols, row * (rows_out // 8) * s_cols
     if FMT >= 2:
@@ -138,7 +176,7 @@ def global_scale(g_ptr, i, FMT: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(
     x_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, g_ptr, act_ptr, k, s_rows, s_cols,
-    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, ZOFF: tl.constexpr, BLOCK: tl.constexpr,
+    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, PARAM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     t = p // k
@@ -152,19 +190,23 @@ def _gate_up_kernel(
     for k0 in range(0, hidden, BK):
         c = k0 + tl.arange(0, BK)
         xv = tl.load(x_ptr + t * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
-        gate += _rows_dot(w, s, z, a, n, live, xv, k0, hidden, 2 * inter, s_cols, FMT, ZOFF)
-        up += _rows_dot(w, s, z, a + hidden, n + inter, live, xv, k0, hidden, 2 * inter, s_cols, FMT, ZOFF)
+        gate += _rows_dot(w, s, z, a, n, live, xv, k0, hidden, 2 * inter, s_cols, FMT, PARAM)
+        up += _rows_dot(w, s, z, a + hidden, n + inter, live, xv, k0, hidden, 2 * inter, s_cols, FMT, PARAM)
     if FMT == 2 or FMT == 4:  # the NVFP4s' global scales: gate's, up's
         gate *= global_scale(g_ptr, 2 * row, FMT)
         up *= global_scale(g_ptr, 2 * row + 1, FMT)
-    act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
-    tl.store(act_ptr + p * inter + n, act, mask=live)
+    if FMT == 9:  # trellis: the rotated outputs [P, 2I], turned back by the caller before the SiLU
+        tl.store(act_ptr + p * 2 * inter + n, gate, mask=live)
+        tl.store(act_ptr + p * 2 * inter + inter + n, up, mask=live)
+    else:
+        act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) · up
+        tl.store(act_ptr + p * inter + n, act, mask=live)
 
 
 @triton.jit
 def _down_kernel(
     act_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, s_rows, s_cols,
-    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, ZOFF: tl.constexpr, BLOCK: tl.constexpr,
+    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, PARAM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     p = tl.program_id(0)
     row = tl.load(rows_ptr + p).to(tl.int64)
@@ -176,7 +218,7 @@ def _down_kernel(
     for k0 in range(0, inter, BK):
         c = k0 + tl.arange(0, BK)
         act = tl.load(act_ptr + p * inter + c, mask=c < inter, other=0.0)
-        acc += _rows_dot(w, s, z, a, n, live, act, k0, inter, hidden, s_cols, FMT, ZOFF)
+        acc += _rows_dot(w, s, z, a, n, live, act, k0, inter, hidden, s_cols, FMT, PARAM)
     if FMT == 2 or FMT == 4:  # the NVFP4s' global scale
         acc *= global_scale(g_ptr, row, FMT)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32), mask=live)
@@ -191,6 +233,8 @@ def dense_layout(pool: dict[str, torch.Tensor]) -> tuple[int, int, int]:
     if "down_qweight" in pool:  # GPTQ [R, I/8, H], AWQ [R, I, H/8]; scales [R, G, H]
         fmt = GPTQ if "down_g_idx" in pool else AWQ
         return fmt, pool["down_scales"].shape[2], pool["gate_up_scales"].shape[2] // 2
+    if "down_codes" in pool:  # trellis: scales [R, H] and [R, 2I]
+        return TRELLIS, pool["down_scales"].shape[1], pool["gate_up_scales"].shape[1] // 2
     if "down_weight_packed" in pool:  # compressed-tensors [R, H, I/8] int32 or [R, H, I/2] uint8
         packed = pool["down_weight_packed"]
         if packed.dtype == torch.uint8:
@@ -212,6 +256,7 @@ _NAMES: dict[int, tuple[str, str, str | None, str | None]] = {
     AWQ: ("qweight", "scales", "qzeros", None),
     CT_INT4: ("weight_packed", "weight_scale", None, None),
     CT_INT4_ZP: ("weight_packed", "weight_scale", "weight_zero_point", None),
+    TRELLIS: ("codes", "scales", None, None),
 }
 """A format's (weights, scales, int4 zeros, global scales or g_idx) component suffixes."""
 
@@ -228,7 +273,9 @@ def dense_operands(pool: dict[str, torch.Tensor], name: str, fmt: int) -> Operan
         w, s = pool[f"{name}_{weights}"], pool[f"{name}_{scales}"]
         s = s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s
         groups = 1
-        if fmt >= GPTQ:
+        if fmt == TRELLIS:
+            groups = w.shape[2]  # code bytes a row
+        elif fmt >= GPTQ:
             groups = s.shape[1] if fmt in (GPTQ, AWQ) else s.shape[2]  # [R, G, out] or [R, out, G]
         z = pool[f"{name}_{zeros}"] if zeros else w
         return w, s, z, pool[f"{name}_{aux}"] if aux else w, 1, groups
@@ -236,6 +283,16 @@ def dense_operands(pool: dict[str, torch.Tensor], name: str, fmt: int) -> Operan
     if scale is None:
         return pool[name], pool[name], pool[name], pool[name], 1, 1
     return pool[name], scale, pool[name], pool[name], scale.shape[1], scale.shape[2]
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """A trellis pool's incoherence (common/model/trellis_blocks.py): the codes are of H_out S_out W S_in
+    H_in, so the kernels multiply inputs taken through `into` (v ↦ H S v on its last dim) and their outputs
+    are taken back through `back` (v ↦ S H v); each knows its dim's signs."""
+
+    into: Callable[[torch.Tensor], torch.Tensor]
+    back: Callable[[torch.Tensor], torch.Tensor]
 
 
 def moe_dense_decode(
@@ -246,33 +303,46 @@ def moe_dense_decode(
     block: int = 16,
     before_down: Callable[[], None] | None = None,
     num_warps: int = 4,
-    zero_offset: int = 0,
+    param: int = 0,
+    mixing: Mixing | None = None,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · SwiGLU expert at pool row rows[t, j] (x[t]) → [T, H] in x's dtype.
 
     x [T, H] (contiguous); rows, weights [T, k]; pool: a bf16 pool (`gate_up` [R, 2I, H], `down` [R, H, I]),
-    an fp8 one (the same in e4m3, with `gate_up_scale_inv` and `down_scale_inv`), or a 4-bit float or int4
-    one (their formats' components); `zero_offset`: what a stored int4 zero lacks (GPTQ v1: 1). Any H
-    and I the format takes. Fixed
-    launch shapes, no host sync: a recorded step can hold it. `before_down` runs between the two kernels (to
-    wait for the down rows' copies); `block` (output rows per program) and `num_warps` are tuning knobs.
+    an fp8 one (the same in e4m3, with `gate_up_scale_inv` and `down_scale_inv`), or a 4-bit float, int4 or
+    trellis one (their formats' components); `param`: the format's constant (GPTQ v1: 1, what a stored zero
+    lacks; trellis: L · 256 + B) and `mixing` a trellis pool's. Any H and I the format takes. Fixed launch
+    shapes, no host sync: a recorded step can hold it. `before_down` runs between the two kernels (to wait
+    for the down rows' copies); `block` (output rows per program) and `num_warps` are tuning knobs.
     """
     t, k = rows.shape
     fmt, hidden, inter = dense_layout(pool)
+    assert (fmt == TRELLIS) == (mixing is not None), "a trellis pool, and it alone, needs its mixing"
     pairs = t * k
     rows = rows.reshape(-1).contiguous()
-    act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
+    xin = x.contiguous() if mixing is None else mixing.into(x).contiguous()  # [T, H]
+    act = torch.empty((pairs, inter * (2 if mixing else 1)), dtype=torch.float32, device=x.device)
     w, scale, zeros, aux, s_rows, s_cols = dense_operands(pool, "gate_up", fmt)
+    launch = {
+        "hidden": hidden,
+        "inter": inter,
+        "FMT": fmt,
+        "PARAM": param,
+        "BLOCK": block,
+        "num_warps": num_warps,
+    }
     _gate_up_kernel[(pairs, triton.cdiv(inter, block))](
-        x.contiguous(), rows, w, scale, zeros, aux, act, k, s_rows, s_cols,
-        hidden=hidden, inter=inter, FMT=fmt, ZOFF=zero_offset, BLOCK=block, num_warps=num_warps,
-    )  # fmt: skip
+        xin, rows, w, scale, zeros, aux, act, k, s_rows, s_cols, **launch
+    )
+    if mixing is not None:  # [P, 2I] rotated → SwiGLU → into the down linear's rotation
+        gate, up = mixing.back(act).chunk(2, dim=-1)
+        act = mixing.into(F.silu(gate) * up).contiguous()
     partial = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     if before_down is not None:
         before_down()
     w, scale, zeros, aux, s_rows, s_cols = dense_operands(pool, "down", fmt)
     _down_kernel[(pairs, triton.cdiv(hidden, block))](
-        act, rows, weights.reshape(-1).contiguous(), w, scale, zeros, aux, partial, s_rows, s_cols,
-        hidden=hidden, inter=inter, FMT=fmt, ZOFF=zero_offset, BLOCK=block, num_warps=num_warps,
-    )  # fmt: skip
-    return partial.view(t, k, hidden).sum(1).to(x.dtype)
+        act, rows, weights.reshape(-1).contiguous(), w, scale, zeros, aux, partial, s_rows, s_cols, **launch
+    )
+    out = partial.view(t, k, hidden).sum(1)
+    return (out if mixing is None else mixing.back(out)).to(x.dtype)

@@ -49,7 +49,7 @@ def _a_tile(a_ptr, a_rows, a_live, width, k0):
 @triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, pairs_ptr, block_expert_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, g_ptr, act_ptr, k, s_rows, s_cols,
-    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, ZOFF: tl.constexpr,
+    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, PARAM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     row, pairs, live = _block(rows_ptr, pairs_ptr, block_expert_ptr, BM)
@@ -64,9 +64,9 @@ def _grouped_gate_up_kernel(
     up = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in tl.range(0, hidden, BK, num_stages=STAGES):
         x = _a_tile(x_ptr, tokens, live, hidden, k0)  # gathered once for gate and up
-        wg = weight_tile(w, s, z, a, n, n_live, k0, hidden, 2 * inter, s_cols, FMT, ZOFF)  # [BN, BK]
+        wg = weight_tile(w, s, z, a, n, n_live, k0, hidden, 2 * inter, s_cols, FMT, PARAM)  # [BN, BK]
         gate = tl.dot(x, tl.trans(wg.to(x.dtype)), gate)
-        wu = weight_tile(w, s, z, a + hidden, n + inter, n_live, k0, hidden, 2 * inter, s_cols, FMT, ZOFF)
+        wu = weight_tile(w, s, z, a + hidden, n + inter, n_live, k0, hidden, 2 * inter, s_cols, FMT, PARAM)
         up = tl.dot(x, tl.trans(wu.to(x.dtype)), up)
     if FMT == 2 or FMT == 4:  # the NVFP4s' global scales: gate's, up's
         gate *= global_scale(g_ptr, 2 * row, FMT)
@@ -80,7 +80,7 @@ def _grouped_gate_up_kernel(
 def _grouped_down_kernel(
     act_ptr, pairs_ptr, block_expert_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr,
     s_rows, s_cols,
-    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, ZOFF: tl.constexpr,
+    hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, PARAM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     row, pairs, live = _block(rows_ptr, pairs_ptr, block_expert_ptr, BM)
@@ -94,7 +94,7 @@ def _grouped_down_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in tl.range(0, inter, BK, num_stages=STAGES):
         act = _a_tile(act_ptr, safe, live, inter, k0)
-        wd = weight_tile(w, s, z, a, n, n_live, k0, inter, hidden, s_cols, FMT, ZOFF)
+        wd = weight_tile(w, s, z, a, n, n_live, k0, inter, hidden, s_cols, FMT, PARAM)
         acc = tl.dot(act, tl.trans(wd.to(act.dtype)), acc)
     if FMT == 2 or FMT == 4:  # the NVFP4s' global scale
         acc *= global_scale(g_ptr, row, FMT)
@@ -111,11 +111,11 @@ def moe_dense_grouped(
     pool: dict[str, torch.Tensor],
     config: GroupedConfig = GROUPED,
     down_tokens: int = MOE_DOWN_TOKENS,
-    zero_offset: int = 0,
+    param: int = 0,
 ) -> torch.Tensor:
     """Prefill: Σ_j topk_weights[t, j] · SwiGLU expert topk_ids[t, j] (x[t]) → [T, H] in x's dtype, with
-    expert e's weights at pool row rows[e] ([E] int64) in any format moe_dense_decode reads (its `pool` and
-    `zero_offset`); any H and I the format takes. Blocks of `config.block_m` pairs, `config.block_n`
+    expert e's weights at pool row rows[e] ([E] int64) in any format moe_dense_decode reads but trellis codes
+    (its `pool` and `param`); any H and I the format takes. Blocks of `config.block_m` pairs, `config.block_n`
     output columns a program; down over at most `down_tokens` tokens at a time. Each pair's term is rounded
     to x's dtype and the k terms of a token summed in fp32 (in choice order)."""
     t, k = topk_ids.shape
@@ -124,7 +124,7 @@ def moe_dense_grouped(
     pairs, block_expert = group_pairs(topk_ids, rows.numel(), bm)
     x = x.contiguous()
     launch = {"num_warps": config.num_warps, "STAGES": config.stages, "BM": bm, "BN": bn}
-    shape = {"hidden": hidden, "inter": inter, "FMT": fmt, "ZOFF": zero_offset}
+    shape = {"hidden": hidden, "inter": inter, "FMT": fmt, "PARAM": param}
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     w, scale, zeros, aux, s_rows, s_cols = dense_operands(pool, "gate_up", fmt)
     _grouped_gate_up_kernel[(block_expert.numel(), triton.cdiv(inter, bn))](

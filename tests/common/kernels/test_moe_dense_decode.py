@@ -4,6 +4,8 @@ widths that leave partial blocks and fp8 scale blocks."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,8 +73,8 @@ def test_gptq_with_desc_act_reads_each_input_s_group(method: str):
 
 
 def _check_against_reference(
-    fmt: ExpertFormat, packed: list[dict[str, torch.Tensor]], hidden: int, block: int, zero_offset: int,
-    gen: torch.Generator,
+    fmt: ExpertFormat, packed: list[dict[str, torch.Tensor]], hidden: int, block: int, param: int,
+    gen: torch.Generator, mixing: Any = None,
 ) -> None:  # fmt: skip
     """Two tokens' three choices over a pool of the packed experts (a row twice in one token): the kernels
     against the format's dequantise-then-multiply in fp32."""
@@ -84,7 +86,7 @@ def _check_against_reference(
     weights = torch.softmax(torch.randn(2, 3, generator=gen), -1).to(DEVICE)
     calls = []
     out = moe_dense_decode(
-        x, rows, weights, pool, block=block, before_down=lambda: calls.append(1), zero_offset=zero_offset
+        x, rows, weights, pool, block=block, before_down=lambda: calls.append(1), param=param, mixing=mixing
     )
     gate_up, down = fmt.unpack_many({n: t[rows.reshape(-1)] for n, t in pool.items()}, torch.float32)
     h = torch.einsum("ph,pnh->pn", x.float().repeat_interleave(3, dim=0), gate_up)
@@ -92,3 +94,33 @@ def _check_against_reference(
     y = torch.einsum("pi,phi->ph", F.silu(gate) * up, down) * weights.reshape(-1, 1)
     torch.testing.assert_close(out.float(), y.view(2, 3, -1).sum(1), rtol=1e-4, atol=1e-4)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("fmt_name", ["trellis2", "trellis3.5", "trellis4-l12"])
+def test_trellis_decode_matches_the_dequantised_reference(fmt_name: str) -> None:
+    """Trellis codes decoded in registers (any bytes are codes: random ones, no encoder run), the inputs and
+    outputs taken through the format's rotations (`trellis_mixing`)."""
+    from common.experts.decode_path import trellis_mixing
+
+    hidden, inter = 256, 128
+    fmt, gen = get_format(fmt_name), torch.Generator().manual_seed(3)
+    comps = fmt.components(hidden, inter)
+    packed = []
+    for _ in range(5):
+        parts = {}
+        for name, (shape, dtype) in comps.items():
+            if dtype == torch.uint8:
+                parts[name] = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+            else:
+                parts[name] = (0.03 + 0.04 * torch.rand(shape, generator=gen)).to(dtype)
+        packed.append(parts)
+    _check_against_reference(fmt, packed, hidden, 16, fmt.kernel_param, gen, mixing=trellis_mixing())
+
+
+def test_the_kernels_codebook_is_the_formats() -> None:
+    from common.kernels import moe_dense
+    from common.model import trellis_blocks
+
+    kernel = ((moe_dense.MUL0.value, moe_dense.ADD0.value), (moe_dense.MUL1.value, moe_dense.ADD1.value))
+    assert kernel == trellis_blocks._HASH
+    assert moe_dense.IRWIN_HALL_STD.value == pytest.approx(trellis_blocks._IRWIN_HALL_STD, rel=1e-12)

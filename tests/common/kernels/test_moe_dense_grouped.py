@@ -48,7 +48,7 @@ def test_grouped_dense_matches_dequantised_reference(fmt_name: str, hidden: int,
     zero_offset = int(fmt_name.split("-")[0] == "gptq")  # v1 stores zero − 1
     out = moe_dense_grouped(
         x.to(DEVICE, DTYPE), ids.to(DEVICE), weights.to(DEVICE), rows, pool,
-        GroupedConfig(16, 32, 4, 1), down_tokens=8, zero_offset=zero_offset,
+        GroupedConfig(16, 32, 4, 1), down_tokens=8, param=zero_offset,
     )  # fmt: skip
 
     chosen = {n: t[rows[ids.reshape(-1).to(DEVICE)]].cpu() for n, t in pool.items()}
