@@ -1,21 +1,17 @@
-"""Decode MoE over bf16, fp8 (128×128 block scales), 4-bit float (NVFP4, MXFP4, compressed-tensors' NVFP4)
-or published int4 (GPTQ, AWQ, compressed-tensors' pack-quantized) experts read in place from their pool
-rows.
+"""Decode MoE over experts read in place from their pool rows, in any dense format: bf16, fp8 (128×128
+block scales), 4-bit floats (NVFP4, MXFP4, compressed-tensors' NVFP4), published int4 (GPTQ, AWQ,
+compressed-tensors' pack-quantized) and trellis codes.
 
-Each pair's weights are read once, in place (torch would gather the chosen rows into a new tensor), in the
-int4 kernels' two-kernel structure:
+Each pair's weights are read once (torch would gather the chosen rows into a new tensor), in the int4
+kernels' two-kernel structure:
 
 1. gate/up: program (pair p, block of I columns) → silu(gate) · up in fp32, act [P, I].
 2. down: program (pair p, block of H rows) → act[p] · down^T times the routing weight, partial [P, H] fp32,
    summed over each token's k choices by the caller (a fixed order).
 
-Layouts (common/experts/formats.py): bf16 `gate_up` [R, 2I, H], `down` [R, H, I]; fp8 the same in e4m3
-with `*_scale_inv` [R, ceil(out/128), ceil(in/128)] (a loop step of 128 inputs: one scale load a row). NVFP4
-and MXFP4: e2m1 codes two a byte [R, out, in/2], a scale per 16 (e4m3) or 32 (e8m0) inputs, NVFP4's global
-scale per linear ([R, 2]: gate, up; [R, 1]) applied after the sum (compressed-tensors': divided by);
-decoded in registers. Int4 (common/model/int4_blocks.py, ct_blocks.py): eight codes an int32 word, GPTQ's
-words along the inputs with `g_idx`, AWQ's along the outputs in its nibble order, compressed-tensors' along
-the inputs of each output row; (code − zero) · scale per group.
+`weight_tile` decodes a [rows, 128] tile of any format in registers (the layouts: common/experts/formats.py
+and the block modules of common/model/); NVFP4s' global scales apply after the sum. A trellis pool's
+rotations are taken around the two kernels (`Mixing`).
 """
 
 from __future__ import annotations

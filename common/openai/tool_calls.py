@@ -186,10 +186,9 @@ class ToolCallStream:
     its arguments are what was written); any other block is read whole once it closes.
 
     Content comes out as soon as it cannot be the start of a block. A block that never names a call stays
-    in the content as written (the model did not make a call); one still open when the text ends (cut by
-    `max_tokens`) is a call once its beginning names one (the JSON form's whole `"name"`), its arguments
-    what was written of them, else content as written. The whitespace between a call and the next block,
-    or the end, is no one's content."""
+    in the content as written; one still open at the end (cut by `max_tokens`) is a call once it names one
+    (the JSON form's whole `"name"`), its arguments as written. The whitespace between a call and the next
+    block, or the end, is no one's content."""
 
     def __init__(self, form: CallForm | None = None) -> None:
         self.form = form or CallForm()
