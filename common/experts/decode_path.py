@@ -5,33 +5,19 @@ guessed experts in while the layers before it compute."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from common.experts.cache_tables import DECODE_GROUPS, CacheTables
 from common.experts.copies import CopyStream
-from common.experts.formats import ExpertFormat, TrellisFormat
+from common.experts.formats import ExpertFormat
 from common.experts.paths import ExpertPath, KernelSwitches, Prepared, check_group, chosen
 from common.experts.store import HostExpertStore
 from common.experts.traffic import BYPASSES, FILLS
 from common.kernels.config import decode_config
 from common.model.provider import add_shared
 from common.model.resident import batched_expert_mlp
-from common.model.trellis_blocks import rotate
-
-if TYPE_CHECKING:
-    from common.kernels.moe_dense import Mixing
-
-
-@functools.cache
-def trellis_mixing() -> Mixing:
-    """The trellis codes' rotations (trellis_blocks.rotate) as the dense kernels take them."""
-    from common.kernels.moe_dense import Mixing  # Triton
-
-    return Mixing(into=lambda v: rotate(v, "in"), back=lambda v: rotate(v, "out", inverse=True))
 
 
 class DecodeKernels:
@@ -94,7 +80,7 @@ class DecodeKernels:
             return moe_dense_decode(
                 x, prepared.rows[topk_ids], topk_weights, self.pool,
                 before_down=lambda: self.copies.join(prepared.done), param=self.fmt.kernel_param,
-                mixing=trellis_mixing() if isinstance(self.fmt, TrellisFormat) else None,
+                mixing=self.fmt.kernel_mixing(),
             )  # fmt: skip
         self.copies.join(prepared.done)
         t, k = topk_ids.shape

@@ -18,6 +18,7 @@ import math
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,10 @@ from common.model.int4_blocks import (
     pack_expert,
     parse_int4_format_name,
 )
-from common.model.trellis_blocks import TILE, TrellisCode, decode_matrix, encode_matrix
+from common.model.trellis_blocks import TILE, TrellisCode, decode_matrix, encode_matrix, rotate
+
+if TYPE_CHECKING:
+    from common.kernels.moe_dense import Mixing
 
 Components = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -77,6 +81,11 @@ class ExpertFormat(ABC):
     kernel_param: int = 0
     """The dense kernels' constant for this format (`moe_dense_decode`'s `param`): GPTQ v1's 1, what a
     stored zero lacks; a trellis code's L · 256 + B."""
+
+    def kernel_mixing(self) -> Mixing | None:
+        """The rotations the dense kernels take around a pool of this format (`moe_dense_decode`'s
+        `mixing`): None but for trellis codes."""
+        return None
 
     @abstractmethod
     def components(self, hidden: int, inter: int) -> Components:
@@ -438,6 +447,12 @@ class TrellisFormat(ExpertFormat):
         self.code = TrellisCode(state_bits, TRELLIS_RATES[rate])
         self.name = f"trellis{rate}" + ("" if state_bits == 16 else f"-l{state_bits}")
         self.dense_decode, self.kernel_param = True, state_bits * 256 + self.code.step_bits
+
+    def kernel_mixing(self) -> Mixing:
+        """The rotations of `encode_matrix` (trellis_blocks.rotate): inputs in, outputs back."""
+        from common.kernels.moe_dense import Mixing  # Triton: only where the kernels run
+
+        return Mixing(into=lambda v: rotate(v, "in"), back=lambda v: rotate(v, "out", inverse=True))
 
     def components(self, hidden: int, inter: int) -> Components:
         if hidden % TILE or inter % TILE:

@@ -116,7 +116,8 @@ def weight_tile(
     """w[out_rows, k0 : k0 + BK] → [BLOCK, BK] fp32, decoded in registers (fp8: times its block's scale;
     4-bit floats and int4: each code with its group's scale; NVFP4s' global scales not applied), 0 past
     `width` and in dead rows. The pointers are at the expert's matrix (`total` rows of `width`), scales,
-    int4 zeros and GPTQ's g_idx row; `s_cols`: fp8's scale columns, int4's groups a row."""
+    int4 zeros and GPTQ's g_idx row; `s_cols`: fp8's scale columns, int4's groups a row, trellis' code bytes
+    a row; PARAM: `moe_dense_decode`'s `param`."""
     c = k0 + tl.arange(0, BK)
     live = live_rows[:, None] & (c < width)[None, :]
     rows = out_rows[:, None].to(tl.int64)
@@ -268,13 +269,13 @@ def dense_operands(pool: dict[str, torch.Tensor], name: str, fmt: int) -> Operan
         weights, scales, zeros, aux = _NAMES[fmt]
         w, s = pool[f"{name}_{weights}"], pool[f"{name}_{scales}"]
         s = s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s
-        groups = 1
+        cols = 1  # the kernels' s_cols: int4's groups a row, trellis' code bytes a row
         if fmt == TRELLIS:
-            groups = w.shape[2]  # code bytes a row
+            cols = w.shape[2]
         elif fmt >= GPTQ:
-            groups = s.shape[1] if fmt in (GPTQ, AWQ) else s.shape[2]  # [R, G, out] or [R, out, G]
+            cols = s.shape[1] if fmt in (GPTQ, AWQ) else s.shape[2]  # [R, G, out] or [R, out, G]
         z = pool[f"{name}_{zeros}"] if zeros else w
-        return w, s, z, pool[f"{name}_{aux}"] if aux else w, 1, groups
+        return w, s, z, pool[f"{name}_{aux}"] if aux else w, 1, cols
     scale = pool.get(f"{name}_scale_inv")
     if scale is None:
         return pool[name], pool[name], pool[name], pool[name], 1, 1

@@ -27,41 +27,29 @@ def test_offloaded_decode_through_the_dense_kernels(tmp_path: Path, fmt_name: st
     path = make_model(
         tmp_path / "m", preset="tiny", arch="qwen3_moe", quantize=fmt_name if published else None
     )
-    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    tokens = []
-    for fused in (False, True):
-        engine = Engine(
-            WorkerConfig(
-                str(path),
-                device="cuda",
-                max_running=2,
-                expert_cache="0.25",
-                expert_format="bf16" if published else fmt_name,
-                cuda_graphs=True,
-                kernels=replace(KERNELS, moe_dense=fused),
-            )
-        )
-        assert engine.offload.dense_kernels and engine.offload.kernels.moe_dense == fused
-        tokens.append([r.token_ids for r in engine.generate(prompts, params)])
-        engine.offload.tables.check()
-    assert tokens[0] == tokens[1]
+    _same_tokens_both_ways(path, "bf16" if published else fmt_name)
 
 
 def test_trellis_decode_through_the_dense_kernels(tmp_path: Path) -> None:
     """Trellis-coded experts (packed at load, on the GPU): the kernels' greedy tokens are the torch path's."""
     shape = {"hidden_size": 128, "moe_intermediate_size": 128, "intermediate_size": 256}
     path = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe", overrides=shape)
+    _same_tokens_both_ways(path, "trellis3")
+
+
+def _same_tokens_both_ways(path: Path, expert_format: str) -> None:
+    """Greedy tokens of two prompts with `KernelConfig.moe_dense` off, then on: equal."""
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens = []
     for fused in (False, True):
         engine = Engine(
             WorkerConfig(
-                str(path), device="cuda", max_running=2, expert_cache="0.25", expert_format="trellis3",
+                str(path), device="cuda", max_running=2, expert_cache="0.25", expert_format=expert_format,
                 cuda_graphs=True, kernels=replace(KERNELS, moe_dense=fused),
             )
         )  # fmt: skip
         assert engine.offload.dense_kernels and engine.offload.kernels.moe_dense == fused
         tokens.append([r.token_ids for r in engine.generate(prompts, params)])
+        engine.offload.tables.check()
     assert tokens[0] == tokens[1]

@@ -99,9 +99,7 @@ def _check_against_reference(
 @pytest.mark.parametrize("fmt_name", ["trellis2", "trellis3.5", "trellis4-l12"])
 def test_trellis_decode_matches_the_dequantised_reference(fmt_name: str) -> None:
     """Trellis codes decoded in registers (any bytes are codes: random ones, no encoder run), the inputs and
-    outputs taken through the format's rotations (`trellis_mixing`)."""
-    from common.experts.decode_path import trellis_mixing
-
+    outputs taken through the format's rotations (`kernel_mixing`)."""
     hidden, inter = 256, 128
     fmt, gen = get_format(fmt_name), torch.Generator().manual_seed(3)
     comps = fmt.components(hidden, inter)
@@ -114,7 +112,7 @@ def test_trellis_decode_matches_the_dequantised_reference(fmt_name: str) -> None
             else:
                 parts[name] = (0.03 + 0.04 * torch.rand(shape, generator=gen)).to(dtype)
         packed.append(parts)
-    _check_against_reference(fmt, packed, hidden, 16, fmt.kernel_param, gen, mixing=trellis_mixing())
+    _check_against_reference(fmt, packed, hidden, 16, fmt.kernel_param, gen, mixing=fmt.kernel_mixing())
 
 
 def test_the_kernels_codebook_is_the_formats() -> None:
