@@ -243,11 +243,12 @@ def _fraction(text: str) -> float:
 
     try:
         value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no number") from None
+    try:
         slots_per_layer(value, 1)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            str(exc) if "capacity" in str(exc) else f"{text!r} is no number"
-        ) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 

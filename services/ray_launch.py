@@ -146,7 +146,8 @@ class RayLauncher:
         remote = ray.remote(num_gpus=1) if self.gpu else ray.remote(num_cpus=0)
         # the key (if any) and the log choice in the actor's environment, which its workers inherit: never on
         # their argv
-        env = {"env_vars": child_env(self.opts)} if child_env(self.opts) else None
+        inherited = child_env(self.opts)
+        env = {"env_vars": inherited} if inherited else None
         actor = remote(PairHost).options(scheduling_strategy="SPREAD", runtime_env=env)
         flags = worker_flags(self.opts)
         # on a GPU: the actor's one (Ray sets its CUDA_VISIBLE_DEVICES, which the workers inherit)
