@@ -407,7 +407,7 @@ def offload_experts(
                 store.fill(i, [{n: t[e] for n, t in parts.items()} for e in range(cfg.num_experts)])
                 continue
             w = resident.weights.pop(layer)  # free each resident layer as it is packed
-            store.fill(i, [form.pack(w.gate_up[e].cpu(), w.down[e].cpu()) for e in range(cfg.num_experts)])
+            store.fill(i, [_packed_on_host(form, w.gate_up[e], w.down[e]) for e in range(cfg.num_experts)])
     elif store.num_layers != len(layers) or store.num_experts != cfg.num_experts:
         raise ValueError(
             f"expert store of {store.num_layers}×{store.num_experts}, model has "
@@ -426,6 +426,11 @@ def offload_experts(
     )  # fmt: skip
     install_provider(model, provider)
     return provider
+
+
+def _packed_on_host(form: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One expert packed where its weights are (the GPU's cores for a trellis encoder's search), on the host."""
+    return {name: t.cpu() for name, t in form.pack(gate_up, down).items()}
 
 
 def load_hot_set(path: str | Path) -> dict[int, list[int]]:

@@ -50,7 +50,7 @@ def _a_tile(a_ptr, a_rows, a_live, width, k0):
 def _grouped_gate_up_kernel(
     x_ptr, pairs_ptr, block_expert_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, g_ptr, act_ptr, k, s_rows, s_cols,
     hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, PARAM: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     row, pairs, live = _block(rows_ptr, pairs_ptr, block_expert_ptr, BM)
     if row < 0:
@@ -65,9 +65,9 @@ def _grouped_gate_up_kernel(
     for k0 in tl.range(0, hidden, BK, num_stages=STAGES):
         x = _a_tile(x_ptr, tokens, live, hidden, k0)  # gathered once for gate and up
         wg = weight_tile(w, s, z, a, n, n_live, k0, hidden, 2 * inter, s_cols, FMT, PARAM)  # [BN, BK]
-        gate = tl.dot(x, tl.trans(wg.to(x.dtype)), gate)
+        gate = tl.dot(x, tl.trans(wg.to(x.dtype)), gate, input_precision=PRECISION)
         wu = weight_tile(w, s, z, a + hidden, n + inter, n_live, k0, hidden, 2 * inter, s_cols, FMT, PARAM)
-        up = tl.dot(x, tl.trans(wu.to(x.dtype)), up)
+        up = tl.dot(x, tl.trans(wu.to(x.dtype)), up, input_precision=PRECISION)
     if FMT == 2 or FMT == 4:  # the NVFP4s' global scales: gate's, up's
         gate *= global_scale(g_ptr, 2 * row, FMT)
         up *= global_scale(g_ptr, 2 * row + 1, FMT)
@@ -81,7 +81,7 @@ def _grouped_down_kernel(
     act_ptr, pairs_ptr, block_expert_ptr, rows_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr,
     s_rows, s_cols,
     hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, PARAM: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     row, pairs, live = _block(rows_ptr, pairs_ptr, block_expert_ptr, BM)
     if row < 0:
@@ -95,7 +95,7 @@ def _grouped_down_kernel(
     for k0 in tl.range(0, inter, BK, num_stages=STAGES):
         act = _a_tile(act_ptr, safe, live, inter, k0)
         wd = weight_tile(w, s, z, a, n, n_live, k0, inter, hidden, s_cols, FMT, PARAM)
-        acc = tl.dot(act, tl.trans(wd.to(act.dtype)), acc)
+        acc = tl.dot(act, tl.trans(wd.to(act.dtype)), acc, input_precision=PRECISION)
     if FMT == 2 or FMT == 4:  # the NVFP4s' global scale
         acc *= global_scale(g_ptr, row, FMT)
     acc = acc * tl.load(weights_ptr + safe, mask=live, other=0.0).to(tl.float32)[:, None]
@@ -123,7 +123,14 @@ def moe_dense_grouped(
     bm, bn = config.block_m, config.block_n
     pairs, block_expert = group_pairs(topk_ids, rows.numel(), bm)
     x = x.contiguous()
-    launch = {"num_warps": config.num_warps, "STAGES": config.stages, "BM": bm, "BN": bn}
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
+    launch = {
+        "num_warps": config.num_warps,
+        "STAGES": config.stages,
+        "BM": bm,
+        "BN": bn,
+        "PRECISION": precision,
+    }
     shape = {"hidden": hidden, "inter": inter, "FMT": fmt, "PARAM": param}
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     w, scale, zeros, aux, s_rows, s_cols = dense_operands(pool, "gate_up", fmt)
