@@ -120,6 +120,10 @@ class RouterMetrics:
     """Labelled by service: heartbeats that came past the heartbeat timeout (the worker counted as down)."""
     control_refused: Counter
     """Labelled by reason (`RefusalCount`): what the control-plane inbox refused."""
+    pair_state: Gauge
+    """Labelled by pair and state (starting, up, down): 1 on each pair's present state, 0 on the others."""
+    pair_changes: Counter
+    """Labelled by pair and state: how often the pair entered each state."""
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RouterMetrics:
@@ -182,6 +186,18 @@ class RouterMetrics:
                 registry=registry,
             ),
             control_refused=_control_refused(registry),
+            pair_state=Gauge(
+                f"{PREFIX}pair_state",
+                "Each prefill/decode pair's state: 1 on the present one (starting, up, down).",
+                ["pair", "state"],
+                registry=registry,
+            ),
+            pair_changes=Counter(
+                f"{PREFIX}pair_state_changes_total",
+                "How often each pair entered each state (starting, up, down).",
+                ["pair", "state"],
+                registry=registry,
+            ),
         )
 
 

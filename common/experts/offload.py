@@ -429,7 +429,7 @@ def offload_experts(
 
 
 def _packed_on_host(form: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One expert packed where its weights are (the GPU's cores for a trellis encoder's search), on the host."""
+    """One expert packed where its weights are (a GPU runs a trellis encoder's search), kept on the host."""
     return {name: t.cpu() for name, t in form.pack(gate_up, down).items()}
 
 

@@ -9,6 +9,7 @@ up pair with the smallest share of its capacity in use.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from typing import Any
@@ -19,12 +20,15 @@ from services.router.config import RouterConfig
 from services.router.pairs import Pair
 from services.router.supervision import Supervisor
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_RUNNING = 64
 """The admission limit when `max_running` is 0 and no worker has announced a capacity."""
 
 
-def not_ready() -> ApiError:
-    """The 503 for a request that no pair can take now."""
+def not_ready(reason: str) -> ApiError:
+    """The 503 for a request that no pair can take now, logged with `reason` (each pair's state)."""
+    log.warning("503 not_ready: %s", reason)
     return ApiError(503, "The model workers are not ready.", type="server_error", code="not_ready")
 
 
@@ -84,15 +88,16 @@ class Admission:
         them, whose `running` and `sent` count them; raises ApiError 503 (no pair up, or `images` with no
         encoder up) or 429 (the queue is full). Cancelled while it waits, it takes nothing."""
         if not self.supervisor.ready():
-            raise not_ready()
+            raise not_ready(self.supervisor.unready_reason())
         if images and not self.supervisor.encoder_up():
+            log.warning("503 not_ready for a request with images: the vision encoder is not up")
             raise ApiError(503, "The vision encoder is not ready.", type="server_error", code="not_ready")
         queued = time.monotonic()
         await self._take_slots(count)
         up = [p for p in self.supervisor.up_pairs() if count == 1 or p.capacity() >= count]
         if not up:  # every pair went down while this request waited: the slots pass on
             self._free_slots(count)
-            raise not_ready()
+            raise not_ready(self.supervisor.unready_reason())
         self.metrics.queue_time.observe(time.monotonic() - queued)
         pair = min(up, key=Pair.load)
         pair.running += count
@@ -116,6 +121,7 @@ class Admission:
                 self._waiters.popleft()
             elif count > limit:
                 self._waiters.popleft()
+                log.warning("503 not_ready: %d choices together, over the limit of %d now", count, limit)
                 slot.set_exception(
                     ApiError(503, f"{count} choices cannot run together now (at most {limit}).",
                              type="server_error", code="not_ready")

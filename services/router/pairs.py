@@ -39,6 +39,9 @@ class ServiceHealth:
     requests in flight fail then, where no launcher reports the exit (one container a service); the
     service is down, then starting, until the process behind the new connection speaks."""
 
+    lost: str = ""
+    """Why it last went down (exited, stalled, its connection closed), for the logs; kept once it is up."""
+
     def idle(self, now: float) -> float | None:
         """Seconds at `now` since its loop was last known to come round (None: never heard): since its last
         message, or longer where that said the loop had been silent before."""
@@ -54,6 +57,18 @@ class ServiceHealth:
         if self.last_seen is None:
             return "starting"
         return "up" if now - self.last_seen <= timeout_s else "down"
+
+    def why(self, now: float, timeout_s: float) -> str:
+        """Its state at `now`, with the reason where it is not up: "down: exited with code -9"."""
+        state = self.state(now, timeout_s)
+        if state == "starting":
+            return "starting: not heard from yet"
+        if state == "up":
+            return "up"
+        if self.exited or self.stalled or self.linked is False:
+            return f"down: {self.lost}"
+        assert self.last_seen is not None  # (down by silence)
+        return f"down: no heartbeat for {now - self.last_seen:.1f} s"
 
 
 @dataclass
@@ -84,6 +99,12 @@ class Pair:
         if states == {"up"}:
             return "up"
         return "down" if "down" in states else "starting"
+
+    def why(self, now: float, timeout_s: float) -> str:
+        """ "pair 0 down (decode-0 down: exited with code -9)": its state and each worker's that is not up."""
+        parts = [f"{w.name} {w.why(now, timeout_s)}" for w in self.workers if w.state(now, timeout_s) != "up"]
+        detail = f" ({'; '.join(parts)})" if parts else ""
+        return f"pair {self.index} {self.state(now, timeout_s)}{detail}"
 
     def capacity(self) -> int:
         """The requests it can run: the smaller announced capacity of its two workers (0: none announced)."""

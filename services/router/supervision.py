@@ -61,6 +61,9 @@ class Supervisor:
         """The router is stopping (a signal): workers' exits are expected, logged as information."""
         self._served = False
         """Some pair has been up (the first time is logged: the server answers from then on)."""
+        self._pair_states: dict[int, str] = {}
+        """Each pair's state as last logged and exported (`track_states`)."""
+        self.track_states()
 
     # States.
 
@@ -85,6 +88,30 @@ class Supervisor:
         if not up:
             return "unavailable"
         return "ok" if up == len(self.pairs) and self.encoder_up() else "degraded"
+
+    def track_states(self, now: float | None = None) -> None:
+        """Log each pair whose state changed since the last call (with its workers' reasons where it is not
+        up) and export every pair's (`RouterMetrics.pair_state`, `pair_changes`); `now`: time.monotonic()."""
+        now = time.monotonic() if now is None else now
+        timeout = self.config.heartbeat_timeout_s
+        for pair in self.pairs:
+            state, was = pair.state(now, timeout), self._pair_states.get(pair.index)
+            if state == was:
+                continue
+            self._pair_states[pair.index] = state
+            if was is not None or state != "starting":
+                down = state == "down" and not self.stopping
+                log.log(logging.ERROR if down else logging.INFO, "%s", pair.why(now, timeout))
+            if self._metrics is not None:
+                label = str(pair.index)
+                for name in ("starting", "up", "down"):
+                    self._metrics.pair_state.labels(pair=label, state=name).set(float(name == state))
+                self._metrics.pair_changes.labels(pair=label, state=state).inc()
+
+    def unready_reason(self) -> str:
+        """Why no pair can take a request now: each pair's state and its workers' reasons."""
+        now = time.monotonic()
+        return "; ".join(p.why(now, self.config.heartbeat_timeout_s) for p in self.pairs)
 
     def context_limit(self, configured: int) -> int:
         """The longest prompt + completion to admit: `configured`, or less where a worker announced less."""
@@ -133,6 +160,7 @@ class Supervisor:
             return False
         self._heard(svc, msg)
         self._record(svc, msg)
+        self.track_states()
         if not self._served and self.ready():
             self._served = True
             log.info("ready: pair %d is up and requests are served", self.up_pairs()[0].index)
@@ -190,10 +218,11 @@ class Supervisor:
         """The launcher saw the process exit: fail what it held (once, and only for the process named)."""
         svc = self._service(msg.service)
         if svc is not None and svc.pid == msg.pid and not svc.exited:
-            svc.exited = True
+            svc.exited, svc.lost = True, f"exited with code {msg.exit_code}"
             level = logging.INFO if self.stopping else logging.ERROR
             log.log(level, "%s (pid %d) exited with %d", msg.service, msg.pid, msg.exit_code)
             self._fail(svc, f"the {msg.service} worker exited (code {msg.exit_code})")
+            self.track_states()
 
     def on_link(self, service: str, up: bool) -> None:
         """The router's connection to `service`'s inbox opened (`up`) or closed. Closed after being open: the
@@ -203,23 +232,26 @@ class Supervisor:
         was, svc.linked = svc.linked, up
         if up or not was or svc.exited:
             return
-        svc.last_seen = None
+        svc.last_seen, svc.lost = None, "its connection closed"
         level = logging.INFO if self.stopping else logging.ERROR
         log.log(level, "%s (pid %s): its connection closed", service, svc.pid)
         self._fail(svc, f"the {service} worker's connection closed (it exited)")
+        self.track_states()
 
     def check_stalls(self, now: float) -> None:
         """Take each worker silent past the stall timeout at `now` (time.monotonic()) as hung and fail what
-        it held, once a stall (no-op when the timeout is 0)."""
+        it held, once a stall (no-op when the timeout is 0); then log and export the pairs' states."""
+        self.track_states(now)
         if self.config.stall_timeout_s <= 0:
             return
         for svc in self.services.values():
             silent = svc.idle(now)
             if svc.exited or svc.stalled or silent is None or silent <= self.config.stall_timeout_s:
                 continue
-            svc.stalled = True
+            svc.stalled, svc.lost = True, f"silent for {silent:.0f} s (hung)"
             log.error("%s (pid %s) has been silent for %.0f s: taken as hung", svc.name, svc.pid, silent)
             self._fail(svc, f"the {svc.name} worker stopped responding ({silent:.0f} s without progress)")
+            self.track_states(now)
 
     def _service(self, name: str) -> ServiceHealth | None:
         """The worker `name` names, or None (warned about once) for a name no pair has: a worker started

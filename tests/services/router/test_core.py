@@ -226,8 +226,9 @@ def test_workers_leaving_as_the_router_stops_are_no_error(caplog: pytest.LogCapt
         core.supervisor.stopping = True
         core.on_link("decode", False)
         core.on_message(ServiceDown("prefill", os.getpid(), -2))
-        closed = [r for r in caplog.records if "connection closed" in r.message or "exited" in r.message]
-        assert len(closed) == 2 and all(r.levelno == logging.INFO for r in closed)
+        ends = [r for r in caplog.records if "connection closed" in r.message or "exited" in r.message]
+        closed = [r for r in ends if not r.message.startswith("pair ")]
+        assert len(closed) == 2 and all(r.levelno == logging.INFO for r in ends)
 
     with caplog.at_level(logging.INFO, logger="services.router.supervision"):
         run_core(test)
@@ -561,3 +562,46 @@ def test_a_late_heartbeat_is_counted_and_a_silent_loop_is_a_stall() -> None:
         core.release(flight, None)
 
     run_core(test, stall_timeout_s=60)
+
+
+def test_pair_states_are_logged_with_reasons_and_exported(caplog: pytest.LogCaptureFixture) -> None:
+    """Each pair's changes of state are logged once (down: with the worker's reason) and exported as a state
+    set and a count of changes; a 503 while no pair is up is logged with every pair's state."""
+
+    async def test(core: RouterCore) -> None:
+        def states() -> dict[tuple[str, str], float]:
+            samples = core.metrics.pair_state.collect()[0].samples
+            return {(s.labels["pair"], s.labels["state"]): s.value for s in samples if s.value}
+
+        changes = lambda: {
+            (s.labels["pair"], s.labels["state"]): s.value
+            for s in core.metrics.pair_changes.collect()[0].samples
+            if s.name.endswith("_total")
+        }
+        assert states() == {("0", "starting"): 1.0, ("1", "starting"): 1.0}
+        for name in ("prefill", "decode"):
+            core.on_message(Ready(name, os.getpid(), capacity=2))
+        assert states() == {("0", "up"): 1.0, ("1", "starting"): 1.0}
+        core.on_message(ServiceDown("decode", os.getpid(), -9))
+        core.check_stalls()  # a tick: no change, no second line
+        assert states() == {("0", "down"): 1.0, ("1", "starting"): 1.0}
+        assert changes() == {
+            ("0", "starting"): 1.0,
+            ("0", "up"): 1.0,
+            ("0", "down"): 1.0,
+            ("1", "starting"): 1.0,
+        }
+        with pytest.raises(ApiError) as refused:
+            await core.submit([1], SAMPLING, time.monotonic())
+        assert refused.value.status == 503
+        lines = [(r.levelno, r.message) for r in caplog.records if r.message.startswith(("pair ", "503"))]
+        assert lines == [
+            (logging.INFO, "pair 0 up"),
+            (logging.ERROR, "pair 0 down (decode down: exited with code -9)"),
+            (logging.WARNING, "503 not_ready: pair 0 down (decode down: exited with code -9); "
+                              "pair 1 starting (prefill-1 starting: not heard from yet; "
+                              "decode-1 starting: not heard from yet)"),
+        ]  # fmt: skip
+
+    with caplog.at_level(logging.INFO):
+        run_core(test, announce=False, pairs=2)
