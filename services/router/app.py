@@ -438,6 +438,12 @@ def create_app(config: RouterConfig) -> FastAPI:
         # Degraded (some pair down) still serves: 200, so that a load balancer keeps sending.
         return JSONResponse(report, status_code=503 if report["status"] == "unavailable" else 200)
 
+    @app.get("/metrics/targets")
+    def metrics_targets(request: Request) -> JSONResponse:
+        """Prometheus `http_sd_configs`: the workers' metrics addresses, as they are now."""
+        router.authorize(request)
+        return JSONResponse(router.core.supervisor.metrics_targets())
+
     @app.get("/metrics")
     def metrics(request: Request) -> Response:
         router.authorize(request)

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from common.ipc.transport import pair_names
 from common.metrics import RouterMetrics
@@ -134,6 +135,24 @@ class Supervisor:
             "last_seen_s": None if (idle := svc.idle(now)) is None else round(idle, 3),
             "metrics_url": svc.metrics_url or self.config.metrics_urls.get(svc.name, ""),
         }
+
+    def metrics_targets(self) -> list[dict[str, Any]]:
+        """Prometheus HTTP service discovery: a target group for each worker whose metrics URL is known (its
+        present process's, from its `Ready`, else the configured one), labelled with its job (its role:
+        prefill, decode, encoder), service name and pair; a restarted worker's address replaces the old."""
+        groups = []
+        for name, svc in self.services.items():
+            url = urlsplit(svc.metrics_url or self.config.metrics_urls.get(name, ""))
+            if not url.netloc:
+                continue
+            pair = None if svc is self.encoder else self._pair_of[name]
+            role = "encoder" if pair is None else "prefill" if svc is pair.prefill else "decode"
+            labels = {"job": role, "service": name, "__metrics_path__": url.path or "/metrics"}
+            labels["__scheme__"] = url.scheme or "http"
+            if pair is not None:
+                labels["pair"] = str(pair.index)
+            groups.append({"targets": [url.netloc], "labels": labels})
+        return groups
 
     def pair_report(self) -> list[dict[str, Any]]:
         """`/health`'s pairs, in order: their workers' names, state, requests running and capacity."""

@@ -49,13 +49,33 @@ def command(service: str, env: dict[str, str] | None = None) -> list[str]:
 
 
 def scrape_targets() -> dict[str, str]:
-    """Prometheus's job → its one target (host:port), from deploy/prometheus.yml."""
+    """Prometheus's statically configured jobs → their one target (host:port), from deploy/prometheus.yml."""
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     out = {}
     for job in config["scrape_configs"]:
-        (static,) = job["static_configs"]
-        (out[job["job_name"]],) = static["targets"]
+        for static in job.get("static_configs", []):
+            (out[job["job_name"]],) = static["targets"]
     return out
+
+
+def discovery_urls() -> dict[str, str]:
+    """Prometheus's jobs whose targets HTTP service discovery gives → its URL (deploy/prometheus.yml)."""
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    return {
+        job["job_name"]: sd["url"]
+        for job in config["scrape_configs"]
+        for sd in job.get("http_sd_configs", [])
+    }
+
+
+def discovered(groups: list[dict]) -> dict[str, str]:
+    """An HTTP service discovery answer's targets: their job label → the URL Prometheus scrapes."""
+    return {
+        g["labels"][
+            "job"
+        ]: f"{g['labels']['__scheme__']}://{g['targets'][0]}{g['labels']['__metrics_path__']}"
+        for g in groups
+    }
 
 
 def dashboard() -> dict:

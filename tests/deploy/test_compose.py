@@ -5,6 +5,7 @@ checked is everything but the containers themselves."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -30,6 +31,8 @@ from tests.deploy.deployment import (
     WORKERS,
     command,
     compose,
+    discovered,
+    discovery_urls,
     queries,
     scrape_targets,
     selectors,
@@ -99,13 +102,11 @@ def test_both_workers_get_the_same_flags_as_serve_gives_them() -> None:
 
 
 def test_prometheus_scrapes_each_service_where_it_serves_metrics() -> None:
-    router, prefill, decode = (parsed(s) for s in SERVICES)
-    assert scrape_targets() == {
-        "router": f"router:{router.port}",
-        "prefill": f"prefill:{prefill.metrics_port}",
-        "decode": f"decode:{decode.metrics_port}",
-        ENCODER: f"encoder:{parsed(ENCODER).metrics_port}",
-    }
+    router = parsed("router")
+    assert scrape_targets() == {"router": f"router:{router.port}"}
+    assert discovery_urls() == {"workers": f"http://router:{router.port}/metrics/targets"}, (
+        "the workers: the router's"
+    )
     assert dict(s.split("=", 1) for s in router.metrics_url) == {
         name: f"http://{name}:{parsed(name).metrics_port}/metrics" for name in (*WORKERS, ENCODER)
     }
@@ -207,11 +208,12 @@ def test_the_compose_commands_serve_and_export_every_metric_the_dashboard_reads(
             model=model.name, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0
         )
         assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
-        urls = {  # (the encoder has exited: tests/services/test_encoder_service.py scrapes a running one)
-            job: f"http://127.0.0.1:{ports[int(t.rsplit(':', 1)[1])]}/metrics"
-            for job, t in scrape_targets().items()
-            if job != ENCODER
-        }
+        (router_target,) = scrape_targets().values()
+        urls = {"router": f"http://127.0.0.1:{ports[int(router_target.rsplit(':', 1)[1])]}/metrics"}
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics/targets", timeout=5) as answer:
+            urls |= discovered(json.loads(answer.read()))  # the workers, as the router's discovery lists them
+        assert ENCODER not in urls, "a text-only model's router lists no encoder (it exited at start)"
+        assert urls["decode"] == f"http://127.0.0.1:{ports[decode.metrics_port]}/metrics"
         deadline = time.monotonic() + 20  # the cache's counters are published with the next heartbeat
         while (
             _exposition(urls["decode"])["spillway:expert_cache_misses_total"] == 0

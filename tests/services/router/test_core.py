@@ -605,3 +605,31 @@ def test_pair_states_are_logged_with_reasons_and_exported(caplog: pytest.LogCapt
 
     with caplog.at_level(logging.INFO):
         run_core(test, announce=False, pairs=2)
+
+
+def test_service_discovery_lists_each_worker_at_its_present_address() -> None:
+    """`/metrics/targets` (Prometheus HTTP SD): a group a worker with a metrics URL, labelled with its role as
+    the job and its pair; a restarted worker's announced address replaces the configured one."""
+
+    async def test(core: RouterCore) -> None:
+        def targets() -> dict[str, tuple[str, dict[str, str]]]:
+            return {
+                g["labels"]["service"]: (g["targets"][0], g["labels"])
+                for g in core.supervisor.metrics_targets()
+            }
+
+        assert set(targets()) == {"prefill", "decode-1"}, "known: the configured URLs"
+        labels = {"job": "decode", "service": "decode-1", "pair": "1", "__metrics_path__": "/m"}
+        assert targets()["decode-1"] == ("decode-1.host:9402", {**labels, "__scheme__": "http"})
+        core.on_message(
+            Ready("decode-1", os.getpid(), capacity=2, metrics_url="http://10.0.0.7:23456/metrics")
+        )
+        core.on_message(
+            Ready("decode", os.getpid(), capacity=2, metrics_url="https://10.0.0.8:23457/metrics")
+        )
+        found = targets()
+        assert found["decode-1"][0] == "10.0.0.7:23456" and found["decode"][1]["__scheme__"] == "https"
+        assert found["prefill"][1]["job"] == "prefill" and found["prefill"][1]["pair"] == "0"
+
+    urls = {"prefill": "http://prefill.host:9401/metrics", "decode-1": "http://decode-1.host:9402/m"}
+    run_core(test, announce=False, pairs=2, metrics_urls=urls)
