@@ -327,6 +327,15 @@ class ServiceDown(msgspec.Struct, frozen=True, tag=True):
     exit_code: int
 
 
+class PairMoved(msgspec.Struct, frozen=True, tag=True):
+    """launcher → router, encoder: pair `index`'s workers were started again at new inboxes (a Ray pair's host
+    replaced on another node): connect there; what the pair held has failed."""
+
+    index: int
+    prefill: str
+    decode: str
+
+
 Message = (
     Generate
     | Encode
@@ -344,6 +353,7 @@ Message = (
     | Ready
     | Heartbeat
     | ServiceDown
+    | PairMoved
 )
 
 WORKER_ROLES = ("prefill", "decode", "encoder")
@@ -364,6 +374,7 @@ SENDERS: dict[type, tuple[str, ...]] = {
     Ready: WORKER_ROLES,
     Heartbeat: WORKER_ROLES,
     ServiceDown: ("launcher",),
+    PairMoved: ("launcher",),
 }
 """The roles that may send each message (the topology above): an inbox that knows a message's sender
 (common/ipc/keys.py) drops one from any other (`may_send`)."""

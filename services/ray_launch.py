@@ -3,8 +3,9 @@ cluster (a GPU each on CUDA), over tcp:// on the nodes' addresses.
 
 Each pair runs under a `PairHost` (a Ray actor on its node). This process starts the actors, then the router
 (and, for a model with a vision tower, the encoder, which sends the embeddings in its messages: the prefill
-workers cannot map this machine's memory) over every pair's addresses, and supervises them: a pair host that
-dies (its node lost) is started again, and the router and encoder with it, since the pair's addresses changed.
+workers cannot map this machine's memory) over every pair's addresses, and supervises them, every host's check
+under way at once: a pair host that dies or stops answering (its node lost) is started again, and the router
+and encoder are told its new addresses (`PairMoved`): they stay up, and only that pair's requests fail.
 
 Only strings and integers cross Ray's calls; the services speak msgspec over ZeroMQ as everywhere else.
 Every node needs Spillway installed and the model at the same path.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from common.ipc.keys import KEYS_ENV, LAUNCHER, ControlKeys, keys_env, make_keys
 from common.ipc.ports import free_ports
 from common.ipc.transport import Outbox, pair_names
+from common.protocol import PairMoved
 from services.children import Child, restart_exited, stop_children, worker_argv
 from services.launch import ServeOptions, child_env, encoder_argv, router_argv, worker_flags
 from services.logs import setup_logging
@@ -95,6 +97,12 @@ class RayLauncher:
     """Each pair's (prefill inbox, decode inbox, metrics URLs by worker name), as its host answered."""
     placing: dict = field(default_factory=dict)
     """The pairs whose (new) host has not answered with its addresses yet: index → the pending answer."""
+    checks: dict = field(default_factory=dict)
+    """The pairs whose host has a check under way: index → (its pending answer, time.monotonic() sent)."""
+    to_services: list = field(default_factory=list)
+    """The launcher's connections to the router and the encoder (`PairMoved`)."""
+    encoder_metrics: int = 0
+    """The encoder's metrics port (0: none)."""
 
     def run(self) -> int:
         import signal
@@ -156,72 +164,131 @@ class RayLauncher:
         return actor.remote(index, flags, self.router_inbox, bool(self.opts.metrics_port), keys)
 
     def _place(self, timeout_s: float) -> None:
-        """Collect the addresses of the pair hosts being placed; once every one has answered, (re)start the
-        router over all of them. Until then the router (if any) goes on over the addresses it has."""
+        """Collect the addresses of the pair hosts being placed. The first time, once every one has answered,
+        start the router (and encoder) over all of them; later, tell them of each pair placed again
+        (`PairMoved`): they stay up, and only the moved pair's requests failed."""
         import ray
 
         ready, _ = ray.wait(list(self.placing.values()), num_returns=len(self.placing), timeout=timeout_s)
-        if len(ready) < len(self.placing):
+        if self.router is None and len(ready) < len(self.placing):
             return
-        for i, ref in self.placing.items():
-            self.addresses[i] = ray.get(ref)
-        self.placing = {}
-        pairs = [(prefill, decode) for prefill, decode, _ in self.addresses.values()]
-        metrics = {name: url for _, _, urls in self.addresses.values() for name, url in urls.items()}
-        stop_children([c for c in (self.router, self.encoder) if c is not None])  # over the lost addresses
+        for i, ref in list(self.placing.items()):
+            if ref in ready:
+                del self.placing[i]
+                moved = i in self.addresses
+                self.addresses[i] = ray.get(ref)
+                if moved and self.router is not None:
+                    self._tell_moved(i)
+        if self.router is None and not self.placing:
+            self._start_services()
+
+    def _start_services(self) -> None:
+        """The encoder (for a vision model) and the router, over every pair's addresses, and the launcher's
+        connections to them (`PairMoved`)."""
+        launcher = self.keys[LAUNCHER]
+        self.to_services = [Outbox(self.router_inbox, keys=launcher, peer="router")]
         if self.encoder_inbox is not None:
-            prefills = {pair_names(i)[0]: pairs[i][0] for i in range(len(pairs))}
-            argv = self._encoder_argv(prefills, metrics)
-            env = {**child_env(self.opts), **keys_env(self.keys["encoder"])}
-            self.encoder = Child("encoder", argv, env=env)
+            self.encoder_metrics = free_ports(1, self.host) if self.opts.metrics_port else 0
+            self.encoder = Child(
+                "encoder",
+                self._encoder_argv(),
+                env={**child_env(self.opts), **keys_env(self.keys["encoder"])},
+            )
             self.encoder.start()
-        argv = router_argv(self.opts, self.router_inbox, pairs, metrics, self.encoder_inbox)
-        self.router = Child("router", argv, env={**child_env(self.opts), **keys_env(self.keys["router"])})
+            self.to_services.append(Outbox(self.encoder_inbox, keys=launcher, peer="encoder"))
+        self.router = Child(
+            "router", self._router_argv(), env={**child_env(self.opts), **keys_env(self.keys["router"])}
+        )
         self.router.start()
 
-    def _encoder_argv(self, prefills: dict[str, str], metrics: dict[str, str]) -> list[str]:
+    def _tell_moved(self, index: int) -> None:
+        """Pair `index` answers at new addresses: tell the router and the encoder, and start them with those
+        should they restart."""
+        prefill, decode, _ = self.addresses[index]
+        log.info("pair %d placed again: prefill at %s, decode at %s", index, prefill, decode)
+        for box in self.to_services:
+            if not box.try_send(PairMoved(index, prefill, decode)):
+                log.error("%s does not read: pair %d's move not told", box.peer, index)
+        assert self.router is not None
+        self.router.argv = self._router_argv()
+        if self.encoder is not None:
+            self.encoder.argv = self._encoder_argv()
+
+    def _metrics_urls(self) -> dict[str, str]:
+        """Every worker's metrics URL by name (and the encoder's), as the pair hosts answered."""
+        urls = {name: url for _, _, named in self.addresses.values() for name, url in named.items()}
+        if self.encoder_inbox is not None and self.opts.metrics_port:
+            urls["encoder"] = f"http://{self.host}:{self.encoder_metrics}/metrics"
+        return urls
+
+    def _router_argv(self) -> list[str]:
+        pairs = [(self.addresses[i][0], self.addresses[i][1]) for i in range(self.pairs)]
+        return router_argv(self.opts, self.router_inbox, pairs, self._metrics_urls(), self.encoder_inbox)
+
+    def _encoder_argv(self) -> list[str]:
         """The encoder's command: on this machine, its embeddings in the messages (`--inline`)."""
         assert self.encoder_inbox is not None  # asked only where there is an encoder
+        prefills = {pair_names(i)[0]: self.addresses[i][0] for i in range(self.pairs)}
         argv = [*encoder_argv(self.opts, self.encoder_inbox, self.router_inbox, prefills), "--inline"]
         if self.opts.metrics_port:
-            port = free_ports(1, self.host)
-            argv += ["--metrics-port", str(port), "--metrics-host", self.host]
-            metrics["encoder"] = f"http://{self.host}:{port}/metrics"
+            argv += ["--metrics-port", str(self.encoder_metrics), "--metrics-host", self.host]
         return argv
 
     def _supervise(self) -> None:
+        """Restart the local services that exited; collect the pair hosts' answers to their last checks,
+        without waiting on any (one node that does not answer stalls none of the others), replacing a host
+        that is lost or has not answered for CALL_TIMEOUT_S; then send the next checks."""
         import ray
 
         local = [c for c in (self.router, self.encoder) if c is not None]
         if restart_exited(local, None) is not None:
             self.failed = self.stopping = True
             return
-        for i, actor in enumerate(self.actors):
-            if i in self.placing:
+        now = time.monotonic()
+        for i, (ref, sent) in list(self.checks.items()):
+            done, _ = ray.wait([ref], timeout=0)
+            if not done and now - sent < CALL_TIMEOUT_S:
                 continue
+            del self.checks[i]
             try:
-                failed = ray.get(actor.supervise.remote(), timeout=CALL_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                log.error("the host of pair %d is lost (%s): starting it again", i, type(exc).__name__)
-                ray.kill(actor)
-                self.actors[i] = self._start_pair(i)
-                self.placing[i] = self.actors[i].addresses.remote()
-                continue
+                failed = ray.get(ref, timeout=0) if done else None
+            except ray.exceptions.RayActorError as exc:
+                failed = None
+                log.error("the host of pair %d is lost (%s)", i, type(exc).__name__)
             except ray.exceptions.RayTaskError:  # its check failed (not the host): try again next time
                 log.exception("checking the workers of pair %d failed", i)
                 continue
-            if failed:
+            if failed is None:
+                if not done:
+                    log.error("the host of pair %d has not answered for %.0f s", i, now - sent)
+                self._replace(i)
+            elif failed:
                 log.error("%s keeps failing at start-up: giving up", failed)
                 self.failed = self.stopping = True
+        for i, actor in enumerate(self.actors):
+            if i not in self.placing and i not in self.checks:
+                self.checks[i] = (actor.supervise.remote(), now)
         if self.placing:
             self._place(timeout_s=0)
+
+    def _replace(self, index: int) -> None:
+        """A new host for pair `index` (the old one killed): its workers start at new addresses."""
+        import ray
+
+        log.error("starting pair %d's host again", index)
+        ray.kill(self.actors[index])
+        self.actors[index] = self._start_pair(index)
+        self.placing[index] = self.actors[index].addresses.remote()
 
     def _stop(self) -> None:
         import ray
 
         stop_children([c for c in (self.router, self.encoder) if c is not None])
-        for actor in self.actors:
-            try:
-                ray.get(actor.stop.remote(), timeout=CALL_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                log.warning("a pair host did not stop its workers (they stop with it)")
+        for box in self.to_services:
+            box.close()
+        stops = [actor.stop.remote() for actor in self.actors]  # together: a hung node delays none of them
+        done, _ = ray.wait(stops, num_returns=len(stops), timeout=CALL_TIMEOUT_S) if stops else ([], [])
+        if len(done) < len(stops):
+            log.warning(
+                "%d pair hosts did not stop their workers (they stop with them)", len(stops) - len(done)
+            )

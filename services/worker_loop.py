@@ -150,6 +150,12 @@ class WorkerShell:
     def _stop(self, *_: object) -> None:
         self.stopping = True
 
+    def reconnect(self, dest: str, address: str) -> None:
+        """Send to `dest` at `address` from now on (its process was started again elsewhere)."""
+        old = self.out[dest]
+        self.out[dest] = Outbox(address, keys=self.keys, peer=old.peer)
+        old.close()
+
     def send(self, dest: str, msg: Message) -> None:
         """To the peer worker: waits while its queue is full. To the router: never waits. Messages for a
         router that does not read (hung, paused, restarting) are dropped once its queue is full: the loop

@@ -9,8 +9,9 @@ import logging
 import torch
 
 from common.ipc import tensors as ipc
+from common.ipc.transport import pair_names
 from common.metrics import EncoderMetrics
-from common.protocol import Abort, Encode, ImagesTaken, Message, Tokens
+from common.protocol import Abort, Encode, ImagesTaken, Message, PairMoved, Tokens
 from common.vision.images import vision_config
 from common.workers.encoder import EncoderCore
 from common.workers.encoder_metrics import EncoderMetricsExporter
@@ -110,6 +111,11 @@ def handle(core: EncoderCore, shell: WorkerShell, msg: Message) -> None:
         core.taken(msg.rid)
     elif isinstance(msg, Abort):
         core.abort(msg.rid)
+    elif isinstance(msg, PairMoved):
+        name = pair_names(msg.index)[0]
+        if name in shell.out:
+            log.info("%s moved to %s", name, msg.prefill)
+            shell.reconnect(name, msg.prefill)
     else:
         log.warning("unexpected %s", type(msg).__name__)
 

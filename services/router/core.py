@@ -30,6 +30,7 @@ from common.protocol import (
     Generate,
     Heartbeat,
     Message,
+    PairMoved,
     Ready,
     SamplingParams,
     ServiceDown,
@@ -247,6 +248,9 @@ class RouterCore:
                 self.admission.admit_waiters()
         elif isinstance(msg, ServiceDown):
             self.supervisor.on_down(msg)
+        elif isinstance(msg, PairMoved) and 0 <= msg.index < len(self.pairs):
+            self.links.move(self.pairs[msg.index], msg.prefill, msg.decode)
+            self.supervisor.on_moved(self.pairs[msg.index])
         else:
             log.warning("router ignores %s messages", type(msg).__name__)
 

@@ -35,20 +35,37 @@ class WorkerLinks:
         """The connection to the encoder's inbox (`Encode`, `Abort`); None without one, or before `open`."""
         self._has_encoder = encoder
         self._on_link = on_link
-        self._monitors: list[asyncio.Task[None]] = []
+        self._monitors: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._ctx: zmq.asyncio.Context | None = None
 
     def open(self, ctx: zmq.asyncio.Context) -> None:
         """Connect to every worker's inbox and start watching the connections (inside the event loop)."""
-        keys = self.config.control_keys
+        self._ctx = ctx
         for pair, addrs in zip(self.pairs, self.config.pairs, strict=True):
-            pair.prefill_box = AsyncOutbox(addrs.prefill, ctx, True, keys, pair.prefill.name)
-            pair.decode_box = AsyncOutbox(addrs.decode, ctx, True, keys, pair.decode.name)
-            self._watch(pair.prefill.name, pair.prefill_box)
-            self._watch(pair.decode.name, pair.decode_box)
+            self._connect(pair, addrs.prefill, addrs.decode)
         if self._has_encoder:
+            keys = self.config.control_keys
             self.encoder_box = AsyncOutbox(self.config.encoder, ctx, True, keys, "encoder")
             self._watch("encoder", self.encoder_box)
+
+    def move(self, pair: Pair, prefill: str, decode: str) -> None:
+        """Connect to `pair`'s workers at their new inboxes (`PairMoved`), dropping the old connections."""
+        for worker, box in ((pair.prefill, pair.prefill_box), (pair.decode, pair.decode_box)):
+            monitor = self._monitors.pop(worker.name, None)
+            if monitor is not None:
+                monitor.cancel()
+            if box is not None:
+                box.close()
+        self._connect(pair, prefill, decode)
+
+    def _connect(self, pair: Pair, prefill: str, decode: str) -> None:
+        assert self._ctx is not None, "open() first"
+        keys = self.config.control_keys
+        pair.prefill_box = AsyncOutbox(prefill, self._ctx, True, keys, pair.prefill.name)
+        pair.decode_box = AsyncOutbox(decode, self._ctx, True, keys, pair.decode.name)
+        self._watch(pair.prefill.name, pair.prefill_box)
+        self._watch(pair.decode.name, pair.decode_box)
 
     async def send(self, pair: Pair, generate: Generate, encode: Encode | None) -> None:
         """Send a request to `pair`'s prefill worker, and first its images to the encoder (`encode`)."""
@@ -69,7 +86,7 @@ class WorkerLinks:
 
     async def stop_watching(self) -> None:
         """Stop the connection watches (before closing)."""
-        for task in self._monitors:
+        for task in self._monitors.values():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -86,8 +103,8 @@ class WorkerLinks:
                 box.close()
 
     def _watch(self, service: str, outbox: AsyncOutbox) -> None:
-        self._monitors.append(
-            asyncio.create_task(self._watch_link(service, outbox), name=f"router-link-{service}")
+        self._monitors[service] = asyncio.create_task(
+            self._watch_link(service, outbox), name=f"router-link-{service}"
         )
 
     async def _watch_link(self, service: str, outbox: AsyncOutbox) -> None:

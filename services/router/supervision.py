@@ -243,6 +243,19 @@ class Supervisor:
             self._fail(svc, f"the {msg.service} worker exited (code {msg.exit_code})")
             self.track_states()
 
+    def on_moved(self, pair: Pair) -> None:
+        """`pair`'s workers were started again elsewhere (`PairMoved`): what it held fails (once: not again
+        for the old connections' ends), and its workers count as starting until the new processes speak."""
+        for svc in pair.workers:
+            if not (svc.exited or svc.stalled or svc.linked is False):
+                svc.lost = "its host was replaced"
+                self._fail(svc, f"the {svc.name} worker's host was replaced")
+            svc.pid, svc.instance, svc.last_seen, svc.progressed = None, "", None, None
+            svc.exited = svc.stalled = False
+            svc.linked, svc.metrics_url, svc.capacity = None, "", 0
+        log.info("pair %d moved: its workers start again at new addresses", pair.index)
+        self.track_states()
+
     def on_link(self, service: str, up: bool) -> None:
         """The router's connection to `service`'s inbox opened (`up`) or closed. Closed after being open: the
         worker exited (or its host is gone), so what it held fails now, as on the launcher's `ServiceDown`,

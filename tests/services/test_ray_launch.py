@@ -1,14 +1,16 @@
 """`spillway serve --ray local --pairs 2`: the pairs under Ray actors on a local Ray cluster, the router here,
 all over tcp:// on the node's address; a killed worker is restarted by its pair's host; SIGTERM stops every
-process."""
+process; a lost pair host is replaced alone, the router and the other pair serving on."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -25,6 +27,12 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def discovery(port: int) -> list[dict]:
+    """The router's Prometheus service discovery answer."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics/targets", timeout=5) as answer:
+        return json.loads(answer.read())
 
 
 def _parent(pid: int) -> int:
@@ -60,24 +68,38 @@ def test_pairs_on_ray_serve_restart_and_stop(tmp_path) -> None:
         again = client.completions.create(model=MODEL, prompt="On Ray.", max_tokens=8, temperature=0)
         assert again.choices[0].text in replies
         # The pair's host (the Ray actor, the workers' parent) lost: its workers stop with it, a new host
-        # starts them elsewhere (new addresses), and the router is started again over them.
+        # starts them elsewhere (new addresses), told to the router, which stays up and serves the other pair.
         lost = {name: body["services"][name]["pid"] for name in ("prefill-1", "decode-1")}
+        kept = body["services"]["decode"]["pid"]
         host = _parent(lost["decode-1"])
         os.kill(host, signal.SIGKILL)
-        deadline = time.monotonic() + 20
+        killed = time.monotonic()
+        deadline = killed + 20
         while any(_alive(p) for p in lost.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(_alive(p) for p in lost.values()), "the workers stop with their host"
+        meanwhile = client.completions.create(model=MODEL, prompt="On Ray.", max_tokens=8, temperature=0)
+        assert meanwhile.choices[0].text in replies, "the other pair answers while one is replaced"
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # the new router, over the new host's workers
+        while time.monotonic() < deadline:  # the same router, over the new host's workers
             body = health(port)[1]
             pids = {name: body.get("services", {}).get(name, {}).get("pid") for name in lost}
             if body.get("status") == "ok" and not set(pids.values()) & set(lost.values()):
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
+        replaced_s = time.monotonic() - killed
         assert body.get("status") == "ok" and not set(pids.values()) & set(lost.values()), body
-        again = client.completions.create(model=MODEL, prompt="On Ray.", max_tokens=8, temperature=0)
-        assert again.choices[0].text in replies
+        assert body["router_restarts"] == 0 and body["services"]["decode"]["pid"] == kept, (
+            "nothing else restarts"
+        )
+        assert replaced_s < 15, f"{replaced_s:.1f} s from a killed pair host to serving on all pairs again"
+        targets = {t["labels"]["service"]: t["targets"][0] for t in discovery(port)}
+        assert targets["decode-1"] in body["services"]["decode-1"]["metrics_url"], (
+            "discovery follows the move"
+        )
+        for _ in range(4):  # both pairs (the router sends in turns)
+            again = client.completions.create(model=MODEL, prompt="On Ray.", max_tokens=8, temperature=0)
+            assert again.choices[0].text in replies
         pids = [svc["pid"] for svc in body["services"].values()]
     finally:
         code = server.stop()

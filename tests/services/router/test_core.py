@@ -19,7 +19,17 @@ from common.metrics import RouterMetrics, new_registry
 from common.model.defaults import default_model_dir
 from common.model.synthetic.checkpoint import make_model
 from common.openai.api import ApiError
-from common.protocol import Abort, Encode, Generate, Heartbeat, Ready, SamplingParams, ServiceDown, Tokens
+from common.protocol import (
+    Abort,
+    Encode,
+    Generate,
+    Heartbeat,
+    PairMoved,
+    Ready,
+    SamplingParams,
+    ServiceDown,
+    Tokens,
+)
 from services.router import RouterConfig, RouterCore, WorkerPair
 
 SAMPLING = SamplingParams(max_tokens=8)
@@ -633,3 +643,36 @@ def test_service_discovery_lists_each_worker_at_its_present_address() -> None:
 
     urls = {"prefill": "http://prefill.host:9401/metrics", "decode-1": "http://decode-1.host:9402/m"}
     run_core(test, announce=False, pairs=2, metrics_urls=urls)
+
+
+def test_a_moved_pair_fails_what_it_held_and_is_reached_at_its_new_inboxes() -> None:
+    """`PairMoved` (a Ray pair's host replaced): the pair's requests fail, the other pair's go on, its workers
+    count as starting until they speak, and its next request reaches the new prefill inbox."""
+
+    async def test(core: RouterCore) -> None:
+        flights = [await core.submit([i], SAMPLING, time.monotonic()) for i in range(2)]
+        moved, kept = sorted(flights, key=lambda f: -f.pair)
+        run_dir = make_run_dir()
+        ctx = zmq.asyncio.Context()
+        new = [ipc_address(run_dir, name) for name in ("new-prefill", "new-decode")]
+        prefill = AsyncInbox(new[0], ctx)
+        try:
+            core.on_message(PairMoved(1, *new), "launcher")
+            event = await moved.next_event()
+            assert event.finish_reason == "error" and "host was replaced" in event.error
+            assert kept.events.empty()
+            report = core.health()
+            assert report["pairs"][1]["state"] == "starting" and report["services"]["decode-1"]["pid"] is None
+            core.release(kept, "stop")
+            for name in ("prefill-1", "decode-1"):
+                core.on_message(Ready(name, os.getpid() + 1, capacity=2))
+            again = [await core.submit([7], SAMPLING, time.monotonic()) for _ in range(2)]
+            assert sorted(f.pair for f in again) == [0, 1]
+            generate = await asyncio.wait_for(prefill.recv(), 5)
+            assert isinstance(generate, Generate) and generate.prompt_ids == [7]
+        finally:
+            prefill.close()
+            ctx.destroy(linger=0)
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    run_core(test, pairs=2, max_running=0)
