@@ -342,7 +342,10 @@ def _serve(args: argparse.Namespace) -> int:
         encoder_device=_encoder_device(args, model_dir),
         encoder_dtype=cfg.dtype,
         grammar_max_bytes=cfg.grammar_max_bytes,
+        port_range=args.port_range,
     )
+    if args.ray is None and args.port_range is not None:
+        raise ValueError("--port-range: the ports --ray picks on its nodes (without it, give --metrics-port)")
     if args.ray is None:  # (under Ray, the router's node binds them)
         _check_ports(opts)
     if args.ray is not None:
@@ -438,6 +441,15 @@ def _add_bench(sub) -> None:
     b.set_defaults(func=_bench)
 
 
+def _port_range(text: str) -> tuple[int, int]:
+    from common.ipc.ports import parse_port_range
+
+    try:
+        return parse_port_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (router, prefill, decode processes)")
     add_config_args(srv, model_required=False, device_here=False)  # checked in _serve, unless --ray
@@ -464,6 +476,14 @@ def _add_serve(sub) -> None:
         default=None,
         help="place the pairs on the nodes of this Ray cluster (`auto`: the one `ray start` joined this "
         "machine to; `local`: one of this machine alone), the router here (needs the `ray` extra)",
+    )
+    srv.add_argument(
+        "--port-range",
+        metavar="FIRST-LAST",
+        type=_port_range,
+        default=None,
+        help="with --ray: the TCP ports picked on every node (the services' inboxes and metrics ports), "
+        "for a firewall that opens only these (default: any free one)",
     )
     srv.add_argument(
         "--encoder-device",

@@ -74,6 +74,9 @@ class ServeOptions:
     encoder_dtype: str = "float32"
     grammar_max_bytes: int = GRAMMAR_MAX_BYTES
     """The largest structured output's form the router lets through (the workers' --grammar-max-bytes)."""
+    port_range: tuple[int, int] | None = None
+    """Under Ray: the ports (first, last) picked on every node for the inboxes and metrics (a firewall's
+    opening); None: any free one."""
 
     def worker_metrics_port(self, pair: int, role: str) -> int:
         """Pair `pair`'s prefill or decode worker's metrics port (`metrics_port` set)."""

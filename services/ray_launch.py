@@ -39,16 +39,23 @@ class PairHost:
     (`--exit-with-parent`)."""
 
     def __init__(
-        self, index: int, flags: list[str], router_inbox: str, metrics: bool, keys: dict[str, str]
+        self,
+        index: int,
+        flags: list[str],
+        router_inbox: str,
+        metrics: bool,
+        keys: dict[str, str],
+        span: tuple[int, int] | None = None,
     ) -> None:
         """`keys`: the control-plane keys (`ControlKeys.to_json`) of the pair's two workers and of the
-        launcher (this host sends `ServiceDown` as it), by name."""
+        launcher (this host sends `ServiceDown` as it), by name; `span`: the ports to pick from (None: any
+        free one)."""
         import ray
 
         setup_logging("pair")
         self.host = ray.util.get_node_ip_address()
         names = dict(zip(("prefill", "decode"), pair_names(index), strict=True))
-        self.inboxes = {role: f"tcp://{self.host}:{free_ports(1, self.host)}" for role in names}
+        self.inboxes = {role: f"tcp://{self.host}:{free_ports(1, self.host, span)}" for role in names}
         self.metrics_urls: dict[str, str] = {}
         peer = {"prefill": "decode", "decode": "prefill"}
         self.children = []
@@ -57,7 +64,7 @@ class PairHost:
                 role, names[role], self.inboxes[role], self.inboxes[peer[role]], router_inbox, flags
             )
             if metrics:
-                port = free_ports(1, self.host)
+                port = free_ports(1, self.host, span)
                 argv += ["--metrics-port", str(port), "--metrics-host", self.host]
                 self.metrics_urls[names[role]] = f"http://{self.host}:{port}/metrics"
             self.children.append(Child(names[role], argv, env={KEYS_ENV: keys[names[role]]}))
@@ -138,15 +145,21 @@ class RayLauncher:
         if self.gpu and gpus < self.pairs:
             raise ValueError(f"--pairs {self.pairs} needs a GPU a pair; the Ray cluster has {gpus:g}")
         self.host = ray.util.get_node_ip_address()
-        self.router_inbox = f"tcp://{self.host}:{free_ports(1, self.host)}"
+        self.router_inbox = f"tcp://{self.host}:{free_ports(1, self.host, self.opts.port_range)}"
         has_encoder = self.opts.encoder_device is not None
-        self.encoder_inbox = f"tcp://{self.host}:{free_ports(1, self.host)}" if has_encoder else None
+        self.encoder_inbox = (
+            f"tcp://{self.host}:{free_ports(1, self.host, self.opts.port_range)}" if has_encoder else None
+        )
         names = [n for i in range(self.pairs) for n in pair_names(i)]
         self.keys = make_keys([*names, "router", "encoder", LAUNCHER])
         self.actors = [self._start_pair(i) for i in range(self.pairs)]
         self.placing = {i: self.actors[i].addresses.remote() for i in range(self.pairs)}
         while not self.stopping and self.placing:
             self._place(timeout_s=SUPERVISE_S)
+
+    def _port(self) -> int:
+        """A free port on this node (in `--port-range`, where given)."""
+        return free_ports(1, self.host, self.opts.port_range)
 
     def _start_pair(self, index: int):
         import ray
@@ -161,7 +174,8 @@ class RayLauncher:
         # on a GPU: the actor's one (Ray sets its CUDA_VISIBLE_DEVICES, which the workers inherit)
         flags += ["--device", "cuda" if self.gpu else "cpu"]
         keys = {name: self.keys[name].to_json() for name in (*pair_names(index), LAUNCHER)}
-        return actor.remote(index, flags, self.router_inbox, bool(self.opts.metrics_port), keys)
+        metrics = bool(self.opts.metrics_port)
+        return actor.remote(index, flags, self.router_inbox, metrics, keys, self.opts.port_range)
 
     def _place(self, timeout_s: float) -> None:
         """Collect the addresses of the pair hosts being placed. The first time, once every one has answered,
@@ -188,7 +202,9 @@ class RayLauncher:
         launcher = self.keys[LAUNCHER]
         self.to_services = [Outbox(self.router_inbox, keys=launcher, peer="router")]
         if self.encoder_inbox is not None:
-            self.encoder_metrics = free_ports(1, self.host) if self.opts.metrics_port else 0
+            self.encoder_metrics = (
+                free_ports(1, self.host, self.opts.port_range) if self.opts.metrics_port else 0
+            )
             self.encoder = Child(
                 "encoder",
                 self._encoder_argv(),

@@ -20,17 +20,18 @@ _RANDOM = random.SystemRandom()  # not the global generator, which a test or a l
 _GIVEN: set[int] = set()
 
 
-def free_ports(count: int = 1, host: str = "127.0.0.1") -> int:
+def free_ports(count: int = 1, host: str = "127.0.0.1", span: tuple[int, int] | None = None) -> int:
     """The first of `count` consecutive TCP ports free on `host` now, below the kernel's ephemeral range
-    (anywhere from PORTS_FROM where that range starts too low to leave room), none of them handed out
-    before by this process (its callers bind them later, so a later pick must not reuse them)."""
+    (anywhere from PORTS_FROM where that range starts too low to leave room), or within `span` (first, last:
+    a firewall's opening) where given, none of them handed out before by this process (its callers bind
+    them later, so a later pick must not reuse them)."""
     if count < 1:
         raise ValueError(f"count {count}: at least one port")
-    top = port_top()
-    if top - count < PORTS_FROM:
-        raise RuntimeError(f"no room for {count} ports in [{PORTS_FROM}, {top})")
+    low, top = (span[0], span[1] + 1) if span is not None else (PORTS_FROM, port_top())
+    if top - count < low:
+        raise RuntimeError(f"no room for {count} ports in [{low}, {top})")
     for _ in range(TRIES):
-        base = _RANDOM.randrange(PORTS_FROM, top - count + 1)
+        base = _RANDOM.randrange(low, top - count + 1)
         run = range(base, base + count)
         if _GIVEN.intersection(run):
             continue
@@ -42,9 +43,15 @@ def free_ports(count: int = 1, host: str = "127.0.0.1") -> int:
             continue
         _GIVEN.update(run)
         return base
-    raise RuntimeError(
-        f"no {count} consecutive free TCP ports on {host} in [{PORTS_FROM}, {top}) in {TRIES} tries"
-    )
+    raise RuntimeError(f"no {count} consecutive free TCP ports on {host} in [{low}, {top}) in {TRIES} tries")
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """ "30000-30999" → (30000, 30999); ValueError for anything else (ports 1 to 65535, first ≤ last)."""
+    first, sep, last = text.partition("-")
+    if not (sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last) <= 65535):
+        raise ValueError(f"{text!r} is not a port range FIRST-LAST (e.g. 30000-30999)")
+    return int(first), int(last)
 
 
 def check_free(host: str, port: int, what: str) -> None:

@@ -44,7 +44,8 @@ def test_pairs_on_ray_serve_restart_and_stop(tmp_path) -> None:
     port, metrics = free_port(), free_ports(1)
     argv = [sys.executable, "-m", "services.cli", "serve", "--ray", "local", "--pairs", "2"]
     argv += ["--port", str(port), "--metrics-port", str(metrics), "--threads", "1", "--max-running", "2"]
-    argv += ["--max-context", "1024", "--expert-cache", "0.5"]
+    first = free_ports(200)  # every port the launcher and the pair hosts pick: in --port-range
+    argv += ["--max-context", "1024", "--expert-cache", "0.5", "--port-range", f"{first}-{first + 199}"]
     env = {**os.environ, "SPILLWAY_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
     server = Server(subprocess.Popen(argv, env=env), port)
     try:
@@ -52,6 +53,7 @@ def test_pairs_on_ray_serve_restart_and_stop(tmp_path) -> None:
         workers = {name: body["services"][name] for name in ("prefill", "decode", "prefill-1", "decode-1")}
         for svc in workers.values():  # served over the node's address, not loopback
             assert svc["metrics_url"].startswith("http://") and "127.0.0.1" not in svc["metrics_url"]
+            assert first <= int(svc["metrics_url"].rsplit(":", 1)[1].split("/")[0]) < first + 200
         client = server.client()
         replies = {
             client.completions.create(model=MODEL, prompt="On Ray.", max_tokens=8, temperature=0)

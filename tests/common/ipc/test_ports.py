@@ -43,3 +43,13 @@ def test_a_port_another_server_listens_on_is_named_as_taken() -> None:
         with pytest.raises(OSError, match=rf"--port: 127.0.0.1:{port} cannot be bound .*choose another"):
             ports.check_free("127.0.0.1", port, "--port")
     ports.check_free("127.0.0.1", port, "--port")  # closed: free again
+
+
+def test_ports_within_a_range_and_its_spelling() -> None:
+    first = ports.port_top() - 1000
+    picked = {ports.free_ports(1, span=(first, first + 999)) for _ in range(3)}
+    assert len(picked) == 3 and all(first <= p <= first + 999 for p in picked)
+    assert ports.parse_port_range("30000-30999") == (30000, 30999)
+    for bad in ("30000", "2-1", "0-5", "1-70000", "a-b"):
+        with pytest.raises(ValueError, match="not a port range"):
+            ports.parse_port_range(bad)
