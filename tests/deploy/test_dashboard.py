@@ -9,7 +9,16 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from common import metrics
-from tests.deploy.deployment import DEPLOY, ENCODER, SERVICES, dashboard, queries, scrape_targets, selectors
+from tests.deploy.deployment import (
+    DEPLOY,
+    ENCODER,
+    SERVICES,
+    command,
+    dashboard,
+    queries,
+    scraped_jobs,
+    selectors,
+)
 
 
 def _registry(job: str) -> CollectorRegistry:
@@ -53,7 +62,7 @@ def test_a_query_parses_and_reads_what_its_job_exports(expr: str) -> None:
     assert found, f"no series in {expr}"
     for name, job in found:
         jobs = [job] if job else list(SERVICES)
-        assert all(j in scrape_targets() for j in jobs), f"{expr}: job {job} is not scraped"
+        assert all(j in scraped_jobs() for j in jobs), f"{expr}: job {job} is not scraped"
         assert any(name in EXPORTED[j] for j in jobs), f"{expr}: {name} is not exported by {jobs}"
 
 
@@ -69,7 +78,7 @@ def test_the_checks_refuse_a_misspelled_or_misplaced_metric() -> None:
 
 def test_the_encoder_is_scraped_and_its_images_are_on_the_dashboard() -> None:
     """Its target is down for a text-only model (the default): "Services up" says "off" for it, not down."""
-    assert scrape_targets()[ENCODER] == "encoder:9403"
+    assert ENCODER in scraped_jobs() and "encoder=http://encoder:9403/metrics" in command("router")
     read = {name for expr in queries() for name, job in selectors(expr) if job == ENCODER}
     assert {n for n in EXPORTED[ENCODER] if "image" in n or "encoder_rows" in n} <= read | {
         "spillway:image_encode_seconds_sum",
