@@ -221,6 +221,21 @@ PANELS: list[tuple] = [
     ),
     ("Services up", "none", [('up{job=~"router|prefill|decode|encoder"}', "{{job}}")], "stat", 12),
     (
+        "Pairs up (router)",
+        "none",
+        [('spillway:pair_state{job="router", state="up"}', "pair {{pair}}")],
+        "stat",
+        12,
+    ),
+    (
+        "Pair state changes (router)",
+        "short",
+        [(f'sum by (pair, state) (increase(spillway:pair_state_changes_total{{job="router"}}[{RATE}]))',
+          "pair {{pair}} {{state}}")],
+        "timeseries",
+        12,
+    ),
+    (
         "Dropped frames",
         "short",
         [(f"sum by (job) (increase(spillway:dropped_frames_total[{RATE}]))", "{{job}}")],
@@ -248,9 +263,18 @@ def panel(pid: int, title: str, unit: str, targets: list[tuple[str, str]], kind:
         out["description"] = DESCRIPTIONS[title]
     if kind == "heatmap":
         # Each layer's series is one row of cells (already rates: nothing to bucket), joined on time.
-        out["options"] = {"calculate": False, "yAxis": {"axisPlacement": "left"}, "cellGap": 1}
+        # The heatmap reads its colour range, cell unit and hidden values from its options (not
+        # fieldConfig): a fixed 0–1 scale, percent cells, and no value hidden (a layer at 0 % shows).
+        color = {"mode": "scheme", "scheme": "RdYlGn", "steps": 64, "min": 0, "max": 1}
+        out["options"] = {
+            "calculate": False,
+            "yAxis": {"axisPlacement": "left"},
+            "cellGap": 1,
+            "color": {**color, "exponent": 0.5, "scale": "linear", "fill": "dark-orange", "reverse": False},
+            "cellValues": {"unit": unit, "decimals": 0},
+            "filterValues": {"le": -1},
+        }
         out["transformations"] = [{"id": "joinByField", "options": {"byField": "Time", "mode": "outer"}}]
-        out["fieldConfig"]["defaults"].update({"min": 0, "max": 1})
     if kind == "stat":
         out["fieldConfig"]["defaults"]["mappings"] = up_mappings("down", "red")
         out["fieldConfig"]["overrides"] = [

@@ -104,3 +104,13 @@ def test_panels_fit_the_grid_and_use_the_provisioned_datasource() -> None:
     assert any(p["type"] == "heatmap" and "layer" in p["title"] for p in panels), (
         "docs/ARCHITECTURE.md, API and metrics: a per-layer heatmap"
     )
+
+
+def test_the_heatmap_fixes_its_scale_in_the_options_grafana_reads() -> None:
+    """Grafana's heatmap takes its colour range, cell unit and value filter from `options` (it ignores
+    fieldConfig's min and max): a 0–1 scale, percent cells, and no layer hidden at a 0 % hit rate."""
+    (heatmap,) = [p for p in dashboard()["panels"] if p["type"] == "heatmap"]
+    options = heatmap["options"]
+    assert (options["color"]["min"], options["color"]["max"]) == (0, 1)
+    assert options["cellValues"]["unit"] == "percentunit" and options["calculate"] is False
+    assert options["filterValues"]["le"] < 0, "the default (le 1e-9) hides cells at 0"
