@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import shutil
 import sys
 import time
@@ -32,6 +33,10 @@ from services.worker_args import (
 DTYPES = ("float32", "bfloat16", "float16")
 GENERATE_LANES, GENERATE_CONTEXT = 8, 4096
 """The offline engine's lanes and context (`spillway generate`; its memory plan is for these)."""
+DEFAULT_SERVE_CACHE = "0.5"
+"""`serve`'s expert cache for the embedded model when neither --expert-cache nor --vram-budget is given:
+half of each layer's experts in the cache, the rest read through from host memory (as docker-compose's
+default), so that the cache's metrics and panels have data from the first request."""
 
 
 def _replace_destination(out: str, force: bool, source: str | None = None) -> None:
@@ -316,6 +321,9 @@ def _serve(args: argparse.Namespace) -> int:
             args.device = device_arg(args.device)
         except argparse.ArgumentTypeError as exc:
             raise ValueError(f"--device: {exc}") from None
+    if args.model is None and args.expert_cache is None and args.vram_budget is None:
+        args.expert_cache = DEFAULT_SERVE_CACHE  # the embedded default shows what Spillway is for
+        logging.getLogger("launch").info("the embedded model's experts: through a cache of half of them")
     model_dir = str(Path(args.model or default_model_dir()).absolute())  # (the same path on every node)
     _, model = load_architecture(model_dir)  # a bad config fails here, with its file named, before any start
     cfg = worker_config(args, model_dir)
@@ -395,8 +403,6 @@ def _check_ports(opts) -> None:
 
 def _check_serve_plan(cfg) -> None:
     """Refuse a --vram-budget before any process starts, with the plan decode would compute (and log it)."""
-    import logging
-
     from common.engine.memory_plan import format_plan
     from common.workers.decode import apply_memory_plan
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import ModelConfig, WorkerConfig, check_lending, resolve_lookahead
-from common.engine.memory_plan import DTYPES
+from common.engine.memory_plan import DTYPES, weight_bytes
 from common.engine.runner import ModelRunner, state_layout
 from common.engine.speculative import MTPSpeculator
 from common.experts.artifact import is_artifact, open_store
@@ -23,6 +23,7 @@ from common.model.fused_kernels import configure_kernels, use_fused_kernels
 from common.model.host_embedding import embeddings_to_host
 from common.model.loader import load_model
 from common.model.moe import install_lookahead
+from common.model.resident import ResidentExperts
 from common.protocol import SamplingParams
 from common.sampling.logit_processors import LogitProcessors
 from common.sampling.requests import Request, append_token, sample_next
@@ -103,6 +104,21 @@ class Engine:
             use_fused_kernels(self.model, True, self.runner.backend)
         self.kernels = cfg.kernels
         configure_kernels(self.model, cfg.kernels, self.runner.backend)  # after the fusion: its projections
+
+    def pool_bytes(self) -> dict[str, int]:
+        """Bytes this engine holds on its device by pool, measured (the `spillway:vram_bytes` labels a memory
+        plan fills): resident weights, the state pool (`kv`), and offloaded, the cache's slots
+        (`expert_cache`) and the other expert rows (`arena`: the spare row and the arena buffers)."""
+        pools = {"weights": weight_bytes(self.model)}
+        pools["kv"] = sum(t.nbytes for t in self.runner.pool.named_tensors().values())
+        experts = getattr(self.model, "experts", None)
+        if isinstance(experts, ResidentExperts):  # the routed experts, held on the device too
+            pools["weights"] += sum(w.gate_up.nbytes + w.down.nbytes for w in experts.weights.values())
+        if self.offload is not None:
+            rows = sum(t.nbytes for t in self.offload.pool.values())
+            cache = self.offload.tables.num_slots * self.offload.store.expert_bytes
+            pools["expert_cache"], pools["arena"] = cache, max(rows - cache, 0)
+        return pools
 
     def generate(
         self,

@@ -71,10 +71,12 @@ def step(core: DecodeCore, shell: WorkerShell) -> None:
 
 
 def report_plan(core: DecodeCore, shell: WorkerShell) -> None:
-    """With a memory plan: log it, set the `vram_bytes` gauges from it (once: the pools are fixed at start)
-    and, on CUDA, log what decode holds against what the plan gives its pools."""
+    """Set the `vram_bytes` gauges (once: the pools are fixed at start): from the memory plan where there is
+    one (logged, and on CUDA what decode holds against it), else as measured (`Engine.pool_bytes`)."""
     plan = core.plan
     if plan is None:
+        for pool, nbytes in core.engine.pool_bytes().items():
+            shell.metrics.vram_bytes.labels(pool=pool).set(nbytes)
         return
     log.info("memory plan:\n%s", format_plan(plan))
     for pool, nbytes in plan.pools().items():

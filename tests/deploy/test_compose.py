@@ -276,6 +276,7 @@ def test_the_compose_commands_serve_and_export_every_metric_the_dashboard_reads(
                 assert name == "up" or any(name in exported[j] for j in jobs), f"{name} ({jobs}) in {expr}"
         assert exported["decode"]["spillway:expert_cache_misses_total"] > 0, "per-layer counters with samples"
         assert exported["router"]["spillway:generation_tokens_total"] == 1
+        assert exported["decode"]["spillway:vram_bytes"] == 4, "its pools, measured: no --vram-budget given"
     finally:
         for proc in procs.values():
             proc.terminate()

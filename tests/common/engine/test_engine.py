@@ -130,3 +130,18 @@ def test_a_long_prompt_goes_layer_major_in_groups(tmp_path) -> None:
     assert all(passes[i + 1] == ("pass", [1]) for i in groups[:-1])  # the running request's decode share
     chunked = make(0).generate(prompts, params)
     assert [r.token_ids for r in together] == [r.token_ids for r in chunked]
+
+
+def test_pool_bytes_measure_what_the_engine_holds(tmp_path) -> None:
+    """Without a memory plan the pools are measured: the weights and the state pool; offloaded, the cache's
+    slots and the other expert rows, which together are the expert pool."""
+    model_dir = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
+    resident = Engine(WorkerConfig(str(model_dir))).pool_bytes()
+    assert set(resident) == {"weights", "kv"} and min(resident.values()) > 0
+    engine = Engine(WorkerConfig(str(model_dir), expert_cache="0.5"))
+    pools = engine.pool_bytes()
+    offload = engine.offload
+    assert offload is not None
+    assert pools["expert_cache"] == offload.tables.num_slots * offload.store.expert_bytes > 0
+    assert pools["expert_cache"] + pools["arena"] == sum(t.nbytes for t in offload.pool.values())
+    assert pools["weights"] < resident["weights"], "the routed experts are not resident"
