@@ -98,6 +98,11 @@ def serve(
     return stop
 
 
+ERROR_REASONS = ("bad_request", "unauthorized", "not_found", "queue_full", "not_ready", "worker_error",
+                 "client_disconnect", "internal")  # fmt: skip
+"""The router's usual `request_errors_total` reasons (an ApiError's code may add others)."""
+
+
 @dataclass(frozen=True)
 class RouterMetrics:
     """What the router sees of each request: latencies as the client sees them, tokens, admission."""
@@ -127,7 +132,7 @@ class RouterMetrics:
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RouterMetrics:
-        return cls(
+        metrics = cls(
             time_to_first_token=Histogram(
                 f"{PREFIX}time_to_first_token_seconds",
                 "Time from request arrival at the router to its first token.",
@@ -199,6 +204,9 @@ class RouterMetrics:
                 registry=registry,
             ),
         )
+        for reason in ERROR_REASONS:  # a series each from the start (0 until one happens)
+            metrics.request_errors.labels(reason=reason)
+        return metrics
 
 
 @dataclass(frozen=True)

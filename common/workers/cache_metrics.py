@@ -26,8 +26,7 @@ class CacheMetricsExporter:
             for name, metric in (("hits", m.hits), ("misses", m.misses), ("evictions", m.evictions),
                                  ("bypasses", m.bypasses), ("prefetches", m.prefetches),
                                  ("prefetch_hits", m.prefetch_hits)):  # fmt: skip
-                if delta[name][i]:
-                    metric.labels(layer=layer).inc(delta[name][i])
+                metric.labels(layer=layer).inc(delta[name][i])  # (0 too: every layer's series exists)
             lookups = delta["hits"][i] + delta["misses"][i]
             if lookups:
                 m.hit_rate.labels(layer=layer).set(delta["hits"][i] / lookups)

@@ -38,6 +38,7 @@ from tests.deploy.deployment import (
     scrape_targets,
     selectors,
 )
+from tests.deploy.prometheus import prometheus_binary, query, running_prometheus, targets
 
 ADDRESS_FLAGS = ("--inbox", "--router", "--peer", "--encoder", "--metrics-port", "--metrics-host")
 
@@ -277,6 +278,7 @@ def test_the_compose_commands_serve_and_export_every_metric_the_dashboard_reads(
         assert exported["decode"]["spillway:expert_cache_misses_total"] > 0, "per-layer counters with samples"
         assert exported["router"]["spillway:generation_tokens_total"] == 1
         assert exported["decode"]["spillway:vram_bytes"] == 4, "its pools, measured: no --vram-budget given"
+        _every_panel_through_prometheus(tmp_path, server)
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -285,6 +287,37 @@ def test_the_compose_commands_serve_and_export_every_metric_the_dashboard_reads(
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _every_panel_through_prometheus(tmp_path: Path, server: Server) -> None:
+    """A real Prometheus on deploy/prometheus.yml (the router at its loopback port, scraped every second)
+    finds the workers through the router's discovery, and every dashboard query has series (zeros before any
+    event), but the encoder's: a text-only model's exited at start."""
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    router = f"127.0.0.1:{server.port}"
+    for job in config["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            static["targets"] = [router]
+        for sd in job.get("http_sd_configs", []):
+            sd["url"], sd["refresh_interval"] = f"http://{router}/metrics/targets", "1s"
+    binary = prometheus_binary(Path(os.environ.get("SPILLWAY_CACHE", Path.home() / ".cache" / "spillway")))
+    with running_prometheus(binary, config, tmp_path / "prometheus", free_port()) as url:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            up = {r["metric"]["job"]: r["value"][1] for r in query(url, "up")}
+            if up == {"router": "1", "prefill": "1", "decode": "1"} and query(
+                url, "count_over_time(up[1m]) > 3"
+            ):
+                break
+            time.sleep(0.5)
+        scraped = {(t["labels"]["job"], t["labels"].get("pair")) for t in targets(url)}
+        assert scraped == {("router", None), ("prefill", "0"), ("decode", "0")}, scraped
+        server.client().completions.create(model="tiny", prompt="Prometheus.", max_tokens=6, temperature=0)
+        time.sleep(3)  # a few scrapes past the request
+        empty = [expr for expr in queries() if not query(url, expr)]
+        expected = [e for e in queries() if f'job="{ENCODER}"' in e]
+        assert empty == expected, f"queries without series: {set(empty) ^ set(expected)}"
 
 
 def test_every_service_reads_its_own_control_keys_the_model_service_writes(tmp_path) -> None:
