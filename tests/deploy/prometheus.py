@@ -4,6 +4,7 @@ cache (`apt-get download`: no root, no install), started on a config of the test
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -15,9 +16,25 @@ from pathlib import Path
 
 import yaml
 
+DEPLOYED = Path(__file__).resolve().parents[2] / "deploy" / "prometheus.yml"
 
-def prometheus_binary(cache: Path) -> Path:
-    """The Prometheus server: on PATH, or Debian's package unpacked under `cache` (fetched once)."""
+
+def deployed_config(router: str) -> dict:
+    """deploy/prometheus.yml with the router at `router` (host:port) and every interval one second."""
+    config = yaml.safe_load(DEPLOYED.read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    for job in config["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            static["targets"] = [router]
+        for sd in job.get("http_sd_configs", []):
+            sd["url"], sd["refresh_interval"] = f"http://{router}/metrics/targets", "1s"
+    return config
+
+
+def prometheus_binary(cache: Path | None = None) -> Path:
+    """The Prometheus server: on PATH, or Debian's package unpacked under `cache` (fetched once; default:
+    $SPILLWAY_CACHE or ~/.cache/spillway)."""
+    cache = cache or Path(os.environ.get("SPILLWAY_CACHE", Path.home() / ".cache" / "spillway"))
     found = shutil.which("prometheus")
     if found:
         return Path(found)

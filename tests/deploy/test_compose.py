@@ -38,7 +38,7 @@ from tests.deploy.deployment import (
     scrape_targets,
     selectors,
 )
-from tests.deploy.prometheus import prometheus_binary, query, running_prometheus, targets
+from tests.deploy.prometheus import deployed_config, prometheus_binary, query, running_prometheus, targets
 
 ADDRESS_FLAGS = ("--inbox", "--router", "--peer", "--encoder", "--metrics-port", "--metrics-host")
 
@@ -293,15 +293,8 @@ def _every_panel_through_prometheus(tmp_path: Path, server: Server) -> None:
     """A real Prometheus on deploy/prometheus.yml (the router at its loopback port, scraped every second)
     finds the workers through the router's discovery, and every dashboard query has series (zeros before any
     event), but the encoder's: a text-only model's exited at start."""
-    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-    router = f"127.0.0.1:{server.port}"
-    for job in config["scrape_configs"]:
-        for static in job.get("static_configs", []):
-            static["targets"] = [router]
-        for sd in job.get("http_sd_configs", []):
-            sd["url"], sd["refresh_interval"] = f"http://{router}/metrics/targets", "1s"
-    binary = prometheus_binary(Path(os.environ.get("SPILLWAY_CACHE", Path.home() / ".cache" / "spillway")))
+    config = deployed_config(f"127.0.0.1:{server.port}")
+    binary = prometheus_binary()
     with running_prometheus(binary, config, tmp_path / "prometheus", free_port()) as url:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

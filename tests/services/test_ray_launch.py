@@ -4,6 +4,7 @@ process; a lost pair host is replaced alone, the router and the other pair servi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import Server, free_port, free_ports, health, wait_status
+from tests.deploy.prometheus import deployed_config, prometheus_binary, running_prometheus, targets
 from tests.services.test_serve_pairs import MODEL
 
 pytest.importorskip("ray")
@@ -35,6 +37,12 @@ def discovery(port: int) -> list[dict]:
         return json.loads(answer.read())
 
 
+def _scraped(prometheus: str, service: str) -> tuple[str, str] | None:
+    """The URL Prometheus scrapes `service` at and that target's health (None: not a target)."""
+    found = [t for t in targets(prometheus) if t["labels"].get("service") == service]
+    return (found[0]["scrapeUrl"], found[0]["health"]) if found else None
+
+
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as stat:
         return int(stat.read().rsplit(")", 1)[1].split()[1])
@@ -48,8 +56,13 @@ def test_pairs_on_ray_serve_restart_and_stop(tmp_path) -> None:
     argv += ["--max-context", "1024", "--expert-cache", "0.5", "--port-range", f"{first}-{first + 199}"]
     env = {**os.environ, "SPILLWAY_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
     server = Server(subprocess.Popen(argv, env=env), port)
+    stack = contextlib.ExitStack()
     try:
         body = wait_status(server, "ok", timeout_s=300)
+        config = deployed_config(f"127.0.0.1:{port}")  # Prometheus as deploy/ finds the workers
+        prom = stack.enter_context(
+            running_prometheus(prometheus_binary(), config, tmp_path / "p", free_port())
+        )
         workers = {name: body["services"][name] for name in ("prefill", "decode", "prefill-1", "decode-1")}
         for svc in workers.values():  # served over the node's address, not loopback
             assert svc["metrics_url"].startswith("http://") and "127.0.0.1" not in svc["metrics_url"]
@@ -95,15 +108,19 @@ def test_pairs_on_ray_serve_restart_and_stop(tmp_path) -> None:
             "nothing else restarts"
         )
         assert replaced_s < 15, f"{replaced_s:.1f} s from a killed pair host to serving on all pairs again"
-        targets = {t["labels"]["service"]: t["targets"][0] for t in discovery(port)}
-        assert targets["decode-1"] in body["services"]["decode-1"]["metrics_url"], (
-            "discovery follows the move"
-        )
+        found = {t["labels"]["service"]: t["targets"][0] for t in discovery(port)}
+        assert found["decode-1"] in body["services"]["decode-1"]["metrics_url"], "discovery follows the move"
+        moved = body["services"]["decode-1"]["metrics_url"]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _scraped(prom, "decode-1") != (moved, "up"):
+            time.sleep(0.5)
+        assert _scraped(prom, "decode-1") == (moved, "up"), "Prometheus scrapes the new port"
         for _ in range(4):  # both pairs (the router sends in turns)
             again = client.completions.create(model=MODEL, prompt="On Ray.", max_tokens=8, temperature=0)
             assert again.choices[0].text in replies
         pids = [svc["pid"] for svc in body["services"].values()]
     finally:
+        stack.close()
         code = server.stop()
     assert code == 0
     deadline = time.monotonic() + 15
