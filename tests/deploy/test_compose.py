@@ -25,6 +25,7 @@ from services.encoder.main import encoder_parser
 from services.router.main import parse_args as router_args
 from services.worker_args import worker_parser
 from tests.conftest import Server, free_port, wait_healthy
+from tests.deploy.compose_schema import compose_schema, merged
 from tests.deploy.deployment import (
     DEPLOY,
     ENCODER,
@@ -34,6 +35,7 @@ from tests.deploy.deployment import (
     compose,
     discovered,
     discovery_urls,
+    interpolate,
     queries,
     scrape_targets,
     selectors,
@@ -331,3 +333,17 @@ def test_every_service_reads_its_own_control_keys_the_model_service_writes(tmp_p
         keys = ControlKeys.from_env({KEYS_FILE_ENV: str(tmp_path / f"{name}.json")})
         assert keys is not None and keys.name == name and set(keys.public) >= set(names)
         assert (tmp_path / f"{name}.json").stat().st_mode & 0o077 == 0, "readable by its owner only"
+
+
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]])
+def test_every_file_combination_is_valid_compose(files: list[str]) -> None:
+    """What `docker compose -f ... config` reads (variables substituted, the files merged) is valid under the
+    Compose Specification's schema."""
+    import jsonschema
+
+    model = {}
+    for name in files:
+        model = merged(model, yaml.safe_load(interpolate((DEPLOY / name).read_text())))
+    jsonschema.validate(model, compose_schema())
+    with pytest.raises(jsonschema.ValidationError):  # the schema has teeth
+        jsonschema.validate(merged(model, {"services": {"router": {"healthchek": {}}}}), compose_schema())
