@@ -4,8 +4,10 @@ cluster (a GPU each on CUDA), over tcp:// on the nodes' addresses.
 Each pair runs under a `PairHost` (a Ray actor on its node). This process starts the actors, then the router
 (and, for a model with a vision tower, the encoder, which sends the embeddings in its messages: the prefill
 workers cannot map this machine's memory) over every pair's addresses, and supervises them, every host's check
-under way at once: a pair host that dies or stops answering (its node lost) is started again, and the router
-and encoder are told its new addresses (`PairMoved`): they stay up, and only that pair's requests fail.
+under way at once. A pair host whose process dies is started again by Ray (`max_restarts`; on GPUs in its
+bundle of the pairs' placement group); one that stops answering, or whose restarts are spent, is killed and a
+new one started. Either way its workers take new ports, and the router and encoder are told the new
+addresses (`PairMoved`): they stay up, and only that pair's requests fail.
 
 Only strings and integers cross Ray's calls; the services speak msgspec over ZeroMQ as everywhere else.
 Every node needs Spillway installed and the model at the same path.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.ipc.keys import KEYS_ENV, LAUNCHER, ControlKeys, keys_env, make_keys
 from common.ipc.ports import free_ports
@@ -29,7 +32,10 @@ log = logging.getLogger("launch")
 SUPERVISE_S = 1.0
 """How often the pair hosts and the router are checked."""
 CALL_TIMEOUT_S = 30.0
-"""A pair host that does not answer a check this long is taken as lost."""
+"""A pair host that does not answer a check this long is taken as lost (killed and started again)."""
+HOST_RESTARTS = 3
+"""Times Ray itself starts a pair host again after its process died (its workers start with it, at new
+ports: the launcher asks for the addresses again); past that, the launcher starts a new host."""
 
 
 class PairHost:
@@ -110,6 +116,8 @@ class RayLauncher:
     """The launcher's connections to the router and the encoder (`PairMoved`)."""
     encoder_metrics: int = 0
     """The encoder's metrics port (0: none)."""
+    placement: Any = None
+    """On GPUs: the pairs' placement group (a bundle of one GPU a pair); None on the CPU."""
 
     def run(self) -> int:
         import signal
@@ -152,6 +160,9 @@ class RayLauncher:
         )
         names = [n for i in range(self.pairs) for n in pair_names(i)]
         self.keys = make_keys([*names, "router", "encoder", LAUNCHER])
+        if self.gpu:  # a GPU a pair, spread over the nodes; Ray places a lost node's bundle again
+            bundles = [{"GPU": 1} for _ in range(self.pairs)]
+            self.placement = ray.util.placement_group(bundles, strategy="SPREAD", name="spillway-pairs")
         self.actors = [self._start_pair(i) for i in range(self.pairs)]
         self.placing = {i: self.actors[i].addresses.remote() for i in range(self.pairs)}
         while not self.stopping and self.placing:
@@ -169,7 +180,14 @@ class RayLauncher:
         # their argv
         inherited = child_env(self.opts)
         env = {"env_vars": inherited} if inherited else None
-        actor = remote(PairHost).options(scheduling_strategy="SPREAD", runtime_env=env)
+        strategy: object = "SPREAD"
+        if self.placement is not None:  # its GPU: bundle `index` of the pairs' placement group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=index)
+        actor = remote(PairHost).options(
+            scheduling_strategy=strategy, runtime_env=env, max_restarts=HOST_RESTARTS, max_task_retries=0
+        )
         flags = worker_flags(self.opts)
         # on a GPU: the actor's one (Ray sets its CUDA_VISIBLE_DEVICES, which the workers inherit)
         flags += ["--device", "cuda" if self.gpu else "cpu"]
@@ -189,8 +207,13 @@ class RayLauncher:
         for i, ref in list(self.placing.items()):
             if ref in ready:
                 del self.placing[i]
+                try:
+                    answer = ray.get(ref)
+                except ray.exceptions.RayActorError:  # dead for good (its restarts spent): a new host
+                    self._replace(i)
+                    continue
                 moved = i in self.addresses
-                self.addresses[i] = ray.get(ref)
+                self.addresses[i] = answer
                 if moved and self.router is not None:
                     self._tell_moved(i)
         if self.router is None and not self.placing:
@@ -268,15 +291,17 @@ class RayLauncher:
             del self.checks[i]
             try:
                 failed = ray.get(ref, timeout=0) if done else None
-            except ray.exceptions.RayActorError as exc:
-                failed = None
-                log.error("the host of pair %d is lost (%s)", i, type(exc).__name__)
+            except ray.exceptions.RayActorError as exc:  # its process died: Ray starts it again (new ports)
+                log.error(
+                    "the host of pair %d died (%s): asking its successor's addresses", i, type(exc).__name__
+                )
+                self.placing[i] = self.actors[i].addresses.remote()
+                continue
             except ray.exceptions.RayTaskError:  # its check failed (not the host): try again next time
                 log.exception("checking the workers of pair %d failed", i)
                 continue
             if failed is None:
-                if not done:
-                    log.error("the host of pair %d has not answered for %.0f s", i, now - sent)
+                log.error("the host of pair %d has not answered for %.0f s", i, now - sent)
                 self._replace(i)
             elif failed:
                 log.error("%s keeps failing at start-up: giving up", failed)
