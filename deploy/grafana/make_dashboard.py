@@ -1,24 +1,43 @@
 """Writes `dashboards/spillway.json`, the Grafana dashboard docker-compose provisions (its metrics:
 docs/ARCHITECTURE.md, API and metrics).
 
-The panels are listed here, as data, because Grafana's JSON is long and repetitive; edit this file and run
-`python deploy/grafana/make_dashboard.py` (tests/deploy/test_dashboard.py checks that the two agree, that
-every query parses and that every metric it reads is one the services export, under the right job).
+The panels are listed here, as data, and built with grafana-foundation-sdk (Grafana 11.1's models); edit
+this file and run `python deploy/grafana/make_dashboard.py` (tests/deploy/test_dashboard.py checks that the
+two agree, that every query parses and that every metric it reads is one the services export, under the
+right job). The JSON's keys are sorted, so a run writes the same file twice.
 
 Jobs are Prometheus's (deploy/prometheus.yml): `router`, `prefill`, `decode`, `encoder`; the workers export
 metrics of the same names as the router (requests_running, ...), so every query names its job. The encoder
 runs only for a model with a vision tower: for a text-only one its target is down, the Images row has no
 data and "Services up" shows it "off" (OFF_WHEN_DOWN), not as an outage.
+
+Two variables narrow the panels: `$instance`, the workers' targets (every selector of a job in WORKERS
+filters on it), and `$pair`, the router's prefill/decode pairs (the pair panels); "All" stands for `.*`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
-DATASOURCE = {"type": "prometheus", "uid": "spillway-prometheus"}
+from grafana_foundation_sdk.builders import bargauge, heatmap, prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import dashboard as board
+from grafana_foundation_sdk.cog.builder import Builder
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as model
+from grafana_foundation_sdk.models.heatmap import HeatmapColorMode, HeatmapColorScale
+
+DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="spillway-prometheus")
 RATE = "$__rate_interval"
 OUT = Path(__file__).parent / "dashboards" / "spillway.json"
+WORKERS = ("prefill", "decode", "encoder")
+"""Jobs with a target per worker: their selectors take the `$instance` variable."""
+ON_INSTANCE = 'instance=~"$instance"'
+ON_PAIR = 'pair=~"$pair"'
 OFF_WHEN_DOWN = ("encoder",)
 """Jobs whose target is down by design in some deployments (the encoder, for a text-only model): "Services
 up" shows their 0 as a neutral "off", not a red "down"."""
@@ -29,12 +48,20 @@ DESCRIPTIONS = {
     "taken yet: near capacity, image requests wait for rows. Both 0 with --inline (no buffer).",
 }
 """Panel descriptions (Grafana's ⓘ), by title, where a reading needs one."""
+HEIGHT = 8
+
+
+def selector(name: str, job: str, *matchers: str) -> str:
+    """`name`'s series from `job` (`a|b|...` for several) and `matchers`; a worker's, on `$instance`."""
+    on_job = f'job=~"{job}"' if "|" in job else f'job="{job}"'
+    on_instance = [ON_INSTANCE] if set(job.split("|")) & set(WORKERS) else []
+    return f"{name}{{{', '.join([on_job, *matchers, *on_instance])}}}"
 
 
 def rate(metric: str, job: str, by: str = "") -> str:
     """Per-second rate of a counter, summed (over `by`'s labels when given)."""
     group = f" by ({by})" if by else ""
-    return f'sum{group} (rate(spillway:{metric}{{job="{job}"}}[{RATE}]))'
+    return f"sum{group} (rate({selector('spillway:' + metric, job)}[{RATE}]))"
 
 
 def quantile(q: float, histogram: str, job: str = "router") -> str:
@@ -54,280 +81,352 @@ def hit_rate(by: str = "") -> str:
     return f"{hits} / clamp_min({hits} + {misses}, 1e-9)"
 
 
+def gauge(metric: str, job: str, *matchers: str) -> str:
+    return selector(f"spillway:{metric}", job, *matchers)
+
+
 # A layer's number padded to two digits: the heatmap's rows then sort as layers do (0, 1, ... not 0, 1, 10).
 PADDED_LAYER = 'label_replace({expr}, "layer", "0$1", "layer", "(\\\\d)")'
 
-# (title, unit, [(expr, legend)], panel type, width); a None entry starts a row named by the title.
-PANELS: list[tuple] = [
-    ("Expert cache", None, None, None, None),
-    ("Hit rate, all layers (decode)", "percentunit", [(hit_rate(), "hit rate")], "timeseries", 8),
+
+class Spec(NamedTuple):
+    """A panel: its title, unit, queries (expr, legend), Grafana type and width (of 24 columns)."""
+
+    title: str
+    unit: str
+    targets: list[tuple[str, str]]
+    kind: str = "timeseries"
+    width: int = 8
+
+
+ROWS: list[tuple[str, list[Spec]]] = [
     (
-        "Hit rate by layer (decode, recent window)",
-        "percentunit",
-        [(PADDED_LAYER.format(expr='spillway:expert_cache_hit_rate{job="decode"}'), "{{layer}}")],
-        "heatmap",
-        16,
-    ),
-    (
-        "Host → device expert bytes",
-        "Bps",
+        "Expert cache",
         [
-            (rate("expert_h2d_bytes_total", "decode"), "decode"),
-            (rate("expert_h2d_bytes_total", "prefill"), "prefill"),
+            Spec("Hit rate, all layers (decode)", "percentunit", [(hit_rate(), "hit rate")]),
+            Spec(
+                "Hit rate by layer (decode, recent window)",
+                "percentunit",
+                [(PADDED_LAYER.format(expr=gauge("expert_cache_hit_rate", "decode")), "{{layer}}")],
+                "heatmap",
+                16,
+            ),
+            Spec(
+                "Host → device expert bytes",
+                "Bps",
+                [
+                    (rate("expert_h2d_bytes_total", "decode"), "decode"),
+                    (rate("expert_h2d_bytes_total", "prefill"), "prefill"),
+                ],
+            ),
+            Spec(
+                "Misses, evictions, bypasses (decode)",
+                "ops",
+                [
+                    (rate("expert_cache_misses_total", "decode"), "misses"),
+                    (rate("expert_cache_evictions_total", "decode"), "evictions"),
+                    (rate("expert_cache_bypasses_total", "decode"), "bypasses"),
+                ],
+            ),
+            Spec(
+                "Misses by layer (decode)",
+                "ops",
+                [(rate("expert_cache_misses_total", "decode", "layer"), "{{layer}}")],
+            ),
+            Spec(
+                "Cache slots by layer (decode)",
+                "none",
+                [(gauge("expert_cache_slots", "decode"), "{{layer}}")],
+                "bargauge",
+                12,
+            ),
+            Spec(
+                "Lookahead: copies ahead and the lookups they served",
+                "ops",
+                [
+                    (rate("expert_cache_prefetches_total", "decode"), "prefetched"),
+                    (rate("expert_cache_prefetch_hits_total", "decode"), "served"),
+                ],
+                width=6,
+            ),
+            Spec(
+                "Prefill arena loads", "ops", [(rate("arena_loads_total", "prefill"), "experts/s")], width=6
+            ),
         ],
-        "timeseries",
-        8,
     ),
     (
-        "Misses, evictions, bypasses (decode)",
-        "ops",
+        "Requests",
         [
-            (rate("expert_cache_misses_total", "decode"), "misses"),
-            (rate("expert_cache_evictions_total", "decode"), "evictions"),
-            (rate("expert_cache_bypasses_total", "decode"), "bypasses"),
+            Spec(
+                "Tokens per second",
+                "none",
+                [
+                    (rate("generation_tokens_total", "router"), "generated"),
+                    (rate("prompt_tokens_total", "router"), "prompt"),
+                ],
+            ),
+            Spec("Time to first token", "s", quantiles("time_to_first_token_seconds")),
+            Spec("Inter-token latency", "s", quantiles("inter_token_latency_seconds")),
+            Spec(
+                "Running and waiting",
+                "none",
+                [
+                    (gauge("requests_running", "router"), "running (router)"),
+                    (gauge("requests_waiting", "router"), "queued (router)"),
+                    (gauge("requests_running", "decode"), "lanes (decode)"),
+                    (gauge("requests_waiting", "decode"), "waiting for a lane (decode)"),
+                ],
+            ),
+            Spec(
+                "Request latency and queueing (p95)",
+                "s",
+                [
+                    (quantile(0.95, "e2e_request_latency_seconds"), "end to end"),
+                    (quantile(0.95, "request_queue_time_seconds"), "queued"),
+                ],
+            ),
+            Spec(
+                "Finished and failed requests",
+                "reqps",
+                [
+                    (rate("requests_finished_total", "router", "finish_reason"), "{{finish_reason}}"),
+                    (rate("request_errors_total", "router", "reason"), "error: {{reason}}"),
+                ],
+            ),
         ],
-        "timeseries",
-        8,
     ),
     (
-        "Misses by layer (decode)",
-        "ops",
-        [(rate("expert_cache_misses_total", "decode", "layer"), "{{layer}}")],
-        "timeseries",
-        8,
-    ),
-    (
-        "Cache slots by layer (decode)",
-        "none",
-        [('spillway:expert_cache_slots{job="decode"}', "{{layer}}")],
-        "bargauge",
-        12,
-    ),
-    (
-        "Lookahead: copies ahead and the lookups they served",
-        "ops",
+        "Images",
         [
-            (rate("expert_cache_prefetches_total", "decode"), "prefetched"),
-            (rate("expert_cache_prefetch_hits_total", "decode"), "served"),
+            Spec(
+                "Images encoded and refused",
+                "short",
+                [
+                    (rate("images_encoded_total", "encoder"), "images/s"),
+                    (
+                        rate("image_requests_refused_total", "encoder", "reason"),
+                        "refused requests/s: {{reason}}",
+                    ),
+                ],
+                width=6,
+            ),
+            Spec(
+                "Image tokens per second (embedding rows written)",
+                "short",
+                [(rate("image_tokens_total", "encoder"), "image tokens/s")],
+                width=6,
+            ),
+            Spec(
+                "Encode latency (a request's tower pass)",
+                "s",
+                quantiles("image_encode_seconds", "encoder"),
+                width=6,
+            ),
+            Spec(
+                "Encoder rows lent to prefill",
+                "none",
+                [
+                    (gauge("encoder_rows_lent", "encoder"), "lent"),
+                    (gauge("encoder_rows_capacity", "encoder"), "capacity"),
+                ],
+                width=6,
+            ),
         ],
-        "timeseries",
-        6,
     ),
-    ("Prefill arena loads", "ops", [(rate("arena_loads_total", "prefill"), "experts/s")], "timeseries", 6),
-    ("Requests", None, None, None, None),
     (
-        "Tokens per second",
-        "none",
+        "Memory and health",
         [
-            (rate("generation_tokens_total", "router"), "generated"),
-            (rate("prompt_tokens_total", "router"), "prompt"),
+            Spec("Device memory by pool (decode)", "bytes", [(gauge("vram_bytes", "decode"), "{{pool}}")]),
+            Spec(
+                "KV pages (decode)",
+                "none",
+                [
+                    (gauge("kv_pages_used", "decode"), "pages used"),
+                    (gauge("kv_pages_free", "decode"), "pages free"),
+                ],
+            ),
+            Spec(
+                "Memory lent to the expert cache",
+                "bytes",
+                [(gauge("expert_cache_lent_bytes", "decode"), "lent")],
+            ),
+            Spec(
+                "Services up",
+                "none",
+                [(selector("up", "router|prefill|decode|encoder"), "{{job}}")],
+                "stat",
+                12,
+            ),
+            Spec(
+                "Pairs up (router)",
+                "none",
+                [(gauge("pair_state", "router", 'state="up"', ON_PAIR), "pair {{pair}}")],
+                "stat",
+                12,
+            ),
+            Spec(
+                "Pair state changes (router)",
+                "short",
+                [
+                    (
+                        "sum by (pair, state) "
+                        f"(increase({gauge('pair_state_changes_total', 'router', ON_PAIR)}[{RATE}]))",
+                        "pair {{pair}} {{state}}",
+                    )
+                ],
+                width=12,
+            ),
+            Spec(
+                "Dropped frames",
+                "short",
+                [(f"sum by (job) (increase(spillway:dropped_frames_total[{RATE}]))", "{{job}}")],
+                width=12,
+            ),
         ],
-        "timeseries",
-        8,
-    ),
-    ("Time to first token", "s", quantiles("time_to_first_token_seconds"), "timeseries", 8),
-    ("Inter-token latency", "s", quantiles("inter_token_latency_seconds"), "timeseries", 8),
-    (
-        "Running and waiting",
-        "none",
-        [
-            ('spillway:requests_running{job="router"}', "running (router)"),
-            ('spillway:requests_waiting{job="router"}', "queued (router)"),
-            ('spillway:requests_running{job="decode"}', "lanes (decode)"),
-            ('spillway:requests_waiting{job="decode"}', "waiting for a lane (decode)"),
-        ],
-        "timeseries",
-        8,
-    ),
-    (
-        "Request latency and queueing (p95)",
-        "s",
-        [
-            (quantile(0.95, "e2e_request_latency_seconds"), "end to end"),
-            (quantile(0.95, "request_queue_time_seconds"), "queued"),
-        ],
-        "timeseries",
-        8,
-    ),
-    (
-        "Finished and failed requests",
-        "reqps",
-        [
-            (rate("requests_finished_total", "router", "finish_reason"), "{{finish_reason}}"),
-            (rate("request_errors_total", "router", "reason"), "error: {{reason}}"),
-        ],
-        "timeseries",
-        8,
-    ),
-    ("Images", None, None, None, None),
-    (
-        "Images encoded and refused",
-        "short",
-        [
-            (rate("images_encoded_total", "encoder"), "images/s"),
-            (rate("image_requests_refused_total", "encoder", "reason"), "refused requests/s: {{reason}}"),
-        ],
-        "timeseries",
-        6,
-    ),
-    (
-        "Image tokens per second (embedding rows written)",
-        "short",
-        [(rate("image_tokens_total", "encoder"), "image tokens/s")],
-        "timeseries",
-        6,
-    ),
-    (
-        "Encode latency (a request's tower pass)",
-        "s",
-        quantiles("image_encode_seconds", "encoder"),
-        "timeseries",
-        6,
-    ),
-    (
-        "Encoder rows lent to prefill",
-        "none",
-        [
-            ('spillway:encoder_rows_lent{job="encoder"}', "lent"),
-            ('spillway:encoder_rows_capacity{job="encoder"}', "capacity"),
-        ],
-        "timeseries",
-        6,
-    ),
-    ("Memory and health", None, None, None, None),
-    (
-        "Device memory by pool (decode)",
-        "bytes",
-        [('spillway:vram_bytes{job="decode"}', "{{pool}}")],
-        "timeseries",
-        8,
-    ),
-    (
-        "KV pages (decode)",
-        "none",
-        [
-            ('spillway:kv_pages_used{job="decode"}', "pages used"),
-            ('spillway:kv_pages_free{job="decode"}', "pages free"),
-        ],
-        "timeseries",
-        8,
-    ),
-    (
-        "Memory lent to the expert cache",
-        "bytes",
-        [('spillway:expert_cache_lent_bytes{job="decode"}', "lent")],
-        "timeseries",
-        8,
-    ),
-    ("Services up", "none", [('up{job=~"router|prefill|decode|encoder"}', "{{job}}")], "stat", 12),
-    (
-        "Pairs up (router)",
-        "none",
-        [('spillway:pair_state{job="router", state="up"}', "pair {{pair}}")],
-        "stat",
-        12,
-    ),
-    (
-        "Pair state changes (router)",
-        "short",
-        [(f'sum by (pair, state) (increase(spillway:pair_state_changes_total{{job="router"}}[{RATE}]))',
-          "pair {{pair}} {{state}}")],
-        "timeseries",
-        12,
-    ),
-    (
-        "Dropped frames",
-        "short",
-        [(f"sum by (job) (increase(spillway:dropped_frames_total[{RATE}]))", "{{job}}")],
-        "timeseries",
-        12,
     ),
 ]
+"""The dashboard's rows, each with its panels, laid out left to right and wrapped at 24 columns."""
 
 
-def panel(pid: int, title: str, unit: str, targets: list[tuple[str, str]], kind: str, pos: dict) -> dict:
-    out = {
-        "id": pid,
-        "type": kind,
-        "title": title,
-        "datasource": DATASOURCE,
-        "gridPos": pos,
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "targets": [
-            {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend}
-            for i, (expr, legend) in enumerate(targets)
-        ],
-        "options": {},
-    }
-    if title in DESCRIPTIONS:
-        out["description"] = DESCRIPTIONS[title]
-    if kind == "heatmap":
-        # Each layer's series is one row of cells (already rates: nothing to bucket), joined on time.
-        # The heatmap reads its colour range, cell unit and hidden values from its options (not
-        # fieldConfig): a fixed 0–1 scale, percent cells, and no value hidden (a layer at 0 % shows).
-        color = {"mode": "scheme", "scheme": "RdYlGn", "steps": 64, "min": 0, "max": 1}
-        out["options"] = {
-            "calculate": False,
-            "yAxis": {"axisPlacement": "left"},
-            "cellGap": 1,
-            "color": {**color, "exponent": 0.5, "scale": "linear", "fill": "dark-orange", "reverse": False},
-            "cellValues": {"unit": unit, "decimals": 0},
-            "filterValues": {"le": -1},
-        }
-        out["transformations"] = [{"id": "joinByField", "options": {"byField": "Time", "mode": "outer"}}]
-    if kind == "stat":
-        out["fieldConfig"]["defaults"]["mappings"] = up_mappings("down", "red")
-        out["fieldConfig"]["overrides"] = [
-            {"matcher": {"id": "byName", "options": job}, "properties": [
-                {"id": "mappings", "value": up_mappings("off", "text")}]}
-            for job in OFF_WHEN_DOWN if any(job in expr for expr, _ in targets)
-        ]  # fmt: skip
-    return out
-
-
-def up_mappings(down: str, color: str) -> list[dict]:
+def up_mappings(down: str, color: str) -> list[model.ValueMapping]:
     """`up`'s 1 as a green "up", its 0 as `down` in `color`."""
     return [
-        {
-            "type": "value",
-            "options": {"0": {"text": down, "color": color}, "1": {"text": "up", "color": "green"}},
-        }
+        model.ValueMap(
+            options={
+                "0": model.ValueMappingResult(text=down, color=color),
+                "1": model.ValueMappingResult(text="up", color="green"),
+            }
+        )
     ]
 
 
-def dashboard() -> dict:
-    panels, x, y, row_height = [], 0, 0, 0
-    for title, unit, targets, kind, width in PANELS:
-        if targets is None:
-            y += row_height
-            x, row_height = 0, 0
-            panels.append({"id": len(panels) + 1, "type": "row", "title": title, "collapsed": False,
-                           "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})  # fmt: skip
-            y += 1
-            continue
-        if x + width > 24:
-            x, y = 0, y + row_height
-        pos = {"h": 8, "w": width, "x": x, "y": y}
-        panels.append(panel(len(panels) + 1, title, unit, targets, kind, pos))
-        x, row_height = x + width, 8
-    return {
-        "uid": "spillway",
-        "title": "Spillway",
-        "tags": ["spillway"],
-        "timezone": "browser",
-        "schemaVersion": 39,
-        "version": 1,
-        "editable": True,
-        "refresh": "5s",
-        "time": {"from": "now-15m", "to": "now"},
-        "panels": panels,
-        "templating": {"list": []},
-        "annotations": {"list": []},
-    }
+def layer_heatmap(spec: Spec) -> heatmap.Panel:
+    """Each layer's series is one row of cells (already rates: nothing to bucket), joined on time.
+
+    The heatmap reads its colour range, cell unit and hidden values from its options (not fieldConfig): a
+    fixed 0–1 scale, percent cells, and no value hidden (a layer at 0 % shows)."""
+    color = (
+        heatmap.HeatmapColorOptions()
+        .mode(HeatmapColorMode.SCHEME)
+        .scheme("RdYlGn")
+        .steps(64)
+        .min(0)
+        .max(1)
+        .exponent(0.5)
+        .scale(HeatmapColorScale.LINEAR)
+        .fill("dark-orange")
+        .reverse(False)
+    )
+    join = model.DataTransformerConfig(id_val="joinByField", options={"byField": "Time", "mode": "outer"})
+    return (
+        heatmap.Panel()
+        .calculate(False)
+        .y_axis(heatmap.YAxisConfig().axis_placement(common.AxisPlacement.LEFT))
+        .cell_gap(1)
+        .color(color)
+        .cell_values(heatmap.CellValues().unit(spec.unit).decimals(0))
+        .filter_values(heatmap.FilterValueRange().le(-1))
+        .with_transformation(join)
+    )
+
+
+def up_stat(spec: Spec) -> stat.Panel:
+    """`up`-like values as "up"/"down"; a job in OFF_WHEN_DOWN, when queried, "off" rather than "down"."""
+    out = stat.Panel().mappings(up_mappings("down", "red"))
+    off = [model.DynamicConfigValue(id_val="mappings", value=up_mappings("off", "text"))]
+    for job in OFF_WHEN_DOWN:
+        if any(job in expr for expr, _ in spec.targets):
+            out = out.override_by_name(job, off)
+    return out
+
+
+KINDS: dict[str, Callable[[Spec], timeseries.Panel | bargauge.Panel | heatmap.Panel | stat.Panel]] = {
+    "timeseries": lambda _: timeseries.Panel(),
+    "bargauge": lambda _: bargauge.Panel(),
+    "heatmap": layer_heatmap,
+    "stat": up_stat,
+}
+"""Each panel type's builder, with what that type needs beyond the common settings."""
+
+
+def query(ref: int, expr: str, legend: str) -> prometheus.Dataquery:
+    return (
+        prometheus.Dataquery()
+        .ref_id(chr(ord("A") + ref))
+        .datasource(DATASOURCE)
+        .expr(expr)
+        .legend_format(legend)
+    )
+
+
+def panel(pid: int, spec: Spec) -> Builder[model.Panel]:
+    out = (
+        KINDS[spec.kind](spec)
+        .id(pid)
+        .title(spec.title)
+        .datasource(DATASOURCE)
+        .unit(spec.unit)
+        .height(HEIGHT)
+        .span(spec.width)
+        .targets([query(i, expr, legend) for i, (expr, legend) in enumerate(spec.targets)])
+    )
+    return out.description(DESCRIPTIONS[spec.title]) if spec.title in DESCRIPTIONS else out
+
+
+def variable(name: str, label: str, values: str, sort: model.VariableSort) -> board.QueryVariable:
+    """A multi-select of `values`' results, "All" (`.*`) at first, refreshed with the time range."""
+    return (
+        board.QueryVariable(name)
+        .label(label)
+        .datasource(DATASOURCE)
+        .query(values)
+        .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(sort)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(model.VariableOption(selected=True, text=["All"], value=["$__all"]))
+    )
+
+
+def variables() -> list[board.QueryVariable]:
+    workers = "|".join(WORKERS)
+    return [
+        variable(
+            "instance",
+            "Instance",
+            f'label_values(up{{job=~"{workers}"}}, instance)',
+            model.VariableSort.ALPHABETICAL_ASC,
+        ),
+        variable("pair", "Pair", "label_values(spillway:pair_state, pair)", model.VariableSort.NUMERICAL_ASC),
+    ]
+
+
+def dashboard() -> board.Dashboard:
+    out = (
+        board.Dashboard("Spillway")
+        .uid("spillway")
+        .tags(["spillway"])
+        .timezone("browser")
+        .version(1)
+        .editable()
+        .refresh("5s")
+        .time("now-15m", "now")
+        .variables(variables())
+        .annotations([])
+    )
+    ids = itertools.count(1)
+    for title, specs in ROWS:
+        out = out.with_row(board.Row(title).id(next(ids)).collapsed(False))
+        for spec in specs:
+            out = out.with_panel(panel(next(ids), spec))
+    return out
 
 
 def render() -> str:
-    return json.dumps(dashboard(), indent=2, ensure_ascii=False) + "\n"
+    return (
+        json.dumps(dashboard().build(), cls=JSONEncoder, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ with a vision tower (the default tiny model has none), so not among the SERVICES
 metrics: a query without a job is checked against those."""
 RATE_INTERVAL = "1m"
 """What the dashboard's `$__rate_interval` stands for when a query is parsed or run outside Grafana."""
+ALL = ".*"
+"""What the dashboard's variables (`$instance`, `$pair`) stand for with "All" selected, their default."""
+VARIABLES = ("instance", "pair")
 
 
 def interpolate(text: str, env: dict[str, str] | None = None) -> str:
@@ -88,23 +91,26 @@ def dashboard() -> dict:
     return json.loads((DEPLOY / "grafana" / "dashboards" / "spillway.json").read_text())
 
 
+def substitute(expr: str) -> str:
+    """`expr` as Grafana sends it with every variable at "All": `$__rate_interval` as RATE_INTERVAL."""
+    for name in VARIABLES:
+        expr = expr.replace(f"${name}", ALL)
+    return expr.replace("$__rate_interval", RATE_INTERVAL)
+
+
 def queries() -> list[str]:
-    """Every panel's PromQL, as Prometheus would get it."""
-    exprs = [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
-    return [e.replace("$__rate_interval", RATE_INTERVAL) for e in exprs]
+    """Every panel's PromQL, as Prometheus would get it (its variables at "All")."""
+    return [substitute(t["expr"]) for p in dashboard()["panels"] for t in p.get("targets", [])]
 
 
-def selectors(expr: str) -> list[tuple[str, str | None]]:
-    """(metric name, the job it selects or None) for every series selector in `expr`; ValueError when
-    Prometheus's grammar refuses it."""
-    found: list[tuple[str, str | None]] = []
+def vector_selectors(expr: str) -> list[promql_parser.VectorSelector]:
+    """Every series selector in `expr`; ValueError when Prometheus's grammar refuses it."""
+    found: list[promql_parser.VectorSelector] = []
 
     def walk(node: object) -> None:
         kind = type(node).__name__
         if kind == "VectorSelector":
-            jobs = [m.value for m in node.matchers.matchers if m.name == "job"]
-            for job in jobs[0].split("|") if jobs else [None]:
-                found.append((node.name, job))
+            found.append(node)
         elif kind == "MatrixSelector":
             walk(node.vector_selector)
         elif kind == "BinaryExpr":
@@ -118,3 +124,15 @@ def selectors(expr: str) -> list[tuple[str, str | None]]:
 
     walk(promql_parser.parse(expr))
     return found
+
+
+def selected_jobs(selector: promql_parser.VectorSelector) -> list[str | None]:
+    """The jobs a series selector's `job` matcher names (`a|b` for several), or [None] without one."""
+    jobs = [m.value for m in selector.matchers.matchers if m.name == "job"]
+    return jobs[0].split("|") if jobs else [None]
+
+
+def selectors(expr: str) -> list[tuple[str, str | None]]:
+    """(metric name, the job it selects or None) for every series selector in `expr`; ValueError when
+    Prometheus's grammar refuses it."""
+    return [(node.name, job) for node in vector_selectors(expr) for job in selected_jobs(node)]

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import importlib.util
 
+import promql_parser
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
 from common import metrics
 from tests.deploy.deployment import (
+    ALL,
     DEPLOY,
     ENCODER,
+    RATE_INTERVAL,
     SERVICES,
+    WORKERS,
     command,
     dashboard,
     queries,
     scraped_jobs,
+    selected_jobs,
     selectors,
+    vector_selectors,
 )
 
 
@@ -104,6 +110,29 @@ def test_panels_fit_the_grid_and_use_the_provisioned_datasource() -> None:
     assert any(p["type"] == "heatmap" and "layer" in p["title"] for p in panels), (
         "docs/ARCHITECTURE.md, API and metrics: a per-layer heatmap"
     )
+
+
+def test_the_worker_panels_filter_on_the_instance_variable_and_the_pair_panels_on_pair() -> None:
+    """`instance` (the workers' targets) and `pair` (the router's pairs) are multi-selects whose "All" is
+    `.*`; every selector of a worker's job (prefill, decode, encoder) matches `instance=~"$instance"`, every
+    selector of a pair's state `pair=~"$pair"`."""
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert set(variables) == {"instance", "pair"}, "no model variable: no series is labelled with it"
+    assert variables["instance"]["query"] == 'label_values(up{job=~"prefill|decode|encoder"}, instance)'
+    assert variables["pair"]["query"] == "label_values(spillway:pair_state, pair)"
+    for v in variables.values():
+        assert v["type"] == "query" and v["multi"] and v["includeAll"] and v["allValue"] == ALL, v["name"]
+    workers, pairs = 0, 0
+    for expr in (t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])):
+        for node in vector_selectors(expr.replace("$__rate_interval", RATE_INTERVAL)):
+            matchers = [(m.name, m.op, m.value) for m in node.matchers.matchers]
+            if {*WORKERS, ENCODER} & set(selected_jobs(node)):
+                workers += 1
+                assert ("instance", promql_parser.MatchOp.Re, "$instance") in matchers, expr
+            if node.name.startswith("spillway:pair_state"):
+                pairs += 1
+                assert ("pair", promql_parser.MatchOp.Re, "$pair") in matchers, expr
+    assert workers > 20 and pairs == 2
 
 
 def test_the_heatmap_fixes_its_scale_in_the_options_grafana_reads() -> None:
