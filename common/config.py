@@ -204,7 +204,8 @@ class WorkerConfig:
     device: str = "cpu"
     """`cpu`, `cuda` or `cuda:N`: where decode allocates everything and prefill runs."""
     dtype: str = "float32"
-    """Activation and resident-weight dtype: `float32` or `bfloat16`."""
+    """Activation and resident-weight dtype: `float32`, `bfloat16`, `float16`, or `auto` (bfloat16 on CUDA,
+    float32 on the CPU: `model_dtype`)."""
     max_running: int = 8
     """Decode lanes: requests decoded together; also the state pool's slots."""
     max_context: int = 4096
@@ -278,6 +279,16 @@ class WorkerConfig:
     kernels: KernelConfig = KERNELS
     """The kernel forms and launch options the model's passes use (common/kernels/config.py), handed to the
     model where the worker builds it."""
+
+    @property
+    def model_dtype(self) -> str:
+        """`dtype`, `auto` resolved for `device`: bfloat16 on CUDA, float32 on the CPU."""
+        return auto_dtype(self.device) if self.dtype == "auto" else self.dtype
+
+
+def auto_dtype(device: str) -> str:
+    """What `--dtype auto` means on `device`: bfloat16 on CUDA (a plan is for CUDA: "cuda"), else float32."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -261,6 +262,8 @@ def _plan_format(name: str) -> str:
     """`plan --expert-format`: any expert format's name (a published one: a preset planned as published)."""
     from common.experts.formats import get_format
 
+    if name == "auto":
+        return name
     try:
         get_format(name)
     except ValueError as exc:
@@ -270,14 +273,22 @@ def _plan_format(name: str) -> str:
 
 def _plan(args: argparse.Namespace) -> int:
     """Print the memory plan of a model directory or a preset's config (nothing is loaded or started)."""
-    from common.engine.memory_plan import DTYPES, format_plan, plan_dict, plan_for_dir, plan_memory
+    from common.config import auto_dtype
+    from common.engine.memory_plan import (
+        DTYPES,
+        first_fitting,
+        format_plan,
+        plan_dict,
+        plan_for_dir,
+        plan_memory,
+    )
     from common.kernels import fused_by_default
 
     settings = {
         "budget_bytes": args.vram_budget,
         "max_context": args.max_context,
         "max_running": args.max_running,
-        "dtype": DTYPES[args.dtype],
+        "dtype": DTYPES[auto_dtype("cuda") if args.dtype == "auto" else args.dtype],
         "prefill_chunk": args.prefill_chunk,
         "layer_major_tokens": args.layer_major_tokens,
         "processes": 1 if args.single_process else 2,
@@ -290,14 +301,18 @@ def _plan(args: argparse.Namespace) -> int:
     if args.model is not None:
         if args.arch is not None or args.set:
             raise ValueError("--arch and --set go with --preset; a model directory has its own config")
-        plan = plan_for_dir(args.model, expert_format=args.expert_format, **settings)
+        plan_of = functools.partial(plan_for_dir, args.model, **settings)
     else:
         from common.model.hf_config import parse_architecture
         from common.model.synthetic.config import model_config, parse_overrides
 
         hf = model_config(args.preset, args.arch, parse_overrides(args.set))
         arch, cfg = parse_architecture(hf, Path(f"<preset {args.preset}>/config.json"))
-        plan = plan_memory(cfg, arch, expert_format=args.expert_format, **settings)
+        plan_of = functools.partial(plan_memory, cfg, arch, **settings)
+    if args.expert_format == "auto":
+        plan = first_fitting(lambda fmt: plan_of(expert_format=fmt))
+    else:
+        plan = plan_of(expert_format=args.expert_format)
     print(json.dumps(plan_dict(plan)) if args.json else format_plan(plan))
     plan.check()  # a refused plan is printed, then named as the error
     return 0
@@ -307,6 +322,7 @@ def _serve(args: argparse.Namespace) -> int:
     import os
 
     from common.api_key import resolve_api_key
+    from common.config import auto_dtype
     from common.model.defaults import default_model_dir
     from common.model.hf_config import load_architecture
     from services.exit_now import exit_now
@@ -331,6 +347,7 @@ def _serve(args: argparse.Namespace) -> int:
     if cfg.vram_budget is not None:  # (a budget is for a GPU: `auto` under --ray is one of the nodes')
         _check_serve_plan(dataclasses.replace(cfg, device="cuda") if cfg.device == "auto" else cfg)
     gpus: list[str | None] = pair_gpus(args.pairs, cfg.device) if args.ray is None else [None] * args.pairs
+    encoder = _encoder_device(args, model_dir)
     opts = ServeOptions(
         model_dir=model_dir,
         host=args.host,
@@ -347,8 +364,8 @@ def _serve(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
         pair_gpus=gpus,
-        encoder_device=_encoder_device(args, model_dir),
-        encoder_dtype=cfg.dtype,
+        encoder_device=encoder,
+        encoder_dtype=auto_dtype(encoder or "cpu") if cfg.dtype == "auto" else cfg.dtype,
         grammar_max_bytes=cfg.grammar_max_bytes,
         port_range=args.port_range,
     )
@@ -707,13 +724,16 @@ def _add_plan(sub) -> None:
     plan.add_argument("--max-running", type=int_at_least(1), default=8)
     plan.add_argument(
         "--expert-format",
-        default="bf16",
+        default="auto",
         type=_plan_format,
         metavar="FORMAT",
         help=f"{', '.join(PACKED_FORMATS)}, or (a preset) a published format's bytes: nvfp4, mxfp4, "
-        "gptq, awq, ct-w4a16, ...; a published checkpoint's own",
+        "gptq, awq, ct-w4a16, ...; a published checkpoint's own (default auto: as serve chooses, the first "
+        "of bf16, fp8, int4 that fits)",
     )
-    plan.add_argument("--dtype", choices=DTYPES, default="float32")
+    plan.add_argument(
+        "--dtype", choices=["auto", *DTYPES], default="auto", help="default auto: as serve on CUDA, bfloat16"
+    )
     add_prefill_args(plan)
     add_placement_args(plan)
     add_fused_kernels_arg(plan)  # a plan is for a GPU: None plans the fused kernels' workspace

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -40,7 +41,12 @@ def add_config_args(
         default="cpu",
         help="cpu | cuda | cuda:N | auto",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="activations and resident weights (default auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
     parser.add_argument(
         "--max-running", type=int_at_least(1), default=8, help="requests decoded together (lanes)"
     )
@@ -49,7 +55,13 @@ def add_config_args(
     )
     parser.add_argument("--expert-cache", default=None, metavar="SLOTS|FRACTION|all")
     parser.add_argument("--cache-policy", default=DEFAULT_POLICY, choices=POLICIES)
-    parser.add_argument("--expert-format", default="bf16", choices=PACKED_FORMATS)
+    parser.add_argument(
+        "--expert-format",
+        default="auto",
+        choices=["auto", *PACKED_FORMATS],
+        help="offloaded experts' runtime format (default auto: with --vram-budget the first of bf16, fp8, "
+        "int4 whose memory plan holds, else bf16; a published checkpoint's experts keep their own bits)",
+    )
     add_prefill_args(parser)
     parser.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
     parser.add_argument(
@@ -216,7 +228,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
     cached = args.expert_cache is not None or args.vram_budget is not None  # a budget implies a cache
     check_lending(str(model_dir or args.model), cached, args.lend_kv, args.lend_arena, decode_worker=True)
     resolve_lookahead(str(model_dir or args.model), cached, args.lookahead, args.device)  # raises early
-    return WorkerConfig(
+    cfg = WorkerConfig(
         model_dir=model_dir or args.model,
         device=args.device,
         dtype=args.dtype,
@@ -224,7 +236,7 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         max_context=args.max_context,
         expert_cache=args.expert_cache,
         cache_policy=args.cache_policy,
-        expert_format=args.expert_format,
+        expert_format="bf16" if args.expert_format == "auto" else args.expert_format,
         prefill_chunk=args.prefill_chunk,
         layer_major_tokens=args.layer_major_tokens,
         replay_routing=args.replay_routing,
@@ -240,6 +252,18 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
         grammar_max_bytes=args.grammar_max_bytes,
         grammar_timeout_s=args.grammar_timeout,
     )
+    if args.expert_format == "auto" and cfg.vram_budget is not None:
+        cfg = dataclasses.replace(cfg, expert_format=auto_expert_format(cfg))
+    return cfg
+
+
+def auto_expert_format(cfg: WorkerConfig) -> str:
+    """`--expert-format auto` under `cfg.vram_budget`: the first of bf16, fp8, int4 whose memory plan for
+    serve holds (planned on CUDA where the device is `auto`: a Ray cluster's nodes)."""
+    from common.engine.memory_plan import first_fitting, worker_plan
+
+    on = cfg if cfg.device != "auto" else dataclasses.replace(cfg, device="cuda")
+    return first_fitting(lambda fmt: worker_plan(dataclasses.replace(on, expert_format=fmt))).expert_format
 
 
 def parsed_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> WorkerConfig:

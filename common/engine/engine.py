@@ -236,7 +236,7 @@ def _load(cfg: WorkerConfig, fused: bool) -> torch.nn.Module:
     """The model of `cfg`, its embedding and resident projections placed as `cfg` says (before an expert
     cache takes the device memory they free); an offloaded model's experts are read to the host."""
     model = load_model(
-        cfg.model_dir, dtype=DTYPES[cfg.dtype], device=cfg.device, with_mtp=cfg.speculative == "mtp",
+        cfg.model_dir, dtype=DTYPES[cfg.model_dtype], device=cfg.device, with_mtp=cfg.speculative == "mtp",
         expert_device="cpu" if cfg.expert_cache is not None else None, fuse=fused,
         published_only=cfg.expert_cache is not None,
     )  # fmt: skip

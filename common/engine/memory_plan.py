@@ -23,6 +23,7 @@ import functools
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -446,6 +447,28 @@ def plan_for_dir(model_dir: str | Path, *, expert_format: str, mtp: bool = False
     return plan_memory(cfg, arch, expert_format=fmt, **kwargs)
 
 
+AUTO_FORMATS = ("bf16", "fp8", "int4")
+"""`--expert-format auto` under a budget: the first of these whose plan holds (fewest bits lost first)."""
+
+
+def first_fitting(plan_of: Callable[[str], MemoryPlan]) -> MemoryPlan:
+    """The plan of the first of AUTO_FORMATS whose plan `plan_of(format)` is `ok`; else the last one the
+    model's shapes take (refused: its `check` names what would fit). A format the shapes do not take
+    (int4's 128-wide groups) is passed over."""
+    plan = None
+    for fmt in AUTO_FORMATS:
+        try:
+            plan = plan_of(fmt)
+        except ValueError:
+            if fmt == AUTO_FORMATS[0]:
+                raise
+            continue
+        if plan.ok:
+            return plan
+    assert plan is not None  # (bf16 takes any shape)
+    return plan
+
+
 def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
     """The plan of `spillway serve`'s workers (decode and prefill on one device), unchecked."""
     if cfg.vram_budget is None:
@@ -456,7 +479,7 @@ def worker_plan(cfg: WorkerConfig) -> MemoryPlan:
         budget_bytes=cfg.vram_budget,
         max_context=cfg.max_context,
         max_running=cfg.max_running,
-        dtype=DTYPES[cfg.dtype],
+        dtype=DTYPES[cfg.model_dtype],
         page_size=cfg.page_size,
         kv_dtype=cfg.kv_dtype,
         prefill_chunk=cfg.prefill_chunk,

@@ -139,7 +139,7 @@ def _prefill_experts(cfg: WorkerConfig, mcfg, exports: Exports, imported: dict[s
         activation(mcfg.hidden_act),
         layers,
         cfg.device,
-        DTYPES[cfg.dtype],
+        DTYPES[cfg.model_dtype],
         shared_cache=(pool, imported["cache.slot_of"]),
         arena_row=exports.arena_row if exports.arena_row >= 0 else None,
     )
@@ -150,7 +150,7 @@ def prefill_model(cfg: WorkerConfig, exports: Exports) -> tuple[nn.Module, dict[
     arch, mcfg = load_architecture(cfg.model_dir)
     imported = ipc.import_tensors(exports.tensors)
     experts = ResidentExperts({}, activation(mcfg.hidden_act))
-    model = empty_model(arch, mcfg, experts, DTYPES[cfg.dtype], "meta")
+    model = empty_model(arch, mcfg, experts, DTYPES[cfg.model_dtype], "meta")
     if cfg.embeddings_on_host:  # decode exports the rows as a host table
         embeddings_to_host(model)
     if cfg.resident_dtype is not None:  # decode's quantised modules, on the meta device: shapes to map

@@ -28,7 +28,9 @@ def test_serving_on_cuda_equals_offline_engine(tmp_path, start_server, extra):
     --lend-arena prefill copies its experts into decode's pool (CUDA IPC), in rows decode's cache holds
     between prefills (after the first: prefill's warm-up writes them)."""
     model = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
-    server = start_server("--model", str(model), "--device", "cuda", "--max-running", "4", *extra)
+    server = start_server(  # float32, as the engine it is compared with (serve's auto: bfloat16 on CUDA)
+        "--model", str(model), "--device", "cuda", "--dtype", "float32", "--max-running", "4", *extra
+    )
     client = server.client()
     engine = Engine(WorkerConfig(str(model), device="cuda", max_running=4))
     for text in ["Tell me about experts.", "Hi", "Ein längerer Satz über Mischungen von Experten " * 4]:

@@ -168,10 +168,27 @@ def test_plan_of_flashnext_takes_seconds_and_writes_nothing(tmp_path: Path) -> N
     assert on_host["cache_slots"] > plan["cache_slots"]
 
     refused = _run(
-        ["plan", "--preset", "flashnext", "--vram-budget", "32GiB"], tmp_path
-    )  # fp32, bf16 experts
+        [
+            "plan",
+            "--preset",
+            "flashnext",
+            "--vram-budget",
+            "32GiB",
+            "--dtype",
+            "float32",
+            "--expert-format",
+            "bf16",
+        ],
+        tmp_path,
+    )
     assert refused.returncode == 2 and "too small" in refused.stderr and "Traceback" not in refused.stderr
     assert "--expert-format int4" in refused.stderr and "--dtype bfloat16" in refused.stderr
+    chosen = json.loads(
+        _run(["plan", "--preset", "flashnext", "--vram-budget", "32GiB", "--json"], tmp_path).stdout
+    )
+    assert chosen["ok"] and (chosen["dtype"], chosen["expert_format"]) == ("bfloat16", "fp8"), (
+        "the defaults, as serve on CUDA: bfloat16, and the first format that fits (bf16's does not)"
+    )
 
 
 def test_plan_counts_a_published_format_s_bytes(tmp_path: Path) -> None:
@@ -215,7 +232,9 @@ def test_plan_of_a_model_directory(tmp_path: Path) -> None:
     ],
 )
 def test_serve_refuses_lending_that_cannot_hold(tmp_path: Path, flags: list[str], message: str) -> None:
-    result = _run(["serve", "--port", "1", *flags], tmp_path)
+    """(A model of its own: the embedded one is served through a cache unless told otherwise.)"""
+    model = make_model(tmp_path / "m", preset="tiny", arch="qwen3_moe")
+    result = _run(["serve", "--port", "1", "--model", str(model), *flags], tmp_path)
     assert result.returncode == 2 and message in result.stderr and "started" not in result.stderr
 
 
