@@ -11,8 +11,9 @@ metrics of the same names as the router (requests_running, ...), so every query 
 runs only for a model with a vision tower: for a text-only one its target is down, the Images row has no
 data and "Services up" shows it "off" (OFF_WHEN_DOWN), not as an outage.
 
-Two variables narrow the panels: `$instance`, the workers' targets (every selector of a job in WORKERS
-filters on it), and `$pair`, the router's prefill/decode pairs (the pair panels); "All" stands for `.*`.
+Three variables narrow the panels: `$model` (the label the router's discovery gives the workers' targets)
+and `$instance`, the workers' targets (every selector of a job in WORKERS filters on both), and `$pair`,
+the router's prefill/decode pairs (the pair panels); "All" stands for `.*`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ WORKERS = ("prefill", "decode", "encoder")
 """Jobs with a target per worker: their selectors take the `$instance` variable."""
 ON_INSTANCE = 'instance=~"$instance"'
 ON_PAIR = 'pair=~"$pair"'
+ON_MODEL = 'model=~"$model"'
 OFF_WHEN_DOWN = ("encoder",)
 """Jobs whose target is down by design in some deployments (the encoder, for a text-only model): "Services
 up" shows their 0 as a neutral "off", not a red "down"."""
@@ -54,7 +56,7 @@ HEIGHT = 8
 def selector(name: str, job: str, *matchers: str) -> str:
     """`name`'s series from `job` (`a|b|...` for several) and `matchers`; a worker's, on `$instance`."""
     on_job = f'job=~"{job}"' if "|" in job else f'job="{job}"'
-    on_instance = [ON_INSTANCE] if set(job.split("|")) & set(WORKERS) else []
+    on_instance = [ON_INSTANCE, ON_MODEL] if set(job.split("|")) & set(WORKERS) else []
     return f"{name}{{{', '.join([on_job, *matchers, *on_instance])}}}"
 
 
@@ -392,6 +394,12 @@ def variable(name: str, label: str, values: str, sort: model.VariableSort) -> bo
 def variables() -> list[board.QueryVariable]:
     workers = "|".join(WORKERS)
     return [
+        variable(
+            "model",
+            "Model",
+            f'label_values(up{{job=~"{workers}"}}, model)',
+            model.VariableSort.ALPHABETICAL_ASC,
+        ),
         variable(
             "instance",
             "Instance",

@@ -139,7 +139,8 @@ class Supervisor:
     def metrics_targets(self) -> list[dict[str, Any]]:
         """Prometheus HTTP service discovery: a target group for each worker whose metrics URL is known (its
         present process's, from its `Ready`, else the configured one), labelled with its job (its role:
-        prefill, decode, encoder), service name and pair; a restarted worker's address replaces the old."""
+        prefill, decode, encoder), service name, pair and served model name; a restarted worker's address
+        replaces the old."""
         groups = []
         for name, svc in self.services.items():
             url = urlsplit(svc.metrics_url or self.config.metrics_urls.get(name, ""))
@@ -147,7 +148,8 @@ class Supervisor:
                 continue
             pair = None if svc is self.encoder else self._pair_of[name]
             role = "encoder" if pair is None else "prefill" if svc is pair.prefill else "decode"
-            labels = {"job": role, "service": name, "__metrics_path__": url.path or "/metrics"}
+            labels = {"job": role, "service": name, "model": self.config.model_name}
+            labels["__metrics_path__"] = url.path or "/metrics"
             labels["__scheme__"] = url.scheme or "http"
             if pair is not None:
                 labels["pair"] = str(pair.index)

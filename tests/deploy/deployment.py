@@ -21,8 +21,9 @@ metrics: a query without a job is checked against those."""
 RATE_INTERVAL = "1m"
 """What the dashboard's `$__rate_interval` stands for when a query is parsed or run outside Grafana."""
 ALL = ".*"
-"""What the dashboard's variables (`$instance`, `$pair`) stand for with "All" selected, their default."""
-VARIABLES = ("instance", "pair")
+"""What the dashboard's variables (`$model`, `$instance`, `$pair`) stand for with "All" selected, their
+default."""
+VARIABLES = ("model", "instance", "pair")
 
 
 def interpolate(text: str, env: dict[str, str] | None = None) -> str:

@@ -112,12 +112,14 @@ def test_panels_fit_the_grid_and_use_the_provisioned_datasource() -> None:
     )
 
 
-def test_the_worker_panels_filter_on_the_instance_variable_and_the_pair_panels_on_pair() -> None:
-    """`instance` (the workers' targets) and `pair` (the router's pairs) are multi-selects whose "All" is
-    `.*`; every selector of a worker's job (prefill, decode, encoder) matches `instance=~"$instance"`, every
+def test_the_worker_panels_filter_on_model_and_instance_and_the_pair_panels_on_pair() -> None:
+    """`model` (the router's discovery labels the workers' targets with it), `instance` (the workers'
+    targets) and `pair` (the router's pairs) are multi-selects whose "All" is `.*`; every selector of a
+    worker's job (prefill, decode, encoder) matches `model=~"$model"` and `instance=~"$instance"`, every
     selector of a pair's state `pair=~"$pair"`."""
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
-    assert set(variables) == {"instance", "pair"}, "no model variable: no series is labelled with it"
+    assert set(variables) == {"model", "instance", "pair"}
+    assert variables["model"]["query"] == 'label_values(up{job=~"prefill|decode|encoder"}, model)'
     assert variables["instance"]["query"] == 'label_values(up{job=~"prefill|decode|encoder"}, instance)'
     assert variables["pair"]["query"] == "label_values(spillway:pair_state, pair)"
     for v in variables.values():
@@ -129,6 +131,7 @@ def test_the_worker_panels_filter_on_the_instance_variable_and_the_pair_panels_o
             if {*WORKERS, ENCODER} & set(selected_jobs(node)):
                 workers += 1
                 assert ("instance", promql_parser.MatchOp.Re, "$instance") in matchers, expr
+                assert ("model", promql_parser.MatchOp.Re, "$model") in matchers, expr
             if node.name.startswith("spillway:pair_state"):
                 pairs += 1
                 assert ("pair", promql_parser.MatchOp.Re, "$pair") in matchers, expr

@@ -629,7 +629,8 @@ def test_service_discovery_lists_each_worker_at_its_present_address() -> None:
             }
 
         assert set(targets()) == {"prefill", "decode-1"}, "known: the configured URLs"
-        labels = {"job": "decode", "service": "decode-1", "pair": "1", "__metrics_path__": "/m"}
+        labels = {"job": "decode", "service": "decode-1", "pair": "1", "model": core.config.model_name}
+        labels["__metrics_path__"] = "/m"
         assert targets()["decode-1"] == ("decode-1.host:9402", {**labels, "__scheme__": "http"})
         core.on_message(
             Ready("decode-1", os.getpid(), capacity=2, metrics_url="http://10.0.0.7:23456/metrics")
