@@ -9,8 +9,7 @@ bundle of the pairs' placement group); one that stops answering, or whose restar
 new one started. Either way its workers take new ports, and the router and encoder are told the new
 addresses (`PairMoved`): they stay up, and only that pair's requests fail.
 
-Only strings and integers cross Ray's calls; the services speak msgspec over ZeroMQ as everywhere else.
-Every node needs Spillway installed and the model at the same path.
+Only strings and integers cross Ray's calls. Every node needs Spillway and the model at the same path.
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """Writes `dashboards/spillway.json`, the Grafana dashboard docker-compose provisions (its metrics:
 docs/ARCHITECTURE.md, API and metrics).
 
-The panels are listed here, as data, and built with grafana-foundation-sdk (Grafana 11.1's models); edit
-this file and run `python deploy/grafana/make_dashboard.py` (tests/deploy/test_dashboard.py checks that the
-two agree, that every query parses and that every metric it reads is one the services export, under the
-right job). The JSON's keys are sorted, so a run writes the same file twice.
+The panels are listed here as data and built with grafana-foundation-sdk (Grafana 11.1's models); edit
+this file and run it (tests/deploy/ check that the two agree and every query against the services' metrics).
+Keys are sorted: a run writes the same file twice.
 
 Jobs are Prometheus's (deploy/prometheus.yml): `router`, `prefill`, `decode`, `encoder`; the workers export
 metrics of the same names as the router (requests_running, ...), so every query names its job. The encoder
 runs only for a model with a vision tower: for a text-only one its target is down, the Images row has no
 data and "Services up" shows it "off" (OFF_WHEN_DOWN), not as an outage.
 
-Three variables narrow the panels: `$model` (the label the router's discovery gives the workers' targets)
-and `$instance`, the workers' targets (every selector of a job in WORKERS filters on both), and `$pair`,
-the router's prefill/decode pairs (the pair panels); "All" stands for `.*`.
+Variables: `$model` (the discovery's label) and `$instance` on every selector of a job in WORKERS, `$pair`
+on the pair panels; "All" is `.*`.
 """
 
 from __future__ import annotations
