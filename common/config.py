@@ -283,11 +283,13 @@ class WorkerConfig:
     @property
     def model_dtype(self) -> str:
         """`dtype`, `auto` resolved for `device`: bfloat16 on CUDA, float32 on the CPU."""
-        return auto_dtype(self.device) if self.dtype == "auto" else self.dtype
+        return resolve_dtype(self.dtype, self.device)
 
 
-def auto_dtype(device: str) -> str:
-    """What `--dtype auto` means on `device`: bfloat16 on CUDA (a plan is for CUDA: "cuda"), else float32."""
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`dtype` on `device`, `auto` resolved: bfloat16 on CUDA (a plan is for CUDA: "cuda"), else float32."""
+    if dtype != "auto":
+        return dtype
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 

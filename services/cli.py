@@ -273,7 +273,7 @@ def _plan_format(name: str) -> str:
 
 def _plan(args: argparse.Namespace) -> int:
     """Print the memory plan of a model directory or a preset's config (nothing is loaded or started)."""
-    from common.config import auto_dtype
+    from common.config import resolve_dtype
     from common.engine.memory_plan import (
         DTYPES,
         first_fitting,
@@ -288,7 +288,7 @@ def _plan(args: argparse.Namespace) -> int:
         "budget_bytes": args.vram_budget,
         "max_context": args.max_context,
         "max_running": args.max_running,
-        "dtype": DTYPES[auto_dtype("cuda") if args.dtype == "auto" else args.dtype],
+        "dtype": DTYPES[resolve_dtype(args.dtype, "cuda")],
         "prefill_chunk": args.prefill_chunk,
         "layer_major_tokens": args.layer_major_tokens,
         "processes": 1 if args.single_process else 2,
@@ -322,7 +322,7 @@ def _serve(args: argparse.Namespace) -> int:
     import os
 
     from common.api_key import resolve_api_key
-    from common.config import auto_dtype
+    from common.config import resolve_dtype
     from common.model.defaults import default_model_dir
     from common.model.hf_config import load_architecture
     from services.exit_now import exit_now
@@ -365,7 +365,7 @@ def _serve(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         pair_gpus=gpus,
         encoder_device=encoder,
-        encoder_dtype=auto_dtype(encoder or "cpu") if cfg.dtype == "auto" else cfg.dtype,
+        encoder_dtype=resolve_dtype(cfg.dtype, encoder or "cpu"),
         grammar_max_bytes=cfg.grammar_max_bytes,
         port_range=args.port_range,
     )

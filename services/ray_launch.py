@@ -152,11 +152,9 @@ class RayLauncher:
         if self.gpu and gpus < self.pairs:
             raise ValueError(f"--pairs {self.pairs} needs a GPU a pair; the Ray cluster has {gpus:g}")
         self.host = ray.util.get_node_ip_address()
-        self.router_inbox = f"tcp://{self.host}:{free_ports(1, self.host, self.opts.port_range)}"
+        self.router_inbox = f"tcp://{self.host}:{self._port()}"
         has_encoder = self.opts.encoder_device is not None
-        self.encoder_inbox = (
-            f"tcp://{self.host}:{free_ports(1, self.host, self.opts.port_range)}" if has_encoder else None
-        )
+        self.encoder_inbox = f"tcp://{self.host}:{self._port()}" if has_encoder else None
         names = [n for i in range(self.pairs) for n in pair_names(i)]
         self.keys = make_keys([*names, "router", "encoder", LAUNCHER])
         if self.gpu:  # a GPU a pair, spread over the nodes; Ray places a lost node's bundle again
@@ -224,9 +222,7 @@ class RayLauncher:
         launcher = self.keys[LAUNCHER]
         self.to_services = [Outbox(self.router_inbox, keys=launcher, peer="router")]
         if self.encoder_inbox is not None:
-            self.encoder_metrics = (
-                free_ports(1, self.host, self.opts.port_range) if self.opts.metrics_port else 0
-            )
+            self.encoder_metrics = self._port() if self.opts.metrics_port else 0
             self.encoder = Child(
                 "encoder",
                 self._encoder_argv(),
@@ -283,8 +279,10 @@ class RayLauncher:
             self.failed = self.stopping = True
             return
         now = time.monotonic()
+        refs = [ref for ref, _ in self.checks.values()]
+        answered = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
         for i, (ref, sent) in list(self.checks.items()):
-            done, _ = ray.wait([ref], timeout=0)
+            done = ref in answered
             if not done and now - sent < CALL_TIMEOUT_S:
                 continue
             del self.checks[i]

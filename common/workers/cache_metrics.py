@@ -12,8 +12,13 @@ class CacheMetricsExporter:
     def __init__(self, offload: OffloadedExperts, metrics: ExpertCacheMetrics) -> None:
         self.offload, self.metrics = offload, metrics
         self.layers = [str(layer) for layer in sorted(offload.index, key=offload.index.__getitem__)]
-        names = ("hits", "misses", "evictions", "bypasses", "prefetches", "prefetch_hits")
-        self.seen = {name: [0] * len(self.layers) for name in names}
+        m = metrics
+        self.counters = {"hits": m.hits, "misses": m.misses, "evictions": m.evictions, "bypasses": m.bypasses,
+                         "prefetches": m.prefetches, "prefetch_hits": m.prefetch_hits}  # fmt: skip
+        for counter in self.counters.values():  # every layer's series from the start (0 until it counts)
+            for layer in self.layers:
+                counter.labels(layer=layer)
+        self.seen = {name: [0] * len(self.layers) for name in self.counters}
         self.bytes_seen = self.loads_seen = 0
 
     def update(self) -> None:
@@ -23,10 +28,9 @@ class CacheMetricsExporter:
         self.seen = {n: counters[n] for n in self.seen}
         m = self.metrics
         for i, layer in enumerate(self.layers):
-            for name, metric in (("hits", m.hits), ("misses", m.misses), ("evictions", m.evictions),
-                                 ("bypasses", m.bypasses), ("prefetches", m.prefetches),
-                                 ("prefetch_hits", m.prefetch_hits)):  # fmt: skip
-                metric.labels(layer=layer).inc(delta[name][i])  # (0 too: every layer's series exists)
+            for name, counter in self.counters.items():
+                if delta[name][i]:
+                    counter.labels(layer=layer).inc(delta[name][i])
             lookups = delta["hits"][i] + delta["misses"][i]
             if lookups:
                 m.hit_rate.labels(layer=layer).set(delta["hits"][i] / lookups)
