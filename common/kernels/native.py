@@ -118,3 +118,16 @@ def check(status: int, name: str) -> None:
     """Raise if entry point `name` returned a CUDA error (its launch failed)."""
     if status != 0:
         raise RuntimeError(f"{name}: the CUDA kernel's launch failed with cudaError {status}")
+
+
+def prebuild(archs: list[str]) -> list[Path]:
+    """Every library of common/kernels/cuda built for each of `archs` (e.g. "sm_90") into `cache_dir()`, as
+    an image's build stage does: where the runtime then finds them, it needs no nvcc."""
+    return [build(source.stem, arch) for arch in archs for source in sorted(SOURCES.glob("*.cu"))]
+
+
+if __name__ == "__main__":  # python -m common.kernels.native sm_80 sm_90 ...
+    import sys
+
+    for path in prebuild(sys.argv[1:]):
+        print(path)

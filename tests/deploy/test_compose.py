@@ -142,7 +142,7 @@ def test_the_files_compose_mounts_and_the_image_copies_exist() -> None:
                 assert (DEPLOY / source).exists(), volume
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     ignored = (DEPLOY.parent / ".dockerignore").read_text()
-    for source in re.findall(r"^COPY (\S+(?: \S+)*) \S+$", dockerfile, re.M):
+    for source in re.findall(r"^COPY (?!--from=)(\S+(?: \S+)*) \S+$", dockerfile, re.M):
         for path in source.split():
             assert (DEPLOY.parent / path).exists(), path
             assert f"!{path}" in ignored or f"!{path}/" in ignored, f".dockerignore leaves {path} out"
@@ -156,7 +156,19 @@ def test_the_gpu_file_gives_both_workers_a_device() -> None:
     argv = command("decode")
     assert argv[argv.index("--device") + 1] == "auto", "the GPU it is given, else the CPU"
     assert gpu["model"]["build"]["args"]["EXTRAS"] == "[gpu]"  # xgrammar is a dependency
-    assert gpu["model"]["build"]["args"]["LOCK"] == "", "resolved against the CUDA base's torch"
+    args = gpu["model"]["build"]["args"]
+    assert args["LOCK"] == "", "resolved against the CUDA base's torch"
+    assert args["BASE"].endswith("-runtime") and args["KERNELS"] == "cuda", "no compiler in the image"
+    stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", (DEPLOY / "Dockerfile").read_text(), re.M)
+    assert stages[-1] == ("${BASE}", ""), "the image itself starts from BASE"
+    assert ("${KERNELS_BASE}", "kernels-cuda") in stages and "devel" in _arg_default("KERNELS_BASE")
+    assert _arg_default("CUDA_ARCHS") in args["CUDA_ARCHS"], "one default architecture list"
+
+
+def _arg_default(name: str) -> str:
+    """The default a build argument of deploy/Dockerfile declares."""
+    (value,) = re.findall(rf'^\s*ARG {name}="?([^"\n]*)"?$', (DEPLOY / "Dockerfile").read_text(), re.M)
+    return value
 
 
 def test_every_spillway_container_checks_its_own_health() -> None:

@@ -33,6 +33,21 @@ def test_no_nvcc_means_no_library_and_a_warning(tmp_path, monkeypatch, caplog) -
     assert "nvcc not found" in caplog.text
 
 
+def test_prebuilt_libraries_load_without_nvcc(tmp_path, monkeypatch) -> None:
+    """An image's build stage (`python -m common.kernels.native ARCH ...`) builds every kernel library for
+    each architecture; the runtime, with no nvcc, loads them from the cache."""
+    if native.nvcc() is None:
+        pytest.skip("needs nvcc")
+    monkeypatch.setenv("SPILLWAY_CACHE", str(tmp_path))
+    built = native.prebuild(["sm_80", "sm_90"])
+    sources = sorted(native.SOURCES.glob("*.cu"))
+    assert len(built) == 2 * len(sources) and all(p.is_file() for p in built)
+    monkeypatch.setattr(native, "nvcc", lambda: None)
+    native.library.cache_clear()
+    assert native.library(sources[0].stem, "sm_80") is not None
+    native.library.cache_clear()
+
+
 def test_a_compile_error_names_the_source(tmp_path, monkeypatch) -> None:
     if native.nvcc() is None:
         pytest.skip("needs nvcc")
