@@ -36,12 +36,18 @@ IRWIN_HALL_STD = tl.constexpr(147.80054127099805)
 
 
 @triton.jit
-def _e2m1(code):
-    """4-bit e2m1 codes (int32) → fp32 values: sign bit 3, exponent bits 1-2, mantissa bit 0."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    magnitude = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where(code >= 8, -magnitude, magnitude)
+def _e2m1_pairs(byte):
+    """Bytes of two 4-bit e2m1 codes (int32) → (low nibble's, high nibble's) fp32 values × 2⁻¹⁴: a code's
+    sign and magnitude bits placed in an fp16's (exponent 2 bits, mantissa 1; e = 0 a subnormal) and
+    converted exactly, no table, no exp2."""
+    low = ((byte & 7) << 9) | ((byte & 8) << 12)
+    high = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    low = low.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+FP4_UNIT = tl.constexpr(16384.0)
+"""2¹⁴: what `_e2m1_pairs`' values are short of."""
 
 
 @triton.jit
@@ -53,6 +59,48 @@ def _fp4_scale(b, FMT: tl.constexpr):
     m = (b & 7).to(tl.float32)
     magnitude = tl.where(e == 0, m * 0.001953125, (1.0 + m * 0.125) * tl.exp2((e - 7).to(tl.float32)))
     return tl.where(b >= 128, -magnitude, magnitude)  # 0.001953125 = 2^-9: subnormal m/8 · 2^-6
+
+
+@triton.jit
+def _fp4_groups(w_ptr, s_ptr, rows, live_rows, k0, width, FMT: tl.constexpr):
+    """One step of BK inputs of 4-bit float rows [BLOCK, 1] (int64), by block-scale group: (low, high)
+    nibbles' values × 2⁻¹⁴ [BLOCK, NG, G/2] (input k0 + g·G + 2j and the one after; 0 past `width` and in
+    dead rows), the groups' scales [BLOCK, NG] fp32 and the inputs' group and pair indices."""
+    group: tl.constexpr = 32 if FMT == 3 else 16
+    ng: tl.constexpr = BK // group
+    g = tl.arange(0, ng)[:, None]  # [NG, 1]
+    j = tl.arange(0, group // 2)[None, :]  # [1, G/2]
+    live_g = (k0 + g * group < width) & live_rows[:, None, None]  # [BLOCK, NG, 1]
+    byte_at = rows[:, :, None] * (width // 2) + (k0 // 2 + g * (group // 2) + j)[None, :, :]
+    byte = tl.load(w_ptr + byte_at, mask=live_g, other=0).to(tl.int32)  # [BLOCK, NG, G/2]
+    low, high = _e2m1_pairs(byte)
+    gs = k0 // group + tl.arange(0, ng)  # [NG]
+    live_s = live_rows[:, None] & (gs * group < width)[None, :]
+    b = tl.load(s_ptr + rows * (width // group) + gs[None, :], mask=live_s, other=0).to(tl.int32)
+    return low, high, _fp4_scale(b, FMT), g, j
+
+
+@triton.jit
+def _fp4_tile(w_ptr, s_ptr, rows, live_rows, k0, width, FMT: tl.constexpr):
+    """4-bit float weights [BLOCK, BK] fp32 (`weight_tile`'s): each pair of nibbles joined back in input
+    order, times its group's scale."""
+    low, high, scale, _, _ = _fp4_groups(w_ptr, s_ptr, rows, live_rows, k0, width, FMT)
+    scale = (scale * FP4_UNIT)[:, :, None]
+    pairs = tl.join(low * scale, high * scale)  # [BLOCK, NG, G/2, 2]
+    return tl.reshape(pairs, (low.shape[0], BK))
+
+
+@triton.jit
+def _fp4_dot(w_ptr, s_ptr, x_ptr, rows, live_rows, k0, width, FMT: tl.constexpr):
+    """Σ_j w[rows, k0 + j] · x[k0 + j] over one step of BK inputs of 4-bit float rows → [BLOCK] fp32 × 2⁻¹⁴:
+    the nibbles multiply the even and odd inputs apart, each group's sum times its scale once."""
+    low, high, scale, g, j = _fp4_groups(w_ptr, s_ptr, rows, live_rows, k0, width, FMT)
+    group: tl.constexpr = 32 if FMT == 3 else 16
+    c = k0 + g * group + 2 * j  # [NG, G/2] the even inputs
+    x_even = tl.load(x_ptr + c, mask=c < width, other=0.0).to(tl.float32)
+    x_odd = tl.load(x_ptr + c + 1, mask=c < width, other=0.0).to(tl.float32)
+    dot = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK, NG]
+    return tl.sum(dot * scale, axis=1)
 
 
 @triton.jit
@@ -128,11 +176,7 @@ def weight_tile(
             w_ptr, s_ptr, z_ptr, a_ptr, rows, c[None, :], live, width, total, s_cols, FMT, PARAM
         )
     if FMT >= 2:
-        group: tl.constexpr = 32 if FMT == 3 else 16
-        byte = tl.load(w_ptr + rows * (width // 2) + (c // 2)[None, :], mask=live, other=0).to(tl.int32)
-        code = (byte >> ((c % 2) * 4)[None, :]) & 15
-        b = tl.load(s_ptr + rows * (width // group) + (c // group)[None, :], mask=live, other=0).to(tl.int32)
-        return _e2m1(code) * _fp4_scale(b, FMT)
+        return _fp4_tile(w_ptr, s_ptr, rows, live_rows, k0, width, FMT)
     w = tl.load(w_ptr + rows * width + c[None, :], mask=live, other=0.0).to(tl.float32)
     if FMT == 1:
         w *= tl.load(s_ptr + (out_rows // BK) * s_cols + k0 // BK, mask=live_rows, other=0.0)[:, None]
@@ -141,10 +185,16 @@ def weight_tile(
 
 @triton.jit
 def _rows_dot(
-    w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, v, k0, width, total, s_cols,
+    w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, v_ptr, k0, width, total, s_cols,
     FMT: tl.constexpr, PARAM: tl.constexpr,
 ):  # fmt: skip
-    """Σ_j w[out_rows, k0 + j] · v[j] over one step of BK inputs → [BLOCK] fp32 (`weight_tile`'s)."""
+    """Σ_j w[out_rows, k0 + j] · v[k0 + j] over one step of BK inputs → [BLOCK] fp32 (`weight_tile`'s;
+    the 4-bit floats × 2⁻¹⁴, `_fp4_dot`'s); v_ptr: the vector's first entry, `width` of them."""
+    if FMT >= 2 and FMT <= 4:
+        rows = out_rows[:, None].to(tl.int64)
+        return _fp4_dot(w_ptr, s_ptr, v_ptr, rows, live_rows, k0, width, FMT)
+    c = k0 + tl.arange(0, BK)
+    v = tl.load(v_ptr + c, mask=c < width, other=0.0).to(tl.float32)
     w = weight_tile(w_ptr, s_ptr, z_ptr, a_ptr, out_rows, live_rows, k0, width, total, s_cols, FMT, PARAM)
     return tl.sum(w * v[None, :], axis=1)
 
@@ -171,6 +221,17 @@ def global_scale(g_ptr, i, FMT: tl.constexpr):
 
 
 @triton.jit
+def dot_scale(g_ptr, i, FMT: tl.constexpr):
+    """What `_rows_dot`'s sums of linear i are multiplied by: the NVFP4s' global scale, the 4-bit floats'
+    2¹⁴, else 1."""
+    if FMT == 2 or FMT == 4:
+        return global_scale(g_ptr, i, FMT) * FP4_UNIT
+    if FMT == 3:
+        return FP4_UNIT
+    return 1.0
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, rows_ptr, w_ptr, s_ptr, z_ptr, g_ptr, act_ptr, k, s_rows, s_cols,
     hidden: tl.constexpr, inter: tl.constexpr, FMT: tl.constexpr, PARAM: tl.constexpr, BLOCK: tl.constexpr,
@@ -184,14 +245,12 @@ def _gate_up_kernel(
     w, s, z, a = w_ptr + w_off, s_ptr + s_off, z_ptr + z_off, g_ptr + row * 2 * hidden  # a: GPTQ's g_idx
     gate = tl.zeros((BLOCK,), dtype=tl.float32)
     up = tl.zeros((BLOCK,), dtype=tl.float32)
+    xt = x_ptr + t * hidden
     for k0 in range(0, hidden, BK):
-        c = k0 + tl.arange(0, BK)
-        xv = tl.load(x_ptr + t * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
-        gate += _rows_dot(w, s, z, a, n, live, xv, k0, hidden, 2 * inter, s_cols, FMT, PARAM)
-        up += _rows_dot(w, s, z, a + hidden, n + inter, live, xv, k0, hidden, 2 * inter, s_cols, FMT, PARAM)
-    if FMT == 2 or FMT == 4:  # the NVFP4s' global scales: gate's, up's
-        gate *= global_scale(g_ptr, 2 * row, FMT)
-        up *= global_scale(g_ptr, 2 * row + 1, FMT)
+        gate += _rows_dot(w, s, z, a, n, live, xt, k0, hidden, 2 * inter, s_cols, FMT, PARAM)
+        up += _rows_dot(w, s, z, a + hidden, n + inter, live, xt, k0, hidden, 2 * inter, s_cols, FMT, PARAM)
+    gate *= dot_scale(g_ptr, 2 * row, FMT)  # gate's, up's
+    up *= dot_scale(g_ptr, 2 * row + 1, FMT)
     if FMT == 9:  # trellis: the rotated outputs [P, 2I], turned back by the caller before the SiLU
         tl.store(act_ptr + p * 2 * inter + n, gate, mask=live)
         tl.store(act_ptr + p * 2 * inter + inter + n, up, mask=live)
@@ -213,11 +272,8 @@ def _down_kernel(
     w, s, z, a = w_ptr + w_off, s_ptr + s_off, z_ptr + z_off, g_ptr + row * inter  # a: GPTQ's g_idx
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, inter, BK):
-        c = k0 + tl.arange(0, BK)
-        act = tl.load(act_ptr + p * inter + c, mask=c < inter, other=0.0)
-        acc += _rows_dot(w, s, z, a, n, live, act, k0, inter, hidden, s_cols, FMT, PARAM)
-    if FMT == 2 or FMT == 4:  # the NVFP4s' global scale
-        acc *= global_scale(g_ptr, row, FMT)
+        acc += _rows_dot(w, s, z, a, n, live, act_ptr + p * inter, k0, inter, hidden, s_cols, FMT, PARAM)
+    acc *= dot_scale(g_ptr, row, FMT)
     tl.store(out_ptr + p * hidden + n, acc * tl.load(weights_ptr + p).to(tl.float32), mask=live)
 
 
