@@ -276,7 +276,7 @@ def _plan(args: argparse.Namespace) -> int:
     from common.config import resolve_dtype
     from common.engine.memory_plan import (
         DTYPES,
-        first_fitting,
+        auto_plan,
         format_plan,
         plan_dict,
         plan_for_dir,
@@ -310,7 +310,7 @@ def _plan(args: argparse.Namespace) -> int:
         arch, cfg = parse_architecture(hf, Path(f"<preset {args.preset}>/config.json"))
         plan_of = functools.partial(plan_memory, cfg, arch, **settings)
     if args.expert_format == "auto":
-        plan = first_fitting(lambda fmt: plan_of(expert_format=fmt))
+        plan = auto_plan(lambda fmt: plan_of(expert_format=fmt))
     else:
         plan = plan_of(expert_format=args.expert_format)
     print(json.dumps(plan_dict(plan)) if args.json else format_plan(plan))

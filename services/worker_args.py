@@ -60,7 +60,8 @@ def add_config_args(
         default="auto",
         choices=["auto", *PACKED_FORMATS],
         help="offloaded experts' runtime format (default auto: with --vram-budget the first of bf16, fp8, "
-        "int4 whose memory plan holds, else bf16; a published checkpoint's experts keep their own bits)",
+        "int4 whose cache holds every expert, else the one that caches the most, else bf16; a published "
+        "checkpoint's experts keep their own bits)",
     )
     add_prefill_args(parser)
     parser.add_argument("--replay-routing", default=None, metavar="FILE|synthetic-zipf:...")
@@ -258,12 +259,12 @@ def worker_config(args: argparse.Namespace, model_dir: str | None = None) -> Wor
 
 
 def auto_expert_format(cfg: WorkerConfig) -> str:
-    """`--expert-format auto` under `cfg.vram_budget`: the first of bf16, fp8, int4 whose memory plan for
-    serve holds (planned on CUDA where the device is `auto`: a Ray cluster's nodes)."""
-    from common.engine.memory_plan import first_fitting, worker_plan
+    """`--expert-format auto` under `cfg.vram_budget` (memory_plan.auto_plan over serve's memory plans;
+    planned on CUDA where the device is `auto`: a Ray cluster's nodes)."""
+    from common.engine.memory_plan import auto_plan, worker_plan
 
     on = cfg if cfg.device != "auto" else dataclasses.replace(cfg, device="cuda")
-    return first_fitting(lambda fmt: worker_plan(dataclasses.replace(on, expert_format=fmt))).expert_format
+    return auto_plan(lambda fmt: worker_plan(dataclasses.replace(on, expert_format=fmt))).expert_format
 
 
 def parsed_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> WorkerConfig:

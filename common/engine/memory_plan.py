@@ -448,14 +448,17 @@ def plan_for_dir(model_dir: str | Path, *, expert_format: str, mtp: bool = False
 
 
 AUTO_FORMATS = ("bf16", "fp8", "int4")
-"""`--expert-format auto` under a budget: the first of these whose plan holds (fewest bits lost first)."""
+"""`--expert-format auto`'s candidates, fewest bits lost first."""
 
 
-def first_fitting(plan_of: Callable[[str], MemoryPlan]) -> MemoryPlan:
-    """The plan of the first of AUTO_FORMATS whose plan `plan_of(format)` is `ok`; else the last one the
+def auto_plan(plan_of: Callable[[str], MemoryPlan]) -> MemoryPlan:
+    """`--expert-format auto` under a budget, from `plan_of(format)` for each of AUTO_FORMATS: the first
+    whose cache holds every expert (nothing offloaded: nothing lost to speed or bits); else, of the plans
+    that hold, the one with the most cache slots (with experts offloaded, the misses' copies set decode's
+    pace: the smallest format misses least and moves the fewest bytes a miss); else the last plan the
     model's shapes take (refused: its `check` names what would fit). A format the shapes do not take
     (int4's 128-wide groups) is passed over."""
-    plan = None
+    plans = []
     for fmt in AUTO_FORMATS:
         try:
             plan = plan_of(fmt)
@@ -463,10 +466,11 @@ def first_fitting(plan_of: Callable[[str], MemoryPlan]) -> MemoryPlan:
             if fmt == AUTO_FORMATS[0]:
                 raise
             continue
-        if plan.ok:
+        if plan.ok and plan.cache_slots >= plan.max_cache_slots:
             return plan
-    assert plan is not None  # (bf16 takes any shape)
-    return plan
+        plans.append(plan)
+    holding = [p for p in plans if p.ok]
+    return max(holding, key=lambda p: p.cache_slots) if holding else plans[-1]
 
 
 def worker_plan(cfg: WorkerConfig) -> MemoryPlan:

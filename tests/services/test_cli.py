@@ -186,9 +186,13 @@ def test_plan_of_flashnext_takes_seconds_and_writes_nothing(tmp_path: Path) -> N
     chosen = json.loads(
         _run(["plan", "--preset", "flashnext", "--vram-budget", "32GiB", "--json"], tmp_path).stdout
     )
-    assert chosen["ok"] and (chosen["dtype"], chosen["expert_format"]) == ("bfloat16", "fp8"), (
-        "the defaults, as serve on CUDA: bfloat16, and the first format that fits (bf16's does not)"
+    assert chosen["ok"] and (chosen["dtype"], chosen["expert_format"]) == ("bfloat16", "int4"), (
+        "the defaults, as serve on CUDA: bfloat16, and (no format holds every expert) the most slots"
     )
+    assert chosen["cache_slots"] == plan["cache_slots"]
+    small = ["plan", "--preset", "qwen3-30b", "--vram-budget", "80GiB", "--json"]
+    all_fit = json.loads(_run(small, tmp_path).stdout)
+    assert all_fit["cache_slots"] == all_fit["max_cache_slots"] and all_fit["expert_format"] == "bf16"
 
 
 def test_plan_counts_a_published_format_s_bytes(tmp_path: Path) -> None:
