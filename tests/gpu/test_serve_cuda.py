@@ -4,10 +4,13 @@ place; outputs equal the offline engine's on the GPU."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from common.config import WorkerConfig
 from common.engine.engine import Engine
+from common.model.defaults import default_model_dir
 from common.model.synthetic.checkpoint import make_model
 from common.protocol import SamplingParams
 
@@ -69,4 +72,25 @@ def test_images_on_cuda_answer_as_transformers(tmp_path, start_server, encoder):
             temperature=0,
         )  # fmt: skip
         assert reply.usage.prompt_tokens == prompt_len and reply.choices[0].message.content == want
+    assert server.stop() == 0
+
+
+def test_the_readme_s_serve_on_cuda_is_bfloat16_through_a_cache(start_server):
+    """`spillway serve --device cuda` with the embedded model and no other flag: decode holds bfloat16
+    weights (serve's `auto` dtype on CUDA) and half the experts' slots (the embedded default's cache), as
+    the offline engine with those settings does; a chat answers."""
+    from tests.services.test_serve import _decode_metrics
+
+    server = start_server("--device", "cuda")
+    reply = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
+    engine = Engine(
+        WorkerConfig(str(default_model_dir()), device="cuda", dtype="bfloat16", expert_cache="0.5")
+    )
+    text = _decode_metrics(server.port)
+    for pool in ("weights", "expert_cache"):
+        (held,) = re.findall(rf'^spillway:vram_bytes{{pool="{pool}"}} (\S+)$', text, re.M)
+        assert float(held) == engine.pool_bytes()[pool], pool
     assert server.stop() == 0
