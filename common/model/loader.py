@@ -335,11 +335,13 @@ def model_source(
     elif scheme.int4_format:
         dims = linear_dims(arch, cfg)
         raw = dequantized_int4_source(raw, scheme.int4_format, lambda k: dims(k.removesuffix(".weight")))
-    source = dequantized_fp8_source(
+    source: TensorSource = dequantized_fp8_source(
         raw,
         fp8_block_size(model_dir),
         keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
     )
+    if arch.adapt_source is not None:  # the family's own layouts, once every tensor is plain
+        source = arch.adapt_source(source, cfg)
     return source, published
 
 
