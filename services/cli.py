@@ -711,7 +711,7 @@ def _add_plan(sub) -> None:
     what.add_argument(
         "--preset",
         default=None,
-        help="a synthetic preset's config: tiny | qwen3-30b | flashnext | glm-4.5-air",
+        help="a synthetic preset's config: tiny | qwen3-30b | flashnext | glm-4.5-air | qwen3-next-80b",
     )
     plan.add_argument("--arch", default=None, help="the preset's arch (default: its first)")
     plan.add_argument(

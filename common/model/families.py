@@ -37,7 +37,9 @@ def _mixtral_key(key: str, cfg: ModelConfig | None = None) -> str | ExpertKey:
     return qwen_expert_key(key)
 
 
-def _common(hf: dict[str, Any], default_eps: float) -> dict[str, Any]:
+def common_fields(hf: dict[str, Any], default_eps: float) -> dict[str, Any]:
+    """The ModelConfig fields every flat Qwen-style config.json spells alike (norm epsilon: `default_eps`
+    where it names none)."""
     heads = hf["num_attention_heads"]
     eos = hf.get("eos_token_id")
     return dict(
@@ -59,17 +61,17 @@ def _common(hf: dict[str, Any], default_eps: float) -> dict[str, Any]:
     )
 
 
-def _qwen_experts(hf: dict[str, Any], default: int) -> int:
+def qwen_experts(hf: dict[str, Any], default: int) -> int:
     """`num_experts`, or `num_local_experts` as transformers 5 saves a Qwen MoE config (llm-compressor's
     checkpoints, for one)."""
     return hf.get("num_experts", hf.get("num_local_experts", default))
 
 
-def _qwen_mlp_types(hf: dict[str, Any]) -> tuple[str, ...]:
-    """HF's rule: MoE unless listed in mlp_only_layers, or off the decoder_sparse_step grid."""
+def qwen_mlp_types(hf: dict[str, Any], experts: int) -> tuple[str, ...]:
+    """HF's rule, for `experts` routed experts a layer: MoE unless listed in mlp_only_layers, or off the
+    decoder_sparse_step grid."""
     only = set(hf.get("mlp_only_layers") or [])
     step = hf.get("decoder_sparse_step", 1)
-    experts = _qwen_experts(hf, 0)
     return tuple(
         "moe" if i not in only and experts > 0 and (i + 1) % step == 0 else "dense"
         for i in range(hf["num_hidden_layers"])
@@ -80,11 +82,11 @@ def parse_qwen3_moe(hf: dict[str, Any]) -> ModelConfig:
     window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
     n = hf["num_hidden_layers"]
     return ModelConfig(
-        **_common(hf, 1e-6),
+        **common_fields(hf, 1e-6),
         layer_types=("sliding_attention" if window else "full_attention",) * n,
-        mlp_types=_qwen_mlp_types(hf),
+        mlp_types=qwen_mlp_types(hf, qwen_experts(hf, 0)),
         intermediate_size=hf.get("intermediate_size", 6144),
-        num_experts=_qwen_experts(hf, 128),
+        num_experts=qwen_experts(hf, 128),
         top_k=hf.get("num_experts_per_tok", 8),
         moe_intermediate_size=hf.get("moe_intermediate_size", 768),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
@@ -104,11 +106,11 @@ def parse_qwen2_moe(hf: dict[str, Any]) -> ModelConfig:
         for i in range(n)
     ]
     return ModelConfig(
-        **_common(hf, 1e-6),
+        **common_fields(hf, 1e-6),
         layer_types=tuple(layer_types),
-        mlp_types=_qwen_mlp_types(hf),
+        mlp_types=qwen_mlp_types(hf, qwen_experts(hf, 0)),
         intermediate_size=hf.get("intermediate_size", 5632),
-        num_experts=_qwen_experts(hf, 60),
+        num_experts=qwen_experts(hf, 60),
         top_k=hf.get("num_experts_per_tok", 4),
         moe_intermediate_size=hf.get("moe_intermediate_size", 1408),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
@@ -123,7 +125,7 @@ def parse_mixtral(hf: dict[str, Any]) -> ModelConfig:
     n = hf["num_hidden_layers"]
     window = hf.get("sliding_window")
     return ModelConfig(
-        **_common(hf, 1e-5),
+        **common_fields(hf, 1e-5),
         layer_types=("sliding_attention" if window else "full_attention",) * n,
         mlp_types=("moe",) * n,
         intermediate_size=hf.get("intermediate_size", 14336),
@@ -141,7 +143,7 @@ def parse_glm4_moe(hf: dict[str, Any]) -> ModelConfig:
     dense = hf.get("first_k_dense_replace", 1)
     moe_inter = hf.get("moe_intermediate_size", 1408)
     return ModelConfig(
-        **_common(hf, 1e-5),
+        **common_fields(hf, 1e-5),
         layer_types=("full_attention",) * n,
         mlp_types=tuple("dense" if i < dense else "moe" for i in range(n)),
         intermediate_size=hf.get("intermediate_size", 10944),

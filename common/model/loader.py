@@ -317,8 +317,9 @@ def model_source(
 ) -> tuple[TensorSource, PublishedExperts | None]:
     """`raw` (the checkpoint's tensors) as `build_model` takes them: quantized linears dequantised, and
     published routed experts (NVFP4, MXFP4, GPTQ, AWQ, compressed-tensors) taken out into the
-    PublishedExperts returned (None for another scheme, or an artifact). The quantization is checked
-    first: an unsupported method stops here."""
+    PublishedExperts returned (None for another scheme, or an artifact), and the family's own layouts made
+    the runtime's (`Architecture.adapt_source`). The quantization is checked first: an unsupported method
+    stops here."""
     scheme = detect_quantization(model_dir)
     published = None
     if scheme.expert_format is not None and not (Path(model_dir) / ARTIFACT_META).is_file():
@@ -335,11 +336,13 @@ def model_source(
     elif scheme.int4_format:
         dims = linear_dims(arch, cfg)
         raw = dequantized_int4_source(raw, scheme.int4_format, lambda k: dims(k.removesuffix(".weight")))
-    source = dequantized_fp8_source(
+    source: TensorSource = dequantized_fp8_source(
         raw,
         fp8_block_size(model_dir),
         keep_quantized=lambda key: isinstance(arch.map_key(key, cfg), HostTableKey),
     )
+    if arch.adapt_source is not None:  # the family's own layouts, once every tensor is plain
+        source = arch.adapt_source(source, cfg)
     return source, published
 
 

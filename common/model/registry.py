@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from common.config import ModelConfig
+from common.model.checkpoint import TensorSource
 from common.model.provider import ExpertProvider
 
 
@@ -40,6 +41,7 @@ class HostTableKey:
 
 
 KeyMapper = Callable[[str, ModelConfig], "str | ExpertKey | HostTableKey | None"]
+SourceAdapter = Callable[[TensorSource, ModelConfig], TensorSource]
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class Architecture:
     """ModelConfig + expert provider → the model, parameters uninitialised."""
     map_key: KeyMapper
     """(checkpoint key, config) → runtime parameter name, ExpertKey, HostTableKey, or None (ignored)."""
+    adapt_source: SourceAdapter | None = None
+    """The checkpoint's tensors → the tensors `map_key` names, where the family stores some in another
+    layout than the runtime's (qwen3_next's interleaved Gated DeltaNet projections); applied after any
+    dequantisation. Must pass through tensors already in the runtime's layout (a converted artifact's)."""
 
 
 ARCHITECTURES: dict[str, Architecture] = {}

@@ -195,6 +195,18 @@ def test_plan_of_flashnext_takes_seconds_and_writes_nothing(tmp_path: Path) -> N
     assert all_fit["cache_slots"] == all_fit["max_cache_slots"] and all_fit["expert_format"] == "bf16"
 
 
+def test_plan_of_qwen3_next_80b(tmp_path: Path) -> None:
+    """Qwen3-Next-80B-A3B's config planned on a 24 GiB card: 48 layers of 512 experts, a part of them cached;
+    make-model refuses the preset (its tensors are not written) rather than writing another layout."""
+    args = ["plan", "--preset", "qwen3-next-80b", "--vram-budget", "24GiB", "--json"]
+    plan = json.loads(_run(args, tmp_path).stdout)
+    assert plan["ok"] and plan["max_cache_slots"] == 48 * 512
+    assert 0 < plan["cache_slots"] < plan["max_cache_slots"] and plan["total"] <= 24 << 30
+    refused = _run(["make-model", "--preset", "qwen3-next-80b", "--out", str(tmp_path / "m")], tmp_path)
+    assert refused.returncode == 2 and "qwen3_next" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (tmp_path / "m").exists()
+
+
 def test_plan_counts_a_published_format_s_bytes(tmp_path: Path) -> None:
     """A preset planned with NVFP4 experts (4.5 bits a weight) holds more slots than with int4 (4.25 + the
     zeros: fewer), fewer than with 2-bit trellis codes; an unknown format is refused naming the choices."""

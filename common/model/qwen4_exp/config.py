@@ -16,7 +16,11 @@ from common.model.rope_config import parse_rope
 
 @dataclass(frozen=True)
 class Qwen4ExpConfig(ModelConfig):
-    """ModelConfig plus the hybrid-attention, hyper-connection and PLE fields of qwen4_exp."""
+    """ModelConfig plus the hybrid-attention, hyper-connection and PLE fields of qwen4_exp.
+
+    Its layer_types: `linear_attention` (Gated DeltaNet), `indexed_attention` (gated attention over the keys
+    the QSA indexer selects) and `full_attention` (gated attention over every key, no indexer: qwen3_next).
+    """
 
     linear_num_key_heads: int = 16
     """Gated DeltaNet query/key heads."""
@@ -30,6 +34,10 @@ class Qwen4ExpConfig(ModelConfig):
     """Depthwise causal conv kernel over the qkv projection."""
     output_gate_act: str = "silu"
     """Activation of the gate in the linear-attention output norm."""
+    hyper_connections: bool = True
+    """Residual streams mixed by hyper-connections (`hc_*`). False: one pre-norm residual stream instead
+    (`input_layernorm`, `post_attention_layernorm` and a final `norm`, (1 + w) RMSNorms), as qwen3_next;
+    hc_count is then 1."""
     hc_count: int = 4
     """Hyper-connection residual streams."""
     hc_lowrank: int = 320
@@ -67,8 +75,9 @@ class Qwen4ExpConfig(ModelConfig):
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        """Every trunk layer's MoE, then the MTP layers' (indices num_layers, ...)."""
-        return tuple(range(self.num_layers + self.mtp_layers))
+        """The trunk layers whose channel mixer is the MoE (every one in qwen4_exp), then the MTP layers'
+        (indices num_layers, ...)."""
+        return (*super().moe_layers, *range(self.num_layers, self.num_layers + self.mtp_layers))
 
     @property
     def ple_layers(self) -> tuple[int, ...]:

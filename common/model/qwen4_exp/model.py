@@ -11,19 +11,23 @@ from common.model.context import ForwardContext
 from common.model.fp8_linear import Fp8Fused
 from common.model.groups import run_groups
 from common.model.layer_major import run_layer_major
+from common.model.layers import GatedMLP
 from common.model.moe import SparseMoeBlock
 from common.model.provider import ExpertProvider
 from common.model.qwen4_exp.config import Qwen4ExpConfig
 from common.model.qwen4_exp.gdn import GatedDeltaNet
 from common.model.qwen4_exp.hyper import HyperConnection, Streams, applied, rows_of
 from common.model.qwen4_exp.mtp import Qwen4MTP
+from common.model.qwen4_exp.norms import OffsetRMSNorm
 from common.model.qwen4_exp.ple import PLE
 from common.model.qwen4_exp.qsa import QSAttention
 from common.model.rope import RotaryEmbedding
 
 
 class Qwen4DecoderLayer(nn.Module):
-    """[PLE] → hyper-connected token mixer (GDN or QSA) → hyper-connected MoE."""
+    """[PLE] → hyper-connected token mixer (GDN or QSA) → hyper-connected MoE. Without hyper-connections
+    (qwen3_next) one stream instead: x + mixer(norm(x)), then x + mlp(norm(x)); a layer's channel mixer
+    may then be a dense MLP (`mlp_types`)."""
 
     def __init__(
         self,
@@ -36,13 +40,24 @@ class Qwen4DecoderLayer(nn.Module):
         super().__init__()
         has_ple = ple and layer_idx in cfg.ple_layers
         self.ple = PLE(cfg, layer_idx, cfg.ple_layers.index(layer_idx)) if has_ple else None
-        if (mixer or cfg.layer_types[layer_idx]) == "linear_attention":
+        kind = mixer or cfg.layer_types[layer_idx]
+        if kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
         else:
-            self.self_attn = QSAttention(cfg, layer_idx)
-        self.mlp = SparseMoeBlock(cfg, layer_idx, experts)
-        self.attn_hyper_connection = HyperConnection(cfg)
-        self.mlp_hyper_connection = HyperConnection(cfg)
+            self.self_attn = QSAttention(cfg, layer_idx, indexed=kind == "indexed_attention")
+        dense = layer_idx < cfg.num_layers and cfg.mlp_types[layer_idx] == "dense"  # (MTP layers: MoE)
+        self.mlp: nn.Module = (
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+            if dense
+            else SparseMoeBlock(cfg, layer_idx, experts)
+        )
+        self.hyper = cfg.hyper_connections
+        if self.hyper:
+            self.attn_hyper_connection = HyperConnection(cfg)
+            self.mlp_hyper_connection = HyperConnection(cfg)
+        else:
+            self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     kernels: KernelConfig = KERNELS
     """The kernel forms and launch options (set where the worker builds the model: `configure_kernels`)."""
@@ -61,6 +76,9 @@ class Qwen4DecoderLayer(nn.Module):
         """The layer's streams after it; with `defer`, its hyper-connections may leave their injections to
         the next one's projection kernel (DeferredInject, decode rows): the caller applies the last."""
         streams = self.mix_tokens(streams, ctx, defer)
+        if not self.hyper:
+            x = applied(streams)
+            return x + self.mlp(self.post_attention_layernorm(x))
         return self.mlp_hyper_connection(streams, self.mlp, defer)
 
     # The two halves a layer-major pass runs apart (common/model/layer_major.py).
@@ -68,6 +86,9 @@ class Qwen4DecoderLayer(nn.Module):
         if self.ple is not None:
             streams = applied(streams)
             streams = streams + self.ple(streams, ctx)
+        if not self.hyper:
+            x = applied(streams)
+            return x + self.mixer(self.input_layernorm(x), ctx)
         hold = self._holds_mixer_launch(rows_of(streams))
         return self.attn_hyper_connection(streams, lambda h: self.mixer(h, ctx), defer, hold_next=hold)
 
@@ -82,11 +103,17 @@ class Qwen4DecoderLayer(nn.Module):
 
         return wide_fp8(rows, fused.weight.shape[0], self.kernels)
 
-    def ffn_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the MoE's input [T, H], the injection logits [T, hc])."""
+    def ffn_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the MoE's input [T, H], the injection logits [T, hc]; None: one stream)."""
+        if not self.hyper:
+            return self.post_attention_layernorm(streams), None
         return self.mlp_hyper_connection.mix_input(streams)
 
-    def ffn_output(self, streams: torch.Tensor, out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def ffn_output(
+        self, streams: torch.Tensor, out: torch.Tensor, logits: torch.Tensor | None
+    ) -> torch.Tensor:
+        if logits is None:  # one stream
+            return streams + out
         return applied(self.mlp_hyper_connection.inject(streams, out, logits))  # (not deferred: a tensor)
 
 
@@ -95,11 +122,15 @@ class Qwen4Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen4DecoderLayer(cfg, i, experts) for i in range(cfg.num_layers))
-        self.hyper_connection_mixer = HyperConnection(cfg, inject=False)
+        if cfg.hyper_connections:
+            self.hyper_connection_mixer = HyperConnection(cfg, inject=False)
+        else:  # one stream: a final norm
+            self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen4ExpForCausalLM(nn.Module):
-    """Embedding copied into `hc_count` streams, decoder layers, a final stream mixer, lm_head."""
+    """Embedding copied into `hc_count` streams, decoder layers, a final stream mixer, lm_head (without
+    hyper-connections: one stream and a final norm)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, experts: ExpertProvider) -> None:
         super().__init__()
@@ -151,10 +182,12 @@ class Qwen4ExpForCausalLM(nn.Module):
             rows, embeds = ctx.batch.image_rows  # [N], [N, H]
             x[rows] = embeds.to(x.dtype)
         self._set_rotary(ctx, x.dtype)
-        return x.repeat(1, self.config.hc_count)
+        return x.repeat(1, self.config.hc_count) if self.config.hyper_connections else x
 
     def mix(self, streams: torch.Tensor) -> torch.Tensor:
-        """The final mixer: streams [T, hc·H] → hidden [T, H]."""
+        """The final mixer (one stream: the final norm): streams [T, hc·H] → hidden [T, H]."""
+        if not self.config.hyper_connections:
+            return self.model.norm(streams)
         return self.model.hyper_connection_mixer.mix(streams)
 
     def draft(self, streams: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -238,7 +238,8 @@ class QSAIndexer(nn.Module):
 
 
 class QSAttention(nn.Module):
-    """Gated attention (output × sigmoid(gate)) with q/k norm, partial RoPE and indexer-selected keys."""
+    """Gated attention (output × sigmoid(gate)) with q/k norm, partial RoPE and indexer-selected keys (or,
+    without an indexer, every key)."""
 
     fp8_output = "o_proj"
     """The output projection, which `--resident-dtype fp8` turns to fp8 with the inputs (fp8_linear.py)."""
@@ -252,7 +253,9 @@ class QSAttention(nn.Module):
     fused_in: FusedLinears | None = None
     """q, k, v and the indexer's qk projections as one GEMM (`fuse_projections`)."""
 
-    def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: Qwen4ExpConfig, layer_idx: int, indexed: bool = True) -> None:
+        """`indexed`: keys chosen by a QSA indexer (`indexed_attention`); else every key (`full_attention`,
+        qwen3_next's gated attention)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -263,13 +266,15 @@ class QSAttention(nn.Module):
         self.o_proj = Linear(self.heads * self.head_dim, hidden, bias=cfg.o_bias)
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.indexer = QSAIndexer(cfg, layer_idx)
+        self.indexer = QSAIndexer(cfg, layer_idx) if indexed else None
 
     def state_specs(self, dtype: torch.dtype) -> dict[str, StateSpec]:
-        return {**kv_specs(self.kv_heads, self.head_dim, dtype), **self.indexer.state_specs(dtype)}
+        index = {} if self.indexer is None else self.indexer.state_specs(dtype)
+        return {**kv_specs(self.kv_heads, self.head_dim, dtype), **index}
 
     def _inputs(self) -> tuple[nn.Linear, ...]:
-        return self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj
+        index = () if self.indexer is None else (self.indexer.index_qk_proj,)
+        return self.q_proj, self.k_proj, self.v_proj, *index
 
     def fuse_projections(self, copy: bool = True) -> bool:
         """Run q, k, v and the indexer's qk as one GEMM from now on (see common/model/fused_linear.py)."""
@@ -278,17 +283,18 @@ class QSAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v, index_qk = project(x, self._inputs(), self.fused_in)
+        q, k, v, *index_qk = project(x, self._inputs(), self.fused_in)
         q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
         k, v = (y.view(t, self.kv_heads, self.head_dim) for y in (k, v))
         state = ctx.pool.layer(self.layer_idx)
         fused = _rotates_fused(self.fused_decode, ctx)
         store = kv_store(state, ctx.batch.slot_mapping, v) if fused else None
+        selected: torch.Tensor | None  # key positions per query; None: every key
         if self._prologue_fits(ctx, store):
-            assert store is not None  # _prologue_fits
-            selected, q, k = self._prologue(index_qk, q, k, store, ctx)
+            assert store is not None and index_qk  # _prologue_fits
+            selected, q, k = self._prologue(index_qk[0], q, k, store, ctx)
         else:
-            selected = self.indexer(index_qk, ctx)
+            selected = self.indexer(index_qk[0], ctx) if self.indexer is not None else None
             q = _norm_rotate(self.q_norm, q, ctx, fused, kernels=self.kernels)
             k = _norm_rotate(self.k_norm, k, ctx, fused, store, self.kernels)
         plan, scale = ctx.attn_plan, self.head_dim**-0.5
@@ -300,6 +306,8 @@ class QSAttention(nn.Module):
     def _prologue_fits(self, ctx: ForwardContext, store: tuple | None) -> bool:
         """Whether a pass runs its indexer's key compression and the three norms and rotations as one
         kernel (qsa_prologue): decode with the fused kernels, keys stored by the kernel (`store`)."""
+        if self.indexer is None:
+            return False
         fused = self.fused_decode and self.indexer.fused_decode and ctx.batch.is_decode
         return self.kernels.prologue_kernel and fused and store is not None
 
@@ -310,6 +318,7 @@ class QSAttention(nn.Module):
         qsa_prologue."""
         from common.kernels.qsa_prologue import HeadNorm, qsa_prologue  # Triton
 
+        assert self.indexer is not None  # _prologue_fits
         blocks, index_norm = self.indexer.prologue_parts(index_qk, ctx)
         q_norm = HeadNorm(q, self.q_norm.weight, self.q_norm.eps)
         k_norm = HeadNorm(k, self.k_norm.weight, self.k_norm.eps)

@@ -36,7 +36,7 @@ from common.model.synthetic.ct_checkpoint import CT_QUANTIZE, CtWriter, ct_quant
 from common.model.synthetic.fp4_checkpoint import FP4_QUANTIZE, Fp4Writer, fp4_quantization
 from common.model.synthetic.int4_checkpoint import INT4_QUANTIZE, Int4Writer, int4_quantization
 from common.model.synthetic.plan import ShardPlan, TensorSpec, plan_shards, plan_tensors
-from common.model.synthetic.presets import STORAGE_DTYPES, TOKENIZER_VOCAB
+from common.model.synthetic.presets import ARCHS, STORAGE_DTYPES, TOKENIZER_VOCAB
 from common.model.synthetic.quantized_linears import converted
 from common.progress import progress
 
@@ -275,6 +275,8 @@ def make_model(
     from common.model.synthetic.tokenizer import check_vision_token_ids, tokenizer_vocab_size, write_tokenizer
 
     p, arch = resolve_preset(preset, arch)
+    if arch not in ARCHS:  # a preset kept for `plan` (its tensors are not in plan_tensors)
+        raise ValueError(f"make-model writes {list(ARCHS)} checkpoints, not {arch} (preset {preset!r})")
     allowed = ("fp8", *FP4_QUANTIZE, *INT4_QUANTIZE, *CT_QUANTIZE)
     if quantize not in (None, *allowed):
         raise ValueError(f"quantize={quantize!r} is not supported (only {allowed})")

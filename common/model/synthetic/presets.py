@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen4_exp": "Qwen4ExpForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",  # a preset's config for plan; make-model does not write it
 }
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Tensors whose dtype is fixed whatever the checkpoint's torch_dtype (qwen4_exp's n-gram hash buffers).
@@ -342,6 +343,48 @@ _FLASHNEXT: dict[str, Any] = {
     "video_token_id": 248057,
 }
 
+# Qwen/Qwen3-Next-80B-A3B-Instruct (Qwen3NextForCausalLM), its config.json's fields in the release's
+# spellings (token ids aside: ours follow the synthetic tokenizer). The sizes are transformers'
+# Qwen3NextConfig defaults; the release differs from those in rope_theta (1e7), max_position_embeddings
+# (262144) and the unused dense intermediate_size (5120). ~79.7B parameters, 77.3B of them routed experts (48
+# layers x 512); the MTP layer (mtp_num_hidden_layers 1 there) left out: it is not served.
+_QWEN3_NEXT_80B: dict[str, Any] = {
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "decoder_sparse_step": 1,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 2,
+    "output_router_logits": False,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 10000000.0,
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
 PRESETS: dict[str, Preset] = {
     # 256 KiB shards: the tiny model (~0.8 MB in bf16; qwen4_exp ~1.2 MB) spans several, which exercises
     # the index.
@@ -352,4 +395,5 @@ PRESETS: dict[str, Preset] = {
     # `--set` overrides that benchmarks use to shrink it.
     "flashnext": Preset(configs={"qwen4_exp": _FLASHNEXT}, shard_bytes=4 * 10**9),
     "glm-4.5-air": Preset(configs={"glm4_moe": _GLM45_AIR}, shard_bytes=5 * 10**9),
+    "qwen3-next-80b": Preset(configs={"qwen3_next": _QWEN3_NEXT_80B}, shard_bytes=4 * 10**9),
 }

@@ -1,5 +1,6 @@
 """Checkpoints written by transformers itself (qwen3_moe, qwen2_moe, mixtral, glm4_moe: its grouped sigmoid
-router with a correction bias, shared experts, partial RoPE, q/k norms, a dense first layer), each the
+router with a correction bias, shared experts, partial RoPE, q/k norms, a dense first layer; qwen3_next: Gated
+DeltaNet and gated attention layers, (1 + w) norms, its interleaved projections), each the
 `save_pretrained` of a randomly initialised model: its own
 config.json spellings — `num_local_experts`, `rope_parameters`, `layer_types`, `dtype` — and its own weight
 layout) load, and their logits over prefill and decode match transformers' in float32."""
@@ -55,6 +56,18 @@ FAMILIES = {
         "use_qk_norm": True,
         "attention_bias": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
+    "qwen3_next": {  # Gated DeltaNet, gated attention, a dense layer; each key head serves 2 value heads
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "mlp_only_layers": [2],
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8,
     },
 }
 PROMPTS = [[5, 17, 99, 3, 42, 7, 7, 300, 12, 9, 4], [8, 9, 10]]
