@@ -81,8 +81,8 @@ def test_logits_match_transformers(tiny: Path, matches_transformers) -> None:
 
 
 def test_what_make_model_does_not_write(tmp_path: Path) -> None:
-    """The release-sized preset is planned only; no quantized variant (no layout for the fused projections)."""
-    with pytest.raises(ValueError, match="qwen3-next-80b.*plan"):
+    """The release-sized preset is planned only; no quantized variant (no layout for the fused ones)."""
+    with pytest.raises(ValueError, match=r"qwen3-next-80b.*plan"):
         make_model(tmp_path / "big", "qwen3-next-80b")
     with pytest.raises(ValueError, match="qwen3_next unquantized only"):
         make_model(tmp_path / "fp8", "tiny", "qwen3_next", quantize="fp8")
