@@ -569,7 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
     mk = sub.add_parser("make-model", help="write a synthetic checkpoint in the HF on-disk format")
     mk.add_argument("--preset", default="tiny", help="tiny | qwen3-30b | flashnext | glm-4.5-air")
     mk.add_argument(
-        "--arch", default=None, help="qwen3_moe | qwen2_moe | mixtral | qwen4_exp (default: the preset's)"
+        "--arch",
+        default=None,
+        help="qwen3_moe | qwen2_moe | mixtral | glm4_moe | qwen4_exp | qwen3_next (default: the preset's)",
     )
     mk.add_argument(
         "--set",

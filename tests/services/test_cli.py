@@ -197,7 +197,7 @@ def test_plan_of_flashnext_takes_seconds_and_writes_nothing(tmp_path: Path) -> N
 
 def test_plan_of_qwen3_next_80b(tmp_path: Path) -> None:
     """Qwen3-Next-80B-A3B's config planned on a 24 GiB card: 48 layers of 512 experts, a part of them cached;
-    make-model refuses the preset (its tensors are not written) rather than writing another layout."""
+    make-model refuses the preset (plan only: ~159 GB) and writes nothing."""
     args = ["plan", "--preset", "qwen3-next-80b", "--vram-budget", "24GiB", "--json"]
     plan = json.loads(_run(args, tmp_path).stdout)
     assert plan["ok"] and plan["max_cache_slots"] == 48 * 512

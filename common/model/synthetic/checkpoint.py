@@ -4,7 +4,8 @@ They look exactly like the published ones (config.json, per-expert tensor names,
 index, a tokenizer). Families: ``qwen3_moe``, ``qwen2_moe`` and ``mixtral`` (one flat config.json, weights
 under ``model.``), and ``qwen4_exp`` (Qwen3.8-Flash-Next: a nested config.json, text weights under
 ``model.language_model.``, the PLE table as ``split_ngram_parts`` row shards, the vision tower under
-``model.visual.``, the MTP head under ``mtp.``).
+``model.visual.``, the MTP head under ``mtp.``), and ``qwen3_next`` (Qwen3-Next: flat, as transformers'
+save_pretrained writes it, the Gated DeltaNet input projections fused as ``in_proj_qkvz`` / ``in_proj_ba``).
 
 The families and presets are in presets.py, the config files in config.py, the tensors each family holds
 in plan.py; this module draws the values and writes them. ``synthetic_tensors`` yields the same tensors one
@@ -36,7 +37,7 @@ from common.model.synthetic.ct_checkpoint import CT_QUANTIZE, CtWriter, ct_quant
 from common.model.synthetic.fp4_checkpoint import FP4_QUANTIZE, Fp4Writer, fp4_quantization
 from common.model.synthetic.int4_checkpoint import INT4_QUANTIZE, Int4Writer, int4_quantization
 from common.model.synthetic.plan import ShardPlan, TensorSpec, plan_shards, plan_tensors
-from common.model.synthetic.presets import ARCHS, STORAGE_DTYPES, TOKENIZER_VOCAB
+from common.model.synthetic.presets import STORAGE_DTYPES, TOKENIZER_VOCAB
 from common.model.synthetic.quantized_linears import converted
 from common.progress import progress
 
@@ -275,11 +276,16 @@ def make_model(
     from common.model.synthetic.tokenizer import check_vision_token_ids, tokenizer_vocab_size, write_tokenizer
 
     p, arch = resolve_preset(preset, arch)
-    if arch not in ARCHS:  # a preset kept for `plan` (its tensors are not in plan_tensors)
-        raise ValueError(f"make-model writes {list(ARCHS)} checkpoints, not {arch} (preset {preset!r})")
+    if p.plan_only:
+        raise ValueError(
+            f"preset {preset!r} ({arch}) is for `spillway plan` only: make-model does not write a checkpoint "
+            f"of its size (a small one: --preset tiny --arch {arch})"
+        )
     allowed = ("fp8", *FP4_QUANTIZE, *INT4_QUANTIZE, *CT_QUANTIZE)
     if quantize not in (None, *allowed):
         raise ValueError(f"quantize={quantize!r} is not supported (only {allowed})")
+    if quantize is not None and arch == "qwen3_next":  # its fused GDN projections have no quantized layout
+        raise ValueError(f"make-model writes qwen3_next unquantized only, not quantize={quantize!r}")
     cfg = model_config(preset, arch, overrides)
     extra_files: dict[str, Any] = {}
     writer: Fp4Writer | Int4Writer | CtWriter | None = None  # (fp8: `_stored`)

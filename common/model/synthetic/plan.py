@@ -373,10 +373,87 @@ def _plan_qwen4(cfg: Mapping[str, Any]) -> list[TensorSpec]:
     return _vision_tower(cfg["vision_config"]) + specs  # module order: the tower comes first
 
 
+# --- qwen3_next -------------------------------------------------------------------------------------------
+
+
+def _qwen3_next_deltanet(cfg: Mapping[str, Any], p: str) -> list[TensorSpec]:
+    """A linear_attention layer's Gated DeltaNet in Qwen3-Next's layout: the input projections fused as
+    ``in_proj_qkvz`` (per key head: q, k, then its value heads' v and z) and ``in_proj_ba`` (per key head: its
+    value heads' b, then a). Rows are drawn alike, so the grouping is the shape's alone."""
+    h = cfg["hidden_size"]
+    key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    v_heads = cfg["linear_num_value_heads"]
+    value_dim = v_heads * cfg["linear_value_head_dim"]
+    conv_dim = 2 * key_dim + value_dim
+    return [
+        _linear(f"{p}.in_proj_qkvz.weight", conv_dim + value_dim, h),
+        _linear(f"{p}.in_proj_ba.weight", 2 * v_heads, h),
+        _conv(f"{p}.conv1d.weight", conv_dim, cfg.get("linear_conv_kernel_dim", 4)),
+        TensorSpec(f"{p}.dt_bias", (v_heads,), 1.0, 0.1),
+        TensorSpec(f"{p}.A_log", (v_heads,), 0.0, 0.0, init="log_uniform", low=0.5, high=4.0),
+        _norm(f"{p}.norm.weight", cfg["linear_value_head_dim"]),  # the gated norm multiplies by w
+        _linear(f"{p}.out_proj.weight", h, value_dim),
+    ]
+
+
+def _qwen3_next_attention(cfg: Mapping[str, Any], p: str) -> list[TensorSpec]:
+    """A full_attention layer: q_proj also yields the output gate; (1 + w) q/k norms."""
+    h, hd = cfg["hidden_size"], _head_dim(cfg)
+    q_out, kv_out = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    specs = [
+        _linear(f"{p}.q_proj.weight", 2 * q_out, h),
+        _linear(f"{p}.k_proj.weight", kv_out, h),
+        _linear(f"{p}.v_proj.weight", kv_out, h),
+        _linear(f"{p}.o_proj.weight", h, q_out),
+    ]
+    if cfg.get("attention_bias", False):
+        specs += [
+            _bias(f"{p}.{n}_proj.bias", d)
+            for n, d in (("q", 2 * q_out), ("k", kv_out), ("v", kv_out), ("o", h))
+        ]
+    return [*specs, _offset_norm(f"{p}.q_norm.weight", hd), _offset_norm(f"{p}.k_norm.weight", hd)]
+
+
+def _qwen3_next_layer_types(cfg: Mapping[str, Any]) -> list[str]:
+    """``layer_types``, or the release's ``full_attention_interval`` pattern."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    interval = cfg.get("full_attention_interval", 4)
+    n = cfg["num_hidden_layers"]
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+
+
+def _plan_qwen3_next(cfg: Mapping[str, Any]) -> list[TensorSpec]:
+    """Qwen3-Next as transformers' save_pretrained writes it: one residual stream, (1 + w) RMSNorms, routed
+    experts plus a sigmoid-gated shared expert (dense where mlp_only_layers / decoder_sparse_step say)."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    specs = [TensorSpec("model.embed_tokens.weight", (v, h), 0.0, 1.0)]
+    for i, kind in enumerate(_qwen3_next_layer_types(cfg)):
+        p = f"model.layers.{i}"
+        if kind == "linear_attention":
+            specs += _qwen3_next_deltanet(cfg, f"{p}.linear_attn")
+        else:
+            specs += _qwen3_next_attention(cfg, f"{p}.self_attn")
+        if _is_sparse(cfg, i):
+            specs += _qwen4_moe(cfg, f"{p}.mlp")
+        else:
+            specs += _swiglu(f"{p}.mlp", h, cfg["intermediate_size"])
+        specs += [
+            _offset_norm(f"{p}.input_layernorm.weight", h),
+            _offset_norm(f"{p}.post_attention_layernorm.weight", h),
+        ]
+    specs.append(_offset_norm("model.norm.weight", h))
+    if not cfg.get("tie_word_embeddings", False):
+        specs.append(_linear("lm_head.weight", v, h, scale=2.0))
+    return specs
+
+
 def plan_tensors(cfg: Mapping[str, Any]) -> list[TensorSpec]:
     """Every tensor of the checkpoint for ``cfg``, in module order, named as the family's HF checkpoints."""
     if cfg["model_type"] == "qwen4_exp":
         return _plan_qwen4(cfg)
+    if cfg["model_type"] == "qwen3_next":
+        return _plan_qwen3_next(cfg)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     specs = [TensorSpec("model.embed_tokens.weight", (v, h), 0.0, 1.0)]
     for i in range(cfg["num_hidden_layers"]):

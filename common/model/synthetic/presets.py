@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "qwen4_exp")
-# The families with one flat config.json and weights under `model.`.
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "qwen4_exp", "qwen3_next")
+# The families with one flat config.json and weights under `model.` and standard attention in every layer.
 FLAT_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 
 # The synthetic tokenizer's size; the model's vocab may be larger (real checkpoints pad their embeddings).
@@ -24,7 +24,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen4_exp": "Qwen4ExpForConditionalGeneration",
-    "qwen3_next": "Qwen3NextForCausalLM",  # a preset's config for plan; make-model does not write it
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Tensors whose dtype is fixed whatever the checkpoint's torch_dtype (qwen4_exp's n-gram hash buffers).
@@ -39,10 +39,13 @@ ROPE_KEYS = ("rope_type", "rope_theta", "partial_rotary_factor", "mrope_section"
 
 @dataclass(frozen=True)
 class Preset:
-    """A named model size: the full config.json fields for each arch it supports, and its shard size."""
+    """A named model size: the full config.json fields for each arch it supports, and its shard size.
+    ``plan_only``: `spillway plan` reads it, make-model refuses to write it (a release-sized checkpoint
+    no test or benchmark writes)."""
 
     configs: Mapping[str, Mapping[str, Any]]
     shard_bytes: int
+    plan_only: bool = False
 
     @property
     def default_arch(self) -> str:
@@ -178,6 +181,30 @@ _TINY_QWEN4: dict[str, Any] = {
     "video_token_id": TOKENIZER_VOCAB - 1,
 }
 
+# qwen3_next in transformers 5's spellings, field for field what its Qwen3NextConfig writes (rope_parameters,
+# layer_types; torch_dtype, as every synthetic config, for its `dtype`): Gated DeltaNet layers 0 and 2 (each
+# key head serving two value heads), gated full attention on layers 1 and 3, layer 1's MLP dense.
+_TINY_QWEN3_NEXT: dict[str, Any] = {
+    **{k: v for k, v in _TINY_COMMON.items() if k not in ("rope_theta", "rope_scaling")},
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "linear_conv_kernel_dim": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "intermediate_size": 96,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+    "attention_bias": False,
+    "pad_token_id": None,
+}
+
 _TINY: dict[str, dict[str, Any]] = {
     "qwen3_moe": {
         **_TINY_COMMON,
@@ -234,6 +261,7 @@ _TINY: dict[str, dict[str, Any]] = {
         "num_nextn_predict_layers": 0,
     },
     "qwen4_exp": _TINY_QWEN4,
+    "qwen3_next": _TINY_QWEN3_NEXT,
 }
 
 # Qwen/Qwen3-30B-A3B config.json, field for field (token ids aside: ours follow the synthetic tokenizer).
@@ -395,5 +423,6 @@ PRESETS: dict[str, Preset] = {
     # `--set` overrides that benchmarks use to shrink it.
     "flashnext": Preset(configs={"qwen4_exp": _FLASHNEXT}, shard_bytes=4 * 10**9),
     "glm-4.5-air": Preset(configs={"glm4_moe": _GLM45_AIR}, shard_bytes=5 * 10**9),
-    "qwen3-next-80b": Preset(configs={"qwen3_next": _QWEN3_NEXT_80B}, shard_bytes=4 * 10**9),
+    # ~159 GB of bf16: planned, not written (make-model writes qwen3_next with the tiny preset).
+    "qwen3-next-80b": Preset(configs={"qwen3_next": _QWEN3_NEXT_80B}, shard_bytes=4 * 10**9, plan_only=True),
 }
