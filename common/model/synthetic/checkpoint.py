@@ -1,11 +1,10 @@
 """Synthetic MoE checkpoints in the real Hugging Face on-disk format, with deterministic random weights.
 
 They look exactly like the published ones (config.json, per-expert tensor names, sharded safetensors with an
-index, a tokenizer). Families: ``qwen3_moe``, ``qwen2_moe`` and ``mixtral`` (one flat config.json, weights
-under ``model.``), and ``qwen4_exp`` (Qwen3.8-Flash-Next: a nested config.json, text weights under
-``model.language_model.``, the PLE table as ``split_ngram_parts`` row shards, the vision tower under
-``model.visual.``, the MTP head under ``mtp.``), and ``qwen3_next`` (Qwen3-Next: flat, as transformers'
-save_pretrained writes it, the Gated DeltaNet input projections fused as ``in_proj_qkvz`` / ``in_proj_ba``).
+index, a tokenizer). Families: ``qwen3_moe``, ``qwen2_moe``, ``mixtral`` and ``glm4_moe`` (one flat
+config.json, weights under ``model.``), ``qwen4_exp`` (nested config.json, text weights under
+``model.language_model.``, the PLE table in row shards, ``model.visual.``, ``mtp.``) and ``qwen3_next``
+(flat, its Gated DeltaNet input projections fused as ``in_proj_qkvz`` / ``in_proj_ba``).
 
 The families and presets are in presets.py, the config files in config.py, the tensors each family holds
 in plan.py; this module draws the values and writes them. ``synthetic_tensors`` yields the same tensors one
