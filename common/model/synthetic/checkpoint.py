@@ -10,8 +10,8 @@ The families and presets are in presets.py, the config files in config.py, the t
 in plan.py; this module draws the values and writes them. ``synthetic_tensors`` yields the same tensors one
 at a time, in memory.
 
-Weights are *informative*: logits have a wide spread and routing is decisive, so comparing two
-implementations on logits and greedy tokens is not dominated by near-ties.
+Weights are *informative*: logits spread wide and routing is decisive, so comparing two implementations on
+logits and greedy tokens is not dominated by near-ties.
 """
 
 from __future__ import annotations
