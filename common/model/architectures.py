@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import common.model.families
+import common.model.qwen3_5_moe
 import common.model.qwen3_next
 import common.model.qwen4_exp  # noqa: F401  (these imports register the built-in architectures)
 from common.model.registry import ARCHITECTURES, Architecture

@@ -75,15 +75,16 @@ def _interval_types(n: int, interval: int) -> list[str]:
 
 
 def _check(hf: dict[str, Any], types: tuple[str, ...], n: int) -> None:
-    """What the runtime's modules assume of a qwen3_next config."""
+    """What the runtime's modules assume of a qwen3_next config (errors name its model_type)."""
+    family = hf.get("model_type", "qwen3_next")
     if len(types) != n:
         raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}")
     unknown = sorted(set(types) - set(_MIXERS))
     if unknown:
-        raise ValueError(f"unsupported qwen3_next layer_types {unknown} (supported: {list(_MIXERS)})")
+        raise ValueError(f"unsupported {family} layer_types {unknown} (supported: {list(_MIXERS)})")
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' GDN conv takes hidden_act; ours is SiLU's
-        raise ValueError(f"hidden_act {act!r} is not supported for qwen3_next (supported: silu)")
+        raise ValueError(f"hidden_act {act!r} is not supported for {family} (supported: silu)")
     k_heads, v_heads = hf.get("linear_num_key_heads", 16), hf.get("linear_num_value_heads", 32)
     if v_heads % k_heads:
         raise ValueError(

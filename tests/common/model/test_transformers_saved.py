@@ -1,7 +1,8 @@
 """Checkpoints written by transformers itself (qwen3_moe, qwen2_moe, mixtral, glm4_moe: its grouped sigmoid
 router with a correction bias, shared experts, partial RoPE, q/k norms, a dense first layer; qwen3_next: Gated
-DeltaNet and gated attention layers, (1 + w) norms, its interleaved projections), each the
-`save_pretrained` of a randomly initialised model: its own
+DeltaNet and gated attention layers, (1 + w) norms, its interleaved projections; qwen3_5_moe: the same model
+with unfused projections and M-RoPE, saved text-only and as the multimodal model, its text model nested beside
+a vision tower that is not loaded), each the `save_pretrained` of a randomly initialised model: its own
 config.json spellings — `num_local_experts`, `rope_parameters`, `layer_types`, `dtype` — and its own weight
 layout) load, and their logits over prefill and decode match transformers' in float32."""
 
@@ -70,15 +71,47 @@ FAMILIES = {
         "linear_value_head_dim": 8,
     },
 }
+QWEN3_5_TEXT = {  # every layer MoE; M-RoPE sections over the 3 frequencies of 6 rotary dims, interleaved
+    **{k: v for k, v in FAMILIES["qwen3_next"].items() if k != "mlp_only_layers"},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 1],
+        "mrope_interleaved": True,
+    },
+}
+FAMILIES["qwen3_5_moe_text"] = QWEN3_5_TEXT  # transformers' Qwen3_5MoeForCausalLM, flat keys
+FAMILIES["qwen3_5_moe"] = QWEN3_5_TEXT  # the multimodal model: text_config, model.language_model.*
+VISION = {  # multimodal families: a vision tower, saved and not loaded
+    "qwen3_5_moe": {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "num_position_embeddings": 16,
+        "patch_size": 4,
+    }
+}
+MULTIMODAL = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 PROMPTS = [[5, 17, 99, 3, 42, 7, 7, 300, 12, 9, 4], [8, 9, 10]]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def saved(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(request.param, **SMALL, **FAMILIES[request.param])
-    config._attn_implementation = "eager"
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    name = request.param
+    if name in MULTIMODAL:
+        text = {**SMALL, **FAMILIES[name]}
+        text.pop("intermediate_size")  # the text config has no dense MLP
+        config = transformers.AutoConfig.for_model(name, text_config=text, vision_config=VISION[name])
+        config._attn_implementation = "eager"
+        hf = getattr(transformers, MULTIMODAL[name])(config).eval()
+    else:
+        config = transformers.AutoConfig.for_model(name, **SMALL, **FAMILIES[name])
+        config._attn_implementation = "eager"
+        hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in hf.parameters():  # wider than the init's 0.02: logits far apart, routing decisive
             p.normal_(0.0, 0.1 if p.dim() > 1 else 1.0)
@@ -107,9 +140,10 @@ def test_logits_match_transformers(saved, matches_transformers) -> None:
 def test_the_config_is_read_as_transformers_wrote_it(saved) -> None:
     model_dir, hf = saved
     cfg = Engine(WorkerConfig(str(model_dir), max_running=1, max_context=64)).config
-    experts = getattr(hf.config, "num_experts", None) or hf.config.num_local_experts
+    text = hf.config.get_text_config()
+    experts = getattr(text, "num_experts", None) or text.num_local_experts
     assert (cfg.num_experts, cfg.top_k, cfg.num_layers) == (experts, 2, 3)
-    assert cfg.rope.theta == hf.config.rope_parameters["rope_theta"]
+    assert cfg.rope.theta == text.rope_parameters["rope_theta"]
 
 
 def test_offloaded_experts_generate_as_resident(saved) -> None:
