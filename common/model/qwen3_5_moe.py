@@ -1,15 +1,12 @@
 """qwen3_5_moe (Qwen3.5-MoE, e.g. Qwen3.5-35B-A3B), its text model: qwen3_next's model in another layout.
 
 What transformers' Qwen3_5Moe text model changes of Qwen3-Next's: the Gated DeltaNet input projections are
-saved unfused (`in_proj_qkv`: every q, every k, every v; `in_proj_z`, `in_proj_b`, `in_proj_a`), which is the
-runtime's own layout, so no source adapter; every layer is MoE (no `mlp_only_layers`, `decoder_sparse_step`
-or dense `intermediate_size`) and the router always renormalises its top-k (no `norm_topk_prob`); RoPE is
-M-RoPE (`mrope_section`, `mrope_interleaved`), which for text (one position on all three axes) is plain
-RoPE, so it is read as qwen3_next's. Attention, the shared expert, the norms and the mixer pattern are
-Qwen3-Next's. The release is multimodal (`qwen3_5_moe`: the text model's fields in `text_config`, its
-weights under `model.language_model.`, a vision tower under `model.visual.`, not loaded yet); transformers'
-`Qwen3_5MoeForCausalLM` saves the text model alone (`qwen3_5_moe_text`, flat keys). The MTP head is not
-loaded.
+saved unfused (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`: the runtime's own layout, no source
+adapter); every layer is MoE and the router always renormalises its top-k; RoPE is M-RoPE (`mrope_section`,
+`mrope_interleaved`), which for text (one position on all three axes) is plain RoPE. The rest is
+Qwen3-Next's. The release is multimodal (`qwen3_5_moe`: the text fields in `text_config`, its weights under
+`model.language_model.`, a vision tower under `model.visual.`, not loaded yet); `Qwen3_5MoeForCausalLM`
+saves the text model alone (`qwen3_5_moe_text`, flat keys). The MTP head is not loaded.
 """
 
 from __future__ import annotations

@@ -175,19 +175,32 @@ def _mixtral_moe(cfg: Mapping[str, Any], p: str) -> list[TensorSpec]:
 # --- qwen4_exp --------------------------------------------------------------------------------------------
 
 
-def _gated_deltanet(t: Mapping[str, Any], p: str) -> list[TensorSpec]:
-    """A linear_attention layer's Gated DeltaNet (Qwen3.5 layout: fused q|k|v input projection)."""
+def _gated_deltanet(t: Mapping[str, Any], p: str, fused: bool = False) -> list[TensorSpec]:
+    """A linear_attention layer's Gated DeltaNet: the input projections as qwen4_exp and Qwen3.5 save them
+    (q|k|v, z, b, a) or, `fused`, as Qwen3-Next does (``in_proj_qkvz``: per key head q, k, then its value
+    heads' v and z; ``in_proj_ba``: per key head its value heads' b, then a; rows are drawn alike, so the
+    grouping is the shape's alone)."""
     h = t["hidden_size"]
     key_dim = t["linear_num_key_heads"] * t["linear_key_head_dim"]
     v_heads = t["linear_num_value_heads"]
     value_dim = v_heads * t["linear_value_head_dim"]
     conv_dim = 2 * key_dim + value_dim
+    inputs = (
+        [
+            _linear(f"{p}.in_proj_qkvz.weight", conv_dim + value_dim, h),
+            _linear(f"{p}.in_proj_ba.weight", 2 * v_heads, h),
+        ]
+        if fused
+        else [
+            _linear(f"{p}.in_proj_qkv.weight", conv_dim, h),
+            _linear(f"{p}.in_proj_z.weight", value_dim, h),
+            _linear(f"{p}.in_proj_b.weight", v_heads, h),
+            _linear(f"{p}.in_proj_a.weight", v_heads, h),
+        ]
+    )
     return [
-        _linear(f"{p}.in_proj_qkv.weight", conv_dim, h),
-        _linear(f"{p}.in_proj_z.weight", value_dim, h),
-        _linear(f"{p}.in_proj_b.weight", v_heads, h),
-        _linear(f"{p}.in_proj_a.weight", v_heads, h),
-        _conv(f"{p}.conv1d.weight", conv_dim, t["linear_conv_kernel_dim"]),
+        *inputs,
+        _conv(f"{p}.conv1d.weight", conv_dim, t.get("linear_conv_kernel_dim", 4)),
         TensorSpec(f"{p}.dt_bias", (v_heads,), 1.0, 0.1),
         # A = exp(A_log) in [0.5, 4): a moderate decay, so the recurrent state carries context.
         TensorSpec(f"{p}.A_log", (v_heads,), 0.0, 0.0, init="log_uniform", low=0.5, high=4.0),
@@ -196,9 +209,9 @@ def _gated_deltanet(t: Mapping[str, Any], p: str) -> list[TensorSpec]:
     ]
 
 
-def _qsa_attention(t: Mapping[str, Any], p: str) -> list[TensorSpec]:
-    """A full_attention layer: gated attention (q_proj also yields the output gate) and its QSA indexer."""
-    h, hd = t["hidden_size"], t["head_dim"]
+def _gated_attention(t: Mapping[str, Any], p: str, hd: int) -> list[TensorSpec]:
+    """A full_attention layer's gated attention (q_proj also yields the output gate) and (1 + w) q/k norms."""
+    h = t["hidden_size"]
     q_out, kv_out = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
     specs = [
         _linear(f"{p}.q_proj.weight", 2 * q_out, h),
@@ -211,17 +224,20 @@ def _qsa_attention(t: Mapping[str, Any], p: str) -> list[TensorSpec]:
             _bias(f"{p}.{n}_proj.bias", d)
             for n, d in (("q", 2 * q_out), ("k", kv_out), ("v", kv_out), ("o", h))
         ]
-    idx_dim = t["indexer_head_dim"]
-    specs += [
-        _offset_norm(f"{p}.q_norm.weight", hd),
-        _offset_norm(f"{p}.k_norm.weight", hd),
+    return [*specs, _offset_norm(f"{p}.q_norm.weight", hd), _offset_norm(f"{p}.k_norm.weight", hd)]
+
+
+def _qsa_attention(t: Mapping[str, Any], p: str) -> list[TensorSpec]:
+    """A qwen4_exp full_attention layer: gated attention and its QSA indexer."""
+    h, idx_dim = t["hidden_size"], t["indexer_head_dim"]
+    return [
+        *_gated_attention(t, p, t["head_dim"]),
         _linear(
             f"{p}.indexer.index_qk_proj.weight", (t["indexer_n_heads"] + t["indexer_kv_heads"]) * idx_dim, h
         ),
         _offset_norm(f"{p}.indexer.q_layernorm.weight", idx_dim),
         _offset_norm(f"{p}.indexer.k_layernorm.weight", idx_dim),
     ]
-    return specs
 
 
 def _qwen4_moe(t: Mapping[str, Any], p: str) -> list[TensorSpec]:
@@ -376,44 +392,6 @@ def _plan_qwen4(cfg: Mapping[str, Any]) -> list[TensorSpec]:
 # --- qwen3_next -------------------------------------------------------------------------------------------
 
 
-def _qwen3_next_deltanet(cfg: Mapping[str, Any], p: str) -> list[TensorSpec]:
-    """A linear_attention layer's Gated DeltaNet in Qwen3-Next's layout: the input projections fused as
-    ``in_proj_qkvz`` (per key head: q, k, then its value heads' v and z) and ``in_proj_ba`` (per key head: its
-    value heads' b, then a). Rows are drawn alike, so the grouping is the shape's alone."""
-    h = cfg["hidden_size"]
-    key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
-    v_heads = cfg["linear_num_value_heads"]
-    value_dim = v_heads * cfg["linear_value_head_dim"]
-    conv_dim = 2 * key_dim + value_dim
-    return [
-        _linear(f"{p}.in_proj_qkvz.weight", conv_dim + value_dim, h),
-        _linear(f"{p}.in_proj_ba.weight", 2 * v_heads, h),
-        _conv(f"{p}.conv1d.weight", conv_dim, cfg.get("linear_conv_kernel_dim", 4)),
-        TensorSpec(f"{p}.dt_bias", (v_heads,), 1.0, 0.1),
-        TensorSpec(f"{p}.A_log", (v_heads,), 0.0, 0.0, init="log_uniform", low=0.5, high=4.0),
-        _norm(f"{p}.norm.weight", cfg["linear_value_head_dim"]),  # the gated norm multiplies by w
-        _linear(f"{p}.out_proj.weight", h, value_dim),
-    ]
-
-
-def _qwen3_next_attention(cfg: Mapping[str, Any], p: str) -> list[TensorSpec]:
-    """A full_attention layer: q_proj also yields the output gate; (1 + w) q/k norms."""
-    h, hd = cfg["hidden_size"], _head_dim(cfg)
-    q_out, kv_out = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    specs = [
-        _linear(f"{p}.q_proj.weight", 2 * q_out, h),
-        _linear(f"{p}.k_proj.weight", kv_out, h),
-        _linear(f"{p}.v_proj.weight", kv_out, h),
-        _linear(f"{p}.o_proj.weight", h, q_out),
-    ]
-    if cfg.get("attention_bias", False):
-        specs += [
-            _bias(f"{p}.{n}_proj.bias", d)
-            for n, d in (("q", 2 * q_out), ("k", kv_out), ("v", kv_out), ("o", h))
-        ]
-    return [*specs, _offset_norm(f"{p}.q_norm.weight", hd), _offset_norm(f"{p}.k_norm.weight", hd)]
-
-
 def _qwen3_next_layer_types(cfg: Mapping[str, Any]) -> list[str]:
     """``layer_types``, or the release's ``full_attention_interval`` pattern."""
     if cfg.get("layer_types"):
@@ -431,9 +409,9 @@ def _plan_qwen3_next(cfg: Mapping[str, Any]) -> list[TensorSpec]:
     for i, kind in enumerate(_qwen3_next_layer_types(cfg)):
         p = f"model.layers.{i}"
         if kind == "linear_attention":
-            specs += _qwen3_next_deltanet(cfg, f"{p}.linear_attn")
+            specs += _gated_deltanet(cfg, f"{p}.linear_attn", fused=True)
         else:
-            specs += _qwen3_next_attention(cfg, f"{p}.self_attn")
+            specs += _gated_attention(cfg, f"{p}.self_attn", _head_dim(cfg))
         if _is_sparse(cfg, i):
             specs += _qwen4_moe(cfg, f"{p}.mlp")
         else:

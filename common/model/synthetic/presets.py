@@ -82,6 +82,14 @@ _TINY_COMMON: dict[str, Any] = {
 # `layer_types` is derived after overrides from num_hidden_layers and full_attention_interval (three
 # "linear_attention" layers, then one "full_attention" layer, which transformers reads as
 # "indexed_attention"), and rope_parameters.mrope_section from the rotary dim, unless either is overridden.
+_TINY_GDN = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+"""The tiny hybrids' Gated DeltaNet: each key head serving two value heads."""
+
 _QWEN4_TEXT_COMMON: dict[str, Any] = {
     "model_type": "qwen4_exp_text",
     "hidden_act": "silu",
@@ -146,10 +154,7 @@ _TINY_QWEN4: dict[str, Any] = {
         "num_key_value_heads": 2,
         "head_dim": 32,
         "max_position_embeddings": 4096,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
+        **_TINY_GDN,
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
@@ -189,10 +194,7 @@ _TINY_QWEN3_NEXT: dict[str, Any] = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
     "linear_conv_kernel_dim": 4,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
+    **_TINY_GDN,
     "num_experts": 8,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
